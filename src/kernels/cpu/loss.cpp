@@ -1,0 +1,58 @@
+// Classifier (tied embedding) + softmax cross-entropy on the CPU, a chunk of rows at a time, so
+// the full (B*T, V) logits never exist: for GPT-2's 50257-token vocabulary at B*T = 8192 that
+// is 1.6 GB of fp32 we never hold. The backward is fused into the same pass.
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "kernels/cpu/ops.h"
+
+namespace memtrain::cpu {
+
+double classifier_loss(float* dx, float* dwte, float* logits_buf, const float* x, const float* wte,
+                       const int32_t* targets, int N, int C, int V, int Vp, int chunk,
+                       float grad_scale) {
+    double total = 0.0;
+    std::vector<double> row_loss(chunk);
+    for (int r0 = 0; r0 < N; r0 += chunk) {
+        int R = std::min(chunk, N - r0);
+        const float* xr = x + (int64_t)r0 * C;
+        // logits (R, Vp) = x (R, C) @ wte^T (C, Vp); only the first V columns are real.
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, R, Vp, C, 1.0f, xr, C, wte, C, 0.0f,
+                    logits_buf, Vp);
+#pragma omp parallel for schedule(static)
+        for (int r = 0; r < R; r++) {
+            float* l = logits_buf + (int64_t)r * Vp;
+            float maxv = -INFINITY;
+            for (int v = 0; v < V; v++) maxv = std::max(maxv, l[v]);
+            double sum = 0.0;
+            for (int v = 0; v < V; v++) sum += std::exp((double)(l[v] - maxv));
+            double lse = maxv + std::log(sum);
+            int y = targets[r0 + r];
+            row_loss[r] = lse - l[y];
+            if (dx) {
+                // dlogits = (softmax - onehot) * grad_scale; padded columns get no gradient.
+                for (int v = 0; v < V; v++) l[v] = (float)(std::exp(l[v] - lse) * grad_scale);
+                l[y] -= grad_scale;
+                for (int v = V; v < Vp; v++) l[v] = 0.0f;
+            }
+        }
+        for (int r = 0; r < R; r++) total += row_loss[r];
+        if (dx) {
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, R, C, Vp, 1.0f, logits_buf, Vp,
+                        wte, C, 0.0f, dx + (int64_t)r0 * C, C);
+            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, Vp, C, R, 1.0f, logits_buf, Vp, xr,
+                        C, 1.0f, dwte, C);
+        }
+    }
+    return total;
+}
+
+void classifier_logits(float* out, const float* x, const float* wte, int N, int C, int V) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, V, C, 1.0f, x, C, wte, C, 0.0f, out,
+                V);
+}
+
+}  // namespace memtrain::cpu

@@ -1,0 +1,30 @@
+// The [optim] section: optimizer, learning-rate schedule, batch-size LR scaling and clipping.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace memtrain {
+
+struct OptimConfig {
+    std::string name = "adamw";  // "adamw" | "sgd"
+    double lr = 6e-4;            // peak learning rate (before batch-size scaling)
+    double min_lr_ratio = 0.1;   // floor of the decay, as a fraction of the peak
+    double weight_decay = 0.1;   // AdamW: decoupled; SGD: L2 added to the gradient
+    double beta1 = 0.9;
+    double beta2 = 0.95;
+    double eps = 1e-8;
+    double momentum = 0.9;       // SGD
+    bool nesterov = false;       // SGD
+    double grad_clip = 1.0;      // global-norm clipping; 0 disables
+    std::string schedule = "cosine";  // "constant" | "cosine" | "wsd"
+    int warmup_steps = 100;
+    double decay_fraction = 0.2;      // wsd: the last fraction of steps that cools down
+    std::string cooldown = "linear";  // wsd: "linear" | "1-sqrt"
+    std::string lr_scaling = "none";  // "none" | "linear" | "sqrt" (relative to the reference)
+    int64_t lr_reference_batch = 0;   // tokens per step the peak lr was tuned for
+
+    void validate() const;
+};
+
+}  // namespace memtrain

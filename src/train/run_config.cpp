@@ -1,0 +1,351 @@
+// The key registry behind RunConfig: TOML parsing, --set overrides, printing, validation.
+#include "train/run_config.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <sstream>
+#include <toml++/toml.h>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+
+namespace memtrain {
+
+namespace {
+
+struct Key {
+    std::string name;  // "section.key"
+    std::string type;  // "integer" | "number" | "boolean" | "string"
+    std::string doc;
+    std::function<void(RunConfig&, const toml::node&, const std::string& src)> from_toml;
+    std::function<void(RunConfig&, const std::string& text)> from_text;
+    std::function<std::string(const RunConfig&)> to_text;  // TOML literal
+};
+
+template <typename T>
+constexpr const char* type_name() {
+    if constexpr (std::is_same_v<T, bool>) return "boolean";
+    else if constexpr (std::is_integral_v<T>) return "integer";
+    else if constexpr (std::is_floating_point_v<T>) return "number";
+    else return "string";
+}
+
+std::string describe(const toml::node& n) {
+    std::string v;
+    n.visit([&](auto&& x) {
+        std::ostringstream os;
+        os << x;
+        v = os.str();
+    });
+    switch (n.type()) {
+        case toml::node_type::string: return "a string (" + v + ")";
+        case toml::node_type::integer: return "an integer (" + v + ")";
+        case toml::node_type::floating_point: return "a number (" + v + ")";
+        case toml::node_type::boolean: return "a boolean (" + v + ")";
+        case toml::node_type::table: return "a table";
+        case toml::node_type::array: return "an array";
+        default: return "a value of another type (" + v + ")";
+    }
+}
+
+template <typename S, typename T>
+Key make_key(std::string name, S RunConfig::*sec, T S::*field, std::string doc) {
+    Key k;
+    k.name = name;
+    k.type = type_name<T>();
+    k.doc = std::move(doc);
+    k.from_toml = [=](RunConfig& c, const toml::node& n, const std::string& src) {
+        T& dst = c.*sec.*field;
+        auto bad = [&]() {
+            fail("{}: {} must be {} {}, got {}", src, name,
+                 k.type == "integer" ? "an" : "a", k.type, describe(n));
+        };
+        if constexpr (std::is_same_v<T, bool>) {
+            if (!n.is_boolean()) bad();
+            dst = n.as_boolean()->get();
+        } else if constexpr (std::is_integral_v<T>) {
+            if (!n.is_integer()) bad();
+            int64_t v = n.as_integer()->get();
+            if (v < (int64_t)std::numeric_limits<T>::min() ||
+                (uint64_t)v > (uint64_t)std::numeric_limits<T>::max() ||
+                (std::is_unsigned_v<T> && v < 0))
+                fail("{}: {} = {} is out of range", src, name, v);
+            dst = (T)v;
+        } else if constexpr (std::is_floating_point_v<T>) {
+            if (n.is_integer()) dst = (T)n.as_integer()->get();
+            else if (n.is_floating_point()) dst = (T)n.as_floating_point()->get();
+            else bad();
+        } else {
+            if (!n.is_string()) bad();
+            dst = n.as_string()->get();
+        }
+    };
+    k.from_text = [=](RunConfig& c, const std::string& text) {
+        // Parse the override as a TOML value; a bare word is taken as a string.
+        toml::table t;
+        try {
+            t = toml::parse("v = " + text);
+        } catch (const toml::parse_error&) {
+            if constexpr (std::is_same_v<T, std::string>) {
+                c.*sec.*field = text;
+                return;
+            } else {
+                fail("--set {}={}: expected {} {}", name, text,
+                     std::string(type_name<T>()) == "integer" ? "an" : "a", type_name<T>());
+            }
+        }
+        if constexpr (std::is_same_v<T, std::string>) {
+            if (!t["v"].is_string()) {
+                c.*sec.*field = text;
+                return;
+            }
+        }
+        k.from_toml(c, *t.get("v"), "--set");
+    };
+    k.to_text = [=](const RunConfig& c) -> std::string {
+        const T& v = c.*sec.*field;
+        if constexpr (std::is_same_v<T, bool>) return v ? "true" : "false";
+        else if constexpr (std::is_integral_v<T>) return fmt::format("{}", v);
+        else if constexpr (std::is_floating_point_v<T>) return fmt::format("{}", v);
+        else {
+            std::ostringstream os;
+            os << toml::value<std::string>(v);
+            return os.str();
+        }
+    };
+    return k;
+}
+
+const std::vector<Key>& registry() {
+    using R = RunConfig;
+    static const std::vector<Key> keys = {
+        make_key("model.n_layer", &R::model, &ModelConfig::n_layer, "transformer blocks"),
+        make_key("model.n_head", &R::model, &ModelConfig::n_head, "attention heads"),
+        make_key("model.n_embd", &R::model, &ModelConfig::n_embd, "model width"),
+        make_key("model.block_size", &R::model, &ModelConfig::block_size, "maximum context"),
+        make_key("model.vocab_size", &R::model, &ModelConfig::vocab_size, "tokens"),
+        make_key("model.vocab_pad", &R::model, &ModelConfig::vocab_pad,
+                 "pad embedding rows to a multiple of this"),
+        make_key("model.n_kv_head", &R::model, &ModelConfig::n_kv_head, "0 = n_head"),
+        make_key("model.norm", &R::model, &ModelConfig::norm, "layernorm"),
+        make_key("model.activation", &R::model, &ModelConfig::activation, "gelu"),
+        make_key("model.positions", &R::model, &ModelConfig::positions, "learned"),
+        make_key("model.tied_embeddings", &R::model, &ModelConfig::tied_embeddings,
+                 "output layer shares wte"),
+        make_key("model.init_std", &R::model, &ModelConfig::init_std, "weight init std"),
+        make_key("model.init_from", &R::model, &ModelConfig::init_from,
+                 "Hugging Face GPT-2 safetensors to start from"),
+        make_key("train.device", &R::train, &TrainConfig::device, "cpu"),
+        make_key("train.seq_len", &R::train, &TrainConfig::seq_len, "tokens per sequence"),
+        make_key("train.batch_size", &R::train, &TrainConfig::batch_size,
+                 "sequences per optimizer step"),
+        make_key("train.micro_batch_size", &R::train, &TrainConfig::micro_batch_size,
+                 "sequences per forward/backward (0 = batch_size)"),
+        make_key("train.max_steps", &R::train, &TrainConfig::max_steps, "optimizer steps"),
+        make_key("train.seed", &R::train, &TrainConfig::seed, "init and data order"),
+        make_key("train.eval_every", &R::train, &TrainConfig::eval_every,
+                 "steps between validations (0 = end only)"),
+        make_key("train.eval_batches", &R::train, &TrainConfig::eval_batches,
+                 "micro-batches per validation"),
+        make_key("train.log_every", &R::train, &TrainConfig::log_every, "steps between lines"),
+        make_key("train.threads", &R::train, &TrainConfig::threads, "0 = all cores"),
+        make_key("optim.name", &R::optim, &OptimConfig::name, "adamw | sgd"),
+        make_key("optim.lr", &R::optim, &OptimConfig::lr, "peak learning rate"),
+        make_key("optim.min_lr_ratio", &R::optim, &OptimConfig::min_lr_ratio,
+                 "final lr / peak lr"),
+        make_key("optim.weight_decay", &R::optim, &OptimConfig::weight_decay,
+                 "on matrices and embeddings"),
+        make_key("optim.beta1", &R::optim, &OptimConfig::beta1, "AdamW"),
+        make_key("optim.beta2", &R::optim, &OptimConfig::beta2, "AdamW"),
+        make_key("optim.eps", &R::optim, &OptimConfig::eps, "AdamW"),
+        make_key("optim.momentum", &R::optim, &OptimConfig::momentum, "SGD"),
+        make_key("optim.nesterov", &R::optim, &OptimConfig::nesterov, "SGD"),
+        make_key("optim.grad_clip", &R::optim, &OptimConfig::grad_clip,
+                 "global norm (0 = off)"),
+        make_key("optim.schedule", &R::optim, &OptimConfig::schedule, "constant | cosine | wsd"),
+        make_key("optim.warmup_steps", &R::optim, &OptimConfig::warmup_steps, "linear warmup"),
+        make_key("optim.decay_fraction", &R::optim, &OptimConfig::decay_fraction,
+                 "wsd: cooldown share of steps"),
+        make_key("optim.cooldown", &R::optim, &OptimConfig::cooldown, "wsd: linear | 1-sqrt"),
+        make_key("optim.lr_scaling", &R::optim, &OptimConfig::lr_scaling,
+                 "none | linear | sqrt batch-size rule"),
+        make_key("optim.lr_reference_batch", &R::optim, &OptimConfig::lr_reference_batch,
+                 "tokens per step the lr was tuned for"),
+        make_key("data.train", &R::data, &DataConfig::train, "training token shard"),
+        make_key("data.val", &R::data, &DataConfig::val, "validation token shard"),
+        make_key("data.tokenizer", &R::data, &DataConfig::tokenizer, "tokenizer for samples"),
+        make_key("io.out_dir", &R::io, &IoConfig::out_dir, "checkpoints and metrics"),
+        make_key("io.checkpoint_every", &R::io, &IoConfig::checkpoint_every,
+                 "steps between checkpoints (0 = final only)"),
+        make_key("io.save_final", &R::io, &IoConfig::save_final, "checkpoint at the end"),
+        make_key("io.metrics", &R::io, &IoConfig::metrics, "JSONL metrics file in out_dir"),
+        make_key("sample.prompt", &R::sample, &SampleConfig::prompt, "sample after training"),
+        make_key("sample.max_tokens", &R::sample, &SampleConfig::max_tokens, "0 = no sample"),
+        make_key("sample.temperature", &R::sample, &SampleConfig::temperature, "softmax temp"),
+        make_key("sample.top_k", &R::sample, &SampleConfig::top_k, "0 = whole vocabulary"),
+    };
+    return keys;
+}
+
+std::size_t edit_distance(const std::string& a, const std::string& b) {
+    std::vector<std::size_t> prev(b.size() + 1), cur(b.size() + 1);
+    for (std::size_t j = 0; j <= b.size(); j++) prev[j] = j;
+    for (std::size_t i = 1; i <= a.size(); i++) {
+        cur[0] = i;
+        for (std::size_t j = 1; j <= b.size(); j++) {
+            std::size_t sub = prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1);
+            cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, sub});
+        }
+        std::swap(prev, cur);
+    }
+    return prev[b.size()];
+}
+
+const Key& find_key(const std::string& name, const std::string& src) {
+    for (const auto& k : registry())
+        if (k.name == name) return k;
+    // Suggest the nearest key, comparing whole names and the part after the section.
+    const Key* best = nullptr;
+    std::size_t best_d = SIZE_MAX;
+    std::string leaf = name.substr(name.find('.') == std::string::npos ? 0 : name.find('.') + 1);
+    for (const auto& k : registry()) {
+        std::string kleaf = k.name.substr(k.name.find('.') + 1);
+        std::size_t d = std::min(edit_distance(name, k.name), edit_distance(leaf, kleaf) + 1);
+        if (d < best_d) {
+            best_d = d;
+            best = &k;
+        }
+    }
+    if (best && best_d <= std::max<std::size_t>(3, name.size() / 3))
+        fail("{}: unknown config key '{}'; did you mean '{}'?", src, name, best->name);
+    fail("{}: unknown config key '{}' (see `memtrain train --help-keys` for the list)", src, name);
+}
+
+void apply_table(RunConfig& cfg, const toml::table& root, const std::string& src) {
+    for (const auto& [sec_key, sec_node] : root) {
+        std::string sec(sec_key.str());
+        if (!sec_node.is_table()) {
+            find_key(sec, src);  // a top-level key: always unknown, with a suggestion
+        }
+        for (const auto& [key, node] : *sec_node.as_table()) {
+            std::string name = sec + "." + std::string(key.str());
+            find_key(name, src).from_toml(cfg, node, src);
+        }
+    }
+}
+
+// Paths in a config file are relative to that file, so a config works from any directory.
+void resolve_relative(std::string& path, const std::filesystem::path& base) {
+    if (!path.empty() && std::filesystem::path(path).is_relative())
+        path = (base / path).lexically_normal().string();
+}
+
+}  // namespace
+
+void RunConfig::validate() const {
+    model.validate();
+    optim.validate();
+    if (train.device != "cpu")
+        fail("train.device = \"{}\": this build trains on \"cpu\" only (the CUDA backend is not "
+             "built yet)",
+             train.device);
+    if (train.seq_len <= 0 || train.seq_len > model.block_size)
+        fail("train.seq_len = {} must be in [1, model.block_size = {}]", train.seq_len,
+             model.block_size);
+    if (train.batch_size <= 0) fail("train.batch_size must be positive, got {}", train.batch_size);
+    if (train.micro_batch_size < 0 || train.micro_batch_size > train.batch_size)
+        fail("train.micro_batch_size = {} must be in [0, train.batch_size = {}]",
+             train.micro_batch_size, train.batch_size);
+    if (train.batch_size % micro_batch() != 0)
+        fail("train.batch_size = {} must be a multiple of train.micro_batch_size = {}",
+             train.batch_size, micro_batch());
+    if (train.max_steps < 0) fail("train.max_steps must be >= 0, got {}", train.max_steps);
+    if (train.eval_every < 0) fail("train.eval_every must be >= 0, got {}", train.eval_every);
+    if (train.eval_batches <= 0)
+        fail("train.eval_batches must be positive, got {}", train.eval_batches);
+    if (train.log_every <= 0) fail("train.log_every must be positive, got {}", train.log_every);
+    if (train.threads < 0) fail("train.threads must be >= 0, got {}", train.threads);
+    if (io.checkpoint_every < 0)
+        fail("io.checkpoint_every must be >= 0, got {}", io.checkpoint_every);
+    if (sample.max_tokens < 0) fail("sample.max_tokens must be >= 0, got {}", sample.max_tokens);
+    if (!(sample.temperature > 0))
+        fail("sample.temperature must be positive, got {}", sample.temperature);
+    if (sample.top_k < 0) fail("sample.top_k must be >= 0, got {}", sample.top_k);
+}
+
+RunConfig parse_run_config(const std::string& text, const std::string& src,
+                           const std::vector<std::string>& overrides) {
+    RunConfig cfg;
+    toml::table root;
+    try {
+        root = toml::parse(text, src);
+    } catch (const toml::parse_error& e) {
+        fail("{}:{}:{}: invalid TOML: {}", src, e.source().begin.line, e.source().begin.column,
+             e.description());
+    }
+    apply_table(cfg, root, src);
+    for (const auto& o : overrides) {
+        auto eq = o.find('=');
+        if (eq == std::string::npos || eq == 0)
+            fail("--set {}: expected section.key=value, e.g. --set train.max_steps=100", o);
+        std::string name = o.substr(0, eq);
+        find_key(name, "--set").from_text(cfg, o.substr(eq + 1));
+    }
+    return cfg;
+}
+
+RunConfig load_run_config(const std::string& path, const std::vector<std::string>& overrides) {
+    std::string text;
+    if (!path.empty()) {
+        if (!std::filesystem::is_regular_file(path)) fail("config file {} does not exist", path);
+        std::ifstream f(path);
+        std::stringstream ss;
+        ss << f.rdbuf();
+        text = ss.str();
+    }
+    RunConfig cfg = parse_run_config(text, path.empty() ? "<defaults>" : path, overrides);
+    if (!path.empty()) {
+        auto base = std::filesystem::path(path).parent_path();
+        resolve_relative(cfg.data.train, base);
+        resolve_relative(cfg.data.val, base);
+        resolve_relative(cfg.data.tokenizer, base);
+        resolve_relative(cfg.model.init_from, base);
+    }
+    cfg.validate();
+    return cfg;
+}
+
+std::string to_toml(const RunConfig& cfg) {
+    std::string out = "# memtrain resolved config\n";
+    std::string section;
+    for (const auto& k : registry()) {
+        std::string sec = k.name.substr(0, k.name.find('.'));
+        if (sec != section) {
+            out += fmt::format("\n[{}]\n", sec);
+            section = sec;
+        }
+        out += fmt::format("{} = {}\n", k.name.substr(sec.size() + 1), k.to_text(cfg));
+    }
+    return out;
+}
+
+std::string format_table(const RunConfig& cfg) {
+    std::string out = "+--------------------------------+------------------------------------------+\n";
+    out += fmt::format("| {:<30} | {:<40} |\n", "config key", "value");
+    out += "+--------------------------------+------------------------------------------+\n";
+    for (const auto& k : registry()) out += fmt::format("| {:<30} | {:<40} |\n", k.name, k.to_text(cfg));
+    out += "+--------------------------------+------------------------------------------+\n";
+    return out;
+}
+
+std::vector<std::string> config_keys() {
+    std::vector<std::string> names;
+    for (const auto& k : registry()) names.push_back(k.name + "  (" + k.type + ")  " + k.doc);
+    return names;
+}
+
+}  // namespace memtrain

@@ -1,0 +1,74 @@
+// The whole configuration of a run: one struct per TOML section, each owned by its component,
+// loaded from a TOML file plus `--set section.key=value` overrides. Every key is registered
+// once (name, type, default, doc); an unknown key is an error that suggests the nearest one.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+#include "optim/optim_config.h"
+
+namespace memtrain {
+
+struct TrainConfig {
+    std::string device = "cpu";  // "cpu" (the CUDA backend is a separate issue)
+    int seq_len = 256;           // tokens per sequence (<= model.block_size)
+    int batch_size = 8;          // sequences per optimizer step (global batch)
+    int micro_batch_size = 0;    // sequences per forward/backward; 0 = batch_size
+    int max_steps = 200;
+    uint64_t seed = 1337;        // weights and data order
+    int eval_every = 50;         // steps between validation losses; 0 = only at the end
+    int eval_batches = 8;        // micro-batches per validation
+    int log_every = 1;
+    int threads = 0;             // OpenMP/BLAS threads; 0 = all cores
+};
+
+struct DataConfig {
+    std::string train;      // token shard for training (memtrain tokenize writes train.bin)
+    std::string val;        // token shard for validation; empty = no validation
+    std::string tokenizer;  // tokenizer used for samples (copied into checkpoints)
+};
+
+struct IoConfig {
+    std::string out_dir = "out";
+    int checkpoint_every = 0;  // steps between checkpoints; 0 = only the final one
+    bool save_final = true;
+    std::string metrics = "metrics.jsonl";  // inside out_dir
+};
+
+struct SampleConfig {
+    std::string prompt;      // printed sample at the end of training; empty = start of text
+    int max_tokens = 64;     // 0 = no sample
+    double temperature = 0.8;
+    int top_k = 40;
+};
+
+struct RunConfig {
+    ModelConfig model;
+    TrainConfig train;
+    OptimConfig optim;
+    DataConfig data;
+    IoConfig io;
+    SampleConfig sample;
+
+    int micro_batch() const { return train.micro_batch_size > 0 ? train.micro_batch_size
+                                                                 : train.batch_size; }
+    int accum_steps() const { return train.batch_size / micro_batch(); }
+    int64_t tokens_per_step() const { return (int64_t)train.batch_size * train.seq_len; }
+    void validate() const;
+};
+
+// Loads a TOML file (path may be empty: defaults) and applies "section.key=value" overrides.
+// Relative data paths in the file are resolved against the file's directory.
+RunConfig load_run_config(const std::string& path, const std::vector<std::string>& overrides);
+RunConfig parse_run_config(const std::string& toml_text, const std::string& source_name,
+                           const std::vector<std::string>& overrides);
+// The fully resolved config as TOML (saved beside checkpoints) and as a printable table.
+std::string to_toml(const RunConfig& cfg);
+std::string format_table(const RunConfig& cfg);
+// All registered keys "section.key", for documentation and suggestions.
+std::vector<std::string> config_keys();
+
+}  // namespace memtrain

@@ -1,0 +1,253 @@
+// The training loop (see trainer.h).
+#include "train/trainer.h"
+
+#include <cblas.h>
+#include <omp.h>
+
+#include <chrono>
+#include <filesystem>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "data/tokenizer.h"
+#include "optim/schedule.h"
+#include "train/sample.h"
+
+namespace fs = std::filesystem;
+
+namespace memtrain {
+
+namespace {
+
+std::string mib(std::size_t bytes) { return fmt::format("{:.1f} MiB", bytes / 1048576.0); }
+
+}  // namespace
+
+Trainer::Trainer(RunConfig cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(std::move(opts)) {
+    cfg_.validate();
+    if (cfg_.train.threads > 0) {
+        omp_set_num_threads(cfg_.train.threads);
+        openblas_set_num_threads(cfg_.train.threads);
+    }
+    if (cfg_.data.train.empty())
+        fail("data.train is not set: give a token shard (memtrain tokenize writes train.bin)");
+    std::string resume_dir;
+    if (!opts_.resume.empty()) {
+        resume_dir = resolve_checkpoint_dir(opts_.resume);
+        RunConfig saved = checkpoint_config(resume_dir);
+        if (saved.optim.name != cfg_.optim.name)
+            fail("checkpoint {} was trained with optim.name = \"{}\", the config says \"{}\"",
+                 resume_dir, saved.optim.name, cfg_.optim.name);
+    }
+    print(format_table(cfg_));
+
+    model_ = std::make_unique<GPT>(cfg_.model);
+    opt_ = make_optimizer(cfg_.optim, model_->layout());
+    const int B = cfg_.micro_batch(), T = cfg_.train.seq_len;
+    train_loader_ = std::make_unique<data::DataLoader>(cfg_.data.train, B, T, cfg_.train.seed, true);
+    if (!cfg_.data.val.empty())
+        val_loader_ = std::make_unique<data::DataLoader>(cfg_.data.val, B, T, 0, false);
+    for (auto* l : {train_loader_.get(), val_loader_.get()}) {
+        if (l && l->shard().vocab_size() > (uint32_t)cfg_.model.vocab_size)
+            fail("token shard vocabulary ({}) is larger than model.vocab_size ({})",
+                 l->shard().vocab_size(), cfg_.model.vocab_size);
+    }
+    if (!cfg_.data.tokenizer.empty()) {
+        auto tok = data::Tokenizer::load(cfg_.data.tokenizer);
+        if (tok.vocab_size() > cfg_.model.vocab_size)
+            fail("tokenizer {} has {} tokens but model.vocab_size is {}", cfg_.data.tokenizer,
+                 tok.vocab_size(), cfg_.model.vocab_size);
+    }
+
+    state_.rng = Rng(cfg_.train.seed ^ 0x5A3D1Eull).state();
+    if (!resume_dir.empty()) {
+        state_ = load_checkpoint(resume_dir, *model_, *opt_);
+        train_loader_->set_position({state_.data_epoch, state_.data_cursor});
+        print(fmt::format("resumed from {} at step {}\n", resume_dir, state_.step));
+    } else if (!cfg_.model.init_from.empty()) {
+        load_hf_weights(*model_, cfg_.model.init_from);
+        print(fmt::format("initialised weights from {}\n", cfg_.model.init_from));
+    } else {
+        model_->init_weights(cfg_.train.seed);
+    }
+
+    peak_lr_ = scaled_peak_lr(cfg_.optim, cfg_.tokens_per_step());
+    print(fmt::format("model: {} parameters ({} with vocab padding) | batch {} x {} tokens = {} "
+                      "tokens/step | micro-batch {} x {} accumulation steps\n",
+                      model_->num_params() - (std::size_t)(cfg_.model.padded_vocab() -
+                                                           cfg_.model.vocab_size) *
+                                                 cfg_.model.n_embd,
+                      model_->num_params(), cfg_.train.batch_size, T, cfg_.tokens_per_step(), B,
+                      cfg_.accum_steps()));
+    if (cfg_.optim.lr_scaling != "none")
+        print(fmt::format("lr scaling ({}): peak lr {} x ({} / {} tokens){} = {:.3e}\n",
+                          cfg_.optim.lr_scaling, cfg_.optim.lr, cfg_.tokens_per_step(),
+                          cfg_.optim.lr_reference_batch,
+                          cfg_.optim.lr_scaling == "sqrt" ? "^0.5" : "", peak_lr_));
+
+    fs::create_directories(cfg_.io.out_dir);
+    std::string mpath = (fs::path(cfg_.io.out_dir) / cfg_.io.metrics).string();
+    metrics_ = std::fopen(mpath.c_str(), resume_dir.empty() ? "w" : "a");
+    if (!metrics_) fail("could not open metrics file {}", mpath);
+}
+
+void Trainer::print(const std::string& s) {
+    if (!opts_.quiet) {
+        std::fputs(s.c_str(), stdout);
+        std::fflush(stdout);
+    }
+}
+
+float Trainer::evaluate() {
+    const int B = cfg_.micro_batch(), T = cfg_.train.seq_len;
+    val_loader_->reset();
+    int n = std::min<int>(cfg_.train.eval_batches, std::max<std::size_t>(1, val_loader_->num_windows() / B));
+    std::vector<int32_t> x((std::size_t)B * T), y((std::size_t)B * T);
+    double total = 0;
+    for (int i = 0; i < n; i++) {
+        val_loader_->next_batch(x.data(), y.data());
+        total += model_->forward_loss(x.data(), y.data(), B, T);
+    }
+    return (float)(total / n);
+}
+
+TrainSummary Trainer::run() {
+    TrainSummary sum;
+    const int B = cfg_.micro_batch(), T = cfg_.train.seq_len, K = cfg_.accum_steps();
+    const int64_t total = cfg_.train.max_steps;
+    const float grad_scale = 1.0f / (float)((int64_t)B * T * K);
+    std::vector<int32_t> x((std::size_t)B * T), y((std::size_t)B * T);
+    double timed_seconds = 0;
+    int64_t timed_steps = 0;
+    int ran = 0;
+    host_memory().reset_peak();
+
+    while (state_.step < total) {
+        if (opts_.stop_after >= 0 && ran >= opts_.stop_after) break;
+        auto t0 = std::chrono::steady_clock::now();
+        model_->zero_grads();
+        double loss = 0;
+        for (int k = 0; k < K; k++) {
+            train_loader_->next_batch(x.data(), y.data());
+            loss += model_->forward_backward(x.data(), y.data(), B, T, grad_scale);
+        }
+        loss /= K;
+        double norm = clip_grad_norm(model_->grads(), model_->num_params(), cfg_.optim.grad_clip);
+        double lr = lr_at(cfg_.optim, peak_lr_, state_.step, total);
+        opt_->step(model_->params(), model_->grads(), lr);
+        state_.step++;
+        ran++;
+        auto pos = train_loader_->position();
+        state_.data_epoch = pos.epoch;
+        state_.data_cursor = pos.cursor;
+        double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        if (ran > 1) {
+            timed_seconds += secs;
+            timed_steps++;
+        }
+        double tps = (double)cfg_.tokens_per_step() / secs;
+        auto mem = host_memory().snapshot();
+        sum.losses.push_back((float)loss);
+        if (!std::isfinite(loss))
+            fail("training loss became {} at step {}: lower optim.lr (now {}) or check the data",
+                 loss, state_.step, cfg_.optim.lr);
+        if (state_.step % cfg_.train.log_every == 0 || state_.step == total)
+            print(fmt::format("step {:>5}/{} | loss {:.4f} | lr {:.2e} | norm {:.3f} | {:>8.0f} "
+                              "tok/s | {:>7.1f} ms | mem {} / peak {}\n",
+                              state_.step, total, loss, lr, norm, tps, secs * 1000,
+                              mib(mem.total_used), mib(mem.peak_total_used)));
+        fmt::print(metrics_,
+                   "{{\"step\": {}, \"loss\": {:.6f}, \"lr\": {:.6e}, \"grad_norm\": {:.6f}, "
+                   "\"tokens_per_s\": {:.1f}, \"ms_per_step\": {:.3f}, \"mem_bytes\": {}, "
+                   "\"peak_mem_bytes\": {}}}\n",
+                   state_.step, loss, lr, norm, tps, secs * 1000, mem.total_used,
+                   mem.peak_total_used);
+        bool last = state_.step == total;
+        if (val_loader_ && ((cfg_.train.eval_every > 0 && state_.step % cfg_.train.eval_every == 0) || last)) {
+            float vl = evaluate();
+            sum.val_losses.push_back({(int)state_.step, vl});
+            print(fmt::format("step {:>5}/{} | val loss {:.4f}\n", state_.step, total, vl));
+            fmt::print(metrics_, "{{\"step\": {}, \"val_loss\": {:.6f}}}\n", state_.step, vl);
+        }
+        std::fflush(metrics_);
+        bool stopping = opts_.stop_after >= 0 && ran >= opts_.stop_after;
+        if ((cfg_.io.checkpoint_every > 0 && state_.step % cfg_.io.checkpoint_every == 0) ||
+            (last && cfg_.io.save_final) || stopping) {
+            sum.last_checkpoint = save_checkpoint(cfg_.io.out_dir, cfg_, *model_, *opt_, state_);
+            print(fmt::format("checkpoint: {}\n", sum.last_checkpoint));
+        }
+    }
+    sum.steps_done = state_.step;
+    sum.tokens_per_s = timed_steps ? (double)cfg_.tokens_per_step() * timed_steps / timed_seconds : 0;
+    std::fclose(metrics_);
+    metrics_ = nullptr;
+    if (!opts_.quiet) {
+        print_memory_report();
+        print_sample();
+    }
+    return sum;
+}
+
+void Trainer::print_memory_report() {
+    auto s = host_memory().snapshot();
+    const std::size_t psi = model_->num_params();
+    auto lay = activation_layout(cfg_.model, cfg_.micro_batch(), cfg_.train.seq_len, GPT::kLossChunk);
+    std::size_t opt_bytes = (cfg_.optim.name == "adamw" ? 8 : 4) * psi;
+    struct Row {
+        MemCategory c;
+        std::string predicted;
+        std::size_t predicted_bytes;
+    };
+    Row rows[] = {
+        {MemCategory::Parameters, "4 x params (fp32)", 4 * psi},
+        {MemCategory::Gradients, "4 x params (fp32)", 4 * psi},
+        {MemCategory::OptimizerState,
+         cfg_.optim.name == "adamw" ? "8 x params (Adam m, v)" : "4 x params (momentum)", opt_bytes},
+        {MemCategory::Activations, "activation_layout(B, T)", arena_bytes(lay, MemCategory::Activations)},
+        {MemCategory::Workspace, "activation_layout(B, T)", arena_bytes(lay, MemCategory::Workspace)},
+    };
+    std::string out = "\nmemory breakdown (host, fp32)\n";
+    out += fmt::format("{:<16} {:>12} {:>12} {:>12} {:>12}  {}\n", "category", "current", "peak",
+                       "reserved", "predicted", "formula");
+    std::size_t pred_total = 0;
+    for (const auto& r : rows) {
+        int i = static_cast<int>(r.c);
+        pred_total += r.predicted_bytes;
+        out += fmt::format("{:<16} {:>12} {:>12} {:>12} {:>12}  {}\n", category_name(r.c),
+                           mib(s.used[i]), mib(s.peak_used[i]), mib(s.reserved[i]),
+                           mib(r.predicted_bytes), r.predicted);
+    }
+    out += fmt::format("{:<16} {:>12} {:>12} {:>12} {:>12}\n", "total tracked", mib(s.total_used),
+                       mib(s.peak_total_used), mib(s.total_reserved), mib(pred_total));
+    out += fmt::format("{:<16} {:>12}  (everything the OS charged: code, libraries, loaders, "
+                       "allocator slack)\n",
+                       "process peak RSS", mib(process_peak_rss()));
+    print(out);
+}
+
+void Trainer::print_sample() {
+    if (cfg_.data.tokenizer.empty() || cfg_.sample.max_tokens == 0) return;
+    auto tok = data::Tokenizer::load(cfg_.data.tokenizer);
+    std::vector<int32_t> prompt;
+    for (uint32_t t : tok.encode(cfg_.sample.prompt)) prompt.push_back((int32_t)t);
+    auto eot = tok.eot_token();
+    if (prompt.empty()) {
+        if (!eot) return;
+        prompt.push_back((int32_t)*eot);
+    }
+    Rng rng;
+    rng.set_state(state_.rng);
+    SampleOptions so;
+    so.max_tokens = cfg_.sample.max_tokens;
+    so.temperature = cfg_.sample.temperature;
+    so.top_k = cfg_.sample.top_k;
+    so.stop_token = eot ? (int64_t)*eot : -1;
+    auto out = generate(*model_, prompt, so, rng);
+    if (!out.empty() && (int64_t)out.back() == so.stop_token) out.pop_back();
+    std::vector<uint32_t> ids(out.begin(), out.end());
+    print(fmt::format("\nsample (temperature {}, top-k {}):\n{}{}\n", so.temperature, so.top_k,
+                      cfg_.sample.prompt, tok.decode(ids)));
+}
+
+}  // namespace memtrain

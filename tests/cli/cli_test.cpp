@@ -1,0 +1,140 @@
+// End-to-end through the `memtrain` binary: text -> tokenizer -> shards -> train -> checkpoint
+// -> sample, and bad input at each step giving one clear line and a non-zero exit.
+#include <gtest/gtest.h>
+
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include "test_util.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Result {
+    int code;
+    std::string output;
+};
+
+Result run(const std::string& args) {
+    std::string cmd = std::string(MT_BINARY_DIR) + "/memtrain " + args + " 2>&1";
+    std::FILE* p = popen(cmd.c_str(), "r");
+    std::string out;
+    std::array<char, 4096> buf;
+    while (std::size_t n = std::fread(buf.data(), 1, buf.size(), p)) out.append(buf.data(), n);
+    int status = pclose(p);
+    return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+void write_file(const std::string& path, const std::string& text) {
+    std::ofstream f(path, std::ios::binary);
+    f << text;
+}
+
+std::string corpus() {
+    std::string s;
+    const char* lines[] = {
+        "The quick brown fox jumps over the lazy dog.\n",
+        "A journey of a thousand miles begins with a single step.\n",
+        "All that glitters is not gold; all who wander are not lost.\n",
+        "To be, or not to be, that is the question.\n",
+    };
+    for (int i = 0; i < 400; i++) {
+        s += lines[i % 4];
+        if (i % 3 == 2) s += "%\n";
+    }
+    return s;
+}
+
+}  // namespace
+
+TEST(Cli, EndToEndTokenizeTrainSample) {
+    auto dir = memtrain::test::temp_dir("cli_e2e");
+    write_file(dir + "/corpus.txt", corpus());
+    auto r = run("tokenizer train --vocab-size 320 --doc-separator % --out " + dir +
+                 "/tok.json " + dir + "/corpus.txt");
+    ASSERT_EQ(r.code, 0) << r.output;
+    r = run("tokenize --tokenizer " + dir + "/tok.json --out " + dir +
+            " --doc-separator % --val-fraction 0.1 " + dir + "/corpus.txt");
+    ASSERT_EQ(r.code, 0) << r.output;
+    ASSERT_TRUE(fs::exists(dir + "/train.bin"));
+    ASSERT_TRUE(fs::exists(dir + "/val.bin"));
+    write_file(dir + "/run.toml",
+               "[model]\nn_layer = 2\nn_head = 2\nn_embd = 32\nblock_size = 32\nvocab_size = 320\n"
+               "[train]\nseq_len = 32\nbatch_size = 4\nmicro_batch_size = 2\nmax_steps = 6\n"
+               "eval_every = 3\neval_batches = 1\n"
+               "[data]\ntrain = \"train.bin\"\nval = \"val.bin\"\ntokenizer = \"tok.json\"\n"
+               "[sample]\nmax_tokens = 8\nprompt = \"The \"\n");
+    r = run("train " + dir + "/run.toml --set io.out_dir=" + dir + "/out");
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("| model.n_layer"), std::string::npos) << "config table printed";
+    EXPECT_NE(r.output.find("step     6/6"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("val loss"), std::string::npos);
+    EXPECT_NE(r.output.find("memory breakdown"), std::string::npos);
+    EXPECT_NE(r.output.find("optimizer state"), std::string::npos);
+    EXPECT_NE(r.output.find("sample"), std::string::npos);
+    EXPECT_TRUE(fs::exists(dir + "/out/ckpt_000006/tokenizer.json"));
+    r = run("sample " + dir + "/out --prompt \"A journey\" --max-tokens 5 --top-k 5");
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_EQ(r.output.rfind("A journey", 0), 0u) << r.output;
+    // Resume with more steps continues from step 6.
+    r = run("train " + dir + "/run.toml --set io.out_dir=" + dir +
+            "/out --set train.max_steps=8 --resume " + dir + "/out");
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("step     8/8"), std::string::npos) << r.output;
+}
+
+TEST(Cli, BadInputGivesOneClearLineAndNonZeroExit) {
+    auto dir = memtrain::test::temp_dir("cli_bad");
+    auto r = run("train " + dir + "/missing.toml");
+    EXPECT_EQ(r.code, 1);
+    EXPECT_NE(r.output.find("does not exist"), std::string::npos) << r.output;
+
+    r = run("train --set modle.n_layer=2");
+    EXPECT_EQ(r.code, 1);
+    EXPECT_NE(r.output.find("did you mean 'model.n_layer'"), std::string::npos) << r.output;
+
+    write_file(dir + "/bad.toml", "[train]\nbatch_size = \"eight\"\n");
+    r = run("train " + dir + "/bad.toml");
+    EXPECT_EQ(r.code, 1);
+    EXPECT_NE(r.output.find("train.batch_size must be an integer"), std::string::npos)
+        << r.output;
+
+    write_file(dir + "/nodata.toml", "[data]\ntrain = \"nowhere.bin\"\n");
+    r = run("train " + dir + "/nodata.toml");
+    EXPECT_EQ(r.code, 1);
+    EXPECT_NE(r.output.find("nowhere.bin"), std::string::npos) << r.output;
+
+    write_file(dir + "/notashard.bin", std::string(200, 'x'));
+    r = run("train --set data.train=" + dir + "/notashard.bin");
+    EXPECT_EQ(r.code, 1);
+    EXPECT_NE(r.output.find("magic"), std::string::npos) << r.output;
+
+    r = run("sample " + dir + "/nothing");
+    EXPECT_EQ(r.code, 1);
+    EXPECT_NE(r.output.find("does not exist"), std::string::npos) << r.output;
+
+    r = run("frobnicate");
+    EXPECT_NE(r.code, 0);
+}
+
+TEST(Cli, TruncatedCheckpointIsNamedAndNothingIsOverwritten) {
+    auto dir = memtrain::test::temp_dir("cli_trunc");
+    memtrain::RunConfig c = memtrain::test::tiny_run(dir, 2);
+    write_file(dir + "/run.toml", memtrain::to_toml(c));
+    auto r = run("train " + dir + "/run.toml");
+    ASSERT_EQ(r.code, 0) << r.output;
+    std::string model = dir + "/out/ckpt_000002/model.safetensors";
+    fs::resize_file(model, fs::file_size(model) - 100);
+    auto size_before = fs::file_size(model);
+    r = run("sample " + dir + "/out --tokenizer " + std::string(MT_SOURCE_DIR) +
+            "/third_party/gpt2 --max-tokens 2");
+    EXPECT_EQ(r.code, 1) << r.output;
+    EXPECT_NE(r.output.find("model.safetensors"), std::string::npos) << r.output;
+    EXPECT_EQ(fs::file_size(model), size_before);
+}

@@ -1,0 +1,217 @@
+// Backward of every CPU op against central finite differences, and forwards against naive loops.
+// Each case builds inputs, defines a scalar objective L = sum(out * w) with random w, and
+// compares the analytic gradient of every input and parameter to (L(x+h) - L(x-h)) / 2h.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <vector>
+
+#include "core/rng.h"
+#include "kernels/cpu/ops.h"
+
+using namespace memtrain;
+
+namespace {
+
+std::vector<float> randn(std::size_t n, uint64_t seed, float scale = 1.0f) {
+    Rng r(seed);
+    std::vector<float> v(n);
+    for (auto& x : v) x = (float)(r.normal() * scale);
+    return v;
+}
+
+double dot(const std::vector<float>& a, const std::vector<float>& b) {
+    double s = 0;
+    for (std::size_t i = 0; i < a.size(); i++) s += (double)a[i] * b[i];
+    return s;
+}
+
+// Checks grad (analytic, d objective / d x) against finite differences of objective(), probing
+// up to `probes` coordinates of x.
+void check_grad(const char* what, std::vector<float>& x, const std::vector<float>& grad,
+                const std::function<double()>& objective, double tol = 2e-2, int probes = 40) {
+    ASSERT_EQ(x.size(), grad.size()) << what;
+    const float h = 1e-2f;
+    std::size_t stride = std::max<std::size_t>(1, x.size() / probes);
+    for (std::size_t i = 0; i < x.size(); i += stride) {
+        float saved = x[i];
+        x[i] = saved + h;
+        double lp = objective();
+        x[i] = saved - h;
+        double lm = objective();
+        x[i] = saved;
+        double num = (lp - lm) / (2.0 * h);
+        double err = std::abs(num - grad[i]) / std::max(1.0, std::abs(num) + std::abs(grad[i]));
+        EXPECT_LT(err, tol) << what << "[" << i << "]: analytic " << grad[i] << " numeric " << num;
+    }
+}
+
+}  // namespace
+
+TEST(OpsGrad, Matmul) {
+    const int N = 6, IC = 5, OC = 7;
+    auto inp = randn(N * IC, 1), w = randn(IC * OC, 2), b = randn(OC, 3), dout = randn(N * OC, 4);
+    std::vector<float> out(N * OC);
+    auto f = [&]() {
+        cpu::matmul_forward(out.data(), inp.data(), w.data(), b.data(), N, IC, OC);
+        return dot(out, dout);
+    };
+    f();
+    // Forward against a naive loop.
+    for (int n = 0; n < N; n++)
+        for (int o = 0; o < OC; o++) {
+            double s = b[o];
+            for (int i = 0; i < IC; i++) s += (double)inp[n * IC + i] * w[i * OC + o];
+            EXPECT_NEAR(out[n * OC + o], s, 1e-5);
+        }
+    std::vector<float> dinp(N * IC), dw(IC * OC), db(OC);
+    cpu::matmul_backward(dinp.data(), dw.data(), db.data(), dout.data(), inp.data(), w.data(), N,
+                         IC, OC);
+    check_grad("dinp", inp, dinp, f);
+    check_grad("dweight", w, dw, f);
+    check_grad("dbias", b, db, f);
+}
+
+TEST(OpsGrad, MatmulResidualBeta) {
+    const int N = 3, IC = 4, OC = 2;
+    auto inp = randn(N * IC, 5), w = randn(IC * OC, 6), res = randn(N * OC, 7);
+    std::vector<float> out = res;
+    cpu::matmul_forward(out.data(), inp.data(), w.data(), nullptr, N, IC, OC, 1.0f);
+    for (int n = 0; n < N; n++)
+        for (int o = 0; o < OC; o++) {
+            double s = res[n * OC + o];
+            for (int i = 0; i < IC; i++) s += (double)inp[n * IC + i] * w[i * OC + o];
+            EXPECT_NEAR(out[n * OC + o], s, 1e-5);
+        }
+}
+
+TEST(OpsGrad, LayerNorm) {
+    const int N = 4, C = 9;
+    auto inp = randn(N * C, 11), w = randn(C, 12), b = randn(C, 13), dout = randn(N * C, 14);
+    std::vector<float> out(N * C), mean(N), rstd(N);
+    auto f = [&]() {
+        cpu::layernorm_forward(out.data(), mean.data(), rstd.data(), inp.data(), w.data(),
+                               b.data(), N, C);
+        return dot(out, dout);
+    };
+    f();
+    for (int n = 0; n < N; n++) {
+        double m = 0, v = 0;
+        for (int i = 0; i < C; i++) m += inp[n * C + i];
+        m /= C;
+        for (int i = 0; i < C; i++) v += (inp[n * C + i] - m) * (inp[n * C + i] - m);
+        v /= C;
+        for (int i = 0; i < C; i++)
+            EXPECT_NEAR(out[n * C + i], (inp[n * C + i] - m) / std::sqrt(v + 1e-5) * w[i] + b[i],
+                        1e-4);
+    }
+    std::vector<float> dinp(N * C), dw(C), db(C);
+    cpu::layernorm_backward(dinp.data(), dw.data(), db.data(), dout.data(), inp.data(), w.data(),
+                            mean.data(), rstd.data(), N, C);
+    check_grad("dinp", inp, dinp, f);
+    check_grad("dweight", w, dw, f);
+    check_grad("dbias", b, db, f);
+}
+
+TEST(OpsGrad, Gelu) {
+    const int n = 50;
+    auto inp = randn(n, 21, 2.0f), dout = randn(n, 22);
+    std::vector<float> out(n), dinp(n);
+    auto f = [&]() {
+        cpu::gelu_forward(out.data(), inp.data(), n);
+        return dot(out, dout);
+    };
+    f();
+    for (int i = 0; i < n; i++) {
+        double x = inp[i];
+        double ref = 0.5 * x * (1 + std::tanh(std::sqrt(2 / M_PI) * (x + 0.044715 * x * x * x)));
+        EXPECT_NEAR(out[i], ref, 1e-5);
+    }
+    cpu::gelu_backward(dinp.data(), inp.data(), dout.data(), n);
+    check_grad("dinp", inp, dinp, f, 2e-2, n);
+}
+
+TEST(OpsGrad, Attention) {
+    for (int T : {1, 5}) {
+        const int B = 2, C = 8, NH = 2;
+        auto qkv = randn(B * T * 3 * C, 31), dout = randn(B * T * C, 32);
+        std::vector<float> out(B * T * C), att(B * NH * T * T), dqkv(B * T * 3 * C);
+        auto f = [&]() {
+            cpu::attention_forward(out.data(), att.data(), qkv.data(), B, T, C, NH);
+            return dot(out, dout);
+        };
+        f();
+        // Causality: row i of the probabilities is zero beyond i and sums to one.
+        for (int r = 0; r < B * NH * T; r++) {
+            int i = r % T;
+            double s = 0;
+            for (int j = 0; j < T; j++) {
+                s += att[r * T + j];
+                if (j > i) {
+                    EXPECT_EQ(att[r * T + j], 0.0f);
+                }
+            }
+            EXPECT_NEAR(s, 1.0, 1e-5);
+        }
+        cpu::attention_backward(dqkv.data(), dout.data(), qkv.data(), att.data(), B, T, C, NH);
+        check_grad("dqkv", qkv, dqkv, f, 2e-2, 200);
+    }
+}
+
+TEST(OpsGrad, Embedding) {
+    const int B = 2, T = 3, C = 4, V = 5;
+    std::vector<int32_t> tok = {0, 3, 3, 1, 4, 3};
+    auto wte = randn(V * C, 41), wpe = randn(T * C, 42), dout = randn(B * T * C, 43);
+    std::vector<float> out(B * T * C), dwte(V * C), dwpe(T * C);
+    auto f = [&]() {
+        cpu::embedding_forward(out.data(), tok.data(), wte.data(), wpe.data(), B, T, C);
+        return dot(out, dout);
+    };
+    f();
+    cpu::embedding_backward(dwte.data(), dwpe.data(), dout.data(), tok.data(), B, T, C);
+    check_grad("dwte", wte, dwte, f);
+    check_grad("dwpe", wpe, dwpe, f);
+}
+
+TEST(OpsGrad, ClassifierLossChunked) {
+    const int N = 7, C = 6, V = 10, Vp = 16;
+    auto x = randn(N * C, 51), wte = randn(Vp * C, 52);
+    for (int i = V * C; i < Vp * C; i++) wte[i] = 0.0f;
+    std::vector<int32_t> y = {0, 9, 3, 3, 5, 1, 8};
+    for (int chunk : {1, 3, 7, 64}) {
+        std::vector<float> logits_buf((std::size_t)std::min(chunk, N) * Vp);
+        auto f = [&]() {
+            return cpu::classifier_loss(nullptr, nullptr, logits_buf.data(), x.data(), wte.data(),
+                                        y.data(), N, C, V, Vp, chunk, 0.0f);
+        };
+        // Naive loss over full logits.
+        double ref = 0;
+        for (int n = 0; n < N; n++) {
+            std::vector<double> l(V);
+            double mx = -1e30;
+            for (int v = 0; v < V; v++) {
+                l[v] = 0;
+                for (int c = 0; c < C; c++) l[v] += (double)x[n * C + c] * wte[v * C + c];
+                mx = std::max(mx, l[v]);
+            }
+            double s = 0;
+            for (int v = 0; v < V; v++) s += std::exp(l[v] - mx);
+            ref += mx + std::log(s) - l[y[n]];
+        }
+        EXPECT_NEAR(f(), ref, 1e-4) << "chunk " << chunk;
+        std::vector<float> dx(N * C), dwte(Vp * C);
+        cpu::classifier_loss(dx.data(), dwte.data(), logits_buf.data(), x.data(), wte.data(),
+                             y.data(), N, C, V, Vp, chunk, 1.0f);
+        check_grad("dx", x, dx, f);
+        check_grad("dwte", wte, dwte, f);
+        for (int i = V * C; i < Vp * C; i++) EXPECT_EQ(dwte[i], 0.0f) << "padded row gradient";
+    }
+}
+
+TEST(OpsGrad, SumSquaresIsThreadCountIndependent) {
+    auto a = randn(100000, 61);
+    double ref = 0;
+    for (float v : a) ref += (double)v * v;
+    EXPECT_NEAR(cpu::sum_squares(a.data(), (int64_t)a.size()), ref, 1e-6 * ref);
+}

@@ -1,0 +1,110 @@
+// Optimizer, clipping and LR-schedule tests against hand-computed values.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "core/error.h"
+#include "optim/optimizer.h"
+#include "optim/schedule.h"
+
+using namespace memtrain;
+
+namespace {
+
+ParamLayout two_tensors() {
+    ParamLayout l;
+    l.tensors.push_back({"w", {2}, 0, 2, true});
+    l.tensors.push_back({"b", {1}, 2, 1, false});
+    l.total = 3;
+    return l;
+}
+
+}  // namespace
+
+TEST(Optim, AdamWMatchesHandComputedSteps) {
+    OptimConfig c;
+    c.beta1 = 0.9;
+    c.beta2 = 0.95;
+    c.eps = 1e-8;
+    c.weight_decay = 0.1;
+    auto opt = make_optimizer(c, two_tensors());
+    float p[3] = {1.0f, -2.0f, 0.5f};
+    double ref[3] = {1.0, -2.0, 0.5}, m[3] = {}, v[3] = {};
+    float g[3] = {0.3f, -0.1f, 2.0f};
+    for (int t = 1; t <= 3; t++) {
+        double lr = 0.01 * t;
+        opt->step(p, g, lr);
+        for (int i = 0; i < 3; i++) {
+            double wd = i < 2 ? 0.1 : 0.0;
+            m[i] = 0.9 * m[i] + 0.1 * g[i];
+            v[i] = 0.95 * v[i] + 0.05 * g[i] * g[i];
+            double mh = m[i] / (1 - std::pow(0.9, t)), vh = v[i] / (1 - std::pow(0.95, t));
+            ref[i] = ref[i] * (1 - lr * wd) - lr * mh / (std::sqrt(vh) + 1e-8);
+            EXPECT_NEAR(p[i], ref[i], 1e-6) << "step " << t << " param " << i;
+        }
+    }
+    EXPECT_EQ(opt->steps_taken(), 3);
+}
+
+TEST(Optim, SgdMomentumMatchesTorchSemantics) {
+    OptimConfig c;
+    c.name = "sgd";
+    c.momentum = 0.9;
+    c.weight_decay = 0.0;
+    auto opt = make_optimizer(c, two_tensors());
+    float p[3] = {1, 1, 1}, g[3] = {1, 2, 3};
+    opt->step(p, g, 0.1);  // buf = g
+    EXPECT_NEAR(p[1], 1 - 0.1 * 2, 1e-7);
+    opt->step(p, g, 0.1);  // buf = 0.9 g + g
+    EXPECT_NEAR(p[1], 1 - 0.1 * 2 - 0.1 * 1.9 * 2, 1e-6);
+}
+
+TEST(Optim, ClipGradNorm) {
+    float g[4] = {3, 4, 0, 0};
+    EXPECT_NEAR(clip_grad_norm(g, 4, 1.0), 5.0, 1e-9);
+    EXPECT_NEAR(g[0], 3.0 / (5.0 + 1e-6), 1e-6);
+    EXPECT_NEAR(g[1], 4.0 / (5.0 + 1e-6), 1e-6);
+    float h[2] = {0.3f, 0.4f};
+    clip_grad_norm(h, 2, 1.0);  // below the bound: untouched
+    EXPECT_EQ(h[0], 0.3f);
+}
+
+TEST(Schedule, WarmupCosine) {
+    OptimConfig c;
+    c.schedule = "cosine";
+    c.warmup_steps = 2;
+    c.min_lr_ratio = 0.1;
+    EXPECT_NEAR(lr_at(c, 1.0, 0, 5), 0.5, 1e-12);
+    EXPECT_NEAR(lr_at(c, 1.0, 1, 5), 1.0, 1e-12);
+    EXPECT_NEAR(lr_at(c, 1.0, 2, 5), 1.0, 1e-12);
+    EXPECT_NEAR(lr_at(c, 1.0, 3, 5), 0.1 + 0.45 * (1 + std::cos(M_PI / 3)), 1e-12);
+    EXPECT_NEAR(lr_at(c, 1.0, 5, 5), 0.1, 1e-12);
+}
+
+TEST(Schedule, ConstantAndWsd) {
+    OptimConfig c;
+    c.schedule = "constant";
+    c.warmup_steps = 0;
+    EXPECT_EQ(lr_at(c, 2.0, 50, 100), 2.0);
+    c.schedule = "wsd";
+    c.decay_fraction = 0.2;
+    c.min_lr_ratio = 0.0;
+    EXPECT_EQ(lr_at(c, 1.0, 79, 100), 1.0);
+    EXPECT_NEAR(lr_at(c, 1.0, 89, 100), 0.5, 1e-12);  // linear: half-way through the cooldown
+    EXPECT_NEAR(lr_at(c, 1.0, 99, 100), 0.0, 1e-12);
+    c.cooldown = "1-sqrt";
+    EXPECT_NEAR(lr_at(c, 1.0, 89, 100), 1 - std::sqrt(0.5), 1e-12);
+}
+
+TEST(Schedule, BatchSizeScalingRules) {
+    OptimConfig c;
+    c.lr = 1e-3;
+    EXPECT_EQ(scaled_peak_lr(c, 4096), 1e-3);
+    c.lr_scaling = "linear";
+    c.lr_reference_batch = 1024;
+    EXPECT_NEAR(scaled_peak_lr(c, 4096), 4e-3, 1e-15);
+    c.lr_scaling = "sqrt";
+    EXPECT_NEAR(scaled_peak_lr(c, 4096), 2e-3, 1e-15);
+    c.lr_reference_batch = 0;
+    EXPECT_THROW(c.validate(), Error);
+}

@@ -1,0 +1,151 @@
+// Parity with PyTorch: tests/parity/make_fixture.py (Debian's python3-torch) builds the same
+// GPT-2 in PyTorch, and writes weights, tokens, logits, loss, every gradient and five AdamW
+// steps with warmup-cosine and clipping. This test loads the weights into memtrain and compares.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+
+#include "io/checkpoint.h"
+#include "io/safetensors.h"
+#include "model/gpt.h"
+#include "optim/optimizer.h"
+#include "optim/schedule.h"
+
+using namespace memtrain;
+
+namespace {
+
+constexpr int V = 96, BLOCK = 32, L = 2, NH = 4, C = 64, B = 2, T = 16;
+
+const std::string& fixture_path() {
+    static std::string path = [] {
+        std::string p = std::string(MT_BINARY_DIR) + "/parity_fixture.safetensors";
+        std::string cmd = std::string("/usr/bin/python3 ") + MT_SOURCE_DIR +
+                          "/tests/parity/make_fixture.py " + p + " > " + p + ".log 2>&1";
+        int rc = std::system(cmd.c_str());
+        if (rc != 0) {
+            ADD_FAILURE() << "could not build the PyTorch fixture (" << cmd
+                          << "); install python3-torch (scripts/deps.sh does) and see " << p
+                          << ".log";
+            return std::string();
+        }
+        return p;
+    }();
+    return path;
+}
+
+ModelConfig fixture_model() {
+    ModelConfig c;
+    c.n_layer = L;
+    c.n_head = NH;
+    c.n_embd = C;
+    c.block_size = BLOCK;
+    c.vocab_size = V;
+    c.vocab_pad = 64;
+    return c;
+}
+
+std::vector<float> read(const io::SafetensorsFile& f, const std::string& name,
+                        std::vector<int64_t> shape) {
+    std::size_t n = 1;
+    for (auto d : shape) n *= d;
+    std::vector<float> out(n);
+    f.read_f32(f.get(name), out, name, shape);
+    return out;
+}
+
+// ||a - b|| / ||b||
+double rel_err(const float* a, const float* b, std::size_t n) {
+    double num = 0, den = 0;
+    for (std::size_t i = 0; i < n; i++) {
+        double d = (double)a[i] - b[i];
+        num += d * d;
+        den += (double)b[i] * b[i];
+    }
+    return std::sqrt(num / std::max(den, 1e-30));
+}
+
+void split_tokens(const io::SafetensorsFile& f, std::vector<int32_t>& x, std::vector<int32_t>& y) {
+    const auto& info = f.get("tokens");
+    ASSERT_EQ(info.dtype, io::DType::I32);
+    ASSERT_EQ(info.shape, (std::vector<int64_t>{B, T + 1}));
+    const int32_t* tok = static_cast<const int32_t*>(f.data(info));
+    x.resize(B * T);
+    y.resize(B * T);
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++) {
+            x[b * T + t] = tok[b * (T + 1) + t];
+            y[b * T + t] = tok[b * (T + 1) + t + 1];
+        }
+}
+
+std::vector<int64_t> hf_shape(const ParamSpec& t) {
+    return t.name == "wte.weight" ? std::vector<int64_t>{V, C} : t.shape;
+}
+
+}  // namespace
+
+TEST(Parity, LogitsLossAndGradientsMatchPyTorch) {
+    const std::string& path = fixture_path();
+    ASSERT_FALSE(path.empty());
+    auto f = io::SafetensorsFile::open(path);
+    GPT m(fixture_model());
+    load_hf_weights(m, path);
+    std::vector<int32_t> x, y;
+    split_tokens(f, x, y);
+
+    std::vector<float> logits((std::size_t)B * T * V);
+    m.forward_logits(x.data(), B, T, logits.data());
+    auto ref_logits = read(f, "logits", {B, T, V});
+    double e = rel_err(logits.data(), ref_logits.data(), logits.size());
+    EXPECT_LT(e, 1e-5) << "logits relative error";
+
+    m.zero_grads();
+    float loss = m.forward_backward(x.data(), y.data(), B, T, 1.0f / (B * T));
+    float ref_loss = read(f, "loss", {1})[0];
+    EXPECT_LT(std::abs(loss - ref_loss) / ref_loss, 1e-5) << loss << " vs " << ref_loss;
+
+    for (const auto& t : m.layout().tensors) {
+        auto shape = hf_shape(t);
+        auto ref = read(f, "grad." + t.name, shape);
+        double ge = rel_err(m.grads() + t.offset, ref.data(), ref.size());
+        EXPECT_LT(ge, 1e-4) << "gradient of " << t.name;
+    }
+}
+
+TEST(Parity, FiveAdamWStepsWithWarmupCosineMatchPyTorch) {
+    const std::string& path = fixture_path();
+    ASSERT_FALSE(path.empty());
+    auto f = io::SafetensorsFile::open(path);
+    GPT m(fixture_model());
+    load_hf_weights(m, path);
+    std::vector<int32_t> x, y;
+    split_tokens(f, x, y);
+
+    OptimConfig oc;
+    oc.lr = 1e-3;
+    oc.beta1 = 0.9;
+    oc.beta2 = 0.95;
+    oc.eps = 1e-8;
+    oc.weight_decay = 0.1;
+    oc.grad_clip = 1.0;
+    oc.schedule = "cosine";
+    oc.warmup_steps = 2;
+    oc.min_lr_ratio = 0.1;
+    auto opt = make_optimizer(oc, m.layout());
+    auto ref_losses = read(f, "adam.losses", {5});
+    for (int step = 0; step < 5; step++) {
+        m.zero_grads();
+        float loss = m.forward_backward(x.data(), y.data(), B, T, 1.0f / (B * T));
+        EXPECT_LT(std::abs(loss - ref_losses[step]) / ref_losses[step], 1e-5) << "step " << step;
+        clip_grad_norm(m.grads(), m.num_params(), oc.grad_clip);
+        opt->step(m.params(), m.grads(), lr_at(oc, oc.lr, step, 5));
+    }
+    for (const auto& t : m.layout().tensors) {
+        auto ref = read(f, "adam.final." + t.name, hf_shape(t));
+        double pe = rel_err(m.params() + t.offset, ref.data(), ref.size());
+        EXPECT_LT(pe, 1e-5) << "parameter " << t.name << " after 5 AdamW steps";
+    }
+}

@@ -1,0 +1,60 @@
+// Helpers shared by tests: temporary directories, tiny token shards and tiny run configs.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "core/rng.h"
+#include "data/shard.h"
+#include "train/run_config.h"
+
+namespace memtrain::test {
+
+// A fresh directory under the build tree, removed at construction if it existed.
+inline std::string temp_dir(const std::string& name) {
+    auto p = std::filesystem::path(MT_BINARY_DIR) / "test_tmp" / name;
+    std::filesystem::remove_all(p);
+    std::filesystem::create_directories(p);
+    return p.string();
+}
+
+// A token stream with structure a model can learn: a noisy repeating pattern.
+inline std::vector<uint32_t> patterned_tokens(std::size_t n, uint32_t vocab, uint64_t seed) {
+    Rng r(seed);
+    std::vector<uint32_t> t(n);
+    for (std::size_t i = 0; i < n; i++)
+        t[i] = (r.uniform() < 0.1f) ? (uint32_t)(r.next_u64() % vocab)
+                                    : (uint32_t)((i * 7) % vocab);
+    return t;
+}
+
+// A tiny model and run over freshly written shards in `dir`.
+inline RunConfig tiny_run(const std::string& dir, int steps = 10) {
+    data::write_shard(dir + "/train.bin", patterned_tokens(4096, 50, 1), 50);
+    data::write_shard(dir + "/val.bin", patterned_tokens(1024, 50, 2), 50);
+    RunConfig c;
+    c.model.n_layer = 2;
+    c.model.n_head = 2;
+    c.model.n_embd = 16;
+    c.model.block_size = 16;
+    c.model.vocab_size = 50;
+    c.model.vocab_pad = 16;
+    c.train.seq_len = 8;
+    c.train.batch_size = 4;
+    c.train.micro_batch_size = 2;
+    c.train.max_steps = steps;
+    c.train.eval_every = 5;
+    c.train.eval_batches = 2;
+    c.optim.lr = 3e-3;
+    c.optim.warmup_steps = 2;
+    c.data.train = dir + "/train.bin";
+    c.data.val = dir + "/val.bin";
+    c.io.out_dir = dir + "/out";
+    c.sample.max_tokens = 0;
+    return c;
+}
+
+}  // namespace memtrain::test
