@@ -1,0 +1,266 @@
+// `memtrain estimate`, `memtrain plan`, `memtrain scale`: parse flags, call plan/, print.
+// estimate: per-GPU memory table (and step time) of one layout; plan: ranked layouts with
+// reasons for the rejected ones; scale: compute-optimal size and the time it takes.
+#include <cstdio>
+#include <fstream>
+#include <memory>
+
+#include "cli/commands.h"
+#include "core/error.h"
+#include "plan/report.h"
+#include "plan/scaling.h"
+#include "plan/search.h"
+
+namespace memtrain::cli {
+
+namespace {
+
+using namespace memtrain::plan;
+
+struct GpuArgs {
+    std::string gpu = "h100-80gb";
+    int gpus_per_node = 8;
+    double mem_gb = 0, tflops = 0, intra_gbs = 0, inter_gbs = 0, efficiency = 0;
+};
+
+void add_gpu_flags(CLI::App* cmd, GpuArgs& a) {
+    cmd->add_option("--gpu", a.gpu, "GPU preset: a100-40gb a100-80gb h100-80gb h200 custom");
+    cmd->add_option("--gpus-per-node", a.gpus_per_node, "GPUs per node (NVLink domain)");
+    cmd->add_option("--gpu-mem-gb", a.mem_gb, "override GPU memory (GB)");
+    cmd->add_option("--gpu-tflops", a.tflops, "override dense bf16 peak (TFLOP/s)");
+    cmd->add_option("--intra-bw-gbs", a.intra_gbs, "override NVLink GB/s per GPU");
+    cmd->add_option("--inter-bw-gbs", a.inter_gbs, "override network GB/s per GPU");
+    cmd->add_option("--efficiency", a.efficiency, "achievable fraction of peak for big GEMMs");
+}
+
+ClusterSpec make_cluster(const GpuArgs& a, int gpus) {
+    ClusterSpec c;
+    c.gpu = gpu_preset(a.gpu);
+    if (a.mem_gb > 0) c.gpu.memory_bytes = a.mem_gb * 1e9;
+    if (a.tflops > 0) c.gpu.peak_flops = a.tflops * 1e12;
+    if (a.intra_gbs > 0) c.gpu.intra_node_bw = a.intra_gbs * 1e9;
+    if (a.inter_gbs > 0) c.gpu.inter_node_bw = a.inter_gbs * 1e9;
+    if (a.efficiency > 0) c.gpu.efficiency = a.efficiency;
+    if (a.gpus_per_node < 1) fail("--gpus-per-node must be at least 1, got {}", a.gpus_per_node);
+    c.gpus_per_node = a.gpus_per_node;
+    c.gpus = gpus;
+    return c;
+}
+
+void write_file(const std::string& path, const std::string& text) {
+    std::ofstream out(path, std::ios::binary);
+    if (!out) fail("cannot write {}", path);
+    out << text;
+    if (!out) fail("error writing {}", path);
+}
+
+void register_estimate(CLI::App& app) {
+    auto* cmd = app.add_subcommand("estimate", "per-GPU memory (and step time) of one layout");
+    struct Args {
+        std::string model, precision = "bf16", optimizer = "adamw", recompute = "none";
+        std::string offload = "none", schedule = "1f1b";
+        RunSpec run;
+        GpuArgs gpu;
+        int global_batch = 0;
+        double reserve_gb = 1.0;
+        bool no_flash = false, sp = false, json = false;
+    };
+    auto a = std::make_shared<Args>();
+    cmd->add_option("model", a->model, "preset, HF config.json or memtrain .toml")->required();
+    cmd->add_option("--zero", a->run.zero, "ZeRO stage 0-3");
+    cmd->add_option("--dp", a->run.dp, "data-parallel degree");
+    cmd->add_option("--tp", a->run.tp, "tensor-parallel degree");
+    cmd->add_option("--pp", a->run.pp, "pipeline-parallel degree");
+    cmd->add_option("--micro-batch", a->run.micro_batch, "sequences per micro-batch");
+    cmd->add_option("--global-batch", a->global_batch, "sequences per step (sets micro-batches)");
+    cmd->add_option("--seq", a->run.seq, "sequence length (default: model context)");
+    cmd->add_option("--recompute", a->recompute, "none | selective | full");
+    cmd->add_option("--precision", a->precision, "bf16 | fp16 | fp32 | bf16-only");
+    cmd->add_option("--optimizer", a->optimizer, "adamw | sgd | adamw8bit");
+    cmd->add_option("--offload", a->offload, "none | optimizer | params");
+    cmd->add_option("--schedule", a->schedule, "1f1b | gpipe | interleaved");
+    cmd->add_option("--virtual-stages", a->run.virtual_stages, "interleaved model chunks");
+    cmd->add_option("--lora-rank", a->run.lora_rank, "LoRA adapters of this rank");
+    cmd->add_option("--frozen-bits", a->run.frozen_bits, "frozen weights: 16 | 8 | 4");
+    cmd->add_option("--fragmentation", a->run.fragmentation, "allocator slack fraction");
+    cmd->add_option("--reserve-gb", a->reserve_gb, "CUDA context + workspaces (GB)");
+    cmd->add_flag("--no-flash", a->no_flash, "attention without flash (keeps s^2 scores)");
+    cmd->add_flag("--sequence-parallel", a->sp, "Megatron sequence parallelism");
+    cmd->add_flag("--json", a->json, "print JSON");
+    add_gpu_flags(cmd, a->gpu);
+    cmd->callback([a]() {
+        ModelSpec m = load_model(a->model);
+        RunSpec r = a->run;
+        r.precision = parse_precision(a->precision);
+        r.optimizer = parse_optimizer(a->optimizer);
+        r.recompute = parse_recompute(a->recompute);
+        r.offload = parse_offload(a->offload);
+        r.schedule = parse_schedule(a->schedule);
+        r.flash_attention = !a->no_flash;
+        r.sequence_parallel = a->sp;
+        r.reserve_bytes = static_cast<int64_t>(a->reserve_gb * 1e9);
+        if (a->global_batch > 0) {
+            int64_t per = static_cast<int64_t>(r.dp) * r.micro_batch;
+            if (a->global_batch % per != 0)
+                fail("--global-batch {} is not a multiple of dp x micro-batch = {}",
+                     a->global_batch, per);
+            r.micro_batches = static_cast<int>(a->global_batch / per);
+        } else if (r.pp > 1) {
+            r.micro_batches = 4 * r.pp;  // enough to keep the bubble near 20%
+        }
+        MemoryEstimate est = estimate_memory(m, r);
+        ClusterSpec c = make_cluster(a->gpu, r.gpus());
+        TimeEstimate t = estimate_time(m, r, c);
+        if (a->json) {
+            nlohmann::json j = to_json(est);
+            j["model"] = m.name;
+            j["params"] = m.total_params();
+            j["step_s"] = t.step_s;
+            j["tokens_per_s"] = t.tokens_per_s;
+            j["mfu"] = t.mfu;
+            std::printf("%s\n", j.dump(2).c_str());
+            return;
+        }
+        std::printf("%s: %.3fB parameters (%d layers, d=%d, %d heads), seq %d\n", m.name.c_str(),
+                    m.total_params() / 1e9, m.n_layer, m.n_embd, m.n_head, r.seq_len(m));
+        std::printf("layout: %s, %s %s, GPU %s\n\n", describe(r).c_str(), to_string(r.precision),
+                    to_string(r.optimizer), c.gpu.name.c_str());
+        std::printf("%s\n%s", format_memory_table(est, c.gpu.memory_bytes).c_str(),
+                    format_time(t).c_str());
+    });
+}
+
+void register_plan_cmd(CLI::App& app) {
+    auto* cmd = app.add_subcommand("plan", "rank parallel layouts for a model on a cluster");
+    struct Args {
+        std::string model, precision = "bf16", optimizer = "adamw", emit, svg;
+        GpuArgs gpu;
+        int gpus = 0, nodes = 0, top = 5, reasons = 12;
+        SearchSpec spec;
+        double reserve_gb = 1.0;
+        bool json = false, no_flash = false, no_offload = false;
+    };
+    auto a = std::make_shared<Args>();
+    cmd->add_option("model", a->model, "preset, HF config.json or memtrain .toml")->required();
+    cmd->add_option("--gpus", a->gpus, "total GPUs");
+    cmd->add_option("--nodes", a->nodes, "nodes (GPUs = nodes x --gpus-per-node)");
+    cmd->add_option("--global-batch", a->spec.global_batch, "sequences per step (default 1024)");
+    cmd->add_option("--seq", a->spec.seq, "sequence length (default: model context)");
+    cmd->add_option("--precision", a->precision, "bf16 | fp16 | fp32 | bf16-only");
+    cmd->add_option("--optimizer", a->optimizer, "adamw | sgd | adamw8bit");
+    cmd->add_option("--top", a->top, "plans to show");
+    cmd->add_option("--reasons", a->reasons, "rejected families to show");
+    cmd->add_option("--reserve-gb", a->reserve_gb, "CUDA context + workspaces (GB)");
+    cmd->add_option("--fragmentation", a->spec.fragmentation, "allocator slack fraction");
+    cmd->add_option("--emit-config", a->emit, "write a memtrain TOML for the best plan");
+    cmd->add_option("--svg", a->svg, "write a memory breakdown chart of the top plans");
+    cmd->add_flag("--json", a->json, "print JSON");
+    cmd->add_flag("--no-flash", a->no_flash, "attention without flash");
+    cmd->add_flag("--no-offload", a->no_offload, "do not consider CPU offload");
+    add_gpu_flags(cmd, a->gpu);
+    cmd->callback([a]() {
+        ModelSpec m = load_model(a->model);
+        int gpus = a->gpus;
+        if (a->nodes > 0) {
+            if (gpus > 0 && gpus != a->nodes * a->gpu.gpus_per_node)
+                fail("--gpus {} disagrees with --nodes {} x {} GPUs per node", gpus, a->nodes,
+                     a->gpu.gpus_per_node);
+            gpus = a->nodes * a->gpu.gpus_per_node;
+        }
+        if (gpus <= 0) fail("give the cluster size with --gpus N (at least 1) or --nodes N");
+        ClusterSpec c = make_cluster(a->gpu, gpus);
+        SearchSpec s = a->spec;
+        s.precision = parse_precision(a->precision);
+        s.optimizer = parse_optimizer(a->optimizer);
+        s.flash_attention = !a->no_flash;
+        s.allow_offload = !a->no_offload;
+        s.reserve_bytes = static_cast<int64_t>(a->reserve_gb * 1e9);
+        SearchResult r = search_plans(m, c, s);
+        if (!a->svg.empty()) write_file(a->svg, memory_svg(r, a->top, c.gpu.memory_bytes));
+        if (!a->emit.empty()) {
+            if (r.plans.empty())
+                fail("no plan fits, so there is no config to write to {}", a->emit);
+            write_file(a->emit, emit_config_toml(m, r.plans[0]));
+        }
+        if (a->json) {
+            std::printf("%s\n", to_json(r, a->top).dump(2).c_str());
+            return;
+        }
+        std::printf("%s: %.3fB parameters on %d x %s (%.0f GB), global batch %d x %d tokens\n\n",
+                    m.name.c_str(), m.total_params() / 1e9, gpus, c.gpu.name.c_str(),
+                    c.gpu.memory_bytes / 1e9, s.global_batch > 0 ? s.global_batch : 1024,
+                    s.seq > 0 ? s.seq : m.block_size);
+        std::printf("%s", format_plans(r, a->top, a->reasons, c.gpu.memory_bytes).c_str());
+        if (!a->emit.empty()) std::printf("\nwrote %s\n", a->emit.c_str());
+        if (!a->svg.empty()) std::printf("wrote %s\n", a->svg.c_str());
+    });
+}
+
+void register_scale(CLI::App& app) {
+    auto* cmd = app.add_subcommand("scale", "compute-optimal model size (Chinchilla, Kaplan)");
+    struct Args {
+        double flops = 0, days = 0, assumed_mfu = 0.4;
+        int gpus = 0, seq = 2048, global_batch = 0;
+        GpuArgs gpu;
+    };
+    auto a = std::make_shared<Args>();
+    cmd->add_option("--flops", a->flops, "compute budget C in FLOPs (e.g. 1e23)");
+    cmd->add_option("--gpus", a->gpus, "cluster size (with --days: derives C; times the run)");
+    cmd->add_option("--days", a->days, "wall-clock budget in days");
+    cmd->add_option("--mfu", a->assumed_mfu, "MFU assumed to turn GPU-days into FLOPs");
+    cmd->add_option("--seq", a->seq, "sequence length for the timed plan");
+    cmd->add_option("--global-batch", a->global_batch, "sequences per step for the timed plan");
+    add_gpu_flags(cmd, a->gpu);
+    cmd->callback([a]() {
+        double C = a->flops;
+        ClusterSpec c;
+        if (a->gpus > 0) c = make_cluster(a->gpu, a->gpus);
+        if (C <= 0) {
+            if (a->gpus <= 0 || a->days <= 0)
+                fail("give --flops C, or --gpus N --days D (and --gpu) to derive it");
+            C = a->gpus * c.gpu.peak_flops * a->assumed_mfu * a->days * 86400.0;
+            std::printf("budget: %d x %s x %.1f days at %.0f%% MFU = %.3g FLOPs\n", a->gpus,
+                        c.gpu.name.c_str(), a->days, a->assumed_mfu * 100, C);
+        }
+        Allocation opt = chinchilla_optimal(C), rule = chinchilla_20x(C), kap = kaplan_optimal(C);
+        std::printf("compute C = %.3g FLOPs (C = 6 N D)\n\n", C);
+        std::printf("%-34s %12s %14s %10s\n", "allocation", "params N", "tokens D", "loss");
+        std::printf("%-34s %11.1fB %13.0fB %10.3f\n", "Chinchilla fit (closed form)",
+                    opt.params / 1e9, opt.tokens / 1e9, opt.loss);
+        std::printf("%-34s %11.1fB %13.0fB %10.3f\n", "Chinchilla rule D = 20 N", rule.params / 1e9,
+                    rule.tokens / 1e9, rule.loss);
+        std::printf("%-34s %11.1fB %13.0fB %10.3f\n", "Kaplan 2020 (N ~ C^0.73)", kap.params / 1e9,
+                    kap.tokens / 1e9, kap.loss);
+        std::printf("loss: Chinchilla fit L = 1.69 + 406.4/N^0.34 + 410.7/D^0.28\n");
+        if (a->gpus <= 0) return;
+        ModelSpec m = shape_for_params(rule.params, a->seq);
+        SearchSpec s;
+        s.seq = a->seq;
+        s.global_batch =
+            a->global_batch > 0 ? a->global_batch : std::max(a->gpus, 4 * 1024 * 1024 / a->seq);
+        SearchResult r = search_plans(m, c, s);
+        std::printf("\nshape for the D = 20 N model: %d layers, d=%d, %d heads (%.3gB params)\n",
+                    m.n_layer, m.n_embd, m.n_head, m.total_params() / 1e9);
+        if (r.plans.empty()) {
+            std::printf("no layout fits on %d x %s; the planner says:\n%s", a->gpus,
+                        c.gpu.name.c_str(), format_plans(r, 0, 5, c.gpu.memory_bytes).c_str());
+            return;
+        }
+        const Plan& best = r.plans[0];
+        double days = rule.tokens / best.time.tokens_per_s / 86400.0;
+        std::printf("best plan: %s, %.0f tokens/s, MFU %.1f%%\n", describe(best.run).c_str(),
+                    best.time.tokens_per_s, best.time.mfu * 100);
+        std::printf("training %.3gB tokens takes %.1f days on %d x %s\n", rule.tokens / 1e9, days,
+                    a->gpus, c.gpu.name.c_str());
+    });
+}
+
+}  // namespace
+
+void register_plan(CLI::App& app) {
+    register_estimate(app);
+    register_plan_cmd(app);
+    register_scale(app);
+}
+
+}  // namespace memtrain::cli

@@ -1,0 +1,36 @@
+// GpuSpec and ClusterSpec: what the planner needs to know about a machine.
+// Presets hold datasheet numbers (dense bf16 peak, HBM, NVLink and per-GPU network
+// bandwidth); every field can be overridden from the command line for a custom machine.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace memtrain::plan {
+
+struct GpuSpec {
+    std::string name = "custom";
+    double memory_bytes = 80e9;      // HBM capacity as the datasheet gives it (decimal GB)
+    double peak_flops = 989e12;      // dense bf16/fp16 tensor-core FLOP/s
+    double peak_flops_fp32 = 67e12;  // plain fp32 (no TF32) FLOP/s, for precision "fp32"
+    double hbm_bandwidth = 3.35e12;  // bytes/s, bounds the optimizer step
+    double intra_node_bw = 450e9;    // bytes/s per GPU per direction (NVLink)
+    double inter_node_bw = 50e9;     // bytes/s per GPU per direction (InfiniBand)
+    double pcie_bw = 25e9;           // bytes/s host<->device, for offload
+    double efficiency = 0.75;        // achievable fraction of peak for large GEMMs
+};
+
+struct ClusterSpec {
+    GpuSpec gpu;
+    int gpus = 8;
+    int gpus_per_node = 8;
+    double cpu_adam_params_per_s = 1e9;  // CPU optimizer speed per GPU's shard (offload)
+    int nodes() const { return (gpus + gpus_per_node - 1) / gpus_per_node; }
+};
+
+std::vector<std::string> gpu_preset_names();
+// a100-40gb, a100-80gb, h100-80gb, h200; unknown names fail with the nearest preset.
+GpuSpec gpu_preset(const std::string& name);
+
+}  // namespace memtrain::plan

@@ -1,0 +1,242 @@
+// Per-GPU memory: model states by precision/optimizer, sharded by ZeRO and split by TP/PP;
+// activations per layer from Korthikanti et al. 2022 times the micro-batches in flight;
+// logits, buckets, ZeRO-3 gather buffers, reserve and a fragmentation margin as separate lines.
+#include "plan/memory_model.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include <fmt/format.h>
+
+namespace memtrain::plan {
+
+namespace {
+
+int64_t ceil_div(int64_t a, int64_t b) {
+    return (a + b - 1) / b;
+}
+int64_t to_bytes(double x) {
+    return static_cast<int64_t>(std::ceil(x));
+}
+
+int layers_for_stage(const ModelSpec& m, const RunSpec& r, int stage) {
+    return m.n_layer / r.pp + (stage < m.n_layer % r.pp ? 1 : 0);
+}
+
+// LoRA adapters on every linear layer: r * (fan_in + fan_out) each.
+int64_t lora_params_per_layer(const ModelSpec& m, int rank) {
+    const int64_t h = m.n_embd, kv = m.kv_dim(), f = m.ffn();
+    int64_t attn = (h + h) + 2 * (h + kv) + (h + h);
+    int64_t mlp = (m.swiglu ? 3 : 2) * (h + f);
+    return rank * (attn + mlp);
+}
+
+// Micro-batches whose activations are alive at once on `stage`.
+double in_flight(const RunSpec& r, int stage) {
+    if (r.pp == 1) return 1;
+    switch (r.schedule) {
+        case Schedule::gpipe:
+            return r.micro_batches;
+        case Schedule::one_f_one_b:
+            return std::min(r.pp - stage, r.micro_batches);
+        case Schedule::interleaved: {
+            // Narayanan et al. 2021: the first stage holds (1 + (p-1)/(p v)) times the
+            // non-interleaved amount; later stages proportionally less.
+            double base = std::min(r.pp - stage, r.micro_batches);
+            return base * (1.0 + (r.pp - 1.0) / (r.pp * r.virtual_stages));
+        }
+    }
+    return 1;
+}
+
+std::string gb(double bytes) {
+    return fmt::format("{:.2f} GB", bytes / 1e9);
+}
+
+}  // namespace
+
+int64_t MemoryEstimate::bytes(std::string_view name) const {
+    for (const auto& l : lines)
+        if (l.name == name) return l.bytes;
+    return 0;
+}
+
+int64_t MemoryEstimate::model_states() const {
+    return bytes("parameters") + bytes("gradients") + bytes("optimizer states");
+}
+
+LayerActivations layer_activation_bytes(const ModelSpec& m, const RunSpec& r) {
+    const int64_t s = r.seq_len(m), b = r.micro_batch, h = m.n_embd, a = m.n_head;
+    const int64_t kv = m.kv_dim(), f = m.ffn(), t = r.tp;
+    const int64_t e = activation_bytes(r.precision);
+    const int64_t sbh = s * b * h;
+    // Outside the tensor-parallel region (replicated over tp unless sequence parallel):
+    // the two norm inputs, the two norm outputs feeding QKV and the MLP, and the two dropout
+    // masks (1 byte each). For GPT-3 in bf16 this is Korthikanti's 10sbh.
+    int64_t outside = 4 * e * sbh + (m.dropout ? 2 * sbh : 0);
+    // Inside (split over tp): Q and K for QK^T, V for the attention-weighted sum, the
+    // out-projection input, and the MLP's hidden activations (24sbh for GPT-3).
+    int64_t inside = e * s * b * (h + 2 * kv) + e * sbh + (m.swiglu ? 3 : 2) * e * s * b * f;
+    // Attention scores: softmax output (+ dropout mask and output): 5as^2b in bf16.
+    int64_t scores = a * s * s * b * (e + (m.dropout ? 1 + e : 0));
+    // Flash attention keeps only a fp32 log-sum-exp per head and token instead of the scores.
+    int64_t flash_stats = 4 * a * s * b;
+    int64_t attn_extra = r.flash_attention ? flash_stats : scores;
+    int64_t full =
+        (r.sequence_parallel ? ceil_div(outside, t) : outside) + ceil_div(inside + attn_extra, t);
+    LayerActivations out;
+    out.full = full;
+    switch (r.recompute) {
+        case Recompute::none:
+            out.saved = full;
+            break;
+        case Recompute::selective:  // attention core recomputed: the s^2 term goes
+            out.saved =
+                full - ceil_div(attn_extra, t) + (r.flash_attention ? ceil_div(flash_stats, t) : 0);
+            break;
+        case Recompute::full:  // only the layer input survives the forward pass
+            out.saved = r.sequence_parallel ? ceil_div(e * sbh, t) : e * sbh;
+            break;
+    }
+    return out;
+}
+
+MemoryEstimate estimate_stage_memory(const ModelSpec& m, const RunSpec& r, int stage) {
+    MemoryEstimate est;
+    est.stage = stage;
+    const bool first = stage == 0, last = stage == r.pp - 1;
+    const int layers = layers_for_stage(m, r, stage);
+    est.layers_on_stage = layers;
+    const int64_t t = r.tp, d = r.dp;
+    const int64_t s = r.seq_len(m), b = r.micro_batch;
+    const int64_t e = activation_bytes(r.precision);
+    const StateBytes k = state_bytes(r.precision, r.optimizer);
+
+    // Parameters on this GPU: weight matrices and column-parallel biases are split over tp,
+    // norms and row-parallel biases are replicated; the token table is vocab-parallel.
+    int64_t layer_split = ceil_div(m.layer_matrix_params() + m.layer_split_bias_params(), t);
+    int64_t layer_repl = m.layer_replicated_params();
+    int64_t matrices = layers * ceil_div(m.layer_matrix_params(), t);
+    int64_t params = layers * (layer_split + layer_repl);
+    const int64_t tok = static_cast<int64_t>(m.vocab_size) * m.n_embd;
+    if (first) params += ceil_div(tok, t) + (m.rope ? 0 : int64_t{m.block_size} * m.n_embd);
+    if (last) {
+        params += m.n_embd * (m.rmsnorm ? 1 : 2);
+        // An untied head, or with pp > 1 the last stage's copy of a tied embedding (Megatron).
+        if (!m.tied_embeddings || !first) params += ceil_div(tok, t);
+    }
+    est.params_on_gpu = params;
+
+    // Trainable vs frozen: under LoRA only the adapters get gradients and optimizer states;
+    // frozen weight matrices may be stored quantized.
+    int64_t trainable = params, frozen_matrix = 0, frozen_other = 0;
+    if (r.lora_rank > 0) {
+        trainable = layers * ceil_div(lora_params_per_layer(m, r.lora_rank), t);
+        frozen_matrix = matrices;
+        frozen_other = params - matrices;
+    }
+    est.trainable_on_gpu = trainable;
+    const int64_t p_div = r.zero >= 3 ? d : 1, g_div = r.zero >= 2 ? d : 1,
+                  o_div = r.zero >= 1 ? d : 1;
+    double param_bytes;
+    std::string param_detail;
+    if (r.lora_rank > 0) {
+        param_bytes =
+            (frozen_matrix * (r.frozen_bits / 8.0) + (frozen_other + trainable) * k.param);
+        param_detail = fmt::format("{:.3f}B frozen ({}-bit matrices) + {:.1f}M LoRA x {} B",
+                                   (frozen_matrix + frozen_other) / 1e9, r.frozen_bits,
+                                   trainable / 1e6, k.param);
+    } else {
+        param_bytes = params * k.param;
+        param_detail = fmt::format("{:.3f}B params x {} B", params / 1e9, k.param);
+    }
+    param_bytes /= p_div;
+    if (p_div > 1) param_detail += fmt::format(" / {} (ZeRO-3)", d);
+    double grad_bytes = trainable * k.grad / g_div;
+    std::string grad_detail =
+        fmt::format("{:.3f}B x {} B{}", trainable / 1e9, k.grad,
+                    g_div > 1 ? fmt::format(" / {} (ZeRO-{})", d, r.zero) : "");
+    double opt_bytes = trainable * k.optim / o_div;
+    std::string opt_detail = fmt::format(
+        "{:.3f}B x {} B ({} {}){}", trainable / 1e9, k.optim, to_string(r.precision),
+        to_string(r.optimizer), o_div > 1 ? fmt::format(" / {} (ZeRO-{})", d, r.zero) : "");
+    if (r.offload != Offload::none) {
+        // ZeRO-Offload: fp32 states and the gradients they consume live in host memory.
+        est.cpu_bytes += to_bytes(opt_bytes + grad_bytes);
+        opt_detail = "offloaded to CPU (" + gb(opt_bytes) + " host)";
+        grad_detail = "offloaded to CPU (" + gb(grad_bytes) + " host)";
+        opt_bytes = grad_bytes = 0;
+    }
+    if (r.offload == Offload::optimizer_and_params) {
+        est.cpu_bytes += to_bytes(param_bytes);
+        param_detail = "offloaded to CPU (" + gb(param_bytes) + " host)";
+        param_bytes = 0;
+    }
+
+    // Activations: per layer per micro-batch, times layers and micro-batches in flight.
+    LayerActivations la = layer_activation_bytes(m, r);
+    est.in_flight = in_flight(r, stage);
+    double act = static_cast<double>(la.saved) * layers * est.in_flight;
+    // The embedding's dropout mask (the embedding output itself is layer 0's input).
+    if (first && m.dropout)
+        act += static_cast<double>(s * b * m.n_embd) / (r.sequence_parallel ? t : 1);
+    std::string act_detail =
+        fmt::format("{} layers x {} micro-batches x {:.1f} MB ({} recompute, {}{})", layers,
+                    est.in_flight, la.saved / 1e6, to_string(r.recompute),
+                    r.flash_attention ? "flash" : "no flash", r.sequence_parallel ? ", SP" : "");
+    // Full recomputation rebuilds one layer's activations during its backward.
+    int64_t working = r.recompute == Recompute::full ? la.full : 0;
+    // Logits in the activation dtype, their fp32 softmax and the fp32 gradient.
+    int64_t logits =
+        last ? ceil_div(s * b * static_cast<int64_t>(m.vocab_size), t) * (e + 4 + 4) : 0;
+    // Gradient buckets: two in flight while backward overlaps with the all-reduce.
+    int64_t buckets = 0;
+    if (d > 1 && r.offload == Offload::none)
+        buckets = std::min<int64_t>(2 * r.bucket_bytes, to_bytes(trainable * k.grad));
+    // ZeRO-3 gathers the current layer and prefetches the next one in full (per tp rank).
+    int64_t gather = 0;
+    if (r.zero >= 3 && d > 1)
+        gather = to_bytes(2.0 * (layer_split + layer_repl) *
+                          (r.lora_rank > 0 ? r.frozen_bits / 8.0 : k.param));
+
+    auto add = [&](std::string name, double bytes, std::string detail) {
+        est.lines.push_back({std::move(name), to_bytes(bytes), std::move(detail)});
+    };
+    add("parameters", param_bytes, param_detail);
+    add("gradients", grad_bytes, grad_detail);
+    add("optimizer states", opt_bytes, opt_detail);
+    add("activations", act, act_detail);
+    add("recompute working set", working,
+        working ? "one layer rebuilt during its backward" : "no full recompute");
+    add("logits and loss", logits,
+        last ? fmt::format("{} tokens x {} vocab / tp {} x {} B", s * b, m.vocab_size, t, e + 8)
+             : "not on this stage");
+    add("gradient buckets", buckets,
+        buckets ? fmt::format("2 x {:.0f} MB all-reduce buckets", r.bucket_bytes / 1e6)
+                : "no data-parallel all-reduce");
+    add("zero-3 gather buffer", gather, gather ? "current + prefetched layer" : "not ZeRO-3");
+    add("runtime reserve", static_cast<double>(r.reserve_bytes),
+        "CUDA context, cuBLAS/NCCL workspaces");
+    int64_t subtotal = 0;
+    for (const auto& l : est.lines) subtotal += l.bytes;
+    add("fragmentation margin", (subtotal - r.reserve_bytes) * r.fragmentation,
+        fmt::format("{:.0f}% of the above", r.fragmentation * 100));
+    for (const auto& l : est.lines) est.total += l.bytes;
+    est.not_included = {
+        "NCCL internal buffers beyond the reserve", "input/target token buffers and data loader",
+        "memory of other processes on the GPU", "pinned host staging buffers (offload)"};
+    return est;
+}
+
+MemoryEstimate estimate_memory(const ModelSpec& m, const RunSpec& r) {
+    m.validate();
+    validate_run(m, r);
+    MemoryEstimate best = estimate_stage_memory(m, r, 0);
+    if (r.pp > 1) {
+        MemoryEstimate lastst = estimate_stage_memory(m, r, r.pp - 1);
+        if (lastst.total > best.total) best = std::move(lastst);
+    }
+    return best;
+}
+
+}  // namespace memtrain::plan

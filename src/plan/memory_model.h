@@ -1,0 +1,50 @@
+// The per-GPU memory estimate: one line per category (model states, activations, temporary
+// buffers, reserve, fragmentation), for the most loaded pipeline stage. This is the entry
+// point the trainer calls at start-up to print its prediction beside the measured peak.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "plan/model_spec.h"
+#include "plan/run_spec.h"
+
+namespace memtrain::plan {
+
+struct MemoryLine {
+    std::string name;    // "parameters", "gradients", "optimizer states", "activations", ...
+    int64_t bytes = 0;   // per GPU
+    std::string detail;  // how the number was formed, for the table
+};
+
+struct MemoryEstimate {
+    std::vector<MemoryLine> lines;  // fixed order; lines with 0 bytes are kept
+    int64_t total = 0;              // sum of lines (device bytes, fragmentation included)
+    int64_t cpu_bytes = 0;          // host memory of offloaded states, per GPU
+    int stage = 0;                  // pipeline stage the numbers are for (0 = first)
+    int layers_on_stage = 0;
+    double in_flight = 1;          // micro-batches whose activations are alive at the peak
+    int64_t params_on_gpu = 0;     // parameters held by this GPU before ZeRO sharding
+    int64_t trainable_on_gpu = 0;  // of which trainable (LoRA: only the adapters)
+    std::vector<std::string> not_included;
+
+    int64_t bytes(std::string_view name) const;  // 0 when there is no such line
+    int64_t model_states() const;                // parameters + gradients + optimizer states
+};
+
+// Activation bytes of one transformer layer for one micro-batch (Korthikanti et al. 2022,
+// generalised to GQA, SwiGLU and fp32): what the backward pass needs kept.
+struct LayerActivations {
+    int64_t saved = 0;  // kept per layer under the run's recompute policy
+    int64_t full = 0;   // kept per layer with no recomputation (the recompute working set)
+};
+LayerActivations layer_activation_bytes(const ModelSpec& model, const RunSpec& run);
+
+// Validates the run, then estimates every pipeline stage and returns the largest.
+MemoryEstimate estimate_memory(const ModelSpec& model, const RunSpec& run);
+// One stage (0 .. pp-1); stage 0 holds the embedding, stage pp-1 the head and the logits.
+MemoryEstimate estimate_stage_memory(const ModelSpec& model, const RunSpec& run, int stage);
+
+}  // namespace memtrain::plan

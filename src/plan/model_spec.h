@@ -1,0 +1,63 @@
+// ModelSpec: the shape of a transformer as the planner sees it (no weights, no kernels).
+// Parameter counts are derived from real tensor shapes (GPT-2 and Llama variants), so the
+// estimate is exact for the models memtrain builds. Presets, HF config.json and memtrain TOML.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace memtrain {
+struct ModelConfig;
+}
+
+namespace memtrain::plan {
+
+struct ModelSpec {
+    std::string name = "custom";
+    int n_layer = 12;
+    int n_head = 12;
+    int n_embd = 768;
+    int n_kv_head = 0;   // 0 = n_head (no grouped-query attention)
+    int ffn_hidden = 0;  // 0 = 4*n_embd for gelu, Llama's 2/3*4h rounded to 256 for swiglu
+    int vocab_size = 50257;
+    int block_size = 1024;  // maximum context; the default sequence length
+    bool rmsnorm = false;   // else LayerNorm (weight + bias)
+    bool swiglu = false;    // else GELU MLP
+    bool rope = false;      // else a learned position table of block_size rows
+    bool tied_embeddings = true;
+    bool bias = true;     // linear biases (GPT-2 has them, Llama does not)
+    bool dropout = true;  // dropout masks are saved activations (GPT-2/GPT-3 style)
+
+    int kv_heads() const { return n_kv_head > 0 ? n_kv_head : n_head; }
+    int head_dim() const { return n_embd / n_head; }
+    int64_t kv_dim() const { return static_cast<int64_t>(kv_heads()) * head_dim(); }
+    int64_t ffn() const;
+
+    // Parameters of one transformer block, split by how tensor parallelism treats them.
+    int64_t layer_matrix_params() const;      // QKV, out-proj, MLP weights: split over TP
+    int64_t layer_split_bias_params() const;  // column-parallel biases: split over TP
+    int64_t layer_replicated_params() const;  // norms and row-parallel biases: on every TP rank
+    int64_t layer_params() const;
+    int64_t embedding_params() const;  // token table (+ learned positions)
+    int64_t head_params() const;       // final norm + untied LM head (tied: just the norm)
+    int64_t total_params() const;
+    // Matrix parameters that cost 2 FLOPs per token forward (blocks + LM head).
+    int64_t matmul_params() const;
+
+    // Throws memtrain::Error naming the field when the shape is impossible.
+    void validate() const;
+};
+
+// Model presets by name (gpt2 ... llama3-405b); `model_preset_names` lists them.
+std::vector<std::string> model_preset_names();
+// A preset name, a Hugging Face config.json path or a memtrain TOML path ([model] section).
+// Unknown names fail with the nearest preset suggested.
+ModelSpec load_model(const std::string& name_or_path);
+ModelSpec model_from_hf_json(const std::string& json_text, const std::string& origin);
+ModelSpec model_from_toml(const std::string& toml_text, const std::string& origin);
+// The trainer's [model] config as a planner spec (same parameter count as the engine,
+// using the padded vocabulary rows the engine allocates).
+ModelSpec model_from_config(const ModelConfig& config);
+
+}  // namespace memtrain::plan

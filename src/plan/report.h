@@ -1,0 +1,24 @@
+// Rendering planner results for people and programs: text tables, JSON, an SVG chart of the
+// memory breakdown, and a memtrain TOML for the chosen plan. No arithmetic lives here.
+#pragma once
+
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "plan/search.h"
+
+namespace memtrain::plan {
+
+std::string format_bytes(double bytes);  // "24.00 GB"
+std::string format_memory_table(const MemoryEstimate& est, double capacity_bytes);
+std::string format_time(const TimeEstimate& t);
+std::string format_plans(const SearchResult& result, int top, int reasons, double capacity_bytes);
+nlohmann::json to_json(const MemoryEstimate& est);
+nlohmann::json to_json(const SearchResult& result, int top);
+// Stacked bars, one per plan, one colour per memory category, a line at the GPU capacity.
+std::string memory_svg(const SearchResult& result, int top, double capacity_bytes);
+// A memtrain config ([model], [train], [optim]) with the layout recorded in a comment block.
+std::string emit_config_toml(const ModelSpec& model, const Plan& plan);
+
+}  // namespace memtrain::plan

@@ -1,0 +1,68 @@
+// RunSpec: how one training run is laid out on the GPUs (parallel degrees, ZeRO stage,
+// precision, optimizer, recomputation, micro-batching). Plain data plus parsers for the
+// command-line spellings and a validator that explains what is impossible.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "plan/model_spec.h"
+
+namespace memtrain::plan {
+
+// mixed_*: 16-bit params and grads with fp32 master weights; bf16_only: no fp32 copy at all.
+enum class Precision { mixed_bf16, mixed_fp16, fp32, bf16_only };
+enum class Optimizer { adamw, sgd, adamw8bit };  // sgd = SGD with momentum
+enum class Recompute { none, selective, full };
+enum class Schedule { one_f_one_b, gpipe, interleaved };
+enum class Offload { none, optimizer, optimizer_and_params };
+
+struct RunSpec {
+    int dp = 1, tp = 1, pp = 1;
+    int zero = 0;           // ZeRO stage 0..3 over the dp group
+    int micro_batch = 1;    // sequences per micro-batch per data-parallel rank
+    int seq = 0;            // tokens per sequence; 0 = model.block_size
+    int micro_batches = 1;  // micro-batches per optimizer step (gradient accumulation)
+    Recompute recompute = Recompute::none;
+    bool sequence_parallel = false;  // Megatron SP: shards the norm/dropout activations over tp
+    bool flash_attention = true;     // no s^2 attention scores are kept
+    Precision precision = Precision::mixed_bf16;
+    Optimizer optimizer = Optimizer::adamw;
+    Offload offload = Offload::none;
+    Schedule schedule = Schedule::one_f_one_b;
+    int virtual_stages = 1;  // model chunks per pipeline stage (interleaved schedule)
+    int lora_rank = 0;       // > 0: base weights frozen, LoRA adapters on every linear layer
+    int frozen_bits = 16;    // storage of frozen base weights under LoRA: 16, 8 or 4 (QLoRA)
+    int64_t bucket_bytes = 25 * 1024 * 1024;  // gradient all-reduce bucket (PyTorch DDP default)
+    double fragmentation = 0.05;              // allocator slack as a fraction of the rest
+    int64_t reserve_bytes = 0;                // CUDA context, cuBLAS/NCCL workspaces
+
+    int gpus() const { return dp * tp * pp; }
+    int seq_len(const ModelSpec& m) const { return seq > 0 ? seq : m.block_size; }
+    int64_t global_batch() const { return static_cast<int64_t>(dp) * micro_batch * micro_batches; }
+};
+
+Precision parse_precision(const std::string& s);  // bf16 | fp16 | fp32 | bf16-only
+Optimizer parse_optimizer(const std::string& s);  // adamw | sgd | adamw8bit
+Recompute parse_recompute(const std::string& s);  // none | selective | full
+Schedule parse_schedule(const std::string& s);    // 1f1b | gpipe | interleaved
+Offload parse_offload(const std::string& s);      // none | optimizer | params
+const char* to_string(Precision p);
+const char* to_string(Optimizer o);
+const char* to_string(Recompute r);
+const char* to_string(Schedule s);
+const char* to_string(Offload o);
+
+// Throws memtrain::Error with the reason and a fix when the layout cannot run at all
+// (tp does not divide the heads, more stages than layers, ZeRO stage out of range, ...).
+void validate_run(const ModelSpec& model, const RunSpec& run);
+
+// Bytes per parameter of parameters, gradients and optimizer states (before sharding).
+struct StateBytes {
+    double param, grad, optim;
+};
+StateBytes state_bytes(Precision precision, Optimizer optimizer);
+// Bytes of one saved activation element: 4 for fp32 training, else 2.
+int activation_bytes(Precision precision);
+
+}  // namespace memtrain::plan

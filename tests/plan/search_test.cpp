@@ -1,0 +1,86 @@
+// The planner search: the 200B-on-40GB example, rejection reasons, bad input.
+#include <gtest/gtest.h>
+
+#include "core/error.h"
+#include "plan/report.h"
+#include "plan/search.h"
+
+using namespace memtrain::plan;
+
+namespace {
+ModelSpec model_200b() {
+    ModelSpec m = load_model("gpt3-175b");
+    m.name = "gpt-200b";
+    m.n_layer = 100, m.n_embd = 12800, m.n_head = 100;
+    return m;
+}
+}  // namespace
+
+TEST(PlanSearch, TwoHundredBillionOnFortyGigabyteGpus) {
+    ModelSpec m = model_200b();
+    ASSERT_NEAR(m.total_params() / 1e9, 197.5, 1.0);
+    ClusterSpec c;
+    c.gpu = gpu_preset("a100-40gb");
+    c.gpus = 512;
+    SearchSpec s;
+    s.global_batch = 1024;
+    s.seq = 2048;
+    SearchResult r = search_plans(m, c, s);
+    ASSERT_FALSE(r.plans.empty());
+    for (const auto& p : r.plans) EXPECT_LE(p.memory.total, 40e9);
+    for (size_t i = 1; i < r.plans.size(); ++i)
+        EXPECT_GE(r.plans[i - 1].time.tokens_per_s, r.plans[i].time.tokens_per_s);
+    // Pure DP without ZeRO needs 16 bytes x 197.5B = 3.2 TB of states per GPU.
+    bool found = false;
+    for (const auto& rej : r.rejected) {
+        if (rej.family != "pure DP, ZeRO-0") continue;
+        found = true;
+        EXPECT_GT(rej.best_bytes, 3.1e12);
+        EXPECT_NE(rej.reason.find("TB"), std::string::npos) << rej.reason;
+    }
+    EXPECT_TRUE(found);
+    // Output renders without surprises.
+    EXPECT_NE(format_plans(r, 3, 5, 40e9).find("rejected:"), std::string::npos);
+    EXPECT_NE(memory_svg(r, 3, 40e9).find("<svg"), std::string::npos);
+    EXPECT_NE(emit_config_toml(m, r.plans[0]).find("[model]"), std::string::npos);
+}
+
+TEST(PlanSearch, SmallModelPrefersPlainDataParallel) {
+    ClusterSpec c;
+    c.gpu = gpu_preset("h100-80gb");
+    c.gpus = 8;
+    SearchSpec s;
+    s.global_batch = 64;
+    SearchResult r = search_plans(load_model("gpt2"), c, s);
+    ASSERT_FALSE(r.plans.empty());
+    EXPECT_EQ(r.plans[0].run.tp, 1);
+    EXPECT_EQ(r.plans[0].run.pp, 1);
+    EXPECT_EQ(r.plans[0].run.dp, 8);
+}
+
+TEST(PlanSearch, NothingFitsSaysWhy) {
+    ClusterSpec c;
+    c.gpu = gpu_preset("a100-40gb");
+    c.gpus = 1;
+    SearchSpec s;
+    s.global_batch = 8;
+    s.allow_offload = false;
+    SearchResult r = search_plans(load_model("llama2-70b"), c, s);
+    EXPECT_TRUE(r.plans.empty());
+    ASSERT_FALSE(r.rejected.empty());
+    EXPECT_NE(r.rejected[0].reason.find("> 40.0 GB"), std::string::npos) << r.rejected[0].reason;
+}
+
+TEST(PlanSearch, BadInput) {
+    ClusterSpec c;
+    c.gpus = 0;
+    EXPECT_THROW(search_plans(load_model("gpt2"), c, {}), memtrain::Error);
+    c.gpus = 12;  // not whole nodes of 8
+    EXPECT_THROW(search_plans(load_model("gpt2"), c, {}), memtrain::Error);
+    try {
+        gpu_preset("h100");
+        FAIL();
+    } catch (const memtrain::Error& e) {
+        EXPECT_NE(std::string(e.what()).find("did you mean"), std::string::npos);
+    }
+}
