@@ -1,0 +1,162 @@
+// The PyTorch parity fixture (tests/parity/make_fixture.py, run with Debian's python3-torch) must
+// be readable by SafetensorsFile: every tensor present with the right dtype and shape, and its
+// contents self-consistent (the stored loss is the cross-entropy of the stored logits).
+// No torch is a failure, not a skip: parity cannot be checked without it.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "io/safetensors.h"
+
+using namespace memtrain;
+
+namespace {
+
+constexpr int V = 96, BLOCK = 32, L = 2, NH = 4, C = 64, B = 2, T = 16;
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> hf_params() {
+    std::vector<std::pair<std::string, std::vector<int64_t>>> p = {{"wte.weight", {V, C}},
+                                                                   {"wpe.weight", {BLOCK, C}}};
+    for (int i = 0; i < L; i++) {
+        std::string h = "h." + std::to_string(i) + ".";
+        p.push_back({h + "ln_1.weight", {C}});
+        p.push_back({h + "ln_1.bias", {C}});
+        p.push_back({h + "attn.c_attn.weight", {C, 3 * C}});
+        p.push_back({h + "attn.c_attn.bias", {3 * C}});
+        p.push_back({h + "attn.c_proj.weight", {C, C}});
+        p.push_back({h + "attn.c_proj.bias", {C}});
+        p.push_back({h + "ln_2.weight", {C}});
+        p.push_back({h + "ln_2.bias", {C}});
+        p.push_back({h + "mlp.c_fc.weight", {C, 4 * C}});
+        p.push_back({h + "mlp.c_fc.bias", {4 * C}});
+        p.push_back({h + "mlp.c_proj.weight", {4 * C, C}});
+        p.push_back({h + "mlp.c_proj.bias", {C}});
+    }
+    p.push_back({"ln_f.weight", {C}});
+    p.push_back({"ln_f.bias", {C}});
+    return p;
+}
+
+std::string read_text(const std::string& path) {
+    std::ifstream f(path);
+    return std::string(std::istreambuf_iterator<char>(f), {});
+}
+
+// Builds the fixture once per process; "" (after a test failure) if torch or the script fails.
+const std::string& fixture() {
+    static const std::string path = []() -> std::string {
+        std::string out = std::string(MT_BINARY_DIR) + "/io_fixture.safetensors";
+        // Per process: ctest runs each test in its own process, possibly at the same time.
+        std::string log = out + "." + std::to_string(::getpid()) + ".log";
+        std::string probe = "/usr/bin/python3 -c 'import torch, numpy' > " + log + " 2>&1";
+        if (std::system(probe.c_str()) != 0) {
+            ADD_FAILURE() << "/usr/bin/python3 cannot import torch and numpy, which the PyTorch "
+                             "parity fixture needs; install python3-torch and python3-numpy "
+                             "(scripts/deps.sh does). Python said:\n"
+                          << read_text(log);
+            return "";
+        }
+        std::string cmd = std::string("/usr/bin/python3 ") + MT_SOURCE_DIR +
+                          "/tests/parity/make_fixture.py " + out + " > " + log + " 2>&1";
+        if (std::system(cmd.c_str()) != 0) {
+            ADD_FAILURE() << "tests/parity/make_fixture.py failed (" << cmd << "):\n"
+                          << read_text(log);
+            return "";
+        }
+        std::remove(log.c_str());
+        return out;
+    }();
+    return path;
+}
+
+std::vector<float> read(const io::SafetensorsFile& f, const std::string& name,
+                        std::vector<int64_t> shape) {
+    int64_t n = 1;
+    for (auto d : shape) n *= d;
+    std::vector<float> out((std::size_t)n);
+    f.read_f32(f.get(name), out, name, shape);
+    return out;
+}
+
+}  // namespace
+
+TEST(FixtureRead, EveryTensorHasItsNameDTypeAndShape) {
+    const std::string& path = fixture();
+    ASSERT_FALSE(path.empty());
+    auto f = io::SafetensorsFile::open(path);
+    auto params = hf_params();
+    EXPECT_EQ(f.names().size(), 3 * params.size() + 6);
+    for (const std::string prefix : {"", "grad.", "adam.final."}) {
+        for (const auto& [name, shape] : params) {
+            const io::TensorInfo* t = f.find(prefix + name);
+            ASSERT_NE(t, nullptr) << prefix + name << " missing from " << path;
+            EXPECT_EQ(t->dtype, io::DType::F32) << t->name;
+            EXPECT_EQ(t->shape, shape) << t->name;
+            auto v = read(f, t->name, shape);
+            for (float x : v) ASSERT_TRUE(std::isfinite(x)) << t->name;
+        }
+    }
+    const auto& tok = f.get("tokens");
+    EXPECT_EQ(tok.dtype, io::DType::I32);
+    ASSERT_EQ(tok.shape, (std::vector<int64_t>{B, T + 1}));
+    const auto* ids = static_cast<const int32_t*>(f.data(tok));
+    for (int i = 0; i < B * (T + 1); i++) {
+        EXPECT_GE(ids[i], 0);
+        EXPECT_LT(ids[i], V);
+    }
+    EXPECT_EQ(f.get("logits").shape, (std::vector<int64_t>{B, T, V}));
+    EXPECT_EQ(f.get("loss").shape, (std::vector<int64_t>{1}));
+    EXPECT_EQ(f.get("adam.losses").shape, (std::vector<int64_t>{5}));
+
+    const auto& m = f.metadata();
+    EXPECT_EQ(m.at("fixture_version"), "1");
+    EXPECT_EQ(m.at("vocab_size"), "96");
+    EXPECT_EQ(m.at("padded_vocab"), "128");
+    EXPECT_EQ(m.at("n_layer"), "2");
+    EXPECT_EQ(m.at("n_head"), "4");
+    EXPECT_EQ(m.at("n_embd"), "64");
+    EXPECT_EQ(m.at("block_size"), "32");
+    EXPECT_EQ(m.at("warmup_steps"), "2");
+    EXPECT_EQ(m.at("steps"), "5");
+    (void)NH;
+}
+
+TEST(FixtureRead, StoredLossIsTheCrossEntropyOfTheStoredLogits) {
+    const std::string& path = fixture();
+    ASSERT_FALSE(path.empty());
+    auto f = io::SafetensorsFile::open(path);
+    auto logits = read(f, "logits", {B, T, V});
+    const auto* ids = static_cast<const int32_t*>(f.data(f.get("tokens")));
+    double total = 0;
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++) {
+            const float* row = logits.data() + ((std::size_t)b * T + t) * V;
+            double mx = row[0];
+            for (int v = 1; v < V; v++) mx = std::max(mx, (double)row[v]);
+            double sum = 0;
+            for (int v = 0; v < V; v++) sum += std::exp(row[v] - mx);
+            int target = ids[b * (T + 1) + t + 1];
+            total += mx + std::log(sum) - row[target];
+        }
+    double ce = total / (B * T);
+    float loss = read(f, "loss", {1})[0];
+    EXPECT_NEAR(ce, loss, 1e-5 * loss);
+    EXPECT_NEAR(loss, std::log((double)V), 0.5);  // near-uniform at initialisation
+
+    // The AdamW run starts from the same weights, and its loss goes down.
+    auto losses = read(f, "adam.losses", {5});
+    EXPECT_FLOAT_EQ(losses[0], loss);
+    for (int i = 1; i < 5; i++) EXPECT_LT(losses[i], losses[i - 1]);
+    // The learning rates follow warmup (2 steps) then cosine to 0.1 * peak at step 5.
+    auto lrs = read(f, "adam.lrs", {5});
+    const double pi = std::acos(-1.0), peak = 1e-3, lo = 1e-4;
+    double expect[5] = {peak / 2, peak, peak, lo + 0.5 * (peak - lo) * (1 + std::cos(pi / 3)),
+                        lo + 0.5 * (peak - lo) * (1 + std::cos(2 * pi / 3))};
+    for (int i = 0; i < 5; i++) EXPECT_NEAR(lrs[i], expect[i], 1e-9) << "step " << i;
+}

@@ -1,0 +1,228 @@
+#!/usr/bin/python3
+"""Writes the PyTorch parity fixture for memtrain's GPT-2:  make_fixture.py OUT.safetensors
+
+A minimal GPT-2 (Hugging Face names and Conv1D layouts, tied embeddings, tanh GELU) is built in
+PyTorch and run in float64, so the reference is as exact as we can make it; the float32 initial
+weights and every result are stored as float32. The file holds the weights, the tokens, logits,
+loss, every gradient, and five AdamW steps (warmup + cosine LR, clipping at norm 1.0).
+Needs only Debian's python3-torch and python3-numpy; safetensors is written by hand.
+"""
+import json
+import math
+import os
+import struct
+import sys
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+V, BLOCK, N_LAYER, N_HEAD, C, B, T = 96, 32, 2, 4, 64, 2, 16
+VOCAB_PAD = 64  # memtrain pads the embedding rows to a multiple of this; torch uses only V rows
+SEED = 1337
+LR, MIN_LR_RATIO, BETAS, EPS, WEIGHT_DECAY, GRAD_CLIP = 1e-3, 0.1, (0.9, 0.95), 1e-8, 0.1, 1.0
+WARMUP, STEPS = 2, 5
+LN_EPS = 1e-5
+
+
+class Conv1D(nn.Module):
+    """Hugging Face's Conv1D: weight is (in, out) and y = x @ W + b."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_in, n_out))
+        self.bias = nn.Parameter(torch.empty(n_out))
+
+    def forward(self, x):
+        return x @ self.weight + self.bias
+
+
+def gelu_tanh(x):
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3))))
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c_attn = Conv1D(C, 3 * C)
+        self.c_proj = Conv1D(C, C)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        hs = c // N_HEAD
+        q, k, v = self.c_attn(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, N_HEAD, hs).transpose(1, 2) for z in (q, k, v))  # (B, nh, T, hs)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(hs)
+        mask = torch.tril(torch.ones(t, t, dtype=torch.bool))
+        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        y = (att @ v).transpose(1, 2).contiguous().view(b, t, c)
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c_fc = Conv1D(C, 4 * C)
+        self.c_proj = Conv1D(4 * C, C)
+
+    def forward(self, x):
+        return self.c_proj(gelu_tanh(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(C, eps=LN_EPS)
+        self.attn = Attention()
+        self.ln_2 = nn.LayerNorm(C, eps=LN_EPS)
+        self.mlp = MLP()
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(V, C)
+        self.wpe = nn.Embedding(BLOCK, C)
+        self.h = nn.ModuleList(Block() for _ in range(N_LAYER))
+        self.ln_f = nn.LayerNorm(C, eps=LN_EPS)
+
+    def forward(self, idx, targets):
+        t = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(t))
+        for block in self.h:
+            x = block(x)
+        logits = self.ln_f(x) @ self.wte.weight.t()  # tied; only the V real rows
+        loss = F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1))
+        return logits, loss
+
+
+def init_weights(model):
+    """normal(0, 0.02) matrices and embeddings, 1 + 0.1 randn LayerNorm weights, 0.01 randn
+    biases, drawn in float32 in Hugging Face parameter order from torch.manual_seed(SEED)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            r = torch.randn(p.shape, dtype=torch.float32)
+            is_norm = ".ln_" in name or name.startswith("ln_f.")
+            if p.dim() >= 2:
+                p.copy_(0.02 * r)
+            elif is_norm and name.endswith(".weight"):
+                p.copy_(1.0 + 0.1 * r)
+            else:
+                p.copy_(0.01 * r)
+
+
+def lr_at(step):
+    if step < WARMUP:
+        return LR * (step + 1) / WARMUP
+    min_lr = MIN_LR_RATIO * LR
+    progress = (step - WARMUP) / (STEPS - WARMUP)
+    return min_lr + 0.5 * (LR - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def write_safetensors(path, tensors, metadata):
+    """tensors: list of (name, numpy array) in file order. Written to a temporary, then renamed."""
+    dtypes = {np.dtype(np.float32): "F32", np.dtype(np.int32): "I32"}
+    header, blobs, offset = {"__metadata__": metadata}, [], 0
+    for name, arr in tensors:
+        arr = np.ascontiguousarray(arr)
+        if arr.dtype not in dtypes:
+            raise TypeError("tensor %s has dtype %s, expected float32 or int32" % (name, arr.dtype))
+        blob = arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
+        header[name] = {"dtype": dtypes[arr.dtype], "shape": list(arr.shape),
+                        "data_offsets": [offset, offset + len(blob)]}
+        blobs.append(blob)
+        offset += len(blob)
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * ((8 - len(text) % 8) % 8)
+    tmp = "%s.tmp.%d" % (path, os.getpid())  # concurrent test processes may build the same file
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for blob in blobs:
+            f.write(blob)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def f32(t):
+    return t.detach().to(torch.float32).numpy()
+
+
+def main():
+    if len(sys.argv) != 2:
+        sys.exit("usage: make_fixture.py OUT.safetensors")
+    out_path = sys.argv[1]
+    torch.manual_seed(SEED)
+    model = GPT()
+    init_weights(model)
+    tokens = torch.randint(0, V, (B, T + 1), dtype=torch.int64)
+    init = [(n, f32(p)) for n, p in model.named_parameters()]
+    model = model.double()  # the float32 weights, exactly, computed on in float64
+    x, y = tokens[:, :T], tokens[:, 1:]
+
+    logits, loss = model(x, y)
+    loss.backward()
+    out = list(init)
+    out.append(("tokens", tokens.to(torch.int32).numpy()))
+    out.append(("logits", f32(logits)))
+    out.append(("loss", f32(loss.reshape(1))))
+    out += [("grad." + n, f32(p.grad)) for n, p in model.named_parameters()]
+
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=LR, betas=BETAS, eps=EPS)
+    losses, norms, lrs = [], [], []
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        _, loss = model(x, y)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)))
+        lr = lr_at(step)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        opt.step()
+        losses.append(float(loss))
+        lrs.append(lr)
+    out.append(("adam.losses", np.array(losses, dtype=np.float32)))
+    out.append(("adam.grad_norms", np.array(norms, dtype=np.float32)))  # before clipping
+    out.append(("adam.lrs", np.array(lrs, dtype=np.float32)))
+    out += [("adam.final." + n, f32(p)) for n, p in model.named_parameters()]
+
+    for name, arr in out:
+        if arr.dtype == np.float32 and not np.isfinite(arr).all():
+            raise ValueError("tensor %s has non-finite values" % name)
+    metadata = {
+        "fixture_version": "1", "generator": "tests/parity/make_fixture.py",
+        "torch_version": torch.__version__, "precision": "computed in float64, stored as float32",
+        "vocab_size": str(V), "vocab_pad": str(VOCAB_PAD),
+        "padded_vocab": str((V + VOCAB_PAD - 1) // VOCAB_PAD * VOCAB_PAD),
+        "block_size": str(BLOCK), "n_layer": str(N_LAYER), "n_head": str(N_HEAD),
+        "n_embd": str(C), "batch": str(B), "seq": str(T), "seed": str(SEED),
+        "layernorm_eps": repr(LN_EPS), "gelu": "tanh", "tied_embeddings": "true",
+        "optimizer": "AdamW", "lr": repr(LR), "min_lr": repr(MIN_LR_RATIO * LR),
+        "beta1": repr(BETAS[0]), "beta2": repr(BETAS[1]), "eps": repr(EPS),
+        "weight_decay": repr(WEIGHT_DECAY), "weight_decay_applies_to": "parameters with dim >= 2",
+        "grad_clip": repr(GRAD_CLIP),
+        "grad_clip_fn": "clip_grad_norm_: grads *= clip / (norm + 1e-6) if norm > clip",
+        "warmup_steps": str(WARMUP), "steps": str(STEPS),
+        "schedule": "linear warmup to lr over warmup_steps, then cosine to min_lr at steps",
+    }
+    write_safetensors(out_path, out, metadata)
+    print("wrote %s: %d tensors, loss %.6f, adam losses %s" %
+          (out_path, len(out), float(out[len(init) + 2][1][0]), ["%.6f" % l for l in losses]))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception as e:  # one clear line and a non-zero exit
+        print("make_fixture.py: error: %s: %s" % (type(e).__name__, e), file=sys.stderr)
+        sys.exit(1)
