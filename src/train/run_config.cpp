@@ -143,6 +143,8 @@ const std::vector<Key>& registry() {
         make_key("train.seq_len", &R::train, &TrainConfig::seq_len, "tokens per sequence"),
         make_key("train.batch_size", &R::train, &TrainConfig::batch_size,
                  "sequences per optimizer step"),
+        make_key("train.batch_tokens", &R::train, &TrainConfig::batch_tokens,
+                 "tokens per step; sets batch_size = batch_tokens / seq_len (0 = off)"),
         make_key("train.micro_batch_size", &R::train, &TrainConfig::micro_batch_size,
                  "sequences per forward/backward (0 = batch_size)"),
         make_key("train.max_steps", &R::train, &TrainConfig::max_steps, "optimizer steps"),
@@ -294,6 +296,13 @@ RunConfig parse_run_config(const std::string& text, const std::string& src,
             fail("--set {}: expected section.key=value, e.g. --set train.max_steps=100", o);
         std::string name = o.substr(0, eq);
         find_key(name, "--set").from_text(cfg, o.substr(eq + 1));
+    }
+    if (cfg.train.batch_tokens != 0) {
+        if (cfg.train.batch_tokens < 0 || cfg.train.seq_len <= 0 ||
+            cfg.train.batch_tokens % cfg.train.seq_len != 0)
+            fail("train.batch_tokens = {} must be a positive multiple of train.seq_len = {}",
+                 cfg.train.batch_tokens, cfg.train.seq_len);
+        cfg.train.batch_size = (int)(cfg.train.batch_tokens / cfg.train.seq_len);
     }
     return cfg;
 }

@@ -16,6 +16,7 @@ struct TrainConfig {
     std::string device = "cpu";  // "cpu" (the CUDA backend is a separate issue)
     int seq_len = 256;           // tokens per sequence (<= model.block_size)
     int batch_size = 8;          // sequences per optimizer step (global batch)
+    int64_t batch_tokens = 0;    // alternatively, tokens per step (a multiple of seq_len); 0 = off
     int micro_batch_size = 0;    // sequences per forward/backward; 0 = batch_size
     int max_steps = 200;
     uint64_t seed = 1337;        // weights and data order

@@ -12,6 +12,8 @@
 #include "core/error.h"
 #include "data/tokenizer.h"
 #include "optim/schedule.h"
+#include "plan/memory_model.h"
+#include "plan/model_spec.h"
 #include "train/sample.h"
 
 namespace fs = std::filesystem;
@@ -223,6 +225,23 @@ void Trainer::print_memory_report() {
     out += fmt::format("{:<16} {:>12}  (everything the OS charged: code, libraries, loaders, "
                        "allocator slack)\n",
                        "process peak RSS", mib(process_peak_rss()));
+    // The analytic planner (`memtrain estimate`) for the same run, from its general formulas
+    // (Korthikanti-style activations), beside the exact layout above.
+    plan::RunSpec rs;
+    rs.precision = plan::Precision::fp32;
+    rs.optimizer = cfg_.optim.name == "sgd" ? plan::Optimizer::sgd : plan::Optimizer::adamw;
+    rs.micro_batch = cfg_.micro_batch();
+    rs.seq = cfg_.train.seq_len;
+    rs.micro_batches = cfg_.accum_steps();
+    rs.flash_attention = false;
+    rs.fragmentation = 0;
+    rs.reserve_bytes = 0;
+    auto est = plan::estimate_memory(plan::model_from_config(cfg_.model), rs);
+    out += fmt::format("planner estimate: parameters {} | gradients {} | optimizer {} | "
+                       "activations {} | logits and loss {}\n",
+                       mib(est.bytes("parameters")), mib(est.bytes("gradients")),
+                       mib(est.bytes("optimizer states")), mib(est.bytes("activations")),
+                       mib(est.bytes("logits and loss")));
     print(out);
 }
 

@@ -170,6 +170,12 @@ TEST(Config, WrongTypesAndValuesAreNamed) {
     EXPECT_EQ(d.optim.schedule, "wsd");
 }
 
+TEST(Config, BatchInTokens) {
+    RunConfig c = parse_run_config("[train]\nseq_len = 64\nbatch_tokens = 512\n", "x", {});
+    EXPECT_EQ(c.train.batch_size, 8);
+    EXPECT_THROW(parse_run_config("[train]\nseq_len = 64\nbatch_tokens = 500\n", "x", {}), Error);
+}
+
 TEST(Config, ResolvedTomlRoundTrips) {
     RunConfig c = parse_run_config("[model]\nn_layer = 3\n[data]\ntrain = \"a b.bin\"\n", "x",
                                    {"optim.lr=0.002"});
