@@ -4,9 +4,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-pkgs=(build-essential cmake pkg-config libopenblas-dev libopenblas0-pthread libtomlplusplus-dev
-      nlohmann-json3-dev libcli11-dev libfmt-dev libgtest-dev fortunes python3-torch python3-numpy
-      npm)
+# memtrain links the OpenMP build of OpenBLAS (it shares the OpenMP thread pool with our own
+# loops); the pthread build is what PyTorch's libblas.so.3 resolves to for the parity tests and
+# the benchmark peer.
+pkgs=(build-essential cmake pkg-config libopenblas-openmp-dev libopenblas0-openmp
+      libopenblas0-pthread libtomlplusplus-dev nlohmann-json3-dev libcli11-dev libfmt-dev
+      libgtest-dev fortunes python3-torch python3-numpy)
+# npm may come from outside Debian (a node install); ask apt only when there is none.
+command -v npm >/dev/null 2>&1 || pkgs+=(npm)
 missing=()
 for p in "${pkgs[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -13,9 +13,11 @@ void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, c
     for (int n = 0; n < N; n++) {
         const float* x = inp + (int64_t)n * C;
         float m = 0.0f;
+#pragma omp simd reduction(+ : m)
         for (int i = 0; i < C; i++) m += x[i];
         m /= C;
         float v = 0.0f;
+#pragma omp simd reduction(+ : v)
         for (int i = 0; i < C; i++) {
             float d = x[i] - m;
             v += d * d;
@@ -38,6 +40,7 @@ void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* 
         const float* x = inp + (int64_t)n * C;
         float m = mean[n], s = rstd[n];
         float dnorm_mean = 0.0f, dnorm_norm_mean = 0.0f;
+#pragma omp simd reduction(+ : dnorm_mean, dnorm_norm_mean)
         for (int i = 0; i < C; i++) {
             float norm = (x[i] - m) * s;
             float dnorm = weight[i] * d[i];

@@ -1,0 +1,67 @@
+// Byte-level BPE tokenizer (GPT-2 style): loads OpenAI's encoder.json + vocab.bpe or a Hugging
+// Face tokenizer.json, encodes and decodes text, and trains a new vocabulary from documents.
+// Text is split by the GPT-2 pre-tokenizer, each piece is merged by rank; special tokens such as
+// <|endoftext|> written in the text are encoded as their own id.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace memtrain::data {
+
+class Tokenizer {
+  public:
+    // `path` is a directory holding encoder.json + vocab.bpe or tokenizer.json, a tokenizer.json
+    // file, or an encoder.json file with vocab.bpe beside it.
+    static Tokenizer load(const std::string& path);
+    // Trains a byte-level BPE vocabulary of exactly `vocab_size` ids: the 256 bytes (id = byte
+    // value), then one id per merge, then "<|endoftext|>" as the last id.
+    static Tokenizer train(const std::vector<std::string>& documents, int vocab_size);
+    // Writes a Hugging Face tokenizer.json (BPE model, ByteLevel pre-tokenizer and decoder).
+    void save(const std::string& tokenizer_json_path) const;
+
+    // Thread-safe: encode may be called concurrently on one tokenizer.
+    std::vector<uint32_t> encode(std::string_view text) const;
+    std::string decode(std::span<const uint32_t> ids) const;
+
+    int vocab_size() const { return static_cast<int>(id_to_bytes_.size()); }
+    std::optional<uint32_t> eot_token() const { return eot_; }
+    size_t num_merges() const { return merge_list_.size(); }
+
+    // The GPT-2 pre-tokenizer: splits UTF-8 text into the pieces BPE merges within. Exposed for
+    // tests and for training.
+    static std::vector<std::string_view> pre_tokenize(std::string_view text);
+
+  private:
+    struct Cache;
+
+    Tokenizer() = default;  // only load() and train() make one, always complete
+
+    // Builds the lookup tables from raw-byte tokens. `vocab` maps id -> raw bytes (nullopt for
+    // ids only present as added tokens), `merges` are (left id, right id) pairs by rank.
+    void build(std::string_view source, std::vector<std::optional<std::string>> vocab,
+               const std::vector<std::pair<std::string, std::string>>& merges,
+               const std::vector<std::pair<std::string, uint32_t>>& specials);
+    void encode_piece(std::string_view piece, std::vector<uint32_t>& out) const;
+    void encode_ordinary(std::string_view text, std::vector<uint32_t>& out) const;
+
+    std::vector<std::string> id_to_bytes_;  // raw bytes of every id
+    std::vector<bool> in_vocab_;            // false: id exists only as an added token
+    std::unordered_map<std::string, uint32_t> bytes_to_id_;  // vocab tokens by raw bytes
+    std::array<uint32_t, 256> byte_id_{};                    // id of each single byte
+    std::unordered_map<uint64_t, uint64_t> merges_;  // (left << 32 | right) -> (rank << 32 | id)
+    std::vector<std::pair<uint32_t, uint32_t>> merge_list_;   // by rank
+    std::vector<std::pair<std::string, uint32_t>> specials_;  // added tokens matched in text
+    std::optional<uint32_t> eot_;
+    std::shared_ptr<Cache> cache_;  // shared by copies: the tables it caches are immutable
+};
+
+}  // namespace memtrain::data
