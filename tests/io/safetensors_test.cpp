@@ -20,8 +20,10 @@ using io::DType;
 
 namespace {
 
+// Named after the running test too: CTest runs tests in parallel processes.
 std::string test_dir(const std::string& name) {
-    auto p = std::filesystem::path(MT_BINARY_DIR) / "test_tmp" / "safetensors" / name;
+    auto p = std::filesystem::path(MT_BINARY_DIR) / "test_tmp" / "safetensors" /
+             ::testing::UnitTest::GetInstance()->current_test_info()->name() / name;
     std::filesystem::remove_all(p);
     std::filesystem::create_directories(p);
     return p.string();

@@ -35,6 +35,10 @@ const std::string& fixture_path() {
                           << ".log";
             return std::string();
         }
+        std::atexit([] {
+            std::filesystem::remove(std::string(MT_BINARY_DIR) + "/parity_fixture." +
+                                    std::to_string(getpid()) + ".safetensors");
+        });
         return p;
     }();
     return path;
