@@ -261,9 +261,10 @@ void Trainer::print_sample() {
     so.max_tokens = cfg_.sample.max_tokens;
     so.temperature = cfg_.sample.temperature;
     so.top_k = cfg_.sample.top_k;
-    so.stop_token = eot ? (int64_t)*eot : -1;
+    // No stop at end-of-text: a short document would leave an empty sample; the marker shows
+    // where the model started a new one.
+    so.stop_token = -1;
     auto out = generate(*model_, prompt, so, rng);
-    if (!out.empty() && (int64_t)out.back() == so.stop_token) out.pop_back();
     std::vector<uint32_t> ids(out.begin(), out.end());
     print(fmt::format("\nsample (temperature {}, top-k {}):\n{}{}\n", so.temperature, so.top_k,
                       cfg_.sample.prompt, tok.decode(ids)));
