@@ -89,6 +89,13 @@ void split_tokens(const io::SafetensorsFile& f, std::vector<int32_t>& x, std::ve
         }
 }
 
+// The fixture's weights into the model, its tokens into inputs and targets.
+void load_fixture(const io::SafetensorsFile& f, GPT& m, std::vector<int32_t>& x,
+                  std::vector<int32_t>& y) {
+    load_hf_weights(m, f.path());
+    split_tokens(f, x, y);
+}
+
 std::vector<int64_t> hf_shape(const ParamSpec& t) {
     return t.name == "wte.weight" ? std::vector<int64_t>{V, C} : t.shape;
 }
@@ -100,9 +107,8 @@ TEST(Parity, LogitsLossAndGradientsMatchPyTorch) {
     ASSERT_FALSE(path.empty());
     auto f = io::SafetensorsFile::open(path);
     GPT m(fixture_model());
-    load_hf_weights(m, path);
     std::vector<int32_t> x, y;
-    split_tokens(f, x, y);
+    load_fixture(f, m, x, y);
 
     std::vector<float> logits((std::size_t)B * T * V);
     m.forward_logits(x.data(), B, T, logits.data());
@@ -128,9 +134,8 @@ TEST(Parity, FiveAdamWStepsWithWarmupCosineMatchPyTorch) {
     ASSERT_FALSE(path.empty());
     auto f = io::SafetensorsFile::open(path);
     GPT m(fixture_model());
-    load_hf_weights(m, path);
     std::vector<int32_t> x, y;
-    split_tokens(f, x, y);
+    load_fixture(f, m, x, y);
 
     OptimConfig oc;
     oc.lr = 1e-3;
