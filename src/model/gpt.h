@@ -1,7 +1,8 @@
 // The GPT model on the CPU: parameters in one flat buffer, an explicit forward and backward per
 // block, and a `BlockSaved` struct per block holding what backward needs. No tape: the forward
 // fills the structs, the backward reads them, and what exists is listed by `activation_layout`,
-// the one function that both sizes the allocation and reports its bytes.
+// the one function that both sizes the allocation and reports its bytes. Activation
+// checkpointing is a per-block `BlockKeep` plan (chosen in remat/) that this file obeys.
 #pragma once
 
 #include <cstddef>
@@ -32,6 +33,17 @@ struct BlockSaved {
     float* fch_gelu;   // (B,T,4C)
 };
 
+// What one block keeps through the forward. Dropped pieces are recomputed in backward, into one
+// shared scratch `BlockSaved`, by the same kernels the forward used (bitwise-identical gradients).
+//   All:       every field of BlockSaved.
+//   Selective: all but ln1, ln2 and fch_gelu (cheap to recompute from the kept mean/rstd,
+//              residual input, resid_mid and fch; together 6 BTC of the block's ~16 BTC).
+//   Input:     nothing beyond the residual-stream input (always kept); the whole block is
+//              recomputed with block_forward before its backward.
+enum class BlockKeep : uint8_t { All, Selective, Input };
+const char* keep_name(BlockKeep k);
+using RematPlan = std::vector<BlockKeep>;  // one per block; empty = every block keeps All
+
 // One named region of the activation or workspace arena.
 struct ArenaEntry {
     std::string name;
@@ -39,12 +51,20 @@ struct ArenaEntry {
     MemCategory category;
 };
 
-// Every activation and workspace tensor a training step of micro-batch B x T allocates.
-std::vector<ArenaEntry> activation_layout(const ModelConfig& cfg, int B, int T, int loss_chunk);
+// Every activation and workspace tensor a training step of micro-batch B x T allocates under
+// `plan` (empty = keep everything). The recompute scratch is MemCategory::Activations: it is one
+// block's worth of exactly the fields some block drops, allocated once for the whole step.
+std::vector<ArenaEntry> activation_layout(const ModelConfig& cfg, int B, int T, int loss_chunk,
+                                          const RematPlan& plan = {});
+// Floats of BlockSaved one block keeps under `k`, and the scratch its recompute needs. The
+// fields dropped by Selective are a subset of those dropped by Input, so the shared scratch of a
+// plan is exactly the largest scratch_floats over its blocks.
+std::size_t kept_floats(const ModelConfig& cfg, int B, int T, BlockKeep k);
+std::size_t scratch_floats(const ModelConfig& cfg, int B, int T, BlockKeep k);
 std::size_t arena_bytes(const std::vector<ArenaEntry>& layout, MemCategory c);
 
 class GPT {
-public:
+  public:
     explicit GPT(const ModelConfig& cfg);
 
     const ModelConfig& config() const { return cfg_; }
@@ -68,13 +88,20 @@ public:
     // Logits over the real vocabulary: out (B,T,V).
     void forward_logits(const int32_t* inputs, int B, int T, float* out);
 
+    // Activation checkpointing: what each block keeps (size n_layer, or empty = keep all).
+    // Takes effect at the next forward; the arena is re-sized to activation_layout(plan).
+    void set_remat(const RematPlan& plan);
+    const RematPlan& remat_plan() const { return plan_; }
+
     static constexpr int kLossChunk = 256;  // rows of logits alive at once
 
-private:
+  private:
     void ensure_arena(int B, int T);
     void forward(const int32_t* inputs, int B, int T);  // fills resid_, saved_, lnf_
     void block_forward(int l, const float* x, float* out, BlockSaved& s, int B, int T);
     void block_backward(int l, float* dres, const float* x, const BlockSaved& s, int B, int T);
+    void recompute_selective(int l, const float* x, BlockSaved& s, int B, int T);
+    BlockKeep keep(int l) const { return plan_.empty() ? BlockKeep::All : plan_[l]; }
 
     ModelConfig cfg_;
     ParamLayout layout_;
@@ -84,10 +111,11 @@ private:
     ModelParams g_;
 
     int arena_B_ = 0, arena_T_ = 0;
-    Buffer<float> acts_;       // MemCategory::Activations
-    Buffer<float> work_;       // MemCategory::Workspace
-    std::vector<float*> resid_;  // n_layer + 1 residual streams (B,T,C)
-    std::vector<BlockSaved> saved_;
+    Buffer<float> acts_;             // MemCategory::Activations
+    Buffer<float> work_;             // MemCategory::Workspace
+    std::vector<float*> resid_;      // n_layer + 1 residual streams (B,T,C)
+    std::vector<BlockSaved> saved_;  // dropped fields point into the shared recompute scratch
+    RematPlan plan_;
     float *lnf_, *lnf_mean_, *lnf_rstd_;
     float *dres_, *dln_, *dbig_, *logits_;
 };

@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "remat/policy.h"
 
 namespace memtrain {
 
@@ -155,6 +156,8 @@ const std::vector<Key>& registry() {
                  "micro-batches per validation"),
         make_key("train.log_every", &R::train, &TrainConfig::log_every, "steps between lines"),
         make_key("train.threads", &R::train, &TrainConfig::threads, "0 = all cores"),
+        make_key("train.remat", &R::train, &TrainConfig::remat,
+                 "none | full | every:K | sqrt | selective | budget:BYTES"),
         make_key("optim.name", &R::optim, &OptimConfig::name, "adamw | sgd"),
         make_key("optim.lr", &R::optim, &OptimConfig::lr, "peak learning rate"),
         make_key("optim.min_lr_ratio", &R::optim, &OptimConfig::min_lr_ratio,
@@ -271,6 +274,11 @@ void RunConfig::validate() const {
         fail("train.eval_batches must be positive, got {}", train.eval_batches);
     if (train.log_every <= 0) fail("train.log_every must be positive, got {}", train.log_every);
     if (train.threads < 0) fail("train.threads must be >= 0, got {}", train.threads);
+    try {
+        remat::parse_policy(train.remat);
+    } catch (const Error& e) {
+        fail("train.remat = \"{}\": {}", train.remat, e.what());
+    }
     if (io.checkpoint_every < 0)
         fail("io.checkpoint_every must be >= 0, got {}", io.checkpoint_every);
     if (sample.max_tokens < 0) fail("sample.max_tokens must be >= 0, got {}", sample.max_tokens);

@@ -24,6 +24,7 @@ struct TrainConfig {
     int eval_batches = 8;        // micro-batches per validation
     int log_every = 1;
     int threads = 0;             // OpenMP/BLAS threads; 0 = all cores
+    std::string remat = "none";  // activation checkpointing policy (remat/policy.h)
 };
 
 struct DataConfig {

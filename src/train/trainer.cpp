@@ -14,6 +14,8 @@
 #include "optim/schedule.h"
 #include "plan/memory_model.h"
 #include "plan/model_spec.h"
+#include "remat/cost.h"
+#include "remat/policy.h"
 #include "train/sample.h"
 
 namespace fs = std::filesystem;
@@ -45,6 +47,20 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_
     print(format_table(cfg_));
 
     model_ = std::make_unique<GPT>(cfg_.model);
+    // The recompute schedule is fixed for the run: the arena is sized once to its layout.
+    const auto schedule = remat::make_schedule(remat::parse_policy(cfg_.train.remat), cfg_.model,
+                                               cfg_.micro_batch(), cfg_.train.seq_len);
+    model_->set_remat(schedule.plan);
+    if (cfg_.train.remat != "none") {
+        std::string letters;
+        for (BlockKeep k : schedule.plan) letters += keep_name(k)[0];
+        print(
+            fmt::format("remat {}: blocks keep [{}] (a all, s selective, i input only) | "
+                        "activations {} | recompute {:.1f}% of a step\n",
+                        cfg_.train.remat, letters, mib(schedule.peak_bytes),
+                        100.0 * schedule.recompute_flops /
+                            remat::step_flops(cfg_.model, cfg_.micro_batch(), cfg_.train.seq_len)));
+    }
     opt_ = make_optimizer(cfg_.optim, model_->layout());
     const int B = cfg_.micro_batch(), T = cfg_.train.seq_len;
     train_loader_ = std::make_unique<data::DataLoader>(cfg_.data.train, B, T, cfg_.train.seed, true);
@@ -194,7 +210,8 @@ TrainSummary Trainer::run() {
 void Trainer::print_memory_report() {
     auto s = host_memory().snapshot();
     const std::size_t psi = model_->num_params();
-    auto lay = activation_layout(cfg_.model, cfg_.micro_batch(), cfg_.train.seq_len, GPT::kLossChunk);
+    auto lay = activation_layout(cfg_.model, cfg_.micro_batch(), cfg_.train.seq_len,
+                                 GPT::kLossChunk, model_->remat_plan());
     std::size_t opt_bytes = (cfg_.optim.name == "adamw" ? 8 : 4) * psi;
     struct Row {
         MemCategory c;
@@ -206,7 +223,9 @@ void Trainer::print_memory_report() {
         {MemCategory::Gradients, "4 x params (fp32)", 4 * psi},
         {MemCategory::OptimizerState,
          cfg_.optim.name == "adamw" ? "8 x params (Adam m, v)" : "4 x params (momentum)", opt_bytes},
-        {MemCategory::Activations, "activation_layout(B, T)", arena_bytes(lay, MemCategory::Activations)},
+        {MemCategory::Activations,
+         fmt::format("activation_layout(B, T, remat={})", cfg_.train.remat),
+         arena_bytes(lay, MemCategory::Activations)},
         {MemCategory::Workspace, "activation_layout(B, T)", arena_bytes(lay, MemCategory::Workspace)},
     };
     std::string out = "\nmemory breakdown (host, fp32)\n";

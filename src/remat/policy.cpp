@@ -1,0 +1,106 @@
+// Parsing policies and turning them into per-block plans (see policy.h).
+#include "remat/policy.h"
+
+#include <cmath>
+#include <cstdlib>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "remat/cost.h"
+
+namespace memtrain::remat {
+
+std::size_t parse_bytes(const std::string& text) {
+    static const std::pair<const char*, double> kSuffixes[] = {
+        {"KiB", 1024.0}, {"MiB", 1048576.0}, {"GiB", 1073741824.0},
+        {"KB", 1e3},     {"MB", 1e6},        {"GB", 1e9},
+        {"B", 1.0},      {"", 1.0}};
+    const char* s = text.c_str();
+    char* end = nullptr;
+    double v = std::strtod(s, &end);
+    if (end == s || !std::isfinite(v) || v <= 0)
+        fail("'{}' is not a positive byte count (e.g. 200MiB, 1.5GB, 4096)", text);
+    std::string suffix(end);
+    for (const auto& [name, mult] : kSuffixes)
+        if (suffix == name) return (std::size_t)std::floor(v * mult);
+    fail("'{}': unknown size suffix '{}'; use B, KB, MB, GB, KiB, MiB or GiB", text, suffix);
+}
+
+RematPolicy parse_policy(const std::string& text) {
+    RematPolicy p;
+    p.text = text;
+    auto bad = [&](const std::string& why) -> RematPolicy {
+        fail("remat policy '{}' {}; expected {}", text, why, kPolicyForms);
+    };
+    if (text == "none")
+        p.kind = RematPolicy::Kind::None;
+    else if (text == "full")
+        p.kind = RematPolicy::Kind::Full;
+    else if (text == "sqrt")
+        p.kind = RematPolicy::Kind::Sqrt;
+    else if (text == "selective")
+        p.kind = RematPolicy::Kind::Selective;
+    else if (text.starts_with("every:")) {
+        std::string k = text.substr(6);
+        char* end = nullptr;
+        long v = std::strtol(k.c_str(), &end, 10);
+        if (k.empty() || *end != '\0' || v < 1 || v > 1000000)
+            return bad("has a bad K (a positive integer)");
+        p.kind = RematPolicy::Kind::Every;
+        p.every = (int)v;
+    } else if (text.starts_with("budget:")) {
+        try {
+            p.budget = parse_bytes(text.substr(7));
+        } catch (const Error& e) {
+            return bad(std::string("has a bad budget: ") + e.what());
+        }
+        p.kind = RematPolicy::Kind::Budget;
+    } else {
+        return bad("is not a known form");
+    }
+    return p;
+}
+
+std::string format_bytes(std::size_t bytes) {
+    return fmt::format("{:.2f} MiB ({} B)", bytes / 1048576.0, bytes);
+}
+
+Schedule make_schedule(const RematPolicy& policy, const ModelConfig& cfg, int B, int T) {
+    const Chain chain = make_chain(cfg, B, T);
+    const int L = cfg.n_layer;
+    using K = RematPolicy::Kind;
+    RematPlan plan(L, BlockKeep::All);
+    int every = policy.every;
+    switch (policy.kind) {
+        case K::None:
+            break;
+        case K::Full:
+            plan.assign(L, BlockKeep::Input);
+            break;
+        case K::Selective:
+            plan.assign(L, BlockKeep::Selective);
+            break;
+        case K::Sqrt:
+            every = (int)std::ceil(std::sqrt((double)L));
+            [[fallthrough]];
+        case K::Every:
+            for (int l = 0; l < L; l++)
+                plan[l] = l % every == 0 ? BlockKeep::All : BlockKeep::Input;
+            break;
+        case K::Budget: {
+            auto s = solve_budget(chain, policy.budget);
+            if (!s) {
+                std::size_t need = min_feasible_bytes(chain);
+                fail(
+                    "remat budget {} is below the smallest feasible peak activation memory {} "
+                    "for this model at micro-batch {} x {}; use budget:{} or more",
+                    format_bytes(policy.budget), format_bytes(need), B, T, need);
+            }
+            return *s;
+        }
+    }
+    return evaluate(chain, plan);
+}
+
+}  // namespace memtrain::remat

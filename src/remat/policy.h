@@ -1,0 +1,34 @@
+// Activation-checkpointing policies: parsed from `train.remat` / `--budget`, turned into a
+// per-block BlockKeep plan for a model and micro-batch (the budget form through the DP solver).
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "model/config.h"
+#include "remat/solver.h"
+
+namespace memtrain::remat {
+
+// none | full | every:K | sqrt | selective | budget:BYTES (suffix B, KB, MB, GB, KiB, MiB, GiB).
+struct RematPolicy {
+    enum class Kind { None, Full, Every, Sqrt, Selective, Budget };
+    Kind kind = Kind::None;
+    int every = 0;              // Every: blocks with index % every == 0 keep all, others input
+    std::size_t budget = 0;     // Budget: peak activation bytes (MemCategory::Activations)
+    std::string text = "none";  // as written
+};
+
+inline constexpr const char* kPolicyForms =
+    "none, full, every:K (K >= 1), sqrt, selective, or budget:BYTES (e.g. budget:200MiB; "
+    "suffixes B KB MB GB KiB MiB GiB)";
+
+RematPolicy parse_policy(const std::string& text);
+// Bytes with an optional suffix ("200MiB", "1.5GB", "4096").
+std::size_t parse_bytes(const std::string& text);
+// The schedule of `policy` for this model and micro-batch B x T. A budget below every plan's
+// peak fails with a message naming the smallest feasible budget.
+Schedule make_schedule(const RematPolicy& policy, const ModelConfig& cfg, int B, int T);
+std::string format_bytes(std::size_t bytes);  // "12.3 MiB (12897280 B)"
+
+}  // namespace memtrain::remat

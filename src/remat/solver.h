@@ -1,0 +1,48 @@
+// The budget solver for activation checkpointing: over a chain of blocks, each choosing one
+// BlockKeep option, minimise recompute FLOPs subject to peak activation bytes <= budget. Pure
+// functions over a `Chain` of per-option costs, so tests can compare against exhaustive search.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "model/gpt.h"
+
+namespace memtrain::remat {
+
+// The cost of one block under one BlockKeep option.
+struct Option {
+    std::size_t kept_bytes = 0;     // held from the block's forward to its backward
+    std::size_t scratch_bytes = 0;  // recompute working set (the shared scratch must hold it)
+    int64_t recompute_flops = 0;    // extra forward work in backward
+};
+
+// Options are indexed by BlockKeep (All, Selective, Input). Peak activation bytes of a plan =
+// fixed_bytes + sum of kept_bytes + max scratch_bytes: the arena is allocated once, and the
+// scratch is shared because the dropped field sets are nested (see model/gpt.h).
+struct Chain {
+    std::size_t fixed_bytes = 0;  // residual streams and ln_f: kept under every plan
+    std::vector<std::array<Option, 3>> blocks;
+};
+
+struct Schedule {
+    RematPlan plan;
+    std::size_t peak_bytes = 0;
+    int64_t recompute_flops = 0;
+};
+
+std::size_t peak_bytes(const Chain& chain, const RematPlan& plan);
+int64_t recompute_flops(const Chain& chain, const RematPlan& plan);
+Schedule evaluate(const Chain& chain, const RematPlan& plan);
+// The smallest peak any plan reaches (the least budget solve_budget can satisfy).
+std::size_t min_feasible_bytes(const Chain& chain);
+// Least recompute FLOPs with peak <= budget, ties broken by the smaller peak; nullopt when no
+// plan fits. Exact when the budget needs at most kMaxUnits units of the gcd of all byte sizes;
+// beyond that sizes are rounded up to a coarser unit (still never over the budget).
+std::optional<Schedule> solve_budget(const Chain& chain, std::size_t budget);
+inline constexpr std::size_t kMaxUnits = std::size_t{1} << 16;
+
+}  // namespace memtrain::remat

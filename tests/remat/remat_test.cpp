@@ -1,0 +1,297 @@
+// Activation checkpointing: every policy gives the same bits as keeping everything, the budget
+// DP matches exhaustive search, predicted bytes are the allocator's measured bytes, and a
+// checkpointed training run resumes exactly. Policy parsing and its errors.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <limits>
+
+#include "core/allocator.h"
+#include "core/error.h"
+#include "core/rng.h"
+#include "model/gpt.h"
+#include "remat/cost.h"
+#include "remat/policy.h"
+#include "remat/solver.h"
+#include "test_util.h"
+#include "train/trainer.h"
+
+using namespace memtrain;
+using namespace memtrain::remat;
+
+namespace {
+
+ModelConfig tiny(int layers) {
+    ModelConfig c;
+    c.n_layer = layers;
+    c.n_head = 2;
+    c.n_embd = 16;
+    c.block_size = 8;
+    c.vocab_size = 37;
+    c.vocab_pad = 16;
+    return c;
+}
+
+std::vector<int32_t> tokens(int n, int vocab, uint64_t seed) {
+    Rng r(seed);
+    std::vector<int32_t> t(n);
+    for (auto& x : t) x = (int32_t)(r.next_u64() % vocab);
+    return t;
+}
+
+struct Result {
+    float loss;
+    std::vector<float> grads;
+};
+
+// Two micro-batches with accumulation, so stale scratch contents would show.
+Result run(const ModelConfig& c, const RematPlan& plan) {
+    GPT m(c);
+    m.init_weights(11);
+    m.set_remat(plan);
+    m.zero_grads();
+    const int B = 2, T = 8;
+    auto x = tokens(2 * B * T, c.vocab_size, 5), y = tokens(2 * B * T, c.vocab_size, 6);
+    float loss = m.forward_backward(x.data(), y.data(), B, T, 1.0f / 32);
+    loss += m.forward_backward(x.data() + B * T, y.data() + B * T, B, T, 1.0f / 32);
+    return {loss, std::vector<float>(m.grads(), m.grads() + m.num_params())};
+}
+
+std::vector<std::string> policies_for(const ModelConfig& c) {
+    std::vector<std::string> p = {"none", "full", "sqrt", "selective", "every:2", "every:3"};
+    Chain ch = make_chain(c, 2, 8);
+    std::size_t lo = min_feasible_bytes(ch),
+                hi = peak_bytes(ch, RematPlan(c.n_layer, BlockKeep::All));
+    for (int i = 0; i <= 4; i++) p.push_back(fmt::format("budget:{}", lo + (hi - lo) * i / 4));
+    return p;
+}
+
+}  // namespace
+
+TEST(Remat, EveryPolicyGivesBitwiseIdenticalLossAndGradients) {
+    for (int L : {1, 3, 4}) {
+        ModelConfig c = tiny(L);
+        Result ref = run(c, {});
+        for (const auto& text : policies_for(c)) {
+            Schedule s = make_schedule(parse_policy(text), c, 2, 8);
+            Result r = run(c, s.plan);
+            EXPECT_EQ(r.loss, ref.loss) << text << " L=" << L;
+            EXPECT_EQ(0, std::memcmp(r.grads.data(), ref.grads.data(), ref.grads.size() * 4))
+                << text << " L=" << L;
+        }
+        // Mixed plans the named policies do not produce.
+        if (L >= 3) {
+            RematPlan mixed(L, BlockKeep::Selective);
+            mixed[0] = BlockKeep::Input;
+            mixed[L - 1] = BlockKeep::All;
+            Result r = run(c, mixed);
+            EXPECT_EQ(0, std::memcmp(r.grads.data(), ref.grads.data(), ref.grads.size() * 4));
+        }
+    }
+}
+
+TEST(Remat, PredictedBytesAreMeasuredBytes) {
+    for (int L : {1, 3, 4}) {
+        ModelConfig c = tiny(L);
+        for (const auto& text : policies_for(c)) {
+            Schedule s = make_schedule(parse_policy(text), c, 2, 8);
+            auto lay = activation_layout(c, 2, 8, GPT::kLossChunk, s.plan);
+            EXPECT_EQ(s.peak_bytes, arena_bytes(lay, MemCategory::Activations)) << text;
+            auto before = host_memory().snapshot();
+            host_memory().reset_peak();
+            {
+                GPT m(c);
+                m.init_weights(1);
+                m.set_remat(s.plan);
+                auto x = tokens(16, c.vocab_size, 3), y = tokens(16, c.vocab_size, 4);
+                m.forward_backward(x.data(), y.data(), 2, 8, 1.0f / 16);
+                auto now = host_memory().snapshot();
+                EXPECT_EQ(now[MemCategory::Activations] - before[MemCategory::Activations],
+                          s.peak_bytes)
+                    << text << " L=" << L;
+                EXPECT_EQ(now.peak(MemCategory::Activations) - before[MemCategory::Activations],
+                          s.peak_bytes)
+                    << text;
+                EXPECT_EQ(now[MemCategory::Workspace] - before[MemCategory::Workspace],
+                          arena_bytes(lay, MemCategory::Workspace))
+                    << text;
+            }
+        }
+    }
+}
+
+TEST(Remat, SetRematResizesTheArenaExactly) {
+    ModelConfig c = tiny(3);
+    GPT m(c);
+    m.init_weights(1);
+    auto x = tokens(16, c.vocab_size, 3), y = tokens(16, c.vocab_size, 4);
+    auto before = host_memory().snapshot();
+    for (const char* p : {"none", "full", "selective", "none"}) {
+        Schedule s = make_schedule(parse_policy(p), c, 2, 8);
+        m.set_remat(s.plan);
+        m.forward_loss(x.data(), y.data(), 2, 8);
+        EXPECT_EQ(
+            host_memory().snapshot()[MemCategory::Activations] - before[MemCategory::Activations],
+            s.peak_bytes)
+            << p;
+    }
+    EXPECT_THROW(m.set_remat(RematPlan(2, BlockKeep::Input)), Error);
+}
+
+TEST(Remat, SolverMatchesExhaustiveSearch) {
+    Rng r(7);
+    for (int trial = 0; trial < 60; trial++) {
+        const int n = 1 + trial % 6;
+        Chain ch;
+        ch.fixed_bytes = 64 * (1 + r.next_u64() % 10);
+        for (int l = 0; l < n; l++) {
+            // Heterogeneous blocks: All keeps most and recomputes nothing, Input the reverse.
+            std::array<Option, 3> o;
+            o[0] = {64 * (20 + r.next_u64() % 20), 0, 0};
+            o[1] = {64 * (5 + r.next_u64() % 15), 64 * (1 + r.next_u64() % 8),
+                    (int64_t)(1 + r.next_u64() % 50)};
+            o[2] = {0, 64 * (10 + r.next_u64() % 20), (int64_t)(50 + r.next_u64() % 200)};
+            ch.blocks.push_back(o);
+        }
+        const std::size_t lo = min_feasible_bytes(ch);
+        const std::size_t hi = peak_bytes(ch, RematPlan(n, BlockKeep::All)) + 128;
+        for (std::size_t budget = lo > 200 ? lo - 200 : 0; budget <= hi; budget += 64 + trial) {
+            // Exhaustive: all 3^n plans, least recompute, then least peak.
+            std::optional<Schedule> best;
+            RematPlan plan(n);
+            int total = 1;
+            for (int i = 0; i < n; i++) total *= 3;
+            for (int code = 0; code < total; code++) {
+                for (int i = 0, c = code; i < n; i++, c /= 3)
+                    plan[i] = static_cast<BlockKeep>(c % 3);
+                Schedule s = evaluate(ch, plan);
+                if (s.peak_bytes > budget) continue;
+                if (!best || s.recompute_flops < best->recompute_flops ||
+                    (s.recompute_flops == best->recompute_flops && s.peak_bytes < best->peak_bytes))
+                    best = s;
+            }
+            auto got = solve_budget(ch, budget);
+            ASSERT_EQ(best.has_value(), got.has_value())
+                << "trial " << trial << " budget " << budget;
+            if (!best) {
+                EXPECT_LT(budget, lo);
+                continue;
+            }
+            EXPECT_GE(budget, lo);
+            EXPECT_EQ(got->recompute_flops, best->recompute_flops) << "trial " << trial;
+            EXPECT_EQ(got->peak_bytes, best->peak_bytes) << "trial " << trial;
+            EXPECT_EQ(evaluate(ch, got->plan).peak_bytes, got->peak_bytes);
+            EXPECT_LE(got->peak_bytes, budget);
+        }
+    }
+}
+
+TEST(Remat, NamedPoliciesHaveTheDocumentedPlans) {
+    ModelConfig c = tiny(4);
+    auto plan = [&](const char* p) { return make_schedule(parse_policy(p), c, 2, 8).plan; };
+    using K = BlockKeep;
+    EXPECT_EQ(plan("none"), RematPlan(4, K::All));
+    EXPECT_EQ(plan("full"), RematPlan(4, K::Input));
+    EXPECT_EQ(plan("selective"), RematPlan(4, K::Selective));
+    EXPECT_EQ(plan("every:3"), (RematPlan{K::All, K::Input, K::Input, K::All}));
+    EXPECT_EQ(plan("sqrt"), (RematPlan{K::All, K::Input, K::All, K::Input}));
+    // A budget of none's peak keeps everything; the smallest feasible budget is what full needs.
+    Chain ch = make_chain(c, 2, 8);
+    auto none = make_schedule(parse_policy("none"), c, 2, 8);
+    EXPECT_EQ(make_schedule(parse_policy(fmt::format("budget:{}", none.peak_bytes)), c, 2, 8).plan,
+              none.plan);
+    EXPECT_EQ(min_feasible_bytes(ch), make_schedule(parse_policy("full"), c, 2, 8).peak_bytes);
+}
+
+TEST(Remat, ParsesPoliciesAndSizes) {
+    EXPECT_EQ(parse_policy("none").kind, RematPolicy::Kind::None);
+    EXPECT_EQ(parse_policy("every:4").every, 4);
+    EXPECT_EQ(parse_policy("budget:200MiB").budget, 200u * 1048576);
+    EXPECT_EQ(parse_policy("budget:1.5GB").budget, 1500000000u);
+    EXPECT_EQ(parse_policy("budget:4096").budget, 4096u);
+    EXPECT_EQ(parse_policy("budget:3KiB").budget, 3072u);
+    EXPECT_EQ(parse_policy("budget:2KB").budget, 2000u);
+    for (const char* bad : {"", "Full", "every:", "every:0", "every:x", "every:2x",
+                            "budget:", "budget:-1MiB", "budget:10TB", "budget:MiB", "sqrt:2"}) {
+        try {
+            parse_policy(bad);
+            ADD_FAILURE() << "accepted '" << bad << "'";
+        } catch (const Error& e) {
+            std::string m = e.what();
+            EXPECT_NE(m.find("budget:BYTES"), std::string::npos) << m;
+            EXPECT_NE(m.find("every:K"), std::string::npos) << m;
+        }
+    }
+}
+
+TEST(Remat, ConfigKeyIsValidatedByName) {
+    RunConfig c = parse_run_config("[train]\nremat = \"sqrt\"\n", "x.toml", {});
+    EXPECT_EQ(c.train.remat, "sqrt");
+    c.validate();
+    RunConfig d = parse_run_config("", "x", {"train.remat=budget:10MiB"});
+    EXPECT_EQ(d.train.remat, "budget:10MiB");
+    d.validate();
+    RunConfig e = parse_run_config("", "x", {"train.remat=sometimes"});
+    try {
+        e.validate();
+        FAIL() << "expected an error";
+    } catch (const Error& err) {
+        std::string m = err.what();
+        EXPECT_NE(m.find("train.remat"), std::string::npos) << m;
+        EXPECT_NE(m.find("selective"), std::string::npos) << m;
+    }
+    EXPECT_EQ(parse_run_config(to_toml(d), "resolved", {}).train.remat, "budget:10MiB");
+}
+
+TEST(Remat, TooSmallBudgetNamesTheSmallestFeasibleOne) {
+    ModelConfig c = tiny(3);
+    std::size_t need = min_feasible_bytes(make_chain(c, 2, 8));
+    try {
+        make_schedule(parse_policy(fmt::format("budget:{}", need - 1)), c, 2, 8);
+        FAIL() << "expected an error";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find(fmt::format("budget:{}", need)), std::string::npos)
+            << e.what();
+    }
+    EXPECT_EQ(make_schedule(parse_policy(fmt::format("budget:{}", need)), c, 2, 8).peak_bytes,
+              need);
+}
+
+TEST(Remat, TrainerWithFullRecomputeMatchesNoneAndResumesBitwise) {
+    auto d0 = test::temp_dir("remat_none"), d1 = test::temp_dir("remat_full"),
+         d2 = test::temp_dir("remat_split");
+    TrainOptions q;
+    q.quiet = true;
+    Trainer ref(test::tiny_run(d0, 12), q);
+    auto sref = ref.run();
+    RunConfig full = test::tiny_run(d1, 12);
+    full.train.remat = "full";
+    auto before = host_memory().snapshot();
+    Trainer a(full, q);
+    auto sa = a.run();
+    EXPECT_EQ(sa.losses, sref.losses);
+    // What the end-of-run memory report predicts is what the trainer's model holds.
+    auto lay = activation_layout(full.model, full.micro_batch(), full.train.seq_len,
+                                 GPT::kLossChunk, a.model().remat_plan());
+    EXPECT_EQ(a.model().remat_plan(), RematPlan(2, BlockKeep::Input));
+    EXPECT_EQ(host_memory().snapshot()[MemCategory::Activations] - before[MemCategory::Activations],
+              arena_bytes(lay, MemCategory::Activations));
+    EXPECT_EQ(0, std::memcmp(a.model().params(), ref.model().params(), a.model().num_params() * 4));
+
+    RunConfig split = test::tiny_run(d2, 12);
+    split.train.remat = "full";
+    {
+        TrainOptions o = q;
+        o.stop_after = 6;
+        Trainer first(split, o);
+        first.run();
+    }
+    TrainOptions o = q;
+    o.resume = split.io.out_dir;
+    Trainer second(split, o);
+    auto s2 = second.run();
+    ASSERT_EQ(s2.losses.size(), 6u);
+    for (int i = 0; i < 6; i++) EXPECT_EQ(s2.losses[i], sa.losses[6 + i]) << "step " << 7 + i;
+    EXPECT_EQ(0,
+              std::memcmp(a.model().params(), second.model().params(), a.model().num_params() * 4));
+}
