@@ -138,3 +138,27 @@ TEST(Cli, TruncatedCheckpointIsNamedAndNothingIsOverwritten) {
     EXPECT_NE(r.output.find("model.safetensors"), std::string::npos) << r.output;
     EXPECT_EQ(fs::file_size(model), size_before);
 }
+
+TEST(Cli, RematScheduleFrontierAndTooSmallBudget) {
+    auto dir = memtrain::test::temp_dir("cli_remat");
+    std::string cfg = std::string(MT_SOURCE_DIR) + "/configs/demo.toml";
+    auto r = run("remat " + cfg + " --budget 100MiB");
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("predicted peak activation memory"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("predicted recompute overhead"), std::string::npos) << r.output;
+    r = run("remat " + cfg + " --frontier --svg " + dir + "/frontier.svg");
+    ASSERT_EQ(r.code, 0) << r.output;
+    for (const char* row : {"none", "selective", "sqrt", "full", "budget:"})
+        EXPECT_NE(r.output.find(row), std::string::npos) << row;
+    std::ifstream svg(dir + "/frontier.svg");
+    std::string head(5, '\0');
+    svg.read(head.data(), 5);
+    EXPECT_EQ(head, "<svg ");
+    r = run("remat " + cfg + " --budget 1KiB");
+    EXPECT_EQ(r.code, 1);
+    EXPECT_NE(r.output.find("smallest feasible peak activation memory"), std::string::npos)
+        << r.output;
+    r = run("train " + cfg + " --set train.remat=budget:lots");
+    EXPECT_EQ(r.code, 1);
+    EXPECT_NE(r.output.find("train.remat"), std::string::npos) << r.output;
+}
