@@ -255,12 +255,16 @@ void Trainer::print_memory_report() {
     rs.flash_attention = false;
     rs.fragmentation = 0;
     rs.reserve_bytes = 0;
+    // The planner models whole-model policies (none, selective, full); per-block schedules
+    // (every:K, sqrt, budget) are priced exactly by activation_layout above.
+    const std::string& rp = cfg_.train.remat;
+    if (rp == "selective" || rp == "full") rs.recompute = plan::parse_recompute(rp);
     auto est = plan::estimate_memory(plan::model_from_config(cfg_.model), rs);
     out += fmt::format("planner estimate: parameters {} | gradients {} | optimizer {} | "
-                       "activations {} | logits and loss {}\n",
+                       "activations {} (+ recompute working set {}) | logits and loss {}\n",
                        mib(est.bytes("parameters")), mib(est.bytes("gradients")),
                        mib(est.bytes("optimizer states")), mib(est.bytes("activations")),
-                       mib(est.bytes("logits and loss")));
+                       mib(est.bytes("recompute working set")), mib(est.bytes("logits and loss")));
     print(out);
 }
 
