@@ -1,0 +1,316 @@
+// MpiCommunicator: each operation starts a nonblocking MPI call and polls it against a deadline,
+// because a blocking MPI call on a dead or diverged peer waits forever (PEERS pains #19, #20).
+// On timeout the rank prints one line naming itself and the stalled operation, then MPI_Abort.
+#include "dist/mpi_communicator.h"
+
+#include <mpi.h>
+
+#include <chrono>
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <thread>
+
+#include "core/error.h"
+
+namespace memtrain::dist {
+
+MpiOptions mpi_options_from_env() {
+    MpiOptions options;
+    if (const char* env = std::getenv("MEMTRAIN_COMM_TIMEOUT_S"); env != nullptr && *env) {
+        char* end = nullptr;
+        const double v = std::strtod(env, &end);
+        if (end == env || *end != '\0' || !(v > 0.0)) {
+            fail("MEMTRAIN_COMM_TIMEOUT_S: expected a positive number of seconds, got '{}'", env);
+        }
+        options.timeout_s = v;
+    }
+    return options;
+}
+
+struct MpiCommunicator::State {
+    MPI_Comm comm = MPI_COMM_NULL;
+    MPI_Comm local = MPI_COMM_NULL;
+    int rank = 0;
+    int size = 1;
+    int local_rank = 0;
+    int local_size = 1;
+    bool owns_mpi = false;
+    double timeout_s = 300.0;
+    std::string host;
+    // Collectives are numbered in call order, which is the same on every rank, so the timeout
+    // lines of different ranks can be matched; point-to-point calls have their own count.
+    uint64_t collective_seq = 0;
+    uint64_t p2p_seq = 0;
+};
+
+namespace {
+
+void check(int rc, int rank, const char* op) {
+    if (rc == MPI_SUCCESS) return;
+    char text[MPI_MAX_ERROR_STRING] = {};
+    int len = 0;
+    MPI_Error_string(rc, text, &len);
+    fail("MPI error in {} on rank {}: {}", op, rank, std::string(text, static_cast<size_t>(len)));
+}
+
+int to_int(int64_t n, const char* op, const char* what) {
+    if (n < 0) fail("{}: {} must be >= 0, got {}", op, what, n);
+    if (n > INT_MAX) {
+        fail("{}: {} is {}, above MPI's limit of {} per call; split the buffer", op, what, n,
+             INT_MAX);
+    }
+    return static_cast<int>(n);
+}
+
+}  // namespace
+
+MpiCommunicator::MpiCommunicator(MpiOptions options) : state_(std::make_unique<State>()) {
+    if (!(options.timeout_s > 0.0)) fail("MpiCommunicator: timeout_s must be > 0");
+    State& s = *state_;
+    s.timeout_s = options.timeout_s;
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized) fail("MpiCommunicator: MPI was already finalised in this process");
+    int initialized = 0;
+    MPI_Initialized(&initialized);
+    int provided = MPI_THREAD_SINGLE;
+    if (!initialized) {
+        if (MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS) {
+            fail("MpiCommunicator: MPI_Init_thread failed");
+        }
+        s.owns_mpi = true;
+    } else {
+        MPI_Query_thread(&provided);
+    }
+    // OpenMP threads exist alongside MPI, so MPI must at least allow them (FUNNELED).
+    if (provided < MPI_THREAD_FUNNELED) {
+        fail("MpiCommunicator: MPI provides thread level {}, memtrain needs MPI_THREAD_FUNNELED",
+             provided);
+    }
+    check(MPI_Comm_dup(MPI_COMM_WORLD, &s.comm), 0, "MPI_Comm_dup");
+    check(MPI_Comm_set_errhandler(s.comm, MPI_ERRORS_RETURN), 0, "MPI_Comm_set_errhandler");
+    check(MPI_Comm_rank(s.comm, &s.rank), 0, "MPI_Comm_rank");
+    check(MPI_Comm_size(s.comm, &s.size), s.rank, "MPI_Comm_size");
+    check(MPI_Comm_split_type(s.comm, MPI_COMM_TYPE_SHARED, s.rank, MPI_INFO_NULL, &s.local),
+          s.rank, "MPI_Comm_split_type");
+    check(MPI_Comm_rank(s.local, &s.local_rank), s.rank, "MPI_Comm_rank");
+    check(MPI_Comm_size(s.local, &s.local_size), s.rank, "MPI_Comm_size");
+    char name[MPI_MAX_PROCESSOR_NAME] = {};
+    int len = 0;
+    MPI_Get_processor_name(name, &len);
+    s.host.assign(name, static_cast<size_t>(len));
+}
+
+MpiCommunicator::~MpiCommunicator() {
+    State& s = *state_;
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized) return;
+    if (s.local != MPI_COMM_NULL) MPI_Comm_free(&s.local);
+    if (s.comm != MPI_COMM_NULL) MPI_Comm_free(&s.comm);
+    if (s.owns_mpi) MPI_Finalize();
+}
+
+int MpiCommunicator::rank() const {
+    return state_->rank;
+}
+int MpiCommunicator::size() const {
+    return state_->size;
+}
+int MpiCommunicator::local_rank() const {
+    return state_->local_rank;
+}
+int MpiCommunicator::local_size() const {
+    return state_->local_size;
+}
+double MpiCommunicator::timeout_s() const {
+    return state_->timeout_s;
+}
+
+namespace {
+
+// Polls `request` until it completes or the deadline passes. MPI progresses nonblocking
+// collectives only inside MPI calls, so the loop keeps calling MPI_Test: it yields for the first
+// milliseconds (fast collectives) and then sleeps briefly so a waiting rank does not steal the
+// core of an oversubscribed peer that has not arrived yet.
+void wait(MpiCommunicator::State& s, MPI_Request& request, const char* op, int64_t n,
+          const char* unit, int peer, MPI_Status* status) {
+    using clock = std::chrono::steady_clock;
+    const bool collective = peer < 0;
+    const uint64_t seq = collective ? ++s.collective_seq : ++s.p2p_seq;
+    const auto start = clock::now();
+    for (;;) {
+        int done = 0;
+        check(MPI_Test(&request, &done, status != nullptr ? status : MPI_STATUS_IGNORE), s.rank,
+              op);
+        if (done) return;
+        const double elapsed = std::chrono::duration<double>(clock::now() - start).count();
+        if (elapsed > s.timeout_s) {
+            const std::string what =
+                collective ? fmt::format("collective #{}", seq)
+                           : fmt::format("point-to-point #{} with rank {}", seq, peer);
+            std::fprintf(stderr,
+                         "memtrain: rank %d of %d (%s): timed out after %.1f s in %s (%s, %lld "
+                         "%s): a peer rank died, stalled or skipped this call; aborting "
+                         "every rank (MEMTRAIN_COMM_TIMEOUT_S=%g)\n",
+                         s.rank, s.size, s.host.c_str(), elapsed, op, what.c_str(),
+                         static_cast<long long>(n), unit, s.timeout_s);
+            std::fflush(stderr);
+            MPI_Abort(s.comm, 3);
+            std::_Exit(3);  // MPI_Abort does not return; this is for a broken MPI only
+        }
+        if (elapsed < 0.002) {
+            std::this_thread::yield();
+        } else {
+            std::this_thread::sleep_for(std::chrono::microseconds(50));
+        }
+    }
+}
+
+}  // namespace
+
+void MpiCommunicator::all_reduce_sum(float* data, int64_t n) {
+    State& s = *state_;
+    const int count = to_int(n, "all_reduce_sum", "n");
+    MPI_Request req;
+    check(MPI_Iallreduce(MPI_IN_PLACE, data, count, MPI_FLOAT, MPI_SUM, s.comm, &req), s.rank,
+          "all_reduce_sum");
+    wait(s, req, "all_reduce_sum", n, "floats", -1, nullptr);
+}
+
+void MpiCommunicator::all_reduce_max(double* data, int64_t n) {
+    State& s = *state_;
+    const int count = to_int(n, "all_reduce_max", "n");
+    MPI_Request req;
+    check(MPI_Iallreduce(MPI_IN_PLACE, data, count, MPI_DOUBLE, MPI_MAX, s.comm, &req), s.rank,
+          "all_reduce_max");
+    wait(s, req, "all_reduce_max", n, "values", -1, nullptr);
+}
+
+void MpiCommunicator::all_reduce_max(int64_t* data, int64_t n) {
+    State& s = *state_;
+    const int count = to_int(n, "all_reduce_max", "n");
+    MPI_Request req;
+    check(MPI_Iallreduce(MPI_IN_PLACE, data, count, MPI_INT64_T, MPI_MAX, s.comm, &req), s.rank,
+          "all_reduce_max");
+    wait(s, req, "all_reduce_max", n, "values", -1, nullptr);
+}
+
+namespace {
+
+// Shard counts and offsets as MPI's int arrays; the whole buffer must fit an int displacement.
+void int_layout(std::span<const int64_t> counts, int world, const char* op, std::vector<int>& c,
+                std::vector<int>& displs, int64_t& total) {
+    check_counts(counts, world, op);
+    c.resize(counts.size());
+    displs.resize(counts.size());
+    total = 0;
+    for (size_t r = 0; r < counts.size(); ++r) {
+        c[r] = to_int(counts[r], op, "a shard count");
+        displs[r] = to_int(total, op, "a shard offset");
+        total += counts[r];
+    }
+    to_int(total, op, "the total element count");
+}
+
+}  // namespace
+
+void MpiCommunicator::reduce_scatter_sum(const float* in, float* out,
+                                         std::span<const int64_t> counts) {
+    State& s = *state_;
+    std::vector<int> c, displs;
+    int64_t total = 0;
+    int_layout(counts, s.size, "reduce_scatter_sum", c, displs, total);
+    const int64_t mine = counts[static_cast<size_t>(s.rank)];
+    if (mine > 0 && out < in + total && in < out + mine) {
+        fail("reduce_scatter_sum: the output shard overlaps the input buffer");
+    }
+    MPI_Request req;
+    check(MPI_Ireduce_scatter(in, out, c.data(), MPI_FLOAT, MPI_SUM, s.comm, &req), s.rank,
+          "reduce_scatter_sum");
+    wait(s, req, "reduce_scatter_sum", total, "floats", -1, nullptr);
+}
+
+void MpiCommunicator::all_gather(const float* in, float* out, std::span<const int64_t> counts) {
+    State& s = *state_;
+    std::vector<int> c, displs;
+    int64_t total = 0;
+    int_layout(counts, s.size, "all_gather", c, displs, total);
+    const size_t r = static_cast<size_t>(s.rank);
+    // The shard already sitting at its place in `out` is MPI_IN_PLACE (ZeRO's usual case).
+    const void* send = (in == out + displs[r]) ? MPI_IN_PLACE : static_cast<const void*>(in);
+    MPI_Request req;
+    check(MPI_Iallgatherv(send, c[r], MPI_FLOAT, out, c.data(), displs.data(), MPI_FLOAT, s.comm,
+                          &req),
+          s.rank, "all_gather");
+    wait(s, req, "all_gather", total, "floats", -1, nullptr);
+}
+
+void MpiCommunicator::all_gather_bytes(const void* in, void* out, int64_t bytes_per_rank) {
+    State& s = *state_;
+    const int count = to_int(bytes_per_rank, "all_gather_bytes", "bytes_per_rank");
+    to_int(bytes_per_rank * s.size, "all_gather_bytes", "the total byte count");
+    MPI_Request req;
+    check(MPI_Iallgather(in, count, MPI_BYTE, out, count, MPI_BYTE, s.comm, &req), s.rank,
+          "all_gather_bytes");
+    wait(s, req, "all_gather_bytes", bytes_per_rank * s.size, "bytes", -1, nullptr);
+}
+
+void MpiCommunicator::broadcast(void* data, int64_t bytes, int root) {
+    State& s = *state_;
+    const int count = to_int(bytes, "broadcast", "bytes");
+    if (root < 0 || root >= s.size) {
+        fail("broadcast: root {} is not a rank of a world of size {}", root, s.size);
+    }
+    MPI_Request req;
+    check(MPI_Ibcast(data, count, MPI_BYTE, root, s.comm, &req), s.rank, "broadcast");
+    wait(s, req, "broadcast", bytes, "bytes", -1, nullptr);
+}
+
+void MpiCommunicator::send(const float* data, int64_t n, int peer, int tag) {
+    State& s = *state_;
+    const int count = to_int(n, "send", "n");
+    if (peer < 0 || peer >= s.size || peer == s.rank) {
+        fail("send: peer {} is not another rank of a world of size {}", peer, s.size);
+    }
+    MPI_Request req;
+    check(MPI_Isend(data, count, MPI_FLOAT, peer, tag, s.comm, &req), s.rank, "send");
+    wait(s, req, "send", n, "floats", peer, nullptr);
+}
+
+void MpiCommunicator::recv(float* data, int64_t n, int peer, int tag) {
+    State& s = *state_;
+    const int count = to_int(n, "recv", "n");
+    if (peer < 0 || peer >= s.size || peer == s.rank) {
+        fail("recv: peer {} is not another rank of a world of size {}", peer, s.size);
+    }
+    MPI_Request req;
+    MPI_Status status;
+    check(MPI_Irecv(data, count, MPI_FLOAT, peer, tag, s.comm, &req), s.rank, "recv");
+    wait(s, req, "recv", n, "floats", peer, &status);
+    int got = 0;
+    MPI_Get_count(&status, MPI_FLOAT, &got);
+    if (got != count) {
+        fail("recv from rank {} (tag {}): expected {} elements, got {}", peer, tag, n, got);
+    }
+}
+
+void MpiCommunicator::barrier() {
+    State& s = *state_;
+    MPI_Request req;
+    check(MPI_Ibarrier(s.comm, &req), s.rank, "barrier");
+    wait(s, req, "barrier", 0, "elements", -1, nullptr);
+}
+
+void MpiCommunicator::abort(std::string_view reason) {
+    const State& s = *state_;
+    std::fprintf(stderr, "memtrain: rank %d of %d (%s): aborting every rank: %.*s\n", s.rank,
+                 s.size, s.host.c_str(), static_cast<int>(reason.size()), reason.data());
+    std::fflush(stderr);
+    MPI_Abort(s.comm, 1);
+    std::_Exit(1);  // MPI_Abort does not return; this is for a broken MPI only
+}
+
+}  // namespace memtrain::dist

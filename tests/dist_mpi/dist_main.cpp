@@ -1,0 +1,341 @@
+// Multi-process tests of dist::MpiCommunicator, run under mpirun on 2 and 4 ranks: every
+// collective against a serial reference computed on each rank, uneven and empty shards, config
+// agreement, and the fail-fast scenarios (--scenario=rank1_skips|rank1_exits|rank1_aborts).
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/error.h"
+#include "core/rng.h"
+#include "dist/communicator.h"
+#include "dist/mpi_communicator.h"
+
+namespace memtrain::dist {
+namespace {
+
+// GoogleTest bodies cannot take arguments, so the one communicator main() builds is reached
+// through this accessor; library code gets its communicator passed in (STYLE lesson 9).
+MpiCommunicator* g_comm = nullptr;
+Communicator& comm() {
+    return *g_comm;
+}
+
+// Dyadic values with small magnitude: any summation order gives the exact same float, so the
+// collectives can be compared bitwise with a serial reference whatever algorithm MPI picks.
+float value(int rank, int64_t i) {
+    return static_cast<float>((rank * 7 + i * 13) % 97 - 48) * 0.125f;
+}
+
+std::vector<float> rank_buffer(int rank, int64_t n) {
+    std::vector<float> v(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) v[static_cast<size_t>(i)] = value(rank, i);
+    return v;
+}
+
+// Layouts every shard test runs over: balanced, total < world (empty shards on 4 ranks), and
+// hand-made uneven counts with rank 1 empty.
+std::vector<std::vector<int64_t>> layouts(int world) {
+    std::vector<int64_t> uneven;
+    for (int r = 0; r < world; ++r) uneven.push_back(r == 1 ? 0 : 3 + 2 * r);
+    return {shard_counts(1001, world), shard_counts(3, world), uneven};
+}
+
+int64_t sum(const std::vector<int64_t>& v) {
+    int64_t s = 0;
+    for (int64_t x : v) s += x;
+    return s;
+}
+
+TEST(MpiComm, RanksAndLocalRanks) {
+    int world_size = 0;
+    MPI_Comm_size(MPI_COMM_WORLD, &world_size);
+    EXPECT_EQ(comm().size(), world_size);
+    EXPECT_GE(comm().rank(), 0);
+    EXPECT_LT(comm().rank(), comm().size());
+    // CTest launches every rank on this machine.
+    EXPECT_EQ(comm().local_size(), comm().size());
+    EXPECT_EQ(comm().local_rank(), comm().rank());
+    Mesh mesh(comm());
+    EXPECT_EQ(mesh.dp_degree(), comm().size());
+    EXPECT_EQ(mesh.is_root(), comm().rank() == 0);
+}
+
+TEST(MpiComm, AllReduceSumMatchesSerialBitwise) {
+    const int64_t n = 4099;
+    std::vector<float> data = rank_buffer(comm().rank(), n);
+    comm().all_reduce_sum(data.data(), n);
+    std::vector<float> ref(static_cast<size_t>(n), 0.0f);
+    for (int r = 0; r < comm().size(); ++r) {
+        for (int64_t i = 0; i < n; ++i) ref[static_cast<size_t>(i)] += value(r, i);
+    }
+    EXPECT_EQ(std::memcmp(data.data(), ref.data(), data.size() * sizeof(float)), 0);
+}
+
+TEST(MpiComm, AllReduceOfGradientsIsDeterministicAndAgreedByAllRanks) {
+    // Gradient-like values (normal, mixed magnitudes): rounding depends on the summation order,
+    // so this checks the order is fixed (repeat calls) and every rank ends with the same bits.
+    const int64_t n = 100003;
+    auto grads = [&](int rank) {
+        Rng rng(1234 + static_cast<uint64_t>(rank));
+        std::vector<float> g(static_cast<size_t>(n));
+        for (auto& x : g) x = static_cast<float>(rng.normal() * 1e-3 * (1 + rank));
+        return g;
+    };
+    std::vector<float> first = grads(comm().rank());
+    comm().all_reduce_sum(first.data(), n);
+    for (int repeat = 0; repeat < 3; ++repeat) {
+        std::vector<float> again = grads(comm().rank());
+        comm().all_reduce_sum(again.data(), n);
+        ASSERT_EQ(std::memcmp(first.data(), again.data(), first.size() * sizeof(float)), 0)
+            << "repeat " << repeat;
+    }
+    // Printed so separate runs can be compared too (same world size, same MPI: same hash).
+    if (comm().rank() == 0) {
+        uint64_t h = 14695981039346656037ull;
+        for (float x : first) {
+            uint32_t bits;
+            std::memcpy(&bits, &x, 4);
+            h = (h ^ bits) * 1099511628211ull;
+        }
+        std::printf("all_reduce_sum of %lld gradients on %d ranks: result hash %016llx\n",
+                    static_cast<long long>(n), comm().size(), static_cast<unsigned long long>(h));
+    }
+    std::vector<float> root = first;
+    comm().broadcast(root.data(), n * static_cast<int64_t>(sizeof(float)), 0);
+    EXPECT_EQ(std::memcmp(first.data(), root.data(), first.size() * sizeof(float)), 0);
+    // And it is the sum, up to float rounding of a different order.
+    std::vector<double> ref(static_cast<size_t>(n), 0.0);
+    for (int r = 0; r < comm().size(); ++r) {
+        std::vector<float> g = grads(r);
+        for (size_t i = 0; i < g.size(); ++i) ref[i] += g[i];
+    }
+    for (size_t i = 0; i < ref.size(); ++i) ASSERT_NEAR(first[i], ref[i], 1e-8) << i;
+}
+
+TEST(MpiComm, AllReduceMax) {
+    const int r = comm().rank();
+    std::vector<double> d = {static_cast<double>(r), -static_cast<double>(r), r == 1 ? 7.5 : 0.0};
+    comm().all_reduce_max(d.data(), 3);
+    EXPECT_EQ(d, (std::vector<double>{comm().size() - 1.0, 0.0, 7.5}));
+    std::vector<int64_t> i = {r, int64_t{1} << 40, -r};
+    comm().all_reduce_max(i.data(), 3);
+    EXPECT_EQ(i, (std::vector<int64_t>{comm().size() - 1, int64_t{1} << 40, 0}));
+    EXPECT_FALSE(any_rank(comm(), false));
+    EXPECT_TRUE(any_rank(comm(), r == comm().size() - 1));
+}
+
+TEST(MpiComm, ReduceScatterUnevenShards) {
+    for (const auto& counts : layouts(comm().size())) {
+        const int64_t total = sum(counts);
+        const auto offsets = shard_offsets(counts);
+        const size_t me = static_cast<size_t>(comm().rank());
+        std::vector<float> in = rank_buffer(comm().rank(), total);
+        std::vector<float> out(static_cast<size_t>(counts[me]) + 1, -1.0f);  // +1: a canary
+        comm().reduce_scatter_sum(in.data(), out.data(), counts);
+        for (int64_t i = 0; i < counts[me]; ++i) {
+            float ref = 0.0f;
+            for (int r = 0; r < comm().size(); ++r) ref += value(r, offsets[me] + i);
+            ASSERT_EQ(out[static_cast<size_t>(i)], ref) << "total " << total << " i " << i;
+        }
+        EXPECT_EQ(out.back(), -1.0f) << "wrote past the shard";
+    }
+}
+
+TEST(MpiComm, AllGatherUnevenShardsSeparateAndInPlace) {
+    for (const auto& counts : layouts(comm().size())) {
+        const int64_t total = sum(counts);
+        const auto offsets = shard_offsets(counts);
+        const size_t me = static_cast<size_t>(comm().rank());
+        // Rank r's shard holds value(r, offset_r + i), so the gathered buffer is known.
+        std::vector<float> ref(static_cast<size_t>(total));
+        for (int r = 0; r < comm().size(); ++r) {
+            for (int64_t i = 0; i < counts[static_cast<size_t>(r)]; ++i) {
+                const int64_t j = offsets[static_cast<size_t>(r)] + i;
+                ref[static_cast<size_t>(j)] = value(r, j);
+            }
+        }
+        std::vector<float> shard(ref.begin() + offsets[me], ref.begin() + offsets[me] + counts[me]);
+        std::vector<float> out(static_cast<size_t>(total), -1.0f);
+        comm().all_gather(shard.data(), out.data(), counts);
+        EXPECT_EQ(out, ref) << "total " << total;
+
+        std::vector<float> in_place(static_cast<size_t>(total), -1.0f);
+        std::copy(shard.begin(), shard.end(), in_place.begin() + offsets[me]);
+        comm().all_gather(in_place.data() + offsets[me], in_place.data(), counts);
+        EXPECT_EQ(in_place, ref) << "in place, total " << total;
+    }
+}
+
+TEST(MpiComm, AllGatherBytes) {
+    struct Record {
+        int32_t rank;
+        float loss;
+    };
+    Record mine{comm().rank(), 0.5f * static_cast<float>(comm().rank())};
+    std::vector<Record> all(static_cast<size_t>(comm().size()));
+    comm().all_gather_bytes(&mine, all.data(), sizeof(Record));
+    for (int r = 0; r < comm().size(); ++r) {
+        EXPECT_EQ(all[static_cast<size_t>(r)].rank, r);
+        EXPECT_EQ(all[static_cast<size_t>(r)].loss, 0.5f * static_cast<float>(r));
+    }
+}
+
+TEST(MpiComm, BroadcastFromEveryRoot) {
+    for (int root = 0; root < comm().size(); ++root) {
+        std::vector<float> v = rank_buffer(comm().rank(), 257);
+        comm().broadcast(v.data(), 257 * sizeof(float), root);
+        EXPECT_EQ(v, rank_buffer(root, 257)) << "root " << root;
+    }
+    EXPECT_THROW(comm().broadcast(nullptr, 0, comm().size()), Error);
+}
+
+TEST(MpiComm, SendRecvRing) {
+    const int r = comm().rank(), n = comm().size();
+    const int next = (r + 1) % n, prev = (r + n - 1) % n;
+    std::vector<float> out = rank_buffer(r, 5000), in(5000, 0.0f);
+    // Even ranks send first and odd ranks receive first, so no two blocking sends face each
+    // other (the world sizes tested are even).
+    if (r % 2 == 0) {
+        comm().send(out.data(), 5000, next, 7);
+        comm().recv(in.data(), 5000, prev, 7);
+    } else {
+        comm().recv(in.data(), 5000, prev, 7);
+        comm().send(out.data(), 5000, next, 7);
+    }
+    EXPECT_EQ(in, rank_buffer(prev, 5000));
+}
+
+TEST(MpiComm, RecvOfTheWrongLengthFails) {
+    std::vector<float> buf(4, 1.0f);
+    if (comm().rank() == 0) {
+        comm().send(buf.data(), 2, 1, 9);
+    } else if (comm().rank() == 1) {
+        try {
+            comm().recv(buf.data(), 4, 0, 9);
+            ADD_FAILURE() << "expected a length error";
+        } catch (const Error& e) {
+            EXPECT_NE(std::string(e.what()).find("expected 4 elements, got 2"), std::string::npos)
+                << e.what();
+        }
+    }
+    comm().barrier();
+}
+
+TEST(MpiComm, CheckSameConfigPassesWhenEqual) {
+    EXPECT_NO_THROW(check_same_config(comm(), "n_layer=12\nlr=3e-4\n"));
+}
+
+TEST(MpiComm, CheckSameConfigNamesTheDifferingRank) {
+    const int odd = comm().size() - 1;
+    const std::string cfg =
+        comm().rank() == odd ? "n_layer=12\nlr=1e-3\n" : "n_layer=12\nlr=3e-4\n";
+    // Every rank must fail, not only the odd one, or the others would run on into a hang.
+    try {
+        check_same_config(comm(), cfg);
+        ADD_FAILURE() << "expected a config mismatch on rank " << comm().rank();
+    } catch (const Error& e) {
+        const std::string msg = e.what();
+        EXPECT_NE(msg.find("config differs across ranks"), std::string::npos) << msg;
+        EXPECT_NE(msg.find("ranks " + std::to_string(odd) + " "), std::string::npos) << msg;
+    }
+}
+
+TEST(MpiComm, BadCountsFailOnEveryRankBeforeCommunicating) {
+    std::vector<float> buf(8);
+    std::vector<int64_t> too_few = {8};
+    EXPECT_THROW(comm().all_gather(buf.data(), buf.data(), too_few), Error);
+    std::vector<int64_t> negative(static_cast<size_t>(comm().size()), 1);
+    negative.back() = -1;
+    EXPECT_THROW(comm().reduce_scatter_sum(buf.data(), buf.data() + 4, negative), Error);
+}
+
+// Rank 1 misses the second collective and stays alive (a stuck or diverged rank: a dead one is
+// caught by mpirun itself). The other ranks must print the timeout line and abort the job.
+int run_rank1_skips(Communicator& c) {
+    std::vector<float> v(1024, 1.0f);
+    c.all_reduce_sum(v.data(), 1024);  // collective #1: everyone
+    if (c.rank() == 1) {
+        std::this_thread::sleep_for(std::chrono::seconds(30));
+        return 0;
+    }
+    c.all_reduce_sum(v.data(), 1024);  // collective #2: rank 1 never arrives
+    std::fprintf(stderr, "rank %d: collective #2 completed without rank 1\n", c.rank());
+    return 1;
+}
+
+// Rank 1 exits without finalising (a crash) while the others wait in a collective: mpirun
+// notices the exit and ends the job, well before the communicator's timeout.
+int run_rank1_exits(Communicator& c) {
+    std::vector<float> v(1024, 1.0f);
+    c.all_reduce_sum(v.data(), 1024);
+    if (c.rank() == 1) std::_Exit(0);
+    c.all_reduce_sum(v.data(), 1024);
+    std::fprintf(stderr, "rank %d: collective #2 completed without rank 1\n", c.rank());
+    return 1;
+}
+
+// Rank 1 hits an unrecoverable error (say, out of memory) and aborts the job on purpose, so the
+// others stop at once instead of waiting for their timeout.
+int run_rank1_aborts(Communicator& c) {
+    std::vector<float> v(1024, 1.0f);
+    c.all_reduce_sum(v.data(), 1024);
+    if (c.rank() == 1) c.abort("out of memory: activations grew past the budget");
+    c.all_reduce_sum(v.data(), 1024);
+    std::fprintf(stderr, "rank %d: collective #2 completed without rank 1\n", c.rank());
+    return 1;
+}
+
+// On ranks other than 0, print only failures, prefixed by the rank, so the log stays readable.
+class RankFailurePrinter : public testing::EmptyTestEventListener {
+  public:
+    explicit RankFailurePrinter(int rank) : rank_(rank) {}
+    void OnTestPartResult(const testing::TestPartResult& r) override {
+        if (r.failed()) {
+            std::fprintf(stderr, "[rank %d] %s:%d: failure\n%s\n", rank_,
+                         r.file_name() ? r.file_name() : "?", r.line_number(), r.summary());
+        }
+    }
+
+  private:
+    int rank_;
+};
+
+}  // namespace
+}  // namespace memtrain::dist
+
+int main(int argc, char** argv) {
+    using namespace memtrain::dist;
+    int provided = 0;
+    MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
+    int status = 0;
+    {
+        MpiCommunicator comm(mpi_options_from_env());
+        g_comm = &comm;
+        const std::string scenario = argc > 1 ? argv[1] : "";
+        if (scenario == "--scenario=rank1_skips") {
+            status = run_rank1_skips(comm);
+        } else if (scenario == "--scenario=rank1_exits") {
+            status = run_rank1_exits(comm);
+        } else if (scenario == "--scenario=rank1_aborts") {
+            status = run_rank1_aborts(comm);
+        } else {
+            testing::InitGoogleTest(&argc, argv);
+            if (comm.rank() != 0) {
+                auto& listeners = testing::UnitTest::GetInstance()->listeners();
+                delete listeners.Release(listeners.default_result_printer());
+                listeners.Append(new RankFailurePrinter(comm.rank()));
+            }
+            status = RUN_ALL_TESTS();
+        }
+        g_comm = nullptr;
+    }
+    MPI_Finalize();
+    return status;
+}
