@@ -21,6 +21,26 @@ inline std::string temp_dir(const std::string& name) {
     return p.string();
 }
 
+// A tiny GPT-2: 2 heads x 16 wide, context 8, a vocabulary that is not a multiple of the padding.
+inline ModelConfig tiny_model(int layers = 2) {
+    ModelConfig c;
+    c.n_layer = layers;
+    c.n_head = 2;
+    c.n_embd = 16;
+    c.block_size = 8;
+    c.vocab_size = 37;
+    c.vocab_pad = 16;
+    return c;
+}
+
+// Uniformly random token ids.
+inline std::vector<int32_t> random_tokens(int n, int vocab, uint64_t seed) {
+    Rng r(seed);
+    std::vector<int32_t> t(n);
+    for (auto& x : t) x = (int32_t)(r.next_u64() % vocab);
+    return t;
+}
+
 // A token stream with structure a model can learn: a noisy repeating pattern.
 inline std::vector<uint32_t> patterned_tokens(std::size_t n, uint32_t vocab, uint64_t seed) {
     Rng r(seed);

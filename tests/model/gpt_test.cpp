@@ -9,27 +9,16 @@
 #include "core/error.h"
 #include "model/gpt.h"
 #include "optim/optimizer.h"
+#include "test_util.h"
 
 using namespace memtrain;
 
 namespace {
 
-ModelConfig tiny() {
-    ModelConfig c;
-    c.n_layer = 2;
-    c.n_head = 2;
-    c.n_embd = 16;
-    c.block_size = 8;
-    c.vocab_size = 37;  // not a multiple of the padding
-    c.vocab_pad = 16;
-    return c;
-}
+ModelConfig tiny() { return test::tiny_model(2); }
 
 std::vector<int32_t> tokens(int n, int vocab, uint64_t seed) {
-    Rng r(seed);
-    std::vector<int32_t> t(n);
-    for (auto& x : t) x = (int32_t)(r.next_u64() % vocab);
-    return t;
+    return test::random_tokens(n, vocab, seed);
 }
 
 }  // namespace

@@ -21,22 +21,10 @@ using namespace memtrain::remat;
 
 namespace {
 
-ModelConfig tiny(int layers) {
-    ModelConfig c;
-    c.n_layer = layers;
-    c.n_head = 2;
-    c.n_embd = 16;
-    c.block_size = 8;
-    c.vocab_size = 37;
-    c.vocab_pad = 16;
-    return c;
-}
+ModelConfig tiny(int layers) { return test::tiny_model(layers); }
 
 std::vector<int32_t> tokens(int n, int vocab, uint64_t seed) {
-    Rng r(seed);
-    std::vector<int32_t> t(n);
-    for (auto& x : t) x = (int32_t)(r.next_u64() % vocab);
-    return t;
+    return test::random_tokens(n, vocab, seed);
 }
 
 struct Result {
