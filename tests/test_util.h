@@ -46,8 +46,8 @@ inline std::vector<uint32_t> patterned_tokens(std::size_t n, uint32_t vocab, uin
     Rng r(seed);
     std::vector<uint32_t> t(n);
     for (std::size_t i = 0; i < n; i++)
-        t[i] = (r.uniform() < 0.1f) ? (uint32_t)(r.next_u64() % vocab)
-                                    : (uint32_t)((i * 7) % vocab);
+        t[i] =
+            (r.uniform() < 0.1f) ? (uint32_t)(r.next_u64() % vocab) : (uint32_t)((i * 7) % vocab);
     return t;
 }
 

@@ -14,14 +14,22 @@ namespace memtrain {
 
 std::string_view category_name(MemCategory c) {
     switch (c) {
-        case MemCategory::Parameters: return "parameters";
-        case MemCategory::Gradients: return "gradients";
-        case MemCategory::OptimizerState: return "optimizer state";
-        case MemCategory::Activations: return "activations";
-        case MemCategory::Workspace: return "workspace";
-        case MemCategory::Communication: return "communication";
-        case MemCategory::Other: return "other";
-        case MemCategory::Count: break;
+        case MemCategory::Parameters:
+            return "parameters";
+        case MemCategory::Gradients:
+            return "gradients";
+        case MemCategory::OptimizerState:
+            return "optimizer state";
+        case MemCategory::Activations:
+            return "activations";
+        case MemCategory::Workspace:
+            return "workspace";
+        case MemCategory::Communication:
+            return "communication";
+        case MemCategory::Other:
+            return "other";
+        case MemCategory::Count:
+            break;
     }
     return "?";
 }

@@ -40,7 +40,7 @@ struct MemoryStats {
     std::array<std::size_t, kNumMemCategories> peak_used{};
     std::size_t total_used = 0;
     std::size_t total_reserved = 0;
-    std::size_t peak_total_used = 0;      // peak of the sum, not the sum of the peaks
+    std::size_t peak_total_used = 0;  // peak of the sum, not the sum of the peaks
     std::size_t peak_total_reserved = 0;
 
     std::size_t operator[](MemCategory c) const { return used[static_cast<int>(c)]; }
@@ -48,14 +48,14 @@ struct MemoryStats {
 };
 
 class MemoryTracker {
-public:
+  public:
     void on_alloc(MemCategory c, std::size_t used, std::size_t reserved);
     void on_free(MemCategory c, std::size_t used, std::size_t reserved);
     MemoryStats snapshot() const;
     // Restarts peak tracking from the current usage (e.g. after set-up, to measure a step).
     void reset_peak();
 
-private:
+  private:
     mutable std::mutex mu_;
     MemoryStats stats_;
 };
@@ -70,7 +70,7 @@ void tracked_free(void* p, std::size_t bytes, MemCategory c);
 // An owning, move-only, zero-initialised array of T in one category.
 template <typename T>
 class Buffer {
-public:
+  public:
     Buffer() = default;
     Buffer(std::size_t n, MemCategory c) : n_(n), cat_(c) {
         data_ = static_cast<T*>(tracked_alloc(n * sizeof(T), c));
@@ -101,7 +101,7 @@ public:
     const T& operator[](std::size_t i) const { return data_[i]; }
     MemCategory category() const { return cat_; }
 
-private:
+  private:
     T* data_ = nullptr;
     std::size_t n_ = 0;
     MemCategory cat_ = MemCategory::Other;

@@ -17,7 +17,7 @@ inline uint64_t splitmix64(uint64_t& x) {
 }
 
 class Rng {
-public:
+  public:
     explicit Rng(uint64_t seed = 0) {
         uint64_t x = seed;
         for (auto& s : state_) s = splitmix64(x);
@@ -44,7 +44,7 @@ public:
     const std::array<uint64_t, 4>& state() const { return state_; }
     void set_state(const std::array<uint64_t, 4>& s) { state_ = s; }
 
-private:
+  private:
     static uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
     std::array<uint64_t, 4> state_{};
 };

@@ -74,9 +74,10 @@ void load_hf_weights(GPT& model, const std::string& path) {
         const io::TensorInfo* info = f.find(t.name);
         if (!info) info = f.find("transformer." + t.name);
         if (!info)
-            fail("{} has no tensor '{}' (nor 'transformer.{}'): not a GPT-2 checkpoint of this "
-                 "shape",
-                 path, t.name, t.name);
+            fail(
+                "{} has no tensor '{}' (nor 'transformer.{}'): not a GPT-2 checkpoint of this "
+                "shape",
+                path, t.name, t.name);
         auto shape = hf_shape(cfg, t);
         std::size_t n = 1;
         for (auto d : shape) n *= d;
@@ -130,7 +131,8 @@ std::string save_checkpoint(const std::string& out_dir, const RunConfig& cfg, co
     w.set_metadata("optimizer", cfg.optim.name);
     w.set_metadata("step", std::to_string(state.step));
     w.set_metadata("optimizer_steps", std::to_string(opt.steps_taken()));
-    for (int i = 0; i < 4; i++) w.set_metadata(fmt::format("rng{}", i), std::to_string(state.rng[i]));
+    for (int i = 0; i < 4; i++)
+        w.set_metadata(fmt::format("rng{}", i), std::to_string(state.rng[i]));
     w.set_metadata("data_epoch", std::to_string(state.data_epoch));
     w.set_metadata("data_cursor", std::to_string(state.data_cursor));
     auto buffers = opt.state();
@@ -169,9 +171,10 @@ std::string resolve_checkpoint_dir(const std::string& path) {
             fail("{}/latest points at {}, which holds no model.safetensors", path, d.string());
         return d.string();
     }
-    fail("{} is neither a checkpoint directory (no model.safetensors) nor an output directory "
-         "with a 'latest' file",
-         path);
+    fail(
+        "{} is neither a checkpoint directory (no model.safetensors) nor an output directory "
+        "with a 'latest' file",
+        path);
 }
 
 RunConfig checkpoint_config(const std::string& dir) {
@@ -186,11 +189,12 @@ TrainState load_checkpoint(const std::string& dir, GPT& model, Optimizer& opt) {
     if (a.n_layer != b.n_layer || a.n_head != b.n_head || a.n_embd != b.n_embd ||
         a.block_size != b.block_size || a.vocab_size != b.vocab_size ||
         a.padded_vocab() != b.padded_vocab())
-        fail("checkpoint {} holds a model of n_layer={} n_head={} n_embd={} block_size={} "
-             "vocab_size={}, but the config asks for n_layer={} n_head={} n_embd={} "
-             "block_size={} vocab_size={}",
-             dir, a.n_layer, a.n_head, a.n_embd, a.block_size, a.vocab_size, b.n_layer, b.n_head,
-             b.n_embd, b.block_size, b.vocab_size);
+        fail(
+            "checkpoint {} holds a model of n_layer={} n_head={} n_embd={} block_size={} "
+            "vocab_size={}, but the config asks for n_layer={} n_head={} n_embd={} "
+            "block_size={} vocab_size={}",
+            dir, a.n_layer, a.n_head, a.n_embd, a.block_size, a.vocab_size, b.n_layer, b.n_head,
+            b.n_embd, b.block_size, b.vocab_size);
     load_hf_weights(model, (fs::path(dir) / "model.safetensors").string());
 
     std::string spath = (fs::path(dir) / "training_state.safetensors").string();

@@ -18,8 +18,8 @@
 namespace memtrain {
 
 struct TrainState {
-    int64_t step = 0;                    // optimizer steps completed
-    std::array<uint64_t, 4> rng{};       // sampling RNG
+    int64_t step = 0;               // optimizer steps completed
+    std::array<uint64_t, 4> rng{};  // sampling RNG
     uint64_t data_epoch = 0, data_cursor = 0;
 };
 

@@ -18,9 +18,10 @@ void ModelConfig::validate() const {
     if (n_embd % n_head != 0)
         fail("model.n_embd ({}) must be divisible by model.n_head ({})", n_embd, n_head);
     if (n_kv_head != 0 && n_kv_head != n_head)
-        fail("model.n_kv_head = {}: grouped-query attention is not implemented yet; use 0 (= "
-             "n_head)",
-             n_kv_head);
+        fail(
+            "model.n_kv_head = {}: grouped-query attention is not implemented yet; use 0 (= "
+            "n_head)",
+            n_kv_head);
     if (norm != "layernorm")
         fail("model.norm = \"{}\": only \"layernorm\" is implemented (\"rmsnorm\" is planned)",
              norm);

@@ -58,9 +58,9 @@ ModelParams view_params(const ParamLayout& layout, float* base, int n_layer) {
     p.wpe = at(1);
     for (int l = 0; l < n_layer; l++) {
         std::size_t i = 2 + 12 * (std::size_t)l;
-        p.blocks.push_back(BlockParams{at(i), at(i + 1), at(i + 2), at(i + 3), at(i + 4),
-                                       at(i + 5), at(i + 6), at(i + 7), at(i + 8), at(i + 9),
-                                       at(i + 10), at(i + 11)});
+        p.blocks.push_back(BlockParams{at(i), at(i + 1), at(i + 2), at(i + 3), at(i + 4), at(i + 5),
+                                       at(i + 6), at(i + 7), at(i + 8), at(i + 9), at(i + 10),
+                                       at(i + 11)});
     }
     std::size_t f = 2 + 12 * (std::size_t)n_layer;
     p.lnf_w = at(f);

@@ -14,11 +14,11 @@
 namespace memtrain {
 
 struct ParamSpec {
-    std::string name;             // e.g. "h.0.attn.c_attn.weight"
-    std::vector<int64_t> shape;   // in-memory shape (wte has padded_vocab rows)
-    std::size_t offset = 0;       // in floats, into the flat buffer
+    std::string name;            // e.g. "h.0.attn.c_attn.weight"
+    std::vector<int64_t> shape;  // in-memory shape (wte has padded_vocab rows)
+    std::size_t offset = 0;      // in floats, into the flat buffer
     std::size_t numel = 0;
-    bool decay = false;           // weight decay applies (matrices and embeddings only)
+    bool decay = false;  // weight decay applies (matrices and embeddings only)
 };
 
 struct ParamLayout {
@@ -35,8 +35,8 @@ struct BlockParams {
     float *qkv_w, *qkv_b;    // (C, 3C), (3C)
     float *proj_w, *proj_b;  // (C, C), (C)
     float *ln2_w, *ln2_b;
-    float *fc_w, *fc_b;      // (C, 4C), (4C)
-    float *fcp_w, *fcp_b;    // (4C, C), (C)
+    float *fc_w, *fc_b;    // (C, 4C), (4C)
+    float *fcp_w, *fcp_b;  // (4C, C), (C)
 };
 
 struct ModelParams {

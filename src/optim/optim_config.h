@@ -14,9 +14,9 @@ struct OptimConfig {
     double beta1 = 0.9;
     double beta2 = 0.95;
     double eps = 1e-8;
-    double momentum = 0.9;       // SGD
-    bool nesterov = false;       // SGD
-    double grad_clip = 1.0;      // global-norm clipping; 0 disables
+    double momentum = 0.9;            // SGD
+    bool nesterov = false;            // SGD
+    double grad_clip = 1.0;           // global-norm clipping; 0 disables
     std::string schedule = "cosine";  // "constant" | "cosine" | "wsd"
     int warmup_steps = 100;
     double decay_fraction = 0.2;      // wsd: the last fraction of steps that cools down

@@ -10,7 +10,7 @@ namespace memtrain {
 namespace {
 
 class AdamW final : public Optimizer {
-public:
+  public:
     AdamW(const OptimConfig& cfg, const ParamLayout& layout)
         : cfg_(cfg),
           layout_(layout),
@@ -48,14 +48,14 @@ public:
         return {{"exp_avg", &m_}, {"exp_avg_sq", &v_}};
     }
 
-private:
+  private:
     OptimConfig cfg_;
     ParamLayout layout_;
     Buffer<float> m_, v_;
 };
 
 class Sgd final : public Optimizer {
-public:
+  public:
     Sgd(const OptimConfig& cfg, const ParamLayout& layout)
         : cfg_(cfg), layout_(layout), buf_(layout.total, MemCategory::OptimizerState) {}
 
@@ -84,7 +84,7 @@ public:
         return {{"momentum_buffer", &buf_}};
     }
 
-private:
+  private:
     OptimConfig cfg_;
     ParamLayout layout_;
     Buffer<float> buf_;

@@ -15,7 +15,7 @@
 namespace memtrain {
 
 class Optimizer {
-public:
+  public:
     virtual ~Optimizer() = default;
     // One update with learning rate lr; advances the internal step count.
     virtual void step(float* params, const float* grads, double lr) = 0;
@@ -24,7 +24,7 @@ public:
     int64_t steps_taken() const { return t_; }
     void set_steps_taken(int64_t t) { t_ = t; }
 
-protected:
+  protected:
     int64_t t_ = 0;
 };
 

@@ -30,9 +30,10 @@ void OptimConfig::validate() const {
     if (lr_scaling != "none" && lr_scaling != "linear" && lr_scaling != "sqrt")
         fail("optim.lr_scaling = \"{}\": expected \"none\", \"linear\" or \"sqrt\"", lr_scaling);
     if (lr_scaling != "none" && lr_reference_batch <= 0)
-        fail("optim.lr_scaling = \"{}\" needs optim.lr_reference_batch (tokens per step the lr "
-             "was tuned for) > 0",
-             lr_scaling);
+        fail(
+            "optim.lr_scaling = \"{}\" needs optim.lr_reference_batch (tokens per step the lr "
+            "was tuned for) > 0",
+            lr_scaling);
 }
 
 double scaled_peak_lr(const OptimConfig& cfg, int64_t batch_tokens) {

@@ -1,13 +1,13 @@
 // The key registry behind RunConfig: TOML parsing, --set overrides, printing, validation.
 #include "train/run_config.h"
 
+#include <toml++/toml.h>
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <limits>
 #include <sstream>
-#include <toml++/toml.h>
 
 #include <fmt/format.h>
 
@@ -29,10 +29,14 @@ struct Key {
 
 template <typename T>
 constexpr const char* type_name() {
-    if constexpr (std::is_same_v<T, bool>) return "boolean";
-    else if constexpr (std::is_integral_v<T>) return "integer";
-    else if constexpr (std::is_floating_point_v<T>) return "number";
-    else return "string";
+    if constexpr (std::is_same_v<T, bool>)
+        return "boolean";
+    else if constexpr (std::is_integral_v<T>)
+        return "integer";
+    else if constexpr (std::is_floating_point_v<T>)
+        return "number";
+    else
+        return "string";
 }
 
 std::string describe(const toml::node& n) {
@@ -43,13 +47,20 @@ std::string describe(const toml::node& n) {
         v = os.str();
     });
     switch (n.type()) {
-        case toml::node_type::string: return "a string (" + v + ")";
-        case toml::node_type::integer: return "an integer (" + v + ")";
-        case toml::node_type::floating_point: return "a number (" + v + ")";
-        case toml::node_type::boolean: return "a boolean (" + v + ")";
-        case toml::node_type::table: return "a table";
-        case toml::node_type::array: return "an array";
-        default: return "a value of another type (" + v + ")";
+        case toml::node_type::string:
+            return "a string (" + v + ")";
+        case toml::node_type::integer:
+            return "an integer (" + v + ")";
+        case toml::node_type::floating_point:
+            return "a number (" + v + ")";
+        case toml::node_type::boolean:
+            return "a boolean (" + v + ")";
+        case toml::node_type::table:
+            return "a table";
+        case toml::node_type::array:
+            return "an array";
+        default:
+            return "a value of another type (" + v + ")";
     }
 }
 
@@ -62,8 +73,8 @@ Key make_key(std::string name, S RunConfig::*sec, T S::*field, std::string doc) 
     k.from_toml = [=](RunConfig& c, const toml::node& n, const std::string& src) {
         T& dst = c.*sec.*field;
         auto bad = [&]() {
-            fail("{}: {} must be {} {}, got {}", src, name,
-                 k.type == "integer" ? "an" : "a", k.type, describe(n));
+            fail("{}: {} must be {} {}, got {}", src, name, k.type == "integer" ? "an" : "a",
+                 k.type, describe(n));
         };
         if constexpr (std::is_same_v<T, bool>) {
             if (!n.is_boolean()) bad();
@@ -77,9 +88,12 @@ Key make_key(std::string name, S RunConfig::*sec, T S::*field, std::string doc) 
                 fail("{}: {} = {} is out of range", src, name, v);
             dst = (T)v;
         } else if constexpr (std::is_floating_point_v<T>) {
-            if (n.is_integer()) dst = (T)n.as_integer()->get();
-            else if (n.is_floating_point()) dst = (T)n.as_floating_point()->get();
-            else bad();
+            if (n.is_integer())
+                dst = (T)n.as_integer()->get();
+            else if (n.is_floating_point())
+                dst = (T)n.as_floating_point()->get();
+            else
+                bad();
         } else {
             if (!n.is_string()) bad();
             dst = n.as_string()->get();
@@ -109,9 +123,12 @@ Key make_key(std::string name, S RunConfig::*sec, T S::*field, std::string doc) 
     };
     k.to_text = [=](const RunConfig& c) -> std::string {
         const T& v = c.*sec.*field;
-        if constexpr (std::is_same_v<T, bool>) return v ? "true" : "false";
-        else if constexpr (std::is_integral_v<T>) return fmt::format("{}", v);
-        else if constexpr (std::is_floating_point_v<T>) return fmt::format("{}", v);
+        if constexpr (std::is_same_v<T, bool>)
+            return v ? "true" : "false";
+        else if constexpr (std::is_integral_v<T>)
+            return fmt::format("{}", v);
+        else if constexpr (std::is_floating_point_v<T>)
+            return fmt::format("{}", v);
         else {
             std::ostringstream os;
             os << toml::value<std::string>(v);
@@ -160,8 +177,7 @@ const std::vector<Key>& registry() {
                  "none | full | every:K | sqrt | selective | budget:BYTES"),
         make_key("optim.name", &R::optim, &OptimConfig::name, "adamw | sgd"),
         make_key("optim.lr", &R::optim, &OptimConfig::lr, "peak learning rate"),
-        make_key("optim.min_lr_ratio", &R::optim, &OptimConfig::min_lr_ratio,
-                 "final lr / peak lr"),
+        make_key("optim.min_lr_ratio", &R::optim, &OptimConfig::min_lr_ratio, "final lr / peak lr"),
         make_key("optim.weight_decay", &R::optim, &OptimConfig::weight_decay,
                  "on matrices and embeddings"),
         make_key("optim.beta1", &R::optim, &OptimConfig::beta1, "AdamW"),
@@ -169,8 +185,7 @@ const std::vector<Key>& registry() {
         make_key("optim.eps", &R::optim, &OptimConfig::eps, "AdamW"),
         make_key("optim.momentum", &R::optim, &OptimConfig::momentum, "SGD"),
         make_key("optim.nesterov", &R::optim, &OptimConfig::nesterov, "SGD"),
-        make_key("optim.grad_clip", &R::optim, &OptimConfig::grad_clip,
-                 "global norm (0 = off)"),
+        make_key("optim.grad_clip", &R::optim, &OptimConfig::grad_clip, "global norm (0 = off)"),
         make_key("optim.schedule", &R::optim, &OptimConfig::schedule, "constant | cosine | wsd"),
         make_key("optim.warmup_steps", &R::optim, &OptimConfig::warmup_steps, "linear warmup"),
         make_key("optim.decay_fraction", &R::optim, &OptimConfig::decay_fraction,
@@ -255,9 +270,10 @@ void RunConfig::validate() const {
     model.validate();
     optim.validate();
     if (train.device != "cpu")
-        fail("train.device = \"{}\": this build trains on \"cpu\" only (the CUDA backend is not "
-             "built yet)",
-             train.device);
+        fail(
+            "train.device = \"{}\": this build trains on \"cpu\" only (the CUDA backend is not "
+            "built yet)",
+            train.device);
     if (train.seq_len <= 0 || train.seq_len > model.block_size)
         fail("train.seq_len = {} must be in [1, model.block_size = {}]", train.seq_len,
              model.block_size);
@@ -351,10 +367,12 @@ std::string to_toml(const RunConfig& cfg) {
 }
 
 std::string format_table(const RunConfig& cfg) {
-    std::string out = "+--------------------------------+------------------------------------------+\n";
+    std::string out =
+        "+--------------------------------+------------------------------------------+\n";
     out += fmt::format("| {:<30} | {:<40} |\n", "config key", "value");
     out += "+--------------------------------+------------------------------------------+\n";
-    for (const auto& k : registry()) out += fmt::format("| {:<30} | {:<40} |\n", k.name, k.to_text(cfg));
+    for (const auto& k : registry())
+        out += fmt::format("| {:<30} | {:<40} |\n", k.name, k.to_text(cfg));
     out += "+--------------------------------+------------------------------------------+\n";
     return out;
 }

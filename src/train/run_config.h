@@ -19,9 +19,9 @@ struct TrainConfig {
     int64_t batch_tokens = 0;    // alternatively, tokens per step (a multiple of seq_len); 0 = off
     int micro_batch_size = 0;    // sequences per forward/backward; 0 = batch_size
     int max_steps = 200;
-    uint64_t seed = 1337;        // weights and data order
-    int eval_every = 50;         // steps between validation losses; 0 = only at the end
-    int eval_batches = 8;        // micro-batches per validation
+    uint64_t seed = 1337;  // weights and data order
+    int eval_every = 50;   // steps between validation losses; 0 = only at the end
+    int eval_batches = 8;  // micro-batches per validation
     int log_every = 1;
     int threads = 0;             // OpenMP/BLAS threads; 0 = all cores
     std::string remat = "none";  // activation checkpointing policy (remat/policy.h)
@@ -41,8 +41,8 @@ struct IoConfig {
 };
 
 struct SampleConfig {
-    std::string prompt;      // printed sample at the end of training; empty = start of text
-    int max_tokens = 64;     // 0 = no sample
+    std::string prompt;   // printed sample at the end of training; empty = start of text
+    int max_tokens = 64;  // 0 = no sample
     double temperature = 0.8;
     int top_k = 40;
 };
@@ -55,8 +55,9 @@ struct RunConfig {
     IoConfig io;
     SampleConfig sample;
 
-    int micro_batch() const { return train.micro_batch_size > 0 ? train.micro_batch_size
-                                                                 : train.batch_size; }
+    int micro_batch() const {
+        return train.micro_batch_size > 0 ? train.micro_batch_size : train.batch_size;
+    }
     int accum_steps() const { return train.batch_size / micro_batch(); }
     int64_t tokens_per_step() const { return (int64_t)train.batch_size * train.seq_len; }
     void validate() const;

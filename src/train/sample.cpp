@@ -25,8 +25,9 @@ std::vector<int32_t> generate(GPT& model, std::vector<int32_t> ctx, const Sample
         order.clear();
         for (int v = 0; v < cfg.vocab_size; v++) order.push_back({last[v], v});
         int k = opt.top_k > 0 ? std::min(opt.top_k, cfg.vocab_size) : cfg.vocab_size;
-        std::partial_sort(order.begin(), order.begin() + k, order.end(),
-                          [](auto& a, auto& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); });
+        std::partial_sort(order.begin(), order.begin() + k, order.end(), [](auto& a, auto& b) {
+            return a.first > b.first || (a.first == b.first && a.second < b.second);
+        });
         double maxv = order[0].first, sum = 0.0;
         std::vector<double> probs(k);
         for (int j = 0; j < k; j++) {

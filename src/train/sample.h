@@ -12,8 +12,8 @@ namespace memtrain {
 struct SampleOptions {
     int max_tokens = 64;
     double temperature = 1.0;
-    int top_k = 40;            // 0 = the whole vocabulary
-    int64_t stop_token = -1;   // stop after emitting this token (e.g. end of text); -1 = never
+    int top_k = 40;           // 0 = the whole vocabulary
+    int64_t stop_token = -1;  // stop after emitting this token (e.g. end of text); -1 = never
 };
 
 // Returns only the generated tokens. The context window slides when it exceeds block_size.

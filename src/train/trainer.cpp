@@ -24,7 +24,9 @@ namespace memtrain {
 
 namespace {
 
-std::string mib(std::size_t bytes) { return fmt::format("{:.1f} MiB", bytes / 1048576.0); }
+std::string mib(std::size_t bytes) {
+    return fmt::format("{:.1f} MiB", bytes / 1048576.0);
+}
 
 }  // namespace
 
@@ -63,7 +65,8 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_
     }
     opt_ = make_optimizer(cfg_.optim, model_->layout());
     const int B = cfg_.micro_batch(), T = cfg_.train.seq_len;
-    train_loader_ = std::make_unique<data::DataLoader>(cfg_.data.train, B, T, cfg_.train.seed, true);
+    train_loader_ =
+        std::make_unique<data::DataLoader>(cfg_.data.train, B, T, cfg_.train.seed, true);
     if (!cfg_.data.val.empty())
         val_loader_ = std::make_unique<data::DataLoader>(cfg_.data.val, B, T, 0, false);
     for (auto* l : {train_loader_.get(), val_loader_.get()}) {
@@ -91,13 +94,13 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_
     }
 
     peak_lr_ = scaled_peak_lr(cfg_.optim, cfg_.tokens_per_step());
-    print(fmt::format("model: {} parameters ({} with vocab padding) | batch {} x {} tokens = {} "
-                      "tokens/step | micro-batch {} x {} accumulation steps\n",
-                      model_->num_params() - (std::size_t)(cfg_.model.padded_vocab() -
-                                                           cfg_.model.vocab_size) *
-                                                 cfg_.model.n_embd,
-                      model_->num_params(), cfg_.train.batch_size, T, cfg_.tokens_per_step(), B,
-                      cfg_.accum_steps()));
+    print(fmt::format(
+        "model: {} parameters ({} with vocab padding) | batch {} x {} tokens = {} "
+        "tokens/step | micro-batch {} x {} accumulation steps\n",
+        model_->num_params() -
+            (std::size_t)(cfg_.model.padded_vocab() - cfg_.model.vocab_size) * cfg_.model.n_embd,
+        model_->num_params(), cfg_.train.batch_size, T, cfg_.tokens_per_step(), B,
+        cfg_.accum_steps()));
     if (cfg_.optim.lr_scaling != "none")
         print(fmt::format("lr scaling ({}): peak lr {} x ({} / {} tokens){} = {:.3e}\n",
                           cfg_.optim.lr_scaling, cfg_.optim.lr, cfg_.tokens_per_step(),
@@ -120,7 +123,8 @@ void Trainer::print(const std::string& s) {
 float Trainer::evaluate() {
     const int B = cfg_.micro_batch(), T = cfg_.train.seq_len;
     val_loader_->reset();
-    int n = std::min<int>(cfg_.train.eval_batches, std::max<std::size_t>(1, val_loader_->num_windows() / B));
+    int n = std::min<int>(cfg_.train.eval_batches,
+                          std::max<std::size_t>(1, val_loader_->num_windows() / B));
     std::vector<int32_t> x((std::size_t)B * T), y((std::size_t)B * T);
     double total = 0;
     for (int i = 0; i < n; i++) {
@@ -171,10 +175,11 @@ TrainSummary Trainer::run() {
             fail("training loss became {} at step {}: lower optim.lr (now {}) or check the data",
                  loss, state_.step, cfg_.optim.lr);
         if (state_.step % cfg_.train.log_every == 0 || state_.step == total)
-            print(fmt::format("step {:>5}/{} | loss {:.4f} | lr {:.2e} | norm {:.3f} | {:>8.0f} "
-                              "tok/s | {:>7.1f} ms | mem {} / peak {}\n",
-                              state_.step, total, loss, lr, norm, tps, secs * 1000,
-                              mib(mem.total_used), mib(mem.peak_total_used)));
+            print(
+                fmt::format("step {:>5}/{} | loss {:.4f} | lr {:.2e} | norm {:.3f} | {:>8.0f} "
+                            "tok/s | {:>7.1f} ms | mem {} / peak {}\n",
+                            state_.step, total, loss, lr, norm, tps, secs * 1000,
+                            mib(mem.total_used), mib(mem.peak_total_used)));
         fmt::print(metrics_,
                    "{{\"step\": {}, \"loss\": {:.6f}, \"lr\": {:.6e}, \"grad_norm\": {:.6f}, "
                    "\"tokens_per_s\": {:.1f}, \"ms_per_step\": {:.3f}, \"mem_bytes\": {}, "
@@ -182,7 +187,8 @@ TrainSummary Trainer::run() {
                    state_.step, loss, lr, norm, tps, secs * 1000, mem.total_used,
                    mem.peak_total_used);
         bool last = state_.step == total;
-        if (val_loader_ && ((cfg_.train.eval_every > 0 && state_.step % cfg_.train.eval_every == 0) || last)) {
+        if (val_loader_ &&
+            ((cfg_.train.eval_every > 0 && state_.step % cfg_.train.eval_every == 0) || last)) {
             float vl = evaluate();
             sum.val_losses.push_back({(int)state_.step, vl});
             print(fmt::format("step {:>5}/{} | val loss {:.4f}\n", state_.step, total, vl));
@@ -197,7 +203,8 @@ TrainSummary Trainer::run() {
         }
     }
     sum.steps_done = state_.step;
-    sum.tokens_per_s = timed_steps ? (double)cfg_.tokens_per_step() * timed_steps / timed_seconds : 0;
+    sum.tokens_per_s =
+        timed_steps ? (double)cfg_.tokens_per_step() * timed_steps / timed_seconds : 0;
     std::fclose(metrics_);
     metrics_ = nullptr;
     if (!opts_.quiet) {
@@ -222,11 +229,13 @@ void Trainer::print_memory_report() {
         {MemCategory::Parameters, "4 x params (fp32)", 4 * psi},
         {MemCategory::Gradients, "4 x params (fp32)", 4 * psi},
         {MemCategory::OptimizerState,
-         cfg_.optim.name == "adamw" ? "8 x params (Adam m, v)" : "4 x params (momentum)", opt_bytes},
+         cfg_.optim.name == "adamw" ? "8 x params (Adam m, v)" : "4 x params (momentum)",
+         opt_bytes},
         {MemCategory::Activations,
          fmt::format("activation_layout(B, T, remat={})", cfg_.train.remat),
          arena_bytes(lay, MemCategory::Activations)},
-        {MemCategory::Workspace, "activation_layout(B, T)", arena_bytes(lay, MemCategory::Workspace)},
+        {MemCategory::Workspace, "activation_layout(B, T)",
+         arena_bytes(lay, MemCategory::Workspace)},
     };
     std::string out = "\nmemory breakdown (host, fp32)\n";
     out += fmt::format("{:<16} {:>12} {:>12} {:>12} {:>12}  {}\n", "category", "current", "peak",
@@ -241,9 +250,10 @@ void Trainer::print_memory_report() {
     }
     out += fmt::format("{:<16} {:>12} {:>12} {:>12} {:>12}\n", "total tracked", mib(s.total_used),
                        mib(s.peak_total_used), mib(s.total_reserved), mib(pred_total));
-    out += fmt::format("{:<16} {:>12}  (everything the OS charged: code, libraries, loaders, "
-                       "allocator slack)\n",
-                       "process peak RSS", mib(process_peak_rss()));
+    out += fmt::format(
+        "{:<16} {:>12}  (everything the OS charged: code, libraries, loaders, "
+        "allocator slack)\n",
+        "process peak RSS", mib(process_peak_rss()));
     // The analytic planner (`memtrain estimate`) for the same run, from its general formulas
     // (Korthikanti-style activations), beside the exact layout above.
     plan::RunSpec rs;
@@ -260,11 +270,12 @@ void Trainer::print_memory_report() {
     const std::string& rp = cfg_.train.remat;
     if (rp == "selective" || rp == "full") rs.recompute = plan::parse_recompute(rp);
     auto est = plan::estimate_memory(plan::model_from_config(cfg_.model), rs);
-    out += fmt::format("planner estimate: parameters {} | gradients {} | optimizer {} | "
-                       "activations {} (+ recompute working set {}) | logits and loss {}\n",
-                       mib(est.bytes("parameters")), mib(est.bytes("gradients")),
-                       mib(est.bytes("optimizer states")), mib(est.bytes("activations")),
-                       mib(est.bytes("recompute working set")), mib(est.bytes("logits and loss")));
+    out += fmt::format(
+        "planner estimate: parameters {} | gradients {} | optimizer {} | "
+        "activations {} (+ recompute working set {}) | logits and loss {}\n",
+        mib(est.bytes("parameters")), mib(est.bytes("gradients")),
+        mib(est.bytes("optimizer states")), mib(est.bytes("activations")),
+        mib(est.bytes("recompute working set")), mib(est.bytes("logits and loss")));
     print(out);
 }
 

@@ -18,27 +18,27 @@
 namespace memtrain {
 
 struct TrainOptions {
-    std::string resume;  // checkpoint dir (or out_dir with `latest`) to continue from
-    bool quiet = false;  // no console output (tests)
-    int stop_after = -1; // stop (and checkpoint) after this many steps of this process; -1 = off
+    std::string resume;   // checkpoint dir (or out_dir with `latest`) to continue from
+    bool quiet = false;   // no console output (tests)
+    int stop_after = -1;  // stop (and checkpoint) after this many steps of this process; -1 = off
 };
 
 struct TrainSummary {
-    std::vector<float> losses;                     // training loss per step run here
-    std::vector<std::pair<int, float>> val_losses; // (step, loss)
+    std::vector<float> losses;                      // training loss per step run here
+    std::vector<std::pair<int, float>> val_losses;  // (step, loss)
     int64_t steps_done = 0;
-    double tokens_per_s = 0;                       // mean over the steps after the first
+    double tokens_per_s = 0;  // mean over the steps after the first
     std::string last_checkpoint;
 };
 
 class Trainer {
-public:
+  public:
     Trainer(RunConfig cfg, TrainOptions opts = {});
     TrainSummary run();
     GPT& model() { return *model_; }
     const RunConfig& config() const { return cfg_; }
 
-private:
+  private:
     float evaluate();
     void print(const std::string& s);
     void print_memory_report();

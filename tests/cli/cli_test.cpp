@@ -55,8 +55,8 @@ std::string corpus() {
 TEST(Cli, EndToEndTokenizeTrainSample) {
     auto dir = memtrain::test::temp_dir("cli_e2e");
     write_file(dir + "/corpus.txt", corpus());
-    auto r = run("tokenizer train --vocab-size 320 --doc-separator % --out " + dir +
-                 "/tok.json " + dir + "/corpus.txt");
+    auto r = run("tokenizer train --vocab-size 320 --doc-separator % --out " + dir + "/tok.json " +
+                 dir + "/corpus.txt");
     ASSERT_EQ(r.code, 0) << r.output;
     r = run("tokenize --tokenizer " + dir + "/tok.json --out " + dir +
             " --doc-separator % --val-fraction 0.1 " + dir + "/corpus.txt");
@@ -102,8 +102,7 @@ TEST(Cli, BadInputGivesOneClearLineAndNonZeroExit) {
     write_file(dir + "/bad.toml", "[train]\nbatch_size = \"eight\"\n");
     r = run("train " + dir + "/bad.toml");
     EXPECT_EQ(r.code, 1);
-    EXPECT_NE(r.output.find("train.batch_size must be an integer"), std::string::npos)
-        << r.output;
+    EXPECT_NE(r.output.find("train.batch_size must be an integer"), std::string::npos) << r.output;
 
     write_file(dir + "/nodata.toml", "[data]\ntrain = \"nowhere.bin\"\n");
     r = run("train " + dir + "/nodata.toml");

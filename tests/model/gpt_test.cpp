@@ -15,7 +15,9 @@ using namespace memtrain;
 
 namespace {
 
-ModelConfig tiny() { return test::tiny_model(2); }
+ModelConfig tiny() {
+    return test::tiny_model(2);
+}
 
 std::vector<int32_t> tokens(int n, int vocab, uint64_t seed) {
     return test::random_tokens(n, vocab, seed);
@@ -27,7 +29,8 @@ TEST(Gpt, ParameterCountMatchesGpt2Formula) {
     ModelConfig c = tiny();
     GPT m(c);
     std::size_t C = c.n_embd, L = c.n_layer;
-    std::size_t expect = c.padded_vocab() * C + c.block_size * C + L * (12 * C * C + 13 * C) + 2 * C;
+    std::size_t expect =
+        c.padded_vocab() * C + c.block_size * C + L * (12 * C * C + 13 * C) + 2 * C;
     EXPECT_EQ(m.num_params(), expect);
     EXPECT_EQ(c.padded_vocab(), 48);
 }
@@ -70,8 +73,8 @@ TEST(Gpt, ActivationBytesMatchLayout) {
               arena_bytes(lay, MemCategory::Workspace));
     // Per block, 16 BTC + 4 BT + NH B T^2 floats, plus L+1 residual streams and ln_f.
     std::size_t BT = 16, C = c.n_embd, L = c.n_layer;
-    std::size_t expect = L * (15 * BT * C + 4 * BT + c.n_head * 2 * 64) + (L + 1) * BT * C +
-                         BT * C + 2 * BT;
+    std::size_t expect =
+        L * (15 * BT * C + 4 * BT + c.n_head * 2 * 64) + (L + 1) * BT * C + BT * C + 2 * BT;
     EXPECT_EQ(arena_bytes(lay, MemCategory::Activations), 4 * expect);
 }
 

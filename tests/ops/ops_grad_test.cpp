@@ -91,8 +91,8 @@ TEST(OpsGrad, LayerNorm) {
     auto inp = randn(N * C, 11), w = randn(C, 12), b = randn(C, 13), dout = randn(N * C, 14);
     std::vector<float> out(N * C), mean(N), rstd(N);
     auto f = [&]() {
-        cpu::layernorm_forward(out.data(), mean.data(), rstd.data(), inp.data(), w.data(),
-                               b.data(), N, C);
+        cpu::layernorm_forward(out.data(), mean.data(), rstd.data(), inp.data(), w.data(), b.data(),
+                               N, C);
         return dot(out, dout);
     };
     f();

@@ -24,8 +24,8 @@ constexpr int V = 96, BLOCK = 32, L = 2, NH = 4, C = 64, B = 2, T = 16;
 const std::string& fixture_path() {
     static std::string path = [] {
         // One file per process: CTest runs the parity cases in parallel processes.
-        std::string p = std::string(MT_BINARY_DIR) + "/parity_fixture." +
-                        std::to_string(getpid()) + ".safetensors";
+        std::string p = std::string(MT_BINARY_DIR) + "/parity_fixture." + std::to_string(getpid()) +
+                        ".safetensors";
         std::string cmd = std::string("/usr/bin/python3 ") + MT_SOURCE_DIR +
                           "/tests/parity/make_fixture.py " + p + " > " + p + ".log 2>&1";
         int rc = std::system(cmd.c_str());

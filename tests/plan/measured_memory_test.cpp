@@ -25,9 +25,9 @@ struct Shape {
 
 TEST(PlanMeasured, ModelStatesExactAndActivationsWithin10Percent) {
     const Shape shapes[] = {
-        {2, 2, 64, 500, 64, 4, 64},      // tiny
-        {6, 6, 384, 4096, 128, 8, 128},  // the demo model
-        {4, 4, 256, 50257, 256, 2, 256}, // GPT-2 vocabulary, the gpt2vocab benchmark shape
+        {2, 2, 64, 500, 64, 4, 64},       // tiny
+        {6, 6, 384, 4096, 128, 8, 128},   // the demo model
+        {4, 4, 256, 50257, 256, 2, 256},  // GPT-2 vocabulary, the gpt2vocab benchmark shape
     };
     for (const auto& s : shapes) {
         ModelConfig mc;
@@ -61,8 +61,8 @@ TEST(PlanMeasured, ModelStatesExactAndActivationsWithin10Percent) {
         EXPECT_EQ(est.bytes("optimizer states"), measured(MemCategory::OptimizerState)) << what;
         double act = measured(MemCategory::Activations);
         double err = std::abs((double)est.bytes("activations") - act) / act;
-        EXPECT_LT(err, 0.10) << what << ": predicted " << est.bytes("activations")
-                             << " measured " << act;
+        EXPECT_LT(err, 0.10) << what << ": predicted " << est.bytes("activations") << " measured "
+                             << act;
         std::printf("%-12s activations predicted %.1f MiB, measured %.1f MiB (%+.1f%%)\n",
                     what.c_str(), est.bytes("activations") / 1048576.0, act / 1048576.0,
                     100.0 * ((double)est.bytes("activations") - act) / act);

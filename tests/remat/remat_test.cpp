@@ -21,7 +21,9 @@ using namespace memtrain::remat;
 
 namespace {
 
-ModelConfig tiny(int layers) { return test::tiny_model(layers); }
+ModelConfig tiny(int layers) {
+    return test::tiny_model(layers);
+}
 
 std::vector<int32_t> tokens(int n, int vocab, uint64_t seed) {
     return test::random_tokens(n, vocab, seed);

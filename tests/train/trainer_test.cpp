@@ -66,8 +66,8 @@ TEST(Trainer, ResumeReproducesUninterruptedRunBitwise) {
     auto s2 = second.run();
     ASSERT_EQ(s2.losses.size(), 10u);
     for (int i = 0; i < 10; i++) EXPECT_EQ(s2.losses[i], sa.losses[10 + i]) << "step " << 11 + i;
-    EXPECT_EQ(0, std::memcmp(a.model().params(), second.model().params(),
-                             a.model().num_params() * 4))
+    EXPECT_EQ(0,
+              std::memcmp(a.model().params(), second.model().params(), a.model().num_params() * 4))
         << "parameters after 10 + resume + 10 steps differ from 20 uninterrupted steps";
 }
 

@@ -32,7 +32,9 @@ static inline float exp_vec(float x) {
 }
 
 // tanh through exp: absolute error about 2e-7, which is what GELU's (1 + tanh) needs.
-static inline float tanh_vec(float x) { return 1.0f - 2.0f / (exp_vec(2.0f * x) + 1.0f); }
+static inline float tanh_vec(float x) {
+    return 1.0f - 2.0f / (exp_vec(2.0f * x) + 1.0f);
+}
 
 void gelu_forward(float* out, const float* inp, int64_t n) {
 #pragma omp parallel for simd schedule(static)
@@ -51,7 +53,8 @@ void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n) 
         float arg = kGeluScale * (x + cube);
         float th = tanh_vec(arg);
         float sech2 = 1.0f - th * th;
-        float local = 0.5f * (1.0f + th) + x * 0.5f * sech2 * kGeluScale * (1.0f + 3.0f * 0.044715f * x * x);
+        float local =
+            0.5f * (1.0f + th) + x * 0.5f * sech2 * kGeluScale * (1.0f + 3.0f * 0.044715f * x * x);
         dinp[i] = local * dout[i];
     }
 }

@@ -51,8 +51,7 @@ double classifier_loss(float* dx, float* dwte, float* logits_buf, const float* x
 }
 
 void classifier_logits(float* out, const float* x, const float* wte, int N, int C, int V) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, V, C, 1.0f, x, C, wte, C, 0.0f, out,
-                V);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, V, C, 1.0f, x, C, wte, C, 0.0f, out, V);
 }
 
 }  // namespace memtrain::cpu

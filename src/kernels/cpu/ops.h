@@ -69,7 +69,7 @@ void classifier_logits(float* out /*(N,V)*/, const float* x /*(N,C)*/, const flo
 
 // ---- small helpers -----------------------------------------------------------------------------
 void add_inplace(float* a, const float* b, int64_t n);  // a += b
-double sum_squares(const float* a, int64_t n);           // fixed-order, double accumulation
+double sum_squares(const float* a, int64_t n);          // fixed-order, double accumulation
 void scale_inplace(float* a, float s, int64_t n);
 
 }  // namespace memtrain::cpu
