@@ -200,8 +200,9 @@ std::string emit_config_toml(const ModelSpec& m, const Plan& p) {
         "norm = \"{}\"\nactivation = \"{}\"\npositions = \"{}\"\ntied_embeddings = {}\n",
         m.rmsnorm ? "rmsnorm" : "layernorm", m.swiglu ? "swiglu" : "gelu",
         m.rope ? "rope" : "learned", m.tied_embeddings);
-    out += fmt::format("\n[train]\nseq_len = {}\nbatch_size = {}\nmicro_batch_size = {}\n",
-                       r.seq_len(m), r.global_batch(), r.micro_batch);
+    out += fmt::format(
+        "\n[train]\nseq_len = {}\nbatch_size = {}\nmicro_batch_size = {}\nremat = \"{}\"\n",
+        r.seq_len(m), r.global_batch(), r.micro_batch, to_string(r.recompute));
     out +=
         fmt::format("\n[optim]\nname = \"{}\"\n", r.optimizer == Optimizer::sgd ? "sgd" : "adamw");
     return out;

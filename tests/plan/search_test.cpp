@@ -4,6 +4,7 @@
 #include "core/error.h"
 #include "plan/report.h"
 #include "plan/search.h"
+#include "train/run_config.h"
 
 using namespace memtrain::plan;
 
@@ -56,6 +57,25 @@ TEST(PlanSearch, SmallModelPrefersPlainDataParallel) {
     EXPECT_EQ(r.plans[0].run.tp, 1);
     EXPECT_EQ(r.plans[0].run.pp, 1);
     EXPECT_EQ(r.plans[0].run.dp, 8);
+}
+
+TEST(PlanSearch, EmittedConfigLoadsInTheTrainer) {
+    ClusterSpec c;
+    c.gpu = gpu_preset("h100-80gb");
+    c.gpus = 1;
+    SearchSpec s;
+    s.global_batch = 64;
+    ModelSpec m = load_model("gpt2");
+    SearchResult r = search_plans(m, c, s);
+    ASSERT_FALSE(r.plans.empty());
+    memtrain::RunConfig cfg =
+        memtrain::parse_run_config(emit_config_toml(m, r.plans[0]), "emitted.toml", {});
+    EXPECT_EQ(cfg.model.n_layer, 12);
+    EXPECT_EQ(cfg.model.vocab_size, 50257);
+    EXPECT_EQ(cfg.train.batch_size, 64);
+    EXPECT_EQ(cfg.train.micro_batch_size, r.plans[0].run.micro_batch);
+    EXPECT_EQ(cfg.train.remat, to_string(r.plans[0].run.recompute));
+    EXPECT_NO_THROW(cfg.validate());
 }
 
 TEST(PlanSearch, NothingFitsSaysWhy) {
