@@ -18,7 +18,7 @@ namespace memtrain {
 namespace {
 
 std::vector<int64_t> hf_shape(const ModelConfig& cfg, const ParamSpec& t) {
-    if (t.name == "wte.weight") return {cfg.vocab_size, cfg.n_embd};
+    if (t.name == "wte.weight" || t.name == "lm_head.weight") return {cfg.vocab_size, cfg.n_embd};
     return t.shape;
 }
 
@@ -84,11 +84,43 @@ void load_hf_weights(GPT& model, const std::string& path) {
         f.read_f32(*info, std::span<float>(model.params() + t.offset, n), t.name, shape);
     }
     std::size_t C = cfg.n_embd;
-    std::fill(model.params() + (std::size_t)cfg.vocab_size * C,
-              model.params() + (std::size_t)cfg.padded_vocab() * C, 0.0f);
+    for (const char* name : {"wte.weight", "lm_head.weight"}) {
+        if (name == std::string("lm_head.weight") && cfg.tied_embeddings) continue;
+        float* e = model.params() + model.layout().get(name).offset;
+        std::fill(e + (std::size_t)cfg.vocab_size * C, e + (std::size_t)cfg.padded_vocab() * C,
+                  0.0f);
+    }
 }
 
 std::string hf_config_json(const ModelConfig& cfg) {
+    // Anything but GPT-2 is no Hugging Face architecture with these tensor names (Llama's are
+    // different, and it has no linear biases), so it gets a model_type of its own that records
+    // every architecture choice; the GPT-2 text below is unchanged.
+    if (!cfg.is_gpt2())
+        return fmt::format(R"({{
+  "architectures": ["MemtrainLlamaStyle"],
+  "model_type": "memtrain-llama-style",
+  "vocab_size": {},
+  "n_positions": {},
+  "n_embd": {},
+  "n_layer": {},
+  "n_head": {},
+  "n_kv_head": {},
+  "ffn_hidden": {},
+  "norm": "{}",
+  "norm_eps": {},
+  "activation": "{}",
+  "positions": "{}",
+  "rope_theta": {},
+  "initializer_range": {},
+  "tie_word_embeddings": {},
+  "torch_dtype": "float32"
+}}
+)",
+                           cfg.vocab_size, cfg.block_size, cfg.n_embd, cfg.n_layer, cfg.n_head,
+                           cfg.kv_heads(), cfg.mlp_hidden(), cfg.norm, cfg.norm_eps, cfg.activation,
+                           cfg.positions, cfg.rope_theta, cfg.init_std,
+                           cfg.tied_embeddings ? "true" : "false");
     return fmt::format(R"({{
   "architectures": ["GPT2LMHeadModel"],
   "model_type": "gpt2",
@@ -99,7 +131,7 @@ std::string hf_config_json(const ModelConfig& cfg) {
   "n_layer": {},
   "n_head": {},
   "activation_function": "gelu_new",
-  "layer_norm_epsilon": 1e-05,
+  "layer_norm_epsilon": {},
   "initializer_range": {},
   "resid_pdrop": 0.0,
   "embd_pdrop": 0.0,
@@ -109,7 +141,7 @@ std::string hf_config_json(const ModelConfig& cfg) {
 }}
 )",
                        cfg.vocab_size, cfg.block_size, cfg.block_size, cfg.n_embd, cfg.n_layer,
-                       cfg.n_head, cfg.init_std);
+                       cfg.n_head, cfg.norm_eps, cfg.init_std);
 }
 
 std::string save_checkpoint(const std::string& out_dir, const RunConfig& cfg, const GPT& model,

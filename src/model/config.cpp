@@ -17,22 +17,26 @@ void ModelConfig::validate() const {
     positive("vocab_pad", vocab_pad);
     if (n_embd % n_head != 0)
         fail("model.n_embd ({}) must be divisible by model.n_head ({})", n_embd, n_head);
-    if (n_kv_head != 0 && n_kv_head != n_head)
+    if (n_kv_head < 0) fail("model.n_kv_head must be 0 (= n_head) or positive, got {}", n_kv_head);
+    if (n_kv_head > 0 && n_head % n_kv_head != 0)
+        fail("model.n_head ({}) must be a multiple of model.n_kv_head ({})", n_head, n_kv_head);
+    if (ffn_hidden < 0)
+        fail("model.ffn_hidden must be 0 (the activation's default) or positive, got {}",
+             ffn_hidden);
+    if (norm != "layernorm" && norm != "rmsnorm")
+        fail("model.norm = \"{}\": expected \"layernorm\" or \"rmsnorm\"", norm);
+    if (activation != "gelu" && activation != "swiglu")
+        fail("model.activation = \"{}\": expected \"gelu\" or \"swiglu\"", activation);
+    if (positions != "learned" && positions != "rope")
+        fail("model.positions = \"{}\": expected \"learned\" or \"rope\"", positions);
+    // Rotate-half pairs channel i with i + head_dim / 2.
+    if (positions == "rope" && head_dim() % 2 != 0)
         fail(
-            "model.n_kv_head = {}: grouped-query attention is not implemented yet; use 0 (= "
-            "n_head)",
-            n_kv_head);
-    if (norm != "layernorm")
-        fail("model.norm = \"{}\": only \"layernorm\" is implemented (\"rmsnorm\" is planned)",
-             norm);
-    if (activation != "gelu")
-        fail("model.activation = \"{}\": only \"gelu\" is implemented (\"swiglu\" is planned)",
-             activation);
-    if (positions != "learned")
-        fail("model.positions = \"{}\": only \"learned\" is implemented (\"rope\" is planned)",
-             positions);
-    if (!tied_embeddings)
-        fail("model.tied_embeddings = false: untied output embeddings are not implemented yet");
+            "model.positions = \"rope\" needs an even head size, but model.n_embd / model.n_head "
+            "= {}",
+            head_dim());
+    if (!(norm_eps > 0.0)) fail("model.norm_eps must be positive, got {}", norm_eps);
+    if (!(rope_theta > 0.0)) fail("model.rope_theta must be positive, got {}", rope_theta);
     if (init_std <= 0.0) fail("model.init_std must be positive, got {}", init_std);
 }
 

@@ -1,7 +1,7 @@
 // The model's shape and architecture choices: the [model] section of a run's config.
-// GPT-2 is the default; the fields that make a Llama-style block (norm, activation, positions,
-// grouped-query heads, untied embeddings) exist so that such a model is a config, and are
-// validated against what the kernels implement today.
+// GPT-2 is the default; a Llama-style block (norm = "rmsnorm", activation = "swiglu",
+// positions = "rope", n_kv_head < n_head, tied_embeddings = false) is a config, not a separate
+// model: each choice is independent and validated here.
 #pragma once
 
 #include <cstdint>
@@ -17,15 +17,36 @@ struct ModelConfig {
     int vocab_size = 4096;  // real tokens
     int vocab_pad = 64;     // embedding rows are padded to a multiple of this
     int n_kv_head = 0;      // 0 means n_head (no grouped-query attention)
-    std::string norm = "layernorm";
-    std::string activation = "gelu";
-    std::string positions = "learned";
-    bool tied_embeddings = true;
+    int ffn_hidden = 0;     // MLP hidden size; 0 = 4 n_embd (gelu), 8 n_embd / 3 rounded up to 256
+    std::string norm = "layernorm";     // or "rmsnorm" (weight only, no bias)
+    std::string activation = "gelu";    // or "swiglu" (c_fc produces [gate | up])
+    std::string positions = "learned";  // or "rope" (no wpe tensor)
+    bool tied_embeddings = true;        // false: a separate lm_head.weight (padded_vocab, n_embd)
+    double norm_eps = 1e-5;
+    double rope_theta = 10000.0;
     double init_std = 0.02;
     std::string init_from;  // a Hugging Face GPT-2 safetensors file to start from
 
     int padded_vocab() const { return (vocab_size + vocab_pad - 1) / vocab_pad * vocab_pad; }
     int head_dim() const { return n_embd / n_head; }
+    int kv_heads() const { return n_kv_head > 0 ? n_kv_head : n_head; }
+    // Width of a packed qkv row: [q (n_head) | k (kv_heads) | v (kv_heads)] heads of head_dim.
+    int qkv_dim() const { return n_embd + 2 * kv_heads() * head_dim(); }
+    int mlp_hidden() const {  // H: the input width of mlp.c_proj
+        if (ffn_hidden > 0) return ffn_hidden;
+        if (activation == "swiglu") return (8 * n_embd / 3 + 255) / 256 * 256;
+        return 4 * n_embd;
+    }
+    // Output width of mlp.c_fc: H for GELU, 2H ([gate | up]) for SwiGLU.
+    int fc_dim() const { return activation == "swiglu" ? 2 * mlp_hidden() : mlp_hidden(); }
+    bool rmsnorm() const { return norm == "rmsnorm"; }
+    bool swiglu() const { return activation == "swiglu"; }
+    bool rope() const { return positions == "rope"; }
+    // Exactly GPT-2's architecture (what Hugging Face's GPT2LMHeadModel loads).
+    bool is_gpt2() const {
+        return !rmsnorm() && !swiglu() && !rope() && kv_heads() == n_head && tied_embeddings &&
+               mlp_hidden() == 4 * n_embd;
+    }
     // Throws memtrain::Error naming the offending key when the config is inconsistent or asks
     // for a variant the engine does not implement yet.
     void validate() const;

@@ -1,4 +1,5 @@
-// GPT-2 forward and backward on the CPU, block by block, over the kernels in kernels/cpu.
+// GPT-2 (or Llama-style, per ModelConfig) forward and backward on the CPU, block by block, over
+// the kernels in kernels/cpu.
 #include "model/gpt.h"
 
 #include <cmath>
@@ -13,41 +14,73 @@ namespace memtrain {
 namespace {
 
 // The fields of BlockSaved, in one table that sizes the arena, carves it and reports it (STYLE
-// lesson 2). Size = btc * B*T*C + bt * B*T + att * NH*B*T*T floats.
+// lesson 2). A field's size is its Dim times B*T (times NH*T for the probabilities).
+enum class Dim : uint8_t {
+    C,       // n_embd
+    Mean,    // 1 for layernorm, 0 for rmsnorm (which keeps no mean)
+    One,     // 1
+    Qkv,     // qkv_dim()
+    Att,     // n_head * T
+    Fc,      // fc_dim(): c_fc output
+    Hidden,  // mlp_hidden(): the activation output
+};
 struct SavedField {
     const char* name;
     float* BlockSaved::*ptr;
-    int btc, bt, att;
+    Dim dim;
     bool selective_drops;  // recomputed in backward by the Selective policy
 };
 constexpr SavedField kFields[] = {
-    {"ln_1", &BlockSaved::ln1, 1, 0, 0, true},
-    {"ln_1 mean", &BlockSaved::ln1_mean, 0, 1, 0, false},
-    {"ln_1 rstd", &BlockSaved::ln1_rstd, 0, 1, 0, false},
-    {"qkv", &BlockSaved::qkv, 3, 0, 0, false},
-    {"attention probabilities", &BlockSaved::att, 0, 0, 1, false},
-    {"attention out", &BlockSaved::atty, 1, 0, 0, false},
-    {"residual mid", &BlockSaved::resid_mid, 1, 0, 0, false},
-    {"ln_2", &BlockSaved::ln2, 1, 0, 0, true},
-    {"ln_2 mean", &BlockSaved::ln2_mean, 0, 1, 0, false},
-    {"ln_2 rstd", &BlockSaved::ln2_rstd, 0, 1, 0, false},
-    {"mlp fc", &BlockSaved::fch, 4, 0, 0, false},
-    {"mlp gelu", &BlockSaved::fch_gelu, 4, 0, 0, true},
+    {"ln_1", &BlockSaved::ln1, Dim::C, true},
+    {"ln_1 mean", &BlockSaved::ln1_mean, Dim::Mean, false},
+    {"ln_1 rstd", &BlockSaved::ln1_rstd, Dim::One, false},
+    {"qkv", &BlockSaved::qkv, Dim::Qkv, false},
+    {"attention probabilities", &BlockSaved::att, Dim::Att, false},
+    {"attention out", &BlockSaved::atty, Dim::C, false},
+    {"residual mid", &BlockSaved::resid_mid, Dim::C, false},
+    {"ln_2", &BlockSaved::ln2, Dim::C, true},
+    {"ln_2 mean", &BlockSaved::ln2_mean, Dim::Mean, false},
+    {"ln_2 rstd", &BlockSaved::ln2_rstd, Dim::One, false},
+    {"mlp fc", &BlockSaved::fch, Dim::Fc, false},
+    {"mlp gelu", &BlockSaved::fch_act, Dim::Hidden, true},
 };
 static_assert(sizeof(BlockSaved) == std::size(kFields) * sizeof(float*),
               "every BlockSaved field must be listed in kFields");
 
+// The report name: the activation field is named after the activation.
+std::string field_name(const SavedField& f, const ModelConfig& cfg) {
+    if (f.dim == Dim::Hidden && cfg.swiglu()) return "mlp swiglu";
+    return f.name;
+}
+
 std::size_t field_floats(const SavedField& f, const ModelConfig& cfg, int B, int T) {
     const std::size_t BT = (std::size_t)B * T;
-    return f.btc * BT * cfg.n_embd + f.bt * BT + f.att * (std::size_t)cfg.n_head * BT * T;
+    switch (f.dim) {
+        case Dim::C:
+            return BT * cfg.n_embd;
+        case Dim::Mean:
+            return cfg.rmsnorm() ? 0 : BT;
+        case Dim::One:
+            return BT;
+        case Dim::Qkv:
+            return BT * cfg.qkv_dim();
+        case Dim::Att:
+            return BT * cfg.n_head * (std::size_t)T;
+        case Dim::Fc:
+            return BT * cfg.fc_dim();
+        case Dim::Hidden:
+            return BT * cfg.mlp_hidden();
+    }
+    return 0;
 }
 
 bool keeps(BlockKeep k, const SavedField& f) {
     return k == BlockKeep::All || (k == BlockKeep::Selective && !f.selective_drops);
 }
 
-// The scratch holds a field when some block drops it.
-bool in_scratch(const RematPlan& plan, const SavedField& f) {
+// The scratch holds a field when some block drops it (and it has any bytes).
+bool in_scratch(const RematPlan& plan, const SavedField& f, const ModelConfig& cfg) {
+    if (field_floats(f, cfg, 1, 1) == 0) return false;
     for (BlockKeep k : plan)
         if (!keeps(k, f)) return true;
     return false;
@@ -81,6 +114,11 @@ std::size_t scratch_floats(const ModelConfig& cfg, int B, int T, BlockKeep k) {
     return n;
 }
 
+std::size_t fixed_floats(const ModelConfig& cfg, int B, int T) {
+    const std::size_t BT = (std::size_t)B * T, C = cfg.n_embd;
+    return BT * C * (cfg.n_layer + 1) + BT * C + (cfg.rmsnorm() ? 1 : 2) * BT;
+}
+
 std::vector<ArenaEntry> activation_layout(const ModelConfig& cfg, int B, int T, int loss_chunk,
                                           const RematPlan& plan_in) {
     const std::size_t BT = (std::size_t)B * T, C = cfg.n_embd;
@@ -95,20 +133,26 @@ std::vector<ArenaEntry> activation_layout(const ModelConfig& cfg, int B, int T, 
     for (const auto& f : kFields) {
         std::size_t n = 0;
         for (BlockKeep k : plan) n += keeps(k, f);
-        if (n > 0)
-            e.push_back(
-                {fmt::format("{} x {} blocks", f.name, n), field_floats(f, cfg, B, T) * n, A});
-        if (in_scratch(plan, f)) {
-            scratch += field_floats(f, cfg, B, T);
-            scratch_names += scratch_names.empty() ? f.name : std::string(", ") + f.name;
+        const std::size_t floats = field_floats(f, cfg, B, T);
+        if (n > 0 && floats > 0)
+            e.push_back({fmt::format("{} x {} blocks", field_name(f, cfg), n), floats * n, A});
+        if (in_scratch(plan, f, cfg)) {
+            scratch += floats;
+            scratch_names += (scratch_names.empty() ? "" : ", ") + field_name(f, cfg);
         }
     }
-    e.push_back({"ln_f (+ mean, rstd)", BT * C + 2 * BT, A});
+    if (cfg.rmsnorm())
+        e.push_back({"ln_f (+ rstd)", BT * C + BT, A});
+    else
+        e.push_back({"ln_f (+ mean, rstd)", BT * C + 2 * BT, A});
     if (scratch > 0)
         e.push_back({fmt::format("recompute scratch, one block ({})", scratch_names), scratch, A});
     e.push_back({"d residual", BT * C, W});
     e.push_back({"d layernorm input", BT * C, W});
-    e.push_back({"d qkv / d mlp hidden", 4 * BT * C, W});
+    // One buffer for d(qkv) and d(c_fc output); SwiGLU also needs d(product) beside d(fch).
+    e.push_back(
+        {"d qkv / d mlp hidden", BT * (std::size_t)std::max(cfg.qkv_dim(), cfg.fc_dim()), W});
+    if (cfg.swiglu()) e.push_back({"d mlp product", BT * (std::size_t)cfg.mlp_hidden(), W});
     e.push_back({"logits chunk",
                  (std::size_t)std::min<std::size_t>(loss_chunk, BT) * cfg.padded_vocab(), W});
     return e;
@@ -156,10 +200,12 @@ void GPT::init_weights(uint64_t seed) {
             for (std::size_t i = 0; i < t.numel; i++) w[i] = (float)(rng.normal() * std);
         }
     }
-    // Padded vocabulary rows are never looked up; keep them exactly zero.
+    // Padded vocabulary rows are never looked up; keep them exactly zero (in lm_head too: its
+    // padded logits are ignored, and zero rows get zero gradient, so they stay zero).
     std::size_t C = cfg_.n_embd;
-    std::memset(p_.wte + (std::size_t)cfg_.vocab_size * C, 0,
-                (std::size_t)(cfg_.padded_vocab() - cfg_.vocab_size) * C * sizeof(float));
+    for (float* e : {p_.wte, p_.lm_head})
+        std::memset(e + (std::size_t)cfg_.vocab_size * C, 0,
+                    (std::size_t)(cfg_.padded_vocab() - cfg_.vocab_size) * C * sizeof(float));
 }
 
 void GPT::set_remat(const RematPlan& plan) {
@@ -201,69 +247,114 @@ void GPT::ensure_arena(int B, int T) {
     saved_.assign(L, BlockSaved{});
     for (std::size_t l = 0; l < L; l++)
         for (const auto& f : kFields)
-            if (keeps(plan[l], f)) saved_[l].*f.ptr = take(field_floats(f, cfg_, B, T));
+            if (keeps(plan[l], f) && field_floats(f, cfg_, B, T) > 0)
+                saved_[l].*f.ptr = take(field_floats(f, cfg_, B, T));
     lnf_ = take(BT * C);
-    lnf_mean_ = take(BT);
+    lnf_mean_ = cfg_.rmsnorm() ? nullptr : take(BT);
     lnf_rstd_ = take(BT);
     // One shared scratch block: dropped fields of every block alias it, so the forward of a
     // dropped block writes there (overwritten by the next) and backward recomputes into it.
     for (const auto& f : kFields) {
-        if (!in_scratch(plan, f)) continue;
+        if (!in_scratch(plan, f, cfg_)) continue;
         float* p = take(field_floats(f, cfg_, B, T));
         for (std::size_t l = 0; l < L; l++)
             if (!keeps(plan[l], f)) saved_[l].*f.ptr = p;
     }
     if (a != acts_.data() + nact) fail("internal: activation arena carving disagrees with layout");
     float* w = work_.data();
+    const std::size_t big = BT * std::max(cfg_.qkv_dim(), cfg_.fc_dim());
     dres_ = w;
     dln_ = w + BT * C;
     dbig_ = w + 2 * BT * C;
-    logits_ = w + 6 * BT * C;
+    dact_ = cfg_.swiglu() ? dbig_ + big : nullptr;
+    logits_ = dbig_ + big + (cfg_.swiglu() ? BT * cfg_.mlp_hidden() : 0);
+    if (logits_ + (std::size_t)std::min<std::size_t>(kLossChunk, BT) * cfg_.padded_vocab() !=
+        work_.data() + nwork)
+        fail("internal: workspace carving disagrees with layout");
+}
+
+void GPT::norm_forward(float* out, float* mean, float* rstd, const float* inp, const float* w,
+                       const float* b, int N) const {
+    if (cfg_.rmsnorm())
+        cpu::rmsnorm_forward(out, rstd, inp, w, N, cfg_.n_embd, (float)cfg_.norm_eps);
+    else
+        cpu::layernorm_forward(out, mean, rstd, inp, w, b, N, cfg_.n_embd, (float)cfg_.norm_eps);
+}
+
+void GPT::norm_backward(float* dinp, float* dw, float* db, const float* dout, const float* inp,
+                        const float* w, const float* mean, const float* rstd, int N) const {
+    if (cfg_.rmsnorm())
+        cpu::rmsnorm_backward(dinp, dw, dout, inp, w, rstd, N, cfg_.n_embd);
+    else
+        cpu::layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd, N, cfg_.n_embd);
+}
+
+void GPT::act_forward(float* out, const float* inp, int N) const {
+    if (cfg_.swiglu())
+        cpu::swiglu_forward(out, inp, N, cfg_.mlp_hidden());
+    else
+        cpu::gelu_forward(out, inp, (int64_t)N * cfg_.mlp_hidden());
 }
 
 void GPT::block_forward(int l, const float* x, float* out, BlockSaved& s, int B, int T) {
     const BlockParams& p = p_.blocks[l];
-    const int N = B * T, C = cfg_.n_embd;
-    cpu::layernorm_forward(s.ln1, s.ln1_mean, s.ln1_rstd, x, p.ln1_w, p.ln1_b, N, C);
-    cpu::matmul_forward(s.qkv, s.ln1, p.qkv_w, p.qkv_b, N, C, 3 * C);
-    cpu::attention_forward(s.atty, s.att, s.qkv, B, T, C, cfg_.n_head);
+    const int N = B * T, C = cfg_.n_embd, QKV = cfg_.qkv_dim(), F = cfg_.fc_dim(),
+              H = cfg_.mlp_hidden();
+    norm_forward(s.ln1, s.ln1_mean, s.ln1_rstd, x, p.ln1_w, p.ln1_b, N);
+    cpu::matmul_forward(s.qkv, s.ln1, p.qkv_w, p.qkv_b, N, C, QKV);
+    // Rotating in place means qkv holds what attention reads (and backward needs); c_attn's
+    // backward reads ln1, not qkv, so the unrotated values are never needed again.
+    if (cfg_.rope())
+        cpu::rope_forward(s.qkv, B, T, cfg_.n_head, cfg_.kv_heads(), cfg_.head_dim(),
+                          (float)cfg_.rope_theta);
+    cpu::attention_forward(s.atty, s.att, s.qkv, B, T, C, cfg_.n_head, cfg_.kv_heads());
     std::memcpy(s.resid_mid, x, sizeof(float) * N * C);
     cpu::matmul_forward(s.resid_mid, s.atty, p.proj_w, p.proj_b, N, C, C, 1.0f);
-    cpu::layernorm_forward(s.ln2, s.ln2_mean, s.ln2_rstd, s.resid_mid, p.ln2_w, p.ln2_b, N, C);
-    cpu::matmul_forward(s.fch, s.ln2, p.fc_w, p.fc_b, N, C, 4 * C);
-    cpu::gelu_forward(s.fch_gelu, s.fch, (int64_t)N * 4 * C);
+    norm_forward(s.ln2, s.ln2_mean, s.ln2_rstd, s.resid_mid, p.ln2_w, p.ln2_b, N);
+    cpu::matmul_forward(s.fch, s.ln2, p.fc_w, p.fc_b, N, C, F);
+    act_forward(s.fch_act, s.fch, N);
     std::memcpy(out, s.resid_mid, sizeof(float) * N * C);
-    cpu::matmul_forward(out, s.fch_gelu, p.fcp_w, p.fcp_b, N, 4 * C, C, 1.0f);
+    cpu::matmul_forward(out, s.fch_act, p.fcp_w, p.fcp_b, N, H, C, 1.0f);
 }
 
-// Recomputes what Selective dropped (ln1, ln2, fch_gelu) with the same kernel calls, on the same
+// Recomputes what Selective dropped (ln1, ln2, fch_act) with the same kernel calls, on the same
 // inputs, as block_forward: the kernels are deterministic, so the bits are those of the forward.
-// The LayerNorm kernels also rewrite the kept mean/rstd, with identical values.
+// The norm kernels also rewrite the kept mean/rstd, with identical values.
 void GPT::recompute_selective(int l, const float* x, BlockSaved& s, int B, int T) {
     const BlockParams& p = p_.blocks[l];
-    const int N = B * T, C = cfg_.n_embd;
-    cpu::layernorm_forward(s.ln1, s.ln1_mean, s.ln1_rstd, x, p.ln1_w, p.ln1_b, N, C);
-    cpu::layernorm_forward(s.ln2, s.ln2_mean, s.ln2_rstd, s.resid_mid, p.ln2_w, p.ln2_b, N, C);
-    cpu::gelu_forward(s.fch_gelu, s.fch, (int64_t)N * 4 * C);
+    const int N = B * T;
+    norm_forward(s.ln1, s.ln1_mean, s.ln1_rstd, x, p.ln1_w, p.ln1_b, N);
+    norm_forward(s.ln2, s.ln2_mean, s.ln2_rstd, s.resid_mid, p.ln2_w, p.ln2_b, N);
+    act_forward(s.fch_act, s.fch, N);
 }
 
 // On entry dres holds d(block output); on exit d(block input).
 void GPT::block_backward(int l, float* dres, const float* x, const BlockSaved& s, int B, int T) {
     const BlockParams& p = p_.blocks[l];
     BlockParams& g = g_.blocks[l];
-    const int N = B * T, C = cfg_.n_embd;
+    const int N = B * T, C = cfg_.n_embd, QKV = cfg_.qkv_dim(), F = cfg_.fc_dim(),
+              H = cfg_.mlp_hidden();
     float* dfch = dbig_;
-    cpu::matmul_backward(dfch, g.fcp_w, g.fcp_b, dres, s.fch_gelu, p.fcp_w, N, 4 * C, C);
-    cpu::gelu_backward(dfch, s.fch, dfch, (int64_t)N * 4 * C);
-    cpu::matmul_backward(dln_, g.fc_w, g.fc_b, dfch, s.ln2, p.fc_w, N, C, 4 * C);
-    cpu::layernorm_backward(dres, g.ln2_w, g.ln2_b, dln_, s.resid_mid, p.ln2_w, s.ln2_mean,
-                            s.ln2_rstd, N, C);
+    if (cfg_.swiglu()) {
+        // d(product) (N,H) and d(fch) (N,2H) cannot share rows, so the product's gradient has
+        // its own workspace.
+        cpu::matmul_backward(dact_, g.fcp_w, g.fcp_b, dres, s.fch_act, p.fcp_w, N, H, C);
+        cpu::swiglu_backward(dfch, s.fch, dact_, N, H);
+    } else {
+        cpu::matmul_backward(dfch, g.fcp_w, g.fcp_b, dres, s.fch_act, p.fcp_w, N, H, C);
+        cpu::gelu_backward(dfch, s.fch, dfch, (int64_t)N * H);
+    }
+    cpu::matmul_backward(dln_, g.fc_w, g.fc_b, dfch, s.ln2, p.fc_w, N, C, F);
+    norm_backward(dres, g.ln2_w, g.ln2_b, dln_, s.resid_mid, p.ln2_w, s.ln2_mean, s.ln2_rstd, N);
     float* datty = dln_;
     cpu::matmul_backward(datty, g.proj_w, g.proj_b, dres, s.atty, p.proj_w, N, C, C);
     float* dqkv = dbig_;
-    cpu::attention_backward(dqkv, datty, s.qkv, s.att, B, T, C, cfg_.n_head);
-    cpu::matmul_backward(dln_, g.qkv_w, g.qkv_b, dqkv, s.ln1, p.qkv_w, N, C, 3 * C);
-    cpu::layernorm_backward(dres, g.ln1_w, g.ln1_b, dln_, x, p.ln1_w, s.ln1_mean, s.ln1_rstd, N, C);
+    cpu::attention_backward(dqkv, datty, s.qkv, s.att, B, T, C, cfg_.n_head, cfg_.kv_heads());
+    if (cfg_.rope())
+        cpu::rope_backward(dqkv, B, T, cfg_.n_head, cfg_.kv_heads(), cfg_.head_dim(),
+                           (float)cfg_.rope_theta);
+    cpu::matmul_backward(dln_, g.qkv_w, g.qkv_b, dqkv, s.ln1, p.qkv_w, N, C, QKV);
+    norm_backward(dres, g.ln1_w, g.ln1_b, dln_, x, p.ln1_w, s.ln1_mean, s.ln1_rstd, N);
 }
 
 static void check_tokens(const int32_t* tokens, std::size_t n, int vocab, const char* what) {
@@ -281,8 +372,7 @@ void GPT::forward(const int32_t* inputs, int B, int T) {
     cpu::embedding_forward(resid_[0], inputs, p_.wte, p_.wpe, B, T, C);
     for (int l = 0; l < cfg_.n_layer; l++)
         block_forward(l, resid_[l], resid_[l + 1], saved_[l], B, T);
-    cpu::layernorm_forward(lnf_, lnf_mean_, lnf_rstd_, resid_[cfg_.n_layer], p_.lnf_w, p_.lnf_b, N,
-                           C);
+    norm_forward(lnf_, lnf_mean_, lnf_rstd_, resid_[cfg_.n_layer], p_.lnf_w, p_.lnf_b, N);
 }
 
 float GPT::forward_backward(const int32_t* inputs, const int32_t* targets, int B, int T,
@@ -292,11 +382,10 @@ float GPT::forward_backward(const int32_t* inputs, const int32_t* targets, int B
     check_tokens(targets, (std::size_t)B * T, cfg_.vocab_size, "target");
     const int N = B * T, C = cfg_.n_embd, L = cfg_.n_layer;
     double loss =
-        cpu::classifier_loss(dln_, g_.wte, logits_, lnf_, p_.wte, targets, N, C, cfg_.vocab_size,
-                             cfg_.padded_vocab(), kLossChunk, grad_scale);
+        cpu::classifier_loss(dln_, g_.lm_head, logits_, lnf_, p_.lm_head, targets, N, C,
+                             cfg_.vocab_size, cfg_.padded_vocab(), kLossChunk, grad_scale);
     std::memset(dres_, 0, sizeof(float) * N * C);
-    cpu::layernorm_backward(dres_, g_.lnf_w, g_.lnf_b, dln_, resid_[L], p_.lnf_w, lnf_mean_,
-                            lnf_rstd_, N, C);
+    norm_backward(dres_, g_.lnf_w, g_.lnf_b, dln_, resid_[L], p_.lnf_w, lnf_mean_, lnf_rstd_, N);
     for (int l = L - 1; l >= 0; l--) {
         // An Input block re-runs block_forward into the scratch; its output rewrites
         // resid_[l + 1] with the same bits, which nothing reads any more.
@@ -315,14 +404,14 @@ float GPT::forward_loss(const int32_t* inputs, const int32_t* targets, int B, in
     check_tokens(targets, (std::size_t)B * T, cfg_.vocab_size, "target");
     const int N = B * T;
     double loss =
-        cpu::classifier_loss(nullptr, nullptr, logits_, lnf_, p_.wte, targets, N, cfg_.n_embd,
+        cpu::classifier_loss(nullptr, nullptr, logits_, lnf_, p_.lm_head, targets, N, cfg_.n_embd,
                              cfg_.vocab_size, cfg_.padded_vocab(), kLossChunk, 0.0f);
     return (float)(loss / N);
 }
 
 void GPT::forward_logits(const int32_t* inputs, int B, int T, float* out) {
     forward(inputs, B, T);
-    cpu::classifier_logits(out, lnf_, p_.wte, B * T, cfg_.n_embd, cfg_.vocab_size);
+    cpu::classifier_logits(out, lnf_, p_.lm_head, B * T, cfg_.n_embd, cfg_.vocab_size);
 }
 
 }  // namespace memtrain

@@ -17,27 +17,29 @@
 
 namespace memtrain {
 
-// What one block's forward keeps for its backward. Shapes for a micro-batch of B x T.
+// What one block's forward keeps for its backward. Shapes for a micro-batch of B x T, with
+// QKV = ModelConfig::qkv_dim(), F = fc_dim(), H = mlp_hidden() (GPT-2: 3C, 4C, 4C).
+// Fields a config does not need are null and take no bytes (rmsnorm keeps no mean).
 struct BlockSaved {
     float* ln1;        // (B,T,C)   ln_1 output
-    float* ln1_mean;   // (B,T)
+    float* ln1_mean;   // (B,T)     layernorm only
     float* ln1_rstd;   // (B,T)
-    float* qkv;        // (B,T,3C)
+    float* qkv;        // (B,T,QKV) q and k after rope when positions = "rope"
     float* att;        // (B,NH,T,T) softmax probabilities
     float* atty;       // (B,T,C)   attention output before c_proj
     float* resid_mid;  // (B,T,C)   x + attn(ln_1(x))
     float* ln2;        // (B,T,C)
-    float* ln2_mean;   // (B,T)
+    float* ln2_mean;   // (B,T)     layernorm only
     float* ln2_rstd;   // (B,T)
-    float* fch;        // (B,T,4C)  c_fc output (pre-GELU)
-    float* fch_gelu;   // (B,T,4C)
+    float* fch;        // (B,T,F)   c_fc output (pre-activation; [gate | up] for swiglu)
+    float* fch_act;    // (B,T,H)   GELU(fch), or silu(gate) * up
 };
 
 // What one block keeps through the forward. Dropped pieces are recomputed in backward, into one
 // shared scratch `BlockSaved`, by the same kernels the forward used (bitwise-identical gradients).
 //   All:       every field of BlockSaved.
-//   Selective: all but ln1, ln2 and fch_gelu (cheap to recompute from the kept mean/rstd,
-//              residual input, resid_mid and fch; together 6 BTC of the block's ~16 BTC).
+//   Selective: all but ln1, ln2 and fch_act (cheap to recompute from the kept mean/rstd,
+//              residual input, resid_mid and fch; for GPT-2 6 BTC of the block's ~16 BTC).
 //   Input:     nothing beyond the residual-stream input (always kept); the whole block is
 //              recomputed with block_forward before its backward.
 enum class BlockKeep : uint8_t { All, Selective, Input };
@@ -61,6 +63,8 @@ std::vector<ArenaEntry> activation_layout(const ModelConfig& cfg, int B, int T, 
 // plan is exactly the largest scratch_floats over its blocks.
 std::size_t kept_floats(const ModelConfig& cfg, int B, int T, BlockKeep k);
 std::size_t scratch_floats(const ModelConfig& cfg, int B, int T, BlockKeep k);
+// Floats kept under every plan: the n_layer + 1 residual streams and ln_f (output, statistics).
+std::size_t fixed_floats(const ModelConfig& cfg, int B, int T);
 std::size_t arena_bytes(const std::vector<ArenaEntry>& layout, MemCategory c);
 
 class GPT {
@@ -75,7 +79,7 @@ class GPT {
     float* grads();  // allocated on first use: inference never pays for them
 
     // GPT-2 initialisation: N(0, init_std), residual projections scaled by 1/sqrt(2 n_layer),
-    // LayerNorm weights 1, biases 0, padded vocabulary rows 0.
+    // norm weights 1, biases 0, padded vocabulary rows (of wte and lm_head) 0.
     void init_weights(uint64_t seed);
     void zero_grads();
 
@@ -101,6 +105,12 @@ class GPT {
     void block_forward(int l, const float* x, float* out, BlockSaved& s, int B, int T);
     void block_backward(int l, float* dres, const float* x, const BlockSaved& s, int B, int T);
     void recompute_selective(int l, const float* x, BlockSaved& s, int B, int T);
+    // LayerNorm or RMSNorm per the config (mean and bias unused by RMSNorm).
+    void norm_forward(float* out, float* mean, float* rstd, const float* inp, const float* w,
+                      const float* b, int N) const;
+    void norm_backward(float* dinp, float* dw, float* db, const float* dout, const float* inp,
+                       const float* w, const float* mean, const float* rstd, int N) const;
+    void act_forward(float* out, const float* inp, int N) const;
     BlockKeep keep(int l) const { return plan_.empty() ? BlockKeep::All : plan_[l]; }
 
     ModelConfig cfg_;
@@ -117,7 +127,7 @@ class GPT {
     std::vector<BlockSaved> saved_;  // dropped fields point into the shared recompute scratch
     RematPlan plan_;
     float *lnf_, *lnf_mean_, *lnf_rstd_;
-    float *dres_, *dln_, *dbig_, *logits_;
+    float *dres_, *dln_, *dbig_, *dact_, *logits_;
 };
 
 }  // namespace memtrain

@@ -1,5 +1,8 @@
-// Builds the named parameter layout of a GPT-2 model and views into flat buffers.
+// Builds the named parameter layout of a GPT-2 (or Llama-style) model and views into flat
+// buffers. The tensor list is documented in param_layout.h.
 #include "model/param_layout.h"
+
+#include <unordered_map>
 
 #include <fmt/format.h>
 
@@ -14,7 +17,9 @@ const ParamSpec& ParamLayout::get(std::string_view name) const {
 }
 
 ParamLayout make_param_layout(const ModelConfig& cfg) {
-    const int64_t C = cfg.n_embd, Vp = cfg.padded_vocab();
+    const int64_t C = cfg.n_embd, Vp = cfg.padded_vocab(), QKV = cfg.qkv_dim(), F = cfg.fc_dim(),
+                  H = cfg.mlp_hidden();
+    const bool norm_bias = !cfg.rmsnorm();
     ParamLayout layout;
     auto add = [&](std::string name, std::vector<int64_t> shape, bool decay) {
         ParamSpec s;
@@ -28,43 +33,57 @@ ParamLayout make_param_layout(const ModelConfig& cfg) {
         layout.tensors.push_back(std::move(s));
     };
     add("wte.weight", {Vp, C}, true);
-    add("wpe.weight", {cfg.block_size, C}, true);
+    if (!cfg.rope()) add("wpe.weight", {cfg.block_size, C}, true);
     for (int l = 0; l < cfg.n_layer; l++) {
         std::string h = fmt::format("h.{}.", l);
         add(h + "ln_1.weight", {C}, false);
-        add(h + "ln_1.bias", {C}, false);
-        add(h + "attn.c_attn.weight", {C, 3 * C}, true);
-        add(h + "attn.c_attn.bias", {3 * C}, false);
+        if (norm_bias) add(h + "ln_1.bias", {C}, false);
+        add(h + "attn.c_attn.weight", {C, QKV}, true);
+        add(h + "attn.c_attn.bias", {QKV}, false);
         add(h + "attn.c_proj.weight", {C, C}, true);
         add(h + "attn.c_proj.bias", {C}, false);
         add(h + "ln_2.weight", {C}, false);
-        add(h + "ln_2.bias", {C}, false);
-        add(h + "mlp.c_fc.weight", {C, 4 * C}, true);
-        add(h + "mlp.c_fc.bias", {4 * C}, false);
-        add(h + "mlp.c_proj.weight", {4 * C, C}, true);
+        if (norm_bias) add(h + "ln_2.bias", {C}, false);
+        add(h + "mlp.c_fc.weight", {C, F}, true);
+        add(h + "mlp.c_fc.bias", {F}, false);
+        add(h + "mlp.c_proj.weight", {H, C}, true);
         add(h + "mlp.c_proj.bias", {C}, false);
     }
     add("ln_f.weight", {C}, false);
-    add("ln_f.bias", {C}, false);
+    if (norm_bias) add("ln_f.bias", {C}, false);
+    if (!cfg.tied_embeddings) add("lm_head.weight", {Vp, C}, true);
     return layout;
 }
 
 ModelParams view_params(const ParamLayout& layout, float* base, int n_layer) {
-    // The layout is built in a fixed order, so views are taken by position.
-    const auto& t = layout.tensors;
-    auto at = [&](std::size_t i) { return base + t[i].offset; };
+    std::unordered_map<std::string_view, std::size_t> offset;
+    for (const auto& t : layout.tensors) offset.emplace(t.name, t.offset);
+    // Absent tensors (the config does not have them) view as null.
+    auto at = [&](const std::string& name) -> float* {
+        auto it = offset.find(name);
+        return it == offset.end() ? nullptr : base + it->second;
+    };
+    auto need = [&](const std::string& name) {
+        float* p = at(name);
+        if (!p) fail("internal: parameter layout has no '{}'", name);
+        return p;
+    };
     ModelParams p;
-    p.wte = at(0);
-    p.wpe = at(1);
+    p.wte = need("wte.weight");
+    p.wpe = at("wpe.weight");
     for (int l = 0; l < n_layer; l++) {
-        std::size_t i = 2 + 12 * (std::size_t)l;
-        p.blocks.push_back(BlockParams{at(i), at(i + 1), at(i + 2), at(i + 3), at(i + 4), at(i + 5),
-                                       at(i + 6), at(i + 7), at(i + 8), at(i + 9), at(i + 10),
-                                       at(i + 11)});
+        std::string h = fmt::format("h.{}.", l);
+        p.blocks.push_back(BlockParams{need(h + "ln_1.weight"), at(h + "ln_1.bias"),
+                                       need(h + "attn.c_attn.weight"), need(h + "attn.c_attn.bias"),
+                                       need(h + "attn.c_proj.weight"), need(h + "attn.c_proj.bias"),
+                                       need(h + "ln_2.weight"), at(h + "ln_2.bias"),
+                                       need(h + "mlp.c_fc.weight"), need(h + "mlp.c_fc.bias"),
+                                       need(h + "mlp.c_proj.weight"), need(h + "mlp.c_proj.bias")});
     }
-    std::size_t f = 2 + 12 * (std::size_t)n_layer;
-    p.lnf_w = at(f);
-    p.lnf_b = at(f + 1);
+    p.lnf_w = need("ln_f.weight");
+    p.lnf_b = at("ln_f.bias");
+    p.lm_head = at("lm_head.weight");
+    if (!p.lm_head) p.lm_head = p.wte;
     return p;
 }
 

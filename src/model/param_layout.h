@@ -1,6 +1,16 @@
 // One flat buffer holds every parameter; this layout names the views into it, in Hugging Face
 // GPT-2 order and with Hugging Face shapes (Conv1D weights are (in, out)). The same layout
 // indexes the gradient buffer and the optimizer moments.
+//
+// Llama-style variants keep the GPT-2 names; only which tensors exist and their shapes change
+// (C = n_embd, QKV = ModelConfig::qkv_dim(), F = fc_dim(), H = mlp_hidden(), Vp = padded vocab):
+//   wte.weight (Vp,C); wpe.weight (block_size,C) only for positions = "learned";
+//   per block h.{i}.: ln_1.weight (C) [+ ln_1.bias (C) for layernorm];
+//     attn.c_attn.weight (C,QKV) + bias (QKV), columns [q | k | v], k and v with kv_heads;
+//     attn.c_proj.weight (C,C) + bias (C); ln_2 as ln_1;
+//     mlp.c_fc.weight (C,F) + bias (F), for swiglu F = 2H with columns [gate | up];
+//     mlp.c_proj.weight (H,C) + bias (C);
+//   ln_f.weight (C) [+ ln_f.bias]; lm_head.weight (Vp,C) only for tied_embeddings = false.
 #pragma once
 
 #include <cstddef>
@@ -30,22 +40,25 @@ struct ParamLayout {
 ParamLayout make_param_layout(const ModelConfig& cfg);
 
 // Pointers to one block's tensors inside a flat buffer (parameters or gradients).
+// Tensors the config does not have (norm biases under rmsnorm) are null.
 struct BlockParams {
     float *ln1_w, *ln1_b;
-    float *qkv_w, *qkv_b;    // (C, 3C), (3C)
+    float *qkv_w, *qkv_b;    // (C, QKV), (QKV)
     float *proj_w, *proj_b;  // (C, C), (C)
     float *ln2_w, *ln2_b;
-    float *fc_w, *fc_b;    // (C, 4C), (4C)
-    float *fcp_w, *fcp_b;  // (4C, C), (C)
+    float *fc_w, *fc_b;    // (C, F), (F)
+    float *fcp_w, *fcp_b;  // (H, C), (C)
 };
 
 struct ModelParams {
     float* wte;  // (Vp, C)
-    float* wpe;  // (block_size, C)
+    float* wpe;  // (block_size, C), null under rope
     std::vector<BlockParams> blocks;
-    float *lnf_w, *lnf_b;
+    float *lnf_w, *lnf_b;  // lnf_b null under rmsnorm
+    float* lm_head;        // (Vp, C): lm_head.weight when untied, else the same pointer as wte
 };
 
+// Views by name (not by position), so the set of tensors can vary with the config.
 ModelParams view_params(const ParamLayout& layout, float* base, int n_layer);
 
 }  // namespace memtrain

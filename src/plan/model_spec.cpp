@@ -252,7 +252,8 @@ ModelSpec model_from_config(const ModelConfig& c) {
     m.swiglu = c.activation == "swiglu";
     m.rope = c.positions == "rope";
     m.tied_embeddings = c.tied_embeddings;
-    m.bias = !m.rmsnorm;
+    m.ffn_hidden = c.mlp_hidden();
+    m.bias = true;  // memtrain's blocks keep linear biases in every variant
     m.dropout = false;
     return m;
 }

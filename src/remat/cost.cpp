@@ -7,14 +7,17 @@ namespace memtrain::remat {
 
 BlockFlops block_flops(const ModelConfig& cfg, int B, int T) {
     const int64_t N = (int64_t)B * T, C = cfg.n_embd, NH = cfg.n_head;
+    // Widths from the config (GPT-2: QKV = 3C, F = H = 4C); RMSNorm, SwiGLU and RoPE are
+    // counted at LayerNorm's and GELU's per-element cost: close enough to rank plans.
+    const int64_t QKV = cfg.qkv_dim(), F = cfg.fc_dim(), H = cfg.mlp_hidden();
     BlockFlops f;
     f.ln = kLayerNormFlopsPerElem * N * C;
-    f.qkv = 2 * N * C * 3 * C;
+    f.qkv = 2 * N * C * QKV;
     f.attention = 4 * (int64_t)B * T * T * C + kSoftmaxFlopsPerElem * (int64_t)B * NH * T * T;
     f.proj = 2 * N * C * C;
-    f.fc = 2 * N * C * 4 * C;
-    f.gelu = kGeluFlopsPerElem * 4 * N * C;
-    f.fc_proj = 2 * N * 4 * C * C;
+    f.fc = 2 * N * C * F;
+    f.gelu = kGeluFlopsPerElem * H * N;
+    f.fc_proj = 2 * N * H * C;
     return f;
 }
 
@@ -26,11 +29,9 @@ int64_t step_flops(const ModelConfig& cfg, int B, int T) {
 }
 
 Chain make_chain(const ModelConfig& cfg, int B, int T) {
-    const std::size_t BT = (std::size_t)B * T;
     // Residual streams and ln_f, exactly as activation_layout lists them.
     Chain c;
-    c.fixed_bytes =
-        sizeof(float) * (BT * cfg.n_embd * (cfg.n_layer + 1) + BT * cfg.n_embd + 2 * BT);
+    c.fixed_bytes = sizeof(float) * fixed_floats(cfg, B, T);
     const BlockFlops f = block_flops(cfg, B, T);
     const int64_t recompute[] = {0, f.selective(), f.forward()};
     std::array<Option, 3> opts;

@@ -173,7 +173,7 @@ TEST(Gpt, RejectsOutOfVocabularyTokens) {
 
 TEST(Gpt, RejectsUnimplementedVariantsByName) {
     ModelConfig c = tiny();
-    c.norm = "rmsnorm";
+    c.norm = "batchnorm";
     try {
         GPT m(c);
         FAIL() << "expected an error";

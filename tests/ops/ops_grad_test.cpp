@@ -138,7 +138,7 @@ TEST(OpsGrad, Attention) {
         auto qkv = randn(B * T * 3 * C, 31), dout = randn(B * T * C, 32);
         std::vector<float> out(B * T * C), att(B * NH * T * T), dqkv(B * T * 3 * C);
         auto f = [&]() {
-            cpu::attention_forward(out.data(), att.data(), qkv.data(), B, T, C, NH);
+            cpu::attention_forward(out.data(), att.data(), qkv.data(), B, T, C, NH, NH);
             return dot(out, dout);
         };
         f();
@@ -154,7 +154,7 @@ TEST(OpsGrad, Attention) {
             }
             EXPECT_NEAR(s, 1.0, 1e-5);
         }
-        cpu::attention_backward(dqkv.data(), dout.data(), qkv.data(), att.data(), B, T, C, NH);
+        cpu::attention_backward(dqkv.data(), dout.data(), qkv.data(), att.data(), B, T, C, NH, NH);
         check_grad("dqkv", qkv, dqkv, f, 2e-2, 200);
     }
 }

@@ -1,5 +1,11 @@
 #!/usr/bin/python3
 """Writes the PyTorch parity fixture for memtrain's GPT-2:  make_fixture.py OUT.safetensors
+With --llama (make_fixture.py --llama OUT.safetensors) it writes the Llama-style fixture instead:
+the same tiny sizes with Hugging Face Llama semantics (RMSNorm x * rsqrt(mean(x^2) + eps) * w,
+rotate-half RoPE on q and k per head, grouped-query attention through repeat_kv, SwiGLU
+down(silu(gate(x)) * up(x)), untied lm_head), under memtrain's GPT-2-family parameter names and
+Conv1D layouts (c_attn columns [q | k | v], c_fc columns [gate | up], linear biases kept). It
+holds the weights, tokens, logits, loss and every gradient (no optimizer steps).
 
 A minimal GPT-2 (Hugging Face names and Conv1D layouts, tied embeddings, tanh GELU) is built in
 PyTorch and run in float64, so the reference is as exact as we can make it; the float32 initial
@@ -116,6 +122,137 @@ def init_weights(model):
                 p.copy_(0.01 * r)
 
 
+# ---- the Llama-style variant (--llama) -----------------------------------------------------------
+N_KV_HEAD = 2
+FFN_HIDDEN = (8 * C // 3 + 255) // 256 * 256  # memtrain's default for swiglu: 256 at C = 64
+RMS_EPS = 1e-6
+ROPE_THETA = 10000.0
+
+
+class RMSNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(C))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + RMS_EPS) * self.weight
+
+
+def rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_cos_sin(t, hs, dtype):
+    inv_freq = 1.0 / (ROPE_THETA ** (torch.arange(0, hs, 2, dtype=torch.float64) / hs))
+    freqs = torch.outer(torch.arange(t, dtype=torch.float64), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (T, hs)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def repeat_kv(x, n_rep):
+    """(B, nkv, T, hs) -> (B, nkv * n_rep, T, hs), each kv head repeated for its query group."""
+    b, nkv, t, hs = x.shape
+    return x[:, :, None, :, :].expand(b, nkv, n_rep, t, hs).reshape(b, nkv * n_rep, t, hs)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        hs = C // N_HEAD
+        self.c_attn = Conv1D(C, C + 2 * N_KV_HEAD * hs)
+        self.c_proj = Conv1D(C, C)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        hs = c // N_HEAD
+        q, k, v = self.c_attn(x).split([c, N_KV_HEAD * hs, N_KV_HEAD * hs], dim=2)
+        q = q.view(b, t, N_HEAD, hs).transpose(1, 2)
+        k = k.view(b, t, N_KV_HEAD, hs).transpose(1, 2)
+        v = v.view(b, t, N_KV_HEAD, hs).transpose(1, 2)
+        cos, sin = rope_cos_sin(t, hs, x.dtype)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        k, v = repeat_kv(k, N_HEAD // N_KV_HEAD), repeat_kv(v, N_HEAD // N_KV_HEAD)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(hs)
+        mask = torch.tril(torch.ones(t, t, dtype=torch.bool))
+        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        y = (att @ v).transpose(1, 2).contiguous().view(b, t, c)
+        return self.c_proj(y)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c_fc = Conv1D(C, 2 * FFN_HIDDEN)  # [gate | up]
+        self.c_proj = Conv1D(FFN_HIDDEN, C)  # down
+
+    def forward(self, x):
+        gate, up = self.c_fc(x).split(FFN_HIDDEN, dim=-1)
+        return self.c_proj(F.silu(gate) * up)
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln_1 = RMSNorm()
+        self.attn = LlamaAttention()
+        self.ln_2 = RMSNorm()
+        self.mlp = SwiGLU()
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class LlamaStyle(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(V, C)
+        self.h = nn.ModuleList(LlamaBlock() for _ in range(N_LAYER))
+        self.ln_f = RMSNorm()
+        self.lm_head = nn.Linear(C, V, bias=False)  # untied: weight (V, C), like wte
+
+    def forward(self, idx, targets):
+        x = self.wte(idx)
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        loss = F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1))
+        return logits, loss
+
+
+def main_llama(out_path):
+    torch.manual_seed(SEED)
+    model = LlamaStyle()
+    init_weights(model)
+    tokens = torch.randint(0, V, (B, T + 1), dtype=torch.int64)
+    init = [(n, f32(p)) for n, p in model.named_parameters()]
+    model = model.double()
+    x, y = tokens[:, :T], tokens[:, 1:]
+    logits, loss = model(x, y)
+    loss.backward()
+    out = list(init)
+    out.append(("tokens", tokens.to(torch.int32).numpy()))
+    out.append(("logits", f32(logits)))
+    out.append(("loss", f32(loss.reshape(1))))
+    out += [("grad." + n, f32(p.grad)) for n, p in model.named_parameters()]
+    for name, arr in out:
+        if arr.dtype == np.float32 and not np.isfinite(arr).all():
+            raise ValueError("tensor %s has non-finite values" % name)
+    metadata = {
+        "fixture_version": "1", "generator": "tests/parity/make_fixture.py --llama",
+        "torch_version": torch.__version__, "precision": "computed in float64, stored as float32",
+        "vocab_size": str(V), "vocab_pad": str(VOCAB_PAD), "block_size": str(BLOCK),
+        "n_layer": str(N_LAYER), "n_head": str(N_HEAD), "n_kv_head": str(N_KV_HEAD),
+        "n_embd": str(C), "ffn_hidden": str(FFN_HIDDEN), "batch": str(B), "seq": str(T),
+        "seed": str(SEED), "norm": "rmsnorm", "norm_eps": repr(RMS_EPS), "activation": "swiglu",
+        "positions": "rope", "rope_theta": repr(ROPE_THETA), "tied_embeddings": "false",
+    }
+    write_safetensors(out_path, out, metadata)
+    print("wrote %s: %d tensors, loss %.6f" % (out_path, len(out), float(loss)))
+
+
 def lr_at(step):
     if step < WARMUP:
         return LR * (step + 1) / WARMUP
@@ -155,8 +292,10 @@ def f32(t):
 
 
 def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "--llama":
+        return main_llama(sys.argv[2])
     if len(sys.argv) != 2:
-        sys.exit("usage: make_fixture.py OUT.safetensors")
+        sys.exit("usage: make_fixture.py [--llama] OUT.safetensors")
     out_path = sys.argv[1]
     torch.manual_seed(SEED)
     model = GPT()

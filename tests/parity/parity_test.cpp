@@ -21,6 +21,35 @@ namespace {
 
 constexpr int V = 96, BLOCK = 32, L = 2, NH = 4, C = 64, B = 2, T = 16;
 
+// Builds a fixture once per process; `flag` is make_fixture.py's variant flag ("" or "--llama").
+std::string build_fixture(const std::string& stem, const std::string& flag) {
+    // One file per process: CTest runs the parity cases in parallel processes.
+    std::string p =
+        std::string(MT_BINARY_DIR) + "/" + stem + "." + std::to_string(getpid()) + ".safetensors";
+    std::string cmd = std::string("/usr/bin/python3 ") + MT_SOURCE_DIR +
+                      "/tests/parity/make_fixture.py " + flag + " " + p + " > " + p + ".log 2>&1";
+    int rc = std::system(cmd.c_str());
+    if (rc != 0) {
+        ADD_FAILURE() << "could not build the PyTorch fixture (" << cmd
+                      << "); install python3-torch (scripts/deps.sh does) and see " << p << ".log";
+        return std::string();
+    }
+    return p;
+}
+
+const std::string& llama_fixture_path() {
+    static std::string path = [] {
+        std::string p = build_fixture("parity_llama_fixture", "--llama");
+        if (!p.empty())
+            std::atexit([] {
+                std::filesystem::remove(std::string(MT_BINARY_DIR) + "/parity_llama_fixture." +
+                                        std::to_string(getpid()) + ".safetensors");
+            });
+        return p;
+    }();
+    return path;
+}
+
 const std::string& fixture_path() {
     static std::string path = [] {
         // One file per process: CTest runs the parity cases in parallel processes.
@@ -97,7 +126,22 @@ void load_fixture(const io::SafetensorsFile& f, GPT& m, std::vector<int32_t>& x,
 }
 
 std::vector<int64_t> hf_shape(const ParamSpec& t) {
-    return t.name == "wte.weight" ? std::vector<int64_t>{V, C} : t.shape;
+    return t.name == "wte.weight" || t.name == "lm_head.weight" ? std::vector<int64_t>{V, C}
+                                                                : t.shape;
+}
+
+// The Llama-style fixture's model (make_fixture.py --llama): the same sizes, 2 kv heads, the
+// default SwiGLU width (256 at C = 64), rms eps 1e-6, theta 10000, untied lm_head.
+ModelConfig llama_fixture_model() {
+    ModelConfig c = fixture_model();
+    c.n_kv_head = 2;
+    c.norm = "rmsnorm";
+    c.activation = "swiglu";
+    c.positions = "rope";
+    c.tied_embeddings = false;
+    c.norm_eps = 1e-6;
+    c.rope_theta = 10000.0;
+    return c;
 }
 
 }  // namespace
@@ -164,5 +208,39 @@ TEST(Parity, FiveAdamWStepsWithWarmupCosineMatchPyTorch) {
         // noise (~1e-11) that Adam's normalisation turns into real updates. PyTorch's own fp32
         // run differs from this fp64 reference by 7e-5 on the same tensors.
         EXPECT_LT(pe, 1e-4) << "parameter " << t.name << " after 5 AdamW steps";
+    }
+}
+
+TEST(Parity, LlamaStyleLogitsLossAndGradientsMatchPyTorch) {
+    const std::string& path = llama_fixture_path();
+    ASSERT_FALSE(path.empty());
+    auto f = io::SafetensorsFile::open(path);
+    ModelConfig cfg = llama_fixture_model();
+    ASSERT_EQ(f.metadata().at("ffn_hidden"), std::to_string(cfg.mlp_hidden()));
+    ASSERT_EQ(f.metadata().at("n_kv_head"), std::to_string(cfg.n_kv_head));
+    GPT m(cfg);
+    std::vector<int32_t> x, y;
+    load_fixture(f, m, x, y);
+
+    std::vector<float> logits((std::size_t)B * T * V);
+    m.forward_logits(x.data(), B, T, logits.data());
+    auto ref_logits = read(f, "logits", {B, T, V});
+    EXPECT_LT(rel_err(logits.data(), ref_logits.data(), logits.size()), 1e-5)
+        << "logits relative error";
+
+    m.zero_grads();
+    float loss = m.forward_backward(x.data(), y.data(), B, T, 1.0f / (B * T));
+    float ref_loss = read(f, "loss", {1})[0];
+    EXPECT_LT(std::abs(loss - ref_loss) / ref_loss, 1e-5) << loss << " vs " << ref_loss;
+
+    // Every tensor of the model is in the fixture and every gradient matches; the fixture has
+    // no tensor the model lacks (wpe, norm biases).
+    std::size_t grads_in_fixture = 0;
+    for (const auto& info : f.tensors()) grads_in_fixture += info.name.starts_with("grad.");
+    EXPECT_EQ(grads_in_fixture, m.layout().tensors.size());
+    for (const auto& t : m.layout().tensors) {
+        auto ref = read(f, "grad." + t.name, hf_shape(t));
+        double ge = rel_err(m.grads() + t.offset, ref.data(), ref.size());
+        EXPECT_LT(ge, 1e-4) << "gradient of " << t.name;
     }
 }

@@ -19,15 +19,17 @@ namespace {
 
 struct Shape {
     int L, NH, C, V, block, B, T;
+    bool llama = false;  // rmsnorm + swiglu + rope + GQA (n_head / 2 kv heads) + untied
 };
 
 }  // namespace
 
 TEST(PlanMeasured, ModelStatesExactAndActivationsWithin10Percent) {
     const Shape shapes[] = {
-        {2, 2, 64, 500, 64, 4, 64},       // tiny
-        {6, 6, 384, 4096, 128, 8, 128},   // the demo model
-        {4, 4, 256, 50257, 256, 2, 256},  // GPT-2 vocabulary, the gpt2vocab benchmark shape
+        {2, 2, 64, 500, 64, 4, 64},            // tiny
+        {6, 6, 384, 4096, 128, 8, 128},        // the demo model
+        {4, 4, 256, 50257, 256, 2, 256},       // GPT-2 vocabulary, the gpt2vocab benchmark shape
+        {4, 4, 256, 4096, 128, 4, 128, true},  // Llama-style block
     };
     for (const auto& s : shapes) {
         ModelConfig mc;
@@ -36,6 +38,13 @@ TEST(PlanMeasured, ModelStatesExactAndActivationsWithin10Percent) {
         mc.n_embd = s.C;
         mc.vocab_size = s.V;
         mc.block_size = s.block;
+        if (s.llama) {
+            mc.norm = "rmsnorm";
+            mc.activation = "swiglu";
+            mc.positions = "rope";
+            mc.n_kv_head = s.NH / 2;
+            mc.tied_embeddings = false;
+        }
         auto before = host_memory().snapshot();
         GPT m(mc);
         m.init_weights(1);
@@ -55,7 +64,8 @@ TEST(PlanMeasured, ModelStatesExactAndActivationsWithin10Percent) {
         r.fragmentation = 0;
         r.reserve_bytes = 0;
         auto est = plan::estimate_memory(plan::model_from_config(mc), r);
-        std::string what = "L=" + std::to_string(s.L) + " C=" + std::to_string(s.C);
+        std::string what =
+            "L=" + std::to_string(s.L) + " C=" + std::to_string(s.C) + (s.llama ? " llama" : "");
         EXPECT_EQ(est.bytes("parameters"), measured(MemCategory::Parameters)) << what;
         EXPECT_EQ(est.bytes("gradients"), measured(MemCategory::Gradients)) << what;
         EXPECT_EQ(est.bytes("optimizer states"), measured(MemCategory::OptimizerState)) << what;

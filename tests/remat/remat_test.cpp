@@ -285,3 +285,45 @@ TEST(Remat, TrainerWithFullRecomputeMatchesNoneAndResumesBitwise) {
     EXPECT_EQ(0,
               std::memcmp(a.model().params(), second.model().params(), a.model().num_params() * 4));
 }
+
+// The same guarantees for the Llama-style block (rmsnorm keeps no mean, swiglu a 2H
+// pre-activation and an H product, rope rotates qkv in place, 2 kv heads, untied lm_head).
+TEST(Remat, LlamaStyleEveryPolicyIsBitwiseAndPredictedBytesAreMeasured) {
+    for (int L : {1, 3}) {
+        ModelConfig c = tiny(L);
+        c.n_head = 4;
+        c.n_kv_head = 2;
+        c.norm = "rmsnorm";
+        c.activation = "swiglu";
+        c.positions = "rope";
+        c.tied_embeddings = false;
+        c.ffn_hidden = 24;
+        Result ref = run(c, {});
+        for (const auto& text : policies_for(c)) {
+            Schedule s = make_schedule(parse_policy(text), c, 2, 8);
+            Result r = run(c, s.plan);
+            EXPECT_EQ(r.loss, ref.loss) << text << " L=" << L;
+            EXPECT_EQ(0, std::memcmp(r.grads.data(), ref.grads.data(), ref.grads.size() * 4))
+                << text << " L=" << L;
+            auto lay = activation_layout(c, 2, 8, GPT::kLossChunk, s.plan);
+            EXPECT_EQ(s.peak_bytes, arena_bytes(lay, MemCategory::Activations)) << text;
+            auto before = host_memory().snapshot();
+            {
+                GPT m(c);
+                m.init_weights(1);
+                m.set_remat(s.plan);
+                auto x = tokens(16, c.vocab_size, 3), y = tokens(16, c.vocab_size, 4);
+                m.forward_backward(x.data(), y.data(), 2, 8, 1.0f / 16);
+                auto now = host_memory().snapshot();
+                EXPECT_EQ(now[MemCategory::Activations] - before[MemCategory::Activations],
+                          s.peak_bytes)
+                    << text << " L=" << L;
+            }
+        }
+        if (L >= 3) {
+            RematPlan mixed{BlockKeep::Input, BlockKeep::Selective, BlockKeep::All};
+            Result r = run(c, mixed);
+            EXPECT_EQ(0, std::memcmp(r.grads.data(), ref.grads.data(), ref.grads.size() * 4));
+        }
+    }
+}

@@ -1,5 +1,7 @@
-// Causal multi-head self-attention on the CPU. The (B,NH,T,T) probabilities are kept for the
-// backward pass; each (batch, head) pair is independent, which is the unit of parallel work.
+// Causal grouped-query self-attention on the CPU (multi-head when NKV == NH). The (B,NH,T,T)
+// probabilities are kept for the backward pass. Forward parallelises over (batch, query head);
+// backward over (batch, kv head), walking that kv head's query heads in order, so the d(k) and
+// d(v) sums shared by a group never race and are summed in a fixed order.
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -15,21 +17,25 @@ static inline float dot(const float* a, const float* b, int n) {
     return s;
 }
 
-void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH) {
+void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH,
+                       int NKV) {
     const int hs = C / NH;
-    const int C3 = 3 * C;
+    const int QKV = C + 2 * NKV * hs;
+    const int group = NH / NKV;
     const float scale = 1.0f / std::sqrt((float)hs);
 #pragma omp parallel for collapse(2) schedule(static)
     for (int b = 0; b < B; b++) {
         for (int h = 0; h < NH; h++) {
-            const float* base = qkv + (int64_t)b * T * C3 + h * hs;
+            const float* qbase = qkv + (int64_t)b * T * QKV + h * hs;
+            const float* kbase = qkv + (int64_t)b * T * QKV + C + (h / group) * hs;
+            const float* vbase = kbase + NKV * hs;
             float* a = att + ((int64_t)b * NH + h) * T * T;
             for (int i = 0; i < T; i++) {
-                const float* q = base + (int64_t)i * C3;
+                const float* q = qbase + (int64_t)i * QKV;
                 float* row = a + (int64_t)i * T;
                 float maxv = -INFINITY;
                 for (int j = 0; j <= i; j++) {
-                    float s = dot(q, base + (int64_t)j * C3 + C, hs) * scale;
+                    float s = dot(q, kbase + (int64_t)j * QKV, hs) * scale;
                     row[j] = s;
                     if (s > maxv) maxv = s;
                 }
@@ -45,7 +51,7 @@ void attention_forward(float* out, float* att, const float* qkv, int B, int T, i
                 float* o = out + ((int64_t)b * T + i) * C + h * hs;
                 for (int d = 0; d < hs; d++) o[d] = 0.0f;
                 for (int j = 0; j <= i; j++) {
-                    const float* v = base + (int64_t)j * C3 + 2 * C;
+                    const float* v = vbase + (int64_t)j * QKV;
                     float w = row[j];
 #pragma omp simd
                     for (int d = 0; d < hs; d++) o[d] += w * v[d];
@@ -56,48 +62,55 @@ void attention_forward(float* out, float* att, const float* qkv, int B, int T, i
 }
 
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att, int B,
-                        int T, int C, int NH) {
+                        int T, int C, int NH, int NKV) {
     const int hs = C / NH;
-    const int C3 = 3 * C;
+    const int QKV = C + 2 * NKV * hs;
+    const int group = NH / NKV;
     const float scale = 1.0f / std::sqrt((float)hs);
 #pragma omp parallel for collapse(2) schedule(static)
     for (int b = 0; b < B; b++) {
-        for (int h = 0; h < NH; h++) {
-            const float* base = qkv + (int64_t)b * T * C3 + h * hs;
-            float* dbase = dqkv + (int64_t)b * T * C3 + h * hs;
-            const float* a = att + ((int64_t)b * NH + h) * T * T;
+        for (int kvh = 0; kvh < NKV; kvh++) {
+            const float* kbase = qkv + (int64_t)b * T * QKV + C + kvh * hs;
+            const float* vbase = kbase + NKV * hs;
+            float* dkbase = dqkv + (int64_t)b * T * QKV + C + kvh * hs;
+            float* dvbase = dkbase + NKV * hs;
             std::vector<float> darow(T);  // one row of d(att) at a time: no (T,T) scratch
             for (int t = 0; t < T; t++) {
-                float* r = dbase + (int64_t)t * C3;
-                std::memset(r, 0, hs * sizeof(float));
-                std::memset(r + C, 0, hs * sizeof(float));
-                std::memset(r + 2 * C, 0, hs * sizeof(float));
+                std::memset(dkbase + (int64_t)t * QKV, 0, hs * sizeof(float));
+                std::memset(dvbase + (int64_t)t * QKV, 0, hs * sizeof(float));
             }
-            for (int i = 0; i < T; i++) {
-                const float* d = dout + ((int64_t)b * T + i) * C + h * hs;
-                const float* arow = a + (int64_t)i * T;
-                // d(att) and d(v)
-                for (int j = 0; j <= i; j++) {
-                    const float* v = base + (int64_t)j * C3 + 2 * C;
-                    float* dv = dbase + (int64_t)j * C3 + 2 * C;
-                    darow[j] = dot(d, v, hs);
-                    float w = arow[j];
+            for (int h = kvh * group; h < (kvh + 1) * group; h++) {
+                const float* qbase = qkv + (int64_t)b * T * QKV + h * hs;
+                float* dqbase = dqkv + (int64_t)b * T * QKV + h * hs;
+                const float* a = att + ((int64_t)b * NH + h) * T * T;
+                for (int t = 0; t < T; t++)
+                    std::memset(dqbase + (int64_t)t * QKV, 0, hs * sizeof(float));
+                for (int i = 0; i < T; i++) {
+                    const float* d = dout + ((int64_t)b * T + i) * C + h * hs;
+                    const float* arow = a + (int64_t)i * T;
+                    // d(att) and d(v)
+                    for (int j = 0; j <= i; j++) {
+                        const float* v = vbase + (int64_t)j * QKV;
+                        float* dv = dvbase + (int64_t)j * QKV;
+                        darow[j] = dot(d, v, hs);
+                        float w = arow[j];
 #pragma omp simd
-                    for (int k = 0; k < hs; k++) dv[k] += w * d[k];
-                }
-                // softmax backward: dpre_j = a_j * (da_j - sum_k a_k da_k)
-                float s = 0.0f;
-                for (int j = 0; j <= i; j++) s += arow[j] * darow[j];
-                const float* q = base + (int64_t)i * C3;
-                float* dq = dbase + (int64_t)i * C3;
-                for (int j = 0; j <= i; j++) {
-                    float dpre = arow[j] * (darow[j] - s) * scale;
-                    const float* k = base + (int64_t)j * C3 + C;
-                    float* dk = dbase + (int64_t)j * C3 + C;
+                        for (int k = 0; k < hs; k++) dv[k] += w * d[k];
+                    }
+                    // softmax backward: dpre_j = a_j * (da_j - sum_k a_k da_k)
+                    float s = 0.0f;
+                    for (int j = 0; j <= i; j++) s += arow[j] * darow[j];
+                    const float* q = qbase + (int64_t)i * QKV;
+                    float* dq = dqbase + (int64_t)i * QKV;
+                    for (int j = 0; j <= i; j++) {
+                        float dpre = arow[j] * (darow[j] - s) * scale;
+                        const float* k = kbase + (int64_t)j * QKV;
+                        float* dk = dkbase + (int64_t)j * QKV;
 #pragma omp simd
-                    for (int x = 0; x < hs; x++) {
-                        dq[x] += dpre * k[x];
-                        dk[x] += dpre * q[x];
+                        for (int x = 0; x < hs; x++) {
+                            dq[x] += dpre * k[x];
+                            dk[x] += dpre * q[x];
+                        }
                     }
                 }
             }

@@ -1,4 +1,4 @@
-// Token + position embedding on the CPU.
+// Token + position embedding on the CPU (the position table is absent under rotary positions).
 #include <algorithm>
 
 #include "kernels/cpu/ops.h"
@@ -12,8 +12,12 @@ void embedding_forward(float* out, const int32_t* inp, const float* wte, const f
         for (int t = 0; t < T; t++) {
             float* o = out + ((int64_t)b * T + t) * C;
             const float* e = wte + (int64_t)inp[b * T + t] * C;
-            const float* p = wpe + (int64_t)t * C;
-            for (int i = 0; i < C; i++) o[i] = e[i] + p[i];
+            if (wpe) {
+                const float* p = wpe + (int64_t)t * C;
+                for (int i = 0; i < C; i++) o[i] = e[i] + p[i];
+            } else {
+                for (int i = 0; i < C; i++) o[i] = e[i];
+            }
         }
     }
 }
@@ -31,10 +35,10 @@ void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32
             for (int t = 0; t < T; t++) {
                 const float* d = dout + ((int64_t)b * T + t) * C;
                 float* e = dwte + (int64_t)inp[b * T + t] * C;
-                float* p = dwpe + (int64_t)t * C;
-                for (int i = i0; i < i1; i++) {
-                    e[i] += d[i];
-                    p[i] += d[i];
+                for (int i = i0; i < i1; i++) e[i] += d[i];
+                if (dwpe) {
+                    float* p = dwpe + (int64_t)t * C;
+                    for (int i = i0; i < i1; i++) p[i] += d[i];
                 }
             }
         }

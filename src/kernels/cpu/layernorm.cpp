@@ -1,4 +1,5 @@
-// LayerNorm on the CPU (eps = 1e-5, as GPT-2), with the mean and 1/std saved for backward.
+// LayerNorm on the CPU (eps = 1e-5 by default, as GPT-2; model.norm_eps), with the mean and 1/std
+// saved for backward.
 #include <algorithm>
 #include <cmath>
 
@@ -7,8 +8,7 @@
 namespace memtrain::cpu {
 
 void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
-                       const float* bias, int N, int C) {
-    constexpr float eps = 1e-5f;
+                       const float* bias, int N, int C, float eps) {
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         const float* x = inp + (int64_t)n * C;

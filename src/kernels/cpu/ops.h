@@ -12,7 +12,8 @@
 namespace memtrain::cpu {
 
 // ---- embedding -------------------------------------------------------------------------------
-// out[b,t,:] = wte[inp[b,t],:] + wpe[t,:]
+// out[b,t,:] = wte[inp[b,t],:] + wpe[t,:]. wpe (and dwpe) may be null: models with rotary
+// positions have no position table, so the token row is copied as is.
 void embedding_forward(float* out /*(B,T,C)*/, const int32_t* inp /*(B,T)*/,
                        const float* wte /*(V,C)*/, const float* wpe /*(maxT,C)*/, int B, int T,
                        int C);
@@ -23,12 +24,20 @@ void embedding_backward(float* dwte /*(V,C)*/, float* dwpe /*(maxT,C)*/,
 // ---- layernorm -------------------------------------------------------------------------------
 void layernorm_forward(float* out /*(N,C)*/, float* mean /*(N)*/, float* rstd /*(N)*/,
                        const float* inp /*(N,C)*/, const float* weight /*(C)*/,
-                       const float* bias /*(C)*/, int N, int C);
+                       const float* bias /*(C)*/, int N, int C, float eps = 1e-5f);
 // dinp is accumulated into (it is the residual stream's gradient).
 void layernorm_backward(float* dinp /*(N,C)*/, float* dweight /*(C)*/, float* dbias /*(C)*/,
                         const float* dout /*(N,C)*/, const float* inp /*(N,C)*/,
                         const float* weight /*(C)*/, const float* mean /*(N)*/,
                         const float* rstd /*(N)*/, int N, int C);
+
+// ---- rmsnorm (Llama): out = x * rstd * weight, rstd = 1 / sqrt(mean(x^2) + eps); no bias ----
+void rmsnorm_forward(float* out /*(N,C)*/, float* rstd /*(N)*/, const float* inp /*(N,C)*/,
+                     const float* weight /*(C)*/, int N, int C, float eps);
+// dinp is accumulated into (the residual stream's gradient), like layernorm_backward.
+void rmsnorm_backward(float* dinp /*(N,C)*/, float* dweight /*(C)*/, const float* dout /*(N,C)*/,
+                      const float* inp /*(N,C)*/, const float* weight /*(C)*/,
+                      const float* rstd /*(N)*/, int N, int C);
 
 // ---- matmul (Hugging Face Conv1D layout: weight is (IC, OC), out = inp @ weight + bias) --------
 // beta = 0 overwrites out, beta = 1 adds the product to what out holds (fused residual add).
@@ -46,15 +55,34 @@ void matmul_backward(float* dinp /*(N,IC)*/, float* dweight /*(IC,OC)*/,
 void gelu_forward(float* out, const float* inp, int64_t n);
 void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n);
 
-// ---- attention (causal, multi-head; qkv packed as [q | k | v] along channels) ------------------
+// SwiGLU (Llama MLP): out = silu(gate) * up on a fused input inp = [gate | up] along channels.
+void swiglu_forward(float* out /*(N,H)*/, const float* inp /*(N,2H)*/, int N, int H);
+// dinp is overwritten.
+void swiglu_backward(float* dinp /*(N,2H)*/, const float* inp /*(N,2H)*/,
+                     const float* dout /*(N,H)*/, int N, int H);
+
+// ---- rotary position embedding (Hugging Face Llama's rotate-half convention) -------------------
+// In place on the q (NH heads) and k (NKV heads) parts of a packed qkv row of width
+// QKV = (NH + 2 NKV) * hs; v is untouched. Per head, for i < hs/2 and position t:
+//   angle = t * theta^(-2i/hs); (x_i, x_{i+hs/2}) <- (x_i cos - x_{i+hs/2} sin,
+//                                                    x_{i+hs/2} cos + x_i sin).
+void rope_forward(float* qkv /*(B,T,QKV)*/, int B, int T, int NH, int NKV, int hs, float theta);
+// The gradient of a rotation is the inverse rotation, applied in place to d(qkv).
+void rope_backward(float* dqkv /*(B,T,QKV)*/, int B, int T, int NH, int NKV, int hs, float theta);
+
+// ---- attention (causal, grouped-query; qkv packed as [q | k | v] along channels) ---------------
+// q has NH heads, k and v NKV heads each (NH % NKV == 0), all of size hs = C / NH, so a row of
+// qkv is QKV = C + 2 * NKV * hs wide; query head h attends with kv head h / (NH / NKV).
+// NKV == NH is plain multi-head attention (GPT-2: QKV = 3C).
 void attention_forward(float* out /*(B,T,C)*/, float* att /*(B,NH,T,T) softmax probabilities*/,
-                       const float* qkv /*(B,T,3C)*/, int B, int T, int C, int NH);
+                       const float* qkv /*(B,T,QKV)*/, int B, int T, int C, int NH, int NKV);
 // dqkv is overwritten; d(att) is formed one row at a time, so no (T,T) scratch is needed.
-void attention_backward(float* dqkv /*(B,T,3C)*/, const float* dout /*(B,T,C)*/,
-                        const float* qkv /*(B,T,3C)*/, const float* att /*(B,NH,T,T)*/, int B,
-                        int T, int C, int NH);
+void attention_backward(float* dqkv /*(B,T,QKV)*/, const float* dout /*(B,T,C)*/,
+                        const float* qkv /*(B,T,QKV)*/, const float* att /*(B,NH,T,T)*/, int B,
+                        int T, int C, int NH, int NKV);
 
 // ---- classifier + cross-entropy, chunked so at most `chunk` rows of logits exist ---------------
+// `wte` is the output embedding: the token embedding when tied, lm_head.weight when not.
 // For rows r of x (N,C): logits = x @ wte^T over the first V of Vp rows; loss_r = lse - logit[y_r].
 // Returns the sum of per-row losses (double, fixed order). When dx is not null it also runs the
 // backward with dloss_r = grad_scale for every row: dx (overwritten) and dwte (accumulated).
