@@ -3,12 +3,15 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <string>
 #include <vector>
 
 #include "core/rng.h"
 #include "data/shard.h"
+#include "model/gpt.h"
 #include "train/run_config.h"
 
 namespace memtrain::test {
@@ -39,6 +42,36 @@ inline std::vector<int32_t> random_tokens(int n, int vocab, uint64_t seed) {
     std::vector<int32_t> t(n);
     for (auto& x : t) x = (int32_t)(r.next_u64() % vocab);
     return t;
+}
+
+// Checks the model's analytic gradient (one forward_backward on x, y) against central finite
+// differences of forward_loss, at about `per_tensor` coordinates of every tensor (padded
+// vocabulary rows excluded). Returns how many coordinates were checked.
+inline int check_model_gradient(GPT& m, const std::vector<int32_t>& x,
+                                const std::vector<int32_t>& y, int B, int T, int per_tensor) {
+    const ModelConfig& c = m.config();
+    m.zero_grads();
+    m.forward_backward(x.data(), y.data(), B, T, 1.0f / (B * T));
+    std::vector<float> g(m.grads(), m.grads() + m.num_params());
+    const float h = 1e-2f;
+    int checked = 0;
+    for (const auto& t : m.layout().tensors) {
+        bool vocab_rows = t.name == "wte.weight" || t.name == "lm_head.weight";
+        for (std::size_t k = 0; k < t.numel; k += std::max<std::size_t>(1, t.numel / per_tensor)) {
+            if (vocab_rows && k >= (std::size_t)c.vocab_size * c.n_embd) continue;
+            std::size_t i = t.offset + k;
+            float s = m.params()[i];
+            m.params()[i] = s + h;
+            double lp = m.forward_loss(x.data(), y.data(), B, T);
+            m.params()[i] = s - h;
+            double lm = m.forward_loss(x.data(), y.data(), B, T);
+            m.params()[i] = s;
+            double num = (lp - lm) / (2 * h);
+            EXPECT_NEAR(g[i], num, 2e-3 + 2e-2 * std::abs(num)) << t.name << "[" << k << "]";
+            checked++;
+        }
+    }
+    return checked;
 }
 
 // A token stream with structure a model can learn: a noisy repeating pattern.

@@ -167,29 +167,7 @@ TEST(Llama, WholeModelGradientMatchesFiniteDifferences) {
         if (t.name.find("wte") != std::string::npos || t.name.find("lm_head") != std::string::npos)
             for (std::size_t k = 37 * 16; k < t.numel; k++) m.params()[t.offset + k] = 0.0f;
     auto x = tokens(16, c.vocab_size, 13), y = tokens(16, c.vocab_size, 14);
-    m.zero_grads();
-    m.forward_backward(x.data(), y.data(), 2, 8, 1.0f / 16);
-    std::vector<float> g(m.grads(), m.grads() + m.num_params());
-    const float h = 1e-2f;
-    int checked = 0;
-    for (const auto& t : m.layout().tensors) {
-        for (std::size_t k = 0; k < t.numel; k += std::max<std::size_t>(1, t.numel / 5)) {
-            std::size_t i = t.offset + k;
-            if ((t.name == "wte.weight" || t.name == "lm_head.weight") &&
-                k >= (std::size_t)c.vocab_size * c.n_embd)
-                continue;
-            float s = m.params()[i];
-            m.params()[i] = s + h;
-            double lp = m.forward_loss(x.data(), y.data(), 2, 8);
-            m.params()[i] = s - h;
-            double lm = m.forward_loss(x.data(), y.data(), 2, 8);
-            m.params()[i] = s;
-            double num = (lp - lm) / (2 * h);
-            EXPECT_NEAR(g[i], num, 2e-3 + 2e-2 * std::abs(num)) << t.name << "[" << k << "]";
-            checked++;
-        }
-    }
-    EXPECT_GT(checked, 80);
+    EXPECT_GT(test::check_model_gradient(m, x, y, 2, 8, 5), 80);
 }
 
 TEST(Llama, HfWeightsRoundTripAndConfigJson) {
