@@ -56,6 +56,28 @@ std::vector<std::string> policies_for(const ModelConfig& c) {
     return p;
 }
 
+// The schedule's predicted activation bytes are what the layout lists and what one
+// forward/backward allocates (current and peak), and workspace matches the layout too.
+void expect_measured_bytes(const ModelConfig& c, const Schedule& s, const std::string& what) {
+    auto lay = activation_layout(c, 2, 8, GPT::kLossChunk, s.plan);
+    EXPECT_EQ(s.peak_bytes, arena_bytes(lay, MemCategory::Activations)) << what;
+    auto before = host_memory().snapshot();
+    host_memory().reset_peak();
+    GPT m(c);
+    m.init_weights(1);
+    m.set_remat(s.plan);
+    auto x = tokens(16, c.vocab_size, 3), y = tokens(16, c.vocab_size, 4);
+    m.forward_backward(x.data(), y.data(), 2, 8, 1.0f / 16);
+    auto now = host_memory().snapshot();
+    EXPECT_EQ(now[MemCategory::Activations] - before[MemCategory::Activations], s.peak_bytes)
+        << what;
+    EXPECT_EQ(now.peak(MemCategory::Activations) - before[MemCategory::Activations], s.peak_bytes)
+        << what;
+    EXPECT_EQ(now[MemCategory::Workspace] - before[MemCategory::Workspace],
+              arena_bytes(lay, MemCategory::Workspace))
+        << what;
+}
+
 }  // namespace
 
 TEST(Remat, EveryPolicyGivesBitwiseIdenticalLossAndGradients) {
@@ -85,27 +107,7 @@ TEST(Remat, PredictedBytesAreMeasuredBytes) {
         ModelConfig c = tiny(L);
         for (const auto& text : policies_for(c)) {
             Schedule s = make_schedule(parse_policy(text), c, 2, 8);
-            auto lay = activation_layout(c, 2, 8, GPT::kLossChunk, s.plan);
-            EXPECT_EQ(s.peak_bytes, arena_bytes(lay, MemCategory::Activations)) << text;
-            auto before = host_memory().snapshot();
-            host_memory().reset_peak();
-            {
-                GPT m(c);
-                m.init_weights(1);
-                m.set_remat(s.plan);
-                auto x = tokens(16, c.vocab_size, 3), y = tokens(16, c.vocab_size, 4);
-                m.forward_backward(x.data(), y.data(), 2, 8, 1.0f / 16);
-                auto now = host_memory().snapshot();
-                EXPECT_EQ(now[MemCategory::Activations] - before[MemCategory::Activations],
-                          s.peak_bytes)
-                    << text << " L=" << L;
-                EXPECT_EQ(now.peak(MemCategory::Activations) - before[MemCategory::Activations],
-                          s.peak_bytes)
-                    << text;
-                EXPECT_EQ(now[MemCategory::Workspace] - before[MemCategory::Workspace],
-                          arena_bytes(lay, MemCategory::Workspace))
-                    << text;
-            }
+            expect_measured_bytes(c, s, text + " L=" + std::to_string(L));
         }
     }
 }
@@ -305,20 +307,7 @@ TEST(Remat, LlamaStyleEveryPolicyIsBitwiseAndPredictedBytesAreMeasured) {
             EXPECT_EQ(r.loss, ref.loss) << text << " L=" << L;
             EXPECT_EQ(0, std::memcmp(r.grads.data(), ref.grads.data(), ref.grads.size() * 4))
                 << text << " L=" << L;
-            auto lay = activation_layout(c, 2, 8, GPT::kLossChunk, s.plan);
-            EXPECT_EQ(s.peak_bytes, arena_bytes(lay, MemCategory::Activations)) << text;
-            auto before = host_memory().snapshot();
-            {
-                GPT m(c);
-                m.init_weights(1);
-                m.set_remat(s.plan);
-                auto x = tokens(16, c.vocab_size, 3), y = tokens(16, c.vocab_size, 4);
-                m.forward_backward(x.data(), y.data(), 2, 8, 1.0f / 16);
-                auto now = host_memory().snapshot();
-                EXPECT_EQ(now[MemCategory::Activations] - before[MemCategory::Activations],
-                          s.peak_bytes)
-                    << text << " L=" << L;
-            }
+            expect_measured_bytes(c, s, text + " L=" + std::to_string(L));
         }
         if (L >= 3) {
             RematPlan mixed{BlockKeep::Input, BlockKeep::Selective, BlockKeep::All};
