@@ -13,6 +13,7 @@
 #include "data/shard.h"
 #include "model/gpt.h"
 #include "train/run_config.h"
+#include "train/trainer.h"
 
 namespace memtrain::test {
 
@@ -72,6 +73,22 @@ inline int check_model_gradient(GPT& m, const std::vector<int32_t>& x,
         }
     }
     return checked;
+}
+
+// Trains `cfg` for `first_steps` steps (checkpointing at the stop), then resumes from that
+// checkpoint in a new Trainer and runs to cfg.train.max_steps. Returns the resumed trainer;
+// `resumed` receives its summary.
+inline std::unique_ptr<Trainer> train_stop_and_resume(const RunConfig& cfg, int first_steps,
+                                                      TrainSummary& resumed) {
+    TrainOptions o;
+    o.quiet = true;
+    o.stop_after = first_steps;
+    Trainer(cfg, o).run();
+    o.stop_after = -1;
+    o.resume = cfg.io.out_dir;
+    auto second = std::make_unique<Trainer>(cfg, o);
+    resumed = second->run();
+    return second;
 }
 
 // A token stream with structure a model can learn: a noisy repeating pattern.

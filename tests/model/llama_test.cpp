@@ -207,18 +207,10 @@ TEST(Llama, TrainsAndResumesBitwiseThroughTheTrainer) {
     EXPECT_LT(s.losses.back(), s.losses.front());
 
     RunConfig split = llama(test::tiny_run(test::temp_dir("llama_split"), 12));
-    {
-        TrainOptions o = q;
-        o.stop_after = 6;
-        Trainer first(split, o);
-        first.run();
-    }
-    TrainOptions o = q;
-    o.resume = split.io.out_dir;
-    Trainer second(split, o);
-    auto s2 = second.run();
+    TrainSummary s2;
+    auto second = test::train_stop_and_resume(split, 6, s2);
     ASSERT_EQ(s2.losses.size(), 6u);
     for (int i = 0; i < 6; i++) EXPECT_EQ(s2.losses[i], s.losses[6 + i]) << "step " << 7 + i;
-    EXPECT_EQ(0,
-              std::memcmp(t.model().params(), second.model().params(), t.model().num_params() * 4));
+    EXPECT_EQ(
+        0, std::memcmp(t.model().params(), second->model().params(), t.model().num_params() * 4));
 }

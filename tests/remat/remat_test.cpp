@@ -272,20 +272,12 @@ TEST(Remat, TrainerWithFullRecomputeMatchesNoneAndResumesBitwise) {
 
     RunConfig split = test::tiny_run(d2, 12);
     split.train.remat = "full";
-    {
-        TrainOptions o = q;
-        o.stop_after = 6;
-        Trainer first(split, o);
-        first.run();
-    }
-    TrainOptions o = q;
-    o.resume = split.io.out_dir;
-    Trainer second(split, o);
-    auto s2 = second.run();
+    TrainSummary s2;
+    auto second = test::train_stop_and_resume(split, 6, s2);
     ASSERT_EQ(s2.losses.size(), 6u);
     for (int i = 0; i < 6; i++) EXPECT_EQ(s2.losses[i], sa.losses[6 + i]) << "step " << 7 + i;
-    EXPECT_EQ(0,
-              std::memcmp(a.model().params(), second.model().params(), a.model().num_params() * 4));
+    EXPECT_EQ(
+        0, std::memcmp(a.model().params(), second->model().params(), a.model().num_params() * 4));
 }
 
 // The same guarantees for the Llama-style block (rmsnorm keeps no mean, swiglu a 2H
