@@ -1,6 +1,7 @@
 // Checkpoint writing and reading on top of the safetensors reader and writer.
 #include "io/checkpoint.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -59,36 +60,87 @@ uint64_t meta_u64(const io::SafetensorsFile& f, const std::string& key, const st
 
 }  // namespace
 
-void save_hf_weights(const GPT& model, const std::string& path) {
+void save_hf_weights(GPT& model, const std::string& path, bool write) {
+    ParamStore& store = model.store();
+    const ParamLayout& layout = model.layout();
+    if (!write) {
+        // Take part in the gathers the writing rank makes, in the same order.
+        for (int u = 0; u < (int)layout.units.size(); u++) {
+            store.acquire(u);
+            store.release(u);
+        }
+        return;
+    }
     io::SafetensorsWriter w;
     w.set_metadata("format", "pt");
-    for (const auto& t : model.layout().tensors)
-        w.add(t.name, io::DType::F32, hf_shape(model.config(), t), model.params() + t.offset);
-    w.write(path);
+    std::vector<int> unit_of;
+    for (int u = 0; u < (int)layout.units.size(); u++)
+        for (std::size_t i = layout.units[u].first_tensor; i < layout.units[u].last_tensor; i++) {
+            const ParamSpec& t = layout.tensors[i];
+            w.declare(t.name, io::DType::F32, hf_shape(model.config(), t));
+            unit_of.push_back(u);
+        }
+    int held = -1;
+    const float* base = nullptr;
+    auto release = [&] {
+        if (held >= 0) store.release(held);
+        held = -1;
+    };
+    try {
+        w.write(path, [&](std::size_t i) -> const void* {
+            if (unit_of[i] != held) {
+                release();
+                base = store.acquire(unit_of[i]);
+                held = unit_of[i];
+            }
+            return base + (layout.tensors[i].offset - layout.units[held].begin);
+        });
+        // Units without bytes are never fetched; every rank still acquires each unit once.
+        for (int u = held + 1; u < (int)layout.units.size(); u++) {
+            release();
+            store.acquire(u);
+            held = u;
+        }
+    } catch (...) {
+        release();
+        throw;
+    }
+    release();
 }
 
 void load_hf_weights(GPT& model, const std::string& path) {
     auto f = io::SafetensorsFile::open(path);
     const ModelConfig& cfg = model.config();
-    for (const auto& t : model.layout().tensors) {
-        const io::TensorInfo* info = f.find(t.name);
-        if (!info) info = f.find("transformer." + t.name);
-        if (!info)
-            fail(
-                "{} has no tensor '{}' (nor 'transformer.{}'): not a GPT-2 checkpoint of this "
-                "shape",
-                path, t.name, t.name);
-        auto shape = hf_shape(cfg, t);
-        std::size_t n = 1;
-        for (auto d : shape) n *= d;
-        f.read_f32(*info, std::span<float>(model.params() + t.offset, n), t.name, shape);
-    }
-    std::size_t C = cfg.n_embd;
-    for (const char* name : {"wte.weight", "lm_head.weight"}) {
-        if (name == std::string("lm_head.weight") && cfg.tied_embeddings) continue;
-        float* e = model.params() + model.layout().get(name).offset;
-        std::fill(e + (std::size_t)cfg.vocab_size * C, e + (std::size_t)cfg.padded_vocab() * C,
-                  0.0f);
+    const ParamLayout& layout = model.layout();
+    ParamStore& store = model.store();
+    const std::size_t C = cfg.n_embd;
+    for (int u = 0; u < (int)layout.units.size(); u++) {
+        const ParamUnit& unit = layout.units[u];
+        float* base = store.acquire(u, true);
+        try {
+            for (std::size_t i = unit.first_tensor; i < unit.last_tensor; i++) {
+                const ParamSpec& t = layout.tensors[i];
+                const io::TensorInfo* info = f.find(t.name);
+                if (!info) info = f.find("transformer." + t.name);
+                if (!info)
+                    fail(
+                        "{} has no tensor '{}' (nor 'transformer.{}'): not a GPT-2 checkpoint "
+                        "of this shape",
+                        path, t.name, t.name);
+                auto shape = hf_shape(cfg, t);
+                std::size_t n = 1;
+                for (auto d : shape) n *= d;
+                float* dst = base + (t.offset - unit.begin);
+                f.read_f32(*info, std::span<float>(dst, n), t.name, shape);
+                if (t.name == "wte.weight" || t.name == "lm_head.weight")
+                    std::fill(dst + (std::size_t)cfg.vocab_size * C,
+                              dst + (std::size_t)cfg.padded_vocab() * C, 0.0f);
+            }
+        } catch (...) {
+            store.release(u);
+            throw;
+        }
+        store.release(u);
     }
 }
 
@@ -144,50 +196,90 @@ std::string hf_config_json(const ModelConfig& cfg) {
                        cfg.n_head, cfg.norm_eps, cfg.init_std);
 }
 
-std::string save_checkpoint(const std::string& out_dir, const RunConfig& cfg, const GPT& model,
+namespace {
+
+std::string optimizer_file(int index, int count) {
+    return fmt::format("optimizer.{:05d}-of-{:05d}.safetensors", index, count);
+}
+
+}  // namespace
+
+std::string save_checkpoint(const std::string& out_dir, const RunConfig& cfg, GPT& model,
                             Optimizer& opt, const TrainState& state) {
-    fs::create_directories(out_dir);
+    dist::LocalCommunicator local;
+    return save_checkpoint(out_dir, cfg, model, opt, state, local);
+}
+
+std::string save_checkpoint(const std::string& out_dir, const RunConfig& cfg, GPT& model,
+                            Optimizer& opt, const TrainState& state, dist::Communicator& comm) {
+    const bool root = comm.rank() == 0;
     std::string name = fmt::format("ckpt_{:06d}", state.step);
     fs::path final_dir = fs::path(out_dir) / name;
     fs::path tmp_dir = fs::path(out_dir) / ("." + name + ".tmp");
-    fs::remove_all(tmp_dir);
-    fs::create_directories(tmp_dir);
+    if (root) {
+        fs::create_directories(out_dir);
+        fs::remove_all(tmp_dir);
+        fs::create_directories(tmp_dir);
+    }
+    comm.barrier();  // the directory exists for every rank (out_dir is on a shared file system)
 
-    save_hf_weights(model, (tmp_dir / "model.safetensors").string());
-    write_text(tmp_dir / "config.json", hf_config_json(cfg.model));
-    write_text(tmp_dir / "memtrain.toml", to_toml(cfg));
+    save_hf_weights(model, (tmp_dir / "model.safetensors").string(), root);
 
-    io::SafetensorsWriter w;
-    w.set_metadata("format", "memtrain-training-state");
-    w.set_metadata("version", "1");
-    w.set_metadata("optimizer", cfg.optim.name);
-    w.set_metadata("step", std::to_string(state.step));
-    w.set_metadata("optimizer_steps", std::to_string(opt.steps_taken()));
-    for (int i = 0; i < 4; i++)
-        w.set_metadata(fmt::format("rng{}", i), std::to_string(state.rng[i]));
-    w.set_metadata("data_epoch", std::to_string(state.data_epoch));
-    w.set_metadata("data_cursor", std::to_string(state.data_cursor));
-    auto buffers = opt.state();
-    for (auto& [sname, buf] : buffers)
-        for (const auto& t : model.layout().tensors)
-            w.add(sname + "." + t.name, io::DType::F32, t.shape, buf->data() + t.offset);
-    w.write((tmp_dir / "training_state.safetensors").string());
-
-    if (!cfg.data.tokenizer.empty()) {
-        auto tok = data::Tokenizer::load(cfg.data.tokenizer);
-        tok.save((tmp_dir / "tokenizer.json").string());
+    // Optimizer state: one file when this rank's optimizer covers the whole layout (then every
+    // rank holds the same state and rank 0 writes it), else one file per rank.
+    const std::size_t total = model.layout().total;
+    const bool sharded = opt.count() != total;
+    const int files = sharded ? comm.size() : 1;
+    if (sharded || root) {
+        io::SafetensorsWriter w;
+        w.set_metadata("format", "memtrain-optimizer-shard");
+        w.set_metadata("optimizer", cfg.optim.name);
+        w.set_metadata("offset", std::to_string(opt.offset()));
+        w.set_metadata("count", std::to_string(opt.count()));
+        w.set_metadata("total", std::to_string(total));
+        for (auto& [sname, buf] : opt.state())
+            w.add(sname, io::DType::F32, {(int64_t)opt.count()}, buf->data());
+        w.write((tmp_dir / optimizer_file(sharded ? comm.rank() : 0, files)).string());
     }
 
-    // Swap into place: the old directory of the same step (if any) goes only after the new one
-    // is complete.
-    fs::path old_dir = fs::path(out_dir) / ("." + name + ".old");
-    fs::remove_all(old_dir);
-    if (fs::exists(final_dir)) fs::rename(final_dir, old_dir);
-    fs::rename(tmp_dir, final_dir);
-    fs::remove_all(old_dir);
-    fs::path latest_tmp = fs::path(out_dir) / ".latest.tmp";
-    write_text(latest_tmp, name + "\n");
-    fs::rename(latest_tmp, fs::path(out_dir) / "latest");
+    if (root) {
+        write_text(tmp_dir / "config.json", hf_config_json(cfg.model));
+        write_text(tmp_dir / "memtrain.toml", to_toml(cfg));
+        io::SafetensorsWriter w;
+        w.set_metadata("format", "memtrain-training-state");
+        w.set_metadata("version", "2");
+        w.set_metadata("optimizer", cfg.optim.name);
+        w.set_metadata("optimizer_files", std::to_string(files));
+        w.set_metadata("params", std::to_string(total));
+        w.set_metadata("world_size", std::to_string(comm.size()));
+        w.set_metadata("zero_stage", std::to_string(cfg.train.zero_stage));
+        w.set_metadata("step", std::to_string(state.step));
+        w.set_metadata("optimizer_steps", std::to_string(opt.steps_taken()));
+        for (int i = 0; i < 4; i++)
+            w.set_metadata(fmt::format("rng{}", i), std::to_string(state.rng[i]));
+        w.set_metadata("data_epoch", std::to_string(state.data_epoch));
+        w.set_metadata("data_cursor", std::to_string(state.data_cursor));
+        w.write((tmp_dir / "training_state.safetensors").string());
+        if (!cfg.data.tokenizer.empty()) {
+            auto tok = data::Tokenizer::load(cfg.data.tokenizer);
+            tok.save((tmp_dir / "tokenizer.json").string());
+        }
+    }
+    comm.barrier();  // every rank's files are complete
+
+    if (root) {
+        // Swap into place: the old directory of the same step (if any) goes only after the new
+        // one is complete.
+        fs::path old_dir = fs::path(out_dir) / ("." + name + ".old");
+        fs::remove_all(old_dir);
+        if (fs::exists(final_dir)) fs::rename(final_dir, old_dir);
+        fs::rename(tmp_dir, final_dir);
+        fs::remove_all(old_dir);
+        fs::path latest_tmp = fs::path(out_dir) / ".latest.tmp";
+        write_text(latest_tmp, name + "\n");
+        fs::rename(latest_tmp, fs::path(out_dir) / "latest");
+    }
+    comm.barrier();  // nobody reads `latest` before it points here
     return final_dir.string();
 }
 
@@ -231,22 +323,52 @@ TrainState load_checkpoint(const std::string& dir, GPT& model, Optimizer& opt) {
 
     std::string spath = (fs::path(dir) / "training_state.safetensors").string();
     auto f = io::SafetensorsFile::open(spath);
-    if (meta(f, "format", spath) != "memtrain-training-state" || meta(f, "version", spath) != "1")
-        fail("{}: not a memtrain training state of version 1", spath);
+    if (meta(f, "format", spath) != "memtrain-training-state")
+        fail("{}: not a memtrain training state", spath);
+    if (meta(f, "version", spath) != "2")
+        fail("{}: training state version {} is not supported (this build reads version 2)", spath,
+             meta(f, "version", spath));
     if (meta(f, "optimizer", spath) != saved.optim.name)
         fail("{}: optimizer state is for '{}'", spath, meta(f, "optimizer", spath));
+    const std::size_t total = model.layout().total;
+    if (meta_u64(f, "params", spath) != total)
+        fail("{}: state of {} parameters, the model has {}", spath, meta_u64(f, "params", spath),
+             total);
     TrainState st;
     st.step = (int64_t)meta_u64(f, "step", spath);
     for (int i = 0; i < 4; i++) st.rng[i] = meta_u64(f, fmt::format("rng{}", i), spath);
     st.data_epoch = meta_u64(f, "data_epoch", spath);
     st.data_cursor = meta_u64(f, "data_cursor", spath);
     opt.set_steps_taken((int64_t)meta_u64(f, "optimizer_steps", spath));
-    for (auto& [sname, buf] : opt.state()) {
-        for (const auto& t : model.layout().tensors) {
-            std::string n = sname + "." + t.name;
-            f.read_f32(f.get(n), std::span<float>(buf->data() + t.offset, t.numel), n, t.shape);
+
+    // This rank's optimizer range, assembled from whichever files overlap it: the files may come
+    // from another world size or ZeRO stage.
+    const uint64_t files = meta_u64(f, "optimizer_files", spath);
+    if (files == 0 || files > 1'000'000) fail("{}: optimizer_files = {} is invalid", spath, files);
+    const std::size_t lo = opt.offset(), hi = opt.offset() + opt.count();
+    std::size_t covered = 0;
+    for (uint64_t k = 0; k < files; k++) {
+        const std::string opath = (fs::path(dir) / optimizer_file((int)k, (int)files)).string();
+        auto of = io::SafetensorsFile::open(opath);
+        const std::size_t off = meta_u64(of, "offset", opath), cnt = meta_u64(of, "count", opath);
+        if (meta_u64(of, "total", opath) != total || off + cnt > total)
+            fail("{}: slice [{}, {}) does not fit the model's {} parameters", opath, off, off + cnt,
+                 total);
+        const std::size_t a = std::max(lo, off), b = std::min(hi, off + cnt);
+        if (a >= b) continue;
+        for (auto& [sname, buf] : opt.state()) {
+            const io::TensorInfo& info = of.get(sname);
+            if (info.dtype != io::DType::F32 || info.shape != std::vector<int64_t>{(int64_t)cnt})
+                fail("{}: tensor '{}' must be F32 of shape [{}], it is {} {}", opath, sname, cnt,
+                     io::dtype_name(info.dtype), io::shape_string(info.shape));
+            const float* src = static_cast<const float*>(of.data(info));
+            std::copy(src + (a - off), src + (b - off), buf->data() + (a - lo));
         }
+        covered += b - a;
     }
+    if (covered != hi - lo)
+        fail("{}: the optimizer files cover {} of the {} values this rank needs [{}, {})", dir,
+             covered, hi - lo, lo, hi);
     return st;
 }
 

@@ -2,7 +2,11 @@
 // a crash never leaves a half-written checkpoint. It holds
 //   model.safetensors           weights with Hugging Face GPT-2 names and shapes
 //   config.json                 Hugging Face GPT2Config, so `transformers` can load the folder
-//   training_state.safetensors  optimizer moments per parameter + step, RNG, data position
+//   training_state.safetensors  step, RNG, data position, optimizer step count (metadata)
+//   optimizer.RRRRR-of-NNNNN.safetensors
+//                               optimizer state (Adam m and v, or SGD momentum) as flat slices
+//                               of the parameter layout: one file when every rank holds it
+//                               whole, one per rank under ZeRO (each rank writes its shard)
 //   memtrain.toml               the resolved run config
 //   tokenizer.json              the run's tokenizer, when it has one
 #pragma once
@@ -11,6 +15,7 @@
 #include <cstdint>
 #include <string>
 
+#include "dist/communicator.h"
 #include "model/gpt.h"
 #include "optim/optimizer.h"
 #include "train/run_config.h"
@@ -23,21 +28,30 @@ struct TrainState {
     uint64_t data_epoch = 0, data_cursor = 0;
 };
 
-// Hugging Face weights: wte is written with its real vocab rows only.
-void save_hf_weights(const GPT& model, const std::string& path);
+// Hugging Face weights: wte is written with its real vocab rows only. Goes unit by unit through
+// the model's store, so a ZeRO-3 run never holds more than one unit whole; every rank must
+// call it (the gathers are collectives) and only the one with `write` writes the file.
+void save_hf_weights(GPT& model, const std::string& path, bool write = true);
 // Loads GPT-2 weights by Hugging Face name (with or without the "transformer." prefix);
-// every tensor must be present with the expected shape, else an Error names it.
+// every tensor must be present with the expected shape, else an Error names it. Every rank
+// reads the file and keeps what its store holds.
 void load_hf_weights(GPT& model, const std::string& path);
 std::string hf_config_json(const ModelConfig& cfg);
 
 // Writes out_dir/ckpt_<step>/ atomically and points out_dir/latest at it. Returns its path.
-std::string save_checkpoint(const std::string& out_dir, const RunConfig& cfg, const GPT& model,
+// Every rank of `comm` calls it: rank 0 writes the weights and the shared files; each rank
+// writes its optimizer shard when the optimizer covers less than the whole layout (ZeRO).
+std::string save_checkpoint(const std::string& out_dir, const RunConfig& cfg, GPT& model,
+                            Optimizer& opt, const TrainState& state, dist::Communicator& comm);
+std::string save_checkpoint(const std::string& out_dir, const RunConfig& cfg, GPT& model,
                             Optimizer& opt, const TrainState& state);
 // Accepts a checkpoint directory or an out_dir holding `latest`.
 std::string resolve_checkpoint_dir(const std::string& path);
 // Reads the run config saved in a checkpoint.
 RunConfig checkpoint_config(const std::string& dir);
 // Restores weights, optimizer state and the training state; the model's config must match.
+// Works at any world size and ZeRO stage: each rank reads the slice of the optimizer files that
+// its optimizer covers, whatever layout of files the checkpoint was written with (resharding).
 TrainState load_checkpoint(const std::string& dir, GPT& model, Optimizer& opt);
 
 }  // namespace memtrain

@@ -137,11 +137,21 @@ void SafetensorsWriter::add(std::string name, DType dtype, std::vector<int64_t> 
     entries_.push_back({std::move(name), dtype, std::move(shape), data, bytes});
 }
 
+void SafetensorsWriter::declare(std::string name, DType dtype, std::vector<int64_t> shape) {
+    static const char dummy = 0;  // passes add()'s check; replaced by the null below
+    add(std::move(name), dtype, std::move(shape), &dummy);
+    entries_.back().data = nullptr;
+}
+
 void SafetensorsWriter::set_metadata(std::string key, std::string value) {
     metadata_[std::move(key)] = std::move(value);
 }
 
-void SafetensorsWriter::write(const std::string& path) const {
+void SafetensorsWriter::write(const std::string& path,
+                              const std::function<const void*(std::size_t)>& source) const {
+    for (const auto& e : entries_)
+        if (e.bytes > 0 && e.data == nullptr && !source)
+            fail("safetensors writer: tensor '{}' was declared but write() got no source", e.name);
     // Header: "__metadata__" first, then tensors in insertion order, packed back to back.
     nlohmann::ordered_json header = nlohmann::ordered_json::object();
     if (!metadata_.empty()) {
@@ -182,8 +192,21 @@ void SafetensorsWriter::write(const std::string& path) const {
         fail("{}", sys_error(msg, tmp));
     };
     if (!write_all(fd, len, 8) || !write_all(fd, text.data(), text.size())) abandon("cannot write");
-    for (const auto& e : entries_)
-        if (e.bytes > 0 && !write_all(fd, e.data, e.bytes)) abandon("cannot write");
+    for (std::size_t i = 0; i < entries_.size(); i++) {
+        const Entry& e = entries_[i];
+        if (e.bytes == 0) continue;
+        const void* data = e.data;
+        if (!data) {
+            try {
+                data = source(i);
+            } catch (...) {
+                ::close(fd);
+                ::unlink(tmp.c_str());
+                throw;
+            }
+        }
+        if (!write_all(fd, data, e.bytes)) abandon("cannot write");
+    }
     if (::fsync(fd) != 0) abandon("cannot fsync");
     if (::close(fd) != 0) {
         ::unlink(tmp.c_str());

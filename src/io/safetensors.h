@@ -40,11 +40,17 @@ class SafetensorsWriter {
   public:
     // `data` is not copied: it must stay valid until write() returns. Names must be unique.
     void add(std::string name, DType dtype, std::vector<int64_t> shape, const void* data);
+    // A tensor whose bytes come from write()'s `source` when its turn comes (streaming: a
+    // writer need not hold every tensor at once).
+    void declare(std::string name, DType dtype, std::vector<int64_t> shape);
     // Stored in the header's "__metadata__" map; setting a key again replaces its value.
     void set_metadata(std::string key, std::string value);
     // Writes path + ".tmp", fsyncs it, and renames it onto path, so path never holds a partial
-    // file. Throws memtrain::Error (and removes the .tmp) on failure.
-    void write(const std::string& path) const;
+    // file. Throws memtrain::Error (and removes the .tmp) on failure. Declared tensors are
+    // fetched in insertion order as source(i), i their index among all tensors; the pointer
+    // need only stay valid until the next call.
+    void write(const std::string& path,
+               const std::function<const void*(std::size_t)>& source = {}) const;
 
   private:
     struct Entry {

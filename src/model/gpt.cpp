@@ -165,47 +165,74 @@ std::size_t arena_bytes(const std::vector<ArenaEntry>& layout, MemCategory c) {
     return n * sizeof(float);
 }
 
-GPT::GPT(const ModelConfig& cfg) : cfg_(cfg) {
-    cfg_.validate();
-    layout_ = make_param_layout(cfg_);
-    params_ = Buffer<float>(layout_.total, MemCategory::Parameters);
-    p_ = view_params(layout_, params_.data(), cfg_.n_layer);
-}
+FullParamStore::FullParamStore(const ParamLayout& layout)
+    : layout_(&layout), params_(layout.total, MemCategory::Parameters) {}
 
-float* GPT::grads() {
-    if (grads_.size() == 0) {
-        grads_ = Buffer<float>(layout_.total, MemCategory::Gradients);
-        g_ = view_params(layout_, grads_.data(), cfg_.n_layer);
-    }
+float* FullParamStore::full_grads() {
+    if (grads_.size() == 0) grads_ = Buffer<float>(layout_->total, MemCategory::Gradients);
     return grads_.data();
 }
 
-void GPT::zero_grads() {
-    std::memset(grads(), 0, grads_.bytes());
+void FullParamStore::zero_grads() {
+    std::memset(full_grads(), 0, grads_.bytes());
+}
+
+GPT::GPT(const ModelConfig& cfg, ParamStore* store) : cfg_(cfg) {
+    cfg_.validate();
+    layout_ = make_param_layout(cfg_);
+    if (!store) {
+        own_store_ = std::make_unique<FullParamStore>(layout_);
+        store = own_store_.get();
+    }
+    store_ = store;
+}
+
+float* GPT::params() {
+    float* p = store_->full_params();
+    if (!p) fail("internal: the parameters are sharded (ZeRO-3); use the model's store per unit");
+    return p;
+}
+
+const float* GPT::params() const {
+    return const_cast<GPT*>(this)->params();
+}
+
+float* GPT::grads() {
+    float* g = store_->full_grads();
+    if (!g) fail("internal: the gradients are sharded (ZeRO-2/3); use the model's store per unit");
+    return g;
 }
 
 void GPT::init_weights(uint64_t seed) {
     Rng rng(seed);
     const double resid_std = cfg_.init_std / std::sqrt(2.0 * cfg_.n_layer);
-    for (const auto& t : layout_.tensors) {
-        float* w = params_.data() + t.offset;
-        bool is_weight = t.name.ends_with(".weight");
-        if (t.name.starts_with("ln") || t.name.find(".ln_") != std::string::npos) {
-            for (std::size_t i = 0; i < t.numel; i++) w[i] = is_weight ? 1.0f : 0.0f;
-        } else if (!is_weight) {
-            std::memset(w, 0, t.numel * sizeof(float));
-        } else {
-            bool resid = t.name.ends_with("c_proj.weight");
-            double std = resid ? resid_std : cfg_.init_std;
-            for (std::size_t i = 0; i < t.numel; i++) w[i] = (float)(rng.normal() * std);
-        }
-    }
-    // Padded vocabulary rows are never looked up; keep them exactly zero (in lm_head too: its
-    // padded logits are ignored, and zero rows get zero gradient, so they stay zero).
-    std::size_t C = cfg_.n_embd;
-    for (float* e : {p_.wte, p_.lm_head})
-        std::memset(e + (std::size_t)cfg_.vocab_size * C, 0,
+    const std::size_t C = cfg_.n_embd;
+    for (int u = 0; u < (int)layout_.units.size(); u++) {
+        const ParamUnit& unit = layout_.units[u];
+        float* base = store_->acquire(u, true);
+        for (std::size_t i = unit.first_tensor; i < unit.last_tensor; i++) {
+            const ParamSpec& t = layout_.tensors[i];
+            float* w = base + (t.offset - unit.begin);
+            bool is_weight = t.name.ends_with(".weight");
+            if (t.name.starts_with("ln") || t.name.find(".ln_") != std::string::npos) {
+                for (std::size_t k = 0; k < t.numel; k++) w[k] = is_weight ? 1.0f : 0.0f;
+            } else if (!is_weight) {
+                std::memset(w, 0, t.numel * sizeof(float));
+            } else {
+                bool resid = t.name.ends_with("c_proj.weight");
+                double std = resid ? resid_std : cfg_.init_std;
+                for (std::size_t k = 0; k < t.numel; k++) w[k] = (float)(rng.normal() * std);
+            }
+            // Padded vocabulary rows are never looked up; keep them exactly zero (in lm_head
+            // too: its padded logits are ignored, and zero rows get zero gradient, so they stay
+            // zero).
+            if (t.name == "wte.weight" || t.name == "lm_head.weight")
+                std::memset(
+                    w + (std::size_t)cfg_.vocab_size * C, 0,
                     (std::size_t)(cfg_.padded_vocab() - cfg_.vocab_size) * C * sizeof(float));
+        }
+        store_->release(u);
+    }
 }
 
 void GPT::set_remat(const RematPlan& plan) {
@@ -296,8 +323,8 @@ void GPT::act_forward(float* out, const float* inp, int N) const {
         cpu::gelu_forward(out, inp, (int64_t)N * cfg_.mlp_hidden());
 }
 
-void GPT::block_forward(int l, const float* x, float* out, BlockSaved& s, int B, int T) {
-    const BlockParams& p = p_.blocks[l];
+void GPT::block_forward(const BlockParams& p, const float* x, float* out, BlockSaved& s, int B,
+                        int T) {
     const int N = B * T, C = cfg_.n_embd, QKV = cfg_.qkv_dim(), F = cfg_.fc_dim(),
               H = cfg_.mlp_hidden();
     norm_forward(s.ln1, s.ln1_mean, s.ln1_rstd, x, p.ln1_w, p.ln1_b, N);
@@ -320,8 +347,7 @@ void GPT::block_forward(int l, const float* x, float* out, BlockSaved& s, int B,
 // Recomputes what Selective dropped (ln1, ln2, fch_act) with the same kernel calls, on the same
 // inputs, as block_forward: the kernels are deterministic, so the bits are those of the forward.
 // The norm kernels also rewrite the kept mean/rstd, with identical values.
-void GPT::recompute_selective(int l, const float* x, BlockSaved& s, int B, int T) {
-    const BlockParams& p = p_.blocks[l];
+void GPT::recompute_selective(const BlockParams& p, const float* x, BlockSaved& s, int B, int T) {
     const int N = B * T;
     norm_forward(s.ln1, s.ln1_mean, s.ln1_rstd, x, p.ln1_w, p.ln1_b, N);
     norm_forward(s.ln2, s.ln2_mean, s.ln2_rstd, s.resid_mid, p.ln2_w, p.ln2_b, N);
@@ -329,9 +355,8 @@ void GPT::recompute_selective(int l, const float* x, BlockSaved& s, int B, int T
 }
 
 // On entry dres holds d(block output); on exit d(block input).
-void GPT::block_backward(int l, float* dres, const float* x, const BlockSaved& s, int B, int T) {
-    const BlockParams& p = p_.blocks[l];
-    BlockParams& g = g_.blocks[l];
+void GPT::block_backward(const BlockParams& p, BlockParams& g, float* dres, const float* x,
+                         const BlockSaved& s, int B, int T) {
     const int N = B * T, C = cfg_.n_embd, QKV = cfg_.qkv_dim(), F = cfg_.fc_dim(),
               H = cfg_.mlp_hidden();
     float* dfch = dbig_;
@@ -365,53 +390,89 @@ static void check_tokens(const int32_t* tokens, std::size_t n, int vocab, const 
     }
 }
 
-void GPT::forward(const int32_t* inputs, int B, int T) {
+HeadParams GPT::forward(const int32_t* inputs, int B, int T) {
     ensure_arena(B, T);
     check_tokens(inputs, (std::size_t)B * T, cfg_.vocab_size, "input");
     const int N = B * T, C = cfg_.n_embd;
-    cpu::embedding_forward(resid_[0], inputs, p_.wte, p_.wpe, B, T, C);
-    for (int l = 0; l < cfg_.n_layer; l++)
-        block_forward(l, resid_[l], resid_[l + 1], saved_[l], B, T);
-    norm_forward(lnf_, lnf_mean_, lnf_rstd_, resid_[cfg_.n_layer], p_.lnf_w, p_.lnf_b, N);
+    const int E = ParamLayout::embedding_unit();
+    EmbeddingParams e = embedding_view(layout_, store_->acquire(E));
+    cpu::embedding_forward(resid_[0], inputs, e.wte, e.wpe, B, T, C);
+    store_->release(E);
+    for (int l = 0; l < cfg_.n_layer; l++) {
+        const int u = layout_.block_unit(l);
+        BlockParams p = block_view(layout_, l, store_->acquire(u));
+        block_forward(p, resid_[l], resid_[l + 1], saved_[l], B, T);
+        store_->release(u);
+    }
+    HeadParams h = head_view(layout_, store_->acquire(layout_.head_unit()));
+    norm_forward(lnf_, lnf_mean_, lnf_rstd_, resid_[cfg_.n_layer], h.lnf_w, h.lnf_b, N);
+    return h;
+}
+
+const float* GPT::acquire_output_embedding(const HeadParams& head) {
+    if (!cfg_.tied_embeddings) return head.lm_head;
+    return embedding_view(layout_, store_->acquire(ParamLayout::embedding_unit())).wte;
+}
+
+void GPT::release_output_embedding() {
+    if (cfg_.tied_embeddings) store_->release(ParamLayout::embedding_unit());
 }
 
 float GPT::forward_backward(const int32_t* inputs, const int32_t* targets, int B, int T,
                             float grad_scale) {
-    grads();
-    forward(inputs, B, T);
     check_tokens(targets, (std::size_t)B * T, cfg_.vocab_size, "target");
+    const HeadParams h = forward(inputs, B, T);
     const int N = B * T, C = cfg_.n_embd, L = cfg_.n_layer;
+    const int E = ParamLayout::embedding_unit(), H = layout_.head_unit();
+    HeadParams hg = head_view(layout_, store_->unit_grads(H));
+    float* dwout =
+        cfg_.tied_embeddings ? embedding_view(layout_, store_->unit_grads(E)).wte : hg.lm_head;
     double loss =
-        cpu::classifier_loss(dln_, g_.lm_head, logits_, lnf_, p_.lm_head, targets, N, C,
+        cpu::classifier_loss(dln_, dwout, logits_, lnf_, acquire_output_embedding(h), targets, N, C,
                              cfg_.vocab_size, cfg_.padded_vocab(), kLossChunk, grad_scale);
+    release_output_embedding();
     std::memset(dres_, 0, sizeof(float) * N * C);
-    norm_backward(dres_, g_.lnf_w, g_.lnf_b, dln_, resid_[L], p_.lnf_w, lnf_mean_, lnf_rstd_, N);
+    norm_backward(dres_, hg.lnf_w, hg.lnf_b, dln_, resid_[L], h.lnf_w, lnf_mean_, lnf_rstd_, N);
+    store_->grads_done(H);
+    store_->release(H);
     for (int l = L - 1; l >= 0; l--) {
+        const int u = layout_.block_unit(l);
+        BlockParams p = block_view(layout_, l, store_->acquire(u));
+        BlockParams g = block_view(layout_, l, store_->unit_grads(u));
         // An Input block re-runs block_forward into the scratch; its output rewrites
         // resid_[l + 1] with the same bits, which nothing reads any more.
         if (keep(l) == BlockKeep::Input)
-            block_forward(l, resid_[l], resid_[l + 1], saved_[l], B, T);
+            block_forward(p, resid_[l], resid_[l + 1], saved_[l], B, T);
         else if (keep(l) == BlockKeep::Selective)
-            recompute_selective(l, resid_[l], saved_[l], B, T);
-        block_backward(l, dres_, resid_[l], saved_[l], B, T);
+            recompute_selective(p, resid_[l], saved_[l], B, T);
+        block_backward(p, g, dres_, resid_[l], saved_[l], B, T);
+        store_->grads_done(u);
+        store_->release(u);
     }
-    cpu::embedding_backward(g_.wte, g_.wpe, dres_, inputs, B, T, C);
+    EmbeddingParams eg = embedding_view(layout_, store_->unit_grads(E));
+    cpu::embedding_backward(eg.wte, eg.wpe, dres_, inputs, B, T, C);
+    store_->grads_done(E);
     return (float)(loss / N);
 }
 
 float GPT::forward_loss(const int32_t* inputs, const int32_t* targets, int B, int T) {
-    forward(inputs, B, T);
     check_tokens(targets, (std::size_t)B * T, cfg_.vocab_size, "target");
+    const HeadParams h = forward(inputs, B, T);
     const int N = B * T;
-    double loss =
-        cpu::classifier_loss(nullptr, nullptr, logits_, lnf_, p_.lm_head, targets, N, cfg_.n_embd,
-                             cfg_.vocab_size, cfg_.padded_vocab(), kLossChunk, 0.0f);
+    double loss = cpu::classifier_loss(nullptr, nullptr, logits_, lnf_, acquire_output_embedding(h),
+                                       targets, N, cfg_.n_embd, cfg_.vocab_size,
+                                       cfg_.padded_vocab(), kLossChunk, 0.0f);
+    release_output_embedding();
+    store_->release(layout_.head_unit());
     return (float)(loss / N);
 }
 
 void GPT::forward_logits(const int32_t* inputs, int B, int T, float* out) {
-    forward(inputs, B, T);
-    cpu::classifier_logits(out, lnf_, p_.lm_head, B * T, cfg_.n_embd, cfg_.vocab_size);
+    const HeadParams h = forward(inputs, B, T);
+    cpu::classifier_logits(out, lnf_, acquire_output_embedding(h), B * T, cfg_.n_embd,
+                           cfg_.vocab_size);
+    release_output_embedding();
+    store_->release(layout_.head_unit());
 }
 
 }  // namespace memtrain

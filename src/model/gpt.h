@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -14,6 +15,7 @@
 #include "core/rng.h"
 #include "model/config.h"
 #include "model/param_layout.h"
+#include "model/param_store.h"
 
 namespace memtrain {
 
@@ -69,19 +71,28 @@ std::size_t arena_bytes(const std::vector<ArenaEntry>& layout, MemCategory c);
 
 class GPT {
   public:
-    explicit GPT(const ModelConfig& cfg);
+    // Parameters and gradients live in a ParamStore: by default one of the model's own that keeps
+    // them whole (FullParamStore); a data-parallel run passes its sharding store, which must
+    // outlive the model.
+    explicit GPT(const ModelConfig& cfg, ParamStore* store = nullptr);
+    GPT(const GPT&) = delete;
+    GPT& operator=(const GPT&) = delete;
 
     const ModelConfig& config() const { return cfg_; }
     const ParamLayout& layout() const { return layout_; }
     std::size_t num_params() const { return layout_.total; }
-    float* params() { return params_.data(); }
-    const float* params() const { return params_.data(); }
-    float* grads();  // allocated on first use: inference never pays for them
+    ParamStore& store() { return *store_; }
+    // The whole flat buffers; an Error if the store shards them (ZeRO-3 parameters, ZeRO-2/3
+    // gradients), where callers go unit by unit through store() instead.
+    float* params();
+    const float* params() const;
+    float* grads();
 
     // GPT-2 initialisation: N(0, init_std), residual projections scaled by 1/sqrt(2 n_layer),
-    // norm weights 1, biases 0, padded vocabulary rows (of wte and lm_head) 0.
+    // norm weights 1, biases 0, padded vocabulary rows (of wte and lm_head) 0. Draws one
+    // random stream in layout order, unit by unit, so every store gets the same bits.
     void init_weights(uint64_t seed);
-    void zero_grads();
+    void zero_grads() { store_->zero_grads(); }
 
     // Forward, loss and backward of one micro-batch. Gradients accumulate; the loss gradient of
     // every token is `grad_scale` (1 / tokens in the whole batch). Returns the mean loss.
@@ -101,10 +112,17 @@ class GPT {
 
   private:
     void ensure_arena(int B, int T);
-    void forward(const int32_t* inputs, int B, int T);  // fills resid_, saved_, lnf_
-    void block_forward(int l, const float* x, float* out, BlockSaved& s, int B, int T);
-    void block_backward(int l, float* dres, const float* x, const BlockSaved& s, int B, int T);
-    void recompute_selective(int l, const float* x, BlockSaved& s, int B, int T);
+    // Embedding, blocks and ln_f: fills resid_, saved_, lnf_. Returns with the head unit
+    // acquired (the caller releases it).
+    HeadParams forward(const int32_t* inputs, int B, int T);
+    // The output embedding's weights (lm_head, or wte when tied), acquired; and its release.
+    const float* acquire_output_embedding(const HeadParams& head);
+    void release_output_embedding();
+    void block_forward(const BlockParams& p, const float* x, float* out, BlockSaved& s, int B,
+                       int T);
+    void block_backward(const BlockParams& p, BlockParams& g, float* dres, const float* x,
+                        const BlockSaved& s, int B, int T);
+    void recompute_selective(const BlockParams& p, const float* x, BlockSaved& s, int B, int T);
     // LayerNorm or RMSNorm per the config (mean and bias unused by RMSNorm).
     void norm_forward(float* out, float* mean, float* rstd, const float* inp, const float* w,
                       const float* b, int N) const;
@@ -115,10 +133,8 @@ class GPT {
 
     ModelConfig cfg_;
     ParamLayout layout_;
-    Buffer<float> params_;
-    Buffer<float> grads_;
-    ModelParams p_;
-    ModelParams g_;
+    std::unique_ptr<FullParamStore> own_store_;  // when no store was passed in
+    ParamStore* store_;
 
     int arena_B_ = 0, arena_T_ = 0;
     Buffer<float> acts_;             // MemCategory::Activations

@@ -2,6 +2,7 @@
 // buffers. The tensor list is documented in param_layout.h.
 #include "model/param_layout.h"
 
+#include <algorithm>
 #include <unordered_map>
 
 #include <fmt/format.h>
@@ -52,7 +53,69 @@ ParamLayout make_param_layout(const ModelConfig& cfg) {
     add("ln_f.weight", {C}, false);
     if (norm_bias) add("ln_f.bias", {C}, false);
     if (!cfg.tied_embeddings) add("lm_head.weight", {Vp, C}, true);
+
+    // Units: cut the tensor list where the block prefix changes.
+    auto unit_of = [](const std::string& name) -> std::string {
+        if (name.starts_with("h.")) return name.substr(0, name.find('.', 2));
+        if (name.starts_with("wte") || name.starts_with("wpe")) return "embedding";
+        return "head";
+    };
+    for (std::size_t i = 0; i < layout.tensors.size(); i++) {
+        const ParamSpec& t = layout.tensors[i];
+        std::string u = unit_of(t.name);
+        if (layout.units.empty() || layout.units.back().name != u)
+            layout.units.push_back({u, t.offset, t.offset, i, i});
+        layout.units.back().end = t.offset + t.numel;
+        layout.units.back().last_tensor = i + 1;
+    }
+    if (layout.units.size() != (std::size_t)cfg.n_layer + 2)
+        fail("internal: parameter layout has {} units, expected n_layer + 2 = {}",
+             layout.units.size(), cfg.n_layer + 2);
     return layout;
+}
+
+std::size_t ParamLayout::largest_unit() const {
+    std::size_t n = 0;
+    for (const auto& u : units) n = std::max(n, u.size());
+    return n;
+}
+
+namespace {
+
+// Pointer to tensor `suffix` of unit u (e.g. "attn.c_attn.weight" in "h.3"), or null if the
+// unit has no such tensor.
+float* unit_tensor(const ParamLayout& layout, int u, float* base, std::string_view suffix) {
+    const ParamUnit& unit = layout.units.at(u);
+    for (std::size_t i = unit.first_tensor; i < unit.last_tensor; i++) {
+        const ParamSpec& t = layout.tensors[i];
+        if (t.name.size() > suffix.size() && t.name.ends_with(suffix) &&
+            t.name[t.name.size() - suffix.size() - 1] == '.')
+            return base + (t.offset - unit.begin);
+        if (t.name == suffix) return base + (t.offset - unit.begin);
+    }
+    return nullptr;
+}
+
+}  // namespace
+
+EmbeddingParams embedding_view(const ParamLayout& layout, float* base) {
+    const int u = ParamLayout::embedding_unit();
+    return {unit_tensor(layout, u, base, "wte.weight"), unit_tensor(layout, u, base, "wpe.weight")};
+}
+
+BlockParams block_view(const ParamLayout& layout, int l, float* base) {
+    const int u = layout.block_unit(l);
+    auto at = [&](std::string_view s) { return unit_tensor(layout, u, base, s); };
+    return BlockParams{at("ln_1.weight"),      at("ln_1.bias"),          at("attn.c_attn.weight"),
+                       at("attn.c_attn.bias"), at("attn.c_proj.weight"), at("attn.c_proj.bias"),
+                       at("ln_2.weight"),      at("ln_2.bias"),          at("mlp.c_fc.weight"),
+                       at("mlp.c_fc.bias"),    at("mlp.c_proj.weight"),  at("mlp.c_proj.bias")};
+}
+
+HeadParams head_view(const ParamLayout& layout, float* base) {
+    const int u = layout.head_unit();
+    return {unit_tensor(layout, u, base, "ln_f.weight"), unit_tensor(layout, u, base, "ln_f.bias"),
+            unit_tensor(layout, u, base, "lm_head.weight")};
 }
 
 ModelParams view_params(const ParamLayout& layout, float* base, int n_layer) {

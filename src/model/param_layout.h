@@ -31,10 +31,26 @@ struct ParamSpec {
     bool decay = false;  // weight decay applies (matrices and embeddings only)
 };
 
+// A contiguous run of the flat buffer that is used (and, under ZeRO-3, gathered) as one piece:
+// unit 0 "embedding" = wte (+ wpe), units 1..n_layer = the blocks h.0 .. h.{n_layer-1}, and
+// unit n_layer + 1 "head" = ln_f (+ lm_head when untied). Units tile the buffer in order.
+struct ParamUnit {
+    std::string name;                               // "embedding", "h.3", "head"
+    std::size_t begin = 0;                          // first float of the unit in the flat buffer
+    std::size_t end = 0;                            // one past its last float
+    std::size_t first_tensor = 0, last_tensor = 0;  // tensors [first, last) of the layout
+    std::size_t size() const { return end - begin; }
+};
+
 struct ParamLayout {
     std::vector<ParamSpec> tensors;
-    std::size_t total = 0;  // Ψ, the number of floats in the flat buffer (padding included)
+    std::vector<ParamUnit> units;  // embedding, blocks, head (see ParamUnit)
+    std::size_t total = 0;         // Ψ, the number of floats in the flat buffer (padding included)
     const ParamSpec& get(std::string_view name) const;
+    static int embedding_unit() { return 0; }
+    int block_unit(int l) const { return 1 + l; }
+    int head_unit() const { return (int)units.size() - 1; }
+    std::size_t largest_unit() const;  // floats of the biggest unit
 };
 
 ParamLayout make_param_layout(const ModelConfig& cfg);
@@ -60,5 +76,19 @@ struct ModelParams {
 
 // Views by name (not by position), so the set of tensors can vary with the config.
 ModelParams view_params(const ParamLayout& layout, float* base, int n_layer);
+
+// Views into one unit's floats, `unit_base` pointing at the unit's first float (the unit may
+// live in a buffer of its own, as when ZeRO-3 gathers it).
+struct EmbeddingParams {
+    float* wte;  // (Vp, C)
+    float* wpe;  // (block_size, C) or null under rope
+};
+struct HeadParams {
+    float *lnf_w, *lnf_b;  // lnf_b null under rmsnorm
+    float* lm_head;        // null when tied (the output embedding is wte, in the embedding unit)
+};
+EmbeddingParams embedding_view(const ParamLayout& layout, float* unit_base);
+BlockParams block_view(const ParamLayout& layout, int l, float* unit_base);
+HeadParams head_view(const ParamLayout& layout, float* unit_base);
 
 }  // namespace memtrain

@@ -3,19 +3,27 @@
 
 #include <cmath>
 
+#include "core/error.h"
 #include "kernels/cpu/ops.h"
 
 namespace memtrain {
+
+Optimizer::Optimizer(const ParamLayout& layout, std::size_t offset, std::size_t count)
+    : layout_(layout), offset_(offset), count_(count) {
+    if (offset > layout.total || count > layout.total - offset)
+        fail("optimizer range [{}, {} + {}) is outside the {} parameters", offset, offset, count,
+             layout.total);
+}
 
 namespace {
 
 class AdamW final : public Optimizer {
   public:
-    AdamW(const OptimConfig& cfg, const ParamLayout& layout)
-        : cfg_(cfg),
-          layout_(layout),
-          m_(layout.total, MemCategory::OptimizerState),
-          v_(layout.total, MemCategory::OptimizerState) {}
+    AdamW(const OptimConfig& cfg, const ParamLayout& layout, std::size_t offset, std::size_t count)
+        : Optimizer(layout, offset, count),
+          cfg_(cfg),
+          m_(count, MemCategory::OptimizerState),
+          v_(count, MemCategory::OptimizerState) {}
 
     void step(float* params, const float* grads, double lr) override {
         t_++;
@@ -24,13 +32,12 @@ class AdamW final : public Optimizer {
         const double bc2 = 1.0 - std::pow(cfg_.beta2, (double)t_);
         const float step_size = (float)(lr / bc1);
         const float bc2_sqrt = (float)std::sqrt(bc2);
-        for (const auto& t : layout_.tensors) {
+        for_each_piece([&](const ParamSpec& t, std::size_t at, int64_t n) {
             const float decay = t.decay ? (float)(1.0 - lr * cfg_.weight_decay) : 1.0f;
-            float* p = params + t.offset;
-            const float* g = grads + t.offset;
-            float* m = m_.data() + t.offset;
-            float* v = v_.data() + t.offset;
-            const int64_t n = (int64_t)t.numel;
+            float* p = params + at;
+            const float* g = grads + at;
+            float* m = m_.data() + at;
+            float* v = v_.data() + at;
 #pragma omp parallel for simd schedule(static)
             for (int64_t i = 0; i < n; i++) {
                 float gi = g[i];
@@ -41,7 +48,7 @@ class AdamW final : public Optimizer {
                 float denom = std::sqrt(vi) / bc2_sqrt + eps;
                 p[i] = p[i] * decay - step_size * mi / denom;
             }
-        }
+        });
     }
 
     std::vector<std::pair<std::string, Buffer<float>*>> state() override {
@@ -50,25 +57,23 @@ class AdamW final : public Optimizer {
 
   private:
     OptimConfig cfg_;
-    ParamLayout layout_;
     Buffer<float> m_, v_;
 };
 
 class Sgd final : public Optimizer {
   public:
-    Sgd(const OptimConfig& cfg, const ParamLayout& layout)
-        : cfg_(cfg), layout_(layout), buf_(layout.total, MemCategory::OptimizerState) {}
+    Sgd(const OptimConfig& cfg, const ParamLayout& layout, std::size_t offset, std::size_t count)
+        : Optimizer(layout, offset, count), cfg_(cfg), buf_(count, MemCategory::OptimizerState) {}
 
     void step(float* params, const float* grads, double lr) override {
         t_++;
         const float mu = (float)cfg_.momentum, flr = (float)lr;
         const bool first = t_ == 1;
-        for (const auto& t : layout_.tensors) {
+        for_each_piece([&](const ParamSpec& t, std::size_t at, int64_t n) {
             const float wd = t.decay ? (float)cfg_.weight_decay : 0.0f;
-            float* p = params + t.offset;
-            const float* g = grads + t.offset;
-            float* b = buf_.data() + t.offset;
-            const int64_t n = (int64_t)t.numel;
+            float* p = params + at;
+            const float* g = grads + at;
+            float* b = buf_.data() + at;
 #pragma omp parallel for simd schedule(static)
             for (int64_t i = 0; i < n; i++) {
                 float gi = g[i] + wd * p[i];
@@ -77,7 +82,7 @@ class Sgd final : public Optimizer {
                 float d = cfg_.nesterov ? gi + mu * bi : bi;
                 p[i] -= flr * d;
             }
-        }
+        });
     }
 
     std::vector<std::pair<std::string, Buffer<float>*>> state() override {
@@ -86,16 +91,19 @@ class Sgd final : public Optimizer {
 
   private:
     OptimConfig cfg_;
-    ParamLayout layout_;
     Buffer<float> buf_;
 };
 
 }  // namespace
 
-std::unique_ptr<Optimizer> make_optimizer(const OptimConfig& cfg, const ParamLayout& layout) {
+std::unique_ptr<Optimizer> make_optimizer(const OptimConfig& cfg, const ParamLayout& layout,
+                                          std::size_t offset, std::size_t count) {
     cfg.validate();
-    if (cfg.name == "sgd") return std::make_unique<Sgd>(cfg, layout);
-    return std::make_unique<AdamW>(cfg, layout);
+    if (offset > layout.total)
+        fail("optimizer range starts at {}, past the {} parameters", offset, layout.total);
+    count = std::min(count, layout.total - offset);
+    if (cfg.name == "sgd") return std::make_unique<Sgd>(cfg, layout, offset, count);
+    return std::make_unique<AdamW>(cfg, layout, offset, count);
 }
 
 double clip_grad_norm(float* grads, std::size_t n, double max_norm) {

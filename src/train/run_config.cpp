@@ -179,6 +179,8 @@ const std::vector<Key>& registry() {
         make_key("train.threads", &R::train, &TrainConfig::threads, "0 = all cores"),
         make_key("train.remat", &R::train, &TrainConfig::remat,
                  "none | full | every:K | sqrt | selective | budget:BYTES"),
+        make_key("train.zero_stage", &R::train, &TrainConfig::zero_stage,
+                 "data-parallel sharding: 0 DDP | 1 optimizer | 2 + gradients | 3 + parameters"),
         make_key("optim.name", &R::optim, &OptimConfig::name, "adamw | sgd"),
         make_key("optim.lr", &R::optim, &OptimConfig::lr, "peak learning rate"),
         make_key("optim.min_lr_ratio", &R::optim, &OptimConfig::min_lr_ratio, "final lr / peak lr"),
@@ -282,12 +284,19 @@ void RunConfig::validate() const {
         fail("train.seq_len = {} must be in [1, model.block_size = {}]", train.seq_len,
              model.block_size);
     if (train.batch_size <= 0) fail("train.batch_size must be positive, got {}", train.batch_size);
-    if (train.micro_batch_size < 0 || train.micro_batch_size > train.batch_size)
-        fail("train.micro_batch_size = {} must be in [0, train.batch_size = {}]",
-             train.micro_batch_size, train.batch_size);
-    if (train.batch_size % micro_batch() != 0)
-        fail("train.batch_size = {} must be a multiple of train.micro_batch_size = {}",
-             train.batch_size, micro_batch());
+    if (world < 1) fail("internal: world size {} < 1", world);
+    if (train.micro_batch_size < 0 || (int64_t)train.micro_batch_size * world > train.batch_size)
+        fail(
+            "train.micro_batch_size = {} must be in [0, train.batch_size / ranks = {} / {}] "
+            "(train.batch_size is the global batch)",
+            train.micro_batch_size, train.batch_size, world);
+    if (micro_batch() <= 0 || train.batch_size % (micro_batch() * world) != 0)
+        fail(
+            "train.batch_size = {} must be a multiple of train.micro_batch_size ({}) x "
+            "data-parallel ranks ({})",
+            train.batch_size, micro_batch(), world);
+    if (train.zero_stage < 0 || train.zero_stage > 3)
+        fail("train.zero_stage = {} must be 0, 1, 2 or 3", train.zero_stage);
     if (train.max_steps < 0) fail("train.max_steps must be >= 0, got {}", train.max_steps);
     if (train.eval_every < 0) fail("train.eval_every must be >= 0, got {}", train.eval_every);
     if (train.eval_batches <= 0)

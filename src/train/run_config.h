@@ -25,6 +25,7 @@ struct TrainConfig {
     int log_every = 1;
     int threads = 0;             // OpenMP/BLAS threads; 0 = all cores
     std::string remat = "none";  // activation checkpointing policy (remat/policy.h)
+    int zero_stage = 0;          // data-parallel sharding (dist/zero.h): 0 DDP .. 3 parameters
 };
 
 struct DataConfig {
@@ -55,10 +56,15 @@ struct RunConfig {
     IoConfig io;
     SampleConfig sample;
 
+    // Data-parallel ranks of this run: set at start-up from the launcher (mpirun), not a TOML key.
+    // train.batch_size is the global batch; train.micro_batch_size is per rank.
+    int world = 1;
+
+    // Sequences per forward/backward on each rank (default: the global batch split over ranks).
     int micro_batch() const {
-        return train.micro_batch_size > 0 ? train.micro_batch_size : train.batch_size;
+        return train.micro_batch_size > 0 ? train.micro_batch_size : train.batch_size / world;
     }
-    int accum_steps() const { return train.batch_size / micro_batch(); }
+    int accum_steps() const { return train.batch_size / (micro_batch() * world); }
     int64_t tokens_per_step() const { return (int64_t)train.batch_size * train.seq_len; }
     void validate() const;
 };

@@ -30,11 +30,23 @@ std::string mib(std::size_t bytes) {
 
 }  // namespace
 
-Trainer::Trainer(RunConfig cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(std::move(opts)) {
+Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
+    : cfg_(std::move(cfg)), opts_(std::move(opts)) {
+    if (!comm) {
+        own_comm_ = std::make_unique<dist::LocalCommunicator>();
+        comm = own_comm_.get();
+    }
+    comm_ = comm;
+    cfg_.world = comm_->size();
     cfg_.validate();
-    if (cfg_.train.threads > 0) {
-        omp_set_num_threads(cfg_.train.threads);
-        openblas_set_num_threads(cfg_.train.threads);
+    // Every rank must run the same configuration (and resume the same checkpoint).
+    dist::check_same_config(*comm_, to_toml(cfg_) + "\nresume = " + opts_.resume);
+    int threads = cfg_.train.threads;
+    if (threads == 0 && comm_->local_size() > 1)  // share the node's cores between its ranks
+        threads = std::max(1, omp_get_num_procs() / comm_->local_size());
+    if (threads > 0) {
+        omp_set_num_threads(threads);
+        openblas_set_num_threads(threads);
     }
     if (cfg_.data.train.empty())
         fail("data.train is not set: give a token shard (memtrain tokenize writes train.bin)");
@@ -48,7 +60,9 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_
     }
     print(format_table(cfg_));
 
-    model_ = std::make_unique<GPT>(cfg_.model);
+    layout_ = make_param_layout(cfg_.model);
+    store_ = std::make_unique<dist::ZeroStore>(layout_, *comm_, cfg_.train.zero_stage);
+    model_ = std::make_unique<GPT>(cfg_.model, store_.get());
     // The recompute schedule is fixed for the run: the arena is sized once to its layout.
     const auto schedule = remat::make_schedule(remat::parse_policy(cfg_.train.remat), cfg_.model,
                                                cfg_.micro_batch(), cfg_.train.seq_len);
@@ -63,12 +77,15 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_
                         100.0 * schedule.recompute_flops /
                             remat::step_flops(cfg_.model, cfg_.micro_batch(), cfg_.train.seq_len)));
     }
-    opt_ = make_optimizer(cfg_.optim, model_->layout());
-    const int B = cfg_.micro_batch(), T = cfg_.train.seq_len;
+    const dist::ShardRange owned = store_->owned();
+    opt_ = make_optimizer(cfg_.optim, layout_, owned.offset, owned.count);
+    // Every rank reads the whole global micro-batch (tokens are cheap) and keeps its rows, so the
+    // data position is one number for the run, whatever its world size.
+    const int B = cfg_.micro_batch(), T = cfg_.train.seq_len, Bg = B * cfg_.world;
     train_loader_ =
-        std::make_unique<data::DataLoader>(cfg_.data.train, B, T, cfg_.train.seed, true);
+        std::make_unique<data::DataLoader>(cfg_.data.train, Bg, T, cfg_.train.seed, true);
     if (!cfg_.data.val.empty())
-        val_loader_ = std::make_unique<data::DataLoader>(cfg_.data.val, B, T, 0, false);
+        val_loader_ = std::make_unique<data::DataLoader>(cfg_.data.val, Bg, T, 0, false);
     for (auto* l : {train_loader_.get(), val_loader_.get()}) {
         if (l && l->shard().vocab_size() > (uint32_t)cfg_.model.vocab_size)
             fail("token shard vocabulary ({}) is larger than model.vocab_size ({})",
@@ -80,6 +97,8 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_
             fail("tokenizer {} has {} tokens but model.vocab_size is {}", cfg_.data.tokenizer,
                  tok.vocab_size(), cfg_.model.vocab_size);
     }
+    xg_.resize((std::size_t)Bg * T);
+    yg_.resize((std::size_t)Bg * T);
 
     state_.rng = Rng(cfg_.train.seed ^ 0x5A3D1Eull).state();
     if (!resume_dir.empty()) {
@@ -96,50 +115,74 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_
     peak_lr_ = scaled_peak_lr(cfg_.optim, cfg_.tokens_per_step());
     print(fmt::format(
         "model: {} parameters ({} with vocab padding) | batch {} x {} tokens = {} "
-        "tokens/step | micro-batch {} x {} accumulation steps\n",
+        "tokens/step | micro-batch {} x {} accumulation steps{}\n",
         model_->num_params() -
             (std::size_t)(cfg_.model.padded_vocab() - cfg_.model.vocab_size) * cfg_.model.n_embd,
         model_->num_params(), cfg_.train.batch_size, T, cfg_.tokens_per_step(), B,
-        cfg_.accum_steps()));
+        cfg_.accum_steps(),
+        cfg_.world > 1
+            ? fmt::format(" x {} ranks (ZeRO stage {})", cfg_.world, cfg_.train.zero_stage)
+            : std::string()));
     if (cfg_.optim.lr_scaling != "none")
         print(fmt::format("lr scaling ({}): peak lr {} x ({} / {} tokens){} = {:.3e}\n",
                           cfg_.optim.lr_scaling, cfg_.optim.lr, cfg_.tokens_per_step(),
                           cfg_.optim.lr_reference_batch,
                           cfg_.optim.lr_scaling == "sqrt" ? "^0.5" : "", peak_lr_));
 
-    fs::create_directories(cfg_.io.out_dir);
-    std::string mpath = (fs::path(cfg_.io.out_dir) / cfg_.io.metrics).string();
-    metrics_ = std::fopen(mpath.c_str(), resume_dir.empty() ? "w" : "a");
-    if (!metrics_) fail("could not open metrics file {}", mpath);
+    if (root()) {
+        fs::create_directories(cfg_.io.out_dir);
+        std::string mpath = (fs::path(cfg_.io.out_dir) / cfg_.io.metrics).string();
+        metrics_ = std::fopen(mpath.c_str(), resume_dir.empty() ? "w" : "a");
+        if (!metrics_) fail("could not open metrics file {}", mpath);
+    }
+}
+
+Trainer::~Trainer() {
+    if (metrics_) std::fclose(metrics_);
 }
 
 void Trainer::print(const std::string& s) {
-    if (!opts_.quiet) {
+    if (!opts_.quiet && root()) {
         std::fputs(s.c_str(), stdout);
         std::fflush(stdout);
     }
 }
 
+double Trainer::mean_over_ranks(double x) {
+    if (comm_->size() == 1) return x;
+    std::vector<double> all((std::size_t)comm_->size());
+    comm_->all_gather_bytes(&x, all.data(), sizeof(double));
+    double sum = 0;
+    for (double v : all) sum += v;
+    return sum / comm_->size();
+}
+
+void Trainer::next_rows(data::DataLoader& loader) {
+    loader.next_batch(xg_.data(), yg_.data());
+}
+
 float Trainer::evaluate() {
     const int B = cfg_.micro_batch(), T = cfg_.train.seq_len;
+    const std::size_t rows = (std::size_t)comm_->rank() * B * T;
     val_loader_->reset();
     int n = std::min<int>(cfg_.train.eval_batches,
-                          std::max<std::size_t>(1, val_loader_->num_windows() / B));
-    std::vector<int32_t> x((std::size_t)B * T), y((std::size_t)B * T);
+                          std::max<std::size_t>(1, val_loader_->num_windows() / (B * cfg_.world)));
     double total = 0;
     for (int i = 0; i < n; i++) {
-        val_loader_->next_batch(x.data(), y.data());
-        total += model_->forward_loss(x.data(), y.data(), B, T);
+        next_rows(*val_loader_);
+        total += model_->forward_loss(xg_.data() + rows, yg_.data() + rows, B, T);
     }
-    return (float)(total / n);
+    return (float)mean_over_ranks(total / n);
 }
 
 TrainSummary Trainer::run() {
     TrainSummary sum;
     const int B = cfg_.micro_batch(), T = cfg_.train.seq_len, K = cfg_.accum_steps();
+    const std::size_t rows = (std::size_t)comm_->rank() * B * T;
     const int64_t total = cfg_.train.max_steps;
-    const float grad_scale = 1.0f / (float)((int64_t)B * T * K);
-    std::vector<int32_t> x((std::size_t)B * T), y((std::size_t)B * T);
+    // Every token of the global batch gets the same weight: the rank sum of the gradients is
+    // the gradient of the mean loss.
+    const float grad_scale = 1.0f / (float)((int64_t)B * T * K * cfg_.world);
     double timed_seconds = 0;
     int64_t timed_steps = 0;
     int ran = 0;
@@ -151,13 +194,16 @@ TrainSummary Trainer::run() {
         model_->zero_grads();
         double loss = 0;
         for (int k = 0; k < K; k++) {
-            train_loader_->next_batch(x.data(), y.data());
-            loss += model_->forward_backward(x.data(), y.data(), B, T, grad_scale);
+            next_rows(*train_loader_);
+            store_->set_reduce(k == K - 1);  // stages 0-1 reduce once per step
+            loss +=
+                model_->forward_backward(xg_.data() + rows, yg_.data() + rows, B, T, grad_scale);
         }
-        loss /= K;
-        double norm = clip_grad_norm(model_->grads(), model_->num_params(), cfg_.optim.grad_clip);
+        loss = mean_over_ranks(loss / K);
+        double norm = store_->clip_grad_norm(cfg_.optim.grad_clip);
         double lr = lr_at(cfg_.optim, peak_lr_, state_.step, total);
-        opt_->step(model_->params(), model_->grads(), lr);
+        opt_->step(store_->owned_params(), store_->owned_grads(), lr);
+        store_->finish_step();
         state_.step++;
         ran++;
         auto pos = train_loader_->position();
@@ -180,32 +226,35 @@ TrainSummary Trainer::run() {
                             "tok/s | {:>7.1f} ms | mem {} / peak {}\n",
                             state_.step, total, loss, lr, norm, tps, secs * 1000,
                             mib(mem.total_used), mib(mem.peak_total_used)));
-        fmt::print(metrics_,
-                   "{{\"step\": {}, \"loss\": {:.6f}, \"lr\": {:.6e}, \"grad_norm\": {:.6f}, "
-                   "\"tokens_per_s\": {:.1f}, \"ms_per_step\": {:.3f}, \"mem_bytes\": {}, "
-                   "\"peak_mem_bytes\": {}}}\n",
-                   state_.step, loss, lr, norm, tps, secs * 1000, mem.total_used,
-                   mem.peak_total_used);
+        if (metrics_)
+            fmt::print(metrics_,
+                       "{{\"step\": {}, \"loss\": {:.6f}, \"lr\": {:.6e}, \"grad_norm\": {:.6f}, "
+                       "\"tokens_per_s\": {:.1f}, \"ms_per_step\": {:.3f}, \"mem_bytes\": {}, "
+                       "\"peak_mem_bytes\": {}}}\n",
+                       state_.step, loss, lr, norm, tps, secs * 1000, mem.total_used,
+                       mem.peak_total_used);
         bool last = state_.step == total;
         if (val_loader_ &&
             ((cfg_.train.eval_every > 0 && state_.step % cfg_.train.eval_every == 0) || last)) {
             float vl = evaluate();
             sum.val_losses.push_back({(int)state_.step, vl});
             print(fmt::format("step {:>5}/{} | val loss {:.4f}\n", state_.step, total, vl));
-            fmt::print(metrics_, "{{\"step\": {}, \"val_loss\": {:.6f}}}\n", state_.step, vl);
+            if (metrics_)
+                fmt::print(metrics_, "{{\"step\": {}, \"val_loss\": {:.6f}}}\n", state_.step, vl);
         }
-        std::fflush(metrics_);
+        if (metrics_) std::fflush(metrics_);
         bool stopping = opts_.stop_after >= 0 && ran >= opts_.stop_after;
         if ((cfg_.io.checkpoint_every > 0 && state_.step % cfg_.io.checkpoint_every == 0) ||
             (last && cfg_.io.save_final) || stopping) {
-            sum.last_checkpoint = save_checkpoint(cfg_.io.out_dir, cfg_, *model_, *opt_, state_);
+            sum.last_checkpoint =
+                save_checkpoint(cfg_.io.out_dir, cfg_, *model_, *opt_, state_, *comm_);
             print(fmt::format("checkpoint: {}\n", sum.last_checkpoint));
         }
     }
     sum.steps_done = state_.step;
     sum.tokens_per_s =
         timed_steps ? (double)cfg_.tokens_per_step() * timed_steps / timed_seconds : 0;
-    std::fclose(metrics_);
+    if (metrics_) std::fclose(metrics_);
     metrics_ = nullptr;
     if (!opts_.quiet) {
         print_memory_report();
@@ -216,28 +265,50 @@ TrainSummary Trainer::run() {
 
 void Trainer::print_memory_report() {
     auto s = host_memory().snapshot();
+    // Every rank's peak of model states (parameters + gradients + optimizer state), gathered so
+    // rank 0 can show that sharding really spread them. A collective.
+    std::vector<double> rank_states((std::size_t)comm_->size());
+    {
+        const double mine =
+            (double)(s.peak(MemCategory::Parameters) + s.peak(MemCategory::Gradients) +
+                     s.peak(MemCategory::OptimizerState));
+        comm_->all_gather_bytes(&mine, rank_states.data(), sizeof(double));
+    }
+    if (!root()) return;
     const std::size_t psi = model_->num_params();
+    const int stage = cfg_.train.zero_stage, N = cfg_.world;
     auto lay = activation_layout(cfg_.model, cfg_.micro_batch(), cfg_.train.seq_len,
                                  GPT::kLossChunk, model_->remat_plan());
-    std::size_t opt_bytes = (cfg_.optim.name == "adamw" ? 8 : 4) * psi;
+    // Model states per rank under ZeRO: a shard (this rank's count of the balanced layout, Ψ/N
+    // rounded) where the stage shards that state, Ψ otherwise.
+    const std::size_t shard = (std::size_t)store_->owned().count;
+    const std::size_t p_n = stage >= 3 ? shard : psi, g_n = stage >= 2 ? shard : psi,
+                      o_n = stage >= 1 ? shard : psi;
+    const std::string per = N > 1 ? fmt::format(" / {} ranks", N) : "";
+    const int k = cfg_.optim.name == "adamw" ? 8 : 4;
     struct Row {
         MemCategory c;
         std::string predicted;
         std::size_t predicted_bytes;
     };
     Row rows[] = {
-        {MemCategory::Parameters, "4 x params (fp32)", 4 * psi},
-        {MemCategory::Gradients, "4 x params (fp32)", 4 * psi},
+        {MemCategory::Parameters, fmt::format("4 x params{} (fp32)", stage >= 3 ? per : ""),
+         4 * p_n},
+        {MemCategory::Gradients, fmt::format("4 x params{} (fp32)", stage >= 2 ? per : ""),
+         4 * g_n},
         {MemCategory::OptimizerState,
-         cfg_.optim.name == "adamw" ? "8 x params (Adam m, v)" : "4 x params (momentum)",
-         opt_bytes},
+         fmt::format("{} x params{} ({})", k, stage >= 1 ? per : "",
+                     k == 8 ? "Adam m, v" : "momentum"),
+         (std::size_t)k * o_n},
         {MemCategory::Activations,
          fmt::format("activation_layout(B, T, remat={})", cfg_.train.remat),
          arena_bytes(lay, MemCategory::Activations)},
         {MemCategory::Workspace, "activation_layout(B, T)",
          arena_bytes(lay, MemCategory::Workspace)},
     };
-    std::string out = "\nmemory breakdown (host, fp32)\n";
+    std::string out =
+        fmt::format("\nmemory breakdown (host, fp32{})\n",
+                    N > 1 ? fmt::format(", rank 0 of {}, ZeRO stage {}", N, stage) : std::string());
     out += fmt::format("{:<16} {:>12} {:>12} {:>12} {:>12}  {}\n", "category", "current", "peak",
                        "reserved", "predicted", "formula");
     std::size_t pred_total = 0;
@@ -247,6 +318,16 @@ void Trainer::print_memory_report() {
         out += fmt::format("{:<16} {:>12} {:>12} {:>12} {:>12}  {}\n", category_name(r.c),
                            mib(s.used[i]), mib(s.peak_used[i]), mib(s.reserved[i]),
                            mib(r.predicted_bytes), r.predicted);
+    }
+    {
+        // Unit buffers of the data-parallel engine: gathered parameters (stage 3), gradient
+        // buckets (stages 2-3) and reduce-scatter pieces; alive only while a unit is in use.
+        const int i = static_cast<int>(MemCategory::Communication);
+        if (s.peak_used[i] > 0)
+            out +=
+                fmt::format("{:<16} {:>12} {:>12} {:>12} {:>12}  {}\n", "communication",
+                            mib(s.used[i]), mib(s.peak_used[i]), mib(s.reserved[i]), "-",
+                            "unit buffers (largest unit: " + mib(4 * layout_.largest_unit()) + ")");
     }
     out += fmt::format("{:<16} {:>12} {:>12} {:>12} {:>12}\n", "total tracked", mib(s.total_used),
                        mib(s.peak_total_used), mib(s.total_reserved), mib(pred_total));
@@ -262,6 +343,8 @@ void Trainer::print_memory_report() {
     rs.micro_batch = cfg_.micro_batch();
     rs.seq = cfg_.train.seq_len;
     rs.micro_batches = cfg_.accum_steps();
+    rs.dp = N;
+    rs.zero = stage;
     rs.flash_attention = false;
     rs.fragmentation = 0;
     rs.reserve_bytes = 0;
@@ -276,11 +359,20 @@ void Trainer::print_memory_report() {
         mib(est.bytes("parameters")), mib(est.bytes("gradients")),
         mib(est.bytes("optimizer states")), mib(est.bytes("activations")),
         mib(est.bytes("recompute working set")), mib(est.bytes("logits and loss")));
+    if (N > 1) {
+        out += "model states per rank (peak):";
+        for (int r = 0; r < N; r++)
+            out += fmt::format(" rank {} {}{}", r, mib((std::size_t)rank_states[r]),
+                               r + 1 < N ? " |" : "\n");
+    }
     print(out);
 }
 
 void Trainer::print_sample() {
     if (cfg_.data.tokenizer.empty() || cfg_.sample.max_tokens == 0) return;
+    // Under ZeRO-3 every forward gathers parameters, so every rank generates (the same tokens,
+    // from the same RNG state); otherwise rank 0 alone does.
+    if (!root() && cfg_.train.zero_stage < 3) return;
     auto tok = data::Tokenizer::load(cfg_.data.tokenizer);
     std::vector<int32_t> prompt;
     for (uint32_t t : tok.encode(cfg_.sample.prompt)) prompt.push_back((int32_t)t);

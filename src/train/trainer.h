@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "data/loader.h"
+#include "dist/communicator.h"
+#include "dist/zero.h"
 #include "io/checkpoint.h"
 #include "model/gpt.h"
 #include "optim/optimizer.h"
@@ -31,24 +33,41 @@ struct TrainSummary {
     std::string last_checkpoint;
 };
 
+// Data parallelism: every rank of `comm` builds the same Trainer; each takes its rows of every
+// global micro-batch (rank r the r-th slice of micro_batch rows), and the ZeroStore reduces the
+// gradients and shards the model states per train.zero_stage. Without a communicator the run is
+// a world of one, through the same code. Rank 0 prints, logs and writes the shared checkpoint
+// files; reported losses are means over all ranks, identical on every rank.
 class Trainer {
   public:
-    Trainer(RunConfig cfg, TrainOptions opts = {});
+    Trainer(RunConfig cfg, TrainOptions opts = {}, dist::Communicator* comm = nullptr);
+    ~Trainer();
     TrainSummary run();
     GPT& model() { return *model_; }
+    dist::ZeroStore& store() { return *store_; }
     const RunConfig& config() const { return cfg_; }
 
   private:
     float evaluate();
+    // The mean of one value per rank, summed in rank order (the same bits on every rank).
+    double mean_over_ranks(double x);
+    // This rank's rows of the next global micro-batch from `loader`, into x_, y_.
+    void next_rows(data::DataLoader& loader);
+    bool root() const { return comm_->rank() == 0; }
     void print(const std::string& s);
     void print_memory_report();
     void print_sample();
 
     RunConfig cfg_;
     TrainOptions opts_;
+    std::unique_ptr<dist::Communicator> own_comm_;
+    dist::Communicator* comm_;
+    ParamLayout layout_;
+    std::unique_ptr<dist::ZeroStore> store_;
     std::unique_ptr<GPT> model_;
     std::unique_ptr<Optimizer> opt_;
     std::unique_ptr<data::DataLoader> train_loader_, val_loader_;
+    std::vector<int32_t> xg_, yg_;  // a global micro-batch (every rank's rows)
     TrainState state_;
     double peak_lr_ = 0;
     std::FILE* metrics_ = nullptr;

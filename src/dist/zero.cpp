@@ -1,0 +1,154 @@
+// ZeroStore: DDP and ZeRO stages 1-3 over a Communicator (see zero.h).
+#include "dist/zero.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "core/error.h"
+#include "kernels/cpu/ops.h"
+
+namespace memtrain::dist {
+
+ZeroStore::ZeroStore(const ParamLayout& layout, Communicator& comm, int stage)
+    : layout_(&layout), comm_(&comm), stage_(stage) {
+    if (stage < 0 || stage > 3) fail("dist.zero_stage must be 0, 1, 2 or 3, got {}", stage);
+    const int N = comm.size(), r = comm.rank();
+    const auto shards = shard_ranges((int64_t)layout.total, N);
+    owned_ = stage == 0 ? ShardRange{0, (int64_t)layout.total} : shards[r];
+    for (const auto& unit : layout.units) {
+        UnitShards us;
+        for (int k = 0; k < N; k++) {
+            const int64_t lo = std::max<int64_t>(shards[k].offset, (int64_t)unit.begin);
+            const int64_t hi =
+                std::min<int64_t>(shards[k].offset + shards[k].count, (int64_t)unit.end);
+            us.counts.push_back(std::max<int64_t>(0, hi - lo));
+            if (k == r) {
+                us.mine_begin = std::max<int64_t>(0, lo - (int64_t)unit.begin);
+                us.mine_count = us.counts.back();
+            }
+        }
+        unit_shards_.push_back(std::move(us));
+    }
+    const std::size_t U = layout.units.size();
+    gathered_.resize(U);
+    holds_.assign(U, 0);
+    written_.assign(U, false);
+    buckets_.resize(U);
+    params_ = Buffer<float>(stage == 3 ? (std::size_t)owned_.count : layout.total,
+                            MemCategory::Parameters);
+    grads_ = Buffer<float>(stage >= 2 ? (std::size_t)owned_.count : layout.total,
+                           MemCategory::Gradients);
+}
+
+float* ZeroStore::owned_params() {
+    return stage_ == 3 ? params_.data() : params_.data() + owned_.offset;
+}
+
+float* ZeroStore::owned_grads() {
+    return stage_ >= 2 ? grads_.data() : grads_.data() + owned_.offset;
+}
+
+float* ZeroStore::full_params() {
+    return stage_ == 3 ? nullptr : params_.data();
+}
+
+float* ZeroStore::full_grads() {
+    return stage_ >= 2 ? nullptr : grads_.data();
+}
+
+float* ZeroStore::acquire(int u, bool for_write) {
+    const ParamUnit& unit = layout_->units.at(u);
+    if (stage_ < 3) return params_.data() + unit.begin;
+    if (for_write) written_[u] = true;
+    if (holds_[u]++ > 0) return gathered_[u].data();
+    // Gather the unit from every rank's shard: this rank's piece starts at its shard's offset.
+    const UnitShards& us = unit_shards_[u];
+    gathered_[u] = Buffer<float>(unit.size(), MemCategory::Communication);
+    const float* mine = us.mine_count > 0
+                            ? params_.data() + ((int64_t)unit.begin + us.mine_begin - owned_.offset)
+                            : params_.data();  // sends nothing
+    comm_->all_gather(mine, gathered_[u].data(), us.counts);
+    return gathered_[u].data();
+}
+
+void ZeroStore::release(int u) {
+    if (stage_ < 3) return;
+    if (holds_[u] <= 0) fail("internal: ZeroStore::release({}) without acquire", u);
+    if (--holds_[u] > 0) return;
+    const UnitShards& us = unit_shards_[u];
+    if (written_[u] && us.mine_count > 0) {
+        const ParamUnit& unit = layout_->units[u];
+        std::memcpy(params_.data() + ((int64_t)unit.begin + us.mine_begin - owned_.offset),
+                    gathered_[u].data() + us.mine_begin, us.mine_count * sizeof(float));
+    }
+    written_[u] = false;
+    gathered_[u].reset();
+}
+
+float* ZeroStore::unit_grads(int u) {
+    const ParamUnit& unit = layout_->units.at(u);
+    if (stage_ < 2) return grads_.data() + unit.begin;
+    if (buckets_[u].size() == 0)
+        buckets_[u] = Buffer<float>(unit.size(), MemCategory::Communication);
+    return buckets_[u].data();
+}
+
+void ZeroStore::grads_done(int u) {
+    const ParamUnit& unit = layout_->units.at(u);
+    const UnitShards& us = unit_shards_[u];
+    if (stage_ == 0) {
+        if (reduce_) comm_->all_reduce_sum(grads_.data() + unit.begin, (int64_t)unit.size());
+        return;
+    }
+    if (stage_ == 1 && !reduce_) return;
+    const float* in = stage_ == 1 ? grads_.data() + unit.begin : buckets_[u].data();
+    if (stage_ >= 2 && buckets_[u].size() == 0) fail("internal: grads_done({}) without grads", u);
+    Buffer<float> piece((std::size_t)us.mine_count, MemCategory::Communication);
+    comm_->reduce_scatter_sum(in, piece.data(), us.counts);
+    if (us.mine_count > 0) {
+        if (stage_ == 1) {
+            std::memcpy(grads_.data() + unit.begin + us.mine_begin, piece.data(),
+                        us.mine_count * sizeof(float));
+        } else {
+            float* dst = grads_.data() + ((int64_t)unit.begin + us.mine_begin - owned_.offset);
+            cpu::add_inplace(dst, piece.data(), us.mine_count);
+        }
+    }
+    if (stage_ >= 2) buckets_[u].reset();
+}
+
+void ZeroStore::zero_grads() {
+    std::memset(grads_.data(), 0, grads_.bytes());
+    for (auto& b : buckets_) b.reset();
+}
+
+double ZeroStore::clip_grad_norm(double max_norm) {
+    double sq;
+    if (stage_ == 0) {
+        // Whole and identical on every rank: the same fixed-order sum as a single process.
+        sq = cpu::sum_squares(grads_.data(), (int64_t)grads_.size());
+    } else {
+        // Each rank's partial sum, added in rank order on every rank (the same bits everywhere).
+        const double mine = cpu::sum_squares(owned_grads(), owned_.count);
+        std::vector<double> all((std::size_t)comm_->size());
+        comm_->all_gather_bytes(&mine, all.data(), sizeof(double));
+        sq = 0;
+        for (double x : all) sq += x;
+    }
+    const double norm = std::sqrt(sq);
+    if (max_norm > 0) {
+        const double coef = max_norm / (norm + 1e-6);
+        if (coef < 1.0) cpu::scale_inplace(owned_grads(), (float)coef, owned_.count);
+    }
+    return norm;
+}
+
+void ZeroStore::finish_step() {
+    if (stage_ == 1 || stage_ == 2) {
+        const auto counts = shard_counts((int64_t)layout_->total, comm_->size());
+        comm_->all_gather(params_.data() + owned_.offset, params_.data(), counts);
+    }
+}
+
+}  // namespace memtrain::dist
