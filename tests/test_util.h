@@ -101,10 +101,8 @@ inline std::vector<uint32_t> patterned_tokens(std::size_t n, uint32_t vocab, uin
     return t;
 }
 
-// A tiny model and run over freshly written shards in `dir`.
-inline RunConfig tiny_run(const std::string& dir, int steps = 10) {
-    data::write_shard(dir + "/train.bin", patterned_tokens(4096, 50, 1), 50);
-    data::write_shard(dir + "/val.bin", patterned_tokens(1024, 50, 2), 50);
+// The tiny model and run of tiny_run, over shards in `dir` that tiny_run writes.
+inline RunConfig tiny_run_config(const std::string& dir, int steps = 10) {
     RunConfig c;
     c.model.n_layer = 2;
     c.model.n_head = 2;
@@ -125,6 +123,13 @@ inline RunConfig tiny_run(const std::string& dir, int steps = 10) {
     c.io.out_dir = dir + "/out";
     c.sample.max_tokens = 0;
     return c;
+}
+
+// A tiny model and run over freshly written shards in `dir`.
+inline RunConfig tiny_run(const std::string& dir, int steps = 10) {
+    data::write_shard(dir + "/train.bin", patterned_tokens(4096, 50, 1), 50);
+    data::write_shard(dir + "/val.bin", patterned_tokens(1024, 50, 2), 50);
+    return tiny_run_config(dir, steps);
 }
 
 }  // namespace memtrain::test

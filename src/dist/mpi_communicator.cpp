@@ -16,6 +16,19 @@
 
 namespace memtrain::dist {
 
+bool launched_by_mpi() {
+    if (const char* force = std::getenv("MEMTRAIN_DIST"); force != nullptr && *force) {
+        const std::string v = force;
+        if (v == "none") return false;
+        if (v == "mpi") return true;
+        fail("MEMTRAIN_DIST: expected 'mpi' or 'none', got '{}'", v);
+    }
+    for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE",
+                            "MPI_LOCALNRANKS", "MV2_COMM_WORLD_SIZE"})
+        if (const char* v = std::getenv(var); v != nullptr && *v) return true;
+    return false;
+}
+
 MpiOptions mpi_options_from_env() {
     MpiOptions options;
     if (const char* env = std::getenv("MEMTRAIN_COMM_TIMEOUT_S"); env != nullptr && *env) {

@@ -15,6 +15,12 @@ struct MpiOptions {
     double timeout_s = 300.0;
 };
 
+// True when this process was started by an MPI launcher (mpirun/mpiexec of OpenMPI, MPICH or
+// Intel MPI, or Slurm's srun with PMI/PMIx), read from the environment those launchers set.
+// MEMTRAIN_DIST=none forces false (a single-process run inside an MPI job), MEMTRAIN_DIST=mpi
+// forces true.
+bool launched_by_mpi();
+
 // Defaults, with timeout_s from MEMTRAIN_COMM_TIMEOUT_S when set (a positive number of seconds;
 // anything else is an error naming the variable).
 MpiOptions mpi_options_from_env();

@@ -16,16 +16,18 @@
 #include "core/rng.h"
 #include "dist/communicator.h"
 #include "dist/mpi_communicator.h"
+#include "dist_mpi/dist_env.h"
 
 namespace memtrain::dist {
 namespace {
-
-// GoogleTest bodies cannot take arguments, so the one communicator main() builds is reached
-// through this accessor; library code gets its communicator passed in (STYLE lesson 9).
 MpiCommunicator* g_comm = nullptr;
+}  // namespace
+
 Communicator& comm() {
     return *g_comm;
 }
+
+namespace {
 
 // Dyadic values with small magnitude: any summation order gives the exact same float, so the
 // collectives can be compared bitwise with a serial reference whatever algorithm MPI picks.
@@ -325,6 +327,8 @@ int main(int argc, char** argv) {
             status = run_rank1_exits(comm);
         } else if (scenario == "--scenario=rank1_aborts") {
             status = run_rank1_aborts(comm);
+        } else if (scenario == "--scenario=rank1_dies_in_training") {
+            status = run_rank1_dies_in_training(comm);
         } else {
             testing::InitGoogleTest(&argc, argv);
             if (comm.rank() != 0) {
