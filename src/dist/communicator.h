@@ -45,6 +45,17 @@ class Communicator {
     // same inputs on the same world size give the same bits on every run (the reduction order is
     // fixed by the backend's algorithm, not by timing).
     virtual void all_reduce_sum(float* data, int64_t n) = 0;
+    // The same, nonblocking: starts the sum and returns at once, so the caller can compute while
+    // it travels (DDP overlaps the gradient all-reduce of one unit with the backward of the
+    // next). `data` must not be touched until wait_all() returns. Started operations count as
+    // collectives in call order like any other. Backends without nonblocking support run it at
+    // once (this default).
+    virtual void start_all_reduce_sum(float* data, int64_t n) { all_reduce_sum(data, n); }
+    // Lets started operations advance (MPI progresses nonblocking collectives only inside MPI
+    // calls); cheap, call it between pieces of work.
+    virtual void progress() {}
+    // Completes every started operation (with the backend's timeout).
+    virtual void wait_all() {}
     // In place: data[i] = max over ranks (used to agree on errors, overflow flags, step counts).
     virtual void all_reduce_max(double* data, int64_t n) = 0;
     virtual void all_reduce_max(int64_t* data, int64_t n) = 0;

@@ -11,6 +11,8 @@
 #include <cstdlib>
 #include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "core/error.h"
 
@@ -56,6 +58,8 @@ struct MpiCommunicator::State {
     // lines of different ranks can be matched; point-to-point calls have their own count.
     uint64_t collective_seq = 0;
     uint64_t p2p_seq = 0;
+    // Started nonblocking all-reduces, in start order, with their sizes (for the timeout line).
+    std::vector<std::pair<MPI_Request, int64_t>> pending;
 };
 
 namespace {
@@ -191,6 +195,34 @@ void MpiCommunicator::all_reduce_sum(float* data, int64_t n) {
     check(MPI_Iallreduce(MPI_IN_PLACE, data, count, MPI_FLOAT, MPI_SUM, s.comm, &req), s.rank,
           "all_reduce_sum");
     wait(s, req, "all_reduce_sum", n, "floats", -1, nullptr);
+}
+
+void MpiCommunicator::start_all_reduce_sum(float* data, int64_t n) {
+    State& s = *state_;
+    const int count = to_int(n, "all_reduce_sum", "n");
+    MPI_Request req;
+    check(MPI_Iallreduce(MPI_IN_PLACE, data, count, MPI_FLOAT, MPI_SUM, s.comm, &req), s.rank,
+          "all_reduce_sum");
+    s.pending.emplace_back(req, n);
+}
+
+void MpiCommunicator::progress() {
+    State& s = *state_;
+    for (auto& [req, n] : s.pending) {
+        if (req == MPI_REQUEST_NULL) continue;
+        int done = 0;
+        check(MPI_Test(&req, &done, MPI_STATUS_IGNORE), s.rank, "all_reduce_sum (started)");
+    }
+}
+
+void MpiCommunicator::wait_all() {
+    State& s = *state_;
+    // The timeout clock starts here, not at the start: a started collective may legitimately
+    // wait behind a whole backward pass.
+    for (auto& [req, n] : s.pending)
+        if (req != MPI_REQUEST_NULL)
+            wait(s, req, "all_reduce_sum (started)", n, "floats", -1, nullptr);
+    s.pending.clear();
 }
 
 void MpiCommunicator::all_reduce_max(double* data, int64_t n) {

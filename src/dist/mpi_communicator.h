@@ -44,6 +44,9 @@ class MpiCommunicator final : public Communicator {
     double timeout_s() const;
 
     void all_reduce_sum(float* data, int64_t n) override;
+    void start_all_reduce_sum(float* data, int64_t n) override;
+    void progress() override;
+    void wait_all() override;
     void all_reduce_max(double* data, int64_t n) override;
     void all_reduce_max(int64_t* data, int64_t n) override;
     void reduce_scatter_sum(const float* in, float* out, std::span<const int64_t> counts) override;

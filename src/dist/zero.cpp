@@ -46,6 +46,7 @@ float* ZeroStore::owned_params() {
 }
 
 float* ZeroStore::owned_grads() {
+    sync();
     return stage_ >= 2 ? grads_.data() : grads_.data() + owned_.offset;
 }
 
@@ -57,8 +58,15 @@ float* ZeroStore::full_grads() {
     return stage_ >= 2 ? nullptr : grads_.data();
 }
 
+void ZeroStore::sync() {
+    if (!in_flight_) return;
+    comm_->wait_all();
+    in_flight_ = false;
+}
+
 float* ZeroStore::acquire(int u, bool for_write) {
     const ParamUnit& unit = layout_->units.at(u);
+    if (in_flight_) comm_->progress();
     if (stage_ < 3) return params_.data() + unit.begin;
     if (for_write) written_[u] = true;
     if (holds_[u]++ > 0) return gathered_[u].data();
@@ -98,7 +106,11 @@ void ZeroStore::grads_done(int u) {
     const ParamUnit& unit = layout_->units.at(u);
     const UnitShards& us = unit_shards_[u];
     if (stage_ == 0) {
-        if (reduce_) comm_->all_reduce_sum(grads_.data() + unit.begin, (int64_t)unit.size());
+        // DDP: the unit's sum travels while backward computes the next units.
+        if (reduce_) {
+            comm_->start_all_reduce_sum(grads_.data() + unit.begin, (int64_t)unit.size());
+            in_flight_ = true;
+        }
         return;
     }
     if (stage_ == 1 && !reduce_) return;
@@ -119,11 +131,13 @@ void ZeroStore::grads_done(int u) {
 }
 
 void ZeroStore::zero_grads() {
+    sync();
     std::memset(grads_.data(), 0, grads_.bytes());
     for (auto& b : buckets_) b.reset();
 }
 
 double ZeroStore::clip_grad_norm(double max_norm) {
+    sync();
     double sq;
     if (stage_ == 0) {
         // Whole and identical on every rank: the same fixed-order sum as a single process.

@@ -15,7 +15,9 @@
 // floats [offset_r, offset_r + count_r) and nothing else.
 //
 // Gradients are reduced unit by unit (embedding, blocks, head) as soon as backward has finished a
-// unit, while backward goes on with the next: a unit is DDP's bucket. Stages 0 and 1 keep whole
+// unit: a unit is DDP's bucket. At stage 0 the all-reduce is nonblocking and travels while
+// backward computes the next units (each acquire lets it progress); the gradients are waited for
+// when first read (clip_grad_norm, owned_grads). Stages 0 and 1 keep whole
 // gradients and so reduce once per optimizer step, after the last micro-batch
 // (set_reduce(false) for the others); stages 2 and 3 keep only a shard, so they reduce each
 // micro-batch's unit into it and free the unit's buffer at once. Stage 3 gathers a unit's
@@ -76,8 +78,12 @@ class ZeroStore final : public ParamStore {
         int64_t mine_count = 0;
     };
 
+    // Waits for the started all-reduces (stage 0) before anyone reads the gradients.
+    void sync();
+
     const ParamLayout* layout_;
     Communicator* comm_;
+    bool in_flight_ = false;
     int stage_;
     ShardRange owned_;
     std::vector<UnitShards> unit_shards_;
