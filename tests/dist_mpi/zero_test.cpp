@@ -14,6 +14,8 @@
 
 #include "core/error.h"
 #include "dist_mpi/dist_env.h"
+#include "plan/memory_model.h"
+#include "plan/model_spec.h"
 #include "test_util.h"
 
 namespace memtrain::dist {
@@ -113,6 +115,19 @@ void check_matches_single_process(const Case& k) {
     // Peaks over the run: the same (the unit buffers are counted as communication).
     EXPECT_EQ(m.peak(MemCategory::Parameters), m[MemCategory::Parameters]) << name(k);
     EXPECT_EQ(m.peak(MemCategory::Gradients), m[MemCategory::Gradients]) << name(k);
+    // The planner (memtrain estimate) predicts the same per-rank model states for this layout,
+    // up to the rounding of Ψ/N (a float per state).
+    plan::RunSpec r;
+    r.precision = plan::Precision::fp32;
+    r.optimizer = plan::Optimizer::adamw;
+    r.dp = N;
+    r.zero = k.stage;
+    r.micro_batch = b;
+    r.seq = c.train.seq_len;
+    auto est = plan::estimate_memory(plan::model_from_config(c.model), r);
+    EXPECT_NEAR((double)est.bytes("parameters"), (double)m[MemCategory::Parameters], 4.0);
+    EXPECT_NEAR((double)est.bytes("gradients"), (double)m[MemCategory::Gradients], 4.0);
+    EXPECT_NEAR((double)est.bytes("optimizer states"), (double)m[MemCategory::OptimizerState], 8.0);
     if (k.stage == 3 && N > 1) {
         EXPECT_LE(m.peak(MemCategory::Communication), 4 * 4 * layout.largest_unit()) << name(k);
     }
