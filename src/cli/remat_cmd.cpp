@@ -1,15 +1,20 @@
 // `memtrain remat CONFIG`: the activation-checkpointing schedule of a run, without training (no
 // data files needed). --budget X solves for a budget; --frontier tabulates the named policies and
 // budget-optimal schedules (peak bytes vs predicted recompute), --svg draws that frontier.
+// --measure prices recompute by a profiling pass on this machine (remat/profile.h) and, with
+// --frontier, also times real training steps of every schedule beside the prediction.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <memory>
+#include <optional>
 
 #include "cli/commands.h"
 #include "core/error.h"
 #include "remat/cost.h"
 #include "remat/policy.h"
+#include "remat/profile.h"
 #include "train/run_config.h"
 
 namespace memtrain::cli {
@@ -27,6 +32,8 @@ std::string plan_letters(const RematPlan& plan) {
 struct Point {
     std::string name;
     Schedule s;
+    double measured_pct = NAN;       // measured step time over the no-recompute step, in %
+    std::size_t measured_bytes = 0;  // the allocator's activation bytes under this schedule
 };
 
 std::string frontier_svg(const std::vector<Point>& pts, double step_flops) {
@@ -35,6 +42,7 @@ std::string frontier_svg(const std::vector<Point>& pts, double step_flops) {
     for (const auto& p : pts) {
         xmax = std::max(xmax, p.s.peak_bytes / 1048576.0);
         ymax = std::max(ymax, 100.0 * p.s.recompute_flops / step_flops);
+        if (!std::isnan(p.measured_pct)) ymax = std::max(ymax, p.measured_pct);
     }
     xmax *= 1.05;
     ymax = std::max(1.0, ymax * 1.1);
@@ -52,7 +60,7 @@ std::string frontier_svg(const std::vector<Point>& pts, double step_flops) {
         (x0 + x1) / 2, H - 12);
     o += fmt::format(
         "<text x=\"16\" y=\"{}\" transform=\"rotate(-90 16 {})\" "
-        "text-anchor=\"middle\">recompute overhead (% of step FLOPs)</text>\n",
+        "text-anchor=\"middle\">recompute overhead (% of a step; hollow: measured)</text>\n",
         (y0 + y1) / 2, (y0 + y1) / 2);
     for (int i = 0; i <= 4; i++) {
         double xv = xmax * i / 4, yv = ymax * i / 4;
@@ -70,6 +78,11 @@ std::string frontier_svg(const std::vector<Point>& pts, double step_flops) {
                          opt ? 3 : 5, opt ? "steelblue" : "darkorange");
         if (!opt)
             o += fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\">{}</text>\n", x + 7, y - 6, p.name);
+        if (!std::isnan(p.measured_pct))
+            o += fmt::format(
+                "<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"4\" fill=\"none\" "
+                "stroke=\"seagreen\"/>\n",
+                X(p.measured_bytes / 1048576.0), Y(std::max(0.0, p.measured_pct)));
     }
     o += fmt::format("<polyline points=\"{}\" fill=\"none\" stroke=\"steelblue\"/>\n", line);
     o += "</svg>\n";
@@ -85,6 +98,7 @@ void register_remat(CLI::App& app) {
         std::string config, budget, svg;
         std::vector<std::string> sets;
         bool frontier = false;
+        bool measure = false;
     };
     auto a = std::make_shared<Args>();
     cmd->add_option("config", a->config, "run config (.toml)")->required();
@@ -92,16 +106,30 @@ void register_remat(CLI::App& app) {
     cmd->add_option("--budget", a->budget, "peak activation bytes, e.g. 200MiB (else train.remat)");
     cmd->add_flag("--frontier", a->frontier, "table of policies and budget-optimal schedules");
     cmd->add_option("--svg", a->svg, "with --frontier: write the chart to this SVG file");
+    cmd->add_flag("--measure", a->measure,
+                  "price recompute by a profiling pass on this machine; with --frontier also "
+                  "time real steps of every schedule");
     cmd->callback([a] {
         RunConfig cfg = load_run_config(a->config, a->sets);
         const ModelConfig& m = cfg.model;
         const int B = cfg.micro_batch(), T = cfg.train.seq_len;
-        const double step = (double)step_flops(m, B, T);
-        const Chain chain = make_chain(m, B, T);
+        const bool measured = a->measure || cfg.train.remat_costs == "measured";
+        std::optional<BlockFlops> costs;
+        double step = (double)step_flops(m, B, T);
+        if (measured) {
+            costs = measure_block(m, B, T);
+            step = estimated_step_ns(m, B, T, *costs);
+        }
+        const BlockFlops* cost_ptr = costs ? &*costs : nullptr;
+        const Chain chain = costs ? make_chain(m, B, T, *costs) : make_chain(m, B, T);
+        // Recompute units: GFLOP (analytic) or ms (measured).
+        const double unit = measured ? 1e6 : 1e9;
+        const char* unit_name = measured ? "ms" : "GFLOP";
         std::printf(
-            "model %d layers x %d wide, %d heads | micro-batch %d x %d | step %.2f GFLOP "
-            "(analytic, no recompute)\n",
-            m.n_layer, m.n_embd, m.n_head, B, T, step / 1e9);
+            "model %d layers x %d wide, %d heads | micro-batch %d x %d | step %.2f %s (%s, "
+            "no recompute)\n",
+            m.n_layer, m.n_embd, m.n_head, B, T, step / unit, unit_name,
+            measured ? "estimated from a profiled block" : "analytic");
         std::printf("smallest feasible peak activation memory: %s\n",
                     format_bytes(min_feasible_bytes(chain)).c_str());
         if (!a->svg.empty() && !a->frontier) fail("--svg needs --frontier");
@@ -109,19 +137,38 @@ void register_remat(CLI::App& app) {
             if (!a->budget.empty()) fail("give either --budget or --frontier, not both");
             std::vector<Point> pts;
             for (const char* p : {"none", "selective", "sqrt", "full"})
-                pts.push_back({p, make_schedule(parse_policy(p), m, B, T)});
+                pts.push_back({p, make_schedule(parse_policy(p), m, B, T, cost_ptr)});
             const std::size_t lo = min_feasible_bytes(chain), hi = pts[0].s.peak_bytes;
             const int n = 10;
             for (int i = 0; i <= n; i++) {
                 std::size_t b = lo + (hi - lo) * i / n;
                 pts.push_back({fmt::format("budget:{}", b), *solve_budget(chain, b)});
             }
-            std::printf("\n%-20s %12s %14s %10s  %s\n", "schedule", "peak MiB", "peak bytes",
-                        "recompute", "plan (A all, S selective, I input only)");
-            for (const auto& p : pts)
-                std::printf("%-20s %12.2f %14zu %9.2f%%  %s\n", p.name.c_str(),
+            if (a->measure) {
+                // Real steps of every schedule: the measured side of the frontier.
+                for (auto& p : pts) {
+                    MeasuredStep ms = measure_step(m, B, T, p.s.plan);
+                    p.measured_bytes = ms.activation_bytes;
+                    p.measured_pct = ms.seconds;  // seconds for now; % below
+                }
+                const double base = pts[0].measured_pct;
+                for (auto& p : pts) p.measured_pct = 100.0 * (p.measured_pct / base - 1.0);
+            }
+            std::printf("\n%-20s %12s %14s %10s %10s %12s  %s\n", "schedule", "peak MiB",
+                        "peak bytes", "recompute", "measured", "measured MiB",
+                        "plan (A all, S selective, I input only)");
+            for (const auto& p : pts) {
+                std::string mt = std::isnan(p.measured_pct)
+                                     ? std::string("-")
+                                     : fmt::format("{:+.2f}%", p.measured_pct);
+                std::string mb = std::isnan(p.measured_pct)
+                                     ? std::string("-")
+                                     : fmt::format("{:.2f}", p.measured_bytes / 1048576.0);
+                std::printf("%-20s %12.2f %14zu %9.2f%% %10s %12s  %s\n", p.name.c_str(),
                             p.s.peak_bytes / 1048576.0, p.s.peak_bytes,
-                            100.0 * p.s.recompute_flops / step, plan_letters(p.s.plan).c_str());
+                            100.0 * p.s.recompute_flops / step, mt.c_str(), mb.c_str(),
+                            plan_letters(p.s.plan).c_str());
+            }
             if (!a->svg.empty()) {
                 std::ofstream out(a->svg, std::ios::binary);
                 out << frontier_svg(pts, step);
@@ -131,17 +178,17 @@ void register_remat(CLI::App& app) {
             return;
         }
         std::string policy = a->budget.empty() ? cfg.train.remat : "budget:" + a->budget;
-        Schedule s = make_schedule(parse_policy(policy), m, B, T);
-        std::printf("\nschedule for %s\n%-6s %-10s %14s %16s\n", policy.c_str(), "block", "keeps",
-                    "kept bytes", "recompute GFLOP");
+        Schedule s = make_schedule(parse_policy(policy), m, B, T, cost_ptr);
+        std::printf("\nschedule for %s\n%-6s %-10s %14s %13s %s\n", policy.c_str(), "block",
+                    "keeps", "kept bytes", "recompute", unit_name);
         for (std::size_t l = 0; l < s.plan.size(); l++) {
             const Option& o = chain.blocks[l][static_cast<int>(s.plan[l])];
             std::printf("%-6zu %-10s %14zu %16.3f\n", l, keep_name(s.plan[l]), o.kept_bytes,
-                        o.recompute_flops / 1e9);
+                        o.recompute_flops / unit);
         }
         std::printf("predicted peak activation memory: %s\n", format_bytes(s.peak_bytes).c_str());
-        std::printf("predicted recompute overhead: %.3f GFLOP = %.2f%% of a step\n",
-                    s.recompute_flops / 1e9, 100.0 * s.recompute_flops / step);
+        std::printf("predicted recompute overhead: %.3f %s = %.2f%% of a step\n",
+                    s.recompute_flops / unit, unit_name, 100.0 * s.recompute_flops / step);
     });
 }
 

@@ -29,10 +29,13 @@ int64_t step_flops(const ModelConfig& cfg, int B, int T) {
 }
 
 Chain make_chain(const ModelConfig& cfg, int B, int T) {
+    return make_chain(cfg, B, T, block_flops(cfg, B, T));
+}
+
+Chain make_chain(const ModelConfig& cfg, int B, int T, const BlockFlops& f) {
     // Residual streams and ln_f, exactly as activation_layout lists them.
     Chain c;
     c.fixed_bytes = sizeof(float) * fixed_floats(cfg, B, T);
-    const BlockFlops f = block_flops(cfg, B, T);
     const int64_t recompute[] = {0, f.selective(), f.forward()};
     std::array<Option, 3> opts;
     for (BlockKeep k : {BlockKeep::All, BlockKeep::Selective, BlockKeep::Input}) {

@@ -32,7 +32,10 @@ BlockFlops block_flops(const ModelConfig& cfg, int B, int T);
 // One training step of one micro-batch without recompute: backward = 2 x forward for every
 // block, ln_f and the classifier (2 BT C V_padded forward); the embedding lookup is free.
 int64_t step_flops(const ModelConfig& cfg, int B, int T);
-// The per-block options for the solver, in bytes of the exact layout (activations category).
+// The per-block options for the solver, in bytes of the exact layout (activations category),
+// with recompute priced by `costs` (a block's pieces in any unit: the analytic FLOPs of
+// block_flops by default, or measure_block's nanoseconds).
 Chain make_chain(const ModelConfig& cfg, int B, int T);
+Chain make_chain(const ModelConfig& cfg, int B, int T, const BlockFlops& costs);
 
 }  // namespace memtrain::remat

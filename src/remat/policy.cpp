@@ -66,8 +66,9 @@ std::string format_bytes(std::size_t bytes) {
     return fmt::format("{:.2f} MiB ({} B)", bytes / 1048576.0, bytes);
 }
 
-Schedule make_schedule(const RematPolicy& policy, const ModelConfig& cfg, int B, int T) {
-    const Chain chain = make_chain(cfg, B, T);
+Schedule make_schedule(const RematPolicy& policy, const ModelConfig& cfg, int B, int T,
+                       const BlockFlops* costs) {
+    const Chain chain = costs ? make_chain(cfg, B, T, *costs) : make_chain(cfg, B, T);
     const int L = cfg.n_layer;
     using K = RematPolicy::Kind;
     RematPlan plan(L, BlockKeep::All);

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "model/config.h"
+#include "remat/cost.h"
 #include "remat/solver.h"
 
 namespace memtrain::remat {
@@ -27,8 +28,11 @@ RematPolicy parse_policy(const std::string& text);
 // Bytes with an optional suffix ("200MiB", "1.5GB", "4096").
 std::size_t parse_bytes(const std::string& text);
 // The schedule of `policy` for this model and micro-batch B x T. A budget below every plan's
-// peak fails with a message naming the smallest feasible budget.
-Schedule make_schedule(const RematPolicy& policy, const ModelConfig& cfg, int B, int T);
+// peak fails with a message naming the smallest feasible budget. Recompute is priced by `costs`
+// (null: analytic FLOPs; else e.g. measure_block's nanoseconds), in the Schedule's
+// recompute_flops field.
+Schedule make_schedule(const RematPolicy& policy, const ModelConfig& cfg, int B, int T,
+                       const BlockFlops* costs = nullptr);
 std::string format_bytes(std::size_t bytes);  // "12.3 MiB (12897280 B)"
 
 }  // namespace memtrain::remat

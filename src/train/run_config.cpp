@@ -179,6 +179,9 @@ const std::vector<Key>& registry() {
         make_key("train.threads", &R::train, &TrainConfig::threads, "0 = all cores"),
         make_key("train.remat", &R::train, &TrainConfig::remat,
                  "none | full | every:K | sqrt | selective | budget:BYTES"),
+        make_key(
+            "train.remat_costs", &R::train, &TrainConfig::remat_costs,
+            "price recompute by analytic FLOPs or a measured profiling pass: analytic | measured"),
         make_key("train.zero_stage", &R::train, &TrainConfig::zero_stage,
                  "data-parallel sharding: 0 DDP | 1 optimizer | 2 + gradients | 3 + parameters"),
         make_key("optim.name", &R::optim, &OptimConfig::name, "adamw | sgd"),
@@ -295,6 +298,8 @@ void RunConfig::validate() const {
             "train.batch_size = {} must be a multiple of train.micro_batch_size ({}) x "
             "data-parallel ranks ({})",
             train.batch_size, micro_batch(), world);
+    if (train.remat_costs != "analytic" && train.remat_costs != "measured")
+        fail("train.remat_costs = \"{}\" must be \"analytic\" or \"measured\"", train.remat_costs);
     if (train.zero_stage < 0 || train.zero_stage > 3)
         fail("train.zero_stage = {} must be 0, 1, 2 or 3", train.zero_stage);
     if (train.max_steps < 0) fail("train.max_steps must be >= 0, got {}", train.max_steps);

@@ -25,6 +25,7 @@ struct TrainConfig {
     int log_every = 1;
     int threads = 0;             // OpenMP/BLAS threads; 0 = all cores
     std::string remat = "none";  // activation checkpointing policy (remat/policy.h)
+    std::string remat_costs = "analytic";  // recompute priced by "analytic" FLOPs or "measured" time
     int zero_stage = 0;          // data-parallel sharding (dist/zero.h): 0 DDP .. 3 parameters
 };
 

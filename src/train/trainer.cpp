@@ -16,6 +16,7 @@
 #include "plan/model_spec.h"
 #include "remat/cost.h"
 #include "remat/policy.h"
+#include "remat/profile.h"
 #include "train/sample.h"
 
 namespace fs = std::filesystem;
@@ -64,18 +65,30 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
     store_ = std::make_unique<dist::ZeroStore>(layout_, *comm_, cfg_.train.zero_stage);
     model_ = std::make_unique<GPT>(cfg_.model, store_.get());
     // The recompute schedule is fixed for the run: the arena is sized once to its layout.
+    const int Bm = cfg_.micro_batch(), Tm = cfg_.train.seq_len;
+    std::optional<remat::BlockFlops> measured;
+    double step_cost = (double)remat::step_flops(cfg_.model, Bm, Tm);
+    if (cfg_.train.remat_costs == "measured" && cfg_.train.remat != "none") {
+        // A short profiling pass on this machine (one block's kernels, no extra model); every
+        // rank uses rank 0's numbers, so all ranks choose the same schedule.
+        const remat::BlockFlops t = remat::measure_block(cfg_.model, Bm, Tm);
+        int64_t ns[7] = {t.ln, t.qkv, t.attention, t.proj, t.fc, t.gelu, t.fc_proj};
+        comm_->broadcast(ns, sizeof(ns), 0);
+        measured = remat::BlockFlops{ns[0], ns[1], ns[2], ns[3], ns[4], ns[5], ns[6]};
+        step_cost = remat::estimated_step_ns(cfg_.model, Bm, Tm, *measured);
+    }
     const auto schedule = remat::make_schedule(remat::parse_policy(cfg_.train.remat), cfg_.model,
-                                               cfg_.micro_batch(), cfg_.train.seq_len);
+                                               Bm, Tm, measured ? &*measured : nullptr);
     model_->set_remat(schedule.plan);
     if (cfg_.train.remat != "none") {
         std::string letters;
         for (BlockKeep k : schedule.plan) letters += keep_name(k)[0];
         print(
             fmt::format("remat {}: blocks keep [{}] (a all, s selective, i input only) | "
-                        "activations {} | recompute {:.1f}% of a step\n",
+                        "activations {} | recompute {:.1f}% of a step ({})\n",
                         cfg_.train.remat, letters, mib(schedule.peak_bytes),
-                        100.0 * schedule.recompute_flops /
-                            remat::step_flops(cfg_.model, cfg_.micro_batch(), cfg_.train.seq_len)));
+                        100.0 * schedule.recompute_flops / step_cost,
+                        measured ? "measured time" : "analytic FLOPs"));
     }
     const dist::ShardRange owned = store_->owned();
     opt_ = make_optimizer(cfg_.optim, layout_, owned.offset, owned.count);

@@ -12,6 +12,7 @@
 #include "model/gpt.h"
 #include "remat/cost.h"
 #include "remat/policy.h"
+#include "remat/profile.h"
 #include "remat/solver.h"
 #include "test_util.h"
 #include "train/trainer.h"
@@ -307,4 +308,47 @@ TEST(Remat, LlamaStyleEveryPolicyIsBitwiseAndPredictedBytesAreMeasured) {
             EXPECT_EQ(0, std::memcmp(r.grads.data(), ref.grads.data(), ref.grads.size() * 4));
         }
     }
+}
+
+// The profiling pass: every piece of a block takes measurable time, the budget solver works on
+// those nanoseconds (peak within the budget, the same as the exhaustive optimum for the measured
+// chain is covered by SolverMatchesExhaustiveSearch on any costs), and a trainer configured with
+// measured costs trains under the budget it was given.
+TEST(Remat, MeasuredCostsDriveTheBudgetSolver) {
+    ModelConfig cfg = test::tiny_model(4);
+    cfg.n_embd = 64;
+    cfg.n_head = 4;
+    cfg.block_size = 32;
+    const int B = 4, T = 32;
+    const BlockFlops ns = measure_block(cfg, B, T, 2);
+    for (int64_t v : {ns.ln, ns.qkv, ns.attention, ns.proj, ns.fc, ns.gelu, ns.fc_proj})
+        EXPECT_GT(v, 0);
+    const double step = estimated_step_ns(cfg, B, T, ns);
+    EXPECT_GT(step, 3.0 * cfg.n_layer * (double)ns.forward());
+
+    const Chain chain = make_chain(cfg, B, T, ns);
+    EXPECT_EQ(chain.blocks[0][(int)BlockKeep::Input].recompute_flops, ns.forward());
+    EXPECT_EQ(chain.blocks[0][(int)BlockKeep::Selective].recompute_flops, ns.selective());
+    const std::size_t lo = min_feasible_bytes(chain);
+    const std::size_t hi = evaluate(chain, RematPlan(cfg.n_layer, BlockKeep::All)).peak_bytes;
+    const std::size_t budget = (lo + hi) / 2;
+    Schedule s = make_schedule(parse_policy("budget:" + std::to_string(budget)), cfg, B, T, &ns);
+    EXPECT_LE(s.peak_bytes, budget);
+    EXPECT_EQ(s.recompute_flops, recompute_flops(chain, s.plan));
+
+    MeasuredStep m = measure_step(cfg, B, T, s.plan, 1);
+    EXPECT_GT(m.seconds, 0);
+    EXPECT_EQ(m.activation_bytes, s.peak_bytes);  // the arena is the layout, to the byte
+
+    const std::string dir = test::temp_dir("remat_measured");
+    RunConfig rc = test::tiny_run(dir, 3);
+    rc.train.remat_costs = "measured";
+    const Chain run_chain = make_chain(rc.model, rc.micro_batch(), rc.train.seq_len);
+    rc.train.remat = "budget:" + std::to_string(min_feasible_bytes(run_chain));
+    TrainOptions q;
+    q.quiet = true;
+    Trainer t(rc, q);
+    EXPECT_EQ(t.run().steps_done, 3);
+    rc.train.remat_costs = "guessed";
+    EXPECT_THROW(rc.validate(), Error);
 }
