@@ -1,0 +1,184 @@
+// The device side of the tagged allocator and the CUDA error helpers, in plain C++ over the CUDA
+// runtime. Without CUDA (MEMTRAIN_HAVE_CUDA=0) the same functions report "no device".
+#include "core/device.h"
+
+#include <cstdio>
+#include <mutex>
+
+#include "core/error.h"
+
+#if MEMTRAIN_HAVE_CUDA
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+#endif
+
+namespace memtrain {
+
+MemoryTracker& device_memory() {
+    static MemoryTracker tracker;
+    return tracker;
+}
+
+#if MEMTRAIN_HAVE_CUDA
+
+// cudaMalloc returns 256-byte aligned blocks; that is the least it can hold for a request.
+static constexpr std::size_t kDeviceAlign = 256;
+
+static std::size_t device_reserved_bytes(std::size_t bytes) {
+    std::size_t b = bytes == 0 ? 1 : bytes;
+    return (b + kDeviceAlign - 1) / kDeviceAlign * kDeviceAlign;
+}
+
+void cuda_fail(int code, const char* expr, const char* file, int line) {
+    fail("{}:{}: {} failed: {} ({})", file, line, expr,
+         cudaGetErrorString(static_cast<cudaError_t>(code)), code);
+}
+
+void cublas_fail(int status, const char* expr, const char* file, int line) {
+    fail("{}:{}: {} failed: {} ({})", file, line, expr,
+         cublasLtGetStatusString(static_cast<cublasStatus_t>(status)), status);
+}
+
+int cuda_device_count() {
+    static const int count = [] {
+        int n = 0;
+        cudaError_t err = cudaGetDeviceCount(&n);
+        if (err != cudaSuccess) {
+            cudaGetLastError();  // leave no error behind for the next check
+            return 0;
+        }
+        return n;
+    }();
+    return count;
+}
+
+bool cuda_available() {
+    return cuda_device_count() > 0;
+}
+
+std::string cuda_device_name() {
+    if (!cuda_available()) return "none";
+    int dev = 0;
+    MT_CUDA_CHECK(cudaGetDevice(&dev));
+    cudaDeviceProp prop{};
+    MT_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+    return prop.name;
+}
+
+void device_synchronize() {
+    if (cuda_available()) MT_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+void* device_alloc(std::size_t bytes, MemCategory c) {
+    if (!cuda_available()) {
+        fail("no CUDA device: cannot allocate {} bytes of device memory for {}", bytes,
+             category_name(c));
+    }
+    std::size_t reserved = device_reserved_bytes(bytes);
+    void* p = nullptr;
+    cudaError_t err = cudaMalloc(&p, reserved);
+    if (err != cudaSuccess) {
+        cudaGetLastError();
+        MemoryStats s = device_memory().snapshot();
+        fail(
+            "out of device memory: could not allocate {} bytes for {} ({} MiB already in use, {} "
+            "MiB of it {}): {}",
+            bytes, category_name(c), s.total_used >> 20, s[c] >> 20, category_name(c),
+            cudaGetErrorString(err));
+    }
+    MT_CUDA_CHECK(cudaMemset(p, 0, reserved));
+    device_memory().on_alloc(c, bytes, reserved);
+    return p;
+}
+
+void device_free(void* p, std::size_t bytes, MemCategory c) {
+    // Called from destructors, so it must not throw. At process exit the runtime may already be
+    // unloaded, which is harmless; anything else means the context is broken, and the next checked
+    // call reports it, so a line on stderr is enough here.
+    cudaError_t err = cudaFree(p);
+    if (err != cudaSuccess && err != cudaErrorCudartUnloading) {
+        std::fprintf(stderr, "memtrain: cudaFree failed: %s\n", cudaGetErrorString(err));
+    }
+    device_memory().on_free(c, bytes, device_reserved_bytes(bytes));
+}
+
+void copy_to_device(void* dst_device, const void* src_host, std::size_t bytes) {
+    if (bytes) MT_CUDA_CHECK(cudaMemcpy(dst_device, src_host, bytes, cudaMemcpyHostToDevice));
+}
+
+void copy_to_host(void* dst_host, const void* src_device, std::size_t bytes) {
+    if (bytes) MT_CUDA_CHECK(cudaMemcpy(dst_host, src_device, bytes, cudaMemcpyDeviceToHost));
+}
+
+void* device_scratch(std::size_t bytes) {
+    // Never freed: it lives as long as the process (like cuBLASLt's own workspace), so no
+    // destructor runs after the CUDA runtime has gone at exit.
+    static std::mutex mu;
+    static void* ptr = nullptr;
+    static std::size_t size = 0;
+    std::lock_guard lock(mu);
+    if (bytes > size) {
+        constexpr std::size_t kStep = std::size_t{1} << 20;  // grow in whole MiB
+        std::size_t want = (bytes + kStep - 1) / kStep * kStep;
+        if (ptr) {
+            MT_CUDA_CHECK(cudaDeviceSynchronize());
+            device_free(ptr, size, MemCategory::Workspace);
+            ptr = nullptr;
+            size = 0;
+        }
+        ptr = device_alloc(want, MemCategory::Workspace);
+        size = want;
+    }
+    return ptr;
+}
+
+#else  // CPU-only build
+
+[[noreturn]] static void no_cuda(const char* what) {
+    fail("{}: memtrain was built without CUDA (no nvcc found, or -DMEMTRAIN_CUDA=OFF)", what);
+}
+
+void cuda_fail(int code, const char* expr, const char* file, int line) {
+    fail("{}:{}: {} failed with CUDA error {}", file, line, expr, code);
+}
+void cublas_fail(int status, const char* expr, const char* file, int line) {
+    fail("{}:{}: {} failed with cuBLAS status {}", file, line, expr, status);
+}
+int cuda_device_count() {
+    return 0;
+}
+bool cuda_available() {
+    return false;
+}
+std::string cuda_device_name() {
+    return "none";
+}
+void device_synchronize() {}
+void* device_alloc(std::size_t bytes, MemCategory c) {
+    (void)bytes;
+    (void)c;
+    no_cuda("device_alloc");
+}
+void device_free(void* p, std::size_t bytes, MemCategory c) {
+    (void)p;
+    (void)bytes;
+    (void)c;
+}
+void copy_to_device(void* dst_device, const void* src_host, std::size_t bytes) {
+    (void)dst_device;
+    (void)src_host;
+    if (bytes) no_cuda("copy_to_device");
+}
+void copy_to_host(void* dst_host, const void* src_device, std::size_t bytes) {
+    (void)dst_host;
+    (void)src_device;
+    if (bytes) no_cuda("copy_to_host");
+}
+void* device_scratch(std::size_t bytes) {
+    (void)bytes;
+    no_cuda("device_scratch");
+}
+
+#endif
+
+}  // namespace memtrain
