@@ -155,9 +155,10 @@ std::string cuda_device_name() {
 }
 void device_synchronize() {}
 void* device_alloc(std::size_t bytes, MemCategory c) {
-    (void)bytes;
-    (void)c;
-    no_cuda("device_alloc");
+    fail(
+        "cannot allocate {} bytes of device memory for {}: memtrain was built without CUDA (no "
+        "nvcc found, or -DMEMTRAIN_CUDA=OFF)",
+        bytes, category_name(c));
 }
 void device_free(void* p, std::size_t bytes, MemCategory c) {
     (void)p;
