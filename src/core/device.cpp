@@ -76,7 +76,9 @@ void* device_alloc(std::size_t bytes, MemCategory c) {
     }
     std::size_t reserved = device_reserved_bytes(bytes);
     void* p = nullptr;
-    cudaError_t err = cudaMalloc(&p, reserved);
+    // Exactly the bytes asked for (the driver rounds on its own): under cudasim, a kernel that
+    // reads or writes past them is then caught by AddressSanitizer.
+    cudaError_t err = cudaMalloc(&p, bytes == 0 ? 1 : bytes);
     if (err != cudaSuccess) {
         cudaGetLastError();
         MemoryStats s = device_memory().snapshot();
@@ -86,7 +88,7 @@ void* device_alloc(std::size_t bytes, MemCategory c) {
             bytes, category_name(c), s.total_used >> 20, s[c] >> 20, category_name(c),
             cudaGetErrorString(err));
     }
-    MT_CUDA_CHECK(cudaMemset(p, 0, reserved));
+    MT_CUDA_CHECK(cudaMemset(p, 0, bytes == 0 ? 1 : bytes));
     device_memory().on_alloc(c, bytes, reserved);
     return p;
 }

@@ -13,6 +13,7 @@
 #include "core/device.h"
 #include "core/error.h"
 #include "core/rng.h"
+#include "cuda/cuda_test_util.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cuda/token_buckets.h"
 #include "model/param_layout.h"
@@ -23,23 +24,7 @@
 #endif
 
 using namespace memtrain;
-
-// Skips where no GPU answers, except under MEMTRAIN_REQUIRE_GPU=1 (bench/gpu.sh sets it), where a
-// missing device is a failure: on the GPU machine a skipped kernel test must not read as a pass.
-#define REQUIRE_GPU()                                                       \
-    do {                                                                    \
-        if (!cuda_available()) {                                            \
-            if (gpu_required()) {                                           \
-                FAIL() << "MEMTRAIN_REQUIRE_GPU is set but no CUDA device"; \
-            }                                                               \
-            GTEST_SKIP() << "no CUDA device";                               \
-        }                                                                   \
-    } while (0)
-
-static bool gpu_required() {
-    const char* v = std::getenv("MEMTRAIN_REQUIRE_GPU");
-    return v && std::string(v) == "1";
-}
+using namespace memtrain::test;
 
 // ---- the device layer (runs everywhere) ---------------------------------------------------------
 
@@ -168,103 +153,6 @@ TEST(Device, TrackerCountsDeviceBuffers) {
 }
 
 #if MEMTRAIN_HAVE_CUDA
-
-// ---- helpers ----------------------------------------------------------------------------------
-namespace {
-
-std::vector<float> randn(std::size_t n, uint64_t seed, float scale = 1.0f) {
-    Rng r(seed);
-    std::vector<float> v(n);
-    for (auto& x : v) x = (float)r.normal() * scale;
-    return v;
-}
-
-std::vector<int32_t> random_ids(std::size_t n, int vocab, uint64_t seed) {
-    Rng r(seed);
-    std::vector<int32_t> v(n);
-    for (auto& x : v) x = (int32_t)(r.next_u64() % (uint64_t)vocab);
-    return v;
-}
-
-template <typename T>
-DeviceBuffer<T> upload(const std::vector<T>& h) {
-    DeviceBuffer<T> d(h.size(), MemCategory::Other);
-    copy_to_device(d.data(), h.data(), d.bytes());
-    return d;
-}
-
-template <typename T>
-std::vector<T> download(const DeviceBuffer<T>& d) {
-    std::vector<T> h(d.size());
-    device_synchronize();
-    copy_to_host(h.data(), d.data(), d.bytes());
-    return h;
-}
-
-// Every element within atol + rtol * |want|; reports the count and the worst element once.
-void expect_close(const std::string& what, const std::vector<float>& got,
-                  const std::vector<float>& want, double atol, double rtol) {
-    ASSERT_EQ(got.size(), want.size()) << what;
-    ASSERT_FALSE(want.empty()) << what;
-    std::size_t bad = 0, worst = 0;
-    double worst_excess = -1.0;
-    for (std::size_t i = 0; i < got.size(); i++) {
-        double err = std::fabs((double)got[i] - (double)want[i]);
-        double tol = atol + rtol * std::fabs((double)want[i]);
-        if (!(err <= tol)) {
-            bad++;
-            double excess = std::isnan(err) ? 1e300 : err - tol;
-            if (excess > worst_excess) {
-                worst_excess = excess;
-                worst = i;
-            }
-        }
-    }
-    EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << got.size() << " elements outside atol "
-                       << atol << " rtol " << rtol << "; worst [" << worst << "]: got "
-                       << got[worst] << ", want " << want[worst];
-}
-
-void expect_bitwise(const std::string& what, const std::vector<float>& got,
-                    const std::vector<float>& want) {
-    ASSERT_EQ(got.size(), want.size()) << what;
-    std::size_t bad = 0, first = 0;
-    for (std::size_t i = 0; i < got.size(); i++) {
-        if (std::memcmp(&got[i], &want[i], sizeof(float)) != 0 && bad++ == 0) first = i;
-    }
-    EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << got.size()
-                       << " elements differ in bits; first [" << first << "]: got " << got[first]
-                       << ", want " << want[first];
-}
-
-// fp32 -> bf16 bits, round to nearest even (finite inputs).
-uint16_t bf16_bits(float f) {
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-float bf16_value(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
-std::vector<uint16_t> to_bf16(const std::vector<float>& v) {
-    std::vector<uint16_t> r(v.size());
-    for (std::size_t i = 0; i < v.size(); i++) r[i] = bf16_bits(v[i]);
-    return r;
-}
-std::vector<float> from_bf16(const std::vector<uint16_t>& v) {
-    std::vector<float> r(v.size());
-    for (std::size_t i = 0; i < v.size(); i++) r[i] = bf16_value(v[i]);
-    return r;
-}
-__nv_bfloat16* bf(DeviceBuffer<uint16_t>& d) {
-    return reinterpret_cast<__nv_bfloat16*>(d.data());
-}
-
-}  // namespace
 
 // ---- embedding ----------------------------------------------------------------------------------
 

@@ -35,7 +35,7 @@ static Dims check_dims(const char* op, int B, int T, int C, int NH, int NKV) {
 // Row r = (b, h, i): att[r, j] = softmax_j(q_i . k_j * scale) for j <= i, 0 for j > i. The lanes
 // split the keys; the query row sits in shared memory.
 static __global__ void attention_softmax_kernel(float* att, const float* qkv, Dims d, float scale) {
-    extern __shared__ float shared_q[];
+    MT_DYNAMIC_SHARED(float, shared_q);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int64_t row = (int64_t)blockIdx.x * kRowsPerBlock + warp;
     if (row >= (int64_t)d.B * d.NH * d.T) return;
@@ -92,20 +92,18 @@ void attention_forward(float* out, float* att, const float* qkv, int B, int T, i
     const float scale = 1.0f / std::sqrt((float)d.hs);
     const int64_t rows = (int64_t)B * NH * T;
     const size_t smem = (size_t)kRowsPerBlock * d.hs * sizeof(float);
-    attention_softmax_kernel<<<(unsigned)ceil_div(rows, kRowsPerBlock), kRowThreads, smem,
-                               stream>>>(att, qkv, d, scale);
-    MT_CUDA_CHECK_LAUNCH();
+    MT_LAUNCH(attention_softmax_kernel, (unsigned)ceil_div(rows, kRowsPerBlock), kRowThreads, smem,
+              stream, att, qkv, d, scale);
     const int64_t n = (int64_t)B * T * C;
-    attention_out_kernel<<<elementwise_blocks(n, kThreads), kThreads, 0, stream>>>(out, att, qkv,
-                                                                                   d);
-    MT_CUDA_CHECK_LAUNCH();
+    MT_LAUNCH(attention_out_kernel, elementwise_blocks(n, kThreads), kThreads, 0, stream, out, att,
+              qkv, d);
 }
 
 // Row r = (b, h, i): datt_j = dout_i . v_j, s = sum_j att_j datt_j,
 // dpre[r, j] = att_j (datt_j - s) * scale for j <= i (entries j > i are never read).
 static __global__ void attention_dpre_kernel(float* dpre, const float* dout, const float* qkv,
                                              const float* att, Dims d, float scale) {
-    extern __shared__ float shared_do[];
+    MT_DYNAMIC_SHARED(float, shared_do);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int64_t row = (int64_t)blockIdx.x * kRowsPerBlock + warp;
     if (row >= (int64_t)d.B * d.NH * d.T) return;
@@ -182,17 +180,14 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
     const int64_t rows = (int64_t)B * NH * T;
     float* dpre = static_cast<float*>(device_scratch((size_t)rows * T * sizeof(float)));
     const size_t smem = (size_t)kRowsPerBlock * d.hs * sizeof(float);
-    attention_dpre_kernel<<<(unsigned)ceil_div(rows, kRowsPerBlock), kRowThreads, smem, stream>>>(
-        dpre, dout, qkv, att, d, scale);
-    MT_CUDA_CHECK_LAUNCH();
+    MT_LAUNCH(attention_dpre_kernel, (unsigned)ceil_div(rows, kRowsPerBlock), kRowThreads, smem,
+              stream, dpre, dout, qkv, att, d, scale);
     const int64_t nq = (int64_t)B * T * C;
-    attention_dq_kernel<<<elementwise_blocks(nq, kThreads), kThreads, 0, stream>>>(dqkv, dpre, qkv,
-                                                                                   d);
-    MT_CUDA_CHECK_LAUNCH();
+    MT_LAUNCH(attention_dq_kernel, elementwise_blocks(nq, kThreads), kThreads, 0, stream, dqkv,
+              dpre, qkv, d);
     const int64_t nkv = (int64_t)B * T * NKV * d.hs;
-    attention_dkv_kernel<<<elementwise_blocks(nkv, kThreads), kThreads, 0, stream>>>(
-        dqkv, dpre, att, dout, qkv, d);
-    MT_CUDA_CHECK_LAUNCH();
+    MT_LAUNCH(attention_dkv_kernel, elementwise_blocks(nkv, kThreads), kThreads, 0, stream, dqkv,
+              dpre, att, dout, qkv, d);
 }
 
 }  // namespace memtrain::cuda

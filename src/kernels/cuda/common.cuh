@@ -5,6 +5,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "core/device.h"
@@ -15,6 +16,41 @@ namespace memtrain::cuda {
 // Call after every launch: reports a bad configuration (and earlier asynchronous faults) at the
 // launch site rather than at some later synchronisation.
 #define MT_CUDA_CHECK_LAUNCH() MT_CUDA_CHECK(cudaGetLastError())
+
+// Reports a failed launch: the kernel, its configuration and the runtime's reason.
+[[noreturn]] void launch_fail(const char* kernel, int error, dim3 grid, dim3 block,
+                              std::size_t smem);
+
+// Launches `kernel` on `stream` with `args` converted to its parameter types, then checks the
+// launch. Every kernel of kernels/cuda starts here, so that the same source runs under cudasim
+// (tests/cudasim), which executes kernels on the CPU for the machines without a GPU:
+//     MT_LAUNCH(gelu_forward_kernel<T>, blocks, threads, 0, stream, out, inp, n);
+#define MT_LAUNCH(kernel, grid, block, smem, stream, ...) \
+    ::memtrain::cuda::launch_kernel(#kernel, kernel, grid, block, smem, stream, __VA_ARGS__)
+
+template <typename... Params, typename... Args>
+void launch_kernel(const char* name, void (*kernel)(Params...), dim3 grid, dim3 block,
+                   std::size_t smem, cudaStream_t stream, Args... args) {
+    static_assert(sizeof...(Params) == sizeof...(Args), "wrong number of kernel arguments");
+#if MEMTRAIN_CUDA_SIM
+    cudasim::launch(name, grid, block, smem, stream, [=] { kernel(static_cast<Params>(args)...); });
+#else
+    // clang-format off
+    kernel<<<grid, block, smem, stream>>>(static_cast<Params>(args)...);
+    // clang-format on
+#endif
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) launch_fail(name, (int)err, grid, block, smem);
+}
+
+// Dynamic shared memory of the running block as an array of T (16-byte aligned).
+#if MEMTRAIN_CUDA_SIM
+#define MT_DYNAMIC_SHARED(T, name) T* name = static_cast<T*>(::cudasim::dynamic_smem())
+#else
+#define MT_DYNAMIC_SHARED(T, name)                               \
+    extern __shared__ __align__(16) unsigned char name##_raw_[]; \
+    T* name = reinterpret_cast<T*>(name##_raw_)
+#endif
 
 // A grid-stride loop over [0, n) with 64-bit indices.
 #define MT_GRID_STRIDE(i, n)                                                  \

@@ -36,31 +36,29 @@ static __global__ void gelu_backward_kernel(T* dinp, const T* inp, const T* dout
 
 void gelu_forward(float* out, const float* inp, int64_t n, cudaStream_t stream) {
     if (n <= 0) return;
-    gelu_forward_kernel<<<elementwise_blocks(n, kThreads), kThreads, 0, stream>>>(out, inp, n);
-    MT_CUDA_CHECK_LAUNCH();
+    MT_LAUNCH(gelu_forward_kernel<float>, elementwise_blocks(n, kThreads), kThreads, 0, stream, out,
+              inp, n);
 }
 
 void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n,
                    cudaStream_t stream) {
     if (n <= 0) return;
-    gelu_backward_kernel<<<elementwise_blocks(n, kThreads), kThreads, 0, stream>>>(dinp, inp, dout,
-                                                                                   n);
-    MT_CUDA_CHECK_LAUNCH();
+    MT_LAUNCH(gelu_backward_kernel<float>, elementwise_blocks(n, kThreads), kThreads, 0, stream,
+              dinp, inp, dout, n);
 }
 
 void gelu_forward_bf16(__nv_bfloat16* out, const __nv_bfloat16* inp, int64_t n,
                        cudaStream_t stream) {
     if (n <= 0) return;
-    gelu_forward_kernel<<<elementwise_blocks(n, kThreads), kThreads, 0, stream>>>(out, inp, n);
-    MT_CUDA_CHECK_LAUNCH();
+    MT_LAUNCH(gelu_forward_kernel<__nv_bfloat16>, elementwise_blocks(n, kThreads), kThreads, 0,
+              stream, out, inp, n);
 }
 
 void gelu_backward_bf16(__nv_bfloat16* dinp, const __nv_bfloat16* inp, const __nv_bfloat16* dout,
                         int64_t n, cudaStream_t stream) {
     if (n <= 0) return;
-    gelu_backward_kernel<<<elementwise_blocks(n, kThreads), kThreads, 0, stream>>>(dinp, inp, dout,
-                                                                                   n);
-    MT_CUDA_CHECK_LAUNCH();
+    MT_LAUNCH(gelu_backward_kernel<__nv_bfloat16>, elementwise_blocks(n, kThreads), kThreads, 0,
+              stream, dinp, inp, dout, n);
 }
 
 // ---- small helpers -----------------------------------------------------------------------------
@@ -73,14 +71,12 @@ static __global__ void scale_kernel(float* a, float s, int64_t n) {
 
 void add_inplace(float* a, const float* b, int64_t n, cudaStream_t stream) {
     if (n <= 0) return;
-    add_kernel<<<elementwise_blocks(n, kThreads), kThreads, 0, stream>>>(a, b, n);
-    MT_CUDA_CHECK_LAUNCH();
+    MT_LAUNCH(add_kernel, elementwise_blocks(n, kThreads), kThreads, 0, stream, a, b, n);
 }
 
 void scale_inplace(float* a, float s, int64_t n, cudaStream_t stream) {
     if (n <= 0) return;
-    scale_kernel<<<elementwise_blocks(n, kThreads), kThreads, 0, stream>>>(a, s, n);
-    MT_CUDA_CHECK_LAUNCH();
+    MT_LAUNCH(scale_kernel, elementwise_blocks(n, kThreads), kThreads, 0, stream, a, s, n);
 }
 
 // ---- sum of squares: fixed chunks of kSumChunk elements, one block each, then one block sums the
@@ -110,8 +106,7 @@ static __global__ void sum_in_order_kernel(double* out, const double* in, int64_
 }
 
 double sum_doubles(const double* values, int64_t n, double* result_device, cudaStream_t stream) {
-    sum_in_order_kernel<<<1, 1024, 0, stream>>>(result_device, values, n);
-    MT_CUDA_CHECK_LAUNCH();
+    MT_LAUNCH(sum_in_order_kernel, 1, 1024, 0, stream, result_device, values, n);
     double result = 0.0;
     MT_CUDA_CHECK(
         cudaMemcpyAsync(&result, result_device, sizeof(double), cudaMemcpyDeviceToHost, stream));
@@ -123,8 +118,7 @@ double sum_squares(const float* a, int64_t n, cudaStream_t stream) {
     if (n <= 0) return 0.0;
     const int64_t nchunks = ceil_div(n, kSumChunk);
     double* partial = static_cast<double*>(device_scratch((nchunks + 1) * sizeof(double)));
-    sum_squares_chunks_kernel<<<(unsigned)nchunks, kThreads, 0, stream>>>(partial, a, n);
-    MT_CUDA_CHECK_LAUNCH();
+    MT_LAUNCH(sum_squares_chunks_kernel, (unsigned)nchunks, kThreads, 0, stream, partial, a, n);
     return sum_doubles(partial, nchunks, partial + nchunks, stream);
 }
 
@@ -152,9 +146,8 @@ static __global__ void finish_column_sums_kernel(float* dst, const float* partia
 }
 
 void finish_column_sums(float* dst, const float* partial, int nchunks, int C, cudaStream_t stream) {
-    finish_column_sums_kernel<<<(unsigned)ceil_div(C, kThreads), kThreads, 0, stream>>>(
-        dst, partial, nchunks, C);
-    MT_CUDA_CHECK_LAUNCH();
+    MT_LAUNCH(finish_column_sums_kernel, (unsigned)ceil_div(C, kThreads), kThreads, 0, stream, dst,
+              partial, nchunks, C);
 }
 
 void column_sums_accumulate(float* dst, const float* x, int N, int C, cudaStream_t stream) {
@@ -162,8 +155,7 @@ void column_sums_accumulate(float* dst, const float* x, int N, int C, cudaStream
     const int nchunks = (int)ceil_div(N, kColumnChunkRows);
     float* partial = static_cast<float*>(device_scratch((size_t)nchunks * C * sizeof(float)));
     dim3 grid((unsigned)ceil_div(C, kThreads), (unsigned)(nchunks < 65535 ? nchunks : 65535));
-    column_sum_partials_kernel<<<grid, kThreads, 0, stream>>>(partial, x, N, C, nchunks);
-    MT_CUDA_CHECK_LAUNCH();
+    MT_LAUNCH(column_sum_partials_kernel, grid, kThreads, 0, stream, partial, x, N, C, nchunks);
     finish_column_sums(dst, partial, nchunks, C, stream);
 }
 
@@ -195,10 +187,9 @@ void adamw_step(float* params, float* m, float* v, const float* grads, const uin
     const float step_size = (float)(lr / bc1);
     const float bc2_sqrt = (float)std::sqrt(bc2);
     const float decay_factor = (float)(1.0 - lr * weight_decay);
-    adamw_kernel<<<elementwise_blocks(n, kThreads), kThreads, 0, stream>>>(
-        params, m, v, grads, decay, n, (float)beta1, (float)beta2, (float)eps, step_size, bc2_sqrt,
-        decay_factor);
-    MT_CUDA_CHECK_LAUNCH();
+    MT_LAUNCH(adamw_kernel, elementwise_blocks(n, kThreads), kThreads, 0, stream, params, m, v,
+              grads, decay, n, (float)beta1, (float)beta2, (float)eps, step_size, bc2_sqrt,
+              decay_factor);
 }
 
 // ---- casts -------------------------------------------------------------------------------------
@@ -217,23 +208,21 @@ static __global__ void f16_to_f32_kernel(float* out, const __half* inp, int64_t 
 
 void cast_f32_to_bf16(__nv_bfloat16* out, const float* inp, int64_t n, cudaStream_t stream) {
     if (n <= 0) return;
-    f32_to_bf16_kernel<<<elementwise_blocks(n, kThreads), kThreads, 0, stream>>>(out, inp, n);
-    MT_CUDA_CHECK_LAUNCH();
+    MT_LAUNCH(f32_to_bf16_kernel, elementwise_blocks(n, kThreads), kThreads, 0, stream, out, inp,
+              n);
 }
 void cast_bf16_to_f32(float* out, const __nv_bfloat16* inp, int64_t n, cudaStream_t stream) {
     if (n <= 0) return;
-    bf16_to_f32_kernel<<<elementwise_blocks(n, kThreads), kThreads, 0, stream>>>(out, inp, n);
-    MT_CUDA_CHECK_LAUNCH();
+    MT_LAUNCH(bf16_to_f32_kernel, elementwise_blocks(n, kThreads), kThreads, 0, stream, out, inp,
+              n);
 }
 void cast_f32_to_f16(__half* out, const float* inp, int64_t n, cudaStream_t stream) {
     if (n <= 0) return;
-    f32_to_f16_kernel<<<elementwise_blocks(n, kThreads), kThreads, 0, stream>>>(out, inp, n);
-    MT_CUDA_CHECK_LAUNCH();
+    MT_LAUNCH(f32_to_f16_kernel, elementwise_blocks(n, kThreads), kThreads, 0, stream, out, inp, n);
 }
 void cast_f16_to_f32(float* out, const __half* inp, int64_t n, cudaStream_t stream) {
     if (n <= 0) return;
-    f16_to_f32_kernel<<<elementwise_blocks(n, kThreads), kThreads, 0, stream>>>(out, inp, n);
-    MT_CUDA_CHECK_LAUNCH();
+    MT_LAUNCH(f16_to_f32_kernel, elementwise_blocks(n, kThreads), kThreads, 0, stream, out, inp, n);
 }
 
 }  // namespace memtrain::cuda

@@ -28,9 +28,8 @@ void embedding_forward(float* out, const int32_t* inp, const float* wte, const f
                        int T, int C, cudaStream_t stream) {
     const int64_t n = (int64_t)B * T * C;
     if (n <= 0) return;
-    embedding_forward_kernel<<<elementwise_blocks(n, kThreads), kThreads, 0, stream>>>(
-        out, inp, wte, wpe, T, C, n);
-    MT_CUDA_CHECK_LAUNCH();
+    MT_LAUNCH(embedding_forward_kernel, elementwise_blocks(n, kThreads), kThreads, 0, stream, out,
+              inp, wte, wpe, T, C, n);
 }
 
 // dwpe[t, c] += sum over b (in order) of dout[b, t, c].
@@ -62,9 +61,8 @@ void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32
     if (N64 > INT32_MAX / 2) fail("cuda::embedding_backward: B*T = {} is too large", N64);
     const int N = (int)N64;
     if (dwpe) {
-        embedding_dwpe_kernel<<<elementwise_blocks((int64_t)T * C, kThreads), kThreads, 0,
-                                stream>>>(dwpe, dout, B, T, C);
-        MT_CUDA_CHECK_LAUNCH();
+        MT_LAUNCH(embedding_dwpe_kernel, elementwise_blocks((int64_t)T * C, kThreads), kThreads, 0,
+                  stream, dwpe, dout, B, T, C);
     }
 
     // Host staging, reused between calls (the upload below is a staged copy of pageable memory,
@@ -81,9 +79,8 @@ void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32
     MT_CUDA_CHECK(cudaMemcpyAsync(dplan, plan.data(), plan.size() * sizeof(int32_t),
                                   cudaMemcpyHostToDevice, stream));
     dim3 grid((unsigned)U, (unsigned)ceil_div(C, kThreads));
-    embedding_dwte_kernel<<<grid, kThreads, 0, stream>>>(dwte, dout, dplan, dplan + N,
-                                                         dplan + N + U + 1, C);
-    MT_CUDA_CHECK_LAUNCH();
+    MT_LAUNCH(embedding_dwte_kernel, grid, kThreads, 0, stream, dwte, dout, dplan, dplan + N,
+              dplan + N + U + 1, C);
 }
 
 }  // namespace memtrain::cuda

@@ -41,9 +41,8 @@ static void launch_forward(T* out, float* mean, float* rstd, const T* inp, const
                            const T* bias, int N, int C, float eps, cudaStream_t stream) {
     if (N <= 0) return;
     if (C <= 0) fail("cuda::layernorm_forward: C is {}, expected > 0", C);
-    layernorm_forward_kernel<<<(unsigned)ceil_div(N, kRowsPerBlock), kRowThreads, 0, stream>>>(
-        out, mean, rstd, inp, weight, bias, N, C, eps);
-    MT_CUDA_CHECK_LAUNCH();
+    MT_LAUNCH(layernorm_forward_kernel<T>, (unsigned)ceil_div(N, kRowsPerBlock), kRowThreads, 0,
+              stream, out, mean, rstd, inp, weight, bias, N, C, eps);
 }
 
 void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
@@ -111,18 +110,16 @@ void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* 
                         int N, int C, cudaStream_t stream) {
     if (N <= 0) return;
     if (C <= 0) fail("cuda::layernorm_backward: C is {}, expected > 0", C);
-    layernorm_dinp_kernel<<<(unsigned)ceil_div(N, kRowsPerBlock), kRowThreads, 0, stream>>>(
-        dinp, dout, inp, weight, mean, rstd, N, C);
-    MT_CUDA_CHECK_LAUNCH();
+    MT_LAUNCH(layernorm_dinp_kernel, (unsigned)ceil_div(N, kRowsPerBlock), kRowThreads, 0, stream,
+              dinp, dout, inp, weight, mean, rstd, N, C);
 
     const int nchunks = (int)ceil_div(N, kColumnChunkRows);
     float* pw = static_cast<float*>(device_scratch(2 * (size_t)nchunks * C * sizeof(float)));
     float* pb = pw + (size_t)nchunks * C;
     constexpr int kThreads = 256;
     dim3 grid((unsigned)ceil_div(C, kThreads), (unsigned)(nchunks < 65535 ? nchunks : 65535));
-    layernorm_param_partials_kernel<<<grid, kThreads, 0, stream>>>(pw, pb, dout, inp, mean, rstd, N,
-                                                                   C, nchunks);
-    MT_CUDA_CHECK_LAUNCH();
+    MT_LAUNCH(layernorm_param_partials_kernel, grid, kThreads, 0, stream, pw, pb, dout, inp, mean,
+              rstd, N, C, nchunks);
     finish_column_sums(dweight, pw, nchunks, C, stream);
     finish_column_sums(dbias, pb, nchunks, C, stream);
 }

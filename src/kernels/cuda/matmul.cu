@@ -153,8 +153,7 @@ void matmul_forward(float* out, const float* inp, const float* weight, const flo
     gemm(false, false, OC, N, IC, weight, OC, inp, IC, out, OC, beta, stream);
     if (bias) {
         const int64_t n = (int64_t)N * OC;
-        add_bias_kernel<<<elementwise_blocks(n, 256), 256, 0, stream>>>(out, bias, OC, n);
-        MT_CUDA_CHECK_LAUNCH();
+        MT_LAUNCH(add_bias_kernel, elementwise_blocks(n, 256), 256, 0, stream, out, bias, OC, n);
     }
 }
 
@@ -227,9 +226,8 @@ double classifier_loss(float* dx, float* dwte, float* logits_buf, const float* x
         const float* xr = x + (int64_t)r0 * C;
         // logits^T (Vp,R) = wte (as (C,Vp) column-major, transposed) @ x^T (C,R)
         gemm(true, false, Vp, R, C, wte, C, xr, C, logits_buf, Vp, 0.0f, stream);
-        softmax_xent_kernel<<<R, kLossThreads, 0, stream>>>(logits_buf, row_loss + r0, targets + r0,
-                                                            V, Vp, grad_scale, dx != nullptr);
-        MT_CUDA_CHECK_LAUNCH();
+        MT_LAUNCH(softmax_xent_kernel, R, kLossThreads, 0, stream, logits_buf, row_loss + r0,
+                  targets + r0, V, Vp, grad_scale, dx != nullptr);
         if (dx) {
             // dx^T (C,R) = wte^T (C,Vp) @ dlogits^T (Vp,R)
             gemm(false, false, C, R, Vp, wte, C, logits_buf, Vp, dx + (int64_t)r0 * C, C, 0.0f,
