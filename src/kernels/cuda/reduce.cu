@@ -1,5 +1,5 @@
-// Elementwise and reduction kernels: GELU (fp32 and bf16), casts, AdamW, a += b, a *= s, the
-// deterministic sum of squares, and the fixed-order column sums shared by the bias gradients.
+// Reductions and elementwise helpers: a += b, a *= s, the deterministic sum of squares, the
+// fixed-order column sums shared by the bias and norm-parameter gradients, and casts.
 #include <cmath>
 
 #include "kernels/cuda/common.cuh"
@@ -8,58 +8,6 @@
 namespace memtrain::cuda {
 
 constexpr int kThreads = 256;
-
-// ---- GELU (tanh approximation), same formulas as cpu/activation.cpp ---------------------------
-constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2 / pi)
-
-__device__ __forceinline__ float gelu(float x) {
-    float cube = 0.044715f * x * x * x;
-    return 0.5f * x * (1.0f + tanhf(kGeluScale * (x + cube)));
-}
-
-__device__ __forceinline__ float gelu_grad(float x) {
-    float cube = 0.044715f * x * x * x;
-    float th = tanhf(kGeluScale * (x + cube));
-    float sech2 = 1.0f - th * th;
-    return 0.5f * (1.0f + th) + x * 0.5f * sech2 * kGeluScale * (1.0f + 3.0f * 0.044715f * x * x);
-}
-
-template <typename T>
-static __global__ void gelu_forward_kernel(T* out, const T* inp, int64_t n) {
-    MT_GRID_STRIDE(i, n) out[i] = from_float<T>(gelu(to_float(inp[i])));
-}
-
-template <typename T>
-static __global__ void gelu_backward_kernel(T* dinp, const T* inp, const T* dout, int64_t n) {
-    MT_GRID_STRIDE(i, n) dinp[i] = from_float<T>(gelu_grad(to_float(inp[i])) * to_float(dout[i]));
-}
-
-void gelu_forward(float* out, const float* inp, int64_t n, cudaStream_t stream) {
-    if (n <= 0) return;
-    MT_LAUNCH(gelu_forward_kernel<float>, elementwise_blocks(n, kThreads), kThreads, 0, stream, out,
-              inp, n);
-}
-
-void gelu_backward(float* dinp, const float* inp, const float* dout, int64_t n,
-                   cudaStream_t stream) {
-    if (n <= 0) return;
-    MT_LAUNCH(gelu_backward_kernel<float>, elementwise_blocks(n, kThreads), kThreads, 0, stream,
-              dinp, inp, dout, n);
-}
-
-void gelu_forward_bf16(__nv_bfloat16* out, const __nv_bfloat16* inp, int64_t n,
-                       cudaStream_t stream) {
-    if (n <= 0) return;
-    MT_LAUNCH(gelu_forward_kernel<__nv_bfloat16>, elementwise_blocks(n, kThreads), kThreads, 0,
-              stream, out, inp, n);
-}
-
-void gelu_backward_bf16(__nv_bfloat16* dinp, const __nv_bfloat16* inp, const __nv_bfloat16* dout,
-                        int64_t n, cudaStream_t stream) {
-    if (n <= 0) return;
-    MT_LAUNCH(gelu_backward_kernel<__nv_bfloat16>, elementwise_blocks(n, kThreads), kThreads, 0,
-              stream, dinp, inp, dout, n);
-}
 
 // ---- small helpers -----------------------------------------------------------------------------
 static __global__ void add_kernel(float* a, const float* b, int64_t n) {
@@ -157,39 +105,6 @@ void column_sums_accumulate(float* dst, const float* x, int N, int C, cudaStream
     dim3 grid((unsigned)ceil_div(C, kThreads), (unsigned)(nchunks < 65535 ? nchunks : 65535));
     MT_LAUNCH(column_sum_partials_kernel, grid, kThreads, 0, stream, partial, x, N, C, nchunks);
     finish_column_sums(dst, partial, nchunks, C, stream);
-}
-
-// ---- AdamW, the arithmetic of optim/optimizer.cpp's AdamW::step
-// -----------------------------------
-static __global__ void adamw_kernel(float* p, float* m, float* v, const float* g,
-                                    const uint8_t* decay, int64_t n, float b1, float b2, float eps,
-                                    float step_size, float bc2_sqrt, float decay_factor) {
-    MT_GRID_STRIDE(i, n) {
-        float gi = g[i];
-        float mi = b1 * m[i] + (1.0f - b1) * gi;
-        float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
-        m[i] = mi;
-        v[i] = vi;
-        float denom = sqrtf(vi) / bc2_sqrt + eps;
-        float d = (decay == nullptr || decay[i]) ? decay_factor : 1.0f;
-        p[i] = p[i] * d - step_size * mi / denom;
-    }
-}
-
-void adamw_step(float* params, float* m, float* v, const float* grads, const uint8_t* decay,
-                int64_t n, double lr, double beta1, double beta2, double eps, double weight_decay,
-                int64_t step, cudaStream_t stream) {
-    if (step < 1) fail("cuda::adamw_step: step is {}, expected the 1-based count (>= 1)", step);
-    if (n <= 0) return;
-    // Host-side constants exactly as the CPU AdamW computes them.
-    const double bc1 = 1.0 - std::pow(beta1, (double)step);
-    const double bc2 = 1.0 - std::pow(beta2, (double)step);
-    const float step_size = (float)(lr / bc1);
-    const float bc2_sqrt = (float)std::sqrt(bc2);
-    const float decay_factor = (float)(1.0 - lr * weight_decay);
-    MT_LAUNCH(adamw_kernel, elementwise_blocks(n, kThreads), kThreads, 0, stream, params, m, v,
-              grads, decay, n, (float)beta1, (float)beta2, (float)eps, step_size, bc2_sqrt,
-              decay_factor);
 }
 
 // ---- casts -------------------------------------------------------------------------------------
