@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "core/device.h"
@@ -135,6 +136,58 @@ inline std::vector<float> from_bf16(const std::vector<uint16_t>& v) {
 }
 inline __nv_bfloat16* bf(DeviceBuffer<uint16_t>& d) {
     return reinterpret_cast<__nv_bfloat16*>(d.data());
+}
+
+// ---- any storage type T in {float, __nv_bfloat16, __half} --------------------------------------
+template <typename T>
+inline T to_type(float x) {
+    if constexpr (std::is_same_v<T, float>)
+        return x;
+    else if constexpr (std::is_same_v<T, __nv_bfloat16>)
+        return __float2bfloat16_rn(x);
+    else
+        return __float2half_rn(x);
+}
+template <typename T>
+inline float from_type(T x) {
+    if constexpr (std::is_same_v<T, float>)
+        return x;
+    else if constexpr (std::is_same_v<T, __nv_bfloat16>)
+        return __bfloat162float(x);
+    else
+        return __half2float(x);
+}
+// The values T can hold nearest to v (round to nearest even): what a CPU reference should be fed
+// so that it sees exactly the inputs the T kernel sees.
+template <typename T>
+inline std::vector<float> rounded(const std::vector<float>& v) {
+    std::vector<float> r(v.size());
+    for (std::size_t i = 0; i < v.size(); i++) r[i] = from_type(to_type<T>(v[i]));
+    return r;
+}
+// Uploads v converted to T; downloads a T buffer as floats.
+template <typename T>
+inline DeviceBuffer<T> upload_as(const std::vector<float>& v) {
+    std::vector<T> h(v.size());
+    for (std::size_t i = 0; i < v.size(); i++) h[i] = to_type<T>(v[i]);
+    return upload(h);
+}
+template <typename T>
+inline std::vector<float> download_float(const DeviceBuffer<T>& d) {
+    std::vector<T> h = download(d);
+    std::vector<float> r(h.size());
+    for (std::size_t i = 0; i < h.size(); i++) r[i] = from_type(h[i]);
+    return r;
+}
+// A short name for test messages.
+template <typename T>
+inline const char* type_name() {
+    if constexpr (std::is_same_v<T, float>)
+        return "fp32";
+    else if constexpr (std::is_same_v<T, __nv_bfloat16>)
+        return "bf16";
+    else
+        return "fp16";
 }
 
 }  // namespace memtrain::test
