@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstddef>
@@ -69,7 +70,8 @@ inline unsigned elementwise_blocks(int64_t n, int threads) {
     return (unsigned)(blocks < 1 ? 1 : blocks);
 }
 
-// fp32 <-> storage type, for kernels templated on float / __nv_bfloat16 (fp32 arithmetic).
+// fp32 <-> storage type, for kernels templated on float / __nv_bfloat16 / __half (fp32
+// arithmetic).
 __device__ __forceinline__ float to_float(float x) {
     return x;
 }
@@ -85,6 +87,13 @@ __device__ __forceinline__ float from_float<float>(float x) {
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
     return __float2bfloat16_rn(x);
+}
+__device__ __forceinline__ float to_float(__half x) {
+    return __half2float(x);
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) {
+    return __float2half_rn(x);
 }
 
 // Butterfly reductions: every lane ends with the result, and the order of the additions depends
