@@ -13,157 +13,16 @@ namespace memtrain {
 
 namespace {
 
-// The fields of BlockSaved, in one table that sizes the arena, carves it and reports it (STYLE
-// lesson 2). A field's size is its Dim times B*T (times NH*T for the probabilities).
-enum class Dim : uint8_t {
-    C,       // n_embd
-    Mean,    // 1 for layernorm, 0 for rmsnorm (which keeps no mean)
-    One,     // 1
-    Qkv,     // qkv_dim()
-    Att,     // n_head * T
-    Fc,      // fc_dim(): c_fc output
-    Hidden,  // mlp_hidden(): the activation output
+// BlockSaved's members in SavedField order (model/activation_layout.h).
+constexpr float* BlockSaved::*kMembers[kSavedFields] = {
+    &BlockSaved::ln1,      &BlockSaved::ln1_mean, &BlockSaved::ln1_rstd,  &BlockSaved::qkv,
+    &BlockSaved::att,      &BlockSaved::atty,     &BlockSaved::resid_mid, &BlockSaved::ln2,
+    &BlockSaved::ln2_mean, &BlockSaved::ln2_rstd, &BlockSaved::fch,       &BlockSaved::fch_act,
 };
-struct SavedField {
-    const char* name;
-    float* BlockSaved::*ptr;
-    Dim dim;
-    bool selective_drops;  // recomputed in backward by the Selective policy
-};
-constexpr SavedField kFields[] = {
-    {"ln_1", &BlockSaved::ln1, Dim::C, true},
-    {"ln_1 mean", &BlockSaved::ln1_mean, Dim::Mean, false},
-    {"ln_1 rstd", &BlockSaved::ln1_rstd, Dim::One, false},
-    {"qkv", &BlockSaved::qkv, Dim::Qkv, false},
-    {"attention probabilities", &BlockSaved::att, Dim::Att, false},
-    {"attention out", &BlockSaved::atty, Dim::C, false},
-    {"residual mid", &BlockSaved::resid_mid, Dim::C, false},
-    {"ln_2", &BlockSaved::ln2, Dim::C, true},
-    {"ln_2 mean", &BlockSaved::ln2_mean, Dim::Mean, false},
-    {"ln_2 rstd", &BlockSaved::ln2_rstd, Dim::One, false},
-    {"mlp fc", &BlockSaved::fch, Dim::Fc, false},
-    {"mlp gelu", &BlockSaved::fch_act, Dim::Hidden, true},
-};
-static_assert(sizeof(BlockSaved) == std::size(kFields) * sizeof(float*),
-              "every BlockSaved field must be listed in kFields");
-
-// The report name: the activation field is named after the activation.
-std::string field_name(const SavedField& f, const ModelConfig& cfg) {
-    if (f.dim == Dim::Hidden && cfg.swiglu()) return "mlp swiglu";
-    return f.name;
-}
-
-std::size_t field_floats(const SavedField& f, const ModelConfig& cfg, int B, int T) {
-    const std::size_t BT = (std::size_t)B * T;
-    switch (f.dim) {
-        case Dim::C:
-            return BT * cfg.n_embd;
-        case Dim::Mean:
-            return cfg.rmsnorm() ? 0 : BT;
-        case Dim::One:
-            return BT;
-        case Dim::Qkv:
-            return BT * cfg.qkv_dim();
-        case Dim::Att:
-            return BT * cfg.n_head * (std::size_t)T;
-        case Dim::Fc:
-            return BT * cfg.fc_dim();
-        case Dim::Hidden:
-            return BT * cfg.mlp_hidden();
-    }
-    return 0;
-}
-
-bool keeps(BlockKeep k, const SavedField& f) {
-    return k == BlockKeep::All || (k == BlockKeep::Selective && !f.selective_drops);
-}
-
-// The scratch holds a field when some block drops it (and it has any bytes).
-bool in_scratch(const RematPlan& plan, const SavedField& f, const ModelConfig& cfg) {
-    if (field_floats(f, cfg, 1, 1) == 0) return false;
-    for (BlockKeep k : plan)
-        if (!keeps(k, f)) return true;
-    return false;
-}
+static_assert(sizeof(BlockSaved) == kSavedFields * sizeof(float*),
+              "every BlockSaved field must be listed in kMembers");
 
 }  // namespace
-
-const char* keep_name(BlockKeep k) {
-    switch (k) {
-        case BlockKeep::All:
-            return "all";
-        case BlockKeep::Selective:
-            return "selective";
-        case BlockKeep::Input:
-            return "input";
-    }
-    return "?";
-}
-
-std::size_t kept_floats(const ModelConfig& cfg, int B, int T, BlockKeep k) {
-    std::size_t n = 0;
-    for (const auto& f : kFields)
-        if (keeps(k, f)) n += field_floats(f, cfg, B, T);
-    return n;
-}
-
-std::size_t scratch_floats(const ModelConfig& cfg, int B, int T, BlockKeep k) {
-    std::size_t n = 0;
-    for (const auto& f : kFields)
-        if (!keeps(k, f)) n += field_floats(f, cfg, B, T);
-    return n;
-}
-
-std::size_t fixed_floats(const ModelConfig& cfg, int B, int T) {
-    const std::size_t BT = (std::size_t)B * T, C = cfg.n_embd;
-    return BT * C * (cfg.n_layer + 1) + BT * C + (cfg.rmsnorm() ? 1 : 2) * BT;
-}
-
-std::vector<ArenaEntry> activation_layout(const ModelConfig& cfg, int B, int T, int loss_chunk,
-                                          const RematPlan& plan_in) {
-    const std::size_t BT = (std::size_t)B * T, C = cfg.n_embd;
-    const auto A = MemCategory::Activations, W = MemCategory::Workspace;
-    RematPlan plan = plan_in.empty() ? RematPlan(cfg.n_layer, BlockKeep::All) : plan_in;
-    if (plan.size() != (std::size_t)cfg.n_layer)
-        fail("remat plan has {} entries but model.n_layer is {}", plan.size(), cfg.n_layer);
-    std::vector<ArenaEntry> e;
-    e.push_back({"residual stream x n_layer+1", BT * C * (cfg.n_layer + 1), A});
-    std::string scratch_names;
-    std::size_t scratch = 0;
-    for (const auto& f : kFields) {
-        std::size_t n = 0;
-        for (BlockKeep k : plan) n += keeps(k, f);
-        const std::size_t floats = field_floats(f, cfg, B, T);
-        if (n > 0 && floats > 0)
-            e.push_back({fmt::format("{} x {} blocks", field_name(f, cfg), n), floats * n, A});
-        if (in_scratch(plan, f, cfg)) {
-            scratch += floats;
-            scratch_names += (scratch_names.empty() ? "" : ", ") + field_name(f, cfg);
-        }
-    }
-    if (cfg.rmsnorm())
-        e.push_back({"ln_f (+ rstd)", BT * C + BT, A});
-    else
-        e.push_back({"ln_f (+ mean, rstd)", BT * C + 2 * BT, A});
-    if (scratch > 0)
-        e.push_back({fmt::format("recompute scratch, one block ({})", scratch_names), scratch, A});
-    e.push_back({"d residual", BT * C, W});
-    e.push_back({"d layernorm input", BT * C, W});
-    // One buffer for d(qkv) and d(c_fc output); SwiGLU also needs d(product) beside d(fch).
-    e.push_back(
-        {"d qkv / d mlp hidden", BT * (std::size_t)std::max(cfg.qkv_dim(), cfg.fc_dim()), W});
-    if (cfg.swiglu()) e.push_back({"d mlp product", BT * (std::size_t)cfg.mlp_hidden(), W});
-    e.push_back({"logits chunk",
-                 (std::size_t)std::min<std::size_t>(loss_chunk, BT) * cfg.padded_vocab(), W});
-    return e;
-}
-
-std::size_t arena_bytes(const std::vector<ArenaEntry>& layout, MemCategory c) {
-    std::size_t n = 0;
-    for (const auto& e : layout)
-        if (e.category == c) n += e.floats;
-    return n * sizeof(float);
-}
 
 FullParamStore::FullParamStore(const ParamLayout& layout)
     : layout_(&layout), params_(layout.total, MemCategory::Parameters) {}
@@ -246,9 +105,10 @@ void GPT::ensure_arena(int B, int T) {
     if (T > cfg_.block_size)
         fail("sequence length {} exceeds model.block_size {}", T, cfg_.block_size);
     if (B == arena_B_ && T == arena_T_) return;
-    auto lay = activation_layout(cfg_, B, T, kLossChunk, plan_);
-    std::size_t nact = arena_bytes(lay, MemCategory::Activations) / sizeof(float);
-    std::size_t nwork = arena_bytes(lay, MemCategory::Workspace) / sizeof(float);
+    const ActFormat fmt = arena_format();
+    const ArenaPlan p = plan_arena(cfg_, B, T, plan_, fmt);
+    const std::size_t nact = p.activation_bytes / sizeof(float);
+    const std::size_t nwork = p.workspace_bytes / sizeof(float);
     // Exactly the layout's size (free first: no transient double peak), so measured == predicted.
     if (nact != acts_.size()) {
         acts_.reset();
@@ -261,43 +121,22 @@ void GPT::ensure_arena(int B, int T) {
     arena_B_ = B;
     arena_T_ = T;
 
-    const std::size_t BT = (std::size_t)B * T, C = cfg_.n_embd, L = cfg_.n_layer;
-    const RematPlan plan = plan_.empty() ? RematPlan(L, BlockKeep::All) : plan_;
-    float* a = acts_.data();
-    auto take = [&](std::size_t n) {
-        float* p = a;
-        a += n;
-        return p;
-    };
-    resid_.resize(L + 1);
-    for (auto& r : resid_) r = take(BT * C);
-    saved_.assign(L, BlockSaved{});
-    for (std::size_t l = 0; l < L; l++)
-        for (const auto& f : kFields)
-            if (keeps(plan[l], f) && field_floats(f, cfg_, B, T) > 0)
-                saved_[l].*f.ptr = take(field_floats(f, cfg_, B, T));
-    lnf_ = take(BT * C);
-    lnf_mean_ = cfg_.rmsnorm() ? nullptr : take(BT);
-    lnf_rstd_ = take(BT);
-    // One shared scratch block: dropped fields of every block alias it, so the forward of a
-    // dropped block writes there (overwritten by the next) and backward recomputes into it.
-    for (const auto& f : kFields) {
-        if (!in_scratch(plan, f, cfg_)) continue;
-        float* p = take(field_floats(f, cfg_, B, T));
-        for (std::size_t l = 0; l < L; l++)
-            if (!keeps(plan[l], f)) saved_[l].*f.ptr = p;
-    }
-    if (a != acts_.data() + nact) fail("internal: activation arena carving disagrees with layout");
-    float* w = work_.data();
-    const std::size_t big = BT * std::max(cfg_.qkv_dim(), cfg_.fc_dim());
-    dres_ = w;
-    dln_ = w + BT * C;
-    dbig_ = w + 2 * BT * C;
-    dact_ = cfg_.swiglu() ? dbig_ + big : nullptr;
-    logits_ = dbig_ + big + (cfg_.swiglu() ? BT * cfg_.mlp_hidden() : 0);
-    if (logits_ + (std::size_t)std::min<std::size_t>(kLossChunk, BT) * cfg_.padded_vocab() !=
-        work_.data() + nwork)
-        fail("internal: workspace carving disagrees with layout");
+    auto act = [&](std::size_t at) { return acts_.data() + at / sizeof(float); };
+    auto wrk = [&](std::size_t at) { return work_.data() + at / sizeof(float); };
+    resid_.resize(cfg_.n_layer + 1);
+    for (int l = 0; l <= cfg_.n_layer; l++) resid_[l] = act(p.resid[l]);
+    saved_.assign(cfg_.n_layer, BlockSaved{});
+    for (int l = 0; l < cfg_.n_layer; l++)
+        for (int i = 0; i < kSavedFields; i++)
+            if (p.block[l][i] != kNoOffset) saved_[l].*kMembers[i] = act(p.block[l][i]);
+    lnf_ = act(p.lnf);
+    lnf_mean_ = p.lnf_mean == kNoOffset ? nullptr : act(p.lnf_mean);
+    lnf_rstd_ = act(p.lnf_rstd);
+    dres_ = wrk(p.dres);
+    dln_ = wrk(p.dln);
+    dbig_ = wrk(p.dbig);
+    dact_ = p.dact == kNoOffset ? nullptr : wrk(p.dact);
+    logits_ = wrk(p.logits);
 }
 
 void GPT::norm_forward(float* out, float* mean, float* rstd, const float* inp, const float* w,

@@ -1,7 +1,8 @@
 // The GPT model on the CPU: parameters in one flat buffer, an explicit forward and backward per
 // block, and a `BlockSaved` struct per block holding what backward needs. No tape: the forward
-// fills the structs, the backward reads them, and what exists is listed by `activation_layout`,
-// the one function that both sizes the allocation and reports its bytes. Activation
+// fills the structs, the backward reads them, and what exists is placed by `plan_arena`
+// (model/activation_layout.h), the one function that both sizes the allocation and reports its
+// bytes. Activation
 // checkpointing is a per-block `BlockKeep` plan (chosen in remat/) that this file obeys.
 #pragma once
 
@@ -13,6 +14,7 @@
 
 #include "core/allocator.h"
 #include "core/rng.h"
+#include "model/activation_layout.h"
 #include "model/config.h"
 #include "model/param_layout.h"
 #include "model/param_store.h"
@@ -36,38 +38,6 @@ struct BlockSaved {
     float* fch;        // (B,T,F)   c_fc output (pre-activation; [gate | up] for swiglu)
     float* fch_act;    // (B,T,H)   GELU(fch), or silu(gate) * up
 };
-
-// What one block keeps through the forward. Dropped pieces are recomputed in backward, into one
-// shared scratch `BlockSaved`, by the same kernels the forward used (bitwise-identical gradients).
-//   All:       every field of BlockSaved.
-//   Selective: all but ln1, ln2 and fch_act (cheap to recompute from the kept mean/rstd,
-//              residual input, resid_mid and fch; for GPT-2 6 BTC of the block's ~16 BTC).
-//   Input:     nothing beyond the residual-stream input (always kept); the whole block is
-//              recomputed with block_forward before its backward.
-enum class BlockKeep : uint8_t { All, Selective, Input };
-const char* keep_name(BlockKeep k);
-using RematPlan = std::vector<BlockKeep>;  // one per block; empty = every block keeps All
-
-// One named region of the activation or workspace arena.
-struct ArenaEntry {
-    std::string name;
-    std::size_t floats;
-    MemCategory category;
-};
-
-// Every activation and workspace tensor a training step of micro-batch B x T allocates under
-// `plan` (empty = keep everything). The recompute scratch is MemCategory::Activations: it is one
-// block's worth of exactly the fields some block drops, allocated once for the whole step.
-std::vector<ArenaEntry> activation_layout(const ModelConfig& cfg, int B, int T, int loss_chunk,
-                                          const RematPlan& plan = {});
-// Floats of BlockSaved one block keeps under `k`, and the scratch its recompute needs. The
-// fields dropped by Selective are a subset of those dropped by Input, so the shared scratch of a
-// plan is exactly the largest scratch_floats over its blocks.
-std::size_t kept_floats(const ModelConfig& cfg, int B, int T, BlockKeep k);
-std::size_t scratch_floats(const ModelConfig& cfg, int B, int T, BlockKeep k);
-// Floats kept under every plan: the n_layer + 1 residual streams and ln_f (output, statistics).
-std::size_t fixed_floats(const ModelConfig& cfg, int B, int T);
-std::size_t arena_bytes(const std::vector<ArenaEntry>& layout, MemCategory c);
 
 class GPT {
   public:
@@ -109,6 +79,8 @@ class GPT {
     const RematPlan& remat_plan() const { return plan_; }
 
     static constexpr int kLossChunk = 256;  // rows of logits alive at once
+    // How this model lays out its arenas (fp32, attention probabilities kept, kLossChunk).
+    static ActFormat arena_format() { return ActFormat::cpu(); }
 
   private:
     void ensure_arena(int B, int T);

@@ -1,8 +1,6 @@
 // Analytic FLOPs and the solver chain for a GPT model (see cost.h).
 #include "remat/cost.h"
 
-#include "model/gpt.h"
-
 namespace memtrain::remat {
 
 BlockFlops block_flops(const ModelConfig& cfg, int B, int T) {
@@ -28,20 +26,20 @@ int64_t step_flops(const ModelConfig& cfg, int B, int T) {
     return 3 * fwd;
 }
 
-Chain make_chain(const ModelConfig& cfg, int B, int T) {
-    return make_chain(cfg, B, T, block_flops(cfg, B, T));
+Chain make_chain(const ModelConfig& cfg, int B, int T, const ActFormat& fmt) {
+    return make_chain(cfg, B, T, block_flops(cfg, B, T), fmt);
 }
 
-Chain make_chain(const ModelConfig& cfg, int B, int T, const BlockFlops& f) {
+Chain make_chain(const ModelConfig& cfg, int B, int T, const BlockFlops& f, const ActFormat& fmt) {
     // Residual streams and ln_f, exactly as activation_layout lists them.
     Chain c;
-    c.fixed_bytes = sizeof(float) * fixed_floats(cfg, B, T);
+    c.fixed_bytes = fixed_bytes(cfg, B, T, fmt);
     const int64_t recompute[] = {0, f.selective(), f.forward()};
     std::array<Option, 3> opts;
     for (BlockKeep k : {BlockKeep::All, BlockKeep::Selective, BlockKeep::Input}) {
         int i = static_cast<int>(k);
-        opts[i].kept_bytes = sizeof(float) * kept_floats(cfg, B, T, k);
-        opts[i].scratch_bytes = sizeof(float) * scratch_floats(cfg, B, T, k);
+        opts[i].kept_bytes = kept_bytes(cfg, B, T, k, fmt);
+        opts[i].scratch_bytes = scratch_bytes(cfg, B, T, k, fmt);
         opts[i].recompute_flops = recompute[i];
     }
     c.blocks.assign(cfg.n_layer, opts);

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "model/activation_layout.h"
 #include "model/config.h"
 #include "remat/solver.h"
 
@@ -32,10 +33,12 @@ BlockFlops block_flops(const ModelConfig& cfg, int B, int T);
 // One training step of one micro-batch without recompute: backward = 2 x forward for every
 // block, ln_f and the classifier (2 BT C V_padded forward); the embedding lookup is free.
 int64_t step_flops(const ModelConfig& cfg, int B, int T);
-// The per-block options for the solver, in bytes of the exact layout (activations category),
-// with recompute priced by `costs` (a block's pieces in any unit: the analytic FLOPs of
-// block_flops by default, or measure_block's nanoseconds).
-Chain make_chain(const ModelConfig& cfg, int B, int T);
-Chain make_chain(const ModelConfig& cfg, int B, int T, const BlockFlops& costs);
+// The per-block options for the solver, in bytes of the exact layout (activations category) of
+// the model whose arenas have format `fmt` (the CPU's by default; the CUDA model's keeps bf16
+// activations and the attention log-sum-exp), with recompute priced by `costs` (a block's pieces
+// in any unit: the analytic FLOPs of block_flops by default, or measure_block's nanoseconds).
+Chain make_chain(const ModelConfig& cfg, int B, int T, const ActFormat& fmt = ActFormat::cpu());
+Chain make_chain(const ModelConfig& cfg, int B, int T, const BlockFlops& costs,
+                 const ActFormat& fmt = ActFormat::cpu());
 
 }  // namespace memtrain::remat

@@ -67,8 +67,8 @@ std::string format_bytes(std::size_t bytes) {
 }
 
 Schedule make_schedule(const RematPolicy& policy, const ModelConfig& cfg, int B, int T,
-                       const BlockFlops* costs) {
-    const Chain chain = costs ? make_chain(cfg, B, T, *costs) : make_chain(cfg, B, T);
+                       const BlockFlops* costs, const ActFormat& fmt) {
+    const Chain chain = costs ? make_chain(cfg, B, T, *costs, fmt) : make_chain(cfg, B, T, fmt);
     const int L = cfg.n_layer;
     using K = RematPolicy::Kind;
     RematPlan plan(L, BlockKeep::All);

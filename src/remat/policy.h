@@ -30,9 +30,9 @@ std::size_t parse_bytes(const std::string& text);
 // The schedule of `policy` for this model and micro-batch B x T. A budget below every plan's
 // peak fails with a message naming the smallest feasible budget. Recompute is priced by `costs`
 // (null: analytic FLOPs; else e.g. measure_block's nanoseconds), in the Schedule's
-// recompute_flops field.
+// recompute_flops field; bytes are those of the arenas of format `fmt`.
 Schedule make_schedule(const RematPolicy& policy, const ModelConfig& cfg, int B, int T,
-                       const BlockFlops* costs = nullptr);
+                       const BlockFlops* costs = nullptr, const ActFormat& fmt = ActFormat::cpu());
 std::string format_bytes(std::size_t bytes);  // "12.3 MiB (12897280 B)"
 
 }  // namespace memtrain::remat

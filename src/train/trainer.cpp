@@ -291,7 +291,7 @@ void Trainer::print_memory_report() {
     const std::size_t psi = model_->num_params();
     const int stage = cfg_.train.zero_stage, N = cfg_.world;
     auto lay = activation_layout(cfg_.model, cfg_.micro_batch(), cfg_.train.seq_len,
-                                 GPT::kLossChunk, model_->remat_plan());
+                                 model_->remat_plan());
     // Model states per rank under ZeRO: a shard (this rank's count of the balanced layout, Ψ/N
     // rounded) where the stage shards that state, Ψ otherwise.
     const std::size_t shard = (std::size_t)store_->owned().count;

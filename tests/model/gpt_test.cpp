@@ -66,7 +66,7 @@ TEST(Gpt, ActivationBytesMatchLayout) {
     auto x = tokens(2 * 8, c.vocab_size, 3), y = tokens(2 * 8, c.vocab_size, 4);
     m.forward_backward(x.data(), y.data(), 2, 8, 1.0f / 16);
     auto s = host_memory().snapshot();
-    auto lay = activation_layout(c, 2, 8, GPT::kLossChunk);
+    auto lay = activation_layout(c, 2, 8);
     EXPECT_EQ(s[MemCategory::Activations] - before[MemCategory::Activations],
               arena_bytes(lay, MemCategory::Activations));
     EXPECT_EQ(s[MemCategory::Workspace] - before[MemCategory::Workspace],

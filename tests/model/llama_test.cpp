@@ -142,7 +142,7 @@ TEST(Llama, SameSeedSameBitsAndMemoryMatchesLayout) {
     EXPECT_NEAR(la, std::log(37.0), 0.1);
     EXPECT_EQ(0, std::memcmp(a.grads(), b.grads(), a.num_params() * 4));
     auto s = host_memory().snapshot();
-    auto lay = activation_layout(c, 2, 8, GPT::kLossChunk);
+    auto lay = activation_layout(c, 2, 8);
     EXPECT_EQ(s[MemCategory::Activations] - before[MemCategory::Activations],
               2 * arena_bytes(lay, MemCategory::Activations));
     EXPECT_EQ(s[MemCategory::Workspace] - before[MemCategory::Workspace],

@@ -60,7 +60,7 @@ std::vector<std::string> policies_for(const ModelConfig& c) {
 // The schedule's predicted activation bytes are what the layout lists and what one
 // forward/backward allocates (current and peak), and workspace matches the layout too.
 void expect_measured_bytes(const ModelConfig& c, const Schedule& s, const std::string& what) {
-    auto lay = activation_layout(c, 2, 8, GPT::kLossChunk, s.plan);
+    auto lay = activation_layout(c, 2, 8, s.plan);
     EXPECT_EQ(s.peak_bytes, arena_bytes(lay, MemCategory::Activations)) << what;
     auto before = host_memory().snapshot();
     host_memory().reset_peak();
@@ -265,7 +265,7 @@ TEST(Remat, TrainerWithFullRecomputeMatchesNoneAndResumesBitwise) {
     EXPECT_EQ(sa.losses, sref.losses);
     // What the end-of-run memory report predicts is what the trainer's model holds.
     auto lay = activation_layout(full.model, full.micro_batch(), full.train.seq_len,
-                                 GPT::kLossChunk, a.model().remat_plan());
+                                 a.model().remat_plan());
     EXPECT_EQ(a.model().remat_plan(), RematPlan(2, BlockKeep::Input));
     EXPECT_EQ(host_memory().snapshot()[MemCategory::Activations] - before[MemCategory::Activations],
               arena_bytes(lay, MemCategory::Activations));

@@ -1,0 +1,270 @@
+// The arenas of a training step (see activation_layout.h).
+#include "model/activation_layout.h"
+
+#include <algorithm>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "model/param_layout.h"
+
+namespace memtrain {
+
+namespace {
+
+// A field's size is its Dim times B*T (times T for the CPU's probabilities).
+enum class Dim : uint8_t {
+    C,       // n_embd
+    Mean,    // 1 for layernorm, 0 for rmsnorm (which keeps no mean)
+    One,     // 1
+    Qkv,     // qkv_dim()
+    Att,     // n_head * T probabilities, or n_head log-sum-exps with fused attention
+    Fc,      // fc_dim(): c_fc output
+    Hidden,  // mlp_hidden(): the activation output
+};
+struct FieldInfo {
+    const char* name;
+    Dim dim;
+    bool selective_drops;  // recomputed in backward by the Selective policy
+    bool statistic;        // fp32 whatever the activation type
+};
+constexpr FieldInfo kFields[kSavedFields] = {
+    {"ln_1", Dim::C, true, false},
+    {"ln_1 mean", Dim::Mean, false, true},
+    {"ln_1 rstd", Dim::One, false, true},
+    {"qkv", Dim::Qkv, false, false},
+    {"attention probabilities", Dim::Att, false, false},
+    {"attention out", Dim::C, false, false},
+    {"residual mid", Dim::C, false, false},
+    {"ln_2", Dim::C, true, false},
+    {"ln_2 mean", Dim::Mean, false, true},
+    {"ln_2 rstd", Dim::One, false, true},
+    {"mlp fc", Dim::Fc, false, false},
+    {"mlp gelu", Dim::Hidden, true, false},
+};
+
+const FieldInfo& info(SavedField f) {
+    return kFields[static_cast<int>(f)];
+}
+
+SavedField field(int i) {
+    return static_cast<SavedField>(i);
+}
+
+std::size_t aligned(std::size_t bytes, const ActFormat& fmt) {
+    return (bytes + fmt.align - 1) / fmt.align * fmt.align;
+}
+
+// The scratch holds a field when some block drops it (and it has any bytes).
+bool in_scratch(const RematPlan& plan, SavedField f, const ModelConfig& cfg, const ActFormat& fmt) {
+    if (saved_field_bytes(f, cfg, 1, 1, fmt) == 0) return false;
+    for (BlockKeep k : plan)
+        if (!keeps(k, f)) return true;
+    return false;
+}
+
+}  // namespace
+
+const char* keep_name(BlockKeep k) {
+    switch (k) {
+        case BlockKeep::All:
+            return "all";
+        case BlockKeep::Selective:
+            return "selective";
+        case BlockKeep::Input:
+            return "input";
+    }
+    return "?";
+}
+
+bool keeps(BlockKeep k, SavedField f) {
+    return k == BlockKeep::All || (k == BlockKeep::Selective && !info(f).selective_drops);
+}
+
+std::string saved_field_name(SavedField f, const ModelConfig& cfg, const ActFormat& fmt) {
+    if (f == SavedField::FchAct && cfg.swiglu()) return "mlp swiglu";
+    if (f == SavedField::Att && fmt.fused_attention) return "attention log-sum-exp";
+    return info(f).name;
+}
+
+std::size_t saved_field_bytes(SavedField f, const ModelConfig& cfg, int B, int T,
+                              const ActFormat& fmt) {
+    const std::size_t BT = (std::size_t)B * T;
+    std::size_t n = 0;
+    bool stat = info(f).statistic;
+    switch (info(f).dim) {
+        case Dim::C:
+            n = BT * cfg.n_embd;
+            break;
+        case Dim::Mean:
+            n = cfg.rmsnorm() ? 0 : BT;
+            break;
+        case Dim::One:
+            n = BT;
+            break;
+        case Dim::Qkv:
+            n = BT * cfg.qkv_dim();
+            break;
+        case Dim::Att:
+            n = BT * cfg.n_head * (fmt.fused_attention ? 1 : (std::size_t)T);
+            stat = stat || fmt.fused_attention;
+            break;
+        case Dim::Fc:
+            n = BT * cfg.fc_dim();
+            break;
+        case Dim::Hidden:
+            n = BT * cfg.mlp_hidden();
+            break;
+    }
+    return n * (stat ? sizeof(float) : (std::size_t)fmt.elem_bytes);
+}
+
+std::size_t kept_bytes(const ModelConfig& cfg, int B, int T, BlockKeep k, const ActFormat& fmt) {
+    std::size_t n = 0;
+    for (int i = 0; i < kSavedFields; i++)
+        if (keeps(k, field(i))) n += aligned(saved_field_bytes(field(i), cfg, B, T, fmt), fmt);
+    return n;
+}
+
+std::size_t scratch_bytes(const ModelConfig& cfg, int B, int T, BlockKeep k, const ActFormat& fmt) {
+    std::size_t n = 0;
+    for (int i = 0; i < kSavedFields; i++)
+        if (!keeps(k, field(i))) n += aligned(saved_field_bytes(field(i), cfg, B, T, fmt), fmt);
+    return n;
+}
+
+std::size_t fixed_bytes(const ModelConfig& cfg, int B, int T, const ActFormat& fmt) {
+    const std::size_t BT = (std::size_t)B * T, C = cfg.n_embd, e = fmt.elem_bytes;
+    return aligned(BT * C * e, fmt) * (cfg.n_layer + 1) + aligned(BT * C * e, fmt) +
+           (cfg.rmsnorm() ? 1 : 2) * aligned(BT * sizeof(float), fmt);
+}
+
+std::size_t cuda_kernel_scratch_bytes(const ModelConfig& cfg, int B, int T) {
+    // The fixed-order reductions keep fp32 partial sums per 64-row chunk and column (the norm
+    // backward two such tables, the bias gradients one), and double partial sums per 2^16
+    // elements for the gradient norm (the whole parameter buffer) and the loss (B*T rows).
+    const std::size_t N = (std::size_t)B * T;
+    const std::size_t widest = std::max<std::size_t>(
+        {(std::size_t)cfg.n_embd, (std::size_t)cfg.qkv_dim(), (std::size_t)cfg.fc_dim()});
+    const std::size_t chunks = (N + 63) / 64;
+    const std::size_t columns = 2 * chunks * widest * sizeof(float);
+    const std::size_t psi = make_param_layout(cfg).total;
+    const std::size_t sums = ((psi >> 16) + (N >> 16) + 4) * sizeof(double);
+    constexpr std::size_t kMiB = std::size_t{1} << 20;  // device_scratch grows in whole MiB
+    return (std::max(columns, sums) + kMiB - 1) / kMiB * kMiB;
+}
+
+ArenaPlan plan_arena(const ModelConfig& cfg, int B, int T, const RematPlan& plan_in,
+                     const ActFormat& fmt) {
+    const std::size_t BT = (std::size_t)B * T, C = cfg.n_embd, L = cfg.n_layer;
+    const std::size_t e = fmt.elem_bytes, f32 = sizeof(float);
+    const auto A = MemCategory::Activations, W = MemCategory::Workspace;
+    const RematPlan plan = plan_in.empty() ? RematPlan(L, BlockKeep::All) : plan_in;
+    if (plan.size() != L)
+        fail("remat plan has {} entries but model.n_layer is {}", plan.size(), cfg.n_layer);
+    ArenaPlan p;
+    std::size_t act = 0, work = 0;
+    auto take_act = [&](std::size_t bytes) {
+        std::size_t at = act;
+        act += aligned(bytes, fmt);
+        return at;
+    };
+    auto take_work = [&](std::size_t bytes) {
+        std::size_t at = work;
+        work += aligned(bytes, fmt);
+        return at;
+    };
+
+    // Activation arena, in the order the CPU model has always carved it: residual streams, each
+    // field for every block that keeps it, ln_f, then the shared recompute scratch.
+    for (std::size_t l = 0; l <= L; l++) p.resid.push_back(take_act(BT * C * e));
+    p.entries.push_back({"residual stream x n_layer+1", act, A});
+    p.block.assign(L, {});
+    for (auto& b : p.block) b.fill(kNoOffset);
+    for (int i = 0; i < kSavedFields; i++) {
+        const std::size_t bytes = saved_field_bytes(field(i), cfg, B, T, fmt);
+        if (bytes == 0) continue;
+        std::size_t n = 0, start = act;
+        for (std::size_t l = 0; l < L; l++)
+            if (keeps(plan[l], field(i))) {
+                p.block[l][i] = take_act(bytes);
+                n++;
+            }
+        if (n > 0)
+            p.entries.push_back(
+                {fmt::format("{} x {} blocks", saved_field_name(field(i), cfg, fmt), n),
+                 act - start, A});
+    }
+    {
+        const std::size_t start = act;
+        p.lnf = take_act(BT * C * e);
+        if (!cfg.rmsnorm()) p.lnf_mean = take_act(BT * f32);
+        p.lnf_rstd = take_act(BT * f32);
+        p.entries.push_back(
+            {cfg.rmsnorm() ? "ln_f (+ rstd)" : "ln_f (+ mean, rstd)", act - start, A});
+    }
+    {
+        std::string names;
+        const std::size_t start = act;
+        for (int i = 0; i < kSavedFields; i++) {
+            if (!in_scratch(plan, field(i), cfg, fmt)) continue;
+            const std::size_t at = take_act(saved_field_bytes(field(i), cfg, B, T, fmt));
+            for (std::size_t l = 0; l < L; l++)
+                if (!keeps(plan[l], field(i))) p.block[l][i] = at;
+            names += (names.empty() ? "" : ", ") + saved_field_name(field(i), cfg, fmt);
+        }
+        if (act > start)
+            p.entries.push_back(
+                {fmt::format("recompute scratch, one block ({})", names), act - start, A});
+    }
+    p.activation_bytes = act;
+
+    // Workspace arena.
+    p.dres = take_work(BT * C * e);
+    p.entries.push_back({"d residual", BT * C * e, W});
+    p.dln = take_work(BT * C * e);
+    p.entries.push_back({"d layernorm input", BT * C * e, W});
+    // One buffer for d(qkv) and d(c_fc output); SwiGLU also needs d(product) beside d(fch).
+    const std::size_t big = BT * (std::size_t)std::max(cfg.qkv_dim(), cfg.fc_dim()) * e;
+    p.dbig = take_work(big);
+    p.entries.push_back({"d qkv / d mlp hidden", big, W});
+    if (cfg.swiglu()) {
+        p.dact = take_work(BT * cfg.mlp_hidden() * e);
+        p.entries.push_back({"d mlp product", BT * cfg.mlp_hidden() * e, W});
+    }
+    const std::size_t logits = std::min<std::size_t>(fmt.loss_chunk, BT) * cfg.padded_vocab() * e;
+    p.logits = take_work(logits);
+    p.entries.push_back({"logits chunk", logits, W});
+    if (fmt.cuda) {
+        p.row_loss = take_work(BT * f32);
+        p.entries.push_back({"per-token losses", BT * f32, W});
+        p.att_delta = take_work(BT * cfg.n_head * f32);
+        p.entries.push_back({"attention backward delta", BT * cfg.n_head * f32, W});
+    }
+    // Report the padded sizes, so the arena's entries add up to what is allocated.
+    for (auto& entry : p.entries)
+        if (entry.category == W) entry.bytes = aligned(entry.bytes, fmt);
+    p.workspace_bytes = work;
+    if (fmt.cuda) {
+        // Process-wide allocations beside the arena (kernels/cuda): the kernels' scratch, which
+        // grows in whole MiB, and cuBLASLt's workspace.
+        p.entries.push_back(
+            {"kernel scratch (fixed-order partial sums)", cuda_kernel_scratch_bytes(cfg, B, T), W});
+        p.entries.push_back({"cuBLASLt workspace", kCublasWorkspaceBytes, W});
+    }
+    return p;
+}
+
+std::vector<ArenaEntry> activation_layout(const ModelConfig& cfg, int B, int T,
+                                          const RematPlan& plan, const ActFormat& fmt) {
+    return plan_arena(cfg, B, T, plan, fmt).entries;
+}
+
+std::size_t arena_bytes(const std::vector<ArenaEntry>& layout, MemCategory c) {
+    std::size_t n = 0;
+    for (const auto& e : layout)
+        if (e.category == c) n += e.bytes;
+    return n;
+}
+
+}  // namespace memtrain

@@ -1,0 +1,131 @@
+// Where every activation and workspace tensor of a training step lives, for the CPU and the CUDA
+// models alike: one function (plan_arena) sizes the arenas, places each block's saved fields
+// under its recompute plan, and lists the regions with their bytes, so the model allocates
+// exactly what the memory report predicts and the remat solver prices (STYLE lesson 2).
+//
+// The saved fields of a block, with QKV = ModelConfig::qkv_dim(), F = fc_dim(), H = mlp_hidden():
+//   ln_1 (B,T,C), ln_1 mean (B,T) [layernorm only], ln_1 rstd (B,T), qkv (B,T,QKV),
+//   attention: the probabilities (B,NH,T,T) on the CPU, the row log-sum-exp (B,NH,T) with the
+//   GPU's fused attention, attention out (B,T,C), residual mid (B,T,C), ln_2 and its
+//   statistics as ln_1's, mlp fc (B,T,F), mlp activation (B,T,H).
+// Activations are stored in the format's element type; statistics (mean, rstd, log-sum-exp) are
+// always fp32.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/allocator.h"
+#include "model/config.h"
+
+namespace memtrain {
+
+// What one block keeps through the forward. Dropped pieces are recomputed in backward, into one
+// shared scratch block, by the same kernels the forward used (bitwise-identical gradients).
+//   All:       every saved field.
+//   Selective: all but ln_1, ln_2 and the mlp activation (cheap to recompute from the kept
+//              statistics, the residual input, residual mid and mlp fc; for GPT-2 6 BTC of the
+//              block's ~16 BTC).
+//   Input:     nothing beyond the residual-stream input (always kept); the whole block is
+//              recomputed before its backward.
+enum class BlockKeep : uint8_t { All, Selective, Input };
+const char* keep_name(BlockKeep k);
+using RematPlan = std::vector<BlockKeep>;  // one per block; empty = every block keeps All
+
+enum class SavedField : uint8_t {
+    Ln1,
+    Ln1Mean,
+    Ln1Rstd,
+    Qkv,
+    Att,  // probabilities (CPU) or log-sum-exp (fused attention)
+    Atty,
+    ResidMid,
+    Ln2,
+    Ln2Mean,
+    Ln2Rstd,
+    Fch,
+    FchAct,
+};
+constexpr int kSavedFields = 12;
+
+// How a backend stores a step's tensors.
+struct ActFormat {
+    int elem_bytes = 4;            // activations: 4 (fp32) or 2 (bf16, fp16)
+    bool fused_attention = false;  // keeps the (B,NH,T) log-sum-exp, not (B,NH,T,T) probabilities
+    bool cuda = false;             // the CUDA model's workspace (kernel scratch, cuBLASLt)
+    int loss_chunk = 256;          // rows of logits alive at once
+    std::size_t align = 4;         // every region starts at a multiple of this many bytes
+
+    static ActFormat cpu() { return ActFormat{}; }
+    // The CUDA model: fused attention, regions 256-byte aligned (cuBLASLt and vector loads).
+    static ActFormat cuda_model(int elem_bytes, int loss_chunk) {
+        return ActFormat{elem_bytes, true, true, loss_chunk, 256};
+    }
+};
+
+// One named region of the activation or workspace arena.
+struct ArenaEntry {
+    std::string name;
+    std::size_t bytes;
+    MemCategory category;
+};
+
+constexpr std::size_t kNoOffset = SIZE_MAX;
+
+// The arenas of one step: the regions for reports, and the byte offset of every tensor.
+struct ArenaPlan {
+    std::vector<ArenaEntry> entries;
+    std::size_t activation_bytes = 0, workspace_bytes = 0;
+    // Activation arena: the n_layer + 1 residual streams, each block's fields (kNoOffset where
+    // the field has no bytes under this config), ln_f output and statistics. A dropped field
+    // points into the shared recompute scratch.
+    std::vector<std::size_t> resid;
+    std::vector<std::array<std::size_t, kSavedFields>> block;
+    std::size_t lnf = 0, lnf_mean = kNoOffset, lnf_rstd = 0;
+    // Workspace arena: gradients flowing backward, and the backend's temporaries.
+    std::size_t dres = 0;          // d(residual stream) (B,T,C)
+    std::size_t dln = 0;           // d(norm output) / d(attention out) (B,T,C)
+    std::size_t dbig = 0;          // d(qkv) or d(mlp fc) (B,T,max(QKV,F))
+    std::size_t dact = kNoOffset;  // swiglu: d(mlp activation) (B,T,H)
+    std::size_t logits = 0;        // a chunk of logits (chunk,Vp)
+    // CUDA model only (kNoOffset on the CPU): per-row losses (B*T fp32) and attention
+    // backward's delta (B,NH,T fp32). The entries also list the kernels' scratch and cuBLASLt's
+    // workspace, which are process-wide allocations outside the arena.
+    std::size_t row_loss = kNoOffset, att_delta = kNoOffset;
+};
+
+// The CUDA model's process-wide temporaries (workspace, outside the arena): cuBLASLt's GEMM
+// workspace, and the room the fixed-order reductions need for their partial sums (bias,
+// norm-parameter, gradient-norm and loss sums), in whole MiB as device_scratch grows.
+constexpr std::size_t kCublasWorkspaceBytes = std::size_t{32} << 20;
+std::size_t cuda_kernel_scratch_bytes(const ModelConfig& cfg, int B, int T);
+
+ArenaPlan plan_arena(const ModelConfig& cfg, int B, int T, const RematPlan& plan = {},
+                     const ActFormat& fmt = ActFormat::cpu());
+// The regions of plan_arena, for reports and tests.
+std::vector<ArenaEntry> activation_layout(const ModelConfig& cfg, int B, int T,
+                                          const RematPlan& plan = {},
+                                          const ActFormat& fmt = ActFormat::cpu());
+std::size_t arena_bytes(const std::vector<ArenaEntry>& layout, MemCategory c);
+
+// Bytes of saved fields one block keeps under `k`, and the scratch its recompute needs. The
+// fields dropped by Selective are a subset of those dropped by Input, so the shared scratch of a
+// plan is exactly the largest scratch_bytes over its blocks.
+std::size_t kept_bytes(const ModelConfig& cfg, int B, int T, BlockKeep k,
+                       const ActFormat& fmt = ActFormat::cpu());
+std::size_t scratch_bytes(const ModelConfig& cfg, int B, int T, BlockKeep k,
+                          const ActFormat& fmt = ActFormat::cpu());
+// Bytes kept under every plan: the n_layer + 1 residual streams and ln_f (output, statistics).
+std::size_t fixed_bytes(const ModelConfig& cfg, int B, int T,
+                        const ActFormat& fmt = ActFormat::cpu());
+
+// The field's name in reports, its size in bytes (unaligned), and whether Selective drops it.
+std::string saved_field_name(SavedField f, const ModelConfig& cfg, const ActFormat& fmt);
+std::size_t saved_field_bytes(SavedField f, const ModelConfig& cfg, int B, int T,
+                              const ActFormat& fmt);
+bool keeps(BlockKeep k, SavedField f);
+
+}  // namespace memtrain
