@@ -113,6 +113,7 @@ inline RunConfig tiny_run_config(const std::string& dir, int steps = 10) {
     c.train.seq_len = 8;
     c.train.batch_size = 4;
     c.train.micro_batch_size = 2;
+    c.train.device = "cpu";  // the CPU reference, also where a GPU answers
     c.train.max_steps = steps;
     c.train.eval_every = 5;
     c.train.eval_batches = 2;

@@ -60,9 +60,9 @@ uint64_t meta_u64(const io::SafetensorsFile& f, const std::string& key, const st
 
 }  // namespace
 
-void save_hf_weights(GPT& model, const std::string& path, bool write) {
-    ParamStore& store = model.store();
-    const ParamLayout& layout = model.layout();
+void save_hf_weights(const ModelWeights& weights, const std::string& path, bool write) {
+    ParamStore& store = weights.store;
+    const ParamLayout& layout = weights.layout;
     if (!write) {
         // Take part in the gathers the writing rank makes, in the same order.
         for (int u = 0; u < (int)layout.units.size(); u++) {
@@ -77,7 +77,7 @@ void save_hf_weights(GPT& model, const std::string& path, bool write) {
     for (int u = 0; u < (int)layout.units.size(); u++)
         for (std::size_t i = layout.units[u].first_tensor; i < layout.units[u].last_tensor; i++) {
             const ParamSpec& t = layout.tensors[i];
-            w.declare(t.name, io::DType::F32, hf_shape(model.config(), t));
+            w.declare(t.name, io::DType::F32, hf_shape(weights.cfg, t));
             unit_of.push_back(u);
         }
     int held = -1;
@@ -108,11 +108,11 @@ void save_hf_weights(GPT& model, const std::string& path, bool write) {
     release();
 }
 
-void load_hf_weights(GPT& model, const std::string& path) {
+void load_hf_weights(const ModelWeights& weights, const std::string& path) {
     auto f = io::SafetensorsFile::open(path);
-    const ModelConfig& cfg = model.config();
-    const ParamLayout& layout = model.layout();
-    ParamStore& store = model.store();
+    const ModelConfig& cfg = weights.cfg;
+    const ParamLayout& layout = weights.layout;
+    ParamStore& store = weights.store;
     const std::size_t C = cfg.n_embd;
     for (int u = 0; u < (int)layout.units.size(); u++) {
         const ParamUnit& unit = layout.units[u];
@@ -204,14 +204,27 @@ std::string optimizer_file(int index, int count) {
 
 }  // namespace
 
-std::string save_checkpoint(const std::string& out_dir, const RunConfig& cfg, GPT& model,
-                            Optimizer& opt, const TrainState& state) {
-    dist::LocalCommunicator local;
-    return save_checkpoint(out_dir, cfg, model, opt, state, local);
+void save_hf_weights(GPT& model, const std::string& path, bool write) {
+    save_hf_weights(model.weights(), path, write);
+}
+
+void load_hf_weights(GPT& model, const std::string& path) {
+    load_hf_weights(model.weights(), path);
 }
 
 std::string save_checkpoint(const std::string& out_dir, const RunConfig& cfg, GPT& model,
-                            Optimizer& opt, const TrainState& state, dist::Communicator& comm) {
+                            Optimizer& opt, const TrainState& state) {
+    dist::LocalCommunicator local;
+    return save_checkpoint(out_dir, cfg, model.weights(), opt, state, local);
+}
+
+TrainState load_checkpoint(const std::string& dir, GPT& model, Optimizer& opt) {
+    return load_checkpoint(dir, model.weights(), opt);
+}
+
+std::string save_checkpoint(const std::string& out_dir, const RunConfig& cfg,
+                            const ModelWeights& weights, OptimizerState& opt,
+                            const TrainState& state, dist::Communicator& comm) {
     const bool root = comm.rank() == 0;
     std::string name = fmt::format("ckpt_{:06d}", state.step);
     fs::path final_dir = fs::path(out_dir) / name;
@@ -223,11 +236,11 @@ std::string save_checkpoint(const std::string& out_dir, const RunConfig& cfg, GP
     }
     comm.barrier();  // the directory exists for every rank (out_dir is on a shared file system)
 
-    save_hf_weights(model, (tmp_dir / "model.safetensors").string(), root);
+    save_hf_weights(weights, (tmp_dir / "model.safetensors").string(), root);
 
     // Optimizer state: one file when this rank's optimizer covers the whole layout (then every
     // rank holds the same state and rank 0 writes it), else one file per rank.
-    const std::size_t total = model.layout().total;
+    const std::size_t total = weights.layout.total;
     const bool sharded = opt.count() != total;
     const int files = sharded ? comm.size() : 1;
     if (sharded || root) {
@@ -237,9 +250,18 @@ std::string save_checkpoint(const std::string& out_dir, const RunConfig& cfg, GP
         w.set_metadata("offset", std::to_string(opt.offset()));
         w.set_metadata("count", std::to_string(opt.count()));
         w.set_metadata("total", std::to_string(total));
-        for (auto& [sname, buf] : opt.state())
-            w.add(sname, io::DType::F32, {(int64_t)opt.count()}, buf->data());
-        w.write((tmp_dir / optimizer_file(sharded ? comm.rank() : 0, files)).string());
+        // State that lives outside host memory (the CUDA engine's) is copied out one tensor at a
+        // time as the writer reaches it.
+        const std::vector<std::string> names = opt.state_names();
+        for (const auto& sname : names) w.declare(sname, io::DType::F32, {(int64_t)opt.count()});
+        std::vector<float> staging;
+        w.write((tmp_dir / optimizer_file(sharded ? comm.rank() : 0, files)).string(),
+                [&](std::size_t i) -> const void* {
+                    if (const float* p = opt.host_state(names[i])) return p;
+                    staging.resize(opt.count());
+                    opt.read_state(names[i], staging.data());
+                    return staging.data();
+                });
     }
 
     if (root) {
@@ -307,9 +329,10 @@ RunConfig checkpoint_config(const std::string& dir) {
     return parse_run_config(read_text(p), p.string(), {});
 }
 
-TrainState load_checkpoint(const std::string& dir, GPT& model, Optimizer& opt) {
+TrainState load_checkpoint(const std::string& dir, const ModelWeights& weights,
+                           OptimizerState& opt) {
     RunConfig saved = checkpoint_config(dir);
-    const ModelConfig &a = saved.model, &b = model.config();
+    const ModelConfig &a = saved.model, &b = weights.cfg;
     if (a.n_layer != b.n_layer || a.n_head != b.n_head || a.n_embd != b.n_embd ||
         a.block_size != b.block_size || a.vocab_size != b.vocab_size ||
         a.padded_vocab() != b.padded_vocab())
@@ -319,7 +342,7 @@ TrainState load_checkpoint(const std::string& dir, GPT& model, Optimizer& opt) {
             "block_size={} vocab_size={}",
             dir, a.n_layer, a.n_head, a.n_embd, a.block_size, a.vocab_size, b.n_layer, b.n_head,
             b.n_embd, b.block_size, b.vocab_size);
-    load_hf_weights(model, (fs::path(dir) / "model.safetensors").string());
+    load_hf_weights(weights, (fs::path(dir) / "model.safetensors").string());
 
     std::string spath = (fs::path(dir) / "training_state.safetensors").string();
     auto f = io::SafetensorsFile::open(spath);
@@ -330,7 +353,7 @@ TrainState load_checkpoint(const std::string& dir, GPT& model, Optimizer& opt) {
              meta(f, "version", spath));
     if (meta(f, "optimizer", spath) != saved.optim.name)
         fail("{}: optimizer state is for '{}'", spath, meta(f, "optimizer", spath));
-    const std::size_t total = model.layout().total;
+    const std::size_t total = weights.layout.total;
     if (meta_u64(f, "params", spath) != total)
         fail("{}: state of {} parameters, the model has {}", spath, meta_u64(f, "params", spath),
              total);
@@ -356,13 +379,13 @@ TrainState load_checkpoint(const std::string& dir, GPT& model, Optimizer& opt) {
                  total);
         const std::size_t a = std::max(lo, off), b = std::min(hi, off + cnt);
         if (a >= b) continue;
-        for (auto& [sname, buf] : opt.state()) {
+        for (const auto& sname : opt.state_names()) {
             const io::TensorInfo& info = of.get(sname);
             if (info.dtype != io::DType::F32 || info.shape != std::vector<int64_t>{(int64_t)cnt})
                 fail("{}: tensor '{}' must be F32 of shape [{}], it is {} {}", opath, sname, cnt,
                      io::dtype_name(info.dtype), io::shape_string(info.shape));
             const float* src = static_cast<const float*>(of.data(info));
-            std::copy(src + (a - off), src + (b - off), buf->data() + (a - lo));
+            opt.write_state(sname, a - lo, b - a, src + (a - off));
         }
         covered += b - a;
     }

@@ -29,20 +29,23 @@ struct TrainState {
 };
 
 // Hugging Face weights: wte is written with its real vocab rows only. Goes unit by unit through
-// the model's store, so a ZeRO-3 run never holds more than one unit whole; every rank must
-// call it (the gathers are collectives) and only the one with `write` writes the file.
+// the store, so a ZeRO-3 run never holds more than one unit whole; every rank must call it (the
+// gathers are collectives) and only the one with `write` writes the file.
+void save_hf_weights(const ModelWeights& weights, const std::string& path, bool write = true);
 void save_hf_weights(GPT& model, const std::string& path, bool write = true);
 // Loads GPT-2 weights by Hugging Face name (with or without the "transformer." prefix);
 // every tensor must be present with the expected shape, else an Error names it. Every rank
 // reads the file and keeps what its store holds.
+void load_hf_weights(const ModelWeights& weights, const std::string& path);
 void load_hf_weights(GPT& model, const std::string& path);
 std::string hf_config_json(const ModelConfig& cfg);
 
 // Writes out_dir/ckpt_<step>/ atomically and points out_dir/latest at it. Returns its path.
 // Every rank of `comm` calls it: rank 0 writes the weights and the shared files; each rank
 // writes its optimizer shard when the optimizer covers less than the whole layout (ZeRO).
-std::string save_checkpoint(const std::string& out_dir, const RunConfig& cfg, GPT& model,
-                            Optimizer& opt, const TrainState& state, dist::Communicator& comm);
+std::string save_checkpoint(const std::string& out_dir, const RunConfig& cfg,
+                            const ModelWeights& weights, OptimizerState& opt,
+                            const TrainState& state, dist::Communicator& comm);
 std::string save_checkpoint(const std::string& out_dir, const RunConfig& cfg, GPT& model,
                             Optimizer& opt, const TrainState& state);
 // Accepts a checkpoint directory or an out_dir holding `latest`.
@@ -52,6 +55,8 @@ RunConfig checkpoint_config(const std::string& dir);
 // Restores weights, optimizer state and the training state; the model's config must match.
 // Works at any world size and ZeRO stage: each rank reads the slice of the optimizer files that
 // its optimizer covers, whatever layout of files the checkpoint was written with (resharding).
+TrainState load_checkpoint(const std::string& dir, const ModelWeights& weights,
+                           OptimizerState& opt);
 TrainState load_checkpoint(const std::string& dir, GPT& model, Optimizer& opt);
 
 }  // namespace memtrain

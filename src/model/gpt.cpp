@@ -63,35 +63,7 @@ float* GPT::grads() {
 }
 
 void GPT::init_weights(uint64_t seed) {
-    Rng rng(seed);
-    const double resid_std = cfg_.init_std / std::sqrt(2.0 * cfg_.n_layer);
-    const std::size_t C = cfg_.n_embd;
-    for (int u = 0; u < (int)layout_.units.size(); u++) {
-        const ParamUnit& unit = layout_.units[u];
-        float* base = store_->acquire(u, true);
-        for (std::size_t i = unit.first_tensor; i < unit.last_tensor; i++) {
-            const ParamSpec& t = layout_.tensors[i];
-            float* w = base + (t.offset - unit.begin);
-            bool is_weight = t.name.ends_with(".weight");
-            if (t.name.starts_with("ln") || t.name.find(".ln_") != std::string::npos) {
-                for (std::size_t k = 0; k < t.numel; k++) w[k] = is_weight ? 1.0f : 0.0f;
-            } else if (!is_weight) {
-                std::memset(w, 0, t.numel * sizeof(float));
-            } else {
-                bool resid = t.name.ends_with("c_proj.weight");
-                double std = resid ? resid_std : cfg_.init_std;
-                for (std::size_t k = 0; k < t.numel; k++) w[k] = (float)(rng.normal() * std);
-            }
-            // Padded vocabulary rows are never looked up; keep them exactly zero (in lm_head
-            // too: its padded logits are ignored, and zero rows get zero gradient, so they stay
-            // zero).
-            if (t.name == "wte.weight" || t.name == "lm_head.weight")
-                std::memset(
-                    w + (std::size_t)cfg_.vocab_size * C, 0,
-                    (std::size_t)(cfg_.padded_vocab() - cfg_.vocab_size) * C * sizeof(float));
-        }
-        store_->release(u);
-    }
+    init_gpt2_weights(weights(), seed);
 }
 
 void GPT::set_remat(const RematPlan& plan) {

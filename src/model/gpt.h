@@ -18,6 +18,7 @@
 #include "model/config.h"
 #include "model/param_layout.h"
 #include "model/param_store.h"
+#include "model/weights.h"
 
 namespace memtrain {
 
@@ -58,9 +59,9 @@ class GPT {
     const float* params() const;
     float* grads();
 
-    // GPT-2 initialisation: N(0, init_std), residual projections scaled by 1/sqrt(2 n_layer),
-    // norm weights 1, biases 0, padded vocabulary rows (of wte and lm_head) 0. Draws one
-    // random stream in layout order, unit by unit, so every store gets the same bits.
+    // The weights through the model's store (initialisation, import, checkpoints).
+    ModelWeights weights() { return ModelWeights{*store_, layout_, cfg_}; }
+    // init_gpt2_weights (weights.h) on this model.
     void init_weights(uint64_t seed);
     void zero_grads() { store_->zero_grads(); }
 

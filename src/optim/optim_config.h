@@ -23,6 +23,10 @@ struct OptimConfig {
     std::string cooldown = "linear";  // wsd: "linear" | "1-sqrt"
     std::string lr_scaling = "none";  // "none" | "linear" | "sqrt" (relative to the reference)
     int64_t lr_reference_batch = 0;   // tokens per step the peak lr was tuned for
+    // fp16 (train.precision): the dynamic loss scale starts here, halves (and the step is
+    // skipped) when a gradient overflows, doubles after loss_scale_window clean steps.
+    double loss_scale = 65536.0;
+    int loss_scale_window = 2000;
 
     void validate() const;
 };

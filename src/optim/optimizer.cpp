@@ -1,6 +1,7 @@
 // AdamW and SGD-with-momentum updates, parallel over each tensor of the layout.
 #include "optim/optimizer.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/error.h"
@@ -13,6 +14,31 @@ Optimizer::Optimizer(const ParamLayout& layout, std::size_t offset, std::size_t 
     if (offset > layout.total || count > layout.total - offset)
         fail("optimizer range [{}, {} + {}) is outside the {} parameters", offset, offset, count,
              layout.total);
+}
+
+std::vector<std::string> Optimizer::state_names() {
+    std::vector<std::string> names;
+    for (auto& [name, buf] : state()) names.push_back(name);
+    return names;
+}
+
+const float* Optimizer::host_state(const std::string& name) {
+    for (auto& [n, buf] : state())
+        if (n == name) return buf->data();
+    fail("internal: optimizer has no state tensor '{}'", name);
+}
+
+void Optimizer::read_state(const std::string& name, float* dst) {
+    std::copy(host_state(name), host_state(name) + count_, dst);
+}
+
+void Optimizer::write_state(const std::string& name, std::size_t begin, std::size_t n,
+                            const float* src) {
+    if (begin > count_ || n > count_ - begin)
+        fail("internal: optimizer state write [{}, {}) outside its {} floats", begin, begin + n,
+             count_);
+    float* dst = const_cast<float*>(host_state(name));
+    std::copy(src, src + n, dst + begin);
 }
 
 namespace {

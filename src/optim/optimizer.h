@@ -15,21 +15,46 @@
 
 namespace memtrain {
 
+// What a checkpoint needs of an optimizer, wherever its state lives (host memory here, device
+// memory in the CUDA engine): the range of the flat parameter buffer it covers, its step count,
+// and its named state tensors of count floats each, laid out like the range.
+class OptimizerState {
+  public:
+    virtual ~OptimizerState() = default;
+    virtual std::size_t offset() const = 0;
+    virtual std::size_t count() const = 0;
+    virtual int64_t steps_taken() const = 0;
+    virtual void set_steps_taken(int64_t t) = 0;
+    virtual std::vector<std::string> state_names() = 0;
+    // The tensor in host memory, or null where it lives elsewhere (then read_state copies it).
+    virtual const float* host_state(const std::string& name) = 0;
+    virtual void read_state(const std::string& name, float* dst /*(count)*/) = 0;
+    // Writes floats [begin, begin + n) of the tensor.
+    virtual void write_state(const std::string& name, std::size_t begin, std::size_t n,
+                             const float* src) = 0;
+};
+
 // An optimizer updates the floats [offset, offset + count) of the flat parameter buffer: all
 // of it in a single process, one rank's shard under ZeRO (each tensor's settings, such as weight
 // decay, still apply to the part of it inside the range).
-class Optimizer {
+class Optimizer : public OptimizerState {
   public:
-    virtual ~Optimizer() = default;
     // One update with learning rate lr; advances the internal step count. `params` and `grads`
     // point at the range's first float (count floats each).
     virtual void step(float* params, const float* grads, double lr) = 0;
     // Named state buffers of count floats, laid out like the range (for checkpoints).
     virtual std::vector<std::pair<std::string, Buffer<float>*>> state() = 0;
-    int64_t steps_taken() const { return t_; }
-    void set_steps_taken(int64_t t) { t_ = t; }
-    std::size_t offset() const { return offset_; }
-    std::size_t count() const { return count_; }
+    int64_t steps_taken() const override { return t_; }
+    void set_steps_taken(int64_t t) override { t_ = t; }
+    std::size_t offset() const override { return offset_; }
+    std::size_t count() const override { return count_; }
+
+    // OptimizerState over state().
+    std::vector<std::string> state_names() override;
+    const float* host_state(const std::string& name) override;
+    void read_state(const std::string& name, float* dst) override;
+    void write_state(const std::string& name, std::size_t begin, std::size_t n,
+                     const float* src) override;
 
   protected:
     Optimizer(const ParamLayout& layout, std::size_t offset, std::size_t count);

@@ -11,6 +11,7 @@
 
 #include <fmt/format.h>
 
+#include "core/device.h"
 #include "core/error.h"
 #include "remat/policy.h"
 
@@ -161,7 +162,10 @@ const std::vector<Key>& registry() {
         make_key("model.init_std", &R::model, &ModelConfig::init_std, "weight init std"),
         make_key("model.init_from", &R::model, &ModelConfig::init_from,
                  "Hugging Face GPT-2 safetensors to start from"),
-        make_key("train.device", &R::train, &TrainConfig::device, "cpu"),
+        make_key("train.device", &R::train, &TrainConfig::device,
+                 "cpu | cuda | auto (cuda where a GPU answers)"),
+        make_key("train.precision", &R::train, &TrainConfig::precision,
+                 "fp32 | bf16 | fp16 (fp32 master weights, loss scaling) | auto"),
         make_key("train.seq_len", &R::train, &TrainConfig::seq_len, "tokens per sequence"),
         make_key("train.batch_size", &R::train, &TrainConfig::batch_size,
                  "sequences per optimizer step"),
@@ -204,6 +208,10 @@ const std::vector<Key>& registry() {
                  "none | linear | sqrt batch-size rule"),
         make_key("optim.lr_reference_batch", &R::optim, &OptimConfig::lr_reference_batch,
                  "tokens per step the lr was tuned for"),
+        make_key("optim.loss_scale", &R::optim, &OptimConfig::loss_scale,
+                 "fp16: initial dynamic loss scale"),
+        make_key("optim.loss_scale_window", &R::optim, &OptimConfig::loss_scale_window,
+                 "fp16: clean steps before the loss scale doubles"),
         make_key("data.train", &R::data, &DataConfig::train, "training token shard"),
         make_key("data.val", &R::data, &DataConfig::val, "validation token shard"),
         make_key("data.tokenizer", &R::data, &DataConfig::tokenizer, "tokenizer for samples"),
@@ -275,14 +283,41 @@ void resolve_relative(std::string& path, const std::filesystem::path& base) {
 
 }  // namespace
 
+void RunConfig::resolve() {
+    if (train.device == "auto") train.device = cuda_available() ? "cuda" : "cpu";
+    if (train.precision == "auto") train.precision = train.device == "cuda" ? "bf16" : "fp32";
+}
+
 void RunConfig::validate() const {
     model.validate();
     optim.validate();
-    if (train.device != "cpu")
+    if (train.device != "cpu" && train.device != "cuda" && train.device != "auto")
+        fail("train.device = \"{}\" must be \"cpu\", \"cuda\" or \"auto\"", train.device);
+    if (train.device == "cuda" && !MEMTRAIN_HAVE_CUDA)
         fail(
-            "train.device = \"{}\": this build trains on \"cpu\" only (the CUDA backend is not "
-            "built yet)",
-            train.device);
+            "train.device = \"cuda\", but this memtrain was built without CUDA (no nvcc at "
+            "build time); rebuild where the CUDA toolkit is installed, or use device = \"cpu\"");
+    if (train.device == "cuda" && !cuda_available())
+        fail(
+            "train.device = \"cuda\", but no CUDA device answers on this machine; use device "
+            "= \"cpu\" or \"auto\"");
+    if (train.precision != "fp32" && train.precision != "bf16" && train.precision != "fp16" &&
+        train.precision != "auto")
+        fail("train.precision = \"{}\" must be \"fp32\", \"bf16\", \"fp16\" or \"auto\"",
+             train.precision);
+    if (train.device == "cpu" && train.precision != "fp32" && train.precision != "auto")
+        fail(
+            "train.precision = \"{}\" needs train.device = \"cuda\": the CPU engine trains in "
+            "fp32",
+            train.precision);
+    if (train.device == "cuda" && train.remat_costs == "measured")
+        fail(
+            "train.remat_costs = \"measured\" profiles the CPU kernels; on device = \"cuda\" use "
+            "\"analytic\"");
+    if (!(optim.loss_scale > 0) || optim.loss_scale > 1e30)
+        fail("optim.loss_scale = {} must be a positive number (e.g. 65536)", optim.loss_scale);
+    if (optim.loss_scale_window < 1)
+        fail("optim.loss_scale_window = {} must be >= 1", optim.loss_scale_window);
     if (train.seq_len <= 0 || train.seq_len > model.block_size)
         fail("train.seq_len = {} must be in [1, model.block_size = {}]", train.seq_len,
              model.block_size);
@@ -367,6 +402,7 @@ RunConfig load_run_config(const std::string& path, const std::vector<std::string
         resolve_relative(cfg.model.init_from, base);
     }
     cfg.validate();
+    cfg.resolve();
     return cfg;
 }
 

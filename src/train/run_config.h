@@ -13,11 +13,13 @@
 namespace memtrain {
 
 struct TrainConfig {
-    std::string device = "cpu";  // "cpu" (the CUDA backend is a separate issue)
-    int seq_len = 256;           // tokens per sequence (<= model.block_size)
-    int batch_size = 8;          // sequences per optimizer step (global batch)
-    int64_t batch_tokens = 0;    // alternatively, tokens per step (a multiple of seq_len); 0 = off
-    int micro_batch_size = 0;    // sequences per forward/backward; 0 = batch_size
+    std::string device = "auto";  // "cpu" | "cuda" | "auto" (cuda where a GPU answers)
+    std::string precision =
+        "auto";                // "fp32" | "bf16" | "fp16" | "auto" (bf16 on cuda, fp32 on cpu)
+    int seq_len = 256;         // tokens per sequence (<= model.block_size)
+    int batch_size = 8;        // sequences per optimizer step (global batch)
+    int64_t batch_tokens = 0;  // alternatively, tokens per step (a multiple of seq_len); 0 = off
+    int micro_batch_size = 0;  // sequences per forward/backward; 0 = batch_size
     int max_steps = 200;
     uint64_t seed = 1337;  // weights and data order
     int eval_every = 50;   // steps between validation losses; 0 = only at the end
@@ -25,8 +27,9 @@ struct TrainConfig {
     int log_every = 1;
     int threads = 0;             // OpenMP/BLAS threads; 0 = all cores
     std::string remat = "none";  // activation checkpointing policy (remat/policy.h)
-    std::string remat_costs = "analytic";  // recompute priced by "analytic" FLOPs or "measured" time
-    int zero_stage = 0;          // data-parallel sharding (dist/zero.h): 0 DDP .. 3 parameters
+    std::string remat_costs =
+        "analytic";      // recompute priced by "analytic" FLOPs or "measured" time
+    int zero_stage = 0;  // data-parallel sharding (dist/zero.h): 0 DDP .. 3 parameters
 };
 
 struct DataConfig {
@@ -67,6 +70,9 @@ struct RunConfig {
     }
     int accum_steps() const { return train.batch_size / (micro_batch() * world); }
     int64_t tokens_per_step() const { return (int64_t)train.batch_size * train.seq_len; }
+    // Replaces "auto" in train.device and train.precision by what this machine runs: cuda and
+    // bf16 where a GPU answers, else cpu and fp32.
+    void resolve();
     void validate() const;
 };
 

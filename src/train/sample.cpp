@@ -9,9 +9,16 @@
 
 namespace memtrain {
 
-std::vector<int32_t> generate(GPT& model, std::vector<int32_t> ctx, const SampleOptions& opt,
+std::vector<int32_t> generate(GPT& model, std::vector<int32_t> prompt, const SampleOptions& opt,
                               Rng& rng) {
-    const ModelConfig& cfg = model.config();
+    return generate(
+        model.config(),
+        [&](const int32_t* x, int T, float* logits) { model.forward_logits(x, 1, T, logits); },
+        std::move(prompt), opt, rng);
+}
+
+std::vector<int32_t> generate(const ModelConfig& cfg, const LogitsFn& logits_of,
+                              std::vector<int32_t> ctx, const SampleOptions& opt, Rng& rng) {
     if (ctx.empty()) fail("sampling needs at least one prompt token");
     std::vector<int32_t> out;
     std::vector<float> logits;
@@ -20,7 +27,7 @@ std::vector<int32_t> generate(GPT& model, std::vector<int32_t> ctx, const Sample
         int T = std::min<int>((int)ctx.size(), cfg.block_size);
         const int32_t* window = ctx.data() + ctx.size() - T;
         logits.resize((std::size_t)T * cfg.vocab_size);
-        model.forward_logits(window, 1, T, logits.data());
+        logits_of(window, T, logits.data());
         const float* last = logits.data() + (std::size_t)(T - 1) * cfg.vocab_size;
         order.clear();
         for (int v = 0; v < cfg.vocab_size; v++) order.push_back({last[v], v});

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "core/rng.h"
@@ -16,7 +17,12 @@ struct SampleOptions {
     int64_t stop_token = -1;  // stop after emitting this token (e.g. end of text); -1 = never
 };
 
+// Logits (T,V) of the real vocabulary for one window of T tokens (a model's forward_logits).
+using LogitsFn = std::function<void(const int32_t* window, int T, float* logits)>;
+
 // Returns only the generated tokens. The context window slides when it exceeds block_size.
+std::vector<int32_t> generate(const ModelConfig& cfg, const LogitsFn& logits,
+                              std::vector<int32_t> prompt, const SampleOptions& opt, Rng& rng);
 std::vector<int32_t> generate(GPT& model, std::vector<int32_t> prompt, const SampleOptions& opt,
                               Rng& rng);
 

@@ -40,6 +40,7 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
     comm_ = comm;
     cfg_.world = comm_->size();
     cfg_.validate();
+    cfg_.resolve();
     // Every rank must run the same configuration (and resume the same checkpoint).
     dist::check_same_config(*comm_, to_toml(cfg_) + "\nresume = " + opts_.resume);
     int threads = cfg_.train.threads;
@@ -61,9 +62,7 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
     }
     print(format_table(cfg_));
 
-    layout_ = make_param_layout(cfg_.model);
-    store_ = std::make_unique<dist::ZeroStore>(layout_, *comm_, cfg_.train.zero_stage);
-    model_ = std::make_unique<GPT>(cfg_.model, store_.get());
+    engine_ = make_engine(cfg_, *comm_);
     // The recompute schedule is fixed for the run: the arena is sized once to its layout.
     const int Bm = cfg_.micro_batch(), Tm = cfg_.train.seq_len;
     std::optional<remat::BlockFlops> measured;
@@ -77,9 +76,10 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
         measured = remat::BlockFlops{ns[0], ns[1], ns[2], ns[3], ns[4], ns[5], ns[6]};
         step_cost = remat::estimated_step_ns(cfg_.model, Bm, Tm, *measured);
     }
-    const auto schedule = remat::make_schedule(remat::parse_policy(cfg_.train.remat), cfg_.model,
-                                               Bm, Tm, measured ? &*measured : nullptr);
-    model_->set_remat(schedule.plan);
+    const auto schedule =
+        remat::make_schedule(remat::parse_policy(cfg_.train.remat), cfg_.model, Bm, Tm,
+                             measured ? &*measured : nullptr, engine_->arena_format());
+    engine_->set_remat(schedule.plan);
     if (cfg_.train.remat != "none") {
         std::string letters;
         for (BlockKeep k : schedule.plan) letters += keep_name(k)[0];
@@ -90,8 +90,6 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
                         100.0 * schedule.recompute_flops / step_cost,
                         measured ? "measured time" : "analytic FLOPs"));
     }
-    const dist::ShardRange owned = store_->owned();
-    opt_ = make_optimizer(cfg_.optim, layout_, owned.offset, owned.count);
     // Every rank reads the whole global micro-batch (tokens are cheap) and keeps its rows, so the
     // data position is one number for the run, whatever its world size.
     const int B = cfg_.micro_batch(), T = cfg_.train.seq_len, Bg = B * cfg_.world;
@@ -115,24 +113,24 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
 
     state_.rng = Rng(cfg_.train.seed ^ 0x5A3D1Eull).state();
     if (!resume_dir.empty()) {
-        state_ = load_checkpoint(resume_dir, *model_, *opt_);
+        state_ = load_checkpoint(resume_dir, engine_->weights(), engine_->optimizer());
         train_loader_->set_position({state_.data_epoch, state_.data_cursor});
         print(fmt::format("resumed from {} at step {}\n", resume_dir, state_.step));
     } else if (!cfg_.model.init_from.empty()) {
-        load_hf_weights(*model_, cfg_.model.init_from);
+        load_hf_weights(engine_->weights(), cfg_.model.init_from);
         print(fmt::format("initialised weights from {}\n", cfg_.model.init_from));
     } else {
-        model_->init_weights(cfg_.train.seed);
+        init_gpt2_weights(engine_->weights(), cfg_.train.seed);
     }
 
     peak_lr_ = scaled_peak_lr(cfg_.optim, cfg_.tokens_per_step());
+    const std::size_t psi = engine_->weights().layout.total;
     print(fmt::format(
-        "model: {} parameters ({} with vocab padding) | batch {} x {} tokens = {} "
+        "device: {} | model: {} parameters ({} with vocab padding) | batch {} x {} tokens = {} "
         "tokens/step | micro-batch {} x {} accumulation steps{}\n",
-        model_->num_params() -
-            (std::size_t)(cfg_.model.padded_vocab() - cfg_.model.vocab_size) * cfg_.model.n_embd,
-        model_->num_params(), cfg_.train.batch_size, T, cfg_.tokens_per_step(), B,
-        cfg_.accum_steps(),
+        engine_->describe(),
+        psi - (std::size_t)(cfg_.model.padded_vocab() - cfg_.model.vocab_size) * cfg_.model.n_embd,
+        psi, cfg_.train.batch_size, T, cfg_.tokens_per_step(), B, cfg_.accum_steps(),
         cfg_.world > 1
             ? fmt::format(" x {} ranks (ZeRO stage {})", cfg_.world, cfg_.train.zero_stage)
             : std::string()));
@@ -183,7 +181,7 @@ float Trainer::evaluate() {
     double total = 0;
     for (int i = 0; i < n; i++) {
         next_rows(*val_loader_);
-        total += model_->forward_loss(xg_.data() + rows, yg_.data() + rows, B, T);
+        total += engine_->forward_loss(xg_.data() + rows, yg_.data() + rows, B, T);
     }
     return (float)mean_over_ranks(total / n);
 }
@@ -199,24 +197,23 @@ TrainSummary Trainer::run() {
     double timed_seconds = 0;
     int64_t timed_steps = 0;
     int ran = 0;
-    host_memory().reset_peak();
+    engine_->memory().reset_peak();
+    const bool fp16 = cfg_.train.precision == "fp16";
 
     while (state_.step < total) {
         if (opts_.stop_after >= 0 && ran >= opts_.stop_after) break;
         auto t0 = std::chrono::steady_clock::now();
-        model_->zero_grads();
-        double loss = 0;
+        engine_->begin_step();
         for (int k = 0; k < K; k++) {
             next_rows(*train_loader_);
-            store_->set_reduce(k == K - 1);  // stages 0-1 reduce once per step
-            loss +=
-                model_->forward_backward(xg_.data() + rows, yg_.data() + rows, B, T, grad_scale);
+            engine_->forward_backward(xg_.data() + rows, yg_.data() + rows, B, T, grad_scale,
+                                      k == K - 1);
         }
-        loss = mean_over_ranks(loss / K);
-        double norm = store_->clip_grad_norm(cfg_.optim.grad_clip);
         double lr = lr_at(cfg_.optim, peak_lr_, state_.step, total);
-        opt_->step(store_->owned_params(), store_->owned_grads(), lr);
-        store_->finish_step();
+        const StepResult step = engine_->finish_step(lr, cfg_.optim.grad_clip);
+        const double loss = mean_over_ranks(step.loss);
+        const double norm = step.grad_norm;
+        if (step.skipped) sum.steps_skipped++;
         state_.step++;
         ran++;
         auto pos = train_loader_->position();
@@ -228,24 +225,32 @@ TrainSummary Trainer::run() {
             timed_steps++;
         }
         double tps = (double)cfg_.tokens_per_step() / secs;
-        auto mem = host_memory().snapshot();
+        auto mem = engine_->memory().snapshot();
         sum.losses.push_back((float)loss);
         if (!std::isfinite(loss))
             fail("training loss became {} at step {}: lower optim.lr (now {}) or check the data",
                  loss, state_.step, cfg_.optim.lr);
-        if (state_.step % cfg_.train.log_every == 0 || state_.step == total)
+        // fp16: the loss scale this step's gradients carried, and whether an overflow skipped it.
+        const std::string scale =
+            fp16 ? fmt::format(" | scale {:g}{}", step.loss_scale,
+                               step.skipped ? " (overflow: update skipped)" : "")
+                 : std::string();
+        if (state_.step % cfg_.train.log_every == 0 || state_.step == total || step.skipped)
             print(
                 fmt::format("step {:>5}/{} | loss {:.4f} | lr {:.2e} | norm {:.3f} | {:>8.0f} "
-                            "tok/s | {:>7.1f} ms | mem {} / peak {}\n",
+                            "tok/s | {:>7.1f} ms | mem {} / peak {}{}\n",
                             state_.step, total, loss, lr, norm, tps, secs * 1000,
-                            mib(mem.total_used), mib(mem.peak_total_used)));
+                            mib(mem.total_used), mib(mem.peak_total_used), scale));
         if (metrics_)
             fmt::print(metrics_,
                        "{{\"step\": {}, \"loss\": {:.6f}, \"lr\": {:.6e}, \"grad_norm\": {:.6f}, "
                        "\"tokens_per_s\": {:.1f}, \"ms_per_step\": {:.3f}, \"mem_bytes\": {}, "
-                       "\"peak_mem_bytes\": {}}}\n",
+                       "\"peak_mem_bytes\": {}{}}}\n",
                        state_.step, loss, lr, norm, tps, secs * 1000, mem.total_used,
-                       mem.peak_total_used);
+                       mem.peak_total_used,
+                       fp16 ? fmt::format(", \"loss_scale\": {:g}, \"skipped\": {}",
+                                          step.loss_scale, step.skipped)
+                            : std::string());
         bool last = state_.step == total;
         if (val_loader_ &&
             ((cfg_.train.eval_every > 0 && state_.step % cfg_.train.eval_every == 0) || last)) {
@@ -259,8 +264,8 @@ TrainSummary Trainer::run() {
         bool stopping = opts_.stop_after >= 0 && ran >= opts_.stop_after;
         if ((cfg_.io.checkpoint_every > 0 && state_.step % cfg_.io.checkpoint_every == 0) ||
             (last && cfg_.io.save_final) || stopping) {
-            sum.last_checkpoint =
-                save_checkpoint(cfg_.io.out_dir, cfg_, *model_, *opt_, state_, *comm_);
+            sum.last_checkpoint = save_checkpoint(cfg_.io.out_dir, cfg_, engine_->weights(),
+                                                  engine_->optimizer(), state_, *comm_);
             print(fmt::format("checkpoint: {}\n", sum.last_checkpoint));
         }
     }
@@ -277,7 +282,7 @@ TrainSummary Trainer::run() {
 }
 
 void Trainer::print_memory_report() {
-    auto s = host_memory().snapshot();
+    auto s = engine_->memory().snapshot();
     // Every rank's peak of model states (parameters + gradients + optimizer state), gathered so
     // rank 0 can show that sharding really spread them. A collective.
     std::vector<double> rank_states((std::size_t)comm_->size());
@@ -288,77 +293,42 @@ void Trainer::print_memory_report() {
         comm_->all_gather_bytes(&mine, rank_states.data(), sizeof(double));
     }
     if (!root()) return;
-    const std::size_t psi = model_->num_params();
     const int stage = cfg_.train.zero_stage, N = cfg_.world;
-    auto lay = activation_layout(cfg_.model, cfg_.micro_batch(), cfg_.train.seq_len,
-                                 model_->remat_plan());
-    // Model states per rank under ZeRO: a shard (this rank's count of the balanced layout, Ψ/N
-    // rounded) where the stage shards that state, Ψ otherwise.
-    const std::size_t shard = (std::size_t)store_->owned().count;
-    const std::size_t p_n = stage >= 3 ? shard : psi, g_n = stage >= 2 ? shard : psi,
-                      o_n = stage >= 1 ? shard : psi;
-    const std::string per = N > 1 ? fmt::format(" / {} ranks", N) : "";
-    const int k = cfg_.optim.name == "adamw" ? 8 : 4;
-    struct Row {
-        MemCategory c;
-        std::string predicted;
-        std::size_t predicted_bytes;
-    };
-    Row rows[] = {
-        {MemCategory::Parameters, fmt::format("4 x params{} (fp32)", stage >= 3 ? per : ""),
-         4 * p_n},
-        {MemCategory::Gradients, fmt::format("4 x params{} (fp32)", stage >= 2 ? per : ""),
-         4 * g_n},
-        {MemCategory::OptimizerState,
-         fmt::format("{} x params{} ({})", k, stage >= 1 ? per : "",
-                     k == 8 ? "Adam m, v" : "momentum"),
-         (std::size_t)k * o_n},
-        {MemCategory::Activations,
-         fmt::format("activation_layout(B, T, remat={})", cfg_.train.remat),
-         arena_bytes(lay, MemCategory::Activations)},
-        {MemCategory::Workspace, "activation_layout(B, T)",
-         arena_bytes(lay, MemCategory::Workspace)},
-    };
-    std::string out =
-        fmt::format("\nmemory breakdown (host, fp32{})\n",
-                    N > 1 ? fmt::format(", rank 0 of {}, ZeRO stage {}", N, stage) : std::string());
+    std::string out = fmt::format("\nmemory breakdown ({})\n", engine_->memory_title());
     out += fmt::format("{:<16} {:>12} {:>12} {:>12} {:>12}  {}\n", "category", "current", "peak",
                        "reserved", "predicted", "formula");
     std::size_t pred_total = 0;
-    for (const auto& r : rows) {
-        int i = static_cast<int>(r.c);
-        pred_total += r.predicted_bytes;
-        out += fmt::format("{:<16} {:>12} {:>12} {:>12} {:>12}  {}\n", category_name(r.c),
-                           mib(s.used[i]), mib(s.peak_used[i]), mib(s.reserved[i]),
-                           mib(r.predicted_bytes), r.predicted);
+    for (const auto& r : engine_->predicted_memory(cfg_.micro_batch(), cfg_.train.seq_len)) {
+        int i = static_cast<int>(r.category);
+        pred_total += r.bytes;
+        out += fmt::format("{:<16} {:>12} {:>12} {:>12} {:>12}  {}\n", category_name(r.category),
+                           mib(s.used[i]), mib(s.peak_used[i]), mib(s.reserved[i]), mib(r.bytes),
+                           r.formula);
     }
     {
         // Unit buffers of the data-parallel engine: gathered parameters (stage 3), gradient
         // buckets (stages 2-3) and reduce-scatter pieces; alive only while a unit is in use.
         const int i = static_cast<int>(MemCategory::Communication);
         if (s.peak_used[i] > 0)
-            out +=
-                fmt::format("{:<16} {:>12} {:>12} {:>12} {:>12}  {}\n", "communication",
-                            mib(s.used[i]), mib(s.peak_used[i]), mib(s.reserved[i]), "-",
-                            "unit buffers (largest unit: " + mib(4 * layout_.largest_unit()) + ")");
+            out += fmt::format("{:<16} {:>12} {:>12} {:>12} {:>12}  {}\n", "communication",
+                               mib(s.used[i]), mib(s.peak_used[i]), mib(s.reserved[i]), "-",
+                               "unit buffers (largest unit: " +
+                                   mib(4 * engine_->weights().layout.largest_unit()) + ")");
     }
     out += fmt::format("{:<16} {:>12} {:>12} {:>12} {:>12}\n", "total tracked", mib(s.total_used),
                        mib(s.peak_total_used), mib(s.total_reserved), mib(pred_total));
-    out += fmt::format(
-        "{:<16} {:>12}  (everything the OS charged: code, libraries, loaders, "
-        "allocator slack)\n",
-        "process peak RSS", mib(process_peak_rss()));
+    out += engine_->memory_footer();
     // The analytic planner (`memtrain estimate`) for the same run, from its general formulas
     // (Korthikanti-style activations), beside the exact layout above.
     plan::RunSpec rs;
-    rs.precision = plan::Precision::fp32;
+    rs.precision = plan::parse_precision(cfg_.train.precision);
     rs.optimizer = cfg_.optim.name == "sgd" ? plan::Optimizer::sgd : plan::Optimizer::adamw;
     rs.micro_batch = cfg_.micro_batch();
     rs.seq = cfg_.train.seq_len;
     rs.micro_batches = cfg_.accum_steps();
     rs.dp = N;
     rs.zero = stage;
-    rs.flash_attention = false;
+    rs.flash_attention = engine_->arena_format().fused_attention;
     rs.fragmentation = 0;
     rs.reserve_bytes = 0;
     // The planner models whole-model policies (none, selective, full); per-block schedules
@@ -403,10 +373,27 @@ void Trainer::print_sample() {
     // No stop at end-of-text: a short document would leave an empty sample; the marker shows
     // where the model started a new one.
     so.stop_token = -1;
-    auto out = generate(*model_, prompt, so, rng);
+    auto out = generate(
+        cfg_.model,
+        [&](const int32_t* x, int T, float* logits) { engine_->forward_logits(x, 1, T, logits); },
+        prompt, so, rng);
     std::vector<uint32_t> ids(out.begin(), out.end());
     print(fmt::format("\nsample (temperature {}, top-k {}):\n{}{}\n", so.temperature, so.top_k,
                       cfg_.sample.prompt, tok.decode(ids)));
+}
+
+CpuEngine& Trainer::cpu_engine() {
+    auto* e = dynamic_cast<CpuEngine*>(engine_.get());
+    if (!e) fail("internal: the trainer runs on {}, not the CPU engine", engine_->describe());
+    return *e;
+}
+
+GPT& Trainer::model() {
+    return cpu_engine().model();
+}
+
+dist::ZeroStore& Trainer::store() {
+    return cpu_engine().store();
 }
 
 }  // namespace memtrain

@@ -11,10 +11,8 @@
 
 #include "data/loader.h"
 #include "dist/communicator.h"
-#include "dist/zero.h"
 #include "io/checkpoint.h"
-#include "model/gpt.h"
-#include "optim/optimizer.h"
+#include "train/engine.h"
 #include "train/run_config.h"
 
 namespace memtrain {
@@ -29,22 +27,29 @@ struct TrainSummary {
     std::vector<float> losses;                      // training loss per step run here
     std::vector<std::pair<int, float>> val_losses;  // (step, loss)
     int64_t steps_done = 0;
-    double tokens_per_s = 0;  // mean over the steps after the first
+    int64_t steps_skipped = 0;  // fp16: updates skipped for a gradient overflow
+    double tokens_per_s = 0;    // mean over the steps after the first
     std::string last_checkpoint;
 };
 
-// Data parallelism: every rank of `comm` builds the same Trainer; each takes its rows of every
-// global micro-batch (rank r the r-th slice of micro_batch rows), and the ZeroStore reduces the
-// gradients and shards the model states per train.zero_stage. Without a communicator the run is
-// a world of one, through the same code. Rank 0 prints, logs and writes the shared checkpoint
-// files; reported losses are means over all ranks, identical on every rank.
+// The model, its gradients and optimizer live in an Engine (engine.h): the CPU one, or the CUDA
+// one for train.device = "cuda". Data parallelism (CPU): every rank of `comm` builds the same
+// Trainer; each takes its rows of every global micro-batch (rank r the r-th slice of
+// micro_batch rows), and the engine's ZeroStore reduces the gradients and shards the model
+// states per train.zero_stage. Without a communicator the run is a world of one, through the
+// same code. Rank 0 prints, logs and writes the shared checkpoint files; reported losses are
+// means over all ranks, identical on every rank.
 class Trainer {
   public:
     Trainer(RunConfig cfg, TrainOptions opts = {}, dist::Communicator* comm = nullptr);
     ~Trainer();
     TrainSummary run();
-    GPT& model() { return *model_; }
-    dist::ZeroStore& store() { return *store_; }
+    Engine& engine() { return *engine_; }
+    // Every parameter as fp32 (the master weights), in layout order; a collective under ZeRO-3.
+    std::vector<float> params() { return gather_params(engine_->weights()); }
+    // The CPU engine's model and store (tests of the CPU engine); an Error on another device.
+    GPT& model();
+    dist::ZeroStore& store();
     const RunConfig& config() const { return cfg_; }
 
   private:
@@ -60,12 +65,11 @@ class Trainer {
 
     RunConfig cfg_;
     TrainOptions opts_;
+    CpuEngine& cpu_engine();
+
     std::unique_ptr<dist::Communicator> own_comm_;
     dist::Communicator* comm_;
-    ParamLayout layout_;
-    std::unique_ptr<dist::ZeroStore> store_;
-    std::unique_ptr<GPT> model_;
-    std::unique_ptr<Optimizer> opt_;
+    std::unique_ptr<Engine> engine_;
     std::unique_ptr<data::DataLoader> train_loader_, val_loader_;
     std::vector<int32_t> xg_, yg_;  // a global micro-batch (every rank's rows)
     TrainState state_;

@@ -1,0 +1,15 @@
+// The CUDA engine (see engine.h): the model, its gradients and the optimizer on one GPU, in fp32,
+// or in bf16/fp16 with fp32 master weights and Adam moments (Micikevicius et al., Mixed
+// Precision Training) and, for fp16, a dynamic loss scale. Declared here without CUDA types so
+// the factory links in every build; a build without CUDA fails with a message.
+#pragma once
+
+#include <memory>
+
+#include "train/engine.h"
+
+namespace memtrain {
+
+std::unique_ptr<Engine> make_cuda_engine(const RunConfig& cfg);
+
+}  // namespace memtrain

@@ -1,0 +1,103 @@
+// The CPU engine and the engine factory (see engine.h).
+#include "train/engine.h"
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "train/cuda_engine.h"
+
+namespace memtrain {
+
+CpuEngine::CpuEngine(const RunConfig& cfg, dist::Communicator& comm)
+    : cfg_(cfg), comm_(comm), layout_(make_param_layout(cfg.model)) {
+    store_ = std::make_unique<dist::ZeroStore>(layout_, comm_, cfg_.train.zero_stage);
+    model_ = std::make_unique<GPT>(cfg_.model, store_.get());
+    const dist::ShardRange owned = store_->owned();
+    opt_ = make_optimizer(cfg_.optim, layout_, owned.offset, owned.count);
+}
+
+void CpuEngine::begin_step() {
+    model_->zero_grads();
+    loss_sum_ = 0;
+    micro_batches_ = 0;
+}
+
+void CpuEngine::forward_backward(const int32_t* inputs, const int32_t* targets, int B, int T,
+                                 float grad_scale, bool last) {
+    store_->set_reduce(last);  // stages 0-1 reduce once per step
+    loss_sum_ += model_->forward_backward(inputs, targets, B, T, grad_scale);
+    micro_batches_++;
+}
+
+StepResult CpuEngine::finish_step(double lr, double max_norm) {
+    StepResult r;
+    r.loss = micro_batches_ ? loss_sum_ / micro_batches_ : 0.0;
+    r.grad_norm = store_->clip_grad_norm(max_norm);
+    opt_->step(store_->owned_params(), store_->owned_grads(), lr);
+    store_->finish_step();
+    return r;
+}
+
+double CpuEngine::forward_loss(const int32_t* inputs, const int32_t* targets, int B, int T) {
+    return model_->forward_loss(inputs, targets, B, T);
+}
+
+void CpuEngine::forward_logits(const int32_t* inputs, int B, int T, float* out) {
+    model_->forward_logits(inputs, B, T, out);
+}
+
+std::string CpuEngine::memory_title() const {
+    const int N = comm_.size();
+    return fmt::format("host, fp32{}", N > 1 ? fmt::format(", rank 0 of {}, ZeRO stage {}", N,
+                                                           cfg_.train.zero_stage)
+                                             : std::string());
+}
+
+std::vector<MemoryPrediction> CpuEngine::predicted_memory(int B, int T) const {
+    const std::size_t psi = layout_.total;
+    const int stage = cfg_.train.zero_stage, N = comm_.size();
+    auto lay = activation_layout(cfg_.model, B, T, model_->remat_plan(), arena_format());
+    // Model states per rank under ZeRO: a shard (this rank's count of the balanced layout, Ψ/N
+    // rounded) where the stage shards that state, Ψ otherwise.
+    const std::size_t shard = (std::size_t)store_->owned().count;
+    const std::size_t p_n = stage >= 3 ? shard : psi, g_n = stage >= 2 ? shard : psi,
+                      o_n = stage >= 1 ? shard : psi;
+    const std::string per = N > 1 ? fmt::format(" / {} ranks", N) : "";
+    const int k = cfg_.optim.name == "adamw" ? 8 : 4;
+    return {
+        {MemCategory::Parameters, fmt::format("4 x params{} (fp32)", stage >= 3 ? per : ""),
+         4 * p_n},
+        {MemCategory::Gradients, fmt::format("4 x params{} (fp32)", stage >= 2 ? per : ""),
+         4 * g_n},
+        {MemCategory::OptimizerState,
+         fmt::format("{} x params{} ({})", k, stage >= 1 ? per : "",
+                     k == 8 ? "Adam m, v" : "momentum"),
+         (std::size_t)k * o_n},
+        {MemCategory::Activations,
+         fmt::format("activation_layout(B, T, remat={})", cfg_.train.remat),
+         arena_bytes(lay, MemCategory::Activations)},
+        {MemCategory::Workspace, "activation_layout(B, T)",
+         arena_bytes(lay, MemCategory::Workspace)},
+    };
+}
+
+std::string CpuEngine::memory_footer() const {
+    return fmt::format(
+        "{:<16} {:>12}  (everything the OS charged: code, libraries, loaders, allocator slack)\n",
+        "process peak RSS", fmt::format("{:.1f} MiB", process_peak_rss() / 1048576.0));
+}
+
+std::unique_ptr<Engine> make_engine(const RunConfig& cfg, dist::Communicator& comm) {
+    if (cfg.train.device == "cpu") return std::make_unique<CpuEngine>(cfg, comm);
+    if (cfg.train.device == "cuda") {
+        if (comm.size() > 1)
+            fail(
+                "train.device = \"cuda\" runs one process for now ({} ranks launched): data "
+                "parallelism on GPUs (NCCL) is not built yet; use device = \"cpu\" under mpirun",
+                comm.size());
+        return make_cuda_engine(cfg);
+    }
+    fail("internal: train.device '{}' was not resolved to cpu or cuda", cfg.train.device);
+}
+
+}  // namespace memtrain

@@ -1,0 +1,115 @@
+// What the Trainer drives: a model with its parameters, gradients and optimizer state on one
+// device, stepped one micro-batch at a time. CpuEngine (here) is the CPU model over a ZeroStore
+// (a single process is a world of one); CudaEngine (cuda_engine.h) keeps everything on the GPU
+// in fp32, bf16 or fp16 with fp32 master weights. The Trainer owns the data, the schedule, the
+// logs and the checkpoints, and never sees which one it runs.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/allocator.h"
+#include "dist/communicator.h"
+#include "dist/zero.h"
+#include "model/activation_layout.h"
+#include "model/gpt.h"
+#include "model/weights.h"
+#include "optim/optimizer.h"
+#include "train/run_config.h"
+
+namespace memtrain {
+
+// One optimizer step's outcome.
+struct StepResult {
+    double loss = 0;        // mean training loss of this rank's micro-batches
+    double grad_norm = 0;   // of the true (unscaled) gradients, before clipping
+    bool skipped = false;   // fp16: a gradient overflowed, the update was skipped
+    double loss_scale = 1;  // fp16: the scale the gradients of this step carried
+};
+
+// A row of the memory report: a category's predicted bytes and the formula behind them.
+struct MemoryPrediction {
+    MemCategory category;
+    std::string formula;
+    std::size_t bytes;
+};
+
+class Engine {
+  public:
+    virtual ~Engine() = default;
+
+    // "cpu (fp32)", "cuda: NVIDIA H100 80GB HBM3 (bf16)".
+    virtual std::string describe() const = 0;
+    // Parameters (fp32, unit by unit) for initialisation, import and checkpoints.
+    virtual ModelWeights weights() = 0;
+    virtual OptimizerState& optimizer() = 0;
+    // How the model lays out its activations (for the remat solver and the memory report).
+    virtual ActFormat arena_format() const = 0;
+    virtual void set_remat(const RematPlan& plan) = 0;
+    virtual const RematPlan& remat_plan() const = 0;
+
+    // One optimizer step: begin_step, forward_backward for each micro-batch (the last one with
+    // last = true: data parallelism reduces the gradients once), finish_step.
+    virtual void begin_step() = 0;
+    // Every token's loss gradient is grad_scale (1 / tokens in the global batch).
+    virtual void forward_backward(const int32_t* inputs, const int32_t* targets, int B, int T,
+                                  float grad_scale, bool last) = 0;
+    // Clips to max_norm (<= 0: no clipping), updates with learning rate lr.
+    virtual StepResult finish_step(double lr, double max_norm) = 0;
+
+    // Mean loss of one micro-batch (evaluation) and logits (B,T,V) for sampling.
+    virtual double forward_loss(const int32_t* inputs, const int32_t* targets, int B, int T) = 0;
+    virtual void forward_logits(const int32_t* inputs, int B, int T, float* out) = 0;
+
+    // The memory this engine's tensors live in, and the report's predicted rows.
+    virtual MemoryTracker& memory() = 0;
+    virtual std::string memory_title() const = 0;
+    virtual std::vector<MemoryPrediction> predicted_memory(int B, int T) const = 0;
+    // Lines under the table: what the OS or the driver charged beyond the tracked tensors.
+    virtual std::string memory_footer() const = 0;
+};
+
+// The CPU model over a ZeroStore on `comm`: DDP and ZeRO stages 0-3 (dist/zero.h).
+class CpuEngine final : public Engine {
+  public:
+    CpuEngine(const RunConfig& cfg, dist::Communicator& comm);
+    std::string describe() const override { return "cpu (fp32)"; }
+    ModelWeights weights() override { return model_->weights(); }
+    OptimizerState& optimizer() override { return *opt_; }
+    ActFormat arena_format() const override { return GPT::arena_format(); }
+    void set_remat(const RematPlan& plan) override { model_->set_remat(plan); }
+    const RematPlan& remat_plan() const override { return model_->remat_plan(); }
+    void begin_step() override;
+    void forward_backward(const int32_t* inputs, const int32_t* targets, int B, int T,
+                          float grad_scale, bool last) override;
+    StepResult finish_step(double lr, double max_norm) override;
+    double forward_loss(const int32_t* inputs, const int32_t* targets, int B, int T) override;
+    void forward_logits(const int32_t* inputs, int B, int T, float* out) override;
+    MemoryTracker& memory() override { return host_memory(); }
+    std::string memory_title() const override;
+    std::vector<MemoryPrediction> predicted_memory(int B, int T) const override;
+    std::string memory_footer() const override;
+
+    GPT& model() { return *model_; }
+    dist::ZeroStore& store() { return *store_; }
+
+  private:
+    RunConfig cfg_;
+    dist::Communicator& comm_;
+    ParamLayout layout_;
+    std::unique_ptr<dist::ZeroStore> store_;
+    std::unique_ptr<GPT> model_;
+    std::unique_ptr<Optimizer> opt_;
+    double loss_sum_ = 0;
+    int micro_batches_ = 0;
+};
+
+// The engine `cfg.train.device` asks for ("cpu" or "cuda"; resolved, never "auto"). A CUDA
+// engine needs a CUDA build and a GPU, and runs one process (data parallelism on the GPU is a
+// later step): otherwise an Error says which.
+std::unique_ptr<Engine> make_engine(const RunConfig& cfg, dist::Communicator& comm);
+
+}  // namespace memtrain
