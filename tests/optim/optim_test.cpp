@@ -2,8 +2,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <string>
 
 #include "core/error.h"
+#include "optim/loss_scaler.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
 
@@ -107,4 +109,59 @@ TEST(Schedule, BatchSizeScalingRules) {
     EXPECT_NEAR(scaled_peak_lr(c, 4096), 2e-3, 1e-15);
     c.lr_reference_batch = 0;
     EXPECT_THROW(c.validate(), Error);
+}
+
+// ---- dynamic loss scaling (fp16) -------------------------------------------------------------
+
+TEST(LossScaler, HalvesOnOverflowAndDoublesAfterTheWindow) {
+    LossScaler s(1024, 3);
+    EXPECT_EQ(s.scale(), 1024);
+    s.update(true, 1);  // overflow: halve, count restarts
+    EXPECT_EQ(s.scale(), 512);
+    EXPECT_EQ(s.overflows(), 1);
+    s.update(false, 2);
+    s.update(false, 3);
+    EXPECT_EQ(s.scale(), 512);
+    EXPECT_EQ(s.clean_steps(), 2);
+    s.update(false, 4);  // the third clean step in a row doubles
+    EXPECT_EQ(s.scale(), 1024);
+    EXPECT_EQ(s.clean_steps(), 0);
+    s.update(false, 5);
+    s.update(true, 6);  // an overflow resets the clean count
+    EXPECT_EQ(s.scale(), 512);
+    s.update(false, 7);
+    s.update(false, 8);
+    EXPECT_EQ(s.scale(), 512);
+}
+
+TEST(LossScaler, StaysWithinItsRange) {
+    LossScaler s(LossScaler::kMaxScale, 1);
+    s.update(false, 1);
+    EXPECT_EQ(s.scale(), LossScaler::kMaxScale);
+    LossScaler t(2, 5);
+    t.update(true, 1);
+    EXPECT_EQ(t.scale(), LossScaler::kMinScale);
+}
+
+TEST(LossScaler, OverflowAtTheMinimumScaleIsAnErrorThatNamesTheRemedy) {
+    LossScaler s(1, 10);
+    try {
+        s.update(true, 42);
+        FAIL() << "no error";
+    } catch (const Error& e) {
+        const std::string m = e.what();
+        EXPECT_NE(m.find("step 42"), std::string::npos) << m;
+        EXPECT_NE(m.find("bf16"), std::string::npos) << m;
+    }
+    EXPECT_THROW(LossScaler(0.5, 10), Error);
+    EXPECT_THROW(LossScaler(1024, 0), Error);
+}
+
+TEST(LossScaler, RestoresFromACheckpoint) {
+    LossScaler s(65536, 4);
+    s.restore(256, 3);
+    EXPECT_EQ(s.scale(), 256);
+    s.update(false, 1);
+    EXPECT_EQ(s.scale(), 512);
+    EXPECT_THROW(s.restore(0, 0), Error);
 }
