@@ -281,6 +281,10 @@ std::string save_checkpoint(const std::string& out_dir, const RunConfig& cfg,
             w.set_metadata(fmt::format("rng{}", i), std::to_string(state.rng[i]));
         w.set_metadata("data_epoch", std::to_string(state.data_epoch));
         w.set_metadata("data_cursor", std::to_string(state.data_cursor));
+        if (state.loss_scale > 0) {
+            w.set_metadata("loss_scale", fmt::format("{}", state.loss_scale));
+            w.set_metadata("loss_scale_clean", std::to_string(state.loss_scale_clean));
+        }
         w.write((tmp_dir / "training_state.safetensors").string());
         if (!cfg.data.tokenizer.empty()) {
             auto tok = data::Tokenizer::load(cfg.data.tokenizer);
@@ -362,6 +366,15 @@ TrainState load_checkpoint(const std::string& dir, const ModelWeights& weights,
     for (int i = 0; i < 4; i++) st.rng[i] = meta_u64(f, fmt::format("rng{}", i), spath);
     st.data_epoch = meta_u64(f, "data_epoch", spath);
     st.data_cursor = meta_u64(f, "data_cursor", spath);
+    if (f.metadata().count("loss_scale")) {  // fp16 runs only
+        const std::string& v = meta(f, "loss_scale", spath);
+        try {
+            st.loss_scale = std::stod(v);
+        } catch (const std::exception&) {
+            fail("{}: metadata 'loss_scale' = '{}' is not a number", spath, v);
+        }
+        st.loss_scale_clean = (int64_t)meta_u64(f, "loss_scale_clean", spath);
+    }
     opt.set_steps_taken((int64_t)meta_u64(f, "optimizer_steps", spath));
 
     // This rank's optimizer range, assembled from whichever files overlap it: the files may come

@@ -26,6 +26,9 @@ struct TrainState {
     int64_t step = 0;               // optimizer steps completed
     std::array<uint64_t, 4> rng{};  // sampling RNG
     uint64_t data_epoch = 0, data_cursor = 0;
+    // fp16's dynamic loss scale and its clean-step count (0: the run has none).
+    double loss_scale = 0;
+    int64_t loss_scale_clean = 0;
 };
 
 // Hugging Face weights: wte is written with its real vocab rows only. Goes unit by unit through

@@ -12,4 +12,8 @@ namespace memtrain {
 
 std::unique_ptr<Engine> make_cuda_engine(const RunConfig& cfg);
 
+// Test hook: the engine's next finish_step finds a non-finite gradient, as an fp16 overflow in
+// backward would leave it (tests/cuda: the step is skipped and the loss scale halves).
+void inject_overflow_for_test(Engine& engine);
+
 }  // namespace memtrain

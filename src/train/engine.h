@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/allocator.h"
@@ -70,6 +71,10 @@ class Engine {
     virtual std::vector<MemoryPrediction> predicted_memory(int B, int T) const = 0;
     // Lines under the table: what the OS or the driver charged beyond the tracked tensors.
     virtual std::string memory_footer() const = 0;
+
+    // fp16: the loss scaler's scale and clean-step count, for checkpoints ({0, 0}: none).
+    virtual std::pair<double, int64_t> loss_scaler_state() const { return {0.0, 0}; }
+    virtual void restore_loss_scaler(double /*scale*/, int64_t /*clean_steps*/) {}
 };
 
 // The CPU model over a ZeroStore on `comm`: DDP and ZeRO stages 0-3 (dist/zero.h).

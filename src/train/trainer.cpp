@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <tuple>
 
 #include <fmt/format.h>
 
@@ -114,6 +115,7 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
     state_.rng = Rng(cfg_.train.seed ^ 0x5A3D1Eull).state();
     if (!resume_dir.empty()) {
         state_ = load_checkpoint(resume_dir, engine_->weights(), engine_->optimizer());
+        engine_->restore_loss_scaler(state_.loss_scale, state_.loss_scale_clean);
         train_loader_->set_position({state_.data_epoch, state_.data_cursor});
         print(fmt::format("resumed from {} at step {}\n", resume_dir, state_.step));
     } else if (!cfg_.model.init_from.empty()) {
@@ -264,6 +266,7 @@ TrainSummary Trainer::run() {
         bool stopping = opts_.stop_after >= 0 && ran >= opts_.stop_after;
         if ((cfg_.io.checkpoint_every > 0 && state_.step % cfg_.io.checkpoint_every == 0) ||
             (last && cfg_.io.save_final) || stopping) {
+            std::tie(state_.loss_scale, state_.loss_scale_clean) = engine_->loss_scaler_state();
             sum.last_checkpoint = save_checkpoint(cfg_.io.out_dir, cfg_, engine_->weights(),
                                                   engine_->optimizer(), state_, *comm_);
             print(fmt::format("checkpoint: {}\n", sum.last_checkpoint));
