@@ -204,6 +204,7 @@ TrainSummary Trainer::run() {
 
     while (state_.step < total) {
         if (opts_.stop_after >= 0 && ran >= opts_.stop_after) break;
+        if (opts_.before_step) opts_.before_step(state_.step + 1, *engine_);
         auto t0 = std::chrono::steady_clock::now();
         engine_->begin_step();
         for (int k = 0; k < K; k++) {

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -21,6 +22,9 @@ struct TrainOptions {
     std::string resume;   // checkpoint dir (or out_dir with `latest`) to continue from
     bool quiet = false;   // no console output (tests)
     int stop_after = -1;  // stop (and checkpoint) after this many steps of this process; -1 = off
+    // Called before each step with the (1-based) number of the step about to run: a hook for
+    // tests (fault injection, inspecting the engine between steps).
+    std::function<void(int64_t step, Engine& engine)> before_step;
 };
 
 struct TrainSummary {
