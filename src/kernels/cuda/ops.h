@@ -20,3 +20,4 @@
 #include "kernels/cuda/norm.h"
 #include "kernels/cuda/optimizer.h"
 #include "kernels/cuda/reduce.h"
+#include "kernels/cuda/rope.h"
