@@ -1,5 +1,20 @@
-// The optimizer on the GPU: AdamW with torch.optim.AdamW's arithmetic.
+// The optimizer on the GPU: the clipping / skipping decision from the gradient norm, and AdamW and
+// SGD as multi-tensor kernels (one block per TensorChunk) that read their constants from a
+// device-side StepScalars.
+//
+// Bitwise agreement with the CPU optimizer (optim/optimizer.cpp) needs the same float operations
+// with the same roundings. GCC compiles that file at -O2 and above with its default
+// -ffp-contract=fast and an FMA-capable -march, and then fuses these multiply-adds (read off its
+// x86-64-v3 assembly, GCC 12):
+//   AdamW: m = fma(b1, m, (1 - b1) * g); v = fma(b2, v, ((1 - b2) * g) * g);
+//          p = fma(p, decay, -((step_size * m) / (sqrt(v) / bc2_sqrt + eps)))
+//   SGD:   g' = fma(wd, p, g); b = first ? g' : fma(mu, b, g'); d = nesterov ? fma(b, mu, g') : b;
+//          p = fma(-lr, d, p)
+// The kernels spell exactly these out with explicitly rounded operations (never contracted
+// further by nvcc), so the GPU result does not depend on nvcc's contraction choices. A CPU build
+// that does not fuse (GCC at -O0, the sanitizer build) differs from both in the last bits.
 #include <cmath>
+#include <type_traits>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops.h"
@@ -8,37 +23,163 @@ namespace memtrain::cuda {
 
 constexpr int kThreads = 256;
 
-// ---- AdamW, the arithmetic of optim/optimizer.cpp's AdamW::step
-// -----------------------------------
-static __global__ void adamw_kernel(float* p, float* m, float* v, const float* g,
-                                    const uint8_t* decay, int64_t n, float b1, float b2, float eps,
-                                    float step_size, float bc2_sqrt, float decay_factor) {
-    MT_GRID_STRIDE(i, n) {
-        float gi = g[i];
-        float mi = b1 * m[i] + (1.0f - b1) * gi;
-        float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
-        m[i] = mi;
-        v[i] = vi;
-        float denom = sqrtf(vi) / bc2_sqrt + eps;
-        float d = (decay == nullptr || decay[i]) ? decay_factor : 1.0f;
-        p[i] = p[i] * d - step_size * mi / denom;
+#if MEMTRAIN_CUDA_SIM
+using std::isfinite;
+#endif
+
+// ---- explicitly rounded float operations -------------------------------------------------------
+#if MEMTRAIN_CUDA_SIM
+// Host C++ under the simulator, where GCC would contract a product into a following addition:
+// a result stored through a volatile is never fused with anything.
+static inline float mul_rn(float a, float b) {
+    volatile float r = a * b;
+    return r;
+}
+static inline float add_rn(float a, float b) {
+    volatile float r = a + b;
+    return r;
+}
+static inline float div_rn(float a, float b) {
+    volatile float r = a / b;
+    return r;
+}
+static inline float sqrt_rn(float a) {
+    return std::sqrt(a);
+}
+static inline float fma_rn(float a, float b, float c) {
+    return std::fma(a, b, c);
+}
+#else
+static __device__ __forceinline__ float mul_rn(float a, float b) {
+    return __fmul_rn(a, b);
+}
+static __device__ __forceinline__ float add_rn(float a, float b) {
+    return __fadd_rn(a, b);
+}
+static __device__ __forceinline__ float div_rn(float a, float b) {
+    return __fdiv_rn(a, b);
+}
+static __device__ __forceinline__ float sqrt_rn(float a) {
+    return __fsqrt_rn(a);
+}
+static __device__ __forceinline__ float fma_rn(float a, float b, float c) {
+    return __fmaf_rn(a, b, c);
+}
+#endif
+
+// ---- gradient norm -> clip coefficient, skip flag ----------------------------------------------
+static __global__ void finish_grad_norm_kernel(StepScalars* s, const double* sumsq) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    // clip_grad_norm's arithmetic: the norm and the coefficient in double, the scale applied in
+    // float. The stored gradients are loss_scale x the true ones.
+    const double norm = sqrt(*sumsq) / (double)s->loss_scale;
+    double coef = 1.0;
+    if (s->max_norm > 0.0f) {
+        const double c = (double)s->max_norm / (norm + 1e-6);
+        if (c < 1.0) coef = c;
+    }
+    s->grad_norm = (float)norm;
+    s->skip = isfinite(norm) ? 0 : 1;
+    s->grad_scale = (float)(coef / (double)s->loss_scale);
+}
+
+void finish_grad_norm(StepScalars* s, const double* sumsq, cudaStream_t stream) {
+    if (!s || !sumsq) fail("cuda::finish_grad_norm: null scalars or sum of squares");
+    MT_LAUNCH(finish_grad_norm_kernel, 1, 32, 0, stream, s, sumsq);
+}
+
+// ---- AdamW -------------------------------------------------------------------------------------
+// One block per chunk; threads stride over the chunk's floats (coalesced). params[j] is read from
+// the master copy when there is one.
+template <typename T>
+static __global__ void adamw_kernel(T* params, float* master, float* m, float* v, const T* grads,
+                                    const TensorChunk* chunks, const StepScalars* s) {
+    if (s->skip) return;
+    const TensorChunk c = chunks[blockIdx.x];
+    const float b1 = s->beta1, b2 = s->beta2, eps = s->eps, step_size = s->step_size,
+                bc2_sqrt = s->bc2_sqrt, scale = s->grad_scale;
+    const float decay = c.decay ? s->decay_factor : 1.0f;
+    const float one_b1 = 1.0f - b1, one_b2 = 1.0f - b2;
+    for (int i = threadIdx.x; i < c.n; i += blockDim.x) {
+        const int64_t j = c.begin + i;
+        const float g = mul_rn(to_float(grads[j]), scale);
+        const float mi = fma_rn(b1, m[j], mul_rn(one_b1, g));
+        const float vi = fma_rn(b2, v[j], mul_rn(mul_rn(one_b2, g), g));
+        m[j] = mi;
+        v[j] = vi;
+        const float denom = add_rn(div_rn(sqrt_rn(vi), bc2_sqrt), eps);
+        const float p = master ? master[j] : to_float(params[j]);
+        const float pn = fma_rn(p, decay, -div_rn(mul_rn(step_size, mi), denom));
+        if (master) master[j] = pn;
+        params[j] = from_float<T>(pn);
     }
 }
 
-void adamw_step(float* params, float* m, float* v, const float* grads, const uint8_t* decay,
-                int64_t n, double lr, double beta1, double beta2, double eps, double weight_decay,
-                int64_t step, cudaStream_t stream) {
-    if (step < 1) fail("cuda::adamw_step: step is {}, expected the 1-based count (>= 1)", step);
-    if (n <= 0) return;
-    // Host-side constants exactly as the CPU AdamW computes them.
-    const double bc1 = 1.0 - std::pow(beta1, (double)step);
-    const double bc2 = 1.0 - std::pow(beta2, (double)step);
-    const float step_size = (float)(lr / bc1);
-    const float bc2_sqrt = (float)std::sqrt(bc2);
-    const float decay_factor = (float)(1.0 - lr * weight_decay);
-    MT_LAUNCH(adamw_kernel, elementwise_blocks(n, kThreads), kThreads, 0, stream, params, m, v,
-              grads, decay, n, (float)beta1, (float)beta2, (float)eps, step_size, bc2_sqrt,
-              decay_factor);
+// ---- SGD with momentum -------------------------------------------------------------------------
+template <typename T>
+static __global__ void sgd_kernel(T* params, float* master, float* buf, const T* grads,
+                                  const TensorChunk* chunks, const StepScalars* s) {
+    if (s->skip) return;
+    const TensorChunk c = chunks[blockIdx.x];
+    const float mu = s->momentum, lr = s->lr, scale = s->grad_scale;
+    const float wd = c.decay ? s->weight_decay : 0.0f;
+    const bool first = s->first_step != 0, nesterov = s->nesterov != 0;
+    for (int i = threadIdx.x; i < c.n; i += blockDim.x) {
+        const int64_t j = c.begin + i;
+        const float p = master ? master[j] : to_float(params[j]);
+        const float g = fma_rn(wd, p, mul_rn(to_float(grads[j]), scale));
+        const float b = first ? g : fma_rn(mu, buf[j], g);
+        buf[j] = b;
+        const float d = nesterov ? fma_rn(b, mu, g) : b;
+        const float pn = fma_rn(-lr, d, p);
+        if (master) master[j] = pn;
+        params[j] = from_float<T>(pn);
+    }
 }
+
+// ---- entries -----------------------------------------------------------------------------------
+template <typename T>
+static void check_step(const char* op, const T* params, const float* master, const T* grads,
+                       const TensorChunk* chunks, int nchunks, const StepScalars* s) {
+    if (nchunks < 0) fail("cuda::{}: nchunks is {}, expected >= 0", op, nchunks);
+    if (nchunks > 0 && (!params || !grads || !chunks || !s))
+        fail("cuda::{}: null params, grads, chunks or scalars", op);
+    if (std::is_same<T, float>::value) {
+        if (master)
+            fail("cuda::{}: fp32 parameters are their own master copy, expected master = null", op);
+    } else if (nchunks > 0 && !master) {
+        fail("cuda::{}: bf16 / fp16 parameters need fp32 master weights, got master = null", op);
+    }
+}
+
+template <typename T>
+void adamw_step(T* params, float* master, float* m, float* v, const T* grads,
+                const TensorChunk* chunks, int nchunks, const StepScalars* s, cudaStream_t stream) {
+    check_step("adamw_step", params, master, grads, chunks, nchunks, s);
+    if (nchunks == 0) return;
+    if (!m || !v) fail("cuda::adamw_step: null moment buffers");
+    MT_LAUNCH(adamw_kernel<T>, (unsigned)nchunks, kThreads, 0, stream, params, master, m, v, grads,
+              chunks, s);
+}
+
+template <typename T>
+void sgd_step(T* params, float* master, float* momentum, const T* grads, const TensorChunk* chunks,
+              int nchunks, const StepScalars* s, cudaStream_t stream) {
+    check_step("sgd_step", params, master, grads, chunks, nchunks, s);
+    if (nchunks == 0) return;
+    if (!momentum) fail("cuda::sgd_step: null momentum buffer");
+    MT_LAUNCH(sgd_kernel<T>, (unsigned)nchunks, kThreads, 0, stream, params, master, momentum,
+              grads, chunks, s);
+}
+
+#define MT_INSTANTIATE(T)                                                                      \
+    template void adamw_step<T>(T*, float*, float*, float*, const T*, const TensorChunk*, int, \
+                                const StepScalars*, cudaStream_t);                             \
+    template void sgd_step<T>(T*, float*, float*, const T*, const TensorChunk*, int,           \
+                              const StepScalars*, cudaStream_t);
+MT_INSTANTIATE(float)
+MT_INSTANTIATE(__nv_bfloat16)
+MT_INSTANTIATE(__half)
+#undef MT_INSTANTIATE
 
 }  // namespace memtrain::cuda

@@ -1,23 +1,44 @@
-// The optimizer on the GPU.
-// Same argument order and semantics as kernels/cpu/ops.h, on device pointers, with the stream
-// last (kernels/README.md); included through kernels/cuda/ops.h.
+// The optimizer on the GPU: gradient-norm clipping and skipping, AdamW and SGD with momentum as
+// multi-tensor kernels over the pieces of a parameter range (kernels/cuda/optimizer_types.h),
+// reading their per-step constants from device memory so a captured step replays with new values.
+// Included through kernels/cuda/ops.h.
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 
+#include "kernels/cuda/optimizer_types.h"
+
 namespace memtrain::cuda {
 
-// ---- optimizer -------------------------------------------------------------------------------
-// One AdamW update over a flat buffer with torch.optim.AdamW's arithmetic, exactly as memtrain's
-// CPU AdamW (optim/optimizer.cpp): `step` is the 1-based step count after this update, bias
-// corrections are computed in double on the host. decay (null: decay everywhere) marks with a
-// nonzero byte the elements weight decay applies to (matrices and embeddings).
-void adamw_step(float* params /*(n)*/, float* m /*(n)*/, float* v /*(n)*/,
-                const float* grads /*(n)*/, const uint8_t* decay /*(n) or null*/, int64_t n,
-                double lr, double beta1, double beta2, double eps, double weight_decay,
-                int64_t step, cudaStream_t stream = 0);
+// From *sumsq (sum of squares of the stored gradients, e.g. from sum_squares): grad_norm =
+// sqrt(sumsq) / loss_scale, skip = !isfinite(grad_norm), grad_scale = coef / loss_scale with
+// torch.nn.utils.clip_grad_norm_'s coef = max_norm / (norm + 1e-6) when max_norm > 0 and that is
+// below 1, else 1 (exactly memtrain::clip_grad_norm in optim/optimizer.cpp, in the same float /
+// double types). Queues one single-thread kernel.
+void finish_grad_norm(StepScalars* s /*device*/, const double* sumsq /*device*/,
+                      cudaStream_t stream = 0);
+
+// AdamW with torch.optim.AdamW's arithmetic, exactly AdamW::step in src/optim/optimizer.cpp (the
+// same float operations in the same order, including the multiply-adds GCC fuses there at -O2
+// and above), so that for T = float with loss_scale 1 the result equals the CPU optimizer's bits
+// after the same clipping. On every chunk, g = float(grads[i]) * s->grad_scale; nothing at all
+// when s->skip. `master` (fp32 master weights) is given when T is not float: it is updated and
+// params[i] = T(master[i]) (round to nearest even); it is null when T is float (params are the
+// master). Indices are the range's: params, master, m, v and grads all start at its first float.
+template <typename T>
+void adamw_step(T* params /*(n)*/, float* master /*(n) or null*/, float* m /*(n)*/,
+                float* v /*(n)*/, const T* grads /*(n)*/, const TensorChunk* chunks /*device*/,
+                int nchunks, const StepScalars* s /*device*/, cudaStream_t stream = 0);
+
+// SGD with momentum (and Nesterov when s->nesterov), exactly Sgd::step in src/optim/optimizer.cpp;
+// same conventions as adamw_step.
+template <typename T>
+void sgd_step(T* params /*(n)*/, float* master /*(n) or null*/, float* momentum /*(n)*/,
+              const T* grads /*(n)*/, const TensorChunk* chunks /*device*/, int nchunks,
+              const StepScalars* s /*device*/, cudaStream_t stream = 0);
 
 }  // namespace memtrain::cuda

@@ -1,0 +1,456 @@
+// The GPU optimizer: tensor_chunks (plain C++, runs everywhere), finish_grad_norm and the
+// multi-tensor AdamW / SGD kernels against the CPU optimizer (make_optimizer + clip_grad_norm) on a
+// tiny model's parameter layout, for fp32 parameters and bf16 / fp16 parameters with fp32 master
+// weights.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <iostream>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "core/device.h"
+#include "core/error.h"
+#include "cuda/cuda_test_util.h"
+#include "kernels/cuda/optimizer_types.h"
+#include "model/config.h"
+#include "model/param_layout.h"
+#include "optim/optim_config.h"
+#include "optim/optimizer.h"
+
+#if MEMTRAIN_HAVE_CUDA
+#include "kernels/cuda/ops.h"
+#endif
+
+using namespace memtrain;
+
+namespace {
+
+// 4208 floats in 17 tensors, decayed matrices and embeddings next to undecayed biases and norms.
+ParamLayout tiny_layout() {
+    ModelConfig c;
+    c.n_layer = 1;
+    c.n_head = 2;
+    c.n_embd = 16;
+    c.block_size = 8;
+    c.vocab_size = 40;
+    c.vocab_pad = 16;
+    return make_param_layout(c);
+}
+
+}  // namespace
+
+TEST(CudaOptimizer, TensorChunksTileTheRange) {
+    const ParamLayout layout = tiny_layout();
+    struct Case {
+        std::size_t offset, count;
+        int max_n;
+    };
+    for (Case c : {Case{0, layout.total, 1 << 16}, Case{0, layout.total, 300},
+                   Case{100, layout.total - 250, 257}, Case{900, 1, 7}, Case{5, 0, 64},
+                   Case{0, layout.total, 1}}) {
+        SCOPED_TRACE(testing::Message()
+                     << "offset " << c.offset << " count " << c.count << " max_n " << c.max_n);
+        auto chunks = cuda::tensor_chunks(layout, c.offset, c.count, c.max_n);
+        // In order, back to back, each inside one tensor, none longer than max_n, with that
+        // tensor's decay flag; together exactly the range.
+        std::size_t at = 0;
+        for (const auto& ch : chunks) {
+            ASSERT_EQ((std::size_t)ch.begin, at);
+            ASSERT_GE(ch.n, 1);
+            ASSERT_LE(ch.n, c.max_n);
+            const std::size_t first = c.offset + at, last = first + ch.n - 1;
+            const ParamSpec* owner = nullptr;
+            for (const auto& t : layout.tensors)
+                if (t.offset <= first && first < t.offset + t.numel) owner = &t;
+            ASSERT_NE(owner, nullptr);
+            ASSERT_LT(last, owner->offset + owner->numel) << "piece crosses " << owner->name;
+            ASSERT_EQ(ch.decay, owner->decay ? 1 : 0) << owner->name;
+            // A piece shorter than max_n ends at its tensor's end or the range's.
+            if (ch.n < c.max_n) {
+                ASSERT_TRUE(last + 1 == owner->offset + owner->numel ||
+                            last + 1 == c.offset + c.count);
+            }
+            at += ch.n;
+        }
+        EXPECT_EQ(at, c.count);
+    }
+    EXPECT_THROW(cuda::tensor_chunks(layout, layout.total + 1, 0), Error);
+    EXPECT_THROW(cuda::tensor_chunks(layout, 10, layout.total), Error);
+    EXPECT_THROW(cuda::tensor_chunks(layout, 0, 10, 0), Error);
+}
+
+TEST(CudaOptimizer, StepScalarsFollowTheCpuConstants) {
+    OptimConfig cfg;
+    const auto s = cuda::make_step_scalars(cfg, 6e-4, 3, 1024.0f);
+    EXPECT_EQ(s.step_size, (float)(6e-4 / (1.0 - std::pow(cfg.beta1, 3.0))));
+    EXPECT_EQ(s.bc2_sqrt, (float)std::sqrt(1.0 - std::pow(cfg.beta2, 3.0)));
+    EXPECT_EQ(s.decay_factor, (float)(1.0 - 6e-4 * cfg.weight_decay));
+    EXPECT_EQ(s.first_step, 0);
+    EXPECT_EQ(s.loss_scale, 1024.0f);
+    EXPECT_EQ(s.max_norm, 1.0f);
+    EXPECT_EQ(cuda::make_step_scalars(cfg, 1e-3, 1).first_step, 1);
+    EXPECT_THROW(cuda::make_step_scalars(cfg, 1e-3, 0), Error);
+}
+
+#if MEMTRAIN_HAVE_CUDA
+
+using namespace memtrain::test;
+
+namespace {
+
+// Whether this build's CPU optimizer fuses multiply-adds (GCC does at -O2 and above with its
+// default -ffp-contract=fast; not at -O0, the sanitizer build). One SGD step on one float where
+// the two differ: wd * p = 1 + 2^-11 + 2^-24 is a tie that rounds to 1 + 2^-11, which g cancels
+// exactly unless wd * p + g is one fused operation (then 2^-24 remains, and lr = 2 moves p by
+// 2^-23).
+bool cpu_optimizer_fuses() {
+    ParamLayout layout;
+    ParamSpec t;
+    t.name = "p";
+    t.shape = {1};
+    t.numel = 1;
+    t.decay = true;
+    layout.tensors = {t};
+    layout.total = 1;
+    OptimConfig cfg;
+    cfg.name = "sgd";
+    cfg.momentum = 0.0;
+    cfg.weight_decay = 1.0 + 1.0 / 4096;
+    auto opt = make_optimizer(cfg, layout);
+    const float p0 = 1.0f + 1.0f / 4096;
+    float p = p0, g = -(1.0f + 1.0f / 2048);
+    opt->step(&p, &g, 2.0);
+    return p != p0;
+}
+
+// The kernels spell out the CPU's (fused) operations, so where the CPU build fuses, fp32 results
+// must be the same bits. Where it does not, each operation may differ by an ulp: 1e-5 relative
+// plus 1e-6 of the values' rms is still far below what a wrong decay flag, step size or clip
+// coefficient moves (>= 1e-4 relative here).
+void expect_match(const std::string& what, const std::vector<float>& got,
+                  const std::vector<float>& want, bool bitwise) {
+    if (bitwise) return expect_bitwise(what, got, want);
+    double s = 0.0;
+    for (float x : want) s += (double)x * x;
+    expect_close(what, got, want, 1e-6 * std::sqrt(s / (double)want.size()), 1e-5);
+}
+
+struct OptCase {
+    const char* name;  // "adamw" | "sgd"
+    int steps;
+    double grad_clip;
+    bool nesterov;
+    float loss_scale;
+    std::size_t offset, count;  // count 0: to the end
+    int max_n;
+};
+
+// Runs the CPU optimizer and the GPU one side by side for c.steps steps, the GPU on gradients
+// stored in T (times the loss scale), the CPU on their true values.
+template <typename T>
+void optimizer_case(const OptCase& c, bool cpu_fuses) {
+    constexpr bool kFp32 = std::is_same_v<T, float>;
+    SCOPED_TRACE(testing::Message()
+                 << type_name<T>() << " " << c.name << " clip " << c.grad_clip << " nesterov "
+                 << c.nesterov << " loss_scale " << c.loss_scale << " offset " << c.offset);
+    const ParamLayout layout = tiny_layout();
+    const std::size_t n = c.count ? c.count : layout.total - c.offset;
+    OptimConfig cfg;
+    cfg.name = c.name;
+    cfg.grad_clip = c.grad_clip;
+    cfg.nesterov = c.nesterov;
+    cfg.weight_decay = 0.1;
+    auto opt = make_optimizer(cfg, layout, c.offset, n);
+    const auto chunks = cuda::tensor_chunks(layout, c.offset, n, c.max_n);
+
+    auto cpu_params = randn(n, 401, 0.5f);
+    if (!kFp32) cpu_params = rounded<T>(cpu_params);  // T params start as T(master)
+    auto d_params = upload_as<T>(cpu_params);
+    DeviceBuffer<float> d_master;
+    if (!kFp32) d_master = upload(cpu_params);
+    DeviceBuffer<float> d_m(n, MemCategory::OptimizerState), d_v(n, MemCategory::OptimizerState);
+    auto d_chunks = upload(chunks);
+    DeviceBuffer<cuda::StepScalars> d_s(1, MemCategory::Other);
+    DeviceBuffer<double> d_sumsq(1, MemCategory::Other);
+
+    const double lrs[] = {1e-3, 6e-4, 3e-4, 2e-3, 1e-4};
+    for (int step = 1; step <= c.steps; step++) {
+        const double lr = lrs[step - 1];
+        // Gradient norm about 0.1 sqrt(4208) = 6.5: clipped at grad_clip = 1.
+        auto g = randn(n, 410 + step, 0.1f);
+        std::vector<float> stored(n), cpu_g(n);
+        for (std::size_t i = 0; i < n; i++) stored[i] = from_type(to_type<T>(g[i] * c.loss_scale));
+        // A power-of-two loss scale divides out exactly.
+        for (std::size_t i = 0; i < n; i++) cpu_g[i] = stored[i] / c.loss_scale;
+        const double want_norm = clip_grad_norm(cpu_g.data(), n, cfg.grad_clip);
+        opt->step(cpu_params.data(), cpu_g.data(), lr);
+
+        auto d_g = upload_as<T>(stored);
+        cuda::sum_squares<T>(d_sumsq.data(), d_g.data(), (int64_t)n);
+        cuda::StepScalars s = cuda::make_step_scalars(cfg, lr, step, c.loss_scale);
+        copy_to_device(d_s.data(), &s, sizeof s);
+        cuda::finish_grad_norm(d_s.data(), d_sumsq.data());
+        if (cfg.name == "sgd") {
+            cuda::sgd_step<T>(d_params.data(), kFp32 ? nullptr : d_master.data(), d_m.data(),
+                              d_g.data(), d_chunks.data(), (int)chunks.size(), d_s.data());
+        } else {
+            cuda::adamw_step<T>(d_params.data(), kFp32 ? nullptr : d_master.data(), d_m.data(),
+                                d_v.data(), d_g.data(), d_chunks.data(), (int)chunks.size(),
+                                d_s.data());
+        }
+        cuda::StepScalars back{};
+        device_synchronize();
+        copy_to_host(&back, d_s.data(), sizeof back);
+        EXPECT_EQ(back.skip, 0);
+        EXPECT_NEAR(back.grad_norm, want_norm, 1e-6 * want_norm);
+    }
+
+    auto state = opt->state();
+    auto cpu_state = [&](int i) {
+        const float* p = state[i].second->data();
+        return std::vector<float>(p, p + n);
+    };
+    if (kFp32) {
+        expect_match("params", download_float(d_params), cpu_params, cpu_fuses);
+    } else {
+        // The master weights see the same fp32 arithmetic as the CPU's parameters; only the clip
+        // coefficient can differ, its norm being summed in another order (in practice the bits
+        // agree). Within 1e-5 relative plus 1e-6 of the rms; the T parameters are the master
+        // rounded to nearest even, exactly.
+        auto master = download(d_master);
+        expect_match("master", master, cpu_params, false);
+        expect_bitwise("params = T(master)", download_float(d_params), rounded<T>(master));
+    }
+    if (cfg.name == "sgd") {
+        expect_match("momentum_buffer", download(d_m), cpu_state(0), kFp32 && cpu_fuses);
+    } else {
+        expect_match("exp_avg", download(d_m), cpu_state(0), kFp32 && cpu_fuses);
+        expect_match("exp_avg_sq", download(d_v), cpu_state(1), kFp32 && cpu_fuses);
+    }
+}
+
+}  // namespace
+
+TEST(CudaOptimizer, AdamWMatchesCpu) {
+    REQUIRE_GPU();
+    const bool fuses = cpu_optimizer_fuses();
+    if (!fuses)
+        std::cout << "[ note ] this build's CPU optimizer does not fuse multiply-adds: "
+                     "fp32 compared within a tolerance, not bitwise\n";
+    const ParamLayout layout = tiny_layout();
+    // 5 steps, with and without clipping, the whole buffer and a shard cutting tensors.
+    optimizer_case<float>({"adamw", 5, 0.0, false, 1.0f, 0, 0, 1 << 16}, fuses);
+    optimizer_case<float>({"adamw", 5, 1.0, false, 1.0f, 0, 0, 300}, fuses);
+    optimizer_case<float>({"adamw", 5, 1.0, false, 1.0f, 100, layout.total - 250, 257}, fuses);
+    optimizer_case<__nv_bfloat16>({"adamw", 5, 1.0, false, 1.0f, 0, 0, 300}, fuses);
+    optimizer_case<__nv_bfloat16>({"adamw", 5, 0.0, false, 1.0f, 37, 0, 1 << 16}, fuses);
+    // fp16 gradients stored at 1024 x their value.
+    optimizer_case<__half>({"adamw", 5, 1.0, false, 1024.0f, 0, 0, 300}, fuses);
+    optimizer_case<__half>({"adamw", 5, 0.0, false, 1024.0f, 0, 0, 300}, fuses);
+}
+
+TEST(CudaOptimizer, SgdMatchesCpu) {
+    REQUIRE_GPU();
+    const bool fuses = cpu_optimizer_fuses();
+    const ParamLayout layout = tiny_layout();
+    optimizer_case<float>({"sgd", 3, 0.0, false, 1.0f, 0, 0, 1 << 16}, fuses);
+    optimizer_case<float>({"sgd", 3, 1.0, false, 1.0f, 0, 0, 300}, fuses);
+    optimizer_case<float>({"sgd", 3, 1.0, true, 1.0f, 100, layout.total - 250, 257}, fuses);
+    optimizer_case<__nv_bfloat16>({"sgd", 3, 1.0, true, 1.0f, 0, 0, 300}, fuses);
+    optimizer_case<__half>({"sgd", 3, 1.0, false, 1024.0f, 0, 0, 300}, fuses);
+}
+
+// A non-finite gradient norm sets skip, and then the step changes nothing at all.
+template <typename T>
+void skip_case(const char* name) {
+    SCOPED_TRACE(testing::Message() << type_name<T>() << " " << name);
+    constexpr bool kFp32 = std::is_same_v<T, float>;
+    const ParamLayout layout = tiny_layout();
+    const std::size_t n = layout.total;
+    const auto chunks = cuda::tensor_chunks(layout, 0, n, 500);
+    OptimConfig cfg;
+    cfg.name = name;
+    auto params = rounded<T>(randn(n, 501, 0.5f));
+    auto d_params = upload_as<T>(params);
+    DeviceBuffer<float> d_master;
+    if (!kFp32) d_master = upload(params);
+    auto d_m = upload(randn(n, 502, 0.01f)), d_v = upload(randn(n, 503, 0.01f));
+    for (auto* d : {&d_m, &d_v}) {  // v >= 0, as a second moment is
+        auto h = download(*d);
+        for (auto& x : h) x = std::fabs(x);
+        *d = upload(h);
+    }
+    const auto m0 = download(d_m), v0 = download(d_v);
+    auto g = randn(n, 504, 0.1f);
+    // Overflowed fp16 gradients: a value beyond 65504 at a loss scale of 1024.
+    const float loss_scale = std::is_same_v<T, __half> ? 1024.0f : 1.0f;
+    for (auto& x : g) x *= loss_scale;
+    g[1234] = std::is_same_v<T, __half> ? 1e6f : std::numeric_limits<float>::infinity();
+    auto d_g = upload_as<T>(g);
+    auto d_chunks = upload(chunks);
+    DeviceBuffer<cuda::StepScalars> d_s(1, MemCategory::Other);
+    DeviceBuffer<double> d_sumsq(1, MemCategory::Other);
+    cuda::sum_squares<T>(d_sumsq.data(), d_g.data(), (int64_t)n);
+    auto s = cuda::make_step_scalars(cfg, 1e-3, 2, loss_scale);
+    copy_to_device(d_s.data(), &s, sizeof s);
+    cuda::finish_grad_norm(d_s.data(), d_sumsq.data());
+    if (std::string(name) == "sgd")
+        cuda::sgd_step<T>(d_params.data(), kFp32 ? nullptr : d_master.data(), d_m.data(),
+                          d_g.data(), d_chunks.data(), (int)chunks.size(), d_s.data());
+    else
+        cuda::adamw_step<T>(d_params.data(), kFp32 ? nullptr : d_master.data(), d_m.data(),
+                            d_v.data(), d_g.data(), d_chunks.data(), (int)chunks.size(),
+                            d_s.data());
+    cuda::StepScalars back{};
+    device_synchronize();
+    copy_to_host(&back, d_s.data(), sizeof back);
+    EXPECT_EQ(back.skip, 1);
+    EXPECT_FALSE(std::isfinite(back.grad_norm));
+    expect_bitwise("params", download_float(d_params), params);
+    if (!kFp32) expect_bitwise("master", download(d_master), params);
+    expect_bitwise("m", download(d_m), m0);
+    expect_bitwise("v", download(d_v), v0);
+}
+
+TEST(CudaOptimizer, NonFiniteNormSkipsTheStep) {
+    REQUIRE_GPU();
+    skip_case<float>("adamw");
+    skip_case<float>("sgd");
+    skip_case<__nv_bfloat16>("adamw");
+    skip_case<__half>("adamw");
+    skip_case<__half>("sgd");
+}
+
+// Weight decay follows each tensor's flag: with zero gradients and zero moments, AdamW multiplies
+// the decayed tensors by 1 - lr * wd and leaves the others alone.
+TEST(CudaOptimizer, DecayFlagsPerTensor) {
+    REQUIRE_GPU();
+    const ParamLayout layout = tiny_layout();
+    const std::size_t n = layout.total;
+    const auto chunks = cuda::tensor_chunks(layout, 0, n, 200);
+    OptimConfig cfg;
+    cfg.weight_decay = 0.25;
+    auto params = randn(n, 601);
+    auto d_params = upload(params);
+    auto d_chunks = upload(chunks);
+    DeviceBuffer<float> d_m(n, MemCategory::Other), d_v(n, MemCategory::Other),
+        d_g(n, MemCategory::Other);
+    DeviceBuffer<cuda::StepScalars> d_s(1, MemCategory::Other);
+    DeviceBuffer<double> d_sumsq(1, MemCategory::Other);
+    cuda::sum_squares<float>(d_sumsq.data(), d_g.data(), (int64_t)n);
+    auto s = cuda::make_step_scalars(cfg, 0.01, 1);
+    copy_to_device(d_s.data(), &s, sizeof s);
+    cuda::finish_grad_norm(d_s.data(), d_sumsq.data());
+    cuda::adamw_step<float>(d_params.data(), nullptr, d_m.data(), d_v.data(), d_g.data(),
+                            d_chunks.data(), (int)chunks.size(), d_s.data());
+    std::vector<float> want = params;
+    int decayed = 0, kept = 0;
+    for (const auto& t : layout.tensors) {
+        (t.decay ? decayed : kept)++;
+        if (!t.decay) continue;
+        for (std::size_t i = t.offset; i < t.offset + t.numel; i++) want[i] *= s.decay_factor;
+    }
+    ASSERT_GT(decayed, 0);
+    ASSERT_GT(kept, 0);
+    expect_bitwise("params", download(d_params), want);
+}
+
+// A step captured into a CUDA graph (norm, clip decision, update) replays with the scalars the
+// host writes before each launch: the entries only queue work, and read every per-step value on
+// the device.
+TEST(CudaOptimizer, CapturedStepReplaysWithNewScalars) {
+    REQUIRE_GPU();
+    using T = __nv_bfloat16;
+    const ParamLayout layout = tiny_layout();
+    const std::size_t n = layout.total;
+    const auto chunks = cuda::tensor_chunks(layout, 0, n, 300);
+    OptimConfig cfg;
+    auto params = rounded<T>(randn(n, 701, 0.5f));
+    struct State {
+        DeviceBuffer<T> p;
+        DeviceBuffer<float> master, m, v;
+    };
+    auto fresh = [&] {
+        return State{upload_as<T>(params), upload(params),
+                     DeviceBuffer<float>(n, MemCategory::Other),
+                     DeviceBuffer<float>(n, MemCategory::Other)};
+    };
+    State direct = fresh(), graphed = fresh();
+    auto d_chunks = upload(chunks);
+    DeviceBuffer<T> d_g(n, MemCategory::Other);
+    DeviceBuffer<cuda::StepScalars> d_s(1, MemCategory::Other);
+    DeviceBuffer<double> d_sumsq(1, MemCategory::Other);
+    cudaStream_t stream;
+    MT_CUDA_CHECK(cudaStreamCreate(&stream));
+    auto queue_step = [&](State& st, cudaStream_t s) {
+        cuda::sum_squares<T>(d_sumsq.data(), d_g.data(), (int64_t)n, s);
+        cuda::finish_grad_norm(d_s.data(), d_sumsq.data(), s);
+        cuda::adamw_step<T>(st.p.data(), st.master.data(), st.m.data(), st.v.data(), d_g.data(),
+                            d_chunks.data(), (int)chunks.size(), d_s.data(), s);
+    };
+    auto set_step = [&](int step) {
+        auto g = randn(n, 710 + step, 0.1f);
+        if (step == 2) g[77] = std::numeric_limits<float>::infinity();  // a skipped step
+        auto h = rounded<T>(g);
+        std::vector<T> raw(n);
+        for (std::size_t i = 0; i < n; i++) raw[i] = to_type<T>(h[i]);
+        copy_to_device(d_g.data(), raw.data(), raw.size() * sizeof(T));
+        const double lrs[] = {1e-3, 5e-4, 2e-4};
+        auto sc = cuda::make_step_scalars(cfg, lrs[step - 1], step);
+        copy_to_device(d_s.data(), &sc, sizeof sc);
+    };
+    for (int step = 1; step <= 3; step++) {
+        set_step(step);
+        queue_step(direct, stream);
+        MT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    }
+    MT_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    queue_step(graphed, stream);
+    cudaGraph_t graph;
+    MT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    cudaGraphExec_t exec;
+    MT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int step = 1; step <= 3; step++) {
+        set_step(step);
+        MT_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+        MT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    }
+    expect_bitwise("params", download_float(graphed.p), download_float(direct.p));
+    expect_bitwise("master", download(graphed.master), download(direct.master));
+    expect_bitwise("m", download(graphed.m), download(direct.m));
+    expect_bitwise("v", download(graphed.v), download(direct.v));
+    MT_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    MT_CUDA_CHECK(cudaGraphDestroy(graph));
+    MT_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+TEST(CudaOptimizer, BadArgumentsNameTheOp) {
+    REQUIRE_GPU();
+    DeviceBuffer<__nv_bfloat16> p(8, MemCategory::Other);
+    DeviceBuffer<float> f(8, MemCategory::Other);
+    DeviceBuffer<cuda::TensorChunk> ch(1, MemCategory::Other);
+    DeviceBuffer<cuda::StepScalars> s(1, MemCategory::Other);
+    try {
+        cuda::adamw_step<__nv_bfloat16>(p.data(), nullptr, f.data(), f.data(), p.data(), ch.data(),
+                                        1, s.data());
+        ADD_FAILURE() << "bf16 without master weights: no error";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("cuda::adamw_step"), std::string::npos) << e.what();
+    }
+    try {
+        cuda::sgd_step<float>(f.data(), nullptr, f.data(), f.data(), ch.data(), -1, s.data());
+        ADD_FAILURE() << "negative nchunks: no error";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("cuda::sgd_step"), std::string::npos) << e.what();
+    }
+    // No chunks: nothing to do.
+    cuda::adamw_step<float>(f.data(), nullptr, f.data(), f.data(), f.data(), ch.data(), 0,
+                            s.data());
+}
+
+#endif  // MEMTRAIN_HAVE_CUDA
