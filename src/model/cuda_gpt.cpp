@@ -1,0 +1,375 @@
+// The GPT model on the GPU (see cuda_gpt.h): the CPU model's block forward and backward, kernel
+// for kernel, over kernels/cuda, with the linear layers' bias, residual and GELU fused into the
+// cuBLASLt epilogues.
+#include "model/cuda_gpt.h"
+
+#if MEMTRAIN_HAVE_CUDA
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "kernels/cuda/ops.h"
+#include "kernels/cuda/token_buckets.h"
+
+namespace memtrain {
+
+namespace {
+
+// Logits of this many bytes at most are alive at once (the classifier's chunk of rows).
+constexpr std::size_t kLogitsBytes = std::size_t{256} << 20;
+
+template <typename T>
+T* tensor(T* base, const ParamLayout& layout, const std::string& name) {
+    return base + layout.get(name).offset;
+}
+
+template <typename T>
+T* tensor_or_null(T* base, const ParamLayout& layout, const std::string& name) {
+    for (const auto& t : layout.tensors)
+        if (t.name == name) return base + t.offset;
+    return nullptr;
+}
+
+template <typename M, typename T>
+M make_views(T* base, const ParamLayout& layout, const ModelConfig& cfg) {
+    M m;
+    m.wte = tensor(base, layout, "wte.weight");
+    m.wpe = tensor_or_null(base, layout, "wpe.weight");
+    m.lnf_w = tensor(base, layout, "ln_f.weight");
+    m.lnf_b = tensor_or_null(base, layout, "ln_f.bias");
+    m.wout = cfg.tied_embeddings ? m.wte : tensor(base, layout, "lm_head.weight");
+    for (int l = 0; l < cfg.n_layer; l++) {
+        const std::string h = fmt::format("h.{}.", l);
+        typename decltype(m.blocks)::value_type b;
+        b.ln1_w = tensor(base, layout, h + "ln_1.weight");
+        b.ln1_b = tensor_or_null(base, layout, h + "ln_1.bias");
+        b.qkv_w = tensor(base, layout, h + "attn.c_attn.weight");
+        b.qkv_b = tensor(base, layout, h + "attn.c_attn.bias");
+        b.proj_w = tensor(base, layout, h + "attn.c_proj.weight");
+        b.proj_b = tensor(base, layout, h + "attn.c_proj.bias");
+        b.ln2_w = tensor(base, layout, h + "ln_2.weight");
+        b.ln2_b = tensor_or_null(base, layout, h + "ln_2.bias");
+        b.fc_w = tensor(base, layout, h + "mlp.c_fc.weight");
+        b.fc_b = tensor(base, layout, h + "mlp.c_fc.bias");
+        b.fcp_w = tensor(base, layout, h + "mlp.c_proj.weight");
+        b.fcp_b = tensor(base, layout, h + "mlp.c_proj.bias");
+        m.blocks.push_back(b);
+    }
+    return m;
+}
+
+}  // namespace
+
+template <typename T>
+ActFormat CudaGPT<T>::arena_format(const ModelConfig& cfg, int B, int T_) {
+    const std::size_t row = (std::size_t)cfg.padded_vocab() * sizeof(T);
+    const int chunk = (int)std::max<std::size_t>(64, kLogitsBytes / row / 64 * 64);
+    return ActFormat::cuda_model((int)sizeof(T), std::min(chunk, B * T_));
+}
+
+template <typename T>
+std::size_t CudaGPT<T>::token_bytes(int B, int T_) {
+    const std::size_t N = (std::size_t)B * T_;
+    return (5 * N + 1) * sizeof(int32_t);  // inputs, targets, plan (at most 3N + 1)
+}
+
+template <typename T>
+CudaGPT<T>::CudaGPT(const ModelConfig& cfg, cudaStream_t stream)
+    : cfg_(cfg), layout_(make_param_layout(cfg)), stream_(stream) {
+    cfg_.validate();
+    params_ = DeviceBuffer<T>(layout_.total, MemCategory::Parameters);
+    grads_ = DeviceBuffer<T>(layout_.total, MemCategory::Gradients);
+    p_ = make_views<Model>(params_.data(), layout_, cfg_);
+    g_ = make_views<Model>(grads_.data(), layout_, cfg_);
+    for (auto& e : copied_) MT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+}
+
+template <typename T>
+CudaGPT<T>::~CudaGPT() {
+    for (auto& e : copied_)
+        if (e) cudaEventDestroy(e);
+    for (auto& p : pinned_)
+        if (p) cudaFreeHost(p);
+}
+
+template <typename T>
+void CudaGPT<T>::set_remat(const RematPlan& plan) {
+    if (!plan.empty() && plan.size() != (std::size_t)cfg_.n_layer)
+        fail("remat plan has {} entries but model.n_layer is {}", plan.size(), cfg_.n_layer);
+    plan_ = plan;
+    arena_B_ = arena_T_ = 0;  // re-carved at the next forward
+}
+
+template <typename T>
+void CudaGPT<T>::zero_grads() {
+    MT_CUDA_CHECK(cudaMemsetAsync(grads_.data(), 0, grads_.bytes(), stream_));
+}
+
+template <typename T>
+void CudaGPT<T>::ensure_arena(int B, int T_) {
+    if (T_ > cfg_.block_size)
+        fail("sequence length {} exceeds model.block_size {}", T_, cfg_.block_size);
+    if (B == arena_B_ && T_ == arena_T_) return;
+    const ActFormat fmt = arena_format(cfg_, B, T_);
+    const ArenaPlan p = plan_arena(cfg_, B, T_, plan_, fmt);
+    MT_CUDA_CHECK(cudaStreamSynchronize(stream_));  // queued work may still use the old arenas
+    // Exactly the plan's sizes (free first: no transient double peak), so measured == predicted.
+    if (p.activation_bytes != acts_.size()) {
+        acts_.reset();
+        acts_ = DeviceBuffer<unsigned char>(p.activation_bytes, MemCategory::Activations);
+    }
+    if (p.workspace_bytes != work_.size()) {
+        work_.reset();
+        work_ = DeviceBuffer<unsigned char>(p.workspace_bytes, MemCategory::Workspace);
+    }
+    const std::size_t nt = token_bytes(B, T_) / sizeof(int32_t);
+    if (tokens_.size() != nt) {
+        tokens_.reset();
+        tokens_ = DeviceBuffer<int32_t>(nt, MemCategory::Workspace);
+    }
+    if (pinned_ints_ < nt) {
+        for (int i = 0; i < 2; i++) {
+            if (pinned_[i]) {
+                MT_CUDA_CHECK(cudaEventSynchronize(copied_[i]));
+                MT_CUDA_CHECK(cudaFreeHost(pinned_[i]));
+            }
+            MT_CUDA_CHECK(
+                cudaMallocHost(reinterpret_cast<void**>(&pinned_[i]), nt * sizeof(int32_t)));
+        }
+        pinned_ints_ = nt;
+    }
+    // The kernels' fixed-order partial sums grow the process-wide scratch to the plan's size
+    // once, here, rather than in the middle of a step.
+    device_scratch(cuda_kernel_scratch_bytes(cfg_, B, T_));
+    arena_B_ = B;
+    arena_T_ = T_;
+    chunk_ = fmt.loss_chunk;
+
+    unsigned char* a = acts_.data();
+    unsigned char* w = work_.data();
+    auto at = [](unsigned char* base, std::size_t off) -> void* {
+        return off == kNoOffset ? nullptr : base + off;
+    };
+    resid_.resize(cfg_.n_layer + 1);
+    for (int l = 0; l <= cfg_.n_layer; l++) resid_[l] = static_cast<T*>(at(a, p.resid[l]));
+    saved_.assign(cfg_.n_layer, Saved{});
+    for (int l = 0; l < cfg_.n_layer; l++) {
+        auto f = [&](SavedField field) { return at(a, p.block[l][static_cast<int>(field)]); };
+        Saved& s = saved_[l];
+        s.ln1 = static_cast<T*>(f(SavedField::Ln1));
+        s.ln1_mean = static_cast<float*>(f(SavedField::Ln1Mean));
+        s.ln1_rstd = static_cast<float*>(f(SavedField::Ln1Rstd));
+        s.qkv = static_cast<T*>(f(SavedField::Qkv));
+        s.lse = static_cast<float*>(f(SavedField::Att));
+        s.atty = static_cast<T*>(f(SavedField::Atty));
+        s.resid_mid = static_cast<T*>(f(SavedField::ResidMid));
+        s.ln2 = static_cast<T*>(f(SavedField::Ln2));
+        s.ln2_mean = static_cast<float*>(f(SavedField::Ln2Mean));
+        s.ln2_rstd = static_cast<float*>(f(SavedField::Ln2Rstd));
+        s.fch = static_cast<T*>(f(SavedField::Fch));
+        s.fch_act = static_cast<T*>(f(SavedField::FchAct));
+    }
+    lnf_ = static_cast<T*>(at(a, p.lnf));
+    lnf_mean_ = static_cast<float*>(at(a, p.lnf_mean));
+    lnf_rstd_ = static_cast<float*>(at(a, p.lnf_rstd));
+    dres_ = static_cast<T*>(at(w, p.dres));
+    dln_ = static_cast<T*>(at(w, p.dln));
+    dbig_ = static_cast<T*>(at(w, p.dbig));
+    dact_ = static_cast<T*>(at(w, p.dact));
+    logits_ = static_cast<T*>(at(w, p.logits));
+    row_loss_ = static_cast<float*>(at(w, p.row_loss));
+    att_delta_ = static_cast<float*>(at(w, p.att_delta));
+}
+
+template <typename T>
+void CudaGPT<T>::upload_tokens(const int32_t* inputs, const int32_t* targets, int B, int T_) {
+    const int N = B * T_;
+    for (int i = 0; i < N; i++) {
+        if (inputs[i] < 0 || inputs[i] >= cfg_.vocab_size)
+            fail("input token {} at position {} is outside the vocabulary [0, {})", inputs[i], i,
+                 cfg_.vocab_size);
+        if (targets && (targets[i] < 0 || targets[i] >= cfg_.vocab_size))
+            fail("target token {} at position {} is outside the vocabulary [0, {})", targets[i], i,
+                 cfg_.vocab_size);
+    }
+    // The embedding backward's token order, from the host ids (no copy back from the GPU).
+    unique_ = targets ? cuda::bucket_tokens(inputs, N, plan_host_) : 0;
+    const std::size_t n = 2 * (std::size_t)N + (targets ? plan_host_.size() : 0);
+    // Reuse the pinned buffer whose last copy has completed.
+    const int k = next_pinned_;
+    next_pinned_ ^= 1;
+    MT_CUDA_CHECK(cudaEventSynchronize(copied_[k]));
+    int32_t* h = pinned_[k];
+    std::memcpy(h, inputs, N * sizeof(int32_t));
+    if (targets) {
+        std::memcpy(h + N, targets, N * sizeof(int32_t));
+        std::memcpy(h + 2 * N, plan_host_.data(), plan_host_.size() * sizeof(int32_t));
+    }
+    MT_CUDA_CHECK(
+        cudaMemcpyAsync(tokens_.data(), h, n * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+    MT_CUDA_CHECK(cudaEventRecord(copied_[k], stream_));
+}
+
+template <typename T>
+void CudaGPT<T>::norm_forward(T* out, float* mean, float* rstd, const T* inp, const T* w,
+                              const T* b, int N) {
+    const float eps = (float)cfg_.norm_eps;
+    if (cfg_.rmsnorm())
+        cuda::rmsnorm_forward<T>(out, rstd, inp, w, N, cfg_.n_embd, eps, stream_);
+    else
+        cuda::layernorm_forward<T>(out, mean, rstd, inp, w, b, N, cfg_.n_embd, eps, stream_);
+}
+
+template <typename T>
+void CudaGPT<T>::norm_backward(T* dinp, T* dw, T* db, const T* dout, const T* inp, const T* w,
+                               const float* mean, const float* rstd, int N) {
+    if (cfg_.rmsnorm())
+        cuda::rmsnorm_backward<T>(dinp, dw, dout, inp, w, rstd, N, cfg_.n_embd, stream_);
+    else
+        cuda::layernorm_backward<T>(dinp, dw, db, dout, inp, w, mean, rstd, N, cfg_.n_embd,
+                                    stream_);
+}
+
+template <typename T>
+void CudaGPT<T>::block_forward(const Block& p, const T* x, T* out, const Saved& s, int B, int T_) {
+    const int N = B * T_, C = cfg_.n_embd, QKV = cfg_.qkv_dim(), F = cfg_.fc_dim(),
+              H = cfg_.mlp_hidden();
+    norm_forward(s.ln1, s.ln1_mean, s.ln1_rstd, x, p.ln1_w, p.ln1_b, N);
+    cuda::matmul_forward<T>(s.qkv, s.ln1, p.qkv_w, p.qkv_b, N, C, QKV, nullptr, stream_);
+    if (cfg_.rope())
+        cuda::rope_forward<T>(s.qkv, B, T_, cfg_.n_head, cfg_.kv_heads(), cfg_.head_dim(),
+                              (float)cfg_.rope_theta, stream_);
+    cuda::attention_forward<T>(s.atty, s.lse, s.qkv, B, T_, C, cfg_.n_head, cfg_.kv_heads(),
+                               stream_);
+    // The residual adds ride in the projections' epilogues (cuBLASLt's C input).
+    cuda::matmul_forward<T>(s.resid_mid, s.atty, p.proj_w, p.proj_b, N, C, C, x, stream_);
+    norm_forward(s.ln2, s.ln2_mean, s.ln2_rstd, s.resid_mid, p.ln2_w, p.ln2_b, N);
+    if (cfg_.swiglu()) {
+        cuda::matmul_forward<T>(s.fch, s.ln2, p.fc_w, p.fc_b, N, C, F, nullptr, stream_);
+        cuda::swiglu_forward<T>(s.fch_act, s.fch, N, H, stream_);
+    } else {
+        cuda::matmul_forward_gelu<T>(s.fch_act, s.fch, s.ln2, p.fc_w, p.fc_b, N, C, F, stream_);
+    }
+    cuda::matmul_forward<T>(out, s.fch_act, p.fcp_w, p.fcp_b, N, H, C, s.resid_mid, stream_);
+}
+
+// What Selective dropped (ln_1, ln_2, the mlp activation), recomputed from what it kept.
+template <typename T>
+void CudaGPT<T>::recompute_selective(const Block& p, const T* x, const Saved& s, int B, int T_) {
+    const int N = B * T_, H = cfg_.mlp_hidden();
+    norm_forward(s.ln1, s.ln1_mean, s.ln1_rstd, x, p.ln1_w, p.ln1_b, N);
+    norm_forward(s.ln2, s.ln2_mean, s.ln2_rstd, s.resid_mid, p.ln2_w, p.ln2_b, N);
+    if (cfg_.swiglu())
+        cuda::swiglu_forward<T>(s.fch_act, s.fch, N, H, stream_);
+    else
+        cuda::gelu_forward<T>(s.fch_act, s.fch, (int64_t)N * H, stream_);
+}
+
+// On entry dres_ holds d(block output); on exit d(block input).
+template <typename T>
+void CudaGPT<T>::block_backward(const Block& p, const Block& g, const T* x, const Saved& s, int B,
+                                int T_) {
+    const int N = B * T_, C = cfg_.n_embd, QKV = cfg_.qkv_dim(), F = cfg_.fc_dim(),
+              H = cfg_.mlp_hidden();
+    T* dfch = dbig_;
+    if (cfg_.swiglu()) {
+        cuda::matmul_backward<T>(dact_, g.fcp_w, g.fcp_b, dres_, s.fch_act, p.fcp_w, N, H, C,
+                                 nullptr, stream_);
+        cuda::swiglu_backward<T>(dfch, s.fch, dact_, N, H, stream_);
+    } else {
+        // d(fch) = (dres @ W^T) * gelu'(fch): the GELU backward rides in the GEMM's epilogue.
+        cuda::matmul_backward<T>(dfch, g.fcp_w, g.fcp_b, dres_, s.fch_act, p.fcp_w, N, H, C, s.fch,
+                                 stream_);
+    }
+    cuda::matmul_backward<T>(dln_, g.fc_w, g.fc_b, dfch, s.ln2, p.fc_w, N, C, F, nullptr, stream_);
+    norm_backward(dres_, g.ln2_w, g.ln2_b, dln_, s.resid_mid, p.ln2_w, s.ln2_mean, s.ln2_rstd, N);
+    T* datty = dln_;
+    cuda::matmul_backward<T>(datty, g.proj_w, g.proj_b, dres_, s.atty, p.proj_w, N, C, C, nullptr,
+                             stream_);
+    T* dqkv = dbig_;
+    cuda::attention_backward<T>(dqkv, att_delta_, datty, s.qkv, s.atty, s.lse, B, T_, C,
+                                cfg_.n_head, cfg_.kv_heads(), stream_);
+    if (cfg_.rope())
+        cuda::rope_backward<T>(dqkv, B, T_, cfg_.n_head, cfg_.kv_heads(), cfg_.head_dim(),
+                               (float)cfg_.rope_theta, stream_);
+    cuda::matmul_backward<T>(dln_, g.qkv_w, g.qkv_b, dqkv, s.ln1, p.qkv_w, N, C, QKV, nullptr,
+                             stream_);
+    norm_backward(dres_, g.ln1_w, g.ln1_b, dln_, x, p.ln1_w, s.ln1_mean, s.ln1_rstd, N);
+}
+
+template <typename T>
+void CudaGPT<T>::forward(int B, int T_) {
+    const int N = B * T_;
+    cuda::embedding_forward<T>(resid_[0], tokens_.data(), p_.wte, p_.wpe, B, T_, cfg_.n_embd,
+                               stream_);
+    for (int l = 0; l < cfg_.n_layer; l++)
+        block_forward(p_.blocks[l], resid_[l], resid_[l + 1], saved_[l], B, T_);
+    norm_forward(lnf_, lnf_mean_, lnf_rstd_, resid_[cfg_.n_layer], p_.lnf_w, p_.lnf_b, N);
+}
+
+template <typename T>
+void CudaGPT<T>::forward_backward(const int32_t* inputs, const int32_t* targets, int B, int T_,
+                                  float grad_scale, double* loss_sum) {
+    ensure_arena(B, T_);
+    upload_tokens(inputs, targets, B, T_);
+    forward(B, T_);
+    const int N = B * T_, C = cfg_.n_embd, L = cfg_.n_layer;
+    const int32_t* dev_targets = tokens_.data() + N;
+    const int32_t* dev_plan = tokens_.data() + 2 * N;
+    cuda::classifier_loss<T>(dln_, g_.wout, logits_, row_loss_, lnf_, p_.wout, dev_targets, N, C,
+                             cfg_.vocab_size, cfg_.padded_vocab(), chunk_, grad_scale, stream_);
+    cuda::sum_floats(loss_sum, row_loss_, N, stream_);
+    MT_CUDA_CHECK(cudaMemsetAsync(dres_, 0, (std::size_t)N * C * sizeof(T), stream_));
+    norm_backward(dres_, g_.lnf_w, g_.lnf_b, dln_, resid_[L], p_.lnf_w, lnf_mean_, lnf_rstd_, N);
+    for (int l = L - 1; l >= 0; l--) {
+        // An Input block re-runs its forward into the scratch; its output rewrites resid_[l + 1]
+        // with the same bits (deterministic kernels), which nothing reads any more.
+        if (keep(l) == BlockKeep::Input)
+            block_forward(p_.blocks[l], resid_[l], resid_[l + 1], saved_[l], B, T_);
+        else if (keep(l) == BlockKeep::Selective)
+            recompute_selective(p_.blocks[l], resid_[l], saved_[l], B, T_);
+        block_backward(p_.blocks[l], g_.blocks[l], resid_[l], saved_[l], B, T_);
+    }
+    cuda::embedding_backward<T>(g_.wte, g_.wpe, dres_, dev_plan, unique_, B, T_, C, stream_);
+}
+
+template <typename T>
+void CudaGPT<T>::forward_loss(const int32_t* inputs, const int32_t* targets, int B, int T_,
+                              double* loss_sum) {
+    ensure_arena(B, T_);
+    upload_tokens(inputs, targets, B, T_);
+    forward(B, T_);
+    const int N = B * T_;
+    cuda::classifier_loss<T>(nullptr, nullptr, logits_, row_loss_, lnf_, p_.wout,
+                             tokens_.data() + N, N, cfg_.n_embd, cfg_.vocab_size,
+                             cfg_.padded_vocab(), chunk_, 0.0f, stream_);
+    cuda::sum_floats(loss_sum, row_loss_, N, stream_);
+}
+
+template <typename T>
+void CudaGPT<T>::forward_logits(const int32_t* inputs, int B, int T_, float* out) {
+    ensure_arena(B, T_);
+    upload_tokens(inputs, nullptr, B, T_);
+    forward(B, T_);
+    const std::size_t n = (std::size_t)B * T_ * cfg_.vocab_size;
+    DeviceBuffer<float> logits(n, MemCategory::Workspace);
+    cuda::classifier_logits<T>(logits.data(), lnf_, p_.wout, B * T_, cfg_.n_embd, cfg_.vocab_size,
+                               stream_);
+    MT_CUDA_CHECK(
+        cudaMemcpyAsync(out, logits.data(), n * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+    MT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+template class CudaGPT<float>;
+template class CudaGPT<__nv_bfloat16>;
+template class CudaGPT<__half>;
+
+}  // namespace memtrain
+
+#endif  // MEMTRAIN_HAVE_CUDA

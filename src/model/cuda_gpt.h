@@ -1,0 +1,121 @@
+// The GPT model on the GPU, op for op the CPU model (gpt.h) over the kernels of kernels/cuda,
+// with activations, parameters and gradients stored as T (float, __nv_bfloat16 or __half; the
+// fp32 master weights belong to the optimizer, cuda_engine.cpp). The arenas come from the same
+// plan_arena as the CPU's (format ActFormat::cuda_model: T-sized activations, the attention
+// log-sum-exp instead of its probabilities), so the remat policies, the solver and the memory
+// report work unchanged. Everything of a step is queued on one stream; nothing waits for the GPU
+// until the engine reads the step's results.
+#pragma once
+
+#if MEMTRAIN_HAVE_CUDA
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/device.h"
+#include "model/activation_layout.h"
+#include "model/config.h"
+#include "model/param_layout.h"
+
+namespace memtrain {
+
+template <typename T>
+class CudaGPT {
+  public:
+    // Pointers to one block's tensors in a flat T buffer (parameters or gradients); absent
+    // tensors (norm biases under rmsnorm) are null.
+    struct Block {
+        T *ln1_w, *ln1_b, *qkv_w, *qkv_b, *proj_w, *proj_b, *ln2_w, *ln2_b, *fc_w, *fc_b, *fcp_w,
+            *fcp_b;
+    };
+    struct Model {
+        T *wte, *wpe, *lnf_w, *lnf_b, *wout;  // wout: lm_head, or wte when tied
+        std::vector<Block> blocks;
+    };
+
+    CudaGPT(const ModelConfig& cfg, cudaStream_t stream);
+    CudaGPT(const CudaGPT&) = delete;
+    CudaGPT& operator=(const CudaGPT&) = delete;
+    ~CudaGPT();
+
+    const ModelConfig& config() const { return cfg_; }
+    const ParamLayout& layout() const { return layout_; }
+    T* params() { return params_.data(); }
+    T* grads() { return grads_.data(); }
+    static ActFormat arena_format(const ModelConfig& cfg, int B, int T_);
+
+    void set_remat(const RematPlan& plan);
+    const RematPlan& remat_plan() const { return plan_; }
+    void zero_grads();
+
+    // One micro-batch on host token ids: the ids (and the embedding backward's token order) are
+    // copied to the device, forward, loss and backward are queued. Gradients accumulate; every
+    // token's loss gradient is grad_scale. The sum of this micro-batch's token losses goes to
+    // *loss_sum (device double).
+    void forward_backward(const int32_t* inputs, const int32_t* targets, int B, int T_,
+                          float grad_scale, double* loss_sum);
+    // Forward and loss only; the sum of the token losses to *loss_sum (device).
+    void forward_loss(const int32_t* inputs, const int32_t* targets, int B, int T_,
+                      double* loss_sum);
+    // Logits over the real vocabulary into host memory: out (B,T,V). Waits for the stream.
+    void forward_logits(const int32_t* inputs, int B, int T_, float* out);
+
+    // Bytes of the device buffers for host token ids (inputs, targets, embedding plan).
+    static std::size_t token_bytes(int B, int T_);
+
+  private:
+    struct Saved {  // one block's saved fields (see activation_layout.h), T or fp32
+        T* ln1;
+        float *ln1_mean, *ln1_rstd;
+        T* qkv;
+        float* lse;
+        T *atty, *resid_mid, *ln2;
+        float *ln2_mean, *ln2_rstd;
+        T *fch, *fch_act;
+    };
+
+    void ensure_arena(int B, int T_);
+    void upload_tokens(const int32_t* inputs, const int32_t* targets, int B, int T_);
+    // Embedding, blocks and ln_f on the uploaded inputs.
+    void forward(int B, int T_);
+    void block_forward(const Block& p, const T* x, T* out, const Saved& s, int B, int T_);
+    void recompute_selective(const Block& p, const T* x, const Saved& s, int B, int T_);
+    void block_backward(const Block& p, const Block& g, const T* x, const Saved& s, int B, int T_);
+    void norm_forward(T* out, float* mean, float* rstd, const T* inp, const T* w, const T* b,
+                      int N);
+    void norm_backward(T* dinp, T* dw, T* db, const T* dout, const T* inp, const T* w,
+                       const float* mean, const float* rstd, int N);
+    BlockKeep keep(int l) const { return plan_.empty() ? BlockKeep::All : plan_[l]; }
+
+    ModelConfig cfg_;
+    ParamLayout layout_;
+    cudaStream_t stream_;
+    DeviceBuffer<T> params_, grads_;
+    Model p_, g_;  // views into params_ and grads_
+
+    RematPlan plan_;
+    int arena_B_ = 0, arena_T_ = 0, chunk_ = 0;
+    DeviceBuffer<unsigned char> acts_, work_;
+    std::vector<T*> resid_;
+    std::vector<Saved> saved_;
+    T *lnf_ = nullptr, *dres_ = nullptr, *dln_ = nullptr, *dbig_ = nullptr, *dact_ = nullptr,
+      *logits_ = nullptr;
+    float *lnf_mean_ = nullptr, *lnf_rstd_ = nullptr, *row_loss_ = nullptr, *att_delta_ = nullptr;
+
+    // Token ids on the device: [inputs (N) | targets (N) | embedding plan (N + 2U + 1)], copied
+    // from one of two pinned host buffers (the other may still be read by a queued copy).
+    DeviceBuffer<int32_t> tokens_;
+    int32_t* pinned_[2] = {nullptr, nullptr};
+    cudaEvent_t copied_[2] = {nullptr, nullptr};
+    std::size_t pinned_ints_ = 0;
+    int next_pinned_ = 0;
+    int unique_ = 0;
+    std::vector<int32_t> plan_host_;
+};
+
+}  // namespace memtrain
+
+#endif  // MEMTRAIN_HAVE_CUDA
