@@ -5,7 +5,7 @@ PyTorch user would for speed, and prints throughput and peak memory as one JSON 
 The model is the one of bench/torch_gpt2.py (tied embeddings, learned positions, tanh GELU,
 LayerNorm eps 1e-5, Hugging Face Conv1D-style linear layers with (in, out) weights), with the
 GPU idioms: fp32 parameters under torch.autocast(bf16) (or fp16 with a GradScaler, or plain
-fp32), attention through F.scaled_dot_product_attention(is_causal=True), AdamW(fused=True) with
+fp32 with PyTorch's default of no TF32 for matmuls, as memtrain's fp32), attention through F.scaled_dot_product_attention(is_causal=True), AdamW(fused=True) with
 weight decay 0.1 on matrices and embeddings only, betas (0.9, 0.95), gradient clipping at 1.0
 and zero_grad(set_to_none=True). Options: --mode compile wraps the model in torch.compile
 (default options; the warm-up steps absorb the compile time), --checkpoint block recomputes each
@@ -166,6 +166,11 @@ class Timer:
         return time.perf_counter() - self.t0
 
 
+def progress(msg):
+    """A line on stderr, so that a run killed by a timeout still shows how far it got."""
+    print("torch_gpt2_gpu.py: " + msg, file=sys.stderr, flush=True)
+
+
 def device_name(device):
     if device == "cuda":
         return torch.cuda.get_device_name(0)
@@ -269,10 +274,14 @@ def train(a, ap):
     losses.append(step(0))  # compiles under --mode compile
     sync(dev)
     first_step_s = time.perf_counter() - t_start
+    progress("first step (%s) took %.1f s" % (a.mode, first_step_s))
     for i in range(1, a.warmup_steps):
         losses.append(step(i))
     warmup_end = 1 if a.warmup_steps == 0 else a.warmup_steps
 
+    sync(dev)
+    progress("warm-up done after %.1f s; timing %d steps" % (time.perf_counter() - t_start,
+                                                               a.steps))
     timer = Timer(dev)
     timer.start()
     warm_alloc = torch.cuda.max_memory_allocated() if dev == "cuda" else 0
