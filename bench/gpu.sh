@@ -1,37 +1,103 @@
 #!/usr/bin/env bash
 # The GPU machine's one command: builds the Release tree with the CUDA backend, runs the CUDA
 # tests (every kernel against the CPU reference; a missing GPU fails them here instead of skipping
-# them), then the GPU benchmarks that exist so far. See docs/cuda.md.
-#   bash bench/gpu.sh [BUILD_DIR]     (default build-gpu; MEMTRAIN_SKIP_DEPS=1 skips scripts/deps.sh)
+# them), then the GPU benchmarks (bench/gpu_vs_pytorch.py: memtrain against PyTorch eager and
+# torch.compile on GPT-2 124M and 1.5B, then activation checkpointing on 1.5B). See docs/cuda.md
+# and docs/benchmarks.md.
+#
+#   bash bench/gpu.sh [--quick] [--skip-tests | --bench-only] [--only 124m,1.5b,remat] [BUILD_DIR]
+#
+#   BUILD_DIR     default build-gpu
+#   --quick       fewer steps (and no torch.compile peer on 1.5B): about half the time
+#   --skip-tests  build only the memtrain target and skip the CUDA tests
+#   --bench-only  skip the build and the CUDA tests (BUILD_DIR/memtrain must exist)
+#   --only LIST   run only these benchmarks (default 124m,1.5b,remat)
+#   env: OUT (results folder, default bench-out), PYTHON (interpreter with PyTorch, default
+#        python3), MEMTRAIN_SKIP_DEPS=1 (skip scripts/deps.sh), MEMTRAIN_BENCH_TIMEOUT (seconds per
+#        benchmark process, default 900)
+#
+# Everything printed also goes to $OUT/gpu.log, and each benchmark's measurements (with each
+# process's command and the end of its output) to $OUT/gpu-<name>.json: four files in all.
+# A failed CUDA test or benchmark does not stop the others; the exit status is non-zero if any
+# failed. Expected time on one H100: build + tests a few minutes, 124m ~3 min (torch.compile's
+# warm-up is most of it), 1.5b ~6 min, remat ~4 min.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BUILD=${1:-build-gpu}
+BUILD=build-gpu
+QUICK=()
+BENCH_ONLY=0
+SKIP_TESTS=0
+ONLY=124m,1.5b,remat
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --quick) QUICK=(--quick) ;;
+        --bench-only) BENCH_ONLY=1 ;;
+        --skip-tests) SKIP_TESTS=1 ;;
+        --only) [ $# -ge 2 ] || { echo "gpu.sh: --only needs a list" >&2; exit 2; }
+                ONLY=$2; shift ;;
+        -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+        -*) echo "gpu.sh: unknown option $1 (see bash bench/gpu.sh --help)" >&2; exit 2 ;;
+        *) BUILD=$1 ;;
+    esac
+    shift
+done
+for b in ${ONLY//,/ }; do
+    case "$b" in 124m|1.5b|remat) ;; *) echo "gpu.sh: unknown benchmark '$b' in --only" >&2; exit 2 ;; esac
+done
 JOBS=$(nproc)
+OUTDIR=${OUT:-bench-out}
+PYTHON=${PYTHON:-python3}
+mkdir -p "$OUTDIR"
+exec > >(tee -a "$OUTDIR/gpu.log") 2>&1
+export PYTHONUNBUFFERED=1
+status=0
 
-command -v nvcc >/dev/null || { echo "gpu.sh: nvcc not found: install the CUDA toolkit" >&2; exit 1; }
 nvidia-smi -L || { echo "gpu.sh: nvidia-smi sees no GPU" >&2; exit 1; }
-[ "${MEMTRAIN_SKIP_DEPS:-0}" = "1" ] || bash scripts/deps.sh
+if [ "$BENCH_ONLY" = 0 ]; then
+    command -v nvcc >/dev/null || { echo "gpu.sh: nvcc not found: install the CUDA toolkit" >&2; exit 1; }
+    [ "${MEMTRAIN_SKIP_DEPS:-0}" = "1" ] || bash scripts/deps.sh
 
-echo "== build ($BUILD, Release, CUDA)"
-cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DMEMTRAIN_CUDA=ON >/dev/null
-cmake --build "$BUILD" -j "$JOBS"
-if ! grep -q -- "-DMEMTRAIN_HAVE_CUDA=1" "$BUILD/compile_commands.json"; then
-    echo "gpu.sh: CMake did not enable the CUDA backend (is nvcc on PATH?)" >&2
-    exit 1
+    echo "== build ($BUILD, Release, CUDA)"
+    cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DMEMTRAIN_CUDA=ON >/dev/null
+    if [ "$SKIP_TESTS" = 1 ]; then
+        cmake --build "$BUILD" -j "$JOBS" --target memtrain
+    else
+        cmake --build "$BUILD" -j "$JOBS"
+    fi
+    if ! grep -q -- "-DMEMTRAIN_HAVE_CUDA=1" "$BUILD/compile_commands.json"; then
+        echo "gpu.sh: CMake did not enable the CUDA backend (is nvcc on PATH?)" >&2
+        exit 1
+    fi
+
+    if [ "$SKIP_TESTS" = 1 ]; then
+        echo "== CUDA tests skipped (--skip-tests)"
+    else
+        echo "== CUDA tests (kernels against the CPU reference)"
+        if ! MEMTRAIN_REQUIRE_GPU=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-$JOBS} \
+            ctest --test-dir "$BUILD" -R '^(CudaOps|Device)\.' --output-on-failure; then
+            echo "gpu.sh: CUDA tests FAILED; running the benchmarks anyway"
+            status=1
+        fi
+    fi
 fi
+[ -x "$BUILD/memtrain" ] || { echo "gpu.sh: no $BUILD/memtrain (build first, without --bench-only)" >&2; exit 1; }
 
-echo "== CUDA tests (kernels against the CPU reference)"
-MEMTRAIN_REQUIRE_GPU=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-$JOBS} \
-    ctest --test-dir "$BUILD" -R '^(CudaOps|Device)\.' --output-on-failure
+echo "== GPU"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit --format=csv || true
 
-echo "== GPU benchmarks"
-# The peer is ready once bench/torch_gpt2.py can run on a GPU; memtrain's side needs the CUDA
-# trainer (the next step of the CUDA backend issue), which does not exist yet.
-if grep -q -- "--device" bench/torch_gpt2.py; then
-    python3 bench/torch_gpt2.py --device cuda --n-layer 12 --n-head 12 --n-embd 768 \
-        --vocab 50257 --seq 1024 --batch 8 --steps 20 --warmup-steps 3
-else
-    echo "not benchmarked: bench/torch_gpt2.py runs on the CPU only (no --device option)"
-fi
-echo "not benchmarked: memtrain on the GPU (no CUDA trainer yet; the kernels above are tested," \
-     "not timed)"
+for b in ${ONLY//,/ }; do
+    case "$b" in
+        remat) args=(--remat-compare) ;;
+        *) args=(--preset "$b") ;;
+    esac
+    echo
+    echo "== GPU benchmark: $b"
+    if ! "$PYTHON" bench/gpu_vs_pytorch.py --memtrain "$BUILD/memtrain" "${args[@]}" "${QUICK[@]}" \
+        --timeout "${MEMTRAIN_BENCH_TIMEOUT:-900}" --json "$OUTDIR/gpu-$b.json"; then
+        echo "gpu.sh: benchmark $b FAILED (see above and $OUTDIR/gpu-$b.json)"
+        status=1
+    fi
+done
+echo
+echo "== done: log and results in $OUTDIR (gpu.log, gpu-*.json); exit status $status"
+exit $status
