@@ -82,11 +82,26 @@ void* device_alloc(std::size_t bytes, MemCategory c) {
     if (err != cudaSuccess) {
         cudaGetLastError();
         MemoryStats s = device_memory().snapshot();
+        std::size_t free_b = 0, total_b = 0;
+        cudaMemGetInfo(&free_b, &total_b);
+        cudaGetLastError();
+        // What would make it fit, by what was being allocated.
+        const char* advice =
+            c == MemCategory::Activations || c == MemCategory::Workspace
+                ? "lower train.micro_batch_size or train.seq_len, or recompute activations "
+                  "(train.remat = selective, full or budget:BYTES; `memtrain remat CONFIG "
+                  "--frontier` lists the options)"
+            : c == MemCategory::Parameters || c == MemCategory::Gradients ||
+                    c == MemCategory::OptimizerState
+                ? "the model states alone do not fit: train.precision = bf16 holds 16 bytes "
+                  "per parameter, fp32 16 too but without master copies; a smaller model, or "
+                  "`memtrain estimate` for the sizes"
+                : "free device memory or use a smaller run";
         fail(
-            "out of device memory: could not allocate {} bytes for {} ({} MiB already in use, {} "
-            "MiB of it {}): {}",
-            bytes, category_name(c), s.total_used >> 20, s[c] >> 20, category_name(c),
-            cudaGetErrorString(err));
+            "out of device memory: could not allocate {} MiB for {} ({} MiB tracked in use, {} "
+            "MiB of it {}; the device has {} MiB, {} MiB free): {}. To fit: {}",
+            bytes >> 20, category_name(c), s.total_used >> 20, s[c] >> 20, category_name(c),
+            total_b >> 20, free_b >> 20, cudaGetErrorString(err), advice);
     }
     MT_CUDA_CHECK(cudaMemset(p, 0, bytes == 0 ? 1 : bytes));
     device_memory().on_alloc(c, bytes, reserved);

@@ -231,6 +231,34 @@ TEST(CudaTrain, DeviceMemoryIsWhatTheModelPredicts) {
     }
 }
 
+TEST(CudaTrain, LlamaStyleFp32MatchesTheCpu) {
+    REQUIRE_GPU();
+    // RMSNorm, SwiGLU, rope, grouped-query attention and an untied head: every Llama-style
+    // kernel of the GPU engine in one run, against the CPU engine.
+    auto llama = [](RunConfig c) {
+        c.model.norm = "rmsnorm";
+        c.model.activation = "swiglu";
+        c.model.positions = "rope";
+        c.model.n_head = 4;
+        c.model.n_kv_head = 2;
+        c.model.n_embd = 32;
+        c.model.tied_embeddings = false;
+        return c;
+    };
+    auto d1 = test::temp_dir("cuda_llama_cpu"), d2 = test::temp_dir("cuda_llama_gpu");
+    Trainer cpu(llama(test::tiny_run(d1, 8)), quiet());
+    Trainer gpu(llama(cuda_run(d2, 8, "fp32")), quiet());
+    auto a = cpu.run(), b = gpu.run();
+    for (int i = 0; i < 8; i++)
+        EXPECT_NEAR(b.losses[i], a.losses[i], 2e-4 * std::fabs(a.losses[i]) + 1e-5) << "step " << i;
+    EXPECT_LT(max_abs_diff(cpu.params(), gpu.params()), 1e-4);
+    // And in bf16, where it still learns.
+    auto d3 = test::temp_dir("cuda_llama_bf16");
+    Trainer bf(llama(cuda_run(d3, 8, "bf16")), quiet());
+    auto c = bf.run();
+    for (int i = 0; i < 8; i++) EXPECT_NEAR(c.losses[i], a.losses[i], 0.05) << "step " << i;
+}
+
 TEST(CudaTrain, ConfigErrorsNameTheKey) {
     RunConfig c = test::tiny_run(test::temp_dir("cuda_cfg_errors"), 1);
     c.train.device = "cpu";

@@ -1,8 +1,8 @@
 // CUDA kernels, one header per op family, all included here: the same ops, argument order and
 // semantics as kernels/cpu/ops.h (read that file's comments for each op), on device pointers, with
-// the stream last. Each entry queues its work on `stream` and returns; the ones that return a host
-// value (classifier_loss, sum_squares) wait for that stream. fp32 throughout except where a name
-// says bf16.
+// the stream last. Entries are templates over the storage type (float, __nv_bfloat16, __half;
+// fp32 arithmetic inside). Each entry queues its work on `stream` and returns: results the host
+// needs (losses, norms) are written to device memory, and nothing here waits for the GPU.
 //
 // Determinism: no floating-point atomics anywhere. Every sum runs in an order fixed by the shapes
 // alone (never by timing or the number of SMs), so a run repeats bit for bit on the same GPU and

@@ -1,0 +1,105 @@
+// The command line on cudasim (memtrain_sim): `memtrain train` with train.device = "cuda" end to
+// end, in each precision, and its errors. Built into the simulator's tests only (on a GPU the same
+// run is `memtrain train`, which bench/gpu.sh exercises).
+#include <gtest/gtest.h>
+
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include "data/shard.h"
+#include "test_util.h"
+
+#if MT_CUDA_SIM_TESTS
+
+namespace {
+
+struct Result {
+    int code;
+    std::string output;
+};
+
+Result run_sim(const std::string& args, const std::string& env = "") {
+    std::string cmd = env + " " + std::string(MT_BINARY_DIR) + "/memtrain_sim " + args + " 2>&1";
+    std::FILE* p = popen(cmd.c_str(), "r");
+    std::string out;
+    std::array<char, 4096> buf;
+    while (std::size_t n = std::fread(buf.data(), 1, buf.size(), p)) out.append(buf.data(), n);
+    int status = pclose(p);
+    return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+// A tiny config over freshly written shards; returns its path.
+std::string tiny_config(const std::string& dir) {
+    using memtrain::test::patterned_tokens;
+    memtrain::data::write_shard(dir + "/train.bin", patterned_tokens(4096, 50, 1), 50);
+    memtrain::data::write_shard(dir + "/val.bin", patterned_tokens(1024, 50, 2), 50);
+    std::ofstream f(dir + "/run.toml");
+    f << "[model]\nn_layer = 2\nn_head = 2\nn_embd = 16\nblock_size = 16\nvocab_size = 50\n"
+         "vocab_pad = 16\n[train]\nseq_len = 8\nbatch_size = 4\nmicro_batch_size = 2\n"
+         "max_steps = 4\neval_every = 2\n[optim]\nlr = 3e-3\nwarmup_steps = 1\n[data]\n"
+         "train = \"train.bin\"\nval = \"val.bin\"\n[io]\nout_dir = \"out\"\n[sample]\n"
+         "max_tokens = 0\n";
+    return dir + "/run.toml";
+}
+
+}  // namespace
+
+TEST(CudaCli, TrainsOnTheDeviceInEachPrecision) {
+    for (const char* p : {"fp32", "bf16", "fp16"}) {
+        SCOPED_TRACE(p);
+        auto dir = memtrain::test::temp_dir(std::string("cuda_cli_") + p);
+        auto r =
+            run_sim("train " + tiny_config(dir) + " --set train.device=cuda train.precision=" + p +
+                    " io.out_dir=" + dir + "/out");
+        ASSERT_EQ(r.code, 0) << r.output;
+        EXPECT_NE(r.output.find(std::string("device: cuda: memtrain CUDA simulator (sm_90) (") + p),
+                  std::string::npos)
+            << r.output;
+        EXPECT_NE(r.output.find("memory breakdown (device:"), std::string::npos) << r.output;
+        EXPECT_NE(r.output.find("device in use"), std::string::npos) << r.output;
+        const bool mixed = std::string(p) != "fp32";
+        EXPECT_NE(r.output.find(mixed ? "12 x params (fp32 master, Adam m, v)"
+                                      : "8 x params (Adam m, v)"),
+                  std::string::npos)
+            << r.output;
+        EXPECT_NE(r.output.find("step     4/4 | val loss"), std::string::npos) << r.output;
+        if (std::string(p) == "fp16") {
+            EXPECT_NE(r.output.find("scale 65536"), std::string::npos) << r.output;
+        }
+    }
+}
+
+TEST(CudaCli, ErrorsNameTheKeyAndExitNonZero) {
+    auto dir = memtrain::test::temp_dir("cuda_cli_errors");
+    const std::string cfg = tiny_config(dir);
+    auto r = run_sim("train " + cfg + " --set train.device=cpu train.precision=bf16");
+    EXPECT_EQ(r.code, 1) << r.output;
+    EXPECT_NE(r.output.find("train.precision = \"bf16\" needs train.device = \"cuda\""),
+              std::string::npos)
+        << r.output;
+    r = run_sim("train " + cfg + " --set train.precision=fp8");
+    EXPECT_EQ(r.code, 1) << r.output;
+    EXPECT_NE(r.output.find("train.precision = \"fp8\" must be"), std::string::npos) << r.output;
+    // Out of device memory (the simulator enforces the size it is given): the error names the
+    // category, the device's size and what would fit.
+    r = run_sim("train " + cfg + " --set train.device=cuda model.n_embd=256 model.n_layer=4",
+                "MEMTRAIN_SIM_DEVICE_MIB=8");
+    EXPECT_EQ(r.code, 1) << r.output;
+    EXPECT_NE(r.output.find("out of device memory"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("the device has 8 MiB"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("To fit:"), std::string::npos) << r.output;
+    // 14 MB of model states fit in 40 MiB; the bf16 activations of 4 x 512 tokens (33 MiB) not.
+    r = run_sim("train " + cfg +
+                    " --set train.device=cuda train.micro_batch_size=4 train.batch_size=4 "
+                    "model.block_size=512 train.seq_len=512 model.n_embd=128 model.n_layer=4",
+                "MEMTRAIN_SIM_DEVICE_MIB=40");
+    EXPECT_EQ(r.code, 1) << r.output;
+    EXPECT_NE(r.output.find("for activations"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("train.remat"), std::string::npos) << r.output;
+}
+
+#endif  // MT_CUDA_SIM_TESTS
