@@ -88,10 +88,13 @@ CudaGPT<T>::CudaGPT(const ModelConfig& cfg, cudaStream_t stream)
     p_ = make_views<Model>(params_.data(), layout_, cfg_);
     g_ = make_views<Model>(grads_.data(), layout_, cfg_);
     for (auto& e : copied_) MT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    graph_loss_buf_ = DeviceBuffer<double>(1, MemCategory::Workspace);
+    graph_loss_ = graph_loss_buf_.data();
 }
 
 template <typename T>
 CudaGPT<T>::~CudaGPT() {
+    drop_graph();
     for (auto& e : copied_)
         if (e) cudaEventDestroy(e);
     for (auto& p : pinned_)
@@ -119,6 +122,7 @@ void CudaGPT<T>::ensure_arena(int B, int T_) {
     const ActFormat fmt = arena_format(cfg_, B, T_);
     const ArenaPlan p = plan_arena(cfg_, B, T_, plan_, fmt);
     MT_CUDA_CHECK(cudaStreamSynchronize(stream_));  // queued work may still use the old arenas
+    drop_graph();                                   // a captured step points into the arenas
     // Exactly the plan's sizes (free first: no transient double peak), so measured == predicted.
     if (p.activation_bytes != acts_.size()) {
         acts_.reset();
@@ -318,10 +322,47 @@ void CudaGPT<T>::forward_backward(const int32_t* inputs, const int32_t* targets,
                                   float grad_scale, double* loss_sum) {
     ensure_arena(B, T_);
     upload_tokens(inputs, targets, B, T_);
+    const int N = B * T_;
+    if (!graphs_) {
+        step_body(B, T_, grad_scale, loss_sum);
+    } else {
+        // The body reads only fixed device buffers, so one capture replays for every micro-batch
+        // of this shape and gradient scale (the token upload above and the embedding backward
+        // below stay outside: the copy's source and the backward's grid change every time).
+        // The first micro-batch runs eagerly, so lazily created state (cuBLASLt's handle, plans
+        // and workspace) exists before anything is captured.
+        if (graph_exec_ && (graph_B_ != B || graph_T_ != T_ || graph_scale_ != grad_scale))
+            drop_graph();
+        if (!graph_exec_ && warmed_up_) {
+            cudaGraph_t graph = nullptr;
+            MT_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeGlobal));
+            step_body(B, T_, grad_scale, graph_loss_);
+            MT_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+            MT_CUDA_CHECK(cudaGraphInstantiate(&graph_exec_, graph, 0));
+            MT_CUDA_CHECK(cudaGraphDestroy(graph));
+            graph_B_ = B;
+            graph_T_ = T_;
+            graph_scale_ = grad_scale;
+        }
+        if (graph_exec_) {
+            MT_CUDA_CHECK(cudaGraphLaunch(graph_exec_, stream_));
+            graph_replays_++;
+            MT_CUDA_CHECK(cudaMemcpyAsync(loss_sum, graph_loss_, sizeof(double),
+                                          cudaMemcpyDeviceToDevice, stream_));
+        } else {
+            step_body(B, T_, grad_scale, loss_sum);
+            warmed_up_ = true;
+        }
+    }
+    cuda::embedding_backward<T>(g_.wte, g_.wpe, dres_, tokens_.data() + 2 * N, unique_, B, T_,
+                                cfg_.n_embd, stream_);
+}
+
+template <typename T>
+void CudaGPT<T>::step_body(int B, int T_, float grad_scale, double* loss_sum) {
     forward(B, T_);
     const int N = B * T_, C = cfg_.n_embd, L = cfg_.n_layer;
     const int32_t* dev_targets = tokens_.data() + N;
-    const int32_t* dev_plan = tokens_.data() + 2 * N;
     cuda::classifier_loss<T>(dln_, g_.wout, logits_, row_loss_, lnf_, p_.wout, dev_targets, N, C,
                              cfg_.vocab_size, cfg_.padded_vocab(), chunk_, grad_scale, stream_);
     cuda::sum_floats(loss_sum, row_loss_, N, stream_);
@@ -336,7 +377,18 @@ void CudaGPT<T>::forward_backward(const int32_t* inputs, const int32_t* targets,
             recompute_selective(p_.blocks[l], resid_[l], saved_[l], B, T_);
         block_backward(p_.blocks[l], g_.blocks[l], resid_[l], saved_[l], B, T_);
     }
-    cuda::embedding_backward<T>(g_.wte, g_.wpe, dres_, dev_plan, unique_, B, T_, C, stream_);
+}
+
+template <typename T>
+void CudaGPT<T>::drop_graph() {
+    if (graph_exec_) cudaGraphExecDestroy(graph_exec_);
+    graph_exec_ = nullptr;
+}
+
+template <typename T>
+void CudaGPT<T>::set_cuda_graphs(bool on) {
+    graphs_ = on;
+    drop_graph();
 }
 
 template <typename T>

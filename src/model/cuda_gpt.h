@@ -63,8 +63,16 @@ class CudaGPT {
     // Logits over the real vocabulary into host memory: out (B,T,V). Waits for the stream.
     void forward_logits(const int32_t* inputs, int B, int T_, float* out);
 
-    // Bytes of the device buffers for host token ids (inputs, targets, embedding plan).
+    // Bytes of the device buffers for host token ids (inputs, targets, embedding plan), and of
+    // the CUDA graph's loss slot.
     static std::size_t token_bytes(int B, int T_);
+    static constexpr std::size_t kGraphBytes = sizeof(double);
+
+    // Replays each micro-batch's forward and backward as one captured CUDA graph (train.
+    // cuda_graphs): the launch overhead of a few hundred kernels becomes one launch. A new
+    // capture is made when the shape, the remat plan or the gradient scale changes.
+    void set_cuda_graphs(bool on);
+    int64_t graph_replays() const { return graph_replays_; }
 
   private:
     struct Saved {  // one block's saved fields (see activation_layout.h), T or fp32
@@ -78,6 +86,10 @@ class CudaGPT {
     };
 
     void ensure_arena(int B, int T_);
+    // Forward, loss and backward down to (not including) the embedding backward, on the tokens
+    // already on the device: what a CUDA graph captures.
+    void step_body(int B, int T_, float grad_scale, double* loss_sum);
+    void drop_graph();
     void upload_tokens(const int32_t* inputs, const int32_t* targets, int B, int T_);
     // Embedding, blocks and ln_f on the uploaded inputs.
     void forward(int B, int T_);
@@ -114,6 +126,14 @@ class CudaGPT {
     int next_pinned_ = 0;
     int unique_ = 0;
     std::vector<int32_t> plan_host_;
+
+    bool graphs_ = false, warmed_up_ = false;
+    cudaGraphExec_t graph_exec_ = nullptr;
+    int graph_B_ = 0, graph_T_ = 0;
+    float graph_scale_ = 0;
+    int64_t graph_replays_ = 0;
+    DeviceBuffer<double> graph_loss_buf_;
+    double* graph_loss_ = nullptr;  // the captured step's loss sum, copied out after each replay
 };
 
 }  // namespace memtrain

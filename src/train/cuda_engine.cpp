@@ -117,8 +117,10 @@ class CudaEngine final : public Engine, public OptimizerState {
     void write_state(const std::string& name, std::size_t begin, std::size_t n,
                      const float* src) override;
 
-    // Test hook: the next finish_step finds a non-finite gradient (an fp16 overflow).
+    // Test hooks: the next finish_step finds a non-finite gradient (an fp16 overflow); how many
+    // micro-batches replayed a CUDA graph.
     void inject_overflow() { inject_overflow_ = true; }
+    int64_t graph_replays() const { return model_->graph_replays(); }
 
   private:
     friend class WeightsStore<T>;
@@ -188,6 +190,7 @@ CudaEngine<T>::CudaEngine(const RunConfig& cfg)
     : cfg_(cfg), adamw_(cfg.optim.name == "adamw"), store_(*this) {
     MT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     model_ = std::make_unique<CudaGPT<T>>(cfg_.model, stream_);
+    model_->set_cuda_graphs(cfg_.train.cuda_graphs);
     const ParamLayout& layout = model_->layout();
     const std::size_t psi = layout.total;
     if constexpr (!std::is_same_v<T, float>)
@@ -345,7 +348,8 @@ std::vector<MemoryPrediction> CudaEngine<T>::predicted_memory(int B, int T_) con
     const std::size_t table = (std::size_t)nchunks_ * sizeof(cuda::TensorChunk);
     auto lay = activation_layout(cfg_.model, B, T_, model_->remat_plan(),
                                  CudaGPT<T>::arena_format(cfg_.model, B, T_));
-    const std::size_t extra = CudaGPT<T>::token_bytes(B, T_) + stats_.bytes();
+    const std::size_t extra =
+        CudaGPT<T>::token_bytes(B, T_) + CudaGPT<T>::kGraphBytes + stats_.bytes();
     return {
         {MemCategory::Parameters, fmt::format("{} x params ({})", e, tn), e * psi},
         {MemCategory::Gradients, fmt::format("{} x params ({})", e, tn), e * psi},
@@ -388,6 +392,13 @@ void inject_overflow_for_test(Engine& engine) {
     fail("internal: inject_overflow_for_test needs a CUDA engine");
 }
 
+int64_t cuda_graph_replays_for_test(Engine& engine) {
+    if (auto* e = dynamic_cast<CudaEngine<__half>*>(&engine)) return e->graph_replays();
+    if (auto* e = dynamic_cast<CudaEngine<__nv_bfloat16>*>(&engine)) return e->graph_replays();
+    if (auto* e = dynamic_cast<CudaEngine<float>*>(&engine)) return e->graph_replays();
+    fail("internal: cuda_graph_replays_for_test needs a CUDA engine");
+}
+
 }  // namespace memtrain
 
 #else  // built without CUDA
@@ -402,6 +413,10 @@ std::unique_ptr<Engine> make_cuda_engine(const RunConfig&) {
 
 void inject_overflow_for_test(Engine&) {
     fail("internal: inject_overflow_for_test needs a CUDA build");
+}
+
+int64_t cuda_graph_replays_for_test(Engine&) {
+    fail("internal: cuda_graph_replays_for_test needs a CUDA build");
 }
 
 }  // namespace memtrain

@@ -4,6 +4,7 @@
 // the factory links in every build; a build without CUDA fails with a message.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 
 #include "train/engine.h"
@@ -15,5 +16,7 @@ std::unique_ptr<Engine> make_cuda_engine(const RunConfig& cfg);
 // Test hook: the engine's next finish_step finds a non-finite gradient, as an fp16 overflow in
 // backward would leave it (tests/cuda: the step is skipped and the loss scale halves).
 void inject_overflow_for_test(Engine& engine);
+// Test hook: how many micro-batches the engine replayed as a CUDA graph (train.cuda_graphs).
+int64_t cuda_graph_replays_for_test(Engine& engine);
 
 }  // namespace memtrain

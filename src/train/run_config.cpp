@@ -186,6 +186,8 @@ const std::vector<Key>& registry() {
         make_key(
             "train.remat_costs", &R::train, &TrainConfig::remat_costs,
             "price recompute by analytic FLOPs or a measured profiling pass: analytic | measured"),
+        make_key("train.cuda_graphs", &R::train, &TrainConfig::cuda_graphs,
+                 "cuda: replay each micro-batch's forward and backward as one CUDA graph"),
         make_key("train.zero_stage", &R::train, &TrainConfig::zero_stage,
                  "data-parallel sharding: 0 DDP | 1 optimizer | 2 + gradients | 3 + parameters"),
         make_key("optim.name", &R::optim, &OptimConfig::name, "adamw | sgd"),
@@ -310,6 +312,8 @@ void RunConfig::validate() const {
             "train.precision = \"{}\" needs train.device = \"cuda\": the CPU engine trains in "
             "fp32",
             train.precision);
+    if (train.cuda_graphs && train.device == "cpu")
+        fail("train.cuda_graphs = true needs train.device = \"cuda\" (or \"auto\" on a GPU)");
     if (train.device == "cuda" && train.remat_costs == "measured")
         fail(
             "train.remat_costs = \"measured\" profiles the CPU kernels; on device = \"cuda\" use "
