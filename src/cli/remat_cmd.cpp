@@ -95,7 +95,7 @@ void register_remat(CLI::App& app) {
     auto* cmd = app.add_subcommand(
         "remat", "activation-checkpointing schedule: per-block plan, peak memory, recompute");
     struct Args {
-        std::string config, budget, svg;
+        std::string config, budget, svg, device, precision;
         std::vector<std::string> sets;
         bool frontier = false;
         bool measure = false;
@@ -106,6 +106,12 @@ void register_remat(CLI::App& app) {
     cmd->add_option("--budget", a->budget, "peak activation bytes, e.g. 200MiB (else train.remat)");
     cmd->add_flag("--frontier", a->frontier, "table of policies and budget-optimal schedules");
     cmd->add_option("--svg", a->svg, "with --frontier: write the chart to this SVG file");
+    cmd->add_option("--device", a->device,
+                    "price this device's activation layout: cpu or cuda (default: train.device; "
+                    "no GPU is needed to price cuda)");
+    cmd->add_option("--precision", a->precision,
+                    "with --device cuda: fp32, bf16 or fp16 activations (default: "
+                    "train.precision, bf16 for auto)");
     cmd->add_flag("--measure", a->measure,
                   "price recompute by a profiling pass on this machine; with --frontier also "
                   "time real steps of every schedule");
@@ -113,7 +119,24 @@ void register_remat(CLI::App& app) {
         RunConfig cfg = load_run_config(a->config, a->sets);
         const ModelConfig& m = cfg.model;
         const int B = cfg.micro_batch(), T = cfg.train.seq_len;
+        // Whose layout to price: the run's device and precision, or those named here.
+        const std::string device = a->device.empty() ? cfg.train.device : a->device;
+        if (device != "cpu" && device != "cuda") fail("--device {}: expected cpu or cuda", device);
+        std::string precision = a->precision.empty() ? cfg.train.precision : a->precision;
+        if (device == "cpu" && !a->precision.empty() && precision != "fp32")
+            fail("--precision {} needs --device cuda: the CPU engine stores fp32 activations",
+                 precision);
+        if (precision == "auto" ||
+            (device == "cuda" && a->precision.empty() && cfg.train.device != "cuda"))
+            precision = device == "cuda" ? "bf16" : "fp32";
+        if (precision != "fp32" && precision != "bf16" && precision != "fp16")
+            fail("--precision {}: expected fp32, bf16 or fp16", precision);
+        const ActFormat fmt = device == "cuda"
+                                  ? cuda_arena_format(m, precision == "fp32" ? 4 : 2, B, T)
+                                  : ActFormat::cpu();
         const bool measured = a->measure || cfg.train.remat_costs == "measured";
+        if (measured && device == "cuda")
+            fail("--measure profiles the CPU kernels; price the cuda layout with analytic costs");
         std::optional<BlockFlops> costs;
         double step = (double)step_flops(m, B, T);
         if (measured) {
@@ -121,15 +144,20 @@ void register_remat(CLI::App& app) {
             step = estimated_step_ns(m, B, T, *costs);
         }
         const BlockFlops* cost_ptr = costs ? &*costs : nullptr;
-        const Chain chain = costs ? make_chain(m, B, T, *costs) : make_chain(m, B, T);
+        const Chain chain = costs ? make_chain(m, B, T, *costs, fmt) : make_chain(m, B, T, fmt);
         // Recompute units: GFLOP (analytic) or ms (measured).
         const double unit = measured ? 1e6 : 1e9;
         const char* unit_name = measured ? "ms" : "GFLOP";
         std::printf(
             "model %d layers x %d wide, %d heads | micro-batch %d x %d | step %.2f %s (%s, "
-            "no recompute)\n",
+            "no recompute)\nactivation layout: %s\n",
             m.n_layer, m.n_embd, m.n_head, B, T, step / unit, unit_name,
-            measured ? "estimated from a profiled block" : "analytic");
+            measured ? "estimated from a profiled block" : "analytic",
+            device == "cuda" ? fmt::format("cuda, {} (fused attention: a log-sum-exp per row, no "
+                                           "attention probabilities)",
+                                           precision)
+                                   .c_str()
+                             : "cpu, fp32 (attention probabilities kept)");
         std::printf("smallest feasible peak activation memory: %s\n",
                     format_bytes(min_feasible_bytes(chain)).c_str());
         if (!a->svg.empty() && !a->frontier) fail("--svg needs --frontier");
@@ -137,7 +165,7 @@ void register_remat(CLI::App& app) {
             if (!a->budget.empty()) fail("give either --budget or --frontier, not both");
             std::vector<Point> pts;
             for (const char* p : {"none", "selective", "sqrt", "full"})
-                pts.push_back({p, make_schedule(parse_policy(p), m, B, T, cost_ptr)});
+                pts.push_back({p, make_schedule(parse_policy(p), m, B, T, cost_ptr, fmt)});
             const std::size_t lo = min_feasible_bytes(chain), hi = pts[0].s.peak_bytes;
             const int n = 10;
             for (int i = 0; i <= n; i++) {
@@ -145,7 +173,7 @@ void register_remat(CLI::App& app) {
                 pts.push_back({fmt::format("budget:{}", b), *solve_budget(chain, b)});
             }
             if (a->measure) {
-                // Real steps of every schedule: the measured side of the frontier.
+                // Real steps of every schedule (CPU): the measured side of the frontier.
                 for (auto& p : pts) {
                     MeasuredStep ms = measure_step(m, B, T, p.s.plan);
                     p.measured_bytes = ms.activation_bytes;
@@ -178,7 +206,7 @@ void register_remat(CLI::App& app) {
             return;
         }
         std::string policy = a->budget.empty() ? cfg.train.remat : "budget:" + a->budget;
-        Schedule s = make_schedule(parse_policy(policy), m, B, T, cost_ptr);
+        Schedule s = make_schedule(parse_policy(policy), m, B, T, cost_ptr, fmt);
         std::printf("\nschedule for %s\n%-6s %-10s %14s %13s %s\n", policy.c_str(), "block",
                     "keeps", "kept bytes", "recompute", unit_name);
         for (std::size_t l = 0; l < s.plan.size(); l++) {

@@ -154,6 +154,13 @@ std::size_t cuda_kernel_scratch_bytes(const ModelConfig& cfg, int B, int T) {
     return (std::max(columns, sums) + kMiB - 1) / kMiB * kMiB;
 }
 
+ActFormat cuda_arena_format(const ModelConfig& cfg, int elem_bytes, int B, int T) {
+    constexpr std::size_t kLogitsBytes = std::size_t{256} << 20;
+    const std::size_t row = (std::size_t)cfg.padded_vocab() * elem_bytes;
+    const int chunk = (int)std::max<std::size_t>(64, kLogitsBytes / row / 64 * 64);
+    return ActFormat::cuda_model(elem_bytes, std::min(chunk, B * T));
+}
+
 ArenaPlan plan_arena(const ModelConfig& cfg, int B, int T, const RematPlan& plan_in,
                      const ActFormat& fmt) {
     const std::size_t BT = (std::size_t)B * T, C = cfg.n_embd, L = cfg.n_layer;

@@ -66,6 +66,12 @@ struct ActFormat {
     }
 };
 
+// The CUDA model's format for a micro-batch of B x T with elem_bytes-byte activations: the
+// classifier keeps at most 256 MiB of logits alive (a whole number of 64-row tiles, at least 64
+// rows). No GPU is needed to ask (the planner and `memtrain remat` price the GPU layout
+// anywhere).
+ActFormat cuda_arena_format(const ModelConfig& cfg, int elem_bytes, int B, int T);
+
 // One named region of the activation or workspace arena.
 struct ArenaEntry {
     std::string name;

@@ -21,9 +21,6 @@ namespace memtrain {
 
 namespace {
 
-// Logits of this many bytes at most are alive at once (the classifier's chunk of rows).
-constexpr std::size_t kLogitsBytes = std::size_t{256} << 20;
-
 template <typename T>
 T* tensor(T* base, const ParamLayout& layout, const std::string& name) {
     return base + layout.get(name).offset;
@@ -68,9 +65,7 @@ M make_views(T* base, const ParamLayout& layout, const ModelConfig& cfg) {
 
 template <typename T>
 ActFormat CudaGPT<T>::arena_format(const ModelConfig& cfg, int B, int T_) {
-    const std::size_t row = (std::size_t)cfg.padded_vocab() * sizeof(T);
-    const int chunk = (int)std::max<std::size_t>(64, kLogitsBytes / row / 64 * 64);
-    return ActFormat::cuda_model((int)sizeof(T), std::min(chunk, B * T_));
+    return cuda_arena_format(cfg, (int)sizeof(T), B, T_);
 }
 
 template <typename T>

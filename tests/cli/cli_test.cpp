@@ -161,3 +161,28 @@ TEST(Cli, RematScheduleFrontierAndTooSmallBudget) {
     EXPECT_EQ(r.code, 1);
     EXPECT_NE(r.output.find("train.remat"), std::string::npos) << r.output;
 }
+
+// The GPU engine's layout is priced without a GPU: bf16 activations and no attention
+// probabilities make every schedule smaller than the CPU's.
+TEST(Cli, RematPricesTheGpuLayoutAnywhere) {
+    std::string cfg = std::string(MT_SOURCE_DIR) + "/configs/demo.toml";
+    auto peak = [](const std::string& out, const std::string& row) {
+        auto at = out.find("\n" + row + " ");
+        EXPECT_NE(at, std::string::npos) << row << "\n" << out;
+        return at == std::string::npos ? 0.0 : std::stod(out.substr(at + row.size() + 2));
+    };
+    auto cpu = run("remat " + cfg + " --frontier --device cpu");
+    auto gpu = run("remat " + cfg + " --frontier --device cuda --precision bf16");
+    ASSERT_EQ(cpu.code, 0) << cpu.output;
+    ASSERT_EQ(gpu.code, 0) << gpu.output;
+    EXPECT_NE(gpu.output.find("activation layout: cuda, bf16"), std::string::npos) << gpu.output;
+    for (const char* row : {"none", "selective", "full"})
+        EXPECT_LT(peak(gpu.output, row), 0.6 * peak(cpu.output, row)) << row;
+    auto bad = run("remat " + cfg + " --device cuda --precision fp8");
+    EXPECT_EQ(bad.code, 1);
+    EXPECT_NE(bad.output.find("--precision fp8"), std::string::npos) << bad.output;
+    bad = run("remat " + cfg + " --device cuda --measure");
+    EXPECT_EQ(bad.code, 1);
+    EXPECT_NE(bad.output.find("--measure profiles the CPU kernels"), std::string::npos)
+        << bad.output;
+}
