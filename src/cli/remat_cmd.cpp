@@ -25,7 +25,11 @@ using namespace memtrain::remat;
 
 std::string plan_letters(const RematPlan& plan) {
     std::string s;
-    for (BlockKeep k : plan) s += k == BlockKeep::All ? 'A' : k == BlockKeep::Selective ? 'S' : 'I';
+    for (BlockKeep k : plan)
+        s += k == BlockKeep::All         ? 'A'
+             : k == BlockKeep::Selective ? 'S'
+             : k == BlockKeep::Input     ? 'I'
+                                         : 'O';
     return s;
 }
 
@@ -164,9 +168,12 @@ void register_remat(CLI::App& app) {
         if (a->frontier) {
             if (!a->budget.empty()) fail("give either --budget or --frontier, not both");
             std::vector<Point> pts;
-            for (const char* p : {"none", "selective", "sqrt", "full"})
+            for (const char* p : {"none", "selective", "sqrt", "full", "offload"}) {
+                if (std::string(p) == "offload" && device != "cuda") continue;
                 pts.push_back({p, make_schedule(parse_policy(p), m, B, T, cost_ptr, fmt)});
+            }
             const std::size_t lo = min_feasible_bytes(chain), hi = pts[0].s.peak_bytes;
+            // The budget sweep, after the named policies (none is pts[0]).
             const int n = 10;
             for (int i = 0; i <= n; i++) {
                 std::size_t b = lo + (hi - lo) * i / n;
@@ -184,7 +191,7 @@ void register_remat(CLI::App& app) {
             }
             std::printf("\n%-20s %12s %14s %10s %10s %12s  %s\n", "schedule", "peak MiB",
                         "peak bytes", "recompute", "measured", "measured MiB",
-                        "plan (A all, S selective, I input only)");
+                        "plan (A all, S selective, I input only, O input in host memory)");
             for (const auto& p : pts) {
                 std::string mt = std::isnan(p.measured_pct)
                                      ? std::string("-")

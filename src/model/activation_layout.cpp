@@ -73,6 +73,8 @@ const char* keep_name(BlockKeep k) {
             return "selective";
         case BlockKeep::Input:
             return "input";
+        case BlockKeep::Offload:
+            return "offload";
     }
     return "?";
 }
@@ -169,7 +171,11 @@ ArenaPlan plan_arena(const ModelConfig& cfg, int B, int T, const RematPlan& plan
     const RematPlan plan = plan_in.empty() ? RematPlan(L, BlockKeep::All) : plan_in;
     if (plan.size() != L)
         fail("remat plan has {} entries but model.n_layer is {}", plan.size(), cfg.n_layer);
+    const bool offload = std::count(plan.begin(), plan.end(), BlockKeep::Offload) > 0;
+    if (offload && std::count(plan.begin(), plan.end(), BlockKeep::Offload) != (long)L)
+        fail("a remat plan offloads every block's input or none (got a mixed plan)");
     ArenaPlan p;
+    p.offload = offload;
     std::size_t act = 0, work = 0;
     auto take_act = [&](std::size_t bytes) {
         std::size_t at = act;
@@ -184,8 +190,21 @@ ArenaPlan plan_arena(const ModelConfig& cfg, int B, int T, const RematPlan& plan
 
     // Activation arena, in the order the CPU model has always carved it: residual streams, each
     // field for every block that keeps it, ln_f, then the shared recompute scratch.
-    for (std::size_t l = 0; l <= L; l++) p.resid.push_back(take_act(BT * C * e));
-    p.entries.push_back({"residual stream x n_layer+1", act, A});
+    if (!offload) {
+        for (std::size_t l = 0; l <= L; l++) p.resid.push_back(take_act(BT * C * e));
+        p.entries.push_back({"residual stream x n_layer+1", act, A});
+    } else {
+        const std::size_t slots = std::min<std::size_t>(L, kOffloadSlots);
+        std::vector<std::size_t> ring;
+        for (std::size_t k = 0; k < slots; k++) ring.push_back(take_act(BT * C * e));
+        for (std::size_t l = 0; l < L; l++) p.resid.push_back(ring[l % slots]);
+        p.resid.push_back(take_act(BT * C * e));
+        p.offloaded_bytes = L > slots ? (L - slots) * BT * C * e : 0;
+        p.entries.push_back(
+            {fmt::format("residual stream: {} ring slots + the last (inputs in host memory)",
+                         slots),
+             act, A});
+    }
     p.block.assign(L, {});
     for (auto& b : p.block) b.fill(kNoOffset);
     for (int i = 0; i < kSavedFields; i++) {

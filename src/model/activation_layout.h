@@ -31,7 +31,12 @@ namespace memtrain {
 //              block's ~16 BTC).
 //   Input:     nothing beyond the residual-stream input (always kept); the whole block is
 //              recomputed before its backward.
-enum class BlockKeep : uint8_t { All, Selective, Input };
+//   Offload:   as Input, and the residual-stream input itself waits in pinned host memory: it
+//              is copied out on a side stream during the forward and prefetched back before the
+//              block's backward (the CUDA engine; a plan is all Offload or none). The device
+//              keeps a ring of kOffloadSlots residual streams and the last one.
+enum class BlockKeep : uint8_t { All, Selective, Input, Offload };
+constexpr int kOffloadSlots = 3;
 const char* keep_name(BlockKeep k);
 using RematPlan = std::vector<BlockKeep>;  // one per block; empty = every block keeps All
 
@@ -87,8 +92,11 @@ struct ArenaPlan {
     std::size_t activation_bytes = 0, workspace_bytes = 0;
     // Activation arena: the n_layer + 1 residual streams, each block's fields (kNoOffset where
     // the field has no bytes under this config), ln_f output and statistics. A dropped field
-    // points into the shared recompute scratch.
+    // points into the shared recompute scratch. Under an Offload plan resid[l] (l < n_layer) is
+    // ring slot l % kOffloadSlots, and offloaded_bytes is what waits in pinned host memory.
     std::vector<std::size_t> resid;
+    bool offload = false;
+    std::size_t offloaded_bytes = 0;
     std::vector<std::array<std::size_t, kSavedFields>> block;
     std::size_t lnf = 0, lnf_mean = kNoOffset, lnf_rstd = 0;
     // Workspace arena: gradients flowing backward, and the backend's temporaries.

@@ -90,6 +90,14 @@ CudaGPT<T>::CudaGPT(const ModelConfig& cfg, cudaStream_t stream)
 template <typename T>
 CudaGPT<T>::~CudaGPT() {
     drop_graph();
+    if (copy_stream_) cudaStreamSynchronize(copy_stream_);
+    for (auto* v : {&produced_, &to_host_, &consumed_, &to_device_})
+        for (auto& e : *v) cudaEventDestroy(e);
+    if (host_resid_) {
+        cudaFreeHost(host_resid_);
+        host_memory().on_free(MemCategory::Activations, offload_bytes_, offload_bytes_);
+    }
+    if (copy_stream_) cudaStreamDestroy(copy_stream_);
     for (auto& e : copied_)
         if (e) cudaEventDestroy(e);
     for (auto& p : pinned_)
@@ -184,6 +192,29 @@ void CudaGPT<T>::ensure_arena(int B, int T_) {
     logits_ = static_cast<T*>(at(w, p.logits));
     row_loss_ = static_cast<float*>(at(w, p.row_loss));
     att_delta_ = static_cast<float*>(at(w, p.att_delta));
+
+    // Offload: pinned host room for the block inputs that leave the ring, counted as host
+    // activations, a side stream and the per-block events.
+    offload_ = p.offload;
+    ring_ = std::min(cfg_.n_layer, kOffloadSlots);
+    if (host_resid_ && offload_bytes_ != p.offloaded_bytes) {
+        MT_CUDA_CHECK(cudaStreamSynchronize(copy_stream_));
+        MT_CUDA_CHECK(cudaFreeHost(host_resid_));
+        host_memory().on_free(MemCategory::Activations, offload_bytes_, offload_bytes_);
+        host_resid_ = nullptr;
+    }
+    offload_bytes_ = p.offloaded_bytes;
+    if (offload_bytes_ > 0 && !host_resid_) {
+        MT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_resid_), offload_bytes_));
+        host_memory().on_alloc(MemCategory::Activations, offload_bytes_, offload_bytes_);
+    }
+    if (offload_ && !copy_stream_) {
+        MT_CUDA_CHECK(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
+        for (auto* v : {&produced_, &to_host_, &consumed_, &to_device_}) {
+            v->resize(cfg_.n_layer);
+            for (auto& e : *v) MT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+        }
+    }
 }
 
 template <typename T>
@@ -303,13 +334,31 @@ void CudaGPT<T>::block_backward(const Block& p, const Block& g, const T* x, cons
 }
 
 template <typename T>
-void CudaGPT<T>::forward(int B, int T_) {
-    const int N = B * T_;
+void CudaGPT<T>::forward(int B, int T_, bool offload_inputs) {
+    const int N = B * T_, L = cfg_.n_layer;
+    offload_inputs = offload_inputs && offload_;
+    const std::size_t stream_bytes = (std::size_t)N * cfg_.n_embd * sizeof(T);
+    // Block input l leaves the device when the ring will reuse its slot (l < L - ring).
+    auto copy_out = [&](int l) {
+        if (!offload_inputs || l >= L - ring_) return;
+        MT_CUDA_CHECK(cudaEventRecord(produced_[l], stream_));
+        MT_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, produced_[l], 0));
+        MT_CUDA_CHECK(cudaMemcpyAsync(host_resid_ + (std::size_t)l * stream_bytes, resid_[l],
+                                      stream_bytes, cudaMemcpyDeviceToHost, copy_stream_));
+        MT_CUDA_CHECK(cudaEventRecord(to_host_[l], copy_stream_));
+    };
     cuda::embedding_forward<T>(resid_[0], tokens_.data(), p_.wte, p_.wpe, B, T_, cfg_.n_embd,
                                stream_);
-    for (int l = 0; l < cfg_.n_layer; l++)
+    copy_out(0);
+    for (int l = 0; l < L; l++) {
+        // Block l writes input l + 1 into the slot of input l + 1 - ring: its copy must be out.
+        const int evicted = l + 1 - ring_;
+        if (offload_inputs && l + 1 < L && evicted >= 0)
+            MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, to_host_[evicted], 0));
         block_forward(p_.blocks[l], resid_[l], resid_[l + 1], saved_[l], B, T_);
-    norm_forward(lnf_, lnf_mean_, lnf_rstd_, resid_[cfg_.n_layer], p_.lnf_w, p_.lnf_b, N);
+        if (l + 1 < L) copy_out(l + 1);
+    }
+    norm_forward(lnf_, lnf_mean_, lnf_rstd_, resid_[L], p_.lnf_w, p_.lnf_b, N);
 }
 
 template <typename T>
@@ -355,7 +404,7 @@ void CudaGPT<T>::forward_backward(const int32_t* inputs, const int32_t* targets,
 
 template <typename T>
 void CudaGPT<T>::step_body(int B, int T_, float grad_scale, double* loss_sum) {
-    forward(B, T_);
+    forward(B, T_, true);
     const int N = B * T_, C = cfg_.n_embd, L = cfg_.n_layer;
     const int32_t* dev_targets = tokens_.data() + N;
     cuda::classifier_loss<T>(dln_, g_.wout, logits_, row_loss_, lnf_, p_.wout, dev_targets, N, C,
@@ -363,14 +412,32 @@ void CudaGPT<T>::step_body(int B, int T_, float grad_scale, double* loss_sum) {
     cuda::sum_floats(loss_sum, row_loss_, N, stream_);
     MT_CUDA_CHECK(cudaMemsetAsync(dres_, 0, (std::size_t)N * C * sizeof(T), stream_));
     norm_backward(dres_, g_.lnf_w, g_.lnf_b, dln_, resid_[L], p_.lnf_w, lnf_mean_, lnf_rstd_, N);
+    const std::size_t stream_bytes = (std::size_t)N * C * sizeof(T);
     for (int l = L - 1; l >= 0; l--) {
         // An Input block re-runs its forward into the scratch; its output rewrites resid_[l + 1]
-        // with the same bits (deterministic kernels), which nothing reads any more.
-        if (keep(l) == BlockKeep::Input)
+        // with the same bits (deterministic kernels), which nothing reads any more. An Offload
+        // block first waits for its input to be back on the device, and writes its output into
+        // dbig_ (free until block_backward) since its ring slot may hold a prefetched input.
+        if (keep(l) == BlockKeep::Offload) {
+            if (l < L - ring_) MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, to_device_[l], 0));
+            block_forward(p_.blocks[l], resid_[l], dbig_, saved_[l], B, T_);
+        } else if (keep(l) == BlockKeep::Input) {
             block_forward(p_.blocks[l], resid_[l], resid_[l + 1], saved_[l], B, T_);
-        else if (keep(l) == BlockKeep::Selective)
+        } else if (keep(l) == BlockKeep::Selective) {
             recompute_selective(p_.blocks[l], resid_[l], saved_[l], B, T_);
+        }
         block_backward(p_.blocks[l], g_.blocks[l], resid_[l], saved_[l], B, T_);
+        // Block l's slot is free: prefetch the input of block l - ring into it on the side
+        // stream, while the next blocks' backward runs.
+        const int next = l - ring_;
+        if (keep(l) == BlockKeep::Offload && next >= 0) {
+            MT_CUDA_CHECK(cudaEventRecord(consumed_[l], stream_));
+            MT_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, consumed_[l], 0));
+            MT_CUDA_CHECK(cudaMemcpyAsync(resid_[next],
+                                          host_resid_ + (std::size_t)next * stream_bytes,
+                                          stream_bytes, cudaMemcpyHostToDevice, copy_stream_));
+            MT_CUDA_CHECK(cudaEventRecord(to_device_[next], copy_stream_));
+        }
     }
 }
 

@@ -67,6 +67,8 @@ class CudaGPT {
     // the CUDA graph's loss slot.
     static std::size_t token_bytes(int B, int T_);
     static constexpr std::size_t kGraphBytes = sizeof(double);
+    // train.remat = offload: bytes of block inputs waiting in pinned host memory (0 otherwise).
+    std::size_t offloaded_bytes() const { return offload_bytes_; }
 
     // Replays each micro-batch's forward and backward as one captured CUDA graph (train.
     // cuda_graphs): the launch overhead of a few hundred kernels becomes one launch. A new
@@ -91,8 +93,10 @@ class CudaGPT {
     void step_body(int B, int T_, float grad_scale, double* loss_sum);
     void drop_graph();
     void upload_tokens(const int32_t* inputs, const int32_t* targets, int B, int T_);
-    // Embedding, blocks and ln_f on the uploaded inputs.
-    void forward(int B, int T_);
+    // Embedding, blocks and ln_f on the uploaded inputs. With offload_inputs (train.remat =
+    // offload, before a backward) the block inputs that leave the residual ring are copied to
+    // pinned host memory on the side stream.
+    void forward(int B, int T_, bool offload_inputs = false);
     void block_forward(const Block& p, const T* x, T* out, const Saved& s, int B, int T_);
     void recompute_selective(const Block& p, const T* x, const Saved& s, int B, int T_);
     void block_backward(const Block& p, const Block& g, const T* x, const Saved& s, int B, int T_);
@@ -126,6 +130,15 @@ class CudaGPT {
     int next_pinned_ = 0;
     int unique_ = 0;
     std::vector<int32_t> plan_host_;
+
+    // train.remat = offload: the block inputs outside the device's residual ring, a side stream
+    // for their copies, and per-block events ordering the copies against the compute stream.
+    bool offload_ = false;
+    int ring_ = 0;
+    std::size_t offload_bytes_ = 0;
+    unsigned char* host_resid_ = nullptr;  // pinned, (n_layer - ring) x B x T x C of T
+    cudaStream_t copy_stream_ = nullptr;
+    std::vector<cudaEvent_t> produced_, to_host_, consumed_, to_device_;
 
     bool graphs_ = false, warmed_up_ = false;
     cudaGraphExec_t graph_exec_ = nullptr;

@@ -69,6 +69,10 @@ void GPT::init_weights(uint64_t seed) {
 void GPT::set_remat(const RematPlan& plan) {
     if (!plan.empty() && plan.size() != (std::size_t)cfg_.n_layer)
         fail("remat plan has {} entries but model.n_layer is {}", plan.size(), cfg_.n_layer);
+    for (BlockKeep k : plan)
+        if (k == BlockKeep::Offload)
+            fail("train.remat = offload keeps block inputs in pinned host memory beside a GPU: "
+                 "use train.device = \"cuda\" (on the CPU, `full` keeps the same)");
     plan_ = plan;
     arena_B_ = arena_T_ = 0;  // re-carve (and re-size) at the next forward
 }

@@ -41,6 +41,8 @@ RematPolicy parse_policy(const std::string& text) {
         p.kind = RematPolicy::Kind::Sqrt;
     else if (text == "selective")
         p.kind = RematPolicy::Kind::Selective;
+    else if (text == "offload")
+        p.kind = RematPolicy::Kind::Offload;
     else if (text.starts_with("every:")) {
         std::string k = text.substr(6);
         char* end = nullptr;
@@ -89,6 +91,16 @@ Schedule make_schedule(const RematPolicy& policy, const ModelConfig& cfg, int B,
             for (int l = 0; l < L; l++)
                 plan[l] = l % every == 0 ? BlockKeep::All : BlockKeep::Input;
             break;
+        case K::Offload: {
+            // Not a choice the solver makes: every block recomputes, and the inputs leave the
+            // device, so the peak is the arena's with the residual ring.
+            Schedule s;
+            s.plan.assign(L, BlockKeep::Offload);
+            s.peak_bytes = plan_arena(cfg, B, T, s.plan, fmt).activation_bytes;
+            for (const auto& b : chain.blocks)
+                s.recompute_flops += b[static_cast<int>(BlockKeep::Input)].recompute_flops;
+            return s;
+        }
         case K::Budget: {
             auto s = solve_budget(chain, policy.budget);
             if (!s) {

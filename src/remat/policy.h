@@ -11,9 +11,10 @@
 
 namespace memtrain::remat {
 
-// none | full | every:K | sqrt | selective | budget:BYTES (suffix B, KB, MB, GB, KiB, MiB, GiB).
+// none | full | every:K | sqrt | selective | budget:BYTES (suffix B, KB, MB, GB, KiB, MiB, GiB) |
+// offload (the CUDA engine: full recompute with the block inputs in pinned host memory).
 struct RematPolicy {
-    enum class Kind { None, Full, Every, Sqrt, Selective, Budget };
+    enum class Kind { None, Full, Every, Sqrt, Selective, Budget, Offload };
     Kind kind = Kind::None;
     int every = 0;              // Every: blocks with index % every == 0 keep all, others input
     std::size_t budget = 0;     // Budget: peak activation bytes (MemCategory::Activations)
@@ -21,8 +22,8 @@ struct RematPolicy {
 };
 
 inline constexpr const char* kPolicyForms =
-    "none, full, every:K (K >= 1), sqrt, selective, or budget:BYTES (e.g. budget:200MiB; "
-    "suffixes B KB MB GB KiB MiB GiB)";
+    "none, full, every:K (K >= 1), sqrt, selective, budget:BYTES (e.g. budget:200MiB; "
+    "suffixes B KB MB GB KiB MiB GiB), or offload (cuda: full, with block inputs in host memory)";
 
 RematPolicy parse_policy(const std::string& text);
 // Bytes with an optional suffix ("200MiB", "1.5GB", "4096").

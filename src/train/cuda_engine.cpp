@@ -367,12 +367,18 @@ template <typename T>
 std::string CudaEngine<T>::memory_footer() const {
     std::size_t free_b = 0, total_b = 0;
     MT_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
-    return fmt::format(
+    std::string out = fmt::format(
         "{:<16} {:>12}  of {} (the driver's count: the CUDA context, library code and handles, "
-        "and page granularity beyond the tracked tensors)\n"
-        "{:<16} {:>12}  (host: code, libraries, loaders, pinned staging)\n",
-        "device in use", mib(total_b - free_b), mib(total_b), "process peak RSS",
-        mib(process_peak_rss()));
+        "and page granularity beyond the tracked tensors)\n",
+        "device in use", mib(total_b - free_b), mib(total_b));
+    if (model_->offloaded_bytes() > 0)
+        out += fmt::format(
+            "{:<16} {:>12}  (train.remat = offload: block inputs in pinned host "
+            "memory, copied out in the forward and prefetched in the backward)\n",
+            "offloaded", mib(model_->offloaded_bytes()));
+    out += fmt::format("{:<16} {:>12}  (host: code, libraries, loaders, pinned staging)\n",
+                       "process peak RSS", mib(process_peak_rss()));
+    return out;
 }
 
 }  // namespace

@@ -312,6 +312,12 @@ void RunConfig::validate() const {
             "train.precision = \"{}\" needs train.device = \"cuda\": the CPU engine trains in "
             "fp32",
             train.precision);
+    if (train.remat == "offload" && train.device == "cpu")
+        fail("train.remat = offload keeps block inputs in pinned host memory beside a GPU: use "
+             "train.device = \"cuda\" (on the CPU, `full` keeps the same)");
+    if (train.remat == "offload" && train.cuda_graphs)
+        fail("train.remat = offload copies on a second stream, which train.cuda_graphs does not "
+             "capture yet: use one or the other");
     if (train.cuda_graphs && train.device == "cpu")
         fail("train.cuda_graphs = true needs train.device = \"cuda\" (or \"auto\" on a GPU)");
     if (train.device == "cuda" && train.remat_costs == "measured")

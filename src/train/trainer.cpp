@@ -85,7 +85,8 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
         std::string letters;
         for (BlockKeep k : schedule.plan) letters += keep_name(k)[0];
         print(
-            fmt::format("remat {}: blocks keep [{}] (a all, s selective, i input only) | "
+            fmt::format("remat {}: blocks keep [{}] (a all, s selective, i input only, o input in "
+                        "host memory) | "
                         "activations {} | recompute {:.1f}% of a step ({})\n",
                         cfg_.train.remat, letters, mib(schedule.peak_bytes),
                         100.0 * schedule.recompute_flops / step_cost,

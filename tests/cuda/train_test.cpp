@@ -200,10 +200,10 @@ TEST(CudaTrain, EveryRematPolicyTrainsTheSameModel) {
     REQUIRE_GPU();
     auto d0 = test::temp_dir("cuda_remat_none");
     RunConfig base = cuda_run(d0, 4, "fp32");
-    base.model.n_layer = 3;
+    base.model.n_layer = 5;  // offload: two block inputs leave the ring of three
     Trainer ref(base, quiet());
     auto r = ref.run();
-    for (const char* policy : {"selective", "full", "every:2", "sqrt", "budget:40KiB"}) {
+    for (const char* policy : {"selective", "full", "every:2", "sqrt", "budget:40KiB", "offload"}) {
         SCOPED_TRACE(policy);
         auto d =
             test::temp_dir(std::string("cuda_remat_") + (policy[0] == 'b' ? "budget" : policy));
@@ -223,17 +223,19 @@ TEST(CudaTrain, EveryRematPolicyTrainsTheSameModel) {
 
 TEST(CudaTrain, DeviceMemoryIsWhatTheModelPredicts) {
     REQUIRE_GPU();
-    for (const char* p : {"bf16", "fp32"}) {
+    for (const char* p : {"bf16", "fp32", "offload"}) {
         SCOPED_TRACE(p);
         auto d = test::temp_dir(std::string("cuda_mem_") + p);
-        RunConfig c = cuda_run(d, 2, p);
-        c.train.remat = "selective";
+        const bool offload = std::string(p) == "offload";
+        RunConfig c = cuda_run(d, 2, offload ? "bf16" : p);
+        c.train.remat = offload ? "offload" : "selective";
+        if (offload) c.model.n_layer = 5;  // two block inputs leave the ring of three
         const MemoryStats before = device_memory().snapshot();
         Trainer t(c, quiet());
         t.run();
         const MemoryStats after = device_memory().snapshot();
         const std::size_t psi = t.engine().weights().layout.total;
-        const std::size_t e = std::string(p) == "bf16" ? 2 : 4;
+        const std::size_t e = std::string(p) == "fp32" ? 4 : 2;
         auto grew = [&](MemCategory cat) { return after[cat] - before[cat]; };
         EXPECT_EQ(grew(MemCategory::Parameters), e * psi);
         EXPECT_EQ(grew(MemCategory::Gradients), e * psi);
