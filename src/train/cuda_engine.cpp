@@ -37,6 +37,26 @@ constexpr const char* type_name() {
         return "fp16";
 }
 
+// fp32 <-> storage type on the host (round to nearest even), for the offloaded optimizer.
+template <typename T>
+T to_storage(float x) {
+    if constexpr (std::is_same_v<T, float>)
+        return x;
+    else if constexpr (std::is_same_v<T, __nv_bfloat16>)
+        return __float2bfloat16_rn(x);
+    else
+        return __float2half_rn(x);
+}
+template <typename T>
+float to_fp32(T x) {
+    if constexpr (std::is_same_v<T, float>)
+        return x;
+    else if constexpr (std::is_same_v<T, __nv_bfloat16>)
+        return __bfloat162float(x);
+    else
+        return __half2float(x);
+}
+
 std::string mib(std::size_t bytes) {
     return fmt::format("{:.1f} MiB", bytes / 1048576.0);
 }
@@ -78,7 +98,9 @@ class CudaEngine final : public Engine, public OptimizerState {
         return fmt::format("cuda: {} ({})", cuda_device_name(), type_name<T>());
     }
     ModelWeights weights() override { return ModelWeights{store_, model_->layout(), cfg_.model}; }
-    OptimizerState& optimizer() override { return *this; }
+    OptimizerState& optimizer() override {
+        return offload_ ? static_cast<OptimizerState&>(*host_opt_) : *this;
+    }
     ActFormat arena_format() const override {
         return CudaGPT<T>::arena_format(cfg_.model, cfg_.micro_batch(), cfg_.train.seq_len);
     }
@@ -128,6 +150,9 @@ class CudaEngine final : public Engine, public OptimizerState {
         return master_.size() ? master_.data() : reinterpret_cast<float*>(model_->params());
     }
     DeviceBuffer<float>& state_buffer(const std::string& name);
+    // ZeRO-Offload's update: the pinned gradients (scaled by grad_scale) into fp32, the host
+    // optimizer over the fp32 master, the rounded parameters up to the device.
+    void host_update(double lr, float grad_scale);
     std::size_t stats_doubles() const { return 2 + (std::size_t)cfg_.accum_steps(); }
 
     RunConfig cfg_;
@@ -144,6 +169,13 @@ class CudaEngine final : public Engine, public OptimizerState {
     cuda::StepScalars* scalars_host_ = nullptr;  // pinned
     double* stats_host_ = nullptr;               // pinned
     std::unique_ptr<LossScaler> scaler_;
+    // ZeRO-Offload (train.offload_optimizer): the fp32 master weights, the moments and the update
+    // on the host (the CPU optimizer of optim/optimizer.h, multi-threaded), the gradients coming
+    // down and the rounded parameters going up through one pinned buffer of Ψ values of T.
+    bool offload_ = false;
+    std::unique_ptr<Optimizer> host_opt_;
+    Buffer<float> host_master_, host_grads_;
+    T* pinned_ = nullptr;
     int64_t t_ = 0;
     int micro_ = 0;
     int64_t tokens_in_step_ = 0;
@@ -155,6 +187,11 @@ float* WeightsStore<T>::acquire(int u, bool for_write) {
     if (held_ >= 0 && held_ != u)
         fail("internal: the CUDA engine's weight store holds one unit at a time");
     const ParamUnit& unit = e_.model_->layout().units.at(u);
+    if (e_.offload_) {  // the master weights are in host memory already
+        if (holds_++ == 0) held_ = u;
+        written_ = written_ || for_write;
+        return e_.host_master_.data() + unit.begin;
+    }
     if (holds_++ == 0) {
         held_ = u;
         host_.resize(unit.size());
@@ -171,7 +208,16 @@ template <typename T>
 void WeightsStore<T>::release(int u) {
     if (held_ != u || holds_ <= 0) fail("internal: WeightsStore::release({}) without acquire", u);
     if (--holds_ > 0) return;
-    if (written_) {
+    if (written_ && e_.offload_) {
+        // Round the unit's new master weights into the pinned buffer and up to the device copy.
+        const ParamUnit& unit = e_.model_->layout().units[u];
+        const float* src = e_.host_master_.data() + unit.begin;
+        T* stage = e_.pinned_ + unit.begin;
+        for (std::size_t i = 0; i < unit.size(); i++) stage[i] = to_storage<T>(src[i]);
+        MT_CUDA_CHECK(cudaMemcpyAsync(e_.model_->params() + unit.begin, stage,
+                                      unit.size() * sizeof(T), cudaMemcpyHostToDevice, e_.stream_));
+        MT_CUDA_CHECK(cudaStreamSynchronize(e_.stream_));
+    } else if (written_) {
         const ParamUnit& unit = e_.model_->layout().units[u];
         float* dst = e_.master() + unit.begin;
         MT_CUDA_CHECK(cudaMemcpyAsync(dst, host_.data(), unit.size() * sizeof(float),
@@ -193,14 +239,22 @@ CudaEngine<T>::CudaEngine(const RunConfig& cfg)
     model_->set_cuda_graphs(cfg_.train.cuda_graphs);
     const ParamLayout& layout = model_->layout();
     const std::size_t psi = layout.total;
-    if constexpr (!std::is_same_v<T, float>)
-        master_ = DeviceBuffer<float>(psi, MemCategory::OptimizerState);
-    m_ = DeviceBuffer<float>(psi, MemCategory::OptimizerState);
-    if (adamw_) v_ = DeviceBuffer<float>(psi, MemCategory::OptimizerState);
-    const auto chunks = cuda::tensor_chunks(layout, 0, psi);
-    nchunks_ = (int)chunks.size();
-    chunks_ = DeviceBuffer<cuda::TensorChunk>(chunks.size(), MemCategory::OptimizerState);
-    copy_to_device(chunks_.data(), chunks.data(), chunks_.bytes());
+    offload_ = cfg_.train.offload_optimizer;
+    if (offload_) {
+        host_opt_ = make_optimizer(cfg_.optim, layout);
+        host_master_ = Buffer<float>(psi, MemCategory::OptimizerState);
+        host_grads_ = Buffer<float>(psi, MemCategory::Gradients);
+        MT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&pinned_), psi * sizeof(T)));
+    } else {
+        if constexpr (!std::is_same_v<T, float>)
+            master_ = DeviceBuffer<float>(psi, MemCategory::OptimizerState);
+        m_ = DeviceBuffer<float>(psi, MemCategory::OptimizerState);
+        if (adamw_) v_ = DeviceBuffer<float>(psi, MemCategory::OptimizerState);
+        const auto chunks = cuda::tensor_chunks(layout, 0, psi);
+        nchunks_ = (int)chunks.size();
+        chunks_ = DeviceBuffer<cuda::TensorChunk>(chunks.size(), MemCategory::OptimizerState);
+        copy_to_device(chunks_.data(), chunks.data(), chunks_.bytes());
+    }
     stats_ = DeviceBuffer<unsigned char>(sizeof(cuda::StepScalars) + 8 * stats_doubles(),
                                          MemCategory::Workspace);
     MT_CUDA_CHECK(
@@ -215,6 +269,7 @@ CudaEngine<T>::~CudaEngine() {
     if (stream_) cudaStreamSynchronize(stream_);
     if (scalars_host_) cudaFreeHost(scalars_host_);
     if (stats_host_) cudaFreeHost(stats_host_);
+    if (pinned_) cudaFreeHost(pinned_);
     model_.reset();
     if (stream_) cudaStreamDestroy(stream_);
 }
@@ -261,7 +316,11 @@ StepResult CudaEngine<T>::finish_step(double lr, double max_norm) {
     }
     cuda::sum_squares<T>(sums, grads, (int64_t)psi, stream_);
     cuda::finish_grad_norm(dev_scalars, sums, stream_);
-    if (adamw_)
+    if (offload_) {
+        // The gradients come down with the step's results; the update runs on the host.
+        MT_CUDA_CHECK(
+            cudaMemcpyAsync(pinned_, grads, psi * sizeof(T), cudaMemcpyDeviceToHost, stream_));
+    } else if (adamw_)
         cuda::adamw_step<T>(model_->params(), master_.size() ? master_.data() : nullptr, m_.data(),
                             v_.data(), grads, chunks_.data(), nchunks_, dev_scalars, stream_);
     else
@@ -280,7 +339,10 @@ StepResult CudaEngine<T>::finish_step(double lr, double max_norm) {
     r.grad_norm = scalars_host_->grad_norm;
     r.skipped = scalars_host_->skip != 0;
     r.loss_scale = s.loss_scale;
-    if (!r.skipped) t_++;
+    if (!r.skipped) {
+        t_++;
+        if (offload_) host_update(lr, scalars_host_->grad_scale);
+    }
     if (scaler_) {
         scaler_->update(r.skipped, t);
     } else if (r.skipped) {
@@ -290,6 +352,23 @@ StepResult CudaEngine<T>::finish_step(double lr, double max_norm) {
             t, type_name<T>());
     }
     return r;
+}
+
+template <typename T>
+void CudaEngine<T>::host_update(double lr, float grad_scale) {
+    const int64_t psi = (int64_t)model_->layout().total;
+    float* g = host_grads_.data();
+    float* master = host_master_.data();
+    T* pin = pinned_;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < psi; i++) g[i] = to_fp32(pin[i]) * grad_scale;
+    host_opt_->step(master, g, lr);
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < psi; i++) pin[i] = to_storage<T>(master[i]);
+    // The next step's gradients come down after this copy in stream order, and the host writes
+    // the pinned buffer again only after that step's wait.
+    MT_CUDA_CHECK(
+        cudaMemcpyAsync(model_->params(), pin, psi * sizeof(T), cudaMemcpyHostToDevice, stream_));
 }
 
 template <typename T>
@@ -342,7 +421,7 @@ std::vector<MemoryPrediction> CudaEngine<T>::predicted_memory(int B, int T_) con
     const std::size_t psi = model_->layout().total, e = sizeof(T);
     const char* tn = type_name<T>();
     const bool mixed = !std::is_same_v<T, float>;
-    const std::size_t k = (mixed ? 4 : 0) + (adamw_ ? 8 : 4);
+    const std::size_t k = offload_ ? 0 : (mixed ? 4 : 0) + (adamw_ ? 8 : 4);
     const std::string states =
         fmt::format("{}{}", mixed ? "fp32 master, " : "", adamw_ ? "Adam m, v" : "momentum");
     const std::size_t table = (std::size_t)nchunks_ * sizeof(cuda::TensorChunk);
@@ -354,7 +433,9 @@ std::vector<MemoryPrediction> CudaEngine<T>::predicted_memory(int B, int T_) con
         {MemCategory::Parameters, fmt::format("{} x params ({})", e, tn), e * psi},
         {MemCategory::Gradients, fmt::format("{} x params ({})", e, tn), e * psi},
         {MemCategory::OptimizerState,
-         fmt::format("{} x params ({}) + chunk table {} B", k, states, table), k * psi + table},
+         offload_ ? std::string("none on the device (train.offload_optimizer: see below)")
+                  : fmt::format("{} x params ({}) + chunk table {} B", k, states, table),
+         k * psi + table},
         {MemCategory::Activations,
          fmt::format("activation_layout(B, T, remat={}, {})", cfg_.train.remat, tn),
          arena_bytes(lay, MemCategory::Activations)},
@@ -371,6 +452,16 @@ std::string CudaEngine<T>::memory_footer() const {
         "{:<16} {:>12}  of {} (the driver's count: the CUDA context, library code and handles, "
         "and page granularity beyond the tracked tensors)\n",
         "device in use", mib(total_b - free_b), mib(total_b));
+    if (offload_) {
+        const std::size_t psi = model_->layout().total;
+        out += fmt::format(
+            "{:<16} {:>12}  (train.offload_optimizer: fp32 master 4 + {} + fp32 gradients 4 + "
+            "pinned transfer buffer {} bytes per parameter, in host memory)\n",
+            "optimizer (host)",
+            mib(host_master_.bytes() + (adamw_ ? 8 : 4) * psi + host_grads_.bytes() +
+                psi * sizeof(T)),
+            adamw_ ? "Adam m, v 8" : "momentum 4", sizeof(T));
+    }
     if (model_->offloaded_bytes() > 0)
         out += fmt::format(
             "{:<16} {:>12}  (train.remat = offload: block inputs in pinned host "

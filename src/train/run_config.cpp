@@ -188,6 +188,8 @@ const std::vector<Key>& registry() {
             "price recompute by analytic FLOPs or a measured profiling pass: analytic | measured"),
         make_key("train.cuda_graphs", &R::train, &TrainConfig::cuda_graphs,
                  "cuda: replay each micro-batch's forward and backward as one CUDA graph"),
+        make_key("train.offload_optimizer", &R::train, &TrainConfig::offload_optimizer,
+                 "cuda: fp32 master weights, optimizer state and update on the CPU (ZeRO-Offload)"),
         make_key("train.zero_stage", &R::train, &TrainConfig::zero_stage,
                  "data-parallel sharding: 0 DDP | 1 optimizer | 2 + gradients | 3 + parameters"),
         make_key("optim.name", &R::optim, &OptimConfig::name, "adamw | sgd"),
@@ -313,11 +315,17 @@ void RunConfig::validate() const {
             "fp32",
             train.precision);
     if (train.remat == "offload" && train.device == "cpu")
-        fail("train.remat = offload keeps block inputs in pinned host memory beside a GPU: use "
-             "train.device = \"cuda\" (on the CPU, `full` keeps the same)");
+        fail(
+            "train.remat = offload keeps block inputs in pinned host memory beside a GPU: use "
+            "train.device = \"cuda\" (on the CPU, `full` keeps the same)");
     if (train.remat == "offload" && train.cuda_graphs)
-        fail("train.remat = offload copies on a second stream, which train.cuda_graphs does not "
-             "capture yet: use one or the other");
+        fail(
+            "train.remat = offload copies on a second stream, which train.cuda_graphs does not "
+            "capture yet: use one or the other");
+    if (train.offload_optimizer && train.device == "cpu")
+        fail(
+            "train.offload_optimizer = true moves the optimizer off the GPU to the CPU: it needs "
+            "train.device = \"cuda\" (the CPU engine's optimizer is on the CPU already)");
     if (train.cuda_graphs && train.device == "cpu")
         fail("train.cuda_graphs = true needs train.device = \"cuda\" (or \"auto\" on a GPU)");
     if (train.device == "cuda" && train.remat_costs == "measured")

@@ -28,9 +28,10 @@ struct TrainConfig {
     int threads = 0;             // OpenMP/BLAS threads; 0 = all cores
     std::string remat = "none";  // activation checkpointing policy (remat/policy.h)
     std::string remat_costs =
-        "analytic";            // recompute priced by "analytic" FLOPs or "measured" time
-    int zero_stage = 0;        // data-parallel sharding (dist/zero.h): 0 DDP .. 3 parameters
-    bool cuda_graphs = false;  // cuda: replay each micro-batch as one captured CUDA graph
+        "analytic";                  // recompute priced by "analytic" FLOPs or "measured" time
+    int zero_stage = 0;              // data-parallel sharding (dist/zero.h): 0 DDP .. 3 parameters
+    bool cuda_graphs = false;        // cuda: replay each micro-batch as one captured CUDA graph
+    bool offload_optimizer = false;  // cuda: optimizer states and update on the CPU (ZeRO-Offload)
 };
 
 struct DataConfig {
