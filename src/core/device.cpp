@@ -69,6 +69,10 @@ void device_synchronize() {
     if (cuda_available()) MT_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
+void select_device(int local_rank) {
+    if (cuda_available()) MT_CUDA_CHECK(cudaSetDevice(local_rank % cuda_device_count()));
+}
+
 void* device_alloc(std::size_t bytes, MemCategory c) {
     if (!cuda_available()) {
         fail("no CUDA device: cannot allocate {} bytes of device memory for {}", bytes,
@@ -171,6 +175,7 @@ std::string cuda_device_name() {
     return "none";
 }
 void device_synchronize() {}
+void select_device(int) {}
 void* device_alloc(std::size_t bytes, MemCategory c) {
     fail(
         "cannot allocate {} bytes of device memory for {}: memtrain was built without CUDA (no "

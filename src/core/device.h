@@ -28,6 +28,8 @@ int cuda_device_count();
 std::string cuda_device_name();
 // Blocks until all work queued on the current device has finished (no-op without CUDA).
 void device_synchronize();
+// Makes device local_rank % cuda_device_count() this process's (one GPU per rank of a node).
+void select_device(int local_rank);
 
 // The process-wide tracker for device memory (same type and categories as host_memory()).
 MemoryTracker& device_memory();

@@ -75,11 +75,12 @@ std::size_t CudaGPT<T>::token_bytes(int B, int T_) {
 }
 
 template <typename T>
-CudaGPT<T>::CudaGPT(const ModelConfig& cfg, cudaStream_t stream)
+CudaGPT<T>::CudaGPT(const ModelConfig& cfg, cudaStream_t stream, std::size_t padded_total)
     : cfg_(cfg), layout_(make_param_layout(cfg)), stream_(stream) {
     cfg_.validate();
-    params_ = DeviceBuffer<T>(layout_.total, MemCategory::Parameters);
-    grads_ = DeviceBuffer<T>(layout_.total, MemCategory::Gradients);
+    const std::size_t n = std::max(padded_total, layout_.total);
+    params_ = DeviceBuffer<T>(n, MemCategory::Parameters);
+    grads_ = DeviceBuffer<T>(n, MemCategory::Gradients);
     p_ = make_views<Model>(params_.data(), layout_, cfg_);
     g_ = make_views<Model>(grads_.data(), layout_, cfg_);
     for (auto& e : copied_) MT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
@@ -400,6 +401,7 @@ void CudaGPT<T>::forward_backward(const int32_t* inputs, const int32_t* targets,
     }
     cuda::embedding_backward<T>(g_.wte, g_.wpe, dres_, tokens_.data() + 2 * N, unique_, B, T_,
                                 cfg_.n_embd, stream_);
+    if (grads_done_) grads_done_(ParamLayout::embedding_unit());
 }
 
 template <typename T>
@@ -412,6 +414,7 @@ void CudaGPT<T>::step_body(int B, int T_, float grad_scale, double* loss_sum) {
     cuda::sum_floats(loss_sum, row_loss_, N, stream_);
     MT_CUDA_CHECK(cudaMemsetAsync(dres_, 0, (std::size_t)N * C * sizeof(T), stream_));
     norm_backward(dres_, g_.lnf_w, g_.lnf_b, dln_, resid_[L], p_.lnf_w, lnf_mean_, lnf_rstd_, N);
+    if (grads_done_) grads_done_(layout_.head_unit());
     const std::size_t stream_bytes = (std::size_t)N * C * sizeof(T);
     for (int l = L - 1; l >= 0; l--) {
         // An Input block re-runs its forward into the scratch; its output rewrites resid_[l + 1]
@@ -427,6 +430,7 @@ void CudaGPT<T>::step_body(int B, int T_, float grad_scale, double* loss_sum) {
             recompute_selective(p_.blocks[l], resid_[l], saved_[l], B, T_);
         }
         block_backward(p_.blocks[l], g_.blocks[l], resid_[l], saved_[l], B, T_);
+        if (grads_done_) grads_done_(layout_.block_unit(l));
         // Block l's slot is free: prefetch the input of block l - ring into it on the side
         // stream, while the next blocks' backward runs.
         const int next = l - ring_;

@@ -12,6 +12,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -36,7 +37,9 @@ class CudaGPT {
         std::vector<Block> blocks;
     };
 
-    CudaGPT(const ModelConfig& cfg, cudaStream_t stream);
+    // Parameters and gradients are allocated for padded_total >= the layout's total elements
+    // (data parallelism pads the flat buffer to equal shards); the padding stays zero.
+    CudaGPT(const ModelConfig& cfg, cudaStream_t stream, std::size_t padded_total = 0);
     CudaGPT(const CudaGPT&) = delete;
     CudaGPT& operator=(const CudaGPT&) = delete;
     ~CudaGPT();
@@ -75,6 +78,12 @@ class CudaGPT {
     // capture is made when the shape, the remat plan or the gradient scale changes.
     void set_cuda_graphs(bool on);
     int64_t graph_replays() const { return graph_replays_; }
+
+    // Called (on the host, in stream order) as soon as backward has queued the last write to a
+    // parameter unit's gradients (ParamLayout units: the head after ln_f, each block, the
+    // embedding last): data parallelism starts that unit's all-reduce there, overlapping the
+    // backward of the units below. Null: nothing is called.
+    void set_grads_done_hook(std::function<void(int unit)> hook) { grads_done_ = std::move(hook); }
 
   private:
     struct Saved {  // one block's saved fields (see activation_layout.h), T or fp32
@@ -139,6 +148,8 @@ class CudaGPT {
     unsigned char* host_resid_ = nullptr;  // pinned, (n_layer - ring) x B x T x C of T
     cudaStream_t copy_stream_ = nullptr;
     std::vector<cudaEvent_t> produced_, to_host_, consumed_, to_device_;
+
+    std::function<void(int unit)> grads_done_;
 
     bool graphs_ = false, warmed_up_ = false;
     cudaGraphExec_t graph_exec_ = nullptr;

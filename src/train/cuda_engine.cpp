@@ -18,6 +18,8 @@
 #include <fmt/format.h>
 
 #include "core/device.h"
+#include "dist/communicator.h"
+#include "dist/device_communicator.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/optimizer_types.h"
 #include "model/cuda_gpt.h"
@@ -57,6 +59,16 @@ float to_fp32(T x) {
         return __half2float(x);
 }
 
+template <typename T>
+dist::DeviceType device_type() {
+    if constexpr (std::is_same_v<T, float>)
+        return dist::DeviceType::F32;
+    else if constexpr (std::is_same_v<T, __nv_bfloat16>)
+        return dist::DeviceType::BF16;
+    else
+        return dist::DeviceType::F16;
+}
+
 std::string mib(std::size_t bytes) {
     return fmt::format("{:.1f} MiB", bytes / 1048576.0);
 }
@@ -84,13 +96,13 @@ class WeightsStore final : public ParamStore {
     CudaEngine<T>& e_;
     int held_ = -1, holds_ = 0;
     bool written_ = false;
-    std::vector<float> host_;
+    std::vector<float> host_, piece_;
 };
 
 template <typename T>
 class CudaEngine final : public Engine, public OptimizerState {
   public:
-    explicit CudaEngine(const RunConfig& cfg);
+    CudaEngine(const RunConfig& cfg, dist::Communicator& comm);
     ~CudaEngine() override;
 
     // Engine
@@ -128,9 +140,10 @@ class CudaEngine final : public Engine, public OptimizerState {
         if (scaler_ && scale > 0) scaler_->restore(scale, clean);
     }
 
-    // OptimizerState: the moments (and the step count) live on the device.
-    std::size_t offset() const override { return 0; }
-    std::size_t count() const override { return model_->layout().total; }
+    // OptimizerState: the moments (and the step count) live on the device; under ZeRO-1 this
+    // rank's shard of them.
+    std::size_t offset() const override { return shard_begin_; }
+    std::size_t count() const override { return shard_count_; }
     int64_t steps_taken() const override { return t_; }
     void set_steps_taken(int64_t t) override { t_ = t; }
     std::vector<std::string> state_names() override;
@@ -146,9 +159,27 @@ class CudaEngine final : public Engine, public OptimizerState {
 
   private:
     friend class WeightsStore<T>;
+    // The fp32 master weights of this rank's range [shard_begin_, + shard_count_) (all of them
+    // without ZeRO-1); in fp32 the parameters themselves, whole on every rank.
     float* master() {
-        return master_.size() ? master_.data() : reinterpret_cast<float*>(model_->params());
+        return master_.size() ? master_.data()
+                              : reinterpret_cast<float*>(model_->params()) + shard_begin_;
     }
+    bool sharded_master() const { return master_.size() && shard_count_ != layout_total(); }
+    // How many floats of unit `unit` each rank's shard holds (in rank order).
+    std::vector<int64_t> unit_counts(const ParamUnit& unit) const {
+        std::vector<int64_t> counts;
+        for (int r = 0; r < world_; r++) {
+            const std::size_t b = std::min<std::size_t>((std::size_t)r * shard_, layout_total());
+            const std::size_t e = std::min<std::size_t>(b + shard_, layout_total());
+            const std::size_t lo = std::max(b, unit.begin), hi = std::min(e, unit.end);
+            counts.push_back(hi > lo ? (int64_t)(hi - lo) : 0);
+        }
+        return counts;
+    }
+    std::size_t layout_total() const { return model_->layout().total; }
+    // DDP: all-reduces unit u's gradients on the communication stream (the grads-done hook).
+    void start_unit_all_reduce(int u);
     DeviceBuffer<float>& state_buffer(const std::string& name);
     // ZeRO-Offload's update: the pinned gradients (scaled by grad_scale) into fp32, the host
     // optimizer over the fp32 master, the rounded parameters up to the device.
@@ -158,6 +189,17 @@ class CudaEngine final : public Engine, public OptimizerState {
     RunConfig cfg_;
     bool adamw_;
     cudaStream_t stream_ = nullptr;
+    // Data parallelism (world > 1): the host communicator (MPI), NCCL on the device, a stream
+    // for DDP's overlapped all-reduces with an event per unit, and this rank's shard of the
+    // padded flat buffer (shard_ = ceil(total / world) elements; ZeRO-1 updates only it).
+    dist::Communicator& comm_;
+    std::unique_ptr<dist::DeviceCommunicator> dcomm_;
+    int world_ = 1, rank_ = 0, stage_ = 0;
+    std::size_t shard_ = 0, shard_begin_ = 0, shard_count_ = 0;
+    cudaStream_t comm_stream_ = nullptr;
+    std::vector<cudaEvent_t> unit_ready_;
+    cudaEvent_t reduced_ = nullptr;
+    bool reduce_now_ = false;
     std::unique_ptr<CudaGPT<T>> model_;
     WeightsStore<T> store_;
     DeviceBuffer<float> master_;  // fp32 master weights (absent when T is float)
@@ -195,10 +237,24 @@ float* WeightsStore<T>::acquire(int u, bool for_write) {
     if (holds_++ == 0) {
         held_ = u;
         host_.resize(unit.size());
-        MT_CUDA_CHECK(cudaMemcpyAsync(host_.data(), e_.master() + unit.begin,
-                                      unit.size() * sizeof(float), cudaMemcpyDeviceToHost,
-                                      e_.stream_));
-        MT_CUDA_CHECK(cudaStreamSynchronize(e_.stream_));
+        if (e_.sharded_master()) {
+            // ZeRO-1: each rank holds the master weights of its shard; the unit is gathered
+            // over the host communicator from every rank's piece of it (a collective).
+            const auto counts = e_.unit_counts(unit);
+            const std::size_t lo = std::max(unit.begin, e_.shard_begin_);
+            piece_.resize(counts[e_.rank_]);
+            if (!piece_.empty())
+                MT_CUDA_CHECK(cudaMemcpyAsync(piece_.data(), e_.master() + (lo - e_.shard_begin_),
+                                              piece_.size() * sizeof(float), cudaMemcpyDeviceToHost,
+                                              e_.stream_));
+            MT_CUDA_CHECK(cudaStreamSynchronize(e_.stream_));
+            e_.comm_.all_gather(piece_.data(), host_.data(), counts);
+        } else {
+            MT_CUDA_CHECK(cudaMemcpyAsync(host_.data(), e_.master() + unit.begin - e_.shard_begin_,
+                                          unit.size() * sizeof(float), cudaMemcpyDeviceToHost,
+                                          e_.stream_));
+            MT_CUDA_CHECK(cudaStreamSynchronize(e_.stream_));
+        }
     }
     written_ = written_ || for_write;
     return host_.data();
@@ -217,9 +273,24 @@ void WeightsStore<T>::release(int u) {
         MT_CUDA_CHECK(cudaMemcpyAsync(e_.model_->params() + unit.begin, stage,
                                       unit.size() * sizeof(T), cudaMemcpyHostToDevice, e_.stream_));
         MT_CUDA_CHECK(cudaStreamSynchronize(e_.stream_));
+    } else if (written_ && e_.sharded_master()) {
+        // Every rank keeps its piece of the unit's master weights, and the whole unit rounded
+        // into its parameters (every rank holds them whole under ZeRO-1).
+        const ParamUnit& unit = e_.model_->layout().units[u];
+        const std::size_t lo = std::max(unit.begin, e_.shard_begin_);
+        const std::size_t n = e_.unit_counts(unit)[e_.rank_];
+        if (n > 0)
+            MT_CUDA_CHECK(cudaMemcpyAsync(e_.master() + (lo - e_.shard_begin_),
+                                          host_.data() + (lo - unit.begin), n * sizeof(float),
+                                          cudaMemcpyHostToDevice, e_.stream_));
+        std::vector<T> stage(unit.size());
+        for (std::size_t i = 0; i < unit.size(); i++) stage[i] = to_storage<T>(host_[i]);
+        MT_CUDA_CHECK(cudaMemcpyAsync(e_.model_->params() + unit.begin, stage.data(),
+                                      unit.size() * sizeof(T), cudaMemcpyHostToDevice, e_.stream_));
+        MT_CUDA_CHECK(cudaStreamSynchronize(e_.stream_));
     } else if (written_) {
         const ParamUnit& unit = e_.model_->layout().units[u];
-        float* dst = e_.master() + unit.begin;
+        float* dst = e_.master() + unit.begin - e_.shard_begin_;
         MT_CUDA_CHECK(cudaMemcpyAsync(dst, host_.data(), unit.size() * sizeof(float),
                                       cudaMemcpyHostToDevice, e_.stream_));
         if constexpr (!std::is_same_v<T, float>)
@@ -232,13 +303,30 @@ void WeightsStore<T>::release(int u) {
 }
 
 template <typename T>
-CudaEngine<T>::CudaEngine(const RunConfig& cfg)
-    : cfg_(cfg), adamw_(cfg.optim.name == "adamw"), store_(*this) {
+CudaEngine<T>::CudaEngine(const RunConfig& cfg, dist::Communicator& comm)
+    : cfg_(cfg), adamw_(cfg.optim.name == "adamw"), comm_(comm), store_(*this) {
     MT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    model_ = std::make_unique<CudaGPT<T>>(cfg_.model, stream_);
+    world_ = comm.size();
+    rank_ = comm.rank();
+    stage_ = world_ > 1 ? cfg_.train.zero_stage : 0;
+    const std::size_t psi = make_param_layout(cfg_.model).total;
+    // NCCL shards are equal: the flat buffer is padded to world x ceil(psi / world).
+    shard_ = (psi + world_ - 1) / world_;
+    shard_begin_ = stage_ >= 1 ? std::min<std::size_t>((std::size_t)rank_ * shard_, psi) : 0;
+    shard_count_ = stage_ >= 1 ? std::min<std::size_t>(shard_, psi - shard_begin_) : psi;
+    model_ = std::make_unique<CudaGPT<T>>(cfg_.model, stream_, shard_ * world_);
     model_->set_cuda_graphs(cfg_.train.cuda_graphs);
+    if (world_ > 1) {
+        dcomm_ = dist::make_nccl_communicator(dist::HostLink{
+            rank_, world_, [&comm](void* d, int64_t b) { comm.broadcast(d, b, 0); }});
+        MT_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking));
+        MT_CUDA_CHECK(cudaEventCreateWithFlags(&reduced_, cudaEventDisableTiming));
+        unit_ready_.resize(model_->layout().units.size());
+        for (auto& e : unit_ready_)
+            MT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+        if (stage_ == 0) model_->set_grads_done_hook([this](int u) { start_unit_all_reduce(u); });
+    }
     const ParamLayout& layout = model_->layout();
-    const std::size_t psi = layout.total;
     offload_ = cfg_.train.offload_optimizer;
     if (offload_) {
         host_opt_ = make_optimizer(cfg_.optim, layout);
@@ -246,11 +334,13 @@ CudaEngine<T>::CudaEngine(const RunConfig& cfg)
         host_grads_ = Buffer<float>(psi, MemCategory::Gradients);
         MT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&pinned_), psi * sizeof(T)));
     } else {
+        // This rank's range: everything, or its ZeRO-1 shard.
+        const std::size_t n = shard_count_;
         if constexpr (!std::is_same_v<T, float>)
-            master_ = DeviceBuffer<float>(psi, MemCategory::OptimizerState);
-        m_ = DeviceBuffer<float>(psi, MemCategory::OptimizerState);
-        if (adamw_) v_ = DeviceBuffer<float>(psi, MemCategory::OptimizerState);
-        const auto chunks = cuda::tensor_chunks(layout, 0, psi);
+            master_ = DeviceBuffer<float>(n, MemCategory::OptimizerState);
+        m_ = DeviceBuffer<float>(n, MemCategory::OptimizerState);
+        if (adamw_) v_ = DeviceBuffer<float>(n, MemCategory::OptimizerState);
+        const auto chunks = cuda::tensor_chunks(layout, shard_begin_, n);
         nchunks_ = (int)chunks.size();
         chunks_ = DeviceBuffer<cuda::TensorChunk>(chunks.size(), MemCategory::OptimizerState);
         copy_to_device(chunks_.data(), chunks.data(), chunks_.bytes());
@@ -267,6 +357,10 @@ CudaEngine<T>::CudaEngine(const RunConfig& cfg)
 template <typename T>
 CudaEngine<T>::~CudaEngine() {
     if (stream_) cudaStreamSynchronize(stream_);
+    if (comm_stream_) cudaStreamSynchronize(comm_stream_);
+    for (auto& e : unit_ready_) cudaEventDestroy(e);
+    if (reduced_) cudaEventDestroy(reduced_);
+    if (comm_stream_) cudaStreamDestroy(comm_stream_);
     if (scalars_host_) cudaFreeHost(scalars_host_);
     if (stats_host_) cudaFreeHost(stats_host_);
     if (pinned_) cudaFreeHost(pinned_);
@@ -283,16 +377,34 @@ void CudaEngine<T>::begin_step() {
 
 template <typename T>
 void CudaEngine<T>::forward_backward(const int32_t* inputs, const int32_t* targets, int B, int T_,
-                                     float grad_scale, bool) {
+                                     float grad_scale, bool last) {
     if (micro_ >= cfg_.accum_steps())
         fail("internal: more micro-batches ({}) than train accumulation steps ({})", micro_ + 1,
              cfg_.accum_steps());
     double* sums = reinterpret_cast<double*>(stats_.data() + sizeof(cuda::StepScalars));
     // fp16: the loss gradient carries the loss scale, so small gradients stay representable.
     const float scale = scaler_ ? (float)scaler_->scale() : 1.0f;
+    // DDP reduces once per step: during the last micro-batch's backward, unit by unit.
+    reduce_now_ = world_ > 1 && stage_ == 0 && last;
     model_->forward_backward(inputs, targets, B, T_, grad_scale * scale, sums + 2 + micro_);
+    if (reduce_now_) {
+        // Everything after this (the optimizer) waits for the last unit's all-reduce.
+        MT_CUDA_CHECK(cudaEventRecord(reduced_, comm_stream_));
+        MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, reduced_, 0));
+        reduce_now_ = false;
+    }
     micro_++;
     tokens_in_step_ += (int64_t)B * T_;
+}
+
+template <typename T>
+void CudaEngine<T>::start_unit_all_reduce(int u) {
+    if (!reduce_now_) return;
+    const ParamUnit& unit = model_->layout().units[u];
+    MT_CUDA_CHECK(cudaEventRecord(unit_ready_[u], stream_));
+    MT_CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, unit_ready_[u], 0));
+    dcomm_->all_reduce_sum(model_->grads() + unit.begin, (int64_t)unit.size(), device_type<T>(),
+                           comm_stream_);
 }
 
 template <typename T>
@@ -314,24 +426,43 @@ StepResult CudaEngine<T>::finish_step(double lr, double max_norm) {
         MT_CUDA_CHECK(cudaStreamSynchronize(stream_));
         inject_overflow_ = false;
     }
-    cuda::sum_squares<T>(sums, grads, (int64_t)psi, stream_);
+    if (stage_ >= 1) {
+        // ZeRO-1: every rank gets its shard of the summed gradients, the norm is the sum of the
+        // shards' squares, and each rank updates its shard.
+        dcomm_->reduce_scatter_sum(grads, grads + shard_begin_, (int64_t)shard_, device_type<T>(),
+                                   stream_);
+        cuda::sum_squares<T>(sums, grads + shard_begin_, (int64_t)shard_count_, stream_);
+        dcomm_->all_reduce_sum(sums, 1, dist::DeviceType::F64, stream_);
+    } else {
+        cuda::sum_squares<T>(sums, grads, (int64_t)psi, stream_);
+    }
     cuda::finish_grad_norm(dev_scalars, sums, stream_);
+    T* params = model_->params() + shard_begin_;
+    grads += shard_begin_;
     if (offload_) {
         // The gradients come down with the step's results; the update runs on the host.
         MT_CUDA_CHECK(
             cudaMemcpyAsync(pinned_, grads, psi * sizeof(T), cudaMemcpyDeviceToHost, stream_));
-    } else if (adamw_)
-        cuda::adamw_step<T>(model_->params(), master_.size() ? master_.data() : nullptr, m_.data(),
-                            v_.data(), grads, chunks_.data(), nchunks_, dev_scalars, stream_);
-    else
-        cuda::sgd_step<T>(model_->params(), master_.size() ? master_.data() : nullptr, m_.data(),
-                          grads, chunks_.data(), nchunks_, dev_scalars, stream_);
+    } else if (adamw_) {
+        cuda::adamw_step<T>(params, master_.size() ? master_.data() : nullptr, m_.data(), v_.data(),
+                            grads, chunks_.data(), nchunks_, dev_scalars, stream_);
+    } else {
+        cuda::sgd_step<T>(params, master_.size() ? master_.data() : nullptr, m_.data(), grads,
+                          chunks_.data(), nchunks_, dev_scalars, stream_);
+    }
+    // ZeRO-1: every rank's updated shard to every rank (a skipped step sends the old values).
+    if (stage_ >= 1)
+        dcomm_->all_gather(model_->params() + shard_begin_, model_->params(), (int64_t)shard_,
+                           device_type<T>(), stream_);
     // The step's results: norm and overflow flag, and the micro-batches' loss sums.
     MT_CUDA_CHECK(
         cudaMemcpyAsync(scalars_host_, dev_scalars, sizeof(s), cudaMemcpyDeviceToHost, stream_));
     MT_CUDA_CHECK(
         cudaMemcpyAsync(stats_host_, sums, 8 * stats_doubles(), cudaMemcpyDeviceToHost, stream_));
-    MT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    if (dcomm_)
+        dcomm_->wait(stream_, "the step's gradient collectives");  // fails fast on a dead peer
+    else
+        MT_CUDA_CHECK(cudaStreamSynchronize(stream_));
     StepResult r;
     double loss = 0;
     for (int k = 0; k < micro_; k++) loss += stats_host_[2 + k];
@@ -418,7 +549,7 @@ void CudaEngine<T>::write_state(const std::string& name, std::size_t begin, std:
 
 template <typename T>
 std::vector<MemoryPrediction> CudaEngine<T>::predicted_memory(int B, int T_) const {
-    const std::size_t psi = model_->layout().total, e = sizeof(T);
+    const std::size_t psi = shard_ * world_, e = sizeof(T);  // padded to equal shards
     const char* tn = type_name<T>();
     const bool mixed = !std::is_same_v<T, float>;
     const std::size_t k = offload_ ? 0 : (mixed ? 4 : 0) + (adamw_ ? 8 : 4);
@@ -432,10 +563,13 @@ std::vector<MemoryPrediction> CudaEngine<T>::predicted_memory(int B, int T_) con
     return {
         {MemCategory::Parameters, fmt::format("{} x params ({})", e, tn), e * psi},
         {MemCategory::Gradients, fmt::format("{} x params ({})", e, tn), e * psi},
+        // ZeRO-1: this rank's shard of the optimizer state.
         {MemCategory::OptimizerState,
-         offload_ ? std::string("none on the device (train.offload_optimizer: see below)")
-                  : fmt::format("{} x params ({}) + chunk table {} B", k, states, table),
-         k * psi + table},
+         offload_
+             ? std::string("none on the device (train.offload_optimizer: see below)")
+             : fmt::format("{} x params{} ({}) + chunk table {} B", k,
+                           stage_ >= 1 ? fmt::format(" / {} ranks", world_) : "", states, table),
+         k * shard_count_ + table},
         {MemCategory::Activations,
          fmt::format("activation_layout(B, T, remat={}, {})", cfg_.train.remat, tn),
          arena_bytes(lay, MemCategory::Activations)},
@@ -474,11 +608,14 @@ std::string CudaEngine<T>::memory_footer() const {
 
 }  // namespace
 
-std::unique_ptr<Engine> make_cuda_engine(const RunConfig& cfg) {
+std::unique_ptr<Engine> make_cuda_engine(const RunConfig& cfg, dist::Communicator& comm) {
     if (!cuda_available()) fail("train.device = \"cuda\", but no CUDA device answers");
-    if (cfg.train.precision == "fp32") return std::make_unique<CudaEngine<float>>(cfg);
-    if (cfg.train.precision == "bf16") return std::make_unique<CudaEngine<__nv_bfloat16>>(cfg);
-    if (cfg.train.precision == "fp16") return std::make_unique<CudaEngine<__half>>(cfg);
+    // One GPU per process: the node's ranks take the node's devices in turn.
+    select_device(comm.local_rank());
+    if (cfg.train.precision == "fp32") return std::make_unique<CudaEngine<float>>(cfg, comm);
+    if (cfg.train.precision == "bf16")
+        return std::make_unique<CudaEngine<__nv_bfloat16>>(cfg, comm);
+    if (cfg.train.precision == "fp16") return std::make_unique<CudaEngine<__half>>(cfg, comm);
     fail("internal: train.precision '{}' was not resolved", cfg.train.precision);
 }
 
@@ -502,7 +639,7 @@ int64_t cuda_graph_replays_for_test(Engine& engine) {
 
 namespace memtrain {
 
-std::unique_ptr<Engine> make_cuda_engine(const RunConfig&) {
+std::unique_ptr<Engine> make_cuda_engine(const RunConfig&, dist::Communicator&) {
     fail(
         "train.device = \"cuda\", but this memtrain was built without CUDA (no nvcc at build "
         "time)");

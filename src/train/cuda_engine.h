@@ -7,11 +7,15 @@
 #include <cstdint>
 #include <memory>
 
+#include "dist/communicator.h"
 #include "train/engine.h"
 
 namespace memtrain {
 
-std::unique_ptr<Engine> make_cuda_engine(const RunConfig& cfg);
+// Data parallelism over `comm`'s ranks (one GPU each, NCCL between them): ZeRO stage 0 (DDP,
+// gradients all-reduced unit by unit during the last micro-batch's backward) or 1 (optimizer
+// state sharded, gradients reduce-scattered, parameters all-gathered).
+std::unique_ptr<Engine> make_cuda_engine(const RunConfig& cfg, dist::Communicator& comm);
 
 // Test hook: the engine's next finish_step finds a non-finite gradient, as an fp16 overflow in
 // backward would leave it (tests/cuda: the step is skipped and the loss scale halves).

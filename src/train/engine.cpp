@@ -89,14 +89,7 @@ std::string CpuEngine::memory_footer() const {
 
 std::unique_ptr<Engine> make_engine(const RunConfig& cfg, dist::Communicator& comm) {
     if (cfg.train.device == "cpu") return std::make_unique<CpuEngine>(cfg, comm);
-    if (cfg.train.device == "cuda") {
-        if (comm.size() > 1)
-            fail(
-                "train.device = \"cuda\" runs one process for now ({} ranks launched): data "
-                "parallelism on GPUs (NCCL) is not built yet; use device = \"cpu\" under mpirun",
-                comm.size());
-        return make_cuda_engine(cfg);
-    }
+    if (cfg.train.device == "cuda") return make_cuda_engine(cfg, comm);
     fail("internal: train.device '{}' was not resolved to cpu or cuda", cfg.train.device);
 }
 

@@ -1,0 +1,54 @@
+// Collectives on device (GPU) buffers, for the CUDA engine's data parallelism: the NCCL backend
+// (nccl_communicator.cu), built from the host Communicator (MPI), which carries NCCL's unique id
+// from rank 0 to the others. Calls queue work on a CUDA stream and return, as NCCL's do; the
+// stream orders it. Every rank must make the same calls in the same order with the same counts.
+// Sharded buffers use NCCL's equal-size layout: rank r's block is [r * count, (r + 1) * count),
+// so a buffer of total elements is padded to size() * ceil(total / size()).
+//
+// Fail fast: wait() (not the CUDA stream) is how the engine waits for its collectives; it polls
+// and, past MEMTRAIN_COMM_TIMEOUT_S (default 300 s), aborts the NCCL communicator and fails
+// naming the rank and the collective, instead of hanging on a peer that has died.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+
+namespace memtrain::dist {
+
+enum class DeviceType { F32, BF16, F16, F64 };
+
+class DeviceCommunicator {
+  public:
+    virtual ~DeviceCommunicator() = default;
+    virtual int rank() const = 0;
+    virtual int size() const = 0;
+
+    // In place: data[i] = sum over ranks of data[i] (n elements).
+    virtual void all_reduce_sum(void* data, int64_t n, DeviceType t, cudaStream_t stream) = 0;
+    // `in` holds size() * count elements on every rank; `out` (count elements) receives this
+    // rank's block of the element-wise sum. `out` may be `in + rank() * count`.
+    virtual void reduce_scatter_sum(const void* in, void* out, int64_t count, DeviceType t,
+                                    cudaStream_t stream) = 0;
+    // `in` holds this rank's count elements; `out` (size() * count) receives every rank's block
+    // at its offset. `in` may be `out + rank() * count`.
+    virtual void all_gather(const void* in, void* out, int64_t count, DeviceType t,
+                            cudaStream_t stream) = 0;
+    // Waits until everything queued on `stream` has finished, with the fail-fast timeout.
+    virtual void wait(cudaStream_t stream, const char* what) = 0;
+};
+
+// What NCCL's set-up needs of the host communicator (dist::Communicator), in the C++17 this
+// header keeps for nvcc: the rank, the world size and a broadcast from rank 0.
+struct HostLink {
+    int rank = 0, size = 1;
+    std::function<void(void* data, int64_t bytes)> broadcast_from_root;
+};
+
+// NCCL across the ranks of `host` (one GPU per rank; the caller has selected it). Every rank
+// calls it (the unique id travels over `host`).
+std::unique_ptr<DeviceCommunicator> make_nccl_communicator(const HostLink& host);
+
+}  // namespace memtrain::dist

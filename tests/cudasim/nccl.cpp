@@ -1,0 +1,178 @@
+// The NCCL calls memtrain makes, reimplemented for cudasim over MPI (see sim.h): "device"
+// buffers are host memory here, so each collective is the MPI collective on them, queued on the
+// stream like any other work (and recorded when the stream is being captured). bf16 and fp16 are
+// summed in fp32 and rounded once, where NCCL rounds after each step of its ring: results agree
+// to a rounding of the type. Lets the CUDA engine's data parallelism run under mpirun in CI.
+#include <mpi.h>
+#include <nccl.h>
+
+#include <cstring>
+#include <vector>
+
+#include "cudasim/sim.h"
+
+struct ncclComm {
+    MPI_Comm mpi = MPI_COMM_NULL;
+    int rank = 0, size = 1;
+};
+
+namespace {
+
+std::size_t type_bytes(ncclDataType_t t) {
+    switch (t) {
+        case ncclFloat64:
+            return 8;
+        case ncclFloat32:
+            return 4;
+        case ncclBfloat16:
+        case ncclFloat16:
+            return 2;
+        default:
+            return 0;
+    }
+}
+
+float to_f32(ncclDataType_t t, const void* p, std::size_t i) {
+    if (t == ncclBfloat16) return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+    return __half2float(static_cast<const __half*>(p)[i]);
+}
+
+void from_f32(ncclDataType_t t, void* p, std::size_t i, float v) {
+    if (t == ncclBfloat16)
+        static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v);
+    else
+        static_cast<__half*>(p)[i] = __float2half_rn(v);
+}
+
+// Sums `count` elements at `in` over the ranks into `out` (every rank's full result).
+void all_reduce(const void* in, void* out, std::size_t count, ncclDataType_t t, MPI_Comm c) {
+    if (t == ncclFloat32 || t == ncclFloat64) {
+        MPI_Datatype mt = t == ncclFloat32 ? MPI_FLOAT : MPI_DOUBLE;
+        if (in == out)
+            MPI_Allreduce(MPI_IN_PLACE, out, (int)count, mt, MPI_SUM, c);
+        else
+            MPI_Allreduce(in, out, (int)count, mt, MPI_SUM, c);
+        return;
+    }
+    std::vector<float> f(count);
+    for (std::size_t i = 0; i < count; i++) f[i] = to_f32(t, in, i);
+    MPI_Allreduce(MPI_IN_PLACE, f.data(), (int)count, MPI_FLOAT, MPI_SUM, c);
+    for (std::size_t i = 0; i < count; i++) from_f32(t, out, i, f[i]);
+}
+
+bool supported(ncclDataType_t t) {
+    return type_bytes(t) > 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* ncclGetErrorString(ncclResult_t result) {
+    switch (result) {
+        case ncclSuccess:
+            return "no error";
+        case ncclInvalidArgument:
+            return "invalid argument (cudasim NCCL)";
+        case ncclInvalidUsage:
+            return "invalid usage (cudasim NCCL)";
+        default:
+            return "unhandled error (cudasim NCCL)";
+    }
+}
+
+ncclResult_t ncclGetUniqueId(ncclUniqueId* id) {
+    std::memset(id, 0, sizeof(*id));
+    std::memcpy(id->internal, "cudasim", 7);
+    return ncclSuccess;
+}
+
+ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank) {
+    int inited = 0;
+    MPI_Initialized(&inited);
+    if (!inited || std::memcmp(id.internal, "cudasim", 7) != 0) return ncclInvalidUsage;
+    auto* c = new ncclComm;
+    MPI_Comm_dup(MPI_COMM_WORLD, &c->mpi);
+    MPI_Comm_rank(c->mpi, &c->rank);
+    MPI_Comm_size(c->mpi, &c->size);
+    if (c->rank != rank || c->size != nranks) {
+        MPI_Comm_free(&c->mpi);
+        delete c;
+        return ncclInvalidArgument;
+    }
+    *comm = c;
+    return ncclSuccess;
+}
+
+ncclResult_t ncclCommDestroy(ncclComm_t comm) {
+    if (!comm) return ncclInvalidArgument;
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized) MPI_Comm_free(&comm->mpi);
+    delete comm;
+    return ncclSuccess;
+}
+
+ncclResult_t ncclCommAbort(ncclComm_t comm) {
+    delete comm;
+    return ncclSuccess;
+}
+
+ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* async_error) {
+    if (!comm) return ncclInvalidArgument;
+    *async_error = ncclSuccess;
+    return ncclSuccess;
+}
+
+ncclResult_t ncclGroupStart() {
+    return ncclSuccess;
+}
+
+ncclResult_t ncclGroupEnd() {
+    return ncclSuccess;
+}
+
+ncclResult_t ncclAllReduce(const void* send, void* recv, size_t count, ncclDataType_t t,
+                           ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
+    if (!comm || op != ncclSum || !supported(t)) return ncclInvalidArgument;
+    cudasim::enqueue(stream, [=] { all_reduce(send, recv, count, t, comm->mpi); });
+    return ncclSuccess;
+}
+
+ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t count, ncclDataType_t t,
+                               ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
+    if (!comm || op != ncclSum || !supported(t)) return ncclInvalidArgument;
+    cudasim::enqueue(stream, [=] {
+        // The whole sum, then this rank's block (recv may lie inside send).
+        const std::size_t b = type_bytes(t);
+        std::vector<unsigned char> full(count * comm->size * b);
+        all_reduce(send, full.data(), count * comm->size, t, comm->mpi);
+        std::memmove(recv, full.data() + (std::size_t)comm->rank * count * b, count * b);
+    });
+    return ncclSuccess;
+}
+
+ncclResult_t ncclAllGather(const void* send, void* recv, size_t count, ncclDataType_t t,
+                           ncclComm_t comm, cudaStream_t stream) {
+    if (!comm || !supported(t)) return ncclInvalidArgument;
+    cudasim::enqueue(stream, [=] {
+        const std::size_t bytes = count * type_bytes(t);
+        std::vector<unsigned char> mine(static_cast<const unsigned char*>(send),
+                                        static_cast<const unsigned char*>(send) + bytes);
+        MPI_Allgather(mine.data(), (int)bytes, MPI_BYTE, recv, (int)bytes, MPI_BYTE, comm->mpi);
+    });
+    return ncclSuccess;
+}
+
+ncclResult_t ncclBroadcast(const void* send, void* recv, size_t count, ncclDataType_t t, int root,
+                           ncclComm_t comm, cudaStream_t stream) {
+    if (!comm || !supported(t)) return ncclInvalidArgument;
+    cudasim::enqueue(stream, [=] {
+        const std::size_t bytes = count * type_bytes(t);
+        if (comm->rank == root && send != recv) std::memmove(recv, send, bytes);
+        MPI_Bcast(recv, (int)bytes, MPI_BYTE, root, comm->mpi);
+    });
+    return ncclSuccess;
+}
+
+}  // extern "C"

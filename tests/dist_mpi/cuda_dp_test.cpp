@@ -1,0 +1,141 @@
+// Data parallelism of the CUDA engine under mpirun, one GPU per rank with NCCL between them (or,
+// where no GPU answers, cudasim's NCCL over MPI: the memtrain_sim_dist_tests binary): N ranks
+// with micro-batch b train the same model as one process with micro-batch N*b, for DDP (stage 0,
+// gradients all-reduced unit by unit during the backward) and ZeRO-1 (optimizer state sharded);
+// each rank holds its shard of the optimizer state; a checkpoint saved by N ranks under ZeRO-1
+// resumes in one process.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "core/device.h"
+#include "dist_mpi/dist_env.h"
+#include "test_util.h"
+
+namespace memtrain::dist {
+namespace {
+
+namespace fs = std::filesystem;
+
+// One GPU per rank (NCCL refuses two ranks on one GPU); cudasim's ranks share its device.
+#if MT_CUDA_SIM_TESTS
+#define REQUIRE_GPU_DP() (void)0
+#else
+#define REQUIRE_GPU_DP()                                                              \
+    do {                                                                              \
+        if (!cuda_available() || !MEMTRAIN_HAVE_NCCL ||                               \
+            cuda_device_count() < comm().local_size())                                \
+            GTEST_SKIP() << "needs one CUDA device per rank and NCCL";                \
+    } while (0)
+#endif
+
+RunConfig shared_cuda_run(const std::string& name, int steps, const std::string& precision) {
+    const std::string dir = (fs::path(MT_BINARY_DIR) / "test_tmp" / name).string();
+    if (comm().rank() == 0) {
+        fs::remove_all(dir);
+        fs::create_directories(dir);
+        test::tiny_run(dir, steps);
+    }
+    comm().barrier();
+    RunConfig c = test::tiny_run_config(dir, steps);
+    c.train.device = "cuda";
+    c.train.precision = precision;
+    c.io.save_final = false;
+    return c;
+}
+
+TrainOptions quiet() {
+    TrainOptions o;
+    o.quiet = true;
+    return o;
+}
+
+TEST(CudaDp, RanksTrainTheSameModelAsOneProcess) {
+    REQUIRE_GPU_DP();
+    const int N = comm().size(), b = 2, K = 2, steps = 8;
+    for (int stage : {0, 1}) {
+        SCOPED_TRACE("zero stage " + std::to_string(stage));
+        RunConfig c = shared_cuda_run("cuda_dp_" + std::to_string(stage), steps, "fp32");
+        c.train.batch_size = N * b * K;
+        // The reference: every rank alone, with the whole global micro-batch.
+        RunConfig ref_cfg = c;
+        ref_cfg.train.micro_batch_size = N * b;
+        ref_cfg.io.out_dir = c.io.out_dir + "_ref" + std::to_string(comm().rank());
+        TrainSummary ref_sum;
+        std::vector<float> ref_params;
+        {
+            Trainer ref(ref_cfg, quiet());
+            ref_sum = ref.run();
+            ref_params = ref.params();
+        }
+        c.train.micro_batch_size = b;
+        c.train.zero_stage = stage;
+        const MemoryStats before = device_memory().snapshot();
+        Trainer t(c, quiet(), &comm());
+        const std::size_t opt_bytes =
+            device_memory().snapshot()[MemCategory::OptimizerState] -
+            before[MemCategory::OptimizerState];
+        TrainSummary sum = t.run();
+        ASSERT_EQ(sum.losses.size(), ref_sum.losses.size());
+        // The rows split over ranks and a rank sum change the summation order: fp32 agrees to
+        // rounding, amplified a little by Adam over the steps.
+        for (std::size_t i = 0; i < sum.losses.size(); i++)
+            EXPECT_NEAR(sum.losses[i], ref_sum.losses[i], 2e-5 * std::abs(ref_sum.losses[i]))
+                << "step " << i + 1;
+        const std::vector<float> params = t.params();
+        double worst = 0;
+        for (std::size_t i = 0; i < params.size(); i++)
+            worst = std::max(worst, (double)std::abs(params[i] - ref_params[i]));
+        EXPECT_LT(worst, 1e-4);
+        // Adam's m and v (fp32, no master copy): whole at stage 0, this rank's shard at stage 1.
+        const std::size_t psi = t.engine().weights().layout.total;
+        const std::size_t shard = (psi + N - 1) / N;
+        const std::size_t mine =
+            stage == 0 ? psi
+                       : std::min(shard, psi - std::min(psi, (std::size_t)comm().rank() * shard));
+        EXPECT_GE(opt_bytes, 8 * mine);
+        EXPECT_LT(opt_bytes, 8 * mine + 64 * 1024) << "beyond the chunk table";
+    }
+}
+
+TEST(CudaDp, Bf16ShardedOptimizerResumesInOneProcess) {
+    REQUIRE_GPU_DP();
+    const int N = comm().size(), steps = 6;
+    RunConfig c = shared_cuda_run("cuda_dp_bf16", steps, "bf16");
+    c.train.batch_size = N * 2;
+    c.train.micro_batch_size = 2;
+    c.train.zero_stage = 1;
+    TrainSummary full;
+    {
+        Trainer t(c, quiet(), &comm());
+        full = t.run();
+    }
+    // Again, stopping after 3 steps: the checkpoint holds one optimizer file per rank.
+    RunConfig split = c;
+    split.io.out_dir = c.io.out_dir + "_split";
+    {
+        TrainOptions o = quiet();
+        o.stop_after = 3;
+        Trainer t(split, o, &comm());
+        t.run();
+    }
+    comm().barrier();
+    // Every rank resumes that checkpoint alone (in a directory of its own) with the whole global
+    // micro-batch: the shards come back together, and the curve continues.
+    RunConfig one = split;
+    one.train.micro_batch_size = N * 2;
+    one.io.out_dir = split.io.out_dir + "_one" + std::to_string(comm().rank());
+    TrainOptions o = quiet();
+    o.resume = split.io.out_dir;
+    Trainer t(one, o);
+    TrainSummary rest = t.run();
+    ASSERT_EQ(rest.losses.size(), 3u);
+    // bf16: one process and N ranks round their gradient sums differently.
+    for (int i = 0; i < 3; i++) EXPECT_NEAR(rest.losses[i], full.losses[3 + i], 0.02) << i;
+}
+
+}  // namespace
+}  // namespace memtrain::dist
