@@ -20,6 +20,7 @@
 #include "core/device.h"
 #include "dist/communicator.h"
 #include "dist/device_communicator.h"
+#include "kernels/cuda/host_convert.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/optimizer_types.h"
 #include "model/cuda_gpt.h"
@@ -29,35 +30,9 @@ namespace memtrain {
 
 namespace {
 
-template <typename T>
-constexpr const char* type_name() {
-    if constexpr (std::is_same_v<T, float>)
-        return "fp32";
-    else if constexpr (std::is_same_v<T, __nv_bfloat16>)
-        return "bf16";
-    else
-        return "fp16";
-}
-
-// fp32 <-> storage type on the host (round to nearest even), for the offloaded optimizer.
-template <typename T>
-T to_storage(float x) {
-    if constexpr (std::is_same_v<T, float>)
-        return x;
-    else if constexpr (std::is_same_v<T, __nv_bfloat16>)
-        return __float2bfloat16_rn(x);
-    else
-        return __float2half_rn(x);
-}
-template <typename T>
-float to_fp32(T x) {
-    if constexpr (std::is_same_v<T, float>)
-        return x;
-    else if constexpr (std::is_same_v<T, __nv_bfloat16>)
-        return __bfloat162float(x);
-    else
-        return __half2float(x);
-}
+using cuda::precision_name;
+using cuda::to_fp32;
+using cuda::to_storage;
 
 template <typename T>
 dist::DeviceType device_type() {
@@ -107,7 +82,7 @@ class CudaEngine final : public Engine, public OptimizerState {
 
     // Engine
     std::string describe() const override {
-        return fmt::format("cuda: {} ({})", cuda_device_name(), type_name<T>());
+        return fmt::format("cuda: {} ({})", cuda_device_name(), precision_name<T>());
     }
     ModelWeights weights() override { return ModelWeights{store_, model_->layout(), cfg_.model}; }
     OptimizerState& optimizer() override {
@@ -128,7 +103,7 @@ class CudaEngine final : public Engine, public OptimizerState {
     }
     MemoryTracker& memory() override { return device_memory(); }
     std::string memory_title() const override {
-        return fmt::format("device: {}, {}", cuda_device_name(), type_name<T>());
+        return fmt::format("device: {}, {}", cuda_device_name(), precision_name<T>());
     }
     std::vector<MemoryPrediction> predicted_memory(int B, int T_) const override;
     std::string memory_footer() const override;
@@ -480,7 +455,7 @@ StepResult CudaEngine<T>::finish_step(double lr, double max_norm) {
         fail(
             "the gradient norm is not finite at step {} ({} training has no loss scale to "
             "lower): lower optim.lr or check the data",
-            t, type_name<T>());
+            t, precision_name<T>());
     }
     return r;
 }
@@ -550,7 +525,7 @@ void CudaEngine<T>::write_state(const std::string& name, std::size_t begin, std:
 template <typename T>
 std::vector<MemoryPrediction> CudaEngine<T>::predicted_memory(int B, int T_) const {
     const std::size_t psi = shard_ * world_, e = sizeof(T);  // padded to equal shards
-    const char* tn = type_name<T>();
+    const char* tn = precision_name<T>();
     const bool mixed = !std::is_same_v<T, float>;
     const std::size_t k = offload_ ? 0 : (mixed ? 4 : 0) + (adamw_ ? 8 : 4);
     const std::string states =

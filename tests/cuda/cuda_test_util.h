@@ -20,6 +20,8 @@
 #if MEMTRAIN_HAVE_CUDA
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+
+#include "kernels/cuda/host_convert.h"
 #endif
 
 namespace memtrain::test {
@@ -118,44 +120,14 @@ inline uint16_t bf16_bits(float f) {
     u += 0x7FFFu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
 }
-inline float bf16_value(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
-inline std::vector<uint16_t> to_bf16(const std::vector<float>& v) {
-    std::vector<uint16_t> r(v.size());
-    for (std::size_t i = 0; i < v.size(); i++) r[i] = bf16_bits(v[i]);
-    return r;
-}
-inline std::vector<float> from_bf16(const std::vector<uint16_t>& v) {
-    std::vector<float> r(v.size());
-    for (std::size_t i = 0; i < v.size(); i++) r[i] = bf16_value(v[i]);
-    return r;
-}
-inline __nv_bfloat16* bf(DeviceBuffer<uint16_t>& d) {
-    return reinterpret_cast<__nv_bfloat16*>(d.data());
-}
-
 // ---- any storage type T in {float, __nv_bfloat16, __half} --------------------------------------
 template <typename T>
 inline T to_type(float x) {
-    if constexpr (std::is_same_v<T, float>)
-        return x;
-    else if constexpr (std::is_same_v<T, __nv_bfloat16>)
-        return __float2bfloat16_rn(x);
-    else
-        return __float2half_rn(x);
+    return cuda::to_storage<T>(x);
 }
 template <typename T>
 inline float from_type(T x) {
-    if constexpr (std::is_same_v<T, float>)
-        return x;
-    else if constexpr (std::is_same_v<T, __nv_bfloat16>)
-        return __bfloat162float(x);
-    else
-        return __half2float(x);
+    return cuda::to_fp32(x);
 }
 // The values T can hold nearest to v (round to nearest even): what a CPU reference should be fed
 // so that it sees exactly the inputs the T kernel sees.
@@ -182,12 +154,7 @@ inline std::vector<float> download_float(const DeviceBuffer<T>& d) {
 // A short name for test messages.
 template <typename T>
 inline const char* type_name() {
-    if constexpr (std::is_same_v<T, float>)
-        return "fp32";
-    else if constexpr (std::is_same_v<T, __nv_bfloat16>)
-        return "bf16";
-    else
-        return "fp16";
+    return cuda::precision_name<T>();
 }
 
 }  // namespace memtrain::test

@@ -80,6 +80,29 @@ struct GemmArgs {
     int64_t aux_ld = 0;
 };
 
+// A plain GEMM's arguments (no C input, no epilogue): D (m,n) = op(A) (m,k) @ op(B) (k,n) +
+// beta D, A and B of type ab, D of type cd.
+GemmArgs gemm_args(bool ta, bool tb, int m, int n, int k, const void* A, int64_t lda, const void* B,
+                   int64_t ldb, void* D, int64_t ldd, cudaDataType_t ab, cudaDataType_t cd,
+                   float beta = 0.0f) {
+    GemmArgs g;
+    g.ta = ta;
+    g.tb = tb;
+    g.m = m;
+    g.n = n;
+    g.k = k;
+    g.A = A;
+    g.lda = lda;
+    g.B = B;
+    g.ldb = ldb;
+    g.D = D;
+    g.ldd = ldd;
+    g.ab_type = ab;
+    g.cd_type = cd;
+    g.beta = beta;
+    return g;
+}
+
 // Descriptors and the algorithm for one (shape, types, epilogue, alignments) key, created on the
 // first call and reused: the trainer runs the same few GEMMs every step, and descriptor creation
 // and the heuristic cost host time. `usable` false remembers that cuBLASLt refused the problem.
@@ -329,18 +352,8 @@ static void check_linear(const char* op, int N, int IC, int OC) {
 // out^T (OC,N) = weight^T (OC,IC) @ inp^T (IC,N): weight is the column-major (OC,IC) matrix.
 template <typename T>
 static GemmArgs forward_args(T* out, const T* inp, const T* weight, int N, int IC, int OC) {
-    GemmArgs g;
-    g.m = OC;
-    g.n = N;
-    g.k = IC;
-    g.A = weight;
-    g.lda = OC;
-    g.B = inp;
-    g.ldb = IC;
-    g.D = out;
-    g.ldd = OC;
-    g.ab_type = g.cd_type = data_type<T>();
-    return g;
+    return gemm_args(false, false, OC, N, IC, weight, OC, inp, IC, out, OC, data_type<T>(),
+                     data_type<T>());
 }
 
 template <typename T>
@@ -397,18 +410,7 @@ void matmul_backward(T* dinp, T* dweight, T* dbias, const T* dout, const T* inp,
     const cudaDataType_t type = data_type<T>();
     if (dinp) {
         // dinp^T (IC,N) = weight (the column-major (OC,IC) matrix, transposed) @ dout^T (OC,N)
-        GemmArgs g;
-        g.ta = true;
-        g.m = IC;
-        g.n = N;
-        g.k = OC;
-        g.A = weight;
-        g.lda = OC;
-        g.B = dout;
-        g.ldb = OC;
-        g.D = dinp;
-        g.ldd = IC;
-        g.ab_type = g.cd_type = type;
+        GemmArgs g = gemm_args(true, false, IC, N, OC, weight, OC, dout, OC, dinp, IC, type, type);
         if (!gelu_pre) {
             gemm(g, stream);
         } else {
@@ -430,20 +432,8 @@ void matmul_backward(T* dinp, T* dweight, T* dbias, const T* dout, const T* inp,
     }
     // dweight^T (OC,IC) += dout^T (OC,N) @ inp (N,IC): inp read as the column-major (IC,N),
     // transposed
-    GemmArgs w;
-    w.tb = true;
-    w.m = OC;
-    w.n = IC;
-    w.k = N;
-    w.A = dout;
-    w.lda = OC;
-    w.B = inp;
-    w.ldb = IC;
-    w.D = dweight;
-    w.ldd = OC;
-    w.ab_type = w.cd_type = type;
-    w.beta = 1.0f;
-    gemm(w, stream);
+    gemm(gemm_args(false, true, OC, IC, N, dout, OC, inp, IC, dweight, OC, type, type, 1.0f),
+         stream);
     if (dbias) column_sums_accumulate<T>(dbias, dout, N, OC, stream);
 }
 
@@ -583,51 +573,18 @@ void classifier_loss(T* dx, T* dwte, T* logits_buf, float* row_loss, const T* x,
         const int R = chunk < N - r0 ? chunk : N - r0;
         const T* xr = x + (int64_t)r0 * C;
         // logits^T (Vp,R) = wte (the column-major (C,Vp) matrix, transposed) @ x^T (C,R)
-        GemmArgs lg;
-        lg.ta = true;
-        lg.m = Vp;
-        lg.n = R;
-        lg.k = C;
-        lg.A = wte;
-        lg.lda = C;
-        lg.B = xr;
-        lg.ldb = C;
-        lg.D = logits_buf;
-        lg.ldd = Vp;
-        lg.ab_type = lg.cd_type = type;
-        gemm(lg, stream);
+        gemm(gemm_args(true, false, Vp, R, C, wte, C, xr, C, logits_buf, Vp, type, type), stream);
         MT_LAUNCH(softmax_xent_kernel<T>, (unsigned)R, (unsigned)threads, 0, stream, logits_buf,
                   row_loss + r0, targets + r0, V, Vp, grad_scale, dx != nullptr, vec);
         if (!dx) continue;
         // dx^T (C,R) = wte^T (C,Vp) @ dlogits^T (Vp,R)
-        GemmArgs gx;
-        gx.m = C;
-        gx.n = R;
-        gx.k = Vp;
-        gx.A = wte;
-        gx.lda = C;
-        gx.B = logits_buf;
-        gx.ldb = Vp;
-        gx.D = dx + (int64_t)r0 * C;
-        gx.ldd = C;
-        gx.ab_type = gx.cd_type = type;
-        gemm(gx, stream);
+        gemm(gemm_args(false, false, C, R, Vp, wte, C, logits_buf, Vp, dx + (int64_t)r0 * C, C,
+                       type, type),
+             stream);
         if (!dwte) continue;
         // dwte^T (C,Vp) += x^T (C,R) @ dlogits (R,Vp)
-        GemmArgs gw;
-        gw.tb = true;
-        gw.m = C;
-        gw.n = Vp;
-        gw.k = R;
-        gw.A = xr;
-        gw.lda = C;
-        gw.B = logits_buf;
-        gw.ldb = Vp;
-        gw.D = dwte;
-        gw.ldd = C;
-        gw.ab_type = gw.cd_type = type;
-        gw.beta = 1.0f;
-        gemm(gw, stream);
+        gemm(gemm_args(false, true, C, Vp, R, xr, C, logits_buf, Vp, dwte, C, type, type, 1.0f),
+             stream);
     }
 }
 
@@ -637,20 +594,7 @@ void classifier_logits(float* out, const T* x, const T* wte, int N, int C, int V
     if (N < 0 || C <= 0 || V <= 0)
         fail("cuda::classifier_logits: N {} C {} V {}, expected N >= 0, C > 0 and V > 0", N, C, V);
     // out^T (V,N) = wte[:V] (the column-major (C,V) matrix, transposed) @ x^T (C,N), fp32 out
-    GemmArgs g;
-    g.ta = true;
-    g.m = V;
-    g.n = N;
-    g.k = C;
-    g.A = wte;
-    g.lda = C;
-    g.B = x;
-    g.ldb = C;
-    g.D = out;
-    g.ldd = V;
-    g.ab_type = data_type<T>();
-    g.cd_type = CUDA_R_32F;
-    gemm(g, stream);
+    gemm(gemm_args(true, false, V, N, C, wte, C, x, C, out, V, data_type<T>(), CUDA_R_32F), stream);
 }
 
 // ---- instantiations ----------------------------------------------------------------------------
