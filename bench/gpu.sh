@@ -11,7 +11,8 @@
 #   --quick       fewer steps (and no torch.compile peer on 1.5B): about half the time
 #   --skip-tests  build only the memtrain target and skip the CUDA tests
 #   --bench-only  skip the build and the CUDA tests (BUILD_DIR/memtrain must exist)
-#   --only LIST   run only these benchmarks (default 124m,1.5b,remat)
+#   --only LIST   run only these benchmarks (default 124m,1.5b,remat; also offload: the largest
+#                 GPT ZeRO-Offload trains on one GPU, bench/offload_gpu.py)
 #   env: OUT (results folder, default bench-out), PYTHON (interpreter with PyTorch, default
 #        python3), MEMTRAIN_SKIP_DEPS=1 (skip scripts/deps.sh), MEMTRAIN_BENCH_TIMEOUT (seconds per
 #        benchmark process, default 900), MEMTRAIN_DEPS_DIR (where .gpu-debs is unpacked)
@@ -38,14 +39,14 @@ while [ $# -gt 0 ]; do
         --skip-tests) SKIP_TESTS=1 ;;
         --only) [ $# -ge 2 ] || { echo "gpu.sh: --only needs a list" >&2; exit 2; }
                 ONLY=$2; shift ;;
-        -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
         -*) echo "gpu.sh: unknown option $1 (see bash bench/gpu.sh --help)" >&2; exit 2 ;;
         *) BUILD=$1 ;;
     esac
     shift
 done
 for b in ${ONLY//,/ }; do
-    case "$b" in 124m|1.5b|remat) ;; *) echo "gpu.sh: unknown benchmark '$b' in --only" >&2; exit 2 ;; esac
+    case "$b" in 124m|1.5b|remat|offload) ;; *) echo "gpu.sh: unknown benchmark '$b' in --only" >&2; exit 2 ;; esac
 done
 JOBS=$(nproc)
 OUTDIR=${OUT:-bench-out}
@@ -113,13 +114,17 @@ echo "== GPU"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit --format=csv || true
 
 for b in ${ONLY//,/ }; do
-    case "$b" in
-        remat) args=(--remat-compare) ;;
-        *) args=(--preset "$b") ;;
-    esac
     echo
     echo "== GPU benchmark: $b"
-    if ! "$PYTHON" bench/gpu_vs_pytorch.py --memtrain "$BUILD/memtrain" "${args[@]}" "${QUICK[@]}" \
+    if [ "$b" = offload ]; then
+        # ZeRO-Offload: the largest GPT one GPU trains with the optimizer on the host.
+        script=(bench/offload_gpu.py)
+    elif [ "$b" = remat ]; then
+        script=(bench/gpu_vs_pytorch.py --remat-compare)
+    else
+        script=(bench/gpu_vs_pytorch.py --preset "$b")
+    fi
+    if ! "$PYTHON" "${script[@]}" --memtrain "$BUILD/memtrain" "${QUICK[@]}" \
         --timeout "${MEMTRAIN_BENCH_TIMEOUT:-900}" --json "$OUTDIR/gpu-$b.json"; then
         echo "gpu.sh: benchmark $b FAILED (see above and $OUTDIR/gpu-$b.json)"
         status=1

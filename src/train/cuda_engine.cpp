@@ -282,8 +282,13 @@ CudaEngine<T>::CudaEngine(const RunConfig& cfg, dist::Communicator& comm)
     : cfg_(cfg), adamw_(cfg.optim.name == "adamw"), comm_(comm), store_(*this) {
     MT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     world_ = comm.size();
+    // Launched by mpirun (an MPI communicator, even of one rank): the data-parallel path with
+    // NCCL, so `mpirun -np 1` runs it at world size 1 against the plain single process.
+    // (Offload and CUDA graphs run one process, the plain path.)
+    const bool launched = dynamic_cast<dist::LocalCommunicator*>(&comm) == nullptr &&
+                          !cfg_.train.offload_optimizer && !cfg_.train.cuda_graphs;
     rank_ = comm.rank();
-    stage_ = world_ > 1 ? cfg_.train.zero_stage : 0;
+    stage_ = launched ? cfg_.train.zero_stage : 0;
     const std::size_t psi = make_param_layout(cfg_.model).total;
     // NCCL shards are equal: the flat buffer is padded to world x ceil(psi / world).
     shard_ = (psi + world_ - 1) / world_;
@@ -291,7 +296,7 @@ CudaEngine<T>::CudaEngine(const RunConfig& cfg, dist::Communicator& comm)
     shard_count_ = stage_ >= 1 ? std::min<std::size_t>(shard_, psi - shard_begin_) : psi;
     model_ = std::make_unique<CudaGPT<T>>(cfg_.model, stream_, shard_ * world_);
     model_->set_cuda_graphs(cfg_.train.cuda_graphs);
-    if (world_ > 1) {
+    if (launched) {
         dcomm_ = dist::make_nccl_communicator(dist::HostLink{
             rank_, world_, [&comm](void* d, int64_t b) { comm.broadcast(d, b, 0); }});
         MT_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking));
@@ -360,7 +365,7 @@ void CudaEngine<T>::forward_backward(const int32_t* inputs, const int32_t* targe
     // fp16: the loss gradient carries the loss scale, so small gradients stay representable.
     const float scale = scaler_ ? (float)scaler_->scale() : 1.0f;
     // DDP reduces once per step: during the last micro-batch's backward, unit by unit.
-    reduce_now_ = world_ > 1 && stage_ == 0 && last;
+    reduce_now_ = dcomm_ && stage_ == 0 && last;
     model_->forward_backward(inputs, targets, B, T_, grad_scale * scale, sums + 2 + micro_);
     if (reduce_now_) {
         // Everything after this (the optimizer) waits for the last unit's all-reduce.
