@@ -39,7 +39,7 @@ while [ $# -gt 0 ]; do
         --skip-tests) SKIP_TESTS=1 ;;
         --only) [ $# -ge 2 ] || { echo "gpu.sh: --only needs a list" >&2; exit 2; }
                 ONLY=$2; shift ;;
-        -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
         -*) echo "gpu.sh: unknown option $1 (see bash bench/gpu.sh --help)" >&2; exit 2 ;;
         *) BUILD=$1 ;;
     esac
