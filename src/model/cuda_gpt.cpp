@@ -11,57 +11,11 @@
 #include <algorithm>
 #include <cstring>
 
-#include <fmt/format.h>
-
 #include "core/error.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/token_buckets.h"
 
 namespace memtrain {
-
-namespace {
-
-template <typename T>
-T* tensor(T* base, const ParamLayout& layout, const std::string& name) {
-    return base + layout.get(name).offset;
-}
-
-template <typename T>
-T* tensor_or_null(T* base, const ParamLayout& layout, const std::string& name) {
-    for (const auto& t : layout.tensors)
-        if (t.name == name) return base + t.offset;
-    return nullptr;
-}
-
-template <typename M, typename T>
-M make_views(T* base, const ParamLayout& layout, const ModelConfig& cfg) {
-    M m;
-    m.wte = tensor(base, layout, "wte.weight");
-    m.wpe = tensor_or_null(base, layout, "wpe.weight");
-    m.lnf_w = tensor(base, layout, "ln_f.weight");
-    m.lnf_b = tensor_or_null(base, layout, "ln_f.bias");
-    m.wout = cfg.tied_embeddings ? m.wte : tensor(base, layout, "lm_head.weight");
-    for (int l = 0; l < cfg.n_layer; l++) {
-        const std::string h = fmt::format("h.{}.", l);
-        typename decltype(m.blocks)::value_type b;
-        b.ln1_w = tensor(base, layout, h + "ln_1.weight");
-        b.ln1_b = tensor_or_null(base, layout, h + "ln_1.bias");
-        b.qkv_w = tensor(base, layout, h + "attn.c_attn.weight");
-        b.qkv_b = tensor(base, layout, h + "attn.c_attn.bias");
-        b.proj_w = tensor(base, layout, h + "attn.c_proj.weight");
-        b.proj_b = tensor(base, layout, h + "attn.c_proj.bias");
-        b.ln2_w = tensor(base, layout, h + "ln_2.weight");
-        b.ln2_b = tensor_or_null(base, layout, h + "ln_2.bias");
-        b.fc_w = tensor(base, layout, h + "mlp.c_fc.weight");
-        b.fc_b = tensor(base, layout, h + "mlp.c_fc.bias");
-        b.fcp_w = tensor(base, layout, h + "mlp.c_proj.weight");
-        b.fcp_b = tensor(base, layout, h + "mlp.c_proj.bias");
-        m.blocks.push_back(b);
-    }
-    return m;
-}
-
-}  // namespace
 
 template <typename T>
 ActFormat CudaGPT<T>::arena_format(const ModelConfig& cfg, int B, int T_) {
@@ -81,8 +35,8 @@ CudaGPT<T>::CudaGPT(const ModelConfig& cfg, cudaStream_t stream, std::size_t pad
     const std::size_t n = std::max(padded_total, layout_.total);
     params_ = DeviceBuffer<T>(n, MemCategory::Parameters);
     grads_ = DeviceBuffer<T>(n, MemCategory::Gradients);
-    p_ = make_views<Model>(params_.data(), layout_, cfg_);
-    g_ = make_views<Model>(grads_.data(), layout_, cfg_);
+    p_ = view_params(layout_, params_.data(), cfg_.n_layer);
+    g_ = view_params(layout_, grads_.data(), cfg_.n_layer);
     for (auto& e : copied_) MT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     graph_loss_buf_ = DeviceBuffer<double>(1, MemCategory::Workspace);
     graph_loss_ = graph_loss_buf_.data();
@@ -409,8 +363,8 @@ void CudaGPT<T>::step_body(int B, int T_, float grad_scale, double* loss_sum) {
     forward(B, T_, true);
     const int N = B * T_, C = cfg_.n_embd, L = cfg_.n_layer;
     const int32_t* dev_targets = tokens_.data() + N;
-    cuda::classifier_loss<T>(dln_, g_.wout, logits_, row_loss_, lnf_, p_.wout, dev_targets, N, C,
-                             cfg_.vocab_size, cfg_.padded_vocab(), chunk_, grad_scale, stream_);
+    cuda::classifier_loss<T>(dln_, g_.lm_head, logits_, row_loss_, lnf_, p_.lm_head, dev_targets, N,
+                             C, cfg_.vocab_size, cfg_.padded_vocab(), chunk_, grad_scale, stream_);
     cuda::sum_floats(loss_sum, row_loss_, N, stream_);
     MT_CUDA_CHECK(cudaMemsetAsync(dres_, 0, (std::size_t)N * C * sizeof(T), stream_));
     norm_backward(dres_, g_.lnf_w, g_.lnf_b, dln_, resid_[L], p_.lnf_w, lnf_mean_, lnf_rstd_, N);
@@ -464,7 +418,7 @@ void CudaGPT<T>::forward_loss(const int32_t* inputs, const int32_t* targets, int
     upload_tokens(inputs, targets, B, T_);
     forward(B, T_);
     const int N = B * T_;
-    cuda::classifier_loss<T>(nullptr, nullptr, logits_, row_loss_, lnf_, p_.wout,
+    cuda::classifier_loss<T>(nullptr, nullptr, logits_, row_loss_, lnf_, p_.lm_head,
                              tokens_.data() + N, N, cfg_.n_embd, cfg_.vocab_size,
                              cfg_.padded_vocab(), chunk_, 0.0f, stream_);
     cuda::sum_floats(loss_sum, row_loss_, N, stream_);
@@ -477,8 +431,8 @@ void CudaGPT<T>::forward_logits(const int32_t* inputs, int B, int T_, float* out
     forward(B, T_);
     const std::size_t n = (std::size_t)B * T_ * cfg_.vocab_size;
     DeviceBuffer<float> logits(n, MemCategory::Workspace);
-    cuda::classifier_logits<T>(logits.data(), lnf_, p_.wout, B * T_, cfg_.n_embd, cfg_.vocab_size,
-                               stream_);
+    cuda::classifier_logits<T>(logits.data(), lnf_, p_.lm_head, B * T_, cfg_.n_embd,
+                               cfg_.vocab_size, stream_);
     MT_CUDA_CHECK(
         cudaMemcpyAsync(out, logits.data(), n * sizeof(float), cudaMemcpyDeviceToHost, stream_));
     MT_CUDA_CHECK(cudaStreamSynchronize(stream_));

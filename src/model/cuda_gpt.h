@@ -26,16 +26,10 @@ namespace memtrain {
 template <typename T>
 class CudaGPT {
   public:
-    // Pointers to one block's tensors in a flat T buffer (parameters or gradients); absent
-    // tensors (norm biases under rmsnorm) are null.
-    struct Block {
-        T *ln1_w, *ln1_b, *qkv_w, *qkv_b, *proj_w, *proj_b, *ln2_w, *ln2_b, *fc_w, *fc_b, *fcp_w,
-            *fcp_b;
-    };
-    struct Model {
-        T *wte, *wpe, *lnf_w, *lnf_b, *wout;  // wout: lm_head, or wte when tied
-        std::vector<Block> blocks;
-    };
+    // Views of the parameters and the gradients (model/param_layout.h): lm_head is wte when the
+    // embeddings are tied.
+    using Block = BasicBlockParams<T>;
+    using Model = BasicModelParams<T>;
 
     // Parameters and gradients are allocated for padded_total >= the layout's total elements
     // (data parallelism pads the flat buffer to equal shards); the padding stays zero.

@@ -71,8 +71,9 @@ void GPT::set_remat(const RematPlan& plan) {
         fail("remat plan has {} entries but model.n_layer is {}", plan.size(), cfg_.n_layer);
     for (BlockKeep k : plan)
         if (k == BlockKeep::Offload)
-            fail("train.remat = offload keeps block inputs in pinned host memory beside a GPU: "
-                 "use train.device = \"cuda\" (on the CPU, `full` keeps the same)");
+            fail(
+                "train.remat = offload keeps block inputs in pinned host memory beside a GPU: "
+                "use train.device = \"cuda\" (on the CPU, `full` keeps the same)");
     plan_ = plan;
     arena_B_ = arena_T_ = 0;  // re-carve (and re-size) at the next forward
 }

@@ -118,36 +118,10 @@ HeadParams head_view(const ParamLayout& layout, float* base) {
             unit_tensor(layout, u, base, "lm_head.weight")};
 }
 
-ModelParams view_params(const ParamLayout& layout, float* base, int n_layer) {
-    std::unordered_map<std::string_view, std::size_t> offset;
-    for (const auto& t : layout.tensors) offset.emplace(t.name, t.offset);
-    // Absent tensors (the config does not have them) view as null.
-    auto at = [&](const std::string& name) -> float* {
-        auto it = offset.find(name);
-        return it == offset.end() ? nullptr : base + it->second;
-    };
-    auto need = [&](const std::string& name) {
-        float* p = at(name);
-        if (!p) fail("internal: parameter layout has no '{}'", name);
-        return p;
-    };
-    ModelParams p;
-    p.wte = need("wte.weight");
-    p.wpe = at("wpe.weight");
-    for (int l = 0; l < n_layer; l++) {
-        std::string h = fmt::format("h.{}.", l);
-        p.blocks.push_back(BlockParams{need(h + "ln_1.weight"), at(h + "ln_1.bias"),
-                                       need(h + "attn.c_attn.weight"), need(h + "attn.c_attn.bias"),
-                                       need(h + "attn.c_proj.weight"), need(h + "attn.c_proj.bias"),
-                                       need(h + "ln_2.weight"), at(h + "ln_2.bias"),
-                                       need(h + "mlp.c_fc.weight"), need(h + "mlp.c_fc.bias"),
-                                       need(h + "mlp.c_proj.weight"), need(h + "mlp.c_proj.bias")});
-    }
-    p.lnf_w = need("ln_f.weight");
-    p.lnf_b = at("ln_f.bias");
-    p.lm_head = at("lm_head.weight");
-    if (!p.lm_head) p.lm_head = p.wte;
-    return p;
+std::size_t tensor_offset(const ParamLayout& layout, std::string_view name) {
+    for (const auto& t : layout.tensors)
+        if (t.name == name) return t.offset;
+    return SIZE_MAX;
 }
 
 }  // namespace memtrain
