@@ -12,13 +12,18 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <vector>
 
 namespace memtrain::dist {
 
 enum class DeviceType { F32, BF16, F16, F64 };
+inline std::size_t device_type_bytes(DeviceType t) {
+    return t == DeviceType::F64 ? 8 : t == DeviceType::F32 ? 4 : 2;
+}
 
 class DeviceCommunicator {
   public:
@@ -36,6 +41,18 @@ class DeviceCommunicator {
     // at its offset. `in` may be `out + rank() * count`.
     virtual void all_gather(const void* in, void* out, int64_t count, DeviceType t,
                             cudaStream_t stream) = 0;
+    // Unit by unit (ZeRO-2/3 on GPUs): a unit of the flat buffer cuts into uneven pieces, rank
+    // r's piece being [offsets[r], offsets[r] + counts[r]) elements of the unit (a count may be
+    // 0). reduce_pieces sums each piece over the ranks into its owner, in place: on rank r,
+    // piece r of `data` becomes the sum (the other pieces are left as they were or undefined).
+    // broadcast_pieces gives every rank the whole unit in `out`, each piece from its owner, this
+    // rank's taken from `mine`. Each is one grouped launch of per-piece reduces or broadcasts.
+    virtual void reduce_pieces(void* data, const std::vector<int64_t>& offsets,
+                               const std::vector<int64_t>& counts, DeviceType t,
+                               cudaStream_t stream) = 0;
+    virtual void broadcast_pieces(const void* mine, void* out, const std::vector<int64_t>& offsets,
+                                  const std::vector<int64_t>& counts, DeviceType t,
+                                  cudaStream_t stream) = 0;
     // Waits until everything queued on `stream` has finished, with the fail-fast timeout.
     virtual void wait(cudaStream_t stream, const char* what) = 0;
 };

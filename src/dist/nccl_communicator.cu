@@ -67,6 +67,36 @@ class NcclCommunicator final : public DeviceCommunicator {
             check(ncclAllGather(in, out, (size_t)count, nccl_type(t), comm_, stream),
                   "ncclAllGather");
     }
+    void reduce_pieces(void* data, const std::vector<int64_t>& offsets,
+                       const std::vector<int64_t>& counts, DeviceType t,
+                       cudaStream_t stream) override {
+        auto* base = static_cast<unsigned char*>(data);
+        const std::size_t e = device_type_bytes(t);
+        check(ncclGroupStart(), "ncclGroupStart");
+        for (int r = 0; r < size_; r++) {
+            if (counts[r] <= 0) continue;
+            void* piece = base + (std::size_t)offsets[r] * e;
+            check(ncclReduce(piece, piece, (size_t)counts[r], nccl_type(t), ncclSum, r, comm_,
+                             stream),
+                  "ncclReduce");
+        }
+        check(ncclGroupEnd(), "ncclGroupEnd");
+    }
+    void broadcast_pieces(const void* mine, void* out, const std::vector<int64_t>& offsets,
+                          const std::vector<int64_t>& counts, DeviceType t,
+                          cudaStream_t stream) override {
+        auto* base = static_cast<unsigned char*>(out);
+        const std::size_t e = device_type_bytes(t);
+        check(ncclGroupStart(), "ncclGroupStart");
+        for (int r = 0; r < size_; r++) {
+            if (counts[r] <= 0) continue;
+            void* piece = base + (std::size_t)offsets[r] * e;
+            check(ncclBroadcast(r == rank_ ? mine : piece, piece, (size_t)counts[r], nccl_type(t),
+                                r, comm_, stream),
+                  "ncclBroadcast");
+        }
+        check(ncclGroupEnd(), "ncclGroupEnd");
+    }
     void wait(cudaStream_t stream, const char* what) override {
         // Poll instead of blocking in cudaStreamSynchronize: a peer that died leaves NCCL's
         // kernels spinning forever, and only the host can notice and abort.

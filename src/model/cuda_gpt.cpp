@@ -29,14 +29,27 @@ std::size_t CudaGPT<T>::token_bytes(int B, int T_) {
 }
 
 template <typename T>
-CudaGPT<T>::CudaGPT(const ModelConfig& cfg, cudaStream_t stream, std::size_t padded_total)
-    : cfg_(cfg), layout_(make_param_layout(cfg)), stream_(stream) {
+CudaGPT<T>::CudaGPT(const ModelConfig& cfg, cudaStream_t stream, std::size_t padded_total,
+                    DeviceUnitStore<T>* units)
+    : cfg_(cfg), layout_(make_param_layout(cfg)), stream_(stream), units_(units) {
     cfg_.validate();
-    const std::size_t n = std::max(padded_total, layout_.total);
-    params_ = DeviceBuffer<T>(n, MemCategory::Parameters);
-    grads_ = DeviceBuffer<T>(n, MemCategory::Gradients);
-    p_ = view_params(layout_, params_.data(), cfg_.n_layer);
-    g_ = view_params(layout_, grads_.data(), cfg_.n_layer);
+    if (!units_) {
+        const std::size_t n = std::max(padded_total, layout_.total);
+        params_ = DeviceBuffer<T>(n, MemCategory::Parameters);
+        grads_ = DeviceBuffer<T>(n, MemCategory::Gradients);
+    }
+    for (int l = 0; l < cfg_.n_layer; l++) block_off_.push_back(block_offsets(layout_, l));
+    const int emb = ParamLayout::embedding_unit(), head = layout_.head_unit();
+    off_wte_ = unit_tensor_offset(layout_, emb, "wte.weight");
+    off_wpe_ = unit_tensor_offset(layout_, emb, "wpe.weight");
+    off_lnf_w_ = unit_tensor_offset(layout_, head, "ln_f.weight");
+    off_lnf_b_ = unit_tensor_offset(layout_, head, "ln_f.bias");
+    off_lm_ = unit_tensor_offset(layout_, head, "lm_head.weight");
+    lm_unit_ = head;
+    if (off_lm_ == SIZE_MAX) {  // tied: the output embedding is wte
+        off_lm_ = off_wte_;
+        lm_unit_ = emb;
+    }
     for (auto& e : copied_) MT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     graph_loss_buf_ = DeviceBuffer<double>(1, MemCategory::Workspace);
     graph_loss_ = graph_loss_buf_.data();
@@ -69,7 +82,15 @@ void CudaGPT<T>::set_remat(const RematPlan& plan) {
 
 template <typename T>
 void CudaGPT<T>::zero_grads() {
-    MT_CUDA_CHECK(cudaMemsetAsync(grads_.data(), 0, grads_.bytes(), stream_));
+    if (grads_.size()) MT_CUDA_CHECK(cudaMemsetAsync(grads_.data(), 0, grads_.bytes(), stream_));
+}
+
+template <typename T>
+void CudaGPT<T>::unit_grads_done(int u) {
+    if (units_)
+        units_->grads_done(u);
+    else if (grads_done_)
+        grads_done_(u);
 }
 
 template <typename T>
@@ -302,18 +323,31 @@ void CudaGPT<T>::forward(int B, int T_, bool offload_inputs) {
                                       stream_bytes, cudaMemcpyDeviceToHost, copy_stream_));
         MT_CUDA_CHECK(cudaEventRecord(to_host_[l], copy_stream_));
     };
-    cuda::embedding_forward<T>(resid_[0], tokens_.data(), p_.wte, p_.wpe, B, T_, cfg_.n_embd,
-                               stream_);
+    // Each unit is acquired just before use and the next one prefetched (ZeRO-3 gathers it
+    // meanwhile); ends with the output embedding's unit prefetched for the classifier.
+    const int emb = ParamLayout::embedding_unit(), head = layout_.head_unit();
+    T* e = unit_params(emb);
+    prefetch(L > 0 ? layout_.block_unit(0) : head);
+    cuda::embedding_forward<T>(resid_[0], tokens_.data(), tensor_at(e, off_wte_),
+                               tensor_at(e, off_wpe_), B, T_, cfg_.n_embd, stream_);
+    unit_params_done(emb);
     copy_out(0);
     for (int l = 0; l < L; l++) {
         // Block l writes input l + 1 into the slot of input l + 1 - ring: its copy must be out.
         const int evicted = l + 1 - ring_;
         if (offload_inputs && l + 1 < L && evicted >= 0)
             MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, to_host_[evicted], 0));
-        block_forward(p_.blocks[l], resid_[l], resid_[l + 1], saved_[l], B, T_);
+        const Block p = block_params(l);
+        prefetch(l + 1 < L ? layout_.block_unit(l + 1) : head);
+        block_forward(p, resid_[l], resid_[l + 1], saved_[l], B, T_);
+        unit_params_done(layout_.block_unit(l));
         if (l + 1 < L) copy_out(l + 1);
     }
-    norm_forward(lnf_, lnf_mean_, lnf_rstd_, resid_[L], p_.lnf_w, p_.lnf_b, N);
+    T* h = unit_params(head);
+    prefetch(lm_unit_);
+    norm_forward(lnf_, lnf_mean_, lnf_rstd_, resid_[L], tensor_at(h, off_lnf_w_),
+                 tensor_at(h, off_lnf_b_), N);
+    unit_params_done(head);
 }
 
 template <typename T>
@@ -353,9 +387,11 @@ void CudaGPT<T>::forward_backward(const int32_t* inputs, const int32_t* targets,
             warmed_up_ = true;
         }
     }
-    cuda::embedding_backward<T>(g_.wte, g_.wpe, dres_, tokens_.data() + 2 * N, unique_, B, T_,
-                                cfg_.n_embd, stream_);
-    if (grads_done_) grads_done_(ParamLayout::embedding_unit());
+    const int emb = ParamLayout::embedding_unit();
+    T* eg = unit_grads(emb);
+    cuda::embedding_backward<T>(tensor_at(eg, off_wte_), tensor_at(eg, off_wpe_), dres_,
+                                tokens_.data() + 2 * N, unique_, B, T_, cfg_.n_embd, stream_);
+    unit_grads_done(emb);
 }
 
 template <typename T>
@@ -363,28 +399,41 @@ void CudaGPT<T>::step_body(int B, int T_, float grad_scale, double* loss_sum) {
     forward(B, T_, true);
     const int N = B * T_, C = cfg_.n_embd, L = cfg_.n_layer;
     const int32_t* dev_targets = tokens_.data() + N;
-    cuda::classifier_loss<T>(dln_, g_.lm_head, logits_, row_loss_, lnf_, p_.lm_head, dev_targets, N,
-                             C, cfg_.vocab_size, cfg_.padded_vocab(), chunk_, grad_scale, stream_);
+    const int head = layout_.head_unit();
+    T* lm = unit_params(lm_unit_);
+    cuda::classifier_loss<T>(dln_, tensor_at(unit_grads(lm_unit_), off_lm_), logits_, row_loss_,
+                             lnf_, tensor_at(lm, off_lm_), dev_targets, N, C, cfg_.vocab_size,
+                             cfg_.padded_vocab(), chunk_, grad_scale, stream_);
+    unit_params_done(lm_unit_);
     cuda::sum_floats(loss_sum, row_loss_, N, stream_);
     MT_CUDA_CHECK(cudaMemsetAsync(dres_, 0, (std::size_t)N * C * sizeof(T), stream_));
-    norm_backward(dres_, g_.lnf_w, g_.lnf_b, dln_, resid_[L], p_.lnf_w, lnf_mean_, lnf_rstd_, N);
-    if (grads_done_) grads_done_(layout_.head_unit());
+    T* h = unit_params(head);
+    if (L > 0) prefetch(layout_.block_unit(L - 1));
+    T* hg = unit_grads(head);
+    norm_backward(dres_, tensor_at(hg, off_lnf_w_), tensor_at(hg, off_lnf_b_), dln_, resid_[L],
+                  tensor_at(h, off_lnf_w_), lnf_mean_, lnf_rstd_, N);
+    unit_params_done(head);
+    unit_grads_done(head);
     const std::size_t stream_bytes = (std::size_t)N * C * sizeof(T);
     for (int l = L - 1; l >= 0; l--) {
         // An Input block re-runs its forward into the scratch; its output rewrites resid_[l + 1]
         // with the same bits (deterministic kernels), which nothing reads any more. An Offload
         // block first waits for its input to be back on the device, and writes its output into
         // dbig_ (free until block_backward) since its ring slot may hold a prefetched input.
+        const int u = layout_.block_unit(l);
+        const Block p = block_params(l);
+        if (l > 0) prefetch(layout_.block_unit(l - 1));
         if (keep(l) == BlockKeep::Offload) {
             if (l < L - ring_) MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, to_device_[l], 0));
-            block_forward(p_.blocks[l], resid_[l], dbig_, saved_[l], B, T_);
+            block_forward(p, resid_[l], dbig_, saved_[l], B, T_);
         } else if (keep(l) == BlockKeep::Input) {
-            block_forward(p_.blocks[l], resid_[l], resid_[l + 1], saved_[l], B, T_);
+            block_forward(p, resid_[l], resid_[l + 1], saved_[l], B, T_);
         } else if (keep(l) == BlockKeep::Selective) {
-            recompute_selective(p_.blocks[l], resid_[l], saved_[l], B, T_);
+            recompute_selective(p, resid_[l], saved_[l], B, T_);
         }
-        block_backward(p_.blocks[l], g_.blocks[l], resid_[l], saved_[l], B, T_);
-        if (grads_done_) grads_done_(layout_.block_unit(l));
+        block_backward(p, block_at(block_off_[l], unit_grads(u)), resid_[l], saved_[l], B, T_);
+        unit_params_done(u);
+        unit_grads_done(u);
         // Block l's slot is free: prefetch the input of block l - ring into it on the side
         // stream, while the next blocks' backward runs.
         const int next = l - ring_;
@@ -418,9 +467,11 @@ void CudaGPT<T>::forward_loss(const int32_t* inputs, const int32_t* targets, int
     upload_tokens(inputs, targets, B, T_);
     forward(B, T_);
     const int N = B * T_;
-    cuda::classifier_loss<T>(nullptr, nullptr, logits_, row_loss_, lnf_, p_.lm_head,
+    T* lm = unit_params(lm_unit_);
+    cuda::classifier_loss<T>(nullptr, nullptr, logits_, row_loss_, lnf_, tensor_at(lm, off_lm_),
                              tokens_.data() + N, N, cfg_.n_embd, cfg_.vocab_size,
                              cfg_.padded_vocab(), chunk_, 0.0f, stream_);
+    unit_params_done(lm_unit_);
     cuda::sum_floats(loss_sum, row_loss_, N, stream_);
 }
 
@@ -431,8 +482,10 @@ void CudaGPT<T>::forward_logits(const int32_t* inputs, int B, int T_, float* out
     forward(B, T_);
     const std::size_t n = (std::size_t)B * T_ * cfg_.vocab_size;
     DeviceBuffer<float> logits(n, MemCategory::Workspace);
-    cuda::classifier_logits<T>(logits.data(), lnf_, p_.lm_head, B * T_, cfg_.n_embd,
+    T* lm = unit_params(lm_unit_);
+    cuda::classifier_logits<T>(logits.data(), lnf_, tensor_at(lm, off_lm_), B * T_, cfg_.n_embd,
                                cfg_.vocab_size, stream_);
+    unit_params_done(lm_unit_);
     MT_CUDA_CHECK(
         cudaMemcpyAsync(out, logits.data(), n * sizeof(float), cudaMemcpyDeviceToHost, stream_));
     MT_CUDA_CHECK(cudaStreamSynchronize(stream_));

@@ -23,6 +23,26 @@
 
 namespace memtrain {
 
+// Where the model's parameter units and their gradients live on the device: the device side of
+// model/param_store.h (units: the embedding, each block, the head). Without one, the model keeps
+// both whole in flat buffers of its own; ZeRO-2/3 (dist/device_zero.h) shards them and hands
+// out gathered units and gradient buckets. Pointers are for work queued on the model's stream.
+template <typename T>
+class DeviceUnitStore {
+  public:
+    virtual ~DeviceUnitStore() = default;
+    // Unit u's parameters, complete for the work queued from now until release_params(u).
+    // Acquires of one unit nest.
+    virtual T* acquire_params(int u) = 0;
+    virtual void release_params(int u) = 0;
+    // Unit u is the next to be acquired: start bringing it (nothing if it is there already).
+    virtual void prefetch_params(int u) = 0;
+    // Where this micro-batch's backward accumulates unit u's gradients, until grads_done(u);
+    // acquiring a unit again before then gives the same place.
+    virtual T* acquire_grads(int u) = 0;
+    virtual void grads_done(int u) = 0;
+};
+
 template <typename T>
 class CudaGPT {
   public:
@@ -32,8 +52,11 @@ class CudaGPT {
     using Model = BasicModelParams<T>;
 
     // Parameters and gradients are allocated for padded_total >= the layout's total elements
-    // (data parallelism pads the flat buffer to equal shards); the padding stays zero.
-    CudaGPT(const ModelConfig& cfg, cudaStream_t stream, std::size_t padded_total = 0);
+    // (data parallelism pads the flat buffer to equal shards); the padding stays zero. With
+    // `units`, the model allocates neither and reaches both through the store (ZeRO-2/3);
+    // params() and grads() are then null.
+    CudaGPT(const ModelConfig& cfg, cudaStream_t stream, std::size_t padded_total = 0,
+            DeviceUnitStore<T>* units = nullptr);
     CudaGPT(const CudaGPT&) = delete;
     CudaGPT& operator=(const CudaGPT&) = delete;
     ~CudaGPT();
@@ -100,6 +123,26 @@ class CudaGPT {
     // offload, before a backward) the block inputs that leave the residual ring are copied to
     // pinned host memory on the side stream.
     void forward(int B, int T_, bool offload_inputs = false);
+    // Unit u's parameters and gradients: through the store, or in the whole buffers.
+    T* unit_params(int u) {
+        return units_ ? units_->acquire_params(u) : params_.data() + layout_.units[u].begin;
+    }
+    void unit_params_done(int u) {
+        if (units_) units_->release_params(u);
+    }
+    void prefetch(int u) {
+        if (units_) units_->prefetch_params(u);
+    }
+    T* unit_grads(int u) {
+        return units_ ? units_->acquire_grads(u) : grads_.data() + layout_.units[u].begin;
+    }
+    void unit_grads_done(int u);
+    Block block_params(int l) {
+        return block_at(block_off_[l], unit_params(layout_.block_unit(l)));
+    }
+    static T* tensor_at(T* unit_base, std::size_t offset) {
+        return offset == SIZE_MAX ? nullptr : unit_base + offset;
+    }
     void block_forward(const Block& p, const T* x, T* out, const Saved& s, int B, int T_);
     void recompute_selective(const Block& p, const T* x, const Saved& s, int B, int T_);
     void block_backward(const Block& p, const Block& g, const T* x, const Saved& s, int B, int T_);
@@ -112,8 +155,13 @@ class CudaGPT {
     ModelConfig cfg_;
     ParamLayout layout_;
     cudaStream_t stream_;
-    DeviceBuffer<T> params_, grads_;
-    Model p_, g_;  // views into params_ and grads_
+    DeviceUnitStore<T>* units_ = nullptr;
+    DeviceBuffer<T> params_, grads_;  // whole, without a store
+    // Tensor offsets inside their units: each block's, wte and wpe in the embedding, ln_f in the
+    // head, and the output embedding in lm_unit_ (the head's lm_head, or wte when tied).
+    std::vector<BlockOffsets> block_off_;
+    std::size_t off_wte_ = 0, off_wpe_ = 0, off_lnf_w_ = 0, off_lnf_b_ = 0, off_lm_ = 0;
+    int lm_unit_ = 0;
 
     RematPlan plan_;
     int arena_B_ = 0, arena_T_ = 0, chunk_ = 0;

@@ -80,20 +80,25 @@ std::size_t ParamLayout::largest_unit() const {
     return n;
 }
 
-namespace {
-
-// Pointer to tensor `suffix` of unit u (e.g. "attn.c_attn.weight" in "h.3"), or null if the
-// unit has no such tensor.
-float* unit_tensor(const ParamLayout& layout, int u, float* base, std::string_view suffix) {
+std::size_t unit_tensor_offset(const ParamLayout& layout, int u, std::string_view suffix) {
     const ParamUnit& unit = layout.units.at(u);
     for (std::size_t i = unit.first_tensor; i < unit.last_tensor; i++) {
         const ParamSpec& t = layout.tensors[i];
         if (t.name.size() > suffix.size() && t.name.ends_with(suffix) &&
             t.name[t.name.size() - suffix.size() - 1] == '.')
-            return base + (t.offset - unit.begin);
-        if (t.name == suffix) return base + (t.offset - unit.begin);
+            return t.offset - unit.begin;
+        if (t.name == suffix) return t.offset - unit.begin;
     }
-    return nullptr;
+    return SIZE_MAX;
+}
+
+namespace {
+
+// Pointer to tensor `suffix` of unit u (e.g. "attn.c_attn.weight" in "h.3"), or null if the
+// unit has no such tensor.
+float* unit_tensor(const ParamLayout& layout, int u, float* base, std::string_view suffix) {
+    const std::size_t o = unit_tensor_offset(layout, u, suffix);
+    return o == SIZE_MAX ? nullptr : base + o;
 }
 
 }  // namespace
@@ -103,13 +108,19 @@ EmbeddingParams embedding_view(const ParamLayout& layout, float* base) {
     return {unit_tensor(layout, u, base, "wte.weight"), unit_tensor(layout, u, base, "wpe.weight")};
 }
 
-BlockParams block_view(const ParamLayout& layout, int l, float* base) {
+BlockOffsets block_offsets(const ParamLayout& layout, int l) {
     const int u = layout.block_unit(l);
-    auto at = [&](std::string_view s) { return unit_tensor(layout, u, base, s); };
-    return BlockParams{at("ln_1.weight"),      at("ln_1.bias"),          at("attn.c_attn.weight"),
-                       at("attn.c_attn.bias"), at("attn.c_proj.weight"), at("attn.c_proj.bias"),
-                       at("ln_2.weight"),      at("ln_2.bias"),          at("mlp.c_fc.weight"),
-                       at("mlp.c_fc.bias"),    at("mlp.c_proj.weight"),  at("mlp.c_proj.bias")};
+    BlockOffsets o{};
+    const char* names[] = {"ln_1.weight",      "ln_1.bias",          "attn.c_attn.weight",
+                           "attn.c_attn.bias", "attn.c_proj.weight", "attn.c_proj.bias",
+                           "ln_2.weight",      "ln_2.bias",          "mlp.c_fc.weight",
+                           "mlp.c_fc.bias",    "mlp.c_proj.weight",  "mlp.c_proj.bias"};
+    for (std::size_t i = 0; i < o.size(); i++) o[i] = unit_tensor_offset(layout, u, names[i]);
+    return o;
+}
+
+BlockParams block_view(const ParamLayout& layout, int l, float* base) {
+    return block_at(block_offsets(layout, l), base);
 }
 
 HeadParams head_view(const ParamLayout& layout, float* base) {

@@ -13,6 +13,7 @@
 //   ln_f.weight (C) [+ ln_f.bias]; lm_head.weight (Vp,C) only for tied_embeddings = false.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -118,6 +119,19 @@ struct HeadParams {
     float* lm_head;        // null when tied (the output embedding is wte, in the embedding unit)
 };
 EmbeddingParams embedding_view(const ParamLayout& layout, float* unit_base);
+// The offset of tensor `suffix` (e.g. "attn.c_attn.weight") of unit u from the unit's first
+// element, or SIZE_MAX when the unit has no such tensor.
+std::size_t unit_tensor_offset(const ParamLayout& layout, int u, std::string_view suffix);
+// One block's tensors as offsets from its unit's first element, in BasicBlockParams' field
+// order (SIZE_MAX where the config has no such tensor), and the views they give into a unit
+// that may live in a buffer of its own (the GPU's ZeRO-3 gathers a unit of bf16 into one).
+using BlockOffsets = std::array<std::size_t, 12>;
+BlockOffsets block_offsets(const ParamLayout& layout, int l);
+template <typename T>
+BasicBlockParams<T> block_at(const BlockOffsets& o, T* unit_base) {
+    auto at = [&](int i) -> T* { return o[i] == SIZE_MAX ? nullptr : unit_base + o[i]; };
+    return {at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7), at(8), at(9), at(10), at(11)};
+}
 BlockParams block_view(const ParamLayout& layout, int l, float* unit_base);
 HeadParams head_view(const ParamLayout& layout, float* unit_base);
 

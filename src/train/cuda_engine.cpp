@@ -20,6 +20,7 @@
 #include "core/device.h"
 #include "dist/communicator.h"
 #include "dist/device_communicator.h"
+#include "dist/device_zero.h"
 #include "kernels/cuda/host_convert.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/optimizer_types.h"
@@ -131,16 +132,24 @@ class CudaEngine final : public Engine, public OptimizerState {
     // micro-batches replayed a CUDA graph.
     void inject_overflow() { inject_overflow_ = true; }
     int64_t graph_replays() const { return model_->graph_replays(); }
+    std::pair<int64_t, int64_t> zero_gathers() const {
+        return zero_ ? std::pair<int64_t, int64_t>{zero_->gathers(), zero_->demand_gathers()}
+                     : std::pair<int64_t, int64_t>{0, 0};
+    }
 
   private:
     friend class WeightsStore<T>;
+    // This rank's parameters [shard_begin_, + shard_) (all of them without ZeRO), its gradients
+    // (under ZeRO-1 after the reduce-scatter), and the whole parameters (null under ZeRO-3).
+    T* param_shard() { return zero_ ? zero_->param_shard() : model_->params() + shard_begin_; }
+    T* grad_shard() { return zero_ ? zero_->grad_shard() : model_->grads() + shard_begin_; }
+    T* whole_params() { return zero_ ? zero_->whole_params() : model_->params(); }
     // The fp32 master weights of this rank's range [shard_begin_, + shard_count_) (all of them
-    // without ZeRO-1); in fp32 the parameters themselves, whole on every rank.
+    // without ZeRO); in fp32 the parameters themselves.
     float* master() {
-        return master_.size() ? master_.data()
-                              : reinterpret_cast<float*>(model_->params()) + shard_begin_;
+        return master_.size() ? master_.data() : reinterpret_cast<float*>(param_shard());
     }
-    bool sharded_master() const { return master_.size() && shard_count_ != layout_total(); }
+    bool sharded_master() const { return stage_ >= 1; }
     // How many floats of unit `unit` each rank's shard holds (in rank order).
     std::vector<int64_t> unit_counts(const ParamUnit& unit) const {
         std::vector<int64_t> counts;
@@ -175,6 +184,9 @@ class CudaEngine final : public Engine, public OptimizerState {
     std::vector<cudaEvent_t> unit_ready_;
     cudaEvent_t reduced_ = nullptr;
     bool reduce_now_ = false;
+    // ZeRO-2/3: the model's gradients (and stage 3's parameters) sharded, units in buckets and
+    // gathered slots (dist/device_zero.h).
+    std::unique_ptr<dist::DeviceZeroUnits<T>> zero_;
     std::unique_ptr<CudaGPT<T>> model_;
     WeightsStore<T> store_;
     DeviceBuffer<float> master_;  // fp32 master weights (absent when T is float)
@@ -260,8 +272,15 @@ void WeightsStore<T>::release(int u) {
                                           cudaMemcpyHostToDevice, e_.stream_));
         std::vector<T> stage(unit.size());
         for (std::size_t i = 0; i < unit.size(); i++) stage[i] = to_storage<T>(host_[i]);
-        MT_CUDA_CHECK(cudaMemcpyAsync(e_.model_->params() + unit.begin, stage.data(),
-                                      unit.size() * sizeof(T), cudaMemcpyHostToDevice, e_.stream_));
+        if (T* whole = e_.whole_params()) {
+            MT_CUDA_CHECK(cudaMemcpyAsync(whole + unit.begin, stage.data(), unit.size() * sizeof(T),
+                                          cudaMemcpyHostToDevice, e_.stream_));
+        } else if (n > 0) {  // ZeRO-3: only this rank's piece of the parameters too
+            MT_CUDA_CHECK(cudaMemcpyAsync(e_.param_shard() + (lo - e_.shard_begin_),
+                                          stage.data() + (lo - unit.begin), n * sizeof(T),
+                                          cudaMemcpyHostToDevice, e_.stream_));
+        }
+        if (e_.zero_) e_.zero_->params_changed();
         MT_CUDA_CHECK(cudaStreamSynchronize(e_.stream_));
     } else if (written_) {
         const ParamUnit& unit = e_.model_->layout().units[u];
@@ -269,7 +288,7 @@ void WeightsStore<T>::release(int u) {
         MT_CUDA_CHECK(cudaMemcpyAsync(dst, host_.data(), unit.size() * sizeof(float),
                                       cudaMemcpyHostToDevice, e_.stream_));
         if constexpr (!std::is_same_v<T, float>)
-            cuda::cast<T, float>(e_.model_->params() + unit.begin, dst, (int64_t)unit.size(),
+            cuda::cast<T, float>(e_.whole_params() + unit.begin, dst, (int64_t)unit.size(),
                                  e_.stream_);
         MT_CUDA_CHECK(cudaStreamSynchronize(e_.stream_));  // host_ is reused
     }
@@ -294,13 +313,18 @@ CudaEngine<T>::CudaEngine(const RunConfig& cfg, dist::Communicator& comm)
     shard_ = (psi + world_ - 1) / world_;
     shard_begin_ = stage_ >= 1 ? std::min<std::size_t>((std::size_t)rank_ * shard_, psi) : 0;
     shard_count_ = stage_ >= 1 ? std::min<std::size_t>(shard_, psi - shard_begin_) : psi;
-    model_ = std::make_unique<CudaGPT<T>>(cfg_.model, stream_, shard_ * world_);
-    model_->set_cuda_graphs(cfg_.train.cuda_graphs);
     if (launched) {
         dcomm_ = dist::make_nccl_communicator(dist::HostLink{
             rank_, world_, [&comm](void* d, int64_t b) { comm.broadcast(d, b, 0); }});
         MT_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking));
         MT_CUDA_CHECK(cudaEventCreateWithFlags(&reduced_, cudaEventDisableTiming));
+        if (stage_ >= 2)
+            zero_ = std::make_unique<dist::DeviceZeroUnits<T>>(
+                make_param_layout(cfg_.model), stage_, *dcomm_, shard_, stream_, comm_stream_);
+    }
+    model_ = std::make_unique<CudaGPT<T>>(cfg_.model, stream_, shard_ * world_, zero_.get());
+    model_->set_cuda_graphs(cfg_.train.cuda_graphs);
+    if (launched) {
         unit_ready_.resize(model_->layout().units.size());
         for (auto& e : unit_ready_)
             MT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
@@ -338,19 +362,21 @@ template <typename T>
 CudaEngine<T>::~CudaEngine() {
     if (stream_) cudaStreamSynchronize(stream_);
     if (comm_stream_) cudaStreamSynchronize(comm_stream_);
+    model_.reset();
+    zero_.reset();
     for (auto& e : unit_ready_) cudaEventDestroy(e);
     if (reduced_) cudaEventDestroy(reduced_);
     if (comm_stream_) cudaStreamDestroy(comm_stream_);
     if (scalars_host_) cudaFreeHost(scalars_host_);
     if (stats_host_) cudaFreeHost(stats_host_);
     if (pinned_) cudaFreeHost(pinned_);
-    model_.reset();
     if (stream_) cudaStreamDestroy(stream_);
 }
 
 template <typename T>
 void CudaEngine<T>::begin_step() {
     model_->zero_grads();
+    if (zero_) zero_->zero_grads();
     micro_ = 0;
     tokens_in_step_ = 0;
 }
@@ -398,7 +424,9 @@ StepResult CudaEngine<T>::finish_step(double lr, double max_norm) {
     auto* dev_scalars = reinterpret_cast<cuda::StepScalars*>(stats_.data());
     double* sums = reinterpret_cast<double*>(stats_.data() + sizeof(cuda::StepScalars));
     MT_CUDA_CHECK(cudaMemcpyAsync(dev_scalars, &s, sizeof(s), cudaMemcpyHostToDevice, stream_));
-    T* grads = model_->grads();
+    // ZeRO-2/3: the reductions of the last micro-batch's units are done before the shard is read.
+    if (zero_) zero_->join();
+    T* grads = stage_ >= 2 ? grad_shard() : model_->grads();
     if (inject_overflow_) {
         // Test hook: one gradient becomes +inf, as an fp16 overflow in backward would make it.
         const T inf = (T)INFINITY;
@@ -407,18 +435,19 @@ StepResult CudaEngine<T>::finish_step(double lr, double max_norm) {
         inject_overflow_ = false;
     }
     if (stage_ >= 1) {
-        // ZeRO-1: every rank gets its shard of the summed gradients, the norm is the sum of the
-        // shards' squares, and each rank updates its shard.
-        dcomm_->reduce_scatter_sum(grads, grads + shard_begin_, (int64_t)shard_, device_type<T>(),
-                                   stream_);
-        cuda::sum_squares<T>(sums, grads + shard_begin_, (int64_t)shard_count_, stream_);
+        // ZeRO-1: every rank gets its shard of the summed gradients (ZeRO-2/3 have it already),
+        // the norm is the sum of the shards' squares, and each rank updates its shard.
+        if (stage_ == 1)
+            dcomm_->reduce_scatter_sum(grads, grads + shard_begin_, (int64_t)shard_,
+                                       device_type<T>(), stream_);
+        cuda::sum_squares<T>(sums, grad_shard(), (int64_t)shard_count_, stream_);
         dcomm_->all_reduce_sum(sums, 1, dist::DeviceType::F64, stream_);
     } else {
         cuda::sum_squares<T>(sums, grads, (int64_t)psi, stream_);
     }
     cuda::finish_grad_norm(dev_scalars, sums, stream_);
-    T* params = model_->params() + shard_begin_;
-    grads += shard_begin_;
+    T* params = param_shard();
+    grads = grad_shard();
     if (offload_) {
         // The gradients come down with the step's results; the update runs on the host.
         MT_CUDA_CHECK(
@@ -430,10 +459,15 @@ StepResult CudaEngine<T>::finish_step(double lr, double max_norm) {
         cuda::sgd_step<T>(params, master_.size() ? master_.data() : nullptr, m_.data(), grads,
                           chunks_.data(), nchunks_, dev_scalars, stream_);
     }
-    // ZeRO-1: every rank's updated shard to every rank (a skipped step sends the old values).
-    if (stage_ >= 1)
-        dcomm_->all_gather(model_->params() + shard_begin_, model_->params(), (int64_t)shard_,
-                           device_type<T>(), stream_);
+    // ZeRO-1/2: every rank's updated shard to every rank (a skipped step sends the old values);
+    // ZeRO-3 gathers units as the next forward needs them.
+    if (stage_ == 1 || stage_ == 2)
+        dcomm_->all_gather(param_shard(), whole_params(), (int64_t)shard_, device_type<T>(),
+                           stream_);
+    else if (stage_ == 3) {
+        zero_->params_changed();
+        zero_->prefetch_params(ParamLayout::embedding_unit());  // the next forward's first unit
+    }
     // The step's results: norm and overflow flag, and the micro-batches' loss sums.
     MT_CUDA_CHECK(
         cudaMemcpyAsync(scalars_host_, dev_scalars, sizeof(s), cudaMemcpyDeviceToHost, stream_));
@@ -540,15 +574,19 @@ std::vector<MemoryPrediction> CudaEngine<T>::predicted_memory(int B, int T_) con
                                  CudaGPT<T>::arena_format(cfg_.model, B, T_));
     const std::size_t extra =
         CudaGPT<T>::token_bytes(B, T_) + CudaGPT<T>::kGraphBytes + stats_.bytes();
-    return {
-        {MemCategory::Parameters, fmt::format("{} x params ({})", e, tn), e * psi},
-        {MemCategory::Gradients, fmt::format("{} x params ({})", e, tn), e * psi},
+    const std::string per_rank = fmt::format(" / {} ranks", world_);
+    std::vector<MemoryPrediction> out = {
+        {MemCategory::Parameters,
+         fmt::format("{} x params{} ({})", e, stage_ >= 3 ? per_rank : "", tn),
+         e * (stage_ >= 3 ? shard_ : psi)},
+        {MemCategory::Gradients,
+         fmt::format("{} x params{} ({})", e, stage_ >= 2 ? per_rank : "", tn),
+         e * (stage_ >= 2 ? shard_ : psi)},
         // ZeRO-1: this rank's shard of the optimizer state.
         {MemCategory::OptimizerState,
-         offload_
-             ? std::string("none on the device (train.offload_optimizer: see below)")
-             : fmt::format("{} x params{} ({}) + chunk table {} B", k,
-                           stage_ >= 1 ? fmt::format(" / {} ranks", world_) : "", states, table),
+         offload_ ? std::string("none on the device (train.offload_optimizer: see below)")
+                  : fmt::format("{} x params{} ({}) + chunk table {} B", k,
+                                stage_ >= 1 ? per_rank : "", states, table),
          k * shard_count_ + table},
         {MemCategory::Activations,
          fmt::format("activation_layout(B, T, remat={}, {})", cfg_.train.remat, tn),
@@ -556,6 +594,13 @@ std::vector<MemoryPrediction> CudaEngine<T>::predicted_memory(int B, int T_) con
         {MemCategory::Workspace, "activation_layout(B, T) + token ids + step statistics",
          arena_bytes(lay, MemCategory::Workspace) + extra},
     };
+    if (zero_)
+        out.push_back({MemCategory::Communication,
+                       stage_ >= 3
+                           ? "gradient buckets and gathered units: embedding, head, 2 blocks"
+                           : "gradient buckets: embedding, head, 2 blocks",
+                       zero_->communication_bytes()});
+    return out;
 }
 
 template <typename T>
@@ -613,6 +658,13 @@ int64_t cuda_graph_replays_for_test(Engine& engine) {
     fail("internal: cuda_graph_replays_for_test needs a CUDA engine");
 }
 
+std::pair<int64_t, int64_t> zero_gathers_for_test(Engine& engine) {
+    if (auto* e = dynamic_cast<CudaEngine<__half>*>(&engine)) return e->zero_gathers();
+    if (auto* e = dynamic_cast<CudaEngine<__nv_bfloat16>*>(&engine)) return e->zero_gathers();
+    if (auto* e = dynamic_cast<CudaEngine<float>*>(&engine)) return e->zero_gathers();
+    fail("internal: zero_gathers_for_test needs a CUDA engine");
+}
+
 }  // namespace memtrain
 
 #else  // built without CUDA
@@ -631,6 +683,10 @@ void inject_overflow_for_test(Engine&) {
 
 int64_t cuda_graph_replays_for_test(Engine&) {
     fail("internal: cuda_graph_replays_for_test needs a CUDA build");
+}
+
+std::pair<int64_t, int64_t> zero_gathers_for_test(Engine&) {
+    fail("internal: zero_gathers_for_test needs a CUDA build");
 }
 
 }  // namespace memtrain

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <utility>
 
 #include "dist/communicator.h"
 #include "train/engine.h"
@@ -13,8 +14,10 @@
 namespace memtrain {
 
 // Data parallelism over `comm`'s ranks (one GPU each, NCCL between them): ZeRO stage 0 (DDP,
-// gradients all-reduced unit by unit during the last micro-batch's backward) or 1 (optimizer
-// state sharded, gradients reduce-scattered, parameters all-gathered).
+// gradients all-reduced unit by unit during the last micro-batch's backward), 1 (optimizer
+// state sharded, gradients reduce-scattered, parameters all-gathered), 2 (gradients sharded too,
+// reduced unit by unit during every backward) or 3 (parameters sharded too, each unit gathered
+// just before use and the next one prefetched: dist/device_zero.h).
 std::unique_ptr<Engine> make_cuda_engine(const RunConfig& cfg, dist::Communicator& comm);
 
 // Test hook: the engine's next finish_step finds a non-finite gradient, as an fp16 overflow in
@@ -22,5 +25,8 @@ std::unique_ptr<Engine> make_cuda_engine(const RunConfig& cfg, dist::Communicato
 void inject_overflow_for_test(Engine& engine);
 // Test hook: how many micro-batches the engine replayed as a CUDA graph (train.cuda_graphs).
 int64_t cuda_graph_replays_for_test(Engine& engine);
+// Test hook: ZeRO-3's parameter-unit gathers so far, and how many of them were made when the
+// unit was acquired rather than prefetched ({0, 0} below stage 3).
+std::pair<int64_t, int64_t> zero_gathers_for_test(Engine& engine);
 
 }  // namespace memtrain

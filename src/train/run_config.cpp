@@ -327,12 +327,6 @@ void RunConfig::validate() const {
             "train.offload_optimizer = true moves the optimizer off the GPU to the CPU: it needs "
             "train.device = \"cuda\" (the CPU engine's optimizer is on the CPU already)");
     if (train.device == "cuda") {
-        if (train.zero_stage > 1)
-            fail(
-                "train.zero_stage = {} on train.device = \"cuda\": the GPU engine shards the "
-                "optimizer state (stage 1) but not yet the gradients or parameters; use 0 or 1 "
-                "(stages 2 and 3 run on device = \"cpu\")",
-                train.zero_stage);
         if (train.offload_optimizer && world > 1)
             fail("train.offload_optimizer runs one process for now ({} ranks launched)", world);
         if (train.cuda_graphs && world > 1)

@@ -303,8 +303,10 @@ void Trainer::print_memory_report() {
     out += fmt::format("{:<16} {:>12} {:>12} {:>12} {:>12}  {}\n", "category", "current", "peak",
                        "reserved", "predicted", "formula");
     std::size_t pred_total = 0;
+    bool comm_predicted = false;
     for (const auto& r : engine_->predicted_memory(cfg_.micro_batch(), cfg_.train.seq_len)) {
         int i = static_cast<int>(r.category);
+        comm_predicted = comm_predicted || r.category == MemCategory::Communication;
         pred_total += r.bytes;
         out += fmt::format("{:<16} {:>12} {:>12} {:>12} {:>12}  {}\n", category_name(r.category),
                            mib(s.used[i]), mib(s.peak_used[i]), mib(s.reserved[i]), mib(r.bytes),
@@ -314,7 +316,7 @@ void Trainer::print_memory_report() {
         // Unit buffers of the data-parallel engine: gathered parameters (stage 3), gradient
         // buckets (stages 2-3) and reduce-scatter pieces; alive only while a unit is in use.
         const int i = static_cast<int>(MemCategory::Communication);
-        if (s.peak_used[i] > 0)
+        if (s.peak_used[i] > 0 && !comm_predicted)
             out += fmt::format("{:<16} {:>12} {:>12} {:>12} {:>12}  {}\n", "communication",
                                mib(s.used[i]), mib(s.peak_used[i]), mib(s.reserved[i]), "-",
                                "unit buffers (largest unit: " +

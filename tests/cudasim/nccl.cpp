@@ -152,6 +152,19 @@ ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t count, ncclD
     return ncclSuccess;
 }
 
+ncclResult_t ncclReduce(const void* send, void* recv, size_t count, ncclDataType_t t,
+                        ncclRedOp_t op, int root, ncclComm_t comm, cudaStream_t stream) {
+    if (!comm || op != ncclSum || !supported(t) || root < 0 || root >= comm->size)
+        return ncclInvalidArgument;
+    cudasim::enqueue(stream, [=] {
+        // The whole sum on every rank, kept by the root only (recv is ignored elsewhere).
+        std::vector<unsigned char> sum(count * type_bytes(t));
+        all_reduce(send, sum.data(), count, t, comm->mpi);
+        if (comm->rank == root) std::memmove(recv, sum.data(), sum.size());
+    });
+    return ncclSuccess;
+}
+
 ncclResult_t ncclAllGather(const void* send, void* recv, size_t count, ncclDataType_t t,
                            ncclComm_t comm, cudaStream_t stream) {
     if (!comm || !supported(t)) return ncclInvalidArgument;

@@ -1,9 +1,10 @@
 // Data parallelism of the CUDA engine under mpirun, one GPU per rank with NCCL between them (or,
 // where no GPU answers, cudasim's NCCL over MPI: the memtrain_sim_dist_tests binary): N ranks
 // with micro-batch b train the same model as one process with micro-batch N*b, for DDP (stage 0,
-// gradients all-reduced unit by unit during the backward) and ZeRO-1 (optimizer state sharded);
-// each rank holds its shard of the optimizer state; a checkpoint saved by N ranks under ZeRO-1
-// resumes in one process.
+// gradients all-reduced unit by unit during the backward) and ZeRO stages 1-3 (optimizer state,
+// then gradients, then parameters sharded); each rank holds exactly its shards; ZeRO-3 gathers
+// units ahead of their use; a checkpoint saved by N ranks under ZeRO-1 or 3 resumes in one
+// process.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -14,6 +15,7 @@
 #include "core/device.h"
 #include "dist_mpi/dist_env.h"
 #include "test_util.h"
+#include "train/cuda_engine.h"
 
 namespace memtrain::dist {
 namespace {
@@ -24,11 +26,10 @@ namespace fs = std::filesystem;
 #if MT_CUDA_SIM_TESTS
 #define REQUIRE_GPU_DP() (void)0
 #else
-#define REQUIRE_GPU_DP()                                                              \
-    do {                                                                              \
-        if (!cuda_available() || !MEMTRAIN_HAVE_NCCL ||                               \
-            cuda_device_count() < comm().local_size())                                \
-            GTEST_SKIP() << "needs one CUDA device per rank and NCCL";                \
+#define REQUIRE_GPU_DP()                                                                           \
+    do {                                                                                           \
+        if (!cuda_available() || !MEMTRAIN_HAVE_NCCL || cuda_device_count() < comm().local_size()) \
+            GTEST_SKIP() << "needs one CUDA device per rank and NCCL";                             \
     } while (0)
 #endif
 
@@ -53,12 +54,14 @@ TrainOptions quiet() {
     return o;
 }
 
-TEST(CudaDp, RanksTrainTheSameModelAsOneProcess) {
-    REQUIRE_GPU_DP();
+// N ranks against one process with the whole global micro-batch, fp32: losses, final parameters,
+// and each rank's bytes of parameters, gradients and optimizer state (its shards, exactly).
+void check_ranks_match_one_process(int stage, const std::string& name,
+                                   void (*adjust)(RunConfig&) = nullptr) {
     const int N = comm().size(), b = 2, K = 2, steps = 8;
-    for (int stage : {0, 1}) {
-        SCOPED_TRACE("zero stage " + std::to_string(stage));
-        RunConfig c = shared_cuda_run("cuda_dp_" + std::to_string(stage), steps, "fp32");
+    {
+        RunConfig c = shared_cuda_run(name, steps, "fp32");
+        if (adjust) adjust(c);
         c.train.batch_size = N * b * K;
         // The reference: every rank alone, with the whole global micro-batch.
         RunConfig ref_cfg = c;
@@ -75,9 +78,8 @@ TEST(CudaDp, RanksTrainTheSameModelAsOneProcess) {
         c.train.zero_stage = stage;
         const MemoryStats before = device_memory().snapshot();
         Trainer t(c, quiet(), &comm());
-        const std::size_t opt_bytes =
-            device_memory().snapshot()[MemCategory::OptimizerState] -
-            before[MemCategory::OptimizerState];
+        const MemoryStats after = device_memory().snapshot();
+        auto grew = [&](MemCategory k) { return after[k] - before[k]; };
         TrainSummary sum = t.run();
         ASSERT_EQ(sum.losses.size(), ref_sum.losses.size());
         // The rows split over ranks and a rank sum change the summation order: fp32 agrees to
@@ -90,24 +92,60 @@ TEST(CudaDp, RanksTrainTheSameModelAsOneProcess) {
         for (std::size_t i = 0; i < params.size(); i++)
             worst = std::max(worst, (double)std::abs(params[i] - ref_params[i]));
         EXPECT_LT(worst, 1e-4);
-        // Adam's m and v (fp32, no master copy): whole at stage 0, this rank's shard at stage 1.
+        // Adam's m and v (fp32, no master copy): whole at stage 0, this rank's shard from stage
+        // 1; the gradients (fp32) a padded shard of N from stage 2, the parameters from stage 3.
         const std::size_t psi = t.engine().weights().layout.total;
         const std::size_t shard = (psi + N - 1) / N;
         const std::size_t mine =
             stage == 0 ? psi
                        : std::min(shard, psi - std::min(psi, (std::size_t)comm().rank() * shard));
-        EXPECT_GE(opt_bytes, 8 * mine);
-        EXPECT_LT(opt_bytes, 8 * mine + 64 * 1024) << "beyond the chunk table";
+        EXPECT_GE(grew(MemCategory::OptimizerState), 8 * mine);
+        EXPECT_LT(grew(MemCategory::OptimizerState), 8 * mine + 64 * 1024)
+            << "beyond the chunk table";
+        EXPECT_EQ(grew(MemCategory::Gradients), 4 * (stage >= 2 ? shard : N * shard));
+        EXPECT_EQ(grew(MemCategory::Parameters), 4 * (stage >= 3 ? shard : N * shard));
+        // Stage 3 prefetches: apart from the first forward, units are gathered before they are
+        // acquired (or are still in their slot from the forward).
+        const auto [gathers, on_demand] = zero_gathers_for_test(t.engine());
+        if (stage == 3) {
+            EXPECT_GT(gathers, 0);
+            EXPECT_LE(on_demand, 2) << "of " << gathers << " gathers";
+        } else {
+            EXPECT_EQ(gathers, 0);
+        }
     }
 }
 
-TEST(CudaDp, Bf16ShardedOptimizerResumesInOneProcess) {
+TEST(CudaDp, RanksTrainTheSameModelAsOneProcess) {
     REQUIRE_GPU_DP();
+    for (int stage : {0, 1, 2, 3}) {
+        SCOPED_TRACE("zero stage " + std::to_string(stage));
+        check_ranks_match_one_process(stage, "cuda_dp_" + std::to_string(stage));
+    }
+}
+
+// ZeRO-3 on a Llama-style model with an untied head (the head unit holds lm_head) and every
+// block recomputed from its input, so units are gathered again inside the backward.
+TEST(CudaDp, Zero3LlamaUntiedWithFullRecompute) {
+    REQUIRE_GPU_DP();
+    check_ranks_match_one_process(3, "cuda_dp_llama", [](RunConfig& c) {
+        c.model.norm = "rmsnorm";
+        c.model.activation = "swiglu";
+        c.model.positions = "rope";
+        c.model.n_kv_head = 1;
+        c.model.tied_embeddings = false;
+        c.train.remat = "full";
+    });
+}
+
+// A bf16 run of N ranks at `stage` stops after 3 of 6 steps; every rank resumes its checkpoint
+// alone with the whole global micro-batch: the shards come back together and the curve goes on.
+void check_bf16_resume(int stage) {
     const int N = comm().size(), steps = 6;
-    RunConfig c = shared_cuda_run("cuda_dp_bf16", steps, "bf16");
+    RunConfig c = shared_cuda_run("cuda_dp_bf16_" + std::to_string(stage), steps, "bf16");
     c.train.batch_size = N * 2;
     c.train.micro_batch_size = 2;
-    c.train.zero_stage = 1;
+    c.train.zero_stage = stage;
     TrainSummary full;
     {
         Trainer t(c, quiet(), &comm());
@@ -135,6 +173,14 @@ TEST(CudaDp, Bf16ShardedOptimizerResumesInOneProcess) {
     ASSERT_EQ(rest.losses.size(), 3u);
     // bf16: one process and N ranks round their gradient sums differently.
     for (int i = 0; i < 3; i++) EXPECT_NEAR(rest.losses[i], full.losses[3 + i], 0.02) << i;
+}
+
+TEST(CudaDp, Bf16ShardedOptimizerResumesInOneProcess) {
+    REQUIRE_GPU_DP();
+    for (int stage : {1, 3}) {
+        SCOPED_TRACE("zero stage " + std::to_string(stage));
+        check_bf16_resume(stage);
+    }
 }
 
 }  // namespace
