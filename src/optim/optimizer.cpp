@@ -51,14 +51,15 @@ class AdamW final : public Optimizer {
           m_(count, MemCategory::OptimizerState),
           v_(count, MemCategory::OptimizerState) {}
 
-    void step(float* params, const float* grads, double lr) override {
-        t_++;
+    void step_part(float* params, const float* grads, double lr, std::size_t begin,
+                   std::size_t count) override {
+        const int64_t step = t_ + 1;
         const float b1 = (float)cfg_.beta1, b2 = (float)cfg_.beta2, eps = (float)cfg_.eps;
-        const double bc1 = 1.0 - std::pow(cfg_.beta1, (double)t_);
-        const double bc2 = 1.0 - std::pow(cfg_.beta2, (double)t_);
+        const double bc1 = 1.0 - std::pow(cfg_.beta1, (double)step);
+        const double bc2 = 1.0 - std::pow(cfg_.beta2, (double)step);
         const float step_size = (float)(lr / bc1);
         const float bc2_sqrt = (float)std::sqrt(bc2);
-        for_each_piece([&](const ParamSpec& t, std::size_t at, int64_t n) {
+        for_each_piece(begin, count, [&](const ParamSpec& t, std::size_t at, int64_t n) {
             const float decay = t.decay ? (float)(1.0 - lr * cfg_.weight_decay) : 1.0f;
             float* p = params + at;
             const float* g = grads + at;
@@ -91,11 +92,11 @@ class Sgd final : public Optimizer {
     Sgd(const OptimConfig& cfg, const ParamLayout& layout, std::size_t offset, std::size_t count)
         : Optimizer(layout, offset, count), cfg_(cfg), buf_(count, MemCategory::OptimizerState) {}
 
-    void step(float* params, const float* grads, double lr) override {
-        t_++;
+    void step_part(float* params, const float* grads, double lr, std::size_t begin,
+                   std::size_t count) override {
         const float mu = (float)cfg_.momentum, flr = (float)lr;
-        const bool first = t_ == 1;
-        for_each_piece([&](const ParamSpec& t, std::size_t at, int64_t n) {
+        const bool first = t_ == 0;
+        for_each_piece(begin, count, [&](const ParamSpec& t, std::size_t at, int64_t n) {
             const float wd = t.decay ? (float)cfg_.weight_decay : 0.0f;
             float* p = params + at;
             const float* g = grads + at;

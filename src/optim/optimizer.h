@@ -41,7 +41,16 @@ class Optimizer : public OptimizerState {
   public:
     // One update with learning rate lr; advances the internal step count. `params` and `grads`
     // point at the range's first float (count floats each).
-    virtual void step(float* params, const float* grads, double lr) = 0;
+    void step(float* params, const float* grads, double lr) {
+        step_part(params, grads, lr, 0, count_);
+        advance();
+    }
+    // The same update of floats [begin, begin + n) of the range only (the same bits as step()
+    // gives them), so that an update can go piece by piece (ZeRO-Offload streams each unit to
+    // the GPU as soon as it is updated); advance() once after the parts cover the range.
+    virtual void step_part(float* params, const float* grads, double lr, std::size_t begin,
+                           std::size_t n) = 0;
+    void advance() { t_++; }
     // Named state buffers of count floats, laid out like the range (for checkpoints).
     virtual std::vector<std::pair<std::string, Buffer<float>*>> state() = 0;
     int64_t steps_taken() const override { return t_; }
@@ -60,11 +69,13 @@ class Optimizer : public OptimizerState {
     Optimizer(const ParamLayout& layout, std::size_t offset, std::size_t count);
     // Calls f(tensor, begin, n) for each piece of a tensor inside the range: `begin` indexes the
     // range (params[begin] is the piece's first float), n its length.
+    // Only the pieces inside [begin, begin + n) of the range.
     template <typename F>
-    void for_each_piece(F&& f) const {
+    void for_each_piece(std::size_t begin, std::size_t n, F&& f) const {
+        const std::size_t first = offset_ + begin, last = offset_ + std::min(count_, begin + n);
         for (const auto& t : layout_.tensors) {
-            const std::size_t lo = std::max(t.offset, offset_);
-            const std::size_t hi = std::min(t.offset + t.numel, offset_ + count_);
+            const std::size_t lo = std::max(t.offset, first);
+            const std::size_t hi = std::min(t.offset + t.numel, last);
             if (lo < hi) f(t, lo - offset_, (int64_t)(hi - lo));
         }
     }

@@ -164,6 +164,8 @@ class CudaEngine final : public Engine, public OptimizerState {
     std::size_t layout_total() const { return model_->layout().total; }
     // DDP: all-reduces unit u's gradients on the communication stream (the grads-done hook).
     void start_unit_all_reduce(int u);
+    // ZeRO-Offload: copies unit u's gradients to the pinned buffer on the download stream.
+    void start_unit_download(int u);
     DeviceBuffer<float>& state_buffer(const std::string& name);
     // ZeRO-Offload's update: the pinned gradients (scaled by grad_scale) into fp32, the host
     // optimizer over the fp32 master, the rounded parameters up to the device.
@@ -201,7 +203,8 @@ class CudaEngine final : public Engine, public OptimizerState {
     // ZeRO-Offload (train.offload_optimizer): the fp32 master weights, the moments and the update
     // on the host (the CPU optimizer of optim/optimizer.h, multi-threaded), the gradients coming
     // down and the rounded parameters going up through one pinned buffer of Ψ values of T.
-    bool offload_ = false;
+    bool offload_ = false, stream_down_ = false;
+    cudaStream_t down_stream_ = nullptr;  // the gradients' copies to the host
     std::unique_ptr<Optimizer> host_opt_;
     Buffer<float> host_master_, host_grads_;
     T* pinned_ = nullptr;
@@ -324,19 +327,28 @@ CudaEngine<T>::CudaEngine(const RunConfig& cfg, dist::Communicator& comm)
     }
     model_ = std::make_unique<CudaGPT<T>>(cfg_.model, stream_, shard_ * world_, zero_.get());
     model_->set_cuda_graphs(cfg_.train.cuda_graphs);
-    if (launched) {
+    offload_ = cfg_.train.offload_optimizer;
+    // Offload streams each unit's gradients to the host as the last backward finishes it (not
+    // under CUDA graphs, whose capture would take the side stream in).
+    stream_down_ = offload_ && !cfg_.train.cuda_graphs;
+    if (launched || stream_down_) {
         unit_ready_.resize(model_->layout().units.size());
         for (auto& e : unit_ready_)
             MT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-        if (stage_ == 0) model_->set_grads_done_hook([this](int u) { start_unit_all_reduce(u); });
     }
+    if (launched && stage_ == 0)
+        model_->set_grads_done_hook([this](int u) { start_unit_all_reduce(u); });
     const ParamLayout& layout = model_->layout();
-    offload_ = cfg_.train.offload_optimizer;
     if (offload_) {
         host_opt_ = make_optimizer(cfg_.optim, layout);
         host_master_ = Buffer<float>(psi, MemCategory::OptimizerState);
         host_grads_ = Buffer<float>(psi, MemCategory::Gradients);
         MT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&pinned_), psi * sizeof(T)));
+        if (stream_down_) {
+            MT_CUDA_CHECK(cudaStreamCreateWithFlags(&down_stream_, cudaStreamNonBlocking));
+            MT_CUDA_CHECK(cudaEventCreateWithFlags(&reduced_, cudaEventDisableTiming));
+            model_->set_grads_done_hook([this](int u) { start_unit_download(u); });
+        }
     } else {
         // This rank's range: everything, or its ZeRO-1 shard.
         const std::size_t n = shard_count_;
@@ -362,11 +374,13 @@ template <typename T>
 CudaEngine<T>::~CudaEngine() {
     if (stream_) cudaStreamSynchronize(stream_);
     if (comm_stream_) cudaStreamSynchronize(comm_stream_);
+    if (down_stream_) cudaStreamSynchronize(down_stream_);
     model_.reset();
     zero_.reset();
     for (auto& e : unit_ready_) cudaEventDestroy(e);
     if (reduced_) cudaEventDestroy(reduced_);
     if (comm_stream_) cudaStreamDestroy(comm_stream_);
+    if (down_stream_) cudaStreamDestroy(down_stream_);
     if (scalars_host_) cudaFreeHost(scalars_host_);
     if (stats_host_) cudaFreeHost(stats_host_);
     if (pinned_) cudaFreeHost(pinned_);
@@ -391,11 +405,12 @@ void CudaEngine<T>::forward_backward(const int32_t* inputs, const int32_t* targe
     // fp16: the loss gradient carries the loss scale, so small gradients stay representable.
     const float scale = scaler_ ? (float)scaler_->scale() : 1.0f;
     // DDP reduces once per step: during the last micro-batch's backward, unit by unit.
-    reduce_now_ = dcomm_ && stage_ == 0 && last;
+    // ZeRO-Offload likewise streams the gradients down during the last backward.
+    reduce_now_ = ((dcomm_ && stage_ == 0) || stream_down_) && last;
     model_->forward_backward(inputs, targets, B, T_, grad_scale * scale, sums + 2 + micro_);
     if (reduce_now_) {
-        // Everything after this (the optimizer) waits for the last unit's all-reduce.
-        MT_CUDA_CHECK(cudaEventRecord(reduced_, comm_stream_));
+        // Everything after this (the optimizer) waits for the last unit's all-reduce or copy.
+        MT_CUDA_CHECK(cudaEventRecord(reduced_, stream_down_ ? down_stream_ : comm_stream_));
         MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, reduced_, 0));
         reduce_now_ = false;
     }
@@ -411,6 +426,16 @@ void CudaEngine<T>::start_unit_all_reduce(int u) {
     MT_CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, unit_ready_[u], 0));
     dcomm_->all_reduce_sum(model_->grads() + unit.begin, (int64_t)unit.size(), device_type<T>(),
                            comm_stream_);
+}
+
+template <typename T>
+void CudaEngine<T>::start_unit_download(int u) {
+    if (!reduce_now_) return;
+    const ParamUnit& unit = model_->layout().units[u];
+    MT_CUDA_CHECK(cudaEventRecord(unit_ready_[u], stream_));
+    MT_CUDA_CHECK(cudaStreamWaitEvent(down_stream_, unit_ready_[u], 0));
+    MT_CUDA_CHECK(cudaMemcpyAsync(pinned_ + unit.begin, model_->grads() + unit.begin,
+                                  unit.size() * sizeof(T), cudaMemcpyDeviceToHost, down_stream_));
 }
 
 template <typename T>
@@ -449,9 +474,11 @@ StepResult CudaEngine<T>::finish_step(double lr, double max_norm) {
     T* params = param_shard();
     grads = grad_shard();
     if (offload_) {
-        // The gradients come down with the step's results; the update runs on the host.
-        MT_CUDA_CHECK(
-            cudaMemcpyAsync(pinned_, grads, psi * sizeof(T), cudaMemcpyDeviceToHost, stream_));
+        // The gradients came down unit by unit during the backward (or come now, with the
+        // step's results, under CUDA graphs); the update runs on the host.
+        if (!stream_down_)
+            MT_CUDA_CHECK(
+                cudaMemcpyAsync(pinned_, grads, psi * sizeof(T), cudaMemcpyDeviceToHost, stream_));
     } else if (adamw_) {
         cuda::adamw_step<T>(params, master_.size() ? master_.data() : nullptr, m_.data(), v_.data(),
                             grads, chunks_.data(), nchunks_, dev_scalars, stream_);
@@ -501,19 +528,24 @@ StepResult CudaEngine<T>::finish_step(double lr, double max_norm) {
 
 template <typename T>
 void CudaEngine<T>::host_update(double lr, float grad_scale) {
-    const int64_t psi = (int64_t)model_->layout().total;
     float* g = host_grads_.data();
     float* master = host_master_.data();
     T* pin = pinned_;
+    // Unit by unit, so each unit's new parameters go up to the GPU while the host updates the
+    // next (step_part gives the bits of one whole step). The next step's gradients come down
+    // after these copies in stream order, and the host writes the pinned buffer again only
+    // after that step's wait.
+    for (const ParamUnit& unit : model_->layout().units) {
+        const int64_t b = (int64_t)unit.begin, e = (int64_t)unit.end;
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < psi; i++) g[i] = to_fp32(pin[i]) * grad_scale;
-    host_opt_->step(master, g, lr);
+        for (int64_t i = b; i < e; i++) g[i] = to_fp32(pin[i]) * grad_scale;
+        host_opt_->step_part(master, g, lr, unit.begin, unit.size());
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < psi; i++) pin[i] = to_storage<T>(master[i]);
-    // The next step's gradients come down after this copy in stream order, and the host writes
-    // the pinned buffer again only after that step's wait.
-    MT_CUDA_CHECK(
-        cudaMemcpyAsync(model_->params(), pin, psi * sizeof(T), cudaMemcpyHostToDevice, stream_));
+        for (int64_t i = b; i < e; i++) pin[i] = to_storage<T>(master[i]);
+        MT_CUDA_CHECK(cudaMemcpyAsync(model_->params() + unit.begin, pin + unit.begin,
+                                      unit.size() * sizeof(T), cudaMemcpyHostToDevice, stream_));
+    }
+    host_opt_->advance();
 }
 
 template <typename T>

@@ -7,6 +7,7 @@
 
 #include <array>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <string>
 
@@ -47,6 +48,27 @@ std::string tiny_config(const std::string& dir) {
 }
 
 }  // namespace
+
+#if MT_HAVE_NCCL_SIM
+// `mpirun -np 2 memtrain train` on the GPU engine under ZeRO-3 (NCCL emulated over MPI): the
+// ranks train, evaluate and checkpoint together (every forward gathers units), and the memory
+// report shows the sharded model states and the buckets and slots, predicted to the byte.
+TEST(CudaCli, MpirunTrainsUnderZero3) {
+    auto dir = memtrain::test::temp_dir("cuda_cli_zero3");
+    auto r = run_sim("train " + tiny_config(dir) +
+                         " --set train.device=cuda train.precision=bf16 train.zero_stage=3 "
+                         "sample.max_tokens=4 io.out_dir=" +
+                         dir + "/out",
+                     std::string(MT_MPIEXEC) + " --oversubscribe --allow-run-as-root -np 2 " +
+                         "-x OMP_NUM_THREADS=1");
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("x 2 ranks (ZeRO stage 3)"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("2 x params / 2 ranks (bf16)"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("gradient buckets and gathered units"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("model states per rank (peak): rank 0"), std::string::npos) << r.output;
+    EXPECT_TRUE(std::filesystem::exists(dir + "/out/ckpt_000004/model.safetensors")) << r.output;
+}
+#endif
 
 TEST(CudaCli, TrainsOnTheDeviceInEachPrecision) {
     for (const char* p : {"fp32", "bf16", "fp16"}) {
