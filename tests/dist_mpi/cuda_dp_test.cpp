@@ -14,6 +14,8 @@
 
 #include "core/device.h"
 #include "dist_mpi/dist_env.h"
+#include "plan/memory_model.h"
+#include "plan/model_spec.h"
 #include "test_util.h"
 #include "train/cuda_engine.h"
 
@@ -104,6 +106,20 @@ void check_ranks_match_one_process(int stage, const std::string& name,
             << "beyond the chunk table";
         EXPECT_EQ(grew(MemCategory::Gradients), 4 * (stage >= 2 ? shard : N * shard));
         EXPECT_EQ(grew(MemCategory::Parameters), 4 * (stage >= 3 ? shard : N * shard));
+        // The planner (memtrain estimate) predicts these bytes, up to the padding of the shards
+        // (an element per rank) and the optimizer's chunk table.
+        plan::RunSpec r;
+        r.precision = plan::Precision::fp32;
+        r.optimizer = plan::Optimizer::adamw;
+        r.dp = N;
+        r.zero = stage;
+        r.micro_batch = b;
+        r.seq = c.train.seq_len;
+        const auto est = plan::estimate_memory(plan::model_from_config(c.model), r);
+        EXPECT_NEAR((double)est.bytes("parameters"), (double)grew(MemCategory::Parameters), 4 * N);
+        EXPECT_NEAR((double)est.bytes("gradients"), (double)grew(MemCategory::Gradients), 4 * N);
+        EXPECT_NEAR((double)est.bytes("optimizer states"),
+                    (double)grew(MemCategory::OptimizerState), 64 * 1024);
         // Stage 3 prefetches: apart from the first forward, units are gathered before they are
         // acquired (or are still in their slot from the forward).
         const auto [gathers, on_demand] = zero_gathers_for_test(t.engine());
