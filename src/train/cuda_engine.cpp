@@ -170,6 +170,8 @@ class CudaEngine final : public Engine, public OptimizerState {
     // ZeRO-Offload's update: the pinned gradients (scaled by grad_scale) into fp32, the host
     // optimizer over the fp32 master, the rounded parameters up to the device.
     void host_update(double lr, float grad_scale);
+    // ZeRO-1/2: all-gathers the updated shards; ZeRO-3: marks gathered units stale.
+    void share_updated_params();
     std::size_t stats_doubles() const { return 2 + (std::size_t)cfg_.accum_steps(); }
 
     RunConfig cfg_;
@@ -219,7 +221,7 @@ float* WeightsStore<T>::acquire(int u, bool for_write) {
     if (held_ >= 0 && held_ != u)
         fail("internal: the CUDA engine's weight store holds one unit at a time");
     const ParamUnit& unit = e_.model_->layout().units.at(u);
-    if (e_.offload_) {  // the master weights are in host memory already
+    if (e_.offload_ && !e_.sharded_master()) {  // the master weights are in host memory already
         if (holds_++ == 0) held_ = u;
         written_ = written_ || for_write;
         return e_.host_master_.data() + unit.begin;
@@ -233,7 +235,10 @@ float* WeightsStore<T>::acquire(int u, bool for_write) {
             const auto counts = e_.unit_counts(unit);
             const std::size_t lo = std::max(unit.begin, e_.shard_begin_);
             piece_.resize(counts[e_.rank_]);
-            if (!piece_.empty())
+            if (e_.offload_)  // ZeRO-Offload: the shard's master weights are in host memory
+                std::copy_n(e_.host_master_.data() + (lo - e_.shard_begin_), piece_.size(),
+                            piece_.data());
+            else if (!piece_.empty())
                 MT_CUDA_CHECK(cudaMemcpyAsync(piece_.data(), e_.master() + (lo - e_.shard_begin_),
                                               piece_.size() * sizeof(float), cudaMemcpyDeviceToHost,
                                               e_.stream_));
@@ -254,7 +259,7 @@ template <typename T>
 void WeightsStore<T>::release(int u) {
     if (held_ != u || holds_ <= 0) fail("internal: WeightsStore::release({}) without acquire", u);
     if (--holds_ > 0) return;
-    if (written_ && e_.offload_) {
+    if (written_ && e_.offload_ && !e_.sharded_master()) {
         // Round the unit's new master weights into the pinned buffer and up to the device copy.
         const ParamUnit& unit = e_.model_->layout().units[u];
         const float* src = e_.host_master_.data() + unit.begin;
@@ -269,7 +274,10 @@ void WeightsStore<T>::release(int u) {
         const ParamUnit& unit = e_.model_->layout().units[u];
         const std::size_t lo = std::max(unit.begin, e_.shard_begin_);
         const std::size_t n = e_.unit_counts(unit)[e_.rank_];
-        if (n > 0)
+        if (e_.offload_)
+            std::copy_n(host_.data() + (lo - unit.begin), n,
+                        e_.host_master_.data() + (lo - e_.shard_begin_));
+        else if (n > 0)
             MT_CUDA_CHECK(cudaMemcpyAsync(e_.master() + (lo - e_.shard_begin_),
                                           host_.data() + (lo - unit.begin), n * sizeof(float),
                                           cudaMemcpyHostToDevice, e_.stream_));
@@ -306,9 +314,9 @@ CudaEngine<T>::CudaEngine(const RunConfig& cfg, dist::Communicator& comm)
     world_ = comm.size();
     // Launched by mpirun (an MPI communicator, even of one rank): the data-parallel path with
     // NCCL, so `mpirun -np 1` runs it at world size 1 against the plain single process.
-    // (Offload and CUDA graphs run one process, the plain path.)
-    const bool launched = dynamic_cast<dist::LocalCommunicator*>(&comm) == nullptr &&
-                          !cfg_.train.offload_optimizer && !cfg_.train.cuda_graphs;
+    // (CUDA graphs run one process, the plain path.)
+    const bool launched =
+        dynamic_cast<dist::LocalCommunicator*>(&comm) == nullptr && !cfg_.train.cuda_graphs;
     rank_ = comm.rank();
     stage_ = launched ? cfg_.train.zero_stage : 0;
     const std::size_t psi = make_param_layout(cfg_.model).total;
@@ -329,8 +337,9 @@ CudaEngine<T>::CudaEngine(const RunConfig& cfg, dist::Communicator& comm)
     model_->set_cuda_graphs(cfg_.train.cuda_graphs);
     offload_ = cfg_.train.offload_optimizer;
     // Offload streams each unit's gradients to the host as the last backward finishes it (not
-    // under CUDA graphs, whose capture would take the side stream in).
-    stream_down_ = offload_ && !cfg_.train.cuda_graphs;
+    // under CUDA graphs, whose capture would take the side stream in; with several ranks the
+    // reduced shard comes down after the backward).
+    stream_down_ = offload_ && !cfg_.train.cuda_graphs && !launched;
     if (launched || stream_down_) {
         unit_ready_.resize(model_->layout().units.size());
         for (auto& e : unit_ready_)
@@ -340,10 +349,11 @@ CudaEngine<T>::CudaEngine(const RunConfig& cfg, dist::Communicator& comm)
         model_->set_grads_done_hook([this](int u) { start_unit_all_reduce(u); });
     const ParamLayout& layout = model_->layout();
     if (offload_) {
-        host_opt_ = make_optimizer(cfg_.optim, layout);
-        host_master_ = Buffer<float>(psi, MemCategory::OptimizerState);
-        host_grads_ = Buffer<float>(psi, MemCategory::Gradients);
-        MT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&pinned_), psi * sizeof(T)));
+        // This rank's range on the host (everything in one process; its shard under ZeRO).
+        host_opt_ = make_optimizer(cfg_.optim, layout, shard_begin_, shard_count_);
+        host_master_ = Buffer<float>(shard_count_, MemCategory::OptimizerState);
+        host_grads_ = Buffer<float>(shard_count_, MemCategory::Gradients);
+        MT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&pinned_), shard_count_ * sizeof(T)));
         if (stream_down_) {
             MT_CUDA_CHECK(cudaStreamCreateWithFlags(&down_stream_, cudaStreamNonBlocking));
             MT_CUDA_CHECK(cudaEventCreateWithFlags(&reduced_, cudaEventDisableTiming));
@@ -477,8 +487,8 @@ StepResult CudaEngine<T>::finish_step(double lr, double max_norm) {
         // The gradients came down unit by unit during the backward (or come now, with the
         // step's results, under CUDA graphs); the update runs on the host.
         if (!stream_down_)
-            MT_CUDA_CHECK(
-                cudaMemcpyAsync(pinned_, grads, psi * sizeof(T), cudaMemcpyDeviceToHost, stream_));
+            MT_CUDA_CHECK(cudaMemcpyAsync(pinned_, grads, shard_count_ * sizeof(T),
+                                          cudaMemcpyDeviceToHost, stream_));
     } else if (adamw_) {
         cuda::adamw_step<T>(params, master_.size() ? master_.data() : nullptr, m_.data(), v_.data(),
                             grads, chunks_.data(), nchunks_, dev_scalars, stream_);
@@ -487,14 +497,8 @@ StepResult CudaEngine<T>::finish_step(double lr, double max_norm) {
                           chunks_.data(), nchunks_, dev_scalars, stream_);
     }
     // ZeRO-1/2: every rank's updated shard to every rank (a skipped step sends the old values);
-    // ZeRO-3 gathers units as the next forward needs them.
-    if (stage_ == 1 || stage_ == 2)
-        dcomm_->all_gather(param_shard(), whole_params(), (int64_t)shard_, device_type<T>(),
-                           stream_);
-    else if (stage_ == 3) {
-        zero_->params_changed();
-        zero_->prefetch_params(ParamLayout::embedding_unit());  // the next forward's first unit
-    }
+    // ZeRO-3 gathers units as the next forward needs them. (Offload: after the host update.)
+    if (!offload_) share_updated_params();
     // The step's results: norm and overflow flag, and the micro-batches' loss sums.
     MT_CUDA_CHECK(
         cudaMemcpyAsync(scalars_host_, dev_scalars, sizeof(s), cudaMemcpyDeviceToHost, stream_));
@@ -527,25 +531,40 @@ StepResult CudaEngine<T>::finish_step(double lr, double max_norm) {
 }
 
 template <typename T>
+void CudaEngine<T>::share_updated_params() {
+    if (stage_ == 1 || stage_ == 2) {
+        dcomm_->all_gather(param_shard(), whole_params(), (int64_t)shard_, device_type<T>(),
+                           stream_);
+    } else if (stage_ == 3) {
+        zero_->params_changed();
+        zero_->prefetch_params(ParamLayout::embedding_unit());  // the next forward's first unit
+    }
+}
+
+template <typename T>
 void CudaEngine<T>::host_update(double lr, float grad_scale) {
     float* g = host_grads_.data();
     float* master = host_master_.data();
     T* pin = pinned_;
-    // Unit by unit, so each unit's new parameters go up to the GPU while the host updates the
-    // next (step_part gives the bits of one whole step). The next step's gradients come down
-    // after these copies in stream order, and the host writes the pinned buffer again only
-    // after that step's wait.
+    // Unit by unit (the part of each unit inside this rank's range), so each unit's new
+    // parameters go up to the GPU while the host updates the next (step_part gives the bits of
+    // one whole step). The next step's gradients come down after these copies in stream order,
+    // and the host writes the pinned buffer again only after that step's wait.
+    const std::size_t first = shard_begin_, last = shard_begin_ + shard_count_;
     for (const ParamUnit& unit : model_->layout().units) {
-        const int64_t b = (int64_t)unit.begin, e = (int64_t)unit.end;
+        const std::size_t lo = std::max(unit.begin, first), hi = std::min(unit.end, last);
+        if (lo >= hi) continue;
+        const int64_t b = (int64_t)(lo - first), e = (int64_t)(hi - first);
 #pragma omp parallel for schedule(static)
         for (int64_t i = b; i < e; i++) g[i] = to_fp32(pin[i]) * grad_scale;
-        host_opt_->step_part(master, g, lr, unit.begin, unit.size());
+        host_opt_->step_part(master, g, lr, (std::size_t)b, (std::size_t)(e - b));
 #pragma omp parallel for schedule(static)
         for (int64_t i = b; i < e; i++) pin[i] = to_storage<T>(master[i]);
-        MT_CUDA_CHECK(cudaMemcpyAsync(model_->params() + unit.begin, pin + unit.begin,
-                                      unit.size() * sizeof(T), cudaMemcpyHostToDevice, stream_));
+        MT_CUDA_CHECK(cudaMemcpyAsync(param_shard() + b, pin + b, (e - b) * sizeof(T),
+                                      cudaMemcpyHostToDevice, stream_));
     }
     host_opt_->advance();
+    share_updated_params();
 }
 
 template <typename T>
@@ -644,13 +663,12 @@ std::string CudaEngine<T>::memory_footer() const {
         "and page granularity beyond the tracked tensors)\n",
         "device in use", mib(total_b - free_b), mib(total_b));
     if (offload_) {
-        const std::size_t psi = model_->layout().total;
+        const std::size_t n = shard_count_;  // this rank's range
         out += fmt::format(
             "{:<16} {:>12}  (train.offload_optimizer: fp32 master 4 + {} + fp32 gradients 4 + "
             "pinned transfer buffer {} bytes per parameter, in host memory)\n",
             "optimizer (host)",
-            mib(host_master_.bytes() + (adamw_ ? 8 : 4) * psi + host_grads_.bytes() +
-                psi * sizeof(T)),
+            mib(host_master_.bytes() + (adamw_ ? 8 : 4) * n + host_grads_.bytes() + n * sizeof(T)),
             adamw_ ? "Adam m, v 8" : "momentum 4", sizeof(T));
     }
     if (model_->offloaded_bytes() > 0)

@@ -327,8 +327,12 @@ void RunConfig::validate() const {
             "train.offload_optimizer = true moves the optimizer off the GPU to the CPU: it needs "
             "train.device = \"cuda\" (the CPU engine's optimizer is on the CPU already)");
     if (train.device == "cuda") {
-        if (train.offload_optimizer && world > 1)
-            fail("train.offload_optimizer runs one process for now ({} ranks launched)", world);
+        if (train.offload_optimizer && world > 1 && train.zero_stage == 0)
+            fail(
+                "train.offload_optimizer with {} ranks needs train.zero_stage >= 1: each rank "
+                "updates its shard on its host (at stage 0 every rank would repeat the whole "
+                "update)",
+                world);
         if (train.cuda_graphs && world > 1)
             fail(
                 "train.cuda_graphs with {} ranks: the overlapped all-reduces run on a second "
