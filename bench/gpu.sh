@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU machine's one command: builds the Release tree with the CUDA backend, runs the CUDA
 # tests (every kernel against the CPU reference; a missing GPU fails them here instead of skipping
-# them), then the GPU benchmarks (bench/gpu_vs_pytorch.py: memtrain against PyTorch eager and
-# torch.compile on GPT-2 124M and 1.5B, then activation checkpointing on 1.5B). See docs/cuda.md
-# and docs/benchmarks.md.
+# them) and the data-parallel engine over NCCL at world size one, then the GPU benchmarks
+# (bench/gpu_vs_pytorch.py: memtrain against PyTorch eager and torch.compile on GPT-2 124M and
+# 1.5B, then activation checkpointing on 1.5B). See docs/cuda.md and docs/benchmarks.md.
 #
 #   bash bench/gpu.sh [--quick] [--skip-tests | --bench-only] [--only 124m,1.5b,remat] [BUILD_DIR]
 #
@@ -104,6 +104,14 @@ if [ "$BENCH_ONLY" = 0 ]; then
         if ! MEMTRAIN_REQUIRE_GPU=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-$JOBS} \
             ctest --test-dir "$BUILD" -R '^(Cuda|Device)' --output-on-failure; then
             echo "gpu.sh: CUDA tests FAILED; running the benchmarks anyway"
+            status=1
+        fi
+        # The GPU engine's NCCL path at world size one (one GPU: NCCL takes one rank per GPU):
+        # DDP, ZeRO 1-3 and ZeRO-Offload against the plain single process.
+        echo "== CUDA data parallelism over NCCL (mpirun -np 1)"
+        if ! OMP_NUM_THREADS=${OMP_NUM_THREADS:-$JOBS} MEMTRAIN_COMM_TIMEOUT_S=120 \
+            mpirun --allow-run-as-root -np 1 "$BUILD/memtrain_dist_tests" --gtest_filter='CudaDp.*'; then
+            echo "gpu.sh: CUDA data-parallel tests FAILED; running the benchmarks anyway"
             status=1
         fi
     fi
