@@ -70,32 +70,19 @@ class NcclCommunicator final : public DeviceCommunicator {
     void reduce_pieces(void* data, const std::vector<int64_t>& offsets,
                        const std::vector<int64_t>& counts, DeviceType t,
                        cudaStream_t stream) override {
-        auto* base = static_cast<unsigned char*>(data);
-        const std::size_t e = device_type_bytes(t);
-        check(ncclGroupStart(), "ncclGroupStart");
-        for (int r = 0; r < size_; r++) {
-            if (counts[r] <= 0) continue;
-            void* piece = base + (std::size_t)offsets[r] * e;
-            check(ncclReduce(piece, piece, (size_t)counts[r], nccl_type(t), ncclSum, r, comm_,
-                             stream),
+        grouped_pieces(data, offsets, counts, t, [&](void* piece, size_t n, int root) {
+            check(ncclReduce(piece, piece, n, nccl_type(t), ncclSum, root, comm_, stream),
                   "ncclReduce");
-        }
-        check(ncclGroupEnd(), "ncclGroupEnd");
+        });
     }
     void broadcast_pieces(const void* mine, void* out, const std::vector<int64_t>& offsets,
                           const std::vector<int64_t>& counts, DeviceType t,
                           cudaStream_t stream) override {
-        auto* base = static_cast<unsigned char*>(out);
-        const std::size_t e = device_type_bytes(t);
-        check(ncclGroupStart(), "ncclGroupStart");
-        for (int r = 0; r < size_; r++) {
-            if (counts[r] <= 0) continue;
-            void* piece = base + (std::size_t)offsets[r] * e;
-            check(ncclBroadcast(r == rank_ ? mine : piece, piece, (size_t)counts[r], nccl_type(t),
-                                r, comm_, stream),
+        grouped_pieces(out, offsets, counts, t, [&](void* piece, size_t n, int root) {
+            check(ncclBroadcast(root == rank_ ? mine : piece, piece, n, nccl_type(t), root, comm_,
+                                stream),
                   "ncclBroadcast");
-        }
-        check(ncclGroupEnd(), "ncclGroupEnd");
+        });
     }
     void wait(cudaStream_t stream, const char* what) override {
         // Poll instead of blocking in cudaStreamSynchronize: a peer that died leaves NCCL's
@@ -124,6 +111,18 @@ class NcclCommunicator final : public DeviceCommunicator {
     }
 
   private:
+    // One grouped launch of op(piece, count, owner) over the ranks' nonempty pieces of `base`.
+    template <typename Op>
+    void grouped_pieces(void* base, const std::vector<int64_t>& offsets,
+                        const std::vector<int64_t>& counts, DeviceType t, Op&& op) {
+        const std::size_t e = device_type_bytes(t);
+        check(ncclGroupStart(), "ncclGroupStart");
+        for (int r = 0; r < size_; r++)
+            if (counts[r] > 0)
+                op(static_cast<unsigned char*>(base) + (std::size_t)offsets[r] * e,
+                   (size_t)counts[r], r);
+        check(ncclGroupEnd(), "ncclGroupEnd");
+    }
     void check(ncclResult_t r, const char* call) {
         if (r != ncclSuccess && r != ncclInProgress)
             fail("rank {} of {}: {} failed: {}", rank_, size_, call, ncclGetErrorString(r));

@@ -166,6 +166,8 @@ class CudaEngine final : public Engine, public OptimizerState {
     void start_unit_all_reduce(int u);
     // ZeRO-Offload: copies unit u's gradients to the pinned buffer on the download stream.
     void start_unit_download(int u);
+    // Work queued on `side` from now on waits for the backward's writes of unit u's gradients.
+    void after_unit_grads(int u, cudaStream_t side);
     DeviceBuffer<float>& state_buffer(const std::string& name);
     // ZeRO-Offload's update: the pinned gradients (scaled by grad_scale) into fp32, the host
     // optimizer over the fp32 master, the rounded parameters up to the device.
@@ -429,11 +431,16 @@ void CudaEngine<T>::forward_backward(const int32_t* inputs, const int32_t* targe
 }
 
 template <typename T>
+void CudaEngine<T>::after_unit_grads(int u, cudaStream_t side) {
+    MT_CUDA_CHECK(cudaEventRecord(unit_ready_[u], stream_));
+    MT_CUDA_CHECK(cudaStreamWaitEvent(side, unit_ready_[u], 0));
+}
+
+template <typename T>
 void CudaEngine<T>::start_unit_all_reduce(int u) {
     if (!reduce_now_) return;
     const ParamUnit& unit = model_->layout().units[u];
-    MT_CUDA_CHECK(cudaEventRecord(unit_ready_[u], stream_));
-    MT_CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, unit_ready_[u], 0));
+    after_unit_grads(u, comm_stream_);
     dcomm_->all_reduce_sum(model_->grads() + unit.begin, (int64_t)unit.size(), device_type<T>(),
                            comm_stream_);
 }
@@ -442,8 +449,7 @@ template <typename T>
 void CudaEngine<T>::start_unit_download(int u) {
     if (!reduce_now_) return;
     const ParamUnit& unit = model_->layout().units[u];
-    MT_CUDA_CHECK(cudaEventRecord(unit_ready_[u], stream_));
-    MT_CUDA_CHECK(cudaStreamWaitEvent(down_stream_, unit_ready_[u], 0));
+    after_unit_grads(u, down_stream_);
     MT_CUDA_CHECK(cudaMemcpyAsync(pinned_ + unit.begin, model_->grads() + unit.begin,
                                   unit.size() * sizeof(T), cudaMemcpyDeviceToHost, down_stream_));
 }
