@@ -348,6 +348,22 @@ TEST(CudaTrain, ConfigErrorsNameTheKey) {
     }
     c.train.device = "tpu";
     EXPECT_THROW(Trainer(c, quiet()), Error);
+    if (!cuda_available()) return;
+    // ZeRO-Offload over several ranks needs a sharded optimizer (stage >= 1).
+    RunConfig o = test::tiny_run(test::temp_dir("cuda_cfg_offload"), 1);
+    o.world = 2;
+    o.train.device = "cuda";
+    o.train.offload_optimizer = true;
+    o.train.batch_size = 4;
+    try {
+        o.validate();
+        FAIL() << "offload at stage 0 on 2 ranks was accepted";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("train.zero_stage >= 1"), std::string::npos)
+            << e.what();
+    }
+    o.train.zero_stage = 2;
+    EXPECT_NO_THROW(o.validate());
 }
 
 #endif  // MEMTRAIN_HAVE_CUDA
