@@ -160,6 +160,16 @@ TEST(CudaDp, Zero3LlamaUntiedWithFullRecompute) {
     });
 }
 
+// ZeRO-2 with the block inputs offloaded to pinned host memory (train.remat = offload): the
+// activation copies' stream and the collectives' stream run beside the compute stream together.
+TEST(CudaDp, Zero2WithOffloadedActivations) {
+    REQUIRE_GPU_DP();
+    check_ranks_match_one_process(2, "cuda_dp_remat_offload", [](RunConfig& c) {
+        c.model.n_layer = 5;  // more blocks than the device's ring of block inputs
+        c.train.remat = "offload";
+    });
+}
+
 // ZeRO-Offload over several ranks (ZeRO-2 + Offload, as DeepSpeed pairs them): each rank keeps its
 // shard's master weights, moments and update on its host.
 TEST(CudaDp, OffloadedShardsTrainTheSameModel) {
