@@ -12,6 +12,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -174,6 +175,8 @@ class CudaEngine final : public Engine, public OptimizerState {
     void host_update(double lr, float grad_scale);
     // ZeRO-1/2: all-gathers the updated shards; ZeRO-3: marks gathered units stale.
     void share_updated_params();
+    // After a skipped step: which tensors' gradients are not finite (StepResult::overflow).
+    std::string locate_overflow();
     std::size_t stats_doubles() const { return 2 + (std::size_t)cfg_.accum_steps(); }
 
     RunConfig cfg_;
@@ -524,16 +527,66 @@ StepResult CudaEngine<T>::finish_step(double lr, double max_norm) {
     if (!r.skipped) {
         t_++;
         if (offload_) host_update(lr, scalars_host_->grad_scale);
+    } else {
+        r.overflow = locate_overflow();
     }
     if (scaler_) {
-        scaler_->update(r.skipped, t);
+        try {
+            scaler_->update(r.skipped, t);
+        } catch (const Error& e) {  // the scale collapsed: say where the overflow is
+            fail("{} ({})", e.what(), r.overflow);
+        }
     } else if (r.skipped) {
         fail(
             "the gradient norm is not finite at step {} ({} training has no loss scale to "
-            "lower): lower optim.lr or check the data",
-            t, precision_name<T>());
+            "lower; {}): lower optim.lr or check the data",
+            t, precision_name<T>(), r.overflow);
     }
     return r;
+}
+
+template <typename T>
+std::string CudaEngine<T>::locate_overflow() {
+    // Only after a skipped step: a sum of squares per tensor of this rank's gradient range, the
+    // non-finite ones marked, the marks combined over the ranks.
+    const ParamLayout& layout = model_->layout();
+    const std::size_t first = shard_begin_, last = shard_begin_ + shard_count_;
+    const std::size_t n = layout.tensors.size();
+    DeviceBuffer<double> sums(n, MemCategory::Workspace);
+    MT_CUDA_CHECK(cudaMemsetAsync(sums.data(), 0, sums.bytes(), stream_));
+    for (std::size_t i = 0; i < n; i++) {
+        const ParamSpec& t = layout.tensors[i];
+        const std::size_t lo = std::max(t.offset, first), hi = std::min(t.offset + t.numel, last);
+        if (lo < hi)
+            cuda::sum_squares<T>(sums.data() + i, grad_shard() + (lo - first), (int64_t)(hi - lo),
+                                 stream_);
+    }
+    std::vector<double> host(n);
+    MT_CUDA_CHECK(
+        cudaMemcpyAsync(host.data(), sums.data(), sums.bytes(), cudaMemcpyDeviceToHost, stream_));
+    MT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    std::vector<int64_t> bad(n);
+    for (std::size_t i = 0; i < n; i++) bad[i] = std::isfinite(host[i]) ? 0 : 1;
+    comm_.all_reduce_max(bad.data(), (int64_t)n);
+    // Backward order: the head, the blocks from the last, the embedding; within a unit, the
+    // later tensors first (a block's backward starts at its MLP output projection).
+    auto rank_of = [&](std::size_t i) {
+        const std::size_t off = layout.tensors[i].offset;
+        int u = 0;
+        while (off >= layout.units[u].end) u++;
+        return std::pair<int, int64_t>{u == 0 ? INT32_MAX : -u, -(int64_t)i};
+    };
+    std::vector<std::size_t> order;
+    for (std::size_t i = 0; i < n; i++)
+        if (bad[i]) order.push_back(i);
+    std::sort(order.begin(), order.end(),
+              [&](std::size_t a, std::size_t b) { return rank_of(a) < rank_of(b); });
+    std::string names;
+    for (std::size_t k = 0; k < order.size() && k < 3; k++)
+        names += (k ? ", " : "") + layout.tensors[order[k]].name;
+    if (order.size() > 3) names += ", ...";
+    return fmt::format("non-finite gradients in {} of {} tensors, first in backward order: {}",
+                       order.size(), n, order.empty() ? "none found" : names);
 }
 
 template <typename T>

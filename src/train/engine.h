@@ -29,6 +29,9 @@ struct StepResult {
     double grad_norm = 0;   // of the true (unscaled) gradients, before clipping
     bool skipped = false;   // fp16: a gradient overflowed, the update was skipped
     double loss_scale = 1;  // fp16: the scale the gradients of this step carried
+    // A skipped step: which gradients were not finite ("non-finite gradients in 2 of 28
+    // tensors, first in backward order: h.1.mlp.c_proj.weight, ..."), the same on every rank.
+    std::string overflow;
 };
 
 // A row of the memory report: a category's predicted bytes and the formula behind them.

@@ -236,8 +236,9 @@ TrainSummary Trainer::run() {
                  loss, state_.step, cfg_.optim.lr);
         // fp16: the loss scale this step's gradients carried, and whether an overflow skipped it.
         const std::string scale =
-            fp16 ? fmt::format(" | scale {:g}{}", step.loss_scale,
-                               step.skipped ? " (overflow: update skipped)" : "")
+            fp16 ? fmt::format(
+                       " | scale {:g}{}", step.loss_scale,
+                       step.skipped ? " (overflow: update skipped; " + step.overflow + ")" : "")
                  : std::string();
         if (state_.step % cfg_.train.log_every == 0 || state_.step == total || step.skipped)
             print(
@@ -246,15 +247,17 @@ TrainSummary Trainer::run() {
                             state_.step, total, loss, lr, norm, tps, secs * 1000,
                             mib(mem.total_used), mib(mem.peak_total_used), scale));
         if (metrics_)
-            fmt::print(metrics_,
-                       "{{\"step\": {}, \"loss\": {:.6f}, \"lr\": {:.6e}, \"grad_norm\": {:.6f}, "
-                       "\"tokens_per_s\": {:.1f}, \"ms_per_step\": {:.3f}, \"mem_bytes\": {}, "
-                       "\"peak_mem_bytes\": {}{}}}\n",
-                       state_.step, loss, lr, norm, tps, secs * 1000, mem.total_used,
-                       mem.peak_total_used,
-                       fp16 ? fmt::format(", \"loss_scale\": {:g}, \"skipped\": {}",
-                                          step.loss_scale, step.skipped)
-                            : std::string());
+            fmt::print(
+                metrics_,
+                "{{\"step\": {}, \"loss\": {:.6f}, \"lr\": {:.6e}, \"grad_norm\": {:.6f}, "
+                "\"tokens_per_s\": {:.1f}, \"ms_per_step\": {:.3f}, \"mem_bytes\": {}, "
+                "\"peak_mem_bytes\": {}{}}}\n",
+                state_.step, loss, lr, norm, tps, secs * 1000, mem.total_used, mem.peak_total_used,
+                fp16 ? fmt::format(
+                           ", \"loss_scale\": {:g}, \"skipped\": {}{}", step.loss_scale,
+                           step.skipped,
+                           step.skipped ? fmt::format(", \"overflow\": \"{}\"", step.overflow) : "")
+                     : std::string());
         bool last = state_.step == total;
         if (val_loader_ &&
             ((cfg_.train.eval_every > 0 && state_.step % cfg_.train.eval_every == 0) || last)) {

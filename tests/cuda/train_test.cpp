@@ -127,6 +127,9 @@ TEST(CudaTrain, Fp16OverflowSkipsTheStepAndHalvesTheScale) {
     std::string all((std::istreambuf_iterator<char>(m)), std::istreambuf_iterator<char>());
     EXPECT_NE(all.find("\"step\": 2, \"loss\""), std::string::npos) << all;
     EXPECT_NE(all.find("\"loss_scale\": 1024, \"skipped\": true"), std::string::npos) << all;
+    // ... and where: the injected inf sits in wte.weight, and only there.
+    EXPECT_NE(all.find("\"overflow\": \"non-finite gradients in 1 of "), std::string::npos) << all;
+    EXPECT_NE(all.find("first in backward order: wte.weight\""), std::string::npos) << all;
     EXPECT_NE(all.find("\"loss_scale\": 512, \"skipped\": false"), std::string::npos) << all;
 }
 
