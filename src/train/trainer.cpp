@@ -4,7 +4,9 @@
 #include <cblas.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <tuple>
 
@@ -28,6 +30,33 @@ namespace {
 
 std::string mib(std::size_t bytes) {
     return fmt::format("{:.1f} MiB", bytes / 1048576.0);
+}
+
+// fp16 holds magnitudes up to 65504. Weights beyond that (a checkpoint trained in bf16 or fp32
+// may have them) round to inf in the first forward, and every step then overflows until the
+// loss scale collapses; refuse them before training instead, naming the tensor. Every rank calls
+// it (under ZeRO-3 acquiring a unit gathers it).
+void check_fp16_range(const ModelWeights& w, const std::string& source) {
+    constexpr float kFp16Max = 65504.0f;
+    for (int u = 0; u < (int)w.layout.units.size(); u++) {
+        const ParamUnit& unit = w.layout.units[u];
+        const float* p = w.store.acquire(u);
+        std::string bad;
+        for (std::size_t i = unit.first_tensor; i < unit.last_tensor && bad.empty(); i++) {
+            const ParamSpec& t = w.layout.tensors[i];
+            const float* v = p + (t.offset - unit.begin);
+            float top = 0;
+            for (std::size_t k = 0; k < t.numel; k++) top = std::max(top, std::fabs(v[k]));
+            if (!(top <= kFp16Max))
+                bad = fmt::format("{} holds a weight of magnitude {:g}", t.name, top);
+        }
+        w.store.release(u);
+        if (!bad.empty())
+            fail(
+                "model.init_from = {}: {}, beyond fp16's largest finite value {:g}; train it in "
+                "bf16 (train.precision = \"bf16\"), which has fp32's range",
+                source, bad, kFp16Max);
+    }
 }
 
 }  // namespace
@@ -121,6 +150,8 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
         print(fmt::format("resumed from {} at step {}\n", resume_dir, state_.step));
     } else if (!cfg_.model.init_from.empty()) {
         load_hf_weights(engine_->weights(), cfg_.model.init_from);
+        if (cfg_.train.precision == "fp16")
+            check_fp16_range(engine_->weights(), cfg_.model.init_from);
         print(fmt::format("initialised weights from {}\n", cfg_.model.init_from));
     } else {
         init_gpt2_weights(engine_->weights(), cfg_.train.seed);

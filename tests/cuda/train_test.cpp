@@ -133,6 +133,36 @@ TEST(CudaTrain, Fp16OverflowSkipsTheStepAndHalvesTheScale) {
     EXPECT_NE(all.find("\"loss_scale\": 512, \"skipped\": false"), std::string::npos) << all;
 }
 
+// Weights beyond fp16's range (as a bf16-trained checkpoint may hold) are refused before an fp16
+// run starts, naming the tensor; bf16 takes them.
+TEST(CudaTrain, Fp16RefusesWeightsBeyondItsRange) {
+    REQUIRE_GPU();
+    RunConfig src = test::tiny_run(test::temp_dir("cuda_fp16_range_src"), 1);
+    TrainOptions o = quiet();
+    o.before_step = [](int64_t, Engine& e) {
+        ModelWeights w = e.weights();
+        const int u = w.layout.block_unit(1);
+        float* p = w.store.acquire(u, true);
+        p[w.layout.get("h.1.mlp.c_fc.weight").offset - w.layout.units[u].begin] = 1e5f;
+        w.store.release(u);
+    };
+    Trainer t(src, o);
+    const std::string ckpt = t.run().last_checkpoint + "/model.safetensors";
+    RunConfig c = cuda_run(test::temp_dir("cuda_fp16_range"), 1, "fp16");
+    c.model.init_from = ckpt;
+    try {
+        Trainer bad(c, quiet());
+        FAIL() << "fp16 accepted a weight of 1e5";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("h.1.mlp.c_fc.weight holds a weight of magnitude"),
+                  std::string::npos)
+            << e.what();
+        EXPECT_NE(std::string(e.what()).find("bf16"), std::string::npos) << e.what();
+    }
+    c.train.precision = "bf16";
+    EXPECT_NO_THROW(Trainer(c, quiet()));
+}
+
 TEST(CudaTrain, SameSeedTwiceGivesSameBitsAndResumeIsExact) {
     REQUIRE_GPU();
     for (const char* p : {"fp32", "bf16"}) {
