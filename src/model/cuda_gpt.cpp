@@ -100,8 +100,8 @@ void CudaGPT<T>::ensure_arena(int B, int T_) {
     if (B == arena_B_ && T_ == arena_T_) return;
     const ActFormat fmt = arena_format(cfg_, B, T_);
     const ArenaPlan p = plan_arena(cfg_, B, T_, plan_, fmt);
-    MT_CUDA_CHECK(cudaStreamSynchronize(stream_));  // queued work may still use the old arenas
-    drop_graph();                                   // a captured step points into the arenas
+    wait("queued work on the old arenas");
+    drop_graph();  // a captured step points into the arenas
     // Exactly the plan's sizes (free first: no transient double peak), so measured == predicted.
     if (p.activation_bytes != acts_.size()) {
         acts_.reset();
@@ -488,7 +488,7 @@ void CudaGPT<T>::forward_logits(const int32_t* inputs, int B, int T_, float* out
     unit_params_done(lm_unit_);
     MT_CUDA_CHECK(
         cudaMemcpyAsync(out, logits.data(), n * sizeof(float), cudaMemcpyDeviceToHost, stream_));
-    MT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    wait("the logits");
 }
 
 template class CudaGPT<float>;

@@ -101,6 +101,9 @@ class CudaGPT {
     // embedding last): data parallelism starts that unit's all-reduce there, overlapping the
     // backward of the units below. Null: nothing is called.
     void set_grads_done_hook(std::function<void(int unit)> hook) { grads_done_ = std::move(hook); }
+    // How the host waits for the stream (default cudaStreamSynchronize): data parallelism waits
+    // through its communicator, which fails fast on a dead peer instead of hanging.
+    void set_waiter(std::function<void(const char* what)> waiter) { waiter_ = std::move(waiter); }
 
   private:
     struct Saved {  // one block's saved fields (see activation_layout.h), T or fp32
@@ -192,6 +195,13 @@ class CudaGPT {
     std::vector<cudaEvent_t> produced_, to_host_, consumed_, to_device_;
 
     std::function<void(int unit)> grads_done_;
+    std::function<void(const char* what)> waiter_;
+    void wait(const char* what) {
+        if (waiter_)
+            waiter_(what);
+        else
+            MT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    }
 
     bool graphs_ = false, warmed_up_ = false;
     cudaGraphExec_t graph_exec_ = nullptr;

@@ -163,6 +163,14 @@ class CudaEngine final : public Engine, public OptimizerState {
         return counts;
     }
     std::size_t layout_total() const { return model_->layout().total; }
+    // Waits for the compute stream; with several ranks through the device communicator, which
+    // fails fast (naming `what`) where a dead peer would leave a collective waiting forever.
+    void wait(const char* what) {
+        if (dcomm_)
+            dcomm_->wait(stream_, what);
+        else
+            MT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    }
     // DDP: all-reduces unit u's gradients on the communication stream (the grads-done hook).
     void start_unit_all_reduce(int u);
     // ZeRO-Offload: copies unit u's gradients to the pinned buffer on the download stream.
@@ -247,13 +255,13 @@ float* WeightsStore<T>::acquire(int u, bool for_write) {
                 MT_CUDA_CHECK(cudaMemcpyAsync(piece_.data(), e_.master() + (lo - e_.shard_begin_),
                                               piece_.size() * sizeof(float), cudaMemcpyDeviceToHost,
                                               e_.stream_));
-            MT_CUDA_CHECK(cudaStreamSynchronize(e_.stream_));
+            e_.wait("a weight transfer");
             e_.comm_.all_gather(piece_.data(), host_.data(), counts);
         } else {
             MT_CUDA_CHECK(cudaMemcpyAsync(host_.data(), e_.master() + unit.begin - e_.shard_begin_,
                                           unit.size() * sizeof(float), cudaMemcpyDeviceToHost,
                                           e_.stream_));
-            MT_CUDA_CHECK(cudaStreamSynchronize(e_.stream_));
+            e_.wait("a weight transfer");
         }
     }
     written_ = written_ || for_write;
@@ -272,7 +280,7 @@ void WeightsStore<T>::release(int u) {
         for (std::size_t i = 0; i < unit.size(); i++) stage[i] = to_storage<T>(src[i]);
         MT_CUDA_CHECK(cudaMemcpyAsync(e_.model_->params() + unit.begin, stage,
                                       unit.size() * sizeof(T), cudaMemcpyHostToDevice, e_.stream_));
-        MT_CUDA_CHECK(cudaStreamSynchronize(e_.stream_));
+        e_.wait("a weight transfer");
     } else if (written_ && e_.sharded_master()) {
         // Every rank keeps its piece of the unit's master weights, and the whole unit rounded
         // into its parameters (every rank holds them whole under ZeRO-1).
@@ -297,7 +305,7 @@ void WeightsStore<T>::release(int u) {
                                           cudaMemcpyHostToDevice, e_.stream_));
         }
         if (e_.zero_) e_.zero_->params_changed();
-        MT_CUDA_CHECK(cudaStreamSynchronize(e_.stream_));
+        e_.wait("a weight transfer");
     } else if (written_) {
         const ParamUnit& unit = e_.model_->layout().units[u];
         float* dst = e_.master() + unit.begin - e_.shard_begin_;
@@ -306,7 +314,7 @@ void WeightsStore<T>::release(int u) {
         if constexpr (!std::is_same_v<T, float>)
             cuda::cast<T, float>(e_.whole_params() + unit.begin, dst, (int64_t)unit.size(),
                                  e_.stream_);
-        MT_CUDA_CHECK(cudaStreamSynchronize(e_.stream_));  // host_ is reused
+        e_.wait("a weight transfer");  // host_ is reused
     }
     held_ = -1;
     written_ = false;
@@ -339,6 +347,7 @@ CudaEngine<T>::CudaEngine(const RunConfig& cfg, dist::Communicator& comm)
                 make_param_layout(cfg_.model), stage_, *dcomm_, shard_, stream_, comm_stream_);
     }
     model_ = std::make_unique<CudaGPT<T>>(cfg_.model, stream_, shard_ * world_, zero_.get());
+    if (dcomm_) model_->set_waiter([this](const char* what) { wait(what); });
     model_->set_cuda_graphs(cfg_.train.cuda_graphs);
     offload_ = cfg_.train.offload_optimizer;
     // Offload streams each unit's gradients to the host as the last backward finishes it (not
@@ -475,7 +484,7 @@ StepResult CudaEngine<T>::finish_step(double lr, double max_norm) {
         // Test hook: one gradient becomes +inf, as an fp16 overflow in backward would make it.
         const T inf = (T)INFINITY;
         MT_CUDA_CHECK(cudaMemcpyAsync(grads, &inf, sizeof(T), cudaMemcpyHostToDevice, stream_));
-        MT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+        wait("queued device work");
         inject_overflow_ = false;
     }
     if (stage_ >= 1) {
@@ -513,10 +522,7 @@ StepResult CudaEngine<T>::finish_step(double lr, double max_norm) {
         cudaMemcpyAsync(scalars_host_, dev_scalars, sizeof(s), cudaMemcpyDeviceToHost, stream_));
     MT_CUDA_CHECK(
         cudaMemcpyAsync(stats_host_, sums, 8 * stats_doubles(), cudaMemcpyDeviceToHost, stream_));
-    if (dcomm_)
-        dcomm_->wait(stream_, "the step's gradient collectives");  // fails fast on a dead peer
-    else
-        MT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    wait("the step's gradient collectives");
     StepResult r;
     double loss = 0;
     for (int k = 0; k < micro_; k++) loss += stats_host_[2 + k];
@@ -564,7 +570,7 @@ std::string CudaEngine<T>::locate_overflow() {
     std::vector<double> host(n);
     MT_CUDA_CHECK(
         cudaMemcpyAsync(host.data(), sums.data(), sums.bytes(), cudaMemcpyDeviceToHost, stream_));
-    MT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    wait("the overflow check");
     std::vector<int64_t> bad(n);
     for (std::size_t i = 0; i < n; i++) bad[i] = std::isfinite(host[i]) ? 0 : 1;
     comm_.all_reduce_max(bad.data(), (int64_t)n);
@@ -633,7 +639,7 @@ double CudaEngine<T>::forward_loss(const int32_t* inputs, const int32_t* targets
     double sum = 0;
     MT_CUDA_CHECK(cudaMemcpyAsync(&stats_host_[1], sums + 1, sizeof(double), cudaMemcpyDeviceToHost,
                                   stream_));
-    MT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    wait("the validation loss");
     sum = stats_host_[1];
     return sum / ((double)B * T_);
 }
@@ -656,7 +662,7 @@ template <typename T>
 void CudaEngine<T>::read_state(const std::string& name, float* dst) {
     DeviceBuffer<float>& b = state_buffer(name);
     MT_CUDA_CHECK(cudaMemcpyAsync(dst, b.data(), b.bytes(), cudaMemcpyDeviceToHost, stream_));
-    MT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    wait("queued device work");
 }
 
 template <typename T>
@@ -668,7 +674,7 @@ void CudaEngine<T>::write_state(const std::string& name, std::size_t begin, std:
              b.size());
     MT_CUDA_CHECK(
         cudaMemcpyAsync(b.data() + begin, src, n * sizeof(float), cudaMemcpyHostToDevice, stream_));
-    MT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    wait("queued device work");
 }
 
 template <typename T>
