@@ -19,7 +19,10 @@ memtrain / PyTorch, and the issue's goals marked met or not met with their margi
 with torch.utils.checkpoint per block against memtrain with train.remat=budget:<bytes>, the
 budget chosen so that memtrain's peak is no higher than PyTorch's checkpointed peak (PyTorch's
 measured peak minus memtrain's non-activation bytes, read from the memory breakdown of memtrain's
-remat=none run; or --remat-budget), beside memtrain remat=none and PyTorch without checkpointing.
+remat=none run; or --remat-budget), beside memtrain remat=none and PyTorch without checkpointing;
+and a second way to the same memory: the optimizer on the host (train.offload_optimizer), the
+freed GPU memory spent on (almost) no recompute, and --offload-accum micro-batches per step so
+that the host update is amortised.
 
 Conventions (the same for both sides):
   - time: the mean over the timed steps after the warm-up steps (memtrain: the ms_per_step of
@@ -263,9 +266,10 @@ REMAT_LINE = re.compile(r"^remat (\S+): blocks keep \[(\w*)\].*\| activations ([
 BUDGET_TOO_SMALL = re.compile(r"use budget:(\d+) or more")
 
 
-def memtrain_config(shape, a, shard, out_dir, total_steps):
+def memtrain_config(shape, a, shard, out_dir, total_steps, accum=1):
     """A val-less config for the benchmark: training steps only (no validation, checkpoints or
-    sample), a constant learning rate, one micro-batch per step (as the PyTorch peer)."""
+    sample), a constant learning rate, one micro-batch per step (as the PyTorch peer) unless
+    `accum` micro-batches are accumulated per step."""
     s = shape
     q = json.dumps  # a TOML basic string is a JSON string
     return "\n".join([
@@ -275,7 +279,7 @@ def memtrain_config(shape, a, shard, out_dir, total_steps):
         "block_size = %d" % s["seq"], "vocab_size = %d" % s["vocab"], "vocab_pad = %d" % VOCAB_PAD,
         "[train]",
         "device = %s" % q(a.device), "precision = %s" % q(a.precision),
-        "seq_len = %d" % s["seq"], "batch_size = %d" % s["micro_batch"],
+        "seq_len = %d" % s["seq"], "batch_size = %d" % (s["micro_batch"] * accum),
         "micro_batch_size = %d" % s["micro_batch"], "max_steps = %d" % total_steps,
         "eval_every = 0", "log_every = 1", "threads = %d" % (a.threads if a.device == "cpu" else 0),
         "[optim]",
@@ -306,16 +310,20 @@ class Memtrain:
             sys.exit("gpu_vs_pytorch.py: %s cannot run this benchmark: %s" %
                      (self.a.memtrain, r.get("error") or "no config key " + ", ".join(missing)))
 
-    def train(self, label, warmup, steps, remat="none"):
+    def train(self, label, warmup, steps, remat="none", accum=1, extra=()):
+        """One memtrain run; `accum` micro-batches per step, `extra` more --set key=value."""
         name = re.sub(r"[^A-Za-z0-9]+", "-", label).strip("-")
         out_dir = os.path.join(self.tmp, name)
         os.makedirs(out_dir, exist_ok=True)
         config = os.path.join(out_dir, "bench.toml")
         with open(config, "w") as f:
-            f.write(memtrain_config(self.shape, self.a, self.shard, out_dir, warmup + steps))
+            f.write(memtrain_config(self.shape, self.a, self.shard, out_dir, warmup + steps,
+                                    accum))
         cmd = [self.a.memtrain, "train", config, "--set", "train.remat=" + remat,
                "--set", "io.save_final=false", "--set", "sample.max_tokens=0",
                "--set", "train.eval_every=0"]
+        for kv in extra:
+            cmd += ["--set", kv]
         r = run_process(label, cmd, self.a.timeout, env=self.env)
         run = process_record(r, "memtrain")
         with open(config) as f:
@@ -328,7 +336,8 @@ class Memtrain:
             return run
         try:
             run.update(ok=True, **parse_memtrain(os.path.join(out_dir, "metrics.jsonl"),
-                                                  r["output"], warmup, steps, self.shape))
+                                                  r["output"], warmup, steps, self.shape, accum))
+            run["accum"] = accum
         except (OSError, ValueError, KeyError) as e:
             run.update(ok=False, error="could not read memtrain's results: %s" % e)
             show_output(label, r["output"])
@@ -338,7 +347,7 @@ class Memtrain:
         return run
 
 
-def parse_memtrain(metrics_path, output, warmup, steps, shape):
+def parse_memtrain(metrics_path, output, warmup, steps, shape, accum=1):
     with open(metrics_path) as f:
         rows = [json.loads(l) for l in f if l.strip()]
     step_rows = [r for r in rows if "loss" in r]
@@ -347,7 +356,7 @@ def parse_memtrain(metrics_path, output, warmup, steps, shape):
                                                                warmup + steps))
     timed = step_rows[warmup:]
     total_ms = sum(r["ms_per_step"] for r in timed)
-    tokens = shape["micro_batch"] * shape["seq"] * len(timed)
+    tokens = shape["micro_batch"] * accum * shape["seq"] * len(timed)
     res = {
         "tokens_per_s": tokens / (total_ms / 1000.0),
         "ms_per_step": total_ms / len(timed),
@@ -521,8 +530,56 @@ def preset_benchmark(a, shape, warmup, steps, peer, mt, res):
         goals.append(speed_goal("tokens/s >= %.2fx PyTorch %s" % (target, p),
                                 runs["memtrain"], peer_run, target))
         goals.append(memory_goal("peak memory <= PyTorch %s" % p, runs["memtrain"], peer_run))
+    if offload:
+        # The same goals met another way: the optimizer's 12 bytes/parameter on the host leave
+        # the GPU room for (almost) no recompute, and accumulating micro-batches amortises the
+        # host update. PyTorch's optimizer step (on the GPU, once per micro-batch there) is a few
+        # percent of its step, so the comparison slightly favours this row.
+        print("ZeRO-Offload row: train.offload_optimizer with %d micro-batches of %d x %d per "
+              "step (global batch %d sequences), remat %s" % (
+                  a.offload_accum, shape["micro_batch"], shape["seq"],
+                  a.offload_accum * shape["micro_batch"], offload.get("remat")))
+        goals += [
+            speed_goal("ZeRO-Offload: tokens/s >= %.2fx PyTorch eager + checkpoint"
+                       % REMAT_SPEEDUP_GOAL, offload, runs["pytorch_checkpoint"],
+                       REMAT_SPEEDUP_GOAL),
+            memory_goal("ZeRO-Offload: peak memory <= PyTorch eager + checkpoint", offload,
+                        runs["pytorch_checkpoint"]),
+            speed_goal("ZeRO-Offload: tokens/s >= %.2fx memtrain remat=none"
+                       % REMAT_OWN_SPEED_GOAL, offload, runs["memtrain_none"],
+                       REMAT_OWN_SPEED_GOAL),
+        ]
     res["goals"] = goals
     print_goals(goals)
+
+
+def offload_accum_run(a, warmup, steps, mt, runs):
+    """--remat-compare's second way to PyTorch's checkpointed memory: the optimizer on the host
+    (train.offload_optimizer), the activation budget what is left under PyTorch's peak (a short
+    probe gives the non-activation bytes), a.offload_accum micro-batches per step. Returns the
+    run, or None when it is not asked for or has no budget."""
+    if a.offload_accum <= 0 or a.device != "cuda":
+        return None
+    pt = runs["pytorch_checkpoint"]
+    extra = ("train.offload_optimizer=true",)
+    probe = mt.train("memtrain ZeRO-Offload remat=full (budget probe)", 1, 1, "full", 1, extra)
+    runs["memtrain_offload_probe"] = probe
+    if not (pt.get("ok") and probe.get("ok") and "non_activation_peak_bytes" in probe):
+        return None
+    budget = pt["peak_bytes"] - probe["non_activation_peak_bytes"] - a.remat_margin_mib * MIB
+    if budget <= 0:
+        return None
+    # Fewer, longer steps: each holds offload_accum micro-batches.
+    w, n = max(1, warmup // 3), max(2, steps // 10)
+    run = mt.train("memtrain ZeRO-Offload remat=budget", w, n, "budget:%d" % budget,
+                   a.offload_accum, extra)
+    if not run.get("ok") and run.get("smallest_feasible_budget"):
+        budget = run["smallest_feasible_budget"]
+        run = mt.train("memtrain ZeRO-Offload remat=budget (smallest feasible)", w, n,
+                       "budget:%d" % budget, a.offload_accum, extra)
+    run["budget_bytes"] = budget
+    runs["memtrain_offload_budget"] = run
+    return run
 
 
 def remat_benchmark(a, shape, warmup, steps, peer, mt, res):
@@ -574,6 +631,7 @@ def remat_benchmark(a, shape, warmup, steps, peer, mt, res):
                            "budget:%d" % least)
             run["budget_bytes"] = least
         runs["memtrain_budget"] = run
+    offload = offload_accum_run(a, warmup, steps, mt, runs)
     for r in runs.values():
         add_flops(r, fpt, peak)
     res["runs"] = runs
@@ -589,7 +647,9 @@ def remat_benchmark(a, shape, warmup, steps, peer, mt, res):
                  ("memtrain remat=budget" + (":%.0fMiB" % (mb["budget_bytes"] / MIB)
                                              if mb.get("budget_bytes") else ""), mb),
                  ("PyTorch eager", runs["pytorch_eager"]),
-                 ("PyTorch eager + checkpoint/block", runs["pytorch_checkpoint"])],
+                 ("PyTorch eager + checkpoint/block", runs["pytorch_checkpoint"])] +
+                ([("memtrain ZeRO-Offload, %d micro-batches/step" % a.offload_accum, offload)]
+                 if offload else []),
                 mem_label, peak)
     if plan:
         print("memtrain's plan (blocks: a all, s selective, i input only): %s; predicted "
@@ -626,6 +686,9 @@ def main():
     ap.add_argument("--remat-compare", action="store_true",
                     help="activation checkpointing: memtrain remat=budget vs PyTorch checkpoint")
     ap.add_argument("--remat-budget", type=int, help="bytes; default: derived (see above)")
+    ap.add_argument("--offload-accum", type=int,
+                    help="--remat-compare: also run memtrain with the optimizer on the host and "
+                         "this many micro-batches per step (default 64, 32 with --quick; 0: no)")
     ap.add_argument("--remat-margin-mib", type=int, default=16,
                     help="subtracted from the derived budget (rounding of memtrain's table)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
@@ -648,6 +711,8 @@ def main():
     a = ap.parse_args()
 
     a.preset = a.preset or ("1.5b" if a.remat_compare else "124m")
+    if a.offload_accum is None:
+        a.offload_accum = 32 if a.quick else 64
     a.precision = a.precision or ("bf16" if a.device == "cuda" else "fp32")
     if a.device == "cpu" and a.precision != "fp32":
         ap.error("--device cpu trains in fp32 (memtrain's CPU engine is fp32 only)")
@@ -695,6 +760,8 @@ def main():
         mt = Memtrain(a, shape, os.path.join(tmp, "train.bin"), tmp)
         mt.check_keys()
         n_tokens = max(200_000, (warmup + steps + 2) * shape["micro_batch"] * (shape["seq"] + 1))
+        # (the offload row's longer steps wrap around the shard: the data loader starts a new
+        # epoch, which costs nothing measurable)
         write_shard(mt.shard, n_tokens, shape["vocab"], 1)
         n_all, n_flops = param_counts(shape)
         res = {
