@@ -24,7 +24,7 @@
 # process's command and the end of its output) to $OUT/gpu-<name>.json: four files in all.
 # A failed CUDA test or benchmark does not stop the others; the exit status is non-zero if any
 # failed. Expected time on one H100: build + tests a few minutes, 124m ~3 min (torch.compile's
-# warm-up is most of it), 1.5b ~6 min, remat ~4 min.
+# warm-up is most of it), 1.5b ~6 min, remat ~6 min (its ZeRO-Offload row included).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=build-gpu
