@@ -29,8 +29,8 @@ std::vector<int64_t> shard_offsets(std::span<const int64_t> counts);
 // A group of ranks and the operations they do together. Every collective must be called by
 // every rank of the group, in the same order, with the same sizes (counts, n, root); a rank
 // that does not arrive makes the others fail (MpiCommunicator: after its timeout) rather than
-// hang. All calls are blocking: on return the output is complete and input buffers are free.
-// Buffers are host memory; n and counts are in elements.
+// hang. All calls but the start_ ones are blocking: on return the output is complete and input
+// buffers are free. Buffers are host memory; n and counts are in elements.
 class Communicator {
   public:
     virtual ~Communicator() = default;
@@ -45,17 +45,6 @@ class Communicator {
     // same inputs on the same world size give the same bits on every run (the reduction order is
     // fixed by the backend's algorithm, not by timing).
     virtual void all_reduce_sum(float* data, int64_t n) = 0;
-    // The same, nonblocking: starts the sum and returns at once, so the caller can compute while
-    // it travels (DDP overlaps the gradient all-reduce of one unit with the backward of the
-    // next). `data` must not be touched until wait_all() returns. Started operations count as
-    // collectives in call order like any other. Backends without nonblocking support run it at
-    // once (this default).
-    virtual void start_all_reduce_sum(float* data, int64_t n) { all_reduce_sum(data, n); }
-    // Lets started operations advance (MPI progresses nonblocking collectives only inside MPI
-    // calls); cheap, call it between pieces of work.
-    virtual void progress() {}
-    // Completes every started operation (with the backend's timeout).
-    virtual void wait_all() {}
     // In place: data[i] = max over ranks (used to agree on errors, overflow flags, step counts).
     virtual void all_reduce_max(double* data, int64_t n) = 0;
     virtual void all_reduce_max(int64_t* data, int64_t n) = 0;
@@ -70,6 +59,38 @@ class Communicator {
     virtual void all_gather(const float* in, float* out, std::span<const int64_t> counts) = 0;
     // Fixed-size records: `out` receives size() * bytes_per_rank bytes, rank r's at r * bytes.
     virtual void all_gather_bytes(const void* in, void* out, int64_t bytes_per_rank) = 0;
+
+    // Nonblocking collectives: each starts the operation and returns at once with its id, so
+    // the caller can compute while it travels (DDP overlaps a unit's gradient all-reduce with the
+    // backward of the next units, ZeRO its reduce-scatters, ZeRO-3 prefetches the next unit's
+    // parameters). The output (an all-reduce's data) must not be read or written, nor the input
+    // written, until wait(id) or wait_all() returns. Started operations count as collectives in
+    // call order like any other: every rank starts the same ones in the same order, and may
+    // complete them in any order. Backends without nonblocking support (LocalCommunicator) run them
+    // at once and return id 0, which is always complete (these defaults).
+    virtual uint64_t start_all_reduce_sum(float* data, int64_t n) {
+        all_reduce_sum(data, n);
+        return 0;
+    }
+    virtual uint64_t start_reduce_scatter_sum(const float* in, float* out,
+                                              std::span<const int64_t> counts) {
+        reduce_scatter_sum(in, out, counts);
+        return 0;
+    }
+    virtual uint64_t start_all_gather(const float* in, float* out,
+                                      std::span<const int64_t> counts) {
+        all_gather(in, out, counts);
+        return 0;
+    }
+    // Lets started operations advance (MPI progresses nonblocking collectives only inside MPI
+    // calls); cheap, call it between pieces of work.
+    virtual void progress() {}
+    // Never waits: lets every started operation advance and says whether `id` has completed.
+    virtual bool test(uint64_t /*id*/) { return true; }
+    // Completes `id` (with the backend's timeout); returns at once if it already has.
+    virtual void wait(uint64_t /*id*/) {}
+    // Completes every started operation (with the backend's timeout).
+    virtual void wait_all() {}
 
     // Copies `bytes` bytes at `data` from rank `root` to every rank.
     virtual void broadcast(void* data, int64_t bytes, int root) = 0;

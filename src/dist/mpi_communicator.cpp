@@ -58,8 +58,19 @@ struct MpiCommunicator::State {
     // lines of different ranks can be matched; point-to-point calls have their own count.
     uint64_t collective_seq = 0;
     uint64_t p2p_seq = 0;
-    // Started nonblocking all-reduces, in start order, with their sizes (for the timeout line).
-    std::vector<std::pair<MPI_Request, int64_t>> pending;
+    // Started nonblocking collectives, in start order. MPI may read the count and displacement
+    // arrays until the operation completes, so each keeps its own (a vector's storage does not
+    // move when the vector does).
+    struct Started {
+        uint64_t id = 0;
+        MPI_Request request = MPI_REQUEST_NULL;
+        const char* op = "";  // for the timeout line, with n and seq
+        int64_t n = 0;
+        uint64_t seq = 0;
+        std::vector<int> counts, displs;
+    };
+    std::vector<Started> pending;
+    uint64_t next_id = 1;  // 0 means "already complete"
 };
 
 namespace {
@@ -152,11 +163,13 @@ namespace {
 // collectives only inside MPI calls, so the loop keeps calling MPI_Test: it yields for the first
 // milliseconds (fast collectives) and then sleeps briefly so a waiting rank does not steal the
 // core of an oversubscribed peer that has not arrived yet.
-void wait(MpiCommunicator::State& s, MPI_Request& request, const char* op, int64_t n,
-          const char* unit, int peer, MPI_Status* status) {
+// `seq` is the operation's number for the timeout line: 0 takes the next one, a started
+// collective passes the number it got when it started.
+void wait_request(MpiCommunicator::State& s, MPI_Request& request, const char* op, int64_t n,
+                  const char* unit, int peer, MPI_Status* status, uint64_t seq = 0) {
     using clock = std::chrono::steady_clock;
     const bool collective = peer < 0;
-    const uint64_t seq = collective ? ++s.collective_seq : ++s.p2p_seq;
+    if (seq == 0) seq = collective ? ++s.collective_seq : ++s.p2p_seq;
     const auto start = clock::now();
     for (;;) {
         int done = 0;
@@ -194,35 +207,80 @@ void MpiCommunicator::all_reduce_sum(float* data, int64_t n) {
     MPI_Request req;
     check(MPI_Iallreduce(MPI_IN_PLACE, data, count, MPI_FLOAT, MPI_SUM, s.comm, &req), s.rank,
           "all_reduce_sum");
-    wait(s, req, "all_reduce_sum", n, "floats", -1, nullptr);
+    wait_request(s, req, "all_reduce_sum", n, "floats", -1, nullptr);
 }
 
-void MpiCommunicator::start_all_reduce_sum(float* data, int64_t n) {
+namespace {
+
+// Registers a started collective; it takes the next collective number now, in start order, which
+// is the same on every rank.
+uint64_t add_started(MpiCommunicator::State& s, MPI_Request request, const char* op, int64_t n,
+                     std::vector<int> counts = {}, std::vector<int> displs = {}) {
+    MpiCommunicator::State::Started st;
+    st.id = s.next_id++;
+    st.request = request;
+    st.op = op;
+    st.n = n;
+    st.seq = ++s.collective_seq;
+    st.counts = std::move(counts);
+    st.displs = std::move(displs);
+    s.pending.push_back(std::move(st));
+    return s.pending.back().id;
+}
+
+// Waits for one started collective and forgets it. The timeout clock starts here, not at the
+// start: a started collective may legitimately wait behind a whole backward pass.
+void finish_started(MpiCommunicator::State& s, std::size_t i) {
+    auto& st = s.pending[i];
+    if (st.request != MPI_REQUEST_NULL)
+        wait_request(s, st.request, st.op, st.n, "floats", -1, nullptr, st.seq);
+    s.pending.erase(s.pending.begin() + static_cast<std::ptrdiff_t>(i));
+}
+
+}  // namespace
+
+uint64_t MpiCommunicator::start_all_reduce_sum(float* data, int64_t n) {
     State& s = *state_;
     const int count = to_int(n, "all_reduce_sum", "n");
     MPI_Request req;
     check(MPI_Iallreduce(MPI_IN_PLACE, data, count, MPI_FLOAT, MPI_SUM, s.comm, &req), s.rank,
           "all_reduce_sum");
-    s.pending.emplace_back(req, n);
+    return add_started(s, req, "all_reduce_sum (started)", n);
 }
 
 void MpiCommunicator::progress() {
     State& s = *state_;
-    for (auto& [req, n] : s.pending) {
-        if (req == MPI_REQUEST_NULL) continue;
+    // Completed requests become MPI_REQUEST_NULL; their entries go now, so the list stays short.
+    for (auto& st : s.pending) {
+        if (st.request == MPI_REQUEST_NULL) continue;
         int done = 0;
-        check(MPI_Test(&req, &done, MPI_STATUS_IGNORE), s.rank, "all_reduce_sum (started)");
+        check(MPI_Test(&st.request, &done, MPI_STATUS_IGNORE), s.rank, st.op);
+    }
+    std::erase_if(s.pending,
+                  [](const State::Started& st) { return st.request == MPI_REQUEST_NULL; });
+}
+
+bool MpiCommunicator::test(uint64_t id) {
+    progress();
+    const State& s = *state_;
+    for (const auto& st : s.pending)
+        if (st.id == id) return false;
+    return true;
+}
+
+void MpiCommunicator::wait(uint64_t id) {
+    State& s = *state_;
+    for (std::size_t i = 0; i < s.pending.size(); ++i) {
+        if (s.pending[i].id == id) {
+            finish_started(s, i);
+            return;
+        }
     }
 }
 
 void MpiCommunicator::wait_all() {
     State& s = *state_;
-    // The timeout clock starts here, not at the start: a started collective may legitimately
-    // wait behind a whole backward pass.
-    for (auto& [req, n] : s.pending)
-        if (req != MPI_REQUEST_NULL)
-            wait(s, req, "all_reduce_sum (started)", n, "floats", -1, nullptr);
-    s.pending.clear();
+    while (!s.pending.empty()) finish_started(s, 0);
 }
 
 void MpiCommunicator::all_reduce_max(double* data, int64_t n) {
@@ -231,7 +289,7 @@ void MpiCommunicator::all_reduce_max(double* data, int64_t n) {
     MPI_Request req;
     check(MPI_Iallreduce(MPI_IN_PLACE, data, count, MPI_DOUBLE, MPI_MAX, s.comm, &req), s.rank,
           "all_reduce_max");
-    wait(s, req, "all_reduce_max", n, "values", -1, nullptr);
+    wait_request(s, req, "all_reduce_max", n, "values", -1, nullptr);
 }
 
 void MpiCommunicator::all_reduce_max(int64_t* data, int64_t n) {
@@ -240,7 +298,7 @@ void MpiCommunicator::all_reduce_max(int64_t* data, int64_t n) {
     MPI_Request req;
     check(MPI_Iallreduce(MPI_IN_PLACE, data, count, MPI_INT64_T, MPI_MAX, s.comm, &req), s.rank,
           "all_reduce_max");
-    wait(s, req, "all_reduce_max", n, "values", -1, nullptr);
+    wait_request(s, req, "all_reduce_max", n, "values", -1, nullptr);
 }
 
 namespace {
@@ -262,11 +320,13 @@ void int_layout(std::span<const int64_t> counts, int world, const char* op, std:
 
 }  // namespace
 
-void MpiCommunicator::reduce_scatter_sum(const float* in, float* out,
-                                         std::span<const int64_t> counts) {
-    State& s = *state_;
-    std::vector<int> c, displs;
-    int64_t total = 0;
+namespace {
+
+// Starts MPI_Ireduce_scatter (the checks of reduce_scatter_sum); `c` must live until it completes.
+MPI_Request start_reduce_scatter(MpiCommunicator::State& s, const float* in, float* out,
+                                 std::span<const int64_t> counts, std::vector<int>& c,
+                                 int64_t& total) {
+    std::vector<int> displs;
     int_layout(counts, s.size, "reduce_scatter_sum", c, displs, total);
     const int64_t mine = counts[static_cast<size_t>(s.rank)];
     if (mine > 0 && out < in + total && in < out + mine) {
@@ -275,13 +335,14 @@ void MpiCommunicator::reduce_scatter_sum(const float* in, float* out,
     MPI_Request req;
     check(MPI_Ireduce_scatter(in, out, c.data(), MPI_FLOAT, MPI_SUM, s.comm, &req), s.rank,
           "reduce_scatter_sum");
-    wait(s, req, "reduce_scatter_sum", total, "floats", -1, nullptr);
+    return req;
 }
 
-void MpiCommunicator::all_gather(const float* in, float* out, std::span<const int64_t> counts) {
-    State& s = *state_;
-    std::vector<int> c, displs;
-    int64_t total = 0;
+// Starts MPI_Iallgatherv (the checks of all_gather); `c` and `displs` must live until it
+// completes.
+MPI_Request start_all_gatherv(MpiCommunicator::State& s, const float* in, float* out,
+                              std::span<const int64_t> counts, std::vector<int>& c,
+                              std::vector<int>& displs, int64_t& total) {
     int_layout(counts, s.size, "all_gather", c, displs, total);
     const size_t r = static_cast<size_t>(s.rank);
     // The shard already sitting at its place in `out` is MPI_IN_PLACE (ZeRO's usual case).
@@ -290,7 +351,44 @@ void MpiCommunicator::all_gather(const float* in, float* out, std::span<const in
     check(MPI_Iallgatherv(send, c[r], MPI_FLOAT, out, c.data(), displs.data(), MPI_FLOAT, s.comm,
                           &req),
           s.rank, "all_gather");
-    wait(s, req, "all_gather", total, "floats", -1, nullptr);
+    return req;
+}
+
+}  // namespace
+
+void MpiCommunicator::reduce_scatter_sum(const float* in, float* out,
+                                         std::span<const int64_t> counts) {
+    State& s = *state_;
+    std::vector<int> c;
+    int64_t total = 0;
+    MPI_Request req = start_reduce_scatter(s, in, out, counts, c, total);
+    wait_request(s, req, "reduce_scatter_sum", total, "floats", -1, nullptr);
+}
+
+uint64_t MpiCommunicator::start_reduce_scatter_sum(const float* in, float* out,
+                                                   std::span<const int64_t> counts) {
+    State& s = *state_;
+    std::vector<int> c;
+    int64_t total = 0;
+    MPI_Request req = start_reduce_scatter(s, in, out, counts, c, total);
+    return add_started(s, req, "reduce_scatter_sum (started)", total, std::move(c));
+}
+
+void MpiCommunicator::all_gather(const float* in, float* out, std::span<const int64_t> counts) {
+    State& s = *state_;
+    std::vector<int> c, displs;
+    int64_t total = 0;
+    MPI_Request req = start_all_gatherv(s, in, out, counts, c, displs, total);
+    wait_request(s, req, "all_gather", total, "floats", -1, nullptr);
+}
+
+uint64_t MpiCommunicator::start_all_gather(const float* in, float* out,
+                                           std::span<const int64_t> counts) {
+    State& s = *state_;
+    std::vector<int> c, displs;
+    int64_t total = 0;
+    MPI_Request req = start_all_gatherv(s, in, out, counts, c, displs, total);
+    return add_started(s, req, "all_gather (started)", total, std::move(c), std::move(displs));
 }
 
 void MpiCommunicator::all_gather_bytes(const void* in, void* out, int64_t bytes_per_rank) {
@@ -300,7 +398,7 @@ void MpiCommunicator::all_gather_bytes(const void* in, void* out, int64_t bytes_
     MPI_Request req;
     check(MPI_Iallgather(in, count, MPI_BYTE, out, count, MPI_BYTE, s.comm, &req), s.rank,
           "all_gather_bytes");
-    wait(s, req, "all_gather_bytes", bytes_per_rank * s.size, "bytes", -1, nullptr);
+    wait_request(s, req, "all_gather_bytes", bytes_per_rank * s.size, "bytes", -1, nullptr);
 }
 
 void MpiCommunicator::broadcast(void* data, int64_t bytes, int root) {
@@ -311,7 +409,7 @@ void MpiCommunicator::broadcast(void* data, int64_t bytes, int root) {
     }
     MPI_Request req;
     check(MPI_Ibcast(data, count, MPI_BYTE, root, s.comm, &req), s.rank, "broadcast");
-    wait(s, req, "broadcast", bytes, "bytes", -1, nullptr);
+    wait_request(s, req, "broadcast", bytes, "bytes", -1, nullptr);
 }
 
 void MpiCommunicator::send(const float* data, int64_t n, int peer, int tag) {
@@ -322,7 +420,7 @@ void MpiCommunicator::send(const float* data, int64_t n, int peer, int tag) {
     }
     MPI_Request req;
     check(MPI_Isend(data, count, MPI_FLOAT, peer, tag, s.comm, &req), s.rank, "send");
-    wait(s, req, "send", n, "floats", peer, nullptr);
+    wait_request(s, req, "send", n, "floats", peer, nullptr);
 }
 
 void MpiCommunicator::recv(float* data, int64_t n, int peer, int tag) {
@@ -334,7 +432,7 @@ void MpiCommunicator::recv(float* data, int64_t n, int peer, int tag) {
     MPI_Request req;
     MPI_Status status;
     check(MPI_Irecv(data, count, MPI_FLOAT, peer, tag, s.comm, &req), s.rank, "recv");
-    wait(s, req, "recv", n, "floats", peer, &status);
+    wait_request(s, req, "recv", n, "floats", peer, &status);
     int got = 0;
     MPI_Get_count(&status, MPI_FLOAT, &got);
     if (got != count) {
@@ -346,7 +444,7 @@ void MpiCommunicator::barrier() {
     State& s = *state_;
     MPI_Request req;
     check(MPI_Ibarrier(s.comm, &req), s.rank, "barrier");
-    wait(s, req, "barrier", 0, "elements", -1, nullptr);
+    wait_request(s, req, "barrier", 0, "elements", -1, nullptr);
 }
 
 void MpiCommunicator::abort(std::string_view reason) {

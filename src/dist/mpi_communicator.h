@@ -44,14 +44,20 @@ class MpiCommunicator final : public Communicator {
     double timeout_s() const;
 
     void all_reduce_sum(float* data, int64_t n) override;
-    void start_all_reduce_sum(float* data, int64_t n) override;
-    void progress() override;
-    void wait_all() override;
     void all_reduce_max(double* data, int64_t n) override;
     void all_reduce_max(int64_t* data, int64_t n) override;
     void reduce_scatter_sum(const float* in, float* out, std::span<const int64_t> counts) override;
     void all_gather(const float* in, float* out, std::span<const int64_t> counts) override;
     void all_gather_bytes(const void* in, void* out, int64_t bytes_per_rank) override;
+    uint64_t start_all_reduce_sum(float* data, int64_t n) override;
+    uint64_t start_reduce_scatter_sum(const float* in, float* out,
+                                      std::span<const int64_t> counts) override;
+    uint64_t start_all_gather(const float* in, float* out,
+                              std::span<const int64_t> counts) override;
+    void progress() override;
+    bool test(uint64_t id) override;
+    void wait(uint64_t id) override;
+    void wait_all() override;
     void broadcast(void* data, int64_t bytes, int root) override;
     void send(const float* data, int64_t n, int peer, int tag) override;
     void recv(float* data, int64_t n, int peer, int tag) override;

@@ -211,16 +211,21 @@ HeadParams GPT::forward(const int32_t* inputs, int B, int T) {
     check_tokens(inputs, (std::size_t)B * T, cfg_.vocab_size, "input");
     const int N = B * T, C = cfg_.n_embd;
     const int E = ParamLayout::embedding_unit();
+    // Each unit announces the next (ParamStore::prefetch), so ZeRO-3 gathers it meanwhile.
     EmbeddingParams e = embedding_view(layout_, store_->acquire(E));
+    store_->prefetch(layout_.block_unit(0));  // the head when there are no blocks
     cpu::embedding_forward(resid_[0], inputs, e.wte, e.wpe, B, T, C);
     store_->release(E);
     for (int l = 0; l < cfg_.n_layer; l++) {
         const int u = layout_.block_unit(l);
         BlockParams p = block_view(layout_, l, store_->acquire(u));
+        store_->prefetch(u + 1);  // the next block, or the head
         block_forward(p, resid_[l], resid_[l + 1], saved_[l], B, T);
         store_->release(u);
     }
     HeadParams h = head_view(layout_, store_->acquire(layout_.head_unit()));
+    // Every caller goes on to the classifier, which reads wte again when it is tied.
+    if (cfg_.tied_embeddings) store_->prefetch(E);
     norm_forward(lnf_, lnf_mean_, lnf_rstd_, resid_[cfg_.n_layer], h.lnf_w, h.lnf_b, N);
     return h;
 }
@@ -243,9 +248,11 @@ float GPT::forward_backward(const int32_t* inputs, const int32_t* targets, int B
     HeadParams hg = head_view(layout_, store_->unit_grads(H));
     float* dwout =
         cfg_.tied_embeddings ? embedding_view(layout_, store_->unit_grads(E)).wte : hg.lm_head;
+    const float* wout = acquire_output_embedding(h);
+    if (L > 0) store_->prefetch(layout_.block_unit(L - 1));  // gathered during the classifier
     double loss =
-        cpu::classifier_loss(dln_, dwout, logits_, lnf_, acquire_output_embedding(h), targets, N, C,
-                             cfg_.vocab_size, cfg_.padded_vocab(), kLossChunk, grad_scale);
+        cpu::classifier_loss(dln_, dwout, logits_, lnf_, wout, targets, N, C, cfg_.vocab_size,
+                             cfg_.padded_vocab(), kLossChunk, grad_scale);
     release_output_embedding();
     std::memset(dres_, 0, sizeof(float) * N * C);
     norm_backward(dres_, hg.lnf_w, hg.lnf_b, dln_, resid_[L], h.lnf_w, lnf_mean_, lnf_rstd_, N);
@@ -254,6 +261,8 @@ float GPT::forward_backward(const int32_t* inputs, const int32_t* targets, int B
     for (int l = L - 1; l >= 0; l--) {
         const int u = layout_.block_unit(l);
         BlockParams p = block_view(layout_, l, store_->acquire(u));
+        // The embedding's backward needs no parameters, so block 0 announces nothing.
+        if (l > 0) store_->prefetch(layout_.block_unit(l - 1));
         BlockParams g = block_view(layout_, l, store_->unit_grads(u));
         // An Input block re-runs block_forward into the scratch; its output rewrites
         // resid_[l + 1] with the same bits, which nothing reads any more.

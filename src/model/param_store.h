@@ -6,10 +6,12 @@
 // just in time and to reduce each unit's gradients as soon as backward has produced them.
 //
 // Call pattern of one training micro-batch (u: unit index):
-//     acquire(u) ... release(u)                  forward, for every unit in order
+//     acquire(u) prefetch(next) ... release(u)   forward, for every unit in order
 //     unit_grads(u) ... grads_done(u)            backward, head first, embedding last
 // A unit may be acquired again after release (tied embeddings, backward); acquire/release pairs
-// nest per unit and the pointer stays valid until the matching release.
+// nest per unit and the pointer stays valid until the matching release. prefetch(v) announces
+// the unit the caller will acquire next, so a store that gathers parameters can start fetching
+// it while the caller computes.
 #pragma once
 
 #include <cstddef>
@@ -33,6 +35,10 @@ class ParamStore {
     // initialising weights); every rank of a sharded store must make the same calls.
     virtual float* acquire(int u, bool for_write = false) = 0;
     virtual void release(int u) = 0;
+    // A hint: unit u is the next one this caller will acquire (ZeRO-3 starts gathering it now).
+    // Results never depend on it, but a sharded store communicates on it, so every rank must make
+    // the same calls, as with acquire.
+    virtual void prefetch(int /*u*/) {}
 
     // Where backward accumulates unit u's gradients (the unit's floats), valid until
     // grads_done(u); the store zeroes them at the start of each step.

@@ -82,9 +82,21 @@ std::vector<MemoryPrediction> CpuEngine::predicted_memory(int B, int T) const {
 }
 
 std::string CpuEngine::memory_footer() const {
-    return fmt::format(
+    std::string out = fmt::format(
         "{:<16} {:>12}  (everything the OS charged: code, libraries, loaders, allocator slack)\n",
         "process peak RSS", fmt::format("{:.1f} MiB", process_peak_rss() / 1048576.0));
+    // What the overlap did, beside the communication buffers it cost (dist/zero.h).
+    const dist::ReduceStats& r = store_->reduce_stats();
+    const dist::PrefetchStats& p = store_->prefetch_stats();
+    if (r.started > 0)
+        out += fmt::format(
+            "overlap: {} reduce-scatters, {} arrived under compute, the rest waited for (at most "
+            "{} in flight)\n",
+            r.started, r.arrived, r.max_in_flight);
+    if (p.hits + p.misses > 0)
+        out += fmt::format("overlap: ZeRO-3 gathers {} prefetched, {} on the spot, {} dropped\n",
+                           p.hits, p.misses, p.dropped);
+    return out;
 }
 
 std::unique_ptr<Engine> make_engine(const RunConfig& cfg, dist::Communicator& comm) {

@@ -106,6 +106,28 @@ TEST(LocalCommunicator, CollectivesAreIdentities) {
     EXPECT_TRUE(any_rank(c, true));
 }
 
+TEST(LocalCommunicator, StartedCollectivesCompleteAtOnce) {
+    LocalCommunicator c;
+    std::vector<float> v = {1.5f, -2.0f, 3.25f};
+    std::vector<int64_t> counts = {3};
+    std::vector<float> piece(3, 0.0f), gathered(3, 0.0f);
+    const uint64_t a = c.start_all_reduce_sum(v.data(), 3);
+    const uint64_t b = c.start_reduce_scatter_sum(v.data(), piece.data(), counts);
+    const uint64_t g = c.start_all_gather(v.data(), gathered.data(), counts);
+    // Id 0: already complete, before any wait.
+    EXPECT_EQ(a, 0u);
+    EXPECT_EQ(b, 0u);
+    EXPECT_EQ(g, 0u);
+    EXPECT_TRUE(c.test(b));
+    EXPECT_EQ(piece, v);
+    EXPECT_EQ(gathered, v);
+    c.wait(g);
+    c.progress();
+    c.wait_all();
+    std::vector<int64_t> two = {2, 2};
+    EXPECT_THROW(c.start_reduce_scatter_sum(v.data(), piece.data(), two), Error);
+}
+
 TEST(LocalCommunicator, RejectsWhatAWorldOfOneCannotDo) {
     LocalCommunicator c;
     std::vector<float> v(4);

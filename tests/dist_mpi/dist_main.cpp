@@ -1,6 +1,7 @@
 // Multi-process tests of dist::MpiCommunicator, run under mpirun on 2 and 4 ranks: every
 // collective against a serial reference computed on each rank, uneven and empty shards, config
-// agreement, and the fail-fast scenarios (--scenario=rank1_skips|rank1_exits|rank1_aborts).
+// agreement, and the fail-fast scenarios (--scenario=rank1_skips|rank1_skips_started|rank1_exits|
+// rank1_aborts).
 #include <gtest/gtest.h>
 #include <mpi.h>
 
@@ -192,6 +193,68 @@ TEST(MpiComm, AllGatherUnevenShardsSeparateAndInPlace) {
     }
 }
 
+TEST(MpiComm, StartedReduceScattersAndGathersCompleteInAnyOrder) {
+    // What ZeRO does: several reduce-scatters and all-gathers in flight at once, with work
+    // between them, completed in another order than started (the gathers first).
+    const size_t me = static_cast<size_t>(comm().rank());
+    struct Rs {
+        std::vector<int64_t> counts;
+        std::vector<float> in, out;
+        uint64_t id;
+    };
+    struct Ag {
+        std::vector<int64_t> counts;
+        std::vector<float> shard, out, ref;
+        uint64_t id;
+    };
+    std::vector<Rs> rs;
+    std::vector<Ag> ag;
+    for (const auto& counts : layouts(comm().size())) {
+        rs.push_back({counts, rank_buffer(comm().rank(), sum(counts)),
+                      std::vector<float>(static_cast<size_t>(counts[me]) + 1, -1.0f), 0});
+        const auto offsets = shard_offsets(counts);
+        Ag a{counts, {}, std::vector<float>(static_cast<size_t>(sum(counts)), -1.0f), {}, 0};
+        a.ref.resize(a.out.size());
+        for (int r = 0; r < comm().size(); ++r)
+            for (int64_t i = 0; i < counts[static_cast<size_t>(r)]; ++i) {
+                const int64_t j = offsets[static_cast<size_t>(r)] + i;
+                a.ref[static_cast<size_t>(j)] = value(r, j);
+            }
+        a.shard.assign(a.ref.begin() + offsets[me], a.ref.begin() + offsets[me] + counts[me]);
+        ag.push_back(std::move(a));
+    }
+    for (size_t k = 0; k < rs.size(); ++k) {
+        rs[k].id = comm().start_reduce_scatter_sum(rs[k].in.data(), rs[k].out.data(), rs[k].counts);
+        ag[k].id = comm().start_all_gather(ag[k].shard.data(), ag[k].out.data(), ag[k].counts);
+        EXPECT_NE(rs[k].id, ag[k].id);
+        comm().progress();
+    }
+    for (auto& a : ag) {
+        comm().wait(a.id);
+        EXPECT_TRUE(comm().test(a.id));
+        EXPECT_EQ(a.out, a.ref);
+    }
+    for (auto& r : rs) {
+        comm().wait(r.id);
+        const auto offsets = shard_offsets(r.counts);
+        for (int64_t i = 0; i < r.counts[me]; ++i) {
+            float ref = 0.0f;
+            for (int q = 0; q < comm().size(); ++q) ref += value(q, offsets[me] + i);
+            ASSERT_EQ(r.out[static_cast<size_t>(i)], ref) << "i " << i;
+        }
+        EXPECT_EQ(r.out.back(), -1.0f) << "wrote past the shard";
+    }
+    comm().wait_all();  // nothing left: returns at once
+    // test() completes an operation without waiting for it, once it has arrived.
+    std::vector<float> v = rank_buffer(comm().rank(), 4096);
+    const uint64_t id = comm().start_all_reduce_sum(v.data(), 4096);
+    while (!comm().test(id)) std::this_thread::yield();
+    std::vector<float> ref(4096, 0.0f);
+    for (int r = 0; r < comm().size(); ++r)
+        for (int64_t i = 0; i < 4096; ++i) ref[static_cast<size_t>(i)] += value(r, i);
+    EXPECT_EQ(v, ref);
+}
+
 TEST(MpiComm, AllGatherBytes) {
     struct Record {
         int32_t rank;
@@ -273,6 +336,8 @@ TEST(MpiComm, BadCountsFailOnEveryRankBeforeCommunicating) {
     std::vector<int64_t> negative(static_cast<size_t>(comm().size()), 1);
     negative.back() = -1;
     EXPECT_THROW(comm().reduce_scatter_sum(buf.data(), buf.data() + 4, negative), Error);
+    EXPECT_THROW(comm().start_reduce_scatter_sum(buf.data(), buf.data() + 4, negative), Error);
+    EXPECT_THROW(comm().start_all_gather(buf.data(), buf.data(), too_few), Error);
 }
 
 // Rank 1 misses the second collective and stays alive (a stuck or diverged rank: a dead one is
@@ -285,6 +350,24 @@ int run_rank1_skips(Communicator& c) {
         return 0;
     }
     c.all_reduce_sum(v.data(), 1024);  // collective #2: rank 1 never arrives
+    std::fprintf(stderr, "rank %d: collective #2 completed without rank 1\n", c.rank());
+    return 1;
+}
+
+// As rank1_skips, with the collective rank 1 misses started nonblocking (as ZeRO's reduce-scatters
+// and prefetches are): the deadline applies when the others wait for it.
+int run_rank1_skips_started(Communicator& c) {
+    std::vector<float> v(1024, 1.0f);
+    std::vector<float> piece(1024, 0.0f);
+    const std::vector<int64_t> counts = shard_counts(1024, c.size());
+    c.all_reduce_sum(v.data(), 1024);  // collective #1: everyone
+    if (c.rank() == 1) {
+        std::this_thread::sleep_for(std::chrono::seconds(30));
+        return 0;
+    }
+    const uint64_t id = c.start_reduce_scatter_sum(v.data(), piece.data(), counts);  // #2
+    c.progress();
+    c.wait(id);
     std::fprintf(stderr, "rank %d: collective #2 completed without rank 1\n", c.rank());
     return 1;
 }
@@ -340,6 +423,8 @@ int main(int argc, char** argv) {
         const std::string scenario = argc > 1 ? argv[1] : "";
         if (scenario == "--scenario=rank1_skips") {
             status = run_rank1_skips(comm);
+        } else if (scenario == "--scenario=rank1_skips_started") {
+            status = run_rank1_skips_started(comm);
         } else if (scenario == "--scenario=rank1_exits") {
             status = run_rank1_exits(comm);
         } else if (scenario == "--scenario=rank1_aborts") {
