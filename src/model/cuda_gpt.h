@@ -46,10 +46,8 @@ class DeviceUnitStore {
 template <typename T>
 class CudaGPT {
   public:
-    // Views of the parameters and the gradients (model/param_layout.h): lm_head is wte when the
-    // embeddings are tied.
+    // One block's parameters or gradients (model/param_layout.h), inside its unit.
     using Block = BasicBlockParams<T>;
-    using Model = BasicModelParams<T>;
 
     // Parameters and gradients are allocated for padded_total >= the layout's total elements
     // (data parallelism pads the flat buffer to equal shards); the padding stays zero. With

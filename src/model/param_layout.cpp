@@ -129,10 +129,4 @@ HeadParams head_view(const ParamLayout& layout, float* base) {
             unit_tensor(layout, u, base, "lm_head.weight")};
 }
 
-std::size_t tensor_offset(const ParamLayout& layout, std::string_view name) {
-    for (const auto& t : layout.tensors)
-        if (t.name == name) return t.offset;
-    return SIZE_MAX;
-}
-
 }  // namespace memtrain

@@ -70,44 +70,6 @@ struct BasicBlockParams {
 };
 using BlockParams = BasicBlockParams<float>;
 
-template <typename T>
-struct BasicModelParams {
-    T* wte;  // (Vp, C)
-    T* wpe;  // (block_size, C), null under rope
-    std::vector<BasicBlockParams<T>> blocks;
-    T *lnf_w, *lnf_b;  // lnf_b null under rmsnorm
-    T* lm_head;        // (Vp, C): lm_head.weight when untied, else the same pointer as wte
-};
-
-// The element offset of tensor `name` in the flat buffer, or SIZE_MAX when the config has none.
-std::size_t tensor_offset(const ParamLayout& layout, std::string_view name);
-
-// Views of a whole flat buffer by name (not by position), so the set of tensors can vary with
-// the config.
-template <typename T>
-BasicModelParams<T> view_params(const ParamLayout& layout, T* base, int n_layer) {
-    auto at = [&](const std::string& name) -> T* {
-        const std::size_t o = tensor_offset(layout, name);
-        return o == SIZE_MAX ? nullptr : base + o;
-    };
-    BasicModelParams<T> p;
-    p.wte = at("wte.weight");
-    p.wpe = at("wpe.weight");
-    for (int l = 0; l < n_layer; l++) {
-        const std::string h = "h." + std::to_string(l) + ".";
-        p.blocks.push_back(BasicBlockParams<T>{
-            at(h + "ln_1.weight"), at(h + "ln_1.bias"), at(h + "attn.c_attn.weight"),
-            at(h + "attn.c_attn.bias"), at(h + "attn.c_proj.weight"), at(h + "attn.c_proj.bias"),
-            at(h + "ln_2.weight"), at(h + "ln_2.bias"), at(h + "mlp.c_fc.weight"),
-            at(h + "mlp.c_fc.bias"), at(h + "mlp.c_proj.weight"), at(h + "mlp.c_proj.bias")});
-    }
-    p.lnf_w = at("ln_f.weight");
-    p.lnf_b = at("ln_f.bias");
-    p.lm_head = at("lm_head.weight");
-    if (!p.lm_head) p.lm_head = p.wte;
-    return p;
-}
-
 // Views into one unit's floats, `unit_base` pointing at the unit's first float (the unit may
 // live in a buffer of its own, as when ZeRO-3 gathers it).
 struct EmbeddingParams {
