@@ -201,15 +201,6 @@ void wait_request(MpiCommunicator::State& s, MPI_Request& request, const char* o
 
 }  // namespace
 
-void MpiCommunicator::all_reduce_sum(float* data, int64_t n) {
-    State& s = *state_;
-    const int count = to_int(n, "all_reduce_sum", "n");
-    MPI_Request req;
-    check(MPI_Iallreduce(MPI_IN_PLACE, data, count, MPI_FLOAT, MPI_SUM, s.comm, &req), s.rank,
-          "all_reduce_sum");
-    wait_request(s, req, "all_reduce_sum", n, "floats", -1, nullptr);
-}
-
 namespace {
 
 // Registers a started collective; it takes the next collective number now, in start order, which
@@ -237,15 +228,23 @@ void finish_started(MpiCommunicator::State& s, std::size_t i) {
     s.pending.erase(s.pending.begin() + static_cast<std::ptrdiff_t>(i));
 }
 
-}  // namespace
-
-uint64_t MpiCommunicator::start_all_reduce_sum(float* data, int64_t n) {
-    State& s = *state_;
+// Starts MPI_Iallreduce in place and registers it as `op` (the blocking call waits at once).
+uint64_t start_all_reduce(MpiCommunicator::State& s, float* data, int64_t n, const char* op) {
     const int count = to_int(n, "all_reduce_sum", "n");
     MPI_Request req;
     check(MPI_Iallreduce(MPI_IN_PLACE, data, count, MPI_FLOAT, MPI_SUM, s.comm, &req), s.rank,
           "all_reduce_sum");
-    return add_started(s, req, "all_reduce_sum (started)", n);
+    return add_started(s, req, op, n);
+}
+
+}  // namespace
+
+void MpiCommunicator::all_reduce_sum(float* data, int64_t n) {
+    wait(start_all_reduce(*state_, data, n, "all_reduce_sum"));
+}
+
+uint64_t MpiCommunicator::start_all_reduce_sum(float* data, int64_t n) {
+    return start_all_reduce(*state_, data, n, "all_reduce_sum (started)");
 }
 
 void MpiCommunicator::progress() {
@@ -322,11 +321,12 @@ void int_layout(std::span<const int64_t> counts, int world, const char* op, std:
 
 namespace {
 
-// Starts MPI_Ireduce_scatter (the checks of reduce_scatter_sum); `c` must live until it completes.
-MPI_Request start_reduce_scatter(MpiCommunicator::State& s, const float* in, float* out,
-                                 std::span<const int64_t> counts, std::vector<int>& c,
-                                 int64_t& total) {
-    std::vector<int> displs;
+// Starts MPI_Ireduce_scatter (the checks of reduce_scatter_sum) and registers it as `op`: the
+// blocking call waits for it at once, the started one later.
+uint64_t start_reduce_scatter(MpiCommunicator::State& s, const float* in, float* out,
+                              std::span<const int64_t> counts, const char* op) {
+    std::vector<int> c, displs;
+    int64_t total = 0;
     int_layout(counts, s.size, "reduce_scatter_sum", c, displs, total);
     const int64_t mine = counts[static_cast<size_t>(s.rank)];
     if (mine > 0 && out < in + total && in < out + mine) {
@@ -335,14 +335,14 @@ MPI_Request start_reduce_scatter(MpiCommunicator::State& s, const float* in, flo
     MPI_Request req;
     check(MPI_Ireduce_scatter(in, out, c.data(), MPI_FLOAT, MPI_SUM, s.comm, &req), s.rank,
           "reduce_scatter_sum");
-    return req;
+    return add_started(s, req, op, total, std::move(c));
 }
 
-// Starts MPI_Iallgatherv (the checks of all_gather); `c` and `displs` must live until it
-// completes.
-MPI_Request start_all_gatherv(MpiCommunicator::State& s, const float* in, float* out,
-                              std::span<const int64_t> counts, std::vector<int>& c,
-                              std::vector<int>& displs, int64_t& total) {
+// Starts MPI_Iallgatherv (the checks of all_gather) and registers it as `op`, likewise.
+uint64_t start_all_gatherv(MpiCommunicator::State& s, const float* in, float* out,
+                           std::span<const int64_t> counts, const char* op) {
+    std::vector<int> c, displs;
+    int64_t total = 0;
     int_layout(counts, s.size, "all_gather", c, displs, total);
     const size_t r = static_cast<size_t>(s.rank);
     // The shard already sitting at its place in `out` is MPI_IN_PLACE (ZeRO's usual case).
@@ -351,44 +351,28 @@ MPI_Request start_all_gatherv(MpiCommunicator::State& s, const float* in, float*
     check(MPI_Iallgatherv(send, c[r], MPI_FLOAT, out, c.data(), displs.data(), MPI_FLOAT, s.comm,
                           &req),
           s.rank, "all_gather");
-    return req;
+    return add_started(s, req, op, total, std::move(c), std::move(displs));
 }
 
 }  // namespace
 
 void MpiCommunicator::reduce_scatter_sum(const float* in, float* out,
                                          std::span<const int64_t> counts) {
-    State& s = *state_;
-    std::vector<int> c;
-    int64_t total = 0;
-    MPI_Request req = start_reduce_scatter(s, in, out, counts, c, total);
-    wait_request(s, req, "reduce_scatter_sum", total, "floats", -1, nullptr);
+    wait(start_reduce_scatter(*state_, in, out, counts, "reduce_scatter_sum"));
 }
 
 uint64_t MpiCommunicator::start_reduce_scatter_sum(const float* in, float* out,
                                                    std::span<const int64_t> counts) {
-    State& s = *state_;
-    std::vector<int> c;
-    int64_t total = 0;
-    MPI_Request req = start_reduce_scatter(s, in, out, counts, c, total);
-    return add_started(s, req, "reduce_scatter_sum (started)", total, std::move(c));
+    return start_reduce_scatter(*state_, in, out, counts, "reduce_scatter_sum (started)");
 }
 
 void MpiCommunicator::all_gather(const float* in, float* out, std::span<const int64_t> counts) {
-    State& s = *state_;
-    std::vector<int> c, displs;
-    int64_t total = 0;
-    MPI_Request req = start_all_gatherv(s, in, out, counts, c, displs, total);
-    wait_request(s, req, "all_gather", total, "floats", -1, nullptr);
+    wait(start_all_gatherv(*state_, in, out, counts, "all_gather"));
 }
 
 uint64_t MpiCommunicator::start_all_gather(const float* in, float* out,
                                            std::span<const int64_t> counts) {
-    State& s = *state_;
-    std::vector<int> c, displs;
-    int64_t total = 0;
-    MPI_Request req = start_all_gatherv(s, in, out, counts, c, displs, total);
-    return add_started(s, req, "all_gather (started)", total, std::move(c), std::move(displs));
+    return start_all_gatherv(*state_, in, out, counts, "all_gather (started)");
 }
 
 void MpiCommunicator::all_gather_bytes(const void* in, void* out, int64_t bytes_per_rank) {
