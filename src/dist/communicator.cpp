@@ -2,6 +2,7 @@
 // Communicator (config agreement, error agreement).
 #include "dist/communicator.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -33,6 +34,27 @@ std::vector<int64_t> shard_counts(int64_t total, int world) {
     std::vector<int64_t> counts;
     for (const ShardRange& r : shard_ranges(total, world)) counts.push_back(r.count);
     return counts;
+}
+
+std::vector<ShardRange> padded_shard_ranges(int64_t total, int world) {
+    if (world < 1) fail("padded_shard_ranges: world size must be >= 1, got {}", world);
+    const int64_t S = (total + world - 1) / world;
+    std::vector<ShardRange> ranges(static_cast<size_t>(world));
+    for (int r = 0; r < world; ++r) {
+        const int64_t b = std::min(total, r * S);
+        ranges[static_cast<size_t>(r)] = {b, std::min(S, total - b)};
+    }
+    return ranges;
+}
+
+UnitPieces unit_pieces(std::span<const ShardRange> shards, int64_t begin, int64_t end) {
+    UnitPieces p;
+    for (const ShardRange& s : shards) {
+        const int64_t lo = std::max(s.offset, begin), hi = std::min(s.offset + s.count, end);
+        p.offsets.push_back(hi > lo ? lo - begin : 0);
+        p.counts.push_back(hi > lo ? hi - lo : 0);
+    }
+    return p;
 }
 
 std::vector<int64_t> shard_offsets(std::span<const int64_t> counts) {

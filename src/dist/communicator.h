@@ -25,6 +25,18 @@ std::vector<ShardRange> shard_ranges(int64_t total, int world);
 std::vector<int64_t> shard_counts(int64_t total, int world);
 // Prefix sums of `counts`: the offset of each rank's shard.
 std::vector<int64_t> shard_offsets(std::span<const int64_t> counts);
+// The layout NCCL's collectives want (the GPU engine's ZeRO): every shard S = ceil(total / world)
+// long over a buffer padded to world x S; here clipped to [0, total), so the last shards may be
+// shorter or empty.
+std::vector<ShardRange> padded_shard_ranges(int64_t total, int world);
+
+// A piece of the flat buffer, [begin, end) (a ZeRO unit), cut along the shards: rank r's part
+// of it is [offsets[r], offsets[r] + counts[r]) counted from `begin` (count 0, offset 0 where the
+// shard misses the piece).
+struct UnitPieces {
+    std::vector<int64_t> offsets, counts;
+};
+UnitPieces unit_pieces(std::span<const ShardRange> shards, int64_t begin, int64_t end);
 
 // A group of ranks and the operations they do together. Every collective must be called by
 // every rank of the group, in the same order, with the same sizes (counts, n, root); a rank

@@ -10,12 +10,15 @@
 // naming the rank and the collective, instead of hanging on a peer that has died.
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 namespace memtrain::dist {
@@ -23,6 +26,16 @@ namespace memtrain::dist {
 enum class DeviceType { F32, BF16, F16, F64 };
 inline std::size_t device_type_bytes(DeviceType t) {
     return t == DeviceType::F64 ? 8 : t == DeviceType::F32 ? 4 : 2;
+}
+// The DeviceType of a storage type: float, __nv_bfloat16 or __half.
+template <typename T>
+DeviceType device_type() {
+    if constexpr (std::is_same_v<T, float>)
+        return DeviceType::F32;
+    else if constexpr (std::is_same_v<T, __nv_bfloat16>)
+        return DeviceType::BF16;
+    else
+        return DeviceType::F16;
 }
 
 class DeviceCommunicator {

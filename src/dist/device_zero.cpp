@@ -15,20 +15,6 @@
 
 namespace memtrain::dist {
 
-namespace {
-
-template <typename T>
-DeviceType type_of() {
-    if constexpr (std::is_same_v<T, float>)
-        return DeviceType::F32;
-    else if constexpr (std::is_same_v<T, __nv_bfloat16>)
-        return DeviceType::BF16;
-    else
-        return DeviceType::F16;
-}
-
-}  // namespace
-
 template <typename T>
 DeviceZeroUnits<T>::DeviceZeroUnits(const ParamLayout& layout, int stage, DeviceCommunicator& comm,
                                     std::size_t shard, cudaStream_t compute,
@@ -41,21 +27,11 @@ DeviceZeroUnits<T>::DeviceZeroUnits(const ParamLayout& layout, int stage, Device
       shard_(shard),
       compute_(compute),
       comm_stream_(comm_stream),
-      type_(type_of<T>()) {
+      type_(device_type<T>()) {
     if (stage_ < 2 || stage_ > 3) fail("internal: DeviceZeroUnits is for ZeRO stages 2 and 3");
-    for (const ParamUnit& unit : layout_.units) {
-        std::vector<int64_t> off(world_, 0), cnt(world_, 0);
-        for (int r = 0; r < world_; r++) {
-            const std::size_t b = (std::size_t)r * shard_, e = b + shard_;
-            const std::size_t lo = std::max(b, unit.begin), hi = std::min(e, unit.end);
-            if (hi > lo) {
-                off[r] = (int64_t)(lo - unit.begin);
-                cnt[r] = (int64_t)(hi - lo);
-            }
-        }
-        offsets_.push_back(off);
-        counts_.push_back(cnt);
-    }
+    const auto shards = padded_shard_ranges((int64_t)layout_.total, world_);
+    for (const ParamUnit& unit : layout_.units)
+        pieces_.push_back(unit_pieces(shards, (int64_t)unit.begin, (int64_t)unit.end));
     const std::size_t padded = shard_ * world_;
     if (stage_ == 2) {
         whole_ = DeviceBuffer<T>(padded, MemCategory::Parameters);
@@ -71,13 +47,10 @@ DeviceZeroUnits<T>::DeviceZeroUnits(const ParamLayout& layout, int stage, Device
     std::size_t block = 0;
     for (int l = 0; l + 2 < (int)layout_.units.size(); l++)
         block = std::max(block, layout_.units[layout_.block_unit(l)].size());
-    make_slot(grad_emb_, emb);
-    make_slot(grad_head_, head);
-    for (auto& s : grad_ring_) make_slot(s, block), grad_blocks_.push_back(&s);
-    if (stage_ == 3) {
-        make_slot(param_emb_, emb);
-        make_slot(param_head_, head);
-        for (auto& s : param_ring_) make_slot(s, block), param_blocks_.push_back(&s);
+    const std::size_t sizes[kSlots] = {emb, head, block, block};
+    for (int i = 0; i < kSlots; i++) {
+        make_slot(grad_[i], sizes[i]);
+        if (stage_ == 3) make_slot(param_[i], sizes[i]);
     }
     MT_CUDA_CHECK(cudaEventCreateWithFlags(&changed_, cudaEventDisableTiming));
     MT_CUDA_CHECK(cudaEventCreateWithFlags(&joined_, cudaEventDisableTiming));
@@ -87,10 +60,11 @@ template <typename T>
 DeviceZeroUnits<T>::~DeviceZeroUnits() {
     cudaStreamSynchronize(comm_stream_);
     cudaStreamSynchronize(compute_);
-    for (Slot* s : {&grad_emb_, &grad_head_, &grad_ring_[0], &grad_ring_[1], &param_emb_,
-                    &param_head_, &param_ring_[0], &param_ring_[1]}) {
-        if (s->ready) cudaEventDestroy(s->ready);
-        if (s->free) cudaEventDestroy(s->free);
+    for (Slots* set : {&grad_, &param_}) {
+        for (Slot& s : *set) {
+            if (s.ready) cudaEventDestroy(s.ready);
+            if (s.free) cudaEventDestroy(s.free);
+        }
     }
     if (changed_) cudaEventDestroy(changed_);
     if (joined_) cudaEventDestroy(joined_);
@@ -112,36 +86,40 @@ T* DeviceZeroUnits<T>::param_shard() {
 }
 
 template <typename T>
-typename DeviceZeroUnits<T>::Slot* DeviceZeroUnits<T>::slot_for(std::vector<Slot*>& ring, Slot& emb,
-                                                                Slot& head, int u, bool need_free) {
-    if (u == ParamLayout::embedding_unit()) return &emb;
-    if (u == layout_.head_unit()) return &head;
+typename DeviceZeroUnits<T>::Slot* DeviceZeroUnits<T>::slot_for(Slots& set, int u, bool need_free) {
+    if (u == ParamLayout::embedding_unit()) return &set[0];
+    if (u == layout_.head_unit()) return &set[1];
     Slot* best = nullptr;
-    for (Slot* s : ring) {
-        const bool busy = need_free ? s->holds > 0 : s->active;
-        if (!busy && (!best || s->used < best->used)) best = s;
+    for (int i = 2; i < kSlots; i++) {
+        Slot& s = set[i];
+        const bool busy = need_free ? s.holds > 0 : s.active;
+        if (!busy && (!best || s.used < best->used)) best = &s;
     }
     return best;
 }
 
 template <typename T>
 typename DeviceZeroUnits<T>::Slot* DeviceZeroUnits<T>::resident(int u) {
-    for (Slot* s : {&param_emb_, &param_head_, &param_ring_[0], &param_ring_[1]})
-        if (s->unit == u) return s;
+    for (Slot& s : param_)
+        if (s.unit == u) return &s;
+    return nullptr;
+}
+
+template <typename T>
+typename DeviceZeroUnits<T>::Slot* DeviceZeroUnits<T>::active_bucket(int u) {
+    for (Slot& s : grad_)
+        if (s.active && s.unit == u) return &s;
     return nullptr;
 }
 
 template <typename T>
 void DeviceZeroUnits<T>::gather(int u, Slot& s) {
     if (s.holds > 0) fail("internal: ZeRO-3 gathers unit {} into a slot still in use", u);
-    const ParamUnit& unit = layout_.units[u];
-    const std::vector<int64_t>& off = offsets_[u];
+    const UnitPieces& p = pieces_[u];
     // The slot's last reader (the compute stream) is done with it, and the shard's last writer.
     MT_CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, s.free, 0));
-    const T* mine =
-        param_shard_.data() +
-        (counts_[u][rank_] > 0 ? unit.begin + off[rank_] - (std::size_t)rank_ * shard_ : 0);
-    comm_.broadcast_pieces(mine, s.buf.data(), off, counts_[u], type_, comm_stream_);
+    const T* mine = param_shard_.data() + (p.counts[rank_] > 0 ? shard_index(u) : 0);
+    comm_.broadcast_pieces(mine, s.buf.data(), p.offsets, p.counts, type_, comm_stream_);
     MT_CUDA_CHECK(cudaEventRecord(s.ready, comm_stream_));
     s.unit = u;
     s.used = ++clock_;
@@ -153,7 +131,7 @@ T* DeviceZeroUnits<T>::acquire_params(int u) {
     if (stage_ == 2) return whole_.data() + layout_.units[u].begin;
     Slot* s = resident(u);
     if (!s) {
-        s = slot_for(param_blocks_, param_emb_, param_head_, u, true);
+        s = slot_for(param_, u, true);
         if (!s) fail("internal: ZeRO-3 has no free slot for unit {}", u);
         gather(u, *s);
         demand_gathers_++;
@@ -176,15 +154,14 @@ void DeviceZeroUnits<T>::release_params(int u) {
 template <typename T>
 void DeviceZeroUnits<T>::prefetch_params(int u) {
     if (stage_ == 2 || u < 0 || resident(u)) return;
-    Slot* s = slot_for(param_blocks_, param_emb_, param_head_, u, true);
+    Slot* s = slot_for(param_, u, true);
     if (s && s->holds == 0) gather(u, *s);
 }
 
 template <typename T>
 T* DeviceZeroUnits<T>::acquire_grads(int u) {
-    for (Slot* s : {&grad_emb_, &grad_head_, &grad_ring_[0], &grad_ring_[1]})
-        if (s->active && s->unit == u) return s->buf.data();
-    Slot* s = slot_for(grad_blocks_, grad_emb_, grad_head_, u, false);
+    if (Slot* s = active_bucket(u)) return s->buf.data();
+    Slot* s = slot_for(grad_, u, false);
     if (!s || s->active) fail("internal: ZeRO-2 has no free gradient bucket for unit {}", u);
     // The bucket's last reduction has finished; this micro-batch's gradients start from zero.
     MT_CUDA_CHECK(cudaStreamWaitEvent(compute_, s->free, 0));
@@ -197,20 +174,15 @@ T* DeviceZeroUnits<T>::acquire_grads(int u) {
 
 template <typename T>
 void DeviceZeroUnits<T>::grads_done(int u) {
-    Slot* s = nullptr;
-    for (Slot* c : {&grad_emb_, &grad_head_, &grad_ring_[0], &grad_ring_[1]})
-        if (c->active && c->unit == u) s = c;
+    Slot* s = active_bucket(u);
     if (!s) fail("internal: ZeRO-2 gradients of unit {} done without a bucket", u);
     MT_CUDA_CHECK(cudaEventRecord(s->ready, compute_));
     MT_CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, s->ready, 0));
-    comm_.reduce_pieces(s->buf.data(), offsets_[u], counts_[u], type_, comm_stream_);
-    const int64_t n = counts_[u][rank_];
-    if (n > 0) {
-        const std::size_t at =
-            layout_.units[u].begin + (std::size_t)offsets_[u][rank_] - (std::size_t)rank_ * shard_;
-        cuda::add_inplace<T>(grad_shard_.data() + at, s->buf.data() + offsets_[u][rank_], n,
-                             comm_stream_);
-    }
+    const UnitPieces& p = pieces_[u];
+    comm_.reduce_pieces(s->buf.data(), p.offsets, p.counts, type_, comm_stream_);
+    if (p.counts[rank_] > 0)
+        cuda::add_inplace<T>(grad_shard_.data() + shard_index(u), s->buf.data() + p.offsets[rank_],
+                             p.counts[rank_], comm_stream_);
     MT_CUDA_CHECK(cudaEventRecord(s->free, comm_stream_));
     s->active = false;
 }
@@ -222,10 +194,10 @@ void DeviceZeroUnits<T>::zero_grads() {
 
 template <typename T>
 void DeviceZeroUnits<T>::params_changed() {
-    for (Slot* s : {&param_emb_, &param_head_, &param_ring_[0], &param_ring_[1]}) {
-        if (s->holds > 0)
-            fail("internal: ZeRO-3 parameters changed while unit {} is in use", s->unit);
-        s->unit = -1;
+    for (Slot& s : param_) {
+        if (s.holds > 0)
+            fail("internal: ZeRO-3 parameters changed while unit {} is in use", s.unit);
+        s.unit = -1;
     }
     MT_CUDA_CHECK(cudaEventRecord(changed_, compute_));
     MT_CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, changed_, 0));
@@ -240,9 +212,8 @@ void DeviceZeroUnits<T>::join() {
 template <typename T>
 std::size_t DeviceZeroUnits<T>::communication_bytes() const {
     std::size_t b = 0;
-    for (const Slot* s : {&grad_emb_, &grad_head_, &grad_ring_[0], &grad_ring_[1], &param_emb_,
-                          &param_head_, &param_ring_[0], &param_ring_[1]})
-        b += s->buf.bytes();
+    for (const Slots* set : {&grad_, &param_})
+        for (const Slot& s : *set) b += s.buf.bytes();
     return b;
 }
 

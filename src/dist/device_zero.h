@@ -23,10 +23,12 @@
 
 #include <cuda_runtime_api.h>
 
+#include <array>
 #include <cstdint>
 #include <vector>
 
 #include "core/device.h"
+#include "dist/communicator.h"
 #include "dist/device_communicator.h"
 #include "model/cuda_gpt.h"
 #include "model/param_layout.h"
@@ -78,11 +80,16 @@ class DeviceZeroUnits final : public DeviceUnitStore<T> {
         cudaEvent_t ready = nullptr, free = nullptr;
     };
     void make_slot(Slot& s, std::size_t n);
-    // The slot a unit goes to: its own (embedding, head) or the least recently used free block
-    // slot; null when every block slot is held.
-    Slot* slot_for(std::vector<Slot*>& ring, Slot& emb, Slot& head, int u, bool need_free);
+    // A set of slots: [0] the embedding's, [1] the head's, [2] and [3] the blocks' ring.
+    static constexpr int kSlots = 4;
+    using Slots = std::array<Slot, kSlots>;
+    // The slot of `set` a unit goes to: its own (embedding, head) or the least recently used free
+    // block slot; null when every block slot is held.
+    Slot* slot_for(Slots& set, int u, bool need_free);
     void gather(int u, Slot& s);
+    // The parameter slot holding unit u, or null; the gradient bucket unit u is filling, or null.
     Slot* resident(int u);
+    Slot* active_bucket(int u);
 
     const ParamLayout layout_;
     int stage_, rank_, world_;
@@ -91,11 +98,14 @@ class DeviceZeroUnits final : public DeviceUnitStore<T> {
     cudaStream_t compute_, comm_stream_;
     DeviceType type_;
     // Per unit: each rank's piece, as offsets into the unit and counts.
-    std::vector<std::vector<int64_t>> offsets_, counts_;
+    std::vector<UnitPieces> pieces_;
+    // Where this rank's piece of unit u starts in its shard (when it has one).
+    std::size_t shard_index(int u) const {
+        return layout_.units[u].begin + (std::size_t)pieces_[u].offsets[rank_] -
+               (std::size_t)rank_ * shard_;
+    }
     DeviceBuffer<T> whole_, param_shard_, grad_shard_;
-    Slot grad_emb_, grad_head_, grad_ring_[2];
-    Slot param_emb_, param_head_, param_ring_[2];
-    std::vector<Slot*> grad_blocks_, param_blocks_;
+    Slots grad_, param_;  // gradient buckets; gathered parameters (stage 3)
     cudaEvent_t changed_ = nullptr, joined_ = nullptr;
     int64_t clock_ = 0, gathers_ = 0, demand_gathers_ = 0;
 };

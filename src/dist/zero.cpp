@@ -17,17 +17,11 @@ ZeroStore::ZeroStore(const ParamLayout& layout, Communicator& comm, int stage)
     const auto shards = shard_ranges((int64_t)layout.total, N);
     owned_ = stage == 0 ? ShardRange{0, (int64_t)layout.total} : shards[r];
     for (const auto& unit : layout.units) {
+        UnitPieces p = unit_pieces(shards, (int64_t)unit.begin, (int64_t)unit.end);
         UnitShards us;
-        for (int k = 0; k < N; k++) {
-            const int64_t lo = std::max<int64_t>(shards[k].offset, (int64_t)unit.begin);
-            const int64_t hi =
-                std::min<int64_t>(shards[k].offset + shards[k].count, (int64_t)unit.end);
-            us.counts.push_back(std::max<int64_t>(0, hi - lo));
-            if (k == r) {
-                us.mine_begin = std::max<int64_t>(0, lo - (int64_t)unit.begin);
-                us.mine_count = us.counts.back();
-            }
-        }
+        us.mine_begin = p.offsets[r];
+        us.mine_count = p.counts[r];
+        us.counts = std::move(p.counts);
         unit_shards_.push_back(std::move(us));
     }
     const std::size_t U = layout.units.size();

@@ -36,15 +36,7 @@ using cuda::precision_name;
 using cuda::to_fp32;
 using cuda::to_storage;
 
-template <typename T>
-dist::DeviceType device_type() {
-    if constexpr (std::is_same_v<T, float>)
-        return dist::DeviceType::F32;
-    else if constexpr (std::is_same_v<T, __nv_bfloat16>)
-        return dist::DeviceType::BF16;
-    else
-        return dist::DeviceType::F16;
-}
+using dist::device_type;
 
 std::string mib(std::size_t bytes) {
     return fmt::format("{:.1f} MiB", bytes / 1048576.0);
@@ -153,16 +145,8 @@ class CudaEngine final : public Engine, public OptimizerState {
     bool sharded_master() const { return stage_ >= 1; }
     // How many floats of unit `unit` each rank's shard holds (in rank order).
     std::vector<int64_t> unit_counts(const ParamUnit& unit) const {
-        std::vector<int64_t> counts;
-        for (int r = 0; r < world_; r++) {
-            const std::size_t b = std::min<std::size_t>((std::size_t)r * shard_, layout_total());
-            const std::size_t e = std::min<std::size_t>(b + shard_, layout_total());
-            const std::size_t lo = std::max(b, unit.begin), hi = std::min(e, unit.end);
-            counts.push_back(hi > lo ? (int64_t)(hi - lo) : 0);
-        }
-        return counts;
+        return dist::unit_pieces(shards_, (int64_t)unit.begin, (int64_t)unit.end).counts;
     }
-    std::size_t layout_total() const { return model_->layout().total; }
     // Waits for the compute stream; with several ranks through the device communicator, which
     // fails fast (naming `what`) where a dead peer would leave a collective waiting forever.
     void wait(const char* what) {
@@ -197,6 +181,7 @@ class CudaEngine final : public Engine, public OptimizerState {
     std::unique_ptr<dist::DeviceCommunicator> dcomm_;
     int world_ = 1, rank_ = 0, stage_ = 0;
     std::size_t shard_ = 0, shard_begin_ = 0, shard_count_ = 0;
+    std::vector<dist::ShardRange> shards_;  // every rank's [rank S, (rank + 1) S), clipped to Ψ
     cudaStream_t comm_stream_ = nullptr;
     std::vector<cudaEvent_t> unit_ready_;
     cudaEvent_t reduced_ = nullptr;
@@ -335,8 +320,9 @@ CudaEngine<T>::CudaEngine(const RunConfig& cfg, dist::Communicator& comm)
     const std::size_t psi = make_param_layout(cfg_.model).total;
     // NCCL shards are equal: the flat buffer is padded to world x ceil(psi / world).
     shard_ = (psi + world_ - 1) / world_;
-    shard_begin_ = stage_ >= 1 ? std::min<std::size_t>((std::size_t)rank_ * shard_, psi) : 0;
-    shard_count_ = stage_ >= 1 ? std::min<std::size_t>(shard_, psi - shard_begin_) : psi;
+    shards_ = dist::padded_shard_ranges((int64_t)psi, world_);
+    shard_begin_ = stage_ >= 1 ? (std::size_t)shards_[rank_].offset : 0;
+    shard_count_ = stage_ >= 1 ? (std::size_t)shards_[rank_].count : psi;
     if (launched) {
         dcomm_ = dist::make_nccl_communicator(dist::HostLink{
             rank_, world_, [&comm](void* d, int64_t b) { comm.broadcast(d, b, 0); }});
