@@ -226,5 +226,71 @@ TEST(CudaDp, Bf16ShardedOptimizerResumesInOneProcess) {
     }
 }
 
+// fp16 with dynamic loss scaling under data parallelism: an overflow that shows in one rank's
+// gradients only (from ZeRO-1 each rank checks its shard of the sum) skips the step on every
+// rank. All ranks halve the scale together, keep their parameters, and stay identical; the run
+// tracks one process that overflows at the same step.
+TEST(CudaDp, Fp16OverflowOnOneRankSkipsTheStepOnEveryRank) {
+    REQUIRE_GPU_DP();
+    const int N = comm().size(), steps = 4;
+    for (int stage : {0, 1, 2, 3}) {
+        SCOPED_TRACE("zero stage " + std::to_string(stage));
+        RunConfig c = shared_cuda_run("cuda_dp_fp16_" + std::to_string(stage), steps, "fp16");
+        c.optim.loss_scale = 1024;
+        c.train.batch_size = N * 2;
+        c.train.micro_batch_size = 2;
+        c.train.zero_stage = stage;
+        // Stage 0 all-reduces whole gradients, so an overflow reaches every rank's copy; from
+        // stage 1 the last rank alone sees it (in the shard it owns, or before its
+        // reduce-scatter).
+        const bool inject_here = stage == 0 || comm().rank() == N - 1;
+        std::vector<float> before_2, after_2;
+        double scale_after_2 = 0;
+        TrainOptions o = quiet();
+        o.before_step = [&](int64_t step, Engine& e) {
+            if (step == 2) {
+                before_2 = gather_params(e.weights());  // a collective from ZeRO-1: every rank
+                if (inject_here) inject_overflow_for_test(e);
+            }
+            if (step == 3) {
+                after_2 = gather_params(e.weights());
+                scale_after_2 = e.loss_scaler_state().first;
+            }
+        };
+        Trainer t(c, o, &comm());
+        const TrainSummary s = t.run();
+        EXPECT_EQ(s.steps_skipped, 1);
+        ASSERT_FALSE(before_2.empty());
+        EXPECT_EQ(before_2, after_2) << "the skipped step changed parameters";
+        EXPECT_EQ(scale_after_2, 512.0) << "the scale halves on every rank";
+        // Every rank ends with the same parameters: the elementwise maximum over ranks of p and
+        // of -p are p and -p.
+        const std::vector<float> p = t.params();
+        std::vector<double> hi(p.begin(), p.end()), lo(p.size());
+        for (std::size_t i = 0; i < p.size(); i++) lo[i] = -(double)p[i];
+        comm().all_reduce_max(hi.data(), (int64_t)hi.size());
+        comm().all_reduce_max(lo.data(), (int64_t)lo.size());
+        std::size_t differ = 0;
+        for (std::size_t i = 0; i < p.size(); i++) differ += hi[i] != p[i] || -lo[i] != p[i];
+        EXPECT_EQ(differ, 0u) << "parameters differ between ranks";
+        // One process with the whole global micro-batch, overflowing at the same step.
+        RunConfig one = c;
+        one.train.micro_batch_size = N * 2;
+        one.train.zero_stage = 0;
+        one.io.out_dir = c.io.out_dir + "_one" + std::to_string(comm().rank());
+        TrainOptions o1 = quiet();
+        o1.before_step = [](int64_t step, Engine& e) {
+            if (step == 2) inject_overflow_for_test(e);
+        };
+        Trainer ref(one, o1);
+        const TrainSummary r = ref.run();
+        EXPECT_EQ(r.steps_skipped, 1);
+        ASSERT_EQ(s.losses.size(), r.losses.size());
+        // fp16: one process and N ranks round their gradient sums differently.
+        for (std::size_t i = 0; i < s.losses.size(); i++)
+            EXPECT_NEAR(s.losses[i], r.losses[i], 0.02) << "step " << i + 1;
+    }
+}
+
 }  // namespace
 }  // namespace memtrain::dist
