@@ -7,12 +7,18 @@ tokens/s and memtrain's memory breakdown, beside what fits without offload: 16 b
 states per parameter on the GPU (the "16 Psi on the GPU" limit). Each attempt is its own process;
 one that runs out of device or host memory is reported and the next smaller shape is tried.
 
+Before each attempt the planner predicts it (`memtrain estimate CONFIG --offload optimizer
+--recompute full --host-mem-gb <this machine's>`): the device total and the host bytes are
+printed and recorded beside what the run measured, and a shape the planner says the host or the
+GPU cannot hold is not launched (`--no-plan-skip` launches it anyway).
+
     python3 bench/offload_gpu.py --memtrain build-gpu/memtrain [--json out.json] [--quick]
     python3 bench/offload_gpu.py --memtrain build/memtrain --device cpu-smoke   # logic only
 """
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 
@@ -37,6 +43,36 @@ class Args:
     pass
 
 
+def machine_memory():
+    """(GPU bytes, host bytes) of this machine: nvidia-smi's first GPU (80 GB if none answers)
+    and MemTotal."""
+    gpu = 80e9
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,"
+                              "nounits"], capture_output=True, text=True, timeout=30).stdout
+        gpu = float(out.split()[0]) * 2**20
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        pass
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return gpu, host
+
+
+def predict(memtrain, config, micro_batch, seq):
+    """The planner's estimate of a ZeRO-Offload run of `config` on this machine, or None."""
+    gpu, host = machine_memory()
+    cmd = [memtrain, "estimate", config, "--offload", "optimizer", "--recompute", "full",
+           "--micro-batch", str(micro_batch), "--seq", str(seq), "--gpus-per-node", "1",
+           "--gpu-mem-gb", "%g" % (gpu / 1e9), "--host-mem-gb", "%g" % (host / 1e9), "--json"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        print("  planner: %s" % (r.stderr.strip() or "no answer"))
+        return None
+    j = json.loads(r.stdout)
+    return {"device_bytes": j["total_bytes"], "host_bytes": j["host_bytes"], "gpu_bytes": gpu,
+            "host_capacity": host,
+            "fits": j["total_bytes"] <= gpu and j["host_bytes"] <= host}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--memtrain", default="build-gpu/memtrain")
@@ -47,6 +83,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="1 + 2 steps per attempt")
     ap.add_argument("--timeout", type=int, default=900)
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--no-plan-skip", action="store_true",
+                    help="launch shapes the planner predicts do not fit")
     a = ap.parse_args()
     if not os.access(a.memtrain, os.X_OK):
         sys.exit("offload_gpu.py: no memtrain binary at %s (build first)" % a.memtrain)
@@ -73,12 +111,23 @@ def main():
             sets = [] if smoke else ["train.offload_optimizer=true", "train.remat=offload"]
             if smoke and name == "smoke-too-big":
                 sets = ["model.n_embd=1000003"]  # an impossible shape: the failure path
+            plan = predict(a.memtrain, config, a.micro_batch, seq)
+            if plan:
+                print("  planner: %.1f GB on the GPU of %.0f GB, %.1f GB of host memory of %.0f GB"
+                      " -> %s" % (plan["device_bytes"] / 1e9, plan["gpu_bytes"] / 1e9,
+                                  plan["host_bytes"] / 1e9, plan["host_capacity"] / 1e9,
+                                  "fits" if plan["fits"] else "does not fit"))
+            if plan and not plan["fits"] and not smoke and not a.no_plan_skip:
+                results["attempts"].append({"name": name, "n_layer": L, "n_head": H,
+                                            "n_embd": C, "params": params, "planned": plan,
+                                            "skipped": "the planner predicts it does not fit"})
+                continue
             cmd = [a.memtrain, "train", config] + sum((["--set", s] for s in sets), [])
             r = run_process("offload %s (%.2fB parameters)" % (name, params / 1e9), cmd,
                             a.timeout)
             attempt = {"name": name, "n_layer": L, "n_head": H, "n_embd": C,
                        "params": params, "rc": r["rc"], "seconds": r["seconds"],
-                       "output_tail": tail(r["output"])}
+                       "planned": plan, "output_tail": tail(r["output"])}
             results["attempts"].append(attempt)
             if r["rc"] != 0:
                 print("  %s did not train (rc %s): %s" % (name, r["rc"],
@@ -99,6 +148,10 @@ def main():
             print("tokens/s %.0f (mean of %d steps after %d warm-up); peak tracked device memory "
                   "%.1f GiB" % (tok_s, len(timed), warmup, attempt["peak_device_bytes"] / 2**30))
             print(table.strip())
+            if plan:
+                print("planner beside it: %.2f GiB predicted on the device (full recompute, block "
+                      "inputs on the GPU: an upper bound for remat=offload), %.2f GiB on the host"
+                      % (plan["device_bytes"] / 2**30, plan["host_bytes"] / 2**30))
             break
     if results["chosen"] and not smoke:
         gpu = 80e9

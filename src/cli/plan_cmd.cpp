@@ -20,7 +20,7 @@ using namespace memtrain::plan;
 struct GpuArgs {
     std::string gpu = "h100-80gb";
     int gpus_per_node = 8;
-    double mem_gb = 0, tflops = 0, intra_gbs = 0, inter_gbs = 0, efficiency = 0;
+    double mem_gb = 0, tflops = 0, intra_gbs = 0, inter_gbs = 0, efficiency = 0, host_mem_gb = 0;
 };
 
 void add_gpu_flags(CLI::App* cmd, GpuArgs& a) {
@@ -31,6 +31,8 @@ void add_gpu_flags(CLI::App* cmd, GpuArgs& a) {
     cmd->add_option("--intra-bw-gbs", a.intra_gbs, "override NVLink GB/s per GPU");
     cmd->add_option("--inter-bw-gbs", a.inter_gbs, "override network GB/s per GPU");
     cmd->add_option("--efficiency", a.efficiency, "achievable fraction of peak for big GEMMs");
+    cmd->add_option("--host-mem-gb", a.host_mem_gb,
+                    "host memory per node for offloaded states (GB; default: not checked)");
 }
 
 ClusterSpec make_cluster(const GpuArgs& a, int gpus) {
@@ -41,6 +43,8 @@ ClusterSpec make_cluster(const GpuArgs& a, int gpus) {
     if (a.intra_gbs > 0) c.gpu.intra_node_bw = a.intra_gbs * 1e9;
     if (a.inter_gbs > 0) c.gpu.inter_node_bw = a.inter_gbs * 1e9;
     if (a.efficiency > 0) c.gpu.efficiency = a.efficiency;
+    if (a.host_mem_gb < 0) fail("--host-mem-gb must be positive, got {}", a.host_mem_gb);
+    c.host_memory_bytes = a.host_mem_gb * 1e9;
     if (a.gpus_per_node < 1) fail("--gpus-per-node must be at least 1, got {}", a.gpus_per_node);
     c.gpus_per_node = a.gpus_per_node;
     c.gpus = gpus;
@@ -125,8 +129,7 @@ void register_estimate(CLI::App& app) {
                     m.total_params() / 1e9, m.n_layer, m.n_embd, m.n_head, r.seq_len(m));
         std::printf("layout: %s, %s %s, GPU %s\n\n", describe(r).c_str(), to_string(r.precision),
                     to_string(r.optimizer), c.gpu.name.c_str());
-        std::printf("%s\n%s", format_memory_table(est, c.gpu.memory_bytes).c_str(),
-                    format_time(t).c_str());
+        std::printf("%s\n%s", format_memory_table(est, &c).c_str(), format_time(t).c_str());
     });
 }
 
@@ -190,7 +193,7 @@ void register_plan_cmd(CLI::App& app) {
                     m.name.c_str(), m.total_params() / 1e9, gpus, c.gpu.name.c_str(),
                     c.gpu.memory_bytes / 1e9, s.global_batch > 0 ? s.global_batch : 1024,
                     s.seq > 0 ? s.seq : m.block_size);
-        std::printf("%s", format_plans(r, a->top, a->reasons, c.gpu.memory_bytes).c_str());
+        std::printf("%s", format_plans(r, a->top, a->reasons, c).c_str());
         if (!a->emit.empty()) std::printf("\nwrote %s\n", a->emit.c_str());
         if (!a->svg.empty()) std::printf("wrote %s\n", a->svg.c_str());
     });
@@ -243,7 +246,7 @@ void register_scale(CLI::App& app) {
                     m.n_layer, m.n_embd, m.n_head, m.total_params() / 1e9);
         if (r.plans.empty()) {
             std::printf("no layout fits on %d x %s; the planner says:\n%s", a->gpus,
-                        c.gpu.name.c_str(), format_plans(r, 0, 5, c.gpu.memory_bytes).c_str());
+                        c.gpu.name.c_str(), format_plans(r, 0, 5, c).c_str());
             return;
         }
         const Plan& best = r.plans[0];

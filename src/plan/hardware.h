@@ -26,6 +26,7 @@ struct ClusterSpec {
     int gpus = 8;
     int gpus_per_node = 8;
     double cpu_adam_params_per_s = 1e9;  // CPU optimizer speed per GPU's shard (offload)
+    double host_memory_bytes = 0;        // host memory per node for offloaded states; 0: unchecked
     int nodes() const { return (gpus + gpus_per_node - 1) / gpus_per_node; }
 };
 

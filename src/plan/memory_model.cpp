@@ -161,11 +161,23 @@ MemoryEstimate estimate_stage_memory(const ModelSpec& m, const RunSpec& r, int s
         "{:.3f}B x {} B ({} {}){}", trainable / 1e9, k.optim, to_string(r.precision),
         to_string(r.optimizer), o_div > 1 ? fmt::format(" / {} (ZeRO-{})", d, r.zero) : "");
     if (r.offload != Offload::none) {
-        // ZeRO-Offload: fp32 states and the gradients they consume live in host memory.
-        est.cpu_bytes += to_bytes(opt_bytes + grad_bytes);
-        opt_detail = "offloaded to CPU (" + gb(opt_bytes) + " host)";
-        grad_detail = "offloaded to CPU (" + gb(grad_bytes) + " host)";
-        opt_bytes = grad_bytes = 0;
+        // ZeRO-Offload as memtrain's engine runs it (src/train/cuda_engine.cpp): the gradients
+        // stay on the GPU, where the backward writes and accumulates them (their ZeRO shard from
+        // stage 2), and stream down after the last micro-batch. The host holds, for this GPU's
+        // shard of the optimizer: fp32 master weights, the moments, the fp32 gradients the update
+        // reads and the pinned buffer the transfers go through (a parameter's bytes).
+        const bool mixed =
+            r.precision == Precision::mixed_bf16 || r.precision == Precision::mixed_fp16;
+        const double master = mixed ? 4 : 0;  // in k.optim already
+        const double host_per_param = 4 + (k.optim - master) + 4 + k.param;
+        const double host = trainable * host_per_param / o_div;
+        est.cpu_bytes += to_bytes(host);
+        opt_detail = fmt::format(
+            "offloaded: {} host = {:.3f}B x {:g} B (fp32 master 4 + moments {:g} + fp32 grads 4 + "
+            "pinned transfer {:g}){}",
+            gb(host), trainable / 1e9, host_per_param, k.optim - master, k.param,
+            o_div > 1 ? fmt::format(" / {} (ZeRO-{})", d, r.zero) : "");
+        opt_bytes = 0;
     }
     if (r.offload == Offload::optimizer_and_params) {
         est.cpu_bytes += to_bytes(param_bytes);
@@ -191,8 +203,7 @@ MemoryEstimate estimate_stage_memory(const ModelSpec& m, const RunSpec& r, int s
         last ? ceil_div(s * b * static_cast<int64_t>(m.vocab_size), t) * (e + 4 + 4) : 0;
     // Gradient buckets: two in flight while backward overlaps with the all-reduce.
     int64_t buckets = 0;
-    if (d > 1 && r.offload == Offload::none)
-        buckets = std::min<int64_t>(2 * r.bucket_bytes, to_bytes(trainable * k.grad));
+    if (d > 1) buckets = std::min<int64_t>(2 * r.bucket_bytes, to_bytes(trainable * k.grad));
     // ZeRO-3 gathers the current layer and prefetches the next one in full (per tp rank).
     int64_t gather = 0;
     if (r.zero >= 3 && d > 1)
@@ -222,9 +233,9 @@ MemoryEstimate estimate_stage_memory(const ModelSpec& m, const RunSpec& r, int s
     add("fragmentation margin", (subtotal - r.reserve_bytes) * r.fragmentation,
         fmt::format("{:.0f}% of the above", r.fragmentation * 100));
     for (const auto& l : est.lines) est.total += l.bytes;
-    est.not_included = {
-        "NCCL internal buffers beyond the reserve", "input/target token buffers and data loader",
-        "memory of other processes on the GPU", "pinned host staging buffers (offload)"};
+    est.not_included = {"NCCL internal buffers beyond the reserve",
+                        "input/target token buffers and data loader",
+                        "memory of other processes on the GPU"};
     return est;
 }
 

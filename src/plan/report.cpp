@@ -13,21 +13,36 @@ std::string format_bytes(double bytes) {
     return fmt::format("{:.1f} MB", bytes / 1e6);
 }
 
-std::string format_memory_table(const MemoryEstimate& est, double capacity) {
+std::string format_memory_table(const MemoryEstimate& est, const ClusterSpec* cluster) {
     std::string out = fmt::format("{:<24} {:>12}  {}\n", "category", "per GPU", "how");
     for (const auto& l : est.lines)
         out += fmt::format("{:<24} {:>12}  {}\n", l.name, format_bytes(l.bytes), l.detail);
     out += fmt::format("{:<24} {:>12}  stage {} ({} layers)\n", "total", format_bytes(est.total),
                        est.stage, est.layers_on_stage);
+    const int per_node = cluster ? gpus_sharing_a_host(*cluster) : 1;
     if (est.cpu_bytes > 0)
-        out += fmt::format("{:<24} {:>12}  offloaded states per GPU\n", "host memory",
-                           format_bytes(est.cpu_bytes));
-    if (capacity > 0) {
+        out +=
+            fmt::format("{:<24} {:>12}  offloaded states per GPU{}\n", "host memory",
+                        format_bytes(est.cpu_bytes),
+                        per_node > 1 ? fmt::format(", {} for the {} GPUs of a node",
+                                                   format_bytes(est.cpu_bytes * per_node), per_node)
+                                     : "");
+    if (cluster) {
+        const double capacity = cluster->gpu.memory_bytes;
         double left = capacity - static_cast<double>(est.total);
         out += left >= 0 ? fmt::format("fits in {} with {} to spare\n", format_bytes(capacity),
                                        format_bytes(left))
                          : fmt::format("does NOT fit in {}: over by {}\n", format_bytes(capacity),
                                        format_bytes(-left));
+        if (est.cpu_bytes > 0 && cluster->host_memory_bytes > 0) {
+            const double host = cluster->host_memory_bytes,
+                         need = static_cast<double>(est.cpu_bytes) * per_node;
+            out += host_fits(est, *cluster)
+                       ? fmt::format("host: fits in {} per node with {} to spare\n",
+                                     format_bytes(host), format_bytes(host - need))
+                       : fmt::format("host: does NOT fit in {} per node: over by {}\n",
+                                     format_bytes(host), format_bytes(need - host));
+        }
     }
     out += "not included: ";
     for (size_t i = 0; i < est.not_included.size(); ++i)
@@ -45,7 +60,8 @@ std::string format_time(const TimeEstimate& t) {
         t.bubble_fraction * 100);
 }
 
-std::string format_plans(const SearchResult& r, int top, int reasons, double capacity) {
+std::string format_plans(const SearchResult& r, int top, int reasons, const ClusterSpec& c) {
+    const double capacity = c.gpu.memory_bytes;
     std::string out;
     int n = std::min<int>(top, static_cast<int>(r.plans.size()));
     if (n > 0) {
@@ -63,9 +79,9 @@ std::string format_plans(const SearchResult& r, int top, int reasons, double cap
                 fmt::format("{}x{}", p.run.micro_batch, p.run.micro_batches),
                 format_bytes(p.memory.total), p.time.step_s, p.time.mfu * 100, p.time.tokens_per_s);
         }
-        out += fmt::format("\nbest plan, per-GPU memory:\n{}\n{}",
-                           format_memory_table(r.plans[0].memory, capacity),
-                           format_time(r.plans[0].time));
+        out +=
+            fmt::format("\nbest plan, per-GPU memory:\n{}\n{}",
+                        format_memory_table(r.plans[0].memory, &c), format_time(r.plans[0].time));
     } else {
         out += fmt::format("no layout fits in {} per GPU ({} layouts tried)\n",
                            format_bytes(capacity), r.evaluated);

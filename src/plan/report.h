@@ -11,9 +11,12 @@
 namespace memtrain::plan {
 
 std::string format_bytes(double bytes);  // "24.00 GB"
-std::string format_memory_table(const MemoryEstimate& est, double capacity_bytes);
+// The per-GPU table; with a cluster, whether it fits the GPU's memory and, for offloaded states,
+// the host memory of a node (ClusterSpec::host_memory_bytes, when given).
+std::string format_memory_table(const MemoryEstimate& est, const ClusterSpec* cluster = nullptr);
 std::string format_time(const TimeEstimate& t);
-std::string format_plans(const SearchResult& result, int top, int reasons, double capacity_bytes);
+std::string format_plans(const SearchResult& result, int top, int reasons,
+                         const ClusterSpec& cluster);
 nlohmann::json to_json(const MemoryEstimate& est);
 nlohmann::json to_json(const SearchResult& result, int top);
 // Stacked bars, one per plan, one colour per memory category, a line at the GPU capacity.

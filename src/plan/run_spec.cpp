@@ -174,8 +174,11 @@ void validate_run(const ModelSpec& m, const RunSpec& r) {
             "offloading parameters needs ZeRO-3 (got ZeRO-{}); use --zero 3 or --offload "
             "optimizer",
             r.zero);
-    if (r.offload == Offload::optimizer && r.zero == 0)
-        fail("offloading the optimizer needs ZeRO >= 1 (ZeRO-Offload); add --zero 2");
+    if (r.offload == Offload::optimizer && r.zero == 0 && r.dp > 1)
+        fail(
+            "offloading the optimizer with dp={} needs ZeRO >= 1 (each rank updates its shard on "
+            "its host; without sharding every rank would repeat the whole update); add --zero 2",
+            r.dp);
     if (r.zero >= 2 && r.pp > 1)
         fail(
             "ZeRO-{} with pipeline parallelism is not supported (gradients are needed on every "

@@ -40,7 +40,25 @@ std::string over_reason(const Plan& p, double capacity) {
         gbs(mem.total - mem.model_states() - mem.bytes("activations")));
 }
 
+std::string host_over_reason(const Plan& p, const ClusterSpec& c) {
+    const int per_node = gpus_sharing_a_host(c);
+    return fmt::format(
+        "best layout {} fits the GPU ({}) but its offloaded states need {}/GPU x {} GPUs = {} of "
+        "host memory per node > {}",
+        describe(p.run), gbs(p.memory.total), gbs(p.memory.cpu_bytes), per_node,
+        gbs(static_cast<double>(p.memory.cpu_bytes) * per_node), gbs(c.host_memory_bytes));
+}
+
 }  // namespace
+
+int gpus_sharing_a_host(const ClusterSpec& c) {
+    return std::max(1, std::min(c.gpus, c.gpus_per_node));
+}
+
+bool host_fits(const MemoryEstimate& est, const ClusterSpec& c) {
+    return c.host_memory_bytes <= 0 ||
+           static_cast<double>(est.cpu_bytes) * gpus_sharing_a_host(c) <= c.host_memory_bytes;
+}
 
 std::string describe(const RunSpec& r) {
     std::string s = fmt::format("dp={} tp={} pp={} ZeRO-{} mb={}x{} recompute={}", r.dp, r.tp, r.pp,
@@ -65,7 +83,8 @@ SearchResult search_plans(const ModelSpec& m, const ClusterSpec& c, const Search
              m.name);
 
     SearchResult result;
-    std::map<std::string, Plan> closest;  // per family: the member needing the least memory
+    std::map<std::string, Plan> closest;       // per family: the member needing the least memory
+    std::map<std::string, Plan> host_closest;  // ... of those that fit the GPU but not the host
     std::map<std::string, bool> family_fits;
     std::vector<Rejection> structural;
 
@@ -90,12 +109,15 @@ SearchResult search_plans(const ModelSpec& m, const ClusterSpec& c, const Search
             }
             for (int zero = 0; zero <= 3; ++zero) {
                 if (pp > 1 && zero >= 2) continue;  // ZeRO-2/3 do not combine with PP
-                if (dp == 1 && zero > 0 && !spec.allow_offload) continue;
                 for (Offload off :
                      {Offload::none, Offload::optimizer, Offload::optimizer_and_params}) {
-                    if (off != Offload::none && (!spec.allow_offload || zero == 0)) continue;
+                    if (off != Offload::none && !spec.allow_offload) continue;
                     if (off == Offload::optimizer_and_params && zero != 3) continue;
-                    if (dp == 1 && zero > 0 && off == Offload::none) continue;  // no-op sharding
+                    // Offloading the optimizer needs a shard per rank, except on one GPU.
+                    if (off == Offload::optimizer && zero == 0 && dp > 1) continue;
+                    // One GPU: sharding over one rank changes nothing (ZeRO-0 covers it), but
+                    // ZeRO-3 is how parameters are offloaded.
+                    if (dp == 1 && zero > 0 && off != Offload::optimizer_and_params) continue;
                     for (Recompute rc : {Recompute::none, Recompute::selective, Recompute::full}) {
                         if (rc == Recompute::selective && spec.flash_attention)
                             continue;  // same as none
@@ -116,12 +138,20 @@ SearchResult search_plans(const ModelSpec& m, const ClusterSpec& c, const Search
                             p.memory = estimate_memory(m, r);
                             ++result.evaluated;
                             std::string fam = family_of(r);
-                            bool fits = p.memory.total <= c.gpu.memory_bytes;
-                            family_fits[fam] = family_fits[fam] || fits;
+                            const bool fits = p.memory.total <= c.gpu.memory_bytes,
+                                       fits_host = host_fits(p.memory, c);
+                            family_fits[fam] = family_fits[fam] || (fits && fits_host);
                             if (!fits) {
                                 auto it = closest.find(fam);
                                 if (it == closest.end() || p.memory.total < it->second.memory.total)
                                     closest[fam] = p;
+                                continue;
+                            }
+                            if (!fits_host) {  // fits the GPU, not the host: the least host
+                                auto it = host_closest.find(fam);
+                                if (it == host_closest.end() ||
+                                    p.memory.cpu_bytes < it->second.memory.cpu_bytes)
+                                    host_closest[fam] = p;
                                 continue;
                             }
                             p.time = estimate_time(m, r, c);
@@ -139,6 +169,11 @@ SearchResult search_plans(const ModelSpec& m, const ClusterSpec& c, const Search
     });
     for (const auto& [fam, fits] : family_fits) {
         if (fits) continue;
+        if (auto h = host_closest.find(fam); h != host_closest.end()) {
+            const Plan& p = h->second;
+            result.rejected.push_back({fam, host_over_reason(p, c), p.memory.total});
+            continue;
+        }
         const Plan& p = closest.at(fam);
         result.rejected.push_back({fam, over_reason(p, c.gpu.memory_bytes), p.memory.total});
     }

@@ -50,6 +50,12 @@ struct SearchResult {
 SearchResult search_plans(const ModelSpec& model, const ClusterSpec& cluster,
                           const SearchSpec& spec);
 
+// GPUs of one node whose offloaded states share its host memory: min(gpus, gpus_per_node).
+int gpus_sharing_a_host(const ClusterSpec& cluster);
+// Whether the host memory of a node holds the offloaded states of its GPUs (always, when the
+// cluster's host_memory_bytes is 0: not given).
+bool host_fits(const MemoryEstimate& est, const ClusterSpec& cluster);
+
 // "tp=8 pp=4 dp=32 ZeRO-1 mb=1x48 selective" — the one-line name of a layout.
 std::string describe(const RunSpec& run);
 

@@ -208,6 +208,7 @@ class CudaEngine final : public Engine, public OptimizerState {
     std::unique_ptr<Optimizer> host_opt_;
     Buffer<float> host_master_, host_grads_;
     T* pinned_ = nullptr;
+    std::size_t pinned_bytes() const { return shard_count_ * sizeof(T); }
     int64_t t_ = 0;
     int micro_ = 0;
     int64_t tokens_in_step_ = 0;
@@ -354,6 +355,8 @@ CudaEngine<T>::CudaEngine(const RunConfig& cfg, dist::Communicator& comm)
         host_master_ = Buffer<float>(shard_count_, MemCategory::OptimizerState);
         host_grads_ = Buffer<float>(shard_count_, MemCategory::Gradients);
         MT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&pinned_), shard_count_ * sizeof(T)));
+        // Pinned host memory both ways: gradients down, updated parameters up.
+        host_memory().on_alloc(MemCategory::Communication, pinned_bytes(), pinned_bytes());
         if (stream_down_) {
             MT_CUDA_CHECK(cudaStreamCreateWithFlags(&down_stream_, cudaStreamNonBlocking));
             MT_CUDA_CHECK(cudaEventCreateWithFlags(&reduced_, cudaEventDisableTiming));
@@ -393,7 +396,10 @@ CudaEngine<T>::~CudaEngine() {
     if (down_stream_) cudaStreamDestroy(down_stream_);
     if (scalars_host_) cudaFreeHost(scalars_host_);
     if (stats_host_) cudaFreeHost(stats_host_);
-    if (pinned_) cudaFreeHost(pinned_);
+    if (pinned_) {
+        cudaFreeHost(pinned_);
+        host_memory().on_free(MemCategory::Communication, pinned_bytes(), pinned_bytes());
+    }
     if (stream_) cudaStreamDestroy(stream_);
 }
 
@@ -719,7 +725,7 @@ std::string CudaEngine<T>::memory_footer() const {
             "{:<16} {:>12}  (train.offload_optimizer: fp32 master 4 + {} + fp32 gradients 4 + "
             "pinned transfer buffer {} bytes per parameter, in host memory)\n",
             "optimizer (host)",
-            mib(host_master_.bytes() + (adamw_ ? 8 : 4) * n + host_grads_.bytes() + n * sizeof(T)),
+            mib(host_master_.bytes() + (adamw_ ? 8 : 4) * n + host_grads_.bytes() + pinned_bytes()),
             adamw_ ? "Adam m, v 8" : "momentum 4", sizeof(T));
     }
     if (model_->offloaded_bytes() > 0)

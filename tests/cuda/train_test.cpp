@@ -14,6 +14,8 @@
 #include "core/device.h"
 #include "core/error.h"
 #include "cuda/cuda_test_util.h"
+#include "plan/memory_model.h"
+#include "plan/model_spec.h"
 #include "test_util.h"
 #include "train/cuda_engine.h"
 #include "train/trainer.h"
@@ -218,8 +220,10 @@ TEST(CudaTrain, OffloadedOptimizerTrainsTheSameModel) {
         RunConfig h = cuda_run(d2, 10, p);
         h.train.offload_optimizer = true;
         const MemoryStats before = device_memory().snapshot();
+        const MemoryStats host_before = host_memory().snapshot();
         Trainer host(h, quiet());
         const MemoryStats after = device_memory().snapshot();
+        const MemoryStats host_after = host_memory().snapshot();
         auto a = dev.run(), b = host.run();
         // The same AdamW arithmetic on the same gradients, on the CPU instead of the GPU. The
         // kernels spell out the multiply-adds the optimised CPU build fuses, so there the curves
@@ -245,6 +249,28 @@ TEST(CudaTrain, OffloadedOptimizerTrainsTheSameModel) {
                 EXPECT_EQ(row.bytes, 0u);
             }
         }
+        // The planner (`memtrain estimate --offload optimizer`) predicts both sides: parameters
+        // and gradients on the device, and on the host the fp32 master, Adam's moments, the fp32
+        // gradients and the pinned transfer buffer.
+        plan::RunSpec r;
+        r.precision = fp32 ? plan::Precision::fp32 : plan::Precision::mixed_bf16;
+        r.offload = plan::Offload::optimizer;
+        r.micro_batch = h.micro_batch();
+        r.seq = h.train.seq_len;
+        const auto est = plan::estimate_memory(plan::model_from_config(h.model), r);
+        auto grew = [](const MemoryStats& a, const MemoryStats& b, MemCategory k) {
+            return (double)(b[k] - a[k]);
+        };
+        EXPECT_EQ(est.bytes("optimizer states"), 0);
+        EXPECT_NEAR((double)est.bytes("parameters"), grew(before, after, MemCategory::Parameters),
+                    0);
+        EXPECT_NEAR((double)est.bytes("gradients"), grew(before, after, MemCategory::Gradients), 0);
+        const double host_states = grew(host_before, host_after, MemCategory::OptimizerState) +
+                                   grew(host_before, host_after, MemCategory::Gradients) +
+                                   grew(host_before, host_after, MemCategory::Communication);
+        EXPECT_GT(host_states, 0);
+        // (The host optimizer's small per-tensor tables are not in the formula.)
+        EXPECT_NEAR((double)est.cpu_bytes, host_states, 4096) << p;
     }
     // Resume with the optimizer on the host: 8 = 4 + resume + 4, bit for bit.
     auto d3 = test::temp_dir("cuda_opt_host_full"), d4 = test::temp_dir("cuda_opt_host_split");

@@ -4,6 +4,8 @@
 
 #include "core/error.h"
 #include "plan/memory_model.h"
+#include "plan/report.h"
+#include "plan/search.h"
 
 using namespace memtrain::plan;
 
@@ -69,15 +71,54 @@ TEST(PlanMemory, OptimizerAndPrecisionVariants) {
     EXPECT_DOUBLE_EQ(state_bytes(Precision::fp32, Optimizer::sgd).optim, 4);
 }
 
+// ZeRO-Offload as the engine runs it: the bf16 parameters and gradients stay on the GPU (their
+// shards from ZeRO-3 / ZeRO-2), the host holds the fp32 master, Adam's moments, fp32 gradients
+// and a pinned transfer buffer: 4 + 8 + 4 + 2 = 18 bytes per parameter of the rank's shard.
 TEST(PlanMemory, OffloadMovesStatesToHost) {
     ModelSpec m = load_model("gpt2-xl");
+    const int64_t psi = m.total_params();
     RunSpec r = base_run();
-    r.zero = 2;
-    r.offload = Offload::optimizer;
+    r.offload = Offload::optimizer;  // one GPU, ZeRO-0
     MemoryEstimate e = estimate_memory(m, r);
     EXPECT_EQ(e.bytes("optimizer states"), 0);
-    EXPECT_EQ(e.bytes("parameters"), 2 * m.total_params());
-    EXPECT_EQ(e.cpu_bytes, 14 * m.total_params());
+    EXPECT_EQ(e.bytes("parameters"), 2 * psi);
+    EXPECT_EQ(e.bytes("gradients"), 2 * psi);
+    EXPECT_EQ(e.cpu_bytes, 18 * psi);
+    EXPECT_NE(
+        e.lines[2].detail.find("fp32 master 4 + moments 8 + fp32 grads 4 + pinned transfer 2"),
+        std::string::npos)
+        << e.lines[2].detail;
+    // fp32 training has no separate master on the GPU, but the host update keeps one.
+    r.precision = Precision::fp32;
+    EXPECT_EQ(estimate_memory(m, r).cpu_bytes, (4 + 8 + 4 + 4) * psi);
+    // 4 ranks under ZeRO-2: the host holds a quarter, the GPU a quarter of the gradients.
+    r.precision = Precision::mixed_bf16;
+    r.dp = 4, r.zero = 2;
+    e = estimate_memory(m, r);
+    EXPECT_EQ(e.cpu_bytes, 18 * ((psi + 3) / 4));
+    EXPECT_NEAR((double)e.bytes("gradients"), 2.0 * psi / 4, 2);
+    EXPECT_EQ(e.bytes("optimizer states"), 0);
+}
+
+// A node's host memory holds the offloaded states of all its GPUs: `memtrain plan` rejects a
+// layout whose states exceed it, naming the numbers, and `estimate` says whether it fits.
+TEST(PlanMemory, HostMemoryBoundsOffload) {
+    ModelSpec m = load_model("gpt2-xl");
+    RunSpec r = base_run();
+    r.offload = Offload::optimizer;
+    const MemoryEstimate e = estimate_memory(m, r);  // 28.0 GB of host memory
+    ClusterSpec c;
+    c.gpus = c.gpus_per_node = 1;
+    EXPECT_TRUE(host_fits(e, c)) << "not given: not checked";
+    c.host_memory_bytes = 32e9;
+    EXPECT_TRUE(host_fits(e, c));
+    EXPECT_NE(format_memory_table(e, &c).find("host: fits in 32.00 GB per node"),
+              std::string::npos);
+    c.gpus = c.gpus_per_node = 2;  // two GPUs share the node's 32 GB
+    EXPECT_FALSE(host_fits(e, c));
+    EXPECT_NE(format_memory_table(e, &c).find("host: does NOT fit in 32.00 GB per node"),
+              std::string::npos)
+        << format_memory_table(e, &c);
 }
 
 // Korthikanti et al. 2022, GPT-3 175B layer: s=2048, b=1, h=12288, a=96, t=8.
@@ -165,6 +206,15 @@ TEST(PlanErrors, BadLayoutsExplainThemselves) {
     EXPECT_THROW(estimate_memory(m, r), memtrain::Error);
     r.pp = 1, r.zero = 4;
     EXPECT_THROW(estimate_memory(m, r), memtrain::Error);
-    r.zero = 0, r.offload = Offload::optimizer;
-    EXPECT_THROW(estimate_memory(m, r), memtrain::Error);
+    // Offloading the optimizer of several ranks needs their shards (one GPU needs none).
+    r.zero = 0, r.offload = Offload::optimizer, r.dp = 2;
+    try {
+        estimate_memory(m, r);
+        FAIL() << "expected an error";
+    } catch (const memtrain::Error& e) {
+        EXPECT_NE(std::string(e.what()).find("dp=2 needs ZeRO >= 1"), std::string::npos)
+            << e.what();
+    }
+    r.dp = 1;
+    EXPECT_NO_THROW(estimate_memory(m, r));
 }

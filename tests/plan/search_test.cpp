@@ -41,7 +41,7 @@ TEST(PlanSearch, TwoHundredBillionOnFortyGigabyteGpus) {
     }
     EXPECT_TRUE(found);
     // Output renders without surprises.
-    EXPECT_NE(format_plans(r, 3, 5, 40e9).find("rejected:"), std::string::npos);
+    EXPECT_NE(format_plans(r, 3, 5, c).find("rejected:"), std::string::npos);
     EXPECT_NE(memory_svg(r, 3, 40e9).find("<svg"), std::string::npos);
     EXPECT_NE(emit_config_toml(m, r.plans[0]).find("[model]"), std::string::npos);
 }
@@ -76,6 +76,39 @@ TEST(PlanSearch, EmittedConfigLoadsInTheTrainer) {
     EXPECT_EQ(cfg.train.micro_batch_size, r.plans[0].run.micro_batch);
     EXPECT_EQ(cfg.train.remat, to_string(r.plans[0].run.recompute));
     EXPECT_NO_THROW(cfg.validate());
+}
+
+// One GPU too small for GPT-2 1.5B's 16 bytes of model states per parameter: ZeRO-Offload (on
+// one GPU: ZeRO-0, as the trainer runs it) is the plan, as long as the host holds its 18 bytes
+// per parameter; with too little host memory the offload family says so with the numbers.
+TEST(PlanSearch, OneGpuOffloadsTheOptimizerWhenTheHostHoldsIt) {
+    ModelSpec m = load_model("gpt2-xl");
+    ClusterSpec c;
+    c.gpu = gpu_preset("h100-80gb");
+    c.gpu.memory_bytes = 20e9;
+    c.gpus = 1;
+    SearchSpec s;
+    s.global_batch = 8;
+    s.seq = 1024;
+    SearchResult r = search_plans(m, c, s);
+    ASSERT_FALSE(r.plans.empty());
+    for (const auto& p : r.plans) EXPECT_NE(p.run.offload, Offload::none) << describe(p.run);
+    // Offloading the parameters too (ZeRO-3) moves them every micro-batch: slower.
+    EXPECT_EQ(r.plans[0].run.offload, Offload::optimizer) << describe(r.plans[0].run);
+    EXPECT_EQ(r.plans[0].run.zero, 0) << describe(r.plans[0].run);
+    c.host_memory_bytes = 16e9;  // < 18 x 1.56B
+    r = search_plans(m, c, s);
+    EXPECT_TRUE(r.plans.empty());
+    bool named = false;
+    for (const auto& rej : r.rejected) {
+        if (rej.family != "pure DP, ZeRO-0 + optimizer offload") continue;
+        named = true;
+        EXPECT_NE(rej.reason.find("host memory per node > 16.0 GB"), std::string::npos)
+            << rej.reason;
+    }
+    EXPECT_TRUE(named);
+    c.host_memory_bytes = 128e9;
+    EXPECT_FALSE(search_plans(m, c, s).plans.empty());
 }
 
 TEST(PlanSearch, NothingFitsSaysWhy) {
