@@ -164,6 +164,11 @@ void register_remat(CLI::App& app) {
                              : "cpu, fp32 (attention probabilities kept)");
         std::printf("smallest feasible peak activation memory: %s\n",
                     format_bytes(min_feasible_bytes(chain)).c_str());
+        Chain offload_chain = chain;  // budget:BYTES+offload (cuda): inputs may leave the GPU
+        offload_chain.allow_offload = true;
+        if (device == "cuda")
+            std::printf("  with block inputs in host memory (budget:BYTES+offload): %s\n",
+                        format_bytes(min_feasible_bytes(offload_chain)).c_str());
         if (!a->svg.empty() && !a->frontier) fail("--svg needs --frontier");
         if (a->frontier) {
             if (!a->budget.empty()) fail("give either --budget or --frontier, not both");
@@ -179,6 +184,16 @@ void register_remat(CLI::App& app) {
                 std::size_t b = lo + (hi - lo) * i / n;
                 pts.push_back({fmt::format("budget:{}", b), *solve_budget(chain, b)});
             }
+            if (device == "cuda" && m.n_layer > kOffloadSlots) {
+                // Recompute and offload together: below `lo` only offloading gets there, above
+                // it offloaded inputs leave room for kept blocks.
+                const std::size_t olo = min_feasible_bytes(offload_chain);
+                for (int i = 0; i <= n / 2; i++) {
+                    std::size_t b = olo + (hi - olo) * i / (n / 2);
+                    pts.push_back(
+                        {fmt::format("budget:{}+offload", b), *solve_budget(offload_chain, b)});
+                }
+            }
             if (a->measure) {
                 // Real steps of every schedule (CPU): the measured side of the frontier.
                 for (auto& p : pts) {
@@ -189,7 +204,7 @@ void register_remat(CLI::App& app) {
                 const double base = pts[0].measured_pct;
                 for (auto& p : pts) p.measured_pct = 100.0 * (p.measured_pct / base - 1.0);
             }
-            std::printf("\n%-20s %12s %14s %10s %10s %12s  %s\n", "schedule", "peak MiB",
+            std::printf("\n%-28s %12s %14s %10s %10s %12s  %s\n", "schedule", "peak MiB",
                         "peak bytes", "recompute", "measured", "measured MiB",
                         "plan (A all, S selective, I input only, O input in host memory)");
             for (const auto& p : pts) {
@@ -199,7 +214,7 @@ void register_remat(CLI::App& app) {
                 std::string mb = std::isnan(p.measured_pct)
                                      ? std::string("-")
                                      : fmt::format("{:.2f}", p.measured_bytes / 1048576.0);
-                std::printf("%-20s %12.2f %14zu %9.2f%% %10s %12s  %s\n", p.name.c_str(),
+                std::printf("%-28s %12.2f %14zu %9.2f%% %10s %12s  %s\n", p.name.c_str(),
                             p.s.peak_bytes / 1048576.0, p.s.peak_bytes,
                             100.0 * p.s.recompute_flops / step, mt.c_str(), mb.c_str(),
                             plan_letters(p.s.plan).c_str());
@@ -213,11 +228,18 @@ void register_remat(CLI::App& app) {
             return;
         }
         std::string policy = a->budget.empty() ? cfg.train.remat : "budget:" + a->budget;
-        Schedule s = make_schedule(parse_policy(policy), m, B, T, cost_ptr, fmt);
+        const RematPolicy pol = parse_policy(policy);
+        if (pol.may_offload() && device != "cuda")
+            fail(
+                "{} keeps block inputs in host memory beside a GPU: price it with --device cuda "
+                "(this is the {} layout)",
+                policy, device);
+        Schedule s = make_schedule(pol, m, B, T, cost_ptr, fmt);
         std::printf("\nschedule for %s\n%-6s %-10s %14s %13s %s\n", policy.c_str(), "block",
                     "keeps", "kept bytes", "recompute", unit_name);
         for (std::size_t l = 0; l < s.plan.size(); l++) {
-            const Option& o = chain.blocks[l][static_cast<int>(s.plan[l])];
+            const BlockKeep k = s.plan[l] == BlockKeep::Offload ? BlockKeep::Input : s.plan[l];
+            const Option& o = chain.blocks[l][static_cast<int>(k)];
             std::printf("%-6zu %-10s %14zu %16.3f\n", l, keep_name(s.plan[l]), o.kept_bytes,
                         o.recompute_flops / unit);
         }

@@ -135,6 +135,10 @@ std::size_t scratch_bytes(const ModelConfig& cfg, int B, int T, BlockKeep k, con
     return n;
 }
 
+std::size_t resid_bytes(const ModelConfig& cfg, int B, int T, const ActFormat& fmt) {
+    return aligned((std::size_t)B * T * cfg.n_embd * fmt.elem_bytes, fmt);
+}
+
 std::size_t fixed_bytes(const ModelConfig& cfg, int B, int T, const ActFormat& fmt) {
     const std::size_t BT = (std::size_t)B * T, C = cfg.n_embd, e = fmt.elem_bytes;
     return aligned(BT * C * e, fmt) * (cfg.n_layer + 1) + aligned(BT * C * e, fmt) +
@@ -171,9 +175,8 @@ ArenaPlan plan_arena(const ModelConfig& cfg, int B, int T, const RematPlan& plan
     const RematPlan plan = plan_in.empty() ? RematPlan(L, BlockKeep::All) : plan_in;
     if (plan.size() != L)
         fail("remat plan has {} entries but model.n_layer is {}", plan.size(), cfg.n_layer);
-    const bool offload = std::count(plan.begin(), plan.end(), BlockKeep::Offload) > 0;
-    if (offload && std::count(plan.begin(), plan.end(), BlockKeep::Offload) != (long)L)
-        fail("a remat plan offloads every block's input or none (got a mixed plan)");
+    const std::size_t offloaded = std::count(plan.begin(), plan.end(), BlockKeep::Offload);
+    const bool offload = offloaded > 0;
     ArenaPlan p;
     p.offload = offload;
     std::size_t act = 0, work = 0;
@@ -194,15 +197,23 @@ ArenaPlan plan_arena(const ModelConfig& cfg, int B, int T, const RematPlan& plan
         for (std::size_t l = 0; l <= L; l++) p.resid.push_back(take_act(BT * C * e));
         p.entries.push_back({"residual stream x n_layer+1", act, A});
     } else {
-        const std::size_t slots = std::min<std::size_t>(L, kOffloadSlots);
+        // The inputs of Offload blocks share a ring of slots (the i-th such block, in order, slot
+        // i % slots); every other block's input, and the last stream, keep their own.
+        const std::size_t slots = std::min<std::size_t>(offloaded, kOffloadSlots);
         std::vector<std::size_t> ring;
         for (std::size_t k = 0; k < slots; k++) ring.push_back(take_act(BT * C * e));
-        for (std::size_t l = 0; l < L; l++) p.resid.push_back(ring[l % slots]);
+        std::size_t i = 0;
+        for (std::size_t l = 0; l < L; l++)
+            p.resid.push_back(plan[l] == BlockKeep::Offload ? ring[i++ % slots]
+                                                            : take_act(BT * C * e));
         p.resid.push_back(take_act(BT * C * e));
-        p.offloaded_bytes = L > slots ? (L - slots) * BT * C * e : 0;
+        p.offloaded_bytes = (offloaded - slots) * BT * C * e;
         p.entries.push_back(
-            {fmt::format("residual stream: {} ring slots + the last (inputs in host memory)",
-                         slots),
+            {offloaded == L
+                 ? fmt::format("residual stream: {} ring slots + the last (inputs in host memory)",
+                               slots)
+                 : fmt::format("residual stream: {} kept + {} ring slots for {} offloaded inputs",
+                               L + 1 - offloaded, slots, offloaded),
              act, A});
     }
     p.block.assign(L, {});

@@ -33,8 +33,9 @@ namespace memtrain {
 //              recomputed before its backward.
 //   Offload:   as Input, and the residual-stream input itself waits in pinned host memory: it
 //              is copied out on a side stream during the forward and prefetched back before the
-//              block's backward (the CUDA engine; a plan is all Offload or none). The device
-//              keeps a ring of kOffloadSlots residual streams and the last one.
+//              block's backward (the CUDA engine). The inputs of a plan's Offload blocks share a
+//              ring of min(count, kOffloadSlots) device slots, so each Offload block beyond the
+//              first kOffloadSlots saves one residual stream of device memory.
 enum class BlockKeep : uint8_t { All, Selective, Input, Offload };
 constexpr int kOffloadSlots = 3;
 const char* keep_name(BlockKeep k);
@@ -92,8 +93,9 @@ struct ArenaPlan {
     std::size_t activation_bytes = 0, workspace_bytes = 0;
     // Activation arena: the n_layer + 1 residual streams, each block's fields (kNoOffset where
     // the field has no bytes under this config), ln_f output and statistics. A dropped field
-    // points into the shared recompute scratch. Under an Offload plan resid[l] (l < n_layer) is
-    // ring slot l % kOffloadSlots, and offloaded_bytes is what waits in pinned host memory.
+    // points into the shared recompute scratch. The input resid[l] of the i-th Offload block is
+    // ring slot i % min(offloaded blocks, kOffloadSlots), and offloaded_bytes is what waits in
+    // pinned host memory (the inputs of all but the last ring-full of Offload blocks).
     std::vector<std::size_t> resid;
     bool offload = false;
     std::size_t offloaded_bytes = 0;
@@ -132,7 +134,11 @@ std::size_t kept_bytes(const ModelConfig& cfg, int B, int T, BlockKeep k,
                        const ActFormat& fmt = ActFormat::cpu());
 std::size_t scratch_bytes(const ModelConfig& cfg, int B, int T, BlockKeep k,
                           const ActFormat& fmt = ActFormat::cpu());
-// Bytes kept under every plan: the n_layer + 1 residual streams and ln_f (output, statistics).
+// One residual stream (B, T, C) as the arena aligns it.
+std::size_t resid_bytes(const ModelConfig& cfg, int B, int T,
+                        const ActFormat& fmt = ActFormat::cpu());
+// Bytes kept under every plan without Offload blocks: the n_layer + 1 residual streams and ln_f
+// (output, statistics).
 std::size_t fixed_bytes(const ModelConfig& cfg, int B, int T,
                         const ActFormat& fmt = ActFormat::cpu());
 

@@ -172,7 +172,14 @@ void CudaGPT<T>::ensure_arena(int B, int T_) {
     // Offload: pinned host room for the block inputs that leave the ring, counted as host
     // activations, a side stream and the per-block events.
     offload_ = p.offload;
-    ring_ = std::min(cfg_.n_layer, kOffloadSlots);
+    offloaded_.clear();
+    off_index_.assign(cfg_.n_layer, -1);
+    for (int l = 0; l < cfg_.n_layer; l++) {
+        if (keep(l) != BlockKeep::Offload) continue;
+        off_index_[l] = (int)offloaded_.size();
+        offloaded_.push_back(l);
+    }
+    ring_ = std::min((int)offloaded_.size(), kOffloadSlots);
     if (host_resid_ && offload_bytes_ != p.offloaded_bytes) {
         MT_CUDA_CHECK(cudaStreamSynchronize(copy_stream_));
         MT_CUDA_CHECK(cudaFreeHost(host_resid_));
@@ -314,13 +321,14 @@ void CudaGPT<T>::forward(int B, int T_, bool offload_inputs) {
     const int N = B * T_, L = cfg_.n_layer;
     offload_inputs = offload_inputs && offload_;
     const std::size_t stream_bytes = (std::size_t)N * cfg_.n_embd * sizeof(T);
-    // Block input l leaves the device when the ring will reuse its slot (l < L - ring).
+    // Block input l leaves the device when the ring will reuse its slot.
     auto copy_out = [&](int l) {
-        if (!offload_inputs || l >= L - ring_) return;
+        if (!offload_inputs || !leaves_device(l)) return;
         MT_CUDA_CHECK(cudaEventRecord(produced_[l], stream_));
         MT_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, produced_[l], 0));
-        MT_CUDA_CHECK(cudaMemcpyAsync(host_resid_ + (std::size_t)l * stream_bytes, resid_[l],
-                                      stream_bytes, cudaMemcpyDeviceToHost, copy_stream_));
+        MT_CUDA_CHECK(cudaMemcpyAsync(host_resid_ + (std::size_t)off_index_[l] * stream_bytes,
+                                      resid_[l], stream_bytes, cudaMemcpyDeviceToHost,
+                                      copy_stream_));
         MT_CUDA_CHECK(cudaEventRecord(to_host_[l], copy_stream_));
     };
     // Each unit is acquired just before use and the next one prefetched (ZeRO-3 gathers it
@@ -333,9 +341,10 @@ void CudaGPT<T>::forward(int B, int T_, bool offload_inputs) {
     unit_params_done(emb);
     copy_out(0);
     for (int l = 0; l < L; l++) {
-        // Block l writes input l + 1 into the slot of input l + 1 - ring: its copy must be out.
-        const int evicted = l + 1 - ring_;
-        if (offload_inputs && l + 1 < L && evicted >= 0)
+        // Block l writes input l + 1 into a ring slot: the copy of the slot's previous input
+        // must be out.
+        const int evicted = l + 1 < L ? slot_before(l + 1) : -1;
+        if (offload_inputs && evicted >= 0)
             MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, to_host_[evicted], 0));
         const Block p = block_params(l);
         prefetch(l + 1 < L ? layout_.block_unit(l + 1) : head);
@@ -418,31 +427,32 @@ void CudaGPT<T>::step_body(int B, int T_, float grad_scale, double* loss_sum) {
     for (int l = L - 1; l >= 0; l--) {
         // An Input block re-runs its forward into the scratch; its output rewrites resid_[l + 1]
         // with the same bits (deterministic kernels), which nothing reads any more. An Offload
-        // block first waits for its input to be back on the device, and writes its output into
-        // dbig_ (free until block_backward) since its ring slot may hold a prefetched input.
+        // block first waits for its input to be back on the device. When the plan offloads, a
+        // recompute writes its output into dbig_ (free until block_backward) instead, since
+        // resid_[l + 1] may be a ring slot that holds a prefetched input by now.
         const int u = layout_.block_unit(l);
         const Block p = block_params(l);
         if (l > 0) prefetch(layout_.block_unit(l - 1));
         if (keep(l) == BlockKeep::Offload) {
-            if (l < L - ring_) MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, to_device_[l], 0));
+            if (leaves_device(l)) MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, to_device_[l], 0));
             block_forward(p, resid_[l], dbig_, saved_[l], B, T_);
         } else if (keep(l) == BlockKeep::Input) {
-            block_forward(p, resid_[l], resid_[l + 1], saved_[l], B, T_);
+            block_forward(p, resid_[l], offload_ ? dbig_ : resid_[l + 1], saved_[l], B, T_);
         } else if (keep(l) == BlockKeep::Selective) {
             recompute_selective(p, resid_[l], saved_[l], B, T_);
         }
         block_backward(p, block_at(block_off_[l], unit_grads(u)), resid_[l], saved_[l], B, T_);
         unit_params_done(u);
         unit_grads_done(u);
-        // Block l's slot is free: prefetch the input of block l - ring into it on the side
-        // stream, while the next blocks' backward runs.
-        const int next = l - ring_;
-        if (keep(l) == BlockKeep::Offload && next >= 0) {
+        // Block l's ring slot is free: prefetch the input of the Offload block that had it
+        // before into it on the side stream, while the next blocks' backward runs.
+        const int next = keep(l) == BlockKeep::Offload ? slot_before(l) : -1;
+        if (next >= 0) {
             MT_CUDA_CHECK(cudaEventRecord(consumed_[l], stream_));
             MT_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, consumed_[l], 0));
-            MT_CUDA_CHECK(cudaMemcpyAsync(resid_[next],
-                                          host_resid_ + (std::size_t)next * stream_bytes,
-                                          stream_bytes, cudaMemcpyHostToDevice, copy_stream_));
+            MT_CUDA_CHECK(cudaMemcpyAsync(
+                resid_[next], host_resid_ + (std::size_t)off_index_[next] * stream_bytes,
+                stream_bytes, cudaMemcpyHostToDevice, copy_stream_));
             MT_CUDA_CHECK(cudaEventRecord(to_device_[next], copy_stream_));
         }
     }

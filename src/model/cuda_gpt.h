@@ -183,12 +183,24 @@ class CudaGPT {
     int unique_ = 0;
     std::vector<int32_t> plan_host_;
 
-    // train.remat = offload: the block inputs outside the device's residual ring, a side stream
-    // for their copies, and per-block events ordering the copies against the compute stream.
+    // Offload blocks (train.remat = offload, or chosen by budget:BYTES+offload): their inputs
+    // share a device ring of ring_ slots; those that leave it wait in host memory. A side stream
+    // copies them, and per-block events order the copies against the compute stream.
     bool offload_ = false;
     int ring_ = 0;
+    std::vector<int> offloaded_;  // the Offload blocks, in order
+    std::vector<int> off_index_;  // per block: its index in offloaded_, or -1
     std::size_t offload_bytes_ = 0;
-    unsigned char* host_resid_ = nullptr;  // pinned, (n_layer - ring) x B x T x C of T
+    unsigned char* host_resid_ = nullptr;  // pinned: the inputs that leave the ring, B x T x C each
+    // Whether block l's input leaves the device (an Offload block all but the last ring_ of).
+    bool leaves_device(int l) const {
+        return off_index_[l] >= 0 && off_index_[l] < (int)offloaded_.size() - ring_;
+    }
+    // The Offload block whose input had block l's ring slot before it (-1 if none).
+    int slot_before(int l) const {
+        const int i = off_index_[l];
+        return i >= ring_ ? offloaded_[i - ring_] : -1;
+    }
     cudaStream_t copy_stream_ = nullptr;
     std::vector<cudaEvent_t> produced_, to_host_, consumed_, to_device_;
 

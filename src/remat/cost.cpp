@@ -43,6 +43,7 @@ Chain make_chain(const ModelConfig& cfg, int B, int T, const BlockFlops& f, cons
         opts[i].recompute_flops = recompute[i];
     }
     c.blocks.assign(cfg.n_layer, opts);
+    c.resid_bytes = resid_bytes(cfg, B, T, fmt);
     return c;
 }
 

@@ -52,8 +52,14 @@ RematPolicy parse_policy(const std::string& text) {
         p.kind = RematPolicy::Kind::Every;
         p.every = (int)v;
     } else if (text.starts_with("budget:")) {
+        std::string bytes = text.substr(7);
+        constexpr std::string_view kOffload = "+offload";
+        if (bytes.ends_with(kOffload)) {
+            p.budget_offload = true;
+            bytes.resize(bytes.size() - kOffload.size());
+        }
         try {
-            p.budget = parse_bytes(text.substr(7));
+            p.budget = parse_bytes(bytes);
         } catch (const Error& e) {
             return bad(std::string("has a bad budget: ") + e.what());
         }
@@ -70,7 +76,8 @@ std::string format_bytes(std::size_t bytes) {
 
 Schedule make_schedule(const RematPolicy& policy, const ModelConfig& cfg, int B, int T,
                        const BlockFlops* costs, const ActFormat& fmt) {
-    const Chain chain = costs ? make_chain(cfg, B, T, *costs, fmt) : make_chain(cfg, B, T, fmt);
+    Chain chain = costs ? make_chain(cfg, B, T, *costs, fmt) : make_chain(cfg, B, T, fmt);
+    chain.allow_offload = policy.budget_offload;
     const int L = cfg.n_layer;
     using K = RematPolicy::Kind;
     RematPlan plan(L, BlockKeep::All);
@@ -91,24 +98,22 @@ Schedule make_schedule(const RematPolicy& policy, const ModelConfig& cfg, int B,
             for (int l = 0; l < L; l++)
                 plan[l] = l % every == 0 ? BlockKeep::All : BlockKeep::Input;
             break;
-        case K::Offload: {
-            // Not a choice the solver makes: every block recomputes, and the inputs leave the
-            // device, so the peak is the arena's with the residual ring.
-            Schedule s;
-            s.plan.assign(L, BlockKeep::Offload);
-            s.peak_bytes = plan_arena(cfg, B, T, s.plan, fmt).activation_bytes;
-            for (const auto& b : chain.blocks)
-                s.recompute_flops += b[static_cast<int>(BlockKeep::Input)].recompute_flops;
-            return s;
-        }
+        case K::Offload:  // every block recomputes, and the inputs leave the device
+            plan.assign(L, BlockKeep::Offload);
+            break;
         case K::Budget: {
             auto s = solve_budget(chain, policy.budget);
             if (!s) {
                 std::size_t need = min_feasible_bytes(chain);
                 fail(
                     "remat budget {} is below the smallest feasible peak activation memory {} "
-                    "for this model at micro-batch {} x {}; use budget:{} or more",
-                    format_bytes(policy.budget), format_bytes(need), B, T, need);
+                    "for this model at micro-batch {} x {}; use budget:{}{} or more{}",
+                    format_bytes(policy.budget), format_bytes(need), B, T, need,
+                    policy.budget_offload ? "+offload" : "",
+                    policy.budget_offload || L <= kOffloadSlots
+                        ? ""
+                        : " (on a GPU, budget:BYTES+offload can go lower by keeping block "
+                          "inputs in host memory)");
             }
             return *s;
         }

@@ -12,18 +12,25 @@
 namespace memtrain::remat {
 
 // none | full | every:K | sqrt | selective | budget:BYTES (suffix B, KB, MB, GB, KiB, MiB, GiB) |
-// offload (the CUDA engine: full recompute with the block inputs in pinned host memory).
+// budget:BYTES+offload (the solver may also move block inputs to host memory) | offload (the
+// CUDA engine: full recompute with the block inputs in pinned host memory).
 struct RematPolicy {
     enum class Kind { None, Full, Every, Sqrt, Selective, Budget, Offload };
     Kind kind = Kind::None;
-    int every = 0;              // Every: blocks with index % every == 0 keep all, others input
-    std::size_t budget = 0;     // Budget: peak activation bytes (MemCategory::Activations)
-    std::string text = "none";  // as written
+    int every = 0;                // Every: blocks with index % every == 0 keep all, others input
+    std::size_t budget = 0;       // Budget: peak activation bytes (MemCategory::Activations)
+    bool budget_offload = false;  // Budget: Offload is one of the solver's options
+    std::string text = "none";    // as written
+    // Whether the schedule may keep block inputs in host memory (offload, budget:...+offload):
+    // the CUDA engine only, without CUDA graphs.
+    bool may_offload() const { return kind == Kind::Offload || budget_offload; }
 };
 
 inline constexpr const char* kPolicyForms =
     "none, full, every:K (K >= 1), sqrt, selective, budget:BYTES (e.g. budget:200MiB; "
-    "suffixes B KB MB GB KiB MiB GiB), or offload (cuda: full, with block inputs in host memory)";
+    "suffixes B KB MB GB KiB MiB GiB), budget:BYTES+offload (cuda: the budget solver may also "
+    "keep block inputs in host memory), or offload (cuda: full, with block inputs in host "
+    "memory)";
 
 RematPolicy parse_policy(const std::string& text);
 // Bytes with an optional suffix ("200MiB", "1.5GB", "4096").

@@ -9,26 +9,35 @@ namespace memtrain::remat {
 
 namespace {
 
+// Offload prices as Input (its bytes beyond that are the ring's business, in peak_bytes).
 const Option& option(const Chain& c, std::size_t l, BlockKeep k) {
-    return c.blocks[l][static_cast<int>(k)];
+    return c.blocks[l][static_cast<int>(k == BlockKeep::Offload ? BlockKeep::Input : k)];
 }
 
-constexpr BlockKeep kKeeps[] = {BlockKeep::All, BlockKeep::Selective, BlockKeep::Input};
+constexpr BlockKeep kKeeps[] = {BlockKeep::All, BlockKeep::Selective, BlockKeep::Input,
+                                BlockKeep::Offload};
+
+// Residual streams an Offload set of `n` blocks frees: all but the ring's.
+std::size_t offload_saving(const Chain& c, std::size_t n) {
+    return (n - std::min<std::size_t>(n, kOffloadSlots)) * c.resid_bytes;
+}
 
 }  // namespace
 
 std::size_t peak_bytes(const Chain& chain, const RematPlan& plan) {
-    std::size_t sum = chain.fixed_bytes, scratch = 0;
+    std::size_t sum = chain.fixed_bytes, scratch = 0, offloaded = 0;
     for (std::size_t l = 0; l < plan.size(); l++) {
         sum += option(chain, l, plan[l]).kept_bytes;
         scratch = std::max(scratch, option(chain, l, plan[l]).scratch_bytes);
+        offloaded += plan[l] == BlockKeep::Offload;
     }
-    return sum + scratch;
+    return sum + scratch - offload_saving(chain, offloaded);
 }
 
 int64_t recompute_flops(const Chain& chain, const RematPlan& plan) {
     int64_t f = 0;
-    for (std::size_t l = 0; l < plan.size(); l++) f += option(chain, l, plan[l]).recompute_flops;
+    for (std::size_t l = 0; l < plan.size(); l++)
+        f += option(chain, l, plan[l]).recompute_flops + (plan[l] == BlockKeep::Offload ? 1 : 0);
     return f;
 }
 
@@ -56,6 +65,11 @@ std::size_t min_feasible_bytes(const Chain& chain) {
         }
     }
     if (chain.blocks.empty()) best = chain.fixed_bytes;
+    if (chain.allow_offload && !chain.blocks.empty()) {
+        // Every block offloaded: the least kept, and the most streams freed.
+        const RematPlan all(chain.blocks.size(), BlockKeep::Offload);
+        best = std::min(best, peak_bytes(chain, all));
+    }
     return best;
 }
 
@@ -73,55 +87,84 @@ std::optional<Schedule> solve_budget(const Chain& chain, std::size_t budget) {
     std::sort(levels.begin(), levels.end());
     levels.erase(std::unique(levels.begin(), levels.end()), levels.end());
 
-    std::size_t unit = 0;  // gcd of all kept sizes: the DP over units is then exact
-    for (const auto& b : chain.blocks)
-        for (const auto& o : b) unit = std::gcd(unit, o.kept_bytes);
+    // With Offload allowed every block's residual stream joins its weight (an Offload block
+    // weighs only its kept bytes, plus a ring slot while fewer than kOffloadSlots are taken), so
+    // the weights stay non-negative: base = fixed - n streams, and the DP also tracks how many
+    // ring slots are taken (0..kOffloadSlots).
+    const bool off = chain.allow_offload && chain.resid_bytes > 0;
+    const std::size_t stream = off ? chain.resid_bytes : 0;
+    const std::size_t base = chain.fixed_bytes - n * stream;
+    const int rings = off ? kOffloadSlots + 1 : 1;
+    const int nk = off ? 4 : 3;
+    // Weight of option k for block l when `c` ring slots are taken.
+    auto weight = [&](std::size_t l, int k, int c) {
+        const BlockKeep keep = kKeeps[k];
+        const std::size_t kept = option(chain, l, keep).kept_bytes;
+        if (keep != BlockKeep::Offload) return kept + stream;
+        return kept + (c < kOffloadSlots ? stream : 0);
+    };
+
+    std::size_t unit = 0;  // gcd of all weights: the DP over units is then exact
+    for (std::size_t l = 0; l < n; l++)
+        for (int k = 0; k < nk; k++)
+            for (int c = 0; c < rings; c++) unit = std::gcd(unit, weight(l, k, c));
     if (unit == 0) unit = 1;
 
     std::optional<Schedule> best;
     constexpr int64_t kInf = std::numeric_limits<int64_t>::max();
     for (std::size_t W : levels) {
-        if (chain.fixed_bytes + W > budget) continue;
-        const std::size_t cap_bytes = budget - chain.fixed_bytes - W;
+        if (base + W > budget) continue;
+        const std::size_t cap_bytes = budget - base - W;
         std::size_t u = unit;
         if (cap_bytes / u > kMaxUnits) u = (cap_bytes + kMaxUnits - 1) / kMaxUnits;
-        const std::size_t cap = cap_bytes / u;
-        // dp[j] = least recompute FLOPs of the blocks so far using exactly j units.
-        std::vector<int64_t> dp(cap + 1, kInf), next(cap + 1);
-        std::vector<std::vector<int8_t>> choice(n, std::vector<int8_t>(cap + 1, -1));
+        const std::size_t cap = cap_bytes / u, width = cap + 1;
+        // dp[c][j] = least recompute of the blocks so far using exactly j units with c ring
+        // slots taken; choice[l] remembers (option, previous c) per state.
+        std::vector<int64_t> dp(rings * width, kInf), next(rings * width);
+        std::vector<std::vector<int8_t>> choice(n, std::vector<int8_t>(rings * width, -1));
         dp[0] = 0;
         for (std::size_t l = 0; l < n; l++) {
             std::fill(next.begin(), next.end(), kInf);
-            for (int k = 0; k < 3; k++) {
-                const Option& o = chain.blocks[l][k];
+            for (int k = 0; k < nk; k++) {
+                const BlockKeep keep = kKeeps[k];
+                const Option& o = option(chain, l, keep);
                 if (o.scratch_bytes > W) continue;
-                const std::size_t w = (o.kept_bytes + u - 1) / u;  // round up: never over budget
-                if (w > cap) continue;
-                for (std::size_t j = w; j <= cap; j++) {
-                    if (dp[j - w] == kInf) continue;
-                    int64_t c = dp[j - w] + o.recompute_flops;
-                    if (c < next[j]) {
-                        next[j] = c;
-                        choice[l][j] = (int8_t)k;
+                const int64_t cost = o.recompute_flops + (keep == BlockKeep::Offload ? 1 : 0);
+                for (int c = 0; c < rings; c++) {
+                    const int c2 = keep == BlockKeep::Offload ? std::min(c + 1, rings - 1) : c;
+                    const std::size_t w = (weight(l, k, c) + u - 1) / u;  // never over budget
+                    if (w > cap) continue;
+                    for (std::size_t j = w; j <= cap; j++) {
+                        const int64_t from = dp[c * width + j - w];
+                        if (from == kInf) continue;
+                        if (from + cost < next[c2 * width + j]) {
+                            next[c2 * width + j] = from + cost;
+                            choice[l][c2 * width + j] = (int8_t)(k * rings + c);
+                        }
                     }
                 }
             }
             std::swap(dp, next);
         }
-        for (std::size_t j = 0; j <= cap; j++) {
-            if (dp[j] == kInf) continue;
-            RematPlan plan(n);
-            std::size_t jj = j;
-            for (std::size_t l = n; l-- > 0;) {
-                int k = choice[l][jj];
-                plan[l] = kKeeps[k];
-                jj -= (chain.blocks[l][k].kept_bytes + u - 1) / u;
+        for (int c = 0; c < rings; c++) {
+            for (std::size_t j = 0; j <= cap; j++) {
+                if (dp[c * width + j] == kInf) continue;
+                RematPlan plan(n);
+                std::size_t jj = j;
+                int cc = c;
+                for (std::size_t l = n; l-- > 0;) {
+                    const int ch = choice[l][cc * width + jj];
+                    const int k = ch / rings, prev = ch % rings;
+                    plan[l] = kKeeps[k];
+                    jj -= (weight(l, k, prev) + u - 1) / u;
+                    cc = prev;
+                }
+                Schedule s = evaluate(chain, plan);
+                if (s.peak_bytes <= budget && (!best || s.recompute_flops < best->recompute_flops ||
+                                               (s.recompute_flops == best->recompute_flops &&
+                                                s.peak_bytes < best->peak_bytes)))
+                    best = s;
             }
-            Schedule s = evaluate(chain, plan);
-            if (s.peak_bytes <= budget &&
-                (!best || s.recompute_flops < best->recompute_flops ||
-                 (s.recompute_flops == best->recompute_flops && s.peak_bytes < best->peak_bytes)))
-                best = s;
         }
     }
     return best;

@@ -23,9 +23,18 @@ struct Option {
 // Options are indexed by BlockKeep (All, Selective, Input). Peak activation bytes of a plan =
 // fixed_bytes + sum of kept_bytes + max scratch_bytes: the arena is allocated once, and the
 // scratch is shared because the dropped field sets are nested (see model/gpt.h).
+//
+// Offload (the CUDA engine) is Input with the block's input in host memory: the same scratch,
+// the same recompute (plus one unit, so that of two plans with the same recompute the solver
+// moves fewer inputs), and the inputs of the plan's Offload blocks share a ring of
+// min(count, kOffloadSlots) residual streams, so each Offload block beyond the first
+// kOffloadSlots takes resid_bytes off the peak. Plans may hold Offload blocks whenever
+// resid_bytes is set; solve_budget chooses them only when allow_offload is.
 struct Chain {
     std::size_t fixed_bytes = 0;  // residual streams and ln_f: kept under every plan
     std::vector<std::array<Option, 3>> blocks;
+    std::size_t resid_bytes = 0;  // one residual stream: what an offloaded input frees
+    bool allow_offload = false;   // the solver may choose Offload
 };
 
 struct Schedule {

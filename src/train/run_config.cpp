@@ -182,7 +182,7 @@ const std::vector<Key>& registry() {
         make_key("train.log_every", &R::train, &TrainConfig::log_every, "steps between lines"),
         make_key("train.threads", &R::train, &TrainConfig::threads, "0 = all cores"),
         make_key("train.remat", &R::train, &TrainConfig::remat,
-                 "none | full | every:K | sqrt | selective | budget:BYTES"),
+                 "none | full | every:K | sqrt | selective | budget:BYTES[+offload] | offload"),
         make_key(
             "train.remat_costs", &R::train, &TrainConfig::remat_costs,
             "price recompute by analytic FLOPs or a measured profiling pass: analytic | measured"),
@@ -314,14 +314,22 @@ void RunConfig::validate() const {
             "train.precision = \"{}\" needs train.device = \"cuda\": the CPU engine trains in "
             "fp32",
             train.precision);
-    if (train.remat == "offload" && train.device == "cpu")
+    // offload and budget:BYTES+offload (a bad policy is named below, with the key).
+    bool remat_offloads = false;
+    try {
+        remat_offloads = remat::parse_policy(train.remat).may_offload();
+    } catch (const Error&) {
+    }
+    if (remat_offloads && train.device == "cpu")
         fail(
-            "train.remat = offload keeps block inputs in pinned host memory beside a GPU: use "
-            "train.device = \"cuda\" (on the CPU, `full` keeps the same)");
-    if (train.remat == "offload" && train.cuda_graphs)
+            "train.remat = {} keeps block inputs in pinned host memory beside a GPU: use "
+            "train.device = \"cuda\" (on the CPU, `full` keeps the same)",
+            train.remat);
+    if (remat_offloads && train.cuda_graphs)
         fail(
-            "train.remat = offload copies on a second stream, which train.cuda_graphs does not "
-            "capture yet: use one or the other");
+            "train.remat = {} copies on a second stream, which train.cuda_graphs does not "
+            "capture yet: use one or the other",
+            train.remat);
     if (train.offload_optimizer && train.device == "cpu")
         fail(
             "train.offload_optimizer = true moves the optimizer off the GPU to the CPU: it needs "

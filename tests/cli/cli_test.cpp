@@ -185,4 +185,16 @@ TEST(Cli, RematPricesTheGpuLayoutAnywhere) {
     EXPECT_EQ(bad.code, 1);
     EXPECT_NE(bad.output.find("--measure profiles the CPU kernels"), std::string::npos)
         << bad.output;
+    // Recompute and offload together: the frontier's +offload rows go below `full`, and a budget
+    // only offloading reaches is solved with offloaded inputs; the CPU layout refuses it.
+    EXPECT_NE(gpu.output.find("+offload"), std::string::npos) << gpu.output;
+    EXPECT_LT(peak(gpu.output, "offload"), peak(gpu.output, "full"));
+    const std::string at =
+        std::to_string((std::size_t)((peak(gpu.output, "offload") + 0.01) * 1048576));
+    auto mixed = run("remat " + cfg + " --device cuda --budget " + at + "+offload");
+    ASSERT_EQ(mixed.code, 0) << mixed.output;
+    EXPECT_NE(mixed.output.find(" offload "), std::string::npos) << mixed.output;
+    bad = run("remat " + cfg + " --device cpu --budget 40MiB+offload");
+    EXPECT_EQ(bad.code, 1);
+    EXPECT_NE(bad.output.find("price it with --device cuda"), std::string::npos) << bad.output;
 }

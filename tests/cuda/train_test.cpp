@@ -5,6 +5,7 @@
 // model predicts (2 + 2 + 12 bytes per parameter for mixed precision).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -16,6 +17,7 @@
 #include "cuda/cuda_test_util.h"
 #include "plan/memory_model.h"
 #include "plan/model_spec.h"
+#include "remat/policy.h"
 #include "test_util.h"
 #include "train/cuda_engine.h"
 #include "train/trainer.h"
@@ -305,6 +307,23 @@ TEST(CudaTrain, CheckpointsMoveBetweenCpuAndGpu) {
     EXPECT_EQ(s2.losses.size(), 2u);
 }
 
+// A budget:BYTES+offload policy for `c` whose plan mixes offloaded inputs with blocks that keep
+// everything: the all-offload peak plus one block's kept bytes and one stream.
+std::string mixed_offload_policy(const RunConfig& c, int elem_bytes) {
+    const int B = c.micro_batch(), T = c.train.seq_len, L = c.model.n_layer;
+    const ActFormat fmt = cuda_arena_format(c.model, elem_bytes, B, T);
+    const remat::Chain ch = remat::make_chain(c.model, B, T, fmt);
+    const std::size_t budget = remat::peak_bytes(ch, RematPlan(L, BlockKeep::Offload)) +
+                               ch.blocks[0][0].kept_bytes + ch.resid_bytes;
+    const std::string policy = "budget:" + std::to_string(budget) + "+offload";
+    const RematPlan plan =
+        remat::make_schedule(remat::parse_policy(policy), c.model, B, T, nullptr, fmt).plan;
+    const auto offloaded = std::count(plan.begin(), plan.end(), BlockKeep::Offload);
+    EXPECT_GT(offloaded, kOffloadSlots) << policy << ": some input leaves the device";
+    EXPECT_LT(offloaded, L) << policy << ": some block keeps more";
+    return policy;
+}
+
 TEST(CudaTrain, EveryRematPolicyTrainsTheSameModel) {
     REQUIRE_GPU();
     auto d0 = test::temp_dir("cuda_remat_none");
@@ -312,16 +331,27 @@ TEST(CudaTrain, EveryRematPolicyTrainsTheSameModel) {
     base.model.n_layer = 5;  // offload: two block inputs leave the ring of three
     Trainer ref(base, quiet());
     auto r = ref.run();
-    for (const char* policy : {"selective", "full", "every:2", "sqrt", "budget:40KiB", "offload"}) {
+    const std::string mixed = mixed_offload_policy(base, 4);
+    int i = 0;
+    for (const std::string& policy :
+         {std::string("selective"), std::string("full"), std::string("every:2"),
+          std::string("sqrt"), std::string("budget:40KiB"), std::string("offload"), mixed,
+          std::string("OOOIO")}) {
         SCOPED_TRACE(policy);
-        auto d =
-            test::temp_dir(std::string("cuda_remat_") + (policy[0] == 'b' ? "budget" : policy));
+        auto d = test::temp_dir("cuda_remat_" + std::to_string(i++));
         RunConfig c = base;
         c.data.train = d0 + "/train.bin";
         c.data.val = d0 + "/val.bin";
         c.io.out_dir = d + "/out";
-        c.train.remat = policy;
+        const bool letters = policy == "OOOIO";
+        c.train.remat = letters ? "offload" : policy;
         Trainer t(c, quiet());
+        if (letters) {
+            // Block 4 shares block 0's ring slot, so block 0's input is prefetched into it while
+            // block 3 (Input) recomputes: that recompute must not write its output there.
+            using K = BlockKeep;
+            t.engine().set_remat({K::Offload, K::Offload, K::Offload, K::Input, K::Offload});
+        }
         auto s = t.run();
         // Recompute runs the forward's own kernels on the same inputs: fp32 results agree to
         // rounding (the fused GEMM+GELU epilogue and the GELU kernel may differ in the last bit).
@@ -332,13 +362,17 @@ TEST(CudaTrain, EveryRematPolicyTrainsTheSameModel) {
 
 TEST(CudaTrain, DeviceMemoryIsWhatTheModelPredicts) {
     REQUIRE_GPU();
-    for (const char* p : {"bf16", "fp32", "offload"}) {
+    for (const char* p : {"bf16", "fp32", "offload", "mixed"}) {
         SCOPED_TRACE(p);
         auto d = test::temp_dir(std::string("cuda_mem_") + p);
-        const bool offload = std::string(p) == "offload";
-        RunConfig c = cuda_run(d, 2, offload ? "bf16" : p);
+        const bool offload = std::string(p) == "offload", mixed = std::string(p) == "mixed";
+        RunConfig c = cuda_run(d, 2, offload || mixed ? "bf16" : p);
         c.train.remat = offload ? "offload" : "selective";
         if (offload) c.model.n_layer = 5;  // two block inputs leave the ring of three
+        if (mixed) {  // budget:BYTES+offload: offloaded inputs beside kept blocks
+            c.model.n_layer = 6;
+            c.train.remat = mixed_offload_policy(c, 2);
+        }
         const MemoryStats before = device_memory().snapshot();
         Trainer t(c, quiet());
         t.run();

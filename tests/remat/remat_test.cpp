@@ -179,6 +179,80 @@ TEST(Remat, SolverMatchesExhaustiveSearch) {
     }
 }
 
+// budget:BYTES+offload: Offload is a fourth option (Input's recompute and scratch, its input in
+// host memory; the plan's offloaded inputs share a ring of up to kOffloadSlots streams). The
+// solver must match exhaustive search over all 4^n plans, with the peak of each plan equal to
+// the arena the CUDA model allocates for it.
+TEST(Remat, SolverWithOffloadMatchesExhaustiveSearch) {
+    Rng r(11);
+    for (int trial = 0; trial < 40; trial++) {
+        const int n = 1 + trial % 6;
+        Chain ch;
+        ch.resid_bytes = 64 * (4 + r.next_u64() % 12);
+        ch.fixed_bytes = (n + 1) * ch.resid_bytes + 64 * (1 + r.next_u64() % 4);
+        ch.allow_offload = true;
+        for (int l = 0; l < n; l++) {
+            std::array<Option, 3> o;
+            o[0] = {64 * (20 + r.next_u64() % 20), 0, 0};
+            o[1] = {64 * (5 + r.next_u64() % 15), 64 * (1 + r.next_u64() % 8),
+                    (int64_t)(1 + r.next_u64() % 50)};
+            o[2] = {0, 64 * (10 + r.next_u64() % 20), (int64_t)(50 + r.next_u64() % 200)};
+            ch.blocks.push_back(o);
+        }
+        const std::size_t lo = min_feasible_bytes(ch);
+        {
+            Chain no = ch;
+            no.allow_offload = false;
+            EXPECT_LE(lo, min_feasible_bytes(no));
+            // Offloading every input frees all but the ring's streams.
+            EXPECT_LE(lo + (n - std::min(n, kOffloadSlots)) * ch.resid_bytes,
+                      peak_bytes(no, RematPlan(n, BlockKeep::Input)));
+        }
+        const std::size_t hi = peak_bytes(ch, RematPlan(n, BlockKeep::All)) + 128;
+        int total = 1;
+        for (int i = 0; i < n; i++) total *= 4;
+        for (std::size_t budget = lo > 200 ? lo - 200 : 0; budget <= hi; budget += 96 + trial) {
+            std::optional<Schedule> best;
+            RematPlan plan(n);
+            for (int code = 0; code < total; code++) {
+                for (int i = 0, c = code; i < n; i++, c /= 4)
+                    plan[i] = static_cast<BlockKeep>(c % 4);
+                Schedule s = evaluate(ch, plan);
+                if (s.peak_bytes > budget) continue;
+                if (!best || s.recompute_flops < best->recompute_flops ||
+                    (s.recompute_flops == best->recompute_flops && s.peak_bytes < best->peak_bytes))
+                    best = s;
+            }
+            auto got = solve_budget(ch, budget);
+            ASSERT_EQ(best.has_value(), got.has_value())
+                << "trial " << trial << " budget " << budget;
+            if (!best) {
+                EXPECT_LT(budget, lo);
+                continue;
+            }
+            EXPECT_EQ(got->recompute_flops, best->recompute_flops) << "trial " << trial;
+            EXPECT_EQ(got->peak_bytes, best->peak_bytes) << "trial " << trial;
+            EXPECT_LE(got->peak_bytes, budget);
+        }
+    }
+    // The chain's peak of a mixed plan is the CUDA arena's activation bytes.
+    const ModelConfig cfg = tiny(6);
+    const ActFormat fmt = ActFormat::cuda_model(2, 64);
+    const Chain ch = make_chain(cfg, 2, 16, fmt);
+    using K = BlockKeep;
+    for (const RematPlan& plan :
+         {RematPlan{K::Offload, K::All, K::Offload, K::Offload, K::Selective, K::Offload},
+          RematPlan{K::Input, K::Offload, K::Offload, K::Offload, K::Offload, K::Offload},
+          RematPlan{K::All, K::All, K::All, K::All, K::Offload, K::Input},
+          RematPlan(6, K::Offload)}) {
+        const ArenaPlan a = plan_arena(cfg, 2, 16, plan, fmt);
+        EXPECT_EQ(peak_bytes(ch, plan), a.activation_bytes);
+        const std::size_t n = std::count(plan.begin(), plan.end(), K::Offload);
+        EXPECT_EQ(a.offloaded_bytes,
+                  (n - std::min<std::size_t>(n, kOffloadSlots)) * 2 * 16 * cfg.n_embd * 2);
+    }
+}
+
 TEST(Remat, NamedPoliciesHaveTheDocumentedPlans) {
     ModelConfig c = tiny(4);
     auto plan = [&](const char* p) { return make_schedule(parse_policy(p), c, 2, 8).plan; };
@@ -204,8 +278,15 @@ TEST(Remat, ParsesPoliciesAndSizes) {
     EXPECT_EQ(parse_policy("budget:4096").budget, 4096u);
     EXPECT_EQ(parse_policy("budget:3KiB").budget, 3072u);
     EXPECT_EQ(parse_policy("budget:2KB").budget, 2000u);
+    EXPECT_FALSE(parse_policy("budget:2KB").may_offload());
+    const RematPolicy o = parse_policy("budget:6GiB+offload");
+    EXPECT_EQ(o.kind, RematPolicy::Kind::Budget);
+    EXPECT_EQ(o.budget, std::size_t{6} << 30);
+    EXPECT_TRUE(o.budget_offload && o.may_offload());
+    EXPECT_TRUE(parse_policy("offload").may_offload());
     for (const char* bad : {"", "Full", "every:", "every:0", "every:x", "every:2x",
-                            "budget:", "budget:-1MiB", "budget:10TB", "budget:MiB", "sqrt:2"}) {
+                            "budget:", "budget:-1MiB", "budget:10TB", "budget:MiB", "sqrt:2",
+                            "budget:+offload", "budget:1GiB+off", "full+offload"}) {
         try {
             parse_policy(bad);
             ADD_FAILURE() << "accepted '" << bad << "'";
@@ -234,6 +315,18 @@ TEST(Remat, ConfigKeyIsValidatedByName) {
         EXPECT_NE(m.find("selective"), std::string::npos) << m;
     }
     EXPECT_EQ(parse_run_config(to_toml(d), "resolved", {}).train.remat, "budget:10MiB");
+    // Inputs in host memory need the CUDA engine.
+    RunConfig f =
+        parse_run_config("", "x", {"train.device=cpu", "train.remat=budget:10MiB+offload"});
+    try {
+        f.validate();
+        FAIL() << "expected an error";
+    } catch (const Error& err) {
+        std::string m = err.what();
+        EXPECT_NE(m.find("train.remat = budget:10MiB+offload keeps block inputs in pinned host"),
+                  std::string::npos)
+            << m;
+    }
 }
 
 TEST(Remat, TooSmallBudgetNamesTheSmallestFeasibleOne) {
