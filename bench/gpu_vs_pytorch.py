@@ -631,13 +631,19 @@ def remat_benchmark(a, shape, warmup, steps, peer, mt, res):
                            "budget:%d" % least)
             run["budget_bytes"] = least
         runs["memtrain_budget"] = run
+        if a.device == "cuda" and run.get("budget_bytes"):
+            # The same budget with block inputs in host memory allowed (recompute and offload
+            # chosen together): offloaded inputs leave room for blocks that keep more.
+            b = run["budget_bytes"]
+            runs["memtrain_budget_offload"] = mt.train("memtrain remat=budget+offload", warmup,
+                                                       steps, "budget:%d+offload" % b)
+            runs["memtrain_budget_offload"]["budget_bytes"] = b
     offload = offload_accum_run(a, warmup, steps, mt, runs)
     for r in runs.values():
         add_flops(r, fpt, peak)
     res["runs"] = runs
 
     mb = runs["memtrain_budget"]
-    plan = mb.get("remat_plan")
     mem_label = "peak MiB" if a.device == "cuda" else "peak RSS MiB"
     print_table("Activation checkpointing, preset %s: %d layers x %d wide, micro-batch %d x %d, "
                 "%s, %d timed steps after %d warm-up, on %s"
@@ -648,13 +654,17 @@ def remat_benchmark(a, shape, warmup, steps, peer, mt, res):
                                              if mb.get("budget_bytes") else ""), mb),
                  ("PyTorch eager", runs["pytorch_eager"]),
                  ("PyTorch eager + checkpoint/block", runs["pytorch_checkpoint"])] +
+                ([("memtrain remat=budget+offload", runs["memtrain_budget_offload"])]
+                 if "memtrain_budget_offload" in runs else []) +
                 ([("memtrain ZeRO-Offload, %d micro-batches/step" % a.offload_accum, offload)]
                  if offload else []),
                 mem_label, peak)
-    if plan:
-        print("memtrain's plan (blocks: a all, s selective, i input only): %s; predicted "
-              "recompute %.1f%% of a step" % (run_lengths(plan),
-                                              mb.get("remat_predicted_recompute_pct", math.nan)))
+    for label, r in (("budget", mb), ("budget+offload", runs.get("memtrain_budget_offload", {}))):
+        if r.get("remat_plan"):
+            print("memtrain's %s plan (blocks: a all, s selective, i input only, o input in host "
+                  "memory): %s; predicted recompute %.1f%% of a step"
+                  % (label, run_lengths(r["remat_plan"]),
+                     r.get("remat_predicted_recompute_pct", math.nan)))
     goals = [
         speed_goal("tokens/s >= %.2fx PyTorch eager + checkpoint" % REMAT_SPEEDUP_GOAL,
                    mb, runs["pytorch_checkpoint"], REMAT_SPEEDUP_GOAL),
@@ -670,6 +680,11 @@ def remat_benchmark(a, shape, warmup, steps, peer, mt, res):
         "memtrain_budget/memtrain_none": {
             "speed": ratio(mb, runs["memtrain_none"], "tokens_per_s"),
             "memory": ratio(mb, runs["memtrain_none"], "peak_bytes")},
+        "memtrain_budget_offload/pytorch_checkpoint": {
+            "speed": ratio(runs.get("memtrain_budget_offload", {}), runs["pytorch_checkpoint"],
+                           "tokens_per_s"),
+            "memory": ratio(runs.get("memtrain_budget_offload", {}), runs["pytorch_checkpoint"],
+                            "peak_bytes")},
         "memtrain_none/pytorch_eager": {
             "speed": ratio(runs["memtrain_none"], runs["pytorch_eager"], "tokens_per_s"),
             "memory": ratio(runs["memtrain_none"], runs["pytorch_eager"], "peak_bytes")},
