@@ -131,14 +131,24 @@ TEST(Remat, SetRematResizesTheArenaExactly) {
     EXPECT_THROW(m.set_remat(RematPlan(2, BlockKeep::Input)), Error);
 }
 
-TEST(Remat, SolverMatchesExhaustiveSearch) {
-    Rng r(7);
-    for (int trial = 0; trial < 60; trial++) {
+// Random heterogeneous chains of 1..6 blocks (All keeps most and recomputes nothing, Input the
+// reverse; with `offload`, residual streams the ring can free): at many budgets the solver must
+// find what exhaustive search over all 3^n (4^n with Offload) plans finds, least recompute then
+// least peak.
+void check_solver_against_exhaustive(uint64_t seed, int trials, bool offload) {
+    Rng r(seed);
+    const int options = offload ? 4 : 3;
+    for (int trial = 0; trial < trials; trial++) {
         const int n = 1 + trial % 6;
         Chain ch;
-        ch.fixed_bytes = 64 * (1 + r.next_u64() % 10);
+        if (offload) {
+            ch.resid_bytes = 64 * (4 + r.next_u64() % 12);
+            ch.fixed_bytes = (n + 1) * ch.resid_bytes + 64 * (1 + r.next_u64() % 4);
+            ch.allow_offload = true;
+        } else {
+            ch.fixed_bytes = 64 * (1 + r.next_u64() % 10);
+        }
         for (int l = 0; l < n; l++) {
-            // Heterogeneous blocks: All keeps most and recomputes nothing, Input the reverse.
             std::array<Option, 3> o;
             o[0] = {64 * (20 + r.next_u64() % 20), 0, 0};
             o[1] = {64 * (5 + r.next_u64() % 15), 64 * (1 + r.next_u64() % 8),
@@ -147,16 +157,24 @@ TEST(Remat, SolverMatchesExhaustiveSearch) {
             ch.blocks.push_back(o);
         }
         const std::size_t lo = min_feasible_bytes(ch);
+        if (offload) {
+            Chain no = ch;
+            no.allow_offload = false;
+            EXPECT_LE(lo, min_feasible_bytes(no));
+            // Offloading every input frees all but the ring's streams.
+            EXPECT_LE(lo + (n - std::min(n, kOffloadSlots)) * ch.resid_bytes,
+                      peak_bytes(no, RematPlan(n, BlockKeep::Input)));
+        }
         const std::size_t hi = peak_bytes(ch, RematPlan(n, BlockKeep::All)) + 128;
-        for (std::size_t budget = lo > 200 ? lo - 200 : 0; budget <= hi; budget += 64 + trial) {
-            // Exhaustive: all 3^n plans, least recompute, then least peak.
+        int total = 1;
+        for (int i = 0; i < n; i++) total *= options;
+        const std::size_t step = (offload ? 96 : 64) + trial;
+        for (std::size_t budget = lo > 200 ? lo - 200 : 0; budget <= hi; budget += step) {
             std::optional<Schedule> best;
             RematPlan plan(n);
-            int total = 1;
-            for (int i = 0; i < n; i++) total *= 3;
             for (int code = 0; code < total; code++) {
-                for (int i = 0, c = code; i < n; i++, c /= 3)
-                    plan[i] = static_cast<BlockKeep>(c % 3);
+                for (int i = 0, c = code; i < n; i++, c /= options)
+                    plan[i] = static_cast<BlockKeep>(c % options);
                 Schedule s = evaluate(ch, plan);
                 if (s.peak_bytes > budget) continue;
                 if (!best || s.recompute_flops < best->recompute_flops ||
@@ -179,62 +197,16 @@ TEST(Remat, SolverMatchesExhaustiveSearch) {
     }
 }
 
+TEST(Remat, SolverMatchesExhaustiveSearch) {
+    check_solver_against_exhaustive(7, 60, false);
+}
+
 // budget:BYTES+offload: Offload is a fourth option (Input's recompute and scratch, its input in
 // host memory; the plan's offloaded inputs share a ring of up to kOffloadSlots streams). The
 // solver must match exhaustive search over all 4^n plans, with the peak of each plan equal to
 // the arena the CUDA model allocates for it.
 TEST(Remat, SolverWithOffloadMatchesExhaustiveSearch) {
-    Rng r(11);
-    for (int trial = 0; trial < 40; trial++) {
-        const int n = 1 + trial % 6;
-        Chain ch;
-        ch.resid_bytes = 64 * (4 + r.next_u64() % 12);
-        ch.fixed_bytes = (n + 1) * ch.resid_bytes + 64 * (1 + r.next_u64() % 4);
-        ch.allow_offload = true;
-        for (int l = 0; l < n; l++) {
-            std::array<Option, 3> o;
-            o[0] = {64 * (20 + r.next_u64() % 20), 0, 0};
-            o[1] = {64 * (5 + r.next_u64() % 15), 64 * (1 + r.next_u64() % 8),
-                    (int64_t)(1 + r.next_u64() % 50)};
-            o[2] = {0, 64 * (10 + r.next_u64() % 20), (int64_t)(50 + r.next_u64() % 200)};
-            ch.blocks.push_back(o);
-        }
-        const std::size_t lo = min_feasible_bytes(ch);
-        {
-            Chain no = ch;
-            no.allow_offload = false;
-            EXPECT_LE(lo, min_feasible_bytes(no));
-            // Offloading every input frees all but the ring's streams.
-            EXPECT_LE(lo + (n - std::min(n, kOffloadSlots)) * ch.resid_bytes,
-                      peak_bytes(no, RematPlan(n, BlockKeep::Input)));
-        }
-        const std::size_t hi = peak_bytes(ch, RematPlan(n, BlockKeep::All)) + 128;
-        int total = 1;
-        for (int i = 0; i < n; i++) total *= 4;
-        for (std::size_t budget = lo > 200 ? lo - 200 : 0; budget <= hi; budget += 96 + trial) {
-            std::optional<Schedule> best;
-            RematPlan plan(n);
-            for (int code = 0; code < total; code++) {
-                for (int i = 0, c = code; i < n; i++, c /= 4)
-                    plan[i] = static_cast<BlockKeep>(c % 4);
-                Schedule s = evaluate(ch, plan);
-                if (s.peak_bytes > budget) continue;
-                if (!best || s.recompute_flops < best->recompute_flops ||
-                    (s.recompute_flops == best->recompute_flops && s.peak_bytes < best->peak_bytes))
-                    best = s;
-            }
-            auto got = solve_budget(ch, budget);
-            ASSERT_EQ(best.has_value(), got.has_value())
-                << "trial " << trial << " budget " << budget;
-            if (!best) {
-                EXPECT_LT(budget, lo);
-                continue;
-            }
-            EXPECT_EQ(got->recompute_flops, best->recompute_flops) << "trial " << trial;
-            EXPECT_EQ(got->peak_bytes, best->peak_bytes) << "trial " << trial;
-            EXPECT_LE(got->peak_bytes, budget);
-        }
-    }
+    check_solver_against_exhaustive(11, 40, true);
     // The chain's peak of a mixed plan is the CUDA arena's activation bytes.
     const ModelConfig cfg = tiny(6);
     const ActFormat fmt = ActFormat::cuda_model(2, 64);
