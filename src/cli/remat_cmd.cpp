@@ -238,8 +238,7 @@ void register_remat(CLI::App& app) {
         std::printf("\nschedule for %s\n%-6s %-10s %14s %13s %s\n", policy.c_str(), "block",
                     "keeps", "kept bytes", "recompute", unit_name);
         for (std::size_t l = 0; l < s.plan.size(); l++) {
-            const BlockKeep k = s.plan[l] == BlockKeep::Offload ? BlockKeep::Input : s.plan[l];
-            const Option& o = chain.blocks[l][static_cast<int>(k)];
+            const Option& o = option(chain, l, s.plan[l]);
             std::printf("%-6zu %-10s %14zu %16.3f\n", l, keep_name(s.plan[l]), o.kept_bytes,
                         o.recompute_flops / unit);
         }

@@ -176,9 +176,7 @@ ArenaPlan plan_arena(const ModelConfig& cfg, int B, int T, const RematPlan& plan
     if (plan.size() != L)
         fail("remat plan has {} entries but model.n_layer is {}", plan.size(), cfg.n_layer);
     const std::size_t offloaded = std::count(plan.begin(), plan.end(), BlockKeep::Offload);
-    const bool offload = offloaded > 0;
     ArenaPlan p;
-    p.offload = offload;
     std::size_t act = 0, work = 0;
     auto take_act = [&](std::size_t bytes) {
         std::size_t at = act;
@@ -193,7 +191,7 @@ ArenaPlan plan_arena(const ModelConfig& cfg, int B, int T, const RematPlan& plan
 
     // Activation arena, in the order the CPU model has always carved it: residual streams, each
     // field for every block that keeps it, ln_f, then the shared recompute scratch.
-    if (!offload) {
+    if (offloaded == 0) {
         for (std::size_t l = 0; l <= L; l++) p.resid.push_back(take_act(BT * C * e));
         p.entries.push_back({"residual stream x n_layer+1", act, A});
     } else {

@@ -97,7 +97,6 @@ struct ArenaPlan {
     // ring slot i % min(offloaded blocks, kOffloadSlots), and offloaded_bytes is what waits in
     // pinned host memory (the inputs of all but the last ring-full of Offload blocks).
     std::vector<std::size_t> resid;
-    bool offload = false;
     std::size_t offloaded_bytes = 0;
     std::vector<std::array<std::size_t, kSavedFields>> block;
     std::size_t lnf = 0, lnf_mean = kNoOffset, lnf_rstd = 0;

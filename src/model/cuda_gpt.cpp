@@ -171,7 +171,6 @@ void CudaGPT<T>::ensure_arena(int B, int T_) {
 
     // Offload: pinned host room for the block inputs that leave the ring, counted as host
     // activations, a side stream and the per-block events.
-    offload_ = p.offload;
     offloaded_.clear();
     off_index_.assign(cfg_.n_layer, -1);
     for (int l = 0; l < cfg_.n_layer; l++) {
@@ -191,7 +190,7 @@ void CudaGPT<T>::ensure_arena(int B, int T_) {
         MT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_resid_), offload_bytes_));
         host_memory().on_alloc(MemCategory::Activations, offload_bytes_, offload_bytes_);
     }
-    if (offload_ && !copy_stream_) {
+    if (offloads() && !copy_stream_) {
         MT_CUDA_CHECK(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
         for (auto* v : {&produced_, &to_host_, &consumed_, &to_device_}) {
             v->resize(cfg_.n_layer);
@@ -319,7 +318,7 @@ void CudaGPT<T>::block_backward(const Block& p, const Block& g, const T* x, cons
 template <typename T>
 void CudaGPT<T>::forward(int B, int T_, bool offload_inputs) {
     const int N = B * T_, L = cfg_.n_layer;
-    offload_inputs = offload_inputs && offload_;
+    offload_inputs = offload_inputs && offloads();
     const std::size_t stream_bytes = (std::size_t)N * cfg_.n_embd * sizeof(T);
     // Block input l leaves the device when the ring will reuse its slot.
     auto copy_out = [&](int l) {
@@ -437,7 +436,7 @@ void CudaGPT<T>::step_body(int B, int T_, float grad_scale, double* loss_sum) {
             if (leaves_device(l)) MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, to_device_[l], 0));
             block_forward(p, resid_[l], dbig_, saved_[l], B, T_);
         } else if (keep(l) == BlockKeep::Input) {
-            block_forward(p, resid_[l], offload_ ? dbig_ : resid_[l + 1], saved_[l], B, T_);
+            block_forward(p, resid_[l], offloads() ? dbig_ : resid_[l + 1], saved_[l], B, T_);
         } else if (keep(l) == BlockKeep::Selective) {
             recompute_selective(p, resid_[l], saved_[l], B, T_);
         }

@@ -186,12 +186,12 @@ class CudaGPT {
     // Offload blocks (train.remat = offload, or chosen by budget:BYTES+offload): their inputs
     // share a device ring of ring_ slots; those that leave it wait in host memory. A side stream
     // copies them, and per-block events order the copies against the compute stream.
-    bool offload_ = false;
     int ring_ = 0;
     std::vector<int> offloaded_;  // the Offload blocks, in order
     std::vector<int> off_index_;  // per block: its index in offloaded_, or -1
     std::size_t offload_bytes_ = 0;
     unsigned char* host_resid_ = nullptr;  // pinned: the inputs that leave the ring, B x T x C each
+    bool offloads() const { return !offloaded_.empty(); }
     // Whether block l's input leaves the device (an Offload block all but the last ring_ of).
     bool leaves_device(int l) const {
         return off_index_[l] >= 0 && off_index_[l] < (int)offloaded_.size() - ring_;

@@ -166,16 +166,14 @@ MemoryEstimate estimate_stage_memory(const ModelSpec& m, const RunSpec& r, int s
         // stage 2), and stream down after the last micro-batch. The host holds, for this GPU's
         // shard of the optimizer: fp32 master weights, the moments, the fp32 gradients the update
         // reads and the pinned buffer the transfers go through (a parameter's bytes).
-        const bool mixed =
-            r.precision == Precision::mixed_bf16 || r.precision == Precision::mixed_fp16;
-        const double master = mixed ? 4 : 0;  // in k.optim already
-        const double host_per_param = 4 + (k.optim - master) + 4 + k.param;
+        const double moments = k.optim - k.master;
+        const double host_per_param = 4 + moments + 4 + k.param;
         const double host = trainable * host_per_param / o_div;
         est.cpu_bytes += to_bytes(host);
         opt_detail = fmt::format(
             "offloaded: {} host = {:.3f}B x {:g} B (fp32 master 4 + moments {:g} + fp32 grads 4 + "
             "pinned transfer {:g}){}",
-            gb(host), trainable / 1e9, host_per_param, k.optim - master, k.param,
+            gb(host), trainable / 1e9, host_per_param, moments, k.param,
             o_div > 1 ? fmt::format(" / {} (ZeRO-{})", d, r.zero) : "");
         opt_bytes = 0;
     }

@@ -130,7 +130,7 @@ StateBytes state_bytes(Precision precision, Optimizer optimizer) {
     switch (precision) {
         case Precision::mixed_bf16:
         case Precision::mixed_fp16:
-            return {2, 2, 4 + (optimizer == Optimizer::adamw8bit ? 2.0 : 4 * moments)};
+            return {2, 2, 4 + (optimizer == Optimizer::adamw8bit ? 2.0 : 4 * moments), 4};
         case Precision::fp32:
             return {4, 4, optimizer == Optimizer::adamw8bit ? 2.0 : 4 * moments};
         case Precision::bf16_only:

@@ -60,6 +60,7 @@ void validate_run(const ModelSpec& model, const RunSpec& run);
 // Bytes per parameter of parameters, gradients and optimizer states (before sharding).
 struct StateBytes {
     double param, grad, optim;
+    double master = 0;  // of optim: the fp32 master copy of mixed precision
 };
 StateBytes state_bytes(Precision precision, Optimizer optimizer);
 // Bytes of one saved activation element: 4 for fp32 training, else 2.

@@ -7,12 +7,11 @@
 
 namespace memtrain::remat {
 
-namespace {
-
-// Offload prices as Input (its bytes beyond that are the ring's business, in peak_bytes).
 const Option& option(const Chain& c, std::size_t l, BlockKeep k) {
     return c.blocks[l][static_cast<int>(k == BlockKeep::Offload ? BlockKeep::Input : k)];
 }
+
+namespace {
 
 constexpr BlockKeep kKeeps[] = {BlockKeep::All, BlockKeep::Selective, BlockKeep::Input,
                                 BlockKeep::Offload};

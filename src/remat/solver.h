@@ -43,6 +43,9 @@ struct Schedule {
     int64_t recompute_flops = 0;
 };
 
+// Block l's option for `keep`; Offload prices as Input (its bytes beyond that are the ring's
+// business, in peak_bytes).
+const Option& option(const Chain& chain, std::size_t l, BlockKeep keep);
 std::size_t peak_bytes(const Chain& chain, const RematPlan& plan);
 int64_t recompute_flops(const Chain& chain, const RematPlan& plan);
 Schedule evaluate(const Chain& chain, const RematPlan& plan);

@@ -314,12 +314,14 @@ void RunConfig::validate() const {
             "train.precision = \"{}\" needs train.device = \"cuda\": the CPU engine trains in "
             "fp32",
             train.precision);
-    // offload and budget:BYTES+offload (a bad policy is named below, with the key).
-    bool remat_offloads = false;
+    remat::RematPolicy remat_policy;
     try {
-        remat_offloads = remat::parse_policy(train.remat).may_offload();
-    } catch (const Error&) {
+        remat_policy = remat::parse_policy(train.remat);
+    } catch (const Error& e) {
+        fail("train.remat = \"{}\": {}", train.remat, e.what());
     }
+    // offload and budget:BYTES+offload keep block inputs in host memory beside a GPU.
+    const bool remat_offloads = remat_policy.may_offload();
     if (remat_offloads && train.device == "cpu")
         fail(
             "train.remat = {} keeps block inputs in pinned host memory beside a GPU: use "
@@ -382,11 +384,6 @@ void RunConfig::validate() const {
         fail("train.eval_batches must be positive, got {}", train.eval_batches);
     if (train.log_every <= 0) fail("train.log_every must be positive, got {}", train.log_every);
     if (train.threads < 0) fail("train.threads must be >= 0, got {}", train.threads);
-    try {
-        remat::parse_policy(train.remat);
-    } catch (const Error& e) {
-        fail("train.remat = \"{}\": {}", train.remat, e.what());
-    }
     if (io.checkpoint_every < 0)
         fail("io.checkpoint_every must be >= 0, got {}", io.checkpoint_every);
     if (sample.max_tokens < 0) fail("sample.max_tokens must be >= 0, got {}", sample.max_tokens);
