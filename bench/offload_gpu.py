@@ -57,9 +57,9 @@ def machine_memory():
     return gpu, host
 
 
-def predict(memtrain, config, micro_batch, seq):
-    """The planner's estimate of a ZeRO-Offload run of `config` on this machine, or None."""
-    gpu, host = machine_memory()
+def predict(memtrain, config, micro_batch, seq, gpu, host):
+    """The planner's estimate of a ZeRO-Offload run of `config` on a machine of `gpu` and `host`
+    bytes (machine_memory()), or None."""
     cmd = [memtrain, "estimate", config, "--offload", "optimizer", "--recompute", "full",
            "--micro-batch", str(micro_batch), "--seq", str(seq), "--gpus-per-node", "1",
            "--gpu-mem-gb", "%g" % (gpu / 1e9), "--host-mem-gb", "%g" % (host / 1e9), "--json"]
@@ -95,6 +95,7 @@ def main():
     cfg = Args()
     cfg.device, cfg.precision, cfg.threads = ("cpu", "fp32", 2) if smoke else ("cuda", "bf16", 0)
 
+    memory = machine_memory()  # (GPU, host) bytes, for the planner
     results = {"attempts": [], "chosen": None}
     with tempfile.TemporaryDirectory() as tmp:
         shard = os.path.join(tmp, "train.bin")
@@ -111,7 +112,7 @@ def main():
             sets = [] if smoke else ["train.offload_optimizer=true", "train.remat=offload"]
             if smoke and name == "smoke-too-big":
                 sets = ["model.n_embd=1000003"]  # an impossible shape: the failure path
-            plan = predict(a.memtrain, config, a.micro_batch, seq)
+            plan = predict(a.memtrain, config, a.micro_batch, seq, *memory)
             if plan:
                 print("  planner: %.1f GB on the GPU of %.0f GB, %.1f GB of host memory of %.0f GB"
                       " -> %s" % (plan["device_bytes"] / 1e9, plan["gpu_bytes"] / 1e9,
