@@ -7,7 +7,8 @@
 namespace memtrain::cli {
 
 void register_train(CLI::App& app);     // memtrain train CONFIG [--set k=v] [--resume DIR]
-void register_sample(CLI::App& app);    // memtrain sample CHECKPOINT --prompt ...
+void register_sample(CLI::App& app);    // memtrain sample MODEL --prompt ...
+void register_eval(CLI::App& app);      // memtrain eval MODEL --data SHARD
 void register_tokenize(CLI::App& app);  // memtrain tokenize, memtrain tokenizer train|encode
 void register_plan(CLI::App& app);      // memtrain estimate | plan | scale
 void register_remat(CLI::App& app);     // memtrain remat CONFIG [--budget X | --frontier]

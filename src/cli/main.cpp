@@ -11,6 +11,7 @@ int main(int argc, char** argv) {
     app.require_subcommand(1);
     memtrain::cli::register_train(app);
     memtrain::cli::register_sample(app);
+    memtrain::cli::register_eval(app);
     memtrain::cli::register_tokenize(app);
     memtrain::cli::register_plan(app);
     memtrain::cli::register_remat(app);

@@ -10,6 +10,7 @@
 
 #include "core/error.h"
 #include "data/tokenizer.h"
+#include "io/hf_weights.h"
 #include "io/safetensors.h"
 
 namespace fs = std::filesystem;
@@ -17,11 +18,6 @@ namespace fs = std::filesystem;
 namespace memtrain {
 
 namespace {
-
-std::vector<int64_t> hf_shape(const ModelConfig& cfg, const ParamSpec& t) {
-    if (t.name == "wte.weight" || t.name == "lm_head.weight") return {cfg.vocab_size, cfg.n_embd};
-    return t.shape;
-}
 
 void write_text(const fs::path& path, const std::string& text) {
     std::ofstream f(path, std::ios::binary);
@@ -59,142 +55,6 @@ uint64_t meta_u64(const io::SafetensorsFile& f, const std::string& key, const st
 }
 
 }  // namespace
-
-void save_hf_weights(const ModelWeights& weights, const std::string& path, bool write) {
-    ParamStore& store = weights.store;
-    const ParamLayout& layout = weights.layout;
-    if (!write) {
-        // Take part in the gathers the writing rank makes, in the same order.
-        for (int u = 0; u < (int)layout.units.size(); u++) {
-            store.acquire(u);
-            store.release(u);
-        }
-        return;
-    }
-    io::SafetensorsWriter w;
-    w.set_metadata("format", "pt");
-    std::vector<int> unit_of;
-    for (int u = 0; u < (int)layout.units.size(); u++)
-        for (std::size_t i = layout.units[u].first_tensor; i < layout.units[u].last_tensor; i++) {
-            const ParamSpec& t = layout.tensors[i];
-            w.declare(t.name, io::DType::F32, hf_shape(weights.cfg, t));
-            unit_of.push_back(u);
-        }
-    int held = -1;
-    const float* base = nullptr;
-    auto release = [&] {
-        if (held >= 0) store.release(held);
-        held = -1;
-    };
-    try {
-        w.write(path, [&](std::size_t i) -> const void* {
-            if (unit_of[i] != held) {
-                release();
-                base = store.acquire(unit_of[i]);
-                held = unit_of[i];
-            }
-            return base + (layout.tensors[i].offset - layout.units[held].begin);
-        });
-        // Units without bytes are never fetched; every rank still acquires each unit once.
-        for (int u = held + 1; u < (int)layout.units.size(); u++) {
-            release();
-            store.acquire(u);
-            held = u;
-        }
-    } catch (...) {
-        release();
-        throw;
-    }
-    release();
-}
-
-void load_hf_weights(const ModelWeights& weights, const std::string& path) {
-    auto f = io::SafetensorsFile::open(path);
-    const ModelConfig& cfg = weights.cfg;
-    const ParamLayout& layout = weights.layout;
-    ParamStore& store = weights.store;
-    const std::size_t C = cfg.n_embd;
-    for (int u = 0; u < (int)layout.units.size(); u++) {
-        const ParamUnit& unit = layout.units[u];
-        float* base = store.acquire(u, true);
-        try {
-            for (std::size_t i = unit.first_tensor; i < unit.last_tensor; i++) {
-                const ParamSpec& t = layout.tensors[i];
-                const io::TensorInfo* info = f.find(t.name);
-                if (!info) info = f.find("transformer." + t.name);
-                if (!info)
-                    fail(
-                        "{} has no tensor '{}' (nor 'transformer.{}'): not a GPT-2 checkpoint "
-                        "of this shape",
-                        path, t.name, t.name);
-                auto shape = hf_shape(cfg, t);
-                std::size_t n = 1;
-                for (auto d : shape) n *= d;
-                float* dst = base + (t.offset - unit.begin);
-                f.read_f32(*info, std::span<float>(dst, n), t.name, shape);
-                if (t.name == "wte.weight" || t.name == "lm_head.weight")
-                    std::fill(dst + (std::size_t)cfg.vocab_size * C,
-                              dst + (std::size_t)cfg.padded_vocab() * C, 0.0f);
-            }
-        } catch (...) {
-            store.release(u);
-            throw;
-        }
-        store.release(u);
-    }
-}
-
-std::string hf_config_json(const ModelConfig& cfg) {
-    // Anything but GPT-2 is no Hugging Face architecture with these tensor names (Llama's are
-    // different, and it has no linear biases), so it gets a model_type of its own that records
-    // every architecture choice; the GPT-2 text below is unchanged.
-    if (!cfg.is_gpt2())
-        return fmt::format(R"({{
-  "architectures": ["MemtrainLlamaStyle"],
-  "model_type": "memtrain-llama-style",
-  "vocab_size": {},
-  "n_positions": {},
-  "n_embd": {},
-  "n_layer": {},
-  "n_head": {},
-  "n_kv_head": {},
-  "ffn_hidden": {},
-  "norm": "{}",
-  "norm_eps": {},
-  "activation": "{}",
-  "positions": "{}",
-  "rope_theta": {},
-  "initializer_range": {},
-  "tie_word_embeddings": {},
-  "torch_dtype": "float32"
-}}
-)",
-                           cfg.vocab_size, cfg.block_size, cfg.n_embd, cfg.n_layer, cfg.n_head,
-                           cfg.kv_heads(), cfg.mlp_hidden(), cfg.norm, cfg.norm_eps, cfg.activation,
-                           cfg.positions, cfg.rope_theta, cfg.init_std,
-                           cfg.tied_embeddings ? "true" : "false");
-    return fmt::format(R"({{
-  "architectures": ["GPT2LMHeadModel"],
-  "model_type": "gpt2",
-  "vocab_size": {},
-  "n_positions": {},
-  "n_ctx": {},
-  "n_embd": {},
-  "n_layer": {},
-  "n_head": {},
-  "activation_function": "gelu_new",
-  "layer_norm_epsilon": {},
-  "initializer_range": {},
-  "resid_pdrop": 0.0,
-  "embd_pdrop": 0.0,
-  "attn_pdrop": 0.0,
-  "tie_word_embeddings": true,
-  "torch_dtype": "float32"
-}}
-)",
-                       cfg.vocab_size, cfg.block_size, cfg.block_size, cfg.n_embd, cfg.n_layer,
-                       cfg.n_head, cfg.norm_eps, cfg.init_std);
-}
 
 namespace {
 

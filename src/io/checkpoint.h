@@ -1,7 +1,9 @@
 // Checkpoints: a directory per save, written under a temporary name and renamed into place, so
 // a crash never leaves a half-written checkpoint. It holds
-//   model.safetensors           weights with Hugging Face GPT-2 names and shapes
-//   config.json                 Hugging Face GPT2Config, so `transformers` can load the folder
+//   model.safetensors           weights with Hugging Face names and shapes: LlamaForCausalLM's
+//                               for Llama models, GPT2LMHeadModel's otherwise
+//   config.json                 the matching Hugging Face config (io/hf_weights.h), so
+//                               `transformers` can load the folder
 //   training_state.safetensors  step, RNG, data position, optimizer step count (metadata)
 //   optimizer.RRRRR-of-NNNNN.safetensors
 //                               optimizer state (Adam m and v, or SGD momentum) as flat slices
@@ -16,6 +18,7 @@
 #include <string>
 
 #include "dist/communicator.h"
+#include "io/hf_weights.h"
 #include "model/gpt.h"
 #include "optim/optimizer.h"
 #include "train/run_config.h"
@@ -31,17 +34,9 @@ struct TrainState {
     int64_t loss_scale_clean = 0;
 };
 
-// Hugging Face weights: wte is written with its real vocab rows only. Goes unit by unit through
-// the store, so a ZeRO-3 run never holds more than one unit whole; every rank must call it (the
-// gathers are collectives) and only the one with `write` writes the file.
-void save_hf_weights(const ModelWeights& weights, const std::string& path, bool write = true);
+// Hugging Face weights of the CPU model (io/hf_weights.h has the store-level functions).
 void save_hf_weights(GPT& model, const std::string& path, bool write = true);
-// Loads GPT-2 weights by Hugging Face name (with or without the "transformer." prefix);
-// every tensor must be present with the expected shape, else an Error names it. Every rank
-// reads the file and keeps what its store holds.
-void load_hf_weights(const ModelWeights& weights, const std::string& path);
 void load_hf_weights(GPT& model, const std::string& path);
-std::string hf_config_json(const ModelConfig& cfg);
 
 // Writes out_dir/ckpt_<step>/ atomically and points out_dir/latest at it. Returns its path.
 // Every rank of `comm` calls it: rank 0 writes the weights and the shared files; each rank

@@ -22,10 +22,13 @@ struct ModelConfig {
     std::string activation = "gelu";    // or "swiglu" (c_fc produces [gate | up])
     std::string positions = "learned";  // or "rope" (no wpe tensor)
     bool tied_embeddings = true;        // false: a separate lm_head.weight (padded_vocab, n_embd)
+    bool bias = true;                   // linear layers have biases (GPT-2); Llama has none
     double norm_eps = 1e-5;
     double rope_theta = 10000.0;
     double init_std = 0.02;
-    std::string init_from;  // a Hugging Face GPT-2 safetensors file to start from
+    // Weights to start from: a Hugging Face model directory, a .safetensors file, or a sharded
+    // model.safetensors.index.json, with GPT-2 or Llama tensor names (io/hf_weights.h).
+    std::string init_from;
 
     int padded_vocab() const { return (vocab_size + vocab_pad - 1) / vocab_pad * vocab_pad; }
     int head_dim() const { return n_embd / n_head; }
@@ -45,8 +48,11 @@ struct ModelConfig {
     // Exactly GPT-2's architecture (what Hugging Face's GPT2LMHeadModel loads).
     bool is_gpt2() const {
         return !rmsnorm() && !swiglu() && !rope() && kv_heads() == n_head && tied_embeddings &&
-               mlp_hidden() == 4 * n_embd;
+               mlp_hidden() == 4 * n_embd && bias;
     }
+    // Exactly the Llama architecture (what Hugging Face's LlamaForCausalLM loads): RMSNorm,
+    // SwiGLU, rotate-half RoPE, no linear biases; GQA and a tied or untied head are both Llama.
+    bool is_llama() const { return rmsnorm() && swiglu() && rope() && !bias; }
     // Throws memtrain::Error naming the offending key when the config is inconsistent or asks
     // for a variant the engine does not implement yet.
     void validate() const;

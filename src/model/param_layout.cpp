@@ -40,15 +40,15 @@ ParamLayout make_param_layout(const ModelConfig& cfg) {
         add(h + "ln_1.weight", {C}, false);
         if (norm_bias) add(h + "ln_1.bias", {C}, false);
         add(h + "attn.c_attn.weight", {C, QKV}, true);
-        add(h + "attn.c_attn.bias", {QKV}, false);
+        if (cfg.bias) add(h + "attn.c_attn.bias", {QKV}, false);
         add(h + "attn.c_proj.weight", {C, C}, true);
-        add(h + "attn.c_proj.bias", {C}, false);
+        if (cfg.bias) add(h + "attn.c_proj.bias", {C}, false);
         add(h + "ln_2.weight", {C}, false);
         if (norm_bias) add(h + "ln_2.bias", {C}, false);
         add(h + "mlp.c_fc.weight", {C, F}, true);
-        add(h + "mlp.c_fc.bias", {F}, false);
+        if (cfg.bias) add(h + "mlp.c_fc.bias", {F}, false);
         add(h + "mlp.c_proj.weight", {H, C}, true);
-        add(h + "mlp.c_proj.bias", {C}, false);
+        if (cfg.bias) add(h + "mlp.c_proj.bias", {C}, false);
     }
     add("ln_f.weight", {C}, false);
     if (norm_bias) add("ln_f.bias", {C}, false);

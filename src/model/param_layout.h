@@ -11,6 +11,7 @@
 //     mlp.c_fc.weight (C,F) + bias (F), for swiglu F = 2H with columns [gate | up];
 //     mlp.c_proj.weight (H,C) + bias (C);
 //   ln_f.weight (C) [+ ln_f.bias]; lm_head.weight (Vp,C) only for tied_embeddings = false.
+// With bias = false (Llama) the four linear biases are absent.
 #pragma once
 
 #include <array>

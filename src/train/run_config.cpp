@@ -155,6 +155,8 @@ const std::vector<Key>& registry() {
         make_key("model.positions", &R::model, &ModelConfig::positions, "learned or rope"),
         make_key("model.tied_embeddings", &R::model, &ModelConfig::tied_embeddings,
                  "output layer shares wte"),
+        make_key("model.bias", &R::model, &ModelConfig::bias,
+                 "linear layers have biases (false: Llama)"),
         make_key("model.ffn_hidden", &R::model, &ModelConfig::ffn_hidden,
                  "MLP hidden size (0 = 4 n_embd for gelu, 256-aligned 8 n_embd / 3 for swiglu)"),
         make_key("model.norm_eps", &R::model, &ModelConfig::norm_eps, "layernorm/rmsnorm eps"),

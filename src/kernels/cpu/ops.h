@@ -66,7 +66,9 @@ void swiglu_backward(float* dinp /*(N,2H)*/, const float* inp /*(N,2H)*/,
 // QKV = (NH + 2 NKV) * hs; v is untouched. Per head, for i < hs/2 and position t:
 //   angle = t * theta^(-2i/hs); (x_i, x_{i+hs/2}) <- (x_i cos - x_{i+hs/2} sin,
 //                                                    x_{i+hs/2} cos + x_i sin).
-void rope_forward(float* qkv /*(B,T,QKV)*/, int B, int T, int NH, int NKV, int hs, float theta);
+// Row t of the input sits at position pos0 + t (pos0 > 0: decoding after a KV cache).
+void rope_forward(float* qkv /*(B,T,QKV)*/, int B, int T, int NH, int NKV, int hs, float theta,
+                  int pos0 = 0);
 // The gradient of a rotation is the inverse rotation, applied in place to d(qkv).
 void rope_backward(float* dqkv /*(B,T,QKV)*/, int B, int T, int NH, int NKV, int hs, float theta);
 

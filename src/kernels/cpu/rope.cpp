@@ -12,13 +12,14 @@ namespace {
 
 // sign = +1 rotates by +angle (forward), -1 by -angle (backward: the inverse rotation, which
 // is the transpose of the forward's Jacobian).
-void rope_apply(float* qkv, int B, int T, int NH, int NKV, int hs, float theta, float sign) {
+void rope_apply(float* qkv, int B, int T, int NH, int NKV, int hs, float theta, float sign,
+                int pos0) {
     const int half = hs / 2, QKV = (NH + 2 * NKV) * hs, heads = NH + NKV;
     std::vector<float> cs((std::size_t)T * half), sn((std::size_t)T * half);
     for (int t = 0; t < T; t++)
         for (int i = 0; i < half; i++) {
             double inv_freq = std::pow((double)theta, -2.0 * i / hs);
-            double a = t * inv_freq;
+            double a = (double)(pos0 + t) * inv_freq;
             cs[(std::size_t)t * half + i] = (float)std::cos(a);
             sn[(std::size_t)t * half + i] = sign * (float)std::sin(a);
         }
@@ -43,12 +44,12 @@ void rope_apply(float* qkv, int B, int T, int NH, int NKV, int hs, float theta, 
 
 }  // namespace
 
-void rope_forward(float* qkv, int B, int T, int NH, int NKV, int hs, float theta) {
-    rope_apply(qkv, B, T, NH, NKV, hs, theta, 1.0f);
+void rope_forward(float* qkv, int B, int T, int NH, int NKV, int hs, float theta, int pos0) {
+    rope_apply(qkv, B, T, NH, NKV, hs, theta, 1.0f, pos0);
 }
 
 void rope_backward(float* dqkv, int B, int T, int NH, int NKV, int hs, float theta) {
-    rope_apply(dqkv, B, T, NH, NKV, hs, theta, -1.0f);
+    rope_apply(dqkv, B, T, NH, NKV, hs, theta, -1.0f, 0);
 }
 
 }  // namespace memtrain::cpu

@@ -1,0 +1,46 @@
+// Resolution of a model directory (see model_source.h).
+#include "io/model_source.h"
+
+#include <filesystem>
+
+#include "core/error.h"
+#include "io/checkpoint.h"
+#include "io/hf_weights.h"
+
+namespace fs = std::filesystem;
+
+namespace memtrain {
+
+ModelSource open_model_source(const std::string& path) {
+    fs::path p(path);
+    if (!fs::exists(p)) fail("model {} does not exist", path);
+    if (!fs::is_directory(p))
+        fail(
+            "model {} is a file; give a directory: a memtrain checkpoint, an out_dir with "
+            "`latest`, or a Hugging Face model directory (config.json + safetensors)",
+            path);
+    ModelSource src;
+    if (fs::exists(p / "memtrain.toml") || fs::exists(p / "latest")) {
+        src.dir = resolve_checkpoint_dir(path);
+        src.run = checkpoint_config(src.dir);
+        src.model = src.run->model;
+        src.weights = (fs::path(src.dir) / "model.safetensors").string();
+    } else if (fs::exists(p / "config.json")) {
+        src.dir = p.string();
+        src.model = model_config_from_hf((p / "config.json").string());
+        src.weights = p.string();  // model.safetensors or model.safetensors.index.json in it
+    } else {
+        fail(
+            "{} is not a model directory: it has no memtrain.toml (a memtrain checkpoint), no "
+            "`latest` (a training out_dir) and no config.json (a Hugging Face model)",
+            path);
+    }
+    const fs::path d(src.dir);
+    if (fs::exists(d / "tokenizer.json"))
+        src.tokenizer = (d / "tokenizer.json").string();
+    else if (fs::exists(d / "encoder.json") && fs::exists(d / "vocab.bpe"))
+        src.tokenizer = d.string();
+    return src;
+}
+
+}  // namespace memtrain
