@@ -1,0 +1,95 @@
+// A Llama trained by memtrain end to end through the binary: its checkpoint is a Hugging Face
+// LlamaForCausalLM directory, which `sample` (greedy, KV cache), `eval` and `model.init_from`
+// read, with or without memtrain's own files beside it.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/cli_util.h"
+#include "io/safetensors.h"
+#include "test_util.h"
+
+namespace fs = std::filesystem;
+
+namespace memtrain {
+namespace {
+
+using test::run_memtrain;
+using test::write_file;
+
+TEST(LlamaCli, TrainSampleEvalAndFineTuneFromTheHfDirectory) {
+    const std::string dir = test::temp_dir("llama_cli");
+    write_file(dir + "/corpus.txt", test::small_corpus());
+    auto r = run_memtrain("tokenizer train --vocab-size 320 --doc-separator % --out " + dir +
+                          "/tok.json " + dir + "/corpus.txt");
+    ASSERT_EQ(r.code, 0) << r.output;
+    r = run_memtrain("tokenize --tokenizer " + dir + "/tok.json --out " + dir +
+                     " --doc-separator % --val-fraction 0.1 " + dir + "/corpus.txt");
+    ASSERT_EQ(r.code, 0) << r.output;
+    write_file(dir + "/llama.toml",
+               "[model]\nn_layer = 2\nn_head = 4\nn_kv_head = 2\nn_embd = 32\nblock_size = 32\n"
+               "vocab_size = 320\nnorm = \"rmsnorm\"\nactivation = \"swiglu\"\n"
+               "positions = \"rope\"\ntied_embeddings = false\nbias = false\n"
+               "[train]\nseq_len = 32\nbatch_size = 4\nmax_steps = 6\ndevice = \"cpu\"\n"
+               "eval_every = 0\n"
+               "[data]\ntrain = \"train.bin\"\nval = \"val.bin\"\ntokenizer = \"tok.json\"\n"
+               "[sample]\nmax_tokens = 0\n");
+    r = run_memtrain("train " + dir + "/llama.toml --set io.out_dir=" + dir + "/out");
+    ASSERT_EQ(r.code, 0) << r.output;
+    const std::string ckpt = dir + "/out/ckpt_000006";
+    auto st = io::SafetensorsFile::open(ckpt + "/model.safetensors");
+    EXPECT_NE(st.find("model.layers.1.mlp.gate_proj.weight"), nullptr);
+    EXPECT_EQ(st.find("h.0.attn.c_attn.bias"), nullptr) << "model.bias = false has no biases";
+    std::ifstream cj(ckpt + "/config.json");
+    auto config = nlohmann::json::parse(cj);
+    EXPECT_EQ(config["model_type"], "llama");
+    EXPECT_EQ(config["num_key_value_heads"], 2);
+
+    // Greedy decoding is deterministic whatever the seed.
+    r = run_memtrain("sample " + dir + "/out --temperature 0 --max-tokens 8 --prompt \"The \"");
+    ASSERT_EQ(r.code, 0) << r.output;
+    auto r2 = run_memtrain("sample " + ckpt +
+                           " --temperature 0 --max-tokens 8 --seed 99 --prompt \"The \"");
+    EXPECT_EQ(r.output, r2.output);
+    EXPECT_EQ(r.output.rfind("The ", 0), 0u) << r.output;
+
+    // The same files without memtrain's: a Hugging Face model directory.
+    const std::string hf = dir + "/hf";
+    fs::create_directories(hf);
+    for (const char* f : {"model.safetensors", "config.json", "tokenizer.json"})
+        fs::copy_file(ckpt + "/" + f, hf + "/" + f);
+    auto r3 = run_memtrain("sample " + hf + " --temperature 0 --max-tokens 8 --prompt \"The \"");
+    EXPECT_EQ(r3.output, r.output);
+    auto e1 = run_memtrain("eval " + ckpt + " --data " + dir + "/val.bin --seq-len 16 --json");
+    ASSERT_EQ(e1.code, 0) << e1.output;
+    auto e2 = run_memtrain("eval " + hf + " --data " + dir + "/val.bin --seq-len 16 --json");
+    ASSERT_EQ(e2.code, 0) << e2.output;
+    auto j1 = nlohmann::json::parse(e1.output), j2 = nlohmann::json::parse(e2.output);
+    EXPECT_EQ(j1["loss"], j2["loss"]);
+    EXPECT_GT(j1["tokens"].get<int>(), 0);
+    EXPECT_NEAR(j1["perplexity"].get<double>(), std::exp(j1["loss"].get<double>()), 1e-2);
+    r = run_memtrain("eval " + hf + " --data " + dir + "/val.bin");
+    EXPECT_NE(r.output.find("perplexity"), std::string::npos) << r.output;
+
+    // Fine-tuning starts from the Hugging Face directory.
+    r = run_memtrain("train " + dir + "/llama.toml --set io.out_dir=" + dir +
+                     "/ft --set train.max_steps=2 --set model.init_from=" + hf);
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("initialised weights from"), std::string::npos) << r.output;
+
+    // Bad input: one line naming what is wrong, non-zero exit.
+    r = run_memtrain("eval " + dir + " --data " + dir + "/val.bin");
+    EXPECT_EQ(r.code, 1);
+    EXPECT_NE(r.output.find("not a model directory"), std::string::npos) << r.output;
+    r = run_memtrain("sample " + hf + " --temperature -1");
+    EXPECT_EQ(r.code, 1);
+    EXPECT_NE(r.output.find("--temperature"), std::string::npos) << r.output;
+    r = run_memtrain("eval " + hf + " --data " + dir + "/val.bin --seq-len 33");
+    EXPECT_EQ(r.code, 1);
+    EXPECT_NE(r.output.find("--seq-len"), std::string::npos) << r.output;
+}
+
+}  // namespace
+}  // namespace memtrain
