@@ -404,8 +404,9 @@ TEST(CudaTrain, DeviceMemoryIsWhatTheModelPredicts) {
 TEST(CudaTrain, LlamaStyleFp32MatchesTheCpu) {
     REQUIRE_GPU();
     // RMSNorm, SwiGLU, rope, grouped-query attention and an untied head: every Llama-style
-    // kernel of the GPU engine in one run, against the CPU engine.
-    auto llama = [](RunConfig c) {
+    // kernel of the GPU engine in one run, against the CPU engine; with the linear biases of the
+    // older Llama-style configs and without them, as Llama has (model.bias = false).
+    auto llama = [](RunConfig c, bool bias) {
         c.model.norm = "rmsnorm";
         c.model.activation = "swiglu";
         c.model.positions = "rope";
@@ -413,18 +414,24 @@ TEST(CudaTrain, LlamaStyleFp32MatchesTheCpu) {
         c.model.n_kv_head = 2;
         c.model.n_embd = 32;
         c.model.tied_embeddings = false;
+        c.model.bias = bias;
         return c;
     };
-    auto d1 = test::temp_dir("cuda_llama_cpu"), d2 = test::temp_dir("cuda_llama_gpu");
-    Trainer cpu(llama(test::tiny_run(d1, 8)), quiet());
-    Trainer gpu(llama(cuda_run(d2, 8, "fp32")), quiet());
-    auto a = cpu.run(), b = gpu.run();
-    for (int i = 0; i < 8; i++)
-        EXPECT_NEAR(b.losses[i], a.losses[i], 2e-4 * std::fabs(a.losses[i]) + 1e-5) << "step " << i;
-    EXPECT_LT(max_abs_diff(cpu.params(), gpu.params()), 1e-4);
+    TrainSummary a;
+    for (bool bias : {true, false}) {
+        auto d1 = test::temp_dir("cuda_llama_cpu"), d2 = test::temp_dir("cuda_llama_gpu");
+        Trainer cpu(llama(test::tiny_run(d1, 8), bias), quiet());
+        Trainer gpu(llama(cuda_run(d2, 8, "fp32"), bias), quiet());
+        a = cpu.run();
+        auto b = gpu.run();
+        for (int i = 0; i < 8; i++)
+            EXPECT_NEAR(b.losses[i], a.losses[i], 2e-4 * std::fabs(a.losses[i]) + 1e-5)
+                << "step " << i << " bias " << bias;
+        EXPECT_LT(max_abs_diff(cpu.params(), gpu.params()), 1e-4);
+    }
     // And in bf16, where it still learns.
     auto d3 = test::temp_dir("cuda_llama_bf16");
-    Trainer bf(llama(cuda_run(d3, 8, "bf16")), quiet());
+    Trainer bf(llama(cuda_run(d3, 8, "bf16"), false), quiet());
     auto c = bf.run();
     for (int i = 0; i < 8; i++) EXPECT_NEAR(c.losses[i], a.losses[i], 0.05) << "step " << i;
 }
