@@ -6,6 +6,11 @@
 
 namespace memtrain::cli {
 
+// Thrown to end the command with this exit status, its message (if any) already printed.
+struct ExitCode {
+    int code;
+};
+
 void register_train(CLI::App& app);     // memtrain train CONFIG [--set k=v] [--resume DIR]
 void register_sample(CLI::App& app);    // memtrain sample CHECKPOINT --prompt ...
 void register_tokenize(CLI::App& app);  // memtrain tokenize, memtrain tokenizer train|encode
