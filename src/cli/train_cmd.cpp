@@ -118,7 +118,7 @@ void agree_on_startup(dist::Communicator& comm, const std::string& error) {
         std::fprintf(stderr, "memtrain: rank %d of %d: error: %s\n", comm.rank(), comm.size(),
                      error.c_str());
     } else if (comm.rank() == 0) {
-        std::fprintf(stderr, "memtrain: %d of %d ranks failed to start (their errors above)\n",
+        std::fprintf(stderr, "memtrain: %d of %d ranks failed to start (each prints its error)\n",
                      failed, comm.size());
     }
     std::fflush(stderr);
