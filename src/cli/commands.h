@@ -6,6 +6,11 @@
 
 namespace memtrain::cli {
 
+// Thrown to end the command with this exit status, its message (if any) already printed.
+struct ExitCode {
+    int code;
+};
+
 void register_train(CLI::App& app);     // memtrain train CONFIG [--set k=v] [--resume DIR]
 void register_sample(CLI::App& app);    // memtrain sample MODEL --prompt ...
 void register_eval(CLI::App& app);      // memtrain eval MODEL --data SHARD

@@ -6,8 +6,22 @@
 #include "cli/commands.h"
 #include "core/error.h"
 
+#ifndef MEMTRAIN_VERSION
+#define MEMTRAIN_VERSION "0.0.0"
+#endif
+#ifndef MEMTRAIN_GIT_HASH
+#define MEMTRAIN_GIT_HASH "unknown"
+#endif
+#ifndef MEMTRAIN_BUILD_TYPE
+#define MEMTRAIN_BUILD_TYPE "unknown"
+#endif
+
 int main(int argc, char** argv) {
     CLI::App app{"memtrain: train transformer language models when memory is the limit"};
+    // The commit is the one CMake configured from (re-run cmake to refresh it).
+    app.set_version_flag("--version", "memtrain " MEMTRAIN_VERSION " (git " MEMTRAIN_GIT_HASH
+                                      ", " MEMTRAIN_BUILD_TYPE ", CUDA " +
+                                          std::string(MEMTRAIN_HAVE_CUDA ? "on" : "off") + ")");
     app.require_subcommand(1);
     memtrain::cli::register_train(app);
     memtrain::cli::register_sample(app);
@@ -19,6 +33,8 @@ int main(int argc, char** argv) {
         app.parse(argc, argv);
     } catch (const CLI::ParseError& e) {
         return app.exit(e) == 0 ? 0 : 2;
+    } catch (const memtrain::cli::ExitCode& e) {
+        return e.code;
     } catch (const memtrain::Error& e) {
         std::fprintf(stderr, "memtrain: error: %s\n", e.what());
         return 1;

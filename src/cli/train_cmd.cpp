@@ -1,15 +1,147 @@
-// `memtrain train CONFIG [--set section.key=value ...] [--resume DIR]`
+// `memtrain train [CONFIG] [--set section.key=value ...] [--resume DIR] [--print-config]`
 // Under mpirun (or srun) every process runs this command; they form one data-parallel job.
+// SIGINT/SIGTERM/SIGUSR1 stop training cleanly: the step finishes, a checkpoint is written
+// (docs/training.md).
+#include <unistd.h>
+
 #include <chrono>
+#include <csignal>
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <optional>
 #include <thread>
+
+#include <fmt/format.h>
 
 #include "cli/commands.h"
 #include "core/error.h"
 #include "dist/mpi_communicator.h"
+#include "io/checkpoint.h"
 #include "train/trainer.h"
 
 namespace memtrain::cli {
+
+namespace {
+
+// Async-signal-safe state: the first signal's number, and the line the handler writes (formatted
+// before the handler is installed; only rank 0 writes it, so a job-wide signal prints once).
+volatile std::sig_atomic_t g_stop_signal = 0;
+char g_notice[160];
+std::size_t g_notice_len = 0;
+
+extern "C" void on_stop_signal(int sig) {
+    if (g_stop_signal != 0) {
+        // The second signal ends the process now, by that signal's default action. Checkpoints
+        // are written under a temporary name and renamed, so none is left half-written.
+        std::signal(sig, SIG_DFL);
+        std::raise(sig);
+        return;
+    }
+    g_stop_signal = sig;
+    if (g_notice_len) (void)!::write(STDERR_FILENO, g_notice, g_notice_len);
+}
+
+void install_stop_handlers(bool announce) {
+    const char msg[] =
+        "\nmemtrain: signal received: finishing this step, then saving a checkpoint "
+        "(signal again to stop at once, without one)\n";
+    static_assert(sizeof msg <= sizeof g_notice);
+    std::memcpy(g_notice, msg, sizeof msg - 1);
+    g_notice_len = announce ? sizeof msg - 1 : 0;
+    struct sigaction sa {};
+    sa.sa_handler = on_stop_signal;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESTART;  // file and socket calls carry on rather than fail with EINTR
+    sigaction(SIGINT, &sa, nullptr);
+    sigaction(SIGTERM, &sa, nullptr);
+    // OpenMPI's mpirun forwards SIGUSR1 to every rank (a SIGTERM of its own it turns into a kill
+    // of the job): `kill -USR1 <mpirun>` stops an mpirun job cleanly.
+    sigaction(SIGUSR1, &sa, nullptr);
+}
+
+const char* signal_name(int sig) {
+    switch (sig) {
+        case SIGINT:
+            return "SIGINT";
+        case SIGTERM:
+            return "SIGTERM";
+        case SIGUSR1:
+            return "SIGUSR1";
+        default:
+            return "a signal";
+    }
+}
+
+// The config: the defaults, or with --resume the checkpoint's own saved config (its io.out_dir
+// the directory the checkpoint is in); then CONFIG; then each --set.
+RunConfig make_config(const std::string& config, const std::vector<std::string>& sets,
+                      const std::string& resume) {
+    if (config.empty() && resume.empty() && sets.empty())
+        fail(
+            "memtrain train needs a CONFIG, a TOML file (e.g. configs/demo.toml), or --resume DIR "
+            "to continue a run from its checkpoint");
+    if (resume.empty()) return load_run_config(config, sets);
+    const std::string dir = resolve_checkpoint_dir(resume);
+    RunConfig base = checkpoint_config(dir);
+    base.io.out_dir = std::filesystem::path(dir).parent_path().string();
+    return load_run_config(config, sets, &base);
+}
+
+// 64-bit FNV-1a: the same error text gives the same number on every rank.
+uint64_t text_hash(const std::string& s) {
+    uint64_t h = 1469598103934665603ull;
+    for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+    return h;
+}
+
+// Start-up errors (the config, io.out_dir) usually hit every rank alike. The ranks compare theirs
+// before any training collective: an error every rank met is printed once, by rank 0, and one
+// only some met by those ranks with their rank; then all exit together (no abort, no timeout).
+void agree_on_startup(dist::Communicator& comm, const std::string& error) {
+    struct Status {
+        int64_t failed;
+        uint64_t hash;
+    } mine{error.empty() ? 0 : 1, text_hash(error)};
+    std::vector<Status> all((std::size_t)comm.size());
+    comm.all_gather_bytes(&mine, all.data(), sizeof(Status));
+    int failed = 0;
+    bool same = true;
+    for (const auto& s : all) {
+        failed += (int)s.failed;
+        same = same && s.failed && s.hash == all[0].hash;
+    }
+    if (failed == 0) return;
+    if (same) {
+        if (comm.rank() == 0) std::fprintf(stderr, "memtrain: error: %s\n", error.c_str());
+    } else if (!error.empty()) {
+        std::fprintf(stderr, "memtrain: rank %d of %d: error: %s\n", comm.rank(), comm.size(),
+                     error.c_str());
+    } else if (comm.rank() == 0) {
+        std::fprintf(stderr, "memtrain: %d of %d ranks failed to start (each prints its error)\n",
+                     failed, comm.size());
+    }
+    std::fflush(stderr);
+    throw ExitCode{1};
+}
+
+// After a signal stopped the run: what happened and how to go on, from rank 0; the exit code
+// 128 + signal, what a shell reports for a process that signal ended (docs/training.md).
+[[noreturn]] void stopped(const TrainSummary& sum, const RunConfig& cfg, int rank, int world) {
+    if (rank == 0) {
+        std::fprintf(stderr,
+                     "memtrain: stopped by %s after step %lld of %d; checkpoint: %s\n"
+                     "memtrain: to continue: %smemtrain train --resume %s\n",
+                     signal_name(sum.stopped_by_signal), (long long)sum.steps_done,
+                     cfg.train.max_steps, sum.last_checkpoint.c_str(),
+                     world > 1 ? fmt::format("mpirun -np {} ", world).c_str() : "",
+                     cfg.io.out_dir.c_str());
+        std::fflush(stderr);
+    }
+    throw ExitCode{128 + sum.stopped_by_signal};
+}
+
+}  // namespace
 
 void register_train(CLI::App& app) {
     auto* cmd = app.add_subcommand("train", "train a GPT from a TOML config");
@@ -18,39 +150,77 @@ void register_train(CLI::App& app) {
         std::vector<std::string> sets;
         std::string resume;
         bool keys = false;
+        bool print_config = false;
         int stop_after = -1;
     };
     auto args = std::make_shared<Args>();
-    cmd->add_option("config", args->config, "TOML config (e.g. configs/demo.toml)");
+    cmd->add_option("config", args->config,
+                    "TOML config (e.g. configs/demo.toml); optional with --resume, whose "
+                    "checkpoint holds the run's config");
     cmd->add_option("--set", args->sets, "override a key: section.key=value (repeatable)")
         ->take_all();
     cmd->add_option("--resume", args->resume,
-                    "continue from a checkpoint directory (or an out_dir with `latest`)");
+                    "continue from a checkpoint directory (or an out_dir with `latest`), with "
+                    "the config saved in it; CONFIG and --set, if given, override its keys");
     cmd->add_option("--stop-after", args->stop_after,
                     "stop (and checkpoint) after this many steps of this run");
     cmd->add_flag("--help-keys", args->keys, "list every config key and exit");
+    cmd->add_flag("--print-config", args->print_config,
+                  "print the resolved config as TOML (every key) and exit without training");
     cmd->callback([args]() {
         if (args->keys) {
             for (const auto& k : config_keys()) std::printf("%s\n", k.c_str());
             return;
         }
+        if (args->print_config) {
+            std::fputs(to_toml(make_config(args->config, args->sets, args->resume)).c_str(),
+                       stdout);
+            return;
+        }
         TrainOptions opts;
         opts.resume = args->resume;
         opts.stop_after = args->stop_after;
+        opts.stop_signal = &g_stop_signal;
         if (!dist::launched_by_mpi()) {
-            Trainer trainer(load_run_config(args->config, args->sets), opts);
-            trainer.run();
+            install_stop_handlers(true);
+            Trainer trainer(make_config(args->config, args->sets, args->resume), opts);
+            const TrainSummary sum = trainer.run();
+            if (sum.stopped_by_signal) stopped(sum, trainer.config(), 0, 1);
             return;
         }
         dist::MpiCommunicator comm;
+        install_stop_handlers(comm.rank() == 0);
+        std::optional<RunConfig> cfg;
+        std::string error;
         try {
-            Trainer trainer(load_run_config(args->config, args->sets), opts, &comm);
-            trainer.run();
+            cfg = make_config(args->config, args->sets, args->resume);
+            cfg->world = comm.size();
+            cfg->validate();
+            check_out_dir(cfg->io.out_dir, comm.rank());
+        } catch (const Error& e) {
+            error = e.what();
+        }
+        if (comm.size() > 1) {
+            agree_on_startup(comm, error);
+            // Configs that differ between ranks (other working directories, environments) fail
+            // on every rank alike: printed once too. The Trainer checks again (cheap).
+            try {
+                dist::check_same_config(comm, to_toml(*cfg) + "\nresume = " + args->resume);
+            } catch (const Error& e) {
+                error = e.what();
+            }
+            agree_on_startup(comm, error);
+        }
+        try {
+            if (!error.empty()) fail("{}", error);
+            Trainer trainer(std::move(*cfg), opts, &comm);
+            const TrainSummary sum = trainer.run();
+            if (sum.stopped_by_signal) stopped(sum, trainer.config(), comm.rank(), comm.size());
         } catch (const Error& e) {
             if (comm.size() == 1) throw;
             // The other ranks may be waiting in a collective for this one: end the whole job
-            // now. Errors every rank meets together (a bad config, configs that differ) are
-            // printed by each before the first abort lands.
+            // now. An error every rank meets together is printed by each before the first abort
+            // lands (the start-up errors, printed once, were handled above).
             std::fprintf(stderr, "memtrain: rank %d of %d: error: %s\n", comm.rank(), comm.size(),
                          e.what());
             std::fflush(stderr);

@@ -3,6 +3,8 @@
 
 #include <toml++/toml.h>
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -248,35 +250,118 @@ std::size_t edit_distance(const std::string& a, const std::string& b) {
     return prev[b.size()];
 }
 
-const Key& find_key(const std::string& name, const std::string& src) {
-    for (const auto& k : registry())
-        if (k.name == name) return k;
-    // Suggest the nearest key, comparing whole names and the part after the section.
+std::string section_of(const std::string& name) {
+    auto dot = name.find('.');
+    return dot == std::string::npos ? std::string() : name.substr(0, dot);
+}
+
+std::string leaf_of(const std::string& name) {
+    auto dot = name.find('.');
+    return dot == std::string::npos ? name : name.substr(dot + 1);
+}
+
+const std::vector<std::string>& sections() {
+    static const std::vector<std::string> out = [] {
+        std::vector<std::string> v;
+        for (const auto& k : registry())
+            if (v.empty() || v.back() != section_of(k.name)) v.push_back(section_of(k.name));
+        return v;
+    }();
+    return out;
+}
+
+bool is_section(const std::string& sec) {
+    return std::find(sections().begin(), sections().end(), sec) != sections().end();
+}
+
+// The registered section a misspelt or longer one means ("trian", "optimizer", "training"), or
+// "" when none is near.
+std::string nearest_section(const std::string& sec) {
+    std::string best;
+    std::size_t best_d = SIZE_MAX;
+    for (const auto& s : sections()) {
+        std::size_t d = edit_distance(sec, s);
+        // A prefix ("optim" of "optimizer", "train" of "training") is as good as a typo.
+        if (sec.size() > s.size() && sec.compare(0, s.size(), s) == 0)
+            d = std::min<std::size_t>(d, 1);
+        if (d < best_d) {
+            best_d = d;
+            best = s;
+        }
+    }
+    return best_d <= std::max<std::size_t>(2, sec.size() / 2) ? best : std::string();
+}
+
+// How far a key's name after the section is from what the user wrote: 0 the same, 1 when one
+// holds the other ("steps" in "max_steps"), else the edit distance.
+std::size_t leaf_cost(const std::string& a, const std::string& b) {
+    if (a == b) return 0;
+    if (std::min(a.size(), b.size()) >= 3 &&
+        (a.find(b) != std::string::npos || b.find(a) != std::string::npos))
+        return 1;
+    return edit_distance(a, b);
+}
+
+[[noreturn]] void unknown_key(const std::string& name, const std::string& src) {
+    const std::string sec = section_of(name), leaf = leaf_of(name);
+    const bool known_section = is_section(sec);
+    const std::string meant_section = known_section ? sec
+                                      : sec.empty() ? std::string()
+                                                    : nearest_section(sec);
+    // The nearest key over every section: the same name in another section ([train] lr means
+    // optim.lr) costs one more than in the section meant, so the section only breaks ties.
     const Key* best = nullptr;
     std::size_t best_d = SIZE_MAX;
-    std::string leaf = name.substr(name.find('.') == std::string::npos ? 0 : name.find('.') + 1);
     for (const auto& k : registry()) {
-        std::string kleaf = k.name.substr(k.name.find('.') + 1);
-        std::size_t d = std::min(edit_distance(name, k.name), edit_distance(leaf, kleaf) + 1);
+        std::size_t d =
+            leaf_cost(leaf, leaf_of(k.name)) + (section_of(k.name) == meant_section ? 0 : 1);
         if (d < best_d) {
             best_d = d;
             best = &k;
         }
     }
-    if (best && best_d <= std::max<std::size_t>(3, name.size() / 3))
-        fail("{}: unknown config key '{}'; did you mean '{}'?", src, name, best->name);
-    fail("{}: unknown config key '{}' (see `memtrain train --help-keys` for the list)", src, name);
+    const bool near = best && best_d <= std::max<std::size_t>(3, leaf.size() / 3 + 1);
+    std::string why;
+    if (sec.empty())
+        why = " (keys go under a [section])";
+    else if (!known_section)
+        why = meant_section.empty()
+                  ? fmt::format(" (there is no section [{}])", sec)
+                  : fmt::format(" (there is no section [{}]; the section is [{}])", sec,
+                                meant_section);
+    else if (near && section_of(best->name) != sec && leaf_of(best->name) == leaf)
+        why = fmt::format(" ({} is a key of [{}], not of [{}])", leaf, section_of(best->name), sec);
+    if (near) fail("{}: unknown config key '{}'; did you mean '{}'?{}", src, name, best->name, why);
+    fail("{}: unknown config key '{}'{} (see `memtrain train --help-keys` for the list)", src, name,
+         why);
 }
 
-void apply_table(RunConfig& cfg, const toml::table& root, const std::string& src) {
+const Key& find_key(const std::string& name, const std::string& src) {
+    for (const auto& k : registry())
+        if (k.name == name) return k;
+    unknown_key(name, src);
+}
+
+// `set` receives the names of the keys the table set.
+void apply_table(RunConfig& cfg, const toml::table& root, const std::string& src,
+                 std::vector<std::string>* set = nullptr) {
     for (const auto& [sec_key, sec_node] : root) {
         std::string sec(sec_key.str());
         if (!sec_node.is_table()) {
             find_key(sec, src);  // a top-level key: always unknown, with a suggestion
         }
-        for (const auto& [key, node] : *sec_node.as_table()) {
+        const toml::table& table = *sec_node.as_table();
+        // An unknown section holding no keys would otherwise pass unnoticed.
+        if (table.empty() && !is_section(sec)) {
+            std::string meant = nearest_section(sec);
+            fail("{}: unknown config section [{}]{}", src, sec,
+                 meant.empty() ? std::string(" (see `memtrain train --help-keys` for the list)")
+                               : fmt::format("; did you mean [{}]?", meant));
+        }
+        for (const auto& [key, node] : table) {
             std::string name = sec + "." + std::string(key.str());
             find_key(name, src).from_toml(cfg, node, src);
+            if (set) set->push_back(name);
         }
     }
 }
@@ -285,6 +370,71 @@ void apply_table(RunConfig& cfg, const toml::table& root, const std::string& src
 void resolve_relative(std::string& path, const std::filesystem::path& base) {
     if (!path.empty() && std::filesystem::path(path).is_relative())
         path = (base / path).lexically_normal().string();
+}
+
+// The field of a path key, or null.
+std::string* path_field(RunConfig& c, const std::string& name) {
+    if (name == "data.train") return &c.data.train;
+    if (name == "data.val") return &c.data.val;
+    if (name == "data.tokenizer") return &c.data.tokenizer;
+    if (name == "model.init_from") return &c.model.init_from;
+    return nullptr;
+}
+
+// Defaults (or `base`), then the TOML text, then the overrides, each over the one before. With
+// `file_dir`, relative paths the text sets are taken from the file's directory and those the
+// overrides set from the working directory, both made absolute, so the config a checkpoint saves
+// resumes from any directory.
+RunConfig parse_layers(const std::string& text, const std::string& src,
+                       const std::vector<std::string>& overrides, const RunConfig* base,
+                       const std::filesystem::path* file_dir) {
+    RunConfig cfg = base ? *base : RunConfig{};
+    toml::table root;
+    try {
+        root = toml::parse(text, src);
+    } catch (const toml::parse_error& e) {
+        fail("{}:{}:{}: invalid TOML: {}", src, e.source().begin.line, e.source().begin.column,
+             e.description());
+    }
+    std::vector<std::string> from_file, from_sets;
+    apply_table(cfg, root, src, &from_file);
+    for (const auto& o : overrides) {
+        auto eq = o.find('=');
+        if (eq == std::string::npos || eq == 0)
+            fail("--set {}: expected section.key=value, e.g. --set train.max_steps=100", o);
+        std::string name = o.substr(0, eq);
+        find_key(name, "--set").from_text(cfg, o.substr(eq + 1));
+        from_sets.push_back(name);
+    }
+    if (file_dir) {
+        // An override of a path the file also set wins, relative to the working directory.
+        const auto file_base = file_dir->empty() ? std::filesystem::current_path()
+                                                 : std::filesystem::absolute(*file_dir);
+        for (const auto& name : from_file)
+            if (std::string* p = path_field(cfg, name);
+                p && !std::count(from_sets.begin(), from_sets.end(), name))
+                resolve_relative(*p, file_base);
+        for (const auto& name : from_sets)
+            if (std::string* p = path_field(cfg, name))
+                resolve_relative(*p, std::filesystem::current_path());
+    }
+    auto set_here = [&](const char* name) {
+        return std::count(from_file.begin(), from_file.end(), name) +
+                   std::count(from_sets.begin(), from_sets.end(), name) >
+               0;
+    };
+    // Over a base, a batch_size given here replaces the base's batch_tokens, which would
+    // otherwise recompute batch_size below.
+    if (base && set_here("train.batch_size") && !set_here("train.batch_tokens"))
+        cfg.train.batch_tokens = 0;
+    if (cfg.train.batch_tokens != 0) {
+        if (cfg.train.batch_tokens < 0 || cfg.train.seq_len <= 0 ||
+            cfg.train.batch_tokens % cfg.train.seq_len != 0)
+            fail("train.batch_tokens = {} must be a positive multiple of train.seq_len = {}",
+                 cfg.train.batch_tokens, cfg.train.seq_len);
+        cfg.train.batch_size = (int)(cfg.train.batch_tokens / cfg.train.seq_len);
+    }
+    return cfg;
 }
 
 }  // namespace
@@ -395,50 +545,38 @@ void RunConfig::validate() const {
 }
 
 RunConfig parse_run_config(const std::string& text, const std::string& src,
-                           const std::vector<std::string>& overrides) {
-    RunConfig cfg;
-    toml::table root;
-    try {
-        root = toml::parse(text, src);
-    } catch (const toml::parse_error& e) {
-        fail("{}:{}:{}: invalid TOML: {}", src, e.source().begin.line, e.source().begin.column,
-             e.description());
-    }
-    apply_table(cfg, root, src);
-    for (const auto& o : overrides) {
-        auto eq = o.find('=');
-        if (eq == std::string::npos || eq == 0)
-            fail("--set {}: expected section.key=value, e.g. --set train.max_steps=100", o);
-        std::string name = o.substr(0, eq);
-        find_key(name, "--set").from_text(cfg, o.substr(eq + 1));
-    }
-    if (cfg.train.batch_tokens != 0) {
-        if (cfg.train.batch_tokens < 0 || cfg.train.seq_len <= 0 ||
-            cfg.train.batch_tokens % cfg.train.seq_len != 0)
-            fail("train.batch_tokens = {} must be a positive multiple of train.seq_len = {}",
-                 cfg.train.batch_tokens, cfg.train.seq_len);
-        cfg.train.batch_size = (int)(cfg.train.batch_tokens / cfg.train.seq_len);
-    }
-    return cfg;
+                           const std::vector<std::string>& overrides, const RunConfig* base) {
+    return parse_layers(text, src, overrides, base, nullptr);
 }
 
-RunConfig load_run_config(const std::string& path, const std::vector<std::string>& overrides) {
+RunConfig load_run_config(const std::string& path, const std::vector<std::string>& overrides,
+                          const RunConfig* base) {
     std::string text;
     if (!path.empty()) {
-        if (!std::filesystem::is_regular_file(path)) fail("config file {} does not exist", path);
+        std::error_code ec;
+        const auto st = std::filesystem::status(path, ec);
+        if (std::filesystem::is_directory(st)) {
+            const auto p = std::filesystem::path(path);
+            const bool run_dir = std::filesystem::exists(p / "latest", ec) ||
+                                 std::filesystem::exists(p / "model.safetensors", ec);
+            fail(
+                "config {} is a directory; memtrain train expects a TOML file (e.g. "
+                "configs/demo.toml){}",
+                path,
+                run_dir ? fmt::format(". To continue the run saved there: memtrain train "
+                                      "--resume {}",
+                                      path)
+                        : std::string());
+        }
+        if (!std::filesystem::exists(st)) fail("config file {} does not exist", path);
         std::ifstream f(path);
+        if (!f) fail("config file {} cannot be read: {}", path, std::strerror(errno));
         std::stringstream ss;
         ss << f.rdbuf();
         text = ss.str();
     }
-    RunConfig cfg = parse_run_config(text, path.empty() ? "<defaults>" : path, overrides);
-    if (!path.empty()) {
-        auto base = std::filesystem::path(path).parent_path();
-        resolve_relative(cfg.data.train, base);
-        resolve_relative(cfg.data.val, base);
-        resolve_relative(cfg.data.tokenizer, base);
-        resolve_relative(cfg.model.init_from, base);
-    }
+    const auto dir = std::filesystem::path(path).parent_path();
+    RunConfig cfg = parse_layers(text, path.empty() ? "<defaults>" : path, overrides, base, &dir);
     cfg.validate();
     cfg.resolve();
     return cfg;
@@ -458,14 +596,36 @@ std::string to_toml(const RunConfig& cfg) {
     return out;
 }
 
-std::string format_table(const RunConfig& cfg) {
-    std::string out =
-        "+--------------------------------+------------------------------------------+\n";
-    out += fmt::format("| {:<30} | {:<40} |\n", "config key", "value");
-    out += "+--------------------------------+------------------------------------------+\n";
-    for (const auto& k : registry())
-        out += fmt::format("| {:<30} | {:<40} |\n", k.name, k.to_text(cfg));
-    out += "+--------------------------------+------------------------------------------+\n";
+std::string format_table(const RunConfig& cfg, int width) {
+    // One block per section, key=value pairs wrapped to `width` columns: every value of the run
+    // in a dozen lines (the TOML form, one key a line, is to_toml).
+    const std::size_t indent = 7;  // "sample "
+    std::string out, line;
+    std::string section;
+    auto flush = [&]() {
+        if (!line.empty()) out += line + "\n";
+        line.clear();
+    };
+    for (const auto& k : registry()) {
+        const std::string sec = section_of(k.name);
+        std::string value = k.to_text(cfg);
+        // Quotes only where a string needs them to be read (empty, or with spaces).
+        if (value.size() > 2 && (value.front() == '"' || value.front() == '\'') &&
+            value.find_first_of(" \\'\"=", 1) == value.size() - 1)
+            value = value.substr(1, value.size() - 2);
+        const std::string item = leaf_of(k.name) + "=" + value;
+        if (sec != section) {
+            flush();
+            section = sec;
+            line = fmt::format("{:<{}}{}", sec, indent, item);
+        } else if (line.size() + 1 + item.size() > (std::size_t)width) {
+            flush();
+            line = std::string(indent, ' ') + item;
+        } else {
+            line += " " + item;
+        }
+    }
+    flush();
     return out;
 }
 

@@ -79,13 +79,19 @@ struct RunConfig {
 };
 
 // Loads a TOML file (path may be empty: defaults) and applies "section.key=value" overrides.
-// Relative data paths in the file are resolved against the file's directory.
-RunConfig load_run_config(const std::string& path, const std::vector<std::string>& overrides);
+// With `base` (a checkpoint's saved config, for --resume) the layers start from it instead of
+// the defaults: the file, then the overrides, replace only the keys they set. Relative paths the
+// file sets are resolved against the file's directory, those --set gives against the working
+// directory (both made absolute).
+RunConfig load_run_config(const std::string& path, const std::vector<std::string>& overrides,
+                          const RunConfig* base = nullptr);
 RunConfig parse_run_config(const std::string& toml_text, const std::string& source_name,
-                           const std::vector<std::string>& overrides);
-// The fully resolved config as TOML (saved beside checkpoints) and as a printable table.
+                           const std::vector<std::string>& overrides,
+                           const RunConfig* base = nullptr);
+// The fully resolved config as TOML (saved beside checkpoints; `memtrain train --print-config`)
+// and as a compact printout: a line or a few per section, key=value pairs wrapped at `width`.
 std::string to_toml(const RunConfig& cfg);
-std::string format_table(const RunConfig& cfg);
+std::string format_table(const RunConfig& cfg, int width = 100);
 // All registered keys "section.key", for documentation and suggestions.
 std::vector<std::string> config_keys();
 

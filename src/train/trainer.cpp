@@ -2,11 +2,15 @@
 #include "train/trainer.h"
 
 #include <cblas.h>
+#include <fcntl.h>
 #include <omp.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <tuple>
 
@@ -61,6 +65,24 @@ void check_fp16_range(const ModelWeights& w, const std::string& source) {
 
 }  // namespace
 
+void check_out_dir(const std::string& out_dir, int rank) {
+    if (out_dir.empty())
+        fail("io.out_dir is empty: give the directory for checkpoints and metrics");
+    std::error_code ec;
+    fs::create_directories(out_dir, ec);
+    if (ec) fail("io.out_dir = \"{}\": cannot create the directory: {}", out_dir, ec.message());
+    if (!fs::is_directory(out_dir, ec))
+        fail("io.out_dir = \"{}\" exists and is not a directory", out_dir);
+    const std::string probe =
+        (fs::path(out_dir) / fmt::format(".memtrain_write_test.{}.{}", rank, ::getpid())).string();
+    const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd < 0)
+        fail("io.out_dir = \"{}\": cannot write in the directory: {}", out_dir,
+             std::strerror(errno));
+    ::close(fd);
+    ::unlink(probe.c_str());
+}
+
 Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
     : cfg_(std::move(cfg)), opts_(std::move(opts)) {
     if (!comm) {
@@ -82,6 +104,7 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
     }
     if (cfg_.data.train.empty())
         fail("data.train is not set: give a token shard (memtrain tokenize writes train.bin)");
+    if (root()) check_out_dir(cfg_.io.out_dir);
     std::string resume_dir;
     if (!opts_.resume.empty()) {
         resume_dir = resolve_checkpoint_dir(opts_.resume);
@@ -90,7 +113,7 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
             fail("checkpoint {} was trained with optim.name = \"{}\", the config says \"{}\"",
                  resume_dir, saved.optim.name, cfg_.optim.name);
     }
-    print(format_table(cfg_));
+    print("config (all of it as TOML: memtrain train ... --print-config)\n" + format_table(cfg_));
 
     engine_ = make_engine(cfg_, *comm_);
     // The recompute schedule is fixed for the run: the arena is sized once to its layout.
@@ -299,7 +322,12 @@ TrainSummary Trainer::run() {
                 fmt::print(metrics_, "{{\"step\": {}, \"val_loss\": {:.6f}}}\n", state_.step, vl);
         }
         if (metrics_) std::fflush(metrics_);
-        bool stopping = opts_.stop_after >= 0 && ran >= opts_.stop_after;
+        // A signal stops every rank after the same step: one tiny all-reduce when there are
+        // peers (a handler may have run on some ranks only, or at different steps).
+        int64_t stop_sig = opts_.stop_signal ? (int64_t)*opts_.stop_signal : 0;
+        if (opts_.stop_signal && comm_->size() > 1) comm_->all_reduce_max(&stop_sig, 1);
+        if (stop_sig != 0 && !last) sum.stopped_by_signal = (int)stop_sig;
+        bool stopping = (opts_.stop_after >= 0 && ran >= opts_.stop_after) || stop_sig != 0;
         if ((cfg_.io.checkpoint_every > 0 && state_.step % cfg_.io.checkpoint_every == 0) ||
             (last && cfg_.io.save_final) || stopping) {
             std::tie(state_.loss_scale, state_.loss_scale_clean) = engine_->loss_scaler_state();
@@ -307,13 +335,14 @@ TrainSummary Trainer::run() {
                                                   engine_->optimizer(), state_, *comm_);
             print(fmt::format("checkpoint: {}\n", sum.last_checkpoint));
         }
+        if (stop_sig != 0) break;
     }
     sum.steps_done = state_.step;
     sum.tokens_per_s =
         timed_steps ? (double)cfg_.tokens_per_step() * timed_steps / timed_seconds : 0;
     if (metrics_) std::fclose(metrics_);
     metrics_ = nullptr;
-    if (!opts_.quiet) {
+    if (!opts_.quiet && !sum.stopped_by_signal) {
         print_memory_report();
         print_sample();
     }

@@ -3,6 +3,7 @@
 // checkpoint; at the end print the memory breakdown (measured beside predicted) and a sample.
 #pragma once
 
+#include <csignal>
 #include <cstdio>
 #include <functional>
 #include <memory>
@@ -25,6 +26,10 @@ struct TrainOptions {
     // Called before each step with the (1-based) number of the step about to run: a hook for
     // tests (fault injection, inspecting the engine between steps).
     std::function<void(int64_t step, Engine& engine)> before_step;
+    // Set (to the signal's number) by a signal handler to stop the run: the step in progress
+    // finishes, a checkpoint is written and run() returns. Under data parallelism the ranks agree
+    // on it every step (the max over ranks), so all stop after the same step.
+    const volatile std::sig_atomic_t* stop_signal = nullptr;
 };
 
 struct TrainSummary {
@@ -34,7 +39,13 @@ struct TrainSummary {
     int64_t steps_skipped = 0;  // fp16: updates skipped for a gradient overflow
     double tokens_per_s = 0;    // mean over the steps after the first
     std::string last_checkpoint;
+    int stopped_by_signal = 0;  // the signal that stopped the run before train.max_steps; 0 = none
 };
+
+// Creates io.out_dir and writes a file in it, so a path that cannot hold checkpoints (under a
+// regular file, read-only, /proc) fails before training, naming the key, the path and the
+// system's reason. `rank` keeps the probe files of ranks sharing the directory apart.
+void check_out_dir(const std::string& out_dir, int rank = 0);
 
 // The model, its gradients and optimizer live in an Engine (engine.h): the CPU one, or the CUDA
 // one for train.device = "cuda". Data parallelism (CPU): every rank of `comm` builds the same

@@ -71,7 +71,7 @@ TEST(Cli, EndToEndTokenizeTrainSample) {
                "[sample]\nmax_tokens = 8\nprompt = \"The \"\n");
     r = run("train " + dir + "/run.toml --set io.out_dir=" + dir + "/out");
     ASSERT_EQ(r.code, 0) << r.output;
-    EXPECT_NE(r.output.find("| model.n_layer"), std::string::npos) << "config table printed";
+    EXPECT_NE(r.output.find("\nmodel  n_layer=2 "), std::string::npos) << "config printed";
     EXPECT_NE(r.output.find("step     6/6"), std::string::npos) << r.output;
     EXPECT_NE(r.output.find("val loss"), std::string::npos);
     EXPECT_NE(r.output.find("memory breakdown"), std::string::npos);

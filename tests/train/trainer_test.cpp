@@ -5,6 +5,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 
 #include "core/error.h"
 #include "io/checkpoint.h"
@@ -184,4 +185,72 @@ TEST(Config, ResolvedTomlRoundTrips) {
     EXPECT_EQ(d.model.n_layer, 3);
     EXPECT_EQ(d.data.train, "a b.bin");
     EXPECT_EQ(d.optim.lr, 0.002);
+}
+
+TEST(Config, UnknownKeysSuggestAcrossSections) {
+    auto message = [](const std::string& toml, std::vector<std::string> sets = {}) {
+        try {
+            parse_run_config(toml, "x.toml", sets);
+        } catch (const Error& e) {
+            return std::string(e.what());
+        }
+        ADD_FAILURE() << "no error for " << toml;
+        return std::string();
+    };
+    auto m = message("[train]\nlr = 1e-3\n");
+    EXPECT_NE(m.find("unknown config key 'train.lr'; did you mean 'optim.lr'? (lr is a key of "
+                     "[optim], not of [train])"),
+              std::string::npos)
+        << m;
+    m = message("[optimizer]\nlr = 1e-3\n");
+    EXPECT_NE(m.find("did you mean 'optim.lr'? (there is no section [optimizer]; the section is "
+                     "[optim])"),
+              std::string::npos)
+        << m;
+    m = message("lr = 1e-3\n");
+    EXPECT_NE(m.find("did you mean 'optim.lr'? (keys go under a [section])"), std::string::npos)
+        << m;
+    m = message("[optimizer]\n");
+    EXPECT_NE(m.find("unknown config section [optimizer]; did you mean [optim]?"),
+              std::string::npos)
+        << m;
+    m = message("", {"trian.steps=3"});
+    EXPECT_NE(m.find("did you mean 'train.max_steps'?"), std::string::npos) << m;
+    m = message("[training]\nbatch_size = 3\n");
+    EXPECT_NE(m.find("did you mean 'train.batch_size'?"), std::string::npos) << m;
+    m = message("", {"train.zzzzzzzz=1"});
+    EXPECT_EQ(m.find("did you mean"), std::string::npos) << m;
+    EXPECT_NE(m.find("--help-keys"), std::string::npos) << m;
+}
+
+// --resume's layering: the checkpoint's config, then the file's keys, then --set.
+TEST(Config, LayersOverABase) {
+    RunConfig base;
+    base.model.n_layer = 5;
+    base.train.max_steps = 3;
+    base.train.seq_len = 64;
+    base.train.batch_tokens = 512;
+    base.train.batch_size = 8;
+    RunConfig c = parse_run_config("[train]\nmax_steps = 7\n", "x", {"optim.lr=0.01"}, &base);
+    EXPECT_EQ(c.model.n_layer, 5);
+    EXPECT_EQ(c.train.max_steps, 7);
+    EXPECT_EQ(c.optim.lr, 0.01);
+    EXPECT_EQ(c.train.batch_size, 8);
+    // A batch_size given over a base measured in tokens replaces the tokens.
+    c = parse_run_config("", "x", {"train.batch_size=4"}, &base);
+    EXPECT_EQ(c.train.batch_size, 4);
+    EXPECT_EQ(c.train.batch_tokens, 0);
+}
+
+TEST(Config, TableIsShortAndHoldsEveryValue) {
+    RunConfig c = load_run_config(std::string(MT_SOURCE_DIR) + "/configs/demo.toml", {});
+    const std::string t = format_table(c);
+    int lines = 0;
+    std::istringstream in(t);
+    for (std::string l; std::getline(in, l); lines++) EXPECT_LE(l.size(), 100u) << l;
+    EXPECT_LE(lines, 15) << t;
+    for (const auto& k : config_keys()) {
+        const std::string leaf = k.substr(k.find('.') + 1, k.find(' ') - k.find('.') - 1);
+        EXPECT_NE(t.find(" " + leaf + "="), std::string::npos) << leaf << "\n" << t;
+    }
 }

@@ -1,0 +1,182 @@
+// `mpirun -np 2 memtrain train`: a start-up error every rank meets is printed once, and SIGTERM
+// sent to one rank stops every rank after the same step with one checkpoint that resumes
+// exactly. Run by CTest as cli_mpi_np2 (CMakeLists.txt), not by the plain test discovery.
+#include <gtest/gtest.h>
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <regex>
+#include <sstream>
+#include <thread>
+
+#include "test_util.h"
+
+namespace fs = std::filesystem;
+using namespace std::chrono_literals;
+
+namespace {
+
+const std::string kEnv = "OMP_NUM_THREADS=1 MEMTRAIN_COMM_TIMEOUT_S=30 ";
+const std::string kMpirun = std::string(MT_MPIEXEC) +
+                            " --oversubscribe --allow-run-as-root -np 2 " + MT_BINARY_DIR +
+                            "/memtrain ";
+
+struct Result {
+    int code;
+    std::string output;
+};
+
+Result run(const std::string& args) {
+    std::string cmd = kEnv + "timeout -k 5 120 " + kMpirun + args + " 2>&1";
+    std::FILE* p = popen(cmd.c_str(), "r");
+    std::string out;
+    std::array<char, 4096> buf;
+    while (std::size_t n = std::fread(buf.data(), 1, buf.size(), p)) out.append(buf.data(), n);
+    int status = pclose(p);
+    return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+std::string read_file(const std::string& path) {
+    std::ifstream f(path);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    return ss.str();
+}
+
+void write_file(const std::string& path, const std::string& text) {
+    std::ofstream f(path, std::ios::binary);
+    f << text;
+}
+
+int count(const std::string& text, const std::string& what) {
+    int n = 0;
+    for (auto at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) n++;
+    return n;
+}
+
+std::map<int, std::string> losses(const std::string& metrics) {
+    std::map<int, std::string> out;
+    static const std::regex line(R"(\{"step": (\d+), "loss": ([-0-9.e]+),)");
+    std::istringstream in(read_file(metrics));
+    for (std::string l; std::getline(in, l);) {
+        std::smatch m;
+        if (std::regex_search(l, m, line)) out[std::stoi(m[1])] = m[2];
+    }
+    return out;
+}
+
+bool wait_for_lines(const std::string& file, const std::string& what, int n) {
+    auto end = std::chrono::steady_clock::now() + 60s;
+    while (std::chrono::steady_clock::now() < end) {
+        if (count(read_file(file), what) >= n) return true;
+        std::this_thread::sleep_for(2ms);
+    }
+    return false;
+}
+
+// The process below `root` (mpirun) whose environment says it is rank `rank`, or -1.
+pid_t find_rank(pid_t root, int rank) {
+    const std::string want = "OMPI_COMM_WORLD_RANK=" + std::to_string(rank);
+    for (const auto& e : fs::directory_iterator("/proc")) {
+        const std::string name = e.path().filename().string();
+        if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+        // Walk up the parents: the rank may sit below a helper process of the launcher.
+        pid_t p = std::stoi(name);
+        bool below = false;
+        for (int depth = 0; depth < 4 && p > 1 && !below; depth++) {
+            std::istringstream st(read_file("/proc/" + std::to_string(p) + "/stat"));
+            std::string pid, comm, state;
+            pid_t ppid = 0;
+            st >> pid >> comm >> state >> ppid;
+            below = ppid == root;
+            p = ppid;
+        }
+        if (!below) continue;
+        std::string env = read_file(e.path().string() + "/environ");
+        for (std::size_t at = 0; at < env.size(); at = env.find('\0', at) + 1) {
+            if (env.compare(at, want.size() + 1, want + '\0') == 0) return std::stoi(name);
+            if (env.find('\0', at) == std::string::npos) break;
+        }
+    }
+    return -1;
+}
+
+std::string tiny_config(const std::string& dir, int steps) {
+    using memtrain::test::patterned_tokens;
+    memtrain::data::write_shard(dir + "/train.bin", patterned_tokens(1 << 16, 50, 1), 50);
+    write_file(dir + "/run.toml",
+               "[model]\nn_layer = 2\nn_head = 2\nn_embd = 64\nblock_size = 32\nvocab_size = 50\n"
+               "vocab_pad = 16\n[train]\ndevice = \"cpu\"\nseq_len = 32\nbatch_size = 8\n"
+               "max_steps = " +
+                   std::to_string(steps) +
+                   "\neval_every = 0\n[optim]\nlr = 3e-3\nwarmup_steps = 2\n"
+                   "[data]\ntrain = \"train.bin\"\n[io]\nout_dir = \"" +
+                   dir + "/out\"\n[sample]\nmax_tokens = 0\n");
+    return dir + "/run.toml";
+}
+
+}  // namespace
+
+TEST(CliMpi, StartupErrorEveryRankMeetsIsPrintedOnce) {
+    auto dir = memtrain::test::temp_dir("cli_mpi_once");
+    write_file(dir + "/bad.toml", "[train]\nlr = 1e-3\n");
+    auto r = run("train " + dir + "/bad.toml");
+    EXPECT_NE(r.code, 0) << r.output;
+    EXPECT_EQ(count(r.output, "unknown config key 'train.lr'"), 1) << r.output;
+    EXPECT_NE(r.output.find("memtrain: error: " + dir + "/bad.toml: unknown config key"),
+              std::string::npos)
+        << r.output;
+    // A value every rank rejects (the batch over 2 ranks), named with the key and the value.
+    r = run("train " + tiny_config(dir, 2) + " --set train.batch_size=3");
+    EXPECT_NE(r.code, 0) << r.output;
+    EXPECT_EQ(count(r.output, "train.batch_size = 3"), 1) << r.output;
+}
+
+TEST(CliMpi, SigtermOnOneRankStopsEveryRankAtTheSameStep) {
+    auto dir = memtrain::test::temp_dir("cli_mpi_sigterm");
+    const std::string cfg = tiny_config(dir, 40);
+    auto r = run("train " + cfg + " --set io.out_dir=" + dir + "/full");
+    ASSERT_EQ(r.code, 0) << r.output;
+    const std::string log = dir + "/log.txt";
+    pid_t mpirun = fork();
+    if (mpirun == 0) {
+        std::string cmd = kEnv + "exec " + kMpirun + "train " + cfg + " > " + log + " 2>&1";
+        execl("/bin/sh", "sh", "-c", cmd.c_str(), (char*)nullptr);
+        _exit(127);
+    }
+    ASSERT_TRUE(wait_for_lines(dir + "/out/metrics.jsonl", "\"loss\"", 3)) << read_file(log);
+    const pid_t rank1 = find_rank(mpirun, 1);
+    EXPECT_GT(rank1, 0);
+    if (rank1 > 0) kill(rank1, SIGTERM);
+    int status = 0;
+    bool ended = false;
+    for (auto end = std::chrono::steady_clock::now() + 60s;
+         !ended && std::chrono::steady_clock::now() < end;) {
+        ended = waitpid(mpirun, &status, WNOHANG) == mpirun;
+        if (!ended) std::this_thread::sleep_for(10ms);
+    }
+    if (!ended) {
+        kill(mpirun, SIGKILL);
+        waitpid(mpirun, nullptr, 0);
+        FAIL() << "mpirun did not end\n" << read_file(log);
+    }
+    const std::string out = read_file(log);
+    ASSERT_TRUE(WIFEXITED(status)) << out;
+    EXPECT_EQ(WEXITSTATUS(status), 128 + SIGTERM) << out;
+    EXPECT_EQ(count(out, "stopped by SIGTERM after step"), 1) << out;
+    EXPECT_NE(out.find("mpirun -np 2 memtrain train --resume " + dir + "/out"), std::string::npos)
+        << out;
+    const auto first = losses(dir + "/out/metrics.jsonl");
+    ASSERT_LT(first.size(), 40u) << "the run ended before the signal";
+    r = run("train --resume " + dir + "/out");
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_EQ(losses(dir + "/out/metrics.jsonl"), losses(dir + "/full/metrics.jsonl"));
+}

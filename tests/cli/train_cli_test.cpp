@@ -1,0 +1,300 @@
+// `memtrain train` as a new user meets it: resume from a checkpoint alone, SIGINT/SIGTERM stopping
+// with a checkpoint, clear errors for unwritable out_dirs, directories and misplaced keys,
+// --version and the short config printout. Every wait is bounded; no test can hang.
+#include <gtest/gtest.h>
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <regex>
+#include <sstream>
+#include <thread>
+
+#include "test_util.h"
+
+namespace fs = std::filesystem;
+using namespace std::chrono_literals;
+
+namespace {
+
+struct Result {
+    int code;
+    std::string output;
+};
+
+const std::string kBin = std::string(MT_BINARY_DIR) + "/memtrain";
+
+// Runs memtrain to completion (at most 120 s: `timeout` ends a hung one), in `cwd` if given.
+Result run(const std::string& args, const std::string& cwd = "") {
+    std::string cmd = (cwd.empty() ? "" : "cd " + cwd + " && ") +
+                      "OMP_NUM_THREADS=1 timeout -k 5 120 " + kBin + " " + args + " 2>&1";
+    std::FILE* p = popen(cmd.c_str(), "r");
+    std::string out;
+    std::array<char, 4096> buf;
+    while (std::size_t n = std::fread(buf.data(), 1, buf.size(), p)) out.append(buf.data(), n);
+    int status = pclose(p);
+    return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+std::string read_file(const std::string& path) {
+    std::ifstream f(path);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    return ss.str();
+}
+
+void write_file(const std::string& path, const std::string& text) {
+    std::ofstream f(path, std::ios::binary);
+    f << text;
+}
+
+// step -> the loss as metrics.jsonl prints it (the text, so equal means the same bits printed).
+std::map<int, std::string> losses(const std::string& metrics) {
+    std::map<int, std::string> out;
+    static const std::regex line(R"(\{"step": (\d+), "loss": ([-0-9.e]+),)");
+    std::istringstream in(read_file(metrics));
+    for (std::string l; std::getline(in, l);) {
+        std::smatch m;
+        if (std::regex_search(l, m, line)) {
+            EXPECT_EQ(out.count(std::stoi(m[1])), 0u) << "step logged twice: " << l;
+            out[std::stoi(m[1])] = m[2];
+        }
+    }
+    return out;
+}
+
+// A background `memtrain ARGS`, its output in a file; killed at the end of the test if still
+// running.
+struct Child {
+    pid_t pid = -1;
+    std::string log;
+    Child(const std::string& args, const std::string& log_path) : log(log_path) {
+        pid = fork();
+        if (pid == 0) {
+            std::string cmd = "OMP_NUM_THREADS=1 exec " + kBin + " " + args + " > " + log + " 2>&1";
+            execl("/bin/sh", "sh", "-c", cmd.c_str(), (char*)nullptr);
+            _exit(127);
+        }
+    }
+    // The wait status, or -1 if it did not end within `limit` (then it is killed).
+    int wait(std::chrono::milliseconds limit) {
+        auto end = std::chrono::steady_clock::now() + limit;
+        int status = 0;
+        while (std::chrono::steady_clock::now() < end) {
+            pid_t r = waitpid(pid, &status, WNOHANG);
+            if (r == pid) {
+                pid = -1;
+                return status;
+            }
+            std::this_thread::sleep_for(5ms);
+        }
+        return -1;
+    }
+    ~Child() {
+        if (pid > 0) {
+            kill(pid, SIGKILL);
+            waitpid(pid, nullptr, 0);
+        }
+    }
+};
+
+// Waits (at most 60 s) until `file` holds at least `n` lines containing `what`.
+bool wait_for_lines(const std::string& file, const std::string& what, int n) {
+    auto end = std::chrono::steady_clock::now() + 60s;
+    while (std::chrono::steady_clock::now() < end) {
+        std::istringstream in(read_file(file));
+        int k = 0;
+        for (std::string l; std::getline(in, l);) k += l.find(what) != std::string::npos;
+        if (k >= n) return true;
+        std::this_thread::sleep_for(2ms);
+    }
+    return false;
+}
+
+// A run a few milliseconds a step, long enough to be signalled in the middle; no validation.
+std::string slow_config(const std::string& dir, int steps, int width = 64) {
+    using memtrain::test::patterned_tokens;
+    memtrain::data::write_shard(dir + "/train.bin", patterned_tokens(1 << 16, 50, 1), 50);
+    write_file(dir + "/run.toml",
+               "[model]\nn_layer = 2\nn_head = 2\nn_embd = " + std::to_string(width) +
+                   "\nblock_size = 32\nvocab_size = 50\nvocab_pad = 16\n"
+                   "[train]\ndevice = \"cpu\"\nseq_len = 32\nbatch_size = 8\nmax_steps = " +
+                   std::to_string(steps) +
+                   "\neval_every = 0\n[optim]\nlr = 3e-3\nwarmup_steps = 2\n"
+                   "[data]\ntrain = \"train.bin\"\n[io]\nout_dir = \"" +
+                   dir +
+                   "/out\"\n"
+                   "[sample]\nmax_tokens = 0\n");
+    return dir + "/run.toml";
+}
+
+}  // namespace
+
+TEST(TrainCli, ResumeWithTheCheckpointsOwnConfig) {
+    auto dir = memtrain::test::temp_dir("train_cli_resume");
+    const std::string cfg = slow_config(dir, 6, 16);
+    auto r = run("train " + cfg + " --set io.out_dir=" + dir + "/full");
+    ASSERT_EQ(r.code, 0) << r.output;
+    r = run("train " + cfg + " --stop-after 3");
+    ASSERT_EQ(r.code, 0) << r.output;
+    // No CONFIG: the checkpoint's saved config (its paths absolute: any working directory).
+    fs::create_directories(dir + "/elsewhere");
+    r = run("train --resume " + dir + "/out", dir + "/elsewhere");
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
+    auto want = losses(dir + "/full/metrics.jsonl"), got = losses(dir + "/out/metrics.jsonl");
+    ASSERT_EQ(want.size(), 6u);
+    EXPECT_EQ(got, want);
+    // --set over the checkpoint's config extends the run.
+    r = run("train --resume " + dir + "/out --set train.max_steps=8");
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("step     8/8"), std::string::npos) << r.output;
+    EXPECT_TRUE(fs::exists(dir + "/out/ckpt_000008/model.safetensors"));
+    // A config file given too overrides the checkpoint's keys it sets, then --set.
+    write_file(dir + "/more.toml", "[train]\nmax_steps = 9\nlog_every = 3\n");
+    r = run("train " + dir + "/more.toml --resume " + dir + "/out --print-config");
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("max_steps = 9\n"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("n_embd = 16\n"), std::string::npos) << r.output;
+    r = run("train " + dir + "/more.toml --resume " + dir +
+            "/out --set train.max_steps=10 --print-config");
+    EXPECT_NE(r.output.find("max_steps = 10\n"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("log_every = 3\n"), std::string::npos) << r.output;
+}
+
+TEST(TrainCli, SigtermStopsWithACheckpointAndResumesExactly) {
+    auto dir = memtrain::test::temp_dir("train_cli_sigterm");
+    const std::string cfg = slow_config(dir, 60);
+    auto r = run("train " + cfg + " --set io.out_dir=" + dir + "/full");
+    ASSERT_EQ(r.code, 0) << r.output;
+    {
+        Child c("train " + cfg, dir + "/log.txt");
+        ASSERT_TRUE(wait_for_lines(dir + "/out/metrics.jsonl", "\"loss\"", 3))
+            << read_file(dir + "/log.txt");
+        kill(c.pid, SIGTERM);
+        int status = c.wait(60s);
+        const std::string log = read_file(dir + "/log.txt");
+        ASSERT_TRUE(WIFEXITED(status)) << status << "\n" << log;
+        EXPECT_EQ(WEXITSTATUS(status), 128 + SIGTERM) << log;
+        EXPECT_NE(log.find("stopped by SIGTERM after step"), std::string::npos) << log;
+        EXPECT_NE(log.find("memtrain train --resume " + dir + "/out"), std::string::npos) << log;
+        EXPECT_EQ(log.find("memory breakdown"), std::string::npos) << log;
+    }
+    auto first = losses(dir + "/out/metrics.jsonl");
+    ASSERT_LT(first.size(), 60u) << "the run ended before the signal";
+    const std::string latest = read_file(dir + "/out/latest");
+    EXPECT_EQ(latest, "ckpt_" + std::string(6 - std::to_string(first.size()).size(), '0') +
+                          std::to_string(first.size()) + "\n");
+    r = run("train --resume " + dir + "/out");
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_EQ(losses(dir + "/out/metrics.jsonl"), losses(dir + "/full/metrics.jsonl"));
+}
+
+TEST(TrainCli, SecondSignalExitsAtOnceWithoutACheckpoint) {
+    auto dir = memtrain::test::temp_dir("train_cli_sigterm2");
+    // Steps of tens of milliseconds: the second signal lands while the first step still runs.
+    const std::string cfg = slow_config(dir, 100000, 256);
+    Child c("train " + cfg, dir + "/log.txt");
+    ASSERT_TRUE(wait_for_lines(dir + "/out/metrics.jsonl", "\"loss\"", 1))
+        << read_file(dir + "/log.txt");
+    kill(c.pid, SIGINT);
+    ASSERT_TRUE(wait_for_lines(dir + "/log.txt", "signal received", 1));
+    const auto t0 = std::chrono::steady_clock::now();
+    kill(c.pid, SIGINT);
+    int status = c.wait(60s);
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
+    ASSERT_NE(status, -1) << "still running after the second signal";
+    ASSERT_TRUE(WIFSIGNALED(status)) << status << "\n" << read_file(dir + "/log.txt");
+    EXPECT_EQ(WTERMSIG(status), SIGINT);
+    // Nothing promoted: no checkpoint directory, no `latest`.
+    for (const auto& e : fs::directory_iterator(dir + "/out"))
+        EXPECT_NE(e.path().filename().string().rfind("ckpt_", 0), 0u) << e.path();
+    EXPECT_FALSE(fs::exists(dir + "/out/latest"));
+}
+
+TEST(TrainCli, ClearErrorsForConfigMistakes) {
+    auto dir = memtrain::test::temp_dir("train_cli_errors");
+    const std::string cfg = slow_config(dir, 2, 16);
+    // No CONFIG and no --resume.
+    auto r = run("train");
+    EXPECT_EQ(r.code, 1) << r.output;
+    EXPECT_NE(r.output.find("needs a CONFIG"), std::string::npos) << r.output;
+    // A directory as CONFIG; one holding a run points at --resume.
+    r = run("train " + dir);
+    EXPECT_EQ(r.code, 1) << r.output;
+    EXPECT_NE(r.output.find("is a directory; memtrain train expects a TOML file"),
+              std::string::npos)
+        << r.output;
+    ASSERT_EQ(run("train " + cfg).code, 0);
+    r = run("train " + dir + "/out");
+    EXPECT_NE(r.output.find("memtrain train --resume " + dir + "/out"), std::string::npos)
+        << r.output;
+    // io.out_dir that cannot be created or written: the key, the path and the reason.
+    write_file(dir + "/afile", "x");
+    r = run("train " + cfg + " --set io.out_dir=" + dir + "/afile/out");
+    EXPECT_EQ(r.code, 1) << r.output;
+    EXPECT_NE(r.output.find("io.out_dir = \"" + dir + "/afile/out\": cannot create the directory"),
+              std::string::npos)
+        << r.output;
+    EXPECT_NE(r.output.find("Not a directory"), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("internal error"), std::string::npos) << r.output;
+    r = run("train " + cfg + " --set io.out_dir=/proc/memtrain_out");
+    EXPECT_EQ(r.code, 1) << r.output;
+    EXPECT_NE(r.output.find("io.out_dir = \"/proc/memtrain_out\""), std::string::npos) << r.output;
+    // Keys in the wrong section, or a misspelt section.
+    write_file(dir + "/lr.toml", "[train]\nlr = 1e-3\n");
+    r = run("train " + dir + "/lr.toml");
+    EXPECT_EQ(r.code, 1) << r.output;
+    EXPECT_NE(r.output.find("unknown config key 'train.lr'; did you mean 'optim.lr'?"),
+              std::string::npos)
+        << r.output;
+    write_file(dir + "/optimizer.toml", "[optimizer]\nlr = 1e-3\n");
+    r = run("train " + dir + "/optimizer.toml");
+    EXPECT_NE(r.output.find("did you mean 'optim.lr'?"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("[optim]"), std::string::npos) << r.output;
+    write_file(dir + "/empty_section.toml", "[optimizer]\n");
+    r = run("train " + dir + "/empty_section.toml");
+    EXPECT_EQ(r.code, 1) << r.output;
+    EXPECT_NE(r.output.find("unknown config section [optimizer]; did you mean [optim]?"),
+              std::string::npos)
+        << r.output;
+    r = run("train " + cfg + " --set trian.steps=3");
+    EXPECT_EQ(r.code, 1) << r.output;
+    EXPECT_NE(r.output.find("did you mean 'train.max_steps'?"), std::string::npos) << r.output;
+}
+
+TEST(TrainCli, VersionAndShortConfigPrintout) {
+    auto r = run("--version");
+    EXPECT_EQ(r.code, 0) << r.output;
+    EXPECT_TRUE(std::regex_search(
+        r.output,
+        std::regex(
+            R"(^memtrain \d+\.\d+\.\d+ \(git ([0-9a-f]{4,}|unknown), \w+, CUDA (on|off)\)\n$)")))
+        << r.output;
+    auto dir = memtrain::test::temp_dir("train_cli_table");
+    r = run("train " + slow_config(dir, 1, 16));
+    ASSERT_EQ(r.code, 0) << r.output;
+    // The config printout: a few lines per section, at most 100 columns, every key there.
+    const auto begin = r.output.find("config (");
+    const auto end = r.output.find("\ndevice: ");
+    ASSERT_NE(begin, std::string::npos) << r.output;
+    ASSERT_NE(end, std::string::npos) << r.output;
+    const std::string table = r.output.substr(begin, end - begin);
+    int lines = 0;
+    std::istringstream in(table);
+    for (std::string l; std::getline(in, l); lines++) EXPECT_LE(l.size(), 100u) << l;
+    EXPECT_LE(lines, 16) << table;
+    for (const char* key : {"n_layer=2", "max_steps=1", "lr=0.003", "out_dir=", "top_k=40"})
+        EXPECT_NE(table.find(key), std::string::npos) << key << "\n" << table;
+    r = run("train " + dir + "/run.toml --print-config");
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("[model]\nn_layer = 2\n"), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("step "), std::string::npos) << "--print-config does not train";
+}
