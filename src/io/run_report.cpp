@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include <fmt/format.h>
+#include <toml++/toml.h>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
@@ -36,13 +37,13 @@ void write_atomically(const fs::path& path, const std::string& text) {
     tmp += ".tmp";
     {
         std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-        if (!out) fail("cannot write {}", tmp.string());
+        if (!out) fail("cannot write {}", path.string());
         out << text;
         out.close();
         if (!out) {
             std::error_code ec;
             fs::remove(tmp, ec);
-            fail("error writing {}", tmp.string());
+            fail("error writing {}", path.string());
         }
     }
     std::error_code ec;
@@ -404,6 +405,28 @@ std::string legend(const std::vector<Series>& series) {
     return s + "</div>";
 }
 
+// A chart is 660 pixels wide: beyond kMaxPoints a series keeps the lowest and the highest
+// point of each run of steps (spikes stay visible), so a long run's page stays small.
+constexpr std::size_t kMaxPoints = 2000;
+
+std::vector<Point> thin(const std::vector<Point>& p) {
+    if (p.size() <= kMaxPoints) return p;
+    const std::size_t k = (p.size() + kMaxPoints / 2 - 1) / (kMaxPoints / 2);
+    std::vector<Point> out;
+    for (std::size_t i = 0; i < p.size(); i += k) {
+        const auto first = p.begin() + i, last = p.begin() + std::min(i + k, p.size());
+        const auto [lo, hi] =
+            std::minmax_element(first, last, [](Point a, Point b) { return a.y < b.y; });
+        if (lo == hi) {
+            out.push_back(*lo);
+        } else {
+            out.push_back(*std::min(lo, hi));
+            out.push_back(*std::max(lo, hi));
+        }
+    }
+    return out;
+}
+
 std::string line_chart(const std::string& id, const std::string& title, const std::string& y_label,
                        const std::vector<Series>& all, Units units, bool from_zero,
                        const std::string& missing_why) {
@@ -433,7 +456,7 @@ std::string line_chart(const std::string& id, const std::string& title, const st
     s += axes(f, y_label, units);
     for (const auto& se : series) {
         std::string pts;
-        for (const auto& p : se.points)
+        for (const auto& p : thin(se.points))
             pts += fmt::format("{}{:.1f},{:.1f}", pts.empty() ? "" : " ", f.px(p.x), f.py(p.y));
         s += fmt::format(
             "<polyline class=\"series\" data-series=\"{}\" fill=\"none\" stroke=\"{}\" "
@@ -468,6 +491,13 @@ std::string memory_timeline(const RunMetrics& m) {
     std::vector<const StepRecord*> rows;
     for (const auto& r : m.steps)
         if (!r.mem.empty()) rows.push_back(&r);
+    if (rows.size() > kMaxPoints) {  // every k-th step (the peak line below is thinned too)
+        const std::size_t k = (rows.size() + kMaxPoints - 1) / kMaxPoints;
+        std::vector<const StepRecord*> kept;
+        for (std::size_t i = 0; i < rows.size(); i++)
+            if (i % k == 0 || i + 1 == rows.size()) kept.push_back(rows[i]);
+        rows = std::move(kept);
+    }
     if (rows.empty()) {
         // Older logs: only the totals.
         Series cur{"tracked total", kPalette[0], {}}, peak{"peak", kPalette[3], {}, true};
@@ -771,16 +801,6 @@ ReportInput read_run(const std::string& run_dir) {
     if (!fs::exists(dir)) fail("run directory {} does not exist", run_dir);
     if (!fs::is_directory(dir))
         fail("{} is not a directory: give a run's out_dir (it holds metrics.jsonl)", run_dir);
-    const fs::path metrics = dir / "metrics.jsonl";
-    if (!fs::exists(metrics))
-        fail("{} has no metrics.jsonl: is it a run's out_dir (io.out_dir of memtrain train)?",
-             run_dir);
-    ReportInput in;
-    in.run_dir = run_dir;
-    in.metrics = parse_metrics(read_file(metrics), metrics.string());
-    if (fs::exists(dir / "memory.json"))
-        in.memory =
-            parse_memory_json(read_file(dir / "memory.json"), (dir / "memory.json").string());
     // The latest checkpoint: the one `latest` names, else the highest step.
     fs::path ckpt;
     if (fs::exists(dir / "latest")) {
@@ -799,10 +819,27 @@ ReportInput read_run(const std::string& run_dir) {
         }
         if (!best.empty()) ckpt = dir / best;
     }
+    ReportInput in;
+    in.run_dir = run_dir;
     if (!ckpt.empty()) {
         in.config_origin = (ckpt / "memtrain.toml").string();
         in.config_toml = read_file(ckpt / "memtrain.toml");
     }
+    fs::path metrics = dir / "metrics.jsonl";
+    if (!fs::exists(metrics)) {  // a run may name its log otherwise (io.metrics)
+        try {
+            const auto cfg = toml::parse(in.config_toml, in.config_origin);
+            if (auto name = cfg["io"]["metrics"].value<std::string>()) metrics = dir / *name;
+        } catch (const toml::parse_error&) {
+        }
+    }
+    if (!fs::exists(metrics))
+        fail("{} has no metrics.jsonl: is it a run's out_dir (io.out_dir of memtrain train)?",
+             run_dir);
+    in.metrics = parse_metrics(read_file(metrics), metrics.string());
+    if (fs::exists(dir / "memory.json"))
+        in.memory =
+            parse_memory_json(read_file(dir / "memory.json"), (dir / "memory.json").string());
     return in;
 }
 

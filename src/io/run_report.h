@@ -73,8 +73,8 @@ struct ReportInput {
     std::string config_origin;           // its path
 };
 
-// Reads RUN_DIR/metrics.jsonl (required), RUN_DIR/memory.json and the latest checkpoint's
-// memtrain.toml (both optional).
+// Reads RUN_DIR/metrics.jsonl (required; or the io.metrics the latest checkpoint's config
+// names), RUN_DIR/memory.json and the latest checkpoint's memtrain.toml (both optional).
 ReportInput read_run(const std::string& run_dir);
 std::string render_report_html(const ReportInput& input);
 // read_run + render, written to `out_path` (default RUN_DIR/report.html) through a temporary

@@ -176,3 +176,41 @@ TEST(RunReport, OldMetricsRenderWithNotRecorded) {
         EXPECT_NE(bare.find(std::string("id=\"") + id + "-not-recorded\""), std::string::npos)
             << id;
 }
+
+TEST(RunReport, LongRunsKeepPagesSmallAndSpikesVisible) {
+    io::ReportInput in;
+    in.run_dir = "long";
+    for (int i = 1; i <= 20000; i++) {
+        io::StepRecord r;
+        r.step = i;
+        r.loss = i == 12345 ? 50.0 : 3.0;  // one spike
+        r.mem = {{"parameters", 100.0}, {"activations", 50.0 + i % 7}};
+        in.metrics.steps.push_back(r);
+    }
+    const std::string html = io::render_report_html(in);
+    EXPECT_LT(html.size(), 400'000u);
+    const std::size_t chart = html.find("id=\"chart-loss\"");
+    ASSERT_NE(chart, std::string::npos);
+    const std::size_t pts = html.find("points=\"", chart) + 8;
+    const std::string points = html.substr(pts, html.find('"', pts) - pts);
+    const auto n = std::count(points.begin(), points.end(), ',');
+    EXPECT_LE(n, 2000);
+    EXPECT_GE(n, 1000);
+    // The spike is the chart's highest point: the smallest y pixel among the points.
+    std::istringstream ps(points);
+    std::string p;
+    double top = 1e9;
+    while (ps >> p) top = std::min(top, std::stod(p.substr(p.find(',') + 1)));
+    EXPECT_LT(top, 40.0);
+    EXPECT_NE(html.find(">20000</text>"), std::string::npos) << "the x axis ends at the last step";
+}
+
+TEST(RunReport, MetricsFileNamedByTheConfig) {
+    const auto dir = test::temp_dir("run_report_io_metrics");
+    fs::create_directories(dir + "/ckpt_000002");
+    write_text(dir + "/ckpt_000002/memtrain.toml", "[io]\nmetrics = \"log.jsonl\"\n");
+    write_text(dir + "/log.jsonl", kOldLog);
+    const auto in = io::read_run(dir);
+    EXPECT_EQ(in.metrics.steps.size(), 2u);
+    EXPECT_NE(in.config_toml.find("log.jsonl"), std::string::npos);
+}
