@@ -17,5 +17,6 @@ void register_eval(CLI::App& app);      // memtrain eval MODEL --data SHARD
 void register_tokenize(CLI::App& app);  // memtrain tokenize, memtrain tokenizer train|encode
 void register_plan(CLI::App& app);      // memtrain estimate | plan | scale
 void register_remat(CLI::App& app);     // memtrain remat CONFIG [--budget X | --frontier]
+void register_report(CLI::App& app);    // memtrain report RUN_DIR [--out FILE]
 
 }  // namespace memtrain::cli

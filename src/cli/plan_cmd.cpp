@@ -4,6 +4,9 @@
 #include <cstdio>
 #include <fstream>
 #include <memory>
+#include <vector>
+
+#include <fmt/ranges.h>
 
 #include "cli/commands.h"
 #include "core/error.h"
@@ -20,7 +23,31 @@ using namespace memtrain::plan;
 struct GpuArgs {
     std::string gpu = "h100-80gb";
     int gpus_per_node = 8;
-    double mem_gb = 0, tflops = 0, intra_gbs = 0, inter_gbs = 0, efficiency = 0, host_mem_gb = 0;
+    double mem_gb = 0, tflops = 0, fp32_tflops = 0, hbm_gbs = 0, intra_gbs = 0, inter_gbs = 0,
+           pcie_gbs = 0, efficiency = 0, host_mem_gb = 0;
+};
+
+// Range checks for flags the user gave (defaults are not checked): one line naming the flag
+// and its value, a memtrain::Error like every other refusal of these commands (exit 1).
+class FlagCheck {
+  public:
+    explicit FlagCheck(const CLI::App* cmd) : cmd_(cmd) {}
+    bool given(const char* flag) const { return cmd_->count(flag) > 0; }
+    template <typename T>
+    void positive(const char* flag, T v) const {
+        if (given(flag) && !(v > 0)) fail("{} must be positive, got {}", flag, v);
+    }
+    template <typename T>
+    void at_least(const char* flag, T v, T lo) const {
+        if (given(flag) && !(v >= lo)) fail("{} must be at least {}, got {}", flag, lo, v);
+    }
+    void fraction(const char* flag, double v) const {  // (0, 1]
+        if (given(flag) && !(v > 0 && v <= 1))
+            fail("{} must be a fraction in (0, 1], got {}", flag, v);
+    }
+
+  private:
+    const CLI::App* cmd_;
 };
 
 void add_gpu_flags(CLI::App* cmd, GpuArgs& a) {
@@ -28,24 +55,69 @@ void add_gpu_flags(CLI::App* cmd, GpuArgs& a) {
     cmd->add_option("--gpus-per-node", a.gpus_per_node, "GPUs per node (NVLink domain)");
     cmd->add_option("--gpu-mem-gb", a.mem_gb, "override GPU memory (GB)");
     cmd->add_option("--gpu-tflops", a.tflops, "override dense bf16 peak (TFLOP/s)");
+    cmd->add_option("--gpu-fp32-tflops", a.fp32_tflops, "override plain fp32 peak (TFLOP/s)");
+    cmd->add_option("--hbm-bw-gbs", a.hbm_gbs, "override GPU memory bandwidth (GB/s)");
     cmd->add_option("--intra-bw-gbs", a.intra_gbs, "override NVLink GB/s per GPU");
     cmd->add_option("--inter-bw-gbs", a.inter_gbs, "override network GB/s per GPU");
+    cmd->add_option("--pcie-bw-gbs", a.pcie_gbs, "override host<->GPU GB/s (offload)");
     cmd->add_option("--efficiency", a.efficiency, "achievable fraction of peak for big GEMMs");
     cmd->add_option("--host-mem-gb", a.host_mem_gb,
                     "host memory per node for offloaded states (GB; default: not checked)");
 }
 
-ClusterSpec make_cluster(const GpuArgs& a, int gpus) {
+// What of the GPU's numbers a command uses, so that `--gpu custom` asks only for those.
+struct GpuNeeds {
+    bool fp32 = false;     // precision fp32 runs at the plain fp32 peak
+    bool offload = false;  // offloaded states cross PCIe
+};
+
+void check_gpu_flags(const GpuArgs& a, const CLI::App* cmd) {
+    const FlagCheck check(cmd);
+    check.positive("--gpu-mem-gb", a.mem_gb);
+    check.positive("--gpu-tflops", a.tflops);
+    check.positive("--gpu-fp32-tflops", a.fp32_tflops);
+    check.positive("--hbm-bw-gbs", a.hbm_gbs);
+    check.positive("--intra-bw-gbs", a.intra_gbs);
+    check.positive("--inter-bw-gbs", a.inter_gbs);
+    check.positive("--pcie-bw-gbs", a.pcie_gbs);
+    check.fraction("--efficiency", a.efficiency);
+    check.positive("--host-mem-gb", a.host_mem_gb);
+    check.at_least("--gpus-per-node", a.gpus_per_node, 1);
+}
+
+ClusterSpec make_cluster(const GpuArgs& a, const CLI::App* cmd, int gpus, GpuNeeds needs = {}) {
+    check_gpu_flags(a, cmd);
+    const FlagCheck check(cmd);
+    if (gpus < 1) fail("the cluster needs at least 1 GPU, got {}", gpus);
+    if (a.gpu == "custom") {
+        // A custom GPU has no datasheet behind it: every number the estimate uses must be given.
+        std::vector<std::string> missing;
+        auto need = [&](const char* flag, bool used) {
+            if (used && !check.given(flag)) missing.push_back(flag);
+        };
+        need("--gpu-mem-gb", true);
+        need("--gpu-tflops", true);
+        need("--hbm-bw-gbs", true);
+        need("--gpu-fp32-tflops", needs.fp32);
+        need("--intra-bw-gbs", gpus > 1);
+        need("--inter-bw-gbs", gpus > a.gpus_per_node);
+        need("--pcie-bw-gbs", needs.offload);
+        if (!missing.empty())
+            fail("--gpu custom needs the GPU's numbers: give {} (or start from a preset: {})",
+                 fmt::format("{}", fmt::join(missing, ", ")),
+                 fmt::format("{}", fmt::join(gpu_preset_names(), ", ")));
+    }
     ClusterSpec c;
     c.gpu = gpu_preset(a.gpu);
-    if (a.mem_gb > 0) c.gpu.memory_bytes = a.mem_gb * 1e9;
-    if (a.tflops > 0) c.gpu.peak_flops = a.tflops * 1e12;
-    if (a.intra_gbs > 0) c.gpu.intra_node_bw = a.intra_gbs * 1e9;
-    if (a.inter_gbs > 0) c.gpu.inter_node_bw = a.inter_gbs * 1e9;
-    if (a.efficiency > 0) c.gpu.efficiency = a.efficiency;
-    if (a.host_mem_gb < 0) fail("--host-mem-gb must be positive, got {}", a.host_mem_gb);
+    if (check.given("--gpu-mem-gb")) c.gpu.memory_bytes = a.mem_gb * 1e9;
+    if (check.given("--gpu-tflops")) c.gpu.peak_flops = a.tflops * 1e12;
+    if (check.given("--gpu-fp32-tflops")) c.gpu.peak_flops_fp32 = a.fp32_tflops * 1e12;
+    if (check.given("--hbm-bw-gbs")) c.gpu.hbm_bandwidth = a.hbm_gbs * 1e9;
+    if (check.given("--intra-bw-gbs")) c.gpu.intra_node_bw = a.intra_gbs * 1e9;
+    if (check.given("--inter-bw-gbs")) c.gpu.inter_node_bw = a.inter_gbs * 1e9;
+    if (check.given("--pcie-bw-gbs")) c.gpu.pcie_bw = a.pcie_gbs * 1e9;
+    if (check.given("--efficiency")) c.gpu.efficiency = a.efficiency;
     c.host_memory_bytes = a.host_mem_gb * 1e9;
-    if (a.gpus_per_node < 1) fail("--gpus-per-node must be at least 1, got {}", a.gpus_per_node);
     c.gpus_per_node = a.gpus_per_node;
     c.gpus = gpus;
     return c;
@@ -92,7 +164,22 @@ void register_estimate(CLI::App& app) {
     cmd->add_flag("--sequence-parallel", a->sp, "Megatron sequence parallelism");
     cmd->add_flag("--json", a->json, "print JSON");
     add_gpu_flags(cmd, a->gpu);
-    cmd->callback([a]() {
+    cmd->callback([a, cmd]() {
+        const FlagCheck check(cmd);
+        check.at_least("--dp", a->run.dp, 1);
+        check.at_least("--tp", a->run.tp, 1);
+        check.at_least("--pp", a->run.pp, 1);
+        check.at_least("--zero", a->run.zero, 0);
+        if (a->run.zero > 3) fail("--zero must be 0, 1, 2 or 3, got {}", a->run.zero);
+        check.positive("--micro-batch", a->run.micro_batch);
+        check.positive("--global-batch", a->global_batch);
+        check.positive("--seq", a->run.seq);
+        check.at_least("--virtual-stages", a->run.virtual_stages, 1);
+        check.at_least("--lora-rank", a->run.lora_rank, 0);
+        check.at_least("--reserve-gb", a->reserve_gb, 0.0);
+        if (check.given("--fragmentation") &&
+            !(a->run.fragmentation >= 0 && a->run.fragmentation < 1))
+            fail("--fragmentation must be a fraction in [0, 1), got {}", a->run.fragmentation);
         ModelSpec m = load_model(a->model);
         RunSpec r = a->run;
         r.precision = parse_precision(a->precision);
@@ -103,6 +190,8 @@ void register_estimate(CLI::App& app) {
         r.flash_attention = !a->no_flash;
         r.sequence_parallel = a->sp;
         r.reserve_bytes = static_cast<int64_t>(a->reserve_gb * 1e9);
+        const ClusterSpec c = make_cluster(
+            a->gpu, cmd, r.gpus(), {r.precision == Precision::fp32, r.offload != Offload::none});
         if (a->global_batch > 0) {
             int64_t per = static_cast<int64_t>(r.dp) * r.micro_batch;
             if (a->global_batch % per != 0)
@@ -113,7 +202,6 @@ void register_estimate(CLI::App& app) {
             r.micro_batches = 4 * r.pp;  // enough to keep the bubble near 20%
         }
         MemoryEstimate est = estimate_memory(m, r);
-        ClusterSpec c = make_cluster(a->gpu, r.gpus());
         TimeEstimate t = estimate_time(m, r, c);
         if (a->json) {
             nlohmann::json j = to_json(est);
@@ -161,7 +249,19 @@ void register_plan_cmd(CLI::App& app) {
     cmd->add_flag("--no-flash", a->no_flash, "attention without flash");
     cmd->add_flag("--no-offload", a->no_offload, "do not consider CPU offload");
     add_gpu_flags(cmd, a->gpu);
-    cmd->callback([a]() {
+    cmd->callback([a, cmd]() {
+        const FlagCheck check(cmd);
+        check.positive("--gpus", a->gpus);
+        check.positive("--nodes", a->nodes);
+        check.positive("--global-batch", a->spec.global_batch);
+        check.positive("--seq", a->spec.seq);
+        check.at_least("--top", a->top, 0);
+        check.at_least("--reasons", a->reasons, 0);
+        check.at_least("--reserve-gb", a->reserve_gb, 0.0);
+        if (check.given("--fragmentation") &&
+            !(a->spec.fragmentation >= 0 && a->spec.fragmentation < 1))
+            fail("--fragmentation must be a fraction in [0, 1), got {}", a->spec.fragmentation);
+        check.at_least("--gpus-per-node", a->gpu.gpus_per_node, 1);
         ModelSpec m = load_model(a->model);
         int gpus = a->gpus;
         if (a->nodes > 0) {
@@ -171,9 +271,10 @@ void register_plan_cmd(CLI::App& app) {
             gpus = a->nodes * a->gpu.gpus_per_node;
         }
         if (gpus <= 0) fail("give the cluster size with --gpus N (at least 1) or --nodes N");
-        ClusterSpec c = make_cluster(a->gpu, gpus);
         SearchSpec s = a->spec;
         s.precision = parse_precision(a->precision);
+        const ClusterSpec c =
+            make_cluster(a->gpu, cmd, gpus, {s.precision == Precision::fp32, !a->no_offload});
         s.optimizer = parse_optimizer(a->optimizer);
         s.flash_attention = !a->no_flash;
         s.allow_offload = !a->no_offload;
@@ -214,10 +315,18 @@ void register_scale(CLI::App& app) {
     cmd->add_option("--seq", a->seq, "sequence length for the timed plan");
     cmd->add_option("--global-batch", a->global_batch, "sequences per step for the timed plan");
     add_gpu_flags(cmd, a->gpu);
-    cmd->callback([a]() {
+    cmd->callback([a, cmd]() {
+        const FlagCheck check(cmd);
+        check.positive("--flops", a->flops);
+        check.positive("--gpus", a->gpus);
+        check.positive("--days", a->days);
+        check.fraction("--mfu", a->assumed_mfu);
+        check.positive("--seq", a->seq);
+        check.positive("--global-batch", a->global_batch);
         double C = a->flops;
         ClusterSpec c;
-        if (a->gpus > 0) c = make_cluster(a->gpu, a->gpus);
+        check_gpu_flags(a->gpu, cmd);
+        if (a->gpus > 0) c = make_cluster(a->gpu, cmd, a->gpus, {false, true});
         if (C <= 0) {
             if (a->gpus <= 0 || a->days <= 0)
                 fail("give --flops C, or --gpus N --days D (and --gpu) to derive it");

@@ -38,6 +38,8 @@ void register_sample(CLI::App& app) {
         if (a->top_k < 0) fail("--top-k must be >= 0, got {}", a->top_k);
         if (a->max_tokens < 0) fail("--max-tokens must be >= 0, got {}", a->max_tokens);
         const ModelSource src = open_model_source(a->model);
+        GPT model(src.model);
+        load_hf_weights(model.weights(), src.weights);
         const std::string tok_path = a->tokenizer.empty() ? src.tokenizer : a->tokenizer;
         if (tok_path.empty())
             fail("{} has no tokenizer.json (nor encoder.json + vocab.bpe); pass --tokenizer",
@@ -46,8 +48,6 @@ void register_sample(CLI::App& app) {
         if (tok.vocab_size() > src.model.vocab_size)
             fail("tokenizer {} has {} tokens but the model's vocab_size is {}", tok_path,
                  tok.vocab_size(), src.model.vocab_size);
-        GPT model(src.model);
-        load_hf_weights(model.weights(), src.weights);
         std::vector<int32_t> prompt;
         for (uint32_t t : tok.encode(a->prompt)) prompt.push_back((int32_t)t);
         auto eot = tok.eot_token();

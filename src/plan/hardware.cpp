@@ -49,7 +49,8 @@ GpuSpec gpu_preset(const std::string& name) {
         if (g.name == name) return g;
     fail(
         "unknown GPU \"{}\"; did you mean \"{}\"? (presets: {}; or --gpu custom with "
-        "--gpu-mem-gb, --gpu-tflops, --intra-bw-gbs, --inter-bw-gbs)",
+        "--gpu-mem-gb, --gpu-tflops, --hbm-bw-gbs and, as the run needs them, --intra-bw-gbs, "
+        "--inter-bw-gbs, --pcie-bw-gbs, --gpu-fp32-tflops)",
         name, nearest_name(name, gpu_preset_names()),
         fmt::format("{}", fmt::join(gpu_preset_names(), ", ")));
 }

@@ -14,6 +14,7 @@
 
 #include "core/error.h"
 #include "model/config.h"
+#include "model/param_layout.h"
 #include "plan/nearest.h"
 
 namespace memtrain::plan {
@@ -34,13 +35,15 @@ int64_t ModelSpec::layer_matrix_params() const {
 }
 
 int64_t ModelSpec::layer_split_bias_params() const {
-    if (!bias) return 0;
-    return n_embd + 2 * kv_dim() + (swiglu ? 2 : 1) * ffn();  // QKV and fc1 (column-parallel)
+    // QKV and fc1 (gate and up for SwiGLU) are column-parallel.
+    int64_t attn = attn_bias ? n_embd + 2 * kv_dim() : 0;
+    int64_t mlp = mlp_bias ? (swiglu ? 2 : 1) * ffn() : 0;
+    return attn + mlp;
 }
 
 int64_t ModelSpec::layer_replicated_params() const {
     int64_t norms = 2LL * n_embd * (rmsnorm ? 1 : 2);
-    int64_t row_bias = bias ? 2LL * n_embd : 0;  // out-proj and fc2 biases
+    int64_t row_bias = (attn_bias ? n_embd : 0) + (mlp_bias ? n_embd : 0);  // out-proj, fc2
     return norms + row_bias;
 }
 
@@ -96,7 +99,7 @@ ModelSpec llama(std::string name, int layers, int heads, int kv, int width, int 
     m.n_layer = layers, m.n_head = heads, m.n_kv_head = kv, m.n_embd = width;
     m.ffn_hidden = ffn, m.vocab_size = vocab, m.block_size = ctx;
     m.rmsnorm = m.swiglu = m.rope = true;
-    m.tied_embeddings = m.bias = m.dropout = false;
+    m.tied_embeddings = m.attn_bias = m.mlp_bias = m.dropout = false;
     return m;
 }
 
@@ -143,6 +146,165 @@ std::vector<std::string> model_preset_names() {
     return names;
 }
 
+std::vector<std::string> supported_model_types() {
+    return {"gpt2", "llama", "mistral", "memtrain-llama-style"};
+}
+
+namespace {
+
+// Architectures whose feed-forward is a mixture of experts: their parameter count and memory
+// are not a dense model's, so a dense estimate would be wrong by a large factor.
+bool is_moe_type(const std::string& type) {
+    static const char* const kMoe[] = {"mixtral",
+                                       "qwen2_moe",
+                                       "qwen3_moe",
+                                       "deepseek_v2",
+                                       "deepseek_v3",
+                                       "dbrx",
+                                       "jamba",
+                                       "olmoe",
+                                       "phimoe",
+                                       "granitemoe",
+                                       "jetmoe",
+                                       "arctic",
+                                       "gpt_oss",
+                                       "llama4",
+                                       "minimax",
+                                       "nllb_moe",
+                                       "switch_transformers",
+                                       "grok",
+                                       "qwen3_next",
+                                       "ernie4_5_moe"};
+    for (const char* t : kMoe)
+        if (type == t) return true;
+    return false;
+}
+
+// The first key that marks experts (num_experts, n_routed_experts, moe_*, ...) with a value
+// that asks for them, or "" for a dense config.
+std::string moe_key(const nlohmann::json& j) {
+    static const char* const kKeys[] = {"num_local_experts", "num_experts",
+                                        "n_routed_experts",  "num_experts_per_tok",
+                                        "n_shared_experts",  "ffn_config"};
+    auto wants_experts = [](const nlohmann::json& v) {
+        if (v.is_null()) return false;
+        if (v.is_number()) return v.get<double>() > 0;
+        if (v.is_boolean()) return v.get<bool>();
+        return true;
+    };
+    for (const char* k : kKeys)
+        if (j.contains(k) && wants_experts(j[k])) return k;
+    for (const auto& [k, v] : j.items())
+        if (k.rfind("moe_", 0) == 0 && wants_experts(v)) return k;
+    return "";
+}
+
+std::string supported_list() {
+    return fmt::format("{}", fmt::join(supported_model_types(), ", "));
+}
+
+class JsonReader {
+  public:
+    JsonReader(const nlohmann::json& j, const std::string& origin) : j_(j), origin_(origin) {}
+
+    bool has(const char* key) const { return j_.contains(key) && !j_[key].is_null(); }
+    int get_int(const char* key) const {
+        if (!has(key)) fail("{}: missing key \"{}\"", origin_, key);
+        if (!j_[key].is_number_integer())
+            fail("{}: key \"{}\" must be an integer, got {}", origin_, key, j_[key].dump());
+        return j_[key].get<int>();
+    }
+    int get_int(const char* key, int fallback) const { return has(key) ? get_int(key) : fallback; }
+    bool get_bool(const char* key, bool fallback) const {
+        if (!has(key)) return fallback;
+        if (!j_[key].is_boolean())
+            fail("{}: key \"{}\" must be true or false, got {}", origin_, key, j_[key].dump());
+        return j_[key].get<bool>();
+    }
+    double get_number(const char* key, double fallback) const {
+        if (!has(key)) return fallback;
+        if (!j_[key].is_number())
+            fail("{}: key \"{}\" must be a number, got {}", origin_, key, j_[key].dump());
+        return j_[key].get<double>();
+    }
+    std::string get_choice(const char* key, const std::vector<std::string>& allowed) const {
+        if (!has(key)) fail("{}: missing key \"{}\"", origin_, key);
+        if (!j_[key].is_string())
+            fail("{}: key \"{}\" must be a string, got {}", origin_, key, j_[key].dump());
+        std::string v = j_[key].get<std::string>();
+        for (const auto& a : allowed)
+            if (v == a) return v;
+        fail("{}: key \"{}\" = \"{}\" is not one of {}", origin_, key, v,
+             fmt::format("{}", fmt::join(allowed, "|")));
+    }
+
+  private:
+    const nlohmann::json& j_;
+    const std::string& origin_;
+};
+
+// Hugging Face GPT2LMHeadModel (what memtrain writes for a GPT-2 architecture).
+ModelSpec read_gpt2(const JsonReader& r, const std::string& origin) {
+    ModelSpec m;
+    m.name = origin;
+    m.n_layer = r.get_int("n_layer");
+    m.n_head = r.get_int("n_head");
+    m.n_embd = r.get_int("n_embd");
+    m.vocab_size = r.get_int("vocab_size");
+    m.block_size = r.get_int("n_positions", r.get_int("n_ctx", 1024));
+    m.ffn_hidden = r.get_int("n_inner", 0);
+    m.tied_embeddings = r.get_bool("tie_word_embeddings", true);
+    // Hugging Face's GPT-2 defaults to 0.1 dropout; memtrain's checkpoints say 0.0 (no masks).
+    m.dropout = false;
+    for (const char* k : {"resid_pdrop", "embd_pdrop", "attn_pdrop"})
+        m.dropout = m.dropout || r.get_number(k, 0.1) > 0;
+    return m;
+}
+
+// Hugging Face LlamaForCausalLM and MistralForCausalLM: the same tensors (Mistral's sliding
+// window changes no shape).
+ModelSpec read_llama(const JsonReader& r, const std::string& origin) {
+    // One key at a time, so a missing one is named in a fixed order.
+    const int layers = r.get_int("num_hidden_layers"), heads = r.get_int("num_attention_heads");
+    const int width = r.get_int("hidden_size"), ffn = r.get_int("intermediate_size");
+    const int vocab = r.get_int("vocab_size");
+    ModelSpec m = llama(origin, layers, heads, 0, width, ffn, vocab,
+                        r.get_int("max_position_embeddings", 4096));
+    m.n_kv_head = r.get_int("num_key_value_heads", 0);
+    m.tied_embeddings = r.get_bool("tie_word_embeddings", false);
+    m.attn_bias = r.get_bool("attention_bias", false);
+    m.mlp_bias = r.get_bool("mlp_bias", false);
+    if (r.has("head_dim") && m.n_head > 0 && r.get_int("head_dim") * m.n_head != m.n_embd)
+        fail(
+            "{}: head_dim {} x num_attention_heads {} != hidden_size {}; the planner models "
+            "heads of hidden_size / num_attention_heads",
+            origin, r.get_int("head_dim"), m.n_head, m.n_embd);
+    return m;
+}
+
+// memtrain's own config.json for a non-GPT-2 architecture (io/checkpoint.cpp hf_config_json):
+// every choice is a key, and the blocks keep the engine's linear biases.
+ModelSpec read_memtrain(const JsonReader& r, const std::string& origin) {
+    ModelConfig c;
+    c.n_layer = r.get_int("n_layer");
+    c.n_head = r.get_int("n_head");
+    c.n_embd = r.get_int("n_embd");
+    c.vocab_size = r.get_int("vocab_size");
+    c.vocab_pad = 1;  // the checkpoint's tensors have vocab_size rows, not the padded ones
+    c.block_size = r.get_int("n_positions");
+    c.n_kv_head = r.get_int("n_kv_head", 0);
+    c.ffn_hidden = r.get_int("ffn_hidden", 0);
+    c.norm = r.get_choice("norm", {"layernorm", "rmsnorm"});
+    c.activation = r.get_choice("activation", {"gelu", "swiglu"});
+    c.positions = r.get_choice("positions", {"learned", "rope"});
+    c.tied_embeddings = r.get_bool("tie_word_embeddings", true);
+    ModelSpec m = model_from_config(c);
+    m.name = origin;
+    return m;
+}
+
+}  // namespace
+
 ModelSpec model_from_hf_json(const std::string& json_text, const std::string& origin) {
     nlohmann::json j;
     try {
@@ -151,37 +313,41 @@ ModelSpec model_from_hf_json(const std::string& json_text, const std::string& or
         fail("{}: not valid JSON ({})", origin, e.what());
     }
     if (!j.is_object()) fail("{}: expected a JSON object (a Hugging Face config.json)", origin);
-    auto get_int = [&](const char* key, bool required, int fallback) -> int {
-        if (!j.contains(key) || j[key].is_null()) {
-            if (required) fail("{}: missing key \"{}\"", origin, key);
-            return fallback;
-        }
-        if (!j[key].is_number_integer())
-            fail("{}: key \"{}\" must be an integer, got {}", origin, key, j[key].dump());
-        return j[key].get<int>();
-    };
+    JsonReader r(j, origin);
+    std::string type;
+    if (r.has("model_type")) {
+        if (!j["model_type"].is_string())
+            fail("{}: key \"model_type\" must be a string, got {}", origin, j["model_type"].dump());
+        type = j["model_type"].get<std::string>();
+    }
+    const std::string experts = moe_key(j);
+    if (is_moe_type(type) || !experts.empty())
+        fail(
+            "{}: model_type \"{}\" is a mixture-of-experts model{}; the planner models dense "
+            "transformers only (supported model_type: {})",
+            origin, type.empty() ? "(none)" : type,
+            experts.empty() ? "" : fmt::format(" (key \"{}\" = {})", experts, j[experts].dump()),
+            supported_list());
     ModelSpec m;
-    m.name = origin;
-    if (j.contains("n_layer")) {  // GPT-2 style keys
-        m.n_layer = get_int("n_layer", true, 0);
-        m.n_head = get_int("n_head", true, 0);
-        m.n_embd = get_int("n_embd", true, 0);
-        m.block_size = get_int("n_positions", false, 1024);
-        m.vocab_size = get_int("vocab_size", true, 0);
-        m.ffn_hidden = get_int("n_inner", false, 0);
-    } else if (j.contains("num_hidden_layers")) {  // Llama style keys
-        m = llama(origin, get_int("num_hidden_layers", true, 0),
-                  get_int("num_attention_heads", true, 0), 0, get_int("hidden_size", true, 0), 0,
-                  get_int("vocab_size", true, 0), get_int("max_position_embeddings", false, 4096));
-        m.n_kv_head = get_int("num_key_value_heads", false, 0);
-        m.ffn_hidden = get_int("intermediate_size", false, 0);
-        if (j.contains("tie_word_embeddings") && j["tie_word_embeddings"].is_boolean())
-            m.tied_embeddings = j["tie_word_embeddings"].get<bool>();
+    if (type == "gpt2") {
+        m = read_gpt2(r, origin);
+    } else if (type == "llama" || type == "mistral") {
+        m = read_llama(r, origin);
+    } else if (type == "memtrain-llama-style") {
+        m = read_memtrain(r, origin);
+    } else if (!type.empty()) {
+        fail("{}: model_type \"{}\" is not supported; the planner reads model_type {}", origin,
+             type, supported_list());
+    } else if (j.contains("n_layer")) {  // no model_type: GPT-2 style keys
+        m = read_gpt2(r, origin);
+    } else if (j.contains("num_hidden_layers")) {  // no model_type: Llama style keys
+        m = read_llama(r, origin);
     } else {
         fail(
-            "{}: neither GPT-2 keys (n_layer, n_head, n_embd) nor Llama keys "
-            "(num_hidden_layers, hidden_size, num_attention_heads) found",
-            origin);
+            "{}: no model_type, and neither GPT-2 keys (n_layer, n_head, n_embd) nor Llama keys "
+            "(num_hidden_layers, hidden_size, num_attention_heads) found (supported model_type: "
+            "{})",
+            origin, supported_list());
     }
     m.validate();
     return m;
@@ -196,8 +362,9 @@ ModelSpec model_from_toml(const std::string& toml_text, const std::string& origi
     }
     const toml::table* model = root["model"].as_table();
     if (!model) fail("{}: no [model] section", origin);
-    ModelSpec m;
-    m.name = origin;
+    // The engine's defaults and layout (padded vocabulary, linear biases) come with ModelConfig,
+    // so the count is what `memtrain train` allocates for this file.
+    ModelConfig c;
     auto get_int = [&](const char* key, int fallback) -> int {
         auto node = (*model)[key];
         if (!node) return fallback;
@@ -205,9 +372,10 @@ ModelSpec model_from_toml(const std::string& toml_text, const std::string& origi
         if (!v) fail("{}: model.{} must be an integer", origin, key);
         return static_cast<int>(*v);
     };
-    auto get_str = [&](const char* key, const char* fallback, std::vector<std::string> allowed) {
+    auto get_str = [&](const char* key, const std::string& fallback,
+                       std::vector<std::string> allowed) {
         auto node = (*model)[key];
-        if (!node) return std::string(fallback);
+        if (!node) return fallback;
         auto v = node.value<std::string>();
         if (!v) fail("{}: model.{} must be a string", origin, key);
         for (const auto& a : allowed)
@@ -215,29 +383,25 @@ ModelSpec model_from_toml(const std::string& toml_text, const std::string& origi
         fail("{}: model.{} = \"{}\" is not one of {}; did you mean \"{}\"?", origin, key, *v,
              fmt::format("{}", fmt::join(allowed, "|")), nearest_name(*v, allowed));
     };
-    m.n_layer = get_int("n_layer", m.n_layer);
-    m.n_head = get_int("n_head", m.n_head);
-    m.n_embd = get_int("n_embd", m.n_embd);
-    m.block_size = get_int("block_size", m.block_size);
-    m.vocab_size = get_int("vocab_size", m.vocab_size);
-    m.n_kv_head = get_int("n_kv_head", 0);
-    m.ffn_hidden = get_int("ffn_hidden", 0);
-    m.rmsnorm = get_str("norm", "layernorm", {"layernorm", "rmsnorm"}) == "rmsnorm";
-    m.swiglu = get_str("activation", "gelu", {"gelu", "swiglu"}) == "swiglu";
-    m.rope = get_str("positions", "learned", {"learned", "rope"}) == "rope";
+    c.n_layer = get_int("n_layer", c.n_layer);
+    c.n_head = get_int("n_head", c.n_head);
+    c.n_embd = get_int("n_embd", c.n_embd);
+    c.block_size = get_int("block_size", c.block_size);
+    c.vocab_size = get_int("vocab_size", c.vocab_size);
+    c.vocab_pad = get_int("vocab_pad", c.vocab_pad);
+    if (c.vocab_pad < 1) fail("{}: model.vocab_pad must be >= 1, got {}", origin, c.vocab_pad);
+    c.n_kv_head = get_int("n_kv_head", 0);
+    c.ffn_hidden = get_int("ffn_hidden", 0);
+    c.norm = get_str("norm", c.norm, {"layernorm", "rmsnorm"});
+    c.activation = get_str("activation", c.activation, {"gelu", "swiglu"});
+    c.positions = get_str("positions", c.positions, {"learned", "rope"});
     if (auto node = (*model)["tied_embeddings"]) {
         auto v = node.value<bool>();
         if (!v) fail("{}: model.tied_embeddings must be true or false", origin);
-        m.tied_embeddings = *v;
+        c.tied_embeddings = *v;
     }
-    if (auto node = (*model)["vocab_pad"]) {  // the engine allocates padded embedding rows
-        auto pad = node.value<int64_t>();
-        if (pad && *pad > 0)
-            m.vocab_size = static_cast<int>((m.vocab_size + *pad - 1) / *pad * *pad);
-    }
-    // Llama-style blocks (RMSNorm) carry no biases in the engine; GPT-2 blocks do.
-    m.bias = !m.rmsnorm;
-    m.dropout = false;  // memtrain's trainer has no dropout
+    ModelSpec m = model_from_config(c);
+    m.name = origin;
     m.validate();
     return m;
 }
@@ -253,8 +417,18 @@ ModelSpec model_from_config(const ModelConfig& c) {
     m.rope = c.positions == "rope";
     m.tied_embeddings = c.tied_embeddings;
     m.ffn_hidden = c.mlp_hidden();
-    m.bias = true;  // memtrain's blocks keep linear biases in every variant
-    m.dropout = false;
+    // Which linear biases a block has is the engine's parameter layout's to say.
+    bool attn_bias = false, mlp_bias = false;
+    if (c.n_layer > 0 && c.n_head > 0 && c.n_embd > 0) {
+        ModelConfig one = c;
+        one.n_layer = 1;
+        for (const auto& t : make_param_layout(one).tensors) {
+            attn_bias = attn_bias || t.name == "h.0.attn.c_attn.bias";
+            mlp_bias = mlp_bias || t.name == "h.0.mlp.c_fc.bias";
+        }
+    }
+    m.attn_bias = attn_bias, m.mlp_bias = mlp_bias;
+    m.dropout = false;  // memtrain's trainer has no dropout
     return m;
 }
 

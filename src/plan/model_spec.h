@@ -26,8 +26,9 @@ struct ModelSpec {
     bool swiglu = false;    // else GELU MLP
     bool rope = false;      // else a learned position table of block_size rows
     bool tied_embeddings = true;
-    bool bias = true;     // linear biases (GPT-2 has them, Llama does not)
-    bool dropout = true;  // dropout masks are saved activations (GPT-2/GPT-3 style)
+    bool attn_bias = true;  // biases on Q, K, V and the out-projection (GPT-2 has them)
+    bool mlp_bias = true;   // biases on the MLP's linear layers (Llama has neither)
+    bool dropout = true;    // dropout masks are saved activations (GPT-2/GPT-3 style)
 
     int kv_heads() const { return n_kv_head > 0 ? n_kv_head : n_head; }
     int head_dim() const { return n_embd / n_head; }
@@ -54,7 +55,12 @@ std::vector<std::string> model_preset_names();
 // A preset name, a Hugging Face config.json path or a memtrain TOML path ([model] section).
 // Unknown names fail with the nearest preset suggested.
 ModelSpec load_model(const std::string& name_or_path);
+// Reads model_type gpt2, llama, mistral and memtrain-llama-style (what memtrain's checkpoints
+// write); a config without model_type is read by its keys. Mixture-of-experts and any other
+// model_type are refused by name, never read as a dense model.
 ModelSpec model_from_hf_json(const std::string& json_text, const std::string& origin);
+// The model_type values model_from_hf_json reads.
+std::vector<std::string> supported_model_types();
 ModelSpec model_from_toml(const std::string& toml_text, const std::string& origin);
 // The trainer's [model] config as a planner spec (same parameter count as the engine,
 // using the padded vocabulary rows the engine allocates).

@@ -53,7 +53,7 @@ ModelSpec shape_for_params(double params, int seq, int vocab) {
     ModelSpec m;
     m.name = "scaled";
     m.rmsnorm = m.swiglu = m.rope = true;
-    m.tied_embeddings = m.bias = m.dropout = false;
+    m.tied_embeddings = m.attn_bias = m.mlp_bias = m.dropout = false;
     m.vocab_size = vocab;
     m.block_size = seq;
     // 12 L d^2 with d = 128 L (GPT-3 175B has d/L = 128), ignoring the embeddings at first.

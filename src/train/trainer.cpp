@@ -18,6 +18,7 @@
 
 #include "core/error.h"
 #include "data/tokenizer.h"
+#include "io/run_report.h"
 #include "optim/schedule.h"
 #include "plan/memory_model.h"
 #include "plan/model_spec.h"
@@ -243,6 +244,31 @@ float Trainer::evaluate() {
     return (float)mean_over_ranks(total / n);
 }
 
+namespace {
+
+// The analytic planner (`memtrain estimate`) for this run, from its general formulas
+// (Korthikanti-style activations), beside the engine's exact layout.
+plan::MemoryEstimate planner_estimate(const RunConfig& cfg, Engine& engine) {
+    plan::RunSpec rs;
+    rs.precision = plan::parse_precision(cfg.train.precision);
+    rs.optimizer = cfg.optim.name == "sgd" ? plan::Optimizer::sgd : plan::Optimizer::adamw;
+    rs.micro_batch = cfg.micro_batch();
+    rs.seq = cfg.train.seq_len;
+    rs.micro_batches = cfg.accum_steps();
+    rs.dp = cfg.world;
+    rs.zero = cfg.train.zero_stage;
+    rs.flash_attention = engine.arena_format().fused_attention;
+    rs.fragmentation = 0;
+    rs.reserve_bytes = 0;
+    // The planner models whole-model policies (none, selective, full); per-block schedules
+    // (every:K, sqrt, budget) are priced exactly by activation_layout.
+    const std::string& rp = cfg.train.remat;
+    if (rp == "selective" || rp == "full") rs.recompute = plan::parse_recompute(rp);
+    return plan::estimate_memory(plan::model_from_config(cfg.model), rs);
+}
+
+}  // namespace
+
 TrainSummary Trainer::run() {
     TrainSummary sum;
     const int B = cfg_.micro_batch(), T = cfg_.train.seq_len, K = cfg_.accum_steps();
@@ -305,8 +331,9 @@ TrainSummary Trainer::run() {
                 metrics_,
                 "{{\"step\": {}, \"loss\": {:.6f}, \"lr\": {:.6e}, \"grad_norm\": {:.6f}, "
                 "\"tokens_per_s\": {:.1f}, \"ms_per_step\": {:.3f}, \"mem_bytes\": {}, "
-                "\"peak_mem_bytes\": {}{}}}\n",
+                "\"peak_mem_bytes\": {}{}{}}}\n",
                 state_.step, loss, lr, norm, tps, secs * 1000, mem.total_used, mem.peak_total_used,
+                io::metrics_memory_field(mem),
                 fp16 ? fmt::format(
                            ", \"loss_scale\": {:g}, \"skipped\": {}{}", step.loss_scale,
                            step.skipped,
@@ -342,6 +369,16 @@ TrainSummary Trainer::run() {
         timed_steps ? (double)cfg_.tokens_per_step() * timed_steps / timed_seconds : 0;
     if (metrics_) std::fclose(metrics_);
     metrics_ = nullptr;
+    if (root()) {  // for `memtrain report`: measured peaks beside the predictions
+        try {
+            io::write_memory_json((fs::path(cfg_.io.out_dir) / "memory.json").string(),
+                                  engine_->memory_title(), engine_->memory().snapshot(),
+                                  engine_->predicted_memory(cfg_.micro_batch(), cfg_.train.seq_len),
+                                  planner_estimate(cfg_, *engine_), process_peak_rss());
+        } catch (const Error& e) {  // the run itself succeeded; say what the report will lack
+            std::fprintf(stderr, "memtrain: warning: memory.json not written: %s\n", e.what());
+        }
+    }
     if (!opts_.quiet && !sum.stopped_by_signal) {
         print_memory_report();
         print_sample();
@@ -361,7 +398,7 @@ void Trainer::print_memory_report() {
         comm_->all_gather_bytes(&mine, rank_states.data(), sizeof(double));
     }
     if (!root()) return;
-    const int stage = cfg_.train.zero_stage, N = cfg_.world;
+    const int N = cfg_.world;
     std::string out = fmt::format("\nmemory breakdown ({})\n", engine_->memory_title());
     out += fmt::format("{:<16} {:>12} {:>12} {:>12} {:>12}  {}\n", "category", "current", "peak",
                        "reserved", "predicted", "formula");
@@ -388,24 +425,7 @@ void Trainer::print_memory_report() {
     out += fmt::format("{:<16} {:>12} {:>12} {:>12} {:>12}\n", "total tracked", mib(s.total_used),
                        mib(s.peak_total_used), mib(s.total_reserved), mib(pred_total));
     out += engine_->memory_footer();
-    // The analytic planner (`memtrain estimate`) for the same run, from its general formulas
-    // (Korthikanti-style activations), beside the exact layout above.
-    plan::RunSpec rs;
-    rs.precision = plan::parse_precision(cfg_.train.precision);
-    rs.optimizer = cfg_.optim.name == "sgd" ? plan::Optimizer::sgd : plan::Optimizer::adamw;
-    rs.micro_batch = cfg_.micro_batch();
-    rs.seq = cfg_.train.seq_len;
-    rs.micro_batches = cfg_.accum_steps();
-    rs.dp = N;
-    rs.zero = stage;
-    rs.flash_attention = engine_->arena_format().fused_attention;
-    rs.fragmentation = 0;
-    rs.reserve_bytes = 0;
-    // The planner models whole-model policies (none, selective, full); per-block schedules
-    // (every:K, sqrt, budget) are priced exactly by activation_layout above.
-    const std::string& rp = cfg_.train.remat;
-    if (rp == "selective" || rp == "full") rs.recompute = plan::parse_recompute(rp);
-    auto est = plan::estimate_memory(plan::model_from_config(cfg_.model), rs);
+    const auto est = planner_estimate(cfg_, *engine_);
     out += fmt::format(
         "planner estimate: parameters {} | gradients {} | optimizer {} | "
         "activations {} (+ recompute working set {}) | logits and loss {}\n",

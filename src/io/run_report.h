@@ -1,0 +1,84 @@
+// A finished (or running) training run as data, and `memtrain report`'s page of it: the
+// metrics.jsonl parser, memory.json (measured peaks beside predictions, written at the end of a
+// run), and one self-contained HTML file with inline SVG charts (no scripts, no network).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/allocator.h"
+#include "plan/memory_model.h"
+#include "train/engine.h"
+
+namespace memtrain::io {
+
+// One optimizer step's line of metrics.jsonl. Fields a run did not record stay empty, so logs
+// of older versions still load.
+struct StepRecord {
+    int64_t step = 0;
+    std::optional<double> loss, lr, grad_norm, tokens_per_s, ms_per_step, mem_bytes, peak_mem_bytes,
+        loss_scale;
+    bool skipped = false;
+    std::vector<std::pair<std::string, double>> mem;  // current bytes by category name
+};
+
+struct RunMetrics {
+    std::vector<StepRecord> steps;                     // ascending step
+    std::vector<std::pair<int64_t, double>> val_loss;  // (step, loss), ascending step
+};
+
+// Parses metrics.jsonl text. Blank lines are skipped; a resumed run appends to the file, so
+// where a step appears twice the later line wins. Throws memtrain::Error naming `origin` and
+// the line number for a line that is not a JSON object with an integer "step" or whose fields
+// have the wrong type.
+RunMetrics parse_metrics(const std::string& text, const std::string& origin);
+
+// The `, "mem": {"parameters": N, ...}` fragment of a metrics line: current bytes per category
+// (category names with '_' for ' ').
+std::string metrics_memory_field(const MemoryStats& stats);
+
+// memory.json: one entry per category with measured current, peak and reserved bytes and the
+// engine's predicted bytes (the numbers of the end-of-run memory table), plus the analytic
+// planner's lines. Written to a temporary name and renamed into place.
+void write_memory_json(const std::string& path, const std::string& title, const MemoryStats& stats,
+                       const std::vector<MemoryPrediction>& predicted,
+                       const plan::MemoryEstimate& planner, std::size_t process_peak_rss);
+
+struct MemoryCategoryRecord {
+    std::string name;
+    double current = 0, peak = 0, reserved = 0;
+    std::optional<double> predicted;  // none: the engine makes no prediction for it
+    std::string formula;
+};
+
+struct MemoryRecord {
+    std::string title;
+    std::vector<MemoryCategoryRecord> categories;
+    double peak_total = 0;
+    std::vector<std::pair<std::string, double>> planner;  // (line name, bytes)
+    double process_peak_rss = 0;
+};
+
+MemoryRecord parse_memory_json(const std::string& text, const std::string& origin);
+
+struct ReportInput {
+    std::string run_dir;
+    RunMetrics metrics;
+    std::optional<MemoryRecord> memory;  // none: the run wrote no memory.json
+    std::string config_toml;             // the latest checkpoint's memtrain.toml, or empty
+    std::string config_origin;           // its path
+};
+
+// Reads RUN_DIR/metrics.jsonl (required; or the io.metrics the latest checkpoint's config
+// names), RUN_DIR/memory.json and the latest checkpoint's memtrain.toml (both optional).
+ReportInput read_run(const std::string& run_dir);
+std::string render_report_html(const ReportInput& input);
+// read_run + render, written to `out_path` (default RUN_DIR/report.html) through a temporary
+// file, so a failure never leaves a partial page. Returns the path written.
+std::string write_run_report(const std::string& run_dir, const std::string& out_path = "");
+
+}  // namespace memtrain::io

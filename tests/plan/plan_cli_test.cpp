@@ -1,0 +1,146 @@
+// `memtrain estimate | plan | scale` through the binary: impossible numbers and unsupported
+// model configs are refused with one line naming the flag (or model_type) and exit code 1, and
+// a config.json directory counts the parameters its tensors have.
+#include <gtest/gtest.h>
+
+#include <sys/wait.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "test_util.h"
+
+namespace {
+
+struct Outcome {
+    int code = -1;
+    std::string text;  // stdout and stderr together
+};
+
+Outcome memtrain_cli(const std::string& args) {
+    const std::string cmd = std::string(MT_BINARY_DIR) + "/memtrain " + args + " 2>&1";
+    std::FILE* pipe = popen(cmd.c_str(), "r");
+    Outcome o;
+    if (!pipe) return o;
+    std::array<char, 4096> buf;
+    while (std::size_t n = std::fread(buf.data(), 1, buf.size(), pipe))
+        o.text.append(buf.data(), n);
+    const int status = pclose(pipe);
+    o.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    return o;
+}
+
+// Exit code 1 and a single line holding every piece of `expect`.
+void expect_refusal(const std::string& args, const std::vector<std::string>& expect) {
+    const Outcome o = memtrain_cli(args);
+    EXPECT_EQ(o.code, 1) << args << "\n" << o.text;
+    EXPECT_EQ(std::count(o.text.begin(), o.text.end(), '\n'), 1) << args << "\n" << o.text;
+    for (const auto& e : expect)
+        EXPECT_NE(o.text.find(e), std::string::npos) << args << "\n" << o.text;
+}
+
+void write_text(const std::string& path, const std::string& text) {
+    std::ofstream(path, std::ios::binary) << text;
+}
+
+}  // namespace
+
+TEST(PlanCli, RefusesImpossibleNumbersNamingTheFlag) {
+    struct Case {
+        std::string args;
+        std::vector<std::string> expect;
+    };
+    const Case cases[] = {
+        {"estimate gpt2 --gpu-mem-gb -80", {"--gpu-mem-gb", "-80"}},
+        {"estimate gpt2 --gpu-mem-gb 0", {"--gpu-mem-gb", "0"}},
+        {"estimate gpt2 --gpu-tflops 0", {"--gpu-tflops", "positive"}},
+        {"estimate gpt2 --hbm-bw-gbs -1", {"--hbm-bw-gbs", "-1"}},
+        {"estimate gpt2 --intra-bw-gbs 0", {"--intra-bw-gbs"}},
+        {"estimate gpt2 --efficiency 1.5", {"--efficiency", "1.5", "(0, 1]"}},
+        {"estimate gpt2 --efficiency 0", {"--efficiency", "(0, 1]"}},
+        {"estimate gpt2 --host-mem-gb -2", {"--host-mem-gb", "-2"}},
+        {"estimate gpt2 --dp 0", {"--dp", "0"}},
+        {"estimate gpt2 --tp -2", {"--tp", "-2"}},
+        {"estimate gpt2 --micro-batch 0", {"--micro-batch", "0"}},
+        {"estimate gpt2 --global-batch -8", {"--global-batch", "-8"}},
+        {"estimate gpt2 --seq 0", {"--seq", "0"}},
+        {"estimate gpt2 --zero 4", {"--zero", "4"}},
+        {"estimate gpt2 --gpus-per-node 0", {"--gpus-per-node", "0"}},
+        {"plan gpt2 --gpus 0", {"--gpus", "0"}},
+        {"plan gpt2 --gpus -8", {"--gpus", "-8"}},
+        {"plan gpt2 --nodes 0", {"--nodes", "0"}},
+        {"plan gpt2 --gpus 8 --global-batch 0", {"--global-batch", "0"}},
+        {"plan gpt2 --gpus 8 --seq -1", {"--seq", "-1"}},
+        {"plan gpt2 --gpus 8 --inter-bw-gbs -3", {"--inter-bw-gbs", "-3"}},
+        {"plan gpt2 --gpus 8 --efficiency 2", {"--efficiency", "2"}},
+        {"scale --flops -1e21", {"--flops", "-1e+21"}},
+        {"scale --flops 1e21 --mfu 0", {"--mfu", "0"}},
+        {"scale --flops 1e21 --mfu 1.2", {"--mfu", "1.2"}},
+        {"scale --gpus 0 --days 3", {"--gpus", "0"}},
+        {"scale --gpus 8 --days -1", {"--days", "-1"}},
+        {"scale --flops 1e21 --gpu-mem-gb -1", {"--gpu-mem-gb", "-1"}},
+    };
+    for (const auto& c : cases) expect_refusal(c.args, c.expect);
+}
+
+TEST(PlanCli, CustomGpuNeedsItsNumbers) {
+    expect_refusal("estimate gpt2 --gpu custom",
+                   {"--gpu custom", "--gpu-mem-gb", "--gpu-tflops", "--hbm-bw-gbs"});
+    // Only the missing ones are named; several GPUs also need the NVLink bandwidth, several
+    // nodes the network's, offload PCIe's.
+    const std::string some = "--gpu custom --gpu-mem-gb 24 --gpu-tflops 165 --hbm-bw-gbs 1000";
+    Outcome o = memtrain_cli("estimate gpt2 " + some);
+    EXPECT_EQ(o.code, 0) << o.text;
+    EXPECT_NE(o.text.find("GPU custom"), std::string::npos) << o.text;
+    o = memtrain_cli("estimate gpt2 " + some + " --dp 2");
+    EXPECT_EQ(o.code, 1) << o.text;
+    EXPECT_NE(o.text.find("--intra-bw-gbs"), std::string::npos) << o.text;
+    EXPECT_EQ(o.text.find("--gpu-mem-gb"), std::string::npos) << o.text;
+    EXPECT_EQ(o.text.find("--inter-bw-gbs"), std::string::npos) << o.text;
+    expect_refusal("plan gpt2 --gpus 16 --gpus-per-node 8 " + some,
+                   {"--intra-bw-gbs", "--inter-bw-gbs", "--pcie-bw-gbs"});
+    expect_refusal("estimate gpt2 --precision fp32 " + some, {"--gpu-fp32-tflops"});
+    o = memtrain_cli("plan gpt2 --gpus 16 --no-offload " + some +
+                     " --intra-bw-gbs 300 --inter-bw-gbs 25");
+    EXPECT_EQ(o.code, 0) << o.text;
+}
+
+TEST(PlanCli, UnsupportedArchitecturesAreRefused) {
+    const auto dir = memtrain::test::temp_dir("plan_cli_arch");
+    write_text(dir + "/mixtral.json",
+               R"({"model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336,
+                   "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 32,
+                   "vocab_size": 32000, "num_local_experts": 8, "num_experts_per_tok": 2})");
+    expect_refusal("estimate " + dir + "/mixtral.json",
+                   {"mixtral.json", "model_type \"mixtral\"", "mixture-of-experts",
+                    "gpt2, llama, mistral, memtrain-llama-style"});
+    write_text(dir + "/bert.json",
+               R"({"model_type": "bert", "hidden_size": 768, "num_attention_heads": 12,
+                   "num_hidden_layers": 12, "intermediate_size": 3072, "vocab_size": 30522})");
+    expect_refusal("plan " + dir + "/bert.json --gpus 8",
+                   {"model_type \"bert\" is not supported", "gpt2, llama"});
+}
+
+TEST(PlanCli, CheckpointConfigDirectoryCountsItsTensors) {
+    // A Llama checkpoint's config.json, read through its directory as `memtrain estimate` is
+    // given one: 2 layers, width 64, 8 heads of which 2 KV heads, SwiGLU 176, untied.
+    const auto dir = memtrain::test::temp_dir("plan_cli_ckpt");
+    write_text(dir + "/config.json",
+               R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                   "hidden_size": 64, "intermediate_size": 176, "num_attention_heads": 8,
+                   "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 300,
+                   "max_position_embeddings": 64, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+                   "tie_word_embeddings": false, "attention_bias": false, "mlp_bias": false})");
+    const Outcome o = memtrain_cli("estimate " + dir + " --json");
+    ASSERT_EQ(o.code, 0) << o.text;
+    const auto j = nlohmann::json::parse(o.text);
+    // embed 300x64, per layer q 64x64 + k,v 16x64 + o 64x64 + 3 x 176x64 + 2 norms, norm, head.
+    const int64_t layer = 64 * 64 + 2 * 16 * 64 + 64 * 64 + 3 * 176 * 64 + 2 * 64;
+    EXPECT_EQ(j["params"].get<int64_t>(), 300 * 64 + 2 * layer + 64 + 300 * 64);
+}
