@@ -147,7 +147,11 @@ try:
     import regex
 except ImportError:
     sys.exit(3)
-P = regex.compile(r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+PATTERNS = {
+    'llama3': r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
+    'gpt2': r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",
+}
+P = regex.compile(PATTERNS[sys.argv[2]])
 d = sys.argv[1]
 for name in sorted(os.listdir(d)):
     text = open(os.path.join(d, name), 'rb').read().decode('utf-8', 'surrogateescape')
@@ -155,21 +159,59 @@ for name in sorted(os.listdir(d)):
     print(name, ' '.join(p.encode('utf-8', 'surrogateescape').hex() for p in pieces))
 )py";
 
-TEST(TokenizerLlama3Split, MatchesPythonRegex) {
+// Strings of code points drawn from all of Unicode (every plane, unassigned ones included, no
+// surrogates), so that the class table is checked well beyond the scripts picked above.
+std::vector<std::string> random_code_point_texts(int count) {
+    std::mt19937 rng(7);
+    std::vector<std::string> out;
+    for (int i = 0; i < count; ++i) {
+        std::string s;
+        const uint32_t len = 1 + rng() % 24;
+        for (uint32_t k = 0; k < len; ++k) {
+            const uint32_t limits[] = {0x80, 0x800, 0x10000, 0x110000};
+            uint32_t cp = rng() % limits[rng() % 4];
+            if (cp >= 0xD800 && cp <= 0xDFFF) cp = ' ';
+            if (rng() % 4 == 0) cp = " 'a1\n"[rng() % 5];  // keep the ASCII alternatives in play
+            if (cp < 0x80) {
+                s += static_cast<char>(cp);
+            } else if (cp < 0x800) {
+                s += static_cast<char>(0xC0 | (cp >> 6));
+                s += static_cast<char>(0x80 | (cp & 0x3F));
+            } else if (cp < 0x10000) {
+                s += static_cast<char>(0xE0 | (cp >> 12));
+                s += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+                s += static_cast<char>(0x80 | (cp & 0x3F));
+            } else {
+                s += static_cast<char>(0xF0 | (cp >> 18));
+                s += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+                s += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+                s += static_cast<char>(0x80 | (cp & 0x3F));
+            }
+        }
+        out.push_back(std::move(s));
+    }
+    return out;
+}
+
+// The hand-written split of `kind` gives exactly the pieces of the regex in Python's `regex`
+// module, on fortunes, the crafted strings, invalid UTF-8 and random strings.
+void expect_split_matches_python(PreTokenizer kind) {
     std::vector<std::string> texts = fortune_texts();
     const size_t fortunes = texts.size();
     texts.insert(texts.end(), kCrafted.begin(), kCrafted.end());
     texts.insert(texts.end(), kInvalid.begin(), kInvalid.end());
     for (auto& t : random_texts(400, true)) texts.push_back(std::move(t));
+    for (auto& t : random_code_point_texts(1000)) texts.push_back(std::move(t));
     const auto dir = scratch_dir();
     write_texts(dir / "in", texts);
-    const std::string out = testing::run_python(dir, kSplitScript, (dir / "in").string());
+    const std::string out = testing::run_python(
+        dir, kSplitScript, (dir / "in").string() + " " + pre_tokenizer_name(kind));
     ASSERT_FALSE(out.empty());
     const auto expected = parse_lines(out, texts.size());
     ASSERT_EQ(expected.size(), texts.size());
     size_t pieces = 0;
     for (size_t i = 0; i < texts.size(); ++i) {
-        const auto got = Tokenizer::pre_tokenize(texts[i], PreTokenizer::kLlama3);
+        const auto got = Tokenizer::pre_tokenize(texts[i], kind);
         std::vector<std::string> got_hex;
         std::string joined;
         for (auto p : got) {
@@ -187,6 +229,15 @@ TEST(TokenizerLlama3Split, MatchesPythonRegex) {
                       << " (hex of the UTF-8 bytes)";
     }
     EXPECT_GT(pieces, texts.size());
+    fs::remove_all(dir);
+}
+
+TEST(TokenizerGpt2Split, MatchesPythonRegex) {
+    expect_split_matches_python(PreTokenizer::kGpt2);
+}
+
+TEST(TokenizerLlama3Split, MatchesPythonRegex) {
+    expect_split_matches_python(PreTokenizer::kLlama3);
     // Spot checks a reader can follow without running Python.
     using V = std::vector<std::string_view>;
     auto split = [](std::string_view s) {
@@ -197,7 +248,6 @@ TEST(TokenizerLlama3Split, MatchesPythonRegex) {
     EXPECT_EQ(split("x  hi\t\ty \n\n  z"), (V{"x", " ", " hi", "\t", "\ty", " \n\n", " ", " z"}));
     EXPECT_EQ(split("ok!!\r\n"), (V{"ok", "!!\r\n"}));
     EXPECT_EQ(split("(hello end  "), (V{"(hello", " end", "  "}));
-    fs::remove_all(dir);
 }
 
 // Training text: a slice of every fortunes file, or generated sentences without the package.
