@@ -304,16 +304,23 @@ void register_tokenize(CLI::App& app) {
     train->add_option("files", tr->inputs, "text files or directories")->required();
     train->callback([tr] { run_tokenizer_train(*tr); });
 
-    auto enc = std::make_shared<std::pair<std::string, std::string>>();
+    struct EncodeOptions {
+        std::string tokenizer, text;
+        bool add_special = false;
+    };
+    auto enc = std::make_shared<EncodeOptions>();
     CLI::App* encode = tokenizer->add_subcommand("encode", "Print the token ids of TEXT");
-    encode->add_option("--tokenizer", enc->first, "tokenizer.json, encoder.json or directory")
+    encode->add_option("--tokenizer", enc->tokenizer, "tokenizer.json, encoder.json or directory")
         ->required();
-    encode->add_option("text", enc->second, "text to encode")->required();
+    encode->add_flag("--add-special-tokens", enc->add_special,
+                     "add the post-processor's special tokens (Llama 3: <|begin_of_text|>), as "
+                     "Hugging Face's tokenizer(text) does");
+    encode->add_option("text", enc->text, "text to encode")->required();
     encode->callback([enc] {
-        const data::Tokenizer tok = data::Tokenizer::load(enc->first);
+        const data::Tokenizer tok = data::Tokenizer::load(enc->tokenizer);
         // Joined by hand: fmt::join trips a GCC 12 -Wstringop-overflow false positive at -O3.
         std::string line;
-        for (uint32_t id : tok.encode(enc->second)) {
+        for (uint32_t id : tok.encode(enc->text, enc->add_special)) {
             if (!line.empty()) line += ' ';
             line += std::to_string(id);
         }

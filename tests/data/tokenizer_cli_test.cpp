@@ -139,6 +139,17 @@ TEST(TokenizerCliCommands, TokenizeWithLlama3Tokenizer) {
         << r.output;
     EXPECT_NE(r.output.find("added tokens  256\n"), std::string::npos) << r.output;
 
+    std::string ids;
+    for (uint32_t id : tok.encode("the early bird", true)) {
+        if (!ids.empty()) ids += ' ';
+        ids += std::to_string(id);
+    }
+    r = run_memtrain(fmt::format(
+        "tokenizer encode --add-special-tokens --tokenizer {} \"the early bird\"", tok_path));
+    EXPECT_EQ(r.code, 0) << r.output;
+    EXPECT_EQ(r.output, ids + '\n');
+    EXPECT_EQ(r.output.substr(0, r.output.find(' ')), std::to_string(bos));
+
     const auto out = dir / "shards";
     r = run_memtrain(
         fmt::format("tokenize --tokenizer {} --out {} --doc-separator % --val-fraction 0.2 {}",
