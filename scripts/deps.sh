@@ -9,7 +9,8 @@ cd "$(dirname "$0")/.."
 # the benchmark peer.
 pkgs=(build-essential cmake pkg-config libopenblas-openmp-dev libopenblas0-openmp
       libopenblas0-pthread libtomlplusplus-dev nlohmann-json3-dev libcli11-dev libfmt-dev
-      libgtest-dev fortunes python3-torch python3-numpy libopenmpi-dev openmpi-bin chromium)
+      libgtest-dev fortunes python3-torch python3-numpy python3-regex libopenmpi-dev openmpi-bin
+      chromium)
 # npm may come from outside Debian (a node install); ask apt only when there is none.
 command -v npm >/dev/null 2>&1 || pkgs+=(npm)
 missing=()

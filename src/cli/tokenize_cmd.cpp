@@ -1,8 +1,10 @@
 // `memtrain tokenize` turns text files into train/val token shards; `memtrain tokenizer train`
-// learns a byte-level BPE vocabulary and `memtrain tokenizer encode` prints ids for debugging.
-// Parsing and printing only: the work is in data/tokenizer and data/shard.
+// learns a byte-level BPE vocabulary; `tokenizer encode`, `decode` and `info` are for looking at
+// one. Parsing and printing only: the work is in data/tokenizer and data/shard.
 #include <algorithm>
+#include <charconv>
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -141,16 +143,24 @@ void run_tokenize(const TokenizeOptions& o) {
 #pragma omp parallel for schedule(dynamic, 16)
     for (long i = 0; i < static_cast<long>(docs.size()); ++i) encoded[i] = tok.encode(docs[i]);
 
-    // The end-of-text token precedes every document (as GPT-2 and llm.c do), so it separates
-    // documents and a sample can start from it.
+    // Without a BOS (GPT-2) the end-of-text token precedes every document, as GPT-2 and llm.c
+    // do, so it separates documents and a sample can start from it. With one (Llama 3) a document
+    // is what Hugging Face's tokenizer(text) gives, BOS first, then end-of-text, as torchtitan
+    // frames documents.
+    const auto bos = tok.bos_token(), eot = tok.eot_token();
     std::vector<uint32_t> train, val;
     size_t train_docs = 0, val_docs = 0, text_tokens = 0;
     for (size_t i = 0; i < docs.size(); ++i) {
         const bool to_val = is_validation(o.seed, i, o.val_fraction);
         auto& dst = to_val ? val : train;
         (to_val ? val_docs : train_docs)++;
-        if (tok.eot_token()) dst.push_back(*tok.eot_token());
+        if (bos) {
+            dst.push_back(*bos);
+        } else if (eot) {
+            dst.push_back(*eot);
+        }
         dst.insert(dst.end(), encoded[i].begin(), encoded[i].end());
+        if (bos && eot) dst.push_back(*eot);
         text_tokens += encoded[i].size();
     }
     if (train_docs == 0)
@@ -165,10 +175,11 @@ void run_tokenize(const TokenizeOptions& o) {
     fs::create_directories(o.out, ec);
     if (ec) fail("cannot create output directory '{}': {}", o.out, ec.message());
     const auto vocab = static_cast<uint32_t>(tok.vocab_size());
-    data::write_shard((fs::path(o.out) / "train.bin").string(), train, vocab);
+    const uint64_t fingerprint = tok.fingerprint();
+    data::write_shard((fs::path(o.out) / "train.bin").string(), train, vocab, fingerprint);
     const std::string val_path = (fs::path(o.out) / "val.bin").string();
     if (o.val_fraction > 0) {
-        data::write_shard(val_path, val, vocab);
+        data::write_shard(val_path, val, vocab, fingerprint);
     } else {
         fs::remove(val_path, ec);  // a val.bin from an earlier run would no longer match
     }
@@ -177,10 +188,11 @@ void run_tokenize(const TokenizeOptions& o) {
     for (const auto& d : docs) doc_bytes += d.size();
     fmt::print("tokenize: {} text files ({} binary skipped), {} documents ({} train, {} val)\n",
                corpus.files, corpus.skipped.size(), docs.size(), train_docs, val_docs);
-    fmt::print("tokenize: {}/train.bin {} tokens, {}, vocab {}\n", o.out, train.size(),
+    fmt::print("tokenize: {}/train.bin {} tokens, {}, vocab {}, tokenizer fingerprint {:016x}\n",
+               o.out, train.size(),
                o.val_fraction > 0 ? fmt::format("{}/val.bin {} tokens", o.out, val.size())
                                   : std::string("no val.bin (--val-fraction 0)"),
-               vocab);
+               vocab, fingerprint);
     fmt::print(
         "tokenize: {:.2f} bytes/token, {:.2f} s\n",
         static_cast<double>(doc_bytes) / static_cast<double>(std::max<size_t>(text_tokens, 1)),
@@ -203,6 +215,55 @@ void run_tokenizer_train(const TrainOptions& o) {
         "{:.2f} s -> {}\n",
         tok.vocab_size(), tok.num_merges(), corpus.documents.size(), corpus.bytes, corpus.files,
         seconds_since(start), o.out);
+}
+
+// Ids from the command line, or whitespace-separated on stdin when there are none.
+std::vector<uint32_t> parse_ids(const std::vector<std::string>& args, int vocab_size) {
+    std::vector<std::string> words = args;
+    if (words.empty()) {
+        std::string text, word;
+        char buf[1 << 16];
+        while (size_t n = std::fread(buf, 1, sizeof(buf), stdin)) text.append(buf, n);
+        std::istringstream in(text);
+        while (in >> word) words.push_back(word);
+    }
+    std::vector<uint32_t> ids;
+    ids.reserve(words.size());
+    for (const std::string& w : words) {
+        uint32_t id = 0;
+        const auto [end, ec] = std::from_chars(w.data(), w.data() + w.size(), id);
+        if (ec != std::errc() || end != w.data() + w.size()) {
+            fail(
+                "tokenizer decode: '{}' is not a token id; expected a non-negative integer below "
+                "the vocab size {}",
+                w, vocab_size);
+        }
+        if (id >= static_cast<uint32_t>(vocab_size)) {
+            fail("tokenizer decode: token id {} is out of range; the vocab size is {}", id,
+                 vocab_size);
+        }
+        ids.push_back(id);
+    }
+    return ids;
+}
+
+std::string shown_id(const data::Tokenizer& tok, std::optional<uint32_t> id) {
+    if (!id) return "none";
+    const std::vector<uint32_t> one{*id};
+    return fmt::format("{} \"{}\"", *id, tok.decode(one));
+}
+
+void print_info(const std::string& path) {
+    const data::Tokenizer tok = data::Tokenizer::load(path);
+    fmt::print("tokenizer     {}\n", path);
+    fmt::print("vocab size    {}\n", tok.vocab_size());
+    fmt::print("merges        {}\n", tok.num_merges());
+    fmt::print("pre-tokenizer {}{}\n", data::pre_tokenizer_name(tok.pre_tokenizer()),
+               tok.ignore_merges() ? " (ignore_merges)" : "");
+    fmt::print("end of text   {}\n", shown_id(tok, tok.eot_token()));
+    fmt::print("BOS           {}\n", shown_id(tok, tok.bos_token()));
+    fmt::print("added tokens  {}\n", tok.num_added_tokens());
+    fmt::print("fingerprint   {:016x}\n", tok.fingerprint());
 }
 
 }  // namespace
@@ -243,21 +304,48 @@ void register_tokenize(CLI::App& app) {
     train->add_option("files", tr->inputs, "text files or directories")->required();
     train->callback([tr] { run_tokenizer_train(*tr); });
 
-    auto enc = std::make_shared<std::pair<std::string, std::string>>();
+    struct EncodeOptions {
+        std::string tokenizer, text;
+        bool add_special = false;
+    };
+    auto enc = std::make_shared<EncodeOptions>();
     CLI::App* encode = tokenizer->add_subcommand("encode", "Print the token ids of TEXT");
-    encode->add_option("--tokenizer", enc->first, "tokenizer.json, encoder.json or directory")
+    encode->add_option("--tokenizer", enc->tokenizer, "tokenizer.json, encoder.json or directory")
         ->required();
-    encode->add_option("text", enc->second, "text to encode")->required();
+    encode->add_flag("--add-special-tokens", enc->add_special,
+                     "add the post-processor's special tokens (Llama 3: <|begin_of_text|>), as "
+                     "Hugging Face's tokenizer(text) does");
+    encode->add_option("text", enc->text, "text to encode")->required();
     encode->callback([enc] {
-        const data::Tokenizer tok = data::Tokenizer::load(enc->first);
+        const data::Tokenizer tok = data::Tokenizer::load(enc->tokenizer);
         // Joined by hand: fmt::join trips a GCC 12 -Wstringop-overflow false positive at -O3.
         std::string line;
-        for (uint32_t id : tok.encode(enc->second)) {
+        for (uint32_t id : tok.encode(enc->text, enc->add_special)) {
             if (!line.empty()) line += ' ';
             line += std::to_string(id);
         }
         fmt::print("{}\n", line);
     });
+
+    auto dec = std::make_shared<std::pair<std::string, std::vector<std::string>>>();
+    CLI::App* decode = tokenizer->add_subcommand(
+        "decode", "Print the text of token IDS (arguments, or whitespace-separated on stdin)");
+    decode->add_option("--tokenizer", dec->first, "tokenizer.json, encoder.json or directory")
+        ->required();
+    decode->add_option("ids", dec->second, "token ids; read from stdin when none are given");
+    decode->callback([dec] {
+        const data::Tokenizer tok = data::Tokenizer::load(dec->first);
+        const std::string text = tok.decode(parse_ids(dec->second, tok.vocab_size()));
+        std::fwrite(text.data(), 1, text.size(), stdout);  // raw bytes: ids may split a character
+        std::fputc('\n', stdout);
+    });
+
+    auto info_path = std::make_shared<std::string>();
+    CLI::App* info = tokenizer->add_subcommand(
+        "info", "Print a tokenizer's vocab size, merges, pre-tokenizer, special ids, fingerprint");
+    info->add_option("--tokenizer", *info_path, "tokenizer.json, encoder.json or directory")
+        ->required();
+    info->callback([info_path] { print_info(*info_path); });
 }
 
 }  // namespace memtrain::cli

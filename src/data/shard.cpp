@@ -40,7 +40,7 @@ uint64_t get_u64(const unsigned char* p) {
 
 // Header layout (offsets in bytes).
 constexpr size_t kOffMagic = 0, kOffVersion = 8, kOffBytesPerToken = 12, kOffNumTokens = 16,
-                 kOffVocab = 24, kOffReserved = 28;
+                 kOffVocab = 24, kOffFingerprint = 32, kOffReservedV1 = 28, kOffReservedV2 = 40;
 
 inline uint32_t token_at(const unsigned char* p, uint32_t bytes_per_token, size_t i) {
     return bytes_per_token == 2 ? uint32_t{p[2 * i]} | (uint32_t{p[2 * i + 1]} << 8)
@@ -49,7 +49,8 @@ inline uint32_t token_at(const unsigned char* p, uint32_t bytes_per_token, size_
 
 }  // namespace
 
-void write_shard(const std::string& path, std::span<const uint32_t> tokens, uint32_t vocab_size) {
+void write_shard(const std::string& path, std::span<const uint32_t> tokens, uint32_t vocab_size,
+                 uint64_t tokenizer_fingerprint) {
     if (vocab_size == 0) fail("write_shard '{}': vocab size must be positive", path);
     for (size_t i = 0; i < tokens.size(); ++i) {
         if (tokens[i] >= vocab_size) {
@@ -64,6 +65,7 @@ void write_shard(const std::string& path, std::span<const uint32_t> tokens, uint
     put_u32(header + kOffBytesPerToken, bpt);
     put_u64(header + kOffNumTokens, tokens.size());
     put_u32(header + kOffVocab, vocab_size);
+    put_u64(header + kOffFingerprint, tokenizer_fingerprint);
 
     const std::string tmp = path + ".tmp";
     std::FILE* f = std::fopen(tmp.c_str(), "wb");
@@ -126,8 +128,8 @@ TokenShard::TokenShard(const std::string& path) : path_(path) {
             fail("'{}' is not a memtrain token shard: bad magic (expected \"MTTOKENS\")", path);
         }
         const uint32_t version = get_u32(data_ + kOffVersion);
-        if (version != kShardVersion) {
-            fail("token shard '{}' has format version {}; this build reads version {}", path,
+        if (version != 1 && version != kShardVersion) {
+            fail("token shard '{}' has format version {}; this build reads versions 1 to {}", path,
                  version, kShardVersion);
         }
         vocab_size_ = get_u32(data_ + kOffVocab);
@@ -137,7 +139,14 @@ TokenShard::TokenShard(const std::string& path) : path_(path) {
             fail("token shard '{}' has {} bytes per token; expected {} for vocab size {}", path,
                  bytes_per_token_, shard_bytes_per_token(vocab_size_), vocab_size_);
         }
-        for (size_t i = kOffReserved; i < kShardHeaderBytes; ++i) {
+        if (version >= 2) {
+            if (get_u32(data_ + kOffReservedV1) != 0) {
+                fail("token shard '{}': reserved header bytes 28-31 are not 0", path);
+            }
+            fingerprint_ = get_u64(data_ + kOffFingerprint);
+        }
+        for (size_t i = version >= 2 ? kOffReservedV2 : kOffReservedV1; i < kShardHeaderBytes;
+             ++i) {
             if (data_[i] != 0) {
                 fail("token shard '{}': reserved header byte {} is {}; expected 0", path, i,
                      data_[i]);
@@ -180,7 +189,8 @@ TokenShard::TokenShard(TokenShard&& other) noexcept
       mapped_bytes_(std::exchange(other.mapped_bytes_, 0)),
       num_tokens_(std::exchange(other.num_tokens_, 0)),
       vocab_size_(std::exchange(other.vocab_size_, 0)),
-      bytes_per_token_(std::exchange(other.bytes_per_token_, 0)) {}
+      bytes_per_token_(std::exchange(other.bytes_per_token_, 0)),
+      fingerprint_(std::exchange(other.fingerprint_, 0)) {}
 
 TokenShard& TokenShard::operator=(TokenShard&& other) noexcept {
     if (this != &other) {
@@ -191,6 +201,7 @@ TokenShard& TokenShard::operator=(TokenShard&& other) noexcept {
         num_tokens_ = std::exchange(other.num_tokens_, 0);
         vocab_size_ = std::exchange(other.vocab_size_, 0);
         bytes_per_token_ = std::exchange(other.bytes_per_token_, 0);
+        fingerprint_ = std::exchange(other.fingerprint_, 0);
     }
     return *this;
 }
@@ -211,6 +222,26 @@ void TokenShard::read(size_t start, size_t count, uint32_t* out) const {
         for (size_t i = 0; i < count; ++i) out[i] = token_at(body, 2, start + i);
     } else {
         for (size_t i = 0; i < count; ++i) out[i] = token_at(body, 4, start + i);
+    }
+}
+
+void check_shard_tokenizer(const TokenShard& shard, const std::string& tokenizer_path,
+                           uint64_t tokenizer_fingerprint, uint32_t tokenizer_vocab_size) {
+    const auto fp = shard.tokenizer_fingerprint();
+    if (fp && *fp != tokenizer_fingerprint) {
+        fail(
+            "token shard '{}' was made with a different tokenizer than data.tokenizer '{}' "
+            "(tokenizer fingerprint {:016x} in the shard, {:016x} for '{}'); re-run `memtrain "
+            "tokenize --tokenizer {}` to make the shards with it",
+            shard.path(), tokenizer_path, *fp, tokenizer_fingerprint, tokenizer_path,
+            tokenizer_path);
+    }
+    if (!fp && shard.vocab_size() != tokenizer_vocab_size) {
+        fail(
+            "token shard '{}' has vocab size {} but data.tokenizer '{}' has {}, so the shard was "
+            "made with another tokenizer; re-run `memtrain tokenize --tokenizer {}` to make the "
+            "shards with it",
+            shard.path(), shard.vocab_size(), tokenizer_path, tokenizer_vocab_size, tokenizer_path);
     }
 }
 

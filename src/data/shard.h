@@ -5,13 +5,15 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 
 namespace memtrain::data {
 
 inline constexpr char kShardMagic[8] = {'M', 'T', 'T', 'O', 'K', 'E', 'N', 'S'};
-inline constexpr uint32_t kShardVersion = 1;
+// Version 2 adds the tokenizer's fingerprint; version 1 files (no fingerprint) are still read.
+inline constexpr uint32_t kShardVersion = 2;
 inline constexpr size_t kShardHeaderBytes = 64;
 
 // 2 bytes per token when every id fits in u16, else 4.
@@ -20,7 +22,10 @@ inline uint32_t shard_bytes_per_token(uint32_t vocab_size) {
 }
 
 // Writes `path` atomically (path + ".tmp", then rename). Every token must be < vocab_size.
-void write_shard(const std::string& path, std::span<const uint32_t> tokens, uint32_t vocab_size);
+// `tokenizer_fingerprint` is Tokenizer::fingerprint() of the tokenizer that made the tokens, 0 if
+// unknown.
+void write_shard(const std::string& path, std::span<const uint32_t> tokens, uint32_t vocab_size,
+                 uint64_t tokenizer_fingerprint = 0);
 
 class TokenShard {
   public:
@@ -36,6 +41,11 @@ class TokenShard {
     size_t size() const { return num_tokens_; }
     uint32_t vocab_size() const { return vocab_size_; }
     uint32_t bytes_per_token() const { return bytes_per_token_; }
+    // The fingerprint of the tokenizer that wrote the shard; nullopt for shards written without
+    // one (format version 1, or write_shard with 0).
+    std::optional<uint64_t> tokenizer_fingerprint() const {
+        return fingerprint_ ? std::optional<uint64_t>(fingerprint_) : std::nullopt;
+    }
     const std::string& path() const { return path_; }
     // Copies tokens [start, start + count) to out; the range must lie inside the shard.
     void read(size_t start, size_t count, uint32_t* out) const;
@@ -49,6 +59,13 @@ class TokenShard {
     size_t num_tokens_ = 0;
     uint32_t vocab_size_ = 0;
     uint32_t bytes_per_token_ = 0;
+    uint64_t fingerprint_ = 0;
 };
+
+// Refuses (memtrain::Error) a shard that the tokenizer at `tokenizer_path` did not make: its
+// fingerprint differs, or, for a shard without one, its vocab size differs. The message names
+// both files and says to re-run `memtrain tokenize`.
+void check_shard_tokenizer(const TokenShard& shard, const std::string& tokenizer_path,
+                           uint64_t tokenizer_fingerprint, uint32_t tokenizer_vocab_size);
 
 }  // namespace memtrain::data

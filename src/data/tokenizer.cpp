@@ -26,6 +26,9 @@ namespace fs = std::filesystem;
 namespace {
 
 constexpr const char* kEot = "<|endoftext|>";
+// Llama 3's end of a document. Its <|eot_id|> ends a chat turn, not a document, so it is not the
+// end-of-text token.
+constexpr const char* kEndOfText = "<|end_of_text|>";
 
 // ---- GPT-2's byte <-> unicode mapping -------------------------------------------------------
 // Printable bytes map to themselves; the others to code points from 256 up, so every token is
@@ -203,14 +206,17 @@ struct Tokenizer::Cache {
 
 // ---- pre-tokenizer ----------------------------------------------------------------------------
 
-// Implements 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+ by
-// scanning classes: at each position the first alternative that matches wins, as in the regex.
-std::vector<std::string_view> Tokenizer::pre_tokenize(std::string_view text) {
-    struct Cp {
-        uint32_t cp;
-        size_t offset;
-        CharClass cls;
-    };
+namespace {
+
+struct Cp {
+    uint32_t cp;
+    size_t offset;
+    CharClass cls;
+};
+
+// An invalid UTF-8 byte becomes one character of class "other" (the class of the lone surrogate
+// Python's surrogateescape would make of it).
+std::vector<Cp> code_points(std::string_view text) {
     std::vector<Cp> cps;
     cps.reserve(text.size());
     for (size_t i = 0; i < text.size();) {
@@ -218,6 +224,82 @@ std::vector<std::string_view> Tokenizer::pre_tokenize(std::string_view text) {
         cps.push_back({d.cp, i, d.ok ? char_class(d.cp) : CharClass::kOther});
         i += d.len;
     }
+    return cps;
+}
+
+// Llama 3's pattern
+//   (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|
+//   \s*[\r\n]+|\s+(?!\S)|\s+
+// by scanning classes, first matching alternative at each position, as the regex does.
+std::vector<std::string_view> pre_tokenize_llama3(std::string_view text) {
+    const std::vector<Cp> cps = code_points(text);
+    const size_t n = cps.size();
+    auto offset = [&](size_t k) { return k < n ? cps[k].offset : text.size(); };
+    auto cls = [&](size_t k) { return cps[k].cls; };
+    auto is_rn = [&](size_t k) { return cps[k].cp == '\r' || cps[k].cp == '\n'; };
+    auto lower = [&](size_t k) { return k < n && cps[k].cp < 0x80 ? cps[k].cp | 0x20 : 0u; };
+    auto run = [&](size_t k, CharClass c) {
+        while (k < n && cls(k) == c) ++k;
+        return k;
+    };
+    std::vector<std::string_view> pieces;
+    size_t i = 0;
+    while (i < n) {
+        size_t j = 0;
+        // `| 0x20` lowers ASCII letters; the quote and the other characters never collide.
+        const uint32_t c1 = lower(i + 1), c2 = lower(i + 2);
+        if (cps[i].cp == '\'' && (c1 == 's' || c1 == 't' || c1 == 'm' || c1 == 'd')) {
+            j = i + 2;
+        } else if (cps[i].cp == '\'' && ((c1 == 'r' && c2 == 'e') || (c1 == 'v' && c2 == 'e') ||
+                                         (c1 == 'l' && c2 == 'l'))) {
+            j = i + 3;
+        } else if (cls(i) == CharClass::kLetter) {
+            j = run(i, CharClass::kLetter);
+        } else if (cls(i) != CharClass::kNumber && !is_rn(i) && i + 1 < n &&
+                   cls(i + 1) == CharClass::kLetter) {
+            j = run(i + 1, CharClass::kLetter);  // one non-letter, non-digit may lead a word
+        } else if (cls(i) == CharClass::kNumber) {
+            j = std::min(run(i, CharClass::kNumber), i + 3);
+        } else if (cls(i) == CharClass::kOther ||
+                   (cps[i].cp == ' ' && i + 1 < n && cls(i + 1) == CharClass::kOther)) {
+            j = run(cls(i) == CharClass::kOther ? i : i + 1, CharClass::kOther);
+            while (j < n && is_rn(j)) ++j;
+        } else {
+            // Whitespace. \s*[\r\n]+ ends after the run's last line break; else \s+(?!\S) leaves
+            // the run's last character to lead the next word; a single one is \s+.
+            const size_t e = run(i, CharClass::kSpace);
+            size_t last_rn = e;
+            for (size_t k = i; k < e; ++k) {
+                if (is_rn(k)) last_rn = k;
+            }
+            if (last_rn < e) {
+                j = last_rn + 1;
+            } else if (e == n || e - 1 == i) {
+                j = e;
+            } else {
+                j = e - 1;
+            }
+        }
+        pieces.push_back(text.substr(offset(i), offset(j) - offset(i)));
+        i = j;
+    }
+    return pieces;
+}
+
+}  // namespace
+
+const char* pre_tokenizer_name(PreTokenizer kind) {
+    return kind == PreTokenizer::kLlama3 ? "llama3" : "gpt2";
+}
+
+std::vector<std::string_view> Tokenizer::pre_tokenize(std::string_view text, PreTokenizer kind) {
+    return kind == PreTokenizer::kLlama3 ? pre_tokenize_llama3(text) : pre_tokenize(text);
+}
+
+// Implements 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+ by
+// scanning classes: at each position the first alternative that matches wins, as in the regex.
+std::vector<std::string_view> Tokenizer::pre_tokenize(std::string_view text) {
+    const std::vector<Cp> cps = code_points(text);
     const size_t n = cps.size();
     auto offset = [&](size_t k) { return k < n ? cps[k].offset : text.size(); };
     std::vector<std::string_view> pieces;
@@ -261,6 +343,14 @@ void Tokenizer::encode_piece(std::string_view piece, std::vector<uint32_t>& out)
     if (piece.size() == 1) {
         out.push_back(byte_id_[static_cast<unsigned char>(piece[0])]);
         return;
+    }
+    // ignore_merges (Llama 3): a piece that is itself a vocab token is that token, even where the
+    // merge ranks would segment it differently.
+    if (ignore_merges_) {
+        if (auto it = bytes_to_id_.find(std::string(piece)); it != bytes_to_id_.end()) {
+            out.push_back(it->second);
+            return;
+        }
     }
     const bool cacheable = cache_ && piece.size() <= 64;
     Cache::Shard* shard = nullptr;
@@ -321,7 +411,7 @@ void Tokenizer::encode_piece(std::string_view piece, std::vector<uint32_t>& out)
 }
 
 void Tokenizer::encode_ordinary(std::string_view text, std::vector<uint32_t>& out) const {
-    for (std::string_view piece : pre_tokenize(text)) encode_piece(piece, out);
+    for (std::string_view piece : pre_tokenize(text, pre_)) encode_piece(piece, out);
 }
 
 std::vector<uint32_t> Tokenizer::encode(std::string_view text) const {
@@ -351,6 +441,76 @@ std::vector<uint32_t> Tokenizer::encode(std::string_view text) const {
         pos = best + specials_[best_k].first.size();
     }
     return out;
+}
+
+std::vector<uint32_t> Tokenizer::encode(std::string_view text, bool add_special) const {
+    if (!add_special) return encode(text);
+    if (!unsupported_post_.empty()) {
+        fail(
+            "tokenizer: its post-processor {} is not interpreted by memtrain, so the special "
+            "tokens it adds are unknown; only TemplateProcessing (alone or in a Sequence) is",
+            unsupported_post_);
+    }
+    std::vector<uint32_t> out = prefix_;
+    const std::vector<uint32_t> ids = encode(text);
+    out.insert(out.end(), ids.begin(), ids.end());
+    out.insert(out.end(), suffix_.begin(), suffix_.end());
+    return out;
+}
+
+std::optional<uint32_t> Tokenizer::token_id(std::string_view token) const {
+    for (const auto& [content, id] : specials_) {
+        if (content == token) return id;
+    }
+    if (auto it = bytes_to_id_.find(std::string(token)); it != bytes_to_id_.end())
+        return it->second;
+    return std::nullopt;
+}
+
+uint64_t Tokenizer::fingerprint() const {
+    // FNV-1a over a length-prefixed serialization, so that no two different tables feed the same
+    // byte stream; then a splitmix64 finalizer to spread FNV's weak high bits.
+    uint64_t h = 0xcbf29ce484222325ull;
+    auto bytes = [&](const void* p, size_t n) {
+        const auto* c = static_cast<const unsigned char*>(p);
+        for (size_t i = 0; i < n; ++i) h = (h ^ c[i]) * 0x100000001b3ull;
+    };
+    auto u64 = [&](uint64_t v) {
+        unsigned char b[8];
+        for (int i = 0; i < 8; ++i) b[i] = static_cast<unsigned char>(v >> (8 * i));
+        bytes(b, 8);
+    };
+    auto str = [&](std::string_view v) {
+        u64(v.size());
+        bytes(v.data(), v.size());
+    };
+    str("memtrain-tokenizer-v1");
+    u64(id_to_bytes_.size());
+    for (size_t id = 0; id < id_to_bytes_.size(); ++id) {
+        u64(in_vocab_[id] ? 1 : 0);
+        str(id_to_bytes_[id]);
+    }
+    u64(merge_list_.size());
+    for (const auto& [a, b] : merge_list_) u64((uint64_t{a} << 32) | b);
+    auto specials = specials_;
+    std::sort(specials.begin(), specials.end(),
+              [](const auto& x, const auto& y) { return x.second < y.second; });
+    u64(specials.size());
+    for (const auto& [content, id] : specials) {
+        u64(id);
+        str(content);
+    }
+    str(pre_tokenizer_name(pre_));
+    u64(ignore_merges_ ? 1 : 0);
+    for (const auto* list : {&prefix_, &suffix_}) {
+        u64(list->size());
+        for (uint32_t id : *list) u64(id);
+    }
+    uint64_t z = h + 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return z == 0 ? 1 : z;
 }
 
 std::string Tokenizer::decode(std::span<const uint32_t> ids) const {
@@ -430,7 +590,7 @@ void Tokenizer::build(std::string_view source, std::vector<std::optional<std::st
         }
         id_to_bytes_[id] = content;
         specials_.emplace_back(content, id);
-        if (content == kEot) eot_ = id;
+        if (content == kEot || (content == kEndOfText && !eot_)) eot_ = id;
     }
     std::stable_sort(specials_.begin(), specials_.end(),
                      [](const auto& x, const auto& y) { return x.first.size() > y.first.size(); });
@@ -441,11 +601,147 @@ void Tokenizer::build(std::string_view source, std::vector<std::optional<std::st
 
 namespace {
 
+// A special token the post-processor adds: its content, and its id when the file states it.
+using TemplateToken = std::pair<std::string, std::optional<uint32_t>>;
+
 struct Parsed {
     std::vector<std::optional<std::string>> vocab;
     std::vector<std::pair<std::string, std::string>> merges;
     std::vector<std::pair<std::string, uint32_t>> specials;
+    PreTokenizer pre = PreTokenizer::kGpt2;
+    bool ignore_merges = false;
+    std::vector<TemplateToken> prefix, suffix;
+    std::string post_processor;  // kept for save(); empty for none or a plain ByteLevel
+    std::string unsupported_post;
 };
+
+constexpr std::string_view kGpt2Pattern =
+    R"re('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)re";
+constexpr std::string_view kLlama3Pattern =
+    R"re((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)re";
+
+// A JSON value for an error message, cut short: a pre-tokenizer can be a long object.
+std::string shown_json(const nlohmann::json& v) {
+    std::string s = v.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+    if (s.size() > 300) s = s.substr(0, 300) + "...";
+    return s;
+}
+
+std::string json_type(const nlohmann::json& v) {
+    return v.is_object() && v.contains("type") && v["type"].is_string()
+               ? v["type"].get<std::string>()
+               : std::string();
+}
+
+bool json_bool(const nlohmann::json& v, const char* key, bool fallback) {
+    if (!v.contains(key) || v[key].is_null()) return fallback;
+    return v[key].is_boolean() ? v[key].get<bool>() : !fallback;  // a non-bool is "unexpected"
+}
+
+// Which hand-written pre-tokenizer reproduces the file's: GPT-2's ByteLevel (use_regex true), or
+// a Split with exactly GPT-2's or Llama 3's pattern followed by ByteLevel (use_regex false).
+PreTokenizer detect_pre_tokenizer(const std::string& path, const nlohmann::json& j) {
+    const char* supported =
+        "memtrain implements ByteLevel (GPT-2's pattern) and Split with Llama 3's pattern + "
+        "ByteLevel without regex";
+    if (!j.contains("pre_tokenizer") || j["pre_tokenizer"].is_null()) {
+        fail("{}: no pre_tokenizer; {}", path, supported);
+    }
+    const nlohmann::json& pt = j["pre_tokenizer"];
+    std::vector<nlohmann::json> steps;
+    if (json_type(pt) == "Sequence" && pt.contains("pretokenizers") &&
+        pt["pretokenizers"].is_array()) {
+        steps.assign(pt["pretokenizers"].begin(), pt["pretokenizers"].end());
+    } else {
+        steps.push_back(pt);
+    }
+    auto byte_level = [&](const nlohmann::json& b, bool use_regex) {
+        return json_type(b) == "ByteLevel" && !json_bool(b, "add_prefix_space", false) &&
+               json_bool(b, "use_regex", true) == use_regex;
+    };
+    if (steps.size() == 1 && byte_level(steps[0], true)) return PreTokenizer::kGpt2;
+    if (steps.size() == 2 && json_type(steps[0]) == "Split" && byte_level(steps[1], false)) {
+        const nlohmann::json& split = steps[0];
+        const bool has_regex = split.contains("pattern") && split["pattern"].is_object() &&
+                               split["pattern"].contains("Regex") &&
+                               split["pattern"]["Regex"].is_string();
+        const std::string behavior = split.contains("behavior") && split["behavior"].is_string()
+                                         ? split["behavior"].get<std::string>()
+                                         : std::string();
+        if (!has_regex || behavior != "Isolated" || json_bool(split, "invert", false)) {
+            fail(
+                "{}: pre_tokenizer Split {} is not supported: expected a \"Regex\" pattern, "
+                "behavior \"Isolated\" and invert false; {}",
+                path, shown_json(split), supported);
+        }
+        const std::string pattern = split["pattern"]["Regex"].get<std::string>();
+        if (pattern == kLlama3Pattern) return PreTokenizer::kLlama3;
+        if (pattern == kGpt2Pattern) return PreTokenizer::kGpt2;
+        fail(
+            "{}: pre_tokenizer Split pattern {} is not supported; memtrain implements exactly "
+            "Llama 3's pattern {} and GPT-2's {}",
+            path, shown_token(pattern), shown_token(kLlama3Pattern), shown_token(kGpt2Pattern));
+    }
+    fail("{}: pre_tokenizer {} is not supported; {}", path, shown_json(pt), supported);
+}
+
+// The special tokens a TemplateProcessing puts around a single sequence ("single": specials,
+// then {"Sequence": {"id": "A"}}, then specials). Other post-processors are recorded so that
+// encode(text, true) can refuse them; ByteLevel only adjusts offsets and is ignored.
+void parse_post_processor(const std::string& path, const nlohmann::json& j, Parsed& p) {
+    if (!j.contains("post_processor") || j["post_processor"].is_null()) return;
+    const nlohmann::json& pp = j["post_processor"];
+    std::vector<nlohmann::json> steps;
+    if (json_type(pp) == "Sequence" && pp.contains("processors") && pp["processors"].is_array()) {
+        steps.assign(pp["processors"].begin(), pp["processors"].end());
+    } else {
+        steps.push_back(pp);
+    }
+    bool has_template = false;
+    for (const nlohmann::json& step : steps) {
+        const std::string type = json_type(step);
+        if (type == "ByteLevel") continue;
+        if (type != "TemplateProcessing" || has_template) {
+            p.unsupported_post = type.empty() ? shown_json(step) : shown_token(type);
+            continue;
+        }
+        has_template = true;
+        if (!step.contains("single") || !step["single"].is_array()) {
+            fail("{}: post_processor TemplateProcessing has no \"single\" list", path);
+        }
+        bool seen_text = false;
+        for (const nlohmann::json& item : step["single"]) {
+            if (item.contains("Sequence") && item["Sequence"].is_object() &&
+                item["Sequence"].value("id", std::string()) == "A" && !seen_text) {
+                seen_text = true;
+            } else if (item.contains("SpecialToken") && item["SpecialToken"].is_object() &&
+                       item["SpecialToken"].contains("id") &&
+                       item["SpecialToken"]["id"].is_string()) {
+                const std::string name = item["SpecialToken"]["id"].get<std::string>();
+                const nlohmann::json* entry = nullptr;
+                if (step.contains("special_tokens") && step["special_tokens"].is_object() &&
+                    step["special_tokens"].contains(name)) {
+                    entry = &step["special_tokens"][name];
+                }
+                auto& dst = seen_text ? p.suffix : p.prefix;
+                if (entry && entry->contains("ids") && (*entry)["ids"].is_array()) {
+                    for (const auto& id : (*entry)["ids"]) {
+                        dst.emplace_back(name, checked_id(id, path, name, p.vocab.size() + 1024));
+                    }
+                } else {
+                    dst.emplace_back(name, std::nullopt);  // resolved by content after build
+                }
+            } else {
+                fail(
+                    "{}: post_processor template item {} is not supported; expected "
+                    "SpecialToken entries around one {{\"Sequence\": {{\"id\": \"A\"}}}}",
+                    path, shown_json(item));
+            }
+        }
+        if (!seen_text) fail("{}: post_processor template has no {{\"Sequence\": ...}}", path);
+    }
+    if (!(steps.size() == 1 && json_type(pp) == "ByteLevel")) p.post_processor = pp.dump();
+}
 
 Parsed parse_gpt2(const std::string& encoder_path, const std::string& bpe_path) {
     Parsed p;
@@ -498,6 +794,14 @@ Parsed parse_hf(const std::string& path) {
         if (!model.contains("merges") || !model["merges"].is_array()) {
             fail("{}: model.merges is missing or not an array", path);
         }
+        if (model.contains("ignore_merges") && !model["ignore_merges"].is_null()) {
+            if (!model["ignore_merges"].is_boolean()) {
+                fail("{}: model.ignore_merges is {}; expected true or false", path,
+                     model["ignore_merges"].dump());
+            }
+            p.ignore_merges = model["ignore_merges"].get<bool>();
+        }
+        p.pre = detect_pre_tokenizer(path, j);
         const auto& vocab = model["vocab"];
         const size_t added = j.contains("added_tokens") && j["added_tokens"].is_array()
                                  ? j["added_tokens"].size()
@@ -536,6 +840,7 @@ Parsed parse_hf(const std::string& path) {
                                         checked_id(t["id"], path, content, vocab.size() + added));
             }
         }
+        parse_post_processor(path, j, p);
     } catch (const nlohmann::json::exception& e) {
         fail("{}: unexpected tokenizer.json structure: {}", path, e.what());
     }
@@ -569,6 +874,22 @@ Tokenizer Tokenizer::load(const std::string& path) {
         p = parse_hf(path);
     }
     t.build(path, std::move(p.vocab), p.merges, p.specials);
+    t.pre_ = p.pre;
+    t.ignore_merges_ = p.ignore_merges;
+    t.post_processor_ = std::move(p.post_processor);
+    t.unsupported_post_ = std::move(p.unsupported_post);
+    for (auto [list, dst] : {std::pair{&p.prefix, &t.prefix_}, std::pair{&p.suffix, &t.suffix_}}) {
+        for (const auto& [content, id] : *list) {
+            const std::optional<uint32_t> resolved = id ? id : t.token_id(content);
+            if (!resolved || *resolved >= static_cast<uint32_t>(t.vocab_size())) {
+                fail(
+                    "{}: post_processor adds special token {}, which is not in the vocab or "
+                    "added_tokens",
+                    path, shown_token(content));
+            }
+            dst->push_back(*resolved);
+        }
+    }
     return t;
 }
 
@@ -600,14 +921,23 @@ void Tokenizer::save(const std::string& tokenizer_json_path) const {
     }
     text += added.empty() ? "],\n" : "\n  ],\n";
     text += "  \"normalizer\": null,\n";
-    text += "  \"pre_tokenizer\": " + byte_level + ",\n";
-    text += "  \"post_processor\": " + byte_level + ",\n";
+    std::string pre = byte_level;
+    if (pre_ == PreTokenizer::kLlama3) {
+        pre = R"({"type": "Sequence", "pretokenizers": [{"type": "Split", "pattern": {"Regex": )" +
+              json(std::string(kLlama3Pattern)).dump() +
+              R"(}, "behavior": "Isolated", "invert": false}, {"type": "ByteLevel", )"
+              R"("add_prefix_space": false, "trim_offsets": true, "use_regex": false}]})";
+    }
+    text += "  \"pre_tokenizer\": " + pre + ",\n";
+    text +=
+        "  \"post_processor\": " + (post_processor_.empty() ? byte_level : post_processor_) + ",\n";
     text += "  \"decoder\": " + byte_level + ",\n";
     text +=
         "  \"model\": {\n    \"type\": \"BPE\",\n    \"dropout\": null,\n    \"unk_token\": "
         "null,\n";
     text += "    \"continuing_subword_prefix\": \"\",\n    \"end_of_word_suffix\": \"\",\n";
     text += "    \"fuse_unk\": false,\n    \"byte_fallback\": false,\n";
+    if (ignore_merges_) text += "    \"ignore_merges\": true,\n";
     text += "    \"vocab\": {";
     bool first = true;
     for (size_t id = 0; id < id_to_bytes_.size(); ++id) {

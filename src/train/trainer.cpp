@@ -162,6 +162,12 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
         if (tok.vocab_size() > cfg_.model.vocab_size)
             fail("tokenizer {} has {} tokens but model.vocab_size is {}", cfg_.data.tokenizer,
                  tok.vocab_size(), cfg_.model.vocab_size);
+        // Shards must come from this tokenizer (fingerprint, or vocab size for old shards).
+        for (auto* l : {train_loader_.get(), val_loader_.get()}) {
+            if (l)
+                data::check_shard_tokenizer(l->shard(), cfg_.data.tokenizer, tok.fingerprint(),
+                                            (uint32_t)tok.vocab_size());
+        }
     }
     xg_.resize((std::size_t)Bg * T);
     yg_.resize((std::size_t)Bg * T);

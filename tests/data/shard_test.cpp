@@ -67,7 +67,7 @@ TEST(Shard, RoundTripU32AndHeaderLayout) {
     const auto dir = scratch_dir();
     const std::vector<uint32_t> tokens{0, 65536, 100000, 3};
     const auto path = dir / "b.bin";
-    write_shard(path.string(), tokens, 100001);
+    write_shard(path.string(), tokens, 100001, 0x0123456789abcdefull);
     const std::string bytes = read_bytes(path);
     ASSERT_EQ(bytes.size(), 64u + 4 * tokens.size());
     EXPECT_EQ(bytes.substr(0, 8), "MTTOKENS");
@@ -77,14 +77,18 @@ TEST(Shard, RoundTripU32AndHeaderLayout) {
             v |= uint32_t{static_cast<unsigned char>(bytes[off + i])} << (8 * i);
         return v;
     };
-    EXPECT_EQ(u32(8), 1u);        // version
+    EXPECT_EQ(u32(8), 2u);        // version
     EXPECT_EQ(u32(12), 4u);       // bytes per token
     EXPECT_EQ(u32(16), 4u);       // num_tokens, low half
     EXPECT_EQ(u32(20), 0u);       // num_tokens, high half
     EXPECT_EQ(u32(24), 100001u);  // vocab size
-    for (size_t i = 28; i < 64; ++i) EXPECT_EQ(bytes[i], 0) << i;
+    for (size_t i = 28; i < 32; ++i) EXPECT_EQ(bytes[i], 0) << i;
+    EXPECT_EQ(u32(32), 0x89abcdefu);  // tokenizer fingerprint, low half
+    EXPECT_EQ(u32(36), 0x01234567u);
+    for (size_t i = 40; i < 64; ++i) EXPECT_EQ(bytes[i], 0) << i;
     EXPECT_EQ(u32(64 + 4), 65536u);
     TokenShard s(path.string());
+    EXPECT_EQ(s.tokenizer_fingerprint(), 0x0123456789abcdefull);
     std::vector<uint32_t> out(tokens.size());
     s.read(0, tokens.size(), out.data());
     EXPECT_EQ(out, tokens);
@@ -122,9 +126,13 @@ TEST(Shard, CorruptFilesGiveClearErrors) {
     write_bytes(bad, b);
     expect_error(bad, "not a memtrain token shard: bad magic");
     b = bytes;
-    b[8] = 2;
+    b[8] = 3;
     write_bytes(bad, b);
-    expect_error(bad, "version 2");
+    expect_error(bad, "version 3");
+    b = bytes;
+    b[30] = 1;
+    write_bytes(bad, b);
+    expect_error(bad, "reserved header bytes 28-31");
     b = bytes;
     b[12] = 4;
     write_bytes(bad, b);
@@ -146,6 +154,52 @@ TEST(Shard, CorruptFilesGiveClearErrors) {
     b[40] = 1;
     write_bytes(bad, b);
     expect_error(bad, "reserved header byte 40");
+    fs::remove_all(dir);
+}
+
+// Shards written before the fingerprint (version 1) still load, without a fingerprint; in a
+// version 1 file the fingerprint's bytes are reserved and must be zero.
+TEST(Shard, ReadsVersion1WithoutFingerprint) {
+    const auto dir = scratch_dir();
+    const auto path = dir / "v1.bin";
+    write_shard(path.string(), std::vector<uint32_t>{5, 6, 7}, 10);
+    std::string b = read_bytes(path);
+    b[8] = 1;
+    write_bytes(path, b);
+    const TokenShard s(path.string());
+    EXPECT_EQ(s.size(), 3u);
+    EXPECT_EQ(s.tokenizer_fingerprint(), std::nullopt);
+    b[33] = 1;
+    write_bytes(path, b);
+    expect_error(path, "reserved header byte 33");
+    fs::remove_all(dir);
+}
+
+TEST(Shard, TokenizerCheckRefusesOtherTokenizers) {
+    const auto dir = scratch_dir();
+    const auto with = dir / "with.bin", without = dir / "without.bin";
+    write_shard(with.string(), std::vector<uint32_t>{1, 2}, 300, 0xabcull);
+    write_shard(without.string(), std::vector<uint32_t>{1, 2}, 300);
+    const TokenShard a(with.string()), b(without.string());
+    EXPECT_NO_THROW(check_shard_tokenizer(a, "tok.json", 0xabc, 300));
+    EXPECT_NO_THROW(check_shard_tokenizer(b, "tok.json", 0xabc, 300));
+    try {
+        check_shard_tokenizer(a, "other.json", 0xdef, 300);
+        ADD_FAILURE() << "expected a fingerprint mismatch";
+    } catch (const Error& e) {
+        const std::string m = e.what();
+        EXPECT_NE(m.find(with.string()), std::string::npos) << m;
+        EXPECT_NE(m.find("other.json"), std::string::npos) << m;
+        EXPECT_NE(m.find("memtrain tokenize"), std::string::npos) << m;
+    }
+    try {
+        check_shard_tokenizer(b, "big.json", 0xabc, 50257);
+        ADD_FAILURE() << "expected a vocab size mismatch";
+    } catch (const Error& e) {
+        const std::string m = e.what();
+        EXPECT_NE(m.find("vocab size 300"), std::string::npos) << m;
+        EXPECT_NE(m.find("big.json"), std::string::npos) << m;
+    }
     fs::remove_all(dir);
 }
 

@@ -1,5 +1,5 @@
 // Tokenizer tests: GPT-2 encodings known from OpenAI's tokenizer, round trips, training,
-// save/load identity and clear errors for bad tokenizer files.
+// save/load identity (ids and fingerprint) and clear errors for bad tokenizer files.
 #include "data/tokenizer.h"
 
 #include <filesystem>
@@ -79,6 +79,10 @@ TEST_F(TokenizerGpt2, LoadsEncoderJsonPathAndSavesIdentically) {
     const Tokenizer hf = Tokenizer::load((dir / "tokenizer.json").string());
     EXPECT_EQ(hf.vocab_size(), 50257);
     EXPECT_EQ(hf.eot_token(), 50256u);
+    EXPECT_EQ(hf.fingerprint(), tok_->fingerprint());  // the same tokenizer, whatever the files
+    EXPECT_EQ(hf.pre_tokenizer(), PreTokenizer::kGpt2);
+    EXPECT_FALSE(hf.ignore_merges());
+    EXPECT_EQ(hf.bos_token(), std::nullopt);
     for (const char* text : kTexts) EXPECT_EQ(hf.encode(text), tok_->encode(text)) << text;
     // The directory form picks tokenizer.json.
     EXPECT_EQ(Tokenizer::load(dir.string()).encode("Hello world"), (Ids{15496, 995}));
@@ -124,6 +128,8 @@ TEST(TokenizerTrain, ExactVocabRoundTripAndSaveLoadIdentity) {
     const Tokenizer back = Tokenizer::load(path);
     EXPECT_EQ(back.vocab_size(), 300);
     EXPECT_EQ(back.eot_token(), 299u);
+    EXPECT_EQ(back.fingerprint(), tok.fingerprint());
+    EXPECT_NE(Tokenizer::train(training_docs(), 301).fingerprint(), tok.fingerprint());
     for (const char* text : kTexts) EXPECT_EQ(back.encode(text), tok.encode(text)) << text;
     for (const auto& doc : training_docs()) ASSERT_EQ(back.encode(doc), tok.encode(doc));
     // Saving the loaded tokenizer reproduces the file byte for byte.
