@@ -48,13 +48,8 @@ void register_sample(CLI::App& app) {
         if (tok.vocab_size() > src.model.vocab_size)
             fail("tokenizer {} has {} tokens but the model's vocab_size is {}", tok_path,
                  tok.vocab_size(), src.model.vocab_size);
-        std::vector<int32_t> prompt;
-        for (uint32_t t : tok.encode(a->prompt)) prompt.push_back((int32_t)t);
+        const std::vector<int32_t> prompt = prompt_tokens(tok, a->prompt);
         auto eot = tok.eot_token();
-        if (prompt.empty()) {
-            if (!eot) fail("the tokenizer has no end-of-text token; give --prompt");
-            prompt.push_back((int32_t)*eot);
-        }
         Rng rng(a->seed);
         SampleOptions so{a->max_tokens, a->temperature, a->top_k, eot ? (int64_t)*eot : -1};
         auto out = generate(model, prompt, so, rng);

@@ -10,6 +10,16 @@
 
 namespace memtrain {
 
+std::vector<int32_t> prompt_tokens(const data::Tokenizer& tok, std::string_view text) {
+    std::vector<int32_t> ids;
+    for (uint32_t t : tok.encode(text, true)) ids.push_back((int32_t)t);
+    if (ids.empty()) {
+        if (!tok.eot_token()) fail("the tokenizer has no end-of-text token; give a prompt");
+        ids.push_back((int32_t)*tok.eot_token());
+    }
+    return ids;
+}
+
 int32_t pick_token(const float* logits, int V, const SampleOptions& opt, Rng& rng) {
     if (opt.temperature == 0) {  // greedy: the most likely token, the lowest id among ties
         int best = 0;

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/rng.h"
+#include "data/tokenizer.h"
 #include "model/gpt.h"
 
 namespace memtrain {
@@ -20,6 +21,11 @@ struct SampleOptions {
 
 // Logits (T,V) of the real vocabulary for one window of T tokens (a model's forward_logits).
 using LogitsFn = std::function<void(const int32_t* window, int T, float* logits)>;
+
+// A prompt as the model sees it: the text's ids wrapped as Hugging Face's `tokenizer(text)` does
+// (Llama 3: <|begin_of_text|> first), or the end-of-text token alone for an empty prompt with no
+// BOS (a GPT-2 document start). Throws when neither gives a token.
+std::vector<int32_t> prompt_tokens(const data::Tokenizer& tok, std::string_view text);
 
 // The next token from one position's logits over the real vocabulary (V).
 int32_t pick_token(const float* logits, int V, const SampleOptions& opt, Rng& rng);

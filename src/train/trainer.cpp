@@ -453,13 +453,9 @@ void Trainer::print_sample() {
     // from the same RNG state); otherwise rank 0 alone does.
     if (!root() && cfg_.train.zero_stage < 3) return;
     auto tok = data::Tokenizer::load(cfg_.data.tokenizer);
-    std::vector<int32_t> prompt;
-    for (uint32_t t : tok.encode(cfg_.sample.prompt)) prompt.push_back((int32_t)t);
     auto eot = tok.eot_token();
-    if (prompt.empty()) {
-        if (!eot) return;
-        prompt.push_back((int32_t)*eot);
-    }
+    if (cfg_.sample.prompt.empty() && !eot && !tok.bos_token()) return;
+    const std::vector<int32_t> prompt = prompt_tokens(tok, cfg_.sample.prompt);
     Rng rng;
     rng.set_state(state_.rng);
     SampleOptions so;
