@@ -16,6 +16,7 @@ void register_sample(CLI::App& app);    // memtrain sample MODEL --prompt ...
 void register_eval(CLI::App& app);      // memtrain eval MODEL --data SHARD
 void register_tokenize(CLI::App& app);  // memtrain tokenize, memtrain tokenizer train|encode
 void register_plan(CLI::App& app);      // memtrain estimate | plan | scale
+void register_pipeline(CLI::App& app);  // memtrain pipeline CONFIG --pp P --micro-batches M
 void register_remat(CLI::App& app);     // memtrain remat CONFIG [--budget X | --frontier]
 void register_report(CLI::App& app);    // memtrain report RUN_DIR [--out FILE]
 

@@ -29,6 +29,7 @@ int main(int argc, char** argv) {
     memtrain::cli::register_tokenize(app);
     memtrain::cli::register_plan(app);
     memtrain::cli::register_remat(app);
+    memtrain::cli::register_pipeline(app);
     memtrain::cli::register_report(app);
     try {
         app.parse(argc, argv);

@@ -198,8 +198,10 @@ void save_hf_weights(const ModelWeights& weights, const std::string& path, bool 
         w.write(path, [&](std::size_t i) -> const void* {
             const auto [u, t] = where[i];
             if (u != held) {
+                const int previous = held;
                 release();
-                for (int skipped = held + 1; skipped < u; skipped++) {
+                // Every rank acquires every unit once, in order (the gathers are collectives).
+                for (int skipped = previous + 1; skipped < u; skipped++) {
                     store.acquire(skipped);
                     store.release(skipped);
                 }
