@@ -50,10 +50,10 @@ void register_pipeline(CLI::App& app) {
                                       "{} x {} tokens | model {} layers\n",
                                       pp::kind_name(kind), s.p, s.v, m, B, T, cfg.model.n_layer)
                               .c_str());
-        std::printf("%s", fmt::format("{:>5} {:>14} {:>13} {:>10} {:>10} {:>14}\n", "rank",
-                                      "blocks", "fwd GFLOP/mb", "busy ms", "in flight",
-                                      "activations")
-                              .c_str());
+        std::printf("%s",
+                    fmt::format("{:>5} {:>14} {:>13} {:>10} {:>10} {:>14}\n", "rank", "blocks",
+                                "fwd GFLOP/mb", "busy ms", "in flight", "activations")
+                        .c_str());
         for (int rk = 0; rk < s.p; rk++) {
             std::string blocks;
             double gflop = 0;
@@ -68,30 +68,29 @@ void register_pipeline(CLI::App& app) {
             // Interleaved ranks count chunk-micro-batches; each holds one chunk's activations.
             const double bytes = (double)per_mb * r.peak_in_flight[rk];
             std::printf("%s", fmt::format("{:>5} {:>14} {:>13.2f} {:>10.2f} {:>10} {:>10.1f} MiB\n",
-                                          rk, blocks, gflop, r.busy[rk] * 1e3,
-                                          r.peak_in_flight[rk], bytes / (1 << 20))
+                                          rk, blocks, gflop, r.busy[rk] * 1e3, r.peak_in_flight[rk],
+                                          bytes / (1 << 20))
                                   .c_str());
         }
-        std::printf("%s",
-                    fmt::format("step {:.2f} ms simulated (one rank alone: {:.2f} ms, {:.2f}x "
-                                "faster) | bubble {:.1f}% of the step (uniform stages: (p-1)/(m+p-1) "
-                                "= {:.1f}% for GPipe and 1F1B)\n",
-                                r.makespan * 1e3, ideal * 1e3, ideal / r.makespan,
-                                100 * r.bubble(), 100.0 * (s.p - 1) / (m + s.p - 1))
-                        .c_str());
+        std::printf(
+            "%s", fmt::format("step {:.2f} ms simulated (one rank alone: {:.2f} ms, {:.2f}x "
+                              "faster) | bubble {:.1f}% of the step (uniform stages: (p-1)/(m+p-1) "
+                              "= {:.1f}% for GPipe and 1F1B)\n",
+                              r.makespan * 1e3, ideal * 1e3, ideal / r.makespan, 100 * r.bubble(),
+                              100.0 * (s.p - 1) / (m + s.p - 1))
+                      .c_str());
         if (kind == pp::Kind::PipeDream || kind == pp::Kind::PipeDream2BW) {
             std::string versions;
             for (int rk = 0; rk < s.p; rk++)
-                versions += fmt::format(" {}", kind == pp::Kind::PipeDream
-                                                   ? pp::pipedream_versions(s.p, rk)
-                                                   : 2);
+                versions += fmt::format(
+                    " {}", kind == pp::Kind::PipeDream ? pp::pipedream_versions(s.p, rk) : 2);
             std::printf("weight versions kept per stage:%s\n", versions.c_str());
         }
         if (a->lists) std::printf("%s", pp::format_lists(s).c_str());
         if (!a->svg.empty()) {
             std::ofstream f(a->svg);
-            f << pp::timeline_svg(s, r,
-                                  fmt::format("{} p={} m={} v={}", pp::kind_name(kind), s.p, m, s.v));
+            f << pp::timeline_svg(
+                s, r, fmt::format("{} p={} m={} v={}", pp::kind_name(kind), s.p, m, s.v));
             if (!f) fail("could not write {}", a->svg);
             std::printf("timeline: %s\n", a->svg.c_str());
         }

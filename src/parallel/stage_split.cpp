@@ -14,9 +14,10 @@ StageSplit split_stages(const ModelConfig& cfg, int stages, int B, int T) {
     const int L = cfg.n_layer;
     if (stages <= 0) fail("pipeline stages must be positive, got {}", stages);
     if (stages > L)
-        fail("{} pipeline stages for {} layers: every stage needs at least one block (lower pp "
-             "or pp_virtual)",
-             stages, L);
+        fail(
+            "{} pipeline stages for {} layers: every stage needs at least one block (lower pp "
+            "or pp_virtual)",
+            stages, L);
     const double block = (double)remat::block_flops(cfg, B, T).forward();
     const double N = (double)B * T, C = cfg.n_embd;
     // The head: ln_f and the classifier's GEMM (the loss itself is small next to it).

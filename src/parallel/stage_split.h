@@ -14,9 +14,9 @@
 namespace memtrain::pp {
 
 struct StageSplit {
-    std::vector<int> first_block;  // per virtual stage: its first block; blocks [first, next)
-    std::vector<int> blocks;       // per virtual stage: how many blocks
-    std::vector<double> forward_flops;  // per virtual stage, one micro-batch
+    std::vector<int> first_block;        // per virtual stage: its first block; blocks [first, next)
+    std::vector<int> blocks;             // per virtual stage: how many blocks
+    std::vector<double> forward_flops;   // per virtual stage, one micro-batch
     std::vector<std::size_t> act_bytes;  // per virtual stage: activations one micro-batch keeps
 };
 
