@@ -9,45 +9,22 @@
 #include <filesystem>
 #include <fstream>
 
+#include "cli/cli_util.h"
 #include "test_util.h"
 
 namespace fs = std::filesystem;
 
 namespace {
 
-struct Result {
-    int code;
-    std::string output;
-};
+using Result = memtrain::test::CliResult;
+using memtrain::test::write_file;
 
 Result run(const std::string& args) {
-    std::string cmd = std::string(MT_BINARY_DIR) + "/memtrain " + args + " 2>&1";
-    std::FILE* p = popen(cmd.c_str(), "r");
-    std::string out;
-    std::array<char, 4096> buf;
-    while (std::size_t n = std::fread(buf.data(), 1, buf.size(), p)) out.append(buf.data(), n);
-    int status = pclose(p);
-    return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
-}
-
-void write_file(const std::string& path, const std::string& text) {
-    std::ofstream f(path, std::ios::binary);
-    f << text;
+    return memtrain::test::run_memtrain(args);
 }
 
 std::string corpus() {
-    std::string s;
-    const char* lines[] = {
-        "The quick brown fox jumps over the lazy dog.\n",
-        "A journey of a thousand miles begins with a single step.\n",
-        "All that glitters is not gold; all who wander are not lost.\n",
-        "To be, or not to be, that is the question.\n",
-    };
-    for (int i = 0; i < 400; i++) {
-        s += lines[i % 4];
-        if (i % 3 == 2) s += "%\n";
-    }
-    return s;
+    return memtrain::test::small_corpus();
 }
 
 }  // namespace

@@ -1,4 +1,6 @@
-// Running the `memtrain` binary from tests: its exit code and everything it printed.
+// Running memtrain's binaries from tests: the exit code and everything a command printed, and
+// small file helpers. Every command runs under `timeout`, so a hung binary fails its test
+// instead of hanging the suite.
 #pragma once
 
 #include <sys/wait.h>
@@ -6,23 +8,37 @@
 #include <array>
 #include <cstdio>
 #include <fstream>
+#include <sstream>
 #include <string>
 
 namespace memtrain::test {
 
 struct CliResult {
-    int code;
+    int code;            // exit code; -1 when killed by a signal
     std::string output;  // stdout and stderr together
 };
 
-inline CliResult run_memtrain(const std::string& args, const std::string& binary = "memtrain") {
-    std::string cmd = std::string(MT_BINARY_DIR) + "/" + binary + " " + args + " 2>&1";
-    std::FILE* p = popen(cmd.c_str(), "r");
+// Runs a shell command line; its stderr is merged into the output unless merge_stderr is false.
+inline CliResult run_command(const std::string& command, bool merge_stderr = true) {
+    std::FILE* p = popen((merge_stderr ? command + " 2>&1" : command).c_str(), "r");
     std::string out;
     std::array<char, 4096> buf;
     while (std::size_t n = std::fread(buf.data(), 1, buf.size(), p)) out.append(buf.data(), n);
     int status = pclose(p);
     return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+// `binary` (memtrain, or memtrain_sim for the CUDA simulator) with `args`, at most 120 s.
+inline CliResult run_memtrain(const std::string& args, const std::string& binary = "memtrain") {
+    return run_command("timeout -k 5 120 " + std::string(MT_BINARY_DIR) + "/" + binary + " " +
+                       args);
+}
+
+inline std::string read_file(const std::string& path) {
+    std::ifstream f(path, std::ios::binary);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    return ss.str();
 }
 
 inline void write_file(const std::string& path, const std::string& text) {

@@ -17,6 +17,7 @@
 #include <sstream>
 #include <thread>
 
+#include "cli/cli_util.h"
 #include "test_util.h"
 
 namespace fs = std::filesystem;
@@ -29,31 +30,12 @@ const std::string kMpirun = std::string(MT_MPIEXEC) +
                             " --oversubscribe --allow-run-as-root -np 2 " + MT_BINARY_DIR +
                             "/memtrain ";
 
-struct Result {
-    int code;
-    std::string output;
-};
+using Result = memtrain::test::CliResult;
+using memtrain::test::read_file;
+using memtrain::test::write_file;
 
 Result run(const std::string& args) {
-    std::string cmd = kEnv + "timeout -k 5 120 " + kMpirun + args + " 2>&1";
-    std::FILE* p = popen(cmd.c_str(), "r");
-    std::string out;
-    std::array<char, 4096> buf;
-    while (std::size_t n = std::fread(buf.data(), 1, buf.size(), p)) out.append(buf.data(), n);
-    int status = pclose(p);
-    return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
-}
-
-std::string read_file(const std::string& path) {
-    std::ifstream f(path);
-    std::stringstream ss;
-    ss << f.rdbuf();
-    return ss.str();
-}
-
-void write_file(const std::string& path, const std::string& text) {
-    std::ofstream f(path, std::ios::binary);
-    f << text;
+    return memtrain::test::run_command(kEnv + "timeout -k 5 120 " + kMpirun + args);
 }
 
 int count(const std::string& text, const std::string& what) {

@@ -17,6 +17,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "cli/cli_util.h"
 #include "io/safetensors.h"
 #include "test_util.h"
 
@@ -24,24 +25,14 @@ namespace fs = std::filesystem;
 
 namespace {
 
-struct Shell {
-    int code = -1;
-    std::string out;
-};
+using Shell = memtrain::test::CliResult;
 
 Shell shell(const std::string& cmd) {
-    Shell r;
-    std::FILE* p = popen(cmd.c_str(), "r");
-    if (!p) return r;
-    std::array<char, 4096> buf;
-    while (std::size_t n = std::fread(buf.data(), 1, buf.size(), p)) r.out.append(buf.data(), n);
-    const int status = pclose(p);
-    r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-    return r;
+    return memtrain::test::run_command(cmd, false);
 }
 
 Shell memtrain_cmd(const std::string& args) {
-    return shell(std::string(MT_BINARY_DIR) + "/memtrain " + args + " 2>&1");
+    return memtrain::test::run_memtrain(args);
 }
 
 void write_text(const std::string& path, const std::string& text) {
@@ -132,16 +123,16 @@ std::string corpus() {
 TEST(ReportCli, TrainingRunRendersInHeadlessChromium) {
     const Shell which = shell("command -v chromium 2>/dev/null");
     ASSERT_EQ(which.code, 0) << "chromium is not installed: scripts/deps.sh installs it";
-    const std::string chromium = which.out.substr(0, which.out.find('\n'));
+    const std::string chromium = which.output.substr(0, which.output.find('\n'));
 
     const auto dir = memtrain::test::temp_dir("report_e2e");
     write_text(dir + "/corpus.txt", corpus());
     Shell r = memtrain_cmd("tokenizer train --vocab-size 300 --doc-separator % --out " + dir +
                            "/tok.json " + dir + "/corpus.txt");
-    ASSERT_EQ(r.code, 0) << r.out;
+    ASSERT_EQ(r.code, 0) << r.output;
     r = memtrain_cmd("tokenize --tokenizer " + dir + "/tok.json --out " + dir +
                      " --doc-separator % --val-fraction 0.1 " + dir + "/corpus.txt");
-    ASSERT_EQ(r.code, 0) << r.out;
+    ASSERT_EQ(r.code, 0) << r.output;
     write_text(dir + "/run.toml",
                "[model]\nn_layer = 2\nn_head = 2\nn_embd = 32\nblock_size = 32\nvocab_size = 300\n"
                "[train]\nseq_len = 32\nbatch_size = 4\nmicro_batch_size = 2\nmax_steps = 7\n"
@@ -150,12 +141,12 @@ TEST(ReportCli, TrainingRunRendersInHeadlessChromium) {
                "[sample]\nmax_tokens = 0\n");
     const std::string out = dir + "/out";
     r = memtrain_cmd("train " + dir + "/run.toml --set io.out_dir=" + out);
-    ASSERT_EQ(r.code, 0) << r.out;
+    ASSERT_EQ(r.code, 0) << r.output;
     ASSERT_TRUE(fs::exists(out + "/memory.json"));
 
     r = memtrain_cmd("report " + out);
-    ASSERT_EQ(r.code, 0) << r.out;
-    EXPECT_NE(r.out.find("wrote " + out + "/report.html"), std::string::npos) << r.out;
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("wrote " + out + "/report.html"), std::string::npos) << r.output;
     const std::string page = out + "/report.html";
     ASSERT_TRUE(fs::exists(page));
 
@@ -181,7 +172,7 @@ TEST(ReportCli, TrainingRunRendersInHeadlessChromium) {
               "--user-data-dir=" +
               profile + "/data --dump-dom file://" + page + " 2>" + profile + "/stderr.log");
     ASSERT_EQ(dom_run.code, 0) << read_text(profile + "/stderr.log");
-    const std::string& dom = dom_run.out;
+    const std::string& dom = dom_run.output;
     ASSERT_NE(dom.find("memtrain run report"), std::string::npos) << dom.substr(0, 500);
 
     // Line charts: one point per step, the step range on the x axis.
@@ -259,31 +250,31 @@ TEST(ReportCli, TrainingRunRendersInHeadlessChromium) {
 
     // --out writes elsewhere; the planner counts the checkpoint's tensors from its config.json.
     r = memtrain_cmd("report " + out + " --out " + dir + "/elsewhere.html");
-    ASSERT_EQ(r.code, 0) << r.out;
+    ASSERT_EQ(r.code, 0) << r.output;
     EXPECT_TRUE(fs::exists(dir + "/elsewhere.html"));
     r = memtrain_cmd("estimate " + out + "/ckpt_000007 --json");
-    ASSERT_EQ(r.code, 0) << r.out;
+    ASSERT_EQ(r.code, 0) << r.output;
     const auto weights =
         memtrain::io::SafetensorsFile::open(out + "/ckpt_000007/model.safetensors");
     int64_t numel = 0;
     for (const auto& t : weights.tensors()) numel += t.numel;
-    EXPECT_EQ(nlohmann::json::parse(r.out)["params"].get<int64_t>(), numel);
+    EXPECT_EQ(nlohmann::json::parse(r.output)["params"].get<int64_t>(), numel);
 }
 
 TEST(ReportCli, BadRunDirectoriesGiveOneLine) {
     const auto dir = memtrain::test::temp_dir("report_bad");
     Shell r = memtrain_cmd("report " + dir + "/missing");
     EXPECT_EQ(r.code, 1);
-    EXPECT_NE(r.out.find("does not exist"), std::string::npos) << r.out;
+    EXPECT_NE(r.output.find("does not exist"), std::string::npos) << r.output;
     r = memtrain_cmd("report " + dir);
     EXPECT_EQ(r.code, 1);
-    EXPECT_NE(r.out.find("no metrics.jsonl"), std::string::npos) << r.out;
+    EXPECT_NE(r.output.find("no metrics.jsonl"), std::string::npos) << r.output;
     write_text(dir + "/metrics.jsonl", "{\"step\": 1, \"loss\": 2.0}\n{\"step\": 2, \"lo");
     r = memtrain_cmd("report " + dir);
     EXPECT_EQ(r.code, 1);
-    EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 1) << r.out;
-    EXPECT_NE(r.out.find(dir + "/metrics.jsonl:2:"), std::string::npos) << r.out;
+    EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << r.output;
+    EXPECT_NE(r.output.find(dir + "/metrics.jsonl:2:"), std::string::npos) << r.output;
     EXPECT_FALSE(fs::exists(dir + "/report.html"));
     r = memtrain_cmd("report");
-    EXPECT_EQ(r.code, 2) << r.out;
+    EXPECT_EQ(r.code, 2) << r.output;
 }

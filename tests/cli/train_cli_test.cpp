@@ -17,6 +17,7 @@
 #include <sstream>
 #include <thread>
 
+#include "cli/cli_util.h"
 #include "test_util.h"
 
 namespace fs = std::filesystem;
@@ -24,35 +25,17 @@ using namespace std::chrono_literals;
 
 namespace {
 
-struct Result {
-    int code;
-    std::string output;
-};
+using Result = memtrain::test::CliResult;
+using memtrain::test::read_file;
+using memtrain::test::write_file;
 
 const std::string kBin = std::string(MT_BINARY_DIR) + "/memtrain";
 
-// Runs memtrain to completion (at most 120 s: `timeout` ends a hung one), in `cwd` if given.
+// Runs memtrain to completion (at most 120 s), in `cwd` if given, on one thread.
 Result run(const std::string& args, const std::string& cwd = "") {
-    std::string cmd = (cwd.empty() ? "" : "cd " + cwd + " && ") +
-                      "OMP_NUM_THREADS=1 timeout -k 5 120 " + kBin + " " + args + " 2>&1";
-    std::FILE* p = popen(cmd.c_str(), "r");
-    std::string out;
-    std::array<char, 4096> buf;
-    while (std::size_t n = std::fread(buf.data(), 1, buf.size(), p)) out.append(buf.data(), n);
-    int status = pclose(p);
-    return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
-}
-
-std::string read_file(const std::string& path) {
-    std::ifstream f(path);
-    std::stringstream ss;
-    ss << f.rdbuf();
-    return ss.str();
-}
-
-void write_file(const std::string& path, const std::string& text) {
-    std::ofstream f(path, std::ios::binary);
-    f << text;
+    return memtrain::test::run_command((cwd.empty() ? "" : "cd " + cwd + " && ") +
+                                       "OMP_NUM_THREADS=1 timeout -k 5 120 " + MT_BINARY_DIR +
+                                       "/memtrain " + args);
 }
 
 // step -> the loss as metrics.jsonl prints it (the text, so equal means the same bits printed).

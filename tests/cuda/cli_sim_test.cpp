@@ -11,6 +11,7 @@
 #include <fstream>
 #include <string>
 
+#include "cli/cli_util.h"
 #include "data/shard.h"
 #include "test_util.h"
 
@@ -18,19 +19,11 @@
 
 namespace {
 
-struct Result {
-    int code;
-    std::string output;
-};
+using Result = memtrain::test::CliResult;
 
 Result run_sim(const std::string& args, const std::string& env = "") {
-    std::string cmd = env + " " + std::string(MT_BINARY_DIR) + "/memtrain_sim " + args + " 2>&1";
-    std::FILE* p = popen(cmd.c_str(), "r");
-    std::string out;
-    std::array<char, 4096> buf;
-    while (std::size_t n = std::fread(buf.data(), 1, buf.size(), p)) out.append(buf.data(), n);
-    int status = pclose(p);
-    return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+    return memtrain::test::run_command(env + " timeout -k 5 300 " + std::string(MT_BINARY_DIR) +
+                                       "/memtrain_sim " + args);
 }
 
 // A tiny config over freshly written shards; returns its path.

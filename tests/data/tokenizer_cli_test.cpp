@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include "cli/cli_util.h"
 #include "data/shard.h"
 #include "data/tokenizer.h"
 #include "llama3_layout.h"
@@ -22,20 +23,12 @@ namespace {
 
 namespace fs = std::filesystem;
 
-struct Result {
-    int code;
-    std::string output;  // stdout and stderr
-};
+using Result = test::CliResult;
 
 Result run_memtrain(const std::string& args, const std::string& stdin_text = "") {
-    std::string cmd = std::string(MT_BINARY_DIR) + "/memtrain " + args + " 2>&1";
-    if (!stdin_text.empty()) cmd = "printf '%s' '" + stdin_text + "' | " + cmd;
-    std::FILE* p = popen(cmd.c_str(), "r");
-    std::string out;
-    std::array<char, 4096> buf;
-    while (size_t n = std::fread(buf.data(), 1, buf.size(), p)) out.append(buf.data(), n);
-    const int status = pclose(p);
-    return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+    if (stdin_text.empty()) return test::run_memtrain(args);
+    return test::run_command("printf '%s' '" + stdin_text + "' | timeout -k 5 120 " +
+                             std::string(MT_BINARY_DIR) + "/memtrain " + args);
 }
 
 std::string corpus() {

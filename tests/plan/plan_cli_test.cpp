@@ -14,35 +14,24 @@
 
 #include <nlohmann/json.hpp>
 
+#include "cli/cli_util.h"
 #include "test_util.h"
 
 namespace {
 
-struct Outcome {
-    int code = -1;
-    std::string text;  // stdout and stderr together
-};
+using Outcome = memtrain::test::CliResult;
 
 Outcome memtrain_cli(const std::string& args) {
-    const std::string cmd = std::string(MT_BINARY_DIR) + "/memtrain " + args + " 2>&1";
-    std::FILE* pipe = popen(cmd.c_str(), "r");
-    Outcome o;
-    if (!pipe) return o;
-    std::array<char, 4096> buf;
-    while (std::size_t n = std::fread(buf.data(), 1, buf.size(), pipe))
-        o.text.append(buf.data(), n);
-    const int status = pclose(pipe);
-    o.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-    return o;
+    return memtrain::test::run_memtrain(args);
 }
 
 // Exit code 1 and a single line holding every piece of `expect`.
 void expect_refusal(const std::string& args, const std::vector<std::string>& expect) {
     const Outcome o = memtrain_cli(args);
-    EXPECT_EQ(o.code, 1) << args << "\n" << o.text;
-    EXPECT_EQ(std::count(o.text.begin(), o.text.end(), '\n'), 1) << args << "\n" << o.text;
+    EXPECT_EQ(o.code, 1) << args << "\n" << o.output;
+    EXPECT_EQ(std::count(o.output.begin(), o.output.end(), '\n'), 1) << args << "\n" << o.output;
     for (const auto& e : expect)
-        EXPECT_NE(o.text.find(e), std::string::npos) << args << "\n" << o.text;
+        EXPECT_NE(o.output.find(e), std::string::npos) << args << "\n" << o.output;
 }
 
 void write_text(const std::string& path, const std::string& text) {
@@ -96,19 +85,19 @@ TEST(PlanCli, CustomGpuNeedsItsNumbers) {
     // nodes the network's, offload PCIe's.
     const std::string some = "--gpu custom --gpu-mem-gb 24 --gpu-tflops 165 --hbm-bw-gbs 1000";
     Outcome o = memtrain_cli("estimate gpt2 " + some);
-    EXPECT_EQ(o.code, 0) << o.text;
-    EXPECT_NE(o.text.find("GPU custom"), std::string::npos) << o.text;
+    EXPECT_EQ(o.code, 0) << o.output;
+    EXPECT_NE(o.output.find("GPU custom"), std::string::npos) << o.output;
     o = memtrain_cli("estimate gpt2 " + some + " --dp 2");
-    EXPECT_EQ(o.code, 1) << o.text;
-    EXPECT_NE(o.text.find("--intra-bw-gbs"), std::string::npos) << o.text;
-    EXPECT_EQ(o.text.find("--gpu-mem-gb"), std::string::npos) << o.text;
-    EXPECT_EQ(o.text.find("--inter-bw-gbs"), std::string::npos) << o.text;
+    EXPECT_EQ(o.code, 1) << o.output;
+    EXPECT_NE(o.output.find("--intra-bw-gbs"), std::string::npos) << o.output;
+    EXPECT_EQ(o.output.find("--gpu-mem-gb"), std::string::npos) << o.output;
+    EXPECT_EQ(o.output.find("--inter-bw-gbs"), std::string::npos) << o.output;
     expect_refusal("plan gpt2 --gpus 16 --gpus-per-node 8 " + some,
                    {"--intra-bw-gbs", "--inter-bw-gbs", "--pcie-bw-gbs"});
     expect_refusal("estimate gpt2 --precision fp32 " + some, {"--gpu-fp32-tflops"});
     o = memtrain_cli("plan gpt2 --gpus 16 --no-offload " + some +
                      " --intra-bw-gbs 300 --inter-bw-gbs 25");
-    EXPECT_EQ(o.code, 0) << o.text;
+    EXPECT_EQ(o.code, 0) << o.output;
 }
 
 TEST(PlanCli, UnsupportedArchitecturesAreRefused) {
@@ -138,8 +127,8 @@ TEST(PlanCli, CheckpointConfigDirectoryCountsItsTensors) {
                    "max_position_embeddings": 64, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
                    "tie_word_embeddings": false, "attention_bias": false, "mlp_bias": false})");
     const Outcome o = memtrain_cli("estimate " + dir + " --json");
-    ASSERT_EQ(o.code, 0) << o.text;
-    const auto j = nlohmann::json::parse(o.text);
+    ASSERT_EQ(o.code, 0) << o.output;
+    const auto j = nlohmann::json::parse(o.output);
     // embed 300x64, per layer q 64x64 + k,v 16x64 + o 64x64 + 3 x 176x64 + 2 norms, norm, head.
     const int64_t layer = 64 * 64 + 2 * 16 * 64 + 64 * 64 + 3 * 176 * 64 + 2 * 64;
     EXPECT_EQ(j["params"].get<int64_t>(), 300 * 64 + 2 * layer + 64 + 300 * 64);
