@@ -12,27 +12,13 @@
 #include "data/tokenizer.h"
 #include "io/hf_weights.h"
 #include "io/safetensors.h"
+#include "io/text_file.h"
 
 namespace fs = std::filesystem;
 
 namespace memtrain {
 
 namespace {
-
-void write_text(const fs::path& path, const std::string& text) {
-    std::ofstream f(path, std::ios::binary);
-    f << text;
-    f.close();
-    if (!f) fail("could not write {}", path.string());
-}
-
-std::string read_text(const fs::path& path) {
-    std::ifstream f(path, std::ios::binary);
-    if (!f) fail("could not read {}", path.string());
-    std::stringstream ss;
-    ss << f.rdbuf();
-    return ss.str();
-}
 
 const std::string& meta(const io::SafetensorsFile& f, const std::string& key,
                         const std::string& path) {
@@ -125,8 +111,8 @@ std::string save_checkpoint(const std::string& out_dir, const RunConfig& cfg,
     }
 
     if (root) {
-        write_text(tmp_dir / "config.json", hf_config_json(cfg.model));
-        write_text(tmp_dir / "memtrain.toml", to_toml(cfg));
+        io::write_text_file(tmp_dir / "config.json", hf_config_json(cfg.model));
+        io::write_text_file(tmp_dir / "memtrain.toml", to_toml(cfg));
         io::SafetensorsWriter w;
         w.set_metadata("format", "memtrain-training-state");
         w.set_metadata("version", "2");
@@ -162,7 +148,7 @@ std::string save_checkpoint(const std::string& out_dir, const RunConfig& cfg,
         fs::rename(tmp_dir, final_dir);
         fs::remove_all(old_dir);
         fs::path latest_tmp = fs::path(out_dir) / ".latest.tmp";
-        write_text(latest_tmp, name + "\n");
+        io::write_text_file(latest_tmp, name + "\n");
         fs::rename(latest_tmp, fs::path(out_dir) / "latest");
     }
     comm.barrier();  // nobody reads `latest` before it points here
@@ -174,7 +160,7 @@ std::string resolve_checkpoint_dir(const std::string& path) {
     if (!fs::exists(p)) fail("checkpoint {} does not exist", path);
     if (fs::exists(p / "model.safetensors")) return p.string();
     if (fs::exists(p / "latest")) {
-        std::string name = read_text(p / "latest");
+        std::string name = io::read_text_file(p / "latest");
         while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
         fs::path d = p / name;
         if (!fs::exists(d / "model.safetensors"))
@@ -190,7 +176,7 @@ std::string resolve_checkpoint_dir(const std::string& path) {
 RunConfig checkpoint_config(const std::string& dir) {
     fs::path p = fs::path(dir) / "memtrain.toml";
     if (!fs::exists(p)) fail("checkpoint {} has no memtrain.toml", dir);
-    return parse_run_config(read_text(p), p.string(), {});
+    return parse_run_config(io::read_text_file(p), p.string(), {});
 }
 
 TrainState load_checkpoint(const std::string& dir, const ModelWeights& weights,

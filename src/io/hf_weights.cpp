@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "io/text_file.h"
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
@@ -18,17 +19,9 @@ namespace memtrain {
 
 namespace {
 
-std::string read_file(const fs::path& path) {
-    std::ifstream f(path, std::ios::binary);
-    if (!f) fail("could not read {}", path.string());
-    std::stringstream ss;
-    ss << f.rdbuf();
-    return ss.str();
-}
-
 json parse_json_file(const fs::path& path) {
     try {
-        return json::parse(read_file(path));
+        return json::parse(io::read_text_file(path));
     } catch (const json::parse_error& e) {
         fail("{} is not valid JSON: {}", path.string(), e.what());
     }

@@ -16,43 +16,13 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "io/text_file.h"
 
 namespace fs = std::filesystem;
 
 namespace memtrain::io {
 
 namespace {
-
-std::string read_file(const fs::path& path) {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) fail("cannot read {}", path.string());
-    std::stringstream ss;
-    ss << in.rdbuf();
-    return ss.str();
-}
-
-// Writes through a temporary name in the same directory, so readers never see half a file.
-void write_atomically(const fs::path& path, const std::string& text) {
-    fs::path tmp = path;
-    tmp += ".tmp";
-    {
-        std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-        if (!out) fail("cannot write {}", path.string());
-        out << text;
-        out.close();
-        if (!out) {
-            std::error_code ec;
-            fs::remove(tmp, ec);
-            fail("error writing {}", path.string());
-        }
-    }
-    std::error_code ec;
-    fs::rename(tmp, path, ec);
-    if (ec) {
-        fs::remove(tmp, ec);
-        fail("cannot move {} into place as {}", tmp.string(), path.string());
-    }
-}
 
 std::string file_key(std::string_view category) {
     std::string s(category);
@@ -212,7 +182,7 @@ void write_memory_json(const std::string& path, const std::string& title, const 
                   {"predicted", pred_total}};
     j["planner"] = plan_lines;
     j["process_peak_rss"] = process_peak_rss;
-    write_atomically(path, j.dump(2) + "\n");
+    write_text_file_atomically(path, j.dump(2) + "\n");
 }
 
 MemoryRecord parse_memory_json(const std::string& text, const std::string& origin) {
@@ -804,7 +774,7 @@ ReportInput read_run(const std::string& run_dir) {
     // The latest checkpoint: the one `latest` names, else the highest step.
     fs::path ckpt;
     if (fs::exists(dir / "latest")) {
-        std::string name = read_file(dir / "latest");
+        std::string name = read_text_file(dir / "latest");
         while (!name.empty() && std::isspace(static_cast<unsigned char>(name.back())))
             name.pop_back();
         if (!name.empty() && fs::exists(dir / name / "memtrain.toml")) ckpt = dir / name;
@@ -823,7 +793,7 @@ ReportInput read_run(const std::string& run_dir) {
     in.run_dir = run_dir;
     if (!ckpt.empty()) {
         in.config_origin = (ckpt / "memtrain.toml").string();
-        in.config_toml = read_file(ckpt / "memtrain.toml");
+        in.config_toml = read_text_file(ckpt / "memtrain.toml");
     }
     fs::path metrics = dir / "metrics.jsonl";
     if (!fs::exists(metrics)) {  // a run may name its log otherwise (io.metrics)
@@ -836,10 +806,10 @@ ReportInput read_run(const std::string& run_dir) {
     if (!fs::exists(metrics))
         fail("{} has no metrics.jsonl: is it a run's out_dir (io.out_dir of memtrain train)?",
              run_dir);
-    in.metrics = parse_metrics(read_file(metrics), metrics.string());
+    in.metrics = parse_metrics(read_text_file(metrics), metrics.string());
     if (fs::exists(dir / "memory.json"))
         in.memory =
-            parse_memory_json(read_file(dir / "memory.json"), (dir / "memory.json").string());
+            parse_memory_json(read_text_file(dir / "memory.json"), (dir / "memory.json").string());
     return in;
 }
 
@@ -847,7 +817,7 @@ std::string write_run_report(const std::string& run_dir, const std::string& out_
     const std::string out =
         out_path.empty() ? (fs::path(run_dir) / "report.html").string() : out_path;
     const std::string html = render_report_html(read_run(run_dir));
-    write_atomically(out, html);
+    write_text_file_atomically(out, html);
     return out;
 }
 

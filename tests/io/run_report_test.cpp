@@ -144,7 +144,7 @@ TEST(RunReport, RunDirectoryErrors) {
     EXPECT_FALSE(fs::exists(dir + "/report.html.tmp"));
     write_text(dir + "/metrics.jsonl", kOldLog);
     e = error_of([&] { io::write_run_report(dir, dir + "/no/such/dir/r.html"); });
-    EXPECT_NE(e.find("cannot write"), std::string::npos) << e;
+    EXPECT_NE(e.find("could not write"), std::string::npos) << e;
 }
 
 TEST(RunReport, OldMetricsRenderWithNotRecorded) {
