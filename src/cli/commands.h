@@ -12,5 +12,6 @@ void register_eval(CLI::App& app);      // memtrain eval MODEL --data SHARD
 void register_tokenize(CLI::App& app);  // memtrain tokenize, memtrain tokenizer train|encode
 void register_plan(CLI::App& app);      // memtrain estimate | plan | scale
 void register_remat(CLI::App& app);     // memtrain remat CONFIG [--budget X | --frontier]
+void register_quantize(CLI::App& app);  // memtrain quantize MODEL --method M --bits B --out DIR
 
 }  // namespace memtrain::cli

@@ -15,6 +15,7 @@ int main(int argc, char** argv) {
     memtrain::cli::register_tokenize(app);
     memtrain::cli::register_plan(app);
     memtrain::cli::register_remat(app);
+    memtrain::cli::register_quantize(app);
     try {
         app.parse(argc, argv);
     } catch (const CLI::ParseError& e) {
