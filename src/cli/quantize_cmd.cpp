@@ -166,7 +166,7 @@ void register_quantize(CLI::App& app) {
                 if (r.fell_back) fallbacks++, fell_back.push_back(p.name);
                 nlohmann::json t = {{"name", p.name},
                                     {"shape", p.shape},
-                                    {"rows_are_outputs", p.transposed},
+                                    {"stored_as", p.transposed ? "(out, in)" : "(in, out)"},
                                     {"method", r.method},
                                     {"bits", r.bits},
                                     {"group", r.group},
