@@ -77,6 +77,7 @@ row "per-tensor k-means 16" - --method kmeans --bits 4
 # Seed-major, so an interrupted run already has every bit width once.
 for s in $SEEDS; do
     for b in $KASHIN_BITS; do row "Kashin-2D k$b" "$s" --method kashin --bits "$b" --seed "$s"; done
+    row "Kashin-DCT 2+2 per channel" "$s" --method kashin-dct --bits 4 --seed "$s"
 done
 
 python3 - "$RESULTS" "$STEPS" "$SEEDS" >$W/table.md <<'EOF'

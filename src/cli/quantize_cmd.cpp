@@ -73,13 +73,14 @@ void register_quantize(CLI::App& app) {
                     "checkpoint dir, out_dir with `latest`, or Hugging Face model directory")
         ->required();
     cmd->add_option("--method", a->o.method,
-                    "rtn | rtn-asym | nf4 | nf4-dq | uniform | kmeans | kashin")
+                    "rtn | rtn-asym | nf4 | nf4-dq | uniform | kmeans | kashin | kashin-dct")
         ->required();
     cmd->add_option("--bits", a->o.bits, "bits per weight code (nf4: 4)");
     cmd->add_option("--group", a->o.group,
                     "rtn, rtn-asym: inputs per scale (0 = one per output channel); nf4: block "
                     "(default 64)");
-    cmd->add_option("--seed", a->o.seed, "kashin: seed of the orthogonal Q1, Q2");
+    cmd->add_option("--seed", a->o.seed,
+                    "kashin: seed of the orthogonal Q1, Q2; kashin-dct: of the DCT sign flips");
     cmd->add_option("--max-iter", a->o.max_iter, "kashin: greedy steps before giving up");
     cmd->add_option("--tol", a->o.tol, "kashin: residual ||X - U - Q1 V Q2^T||_F to reach");
     cmd->add_flag("--kashin-force", a->o.kashin_force,
@@ -175,7 +176,7 @@ void register_quantize(CLI::App& app) {
                                     {"rel_error", rel},
                                     {"seconds", secs},
                                     {"parts", parts}};
-                if (o.method == "kashin") {
+                if (o.method.rfind("kashin", 0) == 0) {
                     t["iterations"] = r.iterations;
                     t["converged"] = r.converged;
                     t["residual"] = r.residual;
@@ -185,7 +186,7 @@ void register_quantize(CLI::App& app) {
                 table += fmt::format(
                     "{:<34} {:>11} {:<8} {:>4} {:>8.4f} {:>9.5f} {:>5} {:>9} {:>7.2f}\n", p.name,
                     fmt::format("{}x{}", rows, cols), r.method, r.bits, r.bpw(), rel,
-                    o.method == "kashin" ? std::to_string(r.iterations) : "-",
+                    o.method.rfind("kashin", 0) == 0 ? std::to_string(r.iterations) : "-",
                     o.method != "kashin" ? "-"
                     : r.fell_back        ? "fallback"
                     : r.converged        ? "yes"

@@ -44,6 +44,10 @@ KashinDecomposition kashin_decompose(MatrixView w, const KashinBasis& q, int max
 std::vector<float> kashin_reconstruct(std::span<const double> u, std::span<const double> v,
                                       const KashinBasis& q, float norm);
 
+// P = C^T diag(eps) C for the orthonormal DCT-II C and seeded signs eps: symmetric, orthogonal,
+// P P = I (the per-channel Kashin-DCT basis), n x n row-major.
+std::vector<double> signed_dct_involution(int64_t n, uint64_t seed);
+
 // Lloyd's k-means on 2-D points, k = kx * ky centroids started on a kx x ky grid of cell centres
 // over the ranges of x and y (so it is deterministic); stops when no centroid moves by more than
 // tol times the larger range, or after max_iter rounds.

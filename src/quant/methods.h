@@ -20,6 +20,9 @@ std::vector<float> kmeans_dequantize(const Result& r);
 Result nf4_quantize(MatrixView w, int block, bool double_quant);
 std::vector<float> nf4_dequantize(const Result& r);
 Result kashin_quantize(const Options& o, MatrixView w);
+// Per output channel x = u + P v (signed DCT involution P), 2 + 2 bits, fp16 levels per row.
+Result kashin_dct_quantize(const Options& o, MatrixView w);
+std::vector<float> kashin_dct_dequantize(const Result& r);
 std::vector<float> kashin_dequantize(const Result& r);
 
 }  // namespace memtrain::quant::detail

@@ -35,8 +35,8 @@ uint64_t Result::stored_bits() const {
 }
 
 const std::vector<std::string>& method_names() {
-    static const std::vector<std::string> names = {"rtn",     "rtn-asym", "nf4",   "nf4-dq",
-                                                   "uniform", "kmeans",   "kashin"};
+    static const std::vector<std::string> names = {"rtn",     "rtn-asym", "nf4",    "nf4-dq",
+                                                   "uniform", "kmeans",   "kashin", "kashin-dct"};
     return names;
 }
 
@@ -45,9 +45,9 @@ void check_options(const Options& o, int64_t rows, int64_t cols) {
     if (std::find(method_names().begin(), method_names().end(), m) == method_names().end())
         fail(
             "unknown quantization method '{}'; expected one of rtn, rtn-asym, nf4, nf4-dq, "
-            "uniform, kmeans, kashin",
+            "uniform, kmeans, kashin, kashin-dct",
             m);
-    if (m == "nf4" || m == "nf4-dq") {
+    if (m == "nf4" || m == "nf4-dq" || m == "kashin-dct") {
         if (o.bits != 4) fail("--method {} stores 4 bits per weight; got --bits {}", m, o.bits);
     } else if (m == "uniform" || m == "kmeans") {
         if (o.bits < 1 || o.bits > 8) fail("--method {} takes --bits 1..8; got {}", m, o.bits);
@@ -61,6 +61,8 @@ void check_options(const Options& o, int64_t rows, int64_t cols) {
     const int64_t g = (m == "nf4" || m == "nf4-dq") && o.group == 0 ? 64 : o.group;
     if (g > 0 && cols % g != 0)
         fail("--group {} does not divide the row length {} of a {}x{} weight", g, cols, rows, cols);
+    if (m == "kashin-dct" && o.max_iter < 4)
+        fail("--max-iter must be >= 4 for kashin-dct (blocks of 4 steps); got {}", o.max_iter);
     if (m == "kashin") {
         if (o.max_iter < 1) fail("--max-iter must be >= 1; got {}", o.max_iter);
         if (o.fallback == "kashin") fail("the Kashin fallback method cannot be kashin itself");
@@ -83,6 +85,8 @@ Result quantize(const Options& o, MatrixView w) {
         r = detail::uniform_quantize(w, o.bits);
     else if (m == "kmeans")
         r = detail::kmeans_quantize(w, o.bits);
+    else if (m == "kashin-dct")
+        r = detail::kashin_dct_quantize(o, w);
     else
         r = detail::kashin_quantize(o, w);
     return r;
@@ -95,6 +99,7 @@ std::vector<float> dequantize(const Result& r) {
     if (m == "uniform") return detail::uniform_dequantize(r);
     if (m == "kmeans") return detail::kmeans_dequantize(r);
     if (m == "kashin") return detail::kashin_dequantize(r);
+    if (m == "kashin-dct") return detail::kashin_dct_dequantize(r);
     fail("cannot dequantize unknown method '{}'", m);
 }
 

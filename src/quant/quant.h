@@ -48,7 +48,7 @@ struct Result {
     int64_t rows = 0, cols = 0;
     std::vector<StoredPart> parts;
     std::vector<float> dequant;  // rows * cols, decoded from `parts`
-    // Kashin only.
+    // Kashin and Kashin-DCT only (Kashin-DCT: residual is relative, steps run in blocks of 4).
     int iterations = 0;
     bool converged = true;
     double residual = 0;  // ||X - U - V̂||_F at the end of the decomposition
@@ -57,7 +57,7 @@ struct Result {
     double bpw() const { return (double)stored_bits() / (double)(rows * cols); }
 };
 
-// The methods `quantize` knows: rtn, rtn-asym, nf4, nf4-dq, uniform, kmeans, kashin.
+// The methods `quantize` knows: rtn, rtn-asym, nf4, nf4-dq, uniform, kmeans, kashin, kashin-dct.
 const std::vector<std::string>& method_names();
 // Throws memtrain::Error (one line naming the option) unless the method knows `bits` and, where
 // given, `group` divides the row length `cols` (the input dimension).

@@ -6,6 +6,7 @@
 #include <cblas.h>
 
 #include <cmath>
+#include <cstdio>
 
 #include "core/rng.h"
 #include "quant/kashin.h"
@@ -110,6 +111,42 @@ TEST(QuantKashin, NonConvergedTensorFallsBackOrIsForced) {
     o.kashin_force = false;
     o.fallback = "nf4";
     EXPECT_EQ(quantize(o, {w.data(), m, n}).method, "nf4");
+}
+
+TEST(QuantKashinDct, PerChannelTwoPlusTwoBits) {
+    const int64_t n = 128;
+    const auto p = signed_dct_involution(n, 4);
+    std::vector<double> pp((std::size_t)(n * n));
+    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0, p.data(), n, p.data(), n,
+                0.0, pp.data(), n);
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t j = 0; j < n; j++) {
+            EXPECT_NEAR(pp[(std::size_t)(i * n + j)], i == j ? 1.0 : 0.0, 1e-12);
+            EXPECT_NEAR(p[(std::size_t)(i * n + j)], p[(std::size_t)(j * n + i)], 1e-14);
+        }
+    const int64_t m = 48, mn = m * n;
+    auto w = gaussian(mn, 13);
+    for (int64_t i = 0; i < m; i++) w[(std::size_t)(i * n + 7)] *= 10;  // an outlier input
+    Options o;
+    o.method = "kashin-dct";
+    o.bits = 4;
+    o.seed = 4;
+    o.max_iter = 160;
+    const Result r = quantize(o, {w.data(), m, n});
+    EXPECT_EQ(r.method, "kashin-dct");
+    EXPECT_LE(r.iterations, 160);
+    EXPECT_TRUE(r.converged) << r.residual;  // the decomposition itself, relative to ||W||_F
+    // 2 + 2 bits per weight, 4 fp16 levels per output channel, the 64-bit seed.
+    EXPECT_EQ(r.stored_bits(), 4 * (uint64_t)mn + 64 * m + 64);
+    EXPECT_EQ(dequantize(r), r.dequant);
+    double err = 0, ref = 0;
+    for (int64_t i = 0; i < mn; i++) {
+        err += std::pow((double)w[(std::size_t)i] - r.dequant[(std::size_t)i], 2);
+        ref += std::pow((double)w[(std::size_t)i], 2);
+    }
+    std::printf("kashin-dct residual %.3g, relative error %.4f\n", r.residual,
+                std::sqrt(err / ref));
+    EXPECT_LT(std::sqrt(err / ref), 0.2);
 }
 
 }  // namespace

@@ -63,6 +63,7 @@ TEST(QuantCli, EveryMethodGivesAModelThatEvalReads) {
         {"--method uniform --bits 4", 4.0, 4.01},
         {"--method kmeans --bits 4", 4.0, 4.1},
         {"--method kashin --bits 4 --seed 1", 4.0, 4.3},
+        {"--method kashin-dct --bits 4 --seed 1", 4.2, 5.1},  // 4 + 64/in, in = 64 or 256
     };
     for (const Case& c : cases) {
         SCOPED_TRACE(c.args);
@@ -81,7 +82,7 @@ TEST(QuantCli, EveryMethodGivesAModelThatEvalReads) {
         uint64_t bytes = 0;
         for (const auto& t : q.tensors()) bytes += t.end - t.begin;
         EXPECT_EQ(8 * bytes, j["totals"]["quantized_stored_bits"].get<uint64_t>());
-        if (c.args.find("kashin") != std::string::npos) {
+        if (c.args.find("--method kashin ") != std::string::npos) {
             EXPECT_TRUE(j["totals"].contains("fallbacks"));
             EXPECT_TRUE(j["tensors"][0].contains("iterations"));
         }
