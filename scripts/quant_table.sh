@@ -2,7 +2,8 @@
 # Produces the results table of docs/quantization.md: trains the demo GPT on Debian's fortunes
 # (cached under out/quant_demo/), quantizes it with every method and measures held-out perplexity.
 # Usage: bash scripts/quant_table.sh   (env: BUILD=build STEPS=400 SEEDS="0 1 2" KASHIN_BITS="4 5 6"
-# LOW_SEEDS="0" PART=all|main|low: main = the 4-8 bit rows, low = the 3- and 2-bit rows)
+# LOW_SEEDS="0" PART=all|main|low|render: main = the 4-8 bit rows, low = the 3- and 2-bit rows,
+# render = only rebuild the table from the rows measured so far)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
@@ -68,7 +69,7 @@ EOF
     echo "quant_table: $key done"
 }
 
-if [ "$PART" != low ]; then
+if [ "$PART" = all ] || [ "$PART" = main ]; then
     row "fp32" -
     row "RTN int8 per row" - --method rtn --bits 8
     row "RTN int4 per row" - --method rtn --bits 4
@@ -84,7 +85,7 @@ if [ "$PART" != low ]; then
         row "Kashin-DCT 2+2 per channel" "$s" --method kashin-dct --bits 4 --seed "$s"
     done
 fi
-if [ "$PART" != main ]; then
+if [ "$PART" = all ] || [ "$PART" = low ]; then
     # Below 4 bits the methods separate more clearly than at 4 bits on this small model.
     row "RTN int3 per row" - --method rtn --bits 3
     row "RTN int3 group 64" - --method rtn --bits 3 --group 64
