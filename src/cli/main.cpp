@@ -31,6 +31,7 @@ int main(int argc, char** argv) {
     memtrain::cli::register_remat(app);
     memtrain::cli::register_pipeline(app);
     memtrain::cli::register_report(app);
+    memtrain::cli::register_quantize(app);
     try {
         app.parse(argc, argv);
     } catch (const CLI::ParseError& e) {
