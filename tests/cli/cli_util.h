@@ -62,4 +62,17 @@ inline std::string small_corpus() {
     return s;
 }
 
+// Writes `text` to dir/corpus.txt (documents separated by `%` lines), trains dir/tok.json with
+// `vocab` tokens on it and tokenizes it into dir/train.bin and dir/val.bin (10% validation), all
+// through the binary. Returns the first step that failed, else the last step's result.
+inline CliResult tokenize_corpus(const std::string& dir, const std::string& text, int vocab) {
+    write_file(dir + "/corpus.txt", text);
+    CliResult r =
+        run_memtrain("tokenizer train --vocab-size " + std::to_string(vocab) +
+                     " --doc-separator % --out " + dir + "/tok.json " + dir + "/corpus.txt");
+    if (r.code != 0) return r;
+    return run_memtrain("tokenize --tokenizer " + dir + "/tok.json --out " + dir +
+                        " --doc-separator % --val-fraction 0.1 " + dir + "/corpus.txt");
+}
+
 }  // namespace memtrain::test

@@ -21,12 +21,7 @@ using test::write_file;
 
 TEST(LlamaCli, TrainSampleEvalAndFineTuneFromTheHfDirectory) {
     const std::string dir = test::temp_dir("llama_cli");
-    write_file(dir + "/corpus.txt", test::small_corpus());
-    auto r = run_memtrain("tokenizer train --vocab-size 320 --doc-separator % --out " + dir +
-                          "/tok.json " + dir + "/corpus.txt");
-    ASSERT_EQ(r.code, 0) << r.output;
-    r = run_memtrain("tokenize --tokenizer " + dir + "/tok.json --out " + dir +
-                     " --doc-separator % --val-fraction 0.1 " + dir + "/corpus.txt");
+    auto r = memtrain::test::tokenize_corpus(dir, test::small_corpus(), 320);
     ASSERT_EQ(r.code, 0) << r.output;
     write_file(dir + "/llama.toml",
                "[model]\nn_layer = 2\nn_head = 4\nn_kv_head = 2\nn_embd = 32\nblock_size = 32\n"

@@ -126,12 +126,7 @@ TEST(ReportCli, TrainingRunRendersInHeadlessChromium) {
     const std::string chromium = which.output.substr(0, which.output.find('\n'));
 
     const auto dir = memtrain::test::temp_dir("report_e2e");
-    write_text(dir + "/corpus.txt", corpus());
-    Shell r = memtrain_cmd("tokenizer train --vocab-size 300 --doc-separator % --out " + dir +
-                           "/tok.json " + dir + "/corpus.txt");
-    ASSERT_EQ(r.code, 0) << r.output;
-    r = memtrain_cmd("tokenize --tokenizer " + dir + "/tok.json --out " + dir +
-                     " --doc-separator % --val-fraction 0.1 " + dir + "/corpus.txt");
+    Shell r = memtrain::test::tokenize_corpus(dir, corpus(), 300);
     ASSERT_EQ(r.code, 0) << r.output;
     write_text(dir + "/run.toml",
                "[model]\nn_layer = 2\nn_head = 2\nn_embd = 32\nblock_size = 32\nvocab_size = 300\n"

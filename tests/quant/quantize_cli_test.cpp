@@ -29,12 +29,7 @@ double eval_loss(const std::string& model, const std::string& val) {
 
 TEST(QuantCli, EveryMethodGivesAModelThatEvalReads) {
     const std::string dir = test::temp_dir("quant_cli");
-    write_file(dir + "/corpus.txt", test::small_corpus());
-    auto r = run_memtrain("tokenizer train --vocab-size 320 --doc-separator % --out " + dir +
-                          "/tok.json " + dir + "/corpus.txt");
-    ASSERT_EQ(r.code, 0) << r.output;
-    r = run_memtrain("tokenize --tokenizer " + dir + "/tok.json --out " + dir +
-                     " --doc-separator % --val-fraction 0.1 " + dir + "/corpus.txt");
+    auto r = memtrain::test::tokenize_corpus(dir, test::small_corpus(), 320);
     ASSERT_EQ(r.code, 0) << r.output;
     write_file(dir + "/gpt.toml",
                "[model]\nn_layer = 2\nn_head = 2\nn_embd = 64\nblock_size = 32\n"
@@ -107,12 +102,7 @@ TEST(QuantCli, BadInputIsOneLineAndNoOutput) {
     EXPECT_EQ(r.code, 1) << r.output;
     EXPECT_NE(r.output.find("does not exist"), std::string::npos) << r.output;
     // A real model: the tiny run above may not exist when this test runs alone, so make one.
-    write_file(dir + "/corpus.txt", test::small_corpus());
-    r = run_memtrain("tokenizer train --vocab-size 300 --doc-separator % --out " + dir +
-                     "/tok.json " + dir + "/corpus.txt");
-    ASSERT_EQ(r.code, 0) << r.output;
-    r = run_memtrain("tokenize --tokenizer " + dir + "/tok.json --out " + dir +
-                     " --doc-separator % --val-fraction 0.1 " + dir + "/corpus.txt");
+    r = memtrain::test::tokenize_corpus(dir, test::small_corpus(), 300);
     ASSERT_EQ(r.code, 0) << r.output;
     write_file(dir + "/gpt.toml",
                "[model]\nn_layer = 1\nn_head = 2\nn_embd = 64\nblock_size = 16\nvocab_size = 300\n"
