@@ -112,6 +112,13 @@ class Communicator {
     // recv fails if the message does not have exactly n elements.
     virtual void send(const float* data, int64_t n, int peer, int tag) = 0;
     virtual void recv(float* data, int64_t n, int peer, int tag) = 0;
+    // A send that returns at once with an id for wait() (MPI_Isend): `data` must stay unchanged
+    // until then. Lets a pipeline stage pass activations on while its neighbour sends gradients
+    // back without the two blocking on each other. Default: the blocking send, id 0.
+    virtual uint64_t start_send(const float* data, int64_t n, int peer, int tag) {
+        send(data, n, peer, tag);
+        return 0;
+    }
 
     virtual void barrier() = 0;
 

@@ -407,6 +407,17 @@ void MpiCommunicator::send(const float* data, int64_t n, int peer, int tag) {
     wait_request(s, req, "send", n, "floats", peer, nullptr);
 }
 
+uint64_t MpiCommunicator::start_send(const float* data, int64_t n, int peer, int tag) {
+    State& s = *state_;
+    const int count = to_int(n, "send", "n");
+    if (peer < 0 || peer >= s.size || peer == s.rank) {
+        fail("send: peer {} is not another rank of a world of size {}", peer, s.size);
+    }
+    MPI_Request req;
+    check(MPI_Isend(data, count, MPI_FLOAT, peer, tag, s.comm, &req), s.rank, "send (started)");
+    return add_started(s, req, "send (started)", n);
+}
+
 void MpiCommunicator::recv(float* data, int64_t n, int peer, int tag) {
     State& s = *state_;
     const int count = to_int(n, "recv", "n");

@@ -61,6 +61,7 @@ class MpiCommunicator final : public Communicator {
     void broadcast(void* data, int64_t bytes, int root) override;
     void send(const float* data, int64_t n, int peer, int tag) override;
     void recv(float* data, int64_t n, int peer, int tag) override;
+    uint64_t start_send(const float* data, int64_t n, int peer, int tag) override;
     void barrier() override;
     [[noreturn]] void abort(std::string_view reason) override;
 

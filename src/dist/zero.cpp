@@ -217,8 +217,11 @@ double ZeroStore::clip_grad_norm(double max_norm) {
     sync();
     double sq;
     if (stage_ == 0) {
-        // Whole and identical on every rank: the same fixed-order sum as a single process.
-        sq = cpu::sum_squares(grads_.data(), (int64_t)grads_.size());
+        // Whole and identical on every rank: each unit's sum in unit order, the same sum a
+        // single process and a pipeline's stages (train/pipeline_engine.h) make.
+        sq = 0;
+        for (const ParamUnit& u : layout_->units)
+            sq += cpu::sum_squares(grads_.data() + u.begin, (int64_t)u.size());
     } else {
         // Each rank's partial sum, added in rank order on every rank (the same bits everywhere).
         const double mine = cpu::sum_squares(owned_grads(), owned_.count);

@@ -36,8 +36,17 @@ void FullParamStore::zero_grads() {
     std::memset(full_grads(), 0, grads_.bytes());
 }
 
-GPT::GPT(const ModelConfig& cfg, ParamStore* store) : cfg_(cfg) {
+GPT::GPT(const ModelConfig& cfg, ParamStore* store) : GPT(cfg, store, 0, cfg.n_layer) {}
+
+GPT::GPT(const ModelConfig& cfg, ParamStore* store, int first_block, int end_block) : cfg_(cfg) {
     cfg_.validate();
+    if (first_block < 0 || end_block > cfg_.n_layer || first_block >= end_block)
+        fail("internal: stage blocks [{}, {}) of a model of {} blocks", first_block, end_block,
+             cfg_.n_layer);
+    b0_ = first_block;
+    b1_ = end_block;
+    stage_cfg_ = cfg_;
+    stage_cfg_.n_layer = blocks();
     layout_ = make_param_layout(cfg_);
     if (!store) {
         own_store_ = std::make_unique<FullParamStore>(layout_);
@@ -67,8 +76,8 @@ void GPT::init_weights(uint64_t seed) {
 }
 
 void GPT::set_remat(const RematPlan& plan) {
-    if (!plan.empty() && plan.size() != (std::size_t)cfg_.n_layer)
-        fail("remat plan has {} entries but model.n_layer is {}", plan.size(), cfg_.n_layer);
+    if (!plan.empty() && plan.size() != (std::size_t)blocks())
+        fail("remat plan has {} entries but the model runs {} blocks", plan.size(), blocks());
     for (BlockKeep k : plan)
         if (k == BlockKeep::Offload)
             fail(
@@ -78,18 +87,33 @@ void GPT::set_remat(const RematPlan& plan) {
     arena_B_ = arena_T_ = 0;  // re-carve (and re-size) at the next forward
 }
 
+void GPT::set_slots(int k) {
+    if (k < 1) fail("internal: a stage holds at least one micro-batch, not {}", k);
+    if (k == nslots_) return;
+    nslots_ = k;
+    arena_B_ = arena_T_ = 0;
+}
+
+ArenaPlan GPT::stage_arena(int B, int T) const {
+    return plan_arena(stage_cfg_, B, T, plan_, arena_format());
+}
+
 void GPT::ensure_arena(int B, int T) {
     if (T > cfg_.block_size)
         fail("sequence length {} exceeds model.block_size {}", T, cfg_.block_size);
     if (B == arena_B_ && T == arena_T_) return;
-    const ActFormat fmt = arena_format();
-    const ArenaPlan p = plan_arena(cfg_, B, T, plan_, fmt);
+    // One slot's arena is the layout of a model of this stage's blocks (the whole model's when
+    // the stage is the whole model).
+    const ArenaPlan p = stage_arena(B, T);
     const std::size_t nact = p.activation_bytes / sizeof(float);
     const std::size_t nwork = p.workspace_bytes / sizeof(float);
     // Exactly the layout's size (free first: no transient double peak), so measured == predicted.
-    if (nact != acts_.size()) {
-        acts_.reset();
-        acts_ = Buffer<float>(nact, MemCategory::Activations);
+    bool same = slots_.size() == (std::size_t)nslots_;
+    for (const Slot& s : slots_) same = same && s.acts.size() == nact;
+    if (!same) {
+        slots_.clear();
+        slots_.resize(nslots_);
+        for (Slot& s : slots_) s.acts = Buffer<float>(nact, MemCategory::Activations);
     }
     if (nwork != work_.size()) {
         work_.reset();
@@ -98,17 +122,20 @@ void GPT::ensure_arena(int B, int T) {
     arena_B_ = B;
     arena_T_ = T;
 
-    auto act = [&](std::size_t at) { return acts_.data() + at / sizeof(float); };
+    const int nb = blocks();
+    for (Slot& s : slots_) {
+        auto act = [&](std::size_t at) { return s.acts.data() + at / sizeof(float); };
+        s.resid.resize(nb + 1);
+        for (int l = 0; l <= nb; l++) s.resid[l] = act(p.resid[l]);
+        s.saved.assign(nb, BlockSaved{});
+        for (int l = 0; l < nb; l++)
+            for (int i = 0; i < kSavedFields; i++)
+                if (p.block[l][i] != kNoOffset) s.saved[l].*kMembers[i] = act(p.block[l][i]);
+        s.lnf = act(p.lnf);
+        s.lnf_mean = p.lnf_mean == kNoOffset ? nullptr : act(p.lnf_mean);
+        s.lnf_rstd = act(p.lnf_rstd);
+    }
     auto wrk = [&](std::size_t at) { return work_.data() + at / sizeof(float); };
-    resid_.resize(cfg_.n_layer + 1);
-    for (int l = 0; l <= cfg_.n_layer; l++) resid_[l] = act(p.resid[l]);
-    saved_.assign(cfg_.n_layer, BlockSaved{});
-    for (int l = 0; l < cfg_.n_layer; l++)
-        for (int i = 0; i < kSavedFields; i++)
-            if (p.block[l][i] != kNoOffset) saved_[l].*kMembers[i] = act(p.block[l][i]);
-    lnf_ = act(p.lnf);
-    lnf_mean_ = p.lnf_mean == kNoOffset ? nullptr : act(p.lnf_mean);
-    lnf_rstd_ = act(p.lnf_rstd);
     dres_ = wrk(p.dres);
     dln_ = wrk(p.dln);
     dbig_ = wrk(p.dbig);
@@ -206,28 +233,31 @@ static void check_tokens(const int32_t* tokens, std::size_t n, int vocab, const 
     }
 }
 
-HeadParams GPT::forward(const int32_t* inputs, int B, int T) {
+void GPT::stage_forward(int slot, const int32_t* inputs, int B, int T) {
     ensure_arena(B, T);
-    check_tokens(inputs, (std::size_t)B * T, cfg_.vocab_size, "input");
+    Slot& sl = slots_.at(slot);
     const int N = B * T, C = cfg_.n_embd;
     const int E = ParamLayout::embedding_unit();
-    // Each unit announces the next (ParamStore::prefetch), so ZeRO-3 gathers it meanwhile.
-    EmbeddingParams e = embedding_view(layout_, store_->acquire(E));
-    store_->prefetch(layout_.block_unit(0));  // the head when there are no blocks
-    cpu::embedding_forward(resid_[0], inputs, e.wte, e.wpe, B, T, C);
-    store_->release(E);
-    for (int l = 0; l < cfg_.n_layer; l++) {
+    if (has_embedding()) {
+        check_tokens(inputs, (std::size_t)N, cfg_.vocab_size, "input");
+        // Each unit announces the next (ParamStore::prefetch), so ZeRO-3 gathers it meanwhile.
+        EmbeddingParams e = embedding_view(layout_, store_->acquire(E));
+        store_->prefetch(layout_.block_unit(b0_));
+        cpu::embedding_forward(sl.resid[0], inputs, e.wte, e.wpe, B, T, C);
+        store_->release(E);
+    }
+    for (int l = b0_; l < b1_; l++) {
         const int u = layout_.block_unit(l);
         BlockParams p = block_view(layout_, l, store_->acquire(u));
         store_->prefetch(u + 1);  // the next block, or the head
-        block_forward(p, resid_[l], resid_[l + 1], saved_[l], B, T);
+        block_forward(p, sl.resid[l - b0_], sl.resid[l - b0_ + 1], sl.saved[l - b0_], B, T);
         store_->release(u);
     }
+    if (!has_head()) return;
     HeadParams h = head_view(layout_, store_->acquire(layout_.head_unit()));
     // Every caller goes on to the classifier, which reads wte again when it is tied.
     if (cfg_.tied_embeddings) store_->prefetch(E);
-    norm_forward(lnf_, lnf_mean_, lnf_rstd_, resid_[cfg_.n_layer], h.lnf_w, h.lnf_b, N);
-    return h;
+    norm_forward(sl.lnf, sl.lnf_mean, sl.lnf_rstd, sl.resid.back(), h.lnf_w, h.lnf_b, N);
 }
 
 const float* GPT::acquire_output_embedding(const HeadParams& head) {
@@ -239,65 +269,106 @@ void GPT::release_output_embedding() {
     if (cfg_.tied_embeddings) store_->release(ParamLayout::embedding_unit());
 }
 
-float GPT::forward_backward(const int32_t* inputs, const int32_t* targets, int B, int T,
-                            float grad_scale) {
-    check_tokens(targets, (std::size_t)B * T, cfg_.vocab_size, "target");
-    const HeadParams h = forward(inputs, B, T);
-    const int N = B * T, C = cfg_.n_embd, L = cfg_.n_layer;
+float GPT::stage_backward(int slot, const int32_t* inputs, const int32_t* targets, int B, int T,
+                          float grad_scale) {
+    Slot& sl = slots_.at(slot);
+    const int N = B * T, C = cfg_.n_embd;
     const int E = ParamLayout::embedding_unit(), H = layout_.head_unit();
-    HeadParams hg = head_view(layout_, store_->unit_grads(H));
-    float* dwout =
-        cfg_.tied_embeddings ? embedding_view(layout_, store_->unit_grads(E)).wte : hg.lm_head;
-    const float* wout = acquire_output_embedding(h);
-    if (L > 0) store_->prefetch(layout_.block_unit(L - 1));  // gathered during the classifier
-    double loss =
-        cpu::classifier_loss(dln_, dwout, logits_, lnf_, wout, targets, N, C, cfg_.vocab_size,
-                             cfg_.padded_vocab(), kLossChunk, grad_scale);
-    release_output_embedding();
-    std::memset(dres_, 0, sizeof(float) * N * C);
-    norm_backward(dres_, hg.lnf_w, hg.lnf_b, dln_, resid_[L], h.lnf_w, lnf_mean_, lnf_rstd_, N);
-    store_->grads_done(H);
-    store_->release(H);
-    for (int l = L - 1; l >= 0; l--) {
-        const int u = layout_.block_unit(l);
+    double loss = 0;
+    if (has_head()) {
+        check_tokens(targets, (std::size_t)N, cfg_.vocab_size, "target");
+        // The head unit is still acquired from stage_forward: this is the same pointer.
+        const HeadParams h = head_view(layout_, store_->acquire(H));
+        store_->release(H);
+        HeadParams hg = head_view(layout_, store_->unit_grads(H));
+        float* dwout =
+            cfg_.tied_embeddings ? embedding_view(layout_, store_->unit_grads(E)).wte : hg.lm_head;
+        const float* wout = acquire_output_embedding(h);
+        store_->prefetch(layout_.block_unit(b1_ - 1));  // gathered during the classifier
+        loss = cpu::classifier_loss(dln_, dwout, logits_, sl.lnf, wout, targets, N, C,
+                                    cfg_.vocab_size, cfg_.padded_vocab(), kLossChunk, grad_scale);
+        release_output_embedding();
+        std::memset(dres_, 0, sizeof(float) * N * C);
+        norm_backward(dres_, hg.lnf_w, hg.lnf_b, dln_, sl.resid.back(), h.lnf_w, sl.lnf_mean,
+                      sl.lnf_rstd, N);
+        store_->grads_done(H);
+        store_->release(H);
+    }
+    // Otherwise dres_ holds d(output), received from the next stage.
+    for (int l = b1_ - 1; l >= b0_; l--) {
+        const int u = layout_.block_unit(l), i = l - b0_;
         BlockParams p = block_view(layout_, l, store_->acquire(u));
         // The embedding's backward needs no parameters, so block 0 announces nothing.
-        if (l > 0) store_->prefetch(layout_.block_unit(l - 1));
+        if (l > b0_) store_->prefetch(layout_.block_unit(l - 1));
         BlockParams g = block_view(layout_, l, store_->unit_grads(u));
         // An Input block re-runs block_forward into the scratch; its output rewrites
-        // resid_[l + 1] with the same bits, which nothing reads any more.
+        // resid[i + 1] with the same bits, which nothing reads any more.
         if (keep(l) == BlockKeep::Input)
-            block_forward(p, resid_[l], resid_[l + 1], saved_[l], B, T);
+            block_forward(p, sl.resid[i], sl.resid[i + 1], sl.saved[i], B, T);
         else if (keep(l) == BlockKeep::Selective)
-            recompute_selective(p, resid_[l], saved_[l], B, T);
-        block_backward(p, g, dres_, resid_[l], saved_[l], B, T);
+            recompute_selective(p, sl.resid[i], sl.saved[i], B, T);
+        block_backward(p, g, dres_, sl.resid[i], sl.saved[i], B, T);
         store_->grads_done(u);
         store_->release(u);
     }
-    EmbeddingParams eg = embedding_view(layout_, store_->unit_grads(E));
-    cpu::embedding_backward(eg.wte, eg.wpe, dres_, inputs, B, T, C);
-    store_->grads_done(E);
+    if (has_embedding()) {
+        EmbeddingParams eg = embedding_view(layout_, store_->unit_grads(E));
+        cpu::embedding_backward(eg.wte, eg.wpe, dres_, inputs, B, T, C);
+        store_->grads_done(E);
+    }
     return (float)(loss / N);
+}
+
+float GPT::stage_loss(int slot, const int32_t* targets, int B, int T) {
+    check_tokens(targets, (std::size_t)B * T, cfg_.vocab_size, "target");
+    const Slot& sl = slots_.at(slot);
+    const int N = B * T, H = layout_.head_unit();
+    const HeadParams h = head_view(layout_, store_->acquire(H));
+    store_->release(H);
+    double loss = cpu::classifier_loss(nullptr, nullptr, logits_, sl.lnf,
+                                       acquire_output_embedding(h), targets, N, cfg_.n_embd,
+                                       cfg_.vocab_size, cfg_.padded_vocab(), kLossChunk, 0.0f);
+    release_output_embedding();
+    store_->release(H);
+    return (float)(loss / N);
+}
+
+void GPT::stage_logits(int slot, int B, int T, float* out) {
+    const Slot& sl = slots_.at(slot);
+    const int H = layout_.head_unit();
+    const HeadParams h = head_view(layout_, store_->acquire(H));
+    store_->release(H);
+    cpu::classifier_logits(out, sl.lnf, acquire_output_embedding(h), B * T, cfg_.n_embd,
+                           cfg_.vocab_size);
+    release_output_embedding();
+    store_->release(H);
+}
+
+void GPT::require_whole(const char* what) const {
+    if (!has_embedding() || !has_head())
+        fail("internal: {} on a pipeline stage (blocks [{}, {})); use the stage_ calls", what, b0_,
+             b1_);
+}
+
+float GPT::forward_backward(const int32_t* inputs, const int32_t* targets, int B, int T,
+                            float grad_scale) {
+    require_whole("forward_backward");
+    if (has_head()) check_tokens(targets, (std::size_t)B * T, cfg_.vocab_size, "target");
+    stage_forward(0, inputs, B, T);
+    return stage_backward(0, inputs, targets, B, T, grad_scale);
 }
 
 float GPT::forward_loss(const int32_t* inputs, const int32_t* targets, int B, int T) {
+    require_whole("forward_loss");
     check_tokens(targets, (std::size_t)B * T, cfg_.vocab_size, "target");
-    const HeadParams h = forward(inputs, B, T);
-    const int N = B * T;
-    double loss = cpu::classifier_loss(nullptr, nullptr, logits_, lnf_, acquire_output_embedding(h),
-                                       targets, N, cfg_.n_embd, cfg_.vocab_size,
-                                       cfg_.padded_vocab(), kLossChunk, 0.0f);
-    release_output_embedding();
-    store_->release(layout_.head_unit());
-    return (float)(loss / N);
+    stage_forward(0, inputs, B, T);
+    return stage_loss(0, targets, B, T);
 }
 
 void GPT::forward_logits(const int32_t* inputs, int B, int T, float* out) {
-    const HeadParams h = forward(inputs, B, T);
-    cpu::classifier_logits(out, lnf_, acquire_output_embedding(h), B * T, cfg_.n_embd,
-                           cfg_.vocab_size);
-    release_output_embedding();
-    store_->release(layout_.head_unit());
+    require_whole("forward_logits");
+    stage_forward(0, inputs, B, T);
+    stage_logits(0, B, T, out);
 }
 
 }  // namespace memtrain

@@ -46,6 +46,11 @@ class GPT {
     // them whole (FullParamStore); a data-parallel run passes its sharding store, which must
     // outlive the model.
     explicit GPT(const ModelConfig& cfg, ParamStore* store = nullptr);
+    // A pipeline stage: only blocks [first_block, end_block) of the model, with the embedding
+    // when first_block is 0 and the head (ln_f, classifier, loss) when end_block is n_layer. The
+    // store must back the units the stage uses (parallel/stage_store.h); unit numbers stay the
+    // whole model's.
+    GPT(const ModelConfig& cfg, ParamStore* store, int first_block, int end_block);
     GPT(const GPT&) = delete;
     GPT& operator=(const GPT&) = delete;
 
@@ -79,15 +84,58 @@ class GPT {
     void set_remat(const RematPlan& plan);
     const RematPlan& remat_plan() const { return plan_; }
 
+    // Pipeline stages (parallel/pipeline_engine.h). A stage holds up to slots() micro-batches
+    // between their forward and their backward, each in an activation arena of its own (the
+    // workspace is shared). One micro-batch through a stage:
+    //   stage_input(slot)   (not the first stage) receive the previous stage's output here
+    //   stage_forward(slot)
+    //   stage_output(slot)  (not the last stage) send this on
+    //   stage_grad()        (not the last stage) receive d(output) here
+    //   stage_backward(slot)
+    //   stage_grad()        (not the first stage) now d(input): send it back
+    // A whole model is the stage [0, n_layer) with one slot: forward_backward is exactly
+    // stage_forward then stage_backward, so both run the same kernels on the same inputs.
+    int first_block() const { return b0_; }
+    int end_block() const { return b1_; }
+    bool has_embedding() const { return b0_ == 0; }
+    bool has_head() const { return b1_ == cfg_.n_layer; }
+    void set_slots(int k);
+    int slots() const { return nslots_; }
+    // Sizes the arenas for micro-batches of B x T (a no-op when they already are).
+    void prepare(int B, int T) { ensure_arena(B, T); }
+    float* stage_input(int slot) { return slots_.at(slot).resid.front(); }
+    const float* stage_output(int slot) const { return slots_.at(slot).resid.back(); }
+    float* stage_grad() { return dres_; }
+    // Forward of the stage's blocks (the embedding of `inputs` first on the first stage; ln_f
+    // last on the last, which then holds the head unit acquired until stage_backward or
+    // stage_loss releases it).
+    void stage_forward(int slot, const int32_t* inputs, int B, int T);
+    // Backward of the micro-batch in `slot`; on the last stage the loss of `targets` first
+    // (returns the mean loss; 0 on other stages).
+    float stage_backward(int slot, const int32_t* inputs, const int32_t* targets, int B, int T,
+                         float grad_scale);
+    // The last stage, after stage_forward, without backward: the mean loss, or the logits.
+    float stage_loss(int slot, const int32_t* targets, int B, int T);
+    void stage_logits(int slot, int B, int T, float* out);
+    // Bytes of one slot's activation arena and of the shared workspace for B x T.
+    ArenaPlan stage_arena(int B, int T) const;
+
     static constexpr int kLossChunk = 256;  // rows of logits alive at once
     // How this model lays out its arenas (fp32, attention probabilities kept, kLossChunk).
     static ActFormat arena_format() { return ActFormat::cpu(); }
 
   private:
+    // What one in-flight micro-batch keeps: its residual streams (the stage's blocks + 1),
+    // saved fields and ln_f output, in an arena of its own.
+    struct Slot {
+        Buffer<float> acts;             // MemCategory::Activations
+        std::vector<float*> resid;      // blocks() + 1 residual streams (B,T,C)
+        std::vector<BlockSaved> saved;  // dropped fields point into the recompute scratch
+        float *lnf = nullptr, *lnf_mean = nullptr, *lnf_rstd = nullptr;
+    };
+    int blocks() const { return b1_ - b0_; }
     void ensure_arena(int B, int T);
-    // Embedding, blocks and ln_f: fills resid_, saved_, lnf_. Returns with the head unit
-    // acquired (the caller releases it).
-    HeadParams forward(const int32_t* inputs, int B, int T);
+    void require_whole(const char* what) const;
     // The output embedding's weights (lm_head, or wte when tied), acquired; and its release.
     const float* acquire_output_embedding(const HeadParams& head);
     void release_output_embedding();
@@ -102,20 +150,21 @@ class GPT {
     void norm_backward(float* dinp, float* dw, float* db, const float* dout, const float* inp,
                        const float* w, const float* mean, const float* rstd, int N) const;
     void act_forward(float* out, const float* inp, int N) const;
-    BlockKeep keep(int l) const { return plan_.empty() ? BlockKeep::All : plan_[l]; }
+    // Block l of the model (l in [b0_, b1_)).
+    BlockKeep keep(int l) const { return plan_.empty() ? BlockKeep::All : plan_[l - b0_]; }
 
     ModelConfig cfg_;
     ParamLayout layout_;
     std::unique_ptr<FullParamStore> own_store_;  // when no store was passed in
     ParamStore* store_;
 
+    int b0_ = 0, b1_ = 0;    // the blocks this model runs
+    ModelConfig stage_cfg_;  // cfg_ with n_layer = blocks(): what one slot's arena holds
+    int nslots_ = 1;
     int arena_B_ = 0, arena_T_ = 0;
-    Buffer<float> acts_;             // MemCategory::Activations
-    Buffer<float> work_;             // MemCategory::Workspace
-    std::vector<float*> resid_;      // n_layer + 1 residual streams (B,T,C)
-    std::vector<BlockSaved> saved_;  // dropped fields point into the shared recompute scratch
-    RematPlan plan_;
-    float *lnf_, *lnf_mean_, *lnf_rstd_;
+    std::vector<Slot> slots_;
+    Buffer<float> work_;  // MemCategory::Workspace, shared by the slots
+    RematPlan plan_;      // one entry per block of the stage
     float *dres_, *dln_, *dbig_, *dact_, *logits_;
 };
 

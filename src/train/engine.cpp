@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "train/cuda_engine.h"
+#include "train/pipeline_engine.h"
 
 namespace memtrain {
 
@@ -100,6 +101,14 @@ std::string CpuEngine::memory_footer() const {
 }
 
 std::unique_ptr<Engine> make_engine(const RunConfig& cfg, dist::Communicator& comm) {
+    if (cfg.train.pp > 1) {
+        if (cfg.train.device != "cpu")
+            fail(
+                "train.pp = {} runs on the CPU engine only so far, not on {}: set train.device = "
+                "\"cpu\"",
+                cfg.train.pp, cfg.train.device);
+        return std::make_unique<PipelineEngine>(cfg, comm);
+    }
     if (cfg.train.device == "cpu") return std::make_unique<CpuEngine>(cfg, comm);
     if (cfg.train.device == "cuda") return make_cuda_engine(cfg, comm);
     fail("internal: train.device '{}' was not resolved to cpu or cuda", cfg.train.device);

@@ -15,6 +15,7 @@
 
 #include "core/device.h"
 #include "core/error.h"
+#include "parallel/schedule.h"
 #include "remat/policy.h"
 
 namespace memtrain {
@@ -196,6 +197,10 @@ const std::vector<Key>& registry() {
                  "cuda: fp32 master weights, optimizer state and update on the CPU (ZeRO-Offload)"),
         make_key("train.zero_stage", &R::train, &TrainConfig::zero_stage,
                  "data-parallel sharding: 0 DDP | 1 optimizer | 2 + gradients | 3 + parameters"),
+        make_key("train.pp", &R::train, &TrainConfig::pp,
+                 "pipeline stages: mpirun -np PP runs one model split over PP ranks"),
+        make_key("train.pp_schedule", &R::train, &TrainConfig::pp_schedule,
+                 "pipeline schedule: naive | gpipe | 1f1b"),
         make_key("optim.name", &R::optim, &OptimConfig::name, "adamw | sgd"),
         make_key("optim.lr", &R::optim, &OptimConfig::lr, "peak learning rate"),
         make_key("optim.min_lr_ratio", &R::optim, &OptimConfig::min_lr_ratio, "final lr / peak lr"),
@@ -444,6 +449,36 @@ void RunConfig::resolve() {
     if (train.precision == "auto") train.precision = train.device == "cuda" ? "bf16" : "fp32";
 }
 
+void RunConfig::validate_pipeline() const {
+    if (train.pp < 1) fail("train.pp = {} must be >= 1 (1: no pipeline)", train.pp);
+    if (train.pp > model.n_layer)
+        fail("train.pp = {} stages for model.n_layer = {} blocks: every stage needs a block",
+             train.pp, model.n_layer);
+    const pp::Kind kind = pp::parse_kind(train.pp_schedule);  // names the valid ones
+    if (train.pp == 1) return;
+    if (world % train.pp != 0)
+        fail("train.pp = {} does not divide the {} ranks: start mpirun -np {} (or a multiple)",
+             train.pp, world, train.pp);
+    if (dp() > 1)
+        fail(
+            "train.pp = {} on {} ranks would be {} pipelines side by side (pipeline x data "
+            "parallelism), which is not built yet: start mpirun -np {}",
+            train.pp, world, dp(), train.pp);
+    if (kind != pp::Kind::Naive && kind != pp::Kind::GPipe && kind != pp::Kind::OneFOneB)
+        fail(
+            "train.pp_schedule = \"{}\" is simulated by `memtrain pipeline` but the trainer runs "
+            "naive, gpipe and 1f1b only so far",
+            train.pp_schedule);
+    if (train.zero_stage != 0)
+        fail(
+            "train.zero_stage = {} with train.pp = {}: ZeRO shards across data-parallel ranks, "
+            "and a pipeline run has one",
+            train.zero_stage, train.pp);
+    if (train.device == "cuda")
+        fail("train.pp = {} runs on the CPU engine only so far: set train.device = \"cpu\"",
+             train.pp);
+}
+
 void RunConfig::validate() const {
     model.validate();
     optim.validate();
@@ -516,16 +551,17 @@ void RunConfig::validate() const {
              model.block_size);
     if (train.batch_size <= 0) fail("train.batch_size must be positive, got {}", train.batch_size);
     if (world < 1) fail("internal: world size {} < 1", world);
-    if (train.micro_batch_size < 0 || (int64_t)train.micro_batch_size * world > train.batch_size)
+    validate_pipeline();
+    if (train.micro_batch_size < 0 || (int64_t)train.micro_batch_size * dp() > train.batch_size)
         fail(
-            "train.micro_batch_size = {} must be in [0, train.batch_size / ranks = {} / {}] "
-            "(train.batch_size is the global batch)",
-            train.micro_batch_size, train.batch_size, world);
-    if (micro_batch() <= 0 || train.batch_size % (micro_batch() * world) != 0)
+            "train.micro_batch_size = {} must be in [0, train.batch_size / data-parallel ranks = "
+            "{} / {}] (train.batch_size is the global batch)",
+            train.micro_batch_size, train.batch_size, dp());
+    if (micro_batch() <= 0 || train.batch_size % (micro_batch() * dp()) != 0)
         fail(
             "train.batch_size = {} must be a multiple of train.micro_batch_size ({}) x "
             "data-parallel ranks ({})",
-            train.batch_size, micro_batch(), world);
+            train.batch_size, micro_batch(), dp());
     if (train.remat_costs != "analytic" && train.remat_costs != "measured")
         fail("train.remat_costs = \"{}\" must be \"analytic\" or \"measured\"", train.remat_costs);
     if (train.zero_stage < 0 || train.zero_stage > 3)

@@ -28,9 +28,11 @@ struct TrainConfig {
     int threads = 0;             // OpenMP/BLAS threads; 0 = all cores
     std::string remat = "none";  // activation checkpointing policy (remat/policy.h)
     std::string remat_costs =
-        "analytic";                  // recompute priced by "analytic" FLOPs or "measured" time
-    int zero_stage = 0;              // data-parallel sharding (dist/zero.h): 0 DDP .. 3 parameters
-    bool cuda_graphs = false;        // cuda: replay each micro-batch as one captured CUDA graph
+        "analytic";      // recompute priced by "analytic" FLOPs or "measured" time
+    int zero_stage = 0;  // data-parallel sharding (dist/zero.h): 0 DDP .. 3 parameters
+    int pp = 1;          // pipeline stages (ranks per pipeline; train/pipeline_engine.h)
+    std::string pp_schedule = "1f1b";  // naive | gpipe | 1f1b (parallel/schedule.h)
+    bool cuda_graphs = false;          // cuda: replay each micro-batch as one captured CUDA graph
     bool offload_optimizer = false;  // cuda: optimizer states and update on the CPU (ZeRO-Offload)
 };
 
@@ -62,20 +64,25 @@ struct RunConfig {
     IoConfig io;
     SampleConfig sample;
 
-    // Data-parallel ranks of this run: set at start-up from the launcher (mpirun), not a TOML key.
-    // train.batch_size is the global batch; train.micro_batch_size is per rank.
+    // Ranks of this run: set at start-up from the launcher (mpirun), not a TOML key. They form
+    // dp() pipelines of train.pp consecutive ranks. train.batch_size is the global batch;
+    // train.micro_batch_size is per data-parallel rank.
     int world = 1;
+    int dp() const { return world / train.pp; }
 
-    // Sequences per forward/backward on each rank (default: the global batch split over ranks).
+    // Sequences per forward/backward on each rank (default: the global batch split over the
+    // data-parallel ranks).
     int micro_batch() const {
-        return train.micro_batch_size > 0 ? train.micro_batch_size : train.batch_size / world;
+        return train.micro_batch_size > 0 ? train.micro_batch_size : train.batch_size / dp();
     }
-    int accum_steps() const { return train.batch_size / (micro_batch() * world); }
+    int accum_steps() const { return train.batch_size / (micro_batch() * dp()); }
     int64_t tokens_per_step() const { return (int64_t)train.batch_size * train.seq_len; }
     // Replaces "auto" in train.device and train.precision by what this machine runs: cuda and
     // bf16 where a GPU answers, else cpu and fp32.
     void resolve();
     void validate() const;
+    // train.pp and train.pp_schedule against the world size and the model (part of validate).
+    void validate_pipeline() const;
 };
 
 // Loads a TOML file (path may be empty: defaults) and applies "section.key=value" overrides.

@@ -147,7 +147,7 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
     }
     // Every rank reads the whole global micro-batch (tokens are cheap) and keeps its rows, so the
     // data position is one number for the run, whatever its world size.
-    const int B = cfg_.micro_batch(), T = cfg_.train.seq_len, Bg = B * cfg_.world;
+    const int B = cfg_.micro_batch(), T = cfg_.train.seq_len, Bg = B * cfg_.dp();
     train_loader_ =
         std::make_unique<data::DataLoader>(cfg_.data.train, Bg, T, cfg_.train.seed, true);
     if (!cfg_.data.val.empty())
@@ -195,7 +195,9 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
         engine_->describe(),
         psi - (std::size_t)(cfg_.model.padded_vocab() - cfg_.model.vocab_size) * cfg_.model.n_embd,
         psi, cfg_.train.batch_size, T, cfg_.tokens_per_step(), B, cfg_.accum_steps(),
-        cfg_.world > 1
+        cfg_.train.pp > 1 ? fmt::format(" | pipeline of {} stages ({} schedule)", cfg_.train.pp,
+                                        cfg_.train.pp_schedule)
+        : cfg_.world > 1
             ? fmt::format(" x {} ranks (ZeRO stage {})", cfg_.world, cfg_.train.zero_stage)
             : std::string()));
     if (cfg_.optim.lr_scaling != "none")
@@ -224,7 +226,8 @@ void Trainer::print(const std::string& s) {
 }
 
 double Trainer::mean_over_ranks(double x) {
-    if (comm_->size() == 1) return x;
+    // A pipeline's stages report the same loss (the last stage's); data-parallel ranks their own.
+    if (comm_->size() == 1 || cfg_.train.pp > 1) return x;
     std::vector<double> all((std::size_t)comm_->size());
     comm_->all_gather_bytes(&x, all.data(), sizeof(double));
     double sum = 0;
@@ -238,10 +241,10 @@ void Trainer::next_rows(data::DataLoader& loader) {
 
 float Trainer::evaluate() {
     const int B = cfg_.micro_batch(), T = cfg_.train.seq_len;
-    const std::size_t rows = (std::size_t)comm_->rank() * B * T;
+    const std::size_t rows = (std::size_t)dp_rank() * B * T;
     val_loader_->reset();
     int n = std::min<int>(cfg_.train.eval_batches,
-                          std::max<std::size_t>(1, val_loader_->num_windows() / (B * cfg_.world)));
+                          std::max<std::size_t>(1, val_loader_->num_windows() / (B * cfg_.dp())));
     double total = 0;
     for (int i = 0; i < n; i++) {
         next_rows(*val_loader_);
@@ -261,7 +264,8 @@ plan::MemoryEstimate planner_estimate(const RunConfig& cfg, Engine& engine) {
     rs.micro_batch = cfg.micro_batch();
     rs.seq = cfg.train.seq_len;
     rs.micro_batches = cfg.accum_steps();
-    rs.dp = cfg.world;
+    rs.dp = cfg.dp();
+    rs.pp = cfg.train.pp;
     rs.zero = cfg.train.zero_stage;
     rs.flash_attention = engine.arena_format().fused_attention;
     rs.fragmentation = 0;
@@ -278,11 +282,11 @@ plan::MemoryEstimate planner_estimate(const RunConfig& cfg, Engine& engine) {
 TrainSummary Trainer::run() {
     TrainSummary sum;
     const int B = cfg_.micro_batch(), T = cfg_.train.seq_len, K = cfg_.accum_steps();
-    const std::size_t rows = (std::size_t)comm_->rank() * B * T;
+    const std::size_t rows = (std::size_t)dp_rank() * B * T;
     const int64_t total = cfg_.train.max_steps;
     // Every token of the global batch gets the same weight: the rank sum of the gradients is
     // the gradient of the mean loss.
-    const float grad_scale = 1.0f / (float)((int64_t)B * T * K * cfg_.world);
+    const float grad_scale = 1.0f / (float)((int64_t)B * T * K * cfg_.dp());
     double timed_seconds = 0;
     int64_t timed_steps = 0;
     int ran = 0;
@@ -449,9 +453,10 @@ void Trainer::print_memory_report() {
 
 void Trainer::print_sample() {
     if (cfg_.data.tokenizer.empty() || cfg_.sample.max_tokens == 0) return;
-    // Under ZeRO-3 every forward gathers parameters, so every rank generates (the same tokens,
-    // from the same RNG state); otherwise rank 0 alone does.
-    if (!root() && cfg_.train.zero_stage < 3) return;
+    // Under ZeRO-3 every forward gathers parameters, and a pipeline's forward passes through
+    // every stage, so every rank generates (the same tokens, from the same RNG state); otherwise
+    // rank 0 alone does.
+    if (!root() && cfg_.train.zero_stage < 3 && cfg_.train.pp == 1) return;
     auto tok = data::Tokenizer::load(cfg_.data.tokenizer);
     auto eot = tok.eot_token();
     if (cfg_.sample.prompt.empty() && !eot && !tok.bos_token()) return;

@@ -74,6 +74,8 @@ class Trainer {
     // This rank's rows of the next global micro-batch from `loader`, into x_, y_.
     void next_rows(data::DataLoader& loader);
     bool root() const { return comm_->rank() == 0; }
+    // Which data-parallel replica this rank belongs to: pipelines are train.pp consecutive ranks.
+    int dp_rank() const { return comm_->rank() / cfg_.train.pp; }
     void print(const std::string& s);
     void print_memory_report();
     void print_sample();

@@ -1,0 +1,317 @@
+// The pipeline executor over the CPU model (see pipeline_engine.h).
+#include "train/pipeline_engine.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "kernels/cpu/ops.h"
+
+namespace memtrain {
+
+namespace {
+
+// Message tags: micro-batch i's activation 2i, its gradient 2i + 1, and three of their own
+// above every micro-batch's (MPI guarantees tags up to 32767).
+constexpr int kTagEval = 32000, kTagTiedGrad = 32001, kTagTiedWeights = 32002;
+constexpr int kMaxMicroBatches = 16000;
+int tag_forward(int mb) {
+    return 2 * mb;
+}
+int tag_backward(int mb) {
+    return 2 * mb + 1;
+}
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t0) {
+    return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// The most micro-batches a rank's list holds between their F and their B.
+int peak_in_flight(const std::vector<pp::Action>& list) {
+    int now = 0, peak = 0;
+    for (const pp::Action& a : list) {
+        now += a.op == pp::Op::F ? 1 : (a.op == pp::Op::B ? -1 : 0);
+        peak = std::max(peak, now);
+    }
+    return peak;
+}
+
+}  // namespace
+
+PipelineEngine::PipelineEngine(const RunConfig& cfg, dist::Communicator& comm)
+    : cfg_(cfg),
+      comm_(comm),
+      rank_(comm.rank()),
+      p_(cfg.train.pp),
+      kind_(pp::parse_kind(cfg.train.pp_schedule)),
+      layout_(make_param_layout(cfg.model)) {
+    if (comm.size() != p_) fail("internal: a pipeline of {} stages on {} ranks", p_, comm.size());
+    const int B = cfg_.micro_batch(), T = cfg_.train.seq_len, m = cfg_.accum_steps();
+    if (m > kMaxMicroBatches)
+        fail("train.pp: {} micro-batches per step is more than the pipeline's {}", m,
+             kMaxMicroBatches);
+    split_ = pp::split_stages(cfg_.model, p_, B, T);
+    const int b0 = split_.first_block[rank_], b1 = b0 + split_.blocks[rank_];
+    const int first_unit = b0 == 0 ? ParamLayout::embedding_unit() : layout_.block_unit(b0);
+    const int last_unit =
+        b1 == cfg_.model.n_layer ? layout_.head_unit() : layout_.block_unit(b1 - 1);
+    store_ = std::make_unique<pp::StageStore>(layout_, first_unit, last_unit,
+                                              last() && cfg_.model.tied_embeddings);
+    // Who owns each unit, for the weights view: the stage whose blocks it belongs to.
+    std::vector<int> owner(layout_.units.size(), 0);
+    for (int s = 0; s < p_; s++)
+        for (int l = split_.first_block[s]; l < split_.first_block[s] + split_.blocks[s]; l++)
+            owner[layout_.block_unit(l)] = s;
+    owner[layout_.head_unit()] = p_ - 1;
+    weights_ = std::make_unique<pp::StageWeights>(layout_, *store_, std::move(owner), comm_);
+    model_ = std::make_unique<GPT>(cfg_.model, store_.get(), b0, b1);
+    opt_ = make_optimizer(cfg_.optim, layout_, store_->begin(), store_->count());
+    sched_ = pp::make_schedule(kind_, p_, m);
+    pp::validate(sched_);
+    model_->set_slots(std::max(1, peak_in_flight(sched_.ranks[rank_])));
+}
+
+PipelineEngine::~PipelineEngine() {
+    comm_.wait_all();  // sends still travelling read our buffers
+}
+
+std::string PipelineEngine::describe() const {
+    return fmt::format("cpu (fp32), pipeline stage {} of {} (blocks {}..{}, {} schedule)", rank_,
+                       p_, model_->first_block(), model_->end_block() - 1, kind_name(kind_));
+}
+
+void PipelineEngine::set_remat(const RematPlan& plan) {
+    plan_ = plan;
+    if (plan.empty()) {
+        model_->set_remat({});
+        return;
+    }
+    if (plan.size() != (std::size_t)cfg_.model.n_layer)
+        fail("remat plan has {} entries but model.n_layer is {}", plan.size(), cfg_.model.n_layer);
+    model_->set_remat(
+        RematPlan(plan.begin() + model_->first_block(), plan.begin() + model_->end_block()));
+}
+
+void PipelineEngine::begin_step() {
+    model_->zero_grads();
+    mbs_.clear();
+    loss_sum_ = 0;
+}
+
+void PipelineEngine::forward_backward(const int32_t* inputs, const int32_t* targets, int B, int T,
+                                      float grad_scale, bool last_mb) {
+    const std::size_t n = (std::size_t)B * T;
+    mbs_.push_back(Micro{std::vector<int32_t>(inputs, inputs + n),
+                         std::vector<int32_t>(targets, targets + n)});
+    B_ = B;
+    T_ = T;
+    grad_scale_ = grad_scale;
+    if (last_mb) run_schedule();
+}
+
+void PipelineEngine::run_schedule() {
+    const int m = (int)mbs_.size();
+    if (m != sched_.m) {
+        sched_ = pp::make_schedule(kind_, p_, m);
+        pp::validate(sched_);
+        model_->set_slots(std::max(1, peak_in_flight(sched_.ranks[rank_])));
+    }
+    const int B = B_, T = T_;
+    const int64_t n = (int64_t)B * T * cfg_.model.n_embd;
+    model_->prepare(B, T);
+    std::vector<int> free_slots, slot_of(m, -1);
+    for (int s = model_->slots() - 1; s >= 0; s--) free_slots.push_back(s);
+    // Sends in flight: each slot's output (until its backward may rewrite it) and the one
+    // gradient buffer (until the next backward writes it).
+    std::vector<uint64_t> out_send(model_->slots(), 0);
+    uint64_t grad_send = 0;
+    double busy = 0, fwd = 0, bwd = 0;
+    const auto t_start = Clock::now();
+    for (const pp::Action& a : sched_.ranks[rank_]) {
+        const int i = a.mb;
+        const Micro& mb = mbs_[i];
+        if (a.op == pp::Op::F) {
+            if (free_slots.empty()) fail("internal: pipeline stage {} ran out of slots", rank_);
+            const int slot = free_slots.back();
+            free_slots.pop_back();
+            slot_of[i] = slot;
+            comm_.wait(out_send[slot]);
+            if (!first()) comm_.recv(model_->stage_input(slot), n, rank_ - 1, tag_forward(i));
+            const auto t0 = Clock::now();
+            model_->stage_forward(slot, mb.x.data(), B, T);
+            const double dt = seconds_since(t0);
+            busy += dt;
+            fwd += dt;
+            if (!last()) {
+                out_send[slot] =
+                    comm_.start_send(model_->stage_output(slot), n, rank_ + 1, tag_forward(i));
+                stats_.bytes_sent += n * (int64_t)sizeof(float);
+            }
+        } else if (a.op == pp::Op::B) {
+            const int slot = slot_of[i];
+            comm_.wait(grad_send);
+            comm_.wait(out_send[slot]);
+            if (!last()) comm_.recv(model_->stage_grad(), n, rank_ + 1, tag_backward(i));
+            const auto t0 = Clock::now();
+            const float loss =
+                model_->stage_backward(slot, mb.x.data(), mb.y.data(), B, T, grad_scale_);
+            const double dt = seconds_since(t0);
+            busy += dt;
+            bwd += dt;
+            if (last()) loss_sum_ += loss;
+            if (!first()) {
+                grad_send = comm_.start_send(model_->stage_grad(), n, rank_ - 1, tag_backward(i));
+                stats_.bytes_sent += n * (int64_t)sizeof(float);
+            }
+            free_slots.push_back(slot);
+        } else {
+            fail("internal: the executor runs F and B actions, not {}", pp::action_text(a));
+        }
+    }
+    comm_.wait_all();
+    const double wall = seconds_since(t_start);
+    // The bubble of this step, averaged over ranks (every rank gets the same numbers).
+    // and every stage's per-micro-batch forward and backward times.
+    const double mine[3] = {wall > 0 ? 1.0 - busy / wall : 0.0, fwd / m, bwd / m};
+    std::vector<double> all(3 * (std::size_t)p_);
+    comm_.all_gather_bytes(mine, all.data(), sizeof(mine));
+    if (steps_run_++ > 0) {  // the first step pays for allocation and warm-up
+        stats_.steps++;
+        stats_.stage_forward_s.resize(p_);
+        stats_.stage_backward_s.resize(p_);
+        for (int s = 0; s < p_; s++) {
+            stats_.stage_forward_s[s] += all[3 * s + 1];
+            stats_.stage_backward_s[s] += all[3 * s + 2];
+        }
+        stats_.wall_s += wall;
+        stats_.busy_s += busy;
+        stats_.forward_s += fwd;
+        stats_.backward_s += bwd;
+        stats_.forwards += m;
+        stats_.backwards += m;
+        double mean = 0;
+        for (int s = 0; s < p_; s++) mean += all[3 * s];
+        stats_.bubble_mean += mean / p_;
+    }
+}
+
+StepResult PipelineEngine::finish_step(double lr, double max_norm) {
+    StepResult r;
+    const int E = ParamLayout::embedding_unit();
+    // The tied embedding: the classifier's gradient (last stage) joins the embedding's (first).
+    if (cfg_.model.tied_embeddings && p_ > 1) {
+        const int64_t ne = (int64_t)layout_.units[E].size();
+        if (last()) comm_.send(store_->mirror_grads(), ne, 0, kTagTiedGrad);
+        if (first()) {
+            std::vector<float> head(ne);
+            comm_.recv(head.data(), ne, p_ - 1, kTagTiedGrad);
+            float* g = store_->unit_grads(E);
+            for (int64_t j = 0; j < ne; j++) g[j] += head[j];
+        }
+    }
+    // The global norm: each unit's sum of squares where it lives, added in unit order.
+    std::vector<double> sq(layout_.units.size(), 0.0);
+    for (int u = store_->first_unit(); u <= store_->last_unit(); u++)
+        sq[u] = cpu::sum_squares(store_->unit_grads(u), (int64_t)layout_.units[u].size());
+    comm_.all_reduce_max(sq.data(), (int64_t)sq.size());  // one rank has each, the rest 0
+    double total = 0;
+    for (double s : sq) total += s;
+    r.grad_norm = std::sqrt(total);
+    if (max_norm > 0) {
+        const double coef = max_norm / (r.grad_norm + 1e-6);
+        if (coef < 1.0)
+            cpu::scale_inplace(store_->owned_grads(), (float)coef, (int64_t)store_->count());
+    }
+    opt_->step(store_->owned_params(), store_->owned_grads(), lr);
+    if (cfg_.model.tied_embeddings && p_ > 1) {
+        const int64_t ne = (int64_t)layout_.units[E].size();
+        if (first()) comm_.send(store_->acquire(E), ne, p_ - 1, kTagTiedWeights);
+        if (last()) comm_.recv(store_->mirror_params(), ne, 0, kTagTiedWeights);
+    }
+    // The loss lives on the last stage: every rank reports it.
+    double loss = mbs_.empty() ? 0.0 : loss_sum_ / (double)mbs_.size();
+    comm_.broadcast(&loss, sizeof(loss), p_ - 1);
+    r.loss = loss;
+    return r;
+}
+
+void PipelineEngine::forward_only(const int32_t* inputs, int B, int T) {
+    const int64_t n = (int64_t)B * T * cfg_.model.n_embd;
+    model_->prepare(B, T);
+    if (!first()) comm_.recv(model_->stage_input(0), n, rank_ - 1, kTagEval);
+    model_->stage_forward(0, inputs, B, T);
+    if (!last()) comm_.send(model_->stage_output(0), n, rank_ + 1, kTagEval);
+}
+
+double PipelineEngine::forward_loss(const int32_t* inputs, const int32_t* targets, int B, int T) {
+    forward_only(inputs, B, T);
+    double loss = last() ? model_->stage_loss(0, targets, B, T) : 0.0;
+    comm_.broadcast(&loss, sizeof(loss), p_ - 1);
+    return loss;
+}
+
+void PipelineEngine::forward_logits(const int32_t* inputs, int B, int T, float* out) {
+    forward_only(inputs, B, T);
+    if (last()) model_->stage_logits(0, B, T, out);
+    comm_.broadcast(out, (int64_t)B * T * cfg_.model.vocab_size * (int64_t)sizeof(float), p_ - 1);
+}
+
+std::string PipelineEngine::memory_title() const {
+    return fmt::format("host, fp32, pipeline stage {} of {} (rank {})", rank_, p_, comm_.rank());
+}
+
+std::vector<MemoryPrediction> PipelineEngine::predicted_memory(int B, int T) const {
+    const std::size_t own = store_->count(), mirror = store_->mirror_size();
+    const std::string units =
+        fmt::format("units {}..{}{}", layout_.units[store_->first_unit()].name,
+                    layout_.units[store_->last_unit()].name, mirror ? " + a copy of wte" : "");
+    const int k = cfg_.optim.name == "adamw" ? 8 : 4;
+    const ArenaPlan a = model_->stage_arena(B, T);
+    const int K = model_->slots();
+    return {
+        {MemCategory::Parameters, fmt::format("4 x stage params ({})", units), 4 * (own + mirror)},
+        {MemCategory::Gradients, "4 x stage params", 4 * (own + mirror)},
+        {MemCategory::OptimizerState,
+         fmt::format("{} x stage params, own units ({})", k, k == 8 ? "Adam m, v" : "momentum"),
+         (std::size_t)k * own},
+        {MemCategory::Activations,
+         fmt::format("{} micro-batches in flight x activation_layout(blocks {}..{}, remat={})", K,
+                     model_->first_block(), model_->end_block() - 1, cfg_.train.remat),
+         (std::size_t)K * a.activation_bytes},
+        {MemCategory::Workspace, "activation_layout(stage blocks), shared", a.workspace_bytes},
+    };
+}
+
+std::string PipelineEngine::memory_footer() const {
+    std::string out = fmt::format(
+        "{:<16} {:>12}  (everything the OS charged: code, libraries, loaders, allocator slack)\n",
+        "process peak RSS", fmt::format("{:.1f} MiB", process_peak_rss() / 1048576.0));
+    out += fmt::format(
+        "pipeline: {} stages, {} schedule, stage {} holds blocks {}..{} and up to {} "
+        "micro-batches in flight\n",
+        p_, kind_name(kind_), rank_, model_->first_block(), model_->end_block() - 1,
+        model_->slots());
+    if (stats_.steps > 0) {
+        // The simulator's step for the stages' measured forward and backward times.
+        pp::StageCosts costs = pp::StageCosts::uniform(p_, 0, 0);
+        for (int s = 0; s < p_; s++) {
+            costs.f[s] = stats_.stage_forward_s[s] / stats_.steps;
+            costs.b[s] = stats_.stage_backward_s[s] / stats_.steps;
+        }
+        const pp::SimResult sim = pp::simulate(sched_, costs);
+        out += fmt::format(
+            "pipeline bubble: measured {:.1f}% (mean over ranks and {} steps), simulated {:.1f}% "
+            "from the stages' measured F and B times | step {:.1f} ms measured, {:.1f} ms "
+            "simulated | sent {:.1f} MiB per step\n",
+            100.0 * stats_.bubble_mean / stats_.steps, stats_.steps, 100.0 * sim.bubble(),
+            1e3 * stats_.wall_s / stats_.steps, 1e3 * sim.makespan,
+            stats_.bytes_sent / 1048576.0 / steps_run_);
+    }
+    return out;
+}
+
+}  // namespace memtrain

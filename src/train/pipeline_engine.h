@@ -1,0 +1,115 @@
+// PipelineEngine: the CPU model split into stages over the ranks of a pipeline (train.pp), run by
+// one executor over a schedule's action lists (parallel/schedule.h). Rank r holds stage r: a
+// contiguous run of blocks (parallel/stage_split.h), with the embedding on the first stage and
+// ln_f, the classifier and the loss on the last; its parameters, gradients and optimizer state
+// cover only its own units (parallel/stage_store.h).
+//
+// One optimizer step: the Trainer hands over the step's micro-batches one by one; at the last the
+// executor walks this rank's list. F(i): receive micro-batch i's input from the previous stage
+// (the first stage embeds the tokens), run the stage's blocks into a free activation slot, send
+// the output on. B(i): receive d(output) from the next stage (the last stage computes the loss),
+// run the backward, send d(input) back. Sends are nonblocking, so a stage that passes an
+// activation on while its neighbour sends a gradient back never waits on it; receives block.
+// Every stage accumulates its micro-batches' gradients in micro-batch order, which is the order a
+// single process accumulates them in, and each block runs the same kernels on the same inputs:
+// losses and gradients are bitwise those of one process (tests/dist_mpi/pipeline_test.cpp). The
+// one exception is the tied embedding, whose gradient is the sum of the classifier's part
+// (last stage) and the embedding's part (first stage), added once per step rather than micro-
+// batch by micro-batch; Megatron-LM reduces it the same way.
+//
+// After the last micro-batch: the tied embedding's gradient goes from the last stage to the
+// first, the global gradient norm is the sum of per-unit sums of squares in unit order (as a
+// single process sums it), every stage clips and updates its own range, and the first stage sends
+// the updated embedding back to the last.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "parallel/schedule.h"
+#include "parallel/stage_split.h"
+#include "parallel/stage_store.h"
+#include "train/engine.h"
+
+namespace memtrain {
+
+// What the executor measured over the steps so far (all but the first, which pays start-up).
+struct PipelineStats {
+    int steps = 0;
+    double wall_s = 0;      // this rank, schedule start to last action end
+    double busy_s = 0;      // this rank, inside F and B
+    double forward_s = 0;   // this rank, inside F
+    double backward_s = 0;  // this rank, inside B
+    int64_t forwards = 0, backwards = 0;
+    double bubble_mean = 0;  // 1 - busy / wall, mean over ranks, summed over steps
+    int64_t bytes_sent = 0;  // activations and gradients sent by this rank
+    // Per stage: one micro-batch's forward and backward time, summed over steps (for the
+    // simulator's prediction from measured stage times).
+    std::vector<double> stage_forward_s, stage_backward_s;
+};
+
+class PipelineEngine final : public Engine {
+  public:
+    PipelineEngine(const RunConfig& cfg, dist::Communicator& comm);
+    ~PipelineEngine() override;
+
+    std::string describe() const override;
+    ModelWeights weights() override { return ModelWeights{*weights_, layout_, cfg_.model}; }
+    OptimizerState& optimizer() override { return *opt_; }
+    ActFormat arena_format() const override { return GPT::arena_format(); }
+    void set_remat(const RematPlan& plan) override;
+    const RematPlan& remat_plan() const override { return plan_; }
+    void begin_step() override;
+    void forward_backward(const int32_t* inputs, const int32_t* targets, int B, int T,
+                          float grad_scale, bool last) override;
+    StepResult finish_step(double lr, double max_norm) override;
+    double forward_loss(const int32_t* inputs, const int32_t* targets, int B, int T) override;
+    void forward_logits(const int32_t* inputs, int B, int T, float* out) override;
+    MemoryTracker& memory() override { return host_memory(); }
+    std::string memory_title() const override;
+    std::vector<MemoryPrediction> predicted_memory(int B, int T) const override;
+    std::string memory_footer() const override;
+
+    int stage() const { return rank_; }
+    int stages() const { return p_; }
+    const pp::StageSplit& split() const { return split_; }
+    // Micro-batches this stage holds at once under the schedule (GPipe m, 1F1B min(p - s, m)).
+    int slots() const { return model_->slots(); }
+    GPT& model() { return *model_; }
+    pp::StageStore& store() { return *store_; }
+    const PipelineStats& stats() const { return stats_; }
+    // The schedule of the last step (empty before one ran).
+    const pp::Schedule& schedule() const { return sched_; }
+
+  private:
+    struct Micro {
+        std::vector<int32_t> x, y;
+    };
+    void run_schedule();
+    void forward_only(const int32_t* inputs, int B, int T);
+    bool first() const { return rank_ == 0; }
+    bool last() const { return rank_ == p_ - 1; }
+
+    RunConfig cfg_;
+    dist::Communicator& comm_;
+    int rank_ = 0, p_ = 1;
+    pp::Kind kind_;
+    ParamLayout layout_;
+    pp::StageSplit split_;
+    std::unique_ptr<pp::StageStore> store_;
+    std::unique_ptr<pp::StageWeights> weights_;
+    std::unique_ptr<GPT> model_;
+    std::unique_ptr<Optimizer> opt_;
+    RematPlan plan_;
+    pp::Schedule sched_;
+    std::vector<Micro> mbs_;
+    int B_ = 0, T_ = 0;
+    float grad_scale_ = 0;
+    double loss_sum_ = 0;
+    PipelineStats stats_;
+    int steps_run_ = 0;
+};
+
+}  // namespace memtrain
