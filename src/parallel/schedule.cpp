@@ -6,6 +6,8 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <mutex>
+#include <tuple>
 
 #include <fmt/format.h>
 
@@ -374,6 +376,39 @@ int pipedream_version(int p, int s, int i) {
 }
 int pipedream_versions(int p, int s) {
     return p - s;
+}
+
+namespace {
+
+struct UniformRun {
+    double fill = 0;
+    std::vector<double> in_flight;
+};
+
+const UniformRun& uniform_run(Kind kind, int p, int m, int v) {
+    static std::mutex mu;
+    static std::map<std::tuple<int, int, int, int>, UniformRun> memo;
+    std::lock_guard<std::mutex> lock(mu);
+    const auto key = std::make_tuple((int)kind, p, m, v);
+    auto it = memo.find(key);
+    if (it != memo.end()) return it->second;
+    const Schedule s = make_schedule(kind, p, m, v);
+    const double f = 1.0 / v, b = 2.0 / v;
+    const SimResult r = simulate(s, StageCosts::uniform(p * v, f, b, b / 2, b / 2));
+    UniformRun u;
+    u.fill = r.makespan / 3.0 - m;
+    for (int k : r.peak_in_flight) u.in_flight.push_back((double)k / v);
+    return memo.emplace(key, std::move(u)).first->second;
+}
+
+}  // namespace
+
+double uniform_fill(Kind kind, int p, int m, int v) {
+    return uniform_run(kind, p, m, v).fill;
+}
+
+std::vector<double> uniform_in_flight(Kind kind, int p, int m, int v) {
+    return uniform_run(kind, p, m, v).in_flight;
 }
 
 }  // namespace memtrain::pp

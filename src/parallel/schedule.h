@@ -81,6 +81,16 @@ struct SimResult {
 // I(s,i)). Throws an Error on a deadlock, with the grid of where each rank is stuck.
 SimResult simulate(const Schedule& s, const StageCosts& costs);
 
+// The pipeline's fill for equal stages (forward 1, backward 2 per micro-batch and stage, or per
+// chunk 1/v and 2/v), in micro-batch times: makespan / (forward + backward) - m, from simulate on
+// make_schedule's lists, so the planner's step time comes from the executor's schedules (GPipe
+// and 1F1B give p - 1, interleaved (p - 1) / v). Remembered per (kind, p, m, v): the planner asks
+// for thousands of layouts.
+double uniform_fill(Kind kind, int p, int m, int v = 1);
+// The most micro-batches each rank holds between forward and backward under `kind`, in whole
+// stage micro-batches (an interleaved chunk's count as 1/v).
+std::vector<double> uniform_in_flight(Kind kind, int p, int m, int v = 1);
+
 // "1F0" style text of one action (op, stage, micro-batch), and the whole schedule as one line
 // per rank.
 std::string action_text(const Action& a);

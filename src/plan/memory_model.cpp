@@ -31,22 +31,12 @@ int64_t lora_params_per_layer(const ModelSpec& m, int rank) {
     return rank * (attn + mlp);
 }
 
-// Micro-batches whose activations are alive at once on `stage`.
+// Micro-batches whose activations are alive at once on `stage`: the executor's schedule,
+// simulated (parallel/schedule.h; GPipe m, 1F1B min(p - s, m), interleaved chunks counted as 1/v).
 double in_flight(const RunSpec& r, int stage) {
     if (r.pp == 1) return 1;
-    switch (r.schedule) {
-        case Schedule::gpipe:
-            return r.micro_batches;
-        case Schedule::one_f_one_b:
-            return std::min(r.pp - stage, r.micro_batches);
-        case Schedule::interleaved: {
-            // Narayanan et al. 2021: the first stage holds (1 + (p-1)/(p v)) times the
-            // non-interleaved amount; later stages proportionally less.
-            double base = std::min(r.pp - stage, r.micro_batches);
-            return base * (1.0 + (r.pp - 1.0) / (r.pp * r.virtual_stages));
-        }
-    }
-    return 1;
+    const int v = r.schedule == Schedule::interleaved ? r.virtual_stages : 1;
+    return pp::uniform_in_flight(pipeline_kind(r.schedule), r.pp, r.micro_batches, v).at(stage);
 }
 
 std::string gb(double bytes) {

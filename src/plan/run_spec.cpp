@@ -100,6 +100,18 @@ const char* to_string(Recompute r) {
     }
     return "?";
 }
+pp::Kind pipeline_kind(Schedule s) {
+    switch (s) {
+        case Schedule::gpipe:
+            return pp::Kind::GPipe;
+        case Schedule::interleaved:
+            return pp::Kind::Interleaved;
+        case Schedule::one_f_one_b:
+            break;
+    }
+    return pp::Kind::OneFOneB;
+}
+
 const char* to_string(Schedule s) {
     switch (s) {
         case Schedule::one_f_one_b:

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 
+#include "parallel/schedule.h"
 #include "plan/model_spec.h"
 
 namespace memtrain::plan {
@@ -51,6 +52,8 @@ const char* to_string(Precision p);
 const char* to_string(Optimizer o);
 const char* to_string(Recompute r);
 const char* to_string(Schedule s);
+// The executor's schedule of the same name (parallel/schedule.h).
+pp::Kind pipeline_kind(Schedule s);
 const char* to_string(Offload o);
 
 // Throws memtrain::Error with the reason and a fix when the layout cannot run at all

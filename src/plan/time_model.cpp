@@ -5,6 +5,7 @@
 
 #include <algorithm>
 
+#include "parallel/schedule.h"
 #include "plan/memory_model.h"
 
 namespace memtrain::plan {
@@ -67,8 +68,11 @@ TimeEstimate estimate_time(const ModelSpec& m, const RunSpec& r, const ClusterSp
     out.pp_comm_s = mb * t_p2p;
     double t_micro = t_compute + t_tp + t_p2p;
     if (r.pp > 1) {
-        double fill = r.pp - 1.0;
-        if (r.schedule == Schedule::interleaved) fill /= r.virtual_stages;
+        // The executor's schedule, simulated (parallel/schedule.h): p - 1 micro-batch times of
+        // fill for GPipe and 1F1B, (p - 1) / v interleaved.
+        const double fill =
+            pp::uniform_fill(pipeline_kind(r.schedule), r.pp, mb,
+                             r.schedule == Schedule::interleaved ? r.virtual_stages : 1);
         out.bubble_s = fill * t_micro;
         out.bubble_fraction = fill / mb;
     }

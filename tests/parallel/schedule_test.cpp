@@ -172,5 +172,26 @@ TEST(PipelineSchedule, ListsAndTimeline) {
     EXPECT_EQ(boxes, 12u);  // one per action
 }
 
+// What the planner reads (plan/time_model, plan/memory_model): the fill and the in-flight
+// micro-batches of the executor's schedules, simulated, equal to the closed forms.
+TEST(PipelineSchedule, PlannerFillAndInFlightComeFromTheSimulator) {
+    for (int p : {2, 3, 4, 8})
+        for (int m : {1, 2, 5, 8, 16}) {
+            EXPECT_NEAR(uniform_fill(Kind::GPipe, p, m), p - 1, 1e-9) << p << " " << m;
+            EXPECT_NEAR(uniform_fill(Kind::OneFOneB, p, m), p - 1, 1e-9) << p << " " << m;
+            const auto g = uniform_in_flight(Kind::GPipe, p, m);
+            const auto o = uniform_in_flight(Kind::OneFOneB, p, m);
+            for (int s = 0; s < p; s++) {
+                EXPECT_EQ(g[s], m);
+                EXPECT_EQ(o[s], std::min(p - s, m));
+            }
+            if (m % p != 0) continue;
+            for (int v : {2, 4})
+                EXPECT_NEAR(uniform_fill(Kind::Interleaved, p, m, v), (p - 1.0) / v, 1e-9);
+        }
+    // Asked again: the remembered answer.
+    EXPECT_EQ(uniform_fill(Kind::GPipe, 4, 8), 3.0);
+}
+
 }  // namespace
 }  // namespace memtrain::pp
