@@ -130,6 +130,7 @@ void PipelineEngine::run_schedule() {
     std::vector<uint64_t> out_send(model_->slots(), 0);
     uint64_t grad_send = 0;
     double busy = 0, fwd = 0, bwd = 0;
+    comm_.barrier();  // a common start: the step's makespan is the latest rank's end
     const auto t_start = Clock::now();
     for (const pp::Action& a : sched_.ranks[rank_]) {
         const int i = a.mb;
@@ -173,30 +174,24 @@ void PipelineEngine::run_schedule() {
         }
     }
     comm_.wait_all();
-    const double wall = seconds_since(t_start);
-    // The bubble of this step, averaged over ranks (every rank gets the same numbers).
-    // and every stage's per-micro-batch forward and backward times.
-    const double mine[3] = {wall > 0 ? 1.0 - busy / wall : 0.0, fwd / m, bwd / m};
-    std::vector<double> all(3 * (std::size_t)p_);
+    const double end = seconds_since(t_start);
+    // Every rank's end, busy time and per-micro-batch forward and backward times.
+    const double mine[4] = {end, busy, fwd / m, bwd / m};
+    std::vector<double> all(4 * (std::size_t)p_);
     comm_.all_gather_bytes(mine, all.data(), sizeof(mine));
-    if (steps_run_++ > 0) {  // the first step pays for allocation and warm-up
-        stats_.steps++;
-        stats_.stage_forward_s.resize(p_);
-        stats_.stage_backward_s.resize(p_);
-        for (int s = 0; s < p_; s++) {
-            stats_.stage_forward_s[s] += all[3 * s + 1];
-            stats_.stage_backward_s[s] += all[3 * s + 2];
-        }
-        stats_.wall_s += wall;
-        stats_.busy_s += busy;
-        stats_.forward_s += fwd;
-        stats_.backward_s += bwd;
-        stats_.forwards += m;
-        stats_.backwards += m;
-        double mean = 0;
-        for (int s = 0; s < p_; s++) mean += all[3 * s];
-        stats_.bubble_mean += mean / p_;
+    if (steps_run_++ == 0) return;  // the first step pays for allocation and warm-up
+    stats_.steps++;
+    stats_.stage_forward_s.resize(p_);
+    stats_.stage_backward_s.resize(p_);
+    double makespan = 0, busy_sum = 0;
+    for (int s = 0; s < p_; s++) {
+        makespan = std::max(makespan, all[4 * s]);
+        busy_sum += all[4 * s + 1];
+        stats_.stage_forward_s[s] += all[4 * s + 2];
+        stats_.stage_backward_s[s] += all[4 * s + 3];
     }
+    stats_.makespan_s += makespan;
+    stats_.bubble += makespan > 0 ? 1.0 - busy_sum / p_ / makespan : 0.0;
 }
 
 StepResult PipelineEngine::finish_step(double lr, double max_norm) {
@@ -307,8 +302,8 @@ std::string PipelineEngine::memory_footer() const {
             "pipeline bubble: measured {:.1f}% (mean over ranks and {} steps), simulated {:.1f}% "
             "from the stages' measured F and B times | step {:.1f} ms measured, {:.1f} ms "
             "simulated | sent {:.1f} MiB per step\n",
-            100.0 * stats_.bubble_mean / stats_.steps, stats_.steps, 100.0 * sim.bubble(),
-            1e3 * stats_.wall_s / stats_.steps, 1e3 * sim.makespan,
+            100.0 * stats_.bubble / stats_.steps, stats_.steps, 100.0 * sim.bubble(),
+            1e3 * stats_.makespan_s / stats_.steps, 1e3 * sim.makespan,
             stats_.bytes_sent / 1048576.0 / steps_run_);
     }
     return out;

@@ -36,14 +36,12 @@
 namespace memtrain {
 
 // What the executor measured over the steps so far (all but the first, which pays start-up).
+// Every step's schedule starts at a barrier, so the step's makespan is the latest rank's end;
+// the bubble is the simulator's definition, 1 - mean over ranks of busy / makespan.
 struct PipelineStats {
     int steps = 0;
-    double wall_s = 0;      // this rank, schedule start to last action end
-    double busy_s = 0;      // this rank, inside F and B
-    double forward_s = 0;   // this rank, inside F
-    double backward_s = 0;  // this rank, inside B
-    int64_t forwards = 0, backwards = 0;
-    double bubble_mean = 0;  // 1 - busy / wall, mean over ranks, summed over steps
+    double makespan_s = 0;   // summed over steps
+    double bubble = 0;       // summed over steps
     int64_t bytes_sent = 0;  // activations and gradients sent by this rank
     // Per stage: one micro-batch's forward and backward time, summed over steps (for the
     // simulator's prediction from measured stage times).

@@ -613,6 +613,9 @@ RunConfig load_run_config(const std::string& path, const std::vector<std::string
     }
     const auto dir = std::filesystem::path(path).parent_path();
     RunConfig cfg = parse_layers(text, path.empty() ? "<defaults>" : path, overrides, base, &dir);
+    // The launcher's world size is not known yet: check against the smallest one that fits a
+    // pipeline of train.pp stages (the Trainer checks again with the real one).
+    cfg.world = std::max(1, cfg.train.pp);
     cfg.validate();
     cfg.resolve();
     return cfg;

@@ -85,6 +85,7 @@ void check_pipeline_matches_single_process(const PpCase& k, int steps = 6, bool 
     auto* pe = dynamic_cast<PipelineEngine*>(&t.engine());
     ASSERT_NE(pe, nullptr);
     EXPECT_EQ(pe->stage(), r);
+    const RunConfig& tc = t.config();  // with the world size filled in
 
     // Losses of every step and the evaluations: bitwise (a tied model's first step too; later
     // steps follow its embedding, which differs in the last bits).
@@ -133,9 +134,17 @@ void check_pipeline_matches_single_process(const PpCase& k, int steps = 6, bool 
     EXPECT_LT(worst, exact ? 1e-6 : 1e-4) << case_name(k) << ": gradients to rounding";
     EXPECT_LT(worst_param, 2e-5) << case_name(k) << ": parameters to rounding";
 
+    // What the executor measured: every step after the first, the bytes it passed on (an
+    // activation forward unless last, a gradient back unless first, per micro-batch).
+    const PipelineStats& ps = pe->stats();
+    EXPECT_EQ(ps.steps, steps - 1);
+    EXPECT_GE(ps.bubble, 0.0);
+    EXPECT_LE(ps.bubble, ps.steps);  // a fraction per step
+    const int64_t act = (int64_t)tc.micro_batch() * tc.train.seq_len * tc.model.n_embd * 4;
+    EXPECT_EQ(ps.bytes_sent, (int64_t)steps * tc.accum_steps() * act * ((r < P - 1) + (r > 0)));
+
     // Activations: this stage's slots (GPipe m, 1F1B min(p - s, m), naive 1), each exactly one
     // micro-batch's arena of the stage's blocks; measured equals predicted.
-    const RunConfig& tc = t.config();  // with the world size filled in
     const int m = tc.accum_steps();
     const int expect_slots = k.schedule == "gpipe"  ? m
                              : k.schedule == "1f1b" ? std::min(P - r, m)
