@@ -75,6 +75,10 @@ class Engine {
     // Lines under the table: what the OS or the driver charged beyond the tracked tensors.
     virtual std::string memory_footer() const = 0;
 
+    // At the end of a run, on the printing rank: files the engine adds to the output directory
+    // (the pipeline's measured timeline); returns a line for the console, or "".
+    virtual std::string write_run_files(const std::string& /*out_dir*/) { return ""; }
+
     // fp16: the loss scaler's scale and clean-step count, for checkpoints ({0, 0}: none).
     virtual std::pair<double, int64_t> loss_scaler_state() const { return {0.0, 0}; }
     virtual void restore_loss_scaler(double /*scale*/, int64_t /*clean_steps*/) {}

@@ -4,10 +4,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "io/text_file.h"
 #include "kernels/cpu/ops.h"
 
 namespace memtrain {
@@ -25,9 +27,12 @@ int tag_backward(int mb) {
     return 2 * mb + 1;
 }
 
-using Clock = std::chrono::steady_clock;
-double seconds_since(Clock::time_point t0) {
-    return std::chrono::duration<double>(Clock::now() - t0).count();
+// The timeline compares times taken on different ranks, so it reads the wall clock, which the
+// processes of one machine share (and NTP keeps close across machines), in seconds since a
+// moment rank 0 chose at start-up (small numbers keep the doubles precise).
+double wall_seconds() {
+    return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+        .count();
 }
 
 // The most micro-batches a rank's list holds between their F and their B.
@@ -70,6 +75,8 @@ PipelineEngine::PipelineEngine(const RunConfig& cfg, dist::Communicator& comm)
     weights_ = std::make_unique<pp::StageWeights>(layout_, *store_, std::move(owner), comm_);
     model_ = std::make_unique<GPT>(cfg_.model, store_.get(), b0, b1);
     opt_ = make_optimizer(cfg_.optim, layout_, store_->begin(), store_->count());
+    epoch_ = wall_seconds();
+    comm_.broadcast(&epoch_, sizeof(epoch_), 0);
     sched_ = pp::make_schedule(kind_, p_, m);
     pp::validate(sched_);
     model_->set_slots(std::max(1, peak_in_flight(sched_.ranks[rank_])));
@@ -130,8 +137,9 @@ void PipelineEngine::run_schedule() {
     std::vector<uint64_t> out_send(model_->slots(), 0);
     uint64_t grad_send = 0;
     double busy = 0, fwd = 0, bwd = 0;
-    comm_.barrier();  // a common start: the step's makespan is the latest rank's end
-    const auto t_start = Clock::now();
+    std::vector<double> when;  // start and end of each action, in list order
+    comm_.barrier();  // a common start, so the makespan measures the pipeline, not data loading
+    const double t_start = wall_seconds() - epoch_;
     for (const pp::Action& a : sched_.ranks[rank_]) {
         const int i = a.mb;
         const Micro& mb = mbs_[i];
@@ -142,9 +150,11 @@ void PipelineEngine::run_schedule() {
             slot_of[i] = slot;
             comm_.wait(out_send[slot]);
             if (!first()) comm_.recv(model_->stage_input(slot), n, rank_ - 1, tag_forward(i));
-            const auto t0 = Clock::now();
+            const double t0 = wall_seconds() - epoch_;
             model_->stage_forward(slot, mb.x.data(), B, T);
-            const double dt = seconds_since(t0);
+            const double dt = wall_seconds() - epoch_ - t0;
+            when.push_back(t0);
+            when.push_back(t0 + dt);
             busy += dt;
             fwd += dt;
             if (!last()) {
@@ -157,10 +167,12 @@ void PipelineEngine::run_schedule() {
             comm_.wait(grad_send);
             comm_.wait(out_send[slot]);
             if (!last()) comm_.recv(model_->stage_grad(), n, rank_ + 1, tag_backward(i));
-            const auto t0 = Clock::now();
+            const double t0 = wall_seconds() - epoch_;
             const float loss =
                 model_->stage_backward(slot, mb.x.data(), mb.y.data(), B, T, grad_scale_);
-            const double dt = seconds_since(t0);
+            const double dt = wall_seconds() - epoch_ - t0;
+            when.push_back(t0);
+            when.push_back(t0 + dt);
             busy += dt;
             bwd += dt;
             if (last()) loss_sum_ += loss;
@@ -174,22 +186,39 @@ void PipelineEngine::run_schedule() {
         }
     }
     comm_.wait_all();
-    const double end = seconds_since(t_start);
-    // Every rank's end, busy time and per-micro-batch forward and backward times.
-    const double mine[4] = {end, busy, fwd / m, bwd / m};
-    std::vector<double> all(4 * (std::size_t)p_);
+    const double end = wall_seconds() - epoch_;
+    // Every rank's start, end, busy time and per-micro-batch forward and backward times.
+    constexpr int kF = 5;
+    const double mine[kF] = {t_start, end, busy, fwd / m, bwd / m};
+    std::vector<double> all(kF * (std::size_t)p_);
     comm_.all_gather_bytes(mine, all.data(), sizeof(mine));
+    double step_start = all[0];
+    for (int s = 0; s < p_; s++) step_start = std::min(step_start, all[kF * s]);
+    // The step as it ran, for the timeline (every rank's list has the same length: m F and m B).
+    std::vector<double> spans(when.size() * (std::size_t)p_);
+    comm_.all_gather_bytes(when.data(), spans.data(), (int64_t)(when.size() * sizeof(double)));
+    timeline_ = pp::SimResult{};
+    timeline_.spans.resize(p_);
+    timeline_.busy.assign(p_, 0.0);
+    for (int s = 0; s < p_; s++) {
+        timeline_.makespan = std::max(timeline_.makespan, all[kF * s + 1] - step_start);
+        timeline_.busy[s] = all[kF * s + 2];
+        const std::vector<pp::Action>& list = sched_.ranks[s];
+        for (std::size_t j = 0; j < list.size(); j++)
+            timeline_.spans[s].push_back({list[j], spans[s * when.size() + 2 * j] - step_start,
+                                          spans[s * when.size() + 2 * j + 1] - step_start});
+    }
     if (steps_run_++ == 0) return;  // the first step pays for allocation and warm-up
     stats_.steps++;
     stats_.stage_forward_s.resize(p_);
     stats_.stage_backward_s.resize(p_);
-    double makespan = 0, busy_sum = 0;
+    double busy_sum = 0;
     for (int s = 0; s < p_; s++) {
-        makespan = std::max(makespan, all[4 * s]);
-        busy_sum += all[4 * s + 1];
-        stats_.stage_forward_s[s] += all[4 * s + 2];
-        stats_.stage_backward_s[s] += all[4 * s + 3];
+        busy_sum += all[kF * s + 2];
+        stats_.stage_forward_s[s] += all[kF * s + 3];
+        stats_.stage_backward_s[s] += all[kF * s + 4];
     }
+    const double makespan = timeline_.makespan;
     stats_.makespan_s += makespan;
     stats_.bubble += makespan > 0 ? 1.0 - busy_sum / p_ / makespan : 0.0;
 }
@@ -307,6 +336,16 @@ std::string PipelineEngine::memory_footer() const {
             stats_.bytes_sent / 1048576.0 / steps_run_);
     }
     return out;
+}
+
+std::string PipelineEngine::write_run_files(const std::string& out_dir) {
+    if (timeline_.spans.empty()) return "";
+    const std::string path = (std::filesystem::path(out_dir) / "pipeline_timeline.svg").string();
+    const std::string title = fmt::format(
+        "{} p={} m={}: the last step as it ran ({:.1f} ms, bubble {:.1f}%)", kind_name(kind_), p_,
+        sched_.m, 1e3 * timeline_.makespan, 100.0 * timeline_.bubble());
+    io::write_text_file_atomically(path, pp::timeline_svg(sched_, timeline_, title));
+    return fmt::format("pipeline timeline (measured, last step): {}\n", path);
 }
 
 }  // namespace memtrain

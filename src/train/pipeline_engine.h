@@ -36,8 +36,9 @@
 namespace memtrain {
 
 // What the executor measured over the steps so far (all but the first, which pays start-up).
-// Every step's schedule starts at a barrier, so the step's makespan is the latest rank's end;
-// the bubble is the simulator's definition, 1 - mean over ranks of busy / makespan.
+// Every step's schedule starts at a barrier; the step's makespan runs from the earliest rank's
+// start to the latest rank's end on the wall clock the ranks share, and the bubble is the
+// simulator's definition, 1 - mean over ranks of busy / makespan.
 struct PipelineStats {
     int steps = 0;
     double makespan_s = 0;   // summed over steps
@@ -69,6 +70,8 @@ class PipelineEngine final : public Engine {
     std::string memory_title() const override;
     std::vector<MemoryPrediction> predicted_memory(int B, int T) const override;
     std::string memory_footer() const override;
+    // Writes pipeline_timeline.svg: the last step as it ran, one row per rank.
+    std::string write_run_files(const std::string& out_dir) override;
 
     int stage() const { return rank_; }
     int stages() const { return p_; }
@@ -78,6 +81,9 @@ class PipelineEngine final : public Engine {
     GPT& model() { return *model_; }
     pp::StageStore& store() { return *store_; }
     const PipelineStats& stats() const { return stats_; }
+    // The last step as it ran: every rank's actions with their measured start and end (seconds
+    // from the step's common start), in the simulator's form.
+    const pp::SimResult& measured_timeline() const { return timeline_; }
     // The schedule of the last step (empty before one ran).
     const pp::Schedule& schedule() const { return sched_; }
 
@@ -107,6 +113,8 @@ class PipelineEngine final : public Engine {
     float grad_scale_ = 0;
     double loss_sum_ = 0;
     PipelineStats stats_;
+    pp::SimResult timeline_;
+    double epoch_ = 0;  // wall-clock seconds of rank 0 at start-up: the timeline's zero
     int steps_run_ = 0;
 };
 

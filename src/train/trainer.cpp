@@ -388,6 +388,11 @@ TrainSummary Trainer::run() {
         } catch (const Error& e) {  // the run itself succeeded; say what the report will lack
             std::fprintf(stderr, "memtrain: warning: memory.json not written: %s\n", e.what());
         }
+        try {
+            print(engine_->write_run_files(cfg_.io.out_dir));
+        } catch (const Error& e) {
+            std::fprintf(stderr, "memtrain: warning: %s\n", e.what());
+        }
     }
     if (!opts_.quiet && !sum.stopped_by_signal) {
         print_memory_report();

@@ -143,9 +143,34 @@ void check_pipeline_matches_single_process(const PpCase& k, int steps = 6, bool 
     const int64_t act = (int64_t)tc.micro_batch() * tc.train.seq_len * tc.model.n_embd * 4;
     EXPECT_EQ(ps.bytes_sent, (int64_t)steps * tc.accum_steps() * act * ((r < P - 1) + (r > 0)));
 
+    // The last step as it ran (the same on every rank): each rank's actions in its list's order
+    // without overlap, and a stage's forward of a micro-batch after the previous stage's, its
+    // backward after the next stage's (the receives it waited for).
+    const int m = tc.accum_steps();
+    const pp::SimResult& tl = pe->measured_timeline();
+    ASSERT_EQ((int)tl.spans.size(), P);
+    std::vector<std::vector<double>> f_end(P, std::vector<double>(m)),
+        b_end = f_end, f_start = f_end, b_start = f_end;
+    for (int s = 0; s < P; s++) {
+        ASSERT_EQ(tl.spans[s].size(), 2u * m);
+        double prev = 0;
+        for (const pp::Span& sp : tl.spans[s]) {
+            EXPECT_GE(sp.start, prev) << "rank " << s;
+            EXPECT_GE(sp.end, sp.start);
+            EXPECT_LE(sp.end, tl.makespan + 1e-9);
+            prev = sp.end;
+            (sp.a.op == pp::Op::F ? f_start : b_start)[s][sp.a.mb] = sp.start;
+            (sp.a.op == pp::Op::F ? f_end : b_end)[s][sp.a.mb] = sp.end;
+        }
+    }
+    for (int s = 1; s < P; s++)
+        for (int i = 0; i < m; i++) {
+            EXPECT_GE(f_start[s][i], f_end[s - 1][i]) << "F" << s << "." << i;
+            EXPECT_GE(b_start[s - 1][i], b_end[s][i]) << "B" << s - 1 << "." << i;
+        }
+
     // Activations: this stage's slots (GPipe m, 1F1B min(p - s, m), naive 1), each exactly one
     // micro-batch's arena of the stage's blocks; measured equals predicted.
-    const int m = tc.accum_steps();
     const int expect_slots = k.schedule == "gpipe"  ? m
                              : k.schedule == "1f1b" ? std::min(P - r, m)
                                                     : 1;
