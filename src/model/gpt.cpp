@@ -83,6 +83,12 @@ void GPT::set_remat(const RematPlan& plan) {
             fail(
                 "train.remat = offload keeps block inputs in pinned host memory beside a GPU: "
                 "use train.device = \"cuda\" (on the CPU, `full` keeps the same)");
+    if (split_)
+        for (BlockKeep k : plan)
+            if (k != BlockKeep::All)
+                fail(
+                    "a split backward (zb-h1) keeps every activation until W: it needs "
+                    "train.remat = \"none\"");
     plan_ = plan;
     arena_B_ = arena_T_ = 0;  // re-carve (and re-size) at the next forward
 }
@@ -92,6 +98,26 @@ void GPT::set_slots(int k) {
     if (k == nslots_) return;
     nslots_ = k;
     arena_B_ = arena_T_ = 0;
+}
+
+void GPT::set_split_backward(bool on) {
+    if (on && !plan_.empty())
+        for (BlockKeep k : plan_)
+            if (k != BlockKeep::All)
+                fail(
+                    "a split backward (zb-h1) keeps every activation until W: it needs "
+                    "train.remat = \"none\"");
+    if (on == split_) return;
+    split_ = on;
+    arena_B_ = arena_T_ = 0;
+}
+
+std::size_t GPT::wgrad_floats(int B, int T) const {
+    return (std::size_t)B * T * (2 * cfg_.n_embd + cfg_.fc_dim() + cfg_.qkv_dim());
+}
+
+std::size_t GPT::split_backward_bytes(int B, int T) const {
+    return split_ ? sizeof(float) * wgrad_floats(B, T) * blocks() : 0;
 }
 
 ArenaPlan GPT::stage_arena(int B, int T) const {
@@ -108,12 +134,16 @@ void GPT::ensure_arena(int B, int T) {
     const std::size_t nact = p.activation_bytes / sizeof(float);
     const std::size_t nwork = p.workspace_bytes / sizeof(float);
     // Exactly the layout's size (free first: no transient double peak), so measured == predicted.
+    const std::size_t nw = split_backward_bytes(B, T) / sizeof(float);
     bool same = slots_.size() == (std::size_t)nslots_;
-    for (const Slot& s : slots_) same = same && s.acts.size() == nact;
+    for (const Slot& s : slots_) same = same && s.acts.size() == nact && s.wgrad.size() == nw;
     if (!same) {
         slots_.clear();
         slots_.resize(nslots_);
-        for (Slot& s : slots_) s.acts = Buffer<float>(nact, MemCategory::Activations);
+        for (Slot& s : slots_) {
+            s.acts = Buffer<float>(nact, MemCategory::Activations);
+            if (nw) s.wgrad = Buffer<float>(nw, MemCategory::Activations);
+        }
     }
     if (nwork != work_.size()) {
         work_.reset();
@@ -198,31 +228,63 @@ void GPT::recompute_selective(const BlockParams& p, const float* x, BlockSaved& 
 }
 
 // On entry dres holds d(block output); on exit d(block input).
+// Where a block's deferred output gradients sit in its part of a slot's wgrad buffer.
+struct DeferredGrads {
+    float *fcp, *fc, *proj, *qkv;  // (N,C), (N,F), (N,C), (N,QKV)
+};
+static DeferredGrads deferred_grads(float* base, int N, int C, int F) {
+    const std::size_t n = (std::size_t)N;
+    return {base, base + n * C, base + n * (C + F), base + n * (2 * C + F)};
+}
+
 void GPT::block_backward(const BlockParams& p, BlockParams& g, float* dres, const float* x,
-                         const BlockSaved& s, int B, int T) {
+                         const BlockSaved& s, int B, int T, float* defer) {
     const int N = B * T, C = cfg_.n_embd, QKV = cfg_.qkv_dim(), F = cfg_.fc_dim(),
               H = cfg_.mlp_hidden();
+    // Without `defer` each GEMM's weight half runs with its input half; with it, only the input
+    // halves run here and each weight half's output gradient is kept for block_weight_grads.
+    const DeferredGrads d = defer ? deferred_grads(defer, N, C, F) : DeferredGrads{};
+    auto keep = [&](float* dst, const float* src, std::size_t n) {
+        if (defer) std::memcpy(dst, src, sizeof(float) * n);
+    };
+    auto w = [&](float* grad) { return defer ? nullptr : grad; };
     float* dfch = dbig_;
+    keep(d.fcp, dres, (std::size_t)N * C);
     if (cfg_.swiglu()) {
         // d(product) (N,H) and d(fch) (N,2H) cannot share rows, so the product's gradient has
         // its own workspace.
-        cpu::matmul_backward(dact_, g.fcp_w, g.fcp_b, dres, s.fch_act, p.fcp_w, N, H, C);
+        cpu::matmul_backward(dact_, w(g.fcp_w), w(g.fcp_b), dres, s.fch_act, p.fcp_w, N, H, C);
         cpu::swiglu_backward(dfch, s.fch, dact_, N, H);
     } else {
-        cpu::matmul_backward(dfch, g.fcp_w, g.fcp_b, dres, s.fch_act, p.fcp_w, N, H, C);
+        cpu::matmul_backward(dfch, w(g.fcp_w), w(g.fcp_b), dres, s.fch_act, p.fcp_w, N, H, C);
         cpu::gelu_backward(dfch, s.fch, dfch, (int64_t)N * H);
     }
-    cpu::matmul_backward(dln_, g.fc_w, g.fc_b, dfch, s.ln2, p.fc_w, N, C, F);
+    keep(d.fc, dfch, (std::size_t)N * F);
+    cpu::matmul_backward(dln_, w(g.fc_w), w(g.fc_b), dfch, s.ln2, p.fc_w, N, C, F);
     norm_backward(dres, g.ln2_w, g.ln2_b, dln_, s.resid_mid, p.ln2_w, s.ln2_mean, s.ln2_rstd, N);
     float* datty = dln_;
-    cpu::matmul_backward(datty, g.proj_w, g.proj_b, dres, s.atty, p.proj_w, N, C, C);
+    keep(d.proj, dres, (std::size_t)N * C);
+    cpu::matmul_backward(datty, w(g.proj_w), w(g.proj_b), dres, s.atty, p.proj_w, N, C, C);
     float* dqkv = dbig_;
     cpu::attention_backward(dqkv, datty, s.qkv, s.att, B, T, C, cfg_.n_head, cfg_.kv_heads());
     if (cfg_.rope())
         cpu::rope_backward(dqkv, B, T, cfg_.n_head, cfg_.kv_heads(), cfg_.head_dim(),
                            (float)cfg_.rope_theta);
-    cpu::matmul_backward(dln_, g.qkv_w, g.qkv_b, dqkv, s.ln1, p.qkv_w, N, C, QKV);
+    keep(d.qkv, dqkv, (std::size_t)N * QKV);
+    cpu::matmul_backward(dln_, w(g.qkv_w), w(g.qkv_b), dqkv, s.ln1, p.qkv_w, N, C, QKV);
     norm_backward(dres, g.ln1_w, g.ln1_b, dln_, x, p.ln1_w, s.ln1_mean, s.ln1_rstd, N);
+}
+
+// The weight halves block_backward deferred, in its order, on the same inputs: the same bits.
+void GPT::block_weight_grads(BlockParams& g, const BlockSaved& s, const float* deferred, int B,
+                             int T) {
+    const int N = B * T, C = cfg_.n_embd, QKV = cfg_.qkv_dim(), F = cfg_.fc_dim(),
+              H = cfg_.mlp_hidden();
+    const DeferredGrads d = deferred_grads(const_cast<float*>(deferred), N, C, F);
+    cpu::matmul_backward(nullptr, g.fcp_w, g.fcp_b, d.fcp, s.fch_act, nullptr, N, H, C);
+    cpu::matmul_backward(nullptr, g.fc_w, g.fc_b, d.fc, s.ln2, nullptr, N, C, F);
+    cpu::matmul_backward(nullptr, g.proj_w, g.proj_b, d.proj, s.atty, nullptr, N, C, C);
+    cpu::matmul_backward(nullptr, g.qkv_w, g.qkv_b, d.qkv, s.ln1, nullptr, N, C, QKV);
 }
 
 static void check_tokens(const int32_t* tokens, std::size_t n, int vocab, const char* what) {
@@ -271,6 +333,29 @@ void GPT::release_output_embedding() {
 
 float GPT::stage_backward(int slot, const int32_t* inputs, const int32_t* targets, int B, int T,
                           float grad_scale) {
+    return backward_pass(slot, inputs, targets, B, T, grad_scale, false);
+}
+
+float GPT::stage_backward_input(int slot, const int32_t* inputs, const int32_t* targets, int B,
+                                int T, float grad_scale) {
+    if (!split_) fail("internal: stage_backward_input without set_split_backward(true)");
+    return backward_pass(slot, inputs, targets, B, T, grad_scale, true);
+}
+
+void GPT::stage_backward_weight(int slot, int B, int T) {
+    if (!split_) fail("internal: stage_backward_weight without set_split_backward(true)");
+    Slot& sl = slots_.at(slot);
+    // Blocks in the backward's order, so each unit's gradient sees the same sequence of adds.
+    for (int l = b1_ - 1; l >= b0_; l--) {
+        const int u = layout_.block_unit(l), i = l - b0_;
+        BlockParams g = block_view(layout_, l, store_->unit_grads(u));
+        block_weight_grads(g, sl.saved[i], sl.wgrad.data() + i * wgrad_floats(B, T), B, T);
+        store_->grads_done(u);
+    }
+}
+
+float GPT::backward_pass(int slot, const int32_t* inputs, const int32_t* targets, int B, int T,
+                         float grad_scale, bool split) {
     Slot& sl = slots_.at(slot);
     const int N = B * T, C = cfg_.n_embd;
     const int E = ParamLayout::embedding_unit(), H = layout_.head_unit();
@@ -307,8 +392,9 @@ float GPT::stage_backward(int slot, const int32_t* inputs, const int32_t* target
             block_forward(p, sl.resid[i], sl.resid[i + 1], sl.saved[i], B, T);
         else if (keep(l) == BlockKeep::Selective)
             recompute_selective(p, sl.resid[i], sl.saved[i], B, T);
-        block_backward(p, g, dres_, sl.resid[i], sl.saved[i], B, T);
-        store_->grads_done(u);
+        block_backward(p, g, dres_, sl.resid[i], sl.saved[i], B, T,
+                       split ? sl.wgrad.data() + i * wgrad_floats(B, T) : nullptr);
+        if (!split) store_->grads_done(u);
         store_->release(u);
     }
     if (has_embedding()) {

@@ -114,6 +114,20 @@ class GPT {
     // (returns the mean loss; 0 on other stages).
     float stage_backward(int slot, const int32_t* inputs, const int32_t* targets, int B, int T,
                          float grad_scale);
+    // Zero-bubble schedules split a stage's backward in two: stage_backward_input (I) does
+    // everything stage_backward does except the blocks' weight-gradient GEMMs and bias sums,
+    // keeping their output gradients in the slot, and stage_backward_weight (W) runs them later;
+    // together they give stage_backward's bits. Needs set_split_backward(true), and no remat
+    // (a recomputed field would be gone by W).
+    void set_split_backward(bool on);
+    bool split_backward() const { return split_; }
+    float stage_backward_input(int slot, const int32_t* inputs, const int32_t* targets, int B,
+                               int T, float grad_scale);
+    void stage_backward_weight(int slot, int B, int T);
+    // Floats one block keeps for its pending weight gradients, and bytes per slot (0 without the
+    // split).
+    std::size_t wgrad_floats(int B, int T) const;
+    std::size_t split_backward_bytes(int B, int T) const;
     // The last stage, after stage_forward, without backward: the mean loss, or the logits.
     float stage_loss(int slot, const int32_t* targets, int B, int T);
     void stage_logits(int slot, int B, int T, float* out);
@@ -128,8 +142,10 @@ class GPT {
     // What one in-flight micro-batch keeps: its residual streams (the stage's blocks + 1),
     // saved fields and ln_f output, in an arena of its own.
     struct Slot {
-        Buffer<float> acts;             // MemCategory::Activations
-        std::vector<float*> resid;      // blocks() + 1 residual streams (B,T,C)
+        Buffer<float> acts;         // MemCategory::Activations
+        Buffer<float> wgrad;        // split backward: each block's d(mlp c_proj out), d(c_fc out),
+                                    // d(attn c_proj out), d(qkv) until W (Activations)
+        std::vector<float*> resid;  // blocks() + 1 residual streams (B,T,C)
         std::vector<BlockSaved> saved;  // dropped fields point into the recompute scratch
         float *lnf = nullptr, *lnf_mean = nullptr, *lnf_rstd = nullptr;
     };
@@ -141,8 +157,14 @@ class GPT {
     void release_output_embedding();
     void block_forward(const BlockParams& p, const float* x, float* out, BlockSaved& s, int B,
                        int T);
+    // With `defer` (room for the block's four output gradients, split backward), the
+    // weight-gradient halves are skipped and their inputs copied there for block_weight_grads.
     void block_backward(const BlockParams& p, BlockParams& g, float* dres, const float* x,
-                        const BlockSaved& s, int B, int T);
+                        const BlockSaved& s, int B, int T, float* defer = nullptr);
+    void block_weight_grads(BlockParams& g, const BlockSaved& s, const float* deferred, int B,
+                            int T);
+    float backward_pass(int slot, const int32_t* inputs, const int32_t* targets, int B, int T,
+                        float grad_scale, bool split);
     void recompute_selective(const BlockParams& p, const float* x, BlockSaved& s, int B, int T);
     // LayerNorm or RMSNorm per the config (mean and bias unused by RMSNorm).
     void norm_forward(float* out, float* mean, float* rstd, const float* inp, const float* w,
@@ -161,6 +183,7 @@ class GPT {
     int b0_ = 0, b1_ = 0;    // the blocks this model runs
     ModelConfig stage_cfg_;  // cfg_ with n_layer = blocks(): what one slot's arena holds
     int nslots_ = 1;
+    bool split_ = false;
     int arena_B_ = 0, arena_T_ = 0;
     std::vector<Slot> slots_;
     Buffer<float> work_;  // MemCategory::Workspace, shared by the slots

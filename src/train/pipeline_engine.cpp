@@ -39,7 +39,8 @@ double wall_seconds() {
 int peak_in_flight(const std::vector<pp::Action>& list) {
     int now = 0, peak = 0;
     for (const pp::Action& a : list) {
-        now += a.op == pp::Op::F ? 1 : (a.op == pp::Op::B ? -1 : 0);
+        // A micro-batch's activations stay until its B, or with a split backward its W.
+        now += a.op == pp::Op::F ? 1 : (a.op == pp::Op::B || a.op == pp::Op::W ? -1 : 0);
         peak = std::max(peak, now);
     }
     return peak;
@@ -74,6 +75,7 @@ PipelineEngine::PipelineEngine(const RunConfig& cfg, dist::Communicator& comm)
     owner[layout_.head_unit()] = p_ - 1;
     weights_ = std::make_unique<pp::StageWeights>(layout_, *store_, std::move(owner), comm_);
     model_ = std::make_unique<GPT>(cfg_.model, store_.get(), b0, b1);
+    model_->set_split_backward(kind_ == pp::Kind::ZbH1);
     opt_ = make_optimizer(cfg_.optim, layout_, store_->begin(), store_->count());
     epoch_ = wall_seconds();
     comm_.broadcast(&epoch_, sizeof(epoch_), 0);
@@ -136,8 +138,18 @@ void PipelineEngine::run_schedule() {
     // gradient buffer (until the next backward writes it).
     std::vector<uint64_t> out_send(model_->slots(), 0);
     uint64_t grad_send = 0;
-    double busy = 0, fwd = 0, bwd = 0;
-    std::vector<double> when;  // start and end of each action, in list order
+    // Compute time per kind of action (F, B, I, W), and each action's start and end in list
+    // order, for the stats and the timeline.
+    double spent[4] = {0, 0, 0, 0};
+    std::vector<double> when;
+    auto timed = [&](pp::Op op, auto&& work) {
+        const double t0 = wall_seconds() - epoch_;
+        work();
+        const double t1 = wall_seconds() - epoch_;
+        when.push_back(t0);
+        when.push_back(t1);
+        spent[(int)op] += t1 - t0;
+    };
     comm_.barrier();  // a common start, so the makespan measures the pipeline, not data loading
     const double t_start = wall_seconds() - epoch_;
     for (const pp::Action& a : sched_.ranks[rank_]) {
@@ -150,46 +162,44 @@ void PipelineEngine::run_schedule() {
             slot_of[i] = slot;
             comm_.wait(out_send[slot]);
             if (!first()) comm_.recv(model_->stage_input(slot), n, rank_ - 1, tag_forward(i));
-            const double t0 = wall_seconds() - epoch_;
-            model_->stage_forward(slot, mb.x.data(), B, T);
-            const double dt = wall_seconds() - epoch_ - t0;
-            when.push_back(t0);
-            when.push_back(t0 + dt);
-            busy += dt;
-            fwd += dt;
+            timed(a.op, [&] { model_->stage_forward(slot, mb.x.data(), B, T); });
             if (!last()) {
                 out_send[slot] =
                     comm_.start_send(model_->stage_output(slot), n, rank_ + 1, tag_forward(i));
                 stats_.bytes_sent += n * (int64_t)sizeof(float);
             }
-        } else if (a.op == pp::Op::B) {
+        } else if (a.op == pp::Op::B || a.op == pp::Op::I) {
+            // The whole backward, or (zero bubble) its input-gradient half: both send d(input).
             const int slot = slot_of[i];
             comm_.wait(grad_send);
             comm_.wait(out_send[slot]);
             if (!last()) comm_.recv(model_->stage_grad(), n, rank_ + 1, tag_backward(i));
-            const double t0 = wall_seconds() - epoch_;
-            const float loss =
-                model_->stage_backward(slot, mb.x.data(), mb.y.data(), B, T, grad_scale_);
-            const double dt = wall_seconds() - epoch_ - t0;
-            when.push_back(t0);
-            when.push_back(t0 + dt);
-            busy += dt;
-            bwd += dt;
+            float loss = 0;
+            timed(a.op, [&] {
+                loss = a.op == pp::Op::B ? model_->stage_backward(slot, mb.x.data(), mb.y.data(), B,
+                                                                  T, grad_scale_)
+                                         : model_->stage_backward_input(
+                                               slot, mb.x.data(), mb.y.data(), B, T, grad_scale_);
+            });
             if (last()) loss_sum_ += loss;
             if (!first()) {
                 grad_send = comm_.start_send(model_->stage_grad(), n, rank_ - 1, tag_backward(i));
                 stats_.bytes_sent += n * (int64_t)sizeof(float);
             }
+            if (a.op == pp::Op::B) free_slots.push_back(slot);
+        } else {  // W: the weight-gradient half, whenever the schedule finds room for it
+            const int slot = slot_of[i];
+            timed(a.op, [&] { model_->stage_backward_weight(slot, B, T); });
             free_slots.push_back(slot);
-        } else {
-            fail("internal: the executor runs F and B actions, not {}", pp::action_text(a));
         }
     }
     comm_.wait_all();
     const double end = wall_seconds() - epoch_;
     // Every rank's start, end, busy time and per-micro-batch forward and backward times.
-    constexpr int kF = 5;
-    const double mine[kF] = {t_start, end, busy, fwd / m, bwd / m};
+    constexpr int kF = 7;
+    const double busy = spent[0] + spent[1] + spent[2] + spent[3];
+    const double mine[kF] = {t_start,      end,          busy,        spent[0] / m,
+                             spent[1] / m, spent[2] / m, spent[3] / m};
     std::vector<double> all(kF * (std::size_t)p_);
     comm_.all_gather_bytes(mine, all.data(), sizeof(mine));
     double step_start = all[0];
@@ -212,11 +222,15 @@ void PipelineEngine::run_schedule() {
     stats_.steps++;
     stats_.stage_forward_s.resize(p_);
     stats_.stage_backward_s.resize(p_);
+    stats_.stage_input_s.resize(p_);
+    stats_.stage_weight_s.resize(p_);
     double busy_sum = 0;
     for (int s = 0; s < p_; s++) {
         busy_sum += all[kF * s + 2];
         stats_.stage_forward_s[s] += all[kF * s + 3];
         stats_.stage_backward_s[s] += all[kF * s + 4];
+        stats_.stage_input_s[s] += all[kF * s + 5];
+        stats_.stage_weight_s[s] += all[kF * s + 6];
     }
     const double makespan = timeline_.makespan;
     stats_.makespan_s += makespan;
@@ -303,9 +317,10 @@ std::vector<MemoryPrediction> PipelineEngine::predicted_memory(int B, int T) con
          fmt::format("{} x stage params, own units ({})", k, k == 8 ? "Adam m, v" : "momentum"),
          (std::size_t)k * own},
         {MemCategory::Activations,
-         fmt::format("{} micro-batches in flight x activation_layout(blocks {}..{}, remat={})", K,
-                     model_->first_block(), model_->end_block() - 1, cfg_.train.remat),
-         (std::size_t)K * a.activation_bytes},
+         fmt::format("{} micro-batches in flight x activation_layout(blocks {}..{}, remat={}){}", K,
+                     model_->first_block(), model_->end_block() - 1, cfg_.train.remat,
+                     model_->split_backward() ? " + output gradients kept for W" : ""),
+         (std::size_t)K * (a.activation_bytes + model_->split_backward_bytes(B, T))},
         {MemCategory::Workspace, "activation_layout(stage blocks), shared", a.workspace_bytes},
     };
 }
@@ -325,6 +340,8 @@ std::string PipelineEngine::memory_footer() const {
         for (int s = 0; s < p_; s++) {
             costs.f[s] = stats_.stage_forward_s[s] / stats_.steps;
             costs.b[s] = stats_.stage_backward_s[s] / stats_.steps;
+            costs.i[s] = stats_.stage_input_s[s] / stats_.steps;
+            costs.w[s] = stats_.stage_weight_s[s] / stats_.steps;
         }
         const pp::SimResult sim = pp::simulate(sched_, costs);
         out += fmt::format(

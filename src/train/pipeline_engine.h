@@ -46,7 +46,7 @@ struct PipelineStats {
     int64_t bytes_sent = 0;  // activations and gradients sent by this rank
     // Per stage: one micro-batch's forward and backward time, summed over steps (for the
     // simulator's prediction from measured stage times).
-    std::vector<double> stage_forward_s, stage_backward_s;
+    std::vector<double> stage_forward_s, stage_backward_s, stage_input_s, stage_weight_s;
 };
 
 class PipelineEngine final : public Engine {

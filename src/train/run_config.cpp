@@ -200,7 +200,7 @@ const std::vector<Key>& registry() {
         make_key("train.pp", &R::train, &TrainConfig::pp,
                  "pipeline stages: mpirun -np PP runs one model split over PP ranks"),
         make_key("train.pp_schedule", &R::train, &TrainConfig::pp_schedule,
-                 "pipeline schedule: naive | gpipe | 1f1b"),
+                 "pipeline schedule: naive | gpipe | 1f1b | zb-h1"),
         make_key("optim.name", &R::optim, &OptimConfig::name, "adamw | sgd"),
         make_key("optim.lr", &R::optim, &OptimConfig::lr, "peak learning rate"),
         make_key("optim.min_lr_ratio", &R::optim, &OptimConfig::min_lr_ratio, "final lr / peak lr"),
@@ -464,11 +464,17 @@ void RunConfig::validate_pipeline() const {
             "train.pp = {} on {} ranks would be {} pipelines side by side (pipeline x data "
             "parallelism), which is not built yet: start mpirun -np {}",
             train.pp, world, dp(), train.pp);
-    if (kind != pp::Kind::Naive && kind != pp::Kind::GPipe && kind != pp::Kind::OneFOneB)
+    if (kind != pp::Kind::Naive && kind != pp::Kind::GPipe && kind != pp::Kind::OneFOneB &&
+        kind != pp::Kind::ZbH1)
         fail(
             "train.pp_schedule = \"{}\" is simulated by `memtrain pipeline` but the trainer runs "
-            "naive, gpipe and 1f1b only so far",
+            "naive, gpipe, 1f1b and zb-h1 only so far",
             train.pp_schedule);
+    if (kind == pp::Kind::ZbH1 && train.remat != "none")
+        fail(
+            "train.pp_schedule = \"zb-h1\" keeps every activation until its weight gradient: it "
+            "needs train.remat = \"none\", not \"{}\"",
+            train.remat);
     if (train.zero_stage != 0)
         fail(
             "train.zero_stage = {} with train.pp = {}: ZeRO shards across data-parallel ranks, "

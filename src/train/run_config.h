@@ -31,7 +31,7 @@ struct TrainConfig {
         "analytic";      // recompute priced by "analytic" FLOPs or "measured" time
     int zero_stage = 0;  // data-parallel sharding (dist/zero.h): 0 DDP .. 3 parameters
     int pp = 1;          // pipeline stages (ranks per pipeline; train/pipeline_engine.h)
-    std::string pp_schedule = "1f1b";  // naive | gpipe | 1f1b (parallel/schedule.h)
+    std::string pp_schedule = "1f1b";  // naive | gpipe | 1f1b | zb-h1 (parallel/schedule.h)
     bool cuda_graphs = false;          // cuda: replay each micro-batch as one captured CUDA graph
     bool offload_optimizer = false;  // cuda: optimizer states and update on the CPU (ZeRO-Offload)
 };

@@ -403,14 +403,23 @@ TrainSummary Trainer::run() {
 
 void Trainer::print_memory_report() {
     auto s = engine_->memory().snapshot();
-    // Every rank's peak of model states (parameters + gradients + optimizer state), gathered so
-    // rank 0 can show that sharding really spread them. A collective.
-    std::vector<double> rank_states((std::size_t)comm_->size());
+    // Every rank's peak of model states (parameters + gradients + optimizer state) and of
+    // activations, measured and predicted, gathered so rank 0 can show that sharding or the
+    // pipeline really spread them. A collective.
+    constexpr int kRec = 4;
+    std::vector<double> ranks(kRec * (std::size_t)comm_->size());
     {
-        const double mine =
+        double mine[kRec] = {
             (double)(s.peak(MemCategory::Parameters) + s.peak(MemCategory::Gradients) +
-                     s.peak(MemCategory::OptimizerState));
-        comm_->all_gather_bytes(&mine, rank_states.data(), sizeof(double));
+                     s.peak(MemCategory::OptimizerState)),
+            0.0, (double)s.peak(MemCategory::Activations), 0.0};
+        for (const auto& r : engine_->predicted_memory(cfg_.micro_batch(), cfg_.train.seq_len)) {
+            if (r.category == MemCategory::Activations) mine[3] += (double)r.bytes;
+            if (r.category == MemCategory::Parameters || r.category == MemCategory::Gradients ||
+                r.category == MemCategory::OptimizerState)
+                mine[1] += (double)r.bytes;
+        }
+        comm_->all_gather_bytes(mine, ranks.data(), sizeof(mine));
     }
     if (!root()) return;
     const int N = cfg_.world;
@@ -447,10 +456,17 @@ void Trainer::print_memory_report() {
         mib(est.bytes("parameters")), mib(est.bytes("gradients")),
         mib(est.bytes("optimizer states")), mib(est.bytes("activations")),
         mib(est.bytes("recompute working set")), mib(est.bytes("logits and loss")));
-    if (N > 1) {
+    if (cfg_.train.pp > 1) {
+        out += "per pipeline stage (peak, measured / predicted):\n";
+        for (int r = 0; r < N; r++)
+            out += fmt::format(
+                "  stage {}: model states {} / {} | activations {} / {}\n", r,
+                mib((std::size_t)ranks[kRec * r]), mib((std::size_t)ranks[kRec * r + 1]),
+                mib((std::size_t)ranks[kRec * r + 2]), mib((std::size_t)ranks[kRec * r + 3]));
+    } else if (N > 1) {
         out += "model states per rank (peak):";
         for (int r = 0; r < N; r++)
-            out += fmt::format(" rank {} {}{}", r, mib((std::size_t)rank_states[r]),
+            out += fmt::format(" rank {} {}{}", r, mib((std::size_t)ranks[kRec * r]),
                                r + 1 < N ? " |" : "\n");
     }
     print(out);

@@ -32,6 +32,7 @@ void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dou
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, IC, OC, 1.0f, dout, OC, weight, OC,
                     beta, dinp, IC);
     }
+    if (!dweight) return;
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, IC, OC, N, 1.0f, inp, IC, dout, OC, 1.0f,
                 dweight, OC);
     if (dbias) {

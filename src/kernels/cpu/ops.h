@@ -45,6 +45,8 @@ void matmul_forward(float* out /*(N,OC)*/, const float* inp /*(N,IC)*/,
                     const float* weight /*(IC,OC)*/, const float* bias /*(OC) or null*/, int N,
                     int IC, int OC, float beta = 0.0f);
 // dinp = dout @ weight^T (+ beta * dinp); dweight += inp^T @ dout; dbias += sum_rows(dout).
+// A null dinp or dweight skips that half (a zero-bubble pipeline runs them apart, with the same
+// bits as together).
 void matmul_backward(float* dinp /*(N,IC)*/, float* dweight /*(IC,OC)*/,
                      float* dbias /*(OC) or null*/, const float* dout /*(N,OC)*/,
                      const float* inp /*(N,IC)*/, const float* weight /*(IC,OC)*/, int N, int IC,
