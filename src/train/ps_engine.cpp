@@ -284,7 +284,8 @@ std::string PsEngine::memory_footer() const {
     std::string out = fmt::format(
         "{:<16} {:>12}  (everything the OS charged: code, libraries, loaders, allocator slack)\n",
         "process peak RSS", fmt::format("{:.1f} MiB", process_peak_rss() / 1048576.0));
-    out += fmt::format("parameter server: {} workers, {} servers (", workers_, servers());
+    out += fmt::format("parameter server: {} workers, {} server{} (", workers_, servers(),
+                       servers() == 1 ? "" : "s");
     for (int s = 0; s < servers(); s++)
         out += fmt::format("{}server {} units {}..{}, {} params", s ? "; " : "", s,
                            layout_.units[split_.first_unit[s]].name,
