@@ -84,10 +84,13 @@ std::string save_checkpoint(const std::string& out_dir, const RunConfig& cfg,
 
     save_hf_weights(weights, (tmp_dir / "model.safetensors").string(), root);
 
-    // Optimizer state: one file when this rank's optimizer covers the whole layout (then every
-    // rank holds the same state and rank 0 writes it), else one file per rank.
+    // Optimizer state: one file when every rank's optimizer covers the whole layout (then every
+    // rank holds the same state and rank 0 writes it), else one file per rank. The ranks agree
+    // on it: a parameter server's one server holds it all while its workers hold none.
     const std::size_t total = weights.layout.total;
-    const bool sharded = opt.count() != total;
+    int64_t partial = opt.count() != total;
+    if (comm.size() > 1) comm.all_reduce_max(&partial, 1);
+    const bool sharded = partial != 0;
     const int files = sharded ? comm.size() : 1;
     if (sharded || root) {
         io::SafetensorsWriter w;

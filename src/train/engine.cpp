@@ -6,6 +6,7 @@
 #include "core/error.h"
 #include "train/cuda_engine.h"
 #include "train/pipeline_engine.h"
+#include "train/ps_engine.h"
 
 namespace memtrain {
 
@@ -94,6 +95,15 @@ std::string CpuEngine::memory_footer() const {
             "overlap: {} reduce-scatters, {} arrived under compute, the rest waited for (at most "
             "{} in flight)\n",
             r.started, r.arrived, r.max_in_flight);
+    if (comm_.size() > 1 && store_->stage() == 0) {
+        // What the gradient all-reduce moves, for comparison with the parameter server's counted
+        // bytes (train/ps_engine.h): the ring's formula (MPI may pick another algorithm).
+        const double psi4 = 4.0 * (double)layout_.total, N = comm_.size();
+        out += fmt::format(
+            "all-reduce per step: Ψ = {} floats; a ring moves 2 Ψ (N-1)/N x 4 B = {:.2f} MiB per "
+            "rank, {:.2f} MiB over all links\n",
+            layout_.total, 2 * (N - 1) / N * psi4 / 1048576.0, 2 * (N - 1) * psi4 / 1048576.0);
+    }
     if (p.hits + p.misses > 0)
         out += fmt::format("overlap: ZeRO-3 gathers {} prefetched, {} on the spot, {} dropped\n",
                            p.hits, p.misses, p.dropped);
@@ -101,6 +111,14 @@ std::string CpuEngine::memory_footer() const {
 }
 
 std::unique_ptr<Engine> make_engine(const RunConfig& cfg, dist::Communicator& comm) {
+    if (cfg.ps()) {
+        if (cfg.train.device != "cpu")
+            fail(
+                "train.dp_mode = \"ps\" runs on the CPU engine only so far, not on {}: set "
+                "train.device = \"cpu\"",
+                cfg.train.device);
+        return std::make_unique<PsEngine>(cfg, comm);
+    }
     if (cfg.train.pp > 1) {
         if (cfg.train.device != "cpu")
             fail(

@@ -201,6 +201,12 @@ const std::vector<Key>& registry() {
                  "pipeline stages: mpirun -np PP runs one model split over PP ranks"),
         make_key("train.pp_schedule", &R::train, &TrainConfig::pp_schedule,
                  "pipeline schedule: naive | gpipe | 1f1b | zb-h1"),
+        make_key("train.dp_mode", &R::train, &TrainConfig::dp_mode,
+                 "how data-parallel ranks combine gradients: allreduce | ps (parameter server)"),
+        make_key("train.ps_servers", &R::train, &TrainConfig::ps_servers,
+                 "ps: server ranks (the last ones), each holding a contiguous group of units"),
+        make_key("train.ps_staleness", &R::train, &TrainConfig::ps_staleness,
+                 "ps: workers compute on parameters at most this many steps old (0: synchronous)"),
         make_key("optim.name", &R::optim, &OptimConfig::name, "adamw | sgd"),
         make_key("optim.lr", &R::optim, &OptimConfig::lr, "peak learning rate"),
         make_key("optim.min_lr_ratio", &R::optim, &OptimConfig::min_lr_ratio, "final lr / peak lr"),
@@ -485,6 +491,43 @@ void RunConfig::validate_pipeline() const {
              train.pp);
 }
 
+void RunConfig::validate_ps() const {
+    if (train.dp_mode != "allreduce" && train.dp_mode != "ps")
+        fail("train.dp_mode = \"{}\" must be \"allreduce\" or \"ps\" (parameter server)",
+             train.dp_mode);
+    if (!ps()) return;
+    const int units = model.n_layer + 2;  // embedding, blocks, head (model/param_layout.h)
+    if (train.ps_servers < 1 || train.ps_servers > units)
+        fail(
+            "train.ps_servers = {} must be in [1, {}]: each server holds at least one unit (the "
+            "embedding, a block or the head) of the model's {}",
+            train.ps_servers, units, units);
+    if (train.ps_staleness < 0)
+        fail("train.ps_staleness = {} must be >= 0 (0: synchronous)", train.ps_staleness);
+    if (world < train.ps_servers + 1)
+        fail(
+            "train.dp_mode = \"ps\" with train.ps_servers = {} needs at least {} ranks (the "
+            "servers and a worker), the run has {}: start mpirun -np {} or more",
+            train.ps_servers, train.ps_servers + 1, world, train.ps_servers + 1);
+    if (train.pp != 1)
+        fail(
+            "train.dp_mode = \"ps\" with train.pp = {}: a parameter server serves whole "
+            "replicas, set train.pp = 1",
+            train.pp);
+    if (train.zero_stage != 0)
+        fail(
+            "train.dp_mode = \"ps\" with train.zero_stage = {}: the servers already hold the "
+            "optimizer state (sharded over train.ps_servers), set train.zero_stage = 0",
+            train.zero_stage);
+    if (train.device == "cuda")
+        fail(
+            "train.dp_mode = \"ps\" runs on the CPU engine only so far: set train.device = "
+            "\"cpu\"");
+    if (train.precision != "fp32" && train.precision != "auto")
+        fail("train.dp_mode = \"ps\" trains in fp32 only so far, not train.precision = \"{}\"",
+             train.precision);
+}
+
 void RunConfig::validate() const {
     model.validate();
     optim.validate();
@@ -558,6 +601,7 @@ void RunConfig::validate() const {
     if (train.batch_size <= 0) fail("train.batch_size must be positive, got {}", train.batch_size);
     if (world < 1) fail("internal: world size {} < 1", world);
     validate_pipeline();
+    validate_ps();
     if (train.micro_batch_size < 0 || (int64_t)train.micro_batch_size * dp() > train.batch_size)
         fail(
             "train.micro_batch_size = {} must be in [0, train.batch_size / data-parallel ranks = "
@@ -619,10 +663,12 @@ RunConfig load_run_config(const std::string& path, const std::vector<std::string
     }
     const auto dir = std::filesystem::path(path).parent_path();
     RunConfig cfg = parse_layers(text, path.empty() ? "<defaults>" : path, overrides, base, &dir);
-    // The launcher's world size is not known yet: check against the smallest one that fits a
-    // pipeline of train.pp stages (the Trainer checks again with the real one).
-    cfg.world = std::max(1, cfg.train.pp);
+    // The world size comes from the launcher at start-up (the Trainer checks again with it): here
+    // the layout is checked at the fewest ranks it runs on, so `--set train.pp=2` or
+    // `train.dp_mode=ps` is not refused for want of ranks a file cannot know about.
+    cfg.world = cfg.min_world();
     cfg.validate();
+    cfg.world = 1;
     cfg.resolve();
     return cfg;
 }

@@ -3,6 +3,7 @@
 // once (name, type, default, doc); an unknown key is an error that suggests the nearest one.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -32,7 +33,14 @@ struct TrainConfig {
     int zero_stage = 0;  // data-parallel sharding (dist/zero.h): 0 DDP .. 3 parameters
     int pp = 1;          // pipeline stages (ranks per pipeline; train/pipeline_engine.h)
     std::string pp_schedule = "1f1b";  // naive | gpipe | 1f1b | zb-h1 (parallel/schedule.h)
-    bool cuda_graphs = false;          // cuda: replay each micro-batch as one captured CUDA graph
+    // How data-parallel ranks combine gradients: "allreduce" (DDP/ZeRO, dist/zero.h) or "ps", a
+    // parameter server (train/ps_engine.h): the last ps_servers ranks hold the parameters and
+    // the optimizer, the others are workers; workers compute on parameters at most ps_staleness
+    // optimizer steps old (0: synchronous).
+    std::string dp_mode = "allreduce";
+    int ps_servers = 1;
+    int ps_staleness = 0;
+    bool cuda_graphs = false;        // cuda: replay each micro-batch as one captured CUDA graph
     bool offload_optimizer = false;  // cuda: optimizer states and update on the CPU (ZeRO-Offload)
 };
 
@@ -65,10 +73,16 @@ struct RunConfig {
     SampleConfig sample;
 
     // Ranks of this run: set at start-up from the launcher (mpirun), not a TOML key. They form
-    // dp() pipelines of train.pp consecutive ranks. train.batch_size is the global batch;
+    // dp() pipelines of train.pp consecutive ranks, or under a parameter server dp() workers and
+    // train.ps_servers servers (which take no data). train.batch_size is the global batch;
     // train.micro_batch_size is per data-parallel rank.
     int world = 1;
-    int dp() const { return world / train.pp; }
+    bool ps() const { return train.dp_mode == "ps"; }
+    // (At least 1, so a config read before the launcher's world size is known still divides.)
+    int dp() const { return std::max(1, ps() ? world - train.ps_servers : world / train.pp); }
+    // The fewest ranks the layout the file asks for runs on (train.pp, or the servers and one
+    // worker): the config is checked at that world size until the launcher gives the real one.
+    int min_world() const { return ps() ? std::max(1, train.ps_servers) + 1 : train.pp; }
 
     // Sequences per forward/backward on each rank (default: the global batch split over the
     // data-parallel ranks).
@@ -83,6 +97,8 @@ struct RunConfig {
     void validate() const;
     // train.pp and train.pp_schedule against the world size and the model (part of validate).
     void validate_pipeline() const;
+    // train.dp_mode and the parameter server's keys (part of validate).
+    void validate_ps() const;
 };
 
 // Loads a TOML file (path may be empty: defaults) and applies "section.key=value" overrides.

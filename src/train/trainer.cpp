@@ -197,6 +197,8 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
         psi, cfg_.train.batch_size, T, cfg_.tokens_per_step(), B, cfg_.accum_steps(),
         cfg_.train.pp > 1 ? fmt::format(" | pipeline of {} stages ({} schedule)", cfg_.train.pp,
                                         cfg_.train.pp_schedule)
+        : cfg_.ps() ? fmt::format(" x {} workers | parameter server: {} server ranks, staleness {}",
+                                  cfg_.dp(), cfg_.train.ps_servers, cfg_.train.ps_staleness)
         : cfg_.world > 1
             ? fmt::format(" x {} ranks (ZeRO stage {})", cfg_.world, cfg_.train.zero_stage)
             : std::string()));
@@ -226,8 +228,9 @@ void Trainer::print(const std::string& s) {
 }
 
 double Trainer::mean_over_ranks(double x) {
-    // A pipeline's stages report the same loss (the last stage's); data-parallel ranks their own.
-    if (comm_->size() == 1 || cfg_.train.pp > 1) return x;
+    // A pipeline's stages report the same loss (the last stage's), a parameter server's ranks the
+    // mean over its workers; data-parallel ranks their own.
+    if (comm_->size() == 1 || cfg_.train.pp > 1 || cfg_.ps()) return x;
     std::vector<double> all((std::size_t)comm_->size());
     comm_->all_gather_bytes(&x, all.data(), sizeof(double));
     double sum = 0;

@@ -75,7 +75,11 @@ class Trainer {
     void next_rows(data::DataLoader& loader);
     bool root() const { return comm_->rank() == 0; }
     // Which data-parallel replica this rank belongs to: pipelines are train.pp consecutive ranks.
-    int dp_rank() const { return comm_->rank() / cfg_.train.pp; }
+    // Parameter servers (the last ranks) take no data; they are handed worker 0's rows, unread.
+    int dp_rank() const {
+        if (cfg_.ps() && comm_->rank() >= cfg_.dp()) return 0;
+        return comm_->rank() / cfg_.train.pp;
+    }
     void print(const std::string& s);
     void print_memory_report();
     void print_sample();
