@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Pipeline bubble on the CPU: the demo model split over `mpirun -np 2` (one thread per rank),
-# GPipe and 1F1B with m = 1, 2, 4, 8 micro-batches of MB sequences per step. For each run the
+# GPipe, 1F1B and ZB-H1 with m = 1, 2, 4, 8 micro-batches of MB sequences per step. For each run the
 # executor measures the bubble (1 - mean busy / makespan, every step after the first, each step
 # started at a barrier) and the simulator predicts it from the stages' measured forward and
 # backward times on the same schedule lists; the script prints both and their ratio, beside the
@@ -17,7 +17,7 @@ OUT=$(mktemp -d)
 trap 'rm -rf "$OUT"' EXIT
 echo "demo 6x384 over 2 stages, micro-batch $MB x 128 tokens, $STEPS steps (bubble over steps 2..$STEPS)"
 printf "%-9s %3s %10s %10s %8s %12s %12s\n" schedule m measured simulated ratio "closed form" "step ms"
-for sched in gpipe 1f1b; do
+for sched in gpipe 1f1b zb-h1; do
     for m in 1 2 4 8; do
         log=$OUT/$sched$m.log
         mpirun --oversubscribe --allow-run-as-root -np 2 -x OMP_NUM_THREADS=1 \
