@@ -1,6 +1,7 @@
-// `mpirun -np 2 memtrain train`: a start-up error every rank meets is printed once, and SIGTERM
+// `mpirun -np 2 memtrain train`: a start-up error every rank meets is printed once, SIGTERM
 // sent to one rank stops every rank after the same step with one checkpoint that resumes
-// exactly. Run by CTest as cli_mpi_np2 (CMakeLists.txt), not by the plain test discovery.
+// exactly, and a pipeline trains from the command line as one process does. Run by CTest as
+// cli_mpi_np2 (CMakeLists.txt), not by the plain test discovery.
 #include <gtest/gtest.h>
 
 #include <signal.h>
@@ -161,4 +162,30 @@ TEST(CliMpi, SigtermOnOneRankStopsEveryRankAtTheSameStep) {
     r = run("train --resume " + dir + "/out");
     ASSERT_EQ(r.code, 0) << r.output;
     EXPECT_EQ(losses(dir + "/out/metrics.jsonl"), losses(dir + "/full/metrics.jsonl"));
+}
+
+// `mpirun -np 2 memtrain train --set train.pp=2` from the command line: the losses are one
+// process's, the end-of-run report has the measured bubble and the per-stage table, the last
+// step's timeline is drawn, and a layout the model cannot take is refused once.
+TEST(CliMpi, PipelineTrainsFromTheCommandLine) {
+    auto dir = memtrain::test::temp_dir("cli_mpi_pipeline");
+    const std::string cfg = tiny_config(dir, 6);
+    const std::string sets =
+        " --set train.micro_batch_size=2 model.tied_embeddings=false io.out_dir=";
+    auto one = memtrain::test::run_memtrain("train " + cfg + sets + dir + "/one");
+    ASSERT_EQ(one.code, 0) << one.output;
+    ASSERT_EQ(losses(dir + "/one/metrics.jsonl").size(), 6u);
+    for (const std::string sched : {"1f1b", "zb-h1"}) {
+        const std::string out = dir + "/" + sched;
+        auto r = run("train " + cfg + sets + out + " train.pp=2 train.pp_schedule=" + sched);
+        ASSERT_EQ(r.code, 0) << r.output;
+        EXPECT_EQ(count(r.output, "pipeline of 2 stages (" + sched + " schedule)"), 1) << r.output;
+        EXPECT_EQ(count(r.output, "pipeline bubble: measured"), 1) << r.output;
+        EXPECT_EQ(count(r.output, "  stage 1: model states"), 1) << r.output;
+        EXPECT_EQ(read_file(out + "/pipeline_timeline.svg").rfind("<svg", 0), 0u);
+        EXPECT_EQ(losses(out + "/metrics.jsonl"), losses(dir + "/one/metrics.jsonl")) << sched;
+    }
+    auto r = run("train " + cfg + " --set train.pp=3");
+    EXPECT_NE(r.code, 0) << r.output;
+    EXPECT_EQ(count(r.output, "train.pp = 3 stages for model.n_layer = 2 blocks"), 1) << r.output;
 }
