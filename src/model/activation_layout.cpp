@@ -290,6 +290,13 @@ ArenaPlan plan_arena(const ModelConfig& cfg, int B, int T, const RematPlan& plan
     return p;
 }
 
+ArenaPlan plan_stage_arena(const ModelConfig& cfg, int blocks, int B, int T, const RematPlan& plan,
+                           const ActFormat& fmt) {
+    ModelConfig stage = cfg;
+    stage.n_layer = blocks;
+    return plan_arena(stage, B, T, plan, fmt);
+}
+
 std::vector<ArenaEntry> activation_layout(const ModelConfig& cfg, int B, int T,
                                           const RematPlan& plan, const ActFormat& fmt) {
     return plan_arena(cfg, B, T, plan, fmt).entries;

@@ -120,6 +120,11 @@ std::size_t cuda_kernel_scratch_bytes(const ModelConfig& cfg, int B, int T);
 
 ArenaPlan plan_arena(const ModelConfig& cfg, int B, int T, const RematPlan& plan = {},
                      const ActFormat& fmt = ActFormat::cpu());
+// One pipeline stage's arena for one micro-batch in flight: plan_arena of the model cut down to
+// the stage's `blocks` blocks (their residual streams, saved fields and ln_f). The CPU model
+// allocates each slot with it (GPT::stage_arena) and `memtrain pipeline` prices stages with it.
+ArenaPlan plan_stage_arena(const ModelConfig& cfg, int blocks, int B, int T,
+                           const RematPlan& plan = {}, const ActFormat& fmt = ActFormat::cpu());
 // The regions of plan_arena, for reports and tests.
 std::vector<ArenaEntry> activation_layout(const ModelConfig& cfg, int B, int T,
                                           const RematPlan& plan = {},

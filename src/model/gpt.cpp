@@ -45,8 +45,6 @@ GPT::GPT(const ModelConfig& cfg, ParamStore* store, int first_block, int end_blo
              cfg_.n_layer);
     b0_ = first_block;
     b1_ = end_block;
-    stage_cfg_ = cfg_;
-    stage_cfg_.n_layer = blocks();
     layout_ = make_param_layout(cfg_);
     if (!store) {
         own_store_ = std::make_unique<FullParamStore>(layout_);
@@ -121,7 +119,7 @@ std::size_t GPT::split_backward_bytes(int B, int T) const {
 }
 
 ArenaPlan GPT::stage_arena(int B, int T) const {
-    return plan_arena(stage_cfg_, B, T, plan_, arena_format());
+    return plan_stage_arena(cfg_, blocks(), B, T, plan_, arena_format());
 }
 
 void GPT::ensure_arena(int B, int T) {

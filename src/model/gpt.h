@@ -180,8 +180,7 @@ class GPT {
     std::unique_ptr<FullParamStore> own_store_;  // when no store was passed in
     ParamStore* store_;
 
-    int b0_ = 0, b1_ = 0;    // the blocks this model runs
-    ModelConfig stage_cfg_;  // cfg_ with n_layer = blocks(): what one slot's arena holds
+    int b0_ = 0, b1_ = 0;  // the blocks this model runs
     int nslots_ = 1;
     bool split_ = false;
     int arena_B_ = 0, arena_T_ = 0;

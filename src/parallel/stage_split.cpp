@@ -46,12 +46,12 @@ StageSplit split_stages(const ModelConfig& cfg, int stages, int B, int T) {
         split.first_block[s] = s == 0 ? 0 : cut[s][b];
         b = split.first_block[s];
     }
-    const std::size_t per_block = kept_bytes(cfg, B, T, BlockKeep::All) + resid_bytes(cfg, B, T);
     for (int s = 0; s < stages; s++) {
         const int a = split.first_block[s], b = s + 1 < stages ? split.first_block[s + 1] : L;
         split.blocks.push_back(b - a);
         split.forward_flops.push_back(cost(s, a, b));
-        split.act_bytes.push_back((std::size_t)(b - a) * per_block);
+        // What the executor allocates per micro-batch in flight (GPT::stage_arena), no remat.
+        split.act_bytes.push_back(plan_stage_arena(cfg, b - a, B, T).activation_bytes);
     }
     return split;
 }

@@ -14,10 +14,12 @@
 namespace memtrain::pp {
 
 struct StageSplit {
-    std::vector<int> first_block;        // per virtual stage: its first block; blocks [first, next)
-    std::vector<int> blocks;             // per virtual stage: how many blocks
-    std::vector<double> forward_flops;   // per virtual stage, one micro-batch
-    std::vector<std::size_t> act_bytes;  // per virtual stage: activations one micro-batch keeps
+    std::vector<int> first_block;       // per virtual stage: its first block; blocks [first, next)
+    std::vector<int> blocks;            // per virtual stage: how many blocks
+    std::vector<double> forward_flops;  // per virtual stage, one micro-batch
+    // Per virtual stage: the activations one micro-batch in flight keeps, plan_stage_arena's
+    // bytes (what the CPU executor allocates per slot without remat).
+    std::vector<std::size_t> act_bytes;
 };
 
 // Splits cfg's blocks over `stages` virtual stages (at least one block each) for micro-batches

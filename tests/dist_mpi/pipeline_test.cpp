@@ -180,6 +180,10 @@ void check_pipeline_matches_single_process(const PpCase& k, int steps = 6, bool 
                                  : 1;
     EXPECT_EQ(pe->slots(), expect_slots) << case_name(k) << " stage " << r;
     const ArenaPlan a = pe->model().stage_arena(tc.micro_batch(), tc.train.seq_len);
+    // `memtrain pipeline` prices a stage's micro-batch with the same layout (without remat).
+    if (k.remat == "none") {
+        EXPECT_EQ(pe->split().act_bytes[r], a.activation_bytes) << case_name(k) << " stage " << r;
+    }
     const MemoryStats ms = host_memory().snapshot();
     EXPECT_EQ(
         ms[MemCategory::Activations],
