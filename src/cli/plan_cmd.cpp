@@ -154,7 +154,7 @@ void register_estimate(CLI::App& app) {
     cmd->add_option("--precision", a->precision, "bf16 | fp16 | fp32 | bf16-only");
     cmd->add_option("--optimizer", a->optimizer, "adamw | sgd | adamw8bit");
     cmd->add_option("--offload", a->offload, "none | optimizer | params");
-    cmd->add_option("--schedule", a->schedule, "1f1b | gpipe | interleaved");
+    cmd->add_option("--schedule", a->schedule, "1f1b | gpipe | interleaved | zb-h1");
     cmd->add_option("--virtual-stages", a->run.virtual_stages, "interleaved model chunks");
     cmd->add_option("--lora-rank", a->run.lora_rank, "LoRA adapters of this rank");
     cmd->add_option("--frozen-bits", a->run.frozen_bits, "frozen weights: 16 | 8 | 4");

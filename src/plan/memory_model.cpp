@@ -184,6 +184,16 @@ MemoryEstimate estimate_stage_memory(const ModelSpec& m, const RunSpec& r, int s
         fmt::format("{} layers x {} micro-batches x {:.1f} MB ({} recompute, {}{})", layers,
                     est.in_flight, la.saved / 1e6, to_string(r.recompute),
                     r.flash_attention ? "flash" : "no flash", r.sequence_parallel ? ", SP" : "");
+    // Zero bubble (ZB-H1): each micro-batch in flight also keeps, per layer, the output gradients
+    // of its four GEMMs until the deferred weight-gradient pass (d(mlp out) and d(attn out)
+    // b s h, d(fc out) b s ffn (x2 for SwiGLU gate and up), d(qkv) b s (h + 2 kv_dim)),
+    // in the activation dtype, split over tp as the GEMMs are.
+    double zb = 0;
+    if (r.pp > 1 && r.schedule == Schedule::zb_h1) {
+        const double h = m.n_embd, fc = (double)m.ffn() * (m.swiglu ? 2 : 1);
+        const double qkv = h + 2.0 * (double)m.kv_dim();
+        zb = (double)s * b * (2 * h + fc + qkv) / t * e * layers * est.in_flight;
+    }
     // Full recomputation rebuilds one layer's activations during its backward.
     int64_t working = r.recompute == Recompute::full ? la.full : 0;
     // Logits in the activation dtype, their fp32 softmax and the fp32 gradient.
@@ -205,6 +215,10 @@ MemoryEstimate estimate_stage_memory(const ModelSpec& m, const RunSpec& r, int s
     add("gradients", grad_bytes, grad_detail);
     add("optimizer states", opt_bytes, opt_detail);
     add("activations", act, act_detail);
+    if (zb > 0)
+        add("zero-bubble W gradients", zb,
+            fmt::format("{} layers x {} micro-batches: the GEMMs' output gradients kept until W",
+                        layers, est.in_flight));
     add("recompute working set", working,
         working ? "one layer rebuilt during its backward" : "no full recompute");
     add("logits and loss", logits,

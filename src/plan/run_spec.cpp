@@ -55,7 +55,8 @@ Schedule parse_schedule(const std::string& s) {
     return parse_enum<Schedule>("pipeline schedule", s,
                                 {{"1f1b", Schedule::one_f_one_b},
                                  {"gpipe", Schedule::gpipe},
-                                 {"interleaved", Schedule::interleaved}});
+                                 {"interleaved", Schedule::interleaved},
+                                 {"zb-h1", Schedule::zb_h1}});
 }
 
 Offload parse_offload(const std::string& s) {
@@ -106,6 +107,8 @@ pp::Kind pipeline_kind(Schedule s) {
             return pp::Kind::GPipe;
         case Schedule::interleaved:
             return pp::Kind::Interleaved;
+        case Schedule::zb_h1:
+            return pp::Kind::ZbH1;
         case Schedule::one_f_one_b:
             break;
     }
@@ -120,6 +123,8 @@ const char* to_string(Schedule s) {
             return "gpipe";
         case Schedule::interleaved:
             return "interleaved";
+        case Schedule::zb_h1:
+            return "zb-h1";
     }
     return "?";
 }
@@ -172,6 +177,11 @@ void validate_run(const ModelSpec& m, const RunSpec& r) {
             "tensor parallel degree {} neither divides nor is a multiple of the {} key/value "
             "heads of {}",
             r.tp, m.kv_heads(), m.name);
+    if (r.pp > 1 && r.schedule == Schedule::zb_h1 && r.recompute != Recompute::none)
+        fail(
+            "schedule zb-h1 keeps every activation until its weight gradient: it needs recompute "
+            "none, not {}",
+            to_string(r.recompute));
     if (r.pp > m.n_layer)
         fail("pipeline degree {} exceeds the {} layers of {}", r.pp, m.n_layer, m.name);
     if (r.zero < 0 || r.zero > 3) fail("ZeRO stage must be 0, 1, 2 or 3, got {}", r.zero);

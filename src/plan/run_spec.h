@@ -15,7 +15,7 @@ namespace memtrain::plan {
 enum class Precision { mixed_bf16, mixed_fp16, fp32, bf16_only };
 enum class Optimizer { adamw, sgd, adamw8bit };  // sgd = SGD with momentum
 enum class Recompute { none, selective, full };
-enum class Schedule { one_f_one_b, gpipe, interleaved };
+enum class Schedule { one_f_one_b, gpipe, interleaved, zb_h1 };
 enum class Offload { none, optimizer, optimizer_and_params };
 
 struct RunSpec {
@@ -46,7 +46,7 @@ struct RunSpec {
 Precision parse_precision(const std::string& s);  // bf16 | fp16 | fp32 | bf16-only
 Optimizer parse_optimizer(const std::string& s);  // adamw | sgd | adamw8bit
 Recompute parse_recompute(const std::string& s);  // none | selective | full
-Schedule parse_schedule(const std::string& s);    // 1f1b | gpipe | interleaved
+Schedule parse_schedule(const std::string& s);    // 1f1b | gpipe | interleaved | zb-h1
 Offload parse_offload(const std::string& s);      // none | optimizer | params
 const char* to_string(Precision p);
 const char* to_string(Optimizer o);

@@ -3,7 +3,10 @@
 #include <gtest/gtest.h>
 
 #include "core/error.h"
+#include "model/gpt.h"
+#include "parallel/schedule.h"
 #include "plan/memory_model.h"
+#include "plan/model_spec.h"
 #include "plan/report.h"
 #include "plan/search.h"
 
@@ -217,4 +220,50 @@ TEST(PlanErrors, BadLayoutsExplainThemselves) {
     }
     r.dp = 1;
     EXPECT_NO_THROW(estimate_memory(m, r));
+}
+
+// ZB-H1 (memtrain estimate --pp P --schedule zb-h1): the output gradients each stage keeps for
+// its deferred weight-gradient pass are exactly what the CPU executor allocates per slot
+// (GPT::split_backward_bytes) times the micro-batches its list holds until W; and the schedule
+// refuses recomputation, as the trainer does.
+TEST(PlanMemory, ZeroBubbleWGradientsAreTheExecutorsBytes) {
+    using namespace memtrain;
+    ModelConfig cfg;
+    cfg.n_layer = 4;
+    cfg.n_head = 4;
+    cfg.n_embd = 64;
+    cfg.block_size = 32;
+    cfg.vocab_size = 100;
+    for (bool llama : {false, true}) {
+        if (llama) {
+            cfg.norm = "rmsnorm";
+            cfg.activation = "swiglu";
+            cfg.positions = "rope";
+            cfg.n_kv_head = 2;
+        }
+        plan::RunSpec r;
+        r.precision = plan::Precision::fp32;
+        r.pp = 2;
+        r.schedule = plan::Schedule::zb_h1;
+        r.micro_batch = 2;
+        r.seq = 32;
+        r.micro_batches = 6;
+        const plan::ModelSpec spec = plan::model_from_config(cfg);
+        for (int stage = 0; stage < 2; stage++) {
+            const auto est = plan::estimate_stage_memory(spec, r, stage);
+            GPT stage_model(cfg, nullptr, 2 * stage, 2 * stage + 2);
+            stage_model.set_split_backward(true);
+            const double slots = pp::uniform_in_flight(pp::Kind::ZbH1, 2, 6)[stage];
+            EXPECT_EQ((double)est.bytes("zero-bubble W gradients"),
+                      slots * (double)stage_model.split_backward_bytes(2, 32))
+                << "stage " << stage << (llama ? " llama" : " gpt2");
+        }
+        r.schedule = plan::Schedule::one_f_one_b;
+        EXPECT_EQ(plan::estimate_memory(spec, r).bytes("zero-bubble W gradients"), 0);
+    }
+    plan::RunSpec bad;
+    bad.pp = 2;
+    bad.schedule = plan::Schedule::zb_h1;
+    bad.recompute = plan::Recompute::full;
+    EXPECT_THROW(plan::validate_run(plan::model_from_config(cfg), bad), Error);
 }
