@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "core/device.h"
-#include "dist_mpi/dist_env.h"
+#include "dist_mpi/dist_runs.h"
 #include "plan/memory_model.h"
 #include "plan/model_spec.h"
 #include "test_util.h"
@@ -21,8 +21,6 @@
 
 namespace memtrain::dist {
 namespace {
-
-namespace fs = std::filesystem;
 
 // One GPU per rank (NCCL refuses two ranks on one GPU); cudasim's ranks share its device.
 #if MT_CUDA_SIM_TESTS
@@ -36,14 +34,7 @@ namespace fs = std::filesystem;
 #endif
 
 RunConfig shared_cuda_run(const std::string& name, int steps, const std::string& precision) {
-    const std::string dir = (fs::path(MT_BINARY_DIR) / "test_tmp" / name).string();
-    if (comm().rank() == 0) {
-        fs::remove_all(dir);
-        fs::create_directories(dir);
-        test::tiny_run(dir, steps);
-    }
-    comm().barrier();
-    RunConfig c = test::tiny_run_config(dir, steps);
+    RunConfig c = shared_tiny_run_config(name, steps);
     c.train.device = "cuda";
     c.train.precision = precision;
     c.io.save_final = false;

@@ -12,14 +12,12 @@
 #include <vector>
 
 #include "core/error.h"
-#include "dist_mpi/dist_env.h"
+#include "dist_mpi/dist_runs.h"
 #include "test_util.h"
 #include "train/pipeline_engine.h"
 
 namespace memtrain::dist {
 namespace {
-
-namespace fs = std::filesystem;
 
 struct PpCase {
     std::string schedule;
@@ -32,14 +30,7 @@ std::string case_name(const PpCase& k) {
 }
 
 RunConfig pipeline_run(const PpCase& k, int steps) {
-    const std::string dir = (fs::path(MT_BINARY_DIR) / "test_tmp" / case_name(k)).string();
-    if (comm().rank() == 0) {
-        fs::remove_all(dir);
-        fs::create_directories(dir);
-        test::tiny_run(dir, steps);
-    }
-    comm().barrier();
-    RunConfig c = test::tiny_run_config(dir, steps);
+    RunConfig c = shared_tiny_run_config(case_name(k), steps);
     c.model.n_layer = 4;  // one block per stage at 4 ranks
     c.io.save_final = false;
     c.train.eval_every = 5;
@@ -230,69 +221,14 @@ TEST(Pipeline, OneFOneBWithFullRecomputeMatchesSingleProcess) {
 // checkpoint resumes in one process, and one process's at this many stages, each continuing
 // bitwise as the uninterrupted single process does.
 TEST(Pipeline, CheckpointsMoveBetweenPipelineAndOneProcess) {
-    const int P = comm().size(), r = comm().rank(), steps = 6, cut = 3;
-    RunConfig c = pipeline_run({"1f1b", true}, steps);
-    TrainOptions quiet;
-    quiet.quiet = true;
-    const std::string base = c.io.out_dir;
-
-    // The uninterrupted single process, on every rank.
-    RunConfig one = c;
-    one.io.out_dir = base + "_one" + std::to_string(r);
-    TrainSummary ref;
-    std::vector<float> ref_params;
-    {
-        Trainer t(one, quiet);
-        ref = t.run();
-        ref_params = t.params();
-    }
-    auto expect_continues = [&](const TrainSummary& s, const std::vector<float>& params,
-                                const std::string& what) {
-        ASSERT_EQ(s.losses.size(), (std::size_t)(steps - cut)) << what;
-        for (int i = 0; i < steps - cut; i++)
-            EXPECT_EQ(s.losses[i], ref.losses[cut + i]) << what << " step " << cut + i + 1;
-        ASSERT_EQ(params.size(), ref_params.size());
-        std::size_t diff = 0;
-        for (std::size_t j = 0; j < params.size(); j++) diff += params[j] != ref_params[j];
-        EXPECT_EQ(diff, 0u) << what;
-    };
-
-    // Pipeline for `cut` steps (a checkpoint at the stop), then one process from it.
+    const int steps = 6;
+    const RunConfig c = pipeline_run({"1f1b", true}, steps);
+    RunConfig one = c;  // the uninterrupted single process, on every rank
+    one.io.out_dir = c.io.out_dir + "_one" + std::to_string(comm().rank());
     RunConfig piped = c;
-    piped.train.pp = P;
-    piped.io.out_dir = base + "_pp";
-    {
-        TrainOptions o = quiet;
-        o.stop_after = cut;
-        Trainer(piped, o, &comm()).run();
-    }
-    {
-        RunConfig rest = one;
-        rest.io.out_dir = base + "_rest" + std::to_string(r);
-        TrainOptions o = quiet;
-        o.resume = piped.io.out_dir;
-        Trainer t(rest, o);
-        const TrainSummary s = t.run();
-        expect_continues(s, t.params(), "pipeline checkpoint resumed in one process");
-    }
-    // One process for `cut` steps (rank 0 writes it), then the pipeline from it.
-    RunConfig first = one;
-    first.io.out_dir = base + "_first";
-    if (r == 0) {
-        TrainOptions o = quiet;
-        o.stop_after = cut;
-        Trainer(first, o).run();
-    }
-    comm().barrier();
-    {
-        RunConfig rest = piped;
-        rest.io.out_dir = base + "_pp_rest";
-        TrainOptions o = quiet;
-        o.resume = first.io.out_dir;
-        Trainer t(rest, o, &comm());
-        const TrainSummary s = t.run();
-        expect_continues(s, t.params(), "single-process checkpoint resumed by the pipeline");
-    }
+    piped.train.pp = comm().size();
+    piped.io.out_dir = c.io.out_dir + "_pp";
+    check_checkpoint_round_trip(one, piped, steps, 3, "pipeline");
 }
 
 TEST(Pipeline, BadLayoutsAreRefusedBeforeTraining) {

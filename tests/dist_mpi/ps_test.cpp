@@ -13,25 +13,16 @@
 #include <vector>
 
 #include "core/error.h"
-#include "dist_mpi/dist_env.h"
+#include "dist_mpi/dist_runs.h"
 #include "test_util.h"
 #include "train/ps_engine.h"
 
 namespace memtrain::dist {
 namespace {
 
-namespace fs = std::filesystem;
-
 // The tiny run with `workers` x `per_worker` micro-batches of 2 sequences per step.
 RunConfig ps_run(const std::string& name, int servers, int per_worker, bool llama, int steps) {
-    const std::string dir = (fs::path(MT_BINARY_DIR) / "test_tmp" / name).string();
-    if (comm().rank() == 0) {
-        fs::remove_all(dir);
-        fs::create_directories(dir);
-        test::tiny_run(dir, steps);
-    }
-    comm().barrier();
-    RunConfig c = test::tiny_run_config(dir, steps);
+    RunConfig c = shared_tiny_run_config(name, steps);
     c.model.n_layer = 3;  // 5 units: enough for 2 servers, with unequal sizes to balance
     c.io.save_final = false;
     c.train.micro_batch_size = 2;
@@ -235,63 +226,13 @@ TEST(Ps, StalenessBoundHoldsAndTrainingConverges) {
 // one process, and one process's in a PS run, continuing bitwise as the uninterrupted process.
 TEST(Ps, CheckpointsMoveBetweenPsAndOneProcess) {
     if (comm().size() < 2) GTEST_SKIP() << "needs 2 ranks";
-    const int r = comm().rank(), steps = 6, cut = 3;
+    const int steps = 6, cut = 3;
     // One worker (so the run is bitwise one process's; see above) and every other rank a server.
     const int servers = comm().size() - 1;
     const RunConfig c = ps_run("ps_ckpt", servers, 1, true, steps);
-    TrainOptions quiet;
-    quiet.quiet = true;
-    const RunConfig one = one_process(c, "one");
-    TrainSummary ref;
-    std::vector<float> ref_params;
-    {
-        Trainer t(one, quiet);
-        ref = t.run();
-        ref_params = t.params();
-    }
-    auto expect_continues = [&](const TrainSummary& s, const std::vector<float>& params,
-                                const std::string& what) {
-        ASSERT_EQ(s.losses.size(), (std::size_t)(steps - cut)) << what;
-        for (int i = 0; i < steps - cut; i++)
-            EXPECT_EQ(s.losses[i], ref.losses[cut + i]) << what << " step " << cut + i + 1;
-        ASSERT_EQ(params.size(), ref_params.size());
-        std::size_t diff = 0;
-        for (std::size_t j = 0; j < params.size(); j++) diff += params[j] != ref_params[j];
-        EXPECT_EQ(diff, 0u) << what;
-    };
     RunConfig ps = c;
     ps.io.out_dir = c.io.out_dir + "_ps";
-    {
-        TrainOptions o = quiet;
-        o.stop_after = cut;
-        Trainer(ps, o, &comm()).run();
-    }
-    {
-        RunConfig rest = one;
-        rest.io.out_dir = c.io.out_dir + "_rest" + std::to_string(r);
-        TrainOptions o = quiet;
-        o.resume = ps.io.out_dir;
-        Trainer t(rest, o);
-        const TrainSummary s = t.run();
-        expect_continues(s, t.params(), "PS checkpoint resumed in one process");
-    }
-    RunConfig first = one;
-    first.io.out_dir = c.io.out_dir + "_first";
-    if (r == 0) {
-        TrainOptions o = quiet;
-        o.stop_after = cut;
-        Trainer(first, o).run();
-    }
-    comm().barrier();
-    {
-        RunConfig rest = ps;
-        rest.io.out_dir = c.io.out_dir + "_ps_rest";
-        TrainOptions o = quiet;
-        o.resume = first.io.out_dir;
-        Trainer t(rest, o, &comm());
-        const TrainSummary s = t.run();
-        expect_continues(s, t.params(), "one-process checkpoint resumed by the PS run");
-    }
+    check_checkpoint_round_trip(one_process(c, "one"), ps, steps, cut, "PS");
 }
 
 TEST(Ps, BadLayoutsAreRefusedNamingTheKey) {

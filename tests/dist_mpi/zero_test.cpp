@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "core/error.h"
-#include "dist_mpi/dist_env.h"
+#include "dist_mpi/dist_runs.h"
 #include "plan/memory_model.h"
 #include "plan/model_spec.h"
 #include "test_util.h"
@@ -23,16 +23,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// A directory every rank sees, made fresh by rank 0 with the tiny run's token shards in it.
+// The shared tiny run, saving nothing at the end and evaluating every 5 steps.
 RunConfig shared_tiny_run(const std::string& name, int steps) {
-    const std::string dir = (fs::path(MT_BINARY_DIR) / "test_tmp" / name).string();
-    if (comm().rank() == 0) {
-        fs::remove_all(dir);
-        fs::create_directories(dir);
-        test::tiny_run(dir, steps);  // writes the shards
-    }
-    comm().barrier();
-    RunConfig c = test::tiny_run_config(dir, steps);
+    RunConfig c = shared_tiny_run_config(name, steps);
     c.io.save_final = false;
     c.train.eval_every = 5;
     return c;
