@@ -229,6 +229,22 @@ void finish_started(MpiCommunicator::State& s, std::size_t i) {
 }
 
 // Starts MPI_Iallreduce in place and registers it as `op` (the blocking call waits at once).
+// Point to point needs another rank of the world as the peer.
+void check_peer(const MpiCommunicator::State& s, int peer, const char* op) {
+    if (peer < 0 || peer >= s.size || peer == s.rank)
+        fail("{}: peer {} is not another rank of a world of size {}", op, peer, s.size);
+}
+
+// Posts a nonblocking send of n floats (send waits for it, start_send hands it to wait()).
+MPI_Request post_send(MpiCommunicator::State& s, const float* data, int64_t n, int peer, int tag,
+                      const char* op) {
+    const int count = to_int(n, "send", "n");
+    check_peer(s, peer, "send");
+    MPI_Request req;
+    check(MPI_Isend(data, count, MPI_FLOAT, peer, tag, s.comm, &req), s.rank, op);
+    return req;
+}
+
 uint64_t start_all_reduce(MpiCommunicator::State& s, float* data, int64_t n, const char* op) {
     const int count = to_int(n, "all_reduce_sum", "n");
     MPI_Request req;
@@ -398,32 +414,20 @@ void MpiCommunicator::broadcast(void* data, int64_t bytes, int root) {
 
 void MpiCommunicator::send(const float* data, int64_t n, int peer, int tag) {
     State& s = *state_;
-    const int count = to_int(n, "send", "n");
-    if (peer < 0 || peer >= s.size || peer == s.rank) {
-        fail("send: peer {} is not another rank of a world of size {}", peer, s.size);
-    }
-    MPI_Request req;
-    check(MPI_Isend(data, count, MPI_FLOAT, peer, tag, s.comm, &req), s.rank, "send");
+    MPI_Request req = post_send(s, data, n, peer, tag, "send");
     wait_request(s, req, "send", n, "floats", peer, nullptr);
 }
 
 uint64_t MpiCommunicator::start_send(const float* data, int64_t n, int peer, int tag) {
     State& s = *state_;
-    const int count = to_int(n, "send", "n");
-    if (peer < 0 || peer >= s.size || peer == s.rank) {
-        fail("send: peer {} is not another rank of a world of size {}", peer, s.size);
-    }
-    MPI_Request req;
-    check(MPI_Isend(data, count, MPI_FLOAT, peer, tag, s.comm, &req), s.rank, "send (started)");
+    MPI_Request req = post_send(s, data, n, peer, tag, "send (started)");
     return add_started(s, req, "send (started)", n);
 }
 
 void MpiCommunicator::recv(float* data, int64_t n, int peer, int tag) {
     State& s = *state_;
     const int count = to_int(n, "recv", "n");
-    if (peer < 0 || peer >= s.size || peer == s.rank) {
-        fail("recv: peer {} is not another rank of a world of size {}", peer, s.size);
-    }
+    check_peer(s, peer, "recv");
     MPI_Request req;
     MPI_Status status;
     check(MPI_Irecv(data, count, MPI_FLOAT, peer, tag, s.comm, &req), s.rank, "recv");
