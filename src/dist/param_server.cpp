@@ -41,14 +41,14 @@ ServerSplit split_servers(const ParamLayout& layout, int servers) {
     return sp;
 }
 
-PsWeights::PsWeights(const ParamLayout& layout, UnitSource& source, std::vector<int> owner_rank,
-                     Communicator& comm)
+OwnerWeights::OwnerWeights(const ParamLayout& layout, UnitSource& source,
+                           std::vector<int> owner_rank, Communicator& comm)
     : layout_(&layout), source_(&source), owner_(std::move(owner_rank)), comm_(&comm) {
     if (owner_.size() != layout.units.size())
         fail("internal: {} unit owners for {} units", owner_.size(), layout.units.size());
 }
 
-float* PsWeights::acquire(int u, bool for_write) {
+float* OwnerWeights::acquire(int u, bool for_write) {
     Held& h = held_[u];
     if (h.count++ > 0) {
         h.written = h.written || for_write;
@@ -67,7 +67,7 @@ float* PsWeights::acquire(int u, bool for_write) {
     return h.data;
 }
 
-void PsWeights::release(int u) {
+void OwnerWeights::release(int u) {
     auto it = held_.find(u);
     if (it == held_.end() || it->second.count == 0)
         fail("internal: unit {} released more often than acquired", u);
@@ -79,7 +79,7 @@ void PsWeights::release(int u) {
     held_.erase(it);
 }
 
-float* PsWeights::unit_grads(int u) {
+float* OwnerWeights::unit_grads(int u) {
     fail("internal: gradients of unit {} asked of the parameter server's weight view", u);
 }
 

@@ -43,16 +43,16 @@ class UnitSource {
     virtual bool read_into_scratch() const = 0;
 };
 
-// The model's weights as every rank sees them (ModelWeights): reading a unit broadcasts it from
-// the server that holds it; writing one (initialisation, import, resume) writes every rank's own
-// copy, and release broadcasts the server's result so workers and server agree whatever each
-// wrote. A collective per acquire and written release: every rank makes the same calls in the
-// same order, as with ZeRO-3.
-class PsWeights final : public ParamStore {
+// The model's weights as every rank sees them (ModelWeights) when each unit has one owner rank
+// (a parameter server's server, a pipeline's stage): reading a unit broadcasts it from its
+// owner; writing one (initialisation, import, resume) writes every rank's own copy, and release
+// broadcasts the owner's result so every copy agrees whatever each rank wrote. A collective per
+// acquire and written release: every rank makes the same calls in the same order, as with ZeRO-3.
+class OwnerWeights final : public ParamStore {
   public:
-    // owner_rank[u]: the rank of the server holding unit u.
-    PsWeights(const ParamLayout& layout, UnitSource& source, std::vector<int> owner_rank,
-              Communicator& comm);
+    // owner_rank[u]: the rank holding unit u (the one whose values count).
+    OwnerWeights(const ParamLayout& layout, UnitSource& source, std::vector<int> owner_rank,
+                 Communicator& comm);
     float* full_params() override { return nullptr; }
     float* full_grads() override { return nullptr; }
     float* acquire(int u, bool for_write = false) override;

@@ -1,4 +1,4 @@
-// A pipeline stage's parameters and gradients, and the view checkpoints use (stage_store.h).
+// A pipeline stage's parameters and gradients (stage_store.h).
 #include "parallel/stage_store.h"
 
 #include <cstring>
@@ -51,39 +51,9 @@ void StageStore::zero_grads() {
     if (mirror_grads_.size()) std::memset(mirror_grads_.data(), 0, mirror_grads_.bytes());
 }
 
-StageWeights::StageWeights(const ParamLayout& layout, StageStore& stage, std::vector<int> owner,
-                           dist::Communicator& comm)
-    : layout_(&layout), stage_(&stage), owner_(std::move(owner)), comm_(&comm) {
-    if (owner_.size() != layout.units.size())
-        fail("internal: {} unit owners for {} units", owner_.size(), layout.units.size());
-}
-
-float* StageWeights::acquire(int u, bool for_write) {
-    Held& h = held_[u];
-    if (h.count++ > 0) return h.data;
-    const bool here =
-        stage_->owns(u) || (u == ParamLayout::embedding_unit() && stage_->mirrors_embedding());
-    const std::size_t n = layout_->units.at(u).size();
-    if (here) {
-        h.data = stage_->acquire(u);
-    } else {
-        h.scratch = Buffer<float>(n, MemCategory::Communication);
-        h.data = h.scratch.data();
-    }
-    // A read: every rank gets the owner's values (a collective, in the same order everywhere).
-    if (!for_write) comm_->broadcast(h.data, (int64_t)(n * sizeof(float)), owner_.at(u));
-    return h.data;
-}
-
-void StageWeights::release(int u) {
-    auto it = held_.find(u);
-    if (it == held_.end() || it->second.count == 0)
-        fail("internal: unit {} released more often than acquired", u);
-    if (--it->second.count == 0) held_.erase(it);
-}
-
-float* StageWeights::unit_grads(int u) {
-    fail("internal: gradients of unit {} asked of a pipeline's weight view", u);
+float* StageStore::unit(int u) {
+    const bool here = owns(u) || (u == ParamLayout::embedding_unit() && mirrors_embedding());
+    return here ? acquire(u) : nullptr;
 }
 
 }  // namespace memtrain::pp

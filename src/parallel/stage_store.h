@@ -6,11 +6,9 @@
 // (the classifier reads wte): its gradient goes to stage 0, which owns wte, and stage 0 sends the
 // updated wte back after each step (parallel/pipeline_engine.h).
 //
-// StageWeights is the same storage as every rank sees it for import, initialisation and
-// checkpoints (ModelWeights): acquiring a unit for reading broadcasts it from the stage that owns
-// it, so every rank must make the same calls in the same order (as with ZeRO-3); acquiring for
-// writing gives a stage's own storage where it has the unit, or scratch that is dropped at
-// release.
+// Checkpoints, import and initialisation see it through dist::OwnerWeights (dist/param_server.h),
+// with the StageStore as this rank's dist::UnitSource: a unit read is broadcast from the stage
+// that owns it.
 #pragma once
 
 #include <cstddef>
@@ -18,13 +16,13 @@
 #include <vector>
 
 #include "core/allocator.h"
-#include "dist/communicator.h"
+#include "dist/param_server.h"
 #include "model/param_layout.h"
 #include "model/param_store.h"
 
 namespace memtrain::pp {
 
-class StageStore final : public ParamStore {
+class StageStore final : public ParamStore, public dist::UnitSource {
   public:
     // Units [first_unit, last_unit] of `layout`; with mirror_embedding, unit 0 as well (a copy).
     StageStore(const ParamLayout& layout, int first_unit, int last_unit, bool mirror_embedding);
@@ -53,6 +51,10 @@ class StageStore final : public ParamStore {
     void grads_done(int) override {}
     void zero_grads() override;
 
+    // dist::UnitSource: the unit where this stage has it (owned or the mirror), else null.
+    float* unit(int u) override;
+    bool read_into_scratch() const override { return false; }
+
   private:
     float* find(int u, Buffer<float>& owned, Buffer<float>& mirror);
     const ParamLayout* layout_;
@@ -60,32 +62,6 @@ class StageStore final : public ParamStore {
     std::size_t begin_, end_;
     Buffer<float> params_, grads_;
     Buffer<float> mirror_params_, mirror_grads_;
-};
-
-class StageWeights final : public ParamStore {
-  public:
-    // owner[u]: the rank whose stage owns unit u (for the tied embedding, the first stage).
-    StageWeights(const ParamLayout& layout, StageStore& stage, std::vector<int> owner,
-                 dist::Communicator& comm);
-    float* full_params() override { return stage_->full_params(); }
-    float* full_grads() override { return nullptr; }
-    float* acquire(int u, bool for_write = false) override;
-    void release(int u) override;
-    float* unit_grads(int u) override;
-    void grads_done(int) override {}
-    void zero_grads() override {}
-
-  private:
-    const ParamLayout* layout_;
-    StageStore* stage_;
-    std::vector<int> owner_;
-    dist::Communicator* comm_;
-    struct Held {
-        int count = 0;
-        float* data = nullptr;
-        Buffer<float> scratch;  // when this rank does not have the unit
-    };
-    std::map<int, Held> held_;
 };
 
 }  // namespace memtrain::pp

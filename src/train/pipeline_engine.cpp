@@ -73,7 +73,7 @@ PipelineEngine::PipelineEngine(const RunConfig& cfg, dist::Communicator& comm)
         for (int l = split_.first_block[s]; l < split_.first_block[s] + split_.blocks[s]; l++)
             owner[layout_.block_unit(l)] = s;
     owner[layout_.head_unit()] = p_ - 1;
-    weights_ = std::make_unique<pp::StageWeights>(layout_, *store_, std::move(owner), comm_);
+    weights_ = std::make_unique<dist::OwnerWeights>(layout_, *store_, std::move(owner), comm_);
     model_ = std::make_unique<GPT>(cfg_.model, store_.get(), b0, b1);
     model_->set_split_backward(kind_ == pp::Kind::ZbH1);
     opt_ = make_optimizer(cfg_.optim, layout_, store_->begin(), store_->count());

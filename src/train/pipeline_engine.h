@@ -103,7 +103,7 @@ class PipelineEngine final : public Engine {
     ParamLayout layout_;
     pp::StageSplit split_;
     std::unique_ptr<pp::StageStore> store_;
-    std::unique_ptr<pp::StageWeights> weights_;
+    std::unique_ptr<dist::OwnerWeights> weights_;
     std::unique_ptr<GPT> model_;
     std::unique_ptr<Optimizer> opt_;
     RematPlan plan_;

@@ -76,7 +76,7 @@ PsEngine::PsEngine(const RunConfig& cfg, dist::Communicator& comm)
         pushes_.assign(split_.servers(), 0);
     }
     replica_ = std::make_unique<Replica>(*this);
-    weights_ = std::make_unique<dist::PsWeights>(layout_, *replica_, std::move(owner), comm_);
+    weights_ = std::make_unique<dist::OwnerWeights>(layout_, *replica_, std::move(owner), comm_);
 }
 
 PsEngine::~PsEngine() {

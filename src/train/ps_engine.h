@@ -110,7 +110,7 @@ class PsEngine final : public Engine {
     std::unique_ptr<GPT> model_;             // workers
     std::unique_ptr<pp::StageStore> store_;  // servers
     std::unique_ptr<Replica> replica_;
-    std::unique_ptr<dist::PsWeights> weights_;
+    std::unique_ptr<dist::OwnerWeights> weights_;
     std::unique_ptr<Optimizer> opt_;  // servers: their range; workers: empty (counts steps)
     RematPlan plan_;
 
