@@ -52,7 +52,7 @@ void register_eval(CLI::App& app) {
                  loader.num_windows(), T + 1, a->batch);
         if (a->max_batches > 0) batches = std::min(batches, a->max_batches);
         GPT model(m);
-        load_hf_weights(model.weights(), src.weights);
+        load_source_weights(src, model.weights());
         std::vector<int32_t> x((std::size_t)a->batch * T), y(x.size());
         double total = 0;
         for (int64_t i = 0; i < batches; i++) {

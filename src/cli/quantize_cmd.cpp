@@ -93,6 +93,11 @@ void register_quantize(CLI::App& app) {
     cmd->callback([a]() {
         const quant::Options& o = a->o;
         const ModelSource src = open_model_source(a->model);
+        if (src.lora)
+            fail(
+                "{} is a LoRA checkpoint (adapters only): merge it first with `memtrain lora "
+                "merge {} --out DIR`, then quantize DIR",
+                src.dir, a->model);
         const ModelConfig& cfg = src.model;
         const auto pieces = hf_pieces(cfg, hf_naming(cfg));
         for (const auto& p : pieces)

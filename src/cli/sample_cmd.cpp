@@ -39,7 +39,7 @@ void register_sample(CLI::App& app) {
         if (a->max_tokens < 0) fail("--max-tokens must be >= 0, got {}", a->max_tokens);
         const ModelSource src = open_model_source(a->model);
         GPT model(src.model);
-        load_hf_weights(model.weights(), src.weights);
+        load_source_weights(src, model.weights());
         const std::string tok_path = a->tokenizer.empty() ? src.tokenizer : a->tokenizer;
         if (tok_path.empty())
             fail("{} has no tokenizer.json (nor encoder.json + vocab.bpe); pass --tokenizer",

@@ -68,8 +68,29 @@ TrainState load_checkpoint(const std::string& dir, GPT& model, Optimizer& opt) {
     return load_checkpoint(dir, model.weights(), opt);
 }
 
+CheckpointModel hf_checkpoint_model(const ModelWeights& weights) {
+    return {weights.cfg, weights.layout,
+            [weights](const std::string& dir, bool root) {
+                save_hf_weights(weights, (fs::path(dir) / "model.safetensors").string(), root);
+            },
+            [weights](const std::string& dir) {
+                load_hf_weights(weights, (fs::path(dir) / "model.safetensors").string());
+            }};
+}
+
 std::string save_checkpoint(const std::string& out_dir, const RunConfig& cfg,
                             const ModelWeights& weights, OptimizerState& opt,
+                            const TrainState& state, dist::Communicator& comm) {
+    return save_checkpoint(out_dir, cfg, hf_checkpoint_model(weights), opt, state, comm);
+}
+
+TrainState load_checkpoint(const std::string& dir, const ModelWeights& weights,
+                           OptimizerState& opt) {
+    return load_checkpoint(dir, hf_checkpoint_model(weights), opt);
+}
+
+std::string save_checkpoint(const std::string& out_dir, const RunConfig& cfg,
+                            const CheckpointModel& weights, OptimizerState& opt,
                             const TrainState& state, dist::Communicator& comm) {
     const bool root = comm.rank() == 0;
     std::string name = fmt::format("ckpt_{:06d}", state.step);
@@ -82,7 +103,7 @@ std::string save_checkpoint(const std::string& out_dir, const RunConfig& cfg,
     }
     comm.barrier();  // the directory exists for every rank (out_dir is on a shared file system)
 
-    save_hf_weights(weights, (tmp_dir / "model.safetensors").string(), root);
+    weights.save(tmp_dir.string(), root);
 
     // Optimizer state: one file when every rank's optimizer covers the whole layout (then every
     // rank holds the same state and rank 0 writes it), else one file per rank. The ranks agree
@@ -161,12 +182,16 @@ std::string save_checkpoint(const std::string& out_dir, const RunConfig& cfg,
 std::string resolve_checkpoint_dir(const std::string& path) {
     fs::path p(path);
     if (!fs::exists(p)) fail("checkpoint {} does not exist", path);
-    if (fs::exists(p / "model.safetensors")) return p.string();
+    // A LoRA run's checkpoint holds its adapters instead of the model.
+    auto holds_weights = [](const fs::path& d) {
+        return fs::exists(d / "model.safetensors") || fs::exists(d / "adapter_model.safetensors");
+    };
+    if (holds_weights(p)) return p.string();
     if (fs::exists(p / "latest")) {
         std::string name = io::read_text_file(p / "latest");
         while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
         fs::path d = p / name;
-        if (!fs::exists(d / "model.safetensors"))
+        if (!holds_weights(d))
             fail("{}/latest points at {}, which holds no model.safetensors", path, d.string());
         return d.string();
     }
@@ -182,10 +207,10 @@ RunConfig checkpoint_config(const std::string& dir) {
     return parse_run_config(io::read_text_file(p), p.string(), {});
 }
 
-TrainState load_checkpoint(const std::string& dir, const ModelWeights& weights,
+TrainState load_checkpoint(const std::string& dir, const CheckpointModel& weights,
                            OptimizerState& opt) {
     RunConfig saved = checkpoint_config(dir);
-    const ModelConfig &a = saved.model, &b = weights.cfg;
+    const ModelConfig &a = saved.model, &b = weights.model;
     if (a.n_layer != b.n_layer || a.n_head != b.n_head || a.n_embd != b.n_embd ||
         a.block_size != b.block_size || a.vocab_size != b.vocab_size ||
         a.padded_vocab() != b.padded_vocab())
@@ -195,7 +220,7 @@ TrainState load_checkpoint(const std::string& dir, const ModelWeights& weights,
             "block_size={} vocab_size={}",
             dir, a.n_layer, a.n_head, a.n_embd, a.block_size, a.vocab_size, b.n_layer, b.n_head,
             b.n_embd, b.block_size, b.vocab_size);
-    load_hf_weights(weights, (fs::path(dir) / "model.safetensors").string());
+    weights.load(dir);
 
     std::string spath = (fs::path(dir) / "training_state.safetensors").string();
     auto f = io::SafetensorsFile::open(spath);

@@ -1,7 +1,9 @@
 // Checkpoints: a directory per save, written under a temporary name and renamed into place, so
 // a crash never leaves a half-written checkpoint. It holds
 //   model.safetensors           weights with Hugging Face names and shapes: LlamaForCausalLM's
-//                               for Llama models, GPT2LMHeadModel's otherwise
+//                               for Llama models, GPT2LMHeadModel's otherwise; a LoRA run
+//                               writes its adapters instead, in PEFT's adapter_model.safetensors
+//                               and adapter_config.json (io/lora_files.h)
 //   config.json                 the matching Hugging Face config (io/hf_weights.h), so
 //                               `transformers` can load the folder
 //   training_state.safetensors  step, RNG, data position, optimizer step count (metadata)
@@ -15,6 +17,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "dist/communicator.h"
@@ -38,9 +41,23 @@ struct TrainState {
 void save_hf_weights(GPT& model, const std::string& path, bool write = true);
 void load_hf_weights(GPT& model, const std::string& path);
 
+// The weights a checkpoint holds and the layout its optimizer files are slices of: the whole
+// model in Hugging Face files (hf_checkpoint_model), or a LoRA run's adapters in PEFT's.
+struct CheckpointModel {
+    const ModelConfig& model;
+    const ParamLayout& layout;  // of the parameters the optimizer updates
+    // Every rank calls save (it may gather); only the one with `root` writes into `dir`.
+    std::function<void(const std::string& dir, bool root)> save;
+    std::function<void(const std::string& dir)> load;
+};
+CheckpointModel hf_checkpoint_model(const ModelWeights& weights);
+
 // Writes out_dir/ckpt_<step>/ atomically and points out_dir/latest at it. Returns its path.
 // Every rank of `comm` calls it: rank 0 writes the weights and the shared files; each rank
 // writes its optimizer shard when the optimizer covers less than the whole layout (ZeRO).
+std::string save_checkpoint(const std::string& out_dir, const RunConfig& cfg,
+                            const CheckpointModel& weights, OptimizerState& opt,
+                            const TrainState& state, dist::Communicator& comm);
 std::string save_checkpoint(const std::string& out_dir, const RunConfig& cfg,
                             const ModelWeights& weights, OptimizerState& opt,
                             const TrainState& state, dist::Communicator& comm);
@@ -53,6 +70,8 @@ RunConfig checkpoint_config(const std::string& dir);
 // Restores weights, optimizer state and the training state; the model's config must match.
 // Works at any world size and ZeRO stage: each rank reads the slice of the optimizer files that
 // its optimizer covers, whatever layout of files the checkpoint was written with (resharding).
+TrainState load_checkpoint(const std::string& dir, const CheckpointModel& weights,
+                           OptimizerState& opt);
 TrainState load_checkpoint(const std::string& dir, const ModelWeights& weights,
                            OptimizerState& opt);
 TrainState load_checkpoint(const std::string& dir, GPT& model, Optimizer& opt);

@@ -6,6 +6,7 @@
 #include "core/error.h"
 #include "io/checkpoint.h"
 #include "io/hf_weights.h"
+#include "io/lora_files.h"
 
 namespace fs = std::filesystem;
 
@@ -25,6 +26,8 @@ ModelSource open_model_source(const std::string& path) {
         src.run = checkpoint_config(src.dir);
         src.model = src.run->model;
         src.weights = (fs::path(src.dir) / "model.safetensors").string();
+        src.lora = has_lora_adapters(src.dir) && !fs::exists(src.weights);
+        if (src.lora) src.weights = (fs::path(src.dir) / "adapter_model.safetensors").string();
     } else if (fs::exists(p / "config.json")) {
         src.dir = p.string();
         src.model = model_config_from_hf((p / "config.json").string());
@@ -41,6 +44,13 @@ ModelSource open_model_source(const std::string& path) {
     else if (fs::exists(d / "encoder.json") && fs::exists(d / "vocab.bpe"))
         src.tokenizer = d.string();
     return src;
+}
+
+void load_source_weights(const ModelSource& src, const ModelWeights& weights) {
+    if (src.lora)
+        load_merged_lora_model(src.dir, *src.run, weights);
+    else
+        load_hf_weights(weights, src.weights);
 }
 
 }  // namespace memtrain

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "model/config.h"
+#include "model/weights.h"
 #include "train/run_config.h"
 
 namespace memtrain {
@@ -18,8 +19,12 @@ struct ModelSource {
     std::string tokenizer;         // tokenizer.json, or a directory with encoder.json + vocab.bpe;
                                    // empty when the directory has neither
     std::optional<RunConfig> run;  // the run config of a memtrain checkpoint
+    bool lora = false;             // a LoRA run's checkpoint: adapters over run->model.init_from
 };
 
 ModelSource open_model_source(const std::string& path);
+// The source's weights into a whole model of src.model; a LoRA checkpoint's adapters are merged
+// into its base (io/lora_files.h).
+void load_source_weights(const ModelSource& src, const ModelWeights& weights);
 
 }  // namespace memtrain

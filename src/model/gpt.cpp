@@ -99,6 +99,7 @@ void GPT::set_slots(int k) {
 }
 
 void GPT::set_split_backward(bool on) {
+    if (on && lora_) fail("LoRA does not run with a split backward (zb-h1) yet");
     if (on && !plan_.empty())
         for (BlockKeep k : plan_)
             if (k != BlockKeep::All)
@@ -194,12 +195,33 @@ void GPT::act_forward(float* out, const float* inp, int N) const {
         cpu::gelu_forward(out, inp, (int64_t)N * cfg_.mlp_hidden());
 }
 
-void GPT::block_forward(const BlockParams& p, const float* x, float* out, BlockSaved& s, int B,
-                        int T) {
+void GPT::set_lora(LoraAdapters* lora) {
+    if (lora && split_)
+        fail("LoRA does not run with a split backward (zb-h1) yet: choose another schedule");
+    lora_ = lora;
+}
+
+void GPT::lora_forward(int l, BlockLinear linear, const float* adapter, const float* x, float* y,
+                       int N) {
+    if (!lora_) return;
+    for (const LoraSite* s : lora_->layout().sites_of(l, linear))
+        lora_->forward(*s, adapter, x, y, N);
+}
+
+void GPT::lora_backward(int l, BlockLinear linear, const float* adapter, float* grads,
+                        const float* x, const float* dy, float* dx, int N) {
+    if (!lora_) return;
+    for (const LoraSite* s : lora_->layout().sites_of(l, linear))
+        lora_->backward(*s, adapter, grads, x, dy, dx, N);
+}
+
+void GPT::block_forward(const BlockParams& p, int l, const float* adapter, const float* x,
+                        float* out, BlockSaved& s, int B, int T) {
     const int N = B * T, C = cfg_.n_embd, QKV = cfg_.qkv_dim(), F = cfg_.fc_dim(),
               H = cfg_.mlp_hidden();
     norm_forward(s.ln1, s.ln1_mean, s.ln1_rstd, x, p.ln1_w, p.ln1_b, N);
     cpu::matmul_forward(s.qkv, s.ln1, p.qkv_w, p.qkv_b, N, C, QKV);
+    lora_forward(l, BlockLinear::Qkv, adapter, s.ln1, s.qkv, N);
     // Rotating in place means qkv holds what attention reads (and backward needs); c_attn's
     // backward reads ln1, not qkv, so the unrotated values are never needed again.
     if (cfg_.rope())
@@ -208,11 +230,14 @@ void GPT::block_forward(const BlockParams& p, const float* x, float* out, BlockS
     cpu::attention_forward(s.atty, s.att, s.qkv, B, T, C, cfg_.n_head, cfg_.kv_heads());
     std::memcpy(s.resid_mid, x, sizeof(float) * N * C);
     cpu::matmul_forward(s.resid_mid, s.atty, p.proj_w, p.proj_b, N, C, C, 1.0f);
+    lora_forward(l, BlockLinear::Proj, adapter, s.atty, s.resid_mid, N);
     norm_forward(s.ln2, s.ln2_mean, s.ln2_rstd, s.resid_mid, p.ln2_w, p.ln2_b, N);
     cpu::matmul_forward(s.fch, s.ln2, p.fc_w, p.fc_b, N, C, F);
+    lora_forward(l, BlockLinear::Fc, adapter, s.ln2, s.fch, N);
     act_forward(s.fch_act, s.fch, N);
     std::memcpy(out, s.resid_mid, sizeof(float) * N * C);
     cpu::matmul_forward(out, s.fch_act, p.fcp_w, p.fcp_b, N, H, C, 1.0f);
+    lora_forward(l, BlockLinear::FcProj, adapter, s.fch_act, out, N);
 }
 
 // Recomputes what Selective dropped (ln1, ln2, fch_act) with the same kernel calls, on the same
@@ -235,12 +260,18 @@ static DeferredGrads deferred_grads(float* base, int N, int C, int F) {
     return {base, base + n * C, base + n * (C + F), base + n * (2 * C + F)};
 }
 
-void GPT::block_backward(const BlockParams& p, BlockParams& g, float* dres, const float* x,
-                         const BlockSaved& s, int B, int T, float* defer) {
+void GPT::block_backward(const BlockParams& p, BlockParams& g, int l, const float* adapter,
+                         float* adapter_grads, float* dres, const float* x, const BlockSaved& s,
+                         int B, int T, float* defer) {
     const int N = B * T, C = cfg_.n_embd, QKV = cfg_.qkv_dim(), F = cfg_.fc_dim(),
               H = cfg_.mlp_hidden();
     // Without `defer` each GEMM's weight half runs with its input half; with it, only the input
     // halves run here and each weight half's output gradient is kept for block_weight_grads.
+    // Under LoRA `g` is all null (the base is frozen) and each GEMM's adapters add their share
+    // to its input gradient right after it.
+    auto lora = [&](BlockLinear k, const float* in, const float* dout, float* din) {
+        lora_backward(l, k, adapter, adapter_grads, in, dout, din, N);
+    };
     const DeferredGrads d = defer ? deferred_grads(defer, N, C, F) : DeferredGrads{};
     auto keep = [&](float* dst, const float* src, std::size_t n) {
         if (defer) std::memcpy(dst, src, sizeof(float) * n);
@@ -252,17 +283,21 @@ void GPT::block_backward(const BlockParams& p, BlockParams& g, float* dres, cons
         // d(product) (N,H) and d(fch) (N,2H) cannot share rows, so the product's gradient has
         // its own workspace.
         cpu::matmul_backward(dact_, w(g.fcp_w), w(g.fcp_b), dres, s.fch_act, p.fcp_w, N, H, C);
+        lora(BlockLinear::FcProj, s.fch_act, dres, dact_);
         cpu::swiglu_backward(dfch, s.fch, dact_, N, H);
     } else {
         cpu::matmul_backward(dfch, w(g.fcp_w), w(g.fcp_b), dres, s.fch_act, p.fcp_w, N, H, C);
+        lora(BlockLinear::FcProj, s.fch_act, dres, dfch);
         cpu::gelu_backward(dfch, s.fch, dfch, (int64_t)N * H);
     }
     keep(d.fc, dfch, (std::size_t)N * F);
     cpu::matmul_backward(dln_, w(g.fc_w), w(g.fc_b), dfch, s.ln2, p.fc_w, N, C, F);
+    lora(BlockLinear::Fc, s.ln2, dfch, dln_);
     norm_backward(dres, g.ln2_w, g.ln2_b, dln_, s.resid_mid, p.ln2_w, s.ln2_mean, s.ln2_rstd, N);
     float* datty = dln_;
     keep(d.proj, dres, (std::size_t)N * C);
     cpu::matmul_backward(datty, w(g.proj_w), w(g.proj_b), dres, s.atty, p.proj_w, N, C, C);
+    lora(BlockLinear::Proj, s.atty, dres, datty);
     float* dqkv = dbig_;
     cpu::attention_backward(dqkv, datty, s.qkv, s.att, B, T, C, cfg_.n_head, cfg_.kv_heads());
     if (cfg_.rope())
@@ -270,6 +305,7 @@ void GPT::block_backward(const BlockParams& p, BlockParams& g, float* dres, cons
                            (float)cfg_.rope_theta);
     keep(d.qkv, dqkv, (std::size_t)N * QKV);
     cpu::matmul_backward(dln_, w(g.qkv_w), w(g.qkv_b), dqkv, s.ln1, p.qkv_w, N, C, QKV);
+    lora(BlockLinear::Qkv, s.ln1, dqkv, dln_);
     norm_backward(dres, g.ln1_w, g.ln1_b, dln_, x, p.ln1_w, s.ln1_mean, s.ln1_rstd, N);
 }
 
@@ -310,7 +346,9 @@ void GPT::stage_forward(int slot, const int32_t* inputs, int B, int T) {
         const int u = layout_.block_unit(l);
         BlockParams p = block_view(layout_, l, store_->acquire(u));
         store_->prefetch(u + 1);  // the next block, or the head
-        block_forward(p, sl.resid[l - b0_], sl.resid[l - b0_ + 1], sl.saved[l - b0_], B, T);
+        const float* ad = lora_ ? lora_->store().acquire(l) : nullptr;
+        block_forward(p, l, ad, sl.resid[l - b0_], sl.resid[l - b0_ + 1], sl.saved[l - b0_], B, T);
+        if (lora_) lora_->store().release(l);
         store_->release(u);
     }
     if (!has_head()) return;
@@ -363,9 +401,14 @@ float GPT::backward_pass(int slot, const int32_t* inputs, const int32_t* targets
         // The head unit is still acquired from stage_forward: this is the same pointer.
         const HeadParams h = head_view(layout_, store_->acquire(H));
         store_->release(H);
-        HeadParams hg = head_view(layout_, store_->unit_grads(H));
-        float* dwout =
-            cfg_.tied_embeddings ? embedding_view(layout_, store_->unit_grads(E)).wte : hg.lm_head;
+        // A frozen base (LoRA) has no gradients: null pointers skip them in the kernels.
+        HeadParams hg{};
+        float* dwout = nullptr;
+        if (!frozen_base()) {
+            hg = head_view(layout_, store_->unit_grads(H));
+            dwout = cfg_.tied_embeddings ? embedding_view(layout_, store_->unit_grads(E)).wte
+                                         : hg.lm_head;
+        }
         const float* wout = acquire_output_embedding(h);
         store_->prefetch(layout_.block_unit(b1_ - 1));  // gathered during the classifier
         loss = cpu::classifier_loss(dln_, dwout, logits_, sl.lnf, wout, targets, N, C,
@@ -374,7 +417,7 @@ float GPT::backward_pass(int slot, const int32_t* inputs, const int32_t* targets
         std::memset(dres_, 0, sizeof(float) * N * C);
         norm_backward(dres_, hg.lnf_w, hg.lnf_b, dln_, sl.resid.back(), h.lnf_w, sl.lnf_mean,
                       sl.lnf_rstd, N);
-        store_->grads_done(H);
+        if (!frozen_base()) store_->grads_done(H);
         store_->release(H);
     }
     // Otherwise dres_ holds d(output), received from the next stage.
@@ -383,19 +426,26 @@ float GPT::backward_pass(int slot, const int32_t* inputs, const int32_t* targets
         BlockParams p = block_view(layout_, l, store_->acquire(u));
         // The embedding's backward needs no parameters, so block 0 announces nothing.
         if (l > b0_) store_->prefetch(layout_.block_unit(l - 1));
-        BlockParams g = block_view(layout_, l, store_->unit_grads(u));
+        BlockParams g{};
+        if (!frozen_base()) g = block_view(layout_, l, store_->unit_grads(u));
+        const float* ad = lora_ ? lora_->store().acquire(l) : nullptr;
+        float* adg = lora_ ? lora_->store().unit_grads(l) : nullptr;
         // An Input block re-runs block_forward into the scratch; its output rewrites
         // resid[i + 1] with the same bits, which nothing reads any more.
         if (keep(l) == BlockKeep::Input)
-            block_forward(p, sl.resid[i], sl.resid[i + 1], sl.saved[i], B, T);
+            block_forward(p, l, ad, sl.resid[i], sl.resid[i + 1], sl.saved[i], B, T);
         else if (keep(l) == BlockKeep::Selective)
             recompute_selective(p, sl.resid[i], sl.saved[i], B, T);
-        block_backward(p, g, dres_, sl.resid[i], sl.saved[i], B, T,
+        block_backward(p, g, l, ad, adg, dres_, sl.resid[i], sl.saved[i], B, T,
                        split ? sl.wgrad.data() + i * wgrad_floats(B, T) : nullptr);
-        if (!split) store_->grads_done(u);
+        if (lora_) {
+            lora_->store().grads_done(l);
+            lora_->store().release(l);
+        }
+        if (!split && !frozen_base()) store_->grads_done(u);
         store_->release(u);
     }
-    if (has_embedding()) {
+    if (has_embedding() && !frozen_base()) {
         EmbeddingParams eg = embedding_view(layout_, store_->unit_grads(E));
         cpu::embedding_backward(eg.wte, eg.wpe, dres_, inputs, B, T, C);
         store_->grads_done(E);

@@ -16,6 +16,7 @@
 #include "core/rng.h"
 #include "model/activation_layout.h"
 #include "model/config.h"
+#include "model/lora.h"
 #include "model/param_layout.h"
 #include "model/param_store.h"
 #include "model/weights.h"
@@ -83,6 +84,12 @@ class GPT {
     // Takes effect at the next forward; the arena is re-sized to activation_layout(plan).
     void set_remat(const RematPlan& plan);
     const RematPlan& remat_plan() const { return plan_; }
+
+    // LoRA (model/lora.h): adapters beside the block linears, from their own store, and the
+    // base frozen: backward then computes the input gradients and the adapters' gradients only,
+    // never asking the base store for gradients. Null turns it off. Not with a split backward.
+    void set_lora(LoraAdapters* lora);
+    bool frozen_base() const { return lora_ != nullptr; }
 
     // Pipeline stages (parallel/pipeline_engine.h). A stage holds up to slots() micro-batches
     // between their forward and their backward, each in an activation arena of its own (the
@@ -155,12 +162,20 @@ class GPT {
     // The output embedding's weights (lm_head, or wte when tied), acquired; and its release.
     const float* acquire_output_embedding(const HeadParams& head);
     void release_output_embedding();
-    void block_forward(const BlockParams& p, const float* x, float* out, BlockSaved& s, int B,
-                       int T);
+    // `l` is the block's number in the model; `adapter` its LoRA unit (null without LoRA).
+    void block_forward(const BlockParams& p, int l, const float* adapter, const float* x,
+                       float* out, BlockSaved& s, int B, int T);
     // With `defer` (room for the block's four output gradients, split backward), the
     // weight-gradient halves are skipped and their inputs copied there for block_weight_grads.
-    void block_backward(const BlockParams& p, BlockParams& g, float* dres, const float* x,
-                        const BlockSaved& s, int B, int T, float* defer = nullptr);
+    void block_backward(const BlockParams& p, BlockParams& g, int l, const float* adapter,
+                        float* adapter_grads, float* dres, const float* x, const BlockSaved& s,
+                        int B, int T, float* defer = nullptr);
+    // The adapters of block l on `linear`: y += their output; dx += their input gradient (and
+    // their own gradients into `grads`).
+    void lora_forward(int l, BlockLinear linear, const float* adapter, const float* x, float* y,
+                      int N);
+    void lora_backward(int l, BlockLinear linear, const float* adapter, float* grads,
+                       const float* x, const float* dy, float* dx, int N);
     void block_weight_grads(BlockParams& g, const BlockSaved& s, const float* deferred, int B,
                             int T);
     float backward_pass(int slot, const int32_t* inputs, const int32_t* targets, int B, int T,
@@ -187,6 +202,7 @@ class GPT {
     std::vector<Slot> slots_;
     Buffer<float> work_;  // MemCategory::Workspace, shared by the slots
     RematPlan plan_;      // one entry per block of the stage
+    LoraAdapters* lora_ = nullptr;
     float *dres_, *dln_, *dbig_, *dact_, *logits_;
 };
 

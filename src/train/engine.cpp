@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "train/cuda_engine.h"
+#include "train/lora_engine.h"
 #include "train/pipeline_engine.h"
 #include "train/ps_engine.h"
 
@@ -126,6 +127,12 @@ std::unique_ptr<Engine> make_engine(const RunConfig& cfg, dist::Communicator& co
                 "\"cpu\"",
                 cfg.train.pp, cfg.train.device);
         return std::make_unique<PipelineEngine>(cfg, comm);
+    }
+    if (cfg.lora.enabled()) {
+        if (cfg.train.device != "cpu")
+            fail("LoRA runs on the CPU engine only so far, not on {}: set train.device = \"cpu\"",
+                 cfg.train.device);
+        return std::make_unique<LoraEngine>(cfg, comm);
     }
     if (cfg.train.device == "cpu") return std::make_unique<CpuEngine>(cfg, comm);
     if (cfg.train.device == "cuda") return make_cuda_engine(cfg, comm);

@@ -15,6 +15,7 @@
 #include "core/allocator.h"
 #include "dist/communicator.h"
 #include "dist/zero.h"
+#include "io/checkpoint.h"
 #include "model/activation_layout.h"
 #include "model/gpt.h"
 #include "model/weights.h"
@@ -50,6 +51,11 @@ class Engine {
     // Parameters (fp32, unit by unit) for initialisation, import and checkpoints.
     virtual ModelWeights weights() = 0;
     virtual OptimizerState& optimizer() = 0;
+    // Called once the weights are initialised or imported through weights(), before any step or
+    // checkpoint load (LoRA: a QLoRA base is quantized here and the model built over it).
+    virtual void weights_loaded() {}
+    // What checkpoints hold: the whole model in Hugging Face files; under LoRA the adapters.
+    virtual CheckpointModel checkpoint_model() { return hf_checkpoint_model(weights()); }
     // How the model lays out its activations (for the remat solver and the memory report).
     virtual ActFormat arena_format() const = 0;
     virtual void set_remat(const RematPlan& plan) = 0;

@@ -243,6 +243,16 @@ const std::vector<Key>& registry() {
         make_key("sample.max_tokens", &R::sample, &SampleConfig::max_tokens, "0 = no sample"),
         make_key("sample.temperature", &R::sample, &SampleConfig::temperature, "softmax temp"),
         make_key("sample.top_k", &R::sample, &SampleConfig::top_k, "0 = whole vocabulary"),
+        make_key("lora.rank", &R::lora, &LoraConfig::rank,
+                 "LoRA adapters of this rank, base frozen (0 = full-parameter training)"),
+        make_key("lora.alpha", &R::lora, &LoraConfig::alpha, "adapter output scaled by alpha/rank"),
+        make_key("lora.dropout", &R::lora, &LoraConfig::dropout, "on the adapter input"),
+        make_key("lora.targets", &R::lora, &LoraConfig::targets,
+                 "attn | all | comma-separated module suffixes (c_attn, q_proj, mlp.c_proj...)"),
+        make_key("lora.base", &R::lora, &LoraConfig::base,
+                 "frozen base storage: fp32 | int8 | int4 | nf4 (QLoRA)"),
+        make_key("lora.base_group", &R::lora, &LoraConfig::base_group,
+                 "int4 base: inputs per scale"),
     };
     return keys;
 }
@@ -451,7 +461,8 @@ RunConfig parse_layers(const std::string& text, const std::string& src,
 }  // namespace
 
 void RunConfig::resolve() {
-    if (train.device == "auto") train.device = cuda_available() ? "cuda" : "cpu";
+    // LoRA runs on the CPU engine only so far, so "auto" picks it there.
+    if (train.device == "auto") train.device = cuda_available() && !lora.enabled() ? "cuda" : "cpu";
     if (train.precision == "auto") train.precision = train.device == "cuda" ? "bf16" : "fp32";
 }
 
@@ -528,6 +539,23 @@ void RunConfig::validate_ps() const {
              train.precision);
 }
 
+void RunConfig::validate_lora() const {
+    lora.validate();
+    if (!lora.enabled()) {
+        if (lora.base != "fp32")
+            fail("lora.base = \"{}\" quantizes the frozen base of a LoRA run: set lora.rank > 0",
+                 lora.base);
+        return;
+    }
+    if (train.pp > 1 || ps())
+        fail("LoRA (lora.rank = {}) runs with data parallelism and ZeRO, not with {} yet",
+             lora.rank, ps() ? "a parameter server" : "pipeline stages (train.pp)");
+    if (train.device == "cuda")
+        fail("LoRA (lora.rank = {}) runs on the CPU engine only so far: set train.device = \"cpu\"",
+             lora.rank);
+    make_lora_layout(model, lora);  // targets that match nothing fail here
+}
+
 void RunConfig::validate() const {
     model.validate();
     optim.validate();
@@ -602,6 +630,7 @@ void RunConfig::validate() const {
     if (world < 1) fail("internal: world size {} < 1", world);
     validate_pipeline();
     validate_ps();
+    validate_lora();
     if (train.micro_batch_size < 0 || (int64_t)train.micro_batch_size * dp() > train.batch_size)
         fail(
             "train.micro_batch_size = {} must be in [0, train.batch_size / data-parallel ranks = "

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "model/config.h"
+#include "model/lora.h"
 #include "optim/optim_config.h"
 
 namespace memtrain {
@@ -71,6 +72,7 @@ struct RunConfig {
     DataConfig data;
     IoConfig io;
     SampleConfig sample;
+    LoraConfig lora;  // model/lora.h: rank 0 = full-parameter training
 
     // Ranks of this run: set at start-up from the launcher (mpirun), not a TOML key. They form
     // dp() pipelines of train.pp consecutive ranks, or under a parameter server dp() workers and
@@ -99,6 +101,8 @@ struct RunConfig {
     void validate_pipeline() const;
     // train.dp_mode and the parameter server's keys (part of validate).
     void validate_ps() const;
+    // The [lora] keys and what LoRA runs with (part of validate).
+    void validate_lora() const;
 };
 
 // Loads a TOML file (path may be empty: defaults) and applies "section.key=value" overrides.

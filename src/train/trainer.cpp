@@ -173,18 +173,26 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
     yg_.resize((std::size_t)Bg * T);
 
     state_.rng = Rng(cfg_.train.seed ^ 0x5A3D1Eull).state();
+    // A LoRA checkpoint holds only the adapters: its frozen base comes from model.init_from (or
+    // the seed) as at the start of the run, then the checkpoint on top.
+    const bool weights_in_checkpoint = !resume_dir.empty() && !cfg_.lora.enabled();
+    if (!weights_in_checkpoint) {
+        if (!cfg_.model.init_from.empty()) {
+            load_hf_weights(engine_->weights(), cfg_.model.init_from);
+            if (cfg_.train.precision == "fp16")
+                check_fp16_range(engine_->weights(), cfg_.model.init_from);
+            print(fmt::format("initialised {}weights from {}\n",
+                              cfg_.lora.enabled() ? "frozen base " : "", cfg_.model.init_from));
+        } else {
+            init_gpt2_weights(engine_->weights(), cfg_.train.seed);
+        }
+    }
+    engine_->weights_loaded();
     if (!resume_dir.empty()) {
-        state_ = load_checkpoint(resume_dir, engine_->weights(), engine_->optimizer());
+        state_ = load_checkpoint(resume_dir, engine_->checkpoint_model(), engine_->optimizer());
         engine_->restore_loss_scaler(state_.loss_scale, state_.loss_scale_clean);
         train_loader_->set_position({state_.data_epoch, state_.data_cursor});
         print(fmt::format("resumed from {} at step {}\n", resume_dir, state_.step));
-    } else if (!cfg_.model.init_from.empty()) {
-        load_hf_weights(engine_->weights(), cfg_.model.init_from);
-        if (cfg_.train.precision == "fp16")
-            check_fp16_range(engine_->weights(), cfg_.model.init_from);
-        print(fmt::format("initialised weights from {}\n", cfg_.model.init_from));
-    } else {
-        init_gpt2_weights(engine_->weights(), cfg_.train.seed);
     }
 
     peak_lr_ = scaled_peak_lr(cfg_.optim, cfg_.tokens_per_step());
@@ -277,6 +285,10 @@ plan::MemoryEstimate planner_estimate(const RunConfig& cfg, Engine& engine) {
     // (every:K, sqrt, budget) are priced exactly by activation_layout.
     const std::string& rp = cfg.train.remat;
     if (rp == "selective" || rp == "full") rs.recompute = plan::parse_recompute(rp);
+    if (cfg.lora.enabled()) {
+        rs.lora_rank = cfg.lora.rank;
+        rs.frozen_bits = cfg.lora.base == "int8" ? 8 : cfg.lora.base == "fp32" ? 16 : 4;
+    }
     return plan::estimate_memory(plan::model_from_config(cfg.model), rs);
 }
 
@@ -371,8 +383,9 @@ TrainSummary Trainer::run() {
         if ((cfg_.io.checkpoint_every > 0 && state_.step % cfg_.io.checkpoint_every == 0) ||
             (last && cfg_.io.save_final) || stopping) {
             std::tie(state_.loss_scale, state_.loss_scale_clean) = engine_->loss_scaler_state();
-            sum.last_checkpoint = save_checkpoint(cfg_.io.out_dir, cfg_, engine_->weights(),
-                                                  engine_->optimizer(), state_, *comm_);
+            sum.last_checkpoint =
+                save_checkpoint(cfg_.io.out_dir, cfg_, engine_->checkpoint_model(),
+                                engine_->optimizer(), state_, *comm_);
             print(fmt::format("checkpoint: {}\n", sum.last_checkpoint));
         }
         if (stop_sig != 0) break;

@@ -56,6 +56,7 @@ void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* 
             di[i] += (dnorm - dnorm_mean - norm * dnorm_norm_mean) * s;
         }
     }
+    if (!dweight) return;  // a frozen norm (LoRA): only the input gradient
     // Parameter gradients: column blocks per thread, rows in order (deterministic).
     constexpr int kBlock = 64;
     int nblocks = (C + kBlock - 1) / kBlock;

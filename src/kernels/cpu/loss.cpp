@@ -43,8 +43,9 @@ double classifier_loss(float* dx, float* dwte, float* logits_buf, const float* x
         if (dx) {
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, R, C, Vp, 1.0f, logits_buf, Vp,
                         wte, C, 0.0f, dx + (int64_t)r0 * C, C);
-            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, Vp, C, R, 1.0f, logits_buf, Vp, xr,
-                        C, 1.0f, dwte, C);
+            if (dwte)  // null: a frozen classifier (LoRA)
+                cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, Vp, C, R, 1.0f, logits_buf, Vp,
+                            xr, C, 1.0f, dwte, C);
         }
     }
     return total;

@@ -26,6 +26,7 @@ void layernorm_forward(float* out /*(N,C)*/, float* mean /*(N)*/, float* rstd /*
                        const float* inp /*(N,C)*/, const float* weight /*(C)*/,
                        const float* bias /*(C)*/, int N, int C, float eps = 1e-5f);
 // dinp is accumulated into (it is the residual stream's gradient).
+// A null dweight (frozen norm, LoRA) skips the parameter gradients.
 void layernorm_backward(float* dinp /*(N,C)*/, float* dweight /*(C)*/, float* dbias /*(C)*/,
                         const float* dout /*(N,C)*/, const float* inp /*(N,C)*/,
                         const float* weight /*(C)*/, const float* mean /*(N)*/,
@@ -34,7 +35,8 @@ void layernorm_backward(float* dinp /*(N,C)*/, float* dweight /*(C)*/, float* db
 // ---- rmsnorm (Llama): out = x * rstd * weight, rstd = 1 / sqrt(mean(x^2) + eps); no bias ----
 void rmsnorm_forward(float* out /*(N,C)*/, float* rstd /*(N)*/, const float* inp /*(N,C)*/,
                      const float* weight /*(C)*/, int N, int C, float eps);
-// dinp is accumulated into (the residual stream's gradient), like layernorm_backward.
+// dinp is accumulated into (the residual stream's gradient), like layernorm_backward; a null
+// dweight skips the parameter gradient.
 void rmsnorm_backward(float* dinp /*(N,C)*/, float* dweight /*(C)*/, const float* dout /*(N,C)*/,
                       const float* inp /*(N,C)*/, const float* weight /*(C)*/,
                       const float* rstd /*(N)*/, int N, int C);

@@ -36,6 +36,7 @@ void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const floa
         float* di = dinp + (int64_t)n * C;
         for (int i = 0; i < C; i++) di[i] += (weight[i] * d[i] - x[i] * s * dnorm_norm_mean) * s;
     }
+    if (!dweight) return;  // a frozen norm (LoRA): only the input gradient
     // Parameter gradient: column blocks per thread, rows in order (deterministic).
     constexpr int kBlock = 64;
     int nblocks = (C + kBlock - 1) / kBlock;

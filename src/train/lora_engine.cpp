@@ -1,0 +1,159 @@
+// The CPU LoRA engine (see lora_engine.h).
+#include "train/lora_engine.h"
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "io/lora_files.h"
+
+namespace memtrain {
+
+LoraEngine::LoraEngine(const RunConfig& cfg, dist::Communicator& comm)
+    : cfg_(cfg),
+      comm_(comm),
+      layout_(make_param_layout(cfg.model)),
+      lora_layout_(make_lora_layout(cfg.model, cfg.lora)) {
+    if (cfg_.lora.base != "fp32")
+        fail("lora.base = \"{}\": a quantized frozen base (QLoRA) is not built in this engine yet",
+             cfg_.lora.base);
+    fp32_base_ = std::make_unique<FullParamStore>(layout_);
+    adapters_ =
+        std::make_unique<dist::ZeroStore>(lora_layout_.params, comm_, cfg_.train.zero_stage);
+    // Dropout masks differ per rank (each has its own rows), as torch's do under DDP.
+    lora_ = std::make_unique<LoraAdapters>(cfg_.lora, lora_layout_, *adapters_,
+                                           cfg_.train.seed ^ (0xD20Full * (comm_.rank() + 1)));
+    init_lora_weights(*adapters_, lora_layout_, cfg_.train.seed);
+    const dist::ShardRange owned = adapters_->owned();
+    opt_ = make_optimizer(cfg_.optim, lora_layout_.params, owned.offset, owned.count);
+}
+
+LoraEngine::~LoraEngine() = default;
+
+ParamStore& LoraEngine::base() {
+    return quant_base_ ? *quant_base_ : *fp32_base_;
+}
+
+GPT& LoraEngine::model() {
+    if (!model_) fail("internal: the LoRA model is built by weights_loaded()");
+    return *model_;
+}
+
+std::string LoraEngine::describe() const {
+    std::string names;
+    for (const auto& n : lora_layout_.names) names += (names.empty() ? "" : ", ") + n;
+    return fmt::format("cpu (fp32), LoRA r={} alpha={} on {} ({} trainable), base {} frozen",
+                       cfg_.lora.rank, cfg_.lora.alpha, names, lora_layout_.params.total,
+                       cfg_.lora.base);
+}
+
+ModelWeights LoraEngine::weights() {
+    return ModelWeights{base(), layout_, cfg_.model};
+}
+
+void LoraEngine::weights_loaded() {
+    model_ = std::make_unique<GPT>(cfg_.model, &base());
+    model_->set_lora(lora_.get());
+    if (!plan_.empty()) model_->set_remat(plan_);
+}
+
+void LoraEngine::set_remat(const RematPlan& plan) {
+    plan_ = plan;
+    if (model_) model_->set_remat(plan);
+}
+
+CheckpointModel LoraEngine::checkpoint_model() {
+    return {cfg_.model, lora_layout_.params,
+            [this](const std::string& dir, bool root) {
+                save_lora_adapters(dir, cfg_, lora_layout_, *adapters_, root);
+            },
+            [this](const std::string& dir) {
+                load_lora_adapters(dir, cfg_.model, lora_layout_, *adapters_);
+            }};
+}
+
+void LoraEngine::begin_step() {
+    adapters_->zero_grads();
+    lora_->set_training(true);
+    loss_sum_ = 0;
+    micro_batches_ = 0;
+}
+
+void LoraEngine::forward_backward(const int32_t* inputs, const int32_t* targets, int B, int T,
+                                  float grad_scale, bool last) {
+    adapters_->set_reduce(last);
+    lora_->set_training(true);
+    lora_->next_micro_batch();
+    loss_sum_ += model().forward_backward(inputs, targets, B, T, grad_scale);
+    micro_batches_++;
+}
+
+StepResult LoraEngine::finish_step(double lr, double max_norm) {
+    StepResult r;
+    r.loss = micro_batches_ ? loss_sum_ / micro_batches_ : 0.0;
+    r.grad_norm = adapters_->clip_grad_norm(max_norm);
+    opt_->step(adapters_->owned_params(), adapters_->owned_grads(), lr);
+    adapters_->finish_step();
+    return r;
+}
+
+double LoraEngine::forward_loss(const int32_t* inputs, const int32_t* targets, int B, int T) {
+    lora_->set_training(false);
+    return model().forward_loss(inputs, targets, B, T);
+}
+
+void LoraEngine::forward_logits(const int32_t* inputs, int B, int T, float* out) {
+    lora_->set_training(false);
+    model().forward_logits(inputs, B, T, out);
+}
+
+std::string LoraEngine::memory_title() const {
+    const int N = comm_.size();
+    return fmt::format(
+        "host, fp32, LoRA{}",
+        N > 1 ? fmt::format(", rank 0 of {}, adapters at ZeRO stage {}", N, cfg_.train.zero_stage)
+              : std::string());
+}
+
+std::size_t LoraEngine::predicted_base_bytes() const {
+    return sizeof(float) * layout_.total;
+}
+
+std::vector<MemoryPrediction> LoraEngine::predicted_memory(int B, int T) const {
+    const std::size_t psi = lora_layout_.params.total;
+    const int stage = cfg_.train.zero_stage, N = comm_.size();
+    const RematPlan& plan = model_ ? model_->remat_plan() : plan_;
+    auto lay = activation_layout(cfg_.model, B, T, plan, GPT::arena_format());
+    const std::size_t shard = (std::size_t)adapters_->owned().count;
+    const std::size_t p_n = stage >= 3 ? shard : psi, g_n = stage >= 2 ? shard : psi,
+                      o_n = stage >= 1 ? shard : psi;
+    const std::string per = N > 1 ? fmt::format(" / {} ranks", N) : "";
+    const int k = cfg_.optim.name == "adamw" ? 8 : 4;
+    return {
+        {MemCategory::Parameters,
+         fmt::format("base 4 x {} (fp32, frozen) + adapters 4 x {}{}", layout_.total, psi,
+                     stage >= 3 ? per : ""),
+         predicted_base_bytes() + 4 * p_n},
+        {MemCategory::Gradients, fmt::format("adapters only: 4 x {}{}", psi, stage >= 2 ? per : ""),
+         4 * g_n},
+        {MemCategory::OptimizerState,
+         fmt::format("adapters only: {} x {}{} ({})", k, psi, stage >= 1 ? per : "",
+                     k == 8 ? "Adam m, v" : "momentum"),
+         (std::size_t)k * o_n},
+        {MemCategory::Activations,
+         fmt::format("activation_layout(B, T, remat={})", cfg_.train.remat),
+         arena_bytes(lay, MemCategory::Activations)},
+        {MemCategory::Workspace, "activation_layout(B, T) + LoRA h, dh (+ dropout x, dx)",
+         arena_bytes(lay, MemCategory::Workspace) + lora_->workspace_bytes(B * T)},
+    };
+}
+
+std::string LoraEngine::memory_footer() const {
+    return fmt::format(
+        "{:<16} {:>12}  (everything the OS charged: code, libraries, loaders, allocator slack)\n"
+        "LoRA: {} adapters, {} trainable parameters = {:.3f}% of the base's {}\n",
+        "process peak RSS", fmt::format("{:.1f} MiB", process_peak_rss() / 1048576.0),
+        lora_layout_.sites.size(), lora_layout_.params.total,
+        100.0 * (double)lora_layout_.params.total / (double)layout_.total, layout_.total);
+}
+
+}  // namespace memtrain
