@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "io/hf_weights.h"
 #include "model/gpt.h"
 #include "test_util.h"
 
@@ -326,19 +327,27 @@ TEST(QuantizedStoreWriter, LoadsUnitByUnitAsTheSourceConstructorDoes) {
     full.init_weights(9);
     const BaseQuant q = parse_base_quant("nf4");
     QuantizedParamStore from_source(full.weights(), q);
-    QuantizedParamStore loaded(cfg, q);
+    // Initialisation and a Hugging Face import, each written through the writer.
+    const std::string dir = test::temp_dir("quantized_store_writer");
+    save_hf_weights(full.weights(), dir + "/model.safetensors");
+    QuantizedParamStore initialised(cfg, q), imported(cfg, q);
     {
-        QuantizedStoreWriter writer(loaded);
+        QuantizedStoreWriter writer(initialised);
         init_gpt2_weights(writer.weights(), 9);
         EXPECT_THROW(writer.acquire(0), Error);  // write-only
     }
-    const ParamLayout& layout = loaded.layout();
-    for (int u = 0; u < (int)layout.units.size(); u++) {
-        const std::size_t n = layout.units[(std::size_t)u].size();
-        EXPECT_EQ(std::memcmp(loaded.acquire(u), from_source.acquire(u), 4 * n), 0) << u;
-        loaded.release(u);
-        from_source.release(u);
+    {
+        QuantizedStoreWriter writer(imported);
+        load_hf_weights(writer.weights(), dir);
     }
+    const ParamLayout& layout = from_source.layout();
+    for (QuantizedParamStore* loaded : {&initialised, &imported})
+        for (int u = 0; u < (int)layout.units.size(); u++) {
+            const std::size_t n = layout.units[(std::size_t)u].size();
+            EXPECT_EQ(std::memcmp(loaded->acquire(u), from_source.acquire(u), 4 * n), 0) << u;
+            loaded->release(u);
+            from_source.release(u);
+        }
 }
 
 TEST(QuantizedStoreFormat, ParsesNamesAndRefusesBadOnes) {
