@@ -16,7 +16,9 @@ std::vector<float> uniform_dequantize(const Result& r);
 // One 1-D Lloyd codebook of 2^bits levels for the whole tensor (the paper's GLUE "k-means").
 Result kmeans_quantize(MatrixView w, int bits);
 std::vector<float> kmeans_dequantize(const Result& r);
-// NormalFloat4 with an fp32 absmax per block, or with those absmaxes quantized again.
+// NormalFloat4 with an fp32 absmax per block, or with those absmaxes quantized again (uint8
+// codes, one fp32 scale per kNf4DqBlock absmaxes; quant/quantized_store.cpp decodes this too).
+constexpr int64_t kNf4DqBlock = 256;
 Result nf4_quantize(MatrixView w, int block, bool double_quant);
 std::vector<float> nf4_dequantize(const Result& r);
 Result kashin_quantize(const Options& o, MatrixView w);

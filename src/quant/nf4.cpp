@@ -9,8 +9,6 @@ namespace memtrain::quant::detail {
 
 namespace {
 
-constexpr int64_t kDqBlock = 256;  // absmaxes per second-level block
-
 uint32_t nearest_nf4(float v) {
     uint32_t k = 0;
     while (k < 15 && v > 0.5f * (kNf4Levels[k] + kNf4Levels[k + 1])) k++;
@@ -36,11 +34,11 @@ Result nf4_quantize(MatrixView w, int block, bool double_quant) {
     if (double_quant) {
         // Unsigned linear 8-bit codes of each absmax, rounded UP so that the decoded absmax is
         // never below the true one and no weight falls outside [-1, 1] after normalizing.
-        const int64_t n2 = (nb + kDqBlock - 1) / kDqBlock;
+        const int64_t n2 = (nb + kNf4DqBlock - 1) / kNf4DqBlock;
         std::vector<uint8_t> codes((std::size_t)nb);
         std::vector<float> scale2((std::size_t)n2);
         for (int64_t b2 = 0; b2 < n2; b2++) {
-            const int64_t lo = b2 * kDqBlock, hi = std::min(nb, lo + kDqBlock);
+            const int64_t lo = b2 * kNf4DqBlock, hi = std::min(nb, lo + kNf4DqBlock);
             float m = 0;
             for (int64_t b = lo; b < hi; b++) m = std::max(m, absmax[(std::size_t)b]);
             const float s = m / 255.0f;
@@ -84,7 +82,7 @@ std::vector<float> nf4_dequantize(const Result& r) {
         const auto s2 = part_values<float>(part(r, "absmax_scale"));
         absmax.resize((std::size_t)nb);
         for (int64_t b = 0; b < nb; b++)
-            absmax[(std::size_t)b] = (float)q[(std::size_t)b] * s2[(std::size_t)(b / kDqBlock)];
+            absmax[(std::size_t)b] = (float)q[(std::size_t)b] * s2[(std::size_t)(b / kNf4DqBlock)];
     } else {
         absmax = part_values<float>(part(r, "absmax"));
     }
