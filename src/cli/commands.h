@@ -20,5 +20,6 @@ void register_pipeline(CLI::App& app);  // memtrain pipeline CONFIG --pp P --mic
 void register_remat(CLI::App& app);     // memtrain remat CONFIG [--budget X | --frontier]
 void register_report(CLI::App& app);    // memtrain report RUN_DIR [--out FILE]
 void register_quantize(CLI::App& app);  // memtrain quantize MODEL --method M --bits B --out DIR
+void register_lora(CLI::App& app);      // memtrain lora merge CKPT --out DIR
 
 }  // namespace memtrain::cli

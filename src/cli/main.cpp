@@ -32,6 +32,7 @@ int main(int argc, char** argv) {
     memtrain::cli::register_pipeline(app);
     memtrain::cli::register_report(app);
     memtrain::cli::register_quantize(app);
+    memtrain::cli::register_lora(app);
     try {
         app.parse(argc, argv);
     } catch (const CLI::ParseError& e) {

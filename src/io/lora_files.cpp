@@ -9,6 +9,7 @@
 #include "io/hf_weights.h"
 #include "io/safetensors.h"
 #include "io/text_file.h"
+#include "quant/quantized_store.h"
 
 namespace fs = std::filesystem;
 
@@ -112,6 +113,8 @@ void load_merged_lora_model(const std::string& ckpt_dir, const RunConfig& cfg,
         load_hf_weights(weights, cfg.model.init_from);
     else
         init_gpt2_weights(weights, cfg.train.seed);
+    // QLoRA trained against the quantized base: merge into what it decodes to.
+    if (cfg.lora.base != "fp32") quant::round_trip_base(weights, quant::lora_base_quant(cfg.lora));
     const LoraLayout layout = make_lora_layout(cfg.model, cfg.lora);
     ParamLayout adapters_layout = layout.params;
     FullParamStore adapters(adapters_layout);

@@ -32,7 +32,8 @@ void load_lora_adapters(const std::string& path, const ModelConfig& cfg, const L
 bool has_lora_adapters(const std::string& dir);
 
 // The merged model of a LoRA checkpoint into `weights` (a whole model of `cfg.model`): the base
-// from cfg.model.init_from or seeded with cfg.train.seed, plus scale * B A of every adapter.
+// from cfg.model.init_from or seeded with cfg.train.seed (for QLoRA: as its quantized form
+// decodes), plus scale * B A of every adapter.
 void load_merged_lora_model(const std::string& ckpt_dir, const RunConfig& cfg,
                             const ModelWeights& weights);
 

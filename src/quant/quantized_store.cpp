@@ -495,4 +495,19 @@ float* QuantizedStoreWriter::unit_grads(int u) {
     fail("internal: the quantized base writer has no gradients (unit_grads of unit {})", u);
 }
 
+BaseQuant lora_base_quant(const LoraConfig& lora) {
+    return parse_base_quant(lora.base, lora.base == "int8" ? 0 : lora.base_group);
+}
+
+void round_trip_base(const ModelWeights& weights, const BaseQuant& q) {
+    QuantizedParamStore packed(weights, q, 1);
+    for (int u = 0; u < (int)weights.layout.units.size(); u++) {
+        const float* src = packed.acquire(u);
+        float* dst = weights.store.acquire(u, true);
+        std::copy(src, src + weights.layout.units[u].size(), dst);
+        weights.store.release(u);
+        packed.release(u);
+    }
+}
+
 }  // namespace memtrain::quant

@@ -19,6 +19,7 @@
 
 #include "core/allocator.h"
 #include "model/config.h"
+#include "model/lora.h"
 #include "model/param_layout.h"
 #include "model/param_store.h"
 #include "model/weights.h"
@@ -46,6 +47,11 @@ struct BaseQuant {
 // "int8", "int4" or "nf4"; group 0 takes the default (64 for int4 and nf4). Anything else is a
 // one-line memtrain::Error naming the value and what is accepted.
 BaseQuant parse_base_quant(std::string_view format, int group = 0);
+// What a QLoRA run's lora.base and lora.base_group ask for (int8 keeps one scale per row).
+BaseQuant lora_base_quant(const LoraConfig& lora);
+// Replaces the weights of a whole model by what a quantized base of format q decodes to (the
+// frozen base a QLoRA run trained against).
+void round_trip_base(const ModelWeights& weights, const BaseQuant& q);
 
 // Bytes of a quantized base. `packed` and `fp32` are MemCategory::Parameters, `slots`
 // MemCategory::Workspace.

@@ -13,10 +13,14 @@ LoraEngine::LoraEngine(const RunConfig& cfg, dist::Communicator& comm)
       comm_(comm),
       layout_(make_param_layout(cfg.model)),
       lora_layout_(make_lora_layout(cfg.model, cfg.lora)) {
-    if (cfg_.lora.base != "fp32")
-        fail("lora.base = \"{}\": a quantized frozen base (QLoRA) is not built in this engine yet",
-             cfg_.lora.base);
-    fp32_base_ = std::make_unique<FullParamStore>(layout_);
+    if (cfg_.lora.base == "fp32") {
+        fp32_base_ = std::make_unique<FullParamStore>(layout_);
+    } else {
+        const quant::BaseQuant q = base_quant();
+        q.check(cfg_.model);
+        quant_base_ = std::make_unique<quant::QuantizedParamStore>(cfg_.model, q);
+        quant_writer_ = std::make_unique<quant::QuantizedStoreWriter>(*quant_base_);
+    }
     adapters_ =
         std::make_unique<dist::ZeroStore>(lora_layout_.params, comm_, cfg_.train.zero_stage);
     // Dropout masks differ per rank (each has its own rows), as torch's do under DDP.
@@ -30,7 +34,12 @@ LoraEngine::LoraEngine(const RunConfig& cfg, dist::Communicator& comm)
 LoraEngine::~LoraEngine() = default;
 
 ParamStore& LoraEngine::base() {
-    return quant_base_ ? *quant_base_ : *fp32_base_;
+    if (quant_writer_) return *quant_writer_;
+    return quant_base_ ? static_cast<ParamStore&>(*quant_base_) : *fp32_base_;
+}
+
+quant::BaseQuant LoraEngine::base_quant() const {
+    return quant::lora_base_quant(cfg_.lora);
 }
 
 GPT& LoraEngine::model() {
@@ -41,9 +50,10 @@ GPT& LoraEngine::model() {
 std::string LoraEngine::describe() const {
     std::string names;
     for (const auto& n : lora_layout_.names) names += (names.empty() ? "" : ", ") + n;
-    return fmt::format("cpu (fp32), LoRA r={} alpha={} on {} ({} trainable), base {} frozen",
-                       cfg_.lora.rank, cfg_.lora.alpha, names, lora_layout_.params.total,
-                       cfg_.lora.base);
+    return fmt::format("cpu (fp32), {} r={} alpha={} on {} ({} trainable), base {} frozen",
+                       quant_base_ ? "QLoRA" : "LoRA", cfg_.lora.rank, cfg_.lora.alpha, names,
+                       lora_layout_.params.total,
+                       quant_base_ ? base_quant().name() : std::string("fp32"));
 }
 
 ModelWeights LoraEngine::weights() {
@@ -51,6 +61,7 @@ ModelWeights LoraEngine::weights() {
 }
 
 void LoraEngine::weights_loaded() {
+    quant_writer_.reset();  // the base is complete (and frozen) from here on
     model_ = std::make_unique<GPT>(cfg_.model, &base());
     model_->set_lora(lora_.get());
     if (!plan_.empty()) model_->set_remat(plan_);
@@ -115,7 +126,13 @@ std::string LoraEngine::memory_title() const {
 }
 
 std::size_t LoraEngine::predicted_base_bytes() const {
-    return sizeof(float) * layout_.total;
+    if (cfg_.lora.base == "fp32") return sizeof(float) * layout_.total;
+    return quant::QuantizedParamStore::predicted_bytes(cfg_.model, base_quant()).params();
+}
+
+std::size_t LoraEngine::predicted_slot_bytes() const {
+    if (cfg_.lora.base == "fp32") return 0;
+    return quant::QuantizedParamStore::predicted_bytes(cfg_.model, base_quant()).slots;
 }
 
 std::vector<MemoryPrediction> LoraEngine::predicted_memory(int B, int T) const {
@@ -130,8 +147,11 @@ std::vector<MemoryPrediction> LoraEngine::predicted_memory(int B, int T) const {
     const int k = cfg_.optim.name == "adamw" ? 8 : 4;
     return {
         {MemCategory::Parameters,
-         fmt::format("base 4 x {} (fp32, frozen) + adapters 4 x {}{}", layout_.total, psi,
-                     stage >= 3 ? per : ""),
+         fmt::format("base {} (frozen) + adapters 4 x {}{}",
+                     cfg_.lora.base == "fp32"
+                         ? fmt::format("4 x {} (fp32)", layout_.total)
+                         : fmt::format("{} packed + fp32 rest", base_quant().name()),
+                     psi, stage >= 3 ? per : ""),
          predicted_base_bytes() + 4 * p_n},
         {MemCategory::Gradients, fmt::format("adapters only: 4 x {}{}", psi, stage >= 2 ? per : ""),
          4 * g_n},
@@ -142,18 +162,23 @@ std::vector<MemoryPrediction> LoraEngine::predicted_memory(int B, int T) const {
         {MemCategory::Activations,
          fmt::format("activation_layout(B, T, remat={})", cfg_.train.remat),
          arena_bytes(lay, MemCategory::Activations)},
-        {MemCategory::Workspace, "activation_layout(B, T) + LoRA h, dh (+ dropout x, dx)",
-         arena_bytes(lay, MemCategory::Workspace) + lora_->workspace_bytes(B * T)},
+        {MemCategory::Workspace,
+         std::string("activation_layout(B, T) + LoRA h, dh (+ dropout x, dx)") +
+             (quant_base_ ? " + 2 decoded blocks (fp32)" : ""),
+         arena_bytes(lay, MemCategory::Workspace) + lora_->workspace_bytes(B * T) +
+             predicted_slot_bytes()},
     };
 }
 
 std::string LoraEngine::memory_footer() const {
     return fmt::format(
-        "{:<16} {:>12}  (everything the OS charged: code, libraries, loaders, allocator slack)\n"
-        "LoRA: {} adapters, {} trainable parameters = {:.3f}% of the base's {}\n",
-        "process peak RSS", fmt::format("{:.1f} MiB", process_peak_rss() / 1048576.0),
-        lora_layout_.sites.size(), lora_layout_.params.total,
-        100.0 * (double)lora_layout_.params.total / (double)layout_.total, layout_.total);
+               "{:<16} {:>12}  (everything the OS charged: code, libraries, loaders, allocator "
+               "slack)\n"
+               "LoRA: {} adapters, {} trainable parameters = {:.3f}% of the base's {}\n",
+               "process peak RSS", fmt::format("{:.1f} MiB", process_peak_rss() / 1048576.0),
+               lora_layout_.sites.size(), lora_layout_.params.total,
+               100.0 * (double)lora_layout_.params.total / (double)layout_.total, layout_.total) +
+           (quant_base_ ? "QLoRA base: " + quant_base_->summary() + "\n" : std::string());
 }
 
 }  // namespace memtrain

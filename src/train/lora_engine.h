@@ -7,6 +7,7 @@
 
 #include <memory>
 
+#include "quant/quantized_store.h"
 #include "train/engine.h"
 
 namespace memtrain {
@@ -40,14 +41,19 @@ class LoraEngine final : public Engine {
     dist::ZeroStore& adapter_store() { return *adapters_; }
     // Bytes the frozen base takes (fp32 or packed) as the engine predicts them.
     std::size_t predicted_base_bytes() const;
+    // QLoRA: the decode slots (MemCategory::Workspace); 0 for an fp32 base.
+    std::size_t predicted_slot_bytes() const;
 
   private:
     RunConfig cfg_;
     dist::Communicator& comm_;
     ParamLayout layout_;                         // the base model's
     LoraLayout lora_layout_;                     // the adapters'
-    std::unique_ptr<FullParamStore> fp32_base_;  // fp32 base (QLoRA: only until quantized)
-    std::unique_ptr<ParamStore> quant_base_;     // QLoRA: the packed base
+    std::unique_ptr<FullParamStore> fp32_base_;  // lora.base = fp32
+    // QLoRA: the packed base, written through quant_writer_ (one unit of fp32 at a time) until
+    // weights_loaded().
+    std::unique_ptr<quant::QuantizedParamStore> quant_base_;
+    std::unique_ptr<quant::QuantizedStoreWriter> quant_writer_;
     std::unique_ptr<dist::ZeroStore> adapters_;
     std::unique_ptr<LoraAdapters> lora_;
     std::unique_ptr<GPT> model_;
@@ -56,6 +62,7 @@ class LoraEngine final : public Engine {
     double loss_sum_ = 0;
     int micro_batches_ = 0;
     ParamStore& base();
+    quant::BaseQuant base_quant() const;
 };
 
 }  // namespace memtrain

@@ -1,0 +1,70 @@
+// `memtrain lora merge CKPT --out DIR`: folds a LoRA run's adapters into its base, writing a
+// whole model directory (Hugging Face weights and config.json, the tokenizer) that eval, sample,
+// quantize and model.init_from read.
+#include <cstdio>
+#include <filesystem>
+
+#include <fmt/format.h>
+
+#include "cli/commands.h"
+#include "core/error.h"
+#include "io/hf_weights.h"
+#include "io/model_source.h"
+#include "io/text_file.h"
+#include "model/gpt.h"
+
+namespace fs = std::filesystem;
+
+namespace memtrain::cli {
+
+void register_lora(CLI::App& app) {
+    auto* lora = app.add_subcommand("lora", "LoRA adapters: merge them into their base");
+    lora->require_subcommand(1);
+    auto* merge = lora->add_subcommand(
+        "merge", "write base + (alpha / r) B A of every adapter as a whole model directory");
+    struct Args {
+        std::string ckpt, out;
+    };
+    auto a = std::make_shared<Args>();
+    merge->add_option("checkpoint", a->ckpt, "a LoRA run's checkpoint, or its out_dir")->required();
+    merge->add_option("--out", a->out, "directory for the merged model")->required();
+    merge->callback([a]() {
+        const ModelSource src = open_model_source(a->ckpt);
+        if (!src.lora)
+            fail("{} holds no LoRA adapters (adapter_model.safetensors): nothing to merge",
+                 src.dir);
+        const fs::path out(a->out);
+        if (fs::exists(out) && !fs::exists(out / "lora_merge.json"))
+            fail(
+                "--out {} exists and is not a `memtrain lora merge` output; refusing to replace it",
+                a->out);
+        const RunConfig& run = *src.run;
+        GPT model(src.model);
+        load_source_weights(src, model.weights());
+
+        // Written beside and renamed into place: a failure leaves no partial directory.
+        const fs::path tmp = out.string() + ".tmp";
+        fs::remove_all(tmp);
+        fs::create_directories(tmp);
+        save_hf_weights(model.weights(), (tmp / "model.safetensors").string());
+        io::write_text_file(tmp / "config.json", hf_config_json(src.model));
+        if (!src.tokenizer.empty() && fs::is_regular_file(src.tokenizer))
+            fs::copy_file(src.tokenizer, tmp / "tokenizer.json");
+        io::write_text_file(
+            tmp / "lora_merge.json",
+            fmt::format("{{\"adapters\": \"{}\", \"base\": \"{}\", \"rank\": {}, \"alpha\": {}, "
+                        "\"targets\": \"{}\", \"frozen_base\": \"{}\"}}\n",
+                        src.dir, run.model.init_from, run.lora.rank, run.lora.alpha,
+                        run.lora.targets, run.lora.base));
+        fs::remove_all(out);
+        fs::rename(tmp, out);
+        std::printf("%s\n", fmt::format("merged {} (LoRA r={} alpha={} on {}) into {} -> {}",
+                                        src.dir, run.lora.rank, run.lora.alpha, run.lora.targets,
+                                        run.model.init_from.empty() ? "its seeded base"
+                                                                    : run.model.init_from,
+                                        a->out)
+                                .c_str());
+    });
+}
+
+}  // namespace memtrain::cli
