@@ -150,7 +150,7 @@ const char* to_string(LoraTargets t) {
 }
 
 std::string describe_method(const RunSpec& r) {
-    if (r.lora_rank <= 0) return "full fine-tuning";
+    if (r.lora_rank <= 0) return "full-parameter training";
     if (r.frozen_bits == 16) return fmt::format("LoRA r={}", r.lora_rank);
     return fmt::format("QLoRA {}-bit r={}", r.frozen_bits, r.lora_rank);
 }

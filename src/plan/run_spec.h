@@ -64,8 +64,8 @@ pp::Kind pipeline_kind(Schedule s);
 const char* to_string(Offload o);
 const char* to_string(LoraTargets t);
 
-// How the weights are trained, for labels: "full fine-tuning", "LoRA r=16", "QLoRA 8-bit r=16",
-// "QLoRA 4-bit r=16" (frozen weights at 16 bits are not quantized: plain LoRA).
+// How the weights are trained, for labels: "full-parameter training", "LoRA r=16", "QLoRA 8-bit
+// r=16", "QLoRA 4-bit r=16" (frozen weights at 16 bits are not quantized: plain LoRA).
 std::string describe_method(const RunSpec& run);
 
 // Throws memtrain::Error with the reason and a fix when the layout cannot run at all

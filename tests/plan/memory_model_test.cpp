@@ -112,7 +112,9 @@ TEST(PlanMemory, HostMemoryBoundsOffload) {
     const MemoryEstimate e = estimate_memory(m, r);  // 28.0 GB of host memory
     ClusterSpec c;
     c.gpus = c.gpus_per_node = 1;
-    EXPECT_TRUE(host_fits(e, c)) << "not given: not checked";
+    EXPECT_TRUE(host_fits(e, c)) << "not given: the GPU's typical node, 256 GB per GPU";
+    c.host_memory_bytes = 16e9;  // always checked: there is no unlimited host
+    EXPECT_FALSE(host_fits(e, c));
     c.host_memory_bytes = 32e9;
     EXPECT_TRUE(host_fits(e, c));
     EXPECT_NE(format_memory_table(e, &c).find("host: fits in 32.00 GB per node"),
