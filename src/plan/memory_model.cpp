@@ -140,9 +140,9 @@ MemoryEstimate estimate_stage_memory(const ModelSpec& m, const RunSpec& r, int s
     std::string param_detail;
     if (r.lora_rank > 0) {
         param_bytes = frozen_matrix * frozen_bytes + (frozen_other + trainable) * k.param;
-        const std::string storage = r.frozen_bits == 16  ? fmt::format("{:g} B", k.param)
-                                    : r.frozen_bits == 8 ? "int8"
-                                                         : "NF4, 4.127 bits";
+        const std::string storage = r.frozen_bits == 16  ? fmt::format("at {:g} B", k.param)
+                                    : r.frozen_bits == 8 ? "in int8"
+                                                         : "in NF4, 4.127 bits";
         param_detail = fmt::format("{:.3f}B frozen (matrices {}) + {:.1f}M LoRA r={} ({}) x {} B",
                                    (frozen_matrix + frozen_other) / 1e9, storage, trainable / 1e6,
                                    r.lora_rank, to_string(r.lora_targets), k.param);
