@@ -62,7 +62,8 @@ void add_gpu_flags(CLI::App* cmd, GpuArgs& a) {
     cmd->add_option("--pcie-bw-gbs", a.pcie_gbs, "override host<->GPU GB/s (offload)");
     cmd->add_option("--efficiency", a.efficiency, "achievable fraction of peak for big GEMMs");
     cmd->add_option("--host-mem-gb", a.host_mem_gb,
-                    "host memory per node for offloaded states (GB; default: not checked)");
+                    "host memory per node for offloaded states (GB; default: the GPU preset's "
+                    "typical node, 2048 for h100-80gb)");
 }
 
 // What of the GPU's numbers a command uses, so that `--gpu custom` asks only for those.
@@ -102,6 +103,7 @@ ClusterSpec make_cluster(const GpuArgs& a, const CLI::App* cmd, int gpus, GpuNee
         need("--intra-bw-gbs", gpus > 1);
         need("--inter-bw-gbs", gpus > a.gpus_per_node);
         need("--pcie-bw-gbs", needs.offload);
+        need("--host-mem-gb", needs.offload);
         if (!missing.empty())
             fail("--gpu custom needs the GPU's numbers: give {} (or start from a preset: {})",
                  fmt::format("{}", fmt::join(missing, ", ")),
@@ -117,10 +119,37 @@ ClusterSpec make_cluster(const GpuArgs& a, const CLI::App* cmd, int gpus, GpuNee
     if (check.given("--inter-bw-gbs")) c.gpu.inter_node_bw = a.inter_gbs * 1e9;
     if (check.given("--pcie-bw-gbs")) c.gpu.pcie_bw = a.pcie_gbs * 1e9;
     if (check.given("--efficiency")) c.gpu.efficiency = a.efficiency;
-    c.host_memory_bytes = a.host_mem_gb * 1e9;
+    if (check.given("--host-mem-gb")) c.host_memory_bytes = a.host_mem_gb * 1e9;
     c.gpus_per_node = a.gpus_per_node;
     c.gpus = gpus;
     return c;
+}
+
+// "host memory: 2048 GB per node (default for h100-80gb, as in a DGX H100: 2048 GB for 8 GPUs;
+// --host-mem-gb to change)": the number every offloaded layout is checked against, and whence.
+std::string host_memory_line(const ClusterSpec& c, const CLI::App* cmd) {
+    const double gb = c.host_memory() / 1e9;
+    if (FlagCheck(cmd).given("--host-mem-gb"))
+        return fmt::format("host memory: {:g} GB per node (--host-mem-gb)", gb);
+    // --gpu custom needs --host-mem-gb whenever offload is possible, so only --no-offload is left.
+    if (c.gpu.host_memory_source.empty())
+        return "host memory: not used (--no-offload; --host-mem-gb to give it)";
+    const std::string per_gpu = c.gpus_per_node == 8
+                                    ? ""
+                                    : fmt::format(": {:g} GB per GPU x {} GPUs per node",
+                                                  c.gpu.host_memory_per_gpu / 1e9, c.gpus_per_node);
+    return fmt::format(
+        "host memory: {:g} GB per node (default for {}{}, {}; --host-mem-gb to change)", gb,
+        c.gpu.name, per_gpu, c.gpu.host_memory_source);
+}
+
+// --frozen-bits and --lora-targets, as given: one line naming the flag when they are wrong.
+void check_lora_flags(const CLI::App* cmd, int frozen_bits, const std::string& targets) {
+    const FlagCheck check(cmd);
+    if (check.given("--frozen-bits") && frozen_bits != 16 && frozen_bits != 8 && frozen_bits != 4)
+        fail("--frozen-bits must be 16, 8 or 4, got {}", frozen_bits);
+    if (check.given("--lora-targets") && targets != "attn" && targets != "all")
+        fail("--lora-targets must be attn (q, k, v, o) or all (and the MLP), got \"{}\"", targets);
 }
 
 void write_file(const std::string& path, const std::string& text) {
@@ -134,7 +163,7 @@ void register_estimate(CLI::App& app) {
     auto* cmd = app.add_subcommand("estimate", "per-GPU memory (and step time) of one layout");
     struct Args {
         std::string model, precision = "bf16", optimizer = "adamw", recompute = "none";
-        std::string offload = "none", schedule = "1f1b";
+        std::string offload = "none", schedule = "1f1b", lora_targets = "attn";
         RunSpec run;
         GpuArgs gpu;
         int global_batch = 0;
@@ -157,7 +186,9 @@ void register_estimate(CLI::App& app) {
     cmd->add_option("--schedule", a->schedule, "1f1b | gpipe | interleaved | zb-h1");
     cmd->add_option("--virtual-stages", a->run.virtual_stages, "interleaved model chunks");
     cmd->add_option("--lora-rank", a->run.lora_rank, "LoRA adapters of this rank");
-    cmd->add_option("--frozen-bits", a->run.frozen_bits, "frozen weights: 16 | 8 | 4");
+    cmd->add_option("--frozen-bits", a->run.frozen_bits, "frozen weights: 16 | 8 | 4 (QLoRA)");
+    cmd->add_option("--lora-targets", a->lora_targets,
+                    "attn (q, k, v, o; default) | all (and the MLP)");
     cmd->add_option("--fragmentation", a->run.fragmentation, "allocator slack fraction");
     cmd->add_option("--reserve-gb", a->reserve_gb, "CUDA context + workspaces (GB)");
     cmd->add_flag("--no-flash", a->no_flash, "attention without flash (keeps s^2 scores)");
@@ -176,6 +207,15 @@ void register_estimate(CLI::App& app) {
         check.positive("--seq", a->run.seq);
         check.at_least("--virtual-stages", a->run.virtual_stages, 1);
         check.at_least("--lora-rank", a->run.lora_rank, 0);
+        check_lora_flags(cmd, a->run.frozen_bits, a->lora_targets);
+        if (a->run.lora_rank == 0) {
+            if (a->run.frozen_bits != 16)
+                fail(
+                    "--frozen-bits {} needs --lora-rank R: QLoRA trains adapters over the "
+                    "quantized weights",
+                    a->run.frozen_bits);
+            if (check.given("--lora-targets")) fail("--lora-targets needs --lora-rank R");
+        }
         check.at_least("--reserve-gb", a->reserve_gb, 0.0);
         if (check.given("--fragmentation") &&
             !(a->run.fragmentation >= 0 && a->run.fragmentation < 1))
@@ -187,6 +227,7 @@ void register_estimate(CLI::App& app) {
         r.recompute = parse_recompute(a->recompute);
         r.offload = parse_offload(a->offload);
         r.schedule = parse_schedule(a->schedule);
+        r.lora_targets = parse_lora_targets(a->lora_targets);
         r.flash_attention = !a->no_flash;
         r.sequence_parallel = a->sp;
         r.reserve_bytes = static_cast<int64_t>(a->reserve_gb * 1e9);
@@ -210,13 +251,17 @@ void register_estimate(CLI::App& app) {
             j["step_s"] = t.step_s;
             j["tokens_per_s"] = t.tokens_per_s;
             j["mfu"] = t.mfu;
+            j["method"] = describe_method(r);
+            j["host_memory_bytes"] = c.host_memory();
             std::printf("%s\n", j.dump(2).c_str());
             return;
         }
         std::printf("%s: %.3fB parameters (%d layers, d=%d, %d heads), seq %d\n", m.name.c_str(),
                     m.total_params() / 1e9, m.n_layer, m.n_embd, m.n_head, r.seq_len(m));
-        std::printf("layout: %s, %s %s, GPU %s\n\n", describe(r).c_str(), to_string(r.precision),
+        std::printf("layout: %s, %s %s, GPU %s\n", describe(r).c_str(), to_string(r.precision),
                     to_string(r.optimizer), c.gpu.name.c_str());
+        if (r.offload != Offload::none) std::printf("%s\n", host_memory_line(c, cmd).c_str());
+        std::printf("\n");
         std::printf("%s\n%s", format_memory_table(est, &c).c_str(), format_time(t).c_str());
     });
 }
@@ -225,11 +270,12 @@ void register_plan_cmd(CLI::App& app) {
     auto* cmd = app.add_subcommand("plan", "rank parallel layouts for a model on a cluster");
     struct Args {
         std::string model, precision = "bf16", optimizer = "adamw", emit, svg;
+        std::string lora_targets = "attn";
         GpuArgs gpu;
         int gpus = 0, nodes = 0, top = 5, reasons = 12;
         SearchSpec spec;
         double reserve_gb = 1.0;
-        bool json = false, no_flash = false, no_offload = false;
+        bool json = false, no_flash = false, no_offload = false, no_lora = false;
     };
     auto a = std::make_shared<Args>();
     cmd->add_option("model", a->model, "preset, HF config.json or memtrain .toml")->required();
@@ -248,9 +294,30 @@ void register_plan_cmd(CLI::App& app) {
     cmd->add_flag("--json", a->json, "print JSON");
     cmd->add_flag("--no-flash", a->no_flash, "attention without flash");
     cmd->add_flag("--no-offload", a->no_offload, "do not consider CPU offload");
+    cmd->add_option("--lora-rank", a->spec.lora_rank,
+                    "every plan trains LoRA adapters of this rank (default: full-parameter "
+                    "plans, then LoRA r=16 / QLoRA when those do not fit)");
+    cmd->add_option("--frozen-bits", a->spec.frozen_bits,
+                    "LoRA's frozen weights: 16 | 8 | 4 (QLoRA); default 16, or 16 then 8 then 4 "
+                    "when LoRA is the fallback");
+    cmd->add_option("--lora-targets", a->lora_targets,
+                    "attn (q, k, v, o; default) | all (and the MLP)");
+    cmd->add_flag("--no-lora", a->no_lora, "full-parameter plans only, no LoRA fallback");
     add_gpu_flags(cmd, a->gpu);
     cmd->callback([a, cmd]() {
         const FlagCheck check(cmd);
+        check.at_least("--lora-rank", a->spec.lora_rank, 1);
+        check_lora_flags(cmd, a->spec.frozen_bits, a->lora_targets);
+        if (a->no_lora) {
+            const std::pair<const char*, std::string> lora_flags[] = {
+                {"--lora-rank", std::to_string(a->spec.lora_rank)},
+                {"--frozen-bits", std::to_string(a->spec.frozen_bits)},
+                {"--lora-targets", a->lora_targets}};
+            for (const auto& [flag, value] : lora_flags)
+                if (check.given(flag))
+                    fail("{} {} asks for LoRA, which --no-lora turns off: drop one of them", flag,
+                         value);
+        }
         check.positive("--gpus", a->gpus);
         check.positive("--nodes", a->nodes);
         check.positive("--global-batch", a->spec.global_batch);
@@ -279,6 +346,8 @@ void register_plan_cmd(CLI::App& app) {
         s.flash_attention = !a->no_flash;
         s.allow_offload = !a->no_offload;
         s.reserve_bytes = static_cast<int64_t>(a->reserve_gb * 1e9);
+        s.lora_targets = parse_lora_targets(a->lora_targets);
+        s.lora_fallback = !a->no_lora;
         SearchResult r = search_plans(m, c, s);
         if (!a->svg.empty()) write_file(a->svg, memory_svg(r, a->top, c.gpu.memory_bytes));
         if (!a->emit.empty()) {
@@ -287,13 +356,17 @@ void register_plan_cmd(CLI::App& app) {
             write_file(a->emit, emit_config_toml(m, r.plans[0]));
         }
         if (a->json) {
-            std::printf("%s\n", to_json(r, a->top).dump(2).c_str());
+            nlohmann::json j = to_json(r, a->top);
+            j["host_memory_bytes"] = c.host_memory();
+            j["host_memory_default"] = !check.given("--host-mem-gb");
+            std::printf("%s\n", j.dump(2).c_str());
             return;
         }
-        std::printf("%s: %.3fB parameters on %d x %s (%.0f GB), global batch %d x %d tokens\n\n",
+        std::printf("%s: %.3fB parameters on %d x %s (%.0f GB), global batch %d x %d tokens\n",
                     m.name.c_str(), m.total_params() / 1e9, gpus, c.gpu.name.c_str(),
                     c.gpu.memory_bytes / 1e9, s.global_batch > 0 ? s.global_batch : 1024,
                     s.seq > 0 ? s.seq : m.block_size);
+        std::printf("%s\n\n", host_memory_line(c, cmd).c_str());
         std::printf("%s", format_plans(r, a->top, a->reasons, c).c_str());
         if (!a->emit.empty()) std::printf("\nwrote %s\n", a->emit.c_str());
         if (!a->svg.empty()) std::printf("wrote %s\n", a->svg.c_str());

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -19,6 +20,9 @@ struct GpuSpec {
     double inter_node_bw = 50e9;     // bytes/s per GPU per direction (InfiniBand)
     double pcie_bw = 25e9;           // bytes/s host<->device, for offload
     double efficiency = 0.75;        // achievable fraction of peak for large GEMMs
+    // Host memory of a typical node per GPU (a DGX H100's 2 TB for 8 GPUs: 256 GB), bytes.
+    double host_memory_per_gpu = 256e9;
+    std::string host_memory_source;  // the node it comes from, for the output ("" for custom)
 };
 
 struct ClusterSpec {
@@ -26,8 +30,13 @@ struct ClusterSpec {
     int gpus = 8;
     int gpus_per_node = 8;
     double cpu_adam_params_per_s = 1e9;  // CPU optimizer speed per GPU's shard (offload)
-    double host_memory_bytes = 0;        // host memory per node for offloaded states; 0: unchecked
+    // Host memory per node for offloaded states (--host-mem-gb); unset: the GPU's typical node,
+    // gpu.host_memory_per_gpu x gpus_per_node. Always checked: there is no unlimited host.
+    std::optional<double> host_memory_bytes;
     int nodes() const { return (gpus + gpus_per_node - 1) / gpus_per_node; }
+    double host_memory() const {
+        return host_memory_bytes ? *host_memory_bytes : gpu.host_memory_per_gpu * gpus_per_node;
+    }
 };
 
 std::vector<std::string> gpu_preset_names();

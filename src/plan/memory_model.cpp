@@ -23,14 +23,6 @@ int layers_for_stage(const ModelSpec& m, const RunSpec& r, int stage) {
     return m.n_layer / r.pp + (stage < m.n_layer % r.pp ? 1 : 0);
 }
 
-// LoRA adapters on every linear layer: r * (fan_in + fan_out) each.
-int64_t lora_params_per_layer(const ModelSpec& m, int rank) {
-    const int64_t h = m.n_embd, kv = m.kv_dim(), f = m.ffn();
-    int64_t attn = (h + h) + 2 * (h + kv) + (h + h);
-    int64_t mlp = (m.swiglu ? 3 : 2) * (h + f);
-    return rank * (attn + mlp);
-}
-
 // Micro-batches whose activations are alive at once on `stage`: the executor's schedule,
 // simulated (parallel/schedule.h; GPipe m, 1F1B min(p - s, m), interleaved chunks counted as 1/v).
 double in_flight(const RunSpec& r, int stage) {
@@ -53,6 +45,21 @@ int64_t MemoryEstimate::bytes(std::string_view name) const {
 
 int64_t MemoryEstimate::model_states() const {
     return bytes("parameters") + bytes("gradients") + bytes("optimizer states");
+}
+
+int64_t lora_params_per_layer(const ModelSpec& m, int rank, LoraTargets targets) {
+    const int64_t h = m.n_embd, kv = m.kv_dim(), f = m.ffn();
+    auto adapter = [&](int64_t fan_in, int64_t fan_out) { return rank * (fan_in + fan_out); };
+    int64_t params;
+    if (m.is_llama()) {
+        params = adapter(h, h) + 2 * adapter(h, kv) + adapter(h, h);  // q, k, v, o
+        if (targets == LoraTargets::all) params += 2 * adapter(h, f) + adapter(f, h);
+    } else {
+        params = adapter(h, h + 2 * kv) + adapter(h, h);  // c_attn [q | k | v], c_proj
+        if (targets == LoraTargets::all)  // c_fc ([gate | up] for SwiGLU), mlp.c_proj
+            params += adapter(h, (m.swiglu ? 2 : 1) * f) + adapter(f, h);
+    }
+    return params;
 }
 
 LayerActivations layer_activation_bytes(const ModelSpec& m, const RunSpec& r) {
@@ -120,8 +127,9 @@ MemoryEstimate estimate_stage_memory(const ModelSpec& m, const RunSpec& r, int s
     // Trainable vs frozen: under LoRA only the adapters get gradients and optimizer states;
     // frozen weight matrices may be stored quantized.
     int64_t trainable = params, frozen_matrix = 0, frozen_other = 0;
+    const double frozen_bytes = frozen_bytes_per_weight(r.frozen_bits, r.precision);
     if (r.lora_rank > 0) {
-        trainable = layers * ceil_div(lora_params_per_layer(m, r.lora_rank), t);
+        trainable = layers * ceil_div(lora_params_per_layer(m, r.lora_rank, r.lora_targets), t);
         frozen_matrix = matrices;
         frozen_other = params - matrices;
     }
@@ -131,11 +139,13 @@ MemoryEstimate estimate_stage_memory(const ModelSpec& m, const RunSpec& r, int s
     double param_bytes;
     std::string param_detail;
     if (r.lora_rank > 0) {
-        param_bytes =
-            (frozen_matrix * (r.frozen_bits / 8.0) + (frozen_other + trainable) * k.param);
-        param_detail = fmt::format("{:.3f}B frozen ({}-bit matrices) + {:.1f}M LoRA x {} B",
-                                   (frozen_matrix + frozen_other) / 1e9, r.frozen_bits,
-                                   trainable / 1e6, k.param);
+        param_bytes = frozen_matrix * frozen_bytes + (frozen_other + trainable) * k.param;
+        const std::string storage = r.frozen_bits == 16  ? fmt::format("at {:g} B", k.param)
+                                    : r.frozen_bits == 8 ? "in int8"
+                                                         : "in NF4, 4.127 bits";
+        param_detail = fmt::format("{:.3f}B frozen (matrices {}) + {:.1f}M LoRA r={} ({}) x {} B",
+                                   (frozen_matrix + frozen_other) / 1e9, storage, trainable / 1e6,
+                                   r.lora_rank, to_string(r.lora_targets), k.param);
     } else {
         param_bytes = params * k.param;
         param_detail = fmt::format("{:.3f}B params x {} B", params / 1e9, k.param);
@@ -169,7 +179,7 @@ MemoryEstimate estimate_stage_memory(const ModelSpec& m, const RunSpec& r, int s
     }
     if (r.offload == Offload::optimizer_and_params) {
         est.cpu_bytes += to_bytes(param_bytes);
-        param_detail = "offloaded to CPU (" + gb(param_bytes) + " host)";
+        param_detail = "offloaded: " + gb(param_bytes) + " host = " + param_detail;
         param_bytes = 0;
     }
 
@@ -202,11 +212,12 @@ MemoryEstimate estimate_stage_memory(const ModelSpec& m, const RunSpec& r, int s
     // Gradient buckets: two in flight while backward overlaps with the all-reduce.
     int64_t buckets = 0;
     if (d > 1) buckets = std::min<int64_t>(2 * r.bucket_bytes, to_bytes(trainable * k.grad));
-    // ZeRO-3 gathers the current layer and prefetches the next one in full (per tp rank).
+    // ZeRO-3 gathers the current layer and prefetches the next one in full (per tp rank); with
+    // the parameters offloaded, one GPU also fetches them from the host into such buffers.
     int64_t gather = 0;
-    if (r.zero >= 3 && d > 1)
-        gather = to_bytes(2.0 * (layer_split + layer_repl) *
-                          (r.lora_rank > 0 ? r.frozen_bits / 8.0 : k.param));
+    if (r.zero >= 3 && (d > 1 || r.offload == Offload::optimizer_and_params))
+        gather =
+            to_bytes(2.0 * (layer_split + layer_repl) * (r.lora_rank > 0 ? frozen_bytes : k.param));
 
     auto add = [&](std::string name, double bytes, std::string detail) {
         est.lines.push_back({std::move(name), to_bytes(bytes), std::move(detail)});

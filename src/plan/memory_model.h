@@ -42,6 +42,13 @@ struct LayerActivations {
 };
 LayerActivations layer_activation_bytes(const ModelSpec& model, const RunSpec& run);
 
+// LoRA parameters of one transformer block: an adapter on a linear layer of fan_in x fan_out has
+// rank x (fan_in + fan_out) parameters (A is rank x fan_in, B fan_out x rank). Targets as the
+// trainer places them (LoraTargets): Llama (ModelSpec::is_llama) q, k, v, o [+ gate, up, down],
+// k and v of width kv_heads x head_dim; otherwise GPT-2's c_attn (n_embd -> n_embd + 2 kv_dim),
+// attn.c_proj [+ mlp.c_fc, mlp.c_proj].
+int64_t lora_params_per_layer(const ModelSpec& model, int rank, LoraTargets targets);
+
 // Validates the run, then estimates every pipeline stage and returns the largest.
 MemoryEstimate estimate_memory(const ModelSpec& model, const RunSpec& run);
 // One stage (0 .. pp-1); stage 0 holds the embedding, stage pp-1 the head and the logits.

@@ -114,6 +114,9 @@ const std::map<std::string, ModelSpec>& presets() {
         ModelSpec g3 = gpt2("gpt3-175b", 96, 96, 12288);
         g3.block_size = 2048;
         put(g3);
+        // LLaMA 1 (Touvron et al. 2023, table 2): 32.5B and 65.2B parameters, 2048 context.
+        put(llama("llama-30b", 60, 52, 52, 6656, 17920, 32000, 2048));
+        put(llama("llama-65b", 80, 64, 64, 8192, 22016, 32000, 2048));
         put(llama("llama2-7b", 32, 32, 32, 4096, 11008, 32000, 4096));
         put(llama("llama2-13b", 40, 40, 40, 5120, 13824, 32000, 4096));
         put(llama("llama2-70b", 80, 64, 8, 8192, 28672, 32000, 4096));

@@ -34,6 +34,10 @@ struct ModelSpec {
     int head_dim() const { return n_embd / n_head; }
     int64_t kv_dim() const { return static_cast<int64_t>(kv_heads()) * head_dim(); }
     int64_t ffn() const;
+    // Exactly Llama's architecture (ModelConfig::is_llama): RMSNorm, SwiGLU, RoPE, no linear
+    // biases. LoRA then gives q, k, v and gate, up their own adapters (the engine stores them
+    // fused in c_attn and c_fc); any other shape gets one adapter per engine tensor, as GPT-2.
+    bool is_llama() const { return rmsnorm && swiglu && rope && !attn_bias && !mlp_bias; }
 
     // Parameters of one transformer block, split by how tensor parallelism treats them.
     int64_t layer_matrix_params() const;      // QKV, out-proj, MLP weights: split over TP
@@ -50,7 +54,7 @@ struct ModelSpec {
     void validate() const;
 };
 
-// Model presets by name (gpt2 ... llama3-405b); `model_preset_names` lists them.
+// Model presets by name (gpt2 ... llama-30b ... llama3-405b); `model_preset_names` lists them.
 std::vector<std::string> model_preset_names();
 // A preset name, a Hugging Face config.json path or a memtrain TOML path ([model] section).
 // Unknown names fail with the nearest preset suggested.

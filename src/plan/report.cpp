@@ -34,8 +34,8 @@ std::string format_memory_table(const MemoryEstimate& est, const ClusterSpec* cl
                                        format_bytes(left))
                          : fmt::format("does NOT fit in {}: over by {}\n", format_bytes(capacity),
                                        format_bytes(-left));
-        if (est.cpu_bytes > 0 && cluster->host_memory_bytes > 0) {
-            const double host = cluster->host_memory_bytes,
+        if (est.cpu_bytes > 0) {
+            const double host = cluster->host_memory(),
                          need = static_cast<double>(est.cpu_bytes) * per_node;
             out += host_fits(est, *cluster)
                        ? fmt::format("host: fits in {} per node with {} to spare\n",
@@ -64,17 +64,37 @@ std::string format_plans(const SearchResult& r, int top, int reasons, const Clus
     const double capacity = c.gpu.memory_bytes;
     std::string out;
     int n = std::min<int>(top, static_cast<int>(r.plans.size()));
-    if (n > 0) {
+    // LoRA plans name their method in a first column; full-parameter tables keep their shape.
+    const bool lora = !r.plans.empty() && r.plans[0].run.lora_rank > 0;
+    if (lora) {
+        const RunSpec& l = r.plans[0].run;
+        const int64_t adapters = r.methods.empty() ? 0 : r.methods.back().trainable_params;
         out += fmt::format(
-            "{:>3} {:>5} {:>4} {:>4} {:>4} {:>8} {:>9} {:>10} {:>10} {:>9} {:>6} {:>9}\n", "#",
-            "dp", "tp", "pp", "zero", "offload", "recompute", "micro", "mem/GPU", "step s", "MFU",
-            "tok/s");
+            "{} these plans are {}:\n  only low-rank adapters ({:.1f}M parameters, on {}) train, "
+            "over frozen weights{}:\n  fine-tuning, not the same job as training every "
+            "weight{}\n\n",
+            r.lora_instead_of_full ? "full-parameter training does not fit (see rejected), so"
+                                   : "LoRA was asked for:",
+            describe_method(l), adapters / 1e6,
+            l.lora_targets == LoraTargets::all ? "every linear layer" : "the attention projections",
+            l.frozen_bits == 16 ? "" : fmt::format(" quantized to {} bits", l.frozen_bits),
+            r.lora_instead_of_full && l.frozen_bits == 16
+                ? " (--frozen-bits 8 or 4 searches QLoRA instead)"
+                : "");
+    }
+    if (n > 0) {
+        const std::string method_head = lora ? fmt::format("{:<17} ", "method") : "";
+        out += fmt::format(
+            "{:>3} {}{:>5} {:>4} {:>4} {:>4} {:>8} {:>9} {:>10} {:>10} {:>9} {:>6} {:>9}\n", "#",
+            method_head, "dp", "tp", "pp", "zero", "offload", "recompute", "micro", "mem/GPU",
+            "step s", "MFU", "tok/s");
         for (int i = 0; i < n; ++i) {
             const Plan& p = r.plans[i];
+            const std::string method = lora ? fmt::format("{:<17} ", describe_method(p.run)) : "";
             out += fmt::format(
-                "{:>3} {:>5} {:>4} {:>4} {:>4} {:>8} {:>9} {:>10} {:>10} {:>9.3f} {:>5.1f}% "
+                "{:>3} {}{:>5} {:>4} {:>4} {:>4} {:>8} {:>9} {:>10} {:>10} {:>9.3f} {:>5.1f}% "
                 "{:>9.0f}\n",
-                i + 1, p.run.dp, p.run.tp, p.run.pp, p.run.zero, to_string(p.run.offload),
+                i + 1, method, p.run.dp, p.run.tp, p.run.pp, p.run.zero, to_string(p.run.offload),
                 to_string(p.run.recompute),
                 fmt::format("{}x{}", p.run.micro_batch, p.run.micro_batches),
                 format_bytes(p.memory.total), p.time.step_s, p.time.mfu * 100, p.time.tokens_per_s);
@@ -95,7 +115,7 @@ std::string format_plans(const SearchResult& r, int top, int reasons, const Clus
                                    r.rejected.size() - reasons);
                 break;
             }
-            out += fmt::format("  {}: {}\n", rej.family, rej.reason);
+            out += fmt::format("  {}: {}\n", rej.label(), rej.reason);
         }
     }
     return out;
@@ -117,10 +137,24 @@ nlohmann::json to_json(const SearchResult& r, int top) {
     nlohmann::json j;
     j["evaluated"] = r.evaluated;
     j["fitting"] = r.plans.size();
+    j["lora_instead_of_full"] = r.lora_instead_of_full;
+    j["methods"] = nlohmann::json::array();
+    for (const auto& m : r.methods)
+        j["methods"].push_back({{"method", m.name},
+                                {"lora_rank", m.lora_rank},
+                                {"frozen_bits", m.frozen_bits},
+                                {"trainable_params", m.trainable_params},
+                                {"evaluated", m.evaluated},
+                                {"fitting", m.fitting}});
     j["plans"] = nlohmann::json::array();
     for (int i = 0; i < std::min<int>(top, static_cast<int>(r.plans.size())); ++i) {
         const Plan& p = r.plans[i];
-        j["plans"].push_back({{"dp", p.run.dp},
+        j["plans"].push_back({{"method", describe_method(p.run)},
+                              {"lora_rank", p.run.lora_rank},
+                              {"frozen_bits", p.run.frozen_bits},
+                              {"lora_targets", to_string(p.run.lora_targets)},
+                              {"trainable_params_per_gpu", p.memory.trainable_on_gpu},
+                              {"dp", p.run.dp},
                               {"tp", p.run.tp},
                               {"pp", p.run.pp},
                               {"zero", p.run.zero},
@@ -138,8 +172,10 @@ nlohmann::json to_json(const SearchResult& r, int top) {
     }
     j["rejected"] = nlohmann::json::array();
     for (const auto& rej : r.rejected)
-        j["rejected"].push_back(
-            {{"family", rej.family}, {"reason", rej.reason}, {"best_bytes", rej.best_bytes}});
+        j["rejected"].push_back({{"method", rej.method},
+                                 {"family", rej.family},
+                                 {"reason", rej.reason},
+                                 {"best_bytes", rej.best_bytes}});
     return j;
 }
 
@@ -203,11 +239,19 @@ std::string emit_config_toml(const ModelSpec& m, const Plan& p) {
         "# precision={} optimizer={} sequence_parallel={} flash_attention={}\n"
         "# Predicted per GPU: {} ({} model states, {} activations); {:.0f} tokens/s, MFU {:.1f}%\n"
         "# The trainer has no [parallel] keys yet: launch with dp x tp x pp = {} ranks as "
-        "above.\n\n",
+        "above.\n{}\n",
         m.name, describe(r), to_string(r.precision), to_string(r.optimizer), r.sequence_parallel,
         r.flash_attention, format_bytes(p.memory.total), format_bytes(p.memory.model_states()),
         format_bytes(p.memory.bytes("activations")), p.time.tokens_per_s, p.time.mfu * 100,
-        r.gpus());
+        r.gpus(),
+        r.lora_rank > 0
+            ? fmt::format("# {} (adapters on {}, frozen weights at {} bits): not written below; "
+                          "set the trainer's LoRA keys by hand.\n",
+                          describe_method(r),
+                          r.lora_targets == LoraTargets::all ? "every linear layer"
+                                                             : "the attention projections",
+                          r.frozen_bits)
+            : "");
     out += "[model]\n";
     out += fmt::format("n_layer = {}\nn_head = {}\nn_embd = {}\nblock_size = {}\nvocab_size = {}\n",
                        m.n_layer, m.n_head, m.n_embd, m.block_size, m.vocab_size);

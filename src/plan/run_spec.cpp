@@ -66,6 +66,11 @@ Offload parse_offload(const std::string& s) {
                                 {"params", Offload::optimizer_and_params}});
 }
 
+LoraTargets parse_lora_targets(const std::string& s) {
+    return parse_enum<LoraTargets>("LoRA targets", s,
+                                   {{"attn", LoraTargets::attn}, {"all", LoraTargets::all}});
+}
+
 const char* to_string(Precision p) {
     switch (p) {
         case Precision::mixed_bf16:
@@ -140,6 +145,16 @@ const char* to_string(Offload o) {
     return "?";
 }
 
+const char* to_string(LoraTargets t) {
+    return t == LoraTargets::all ? "all" : "attn";
+}
+
+std::string describe_method(const RunSpec& r) {
+    if (r.lora_rank <= 0) return "full-parameter training";
+    if (r.frozen_bits == 16) return fmt::format("LoRA r={}", r.lora_rank);
+    return fmt::format("QLoRA {}-bit r={}", r.frozen_bits, r.lora_rank);
+}
+
 StateBytes state_bytes(Precision precision, Optimizer optimizer) {
     // Optimizer bytes: Adam keeps two moments, SGD one; 8-bit Adam stores both moments in one
     // byte each. Mixed precision adds a 4-byte fp32 master copy of the weights.
@@ -158,6 +173,17 @@ StateBytes state_bytes(Precision precision, Optimizer optimizer) {
 
 int activation_bytes(Precision precision) {
     return precision == Precision::fp32 ? 4 : 2;
+}
+
+double frozen_bytes_per_weight(int frozen_bits, Precision precision) {
+    switch (frozen_bits) {
+        case 8:
+            return 1;
+        case 4:
+            return (4 + 8.0 / 64 + 32.0 / (64 * 256)) / 8;
+        default:
+            return state_bytes(precision, Optimizer::adamw).param;
+    }
 }
 
 void validate_run(const ModelSpec& m, const RunSpec& r) {

@@ -17,6 +17,11 @@ enum class Optimizer { adamw, sgd, adamw8bit };  // sgd = SGD with momentum
 enum class Recompute { none, selective, full };
 enum class Schedule { one_f_one_b, gpipe, interleaved, zb_h1 };
 enum class Offload { none, optimizer, optimizer_and_params };
+// Linear layers that get LoRA adapters: the attention projections (the trainer's default), or
+// those and the MLP's. GPT-2: attn.c_attn (fused QKV, one adapter) and attn.c_proj, then mlp.c_fc
+// and mlp.c_proj; Llama: q_proj, k_proj, v_proj, o_proj, then gate_proj, up_proj, down_proj, each
+// its own adapter.
+enum class LoraTargets { attn, all };
 
 struct RunSpec {
     int dp = 1, tp = 1, pp = 1;
@@ -32,8 +37,9 @@ struct RunSpec {
     Offload offload = Offload::none;
     Schedule schedule = Schedule::one_f_one_b;
     int virtual_stages = 1;  // model chunks per pipeline stage (interleaved schedule)
-    int lora_rank = 0;       // > 0: base weights frozen, LoRA adapters on every linear layer
+    int lora_rank = 0;       // > 0: base weights frozen, LoRA adapters on `lora_targets`
     int frozen_bits = 16;    // storage of frozen base weights under LoRA: 16, 8 or 4 (QLoRA)
+    LoraTargets lora_targets = LoraTargets::attn;
     int64_t bucket_bytes = 25 * 1024 * 1024;  // gradient all-reduce bucket (PyTorch DDP default)
     double fragmentation = 0.05;              // allocator slack as a fraction of the rest
     int64_t reserve_bytes = 0;                // CUDA context, cuBLAS/NCCL workspaces
@@ -43,11 +49,12 @@ struct RunSpec {
     int64_t global_batch() const { return static_cast<int64_t>(dp) * micro_batch * micro_batches; }
 };
 
-Precision parse_precision(const std::string& s);  // bf16 | fp16 | fp32 | bf16-only
-Optimizer parse_optimizer(const std::string& s);  // adamw | sgd | adamw8bit
-Recompute parse_recompute(const std::string& s);  // none | selective | full
-Schedule parse_schedule(const std::string& s);    // 1f1b | gpipe | interleaved | zb-h1
-Offload parse_offload(const std::string& s);      // none | optimizer | params
+Precision parse_precision(const std::string& s);       // bf16 | fp16 | fp32 | bf16-only
+Optimizer parse_optimizer(const std::string& s);       // adamw | sgd | adamw8bit
+Recompute parse_recompute(const std::string& s);       // none | selective | full
+Schedule parse_schedule(const std::string& s);         // 1f1b | gpipe | interleaved | zb-h1
+Offload parse_offload(const std::string& s);           // none | optimizer | params
+LoraTargets parse_lora_targets(const std::string& s);  // attn | all
 const char* to_string(Precision p);
 const char* to_string(Optimizer o);
 const char* to_string(Recompute r);
@@ -55,6 +62,11 @@ const char* to_string(Schedule s);
 // The executor's schedule of the same name (parallel/schedule.h).
 pp::Kind pipeline_kind(Schedule s);
 const char* to_string(Offload o);
+const char* to_string(LoraTargets t);
+
+// How the weights are trained, for labels: "full-parameter training", "LoRA r=16", "QLoRA 8-bit
+// r=16", "QLoRA 4-bit r=16" (frozen weights at 16 bits are not quantized: plain LoRA).
+std::string describe_method(const RunSpec& run);
 
 // Throws memtrain::Error with the reason and a fix when the layout cannot run at all
 // (tp does not divide the heads, more stages than layers, ZeRO stage out of range, ...).
@@ -68,5 +80,10 @@ struct StateBytes {
 StateBytes state_bytes(Precision precision, Optimizer optimizer);
 // Bytes of one saved activation element: 4 for fp32 training, else 2.
 int activation_bytes(Precision precision);
+// Bytes of one frozen weight-matrix element under LoRA: 16 bits keeps the run's parameter dtype
+// (state_bytes(...).param), 8 bits is int8 with a per-row scale (LLM.int8; the scale's 32/fan_in
+// bits are left out), 4 bits is QLoRA's NF4 with double-quantized block scales, 4 + 8/64 +
+// 32/(64 x 256) = 4.127 bits (Dettmers et al. 2023; `memtrain quantize --method nf4-dq`).
+double frozen_bytes_per_weight(int frozen_bits, Precision precision);
 
 }  // namespace memtrain::plan

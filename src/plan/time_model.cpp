@@ -81,7 +81,9 @@ TimeEstimate estimate_time(const ModelSpec& m, const RunSpec& r, const ClusterSp
     MemoryEstimate mem = estimate_memory(m, r);
     double trainable = static_cast<double>(mem.trainable_on_gpu);
     double grad_bytes = trainable * k.grad;
-    double param_bytes = mem.params_on_gpu * (r.lora_rank > 0 ? r.frozen_bits / 8.0 : k.param);
+    double param_bytes =
+        mem.params_on_gpu *
+        (r.lora_rank > 0 ? frozen_bytes_per_weight(r.frozen_bits, r.precision) : k.param);
     double backward_last = t_compute * 2.0 / 3.0;
     if (r.zero >= 3) {
         // Every micro-batch gathers the weights twice (forward, backward) and reduce-scatters

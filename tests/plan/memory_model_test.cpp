@@ -112,7 +112,9 @@ TEST(PlanMemory, HostMemoryBoundsOffload) {
     const MemoryEstimate e = estimate_memory(m, r);  // 28.0 GB of host memory
     ClusterSpec c;
     c.gpus = c.gpus_per_node = 1;
-    EXPECT_TRUE(host_fits(e, c)) << "not given: not checked";
+    EXPECT_TRUE(host_fits(e, c)) << "not given: the GPU's typical node, 256 GB per GPU";
+    c.host_memory_bytes = 16e9;  // always checked: there is no unlimited host
+    EXPECT_FALSE(host_fits(e, c));
     c.host_memory_bytes = 32e9;
     EXPECT_TRUE(host_fits(e, c));
     EXPECT_NE(format_memory_table(e, &c).find("host: fits in 32.00 GB per node"),
@@ -183,13 +185,25 @@ TEST(PlanMemory, LoraWithFourBitBaseWeights) {
     r.lora_rank = 16;
     r.frozen_bits = 4;
     MemoryEstimate e = estimate_memory(m, r);
-    // Frozen matrices at half a byte: well under the 2 bytes/param of bf16 weights.
-    EXPECT_LT(e.bytes("parameters"), m.total_params());
-    // Adapters: 16 x (2h + 2(h + kv) + 2h + 3(h + f)) per layer, 32 layers.
-    const int64_t h = 4096, f = 11008;
-    const int64_t lora = 32LL * 16 * (2 * h + 4 * h + 2 * h + 3 * (h + f));
+    // Frozen matrices in NF4 with double-quantized scales (4.127 bits), the embedding, head and
+    // norms in bf16: well under the 2 bytes/param of bf16 weights.
+    const int64_t h = 4096, f = 11008, v = 32000;
+    const int64_t matrices = 32LL * (4 * h * h + 3 * h * f), rest = m.total_params() - matrices;
+    // Adapters on q, k, v, o (the default targets): 16 x (h + h) each, 32 layers.
+    const int64_t lora = 32LL * 16 * 4 * (h + h);
+    EXPECT_EQ(rest, 2 * v * h + 65 * h);
+    const double nf4_dq_bits = 4 + 8.0 / 64 + 32.0 / (64 * 256);  // 4.127
+    EXPECT_NEAR((double)e.bytes("parameters"), matrices * nf4_dq_bits / 8 + (rest + lora) * 2.0, 1);
     EXPECT_EQ(e.bytes("gradients"), 2 * lora);
     EXPECT_EQ(e.bytes("optimizer states"), 12 * lora);
+    // On every linear layer: + gate, up, down, 16 x (h + f) each.
+    r.lora_targets = LoraTargets::all;
+    EXPECT_EQ(estimate_memory(m, r).bytes("gradients"), 2 * (lora + 32LL * 16 * 3 * (h + f)));
+    // 8 bits: one byte per frozen matrix weight; 16: bf16.
+    r.lora_targets = LoraTargets::attn, r.frozen_bits = 8;
+    EXPECT_EQ(estimate_memory(m, r).bytes("parameters"), matrices + (rest + lora) * 2);
+    r.frozen_bits = 16;
+    EXPECT_EQ(estimate_memory(m, r).bytes("parameters"), (matrices + rest + lora) * 2);
 }
 
 TEST(PlanErrors, BadLayoutsExplainThemselves) {

@@ -74,6 +74,17 @@ TEST(PlanCli, RefusesImpossibleNumbersNamingTheFlag) {
         {"scale --gpus 0 --days 3", {"--gpus", "0"}},
         {"scale --gpus 8 --days -1", {"--days", "-1"}},
         {"scale --flops 1e21 --gpu-mem-gb -1", {"--gpu-mem-gb", "-1"}},
+        {"plan gpt2 --gpus 1 --host-mem-gb 0", {"--host-mem-gb", "0"}},
+        {"plan gpt2 --gpus 1 --frozen-bits 5", {"--frozen-bits", "16, 8 or 4", "5"}},
+        {"plan gpt2 --gpus 1 --lora-rank -1", {"--lora-rank", "-1"}},
+        {"plan gpt2 --gpus 1 --lora-rank 0", {"--lora-rank", "at least 1", "0"}},
+        {"plan gpt2 --gpus 1 --lora-targets mlp", {"--lora-targets", "attn", "all", "mlp"}},
+        {"plan gpt2 --gpus 1 --no-lora --frozen-bits 4", {"--frozen-bits 4", "--no-lora"}},
+        {"plan gpt2 --gpus 1 --no-lora --lora-rank 8", {"--lora-rank 8", "--no-lora"}},
+        {"estimate gpt2 --frozen-bits 5 --lora-rank 8", {"--frozen-bits", "5"}},
+        {"estimate gpt2 --frozen-bits 4", {"--frozen-bits 4", "--lora-rank"}},
+        {"estimate gpt2 --lora-rank -1", {"--lora-rank", "-1"}},
+        {"estimate gpt2 --lora-targets all", {"--lora-targets", "--lora-rank"}},
     };
     for (const auto& c : cases) expect_refusal(c.args, c.expect);
 }
@@ -93,7 +104,7 @@ TEST(PlanCli, CustomGpuNeedsItsNumbers) {
     EXPECT_EQ(o.output.find("--gpu-mem-gb"), std::string::npos) << o.output;
     EXPECT_EQ(o.output.find("--inter-bw-gbs"), std::string::npos) << o.output;
     expect_refusal("plan gpt2 --gpus 16 --gpus-per-node 8 " + some,
-                   {"--intra-bw-gbs", "--inter-bw-gbs", "--pcie-bw-gbs"});
+                   {"--intra-bw-gbs", "--inter-bw-gbs", "--pcie-bw-gbs", "--host-mem-gb"});
     expect_refusal("estimate gpt2 --precision fp32 " + some, {"--gpu-fp32-tflops"});
     o = memtrain_cli("plan gpt2 --gpus 16 --no-offload " + some +
                      " --intra-bw-gbs 300 --inter-bw-gbs 25");
@@ -132,4 +143,61 @@ TEST(PlanCli, CheckpointConfigDirectoryCountsItsTensors) {
     // embed 300x64, per layer q 64x64 + k,v 16x64 + o 64x64 + 3 x 176x64 + 2 norms, norm, head.
     const int64_t layer = 64 * 64 + 2 * 16 * 64 + 64 * 64 + 3 * 176 * 64 + 2 * 64;
     EXPECT_EQ(j["params"].get<int64_t>(), 300 * 64 + 2 * layer + 64 + 300 * 64);
+}
+
+// Host memory is stated and always checked: the GPU preset's typical node unless given.
+TEST(PlanCli, HostMemoryIsStated) {
+    Outcome o = memtrain_cli("plan gpt2 --gpus 8 --global-batch 64 --top 1");
+    ASSERT_EQ(o.code, 0) << o.output;
+    EXPECT_NE(o.output.find("host memory: 2048 GB per node (default for h100-80gb, as in a DGX "
+                            "H100: 2048 GB for 8 GPUs; --host-mem-gb to change)"),
+              std::string::npos)
+        << o.output;
+    o = memtrain_cli("plan gpt2 --gpus 8 --global-batch 64 --top 1 --gpu a100-40gb");
+    EXPECT_NE(o.output.find("host memory: 1024 GB per node (default for a100-40gb"),
+              std::string::npos)
+        << o.output;
+    o = memtrain_cli("plan gpt2 --gpus 8 --global-batch 64 --top 1 --host-mem-gb 512 --json");
+    ASSERT_EQ(o.code, 0) << o.output;
+    const auto j = nlohmann::json::parse(o.output);
+    EXPECT_EQ(j["host_memory_bytes"].get<double>(), 512e9);
+    EXPECT_FALSE(j["host_memory_default"].get<bool>());
+    // gpt2-xl on a 20 GB GPU needs ZeRO-Offload: a 1 GB host refuses it.
+    o = memtrain_cli("estimate gpt2-xl --gpu-mem-gb 20 --offload optimizer --host-mem-gb 1");
+    ASSERT_EQ(o.code, 0) << o.output;
+    EXPECT_NE(o.output.find("host: does NOT fit in 1.00 GB per node"), std::string::npos)
+        << o.output;
+}
+
+// The example through the binary: fine-tuning a 30B Llama on one 80 GB GPU of a
+// 128 GB host. Full fine-tuning fits nowhere, so the plans are LoRA, said as much, with the
+// memory breakdown, and the rejected list starts with full-parameter training naming LoRA.
+TEST(PlanCli, ThirtyBillionOnOneGpuProposesLora) {
+    Outcome o = memtrain_cli("plan llama-30b --gpus 1 --host-mem-gb 128 --global-batch 64");
+    ASSERT_EQ(o.code, 0) << o.output;
+    for (const char* part :
+         {"llama-30b: 32.529B parameters on 1 x h100-80gb (80 GB)",
+          "host memory: 128 GB per node (--host-mem-gb)",
+          "full-parameter training does not fit (see rejected), so these plans are LoRA r=16",
+          "not the same job as training every weight", "  1 LoRA r=16 ",
+          "best plan, per-GPU memory:", "LoRA r=16 (attn) x 2 B",
+          "rejected:\n  full-parameter training: nothing fits: without offload"})
+        EXPECT_NE(o.output.find(part), std::string::npos) << part << "\n" << o.output;
+    EXPECT_NE(o.output.find("; LoRA r=16 fits\n"), std::string::npos) << o.output;
+    o = memtrain_cli(
+        "plan llama-30b --gpus 1 --host-mem-gb 128 --global-batch 64 --top 100 --json");
+    ASSERT_EQ(o.code, 0) << o.output;
+    const auto j = nlohmann::json::parse(o.output);
+    EXPECT_TRUE(j["lora_instead_of_full"].get<bool>());
+    ASSERT_FALSE(j["plans"].empty());
+    for (const auto& p : j["plans"]) {
+        EXPECT_EQ(p["method"], "LoRA r=16");
+        EXPECT_EQ(p["lora_targets"], "attn");
+        EXPECT_LE(p["memory"]["total_bytes"].get<double>(), 80e9);
+    }
+    // --no-lora: nothing fits, and the command still explains why (exit 0, as before).
+    o = memtrain_cli("plan llama-30b --gpus 1 --host-mem-gb 128 --global-batch 64 --no-lora");
+    ASSERT_EQ(o.code, 0) << o.output;
+    EXPECT_NE(o.output.find("no layout fits in 80.00 GB per GPU"), std::string::npos) << o.output;
+    EXPECT_EQ(o.output.find("LoRA"), std::string::npos) << o.output;
 }
