@@ -559,6 +559,7 @@ void RunConfig::validate_lora() const {
 void RunConfig::validate() const {
     model.validate();
     optim.validate();
+    validate_lora();
     if (train.device != "cpu" && train.device != "cuda" && train.device != "auto")
         fail("train.device = \"{}\" must be \"cpu\", \"cuda\" or \"auto\"", train.device);
     if (train.device == "cuda" && !MEMTRAIN_HAVE_CUDA)
@@ -630,7 +631,6 @@ void RunConfig::validate() const {
     if (world < 1) fail("internal: world size {} < 1", world);
     validate_pipeline();
     validate_ps();
-    validate_lora();
     if (train.micro_batch_size < 0 || (int64_t)train.micro_batch_size * dp() > train.batch_size)
         fail(
             "train.micro_batch_size = {} must be in [0, train.batch_size / data-parallel ranks = "

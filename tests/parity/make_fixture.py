@@ -1,5 +1,9 @@
 #!/usr/bin/python3
 """Writes the PyTorch parity fixture for memtrain's GPT-2:  make_fixture.py OUT.safetensors
+With --lora (make_fixture.py --lora OUT.safetensors) the GPT-2 gets LoRA adapters (PEFT's
+semantics: y = x W + b + (alpha / r) (x A^T) B^T with A (r, in), B (out, r)) on all four linears
+of every block, the base frozen; it holds the base weights, the adapters ("lora." + name), the
+tokens, the loss and the adapters' gradients ("grad.lora." + name).
 With --llama (make_fixture.py --llama OUT.safetensors) it writes the Llama-style fixture instead:
 the same tiny sizes with Hugging Face Llama semantics (RMSNorm x * rsqrt(mean(x^2) + eps) * w,
 rotate-half RoPE on q and k per head, grouped-query attention through repeat_kv, SwiGLU
@@ -253,6 +257,64 @@ def main_llama(out_path):
     print("wrote %s: %d tensors, loss %.6f" % (out_path, len(out), float(loss)))
 
 
+LORA_R, LORA_ALPHA = 4, 8.0
+
+
+class LoraConv1D(nn.Module):
+    """A frozen Conv1D plus a LoRA adapter on its output, as PEFT's lora.Linear on a Conv1D."""
+
+    def __init__(self, base):
+        super().__init__()
+        self.base = base
+        n_in, n_out = base.weight.shape
+        self.lora_A = nn.Parameter(0.1 * torch.randn(LORA_R, n_in, dtype=torch.float32))
+        self.lora_B = nn.Parameter(0.1 * torch.randn(n_out, LORA_R, dtype=torch.float32))
+
+    def forward(self, x):
+        return self.base(x) + (LORA_ALPHA / LORA_R) * ((x @ self.lora_A.t()) @ self.lora_B.t())
+
+
+def main_lora(out_path):
+    torch.manual_seed(SEED)
+    model = GPT()
+    init_weights(model)
+    tokens = torch.randint(0, V, (B, T + 1), dtype=torch.int64)
+    init = [(n, f32(p)) for n, p in model.named_parameters()]
+    for p in model.parameters():
+        p.requires_grad_(False)
+    adapters = []  # (memtrain module name, LoraConv1D) in layout order
+    for i, block in enumerate(model.h):
+        for owner, attr, name in ((block.attn, "c_attn", "attn.c_attn"),
+                                  (block.attn, "c_proj", "attn.c_proj"),
+                                  (block.mlp, "c_fc", "mlp.c_fc"),
+                                  (block.mlp, "c_proj", "mlp.c_proj")):
+            lora = LoraConv1D(getattr(owner, attr))
+            setattr(owner, attr, lora)
+            adapters.append(("h.%d.%s" % (i, name), lora))
+    lora_init = []
+    for name, lora in adapters:
+        lora_init.append(("lora.%s.lora_A.weight" % name, f32(lora.lora_A)))
+        lora_init.append(("lora.%s.lora_B.weight" % name, f32(lora.lora_B)))
+    model = model.double()
+    x, y = tokens[:, :T], tokens[:, 1:]
+    _, loss = model(x, y)
+    loss.backward()
+    out = init + lora_init
+    out.append(("tokens", tokens.to(torch.int32).numpy()))
+    out.append(("loss", f32(loss.reshape(1))))
+    for name, lora in adapters:
+        out.append(("grad.lora.%s.lora_A.weight" % name, f32(lora.lora_A.grad)))
+        out.append(("grad.lora.%s.lora_B.weight" % name, f32(lora.lora_B.grad)))
+    metadata = {
+        "fixture_version": "1", "generator": "tests/parity/make_fixture.py --lora",
+        "torch_version": torch.__version__, "precision": "computed in float64, stored as float32",
+        "lora_r": str(LORA_R), "lora_alpha": repr(LORA_ALPHA),
+        "lora_targets": "attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj",
+    }
+    write_safetensors(out_path, out, metadata)
+    print("wrote %s: %d tensors, loss %.6f" % (out_path, len(out), float(loss)))
+
+
 def lr_at(step):
     if step < WARMUP:
         return LR * (step + 1) / WARMUP
@@ -294,8 +356,10 @@ def f32(t):
 def main():
     if len(sys.argv) == 3 and sys.argv[1] == "--llama":
         return main_llama(sys.argv[2])
+    if len(sys.argv) == 3 and sys.argv[1] == "--lora":
+        return main_lora(sys.argv[2])
     if len(sys.argv) != 2:
-        sys.exit("usage: make_fixture.py [--llama] OUT.safetensors")
+        sys.exit("usage: make_fixture.py [--llama | --lora] OUT.safetensors")
     out_path = sys.argv[1]
     torch.manual_seed(SEED)
     model = GPT()

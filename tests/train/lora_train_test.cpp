@@ -1,0 +1,134 @@
+// LoRA and QLoRA through the Trainer: the engine's predicted bytes equal the measured ones per
+// category (and the adapters' states are a small fraction of full fine-tuning's), a LoRA run
+// learns with the base unchanged, its checkpoint (PEFT files + optimizer) resumes bitwise, and
+// bad [lora] values are refused by name.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+
+#include "core/error.h"
+#include "io/lora_files.h"
+#include "io/model_source.h"
+#include "test_util.h"
+#include "train/lora_engine.h"
+#include "train/trainer.h"
+
+using namespace memtrain;
+namespace fs = std::filesystem;
+
+namespace {
+
+RunConfig lora_run(const std::string& dir, int steps, const std::string& base = "fp32") {
+    RunConfig c = test::tiny_run(dir, steps);
+    c.model.n_embd = 32;  // int4/nf4 groups of 32 divide every block matrix's inputs
+    c.lora.rank = 4;
+    c.lora.alpha = 8;
+    c.lora.targets = "all";
+    c.lora.base = base;
+    c.lora.base_group = 32;
+    c.optim.lr = 1e-2;
+    c.optim.weight_decay = 0;
+    return c;
+}
+
+TrainOptions quiet(std::string resume = "", int stop_after = -1) {
+    TrainOptions o;
+    o.quiet = true;
+    o.resume = std::move(resume);
+    o.stop_after = stop_after;
+    return o;
+}
+
+}  // namespace
+
+TEST(LoraTrain, PredictedBytesEqualMeasuredForEveryCategory) {
+    for (const char* base : {"fp32", "int8", "int4", "nf4"}) {
+        const std::string dir = test::temp_dir(std::string("lora_mem_") + base);
+        RunConfig c = lora_run(dir, 2, base);
+        c.lora.dropout = 0.1;
+        const MemoryStats before = host_memory().snapshot();
+        Trainer t(c, quiet());
+        t.run();
+        const MemoryStats after = host_memory().snapshot();
+        for (const MemoryPrediction& p :
+             t.engine().predicted_memory(c.micro_batch(), c.train.seq_len)) {
+            const int i = (int)p.category;
+            EXPECT_EQ(after.used[i] - before.used[i], p.bytes)
+                << base << ": " << category_name(p.category) << " (" << p.formula << ")";
+        }
+        auto& e = dynamic_cast<LoraEngine&>(t.engine());
+        // Adapters only: gradients and Adam states of Ψa floats.
+        EXPECT_EQ(
+            after.used[(int)MemCategory::Gradients] - before.used[(int)MemCategory::Gradients],
+            4 * e.lora_layout().params.total);
+        if (std::string(base) != "fp32") {
+            EXPECT_LT(e.predicted_base_bytes(), 4 * t.engine().weights().layout.total / 2) << base;
+        }
+    }
+}
+
+TEST(LoraTrain, LearnsWithTheBaseFrozenAndResumesBitwise) {
+    const std::string d1 = test::temp_dir("lora_full"), d2 = test::temp_dir("lora_split");
+    RunConfig c = lora_run(d1, 12);
+    Trainer a(c, quiet());
+    const std::vector<float> base_before = a.params();
+    auto sa = a.run();
+    EXPECT_LT(sa.losses.back(), sa.losses.front() - 0.1f);
+    EXPECT_EQ(a.params(), base_before) << "the frozen base changed";
+    EXPECT_TRUE(fs::exists(d1 + "/out/ckpt_000012/adapter_model.safetensors"));
+    EXPECT_TRUE(fs::exists(d1 + "/out/ckpt_000012/adapter_config.json"));
+    EXPECT_FALSE(fs::exists(d1 + "/out/ckpt_000012/model.safetensors"));
+
+    TrainSummary resumed;
+    auto b = test::train_stop_and_resume(lora_run(d2, 12), 5, resumed);
+    ASSERT_EQ(resumed.losses.size(), 7u);
+    for (int i = 0; i < 7; i++) EXPECT_EQ(resumed.losses[i], sa.losses[5 + i]) << i;
+    auto& ea = dynamic_cast<LoraEngine&>(a.engine());
+    auto& eb = dynamic_cast<LoraEngine&>(b->engine());
+    EXPECT_EQ(0, std::memcmp(ea.adapter_store().full_params(), eb.adapter_store().full_params(),
+                             4 * ea.lora_layout().params.total));
+
+    // eval/sample/merge read the checkpoint as base + merged adapters: its loss is the run's.
+    const ModelSource src = open_model_source(d1 + "/out");
+    ASSERT_TRUE(src.lora);
+    GPT merged(src.model);
+    load_source_weights(src, merged.weights());
+    std::vector<int32_t> x = test::random_tokens(2 * 8, 50, 1), y = test::random_tokens(16, 50, 2);
+    EXPECT_NEAR(merged.forward_loss(x.data(), y.data(), 2, 8),
+                a.engine().forward_loss(x.data(), y.data(), 2, 8), 1e-5);
+}
+
+TEST(LoraTrain, QLoraTrainsOnTheDecodedBaseAndMergesIntoIt) {
+    const std::string dir = test::temp_dir("qlora_nf4");
+    RunConfig c = lora_run(dir, 8, "nf4");
+    Trainer t(c, quiet());
+    auto s = t.run();
+    EXPECT_LT(s.losses.back(), s.losses.front());
+    const ModelSource src = open_model_source(dir + "/out");
+    GPT merged(src.model);
+    load_source_weights(src, merged.weights());
+    std::vector<int32_t> x = test::random_tokens(16, 50, 1), y = test::random_tokens(16, 50, 2);
+    EXPECT_NEAR(merged.forward_loss(x.data(), y.data(), 2, 8),
+                t.engine().forward_loss(x.data(), y.data(), 2, 8), 1e-5);
+}
+
+TEST(LoraTrain, BadLoraValuesAreRefusedByName) {
+    const std::string dir = test::temp_dir("lora_bad");
+    test::tiny_run(dir, 1);
+    auto refused = [&](std::vector<std::string> sets, const std::string& word) {
+        try {
+            RunConfig c = load_run_config("", sets);
+            ADD_FAILURE() << "accepted " << sets[0];
+        } catch (const Error& e) {
+            EXPECT_NE(std::string(e.what()).find(word), std::string::npos) << e.what();
+        }
+    };
+    refused({"lora.rank=-1"}, "lora.rank");
+    refused({"lora.rank=4", "lora.dropout=1.5"}, "lora.dropout");
+    refused({"lora.rank=4", "lora.base=fp8"}, "lora.base");
+    refused({"lora.base=nf4"}, "lora.rank > 0");
+    refused({"lora.rank=4", "lora.targets=q_proj"}, "matches no module");
+    refused({"lora.rank=4", "train.pp=2"}, "pipeline");
+    refused({"lora.rank=4", "train.device=cuda"}, "CPU engine");
+}
