@@ -12,6 +12,8 @@
 #include "io/safetensors.h"
 #include "io/text_file.h"
 #include "model/lora.h"
+#include "plan/memory_model.h"
+#include "plan/model_spec.h"
 #include "remat/policy.h"
 #include "test_util.h"
 
@@ -239,4 +241,20 @@ TEST(Lora, PeftFilesHoldPeftNamesAndReload) {
         FullParamStore s4(l4.params);
         EXPECT_THROW(load_lora_adapters(dir, cfg, l4, s4), Error);
     }
+}
+
+// The planner counts exactly the adapters the trainer allocates (GPT-2 and exact Llama, attn and
+// all), so `memtrain plan --lora-rank` and a LoRA run agree on Ψa.
+TEST(Lora, PlannerCountsTheTrainersAdapters) {
+    ModelConfig gpt2 = test::tiny_model();
+    gpt2.n_layer = 3;
+    gpt2.n_embd = 48;
+    gpt2.n_head = 4;
+    for (const ModelConfig& cfg : {gpt2, tiny_llama()})
+        for (const char* t : {"attn", "all"}) {
+            const LoraLayout lay = make_lora_layout(cfg, lora_cfg(t));
+            const int64_t per_layer = plan::lora_params_per_layer(plan::model_from_config(cfg), 3,
+                                                                  plan::parse_lora_targets(t));
+            EXPECT_EQ((int64_t)lay.params.total, per_layer * cfg.n_layer) << t;
+        }
 }
