@@ -185,9 +185,11 @@ LoraAdapters::LoraAdapters(const LoraConfig& cfg, const LoraLayout& layout, Para
     for (const LoraSite& s : layout.sites) max_in_ = std::max(max_in_, s.in);
 }
 
-std::size_t LoraAdapters::workspace_bytes(int N) const {
-    const std::size_t r = (std::size_t)layout_->rank, n = (std::size_t)N;
-    const std::size_t drop = cfg_.dropout > 0 ? 2 * n * (std::size_t)max_in_ : 0;
+std::size_t lora_workspace_bytes(const LoraConfig& cfg, const LoraLayout& layout, int N) {
+    int64_t max_in = 0;
+    for (const LoraSite& s : layout.sites) max_in = std::max(max_in, s.in);
+    const std::size_t r = (std::size_t)layout.rank, n = (std::size_t)N;
+    const std::size_t drop = cfg.dropout > 0 ? 2 * n * (std::size_t)max_in : 0;
     return sizeof(float) * (2 * n * r + drop);
 }
 

@@ -70,6 +70,10 @@ LoraLayout make_lora_layout(const ModelConfig& cfg, const LoraConfig& lora);
 // The modules of block 0 an adapter may sit on, without the block prefix ("attn.c_attn", ...).
 std::vector<std::string> lora_module_suffixes(const ModelConfig& cfg);
 
+// Workspace LoraAdapters takes for N rows: h and dh (N x rank), and with dropout the dropped
+// input and its gradient (N x the widest adapter input).
+std::size_t lora_workspace_bytes(const LoraConfig& cfg, const LoraLayout& layout, int N);
+
 // A ~ N(0, 1/rank) (PEFT's "gaussian" init), B = 0, unit by unit through the store.
 void init_lora_weights(ParamStore& store, const LoraLayout& layout, uint64_t seed);
 
@@ -87,7 +91,7 @@ class LoraAdapters {
     void next_micro_batch() { micro_batch_++; }
     // Workspace for N rows (MemCategory::Workspace); bytes it needs for N.
     void prepare(int N);
-    std::size_t workspace_bytes(int N) const;
+    std::size_t workspace_bytes(int N) const { return lora_workspace_bytes(cfg_, *layout_, N); }
 
     // y (N rows of site.linear_out) += scale * drop(x) A^T B^T on the site's columns; `unit` is
     // the block's adapter unit.

@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "train/cuda_engine.h"
+#include "train/host_memory_plan.h"
 #include "train/lora_engine.h"
 #include "train/pipeline_engine.h"
 #include "train/ps_engine.h"
@@ -32,13 +33,18 @@ void CpuEngine::forward_backward(const int32_t* inputs, const int32_t* targets, 
     micro_batches_++;
 }
 
-StepResult CpuEngine::finish_step(double lr, double max_norm) {
+StepResult finish_zero_step(dist::ZeroStore& store, Optimizer& opt, double loss_sum,
+                            int micro_batches, double lr, double max_norm) {
     StepResult r;
-    r.loss = micro_batches_ ? loss_sum_ / micro_batches_ : 0.0;
-    r.grad_norm = store_->clip_grad_norm(max_norm);
-    opt_->step(store_->owned_params(), store_->owned_grads(), lr);
-    store_->finish_step();
+    r.loss = micro_batches ? loss_sum / micro_batches : 0.0;
+    r.grad_norm = store.clip_grad_norm(max_norm);
+    opt.step(store.owned_params(), store.owned_grads(), lr);
+    store.finish_step();
     return r;
+}
+
+StepResult CpuEngine::finish_step(double lr, double max_norm) {
+    return finish_zero_step(*store_, *opt_, loss_sum_, micro_batches_, lr, max_norm);
 }
 
 double CpuEngine::forward_loss(const int32_t* inputs, const int32_t* targets, int B, int T) {
@@ -56,32 +62,29 @@ std::string CpuEngine::memory_title() const {
                                              : std::string());
 }
 
-std::vector<MemoryPrediction> CpuEngine::predicted_memory(int B, int T) const {
-    const std::size_t psi = layout_.total;
-    const int stage = cfg_.train.zero_stage, N = comm_.size();
-    auto lay = activation_layout(cfg_.model, B, T, model_->remat_plan(), arena_format());
+std::vector<MemoryPrediction> zero_state_rows(const RunConfig& cfg, std::size_t shard,
+                                              std::size_t psi, int world, const std::string& what) {
+    const int stage = cfg.train.zero_stage;
     // Model states per rank under ZeRO: a shard (this rank's count of the balanced layout, Ψ/N
     // rounded) where the stage shards that state, Ψ otherwise.
-    const std::size_t shard = (std::size_t)store_->owned().count;
     const std::size_t p_n = stage >= 3 ? shard : psi, g_n = stage >= 2 ? shard : psi,
                       o_n = stage >= 1 ? shard : psi;
-    const std::string per = N > 1 ? fmt::format(" / {} ranks", N) : "";
-    const int k = cfg_.optim.name == "adamw" ? 8 : 4;
+    const std::string per = world > 1 ? fmt::format(" / {} ranks", world) : "";
+    const int k = cfg.optim.name == "adamw" ? 8 : 4;
     return {
-        {MemCategory::Parameters, fmt::format("4 x params{} (fp32)", stage >= 3 ? per : ""),
+        {MemCategory::Parameters, fmt::format("4 x {}{} (fp32)", what, stage >= 3 ? per : ""),
          4 * p_n},
-        {MemCategory::Gradients, fmt::format("4 x params{} (fp32)", stage >= 2 ? per : ""),
+        {MemCategory::Gradients, fmt::format("4 x {}{} (fp32)", what, stage >= 2 ? per : ""),
          4 * g_n},
         {MemCategory::OptimizerState,
-         fmt::format("{} x params{} ({})", k, stage >= 1 ? per : "",
+         fmt::format("{} x {}{} ({})", k, what, stage >= 1 ? per : "",
                      k == 8 ? "Adam m, v" : "momentum"),
          (std::size_t)k * o_n},
-        {MemCategory::Activations,
-         fmt::format("activation_layout(B, T, remat={})", cfg_.train.remat),
-         arena_bytes(lay, MemCategory::Activations)},
-        {MemCategory::Workspace, "activation_layout(B, T)",
-         arena_bytes(lay, MemCategory::Workspace)},
     };
+}
+
+std::vector<MemoryPrediction> CpuEngine::predicted_memory(int B, int T) const {
+    return predict_cpu_memory(cfg_, model_->remat_plan(), comm_.rank(), B, T);
 }
 
 std::string CpuEngine::memory_footer() const {

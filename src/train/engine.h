@@ -90,6 +90,17 @@ class Engine {
     virtual void restore_loss_scaler(double /*scale*/, int64_t /*clean_steps*/) {}
 };
 
+// The end of a step over a ZeroStore (the CPU engine's and LoRA's): the mean loss of the
+// micro-batches, the global norm clipped, the optimizer over the rank's range, the stage's
+// all-gather.
+StepResult finish_zero_step(dist::ZeroStore& store, Optimizer& opt, double loss_sum,
+                            int micro_batches, double lr, double max_norm);
+// The model-state rows of the memory report for `psi` floats in a ZeroStore at
+// cfg.train.zero_stage over `world` ranks: Ψ per state, or the rank's `shard` where the stage
+// shards that state. `what` names the floats ("params", "adapters").
+std::vector<MemoryPrediction> zero_state_rows(const RunConfig& cfg, std::size_t shard,
+                                              std::size_t psi, int world, const std::string& what);
+
 // The CPU model over a ZeroStore on `comm`: DDP and ZeRO stages 0-3 (dist/zero.h).
 class CpuEngine final : public Engine {
   public:

@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "io/lora_files.h"
+#include "train/host_memory_plan.h"
 
 namespace memtrain {
 
@@ -99,12 +100,7 @@ void LoraEngine::forward_backward(const int32_t* inputs, const int32_t* targets,
 }
 
 StepResult LoraEngine::finish_step(double lr, double max_norm) {
-    StepResult r;
-    r.loss = micro_batches_ ? loss_sum_ / micro_batches_ : 0.0;
-    r.grad_norm = adapters_->clip_grad_norm(max_norm);
-    opt_->step(adapters_->owned_params(), adapters_->owned_grads(), lr);
-    adapters_->finish_step();
-    return r;
+    return finish_zero_step(*adapters_, *opt_, loss_sum_, micro_batches_, lr, max_norm);
 }
 
 double LoraEngine::forward_loss(const int32_t* inputs, const int32_t* targets, int B, int T) {
@@ -125,49 +121,8 @@ std::string LoraEngine::memory_title() const {
               : std::string());
 }
 
-std::size_t LoraEngine::predicted_base_bytes() const {
-    if (cfg_.lora.base == "fp32") return sizeof(float) * layout_.total;
-    return quant::QuantizedParamStore::predicted_bytes(cfg_.model, base_quant()).params();
-}
-
-std::size_t LoraEngine::predicted_slot_bytes() const {
-    if (cfg_.lora.base == "fp32") return 0;
-    return quant::QuantizedParamStore::predicted_bytes(cfg_.model, base_quant()).slots;
-}
-
 std::vector<MemoryPrediction> LoraEngine::predicted_memory(int B, int T) const {
-    const std::size_t psi = lora_layout_.params.total;
-    const int stage = cfg_.train.zero_stage, N = comm_.size();
-    const RematPlan& plan = model_ ? model_->remat_plan() : plan_;
-    auto lay = activation_layout(cfg_.model, B, T, plan, GPT::arena_format());
-    const std::size_t shard = (std::size_t)adapters_->owned().count;
-    const std::size_t p_n = stage >= 3 ? shard : psi, g_n = stage >= 2 ? shard : psi,
-                      o_n = stage >= 1 ? shard : psi;
-    const std::string per = N > 1 ? fmt::format(" / {} ranks", N) : "";
-    const int k = cfg_.optim.name == "adamw" ? 8 : 4;
-    return {
-        {MemCategory::Parameters,
-         fmt::format("base {} (frozen) + adapters 4 x {}{}",
-                     cfg_.lora.base == "fp32"
-                         ? fmt::format("4 x {} (fp32)", layout_.total)
-                         : fmt::format("{} packed + fp32 rest", base_quant().name()),
-                     psi, stage >= 3 ? per : ""),
-         predicted_base_bytes() + 4 * p_n},
-        {MemCategory::Gradients, fmt::format("adapters only: 4 x {}{}", psi, stage >= 2 ? per : ""),
-         4 * g_n},
-        {MemCategory::OptimizerState,
-         fmt::format("adapters only: {} x {}{} ({})", k, psi, stage >= 1 ? per : "",
-                     k == 8 ? "Adam m, v" : "momentum"),
-         (std::size_t)k * o_n},
-        {MemCategory::Activations,
-         fmt::format("activation_layout(B, T, remat={})", cfg_.train.remat),
-         arena_bytes(lay, MemCategory::Activations)},
-        {MemCategory::Workspace,
-         std::string("activation_layout(B, T) + LoRA h, dh (+ dropout x, dx)") +
-             (quant_base_ ? " + 2 decoded blocks (fp32)" : ""),
-         arena_bytes(lay, MemCategory::Workspace) + lora_->workspace_bytes(B * T) +
-             predicted_slot_bytes()},
-    };
+    return predict_cpu_memory(cfg_, model_ ? model_->remat_plan() : plan_, comm_.rank(), B, T);
 }
 
 std::string LoraEngine::memory_footer() const {

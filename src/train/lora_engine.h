@@ -39,10 +39,6 @@ class LoraEngine final : public Engine {
     GPT& model();
     const LoraLayout& lora_layout() const { return lora_layout_; }
     dist::ZeroStore& adapter_store() { return *adapters_; }
-    // Bytes the frozen base takes (fp32 or packed) as the engine predicts them.
-    std::size_t predicted_base_bytes() const;
-    // QLoRA: the decode slots (MemCategory::Workspace); 0 for an fp32 base.
-    std::size_t predicted_slot_bytes() const;
 
   private:
     RunConfig cfg_;

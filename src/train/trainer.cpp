@@ -25,6 +25,7 @@
 #include "remat/cost.h"
 #include "remat/policy.h"
 #include "remat/profile.h"
+#include "train/host_memory_plan.h"
 #include "train/sample.h"
 
 namespace fs = std::filesystem;
@@ -116,7 +117,6 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
     }
     print("config (all of it as TOML: memtrain train ... --print-config)\n" + format_table(cfg_));
 
-    engine_ = make_engine(cfg_, *comm_);
     // The recompute schedule is fixed for the run: the arena is sized once to its layout.
     const int Bm = cfg_.micro_batch(), Tm = cfg_.train.seq_len;
     std::optional<remat::BlockFlops> measured;
@@ -130,19 +130,30 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
         measured = remat::BlockFlops{ns[0], ns[1], ns[2], ns[3], ns[4], ns[5], ns[6]};
         step_cost = remat::estimated_step_ns(cfg_.model, Bm, Tm, *measured);
     }
-    const auto schedule =
-        remat::make_schedule(remat::parse_policy(cfg_.train.remat), cfg_.model, Bm, Tm,
-                             measured ? &*measured : nullptr, engine_->arena_format());
-    engine_->set_remat(schedule.plan);
+    auto make_schedule = [&](const ActFormat& format) {
+        return remat::make_schedule(remat::parse_policy(cfg_.train.remat), cfg_.model, Bm, Tm,
+                                    measured ? &*measured : nullptr, format);
+    };
+    // A CPU run is priced before anything is allocated (train/host_memory_plan.h) and refused,
+    // with what would fit, when it cannot fit this host; the GPU engine sizes its arenas itself.
+    const bool priced_first = cfg_.train.device == "cpu";
+    std::optional<remat::Schedule> schedule;
+    if (priced_first) {
+        schedule = make_schedule(GPT::arena_format());
+        check_host_fit(cfg_, schedule->plan, comm_->rank(), comm_->local_size());
+    }
+    engine_ = make_engine(cfg_, *comm_);
+    if (!priced_first) schedule = make_schedule(engine_->arena_format());
+    engine_->set_remat(schedule->plan);
     if (cfg_.train.remat != "none") {
         std::string letters;
-        for (BlockKeep k : schedule.plan) letters += keep_name(k)[0];
+        for (BlockKeep k : schedule->plan) letters += keep_name(k)[0];
         print(
             fmt::format("remat {}: blocks keep [{}] (a all, s selective, i input only, o input in "
                         "host memory) | "
                         "activations {} | recompute {:.1f}% of a step ({})\n",
-                        cfg_.train.remat, letters, mib(schedule.peak_bytes),
-                        100.0 * schedule.recompute_flops / step_cost,
+                        cfg_.train.remat, letters, mib(schedule->peak_bytes),
+                        100.0 * schedule->recompute_flops / step_cost,
                         measured ? "measured time" : "analytic FLOPs"));
     }
     // Every rank reads the whole global micro-batch (tokens are cheap) and keeps its rows, so the

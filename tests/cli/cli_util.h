@@ -3,13 +3,17 @@
 // instead of hanging the suite.
 #pragma once
 
+#include <gtest/gtest.h>
 #include <sys/wait.h>
 
 #include <array>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
 #include <string>
+
+#include <nlohmann/json.hpp>
 
 namespace memtrain::test {
 
@@ -73,6 +77,15 @@ inline CliResult tokenize_corpus(const std::string& dir, const std::string& text
     if (r.code != 0) return r;
     return run_memtrain("tokenize --tokenizer " + dir + "/tok.json --out " + dir +
                         " --doc-separator % --val-fraction 0.1 " + dir + "/corpus.txt");
+}
+
+// The held-out loss `memtrain eval MODEL --data VAL --seq-len 16 --json` prints (NaN, and a test
+// failure, when it fails).
+inline double eval_loss(const std::string& model, const std::string& val) {
+    auto r = run_memtrain("eval " + model + " --data " + val + " --seq-len 16 --json");
+    EXPECT_EQ(r.code, 0) << r.output;
+    if (r.code != 0) return NAN;
+    return nlohmann::json::parse(r.output)["loss"].get<double>();
 }
 
 }  // namespace memtrain::test

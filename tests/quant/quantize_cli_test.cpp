@@ -17,15 +17,9 @@ namespace fs = std::filesystem;
 namespace memtrain {
 namespace {
 
+using test::eval_loss;
 using test::run_memtrain;
 using test::write_file;
-
-double eval_loss(const std::string& model, const std::string& val) {
-    auto r = run_memtrain("eval " + model + " --data " + val + " --seq-len 16 --json");
-    EXPECT_EQ(r.code, 0) << r.output;
-    if (r.code != 0) return NAN;
-    return nlohmann::json::parse(r.output)["loss"].get<double>();
-}
 
 TEST(QuantCli, EveryMethodGivesAModelThatEvalReads) {
     const std::string dir = test::temp_dir("quant_cli");

@@ -1,0 +1,152 @@
+// The CPU engines' memory predicted before allocation (see host_memory_plan.h).
+#include "train/host_memory_plan.h"
+
+#include <cstdlib>
+#include <fstream>
+#include <limits>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "dist/communicator.h"
+#include "model/gpt.h"
+#include "model/lora.h"
+#include "quant/quantized_store.h"
+#include "remat/policy.h"
+
+namespace memtrain {
+
+namespace {
+
+std::string gib(std::size_t b) {
+    return fmt::format("{:.2f} GiB", (double)b / (1024.0 * 1024 * 1024));
+}
+
+std::size_t sum(const std::vector<MemoryPrediction>& rows) {
+    std::size_t s = 0;
+    for (const auto& r : rows) s += r.bytes;
+    return s;
+}
+
+// A number from a /proc or /sys file's first token after `key` (key empty: the first token).
+std::size_t read_number(const std::string& path, const std::string& key, std::size_t scale) {
+    std::ifstream f(path);
+    std::string k;
+    while (f >> k) {
+        if (key.empty() || k == key) {
+            std::string v;
+            if (key.empty())
+                v = k;
+            else
+                f >> v;
+            if (v == "max") return std::numeric_limits<std::size_t>::max();
+            try {
+                return (std::size_t)std::stoull(v) * scale;
+            } catch (const std::exception&) {
+                return std::numeric_limits<std::size_t>::max();
+            }
+        }
+    }
+    return std::numeric_limits<std::size_t>::max();
+}
+
+}  // namespace
+
+std::vector<MemoryPrediction> predict_cpu_memory(const RunConfig& cfg, const RematPlan& plan,
+                                                 int rank, int B, int T) {
+    if (cfg.train.device != "cpu" || cfg.train.pp > 1 || cfg.ps()) return {};
+    const ParamLayout layout = make_param_layout(cfg.model);
+    const auto arena = activation_layout(cfg.model, B, T, plan, GPT::arena_format());
+    auto shard = [&](std::size_t psi) {
+        return (std::size_t)dist::shard_ranges((int64_t)psi, cfg.world).at(rank).count;
+    };
+    std::vector<MemoryPrediction> rows;
+    std::string ws_formula = "activation_layout(B, T)";
+    std::size_t ws_extra = 0;
+    if (!cfg.lora.enabled()) {
+        rows = zero_state_rows(cfg, shard(layout.total), layout.total, cfg.world, "params");
+    } else {
+        // The adapters' states as any ZeroStore's; the frozen base beside their parameters.
+        const LoraLayout ll = make_lora_layout(cfg.model, cfg.lora);
+        const std::size_t psi = ll.params.total;
+        rows = zero_state_rows(cfg, shard(psi), psi, cfg.world, "adapters");
+        std::size_t base = sizeof(float) * layout.total;
+        std::string base_formula = fmt::format("4 x {} (fp32)", layout.total);
+        if (cfg.lora.base != "fp32") {
+            const quant::BaseQuant q = quant::lora_base_quant(cfg.lora);
+            const quant::BaseBytes bb = quant::QuantizedParamStore::predicted_bytes(cfg.model, q);
+            base = bb.params();
+            base_formula = q.name() + " packed + fp32 rest";
+            ws_extra += bb.slots;
+            ws_formula += " + 2 decoded blocks (fp32)";
+        }
+        rows[0].bytes += base;
+        rows[0].formula = fmt::format("base {} (frozen) + {}", base_formula, rows[0].formula);
+        ws_extra += lora_workspace_bytes(cfg.lora, ll, B * T);
+        ws_formula += " + LoRA h, dh (+ dropout x, dx)";
+    }
+    rows.push_back({MemCategory::Activations,
+                    fmt::format("activation_layout(B, T, remat={})", cfg.train.remat),
+                    arena_bytes(arena, MemCategory::Activations)});
+    rows.push_back({MemCategory::Workspace, ws_formula,
+                    arena_bytes(arena, MemCategory::Workspace) + ws_extra});
+    return rows;
+}
+
+std::size_t host_available_bytes() {
+    if (const char* e = std::getenv("MEMTRAIN_HOST_MEMORY")) {
+        try {
+            return remat::parse_bytes(e);
+        } catch (const Error&) {
+            fail("MEMTRAIN_HOST_MEMORY = '{}': expected bytes, e.g. 8GiB", e);
+        }
+    }
+    std::size_t avail = read_number("/proc/meminfo", "MemAvailable:", 1024);
+    // A cgroup v2 limit (containers, Slurm) caps what this process may take.
+    const std::size_t limit = read_number("/sys/fs/cgroup/memory.max", "", 1);
+    const std::size_t used = read_number("/sys/fs/cgroup/memory.current", "", 1);
+    if (limit != std::numeric_limits<std::size_t>::max() && used <= limit)
+        avail = std::min(avail, limit - used);
+    return avail;
+}
+
+void check_host_fit(const RunConfig& cfg, const RematPlan& plan, int rank, int ranks_on_node) {
+    const int B = cfg.micro_batch(), T = cfg.train.seq_len;
+    const std::vector<MemoryPrediction> rows = predict_cpu_memory(cfg, plan, rank, B, T);
+    if (rows.empty()) return;
+    const std::size_t per_rank = sum(rows), need = per_rank * (std::size_t)ranks_on_node;
+    const std::size_t avail = host_available_bytes();
+    if (need <= avail) return;
+    std::string parts;
+    for (const auto& r : rows)
+        parts += fmt::format("{}{} {}", parts.empty() ? "" : ", ", category_name(r.category),
+                             gib(r.bytes));
+    // What would change it: the activations at one sequence per micro-batch and full remat, and
+    // the model states sharded over more ranks or left to adapters.
+    std::string would;
+    {
+        RunConfig small = cfg;
+        small.train.micro_batch_size = 1;
+        small.train.remat = "full";
+        const RematPlan full_plan = remat::make_schedule(remat::parse_policy("full"), cfg.model, 1,
+                                                         T, nullptr, GPT::arena_format())
+                                        .plan;
+        const std::size_t s = sum(predict_cpu_memory(small, full_plan, rank, 1, T));
+        would = fmt::format(
+            "train.micro_batch_size = 1 with train.remat = \"full\" needs {} per rank", gib(s));
+        if (s > avail / (std::size_t)ranks_on_node)
+            would += cfg.lora.enabled() ? "; a smaller model or more memory is needed"
+                                        : "; model states need ZeRO over more nodes, or LoRA "
+                                          "(lora.rank) to train adapters only";
+    }
+    fail(
+        "this run needs {} of host memory per rank ({}){} but {} is available{}: it would fail "
+        "while allocating. {}",
+        gib(per_rank), parts,
+        ranks_on_node > 1
+            ? fmt::format(", {} for the {} ranks on this node,", gib(need), ranks_on_node)
+            : std::string(","),
+        gib(avail), std::getenv("MEMTRAIN_HOST_MEMORY") ? " (MEMTRAIN_HOST_MEMORY)" : "", would);
+}
+
+}  // namespace memtrain

@@ -1,0 +1,33 @@
+// The CPU engines' memory, predicted from the config alone, before anything is allocated: the
+// model states (whole, or a ZeroStore shard), the frozen base of a LoRA run, and the activation
+// arenas of the remat plan, computed by the same layout functions the engines allocate with.
+// CpuEngine and LoraEngine report exactly these rows beside what they measured, and the
+// Trainer refuses a run whose rows do not fit the host's memory before it allocates.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "model/activation_layout.h"
+#include "train/engine.h"
+#include "train/run_config.h"
+
+namespace memtrain {
+
+// The rows one rank of a CPU run (data parallel or not, full or LoRA) allocates for
+// micro-batches of B x T with `plan`; empty where the engine is another (pipeline stages, a
+// parameter server, the GPU), whose own prediction comes after construction.
+std::vector<MemoryPrediction> predict_cpu_memory(const RunConfig& cfg, const RematPlan& plan,
+                                                 int rank, int B, int T);
+
+// The bytes this process may still allocate: the kernel's MemAvailable, or less under a cgroup
+// memory limit. MEMTRAIN_HOST_MEMORY (bytes, or with a suffix such as 8GiB) replaces it, for
+// tests and for running beside other jobs.
+std::size_t host_available_bytes();
+
+// Fails, naming every category and what would fit instead, when `ranks_on_node` ranks of this
+// run need more than host_available_bytes(). A no-op where predict_cpu_memory has no rows.
+void check_host_fit(const RunConfig& cfg, const RematPlan& plan, int rank, int ranks_on_node);
+
+}  // namespace memtrain
