@@ -245,12 +245,9 @@ std::string emit_config_toml(const ModelSpec& m, const Plan& p) {
         format_bytes(p.memory.bytes("activations")), p.time.tokens_per_s, p.time.mfu * 100,
         r.gpus(),
         r.lora_rank > 0
-            ? fmt::format("# {} (adapters on {}, frozen weights at {} bits): not written below; "
-                          "set the trainer's LoRA keys by hand.\n",
-                          describe_method(r),
-                          r.lora_targets == LoraTargets::all ? "every linear layer"
-                                                             : "the attention projections",
-                          r.frozen_bits)
+            ? fmt::format("# {}: the trainer runs LoRA on the CPU engine so far (docs/lora.md); "
+                          "set model.init_from to the base model.\n",
+                          describe_method(r))
             : "");
     out += "[model]\n";
     out += fmt::format("n_layer = {}\nn_head = {}\nn_embd = {}\nblock_size = {}\nvocab_size = {}\n",
@@ -265,6 +262,14 @@ std::string emit_config_toml(const ModelSpec& m, const Plan& p) {
         r.seq_len(m), r.global_batch(), r.micro_batch, to_string(r.recompute));
     out +=
         fmt::format("\n[optim]\nname = \"{}\"\n", r.optimizer == Optimizer::sgd ? "sgd" : "adamw");
+    if (r.lora_rank > 0)
+        // Frozen weights at 16 bits are the unquantized base (fp32 on the CPU engine); 8 and 4
+        // bits are QLoRA's int8 and NF4.
+        out += fmt::format("\n[lora]\nrank = {}\ntargets = \"{}\"\nbase = \"{}\"\n", r.lora_rank,
+                           r.lora_targets == LoraTargets::all ? "all" : "attn",
+                           r.frozen_bits == 8   ? "int8"
+                           : r.frozen_bits == 4 ? "nf4"
+                                                : "fp32");
     return out;
 }
 

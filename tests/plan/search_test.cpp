@@ -76,6 +76,19 @@ TEST(PlanSearch, EmittedConfigLoadsInTheTrainer) {
     EXPECT_EQ(cfg.train.micro_batch_size, r.plans[0].run.micro_batch);
     EXPECT_EQ(cfg.train.remat, to_string(r.plans[0].run.recompute));
     EXPECT_NO_THROW(cfg.validate());
+    EXPECT_EQ(cfg.lora.rank, 0);
+
+    // A QLoRA plan writes the trainer's [lora] keys.
+    Plan q = r.plans[0];
+    q.run.lora_rank = 16;
+    q.run.frozen_bits = 4;
+    q.run.lora_targets = LoraTargets::all;
+    memtrain::RunConfig qc = memtrain::parse_run_config(emit_config_toml(m, q), "emitted.toml", {});
+    EXPECT_EQ(qc.lora.rank, 16);
+    EXPECT_EQ(qc.lora.targets, "all");
+    EXPECT_EQ(qc.lora.base, "nf4");
+    qc.train.device = "cpu";
+    EXPECT_NO_THROW(qc.validate());
 }
 
 // One GPU too small for GPT-2 1.5B's 16 bytes of model states per parameter: ZeRO-Offload (on
