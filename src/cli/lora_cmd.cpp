@@ -5,6 +5,7 @@
 #include <filesystem>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
 #include "core/error.h"
@@ -50,12 +51,11 @@ void register_lora(CLI::App& app) {
         io::write_text_file(tmp / "config.json", hf_config_json(src.model));
         if (!src.tokenizer.empty() && fs::is_regular_file(src.tokenizer))
             fs::copy_file(src.tokenizer, tmp / "tokenizer.json");
-        io::write_text_file(
-            tmp / "lora_merge.json",
-            fmt::format("{{\"adapters\": \"{}\", \"base\": \"{}\", \"rank\": {}, \"alpha\": {}, "
-                        "\"targets\": \"{}\", \"frozen_base\": \"{}\"}}\n",
-                        src.dir, run.model.init_from, run.lora.rank, run.lora.alpha,
-                        run.lora.targets, run.lora.base));
+        nlohmann::ordered_json record = {
+            {"adapters", src.dir},         {"base", run.model.init_from},
+            {"rank", run.lora.rank},       {"alpha", run.lora.alpha},
+            {"targets", run.lora.targets}, {"frozen_base", run.lora.base}};
+        io::write_text_file(tmp / "lora_merge.json", record.dump() + "\n");
         fs::remove_all(out);
         fs::rename(tmp, out);
         std::printf("%s\n", fmt::format("merged {} (LoRA r={} alpha={} on {}) into {} -> {}",

@@ -4,6 +4,7 @@
 #include <filesystem>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include "core/error.h"
 #include "io/hf_weights.h"
@@ -16,20 +17,6 @@ namespace fs = std::filesystem;
 namespace memtrain {
 
 namespace {
-
-// A JSON string literal (paths and module names: quotes, backslashes and control bytes escaped).
-std::string json_str(const std::string& s) {
-    std::string out = "\"";
-    for (char c : s) {
-        if (c == '"' || c == '\\')
-            out += std::string("\\") + c;
-        else if ((unsigned char)c < 0x20)
-            out += fmt::format("\\u{:04x}", (int)(unsigned char)c);
-        else
-            out += c;
-    }
-    return out + "\"";
-}
 
 std::string adapter_file(const std::string& path) {
     return fs::is_directory(path) ? (fs::path(path) / "adapter_model.safetensors").string() : path;
@@ -44,18 +31,22 @@ std::string peft_tensor_name(const ModelConfig& cfg, const std::string& tensor) 
 }
 
 std::string adapter_config_json(const RunConfig& cfg, const LoraLayout& layout) {
-    std::string targets;
-    for (const std::string& n : layout.names)
-        targets += (targets.empty() ? "" : ", ") + json_str(n);
-    // fan_in_fan_out: GPT-2's Conv1D stores (in, out), which PEFT must know to merge.
-    return fmt::format(
-        "{{\n  \"peft_type\": \"LORA\",\n  \"task_type\": \"CAUSAL_LM\",\n"
-        "  \"base_model_name_or_path\": {},\n  \"r\": {},\n  \"lora_alpha\": {},\n"
-        "  \"lora_dropout\": {},\n  \"target_modules\": [{}],\n  \"bias\": \"none\",\n"
-        "  \"fan_in_fan_out\": {},\n  \"init_lora_weights\": \"gaussian\",\n"
-        "  \"inference_mode\": true,\n  \"use_rslora\": false,\n  \"modules_to_save\": null\n}}\n",
-        json_str(cfg.model.init_from), cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, targets,
-        cfg.model.is_llama() ? "false" : "true");
+    nlohmann::ordered_json j;
+    j["peft_type"] = "LORA";
+    j["task_type"] = "CAUSAL_LM";
+    j["base_model_name_or_path"] = cfg.model.init_from;
+    j["r"] = cfg.lora.rank;
+    j["lora_alpha"] = cfg.lora.alpha;
+    j["lora_dropout"] = cfg.lora.dropout;
+    j["target_modules"] = layout.names;
+    j["bias"] = "none";
+    // GPT-2's Conv1D stores (in, out), which PEFT must know to merge.
+    j["fan_in_fan_out"] = !cfg.model.is_llama();
+    j["init_lora_weights"] = "gaussian";
+    j["inference_mode"] = true;
+    j["use_rslora"] = false;
+    j["modules_to_save"] = nullptr;
+    return j.dump(2) + "\n";
 }
 
 void save_lora_adapters(const std::string& dir, const RunConfig& cfg, const LoraLayout& layout,
@@ -116,8 +107,7 @@ void load_merged_lora_model(const std::string& ckpt_dir, const RunConfig& cfg,
     // QLoRA trained against the quantized base: merge into what it decodes to.
     if (cfg.lora.base != "fp32") quant::round_trip_base(weights, quant::lora_base_quant(cfg.lora));
     const LoraLayout layout = make_lora_layout(cfg.model, cfg.lora);
-    ParamLayout adapters_layout = layout.params;
-    FullParamStore adapters(adapters_layout);
+    FullParamStore adapters(layout.params);
     load_lora_adapters(ckpt_dir, cfg.model, layout, adapters);
     float* base = weights.store.full_params();
     if (!base) fail("internal: load_merged_lora_model needs a whole model");

@@ -204,15 +204,15 @@ void GPT::set_lora(LoraAdapters* lora) {
 void GPT::lora_forward(int l, BlockLinear linear, const float* adapter, const float* x, float* y,
                        int N) {
     if (!lora_) return;
-    for (const LoraSite* s : lora_->layout().sites_of(l, linear))
-        lora_->forward(*s, adapter, x, y, N);
+    for (const LoraSite& s : lora_->layout().sites_of(l, linear))
+        lora_->forward(s, adapter, x, y, N);
 }
 
 void GPT::lora_backward(int l, BlockLinear linear, const float* adapter, float* grads,
                         const float* x, const float* dy, float* dx, int N) {
     if (!lora_) return;
-    for (const LoraSite* s : lora_->layout().sites_of(l, linear))
-        lora_->backward(*s, adapter, grads, x, dy, dx, N);
+    for (const LoraSite& s : lora_->layout().sites_of(l, linear))
+        lora_->backward(s, adapter, grads, x, dy, dx, N);
 }
 
 void GPT::block_forward(const BlockParams& p, int l, const float* adapter, const float* x,

@@ -122,6 +122,13 @@ LoraLayout make_lora_layout(const ModelConfig& cfg, const LoraConfig& lora) {
     const int64_t r = lora.rank;
     std::size_t at = 0;
     for (int l = 0; l < cfg.n_layer; l++) {
+        // Modules come in linear order (q, k, v before o, gate and up before down), so each
+        // (block, linear) pair's sites are contiguous.
+        for (int k = 0; k < 4; k++) {
+            out.first.push_back(out.sites.size());
+            for (std::size_t i = 0; i < modules.size(); i++)
+                if (chosen[i] && (int)modules[i].linear < k) out.first.back()++;
+        }
         ParamUnit unit;
         unit.name = fmt::format("h.{}", l);
         unit.begin = at;
@@ -146,6 +153,7 @@ LoraLayout make_lora_layout(const ModelConfig& cfg, const LoraConfig& lora) {
                 {s.module + ".lora_B.weight", {m.out, r}, at, (std::size_t)(m.out * r), true});
             at += (std::size_t)(m.out * r);
             out.sites.push_back(s);
+            out.max_in = std::max(out.max_in, m.in);
             if (l == 0) out.names.push_back(m.suffix);
         }
         unit.end = at;
@@ -153,13 +161,7 @@ LoraLayout make_lora_layout(const ModelConfig& cfg, const LoraConfig& lora) {
         out.params.units.push_back(unit);
     }
     out.params.total = at;
-    return out;
-}
-
-std::vector<const LoraSite*> LoraLayout::sites_of(int block, BlockLinear linear) const {
-    std::vector<const LoraSite*> out;
-    for (const LoraSite& s : sites)
-        if (s.block == block && s.linear == linear) out.push_back(&s);
+    out.first.push_back(out.sites.size());
     return out;
 }
 
@@ -181,15 +183,11 @@ void init_lora_weights(ParamStore& store, const LoraLayout& layout, uint64_t see
 
 LoraAdapters::LoraAdapters(const LoraConfig& cfg, const LoraLayout& layout, ParamStore& store,
                            uint64_t dropout_seed)
-    : cfg_(cfg), layout_(&layout), store_(&store), seed_(dropout_seed) {
-    for (const LoraSite& s : layout.sites) max_in_ = std::max(max_in_, s.in);
-}
+    : cfg_(cfg), layout_(&layout), store_(&store), seed_(dropout_seed) {}
 
 std::size_t lora_workspace_bytes(const LoraConfig& cfg, const LoraLayout& layout, int N) {
-    int64_t max_in = 0;
-    for (const LoraSite& s : layout.sites) max_in = std::max(max_in, s.in);
     const std::size_t r = (std::size_t)layout.rank, n = (std::size_t)N;
-    const std::size_t drop = cfg.dropout > 0 ? 2 * n * (std::size_t)max_in : 0;
+    const std::size_t drop = cfg.dropout > 0 ? 2 * n * (std::size_t)layout.max_in : 0;
     return sizeof(float) * (2 * n * r + drop);
 }
 
@@ -203,8 +201,8 @@ void LoraAdapters::prepare(int N) {
     h_ = Buffer<float>(n * r, MemCategory::Workspace);
     dh_ = Buffer<float>(n * r, MemCategory::Workspace);
     if (cfg_.dropout > 0) {
-        xd_ = Buffer<float>(n * (std::size_t)max_in_, MemCategory::Workspace);
-        tmp_ = Buffer<float>(n * (std::size_t)max_in_, MemCategory::Workspace);
+        xd_ = Buffer<float>(n * (std::size_t)layout_->max_in, MemCategory::Workspace);
+        tmp_ = Buffer<float>(n * (std::size_t)layout_->max_in, MemCategory::Workspace);
     }
     rows_ = N;
 }

@@ -17,6 +17,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -58,7 +59,14 @@ struct LoraLayout {
     ParamLayout params;              // unit l = block l's adapters; tensors named by module
     std::vector<LoraSite> sites;     // block by block, in linear order
     std::vector<std::string> names;  // distinct module suffixes adapted ("attn.c_attn", "q_proj")
-    std::vector<const LoraSite*> sites_of(int block, BlockLinear linear) const;
+    int64_t max_in = 0;              // the widest adapter input
+    // The adapters of block `block` on `linear`: a contiguous run of `sites`.
+    std::span<const LoraSite> sites_of(int block, BlockLinear linear) const {
+        const std::size_t k = 4 * (std::size_t)block + (std::size_t)linear;
+        return std::span<const LoraSite>(sites).subspan(first[k], first[k + 1] - first[k]);
+    }
+    // sites_of(b, k) is sites[first[4b + k], first[4b + k + 1]).
+    std::vector<std::size_t> first;
 };
 
 // The adapters `lora.targets` asks for. Targets: "attn" = the attention projections (GPT-2
@@ -112,7 +120,6 @@ class LoraAdapters {
     uint64_t seed_;
     uint64_t micro_batch_ = 0;
     bool training_ = false;
-    int64_t max_in_ = 0;
     int rows_ = 0;
     Buffer<float> xd_, h_, dh_, tmp_;
 };

@@ -33,6 +33,12 @@ void CpuEngine::forward_backward(const int32_t* inputs, const int32_t* targets, 
     micro_batches_++;
 }
 
+std::string host_rss_line() {
+    return fmt::format(
+        "{:<16} {:>12}  (everything the OS charged: code, libraries, loaders, allocator slack)\n",
+        "process peak RSS", fmt::format("{:.1f} MiB", process_peak_rss() / 1048576.0));
+}
+
 StepResult finish_zero_step(dist::ZeroStore& store, Optimizer& opt, double loss_sum,
                             int micro_batches, double lr, double max_norm) {
     StepResult r;
@@ -88,9 +94,7 @@ std::vector<MemoryPrediction> CpuEngine::predicted_memory(int B, int T) const {
 }
 
 std::string CpuEngine::memory_footer() const {
-    std::string out = fmt::format(
-        "{:<16} {:>12}  (everything the OS charged: code, libraries, loaders, allocator slack)\n",
-        "process peak RSS", fmt::format("{:.1f} MiB", process_peak_rss() / 1048576.0));
+    std::string out = host_rss_line();
     // What the overlap did, beside the communication buffers it cost (dist/zero.h).
     const dist::ReduceStats& r = store_->reduce_stats();
     const dist::PrefetchStats& p = store_->prefetch_stats();

@@ -90,6 +90,9 @@ class Engine {
     virtual void restore_loss_scaler(double /*scale*/, int64_t /*clean_steps*/) {}
 };
 
+// The footer line every host engine's memory report starts with: the process's peak RSS.
+std::string host_rss_line();
+
 // The end of a step over a ZeroStore (the CPU engine's and LoRA's): the mean loss of the
 // micro-batches, the global norm clipped, the optimizer over the rank's range, the stage's
 // all-gather.

@@ -123,22 +123,16 @@ void check_host_fit(const RunConfig& cfg, const RematPlan& plan, int rank, int r
                              gib(r.bytes));
     // What would change it: the activations at one sequence per micro-batch and full remat, and
     // the model states sharded over more ranks or left to adapters.
-    std::string would;
-    {
-        RunConfig small = cfg;
-        small.train.micro_batch_size = 1;
-        small.train.remat = "full";
-        const RematPlan full_plan = remat::make_schedule(remat::parse_policy("full"), cfg.model, 1,
-                                                         T, nullptr, GPT::arena_format())
-                                        .plan;
-        const std::size_t s = sum(predict_cpu_memory(small, full_plan, rank, 1, T));
-        would = fmt::format(
-            "train.micro_batch_size = 1 with train.remat = \"full\" needs {} per rank", gib(s));
-        if (s > avail / (std::size_t)ranks_on_node)
-            would += cfg.lora.enabled() ? "; a smaller model or more memory is needed"
-                                        : "; model states need ZeRO over more nodes, or LoRA "
-                                          "(lora.rank) to train adapters only";
-    }
+    const RematPlan full = remat::make_schedule(remat::parse_policy("full"), cfg.model, 1, T,
+                                                nullptr, GPT::arena_format())
+                               .plan;
+    const std::size_t smallest = sum(predict_cpu_memory(cfg, full, rank, 1, T));
+    std::string would = fmt::format(
+        "train.micro_batch_size = 1 with train.remat = \"full\" needs {} per rank", gib(smallest));
+    if (smallest > avail / (std::size_t)ranks_on_node)
+        would += cfg.lora.enabled() ? "; a smaller model or more memory is needed"
+                                    : "; model states need ZeRO over more nodes, or LoRA "
+                                      "(lora.rank) to train adapters only";
     fail(
         "this run needs {} of host memory per rank ({}){} but {} is available{}: it would fail "
         "while allocating. {}",

@@ -17,7 +17,7 @@ LoraEngine::LoraEngine(const RunConfig& cfg, dist::Communicator& comm)
     if (cfg_.lora.base == "fp32") {
         fp32_base_ = std::make_unique<FullParamStore>(layout_);
     } else {
-        const quant::BaseQuant q = base_quant();
+        const quant::BaseQuant q = quant::lora_base_quant(cfg_.lora);
         q.check(cfg_.model);
         quant_base_ = std::make_unique<quant::QuantizedParamStore>(cfg_.model, q);
         quant_writer_ = std::make_unique<quant::QuantizedStoreWriter>(*quant_base_);
@@ -39,10 +39,6 @@ ParamStore& LoraEngine::base() {
     return quant_base_ ? static_cast<ParamStore&>(*quant_base_) : *fp32_base_;
 }
 
-quant::BaseQuant LoraEngine::base_quant() const {
-    return quant::lora_base_quant(cfg_.lora);
-}
-
 GPT& LoraEngine::model() {
     if (!model_) fail("internal: the LoRA model is built by weights_loaded()");
     return *model_;
@@ -54,7 +50,7 @@ std::string LoraEngine::describe() const {
     return fmt::format("cpu (fp32), {} r={} alpha={} on {} ({} trainable), base {} frozen",
                        quant_base_ ? "QLoRA" : "LoRA", cfg_.lora.rank, cfg_.lora.alpha, names,
                        lora_layout_.params.total,
-                       quant_base_ ? base_quant().name() : std::string("fp32"));
+                       quant_base_ ? quant_base_->quant().name() : std::string("fp32"));
 }
 
 ModelWeights LoraEngine::weights() {
@@ -85,7 +81,6 @@ CheckpointModel LoraEngine::checkpoint_model() {
 
 void LoraEngine::begin_step() {
     adapters_->zero_grads();
-    lora_->set_training(true);
     loss_sum_ = 0;
     micro_batches_ = 0;
 }
@@ -122,17 +117,15 @@ std::string LoraEngine::memory_title() const {
 }
 
 std::vector<MemoryPrediction> LoraEngine::predicted_memory(int B, int T) const {
-    return predict_cpu_memory(cfg_, model_ ? model_->remat_plan() : plan_, comm_.rank(), B, T);
+    return predict_cpu_memory(cfg_, plan_, comm_.rank(), B, T);
 }
 
 std::string LoraEngine::memory_footer() const {
-    return fmt::format(
-               "{:<16} {:>12}  (everything the OS charged: code, libraries, loaders, allocator "
-               "slack)\n"
-               "LoRA: {} adapters, {} trainable parameters = {:.3f}% of the base's {}\n",
-               "process peak RSS", fmt::format("{:.1f} MiB", process_peak_rss() / 1048576.0),
-               lora_layout_.sites.size(), lora_layout_.params.total,
-               100.0 * (double)lora_layout_.params.total / (double)layout_.total, layout_.total) +
+    return host_rss_line() +
+           fmt::format("LoRA: {} adapters, {} trainable parameters = {:.3f}% of the base's {}\n",
+                       lora_layout_.sites.size(), lora_layout_.params.total,
+                       100.0 * (double)lora_layout_.params.total / (double)layout_.total,
+                       layout_.total) +
            (quant_base_ ? "QLoRA base: " + quant_base_->summary() + "\n" : std::string());
 }
 

@@ -54,11 +54,10 @@ class LoraEngine final : public Engine {
     std::unique_ptr<LoraAdapters> lora_;
     std::unique_ptr<GPT> model_;
     std::unique_ptr<Optimizer> opt_;
-    RematPlan plan_;
+    RematPlan plan_;  // the model's (it is built after set_remat, in weights_loaded)
     double loss_sum_ = 0;
     int micro_batches_ = 0;
     ParamStore& base();
-    quant::BaseQuant base_quant() const;
 };
 
 }  // namespace memtrain

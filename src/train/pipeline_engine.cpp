@@ -326,9 +326,7 @@ std::vector<MemoryPrediction> PipelineEngine::predicted_memory(int B, int T) con
 }
 
 std::string PipelineEngine::memory_footer() const {
-    std::string out = fmt::format(
-        "{:<16} {:>12}  (everything the OS charged: code, libraries, loaders, allocator slack)\n",
-        "process peak RSS", fmt::format("{:.1f} MiB", process_peak_rss() / 1048576.0));
+    std::string out = host_rss_line();
     out += fmt::format(
         "pipeline: {} stages, {} schedule, stage {} holds blocks {}..{} and up to {} "
         "micro-batches in flight\n",

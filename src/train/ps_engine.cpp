@@ -281,9 +281,7 @@ std::vector<MemoryPrediction> PsEngine::predicted_memory(int B, int T) const {
 }
 
 std::string PsEngine::memory_footer() const {
-    std::string out = fmt::format(
-        "{:<16} {:>12}  (everything the OS charged: code, libraries, loaders, allocator slack)\n",
-        "process peak RSS", fmt::format("{:.1f} MiB", process_peak_rss() / 1048576.0));
+    std::string out = host_rss_line();
     out += fmt::format("parameter server: {} workers, {} server{} (", workers_, servers(),
                        servers() == 1 ? "" : "s");
     for (int s = 0; s < servers(); s++)

@@ -123,6 +123,14 @@ TEST(Lora, LayoutHasPeftShapesAndTargets) {
     EXPECT_EQ(l.sites[1].out, 8);  // 2 kv heads x 4
     EXPECT_EQ(l.sites[5].module, "model.layers.0.mlp.up_proj");
     EXPECT_EQ(l.sites[5].col0, 24);
+    // Each (block, linear) pair's adapters, as GPT runs them: q, k, v on c_attn's GEMM.
+    const auto qkv = l.sites_of(1, BlockLinear::Qkv);
+    ASSERT_EQ(qkv.size(), 3u);
+    EXPECT_EQ(qkv[0].module, "model.layers.1.self_attn.q_proj");
+    EXPECT_EQ(qkv[2].module, "model.layers.1.self_attn.v_proj");
+    EXPECT_EQ(l.sites_of(1, BlockLinear::FcProj).front().module, "model.layers.1.mlp.down_proj");
+    EXPECT_TRUE(g.sites_of(1, BlockLinear::Fc).empty());
+    EXPECT_EQ(l.max_in, 24);  // down_proj's input: the MLP's hidden width
     EXPECT_EQ(make_lora_layout(tiny_llama(), lora_cfg("q_proj,v_proj")).sites.size(), 4u);
     EXPECT_EQ(make_lora_layout(test::tiny_model(), lora_cfg("c_proj")).sites.size(), 4u);
     EXPECT_EQ(make_lora_layout(test::tiny_model(), lora_cfg("mlp.c_proj")).sites.size(), 2u);
