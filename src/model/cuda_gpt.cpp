@@ -14,6 +14,7 @@
 #include "core/error.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/token_buckets.h"
+#include "model/cuda_lora.h"
 
 namespace memtrain {
 
@@ -30,13 +31,13 @@ std::size_t CudaGPT<T>::token_bytes(int B, int T_) {
 
 template <typename T>
 CudaGPT<T>::CudaGPT(const ModelConfig& cfg, cudaStream_t stream, std::size_t padded_total,
-                    DeviceUnitStore<T>* units)
-    : cfg_(cfg), layout_(make_param_layout(cfg)), stream_(stream), units_(units) {
+                    DeviceUnitStore<T>* units, CudaLora<T>* lora)
+    : cfg_(cfg), layout_(make_param_layout(cfg)), stream_(stream), units_(units), lora_(lora) {
     cfg_.validate();
     if (!units_) {
         const std::size_t n = std::max(padded_total, layout_.total);
         params_ = DeviceBuffer<T>(n, MemCategory::Parameters);
-        grads_ = DeviceBuffer<T>(n, MemCategory::Gradients);
+        if (!frozen()) grads_ = DeviceBuffer<T>(n, MemCategory::Gradients);
     }
     for (int l = 0; l < cfg_.n_layer; l++) block_off_.push_back(block_offsets(layout_, l));
     const int emb = ParamLayout::embedding_unit(), head = layout_.head_unit();
@@ -249,11 +250,30 @@ void CudaGPT<T>::norm_backward(T* dinp, T* dw, T* db, const T* dout, const T* in
 }
 
 template <typename T>
-void CudaGPT<T>::block_forward(const Block& p, const T* x, T* out, const Saved& s, int B, int T_) {
+bool CudaGPT<T>::adapted(int l, BlockLinear k) const {
+    return lora_ && lora_->adapts(l, k);
+}
+
+template <typename T>
+void CudaGPT<T>::lora_forward(int l, BlockLinear k, const T* x, T* y, int N) {
+    if (adapted(l, k)) lora_->forward(l, k, x, y, N);
+}
+
+template <typename T>
+void CudaGPT<T>::lora_backward(int l, BlockLinear k, const T* x, const T* dy, T* dx, int N) {
+    if (adapted(l, k)) lora_->backward(l, k, x, dy, dx, N);
+}
+
+// Adapters (LoRA) add their share to each linear's output right after it, as on the CPU
+// (GPT::block_forward); c_fc's GELU epilogue is then unfused, since the adapter adds to its input.
+template <typename T>
+void CudaGPT<T>::block_forward(const Block& p, int l, const T* x, T* out, const Saved& s, int B,
+                               int T_) {
     const int N = B * T_, C = cfg_.n_embd, QKV = cfg_.qkv_dim(), F = cfg_.fc_dim(),
               H = cfg_.mlp_hidden();
     norm_forward(s.ln1, s.ln1_mean, s.ln1_rstd, x, p.ln1_w, p.ln1_b, N);
     cuda::matmul_forward<T>(s.qkv, s.ln1, p.qkv_w, p.qkv_b, N, C, QKV, nullptr, stream_);
+    lora_forward(l, BlockLinear::Qkv, s.ln1, s.qkv, N);
     if (cfg_.rope())
         cuda::rope_forward<T>(s.qkv, B, T_, cfg_.n_head, cfg_.kv_heads(), cfg_.head_dim(),
                               (float)cfg_.rope_theta, stream_);
@@ -261,14 +281,20 @@ void CudaGPT<T>::block_forward(const Block& p, const T* x, T* out, const Saved& 
                                stream_);
     // The residual adds ride in the projections' epilogues (cuBLASLt's C input).
     cuda::matmul_forward<T>(s.resid_mid, s.atty, p.proj_w, p.proj_b, N, C, C, x, stream_);
+    lora_forward(l, BlockLinear::Proj, s.atty, s.resid_mid, N);
     norm_forward(s.ln2, s.ln2_mean, s.ln2_rstd, s.resid_mid, p.ln2_w, p.ln2_b, N);
-    if (cfg_.swiglu()) {
+    if (cfg_.swiglu() || adapted(l, BlockLinear::Fc)) {
         cuda::matmul_forward<T>(s.fch, s.ln2, p.fc_w, p.fc_b, N, C, F, nullptr, stream_);
-        cuda::swiglu_forward<T>(s.fch_act, s.fch, N, H, stream_);
+        lora_forward(l, BlockLinear::Fc, s.ln2, s.fch, N);
+        if (cfg_.swiglu())
+            cuda::swiglu_forward<T>(s.fch_act, s.fch, N, H, stream_);
+        else
+            cuda::gelu_forward<T>(s.fch_act, s.fch, (int64_t)N * H, stream_);
     } else {
         cuda::matmul_forward_gelu<T>(s.fch_act, s.fch, s.ln2, p.fc_w, p.fc_b, N, C, F, stream_);
     }
     cuda::matmul_forward<T>(out, s.fch_act, p.fcp_w, p.fcp_b, N, H, C, s.resid_mid, stream_);
+    lora_forward(l, BlockLinear::FcProj, s.fch_act, out, N);
 }
 
 // What Selective dropped (ln_1, ln_2, the mlp activation), recomputed from what it kept.
@@ -283,27 +309,37 @@ void CudaGPT<T>::recompute_selective(const Block& p, const T* x, const Saved& s,
         cuda::gelu_forward<T>(s.fch_act, s.fch, (int64_t)N * H, stream_);
 }
 
-// On entry dres_ holds d(block output); on exit d(block input).
+// On entry dres_ holds d(block output); on exit d(block input). Under LoRA `g` is all null (the
+// base is frozen) and each linear's adapters add their share to its input gradient right after
+// it, as on the CPU (GPT::block_backward).
 template <typename T>
-void CudaGPT<T>::block_backward(const Block& p, const Block& g, const T* x, const Saved& s, int B,
-                                int T_) {
+void CudaGPT<T>::block_backward(const Block& p, const Block& g, int l, const T* x, const Saved& s,
+                                int B, int T_) {
     const int N = B * T_, C = cfg_.n_embd, QKV = cfg_.qkv_dim(), F = cfg_.fc_dim(),
               H = cfg_.mlp_hidden();
     T* dfch = dbig_;
     if (cfg_.swiglu()) {
         cuda::matmul_backward<T>(dact_, g.fcp_w, g.fcp_b, dres_, s.fch_act, p.fcp_w, N, H, C,
                                  nullptr, stream_);
+        lora_backward(l, BlockLinear::FcProj, s.fch_act, dres_, dact_, N);
         cuda::swiglu_backward<T>(dfch, s.fch, dact_, N, H, stream_);
+    } else if (adapted(l, BlockLinear::FcProj)) {
+        cuda::matmul_backward<T>(dfch, g.fcp_w, g.fcp_b, dres_, s.fch_act, p.fcp_w, N, H, C,
+                                 nullptr, stream_);
+        lora_backward(l, BlockLinear::FcProj, s.fch_act, dres_, dfch, N);
+        cuda::gelu_backward<T>(dfch, s.fch, dfch, (int64_t)N * H, stream_);
     } else {
         // d(fch) = (dres @ W^T) * gelu'(fch): the GELU backward rides in the GEMM's epilogue.
         cuda::matmul_backward<T>(dfch, g.fcp_w, g.fcp_b, dres_, s.fch_act, p.fcp_w, N, H, C, s.fch,
                                  stream_);
     }
     cuda::matmul_backward<T>(dln_, g.fc_w, g.fc_b, dfch, s.ln2, p.fc_w, N, C, F, nullptr, stream_);
+    lora_backward(l, BlockLinear::Fc, s.ln2, dfch, dln_, N);
     norm_backward(dres_, g.ln2_w, g.ln2_b, dln_, s.resid_mid, p.ln2_w, s.ln2_mean, s.ln2_rstd, N);
     T* datty = dln_;
     cuda::matmul_backward<T>(datty, g.proj_w, g.proj_b, dres_, s.atty, p.proj_w, N, C, C, nullptr,
                              stream_);
+    lora_backward(l, BlockLinear::Proj, s.atty, dres_, datty, N);
     T* dqkv = dbig_;
     cuda::attention_backward<T>(dqkv, att_delta_, datty, s.qkv, s.atty, s.lse, B, T_, C,
                                 cfg_.n_head, cfg_.kv_heads(), stream_);
@@ -312,6 +348,7 @@ void CudaGPT<T>::block_backward(const Block& p, const Block& g, const T* x, cons
                                (float)cfg_.rope_theta, stream_);
     cuda::matmul_backward<T>(dln_, g.qkv_w, g.qkv_b, dqkv, s.ln1, p.qkv_w, N, C, QKV, nullptr,
                              stream_);
+    lora_backward(l, BlockLinear::Qkv, s.ln1, dqkv, dln_, N);
     norm_backward(dres_, g.ln1_w, g.ln1_b, dln_, x, p.ln1_w, s.ln1_mean, s.ln1_rstd, N);
 }
 
@@ -347,7 +384,7 @@ void CudaGPT<T>::forward(int B, int T_, bool offload_inputs) {
             MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, to_host_[evicted], 0));
         const Block p = block_params(l);
         prefetch(l + 1 < L ? layout_.block_unit(l + 1) : head);
-        block_forward(p, resid_[l], resid_[l + 1], saved_[l], B, T_);
+        block_forward(p, l, resid_[l], resid_[l + 1], saved_[l], B, T_);
         unit_params_done(layout_.block_unit(l));
         if (l + 1 < L) copy_out(l + 1);
     }
@@ -395,6 +432,7 @@ void CudaGPT<T>::forward_backward(const int32_t* inputs, const int32_t* targets,
             warmed_up_ = true;
         }
     }
+    if (frozen()) return;  // LoRA: the embedding is frozen
     const int emb = ParamLayout::embedding_unit();
     T* eg = unit_grads(emb);
     cuda::embedding_backward<T>(tensor_at(eg, off_wte_), tensor_at(eg, off_wpe_), dres_,
@@ -409,19 +447,21 @@ void CudaGPT<T>::step_body(int B, int T_, float grad_scale, double* loss_sum) {
     const int32_t* dev_targets = tokens_.data() + N;
     const int head = layout_.head_unit();
     T* lm = unit_params(lm_unit_);
-    cuda::classifier_loss<T>(dln_, tensor_at(unit_grads(lm_unit_), off_lm_), logits_, row_loss_,
-                             lnf_, tensor_at(lm, off_lm_), dev_targets, N, C, cfg_.vocab_size,
-                             cfg_.padded_vocab(), chunk_, grad_scale, stream_);
+    T* dlm = frozen() ? nullptr : tensor_at(unit_grads(lm_unit_), off_lm_);
+    cuda::classifier_loss<T>(dln_, dlm, logits_, row_loss_, lnf_, tensor_at(lm, off_lm_),
+                             dev_targets, N, C, cfg_.vocab_size, cfg_.padded_vocab(), chunk_,
+                             grad_scale, stream_);
     unit_params_done(lm_unit_);
     cuda::sum_floats(loss_sum, row_loss_, N, stream_);
     MT_CUDA_CHECK(cudaMemsetAsync(dres_, 0, (std::size_t)N * C * sizeof(T), stream_));
     T* h = unit_params(head);
     if (L > 0) prefetch(layout_.block_unit(L - 1));
-    T* hg = unit_grads(head);
-    norm_backward(dres_, tensor_at(hg, off_lnf_w_), tensor_at(hg, off_lnf_b_), dln_, resid_[L],
+    T* hg = frozen() ? nullptr : unit_grads(head);
+    norm_backward(dres_, hg ? tensor_at(hg, off_lnf_w_) : nullptr,
+                  hg ? tensor_at(hg, off_lnf_b_) : nullptr, dln_, resid_[L],
                   tensor_at(h, off_lnf_w_), lnf_mean_, lnf_rstd_, N);
     unit_params_done(head);
-    unit_grads_done(head);
+    if (!frozen()) unit_grads_done(head);
     const std::size_t stream_bytes = (std::size_t)N * C * sizeof(T);
     for (int l = L - 1; l >= 0; l--) {
         // An Input block re-runs its forward into the scratch; its output rewrites resid_[l + 1]
@@ -434,15 +474,16 @@ void CudaGPT<T>::step_body(int B, int T_, float grad_scale, double* loss_sum) {
         if (l > 0) prefetch(layout_.block_unit(l - 1));
         if (keep(l) == BlockKeep::Offload) {
             if (leaves_device(l)) MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, to_device_[l], 0));
-            block_forward(p, resid_[l], dbig_, saved_[l], B, T_);
+            block_forward(p, l, resid_[l], dbig_, saved_[l], B, T_);
         } else if (keep(l) == BlockKeep::Input) {
-            block_forward(p, resid_[l], offloads() ? dbig_ : resid_[l + 1], saved_[l], B, T_);
+            block_forward(p, l, resid_[l], offloads() ? dbig_ : resid_[l + 1], saved_[l], B, T_);
         } else if (keep(l) == BlockKeep::Selective) {
             recompute_selective(p, resid_[l], saved_[l], B, T_);
         }
-        block_backward(p, block_at(block_off_[l], unit_grads(u)), resid_[l], saved_[l], B, T_);
+        const Block g = frozen() ? Block{} : block_at(block_off_[l], unit_grads(u));
+        block_backward(p, g, l, resid_[l], saved_[l], B, T_);
         unit_params_done(u);
-        unit_grads_done(u);
+        if (!frozen()) unit_grads_done(u);
         // Block l's ring slot is free: prefetch the input of the Offload block that had it
         // before into it on the side stream, while the next blocks' backward runs.
         const int next = keep(l) == BlockKeep::Offload ? slot_before(l) : -1;

@@ -19,6 +19,7 @@
 #include "core/device.h"
 #include "model/activation_layout.h"
 #include "model/config.h"
+#include "model/lora.h"
 #include "model/param_layout.h"
 
 namespace memtrain {
@@ -44,6 +45,9 @@ class DeviceUnitStore {
 };
 
 template <typename T>
+class CudaLora;  // model/cuda_lora.h
+
+template <typename T>
 class CudaGPT {
   public:
     // One block's parameters or gradients (model/param_layout.h), inside its unit.
@@ -51,10 +55,12 @@ class CudaGPT {
 
     // Parameters and gradients are allocated for padded_total >= the layout's total elements
     // (data parallelism pads the flat buffer to equal shards); the padding stays zero. With
-    // `units`, the model allocates neither and reaches both through the store (ZeRO-2/3);
-    // params() and grads() are then null.
+    // `units`, the model allocates neither and reaches both through the store (ZeRO-2/3, or a
+    // QLoRA base); params() and grads() are then null. With `lora`, the base is frozen (no
+    // gradients are allocated or computed: backward gives input gradients only) and the
+    // adapters run beside the block linears, their gradients accumulating in `lora`'s buffer.
     CudaGPT(const ModelConfig& cfg, cudaStream_t stream, std::size_t padded_total = 0,
-            DeviceUnitStore<T>* units = nullptr);
+            DeviceUnitStore<T>* units = nullptr, CudaLora<T>* lora = nullptr);
     CudaGPT(const CudaGPT&) = delete;
     CudaGPT& operator=(const CudaGPT&) = delete;
     ~CudaGPT();
@@ -144,9 +150,14 @@ class CudaGPT {
     static T* tensor_at(T* unit_base, std::size_t offset) {
         return offset == SIZE_MAX ? nullptr : unit_base + offset;
     }
-    void block_forward(const Block& p, const T* x, T* out, const Saved& s, int B, int T_);
+    bool frozen() const { return lora_ != nullptr; }
+    void block_forward(const Block& p, int l, const T* x, T* out, const Saved& s, int B, int T_);
     void recompute_selective(const Block& p, const T* x, const Saved& s, int B, int T_);
-    void block_backward(const Block& p, const Block& g, const T* x, const Saved& s, int B, int T_);
+    void block_backward(const Block& p, const Block& g, int l, const T* x, const Saved& s, int B,
+                        int T_);
+    void lora_forward(int l, BlockLinear k, const T* x, T* y, int N);
+    void lora_backward(int l, BlockLinear k, const T* x, const T* dy, T* dx, int N);
+    bool adapted(int l, BlockLinear k) const;
     void norm_forward(T* out, float* mean, float* rstd, const T* inp, const T* w, const T* b,
                       int N);
     void norm_backward(T* dinp, T* dw, T* db, const T* dout, const T* inp, const T* w,
@@ -157,7 +168,8 @@ class CudaGPT {
     ParamLayout layout_;
     cudaStream_t stream_;
     DeviceUnitStore<T>* units_ = nullptr;
-    DeviceBuffer<T> params_, grads_;  // whole, without a store
+    CudaLora<T>* lora_ = nullptr;
+    DeviceBuffer<T> params_, grads_;  // whole, without a store (no grads_ when frozen)
     // Tensor offsets inside their units: each block's, wte and wpe in the embedding, ln_f in the
     // head, and the output embedding in lm_unit_ (the head's lm_head, or wte when tied).
     std::vector<BlockOffsets> block_off_;

@@ -11,6 +11,7 @@
 
 #include "core/error.h"
 #include "core/rng.h"
+#include "model/lora_mask.h"
 
 namespace memtrain {
 
@@ -77,13 +78,6 @@ std::vector<std::string> split_targets(const std::string& s) {
         i = j + 1;
     }
     return out;
-}
-
-// splitmix64's finaliser: a counter-based hash for the dropout masks.
-uint64_t mix64(uint64_t z) {
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
 }
 
 }  // namespace
@@ -209,9 +203,8 @@ void LoraAdapters::prepare(int N) {
 
 float LoraAdapters::keep_scale(const LoraSite& s, std::size_t i) const {
     const uint64_t site = (uint64_t)(&s - layout_->sites.data());
-    const uint64_t key = mix64(seed_ ^ mix64(micro_batch_ * 0x9E3779B97F4A7C15ull + site));
-    const double u = (double)(mix64(key + i) >> 11) * (1.0 / 9007199254740992.0);
-    return u < cfg_.dropout ? 0.0f : (float)(1.0 / (1.0 - cfg_.dropout));
+    return lora_mask::factor(lora_mask::site_key(seed_, micro_batch_, site), i, cfg_.dropout,
+                             (float)(1.0 / (1.0 - cfg_.dropout)));
 }
 
 const float* LoraAdapters::dropped(const LoraSite& s, const float* x, int N) {

@@ -94,9 +94,12 @@ class LoraAdapters {
     const LoraLayout& layout() const { return *layout_; }
     ParamStore& store() { return *store_; }
     // Dropout applies in training only; each micro-batch draws a new mask (forward, recompute
-    // and backward of one micro-batch use the same).
+    // and backward of one micro-batch use the same). The engines number micro-batches from the
+    // optimizer's step count (step x accumulation + index), so a resumed run draws the masks the
+    // uninterrupted run drew.
     void set_training(bool on) { training_ = on; }
     void next_micro_batch() { micro_batch_++; }
+    void set_micro_batch(uint64_t i) { micro_batch_ = i; }
     // Workspace for N rows (MemCategory::Workspace); bytes it needs for N.
     void prepare(int N);
     std::size_t workspace_bytes(int N) const { return lora_workspace_bytes(cfg_, *layout_, N); }

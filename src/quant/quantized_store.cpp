@@ -14,17 +14,6 @@
 
 namespace memtrain::quant {
 
-namespace {
-
-// Element counts of one packed matrix's arrays (rows = outputs, cols = inputs).
-struct PackedSizes {
-    std::size_t codes = 0;         // bytes
-    std::size_t scales = 0;        // fp16 values (int8, int4)
-    std::size_t absmax_q = 0;      // bytes (nf4)
-    std::size_t absmax_scale = 0;  // fp32 values (nf4)
-    std::size_t bytes() const { return codes + 2 * scales + absmax_q + 4 * absmax_scale; }
-};
-
 PackedSizes packed_sizes(const BaseQuant& q, int64_t rows, int64_t cols) {
     const auto n = (std::size_t)(rows * cols);
     PackedSizes s;
@@ -45,6 +34,8 @@ PackedSizes packed_sizes(const BaseQuant& q, int64_t rows, int64_t cols) {
     }
     return s;
 }
+
+namespace {
 
 // (rows, cols) of the quantizer's view of a memtrain (in, out) weight.
 int64_t out_dim(const ParamSpec& t) {
@@ -278,6 +269,29 @@ std::string QuantizedParamStore::summary() const {
         packed_weights ? 8.0 * (double)b.packed / (double)packed_weights : 0.0, b.fp32 * mib,
         4.0 * (double)layout_.total * mib, slots_.size(), b.slots * mib, stats_.decodes,
         stats_.acquires, 1e3 * stats_.decode_seconds);
+}
+
+QuantizedParamStore::UnitView QuantizedParamStore::unit_view(int u) const {
+    if (u < 0 || u >= (int)units_.size())
+        fail("internal: QuantizedParamStore::unit_view({}) of {} units", u, units_.size());
+    const Unit& un = units_[(std::size_t)u];
+    UnitView v;
+    if (un.packed.empty()) {
+        v.plain.push_back({0, un.fp32.size(), un.fp32.data()});
+        return v;
+    }
+    for (const Plain& p : un.plain) v.plain.push_back({p.offset, p.count, un.fp32.data() + p.at});
+    for (const PackedMatrix& m : un.packed)
+        v.packed.push_back({m.offset, m.rows, m.cols,
+                            std::span<const uint8_t>(m.codes.data(), m.codes.size()),
+                            std::span<const uint16_t>(m.scales.data(), m.scales.size()),
+                            std::span<const uint8_t>(m.absmax_q.data(), m.absmax_q.size()),
+                            std::span<const float>(m.absmax_scale.data(), m.absmax_scale.size())});
+    return v;
+}
+
+int QuantizedParamStore::nf4_dq_block() {
+    return (int)detail::kNf4DqBlock;
 }
 
 QuantizedParamStore::Unit& QuantizedParamStore::unit_at(int u, const char* what) {

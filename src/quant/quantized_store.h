@@ -13,6 +13,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -70,6 +71,16 @@ struct DecodeStats {
     double quantize_seconds = 0;  // construction and load_unit
 };
 
+// Element counts of one packed matrix's arrays (rows = outputs, cols = inputs) under q.
+struct PackedSizes {
+    std::size_t codes = 0;         // bytes
+    std::size_t scales = 0;        // fp16 values (int8, int4)
+    std::size_t absmax_q = 0;      // bytes (nf4)
+    std::size_t absmax_scale = 0;  // fp32 values (nf4)
+    std::size_t bytes() const { return codes + 2 * scales + absmax_q + 4 * absmax_scale; }
+};
+PackedSizes packed_sizes(const BaseQuant& q, int64_t rows, int64_t cols);
+
 // Whether tensor `t` is one of the matrices a quantized base packs: attn.c_attn, attn.c_proj,
 // mlp.c_fc or mlp.c_proj weight of a block.
 bool is_packed_matrix(const ParamSpec& t);
@@ -104,6 +115,29 @@ class QuantizedParamStore final : public ParamStore {
     // The stored form of packed matrix `tensor` (e.g. "h.0.mlp.c_fc.weight") as quant::quantize
     // returns it for the (out, in) matrix, without `dequant`: quant::dequantize decodes it.
     Result stored(std::string_view tensor) const;
+
+    // Unit u as stored, for a copy elsewhere (the CUDA engine's quantized base,
+    // model/cuda_quant_base.h): its fp32 runs (a unit without matrices is one run) and its
+    // packed matrices, each with its floats' offset from the unit's first.
+    struct PlainView {
+        std::size_t offset = 0, count = 0;
+        const float* values = nullptr;
+    };
+    struct PackedView {
+        std::size_t offset = 0;
+        int64_t rows = 0, cols = 0;
+        std::span<const uint8_t> codes;
+        std::span<const uint16_t> scales;     // int8, int4
+        std::span<const uint8_t> absmax_q;    // nf4
+        std::span<const float> absmax_scale;  // nf4
+    };
+    struct UnitView {
+        std::vector<PlainView> plain;
+        std::vector<PackedView> packed;
+    };
+    UnitView unit_view(int u) const;
+    // NF4's double quantization: absmax codes per fp32 scale.
+    static int nf4_dq_block();
 
     // ParamStore. acquire(u) of a block decodes it into a slot unless a slot holds it already;
     // for_write is an error (frozen). There are no gradients: unit_grads is an error,

@@ -20,6 +20,11 @@ namespace memtrain {
 // just before use and the next one prefetched: dist/device_zero.h).
 std::unique_ptr<Engine> make_cuda_engine(const RunConfig& cfg, dist::Communicator& comm);
 
+// LoRA / QLoRA (lora.rank > 0) on one GPU: the frozen base whole in the storage precision, or
+// packed (lora.base = int8 | int4 | nf4) and decoded block by block on the device; the adapters
+// trained with the same AdamW and loss scaling (train/cuda_lora_engine.cpp).
+std::unique_ptr<Engine> make_cuda_lora_engine(const RunConfig& cfg, dist::Communicator& comm);
+
 // Test hook: the engine's next finish_step finds a non-finite gradient, as an fp16 overflow in
 // backward would leave it (tests/cuda: the step is skipped and the loss scale halves).
 void inject_overflow_for_test(Engine& engine);

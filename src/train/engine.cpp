@@ -136,9 +136,7 @@ std::unique_ptr<Engine> make_engine(const RunConfig& cfg, dist::Communicator& co
         return std::make_unique<PipelineEngine>(cfg, comm);
     }
     if (cfg.lora.enabled()) {
-        if (cfg.train.device != "cpu")
-            fail("LoRA runs on the CPU engine only so far, not on {}: set train.device = \"cpu\"",
-                 cfg.train.device);
+        if (cfg.train.device == "cuda") return make_cuda_lora_engine(cfg, comm);
         return std::make_unique<LoraEngine>(cfg, comm);
     }
     if (cfg.train.device == "cpu") return std::make_unique<CpuEngine>(cfg, comm);

@@ -89,7 +89,7 @@ void LoraEngine::forward_backward(const int32_t* inputs, const int32_t* targets,
                                   float grad_scale, bool last) {
     adapters_->set_reduce(last);
     lora_->set_training(true);
-    lora_->next_micro_batch();
+    lora_->set_micro_batch((uint64_t)(opt_->steps_taken() * cfg_.accum_steps() + micro_batches_));
     loss_sum_ += model().forward_backward(inputs, targets, B, T, grad_scale);
     micro_batches_++;
 }

@@ -461,8 +461,7 @@ RunConfig parse_layers(const std::string& text, const std::string& src,
 }  // namespace
 
 void RunConfig::resolve() {
-    // LoRA runs on the CPU engine only so far, so "auto" picks it there.
-    if (train.device == "auto") train.device = cuda_available() && !lora.enabled() ? "cuda" : "cpu";
+    if (train.device == "auto") train.device = cuda_available() ? "cuda" : "cpu";
     if (train.precision == "auto") train.precision = train.device == "cuda" ? "bf16" : "fp32";
 }
 
@@ -550,9 +549,6 @@ void RunConfig::validate_lora() const {
     if (train.pp > 1 || ps())
         fail("LoRA (lora.rank = {}) runs with data parallelism and ZeRO, not with {} yet",
              lora.rank, ps() ? "a parameter server" : "pipeline stages (train.pp)");
-    if (train.device == "cuda")
-        fail("LoRA (lora.rank = {}) runs on the CPU engine only so far: set train.device = \"cpu\"",
-             lora.rank);
     make_lora_layout(model, lora);  // targets that match nothing fail here
 }
 

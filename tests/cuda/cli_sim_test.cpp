@@ -90,6 +90,27 @@ TEST(CudaCli, TrainsOnTheDeviceInEachPrecision) {
     }
 }
 
+// QLoRA on the device from the command line: the memory table shows the packed base and the
+// adapters' states, the checkpoint holds PEFT's files, and `lora merge` makes a model of it.
+TEST(CudaCli, QLoraTrainsOnTheDeviceAndMerges) {
+    auto dir = memtrain::test::temp_dir("cuda_cli_qlora");
+    auto r = run_sim("train " + tiny_config(dir) +
+                     " --set train.device=cuda train.precision=bf16 lora.rank=4 lora.targets=all "
+                     "lora.base=nf4 lora.base_group=16 lora.dropout=0.1 io.out_dir=" +
+                     dir + "/out");
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("QLoRA r=4"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("frozen base packed nf4 (block 16)"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("adapters only"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("step     4/4 | val loss"), std::string::npos) << r.output;
+    const std::string ckpt = dir + "/out/ckpt_000004";
+    EXPECT_TRUE(std::filesystem::exists(ckpt + "/adapter_model.safetensors")) << r.output;
+    EXPECT_FALSE(std::filesystem::exists(ckpt + "/model.safetensors")) << r.output;
+    r = run_sim("lora merge " + ckpt + " --out " + dir + "/merged");
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_TRUE(std::filesystem::exists(dir + "/merged/model.safetensors")) << r.output;
+}
+
 TEST(CudaCli, ErrorsNameTheKeyAndExitNonZero) {
     auto dir = memtrain::test::temp_dir("cuda_cli_errors");
     const std::string cfg = tiny_config(dir);

@@ -13,7 +13,9 @@
 #include <vector>
 
 #include "core/device.h"
+#include "core/error.h"
 #include "dist_mpi/dist_runs.h"
+#include "model/lora.h"
 #include "plan/memory_model.h"
 #include "plan/model_spec.h"
 #include "test_util.h"
@@ -291,6 +293,52 @@ TEST(CudaDp, Fp16OverflowOnOneRankSkipsTheStepOnEveryRank) {
         // fp16: one process and N ranks round their gradient sums differently.
         for (std::size_t i = 0; i < s.losses.size(); i++)
             EXPECT_NEAR(s.losses[i], r.losses[i], 0.02) << "step " << i + 1;
+    }
+}
+
+// LoRA on GPUs under DDP (model/cuda_lora.h): the adapters' gradients are all-reduced once per
+// step, so N ranks with micro-batch b train the adapters one process trains with micro-batch
+// N b (QLoRA nf4 base, no dropout: each rank draws its own masks). ZeRO stages are refused.
+TEST(CudaDp, LoraAdaptersTrainTheSameModelAsOneProcess) {
+    REQUIRE_GPU_DP();
+    const int N = comm().size(), b = 2, K = 2;
+    RunConfig c = shared_cuda_run("cuda_dp_lora", 6, "fp32");
+    c.model.n_embd = 32;
+    c.lora.rank = 4;
+    c.lora.targets = "all";
+    c.lora.base = "nf4";
+    c.lora.base_group = 32;
+    c.optim.lr = 1e-2;
+    c.train.batch_size = N * b * K;
+    RunConfig ref_cfg = c;
+    ref_cfg.train.micro_batch_size = N * b;
+    ref_cfg.io.out_dir = c.io.out_dir + "_ref" + std::to_string(comm().rank());
+    const TrainSummary ref = Trainer(ref_cfg, quiet()).run();
+    c.train.micro_batch_size = b;
+    const MemoryStats before = device_memory().snapshot();
+    Trainer t(c, quiet(), &comm());
+    const MemoryStats after = device_memory().snapshot();
+    const TrainSummary sum = t.run();
+    ASSERT_EQ(sum.losses.size(), ref.losses.size());
+    EXPECT_LT(sum.losses.back(), sum.losses.front());
+    for (std::size_t i = 0; i < sum.losses.size(); i++)
+        EXPECT_NEAR(sum.losses[i], ref.losses[i], 2e-5 * std::abs(ref.losses[i])) << i + 1;
+    ASSERT_EQ(sum.val_losses.size(), ref.val_losses.size());
+    for (std::size_t i = 0; i < sum.val_losses.size(); i++)
+        EXPECT_NEAR(sum.val_losses[i].second, ref.val_losses[i].second, 1e-4) << i;
+    // Every rank holds the adapters' gradients whole (DDP) and nothing of the base's.
+    const std::size_t adapters = make_lora_layout(c.model, c.lora).params.total;
+    EXPECT_EQ(after[MemCategory::Gradients] - before[MemCategory::Gradients], 4 * adapters);
+    if (N > 1) {
+        RunConfig z = c;
+        z.train.zero_stage = 1;
+        try {
+            Trainer bad(z, quiet(), &comm());
+            ADD_FAILURE() << "ZeRO-1 of GPU LoRA adapters was accepted";
+        } catch (const Error& e) {
+            EXPECT_NE(std::string(e.what()).find("train.zero_stage"), std::string::npos)
+                << e.what();
+        }
     }
 }
 

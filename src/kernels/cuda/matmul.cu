@@ -73,7 +73,7 @@ struct GemmArgs {
     void* D = nullptr;
     int64_t ldd = 0;
     cudaDataType_t ab_type = CUDA_R_32F, cd_type = CUDA_R_32F;
-    float beta = 0.0f;
+    float alpha = 1.0f, beta = 0.0f;
     cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
     const void* bias = nullptr;  // BIAS epilogues: rows(D) values of cd_type
     const void* aux = nullptr;   // GELU_AUX (written) / DGELU (read): (aux_ld, n) of cd_type
@@ -275,7 +275,7 @@ static bool try_gemm(const GemmArgs& g, cudaStream_t stream) {
     // The key fixes everything but the pointers, which are this call's.
     if (g.bias) set_desc(plan.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, g.bias);
     if (g.aux) set_desc(plan.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, g.aux);
-    const float alpha = 1.0f, beta = g.beta;
+    const float alpha = g.alpha, beta = g.beta;
     const cublasStatus_t st =
         cublasLtMatmul(h.handle, plan.op, &alpha, g.A, plan.a, g.B, plan.b, &beta, g.C ? g.C : g.D,
                        plan.c, g.D, plan.d, &plan.algo, h.workspace, kWorkspaceBytes, stream);
@@ -405,7 +405,7 @@ template <typename T>
 void matmul_backward(T* dinp, T* dweight, T* dbias, const T* dout, const T* inp, const T* weight,
                      int N, int IC, int OC, const T* gelu_pre, cudaStream_t stream) {
     check_linear("matmul_backward", N, IC, OC);
-    if (!dweight) fail("cuda::matmul_backward: dweight is null");
+    if (!dweight && dbias) fail("cuda::matmul_backward: dbias without dweight");
     if (N == 0) return;
     const cudaDataType_t type = data_type<T>();
     if (dinp) {
@@ -430,11 +430,27 @@ void matmul_backward(T* dinp, T* dweight, T* dbias, const T* dout, const T* inp,
             }
         }
     }
+    if (!dweight) return;  // a frozen weight (LoRA): input gradient only
     // dweight^T (OC,IC) += dout^T (OC,N) @ inp (N,IC): inp read as the column-major (IC,N),
     // transposed
     gemm(gemm_args(false, true, OC, IC, N, dout, OC, inp, IC, dweight, OC, type, type, 1.0f),
          stream);
     if (dbias) column_sums_accumulate<T>(dbias, dout, N, OC, stream);
+}
+
+// ---- general row-major GEMM -------------------------------------------------------------------
+// Row-major C (M,N) is the column-major C^T (N,M) = op(B)^T op(A)^T: B and A swap places, and a
+// row-major matrix's transpose flag carries over to the column-major operand it becomes.
+template <typename T>
+void gemm_rows(bool ta, bool tb, int M, int N, int K, float alpha, const T* A, int64_t lda,
+               const T* B, int64_t ldb, float beta, T* C, int64_t ldc, cudaStream_t stream) {
+    if (M < 0 || N < 0 || K <= 0)
+        fail("cuda::gemm_rows: M {} N {} K {}, expected M, N >= 0 and K > 0", M, N, K);
+    if (M == 0 || N == 0) return;
+    GemmArgs g =
+        gemm_args(tb, ta, N, M, K, B, ldb, A, lda, C, ldc, data_type<T>(), data_type<T>(), beta);
+    g.alpha = alpha;
+    gemm(g, stream);
 }
 
 // ---- classifier + cross-entropy ----------------------------------------------------------------
@@ -607,7 +623,9 @@ void classifier_logits(float* out, const T* x, const T* wte, int N, int C, int V
                                      const T*, cudaStream_t);                                     \
     template void classifier_loss<T>(T*, T*, T*, float*, const T*, const T*, const int32_t*, int, \
                                      int, int, int, int, float, cudaStream_t);                    \
-    template void classifier_logits<T>(float*, const T*, const T*, int, int, int, cudaStream_t);
+    template void classifier_logits<T>(float*, const T*, const T*, int, int, int, cudaStream_t);  \
+    template void gemm_rows<T>(bool, bool, int, int, int, float, const T*, int64_t, const T*,     \
+                               int64_t, float, T*, int64_t, cudaStream_t);
 MT_INSTANTIATE(float)
 MT_INSTANTIATE(__nv_bfloat16)
 MT_INSTANTIATE(__half)

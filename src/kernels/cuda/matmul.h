@@ -37,12 +37,22 @@ void matmul_forward_gelu(T* out /*(N,OC)*/, T* pre /*(N,OC)*/, const T* inp /*(N
 // DGELU epilogue where available, else a kernel). dweight (IC,OC) += inp^T @ dout (beta = 1 into
 // T storage). dbias (OC) (null: skipped) += column sums of dout (fixed order, fp32 partial sums;
 // cuBLASLt's BGRAD epilogues overwrite instead of accumulating, so they do not fit gradient
-// accumulation).
+// accumulation). A null dweight (a frozen weight, LoRA) skips the weight gradient, and dbias must
+// then be null too.
 template <typename T>
-void matmul_backward(T* dinp /*(N,IC) or null*/, T* dweight /*(IC,OC)*/, T* dbias /*(OC) or null*/,
-                     const T* dout /*(N,OC)*/, const T* inp /*(N,IC)*/, const T* weight /*(IC,OC)*/,
-                     int N, int IC, int OC, const T* gelu_pre /*(N,IC) or null*/ = nullptr,
-                     cudaStream_t stream = 0);
+void matmul_backward(T* dinp /*(N,IC) or null*/, T* dweight /*(IC,OC) or null*/,
+                     T* dbias /*(OC) or null*/, const T* dout /*(N,OC)*/, const T* inp /*(N,IC)*/,
+                     const T* weight /*(IC,OC)*/, int N, int IC, int OC,
+                     const T* gelu_pre /*(N,IC) or null*/ = nullptr, cudaStream_t stream = 0);
+
+// ---- general GEMM
+// -------------------------------------------------------------------------------- Row-major C
+// (M,N) = alpha op(A) (M,K) @ op(B) (K,N) + beta C, fp32 accumulation: A is stored (M,K) with
+// leading dimension lda, or (K,M) when ta; B (K,N) with ldb, or (N,K) when tb; C's rows are ldc
+// apart (C may be a column slice of a wider matrix). LoRA's adapters run on it.
+template <typename T>
+void gemm_rows(bool ta, bool tb, int M, int N, int K, float alpha, const T* A, int64_t lda,
+               const T* B, int64_t ldb, float beta, T* C, int64_t ldc, cudaStream_t stream = 0);
 
 // ---- classifier + cross-entropy ----------------------------------------------------------------
 // Classifier (x @ wte^T over the first V of Vp rows) + softmax cross-entropy, `chunk` rows of

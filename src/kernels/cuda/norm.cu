@@ -266,6 +266,7 @@ static void norm_backward(const char* op, T* dinp, T* dweight, T* dbias, const T
         MT_LAUNCH((norm_dinp_kernel<T, W, kPacks, kLayerNorm>), blocks, kRowThreads, 0, stream,
                   dinp, dout, inp, weight, mean, rstd, N, C);
     });
+    if (!dweight) return;  // a frozen norm (LoRA): input gradient only
 
     const int nchunks = (int)ceil_div(N, kColumnChunkRows);
     const size_t part = (size_t)nchunks * C;

@@ -18,7 +18,7 @@ void layernorm_forward(T* out /*(N,C)*/, float* mean /*(N)*/, float* rstd /*(N)*
                        const T* inp /*(N,C)*/, const T* weight /*(C)*/, const T* bias /*(C)*/,
                        int N, int C, float eps, cudaStream_t stream = 0);
 // dinp is accumulated into (the residual stream's gradient); dweight, dbias accumulated
-// (fixed-order column sums, no atomics).
+// (fixed-order column sums, no atomics); a null dweight (a frozen norm) skips both.
 template <typename T>
 void layernorm_backward(T* dinp /*(N,C)*/, T* dweight /*(C)*/, T* dbias /*(C)*/,
                         const T* dout /*(N,C)*/, const T* inp /*(N,C)*/, const T* weight /*(C)*/,
@@ -29,7 +29,7 @@ void layernorm_backward(T* dinp /*(N,C)*/, T* dweight /*(C)*/, T* dbias /*(C)*/,
 template <typename T>
 void rmsnorm_forward(T* out /*(N,C)*/, float* rstd /*(N)*/, const T* inp /*(N,C)*/,
                      const T* weight /*(C)*/, int N, int C, float eps, cudaStream_t stream = 0);
-// dinp and dweight are accumulated into, as for LayerNorm.
+// dinp and dweight are accumulated into, as for LayerNorm (null dweight: skipped).
 template <typename T>
 void rmsnorm_backward(T* dinp /*(N,C)*/, T* dweight /*(C)*/, const T* dout /*(N,C)*/,
                       const T* inp /*(N,C)*/, const T* weight /*(C)*/, const float* rstd /*(N)*/,

@@ -16,6 +16,7 @@
 #include "kernels/cuda/activation.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/embedding.h"
+#include "kernels/cuda/lora.h"
 #include "kernels/cuda/matmul.h"
 #include "kernels/cuda/norm.h"
 #include "kernels/cuda/optimizer.h"

@@ -1,0 +1,258 @@
+// LoRA and QLoRA on the CUDA engine (on a GPU, or on cudasim where there is none): the packed
+// base's device decoders give the host decoder's bits; with B = 0 the adapted model's loss is the
+// base model's; fp32 training tracks the CPU LoRA engine (GPT-2 and Llama-style, with dropout,
+// fp32 and nf4/int8/int4 bases); bf16 tracks fp32; the device memory is what the engine predicts;
+// checkpoints resume bitwise on the GPU and load on the CPU; unsupported combinations are refused.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "core/device.h"
+#include "core/error.h"
+#include "cuda/cuda_test_util.h"
+#include "io/safetensors.h"
+#include "model/gpt.h"
+#include "model/weights.h"
+#include "quant/quantized_store.h"
+#include "test_util.h"
+#include "train/trainer.h"
+
+#if MEMTRAIN_HAVE_CUDA
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include "model/cuda_lora.h"
+
+using namespace memtrain;
+namespace fs = std::filesystem;
+
+namespace {
+
+TrainOptions quiet(std::string resume = "", int stop_after = -1) {
+    TrainOptions o;
+    o.quiet = true;
+    o.resume = std::move(resume);
+    o.stop_after = stop_after;
+    return o;
+}
+
+// tests/train/lora_train_test.cpp's run, on `device` in `precision`.
+RunConfig lora_run(const std::string& dir, int steps, const std::string& device,
+                   const std::string& precision, const std::string& base = "fp32") {
+    RunConfig c = test::tiny_run(dir, steps);
+    c.model.n_embd = 32;  // int4/nf4 groups of 32 divide every block matrix's inputs
+    c.lora.rank = 4;
+    c.lora.alpha = 8;
+    c.lora.targets = "all";
+    c.lora.dropout = 0.1;
+    c.lora.base = base;
+    c.lora.base_group = 32;
+    c.optim.lr = 1e-2;
+    c.optim.weight_decay = 0;
+    c.train.device = device;
+    c.train.precision = precision;
+    return c;
+}
+
+RunConfig llama_style(RunConfig c) {
+    c.model.norm = "rmsnorm";
+    c.model.activation = "swiglu";
+    c.model.positions = "rope";
+    c.model.n_head = 4;
+    c.model.n_kv_head = 2;
+    c.model.tied_embeddings = false;
+    c.model.bias = false;
+    return c;
+}
+
+// Every adapter tensor of a checkpoint, in file order.
+std::vector<float> adapters_of(const std::string& ckpt) {
+    const io::SafetensorsFile f = io::SafetensorsFile::open(ckpt + "/adapter_model.safetensors");
+    std::vector<float> out;
+    for (const io::TensorInfo& t : f.tensors()) {
+        std::size_t n = 1;
+        for (int64_t d : t.shape) n *= (std::size_t)d;
+        std::vector<float> v(n);
+        f.read_f32(t, v, t.name, t.shape);
+        out.insert(out.end(), v.begin(), v.end());
+    }
+    return out;
+}
+
+}  // namespace
+
+TEST(CudaLora, DeviceDecodersGiveTheHostDecodersBits) {
+    REQUIRE_GPU();
+    ModelConfig cfg;
+    cfg.n_layer = 2;
+    cfg.n_head = 2;
+    cfg.n_embd = 64;
+    cfg.block_size = 16;
+    cfg.vocab_size = 50;
+    GPT full(cfg);
+    init_gpt2_weights(full.weights(), 7);
+    for (const char* f : {"int8", "int4", "nf4"}) {
+        SCOPED_TRACE(f);
+        const quant::BaseQuant q = quant::parse_base_quant(f, std::string(f) == "int8" ? 0 : 32);
+        quant::QuantizedParamStore host(full.weights(), q);
+        QuantizedDeviceBase<float> dev(host, nullptr);
+        QuantizedDeviceBase<__nv_bfloat16> dev16(host, nullptr);
+        const auto predicted = QuantizedDeviceBase<float>::predicted_bytes(cfg, q);
+        EXPECT_GT(predicted.params, 0u);
+        for (int u = 0; u < (int)host.layout().units.size(); u++) {
+            const std::size_t n = host.layout().units[(std::size_t)u].size();
+            const float* want = host.acquire(u);
+            std::vector<float> h(want, want + n), got(n);
+            host.release(u);
+            const float* d = dev.acquire_params(u);
+            device_synchronize();
+            copy_to_host(got.data(), d, n * sizeof(float));
+            dev.release_params(u);
+            test::expect_bitwise("unit " + std::to_string(u), got, h);
+            std::vector<__nv_bfloat16> got16(n);
+            const __nv_bfloat16* d16 = dev16.acquire_params(u);
+            device_synchronize();
+            copy_to_host(got16.data(), d16, n * sizeof(__nv_bfloat16));
+            dev16.release_params(u);
+            std::size_t bad = 0;
+            for (std::size_t i = 0; i < n; i++) {
+                const __nv_bfloat16 w = cuda::to_storage<__nv_bfloat16>(h[i]);
+                bad += std::memcmp(&w, &got16[i], sizeof(w)) != 0;
+            }
+            EXPECT_EQ(bad, 0u) << "bf16 unit " << u;
+        }
+        // Two slots, least recently used first: blocks 0, 1, 0 decode twice, not three times.
+        const int64_t before = dev.decodes();
+        for (int u : {1, 2, 1}) {
+            dev.acquire_params(u);
+            dev.release_params(u);
+        }
+        EXPECT_EQ(dev.decodes() - before, 0) << "blocks 1 and 2 were already in the slots";
+    }
+}
+
+TEST(CudaLora, ZeroBGivesTheBaseModelsLoss) {
+    REQUIRE_GPU();
+    auto d = test::temp_dir("cuda_lora_b0");
+    std::vector<int32_t> x = test::random_tokens(16, 50, 1), y = test::random_tokens(16, 50, 2);
+    for (const char* targets : {"attn", "all"}) {
+        SCOPED_TRACE(targets);
+        RunConfig base = lora_run(d, 1, "cuda", "fp32");
+        base.lora.rank = 0;
+        base.lora.dropout = 0;
+        RunConfig lora = lora_run(d, 1, "cuda", "fp32");
+        lora.lora.targets = targets;
+        Trainer a(base, quiet()), b(lora, quiet());
+        const double la = a.engine().forward_loss(x.data(), y.data(), 2, 8);
+        const double lb = b.engine().forward_loss(x.data(), y.data(), 2, 8);
+        if (std::string(targets) == "attn") {
+            EXPECT_EQ(la, lb);  // the same kernels, plus exact zeros
+        } else {
+            // c_fc's adapter unfuses the GELU epilogue: one more rounding at most.
+            EXPECT_NEAR(la, lb, 1e-6 * std::fabs(la));
+        }
+    }
+}
+
+TEST(CudaLora, Fp32TracksTheCpuLoraEngine) {
+    REQUIRE_GPU();
+    for (const char* variant : {"gpt2", "llama"}) {
+        for (const char* base : {"fp32", "nf4", "int8", "int4"}) {
+            if (std::string(variant) == "llama" && std::string(base) != "fp32" &&
+                std::string(base) != "nf4")
+                continue;
+            SCOPED_TRACE(std::string(variant) + " " + base);
+            auto dc = test::temp_dir(std::string("lora_track_cpu_") + variant + base);
+            auto dg = test::temp_dir(std::string("lora_track_gpu_") + variant + base);
+            RunConfig cpu = lora_run(dc, 8, "cpu", "fp32", base);
+            RunConfig gpu = lora_run(dg, 8, "cuda", "fp32", base);
+            if (std::string(variant) == "llama") {
+                cpu = llama_style(cpu);
+                gpu = llama_style(gpu);
+            }
+            gpu.train.remat = "selective";  // recompute runs the adapters again
+            auto sc = Trainer(cpu, quiet()).run();
+            auto sg = Trainer(gpu, quiet()).run();
+            ASSERT_EQ(sc.losses.size(), sg.losses.size());
+            EXPECT_LT(sg.losses.back(), sg.losses.front()) << "the GPU run did not learn";
+            for (std::size_t i = 0; i < sc.losses.size(); i++)
+                EXPECT_NEAR(sg.losses[i], sc.losses[i], 2e-4 * std::fabs(sc.losses[i])) << i;
+            test::expect_close("adapters", adapters_of(gpu.io.out_dir + "/ckpt_000008"),
+                               adapters_of(cpu.io.out_dir + "/ckpt_000008"), 2e-4, 2e-3);
+        }
+    }
+}
+
+TEST(CudaLora, Bf16TracksFp32AndResumesBitwise) {
+    REQUIRE_GPU();
+    auto d32 = test::temp_dir("lora_gpu_fp32"), d16 = test::temp_dir("lora_gpu_bf16"),
+         dr = test::temp_dir("lora_gpu_resume");
+    auto s32 = Trainer(lora_run(d32, 10, "cuda", "fp32", "nf4"), quiet()).run();
+    RunConfig c16 = lora_run(d16, 10, "cuda", "bf16", "nf4");
+    auto s16 = Trainer(c16, quiet()).run();
+    for (std::size_t i = 0; i < s32.losses.size(); i++)
+        EXPECT_NEAR(s16.losses[i], s32.losses[i], 0.02 * std::fabs(s32.losses[i])) << i;
+    TrainSummary resumed;
+    test::train_stop_and_resume(lora_run(dr, 10, "cuda", "bf16", "nf4"), 4, resumed);
+    ASSERT_EQ(resumed.losses.size(), 6u);
+    for (int i = 0; i < 6; i++) EXPECT_EQ(resumed.losses[i], s16.losses[4 + i]) << i;
+    // The GPU's checkpoint is the CPU's format: a CPU LoRA run resumes from it.
+    RunConfig cpu = c16;
+    cpu.train.device = "cpu";
+    cpu.train.precision = "fp32";
+    cpu.train.max_steps = 12;
+    auto sc = Trainer(cpu, quiet(c16.io.out_dir)).run();
+    ASSERT_EQ(sc.losses.size(), 2u);
+    EXPECT_TRUE(std::isfinite(sc.losses.back()));
+}
+
+TEST(CudaLora, DeviceMemoryIsWhatTheEnginePredicts) {
+    REQUIRE_GPU();
+    for (const char* base : {"fp32", "nf4", "int8"}) {
+        SCOPED_TRACE(base);
+        auto d = test::temp_dir(std::string("lora_gpu_mem_") + base);
+        RunConfig c = lora_run(d, 2, "cuda", "bf16", base);
+        const MemoryStats before = device_memory().snapshot();
+        Trainer t(c, quiet());
+        t.run();
+        const MemoryStats after = device_memory().snapshot();
+        auto grew = [&](MemCategory cat) { return after[cat] - before[cat]; };
+        for (const auto& row : t.engine().predicted_memory(c.micro_batch(), c.train.seq_len)) {
+            SCOPED_TRACE(category_name(row.category));
+            if (row.category == MemCategory::Workspace)
+                EXPECT_LE(grew(row.category), row.bytes);  // process-wide scratch may exist
+            else
+                EXPECT_EQ(grew(row.category), row.bytes);
+        }
+        // Only the adapters have gradients and optimizer state.
+        const std::size_t adapters = make_lora_layout(c.model, c.lora).params.total;
+        EXPECT_EQ(grew(MemCategory::Gradients), 2 * adapters);
+        EXPECT_LT(grew(MemCategory::OptimizerState), 12 * adapters + 4096);
+    }
+}
+
+TEST(CudaLora, UnsupportedCombinationsAreRefused) {
+    REQUIRE_GPU();
+    auto d = test::temp_dir("lora_gpu_refused");
+    auto refused = [&](RunConfig c, const std::string& word) {
+        try {
+            Trainer t(c, quiet());
+            ADD_FAILURE() << "accepted";
+        } catch (const Error& e) {
+            EXPECT_NE(std::string(e.what()).find(word), std::string::npos) << e.what();
+        }
+    };
+    RunConfig g = lora_run(d, 1, "cuda", "bf16");
+    g.train.cuda_graphs = true;
+    refused(g, "train.cuda_graphs");
+    RunConfig o = lora_run(d, 1, "cuda", "bf16");
+    o.train.offload_optimizer = true;
+    refused(o, "train.offload_optimizer");
+}
+
+#endif  // MEMTRAIN_HAVE_CUDA
