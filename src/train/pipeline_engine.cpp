@@ -401,11 +401,15 @@ std::string PipelineEngine::memory_footer() const {
             "pipeline: {} stages, {} schedule, stage {} holds blocks {} and up to {} "
             "micro-batches in flight\n",
             p_, kind_name(kind_), rank_, chunk_blocks(), slots());
-    else
+    else {
+        std::string slots;
+        for (const auto& g : chunks_)
+            slots += fmt::format("{}{}", slots.empty() ? "" : " + ", g->slots());
         out += fmt::format(
             "pipeline: {} ranks x {} chunks = {} virtual stages, {} schedule, rank {} holds blocks "
-            "{} and up to {} chunk micro-batches in flight\n",
-            p_, v_, num_stages(), kind_name(kind_), rank_, chunk_blocks(), slots());
+            "{} with {} activation slots (each chunk's most micro-batches in flight)\n",
+            p_, v_, num_stages(), kind_name(kind_), rank_, chunk_blocks(), slots);
+    }
     if (stats_.steps > 0) {
         // The simulator's step for the stages' measured forward and backward times.
         const int S = num_stages();
