@@ -6,6 +6,8 @@
 // schedule (train.pp_virtual chunks per rank) likewise, chunk by chunk.
 #include <gtest/gtest.h>
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
@@ -14,6 +16,7 @@
 
 #include "core/error.h"
 #include "dist_mpi/dist_runs.h"
+#include "io/safetensors.h"
 #include "test_util.h"
 #include "train/pipeline_engine.h"
 
@@ -326,6 +329,35 @@ TEST(Pipeline, InterleavedCheckpointsMoveBetweenLayouts) {
     piped.train.pp_virtual = 2;
     piped.io.out_dir = c.io.out_dir + "_pp";
     check_checkpoint_round_trip(one, piped, steps, cut, "interleaved pipeline");
+
+    // The interleaved checkpoint has an optimizer file per chunk of each rank, in rank order
+    // and chunk order: P x 2 slices of the layout in increasing order, between them the whole
+    // model.
+    {
+        const std::filesystem::path ck = std::filesystem::path(piped.io.out_dir) / "ckpt_000003";
+        std::size_t next = 0, params = 0, rank_first_end = 0;
+        for (int k = 0; k < 2 * P; k++) {
+            const std::string path =
+                (ck / fmt::format("optimizer.{:05d}-of-{:05d}.safetensors", k, 2 * P)).string();
+            ASSERT_TRUE(std::filesystem::exists(path)) << path;
+            const auto f = io::SafetensorsFile::open(path);
+            const std::size_t off = std::stoull(f.metadata().at("offset"));
+            const std::size_t cnt = std::stoull(f.metadata().at("count"));
+            params = std::stoull(f.metadata().at("total"));
+            // File k is rank k / 2's chunk k % 2 (virtual stage (k % 2) P + k / 2): a rank's
+            // second chunk lies after its first in the layout.
+            EXPECT_GT(cnt, 0u) << path;
+            EXPECT_LE(off + cnt, params) << path;
+            if (k % 2 == 1) {
+                EXPECT_GT(off, rank_first_end) << path;
+            }
+            rank_first_end = off + cnt;
+            next += cnt;
+        }
+        EXPECT_EQ(next, params);  // the slices cover the model once
+        EXPECT_FALSE(std::filesystem::exists(
+            ck / fmt::format("optimizer.{:05d}-of-{:05d}.safetensors", 2 * P, 2 * P)));
+    }
 
     // The interleaved checkpoint (left by the round trip at step `cut`), resumed by 1F1B.
     TrainOptions quiet;
