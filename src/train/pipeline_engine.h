@@ -87,8 +87,9 @@ class PipelineEngine final : public Engine {
     // virtual stage c * stages() + stage().
     int chunks() const { return v_; }
     const pp::StageSplit& split() const { return split_; }  // per virtual stage
-    // Micro-batches this rank holds at once under the schedule (GPipe m, 1F1B min(p - s, m)),
-    // over all its chunks: the sum of chunk_slots.
+    // Activation slots this rank allocates: the micro-batches it holds at once under the
+    // schedule (GPipe m, 1F1B min(p - s, m)); interleaved, the sum over its chunks of each
+    // chunk's most micro-batches in flight (chunk_slots), which peak at different times.
     int slots() const;
     int chunk_slots(int c) const { return chunks_.at(c)->slots(); }
     // The model of chunk c (its blocks, and the embedding or head where it has them).
