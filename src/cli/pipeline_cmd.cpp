@@ -57,16 +57,16 @@ void register_pipeline(CLI::App& app) {
         for (int rk = 0; rk < s.p; rk++) {
             std::string blocks;
             double gflop = 0;
-            std::size_t per_mb = 0;
+            double bytes = 0;
             for (int c = 0; c < s.v; c++) {
                 const int st = c * s.p + rk;
                 const int first = split.first_block[st];
                 blocks += fmt::format("{}{}-{}", c ? "," : "", first, first + split.blocks[st] - 1);
                 gflop += split.forward_flops[st] / 1e9;
-                per_mb = std::max(per_mb, split.act_bytes[st]);
+                // What the executor allocates: each chunk's most micro-batches in flight, in
+                // arenas of its own blocks.
+                bytes += (double)split.act_bytes[st] * r.peak_stage_in_flight[st];
             }
-            // Interleaved ranks count chunk-micro-batches; each holds one chunk's activations.
-            const double bytes = (double)per_mb * r.peak_in_flight[rk];
             std::printf("%s", fmt::format("{:>5} {:>14} {:>13.2f} {:>10.2f} {:>10} {:>10.1f} MiB\n",
                                           rk, blocks, gflop, r.busy[rk] * 1e3, r.peak_in_flight[rk],
                                           bytes / (1 << 20))

@@ -106,32 +106,53 @@ std::string save_checkpoint(const std::string& out_dir, const RunConfig& cfg,
     weights.save(tmp_dir.string(), root);
 
     // Optimizer state: one file when every rank's optimizer covers the whole layout (then every
-    // rank holds the same state and rank 0 writes it), else one file per rank. The ranks agree
-    // on it: a parameter server's one server holds it all while its workers hold none.
+    // rank holds the same state and rank 0 writes it), else one file per range of each rank (a
+    // rank has one range, or one per chunk of an interleaved pipeline), numbered in rank order.
+    // The ranks agree on it: a parameter server's one server holds it all while its workers
+    // hold none.
     const std::size_t total = weights.layout.total;
-    int64_t partial = opt.count() != total;
+    const std::vector<OptimizerState::Range> ranges = opt.ranges();
+    int64_t partial = opt.count() != total || ranges.size() != 1;
     if (comm.size() > 1) comm.all_reduce_max(&partial, 1);
     const bool sharded = partial != 0;
-    const int files = sharded ? comm.size() : 1;
+    // How many files the ranks before this one write, and how many in all.
+    int first_file = 0, files = 1;
+    if (sharded) {
+        std::vector<int64_t> per_rank(comm.size(), 0);
+        const int64_t mine = (int64_t)ranges.size();
+        comm.all_gather_bytes(&mine, per_rank.data(), sizeof(mine));
+        files = 0;
+        for (int r = 0; r < comm.size(); r++) {
+            if (r == comm.rank()) first_file = files;
+            files += (int)per_rank[r];
+        }
+    }
     if (sharded || root) {
-        io::SafetensorsWriter w;
-        w.set_metadata("format", "memtrain-optimizer-shard");
-        w.set_metadata("optimizer", cfg.optim.name);
-        w.set_metadata("offset", std::to_string(opt.offset()));
-        w.set_metadata("count", std::to_string(opt.count()));
-        w.set_metadata("total", std::to_string(total));
-        // State that lives outside host memory (the CUDA engine's) is copied out one tensor at a
-        // time as the writer reaches it.
         const std::vector<std::string> names = opt.state_names();
-        for (const auto& sname : names) w.declare(sname, io::DType::F32, {(int64_t)opt.count()});
+        // State that lives outside host memory (the CUDA engine's), or in pieces, is copied out
+        // one tensor at a time as the writer reaches it.
         std::vector<float> staging;
-        w.write((tmp_dir / optimizer_file(sharded ? comm.rank() : 0, files)).string(),
-                [&](std::size_t i) -> const void* {
-                    if (const float* p = opt.host_state(names[i])) return p;
-                    staging.resize(opt.count());
-                    opt.read_state(names[i], staging.data());
-                    return staging.data();
-                });
+        auto tensor = [&](const std::string& name) -> const float* {
+            if (const float* p = opt.host_state(name)) return p;
+            staging.resize(opt.count());
+            opt.read_state(name, staging.data());
+            return staging.data();
+        };
+        std::size_t at = 0;  // the range's place in the state's concatenation
+        for (std::size_t k = 0; k < ranges.size(); k++) {
+            const OptimizerState::Range& rg = ranges[k];
+            io::SafetensorsWriter w;
+            w.set_metadata("format", "memtrain-optimizer-shard");
+            w.set_metadata("optimizer", cfg.optim.name);
+            w.set_metadata("offset", std::to_string(rg.offset));
+            w.set_metadata("count", std::to_string(rg.count));
+            w.set_metadata("total", std::to_string(total));
+            for (const auto& sname : names) w.declare(sname, io::DType::F32, {(int64_t)rg.count});
+            const int index = sharded ? first_file + (int)k : 0;
+            w.write((tmp_dir / optimizer_file(index, files)).string(),
+                    [&](std::size_t i) -> const void* { return tensor(names[i]) + at; });
+            at += rg.count;
+        }
     }
 
     if (root) {
@@ -251,12 +272,13 @@ TrainState load_checkpoint(const std::string& dir, const CheckpointModel& weight
     }
     opt.set_steps_taken((int64_t)meta_u64(f, "optimizer_steps", spath));
 
-    // This rank's optimizer range, assembled from whichever files overlap it: the files may come
-    // from another world size or ZeRO stage.
+    // This rank's optimizer ranges, assembled from whichever files overlap them: the files may
+    // come from another world size, ZeRO stage or pipeline layout.
     const uint64_t files = meta_u64(f, "optimizer_files", spath);
     if (files == 0 || files > 1'000'000) fail("{}: optimizer_files = {} is invalid", spath, files);
-    const std::size_t lo = opt.offset(), hi = opt.offset() + opt.count();
-    std::size_t covered = 0;
+    const std::vector<OptimizerState::Range> ranges = opt.ranges();
+    std::vector<std::size_t> covered(ranges.size(), 0);
+    const std::vector<std::string> names = opt.state_names();
     for (uint64_t k = 0; k < files; k++) {
         const std::string opath = (fs::path(dir) / optimizer_file((int)k, (int)files)).string();
         auto of = io::SafetensorsFile::open(opath);
@@ -264,21 +286,31 @@ TrainState load_checkpoint(const std::string& dir, const CheckpointModel& weight
         if (meta_u64(of, "total", opath) != total || off + cnt > total)
             fail("{}: slice [{}, {}) does not fit the model's {} parameters", opath, off, off + cnt,
                  total);
-        const std::size_t a = std::max(lo, off), b = std::min(hi, off + cnt);
-        if (a >= b) continue;
-        for (const auto& sname : opt.state_names()) {
-            const io::TensorInfo& info = of.get(sname);
-            if (info.dtype != io::DType::F32 || info.shape != std::vector<int64_t>{(int64_t)cnt})
-                fail("{}: tensor '{}' must be F32 of shape [{}], it is {} {}", opath, sname, cnt,
-                     io::dtype_name(info.dtype), io::shape_string(info.shape));
-            const float* src = static_cast<const float*>(of.data(info));
-            opt.write_state(sname, a - lo, b - a, src + (a - off));
+        std::size_t at = 0;  // the range's place in the state's concatenation
+        for (std::size_t j = 0; j < ranges.size(); j++) {
+            const std::size_t lo = ranges[j].offset, hi = lo + ranges[j].count;
+            const std::size_t a = std::max(lo, off), b = std::min(hi, off + cnt);
+            if (a < b) {
+                for (const auto& sname : names) {
+                    const io::TensorInfo& info = of.get(sname);
+                    if (info.dtype != io::DType::F32 ||
+                        info.shape != std::vector<int64_t>{(int64_t)cnt})
+                        fail("{}: tensor '{}' must be F32 of shape [{}], it is {} {}", opath, sname,
+                             cnt, io::dtype_name(info.dtype), io::shape_string(info.shape));
+                    const float* src = static_cast<const float*>(of.data(info));
+                    opt.write_state(sname, at + (a - lo), b - a, src + (a - off));
+                }
+                covered[j] += b - a;
+            }
+            at += ranges[j].count;
         }
-        covered += b - a;
     }
-    if (covered != hi - lo)
-        fail("{}: the optimizer files cover {} of the {} values this rank needs [{}, {})", dir,
-             covered, hi - lo, lo, hi);
+    for (std::size_t j = 0; j < ranges.size(); j++) {
+        const std::size_t lo = ranges[j].offset, hi = lo + ranges[j].count;
+        if (covered[j] != hi - lo)
+            fail("{}: the optimizer files cover {} of the {} values this rank needs [{}, {})", dir,
+                 covered[j], hi - lo, lo, hi);
+    }
     return st;
 }
 

@@ -10,7 +10,8 @@
 //   optimizer.RRRRR-of-NNNNN.safetensors
 //                               optimizer state (Adam m and v, or SGD momentum) as flat slices
 //                               of the parameter layout: one file when every rank holds it
-//                               whole, one per rank under ZeRO (each rank writes its shard)
+//                               whole, else one per range a rank holds (its ZeRO shard, its
+//                               pipeline stage, or each chunk of an interleaved stage)
 //   memtrain.toml               the resolved run config
 //   tokenizer.json              the run's tokenizer, when it has one
 #pragma once

@@ -133,6 +133,50 @@ std::unique_ptr<Optimizer> make_optimizer(const OptimConfig& cfg, const ParamLay
     return std::make_unique<AdamW>(cfg, layout, offset, count);
 }
 
+RangeOptimizers::RangeOptimizers(std::vector<std::unique_ptr<Optimizer>> parts)
+    : parts_(std::move(parts)) {
+    if (parts_.empty()) fail("internal: RangeOptimizers without parts");
+    for (std::size_t k = 0; k < parts_.size(); k++) {
+        if (k > 0 && parts_[k]->offset() < parts_[k - 1]->offset() + parts_[k - 1]->count())
+            fail("internal: optimizer ranges overlap or are out of order");
+        count_ += parts_[k]->count();
+    }
+}
+
+std::vector<OptimizerState::Range> RangeOptimizers::ranges() const {
+    std::vector<Range> r;
+    for (const auto& p : parts_) r.push_back({p->offset(), p->count()});
+    return r;
+}
+
+void RangeOptimizers::set_steps_taken(int64_t t) {
+    for (auto& p : parts_) p->set_steps_taken(t);
+}
+
+const float* RangeOptimizers::host_state(const std::string& name) {
+    return parts_.size() == 1 ? parts_.front()->host_state(name) : nullptr;
+}
+
+void RangeOptimizers::read_state(const std::string& name, float* dst) {
+    for (auto& p : parts_) {
+        p->read_state(name, dst);
+        dst += p->count();
+    }
+}
+
+void RangeOptimizers::write_state(const std::string& name, std::size_t begin, std::size_t n,
+                                  const float* src) {
+    if (begin > count_ || n > count_ - begin)
+        fail("internal: optimizer state write [{}, {}) outside its {} floats", begin, begin + n,
+             count_);
+    std::size_t at = 0;  // where the part starts in the concatenation
+    for (auto& p : parts_) {
+        const std::size_t lo = std::max(begin, at), hi = std::min(begin + n, at + p->count());
+        if (lo < hi) p->write_state(name, lo - at, hi - lo, src + (lo - begin));
+        at += p->count();
+    }
+}
+
 double clip_grad_norm(float* grads, std::size_t n, double max_norm) {
     double norm = std::sqrt(cpu::sum_squares(grads, (int64_t)n));
     if (max_norm > 0) {

@@ -20,9 +20,17 @@ namespace memtrain {
 // and its named state tensors of count floats each, laid out like the range.
 class OptimizerState {
   public:
+    // [offset, offset + count) of the flat parameter buffer.
+    struct Range {
+        std::size_t offset, count;
+    };
     virtual ~OptimizerState() = default;
     virtual std::size_t offset() const = 0;
     virtual std::size_t count() const = 0;
+    // The ranges of the parameter buffer the state covers, in increasing order; its tensors
+    // (count() floats) are their concatenation. One range, [offset, offset + count), except on a
+    // pipeline rank holding several chunks of the model (RangeOptimizers).
+    virtual std::vector<Range> ranges() const { return {{offset(), count()}}; }
     virtual int64_t steps_taken() const = 0;
     virtual void set_steps_taken(int64_t t) = 0;
     virtual std::vector<std::string> state_names() = 0;
@@ -88,6 +96,33 @@ class Optimizer : public OptimizerState {
 // count = SIZE_MAX: to the end of the buffer.
 std::unique_ptr<Optimizer> make_optimizer(const OptimConfig& cfg, const ParamLayout& layout,
                                           std::size_t offset = 0, std::size_t count = SIZE_MAX);
+
+// Several optimizers over disjoint increasing ranges of the same layout, seen by checkpoints as
+// one state: the concatenation of the parts' (an interleaved pipeline rank holds a chunk of the
+// model per virtual stage, parallel/stage_store.h). offset() is the first part's, count() the
+// sum; each part updates its own range with exactly the arithmetic of one optimizer over it.
+class RangeOptimizers final : public OptimizerState {
+  public:
+    explicit RangeOptimizers(std::vector<std::unique_ptr<Optimizer>> parts);
+    int parts() const { return (int)parts_.size(); }
+    Optimizer& part(int k) { return *parts_.at(k); }
+
+    std::size_t offset() const override { return parts_.front()->offset(); }
+    std::size_t count() const override { return count_; }
+    std::vector<Range> ranges() const override;
+    int64_t steps_taken() const override { return parts_.front()->steps_taken(); }
+    void set_steps_taken(int64_t t) override;
+    std::vector<std::string> state_names() override { return parts_.front()->state_names(); }
+    // Null with several parts (their tensors are apart): read_state concatenates them.
+    const float* host_state(const std::string& name) override;
+    void read_state(const std::string& name, float* dst) override;
+    void write_state(const std::string& name, std::size_t begin, std::size_t n,
+                     const float* src) override;
+
+  private:
+    std::vector<std::unique_ptr<Optimizer>> parts_;
+    std::size_t count_ = 0;
+};
 
 // Scales grads so their global L2 norm is at most max_norm (torch.nn.utils.clip_grad_norm_:
 // coefficient max_norm / (norm + 1e-6), applied only when below 1). Returns the norm before

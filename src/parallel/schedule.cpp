@@ -242,7 +242,8 @@ SimResult simulate(const Schedule& s, const StageCosts& c) {
     r.spans.resize(s.p);
     std::vector<std::size_t> next(s.p, 0);
     std::vector<double> free(s.p, 0);
-    std::vector<int> in_flight(s.p, 0);
+    std::vector<int> in_flight(s.p, 0), stage_in_flight(S, 0);
+    r.peak_stage_in_flight.assign(S, 0);
     std::size_t left = 0;
     for (const auto& l : s.ranks) left += l.size();
     while (left > 0) {
@@ -278,8 +279,12 @@ SimResult simulate(const Schedule& s, const StageCosts& c) {
                 at(a.op, a.stage, a.mb) = free[rk] = ready + cost;
                 r.spans[rk].push_back({a, ready, ready + cost});
                 r.busy[rk] += cost;
-                in_flight[rk] += a.op == Op::F ? 1 : (a.op == Op::B || a.op == Op::W) ? -1 : 0;
+                const int held = a.op == Op::F ? 1 : (a.op == Op::B || a.op == Op::W) ? -1 : 0;
+                in_flight[rk] += held;
                 r.peak_in_flight[rk] = std::max(r.peak_in_flight[rk], in_flight[rk]);
+                stage_in_flight[a.stage] += held;
+                r.peak_stage_in_flight[a.stage] =
+                    std::max(r.peak_stage_in_flight[a.stage], stage_in_flight[a.stage]);
                 next[rk]++;
                 left--;
                 moved = true;

@@ -67,10 +67,12 @@ struct Span {
 
 struct SimResult {
     double makespan = 0;
-    std::vector<double> busy;              // per rank: time spent computing
-    std::vector<int> peak_in_flight;       // per rank: most micro-batches (of all its chunks)
-                                           // between their F and their B (or W)
-    std::vector<std::vector<Span>> spans;  // per rank, in execution order
+    std::vector<double> busy;               // per rank: time spent computing
+    std::vector<int> peak_in_flight;        // per rank: most micro-batches (of all its chunks)
+                                            // between their F and their B (or W)
+    std::vector<int> peak_stage_in_flight;  // per virtual stage: the same count for its own
+                                            // micro-batches (an interleaved chunk's slots)
+    std::vector<std::vector<Span>> spans;   // per rank, in execution order
     // Idle share of the step, mean over ranks: 1 - mean(busy) / makespan (GPipe's definition:
     // (p - 1) / (m + p - 1) for uniform stages).
     double bubble() const;

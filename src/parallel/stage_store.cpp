@@ -9,13 +9,25 @@ namespace memtrain::pp {
 
 StageStore::StageStore(const ParamLayout& layout, int first_unit, int last_unit,
                        bool mirror_embedding)
-    : layout_(&layout), first_(first_unit), last_(last_unit) {
-    if (first_unit < 0 || last_unit >= (int)layout.units.size() || first_unit > last_unit)
-        fail("internal: stage units [{}, {}] of {}", first_unit, last_unit, layout.units.size());
-    begin_ = layout.units[first_unit].begin;
-    end_ = layout.units[last_unit].end;
-    params_ = Buffer<float>(count(), MemCategory::Parameters);
-    grads_ = Buffer<float>(count(), MemCategory::Gradients);
+    : StageStore(layout, std::vector<std::pair<int, int>>{{first_unit, last_unit}},
+                 mirror_embedding) {}
+
+StageStore::StageStore(const ParamLayout& layout,
+                       const std::vector<std::pair<int, int>>& unit_ranges, bool mirror_embedding)
+    : layout_(&layout) {
+    if (unit_ranges.empty()) fail("internal: a pipeline stage without units");
+    std::size_t at = 0;
+    for (const auto& [first, last] : unit_ranges) {
+        const int prev = ranges_.empty() ? -1 : ranges_.back().last_unit;
+        if (first <= prev || last >= (int)layout.units.size() || first > last)
+            fail("internal: stage units [{}, {}] of {} (after unit {})", first, last,
+                 layout.units.size(), prev);
+        const Range r{first, last, layout.units[first].begin, layout.units[last].end, at};
+        at += r.count();
+        ranges_.push_back(r);
+    }
+    params_ = Buffer<float>(at, MemCategory::Parameters);
+    grads_ = Buffer<float>(at, MemCategory::Gradients);
     if (mirror_embedding && !owns(ParamLayout::embedding_unit())) {
         const std::size_t n = layout.units[ParamLayout::embedding_unit()].size();
         mirror_params_ = Buffer<float>(n, MemCategory::Parameters);
@@ -24,18 +36,26 @@ StageStore::StageStore(const ParamLayout& layout, int first_unit, int last_unit,
     zero_grads();
 }
 
+const StageStore::Range* StageStore::range_of(int u) const {
+    for (const Range& r : ranges_)
+        if (u >= r.first_unit && u <= r.last_unit) return &r;
+    return nullptr;
+}
+
 float* StageStore::full_params() {
-    return begin_ == 0 && end_ == layout_->total ? params_.data() : nullptr;
+    return count() == layout_->total ? params_.data() : nullptr;
 }
 
 float* StageStore::full_grads() {
-    return begin_ == 0 && end_ == layout_->total ? grads_.data() : nullptr;
+    return count() == layout_->total ? grads_.data() : nullptr;
 }
 
 float* StageStore::find(int u, Buffer<float>& owned, Buffer<float>& mirror) {
-    if (owns(u)) return owned.data() + (layout_->units.at(u).begin - begin_);
+    if (const Range* r = range_of(u))
+        return owned.data() + r->at + (layout_->units[u].begin - r->begin);
     if (u == ParamLayout::embedding_unit() && mirror.size() > 0) return mirror.data();
-    fail("internal: unit {} is not on this pipeline stage (units {}..{})", u, first_, last_);
+    fail("internal: unit {} is not on this pipeline stage (units {}..{})", u, first_unit(),
+         last_unit());
 }
 
 float* StageStore::acquire(int u, bool) {

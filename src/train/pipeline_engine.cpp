@@ -2,6 +2,7 @@
 #include "train/pipeline_engine.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -16,15 +17,17 @@ namespace memtrain {
 
 namespace {
 
-// Message tags: micro-batch i's activation 2i, its gradient 2i + 1, and three of their own
-// above every micro-batch's (MPI guarantees tags up to 32767).
+// Message tags: a message crosses the boundary below virtual stage s, whose chunk is c = s / p:
+// micro-batch i's activation 2 (c m + i), its gradient 2 (c m + i) + 1, and three of their own
+// above every chunk's and micro-batch's (MPI guarantees tags up to 32767). Between two ranks
+// the boundaries they share differ in c, so the tags name every message of a step.
 constexpr int kTagEval = 32000, kTagTiedGrad = 32001, kTagTiedWeights = 32002;
-constexpr int kMaxMicroBatches = 16000;
-int tag_forward(int mb) {
-    return 2 * mb;
+constexpr int kMaxMicroBatches = 16000;  // micro-batches x chunks
+int tag_forward(int chunk, int m, int mb) {
+    return 2 * (chunk * m + mb);
 }
-int tag_backward(int mb) {
-    return 2 * mb + 1;
+int tag_backward(int chunk, int m, int mb) {
+    return 2 * (chunk * m + mb) + 1;
 }
 
 // The timeline compares times taken on different ranks, so it reads the wall clock, which the
@@ -35,17 +38,6 @@ double wall_seconds() {
         .count();
 }
 
-// The most micro-batches a rank's list holds between their F and their B.
-int peak_in_flight(const std::vector<pp::Action>& list) {
-    int now = 0, peak = 0;
-    for (const pp::Action& a : list) {
-        // A micro-batch's activations stay until its B, or with a split backward its W.
-        now += a.op == pp::Op::F ? 1 : (a.op == pp::Op::B || a.op == pp::Op::W ? -1 : 0);
-        peak = std::max(peak, now);
-    }
-    return peak;
-}
-
 }  // namespace
 
 PipelineEngine::PipelineEngine(const RunConfig& cfg, dist::Communicator& comm)
@@ -53,60 +45,103 @@ PipelineEngine::PipelineEngine(const RunConfig& cfg, dist::Communicator& comm)
       comm_(comm),
       rank_(comm.rank()),
       p_(cfg.train.pp),
+      v_(cfg.train.pp_virtual),
       kind_(pp::parse_kind(cfg.train.pp_schedule)),
       layout_(make_param_layout(cfg.model)) {
     if (comm.size() != p_) fail("internal: a pipeline of {} stages on {} ranks", p_, comm.size());
     const int B = cfg_.micro_batch(), T = cfg_.train.seq_len, m = cfg_.accum_steps();
-    if (m > kMaxMicroBatches)
-        fail("train.pp: {} micro-batches per step is more than the pipeline's {}", m,
-             kMaxMicroBatches);
-    split_ = pp::split_stages(cfg_.model, p_, B, T);
-    const int b0 = split_.first_block[rank_], b1 = b0 + split_.blocks[rank_];
-    const int first_unit = b0 == 0 ? ParamLayout::embedding_unit() : layout_.block_unit(b0);
-    const int last_unit =
-        b1 == cfg_.model.n_layer ? layout_.head_unit() : layout_.block_unit(b1 - 1);
-    store_ = std::make_unique<pp::StageStore>(layout_, first_unit, last_unit,
-                                              last() && cfg_.model.tied_embeddings);
-    // Who owns each unit, for the weights view: the stage whose blocks it belongs to.
+    if ((int64_t)m * v_ > kMaxMicroBatches)
+        fail("train.pp: {} micro-batches x {} chunks per step is more than the pipeline's {}", m,
+             v_, kMaxMicroBatches);
+    split_ = pp::split_stages(cfg_.model, num_stages(), B, T);
+    // This rank's chunks: virtual stages rank, rank + p, ..., each a run of units.
+    std::vector<std::pair<int, int>> ranges;
+    for (int c = 0; c < v_; c++) {
+        const int s = c * p_ + rank_;
+        const int b0 = split_.first_block[s], b1 = b0 + split_.blocks[s];
+        const int first_unit = b0 == 0 ? ParamLayout::embedding_unit() : layout_.block_unit(b0);
+        const int last_unit =
+            b1 == cfg_.model.n_layer ? layout_.head_unit() : layout_.block_unit(b1 - 1);
+        ranges.emplace_back(first_unit, last_unit);
+    }
+    store_ =
+        std::make_unique<pp::StageStore>(layout_, ranges, last() && cfg_.model.tied_embeddings);
+    // Who owns each unit, for the weights view: the rank of the stage its blocks belong to.
     std::vector<int> owner(layout_.units.size(), 0);
-    for (int s = 0; s < p_; s++)
+    for (int s = 0; s < num_stages(); s++)
         for (int l = split_.first_block[s]; l < split_.first_block[s] + split_.blocks[s]; l++)
-            owner[layout_.block_unit(l)] = s;
+            owner[layout_.block_unit(l)] = rank_of(s);
     owner[layout_.head_unit()] = p_ - 1;
     weights_ = std::make_unique<dist::OwnerWeights>(layout_, *store_, std::move(owner), comm_);
-    model_ = std::make_unique<GPT>(cfg_.model, store_.get(), b0, b1);
-    model_->set_split_backward(kind_ == pp::Kind::ZbH1);
-    opt_ = make_optimizer(cfg_.optim, layout_, store_->begin(), store_->count());
+    std::vector<std::unique_ptr<Optimizer>> opts;
+    for (int c = 0; c < v_; c++) {
+        const int s = c * p_ + rank_;
+        const int b0 = split_.first_block[s];
+        chunks_.push_back(
+            std::make_unique<GPT>(cfg_.model, store_.get(), b0, b0 + split_.blocks[s]));
+        chunks_.back()->set_split_backward(kind_ == pp::Kind::ZbH1);
+        const pp::StageStore::Range& r = store_->ranges()[c];
+        opts.push_back(make_optimizer(cfg_.optim, layout_, r.begin, r.count()));
+    }
+    opt_ = std::make_unique<RangeOptimizers>(std::move(opts));
     epoch_ = wall_seconds();
     comm_.broadcast(&epoch_, sizeof(epoch_), 0);
-    sched_ = pp::make_schedule(kind_, p_, m);
-    pp::validate(sched_);
-    model_->set_slots(std::max(1, peak_in_flight(sched_.ranks[rank_])));
+    make_schedule(m);
 }
 
 PipelineEngine::~PipelineEngine() {
     comm_.wait_all();  // sends still travelling read our buffers
 }
 
+void PipelineEngine::make_schedule(int m) {
+    sched_ = pp::make_schedule(kind_, p_, m, v_);
+    pp::validate(sched_);
+    // The simulator runs each rank's list in order, so its count of what a stage holds between
+    // forward and backward is the executor's, whatever the stages cost.
+    const int S = num_stages();
+    const pp::SimResult sim = pp::simulate(sched_, pp::StageCosts::uniform(S, 1, 2, 1, 1));
+    for (int c = 0; c < v_; c++)
+        chunks_[c]->set_slots(std::max(1, sim.peak_stage_in_flight[c * p_ + rank_]));
+}
+
+int PipelineEngine::slots() const {
+    int k = 0;
+    for (const auto& g : chunks_) k += g->slots();
+    return k;
+}
+
+std::string PipelineEngine::chunk_blocks() const {
+    std::string out;
+    for (const auto& g : chunks_)
+        out +=
+            fmt::format("{}{}..{}", out.empty() ? "" : ", ", g->first_block(), g->end_block() - 1);
+    return out;
+}
+
 std::string PipelineEngine::describe() const {
-    return fmt::format("cpu (fp32), pipeline stage {} of {} (blocks {}..{}, {} schedule)", rank_,
-                       p_, model_->first_block(), model_->end_block() - 1, kind_name(kind_));
+    if (v_ == 1)
+        return fmt::format("cpu (fp32), pipeline stage {} of {} (blocks {}, {} schedule)", rank_,
+                           p_, chunk_blocks(), kind_name(kind_));
+    return fmt::format(
+        "cpu (fp32), pipeline rank {} of {}, {} chunks (virtual stages of {}: blocks {}, {} "
+        "schedule)",
+        rank_, p_, v_, num_stages(), chunk_blocks(), kind_name(kind_));
 }
 
 void PipelineEngine::set_remat(const RematPlan& plan) {
     plan_ = plan;
     if (plan.empty()) {
-        model_->set_remat({});
+        for (auto& g : chunks_) g->set_remat({});
         return;
     }
     if (plan.size() != (std::size_t)cfg_.model.n_layer)
         fail("remat plan has {} entries but model.n_layer is {}", plan.size(), cfg_.model.n_layer);
-    model_->set_remat(
-        RematPlan(plan.begin() + model_->first_block(), plan.begin() + model_->end_block()));
+    for (auto& g : chunks_)
+        g->set_remat(RematPlan(plan.begin() + g->first_block(), plan.begin() + g->end_block()));
 }
 
 void PipelineEngine::begin_step() {
-    model_->zero_grads();
+    store_->zero_grads();
     mbs_.clear();
     loss_sum_ = 0;
 }
@@ -124,113 +159,124 @@ void PipelineEngine::forward_backward(const int32_t* inputs, const int32_t* targ
 
 void PipelineEngine::run_schedule() {
     const int m = (int)mbs_.size();
-    if (m != sched_.m) {
-        sched_ = pp::make_schedule(kind_, p_, m);
-        pp::validate(sched_);
-        model_->set_slots(std::max(1, peak_in_flight(sched_.ranks[rank_])));
-    }
-    const int B = B_, T = T_;
+    if (m != sched_.m) make_schedule(m);
+    const int B = B_, T = T_, S = num_stages();
     const int64_t n = (int64_t)B * T * cfg_.model.n_embd;
-    model_->prepare(B, T);
-    std::vector<int> free_slots, slot_of(m, -1);
-    for (int s = model_->slots() - 1; s >= 0; s--) free_slots.push_back(s);
-    // Sends in flight: each slot's output (until its backward may rewrite it) and the one
-    // gradient buffer (until the next backward writes it).
-    std::vector<uint64_t> out_send(model_->slots(), 0);
-    uint64_t grad_send = 0;
-    // Compute time per kind of action (F, B, I, W), and each action's start and end in list
-    // order, for the stats and the timeline.
-    double spent[4] = {0, 0, 0, 0};
+    for (auto& g : chunks_) g->prepare(B, T);
+    // Per chunk: its free slots, the slot of each micro-batch, the sends in flight from each
+    // slot's output (until its backward may rewrite it) and from its one gradient buffer (until
+    // the next backward writes it).
+    std::vector<std::vector<int>> free_slots(v_), slot_of(v_, std::vector<int>(m, -1));
+    std::vector<std::vector<uint64_t>> out_send(v_);
+    std::vector<uint64_t> grad_send(v_, 0);
+    for (int c = 0; c < v_; c++) {
+        for (int k = chunks_[c]->slots() - 1; k >= 0; k--) free_slots[c].push_back(k);
+        out_send[c].assign(chunks_[c]->slots(), 0);
+    }
+    // Compute time per chunk and kind of action (F, B, I, W), and each action's start and end in
+    // list order, for the stats and the timeline.
+    std::vector<std::array<double, 4>> spent(v_, std::array<double, 4>{0, 0, 0, 0});
     std::vector<double> when;
-    auto timed = [&](pp::Op op, auto&& work) {
+    auto timed = [&](int c, pp::Op op, auto&& work) {
         const double t0 = wall_seconds() - epoch_;
         work();
         const double t1 = wall_seconds() - epoch_;
         when.push_back(t0);
         when.push_back(t1);
-        spent[(int)op] += t1 - t0;
+        spent[c][(int)op] += t1 - t0;
     };
     comm_.barrier();  // a common start, so the makespan measures the pipeline, not data loading
     const double t_start = wall_seconds() - epoch_;
     for (const pp::Action& a : sched_.ranks[rank_]) {
-        const int i = a.mb;
+        const int i = a.mb, s = a.stage, c = s / p_;
+        GPT& g = *chunks_[c];
         const Micro& mb = mbs_[i];
         if (a.op == pp::Op::F) {
-            if (free_slots.empty()) fail("internal: pipeline stage {} ran out of slots", rank_);
-            const int slot = free_slots.back();
-            free_slots.pop_back();
-            slot_of[i] = slot;
-            comm_.wait(out_send[slot]);
-            if (!first()) comm_.recv(model_->stage_input(slot), n, rank_ - 1, tag_forward(i));
-            timed(a.op, [&] { model_->stage_forward(slot, mb.x.data(), B, T); });
-            if (!last()) {
-                out_send[slot] =
-                    comm_.start_send(model_->stage_output(slot), n, rank_ + 1, tag_forward(i));
+            if (free_slots[c].empty()) fail("internal: pipeline stage {} ran out of slots", s);
+            const int slot = free_slots[c].back();
+            free_slots[c].pop_back();
+            slot_of[c][i] = slot;
+            comm_.wait(out_send[c][slot]);
+            if (s > 0) comm_.recv(g.stage_input(slot), n, rank_of(s - 1), tag_forward(c, m, i));
+            timed(c, a.op, [&] { g.stage_forward(slot, mb.x.data(), B, T); });
+            if (s < S - 1) {
+                out_send[c][slot] = comm_.start_send(g.stage_output(slot), n, rank_of(s + 1),
+                                                     tag_forward((s + 1) / p_, m, i));
                 stats_.bytes_sent += n * (int64_t)sizeof(float);
             }
         } else if (a.op == pp::Op::B || a.op == pp::Op::I) {
             // The whole backward, or (zero bubble) its input-gradient half: both send d(input).
-            const int slot = slot_of[i];
-            comm_.wait(grad_send);
-            comm_.wait(out_send[slot]);
-            if (!last()) comm_.recv(model_->stage_grad(), n, rank_ + 1, tag_backward(i));
+            const int slot = slot_of[c][i];
+            comm_.wait(grad_send[c]);
+            comm_.wait(out_send[c][slot]);
+            if (s < S - 1)
+                comm_.recv(g.stage_grad(), n, rank_of(s + 1), tag_backward((s + 1) / p_, m, i));
             float loss = 0;
-            timed(a.op, [&] {
-                loss = a.op == pp::Op::B ? model_->stage_backward(slot, mb.x.data(), mb.y.data(), B,
-                                                                  T, grad_scale_)
-                                         : model_->stage_backward_input(
-                                               slot, mb.x.data(), mb.y.data(), B, T, grad_scale_);
+            timed(c, a.op, [&] {
+                loss =
+                    a.op == pp::Op::B
+                        ? g.stage_backward(slot, mb.x.data(), mb.y.data(), B, T, grad_scale_)
+                        : g.stage_backward_input(slot, mb.x.data(), mb.y.data(), B, T, grad_scale_);
             });
-            if (last()) loss_sum_ += loss;
-            if (!first()) {
-                grad_send = comm_.start_send(model_->stage_grad(), n, rank_ - 1, tag_backward(i));
+            if (s == S - 1) loss_sum_ += loss;
+            if (s > 0) {
+                grad_send[c] =
+                    comm_.start_send(g.stage_grad(), n, rank_of(s - 1), tag_backward(c, m, i));
                 stats_.bytes_sent += n * (int64_t)sizeof(float);
             }
-            if (a.op == pp::Op::B) free_slots.push_back(slot);
+            if (a.op == pp::Op::B) free_slots[c].push_back(slot);
         } else {  // W: the weight-gradient half, whenever the schedule finds room for it
-            const int slot = slot_of[i];
-            timed(a.op, [&] { model_->stage_backward_weight(slot, B, T); });
-            free_slots.push_back(slot);
+            const int slot = slot_of[c][i];
+            timed(c, a.op, [&] { g.stage_backward_weight(slot, B, T); });
+            free_slots[c].push_back(slot);
         }
     }
     comm_.wait_all();
     const double end = wall_seconds() - epoch_;
-    // Every rank's start, end, busy time and per-micro-batch forward and backward times.
-    constexpr int kF = 7;
-    const double busy = spent[0] + spent[1] + spent[2] + spent[3];
-    const double mine[kF] = {t_start,      end,          busy,        spent[0] / m,
-                             spent[1] / m, spent[2] / m, spent[3] / m};
+    // Every rank's start, end, busy time and, per chunk, per-micro-batch F, B, I and W times.
+    const int kF = 3 + 4 * v_;
+    std::vector<double> mine = {t_start, end, 0.0};
+    for (int c = 0; c < v_; c++)
+        for (int op = 0; op < 4; op++) {
+            mine[2] += spent[c][op];
+            mine.push_back(spent[c][op] / m);
+        }
     std::vector<double> all(kF * (std::size_t)p_);
-    comm_.all_gather_bytes(mine, all.data(), sizeof(mine));
+    comm_.all_gather_bytes(mine.data(), all.data(), kF * (int64_t)sizeof(double));
     double step_start = all[0];
-    for (int s = 0; s < p_; s++) step_start = std::min(step_start, all[kF * s]);
-    // The step as it ran, for the timeline (every rank's list has the same length: m F and m B).
+    for (int r = 0; r < p_; r++) step_start = std::min(step_start, all[kF * r]);
+    // The step as it ran, for the timeline (every rank's list has the same length: F and B, or
+    // F, I and W, of each of its chunks' micro-batches).
     std::vector<double> spans(when.size() * (std::size_t)p_);
     comm_.all_gather_bytes(when.data(), spans.data(), (int64_t)(when.size() * sizeof(double)));
     timeline_ = pp::SimResult{};
     timeline_.spans.resize(p_);
     timeline_.busy.assign(p_, 0.0);
-    for (int s = 0; s < p_; s++) {
-        timeline_.makespan = std::max(timeline_.makespan, all[kF * s + 1] - step_start);
-        timeline_.busy[s] = all[kF * s + 2];
-        const std::vector<pp::Action>& list = sched_.ranks[s];
+    for (int r = 0; r < p_; r++) {
+        timeline_.makespan = std::max(timeline_.makespan, all[kF * r + 1] - step_start);
+        timeline_.busy[r] = all[kF * r + 2];
+        const std::vector<pp::Action>& list = sched_.ranks[r];
         for (std::size_t j = 0; j < list.size(); j++)
-            timeline_.spans[s].push_back({list[j], spans[s * when.size() + 2 * j] - step_start,
-                                          spans[s * when.size() + 2 * j + 1] - step_start});
+            timeline_.spans[r].push_back({list[j], spans[r * when.size() + 2 * j] - step_start,
+                                          spans[r * when.size() + 2 * j + 1] - step_start});
     }
     if (steps_run_++ == 0) return;  // the first step pays for allocation and warm-up
     stats_.steps++;
-    stats_.stage_forward_s.resize(p_);
-    stats_.stage_backward_s.resize(p_);
-    stats_.stage_input_s.resize(p_);
-    stats_.stage_weight_s.resize(p_);
+    stats_.stage_forward_s.resize(S);
+    stats_.stage_backward_s.resize(S);
+    stats_.stage_input_s.resize(S);
+    stats_.stage_weight_s.resize(S);
     double busy_sum = 0;
-    for (int s = 0; s < p_; s++) {
-        busy_sum += all[kF * s + 2];
-        stats_.stage_forward_s[s] += all[kF * s + 3];
-        stats_.stage_backward_s[s] += all[kF * s + 4];
-        stats_.stage_input_s[s] += all[kF * s + 5];
-        stats_.stage_weight_s[s] += all[kF * s + 6];
+    for (int r = 0; r < p_; r++) {
+        busy_sum += all[kF * r + 2];
+        for (int c = 0; c < v_; c++) {
+            const double* t = &all[kF * r + 3 + 4 * c];
+            const int st = c * p_ + r;
+            stats_.stage_forward_s[st] += t[0];
+            stats_.stage_backward_s[st] += t[1];
+            stats_.stage_input_s[st] += t[2];
+            stats_.stage_weight_s[st] += t[3];
+        }
     }
     const double makespan = timeline_.makespan;
     stats_.makespan_s += makespan;
@@ -253,8 +299,9 @@ StepResult PipelineEngine::finish_step(double lr, double max_norm) {
     }
     // The global norm: each unit's sum of squares where it lives, added in unit order.
     std::vector<double> sq(layout_.units.size(), 0.0);
-    for (int u = store_->first_unit(); u <= store_->last_unit(); u++)
-        sq[u] = cpu::sum_squares(store_->unit_grads(u), (int64_t)layout_.units[u].size());
+    for (const pp::StageStore::Range& rg : store_->ranges())
+        for (int u = rg.first_unit; u <= rg.last_unit; u++)
+            sq[u] = cpu::sum_squares(store_->unit_grads(u), (int64_t)layout_.units[u].size());
     comm_.all_reduce_max(sq.data(), (int64_t)sq.size());  // one rank has each, the rest 0
     double total = 0;
     for (double s : sq) total += s;
@@ -264,7 +311,10 @@ StepResult PipelineEngine::finish_step(double lr, double max_norm) {
         if (coef < 1.0)
             cpu::scale_inplace(store_->owned_grads(), (float)coef, (int64_t)store_->count());
     }
-    opt_->step(store_->owned_params(), store_->owned_grads(), lr);
+    for (int c = 0; c < v_; c++) {
+        const std::size_t at = store_->ranges()[c].at;
+        opt_->part(c).step(store_->owned_params() + at, store_->owned_grads() + at, lr);
+    }
     if (cfg_.model.tied_embeddings && p_ > 1) {
         const int64_t ne = (int64_t)layout_.units[E].size();
         if (first()) comm_.send(store_->acquire(E), ne, p_ - 1, kTagTiedWeights);
@@ -279,22 +329,28 @@ StepResult PipelineEngine::finish_step(double lr, double max_norm) {
 
 void PipelineEngine::forward_only(const int32_t* inputs, int B, int T) {
     const int64_t n = (int64_t)B * T * cfg_.model.n_embd;
-    model_->prepare(B, T);
-    if (!first()) comm_.recv(model_->stage_input(0), n, rank_ - 1, kTagEval);
-    model_->stage_forward(0, inputs, B, T);
-    if (!last()) comm_.send(model_->stage_output(0), n, rank_ + 1, kTagEval);
+    const int S = num_stages();
+    // Chunk by chunk through the virtual stages (messages between two ranks stay in order).
+    for (int c = 0; c < v_; c++) {
+        GPT& g = *chunks_[c];
+        const int s = c * p_ + rank_;
+        g.prepare(B, T);
+        if (s > 0) comm_.recv(g.stage_input(0), n, rank_of(s - 1), kTagEval);
+        g.stage_forward(0, inputs, B, T);
+        if (s < S - 1) comm_.send(g.stage_output(0), n, rank_of(s + 1), kTagEval);
+    }
 }
 
 double PipelineEngine::forward_loss(const int32_t* inputs, const int32_t* targets, int B, int T) {
     forward_only(inputs, B, T);
-    double loss = last() ? model_->stage_loss(0, targets, B, T) : 0.0;
+    double loss = last() ? chunks_.back()->stage_loss(0, targets, B, T) : 0.0;
     comm_.broadcast(&loss, sizeof(loss), p_ - 1);
     return loss;
 }
 
 void PipelineEngine::forward_logits(const int32_t* inputs, int B, int T, float* out) {
     forward_only(inputs, B, T);
-    if (last()) model_->stage_logits(0, B, T, out);
+    if (last()) chunks_.back()->stage_logits(0, B, T, out);
     comm_.broadcast(out, (int64_t)B * T * cfg_.model.vocab_size * (int64_t)sizeof(float), p_ - 1);
 }
 
@@ -304,12 +360,23 @@ std::string PipelineEngine::memory_title() const {
 
 std::vector<MemoryPrediction> PipelineEngine::predicted_memory(int B, int T) const {
     const std::size_t own = store_->count(), mirror = store_->mirror_size();
-    const std::string units =
-        fmt::format("units {}..{}{}", layout_.units[store_->first_unit()].name,
-                    layout_.units[store_->last_unit()].name, mirror ? " + a copy of wte" : "");
+    std::string units;
+    for (const pp::StageStore::Range& r : store_->ranges())
+        units += fmt::format("{}{}..{}", units.empty() ? "" : ", ",
+                             layout_.units[r.first_unit].name, layout_.units[r.last_unit].name);
+    if (mirror) units += " + a copy of wte";
     const int k = cfg_.optim.name == "adamw" ? 8 : 4;
-    const ArenaPlan a = model_->stage_arena(B, T);
-    const int K = model_->slots();
+    // Each chunk: its slots of its own blocks' arena, and a workspace of its own.
+    std::size_t acts = 0, work = 0;
+    std::string slots;
+    for (const auto& g : chunks_) {
+        const ArenaPlan a = g->stage_arena(B, T);
+        acts += (std::size_t)g->slots() * (a.activation_bytes + g->split_backward_bytes(B, T));
+        work += a.workspace_bytes;
+        slots += fmt::format("{}{} x activation_layout(blocks {}..{})", slots.empty() ? "" : " + ",
+                             g->slots(), g->first_block(), g->end_block() - 1);
+    }
+    const GPT& g0 = *chunks_.front();
     return {
         {MemCategory::Parameters, fmt::format("4 x stage params ({})", units), 4 * (own + mirror)},
         {MemCategory::Gradients, "4 x stage params", 4 * (own + mirror)},
@@ -317,25 +384,37 @@ std::vector<MemoryPrediction> PipelineEngine::predicted_memory(int B, int T) con
          fmt::format("{} x stage params, own units ({})", k, k == 8 ? "Adam m, v" : "momentum"),
          (std::size_t)k * own},
         {MemCategory::Activations,
-         fmt::format("{} micro-batches in flight x activation_layout(blocks {}..{}, remat={}){}", K,
-                     model_->first_block(), model_->end_block() - 1, cfg_.train.remat,
-                     model_->split_backward() ? " + output gradients kept for W" : ""),
-         (std::size_t)K * (a.activation_bytes + model_->split_backward_bytes(B, T))},
-        {MemCategory::Workspace, "activation_layout(stage blocks), shared", a.workspace_bytes},
+         fmt::format("micro-batches in flight: {}, remat={}{}", slots, cfg_.train.remat,
+                     g0.split_backward() ? " + output gradients kept for W" : ""),
+         acts},
+        {MemCategory::Workspace,
+         v_ == 1 ? std::string("activation_layout(stage blocks), shared")
+                 : fmt::format("activation_layout(chunk blocks), one per chunk ({})", v_),
+         work},
     };
 }
 
 std::string PipelineEngine::memory_footer() const {
     std::string out = host_rss_line();
-    out += fmt::format(
-        "pipeline: {} stages, {} schedule, stage {} holds blocks {}..{} and up to {} "
-        "micro-batches in flight\n",
-        p_, kind_name(kind_), rank_, model_->first_block(), model_->end_block() - 1,
-        model_->slots());
+    if (v_ == 1)
+        out += fmt::format(
+            "pipeline: {} stages, {} schedule, stage {} holds blocks {} and up to {} "
+            "micro-batches in flight\n",
+            p_, kind_name(kind_), rank_, chunk_blocks(), slots());
+    else {
+        std::string slots;
+        for (const auto& g : chunks_)
+            slots += fmt::format("{}{}", slots.empty() ? "" : " + ", g->slots());
+        out += fmt::format(
+            "pipeline: {} ranks x {} chunks = {} virtual stages, {} schedule, rank {} holds blocks "
+            "{} with {} activation slots (each chunk's most micro-batches in flight)\n",
+            p_, v_, num_stages(), kind_name(kind_), rank_, chunk_blocks(), slots);
+    }
     if (stats_.steps > 0) {
         // The simulator's step for the stages' measured forward and backward times.
-        pp::StageCosts costs = pp::StageCosts::uniform(p_, 0, 0);
-        for (int s = 0; s < p_; s++) {
+        const int S = num_stages();
+        pp::StageCosts costs = pp::StageCosts::uniform(S, 0, 0);
+        for (int s = 0; s < S; s++) {
             costs.f[s] = stats_.stage_forward_s[s] / stats_.steps;
             costs.b[s] = stats_.stage_backward_s[s] / stats_.steps;
             costs.i[s] = stats_.stage_input_s[s] / stats_.steps;
@@ -356,9 +435,10 @@ std::string PipelineEngine::memory_footer() const {
 std::string PipelineEngine::write_run_files(const std::string& out_dir) {
     if (timeline_.spans.empty()) return "";
     const std::string path = (std::filesystem::path(out_dir) / "pipeline_timeline.svg").string();
-    const std::string title = fmt::format(
-        "{} p={} m={}: the last step as it ran ({:.1f} ms, bubble {:.1f}%)", kind_name(kind_), p_,
-        sched_.m, 1e3 * timeline_.makespan, 100.0 * timeline_.bubble());
+    const std::string title =
+        fmt::format("{} p={} m={}{}: the last step as it ran ({:.1f} ms, bubble {:.1f}%)",
+                    kind_name(kind_), p_, sched_.m, v_ > 1 ? fmt::format(" v={}", v_) : "",
+                    1e3 * timeline_.makespan, 100.0 * timeline_.bubble());
     io::write_text_file_atomically(path, pp::timeline_svg(sched_, timeline_, title));
     return fmt::format("pipeline timeline (measured, last step): {}\n", path);
 }

@@ -17,6 +17,14 @@
 // (last stage) and the embedding's part (first stage), added once per step rather than micro-
 // batch by micro-batch; Megatron-LM reduces it the same way.
 //
+// Interleaved (Megatron's virtual stages, train.pp_virtual = V): the model is split into P x V
+// stages and rank r holds virtual stages r, r + P, ..., (V - 1) P + r, one chunk of blocks each,
+// with its own activation slots (as many as the schedule keeps in flight on that chunk). An
+// action names its virtual stage: the executor runs it on that chunk, receives from and sends to
+// the rank of the neighbouring virtual stage (rank P - 1's chunk c passes on to rank 0's chunk
+// c + 1), with message tags that name the chunk and the micro-batch. Each chunk still runs its
+// micro-batches' backwards in micro-batch order, so the bits are those of one process too.
+//
 // After the last micro-batch: the tied embedding's gradient goes from the last stage to the
 // first, the global gradient norm is the sum of per-unit sums of squares in unit order (as a
 // single process sums it), every stage clips and updates its own range, and the first stage sends
@@ -44,8 +52,8 @@ struct PipelineStats {
     double makespan_s = 0;   // summed over steps
     double bubble = 0;       // summed over steps
     int64_t bytes_sent = 0;  // activations and gradients sent by this rank
-    // Per stage: one micro-batch's forward and backward time, summed over steps (for the
-    // simulator's prediction from measured stage times).
+    // Per virtual stage: one micro-batch's forward and backward time, summed over steps (for
+    // the simulator's prediction from measured stage times).
     std::vector<double> stage_forward_s, stage_backward_s, stage_input_s, stage_weight_s;
 };
 
@@ -75,10 +83,17 @@ class PipelineEngine final : public Engine {
 
     int stage() const { return rank_; }
     int stages() const { return p_; }
-    const pp::StageSplit& split() const { return split_; }
-    // Micro-batches this stage holds at once under the schedule (GPipe m, 1F1B min(p - s, m)).
-    int slots() const { return model_->slots(); }
-    GPT& model() { return *model_; }
+    // Chunks of the model on this rank (train.pp_virtual; 1 unless interleaved): chunk c is
+    // virtual stage c * stages() + stage().
+    int chunks() const { return v_; }
+    const pp::StageSplit& split() const { return split_; }  // per virtual stage
+    // Activation slots this rank allocates: the micro-batches it holds at once under the
+    // schedule (GPipe m, 1F1B min(p - s, m)); interleaved, the sum over its chunks of each
+    // chunk's most micro-batches in flight (chunk_slots), which peak at different times.
+    int slots() const;
+    int chunk_slots(int c) const { return chunks_.at(c)->slots(); }
+    // The model of chunk c (its blocks, and the embedding or head where it has them).
+    GPT& model(int c = 0) { return *chunks_.at(c); }
     pp::StageStore& store() { return *store_; }
     const PipelineStats& stats() const { return stats_; }
     // The last step as it ran: every rank's actions with their measured start and end (seconds
@@ -92,20 +107,25 @@ class PipelineEngine final : public Engine {
         std::vector<int32_t> x, y;
     };
     void run_schedule();
+    // The schedule for m micro-batches, and each chunk's slots from its simulated peak.
+    void make_schedule(int m);
     void forward_only(const int32_t* inputs, int B, int T);
     bool first() const { return rank_ == 0; }
     bool last() const { return rank_ == p_ - 1; }
+    int num_stages() const { return p_ * v_; }
+    int rank_of(int stage) const { return stage % p_; }
+    std::string chunk_blocks() const;  // "0..1" or, interleaved, "0..1, 4..5"
 
     RunConfig cfg_;
     dist::Communicator& comm_;
-    int rank_ = 0, p_ = 1;
+    int rank_ = 0, p_ = 1, v_ = 1;
     pp::Kind kind_;
     ParamLayout layout_;
     pp::StageSplit split_;
-    std::unique_ptr<pp::StageStore> store_;
+    std::unique_ptr<pp::StageStore> store_;  // every chunk's units, one range per chunk
     std::unique_ptr<dist::OwnerWeights> weights_;
-    std::unique_ptr<GPT> model_;
-    std::unique_ptr<Optimizer> opt_;
+    std::vector<std::unique_ptr<GPT>> chunks_;  // chunk c: virtual stage c * p + rank
+    std::unique_ptr<RangeOptimizers> opt_;      // one optimizer per chunk's range
     RematPlan plan_;
     pp::Schedule sched_;
     std::vector<Micro> mbs_;

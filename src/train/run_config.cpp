@@ -200,7 +200,9 @@ const std::vector<Key>& registry() {
         make_key("train.pp", &R::train, &TrainConfig::pp,
                  "pipeline stages: mpirun -np PP runs one model split over PP ranks"),
         make_key("train.pp_schedule", &R::train, &TrainConfig::pp_schedule,
-                 "pipeline schedule: naive | gpipe | 1f1b | zb-h1"),
+                 "pipeline schedule: naive | gpipe | 1f1b | interleaved | zb-h1"),
+        make_key("train.pp_virtual", &R::train, &TrainConfig::pp_virtual,
+                 "interleaved: model chunks per pipeline rank (pp x pp_virtual virtual stages)"),
         make_key("train.dp_mode", &R::train, &TrainConfig::dp_mode,
                  "how data-parallel ranks combine gradients: allreduce | ps (parameter server)"),
         make_key("train.ps_servers", &R::train, &TrainConfig::ps_servers,
@@ -471,6 +473,21 @@ void RunConfig::validate_pipeline() const {
         fail("train.pp = {} stages for model.n_layer = {} blocks: every stage needs a block",
              train.pp, model.n_layer);
     const pp::Kind kind = pp::parse_kind(train.pp_schedule);  // names the valid ones
+    if (train.pp_virtual < 1)
+        fail("train.pp_virtual = {} must be >= 1 (1: one chunk of the model per rank)",
+             train.pp_virtual);
+    if (train.pp_virtual > 1 && kind != pp::Kind::Interleaved)
+        fail(
+            "train.pp_virtual = {} needs train.pp_schedule = \"interleaved\", not \"{}\" (set "
+            "train.pp_virtual = 1)",
+            train.pp_virtual, train.pp_schedule);
+    if (train.pp_virtual > 1 && train.pp == 1)
+        fail("train.pp_virtual = {} needs a pipeline: set train.pp > 1", train.pp_virtual);
+    if ((int64_t)train.pp * train.pp_virtual > model.n_layer)
+        fail(
+            "train.pp x train.pp_virtual = {} x {} virtual stages for model.n_layer = {} blocks: "
+            "every stage needs a block",
+            train.pp, train.pp_virtual, model.n_layer);
     if (train.pp == 1) return;
     if (world % train.pp != 0)
         fail("train.pp = {} does not divide the {} ranks: start mpirun -np {} (or a multiple)",
@@ -481,11 +498,20 @@ void RunConfig::validate_pipeline() const {
             "parallelism), which is not built yet: start mpirun -np {}",
             train.pp, world, dp(), train.pp);
     if (kind != pp::Kind::Naive && kind != pp::Kind::GPipe && kind != pp::Kind::OneFOneB &&
-        kind != pp::Kind::ZbH1)
+        kind != pp::Kind::ZbH1 && kind != pp::Kind::Interleaved)
         fail(
             "train.pp_schedule = \"{}\" is simulated by `memtrain pipeline` but the trainer runs "
-            "naive, gpipe, 1f1b and zb-h1 only so far",
+            "naive, gpipe, 1f1b, interleaved and zb-h1 only so far",
             train.pp_schedule);
+    // (The micro-batch arithmetic itself is checked after this.)
+    const int64_t mb = (int64_t)micro_batch() * dp();
+    if (kind == pp::Kind::Interleaved && mb > 0 && train.batch_size % mb == 0 &&
+        accum_steps() % train.pp != 0)
+        fail(
+            "train.pp_schedule = \"interleaved\" needs the micro-batches per step "
+            "(train.batch_size "
+            "/ train.micro_batch_size = {}) to be a multiple of train.pp = {}",
+            accum_steps(), train.pp);
     if (kind == pp::Kind::ZbH1 && train.remat != "none")
         fail(
             "train.pp_schedule = \"zb-h1\" keeps every activation until its weight gradient: it "

@@ -33,7 +33,9 @@ struct TrainConfig {
         "analytic";      // recompute priced by "analytic" FLOPs or "measured" time
     int zero_stage = 0;  // data-parallel sharding (dist/zero.h): 0 DDP .. 3 parameters
     int pp = 1;          // pipeline stages (ranks per pipeline; train/pipeline_engine.h)
-    std::string pp_schedule = "1f1b";  // naive | gpipe | 1f1b | zb-h1 (parallel/schedule.h)
+    std::string pp_schedule = "1f1b";  // naive | gpipe | 1f1b | interleaved | zb-h1
+                                       // (parallel/schedule.h)
+    int pp_virtual = 1;  // interleaved: model chunks (virtual stages) per pipeline rank
     // How data-parallel ranks combine gradients: "allreduce" (DDP/ZeRO, dist/zero.h) or "ps", a
     // parameter server (train/ps_engine.h): the last ps_servers ranks hold the parameters and
     // the optimizer, the others are workers; workers compute on parameters at most ps_staleness

@@ -214,8 +214,12 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
         engine_->describe(),
         psi - (std::size_t)(cfg_.model.padded_vocab() - cfg_.model.vocab_size) * cfg_.model.n_embd,
         psi, cfg_.train.batch_size, T, cfg_.tokens_per_step(), B, cfg_.accum_steps(),
-        cfg_.train.pp > 1 ? fmt::format(" | pipeline of {} stages ({} schedule)", cfg_.train.pp,
-                                        cfg_.train.pp_schedule)
+        cfg_.train.pp > 1
+            ? fmt::format(" | pipeline of {} stages ({} schedule{})", cfg_.train.pp,
+                          cfg_.train.pp_schedule,
+                          cfg_.train.pp_virtual > 1
+                              ? fmt::format(", {} chunks per rank", cfg_.train.pp_virtual)
+                              : "")
         : cfg_.ps() ? fmt::format(" x {} workers | parameter server: {} server ranks, staleness {}",
                                   cfg_.dp(), cfg_.train.ps_servers, cfg_.train.ps_staleness)
         : cfg_.world > 1
@@ -288,6 +292,10 @@ plan::MemoryEstimate planner_estimate(const RunConfig& cfg, Engine& engine) {
     rs.micro_batches = cfg.accum_steps();
     rs.dp = cfg.dp();
     rs.pp = cfg.train.pp;
+    if (cfg.train.pp_schedule == "interleaved" && cfg.train.pp_virtual > 1) {
+        rs.schedule = plan::Schedule::interleaved;
+        rs.virtual_stages = cfg.train.pp_virtual;
+    }
     rs.zero = cfg.train.zero_stage;
     rs.flash_attention = engine.arena_format().fused_attention;
     rs.fragmentation = 0;

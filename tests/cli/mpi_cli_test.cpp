@@ -189,3 +189,27 @@ TEST(CliMpi, PipelineTrainsFromTheCommandLine) {
     EXPECT_NE(r.code, 0) << r.output;
     EXPECT_EQ(count(r.output, "train.pp = 3 stages for model.n_layer = 2 blocks"), 1) << r.output;
 }
+
+// The interleaved schedule from the command line: 4 blocks as 2 ranks x 2 chunks, the losses one
+// process's, and pp_virtual without the interleaved schedule refused once.
+TEST(CliMpi, InterleavedPipelineTrainsFromTheCommandLine) {
+    auto dir = memtrain::test::temp_dir("cli_mpi_interleaved");
+    const std::string cfg = tiny_config(dir, 4);
+    const std::string sets =
+        " --set train.micro_batch_size=2 model.n_layer=4 model.tied_embeddings=false io.out_dir=";
+    auto one = memtrain::test::run_memtrain("train " + cfg + sets + dir + "/one");
+    ASSERT_EQ(one.code, 0) << one.output;
+    const std::string out = dir + "/interleaved";
+    auto r = run("train " + cfg + sets + out +
+                 " train.pp=2 train.pp_schedule=interleaved train.pp_virtual=2");
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_EQ(count(r.output, "pipeline of 2 stages (interleaved schedule, 2 chunks per rank)"), 1)
+        << r.output;
+    EXPECT_EQ(count(r.output, "pipeline bubble: measured"), 1) << r.output;
+    EXPECT_EQ(read_file(out + "/pipeline_timeline.svg").rfind("<svg", 0), 0u);
+    EXPECT_EQ(losses(out + "/metrics.jsonl"), losses(dir + "/one/metrics.jsonl"));
+    r = run("train " + cfg + " --set model.n_layer=4 train.pp=2 train.pp_virtual=2");
+    EXPECT_NE(r.code, 0) << r.output;
+    EXPECT_EQ(count(r.output, "train.pp_virtual = 2 needs train.pp_schedule = \"interleaved\""), 1)
+        << r.output;
+}

@@ -1,8 +1,11 @@
 // Optimizer, clipping and LR-schedule tests against hand-computed values.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "core/error.h"
 #include "optim/loss_scaler.h"
@@ -46,6 +49,53 @@ TEST(Optim, AdamWMatchesHandComputedSteps) {
         }
     }
     EXPECT_EQ(opt->steps_taken(), 3);
+}
+
+// An interleaved pipeline rank's optimizer: one part per range of the layout, each updating its
+// floats with the bits one optimizer over the whole buffer gives them; checkpoints see the parts'
+// states one after another.
+TEST(Optim, RangeOptimizersAreTheWholeOptimizerOnTheirRanges) {
+    ParamLayout l = two_tensors();
+    l.tensors.push_back({"c", {2}, 3, 2, true});
+    l.total = 5;
+    OptimConfig c;
+    c.weight_decay = 0.1;
+    auto whole = make_optimizer(c, l);
+    std::vector<std::unique_ptr<Optimizer>> parts;
+    parts.push_back(make_optimizer(c, l, 0, 2));  // [0, 2): "w"
+    parts.push_back(make_optimizer(c, l, 3, 2));  // [3, 5): "c"; "b" is another rank's
+    RangeOptimizers ro(std::move(parts));
+    EXPECT_EQ(ro.count(), 4u);
+    EXPECT_EQ(ro.offset(), 0u);
+    ASSERT_EQ(ro.ranges().size(), 2u);
+    EXPECT_EQ(ro.ranges()[1].offset, 3u);
+    EXPECT_EQ(ro.ranges()[1].count, 2u);
+    EXPECT_EQ(ro.host_state("exp_avg"), nullptr);  // apart: read_state concatenates
+    float p[5] = {1.0f, -2.0f, 0.5f, 0.25f, 3.0f}, q[5];
+    std::copy(p, p + 5, q);
+    const float g[5] = {0.3f, -0.1f, 2.0f, -0.7f, 0.05f};
+    for (int t = 1; t <= 3; t++) {
+        whole->step(p, g, 0.01 * t);
+        ro.part(0).step(q, g, 0.01 * t);
+        ro.part(1).step(q + 3, g + 3, 0.01 * t);
+    }
+    for (int i : {0, 1, 3, 4}) EXPECT_EQ(q[i], p[i]) << i;
+    EXPECT_EQ(ro.steps_taken(), 3);
+    std::vector<float> m(4);
+    ro.read_state("exp_avg", m.data());
+    const float* wm = whole->host_state("exp_avg");
+    EXPECT_EQ(m, (std::vector<float>{wm[0], wm[1], wm[3], wm[4]}));
+    // A write across the parts' boundary lands in both.
+    const float src[2] = {7.0f, 8.0f};
+    ro.write_state("exp_avg_sq", 1, 2, src);
+    EXPECT_EQ(ro.part(0).host_state("exp_avg_sq")[1], 7.0f);
+    EXPECT_EQ(ro.part(1).host_state("exp_avg_sq")[0], 8.0f);
+    ro.set_steps_taken(9);
+    EXPECT_EQ(ro.part(1).steps_taken(), 9);
+    std::vector<std::unique_ptr<Optimizer>> overlapping;
+    overlapping.push_back(make_optimizer(c, l, 0, 3));
+    overlapping.push_back(make_optimizer(c, l, 2, 3));
+    EXPECT_THROW(RangeOptimizers(std::move(overlapping)), Error);
 }
 
 TEST(Optim, SgdMomentumMatchesTorchSemantics) {
