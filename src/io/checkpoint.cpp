@@ -5,6 +5,8 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <utility>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -252,11 +254,13 @@ TrainState load_checkpoint(const std::string& dir, const CheckpointModel& weight
     opt.set_steps_taken((int64_t)meta_u64(f, "optimizer_steps", spath));
 
     // This rank's optimizer range, assembled from whichever files overlap it: the files may come
-    // from another world size or ZeRO stage.
+    // from another world size or ZeRO stage. Files may overlap one another (pipelines side by
+    // side each write their stage's range whole): they hold the same values, and what counts is
+    // that together they cover the range.
     const uint64_t files = meta_u64(f, "optimizer_files", spath);
     if (files == 0 || files > 1'000'000) fail("{}: optimizer_files = {} is invalid", spath, files);
     const std::size_t lo = opt.offset(), hi = opt.offset() + opt.count();
-    std::size_t covered = 0;
+    std::vector<std::pair<std::size_t, std::size_t>> pieces;  // [a, b) read, for the coverage
     for (uint64_t k = 0; k < files; k++) {
         const std::string opath = (fs::path(dir) / optimizer_file((int)k, (int)files)).string();
         auto of = io::SafetensorsFile::open(opath);
@@ -274,7 +278,14 @@ TrainState load_checkpoint(const std::string& dir, const CheckpointModel& weight
             const float* src = static_cast<const float*>(of.data(info));
             opt.write_state(sname, a - lo, b - a, src + (a - off));
         }
-        covered += b - a;
+        pieces.emplace_back(a, b);
+    }
+    std::sort(pieces.begin(), pieces.end());
+    std::size_t covered = 0, reach = lo;
+    for (const auto& [a, b] : pieces) {
+        if (b <= reach) continue;
+        covered += b - std::max(a, reach);
+        reach = b;
     }
     if (covered != hi - lo)
         fail("{}: the optimizer files cover {} of the {} values this rank needs [{}, {})", dir,
