@@ -10,7 +10,9 @@
 //   optimizer.RRRRR-of-NNNNN.safetensors
 //                               optimizer state (Adam m and v, or SGD momentum) as flat slices
 //                               of the parameter layout: one file when every rank holds it
-//                               whole, one per rank under ZeRO (each rank writes its shard)
+//                               whole, one per rank under ZeRO (each rank writes its shard) or
+//                               pipelines (its stage's range, or shard of it; pipelines side by
+//                               side repeat their ranges, and loading accepts overlapping files)
 //   memtrain.toml               the resolved run config
 //   tokenizer.json              the run's tokenizer, when it has one
 #pragma once

@@ -28,16 +28,19 @@ int pipelines() {
     return comm().size() / kStages;
 }
 
-// The untied Llama-style tiny model on pp 2 x dp (world / 2), 2 rows per pipeline per
-// micro-batch and 3 micro-batches per step (more than the stages).
-RunConfig ppdp_run(const std::string& name, int steps, const std::string& schedule, int zero) {
+// The untied Llama-style tiny model (or the tied GPT-2 one) on pp 2 x dp (world / 2), 2 rows per
+// pipeline per micro-batch and 3 micro-batches per step (more than the stages).
+RunConfig ppdp_run(const std::string& name, int steps, const std::string& schedule, int zero,
+                   bool llama = true) {
     RunConfig c = shared_tiny_run_config(name, steps);
     c.model.n_layer = 4;
-    c.model.norm = "rmsnorm";
-    c.model.activation = "swiglu";
-    c.model.positions = "rope";
-    c.model.tied_embeddings = false;
-    c.model.bias = false;
+    if (llama) {
+        c.model.norm = "rmsnorm";
+        c.model.activation = "swiglu";
+        c.model.positions = "rope";
+        c.model.tied_embeddings = false;
+        c.model.bias = false;
+    }
     c.io.save_final = false;
     c.train.eval_every = 5;
     c.train.micro_batch_size = 2;
@@ -108,11 +111,12 @@ void expect_near_run(const TrainSummary& s, const std::vector<float>& params,
     EXPECT_LT(worst, 2e-5) << what << ": largest parameter difference";
 }
 
-void check_matches_one_process(const std::string& schedule, int zero) {
+void check_matches_one_process(const std::string& schedule, int zero, bool llama = true) {
     if (comm().size() % kStages != 0) GTEST_SKIP() << "needs an even number of ranks";
     const int steps = 6, D = pipelines(), r = comm().rank();
-    const std::string name = "ppdp_" + schedule + "_zero" + std::to_string(zero);
-    const RunConfig c = ppdp_run(name, steps, schedule, zero);
+    const std::string name =
+        "ppdp_" + schedule + "_zero" + std::to_string(zero) + (llama ? "" : "_tied");
+    const RunConfig c = ppdp_run(name, steps, schedule, zero, llama);
     TrainOptions quiet;
     quiet.quiet = true;
     TrainSummary ref;
@@ -184,6 +188,11 @@ TEST(PipelineDp, OneFOneBWithZero1MatchesOneProcess) {
 }
 TEST(PipelineDp, GpipeWithZero1MatchesOneProcess) {
     check_matches_one_process("gpipe", 1);
+}
+// The tied embedding: its classifier gradient joins the first stage's inside each pipeline,
+// then the data group sums it with the rest of stage 0's range.
+TEST(PipelineDp, TiedGpt2WithZero1MatchesOneProcess) {
+    check_matches_one_process("1f1b", 1, false);
 }
 
 // A checkpoint of pp 2 x dp D (all-reduced or ZeRO-1) resumes: in the same layout, continuing
