@@ -123,6 +123,10 @@ void LocalCommunicator::recv(float*, int64_t, int peer, int) {
     fail("recv from rank {}: a single-process run has no peers", peer);
 }
 
+std::unique_ptr<Communicator> LocalCommunicator::split(int, int, std::string_view) {
+    return std::make_unique<LocalCommunicator>();  // a world of one splits into itself
+}
+
 void LocalCommunicator::abort(std::string_view reason) {
     std::fprintf(stderr, "memtrain: rank 0 of 1: aborting: %.*s\n", static_cast<int>(reason.size()),
                  reason.data());

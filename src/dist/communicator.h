@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string_view>
 #include <vector>
@@ -122,6 +123,13 @@ class Communicator {
 
     virtual void barrier() = 0;
 
+    // Splits this group into sub-groups, as MPI_Comm_split: the ranks that pass the same
+    // `color` form one group, ranked by `key` (ties by rank here). A collective of this group;
+    // the result lives no longer than this communicator. `name` says which group it is (e.g.
+    // "pipeline 1") in the lines a timeout or abort prints, which name the process by its rank
+    // in the whole job, so a rank that dies or hangs is named the same way in every group.
+    virtual std::unique_ptr<Communicator> split(int color, int key, std::string_view name) = 0;
+
     // For an error this rank cannot recover from while its peers may be waiting on it: prints
     // one line naming this rank and `reason` on stderr and ends every rank of the job now,
     // rather than leaving the others to reach their timeout (PEERS pain #20).
@@ -146,6 +154,7 @@ class LocalCommunicator final : public Communicator {
     void send(const float* data, int64_t n, int peer, int tag) override;
     void recv(float* data, int64_t n, int peer, int tag) override;
     void barrier() override {}
+    std::unique_ptr<Communicator> split(int color, int key, std::string_view name) override;
     [[noreturn]] void abort(std::string_view reason) override;
 };
 

@@ -54,6 +54,12 @@ struct MpiCommunicator::State {
     bool owns_mpi = false;
     double timeout_s = 300.0;
     std::string host;
+    // The process in the whole job, for every line this rank prints: a sub-group (split) names
+    // itself and this rank's place in it beside the job's rank, and its peers by their job rank.
+    int world_rank = 0;
+    int world_size = 1;
+    std::string group;          // empty for the whole job
+    std::vector<int> world_of;  // group rank -> job rank (empty for the whole job)
     // Collectives are numbered in call order, which is the same on every rank, so the timeout
     // lines of different ranks can be matched; point-to-point calls have their own count.
     uint64_t collective_seq = 0;
@@ -74,6 +80,18 @@ struct MpiCommunicator::State {
 };
 
 namespace {
+
+// "HOST" for the whole job, "HOST, rank R of N in GROUP" for a sub-group: the parenthesis of
+// every line naming this rank.
+std::string where(const MpiCommunicator::State& s) {
+    if (s.group.empty()) return s.host;
+    return fmt::format("{}, rank {} of {} in {}", s.host, s.rank, s.size, s.group);
+}
+
+int job_rank(const MpiCommunicator::State& s, int peer) {
+    return s.world_of.empty() || peer < 0 || peer >= (int)s.world_of.size() ? peer
+                                                                            : s.world_of[peer];
+}
 
 void check(int rc, int rank, const char* op) {
     if (rc == MPI_SUCCESS) return;
@@ -129,6 +147,42 @@ MpiCommunicator::MpiCommunicator(MpiOptions options) : state_(std::make_unique<S
     int len = 0;
     MPI_Get_processor_name(name, &len);
     s.host.assign(name, static_cast<size_t>(len));
+    s.world_rank = s.rank;
+    s.world_size = s.size;
+}
+
+MpiCommunicator::MpiCommunicator(std::unique_ptr<State> state) : state_(std::move(state)) {}
+
+std::unique_ptr<Communicator> MpiCommunicator::split(int color, int key, std::string_view name) {
+    State& s = *state_;
+    if (color < 0) fail("split: color {} must be >= 0", color);
+    auto sub = std::make_unique<State>();
+    sub->timeout_s = s.timeout_s;
+    sub->host = s.host;
+    sub->world_rank = s.world_rank;
+    sub->world_size = s.world_size;
+    sub->local_rank = s.local_rank;  // the node's processes, for picking a device
+    sub->local_size = s.local_size;
+    sub->group = s.group.empty() ? std::string(name) : fmt::format("{} of {}", name, s.group);
+    // MPI_Comm_split blocks; a barrier with the deadline first, so a rank that never arrives is
+    // named rather than waited on forever.
+    barrier();
+    check(MPI_Comm_split(s.comm, color, key, &sub->comm), s.rank, "MPI_Comm_split");
+    check(MPI_Comm_set_errhandler(sub->comm, MPI_ERRORS_RETURN), s.rank, "MPI_Comm_set_errhandler");
+    check(MPI_Comm_rank(sub->comm, &sub->rank), s.rank, "MPI_Comm_rank");
+    check(MPI_Comm_size(sub->comm, &sub->size), s.rank, "MPI_Comm_size");
+    // Group rank -> job rank, from the groups (a local computation).
+    MPI_Group mine = MPI_GROUP_NULL, world = MPI_GROUP_NULL;
+    check(MPI_Comm_group(sub->comm, &mine), s.rank, "MPI_Comm_group");
+    check(MPI_Comm_group(MPI_COMM_WORLD, &world), s.rank, "MPI_Comm_group");
+    std::vector<int> ranks(static_cast<size_t>(sub->size));
+    for (int r = 0; r < sub->size; ++r) ranks[static_cast<size_t>(r)] = r;
+    sub->world_of.resize(ranks.size());
+    check(MPI_Group_translate_ranks(mine, sub->size, ranks.data(), world, sub->world_of.data()),
+          s.rank, "MPI_Group_translate_ranks");
+    MPI_Group_free(&mine);
+    MPI_Group_free(&world);
+    return std::unique_ptr<Communicator>(new MpiCommunicator(std::move(sub)));
 }
 
 MpiCommunicator::~MpiCommunicator() {
@@ -180,15 +234,15 @@ void wait_request(MpiCommunicator::State& s, MPI_Request& request, const char* o
         if (elapsed > s.timeout_s) {
             const std::string what =
                 collective ? fmt::format("collective #{}", seq)
-                           : fmt::format("point-to-point #{} with rank {}", seq, peer);
+                           : fmt::format("point-to-point #{} with rank {}", seq, job_rank(s, peer));
             std::fprintf(stderr,
                          "memtrain: rank %d of %d (%s): timed out after %.1f s in %s (%s, %lld "
                          "%s): a peer rank died, stalled or skipped this call; aborting "
                          "every rank (MEMTRAIN_COMM_TIMEOUT_S=%g)\n",
-                         s.rank, s.size, s.host.c_str(), elapsed, op, what.c_str(),
+                         s.world_rank, s.world_size, where(s).c_str(), elapsed, op, what.c_str(),
                          static_cast<long long>(n), unit, s.timeout_s);
             std::fflush(stderr);
-            MPI_Abort(s.comm, 3);
+            MPI_Abort(MPI_COMM_WORLD, 3);
             std::_Exit(3);  // MPI_Abort does not return; this is for a broken MPI only
         }
         if (elapsed < 0.002) {
@@ -448,10 +502,10 @@ void MpiCommunicator::barrier() {
 
 void MpiCommunicator::abort(std::string_view reason) {
     const State& s = *state_;
-    std::fprintf(stderr, "memtrain: rank %d of %d (%s): aborting every rank: %.*s\n", s.rank,
-                 s.size, s.host.c_str(), static_cast<int>(reason.size()), reason.data());
+    std::fprintf(stderr, "memtrain: rank %d of %d (%s): aborting every rank: %.*s\n", s.world_rank,
+                 s.world_size, where(s).c_str(), static_cast<int>(reason.size()), reason.data());
     std::fflush(stderr);
-    MPI_Abort(s.comm, 1);
+    MPI_Abort(MPI_COMM_WORLD, 1);
     std::_Exit(1);  // MPI_Abort does not return; this is for a broken MPI only
 }
 

@@ -63,12 +63,18 @@ class MpiCommunicator final : public Communicator {
     void recv(float* data, int64_t n, int peer, int tag) override;
     uint64_t start_send(const float* data, int64_t n, int peer, int tag) override;
     void barrier() override;
+    // MPI_Comm_split, after a barrier with the deadline. The sub-group keeps the timeout; its
+    // timeout and abort lines name the job's rank and size (as the whole job's do) with the
+    // group and the rank in it, its point-to-point peers by their job rank, and MPI_Abort ends
+    // the whole job.
+    std::unique_ptr<Communicator> split(int color, int key, std::string_view name) override;
     [[noreturn]] void abort(std::string_view reason) override;
 
     // Defined in the .cpp only: keeps <mpi.h> out of this header.
     struct State;
 
   private:
+    explicit MpiCommunicator(std::unique_ptr<State> state);  // a sub-group (split)
     std::unique_ptr<State> state_;
 };
 

@@ -5,6 +5,8 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <utility>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -273,11 +275,14 @@ TrainState load_checkpoint(const std::string& dir, const CheckpointModel& weight
     opt.set_steps_taken((int64_t)meta_u64(f, "optimizer_steps", spath));
 
     // This rank's optimizer ranges, assembled from whichever files overlap them: the files may
-    // come from another world size, ZeRO stage or pipeline layout.
+    // come from another world size, ZeRO stage or pipeline layout. Files may overlap one another
+    // (pipelines side by side each write their stage's range whole): they hold the same values,
+    // and what counts is that together they cover every range.
     const uint64_t files = meta_u64(f, "optimizer_files", spath);
     if (files == 0 || files > 1'000'000) fail("{}: optimizer_files = {} is invalid", spath, files);
     const std::vector<OptimizerState::Range> ranges = opt.ranges();
-    std::vector<std::size_t> covered(ranges.size(), 0);
+    // Per range: the [a, b) pieces read, for the coverage.
+    std::vector<std::vector<std::pair<std::size_t, std::size_t>>> pieces(ranges.size());
     const std::vector<std::string> names = opt.state_names();
     for (uint64_t k = 0; k < files; k++) {
         const std::string opath = (fs::path(dir) / optimizer_file((int)k, (int)files)).string();
@@ -300,16 +305,23 @@ TrainState load_checkpoint(const std::string& dir, const CheckpointModel& weight
                     const float* src = static_cast<const float*>(of.data(info));
                     opt.write_state(sname, at + (a - lo), b - a, src + (a - off));
                 }
-                covered[j] += b - a;
+                pieces[j].emplace_back(a, b);
             }
             at += ranges[j].count;
         }
     }
     for (std::size_t j = 0; j < ranges.size(); j++) {
         const std::size_t lo = ranges[j].offset, hi = lo + ranges[j].count;
-        if (covered[j] != hi - lo)
+        std::sort(pieces[j].begin(), pieces[j].end());
+        std::size_t covered = 0, reach = lo;
+        for (const auto& [a, b] : pieces[j]) {
+            if (b <= reach) continue;
+            covered += b - std::max(a, reach);
+            reach = b;
+        }
+        if (covered != hi - lo)
             fail("{}: the optimizer files cover {} of the {} values this rank needs [{}, {})", dir,
-                 covered[j], hi - lo, lo, hi);
+                 covered, hi - lo, lo, hi);
     }
     return st;
 }

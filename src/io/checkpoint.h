@@ -11,7 +11,9 @@
 //                               optimizer state (Adam m and v, or SGD momentum) as flat slices
 //                               of the parameter layout: one file when every rank holds it
 //                               whole, else one per range a rank holds (its ZeRO shard, its
-//                               pipeline stage, or each chunk of an interleaved stage)
+//                               pipeline stage or shard of it, or each chunk of an interleaved
+//                               stage); pipelines side by side repeat their ranges, and loading
+//                               accepts overlapping files
 //   memtrain.toml               the resolved run config
 //   tokenizer.json              the run's tokenizer, when it has one
 #pragma once

@@ -38,17 +38,29 @@ double wall_seconds() {
         .count();
 }
 
+// dp pipelines of train.pp ranks on the job's ranks (validated by RunConfig).
+dist::MeshLayout mesh_of(const RunConfig& cfg, const dist::Communicator& world) {
+    const int pp = cfg.train.pp;
+    if (pp < 1 || world.size() % pp != 0)
+        fail("internal: pipelines of {} stages on {} ranks", pp, world.size());
+    return dist::MeshLayout{pp, world.size() / pp};
+}
+
 }  // namespace
 
 PipelineEngine::PipelineEngine(const RunConfig& cfg, dist::Communicator& comm)
     : cfg_(cfg),
-      comm_(comm),
-      rank_(comm.rank()),
+      world_(comm),
+      mesh_(mesh_of(cfg, comm)),
+      groups_(dist::split_mesh(comm, mesh_)),
+      comm_(*groups_.stages),
+      data_(groups_.data.get()),
+      rank_(comm_.rank()),
       p_(cfg.train.pp),
       v_(cfg.train.pp_virtual),
       kind_(pp::parse_kind(cfg.train.pp_schedule)),
       layout_(make_param_layout(cfg.model)) {
-    if (comm.size() != p_) fail("internal: a pipeline of {} stages on {} ranks", p_, comm.size());
+    if (comm_.size() != p_) fail("internal: a pipeline of {} stages on {} ranks", p_, comm_.size());
     const int B = cfg_.micro_batch(), T = cfg_.train.seq_len, m = cfg_.accum_steps();
     if ((int64_t)m * v_ > kMaxMicroBatches)
         fail("train.pp: {} micro-batches x {} chunks per step is more than the pipeline's {}", m,
@@ -72,7 +84,15 @@ PipelineEngine::PipelineEngine(const RunConfig& cfg, dist::Communicator& comm)
         for (int l = split_.first_block[s]; l < split_.first_block[s] + split_.blocks[s]; l++)
             owner[layout_.block_unit(l)] = rank_of(s);
     owner[layout_.head_unit()] = p_ - 1;
-    weights_ = std::make_unique<dist::OwnerWeights>(layout_, *store_, std::move(owner), comm_);
+    // Every pipeline holds the same weights: pipeline 0's stage s (job rank s) speaks for them.
+    weights_ = std::make_unique<dist::OwnerWeights>(layout_, *store_, std::move(owner), world_);
+    // ZeRO-1 across the pipelines (one chunk per rank, RunConfig checks): this replica updates
+    // its shard of the stage's range (at one pipeline there is nothing to shard).
+    zero1_ = cfg_.train.zero_stage == 1 && mesh_.dp > 1;
+    if (zero1_ && v_ > 1) fail("internal: ZeRO-1 across pipelines with {} chunks per rank", v_);
+    shard_ = zero1_ ? dist::shard_ranges((int64_t)store_->count(), mesh_.dp)[data_->rank()]
+                    : dist::ShardRange{0, (int64_t)store_->count()};
+    if (zero1_) shard_grads_ = Buffer<float>((std::size_t)shard_.count, MemCategory::Gradients);
     std::vector<std::unique_ptr<Optimizer>> opts;
     for (int c = 0; c < v_; c++) {
         const int s = c * p_ + rank_;
@@ -81,7 +101,11 @@ PipelineEngine::PipelineEngine(const RunConfig& cfg, dist::Communicator& comm)
             std::make_unique<GPT>(cfg_.model, store_.get(), b0, b0 + split_.blocks[s]));
         chunks_.back()->set_split_backward(kind_ == pp::Kind::ZbH1);
         const pp::StageStore::Range& r = store_->ranges()[c];
-        opts.push_back(make_optimizer(cfg_.optim, layout_, r.begin, r.count()));
+        if (zero1_)
+            opts.push_back(make_optimizer(cfg_.optim, layout_, r.begin + (std::size_t)shard_.offset,
+                                          (std::size_t)shard_.count));
+        else
+            opts.push_back(make_optimizer(cfg_.optim, layout_, r.begin, r.count()));
     }
     opt_ = std::make_unique<RangeOptimizers>(std::move(opts));
     epoch_ = wall_seconds();
@@ -119,13 +143,18 @@ std::string PipelineEngine::chunk_blocks() const {
 }
 
 std::string PipelineEngine::describe() const {
+    const std::string replicas =
+        mesh_.dp > 1 ? fmt::format(", pipeline {} of {} ({})", replica(), mesh_.dp,
+                                   zero1_ ? "ZeRO-1 across pipelines"
+                                          : "gradients all-reduced across them")
+                     : std::string();
     if (v_ == 1)
-        return fmt::format("cpu (fp32), pipeline stage {} of {} (blocks {}, {} schedule)", rank_,
-                           p_, chunk_blocks(), kind_name(kind_));
+        return fmt::format("cpu (fp32), pipeline stage {} of {} (blocks {}, {} schedule){}", rank_,
+                           p_, chunk_blocks(), kind_name(kind_), replicas);
     return fmt::format(
         "cpu (fp32), pipeline rank {} of {}, {} chunks (virtual stages of {}: blocks {}, {} "
-        "schedule)",
-        rank_, p_, v_, num_stages(), chunk_blocks(), kind_name(kind_));
+        "schedule){}",
+        rank_, p_, v_, num_stages(), chunk_blocks(), kind_name(kind_), replicas);
 }
 
 void PipelineEngine::set_remat(const RematPlan& plan) {
@@ -297,23 +326,46 @@ StepResult PipelineEngine::finish_step(double lr, double max_norm) {
             for (int64_t j = 0; j < ne; j++) g[j] += head[j];
         }
     }
-    // The global norm: each unit's sum of squares where it lives, added in unit order.
-    std::vector<double> sq(layout_.units.size(), 0.0);
-    for (const pp::StageStore::Range& rg : store_->ranges())
-        for (int u = rg.first_unit; u <= rg.last_unit; u++)
-            sq[u] = cpu::sum_squares(store_->unit_grads(u), (int64_t)layout_.units[u].size());
-    comm_.all_reduce_max(sq.data(), (int64_t)sq.size());  // one rank has each, the rest 0
+    float* g = reduce_across_pipelines();  // the owned gradients, or the ZeRO-1 shard's
+    // The global norm: each unit's sum of squares where it lives, added in unit order; under
+    // ZeRO-1 each unit's pieces, one per shard, in pipeline order. Entry (u, d) is filled by one
+    // rank of the job (by every pipeline alike without ZeRO), the rest hold 0.
+    const int D = mesh_.dp, d = zero1_ ? replica() : 0;
+    std::vector<double> sq(layout_.units.size() * (std::size_t)D, 0.0);
+    for (const pp::StageStore::Range& rg : store_->ranges()) {
+        // The floats of this range this rank updates, and where they are in g.
+        std::size_t lo = rg.begin, hi = rg.end, at = rg.at;
+        if (zero1_) {  // one range: its shard
+            lo = rg.begin + (std::size_t)shard_.offset;
+            hi = lo + (std::size_t)shard_.count;
+            at = 0;
+        }
+        for (int u = rg.first_unit; u <= rg.last_unit; u++) {
+            const std::size_t a = std::max(lo, layout_.units[u].begin),
+                              b = std::min(hi, layout_.units[u].end);
+            if (a < b)
+                sq[(std::size_t)u * D + d] = cpu::sum_squares(g + at + (a - lo), (int64_t)(b - a));
+        }
+    }
+    world_.all_reduce_max(sq.data(), (int64_t)sq.size());
     double total = 0;
     for (double s : sq) total += s;
     r.grad_norm = std::sqrt(total);
     if (max_norm > 0) {
         const double coef = max_norm / (r.grad_norm + 1e-6);
-        if (coef < 1.0)
-            cpu::scale_inplace(store_->owned_grads(), (float)coef, (int64_t)store_->count());
+        if (coef < 1.0) cpu::scale_inplace(g, (float)coef, shard_.count);
     }
-    for (int c = 0; c < v_; c++) {
-        const std::size_t at = store_->ranges()[c].at;
-        opt_->part(c).step(store_->owned_params() + at, store_->owned_grads() + at, lr);
+    if (zero1_) {
+        opt_->part(0).step(store_->owned_params() + shard_.offset, g, lr);
+    } else {
+        for (int c = 0; c < v_; c++) {
+            const std::size_t at = store_->ranges()[c].at;
+            opt_->part(c).step(store_->owned_params() + at, g + at, lr);
+        }
+    }
+    if (zero1_) {  // every replica's updated shard to every replica of the stage
+        const std::vector<int64_t> counts = dist::shard_counts((int64_t)store_->count(), D);
+        data_->all_gather(store_->owned_params() + shard_.offset, store_->owned_params(), counts);
     }
     if (cfg_.model.tied_embeddings && p_ > 1) {
         const int64_t ne = (int64_t)layout_.units[E].size();
@@ -323,8 +375,30 @@ StepResult PipelineEngine::finish_step(double lr, double max_norm) {
     // The loss lives on the last stage: every rank reports it.
     double loss = mbs_.empty() ? 0.0 : loss_sum_ / (double)mbs_.size();
     comm_.broadcast(&loss, sizeof(loss), p_ - 1);
-    r.loss = loss;
+    r.loss = mean_over_pipelines(loss);
     return r;
+}
+
+float* PipelineEngine::reduce_across_pipelines() {
+    float* g = store_->owned_grads();
+    const int64_t n = (int64_t)store_->count();
+    if (mesh_.dp == 1) return g;
+    if (!zero1_) {
+        data_->all_reduce_sum(g, n);
+        return g;
+    }
+    const std::vector<int64_t> counts = dist::shard_counts(n, mesh_.dp);
+    data_->reduce_scatter_sum(g, shard_grads_.data(), counts);
+    return shard_grads_.data();
+}
+
+double PipelineEngine::mean_over_pipelines(double loss) {
+    if (mesh_.dp == 1) return loss;
+    std::vector<double> all((std::size_t)mesh_.dp);
+    data_->all_gather_bytes(&loss, all.data(), sizeof(double));
+    double sum = 0;
+    for (double v : all) sum += v;  // in pipeline order: the same bits on every rank
+    return sum / mesh_.dp;
 }
 
 void PipelineEngine::forward_only(const int32_t* inputs, int B, int T) {
@@ -345,7 +419,7 @@ double PipelineEngine::forward_loss(const int32_t* inputs, const int32_t* target
     forward_only(inputs, B, T);
     double loss = last() ? chunks_.back()->stage_loss(0, targets, B, T) : 0.0;
     comm_.broadcast(&loss, sizeof(loss), p_ - 1);
-    return loss;
+    return mean_over_pipelines(loss);
 }
 
 void PipelineEngine::forward_logits(const int32_t* inputs, int B, int T, float* out) {
@@ -355,7 +429,10 @@ void PipelineEngine::forward_logits(const int32_t* inputs, int B, int T, float* 
 }
 
 std::string PipelineEngine::memory_title() const {
-    return fmt::format("host, fp32, pipeline stage {} of {} (rank {})", rank_, p_, comm_.rank());
+    return fmt::format(
+        "host, fp32, pipeline stage {} of {}{} (rank {})", rank_, p_,
+        mesh_.dp > 1 ? fmt::format(" of pipeline {} of {}", replica(), mesh_.dp) : std::string(),
+        world_.rank());
 }
 
 std::vector<MemoryPrediction> PipelineEngine::predicted_memory(int B, int T) const {
@@ -377,12 +454,19 @@ std::vector<MemoryPrediction> PipelineEngine::predicted_memory(int B, int T) con
                              g->slots(), g->first_block(), g->end_block() - 1);
     }
     const GPT& g0 = *chunks_.front();
+    const std::size_t shard = (std::size_t)shard_.count;
     return {
         {MemCategory::Parameters, fmt::format("4 x stage params ({})", units), 4 * (own + mirror)},
-        {MemCategory::Gradients, "4 x stage params", 4 * (own + mirror)},
+        {MemCategory::Gradients,
+         zero1_ ? fmt::format("4 x stage params + 4 x its 1/{} shard (reduce-scattered)", mesh_.dp)
+                : std::string("4 x stage params"),
+         4 * (own + mirror) + (zero1_ ? 4 * shard : 0)},
         {MemCategory::OptimizerState,
-         fmt::format("{} x stage params, own units ({})", k, k == 8 ? "Adam m, v" : "momentum"),
-         (std::size_t)k * own},
+         zero1_ ? fmt::format("{} x 1/{} of the stage params ({}, ZeRO-1 across pipelines)", k,
+                              mesh_.dp, k == 8 ? "Adam m, v" : "momentum")
+                : fmt::format("{} x stage params, own units ({})", k,
+                              k == 8 ? "Adam m, v" : "momentum"),
+         (std::size_t)k * shard},
         {MemCategory::Activations,
          fmt::format("micro-batches in flight: {}, remat={}{}", slots, cfg_.train.remat,
                      g0.split_backward() ? " + output gradients kept for W" : ""),
@@ -410,6 +494,15 @@ std::string PipelineEngine::memory_footer() const {
             "{} with {} activation slots (each chunk's most micro-batches in flight)\n",
             p_, v_, num_stages(), kind_name(kind_), rank_, chunk_blocks(), slots);
     }
+    if (mesh_.dp > 1)
+        out += fmt::format(
+            "pipelines: {} side by side (job rank = pipeline x {} + stage); stage {}'s {} "
+            "gradient floats {} across its {} replicas each step{}\n",
+            mesh_.dp, p_, rank_, store_->count(), zero1_ ? "reduce-scattered" : "all-reduced",
+            mesh_.dp,
+            zero1_ ? fmt::format(", each updating a shard of {} and all-gathering the parameters",
+                                 shard_.count)
+                   : std::string());
     if (stats_.steps > 0) {
         // The simulator's step for the stages' measured forward and backward times.
         const int S = num_stages();

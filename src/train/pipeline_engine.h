@@ -29,6 +29,14 @@
 // first, the global gradient norm is the sum of per-unit sums of squares in unit order (as a
 // single process sums it), every stage clips and updates its own range, and the first stage sends
 // the updated embedding back to the last.
+//
+// Pipeline x data parallelism (world = pp x dp, dist/mesh.h): dp pipelines side by side, each
+// fed its rows of the global micro-batch by the Trainer. The schedule and the tied embedding's
+// exchange run inside each pipeline; then each stage's gradients are summed across its data group
+// (the dp ranks holding that stage): all-reduced (train.zero_stage = 0, every replica updates its
+// whole stage), or reduce-scattered so each replica updates 1/dp of the stage's range with 1/dp
+// of its optimizer state, the updated parameters all-gathered (ZeRO-1). The norm adds every
+// unit's (and shard's) sum of squares in a fixed order, so every rank clips alike.
 #pragma once
 
 #include <chrono>
@@ -36,6 +44,7 @@
 #include <string>
 #include <vector>
 
+#include "dist/mesh.h"
 #include "parallel/schedule.h"
 #include "parallel/stage_split.h"
 #include "parallel/stage_store.h"
@@ -83,6 +92,12 @@ class PipelineEngine final : public Engine {
 
     int stage() const { return rank_; }
     int stages() const { return p_; }
+    // Which pipeline this rank belongs to, and how many run side by side.
+    int replica() const { return data_->rank(); }
+    int replicas() const { return mesh_.dp; }
+    // The floats of the stage's range this rank's optimizer updates: the whole range, or under
+    // ZeRO-1 its shard [offset, offset + count) counted from the range's begin.
+    dist::ShardRange update_range() const { return shard_; }
     // Chunks of the model on this rank (train.pp_virtual; 1 unless interleaved): chunk c is
     // virtual stage c * stages() + stage().
     int chunks() const { return v_; }
@@ -116,8 +131,18 @@ class PipelineEngine final : public Engine {
     int rank_of(int stage) const { return stage % p_; }
     std::string chunk_blocks() const;  // "0..1" or, interleaved, "0..1, 4..5"
 
+    // Sums this stage's gradients across its data group (after the tied exchange); returns the
+    // gradient this rank's optimizer steps with (the stage's, or its ZeRO-1 shard).
+    float* reduce_across_pipelines();
+    // Averages a pipeline's loss over the pipelines (a collective of the data group).
+    double mean_over_pipelines(double loss);
+
     RunConfig cfg_;
-    dist::Communicator& comm_;
+    dist::Communicator& world_;
+    dist::MeshLayout mesh_;
+    dist::MeshGroups groups_;
+    dist::Communicator& comm_;  // the pipeline: rank = stage
+    dist::Communicator* data_;  // the stage's replicas: rank = pipeline
     int rank_ = 0, p_ = 1, v_ = 1;
     pp::Kind kind_;
     ParamLayout layout_;
@@ -126,6 +151,9 @@ class PipelineEngine final : public Engine {
     std::unique_ptr<dist::OwnerWeights> weights_;
     std::vector<std::unique_ptr<GPT>> chunks_;  // chunk c: virtual stage c * p + rank
     std::unique_ptr<RangeOptimizers> opt_;      // one optimizer per chunk's range
+    dist::ShardRange shard_;     // of the owned range (one chunk under ZeRO-1)
+    bool zero1_ = false;         // train.zero_stage = 1: shard_ is 1/dp of the range
+    Buffer<float> shard_grads_;  // ZeRO-1: the reduce-scattered gradient of shard_
     RematPlan plan_;
     pp::Schedule sched_;
     std::vector<Micro> mbs_;

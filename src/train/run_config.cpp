@@ -492,11 +492,6 @@ void RunConfig::validate_pipeline() const {
     if (world % train.pp != 0)
         fail("train.pp = {} does not divide the {} ranks: start mpirun -np {} (or a multiple)",
              train.pp, world, train.pp);
-    if (dp() > 1)
-        fail(
-            "train.pp = {} on {} ranks would be {} pipelines side by side (pipeline x data "
-            "parallelism), which is not built yet: start mpirun -np {}",
-            train.pp, world, dp(), train.pp);
     if (kind != pp::Kind::Naive && kind != pp::Kind::GPipe && kind != pp::Kind::OneFOneB &&
         kind != pp::Kind::ZbH1 && kind != pp::Kind::Interleaved)
         fail(
@@ -517,11 +512,18 @@ void RunConfig::validate_pipeline() const {
             "train.pp_schedule = \"zb-h1\" keeps every activation until its weight gradient: it "
             "needs train.remat = \"none\", not \"{}\"",
             train.remat);
-    if (train.zero_stage != 0)
+    if (train.zero_stage > 1)
         fail(
-            "train.zero_stage = {} with train.pp = {}: ZeRO shards across data-parallel ranks, "
-            "and a pipeline run has one",
+            "train.zero_stage = {} with train.pp = {}: across pipelines only ZeRO-1 is built "
+            "(each stage's gradients and parameters stay whole, its optimizer state is sharded); "
+            "set train.zero_stage = 0 or 1",
             train.zero_stage, train.pp);
+    if (train.zero_stage == 1 && train.pp_virtual > 1)
+        fail(
+            "train.zero_stage = 1 with train.pp_virtual = {}: ZeRO-1 across pipelines shards one "
+            "chunk per rank; set train.zero_stage = 0 (gradients all-reduced across pipelines) or "
+            "train.pp_virtual = 1",
+            train.pp_virtual);
     if (train.device == "cuda")
         fail("train.pp = {} runs on the CPU engine only so far: set train.device = \"cpu\"",
              train.pp);

@@ -215,11 +215,14 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
         psi - (std::size_t)(cfg_.model.padded_vocab() - cfg_.model.vocab_size) * cfg_.model.n_embd,
         psi, cfg_.train.batch_size, T, cfg_.tokens_per_step(), B, cfg_.accum_steps(),
         cfg_.train.pp > 1
-            ? fmt::format(" | pipeline of {} stages ({} schedule{})", cfg_.train.pp,
+            ? fmt::format(" | pipeline of {} stages ({} schedule{}){}", cfg_.train.pp,
                           cfg_.train.pp_schedule,
                           cfg_.train.pp_virtual > 1
                               ? fmt::format(", {} chunks per rank", cfg_.train.pp_virtual)
-                              : "")
+                              : "",
+                          cfg_.dp() > 1 ? fmt::format(" x {} pipelines (ZeRO stage {})", cfg_.dp(),
+                                                      cfg_.train.zero_stage)
+                                        : std::string())
         : cfg_.ps() ? fmt::format(" x {} workers | parameter server: {} server ranks, staleness {}",
                                   cfg_.dp(), cfg_.train.ps_servers, cfg_.train.ps_staleness)
         : cfg_.world > 1
@@ -251,8 +254,9 @@ void Trainer::print(const std::string& s) {
 }
 
 double Trainer::mean_over_ranks(double x) {
-    // A pipeline's stages report the same loss (the last stage's), a parameter server's ranks the
-    // mean over its workers; data-parallel ranks their own.
+    // A pipeline's stages report the same loss (the last stage's, averaged over the pipelines
+    // when there are several), a parameter server's ranks the mean over its workers;
+    // data-parallel ranks their own.
     if (comm_->size() == 1 || cfg_.train.pp > 1 || cfg_.ps()) return x;
     std::vector<double> all((std::size_t)comm_->size());
     comm_->all_gather_bytes(&x, all.data(), sizeof(double));
@@ -495,7 +499,9 @@ void Trainer::print_memory_report() {
         out += "per pipeline stage (peak, measured / predicted):\n";
         for (int r = 0; r < N; r++)
             out += fmt::format(
-                "  stage {}: model states {} / {} | activations {} / {}\n", r,
+                "  stage {}{}: model states {} / {} | activations {} / {}\n", r % cfg_.train.pp,
+                cfg_.dp() > 1 ? fmt::format(" of pipeline {} (rank {})", r / cfg_.train.pp, r)
+                              : std::string(),
                 mib((std::size_t)ranks[kRec * r]), mib((std::size_t)ranks[kRec * r + 1]),
                 mib((std::size_t)ranks[kRec * r + 2]), mib((std::size_t)ranks[kRec * r + 3]));
     } else if (N > 1) {

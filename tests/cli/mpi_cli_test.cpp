@@ -39,6 +39,13 @@ Result run(const std::string& args) {
     return memtrain::test::run_command(kEnv + "timeout -k 5 120 " + kMpirun + args);
 }
 
+// The same on 4 ranks.
+Result run4(const std::string& args) {
+    return memtrain::test::run_command(kEnv + "timeout -k 5 180 " + std::string(MT_MPIEXEC) +
+                                       " --oversubscribe --allow-run-as-root -np 4 " +
+                                       MT_BINARY_DIR + "/memtrain " + args);
+}
+
 int count(const std::string& text, const std::string& what) {
     int n = 0;
     for (auto at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) n++;
@@ -212,4 +219,35 @@ TEST(CliMpi, InterleavedPipelineTrainsFromTheCommandLine) {
     EXPECT_NE(r.code, 0) << r.output;
     EXPECT_EQ(count(r.output, "train.pp_virtual = 2 needs train.pp_schedule = \"interleaved\""), 1)
         << r.output;
+}
+
+// `mpirun -np 4 memtrain train --set train.pp=2`: two pipelines of two stages, ZeRO-1 across
+// them; the losses are one process's to the data-parallel tolerance (printed to 6 decimals), and
+// the report names every rank's stage and pipeline.
+TEST(CliMpi, PipelinesSideBySideTrainFromTheCommandLine) {
+    auto dir = memtrain::test::temp_dir("cli_mpi_ppdp");
+    const std::string cfg = tiny_config(dir, 4);
+    const std::string sets =
+        " --set train.micro_batch_size=2 model.tied_embeddings=false io.out_dir=";
+    auto one = memtrain::test::run_memtrain("train " + cfg +
+                                            " --set train.micro_batch_size=4 "
+                                            "model.tied_embeddings=false io.out_dir=" +
+                                            dir + "/one");
+    ASSERT_EQ(one.code, 0) << one.output;
+    const std::string out = dir + "/ppdp";
+    auto r = run4("train " + cfg + sets + out + " train.pp=2 train.zero_stage=1");
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_EQ(count(r.output, "pipeline of 2 stages (1f1b schedule) x 2 pipelines (ZeRO stage 1)"),
+              1)
+        << r.output;
+    EXPECT_EQ(count(r.output, "  stage 1 of pipeline 1 (rank 3): model states"), 1) << r.output;
+    const auto want = losses(dir + "/one/metrics.jsonl"), got = losses(out + "/metrics.jsonl");
+    ASSERT_EQ(got.size(), 4u);
+    ASSERT_EQ(want.size(), 4u);
+    for (const auto& [step, loss] : want)
+        EXPECT_NEAR(std::stod(got.at(step)), std::stod(loss), 1e-5 * std::stod(loss))
+            << "step " << step;
+    r = run4("train " + cfg + " --set train.pp=2 train.zero_stage=2");
+    EXPECT_NE(r.code, 0) << r.output;
+    EXPECT_EQ(count(r.output, "across pipelines only ZeRO-1 is built"), 1) << r.output;
 }

@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "dist/communicator.h"
+#include "dist/mesh.h"
 #include "dist/mpi_communicator.h"
 
 namespace memtrain::dist {
@@ -156,6 +157,30 @@ TEST(Mesh, IsAValueOverThePassedCommunicator) {
     EXPECT_EQ(mesh.dp_degree(), 1);
     EXPECT_EQ(mesh.dp_rank(), 0);
     EXPECT_TRUE(mesh.is_root());
+}
+
+// Pipelines of pp consecutive ranks: rank = d x pp + s; the stage group of pipeline d and the
+// data group of stage s are the grid's row and column.
+TEST(MeshLayout, PipelinesAreConsecutiveRanks) {
+    const MeshLayout m{3, 2};
+    EXPECT_EQ(m.size(), 6);
+    EXPECT_EQ(m.rank(1, 2), 5);
+    EXPECT_EQ(m.stage_of(4), 1);
+    EXPECT_EQ(m.replica_of(4), 1);
+    EXPECT_EQ(m.stage_group(1), (std::vector<int>{3, 4, 5}));
+    EXPECT_EQ(m.data_group(2), (std::vector<int>{2, 5}));
+    for (int r = 0; r < m.size(); r++) EXPECT_EQ(m.rank(m.replica_of(r), m.stage_of(r)), r);
+}
+
+TEST(MeshLayout, AWorldOfOneSplitsIntoItself) {
+    LocalCommunicator c;
+    MeshGroups g = split_mesh(c, MeshLayout{1, 1});
+    EXPECT_EQ(g.stages->size(), 1);
+    EXPECT_EQ(g.data->rank(), 0);
+    float x = 2.5f;
+    g.data->all_reduce_sum(&x, 1);
+    EXPECT_EQ(x, 2.5f);
+    EXPECT_THROW(split_mesh(c, MeshLayout{2, 1}), Error);  // two stages on one rank
 }
 
 TEST(CheckSameConfig, OneRankAlwaysAgrees) {

@@ -1,7 +1,7 @@
 // Multi-process tests of dist::MpiCommunicator, run under mpirun on 2 and 4 ranks: every
 // collective against a serial reference computed on each rank, uneven and empty shards, config
 // agreement, and the fail-fast scenarios (--scenario=rank1_skips|rank1_skips_started|rank1_exits|
-// rank1_aborts).
+// rank1_aborts|rank1_hangs_in_group).
 #include <gtest/gtest.h>
 #include <mpi.h>
 
@@ -16,6 +16,7 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "dist/communicator.h"
+#include "dist/mesh.h"
 #include "dist/mpi_communicator.h"
 #include "dist_mpi/dist_env.h"
 
@@ -372,6 +373,23 @@ int run_rank1_skips_started(Communicator& c) {
     return 1;
 }
 
+// Rank 1 hangs inside a sub-group: the mesh of pp 2 x dp 2 (np 4), rank 1 (stage 1 of pipeline 0)
+// skips its data group's second collective. Rank 3, its partner there, must print the timeout
+// line naming itself by its job rank with the group, and end the job; ranks 0 and 2 wait longer
+// than the timeout outside any collective, so the line comes from rank 3.
+int run_rank1_hangs_in_group(Communicator& c) {
+    MeshGroups g = split_mesh(c, MeshLayout{2, c.size() / 2});
+    std::vector<float> v(1024, 1.0f);
+    g.data->all_reduce_sum(v.data(), 1024);  // the data group's collective #1: everyone
+    if (c.rank() != 3) {
+        std::this_thread::sleep_for(std::chrono::seconds(30));
+        return 0;
+    }
+    g.data->all_reduce_sum(v.data(), 1024);  // #2: rank 1 never arrives
+    std::fprintf(stderr, "rank %d: collective #2 completed without rank 1\n", c.rank());
+    return 1;
+}
+
 // Rank 1 exits without finalising (a crash) while the others wait in a collective: mpirun
 // notices the exit and ends the job, well before the communicator's timeout.
 int run_rank1_exits(Communicator& c) {
@@ -431,6 +449,8 @@ int main(int argc, char** argv) {
             status = run_rank1_aborts(comm);
         } else if (scenario == "--scenario=rank1_dies_in_training") {
             status = run_rank1_dies_in_training(comm);
+        } else if (scenario == "--scenario=rank1_hangs_in_group") {
+            status = run_rank1_hangs_in_group(comm);
         } else {
             testing::InitGoogleTest(&argc, argv);
             if (comm.rank() != 0) {
