@@ -144,10 +144,10 @@ std::string PipelineEngine::chunk_blocks() const {
 
 std::string PipelineEngine::describe() const {
     const std::string replicas =
-        mesh_.dp > 1 ? fmt::format(", pipeline {} of {} ({})", replica(), mesh_.dp,
-                                   zero1_ ? "ZeRO-1 across pipelines"
-                                          : "gradients all-reduced across them")
-                     : std::string();
+        mesh_.dp > 1
+            ? fmt::format(", pipeline {} of {} ({})", replica(), mesh_.dp,
+                          zero1_ ? "ZeRO-1 across pipelines" : "gradients all-reduced across them")
+            : std::string();
     if (v_ == 1)
         return fmt::format("cpu (fp32), pipeline stage {} of {} (blocks {}, {} schedule){}", rank_,
                            p_, chunk_blocks(), kind_name(kind_), replicas);

@@ -151,9 +151,9 @@ class PipelineEngine final : public Engine {
     std::unique_ptr<dist::OwnerWeights> weights_;
     std::vector<std::unique_ptr<GPT>> chunks_;  // chunk c: virtual stage c * p + rank
     std::unique_ptr<RangeOptimizers> opt_;      // one optimizer per chunk's range
-    dist::ShardRange shard_;     // of the owned range (one chunk under ZeRO-1)
-    bool zero1_ = false;         // train.zero_stage = 1: shard_ is 1/dp of the range
-    Buffer<float> shard_grads_;  // ZeRO-1: the reduce-scattered gradient of shard_
+    dist::ShardRange shard_;                    // of the owned range (one chunk under ZeRO-1)
+    bool zero1_ = false;                        // train.zero_stage = 1: shard_ is 1/dp of the range
+    Buffer<float> shard_grads_;                 // ZeRO-1: the reduce-scattered gradient of shard_
     RematPlan plan_;
     pp::Schedule sched_;
     std::vector<Micro> mbs_;

@@ -55,6 +55,8 @@ RunConfig ppdp_run(const std::string& name, int steps, const std::string& schedu
 RunConfig one_process(const RunConfig& c, const std::string& suffix) {
     RunConfig one = c;
     one.train.pp = 1;
+    one.train.pp_virtual = 1;
+    one.train.pp_schedule = "1f1b";
     one.train.zero_stage = 0;
     one.train.micro_batch_size = c.train.micro_batch_size * pipelines();
     one.io.out_dir = c.io.out_dir + "_" + suffix + std::to_string(comm().rank());
@@ -111,12 +113,16 @@ void expect_near_run(const TrainSummary& s, const std::vector<float>& params,
     EXPECT_LT(worst, 2e-5) << what << ": largest parameter difference";
 }
 
-void check_matches_one_process(const std::string& schedule, int zero, bool llama = true) {
+void check_matches_one_process(const std::string& schedule, int zero, bool llama = true,
+                               int chunks = 1) {
     if (comm().size() % kStages != 0) GTEST_SKIP() << "needs an even number of ranks";
     const int steps = 6, D = pipelines(), r = comm().rank();
-    const std::string name =
-        "ppdp_" + schedule + "_zero" + std::to_string(zero) + (llama ? "" : "_tied");
-    const RunConfig c = ppdp_run(name, steps, schedule, zero, llama);
+    const std::string name = "ppdp_" + schedule + "_zero" + std::to_string(zero) +
+                             (llama ? "" : "_tied") + "_v" + std::to_string(chunks);
+    RunConfig c = ppdp_run(name, steps, schedule, zero, llama);
+    const int m = chunks > 1 ? 4 : 3;  // interleaved: a multiple of the stages
+    c.train.pp_virtual = chunks;
+    c.train.batch_size = 2 * D * m;
     TrainOptions quiet;
     quiet.quiet = true;
     TrainSummary ref;
@@ -133,7 +139,7 @@ void check_matches_one_process(const std::string& schedule, int zero, bool llama
     EXPECT_EQ(pe.stage(), r % kStages);
     EXPECT_EQ(pe.replica(), r / kStages);
     EXPECT_EQ(pe.replicas(), D);
-    EXPECT_EQ(t.config().accum_steps(), 3);
+    EXPECT_EQ(t.config().accum_steps(), m);
     expect_near_run(sum, t.params(), ref, ref_params, 0, name);
     ASSERT_EQ(sum.val_losses.size(), ref.val_losses.size());
     for (std::size_t i = 0; i < sum.val_losses.size(); i++)
@@ -188,6 +194,11 @@ TEST(PipelineDp, OneFOneBWithZero1MatchesOneProcess) {
 }
 TEST(PipelineDp, GpipeWithZero1MatchesOneProcess) {
     check_matches_one_process("gpipe", 1);
+}
+// Interleaved (2 chunks per rank, 4 virtual stages) with pipelines side by side: every chunk's
+// range is all-reduced across the data group.
+TEST(PipelineDp, InterleavedMatchesOneProcess) {
+    check_matches_one_process("interleaved", 0, true, 2);
 }
 // The tied embedding: its classifier gradient joins the first stage's inside each pipeline,
 // then the data group sums it with the rest of stage 0's range.
@@ -326,6 +337,12 @@ TEST(PipelineDp, BadLayoutsAreRefused) {
     RunConfig uneven = c;
     uneven.train.batch_size = 2 * pipelines() * 3 + 2;  // not a multiple of 2 rows x D pipelines
     if (pipelines() > 1) refused(uneven, "must be a multiple of train.micro_batch_size");
+    RunConfig zero1_chunks = c;
+    zero1_chunks.train.zero_stage = 1;
+    zero1_chunks.train.pp_schedule = "interleaved";
+    zero1_chunks.train.pp_virtual = 2;
+    zero1_chunks.train.batch_size = 2 * pipelines() * 4;
+    refused(zero1_chunks, "ZeRO-1 across pipelines shards one chunk per rank");
     RunConfig odd = c;
     odd.train.pp = comm().size() + 1;
     odd.model.n_layer = 8;
