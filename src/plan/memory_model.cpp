@@ -117,10 +117,13 @@ std::string layout_detail(const PipelineActivations& pa, const RunSpec& r, int T
         ra.block_ranges(), r.micro_batch, T, to_string(r.recompute),
         keep_name(block_keep(r.recompute)), format);
     if (ra.chunks.size() == 1)
-        return fmt::format("{} micro-batches in flight ({}) x {:.1f} MB, {}", ra.peak_in_flight,
+        return fmt::format("{} micro-batches in flight ({}) x {:.1f} MB, {}", ra.slots[0],
                            pp::kind_name(pa.schedule.kind), ra.arena[0] / 1e6, arena);
-    return fmt::format("peak of {} chunk micro-batches in flight ({}, {} chunks), {}",
-                       ra.peak_in_flight, pp::kind_name(pa.schedule.kind), ra.chunks.size(), arena);
+    std::string slots;
+    for (std::size_t c = 0; c < ra.chunks.size(); c++)
+        slots += fmt::format("{}{} x {:.1f} MB", c ? " + " : "", ra.slots[c], ra.arena[c] / 1e6);
+    return fmt::format("micro-batches in flight per chunk ({}): {}, {}",
+                       pp::kind_name(pa.schedule.kind), slots, arena);
 }
 
 MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, int stage,
@@ -218,7 +221,7 @@ MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, int stage,
     double act;
     std::string act_detail;
     if (pa) {
-        act = static_cast<double>(pa->ranks[stage].peak_bytes);
+        act = static_cast<double>(pa->ranks[stage].bytes);
         act_detail = layout_detail(*pa, r, static_cast<int>(s), stage);
     } else {
         act = static_cast<double>(la.saved) * layers * est.in_flight;
@@ -296,7 +299,7 @@ MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, int stage,
 
 std::vector<int64_t> stage_activation_bytes(const PipelineActivations& pa) {
     std::vector<int64_t> out;
-    for (const RankActivations& ra : pa.ranks) out.push_back(static_cast<int64_t>(ra.peak_bytes));
+    for (const RankActivations& ra : pa.ranks) out.push_back(static_cast<int64_t>(ra.bytes));
     return out;
 }
 

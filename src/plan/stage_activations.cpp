@@ -38,6 +38,12 @@ bool uses_stage_layout(const RunSpec& r) {
     return r.pp > 1 && r.tp == 1;
 }
 
+int RankActivations::total_slots() const {
+    int n = 0;
+    for (int k : slots) n += k;
+    return n;
+}
+
 std::string RankActivations::block_ranges() const {
     std::string out;
     for (std::size_t c = 0; c < blocks.size(); c++)
@@ -65,6 +71,10 @@ PipelineActivations pipeline_activations(const ModelSpec& m, const RunSpec& r) {
         arena[s] = plan_stage_arena(out.config, out.split.blocks[s], B, T, slice, out.format)
                        .activation_bytes;
     }
+    // The executor's slots: the simulator runs each rank's list in order, so its count of what a
+    // virtual stage holds between F and B (or W) is the executor's, whatever the stages cost.
+    const pp::SimResult sim =
+        pp::simulate(out.schedule, pp::StageCosts::uniform(p * v, 1, 2, 1, 1));
     out.ranks.resize(p);
     for (int rk = 0; rk < p; rk++) {
         RankActivations& ra = out.ranks[rk];
@@ -74,21 +84,9 @@ PipelineActivations pipeline_activations(const ModelSpec& m, const RunSpec& r) {
             ra.first_block.push_back(out.split.first_block[s]);
             ra.blocks.push_back(out.split.blocks[s]);
             ra.arena.push_back(arena[s]);
+            ra.slots.push_back(std::max(1, sim.peak_stage_in_flight[s]));
             ra.total_blocks += out.split.blocks[s];
-        }
-        // The executor's slots: F takes one, B (or W after a split backward) frees it.
-        int held = 0;
-        std::size_t bytes = 0;
-        for (const pp::Action& a : out.schedule.ranks[rk]) {
-            if (a.op == pp::Op::F) {
-                held++;
-                bytes += arena[a.stage];
-            } else if (a.op == pp::Op::B || a.op == pp::Op::W) {
-                held--;
-                bytes -= arena[a.stage];
-            }
-            ra.peak_in_flight = std::max(ra.peak_in_flight, held);
-            ra.peak_bytes = std::max(ra.peak_bytes, bytes);
+            ra.bytes += static_cast<std::size_t>(ra.slots.back()) * arena[s];
         }
     }
     return out;

@@ -43,15 +43,16 @@ ActFormat arena_format(const ModelConfig& cfg, const RunSpec& r);
 bool uses_stage_layout(const RunSpec& r);
 
 // One pipeline rank: its chunks (virtual stages rank, rank + pp, ...; one unless interleaved),
-// their blocks, and the activations it holds at its peak.
+// their blocks, and the activation slots it allocates.
 struct RankActivations {
     std::vector<int> chunks;           // virtual stages this rank runs
     std::vector<int> first_block;      // per chunk: its first block
     std::vector<int> blocks;           // per chunk: how many blocks
     std::vector<std::size_t> arena;    // per chunk: plan_stage_arena(...).activation_bytes
+    std::vector<int> slots;            // per chunk: most of its micro-batches held at once
     int total_blocks = 0;              // over the chunks
-    int peak_in_flight = 0;            // most (chunk) micro-batches held between F and B (or W)
-    std::size_t peak_bytes = 0;        // most bytes of those micro-batches' arenas held at once
+    std::size_t bytes = 0;             // sum over chunks of slots x arena
+    int total_slots() const;           // over the chunks
     std::string block_ranges() const;  // "0..5" or, interleaved, "0..2,6..8"
 };
 
@@ -64,10 +65,10 @@ struct PipelineActivations {
     std::vector<RankActivations> ranks;
 };
 
-// Every rank's activations for the pipeline layout of `r` (pp > 1). Walks each rank's action
-// list: F of a micro-batch takes its chunk's arena, B (or W when the backward is split) gives it
-// back, as the executor's slots do; with one chunk per rank the peak is exactly the engine's
-// slots x plan_stage_arena (PipelineEngine::predicted_memory).
+// Every rank's activations for the pipeline layout of `r` (pp > 1), as the executor allocates
+// them (PipelineEngine::make_schedule, predicted_memory): each chunk gets as many slots as the
+// simulator's most micro-batches in flight on its virtual stage (between F and B, or W when the
+// backward is split; at least 1), each slot one plan_stage_arena of the chunk's blocks.
 PipelineActivations pipeline_activations(const ModelSpec& m, const RunSpec& r);
 
 }  // namespace memtrain::plan
