@@ -1,5 +1,6 @@
 // Per-GPU memory: model states by precision/optimizer, sharded by ZeRO and split by TP/PP;
-// activations per layer from Korthikanti et al. 2022 times the micro-batches in flight;
+// activations per layer from Korthikanti et al. 2022 times the micro-batches in flight, or for a
+// pipeline without TP the engine's own stage layout (plan/stage_activations.h);
 // logits, buckets, ZeRO-3 gather buffers, reserve and a fragmentation margin as separate lines.
 #include "plan/memory_model.h"
 
@@ -7,6 +8,8 @@
 #include <cmath>
 
 #include <fmt/format.h>
+
+#include "plan/stage_activations.h"
 
 namespace memtrain::plan {
 
@@ -98,11 +101,38 @@ LayerActivations layer_activation_bytes(const ModelSpec& m, const RunSpec& r) {
     return out;
 }
 
-MemoryEstimate estimate_stage_memory(const ModelSpec& m, const RunSpec& r, int stage) {
+namespace {
+
+// What the layout path says about activations, for the table.
+std::string layout_detail(const PipelineActivations& pa, const RunSpec& r, int T, int stage) {
+    const RankActivations& ra = pa.ranks[stage];
+    const std::string format =
+        pa.format.cuda
+            ? fmt::format("GPU arena: fused attention, {}-byte activations", pa.format.elem_bytes)
+            : fmt::format("CPU arena: attention probabilities, {}-byte activations",
+                          pa.format.elem_bytes);
+    const std::string arena = fmt::format(
+        "plan_stage_arena (activation_layout) of blocks {}, {} x {} tokens, remat {} = "
+        "{} blocks, {}",
+        ra.block_ranges(), r.micro_batch, T, to_string(r.recompute),
+        keep_name(block_keep(r.recompute)), format);
+    if (ra.chunks.size() == 1)
+        return fmt::format("{} micro-batches in flight ({}) x {:.1f} MB, {}", ra.slots[0],
+                           pp::kind_name(pa.schedule.kind), ra.arena[0] / 1e6, arena);
+    std::string slots;
+    for (std::size_t c = 0; c < ra.chunks.size(); c++)
+        slots += fmt::format("{}{} x {:.1f} MB", c ? " + " : "", ra.slots[c], ra.arena[c] / 1e6);
+    return fmt::format("micro-batches in flight per chunk ({}): {}, {}",
+                       pp::kind_name(pa.schedule.kind), slots, arena);
+}
+
+MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, int stage,
+                            const PipelineActivations* pa) {
     MemoryEstimate est;
     est.stage = stage;
     const bool first = stage == 0, last = stage == r.pp - 1;
-    const int layers = layers_for_stage(m, r, stage);
+    // The layout path's stage holds the trainer's split; the formulas split the layers evenly.
+    const int layers = pa ? pa->ranks.at(stage).total_blocks : layers_for_stage(m, r, stage);
     est.layers_on_stage = layers;
     const int64_t t = r.tp, d = r.dp;
     const int64_t s = r.seq_len(m), b = r.micro_batch;
@@ -183,17 +213,29 @@ MemoryEstimate estimate_stage_memory(const ModelSpec& m, const RunSpec& r, int s
         param_bytes = 0;
     }
 
-    // Activations: per layer per micro-batch, times layers and micro-batches in flight.
+    // Activations: per layer per micro-batch, times layers and micro-batches in flight; or the
+    // engine's arena of the stage's blocks times the micro-batches its schedule holds (the
+    // layout has no dropout masks: memtrain's blocks have none).
     LayerActivations la = layer_activation_bytes(m, r);
     est.in_flight = in_flight(r, stage);
-    double act = static_cast<double>(la.saved) * layers * est.in_flight;
-    // The embedding's dropout mask (the embedding output itself is layer 0's input).
-    if (first && m.dropout)
-        act += static_cast<double>(s * b * m.n_embd) / (r.sequence_parallel ? t : 1);
-    std::string act_detail =
-        fmt::format("{} layers x {} micro-batches x {:.1f} MB ({} recompute, {}{})", layers,
-                    est.in_flight, la.saved / 1e6, to_string(r.recompute),
-                    r.flash_attention ? "flash" : "no flash", r.sequence_parallel ? ", SP" : "");
+    double act;
+    std::string act_detail;
+    if (pa) {
+        act = static_cast<double>(pa->ranks[stage].bytes);
+        act_detail = layout_detail(*pa, r, static_cast<int>(s), stage);
+    } else {
+        act = static_cast<double>(la.saved) * layers * est.in_flight;
+        // The embedding's dropout mask (the embedding output itself is layer 0's input).
+        if (first && m.dropout)
+            act += static_cast<double>(s * b * m.n_embd) / (r.sequence_parallel ? t : 1);
+        act_detail =
+            fmt::format("{} layers x {} micro-batches x {:.1f} MB ({} recompute, {}{}){}", layers,
+                        est.in_flight, la.saved / 1e6, to_string(r.recompute),
+                        r.flash_attention ? "flash" : "no flash", r.sequence_parallel ? ", SP" : "",
+                        r.pp > 1 ? " (Korthikanti's formulas: the stage layout is "
+                                   "used for tp = 1 only)"
+                                 : "");
+    }
     // Zero bubble (ZB-H1): each micro-batch in flight also keeps, per layer, the output gradients
     // of its four GEMMs until the deferred weight-gradient pass (d(mlp out) and d(attn out)
     // b s h, d(fc out) b s ffn (x2 for SwiGLU gate and up), d(qkv) b s (h + 2 kv_dim)),
@@ -204,8 +246,9 @@ MemoryEstimate estimate_stage_memory(const ModelSpec& m, const RunSpec& r, int s
         const double qkv = h + 2.0 * (double)m.kv_dim();
         zb = (double)s * b * (2 * h + fc + qkv) / t * e * layers * est.in_flight;
     }
-    // Full recomputation rebuilds one layer's activations during its backward.
-    int64_t working = r.recompute == Recompute::full ? la.full : 0;
+    // Full recomputation rebuilds one layer's activations during its backward (the layout path
+    // has it already: the arena's recompute scratch).
+    int64_t working = r.recompute == Recompute::full && !pa ? la.full : 0;
     // Logits in the activation dtype, their fp32 softmax and the fp32 gradient.
     int64_t logits =
         last ? ceil_div(s * b * static_cast<int64_t>(m.vocab_size), t) * (e + 4 + 4) : 0;
@@ -231,7 +274,9 @@ MemoryEstimate estimate_stage_memory(const ModelSpec& m, const RunSpec& r, int s
             fmt::format("{} layers x {} micro-batches: the GEMMs' output gradients kept until W",
                         layers, est.in_flight));
     add("recompute working set", working,
-        working ? "one layer rebuilt during its backward" : "no full recompute");
+        working                                ? "one layer rebuilt during its backward"
+        : pa && r.recompute != Recompute::none ? "in the activations: the arena's recompute scratch"
+                                               : "no full recompute");
     add("logits and loss", logits,
         last ? fmt::format("{} tokens x {} vocab / tp {} x {} B", s * b, m.vocab_size, t, e + 8)
              : "not on this stage");
@@ -252,12 +297,39 @@ MemoryEstimate estimate_stage_memory(const ModelSpec& m, const RunSpec& r, int s
     return est;
 }
 
+std::vector<int64_t> stage_activation_bytes(const PipelineActivations& pa) {
+    std::vector<int64_t> out;
+    for (const RankActivations& ra : pa.ranks) out.push_back(static_cast<int64_t>(ra.bytes));
+    return out;
+}
+
+}  // namespace
+
+MemoryEstimate estimate_stage_memory(const ModelSpec& m, const RunSpec& r, int stage) {
+    if (!uses_stage_layout(r)) return stage_memory(m, r, stage, nullptr);
+    const PipelineActivations pa = pipeline_activations(m, r);
+    MemoryEstimate est = stage_memory(m, r, stage, &pa);
+    est.stage_activations = stage_activation_bytes(pa);
+    return est;
+}
+
 MemoryEstimate estimate_memory(const ModelSpec& m, const RunSpec& r) {
     m.validate();
     validate_run(m, r);
-    MemoryEstimate best = estimate_stage_memory(m, r, 0);
+    if (uses_stage_layout(r)) {
+        // Every stage: the split balances compute, so any stage may hold the most.
+        const PipelineActivations pa = pipeline_activations(m, r);
+        MemoryEstimate best = stage_memory(m, r, 0, &pa);
+        for (int s = 1; s < r.pp; s++) {
+            MemoryEstimate e = stage_memory(m, r, s, &pa);
+            if (e.total > best.total) best = std::move(e);
+        }
+        best.stage_activations = stage_activation_bytes(pa);
+        return best;
+    }
+    MemoryEstimate best = stage_memory(m, r, 0, nullptr);
     if (r.pp > 1) {
-        MemoryEstimate lastst = estimate_stage_memory(m, r, r.pp - 1);
+        MemoryEstimate lastst = stage_memory(m, r, r.pp - 1, nullptr);
         if (lastst.total > best.total) best = std::move(lastst);
     }
     return best;

@@ -28,6 +28,9 @@ struct MemoryEstimate {
     double in_flight = 1;          // micro-batches whose activations are alive at the peak
     int64_t params_on_gpu = 0;     // parameters held by this GPU before ZeRO sharding
     int64_t trainable_on_gpu = 0;  // of which trainable (LoRA: only the adapters)
+    // Pipeline layouts priced by the engine's layout (uses_stage_layout: pp > 1, tp == 1): every
+    // stage's activations line, stage 0 first; empty otherwise.
+    std::vector<int64_t> stage_activations;
     std::vector<std::string> not_included;
 
     int64_t bytes(std::string_view name) const;  // 0 when there is no such line
@@ -50,6 +53,14 @@ LayerActivations layer_activation_bytes(const ModelSpec& model, const RunSpec& r
 int64_t lora_params_per_layer(const ModelSpec& model, int rank, LoraTargets targets);
 
 // Validates the run, then estimates every pipeline stage and returns the largest.
+//
+// Activations: with pp = 1, or tp > 1, Korthikanti's per-layer formulas (layer_activation_bytes)
+// x the stage's layers x the micro-batches in flight. A pipeline without tensor parallelism
+// (pp > 1, tp = 1) is priced as the pipeline engine allocates it (plan/stage_activations.h):
+// each stage's blocks from the trainer's split (split_stages), one micro-batch's
+// plan_stage_arena under the trainer's remat plan for `recompute`, in the arena format of the
+// engine that would run it, times the micro-batches its schedule holds; the stage's layers (for
+// the model states too) are the split's.
 MemoryEstimate estimate_memory(const ModelSpec& model, const RunSpec& run);
 // One stage (0 .. pp-1); stage 0 holds the embedding, stage pp-1 the head and the logits.
 MemoryEstimate estimate_stage_memory(const ModelSpec& model, const RunSpec& run, int stage);

@@ -435,6 +435,21 @@ ModelSpec model_from_config(const ModelConfig& c) {
     return m;
 }
 
+ModelConfig config_from_model(const ModelSpec& m) {
+    ModelConfig c;
+    c.n_layer = m.n_layer, c.n_head = m.n_head, c.n_embd = m.n_embd;
+    c.n_kv_head = m.n_kv_head, c.block_size = m.block_size;
+    c.vocab_size = m.vocab_size;
+    c.vocab_pad = 1;
+    c.norm = m.rmsnorm ? "rmsnorm" : "layernorm";
+    c.activation = m.swiglu ? "swiglu" : "gelu";
+    c.positions = m.rope ? "rope" : "learned";
+    c.tied_embeddings = m.tied_embeddings;
+    c.ffn_hidden = static_cast<int>(m.ffn());
+    c.bias = m.attn_bias || m.mlp_bias;
+    return c;
+}
+
 ModelSpec load_model(const std::string& name_or_path) {
     const auto& table = presets();
     if (auto it = table.find(name_or_path); it != table.end()) return it->second;

@@ -69,5 +69,12 @@ ModelSpec model_from_toml(const std::string& toml_text, const std::string& origi
 // The trainer's [model] config as a planner spec (same parameter count as the engine,
 // using the padded vocabulary rows the engine allocates).
 ModelSpec model_from_config(const ModelConfig& config);
+// The reverse: the trainer's [model] config of a planner spec, so the planner can ask the
+// engine's own functions (the activation layout, the pipeline stage split) about any preset.
+// The vocabulary is taken as already padded (vocab_pad 1: padded_vocab() == vocab_size) and
+// ffn_hidden is written out; model_from_config(config_from_model(m)) gives back m's shape.
+// Lossy where ModelConfig has one switch for two of ModelSpec's: linear biases (bias = attn_bias
+// || mlp_bias) and dropout (memtrain's blocks have none). Neither changes an activation byte.
+ModelConfig config_from_model(const ModelSpec& model);
 
 }  // namespace memtrain::plan

@@ -19,6 +19,13 @@ std::string format_memory_table(const MemoryEstimate& est, const ClusterSpec* cl
         out += fmt::format("{:<24} {:>12}  {}\n", l.name, format_bytes(l.bytes), l.detail);
     out += fmt::format("{:<24} {:>12}  stage {} ({} layers)\n", "total", format_bytes(est.total),
                        est.stage, est.layers_on_stage);
+    if (!est.stage_activations.empty()) {
+        out += fmt::format("{:<24} {:>12} ", "activations per stage", "");
+        for (std::size_t i = 0; i < est.stage_activations.size(); i++)
+            out += fmt::format(" {}{}", format_bytes(static_cast<double>(est.stage_activations[i])),
+                               i + 1 < est.stage_activations.size() ? " |" : "");
+        out += "  (the engine's stage layout)\n";
+    }
     const int per_node = cluster ? gpus_sharing_a_host(*cluster) : 1;
     if (est.cpu_bytes > 0)
         out +=
@@ -129,6 +136,7 @@ nlohmann::json to_json(const MemoryEstimate& est) {
     j["host_bytes"] = est.cpu_bytes;
     j["stage"] = est.stage;
     j["layers_on_stage"] = est.layers_on_stage;
+    if (!est.stage_activations.empty()) j["stage_activation_bytes"] = est.stage_activations;
     j["not_included"] = est.not_included;
     return j;
 }

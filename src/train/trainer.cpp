@@ -285,8 +285,9 @@ float Trainer::evaluate() {
 
 namespace {
 
-// The analytic planner (`memtrain estimate`) for this run, from its general formulas
-// (Korthikanti-style activations), beside the engine's exact layout.
+// The analytic planner (`memtrain estimate`) for this run, beside the engine's exact layout: its
+// general formulas (Korthikanti-style activations), or for a pipeline the engine's own stage
+// layout and schedule (plan/stage_activations.h).
 plan::MemoryEstimate planner_estimate(const RunConfig& cfg, Engine& engine) {
     plan::RunSpec rs;
     rs.precision = plan::parse_precision(cfg.train.precision);
@@ -296,7 +297,11 @@ plan::MemoryEstimate planner_estimate(const RunConfig& cfg, Engine& engine) {
     rs.micro_batches = cfg.accum_steps();
     rs.dp = cfg.dp();
     rs.pp = cfg.train.pp;
-    if (cfg.train.pp_schedule == "interleaved" && cfg.train.pp_virtual > 1) {
+    // The schedules the planner knows; the others (naive, PipeDream) are priced as 1F1B.
+    const std::string& sched = cfg.train.pp_schedule;
+    if (sched == "gpipe" || sched == "1f1b" || sched == "zb-h1")
+        rs.schedule = plan::parse_schedule(sched);
+    if (sched == "interleaved" && cfg.train.pp_virtual > 1) {
         rs.schedule = plan::Schedule::interleaved;
         rs.virtual_stages = cfg.train.pp_virtual;
     }
