@@ -108,6 +108,16 @@ PipelineEngine::PipelineEngine(const RunConfig& cfg, dist::Communicator& comm)
             opts.push_back(make_optimizer(cfg_.optim, layout_, r.begin, r.count()));
     }
     opt_ = std::make_unique<RangeOptimizers>(std::move(opts));
+    // The weight versions beside the weights, allocated up front: PipeDream's p - s - 1 stash
+    // buffers (RunConfig refuses a tied model, so no mirror), 2BW's one shadow of everything the
+    // stage computes with (the owned range, then the mirror).
+    if (pipedream() || two_bw()) {
+        if (v_ > 1 || zero1_) fail("internal: {} with chunks or ZeRO-1", kind_name(kind_));
+        const int copies = pipedream() ? pp::pipedream_versions(p_, rank_) - 1 : 1;
+        const std::size_t n = store_->count() + (two_bw() ? store_->mirror_size() : 0);
+        for (int k = 0; k < copies; k++) stash_.emplace_back(n, MemCategory::Parameters);
+        stash_version_.assign((std::size_t)copies, -1);
+    }
     epoch_ = wall_seconds();
     comm_.broadcast(&epoch_, sizeof(epoch_), 0);
     make_schedule(m);
@@ -183,15 +193,93 @@ void PipelineEngine::forward_backward(const int32_t* inputs, const int32_t* targ
     B_ = B;
     T_ = T;
     grad_scale_ = grad_scale;
-    if (last_mb) run_schedule();
+    // PipeDream updates inside the schedule, with the step's learning rate: finish_step runs it.
+    if (last_mb && pipedream())
+        pending_ = true;
+    else if (last_mb)
+        run_schedule();
 }
 
-void PipelineEngine::run_schedule() {
+namespace {
+
+// FNV-1a over the bits of n floats: which weights a forward or backward ran on.
+uint64_t bits_hash(const float* x, std::size_t n) {
+    uint64_t h = 1469598103934665603ull;
+    const auto* b = reinterpret_cast<const unsigned char*>(x);
+    for (std::size_t k = 0; k < n * sizeof(float); k++) h = (h ^ b[k]) * 1099511628211ull;
+    return h;
+}
+
+}  // namespace
+
+int64_t PipelineEngine::weight_version() const {
+    return opt_->steps_taken();
+}
+
+std::size_t PipelineEngine::version_bytes() const {
+    std::size_t b = 0;
+    for (const Buffer<float>& x : stash_) b += x.size() * sizeof(float);
+    return b;
+}
+
+std::size_t PipelineEngine::predicted_version_bytes() const {
+    if (pipedream())
+        return sizeof(float) * (std::size_t)(pp::pipedream_versions(p_, rank_) - 1) *
+               store_->count();
+    if (two_bw()) return sizeof(float) * (store_->count() + store_->mirror_size());
+    return 0;
+}
+
+void PipelineEngine::swap_shadow() {
+    float* sh = stash_[0].data();
+    const std::size_t n = store_->count();
+    std::swap_ranges(store_->owned_params(), store_->owned_params() + n, sh);
+    if (store_->mirror_size())
+        std::swap_ranges(store_->mirror_params(), store_->mirror_params() + store_->mirror_size(),
+                         sh + n);
+}
+
+void PipelineEngine::update(float* g, double lr) {
+    if (zero1_) {
+        opt_->part(0).step(store_->owned_params() + shard_.offset, g, lr);
+        // Every replica's updated shard to every replica of the stage.
+        const std::vector<int64_t> counts = dist::shard_counts((int64_t)store_->count(), mesh_.dp);
+        data_->all_gather(store_->owned_params() + shard_.offset, store_->owned_params(), counts);
+        return;
+    }
+    for (int c = 0; c < v_; c++) {
+        const std::size_t at = store_->ranges()[c].at;
+        opt_->part(c).step(store_->owned_params() + at, g + at, lr);
+    }
+}
+
+void PipelineEngine::run_schedule(double lr) {
     const int m = (int)mbs_.size();
     if (m != sched_.m) make_schedule(m);
     const int B = B_, T = T_, S = num_stages();
     const int64_t n = (int64_t)B * T * cfg_.model.n_embd;
     for (auto& g : chunks_) g->prepare(B, T);
+    // Weight versions. PipeDream: where each micro-batch in flight finds the weights its
+    // forward ran on (-1: the weights themselves, k: stash buffer k), how many in-flight
+    // micro-batches use the weights and each stash buffer. 2BW: the whole step on the shadow.
+    float* params = store_->owned_params();
+    const std::size_t np = store_->count();
+    std::vector<int> where((std::size_t)m, -1), stash_users(stash_.size(), 0);
+    int weight_users = 0;
+    versions_used_.clear();
+    if (pipedream() || two_bw()) versions_used_.resize((std::size_t)m);
+    if (two_bw()) {
+        if (!shadow_valid_) {  // W(-1) = W(0), and after a resume the loaded weights
+            std::copy(params, params + np, stash_[0].data());
+            if (store_->mirror_size())
+                std::copy(store_->mirror_params(), store_->mirror_params() + store_->mirror_size(),
+                          stash_[0].data() + np);
+            shadow_version_ = weight_version();
+            shadow_valid_ = true;
+        }
+        swap_shadow();
+        peak_live_ = 2;
+    }
     // Per chunk: its free slots, the slot of each micro-batch, the sends in flight from each
     // slot's output (until its backward may rewrite it) and from its one gradient buffer (until
     // the next backward writes it).
@@ -227,6 +315,13 @@ void PipelineEngine::run_schedule() {
             slot_of[c][i] = slot;
             comm_.wait(out_send[c][slot]);
             if (s > 0) comm_.recv(g.stage_input(slot), n, rank_of(s - 1), tag_forward(c, m, i));
+            if (pipedream()) {
+                versions_used_[i].forward = weight_version();
+                weight_users++;
+            } else if (two_bw()) {
+                versions_used_[i].forward = shadow_version_;
+            }
+            if (hash_versions_) versions_used_[i].forward_hash = bits_hash(params, np);
             timed(c, a.op, [&] { g.stage_forward(slot, mb.x.data(), B, T); });
             if (s < S - 1) {
                 out_send[c][slot] = comm_.start_send(g.stage_output(slot), n, rank_of(s + 1),
@@ -241,12 +336,58 @@ void PipelineEngine::run_schedule() {
             if (s < S - 1)
                 comm_.recv(g.stage_grad(), n, rank_of(s + 1), tag_backward((s + 1) / p_, m, i));
             float loss = 0;
-            timed(c, a.op, [&] {
-                loss =
-                    a.op == pp::Op::B
-                        ? g.stage_backward(slot, mb.x.data(), mb.y.data(), B, T, grad_scale_)
-                        : g.stage_backward_input(slot, mb.x.data(), mb.y.data(), B, T, grad_scale_);
-            });
+            if (pipedream()) {
+                // Restore the forward's version, backward (micro-batch i's gradient alone, as a
+                // step of one micro-batch), put the newest weights back, stash them if a
+                // micro-batch in flight still needs them, and update. The update is part of B's
+                // time.
+                timed(c, a.op, [&] {
+                    const int k = where[(std::size_t)i];
+                    if (k >= 0) std::swap_ranges(params, params + np, stash_[k].data());
+                    versions_used_[i].backward = k >= 0 ? stash_version_[k] : weight_version();
+                    if (hash_versions_) versions_used_[i].backward_hash = bits_hash(params, np);
+                    loss = g.stage_backward(slot, mb.x.data(), mb.y.data(), B, T,
+                                            grad_scale_ * (float)m);
+                    if (k >= 0) {
+                        std::swap_ranges(params, params + np, stash_[k].data());
+                        if (--stash_users[k] == 0) stash_version_[k] = -1;
+                    } else {
+                        weight_users--;
+                    }
+                    if (weight_users > 0) {
+                        const auto free =
+                            std::find(stash_version_.begin(), stash_version_.end(), -1);
+                        if (free == stash_version_.end())
+                            fail("internal: PipeDream stage {} needs more than {} weight versions",
+                                 s, pp::pipedream_versions(p_, rank_));
+                        const int k2 = (int)(free - stash_version_.begin());
+                        std::copy(params, params + np, stash_[k2].data());
+                        stash_version_[k2] = weight_version();
+                        stash_users[k2] = weight_users;
+                        for (int j = 0; j < m; j++)
+                            if (where[j] == -1 && versions_used_[j].forward >= 0 &&
+                                versions_used_[j].backward < 0 && j != i)
+                                where[j] = k2;
+                        weight_users = 0;
+                    }
+                    int live = 1;
+                    for (int64_t v : stash_version_) live += v >= 0;
+                    peak_live_ = std::max(peak_live_, live);
+                    update(store_->owned_grads(), lr);
+                    store_->zero_grads();
+                });
+            } else {
+                if (two_bw()) {
+                    versions_used_[i].backward = shadow_version_;
+                    if (hash_versions_) versions_used_[i].backward_hash = bits_hash(params, np);
+                }
+                timed(c, a.op, [&] {
+                    loss = a.op == pp::Op::B
+                               ? g.stage_backward(slot, mb.x.data(), mb.y.data(), B, T, grad_scale_)
+                               : g.stage_backward_input(slot, mb.x.data(), mb.y.data(), B, T,
+                                                        grad_scale_);
+                });
+            }
             if (s == S - 1) loss_sum_ += loss;
             if (s > 0) {
                 grad_send[c] =
@@ -261,6 +402,7 @@ void PipelineEngine::run_schedule() {
         }
     }
     comm_.wait_all();
+    if (two_bw()) swap_shadow();  // the newest weights back; the shadow keeps W(t - 1)
     const double end = wall_seconds() - epoch_;
     // Every rank's start, end, busy time and, per chunk, per-micro-batch F, B, I and W times.
     const int kF = 3 + 4 * v_;
@@ -315,6 +457,17 @@ void PipelineEngine::run_schedule() {
 StepResult PipelineEngine::finish_step(double lr, double max_norm) {
     StepResult r;
     const int E = ParamLayout::embedding_unit();
+    if (pipedream()) {
+        // Every micro-batch updated its stages inside the schedule (RunConfig refuses clipping,
+        // which would need every stage's gradient of a micro-batch, and a tied embedding).
+        if (!pending_) fail("internal: PipeDream finish_step without micro-batches");
+        pending_ = false;
+        run_schedule(lr);
+        double loss = mbs_.empty() ? 0.0 : loss_sum_ / (double)mbs_.size();
+        comm_.broadcast(&loss, sizeof(loss), p_ - 1);
+        r.loss = mean_over_pipelines(loss);
+        return r;
+    }
     // The tied embedding: the classifier's gradient (last stage) joins the embedding's (first).
     if (cfg_.model.tied_embeddings && p_ > 1) {
         const int64_t ne = (int64_t)layout_.units[E].size();
@@ -355,18 +508,15 @@ StepResult PipelineEngine::finish_step(double lr, double max_norm) {
         const double coef = max_norm / (r.grad_norm + 1e-6);
         if (coef < 1.0) cpu::scale_inplace(g, (float)coef, shard_.count);
     }
-    if (zero1_) {
-        opt_->part(0).step(store_->owned_params() + shard_.offset, g, lr);
-    } else {
-        for (int c = 0; c < v_; c++) {
-            const std::size_t at = store_->ranges()[c].at;
-            opt_->part(c).step(store_->owned_params() + at, g + at, lr);
-        }
+    if (two_bw()) {  // the shadow becomes W(t); the update takes the weights to W(t + 1)
+        const std::size_t np = store_->count();
+        std::copy(store_->owned_params(), store_->owned_params() + np, stash_[0].data());
+        if (store_->mirror_size())
+            std::copy(store_->mirror_params(), store_->mirror_params() + store_->mirror_size(),
+                      stash_[0].data() + np);
+        shadow_version_ = weight_version();
     }
-    if (zero1_) {  // every replica's updated shard to every replica of the stage
-        const std::vector<int64_t> counts = dist::shard_counts((int64_t)store_->count(), D);
-        data_->all_gather(store_->owned_params() + shard_.offset, store_->owned_params(), counts);
-    }
+    update(g, lr);
     if (cfg_.model.tied_embeddings && p_ > 1) {
         const int64_t ne = (int64_t)layout_.units[E].size();
         if (first()) comm_.send(store_->acquire(E), ne, p_ - 1, kTagTiedWeights);
@@ -455,8 +605,14 @@ std::vector<MemoryPrediction> PipelineEngine::predicted_memory(int B, int T) con
     }
     const GPT& g0 = *chunks_.front();
     const std::size_t shard = (std::size_t)shard_.count;
+    std::string versions;
+    if (pipedream())
+        versions = fmt::format(" + {} stashed weight versions (PipeDream: p - s - 1)",
+                               pp::pipedream_versions(p_, rank_) - 1);
+    if (two_bw()) versions = " + the shadow W(t - 1) (PipeDream-2BW)";
     return {
-        {MemCategory::Parameters, fmt::format("4 x stage params ({})", units), 4 * (own + mirror)},
+        {MemCategory::Parameters, fmt::format("4 x stage params ({}){}", units, versions),
+         4 * (own + mirror) + predicted_version_bytes()},
         {MemCategory::Gradients,
          zero1_ ? fmt::format("4 x stage params + 4 x its 1/{} shard (reduce-scattered)", mesh_.dp)
                 : std::string("4 x stage params"),

@@ -37,6 +37,28 @@
 // whole stage), or reduce-scattered so each replica updates 1/dp of the stage's range with 1/dp
 // of its optimizer state, the updated parameters all-gathered (ZeRO-1). The norm adds every
 // unit's (and shard's) sum of squares in a fixed order, so every rank clips alike.
+//
+// PipeDream (train.pp_schedule = "pipedream", weight stashing; Narayanan et al. SOSP'19): the
+// 1F1B lists with p - 1 - s warm-up forwards, but every B(i) ends with an optimizer update of the
+// stage's weights by micro-batch i's gradient alone, scaled as a step of one micro-batch would be
+// (the mean over its tokens). Each micro-batch is thus its own optimizer step (AdamW's step count
+// advances m per trainer step), every one with the trainer step's learning rate, so
+// optim.lr is per update, as in the paper. F(i) runs on the newest weights and notes their
+// version (updates applied to the stage so far, the optimizer's step count); when an update
+// would overwrite a version an in-flight micro-batch used, the stage first copies it into a stash
+// buffer; B(i) swaps its version into the parameters for the backward and back after it. Stage s
+// keeps at most p - s versions (the weights and p - s - 1 stash buffers, allocated up front as
+// part of Parameters). The lists are per trainer step, so the pipeline drains at the step's end:
+// no stash is alive between steps, and a checkpoint (the weights, the optimizer state and its step
+// count) resumes exactly. Each stage's gradient is the one of its own stashed version, but the
+// stages of one micro-batch see different versions: pipedream_version(p, s, i) + m x steps.
+//
+// PipeDream-2BW (train.pp_schedule = "pipedream-2bw"; Narayanan et al. ICML'21): gradients
+// accumulate over the step's micro-batches as in 1F1B, but every forward and backward of step t
+// runs on a shadow copy W(t - 1) of the weights, and the step's update goes to the newest ones:
+// W(t + 1) = W(t) - lr grad f(W(t - 1)), W(-1) = W(0). Two versions per stage (the weights and
+// the shadow, the tied embedding's mirror included). The shadow is not in checkpoints: a resumed
+// run starts it from the loaded weights (its first step is then not stale).
 #pragma once
 
 #include <chrono>
@@ -75,6 +97,8 @@ class PipelineEngine final : public Engine {
     ModelWeights weights() override { return ModelWeights{*weights_, layout_, cfg_.model}; }
     OptimizerState& optimizer() override { return *opt_; }
     ActFormat arena_format() const override { return GPT::arena_format(); }
+    // New weights (initialised, imported or resumed): 2BW's shadow starts again from them.
+    void weights_loaded() override { shadow_valid_ = false; }
     void set_remat(const RematPlan& plan) override;
     const RematPlan& remat_plan() const override { return plan_; }
     void begin_step() override;
@@ -117,11 +141,40 @@ class PipelineEngine final : public Engine {
     // The schedule of the last step (empty before one ran).
     const pp::Schedule& schedule() const { return sched_; }
 
+    // PipeDream and PipeDream-2BW: the weight version (updates applied to this stage before)
+    // that the parameters held while each micro-batch's forward and backward of the last step
+    // ran on this stage, in micro-batch order (empty for the synchronous schedules).
+    // With each, once hash_weight_versions(true) (tests; it reads the stage's weights twice per
+    // micro-batch), a hash of the parameters' bits at that moment: equal hashes show the
+    // backward ran on the very weights its forward did.
+    struct VersionUse {
+        int64_t forward = -1, backward = -1;
+        uint64_t forward_hash = 0, backward_hash = 0;
+    };
+    const std::vector<VersionUse>& versions_used() const { return versions_used_; }
+    void hash_weight_versions(bool on) { hash_versions_ = on; }
+    // Updates applied to this stage's weights so far (the optimizer's step count).
+    int64_t weight_version() const;
+    // The most weight versions alive at once on this stage so far (the weights and the stashed
+    // or shadow copies holding a version some micro-batch still needs); 1 when synchronous.
+    int peak_live_versions() const { return peak_live_; }
+    // The bytes of the copies beside the weights: measured (allocated) and predicted (PipeDream
+    // 4 x (p - s - 1) x stage params, 2BW 4 x stage params with the mirror).
+    std::size_t version_bytes() const;
+    std::size_t predicted_version_bytes() const;
+
   private:
     struct Micro {
         std::vector<int32_t> x, y;
     };
-    void run_schedule();
+    void run_schedule(double lr = 0);
+    // One optimizer update of the owned range by g (all of it, or its ZeRO-1 shard), and the
+    // all-gather of the updated shards.
+    void update(float* g, double lr);
+    // 2BW: exchanges the parameters (and the mirror) with the shadow copy.
+    void swap_shadow();
+    bool pipedream() const { return kind_ == pp::Kind::PipeDream; }
+    bool two_bw() const { return kind_ == pp::Kind::PipeDream2BW; }
     // The schedule for m micro-batches, and each chunk's slots from its simulated peak.
     void make_schedule(int m);
     void forward_only(const int32_t* inputs, int B, int T);
@@ -163,6 +216,16 @@ class PipelineEngine final : public Engine {
     PipelineStats stats_;
     pp::SimResult timeline_;
     double epoch_ = 0;  // wall-clock seconds of rank 0 at start-up: the timeline's zero
+    // Weight versions (PipeDream: the stash buffers and the version each holds, -1 free; 2BW:
+    // one shadow of the owned range followed by the mirror, valid once filled).
+    std::vector<Buffer<float>> stash_;
+    std::vector<int64_t> stash_version_;
+    bool shadow_valid_ = false;
+    bool hash_versions_ = false;
+    int64_t shadow_version_ = 0;
+    std::vector<VersionUse> versions_used_;
+    int peak_live_ = 1;
+    bool pending_ = false;  // PipeDream: the step's micro-batches wait for finish_step's lr
     int steps_run_ = 0;
 };
 

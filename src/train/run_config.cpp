@@ -492,14 +492,33 @@ void RunConfig::validate_pipeline() const {
     if (world % train.pp != 0)
         fail("train.pp = {} does not divide the {} ranks: start mpirun -np {} (or a multiple)",
              train.pp, world, train.pp);
-    if (kind != pp::Kind::Naive && kind != pp::Kind::GPipe && kind != pp::Kind::OneFOneB &&
-        kind != pp::Kind::ZbH1 && kind != pp::Kind::Interleaved)
-        fail(
-            "train.pp_schedule = \"{}\" is simulated by `memtrain pipeline` but the trainer runs "
-            "naive, gpipe, 1f1b, interleaved and zb-h1 only so far",
-            train.pp_schedule);
     // (The micro-batch arithmetic itself is checked after this.)
     const int64_t mb = (int64_t)micro_batch() * dp();
+    if (kind == pp::Kind::PipeDream || kind == pp::Kind::PipeDream2BW) {
+        if (world / train.pp > 1)
+            fail(
+                "train.pp_schedule = \"{}\" runs one pipeline only so far: start mpirun -np {} "
+                "(train.pp), not {}",
+                train.pp_schedule, train.pp, world);
+        if (kind == pp::Kind::PipeDream && model.tied_embeddings)
+            fail(
+                "train.pp_schedule = \"pipedream\" updates each stage at its own backward, so a "
+                "tied embedding would be two versions on the first and last stage: set "
+                "model.tied_embeddings = false (or use \"pipedream-2bw\")");
+        if (kind == pp::Kind::PipeDream && optim.grad_clip > 0)
+            fail(
+                "train.pp_schedule = \"pipedream\" updates each stage at its own backward, before "
+                "the other stages have that micro-batch's gradient: set optim.grad_clip = 0 (now "
+                "{})",
+                optim.grad_clip);
+        if (kind == pp::Kind::PipeDream2BW && mb > 0 && train.batch_size % mb == 0 &&
+            accum_steps() < train.pp - 1)
+            fail(
+                "train.pp_schedule = \"pipedream-2bw\" needs at least train.pp - 1 = {} "
+                "micro-batches per step (train.batch_size / train.micro_batch_size = {}) to keep "
+                "two weight versions",
+                train.pp - 1, accum_steps());
+    }
     if (kind == pp::Kind::Interleaved && mb > 0 && train.batch_size % mb == 0 &&
         accum_steps() % train.pp != 0)
         fail(

@@ -1,0 +1,333 @@
+// PipeDream (weight stashing) and PipeDream-2BW (double-buffered weights) on 2 and 4 ranks, one
+// stage each, against one process that does the same arithmetic with explicit version
+// bookkeeping:
+// - PipeDream: micro-batch by micro-batch, F and B of each (stage, micro-batch) ran on the same
+//   weights (the same version and the same bits), that version is pp::pipedream_version(p, s, i)
+//   plus m per earlier step, a stage never holds more than p - s versions (and does hold p - s
+//   once m >= 2 (p - 1)), the stash's bytes are the prediction, and after every step the stage's
+//   weights are bitwise those of the reference: for each micro-batch in order, the whole model's
+//   gradient at the versions its stages used, then one optimizer step of the newest weights.
+// - 2BW: every step's forwards and backwards ran on W(t - 1), two versions, and the weights
+//   after every step are bitwise those of a one-process step that accumulates the gradient at
+//   W(t - 1) and applies it (clipped by the global norm) to W(t).
+// Bitwise because each stage runs the same kernels on the same inputs as the one process (the
+// pipeline tests show the gradients equal), and the optimizers are elementwise, so a stage's
+// range update is the whole model's update restricted to it. A tied embedding (2BW only) sums
+// its two gradient parts in another order: to rounding.
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "dist_mpi/dist_runs.h"
+#include "parallel/schedule.h"
+#include "test_util.h"
+#include "train/pipeline_engine.h"
+
+namespace memtrain::dist {
+namespace {
+
+RunConfig pipedream_run(const std::string& name, const std::string& schedule, bool tied, int m) {
+    RunConfig c = shared_tiny_run_config(name, 1);
+    c.model.n_layer = 4;  // one block per stage at 4 ranks
+    c.io.save_final = false;
+    c.train.micro_batch_size = 2;
+    c.train.batch_size = 2 * m;
+    c.train.pp_schedule = schedule;
+    if (!tied) {
+        c.model.norm = "rmsnorm";
+        c.model.activation = "swiglu";
+        c.model.positions = "rope";
+        c.model.tied_embeddings = false;
+        c.model.bias = false;
+    }
+    return c;
+}
+
+// The micro-batch (step, i)'s tokens and targets: the same on every rank.
+void tokens(int step, int i, int n, int vocab, std::vector<int32_t>& x, std::vector<int32_t>& y) {
+    x.resize((std::size_t)n);
+    y.resize((std::size_t)n);
+    uint32_t h = 2654435761u * (uint32_t)(step * 97 + i + 1);
+    for (int k = 0; k < n; k++) {
+        h = h * 1664525u + 1013904223u;
+        x[k] = (int32_t)((h >> 8) % (uint32_t)vocab);
+        h = h * 1664525u + 1013904223u;
+        y[k] = (int32_t)((h >> 8) % (uint32_t)vocab);
+    }
+}
+
+double lr_of(int step) {
+    return 1e-3 * (1.0 + 0.5 * step);  // a different learning rate every step
+}
+
+// Every stage's floats [begin, end) of the flat parameter buffer (each rank owns one range).
+std::vector<std::array<uint64_t, 2>> stage_ranges(PipelineEngine& pe) {
+    const pp::StageStore::Range& r = pe.store().ranges().at(0);
+    std::array<uint64_t, 2> mine = {r.begin, r.end};
+    std::vector<std::array<uint64_t, 2>> all((std::size_t)comm().size());
+    comm().all_gather_bytes(mine.data(), all.data(), sizeof(mine));
+    return all;
+}
+
+std::size_t count_diffs(const float* a, const float* b, std::size_t n) {
+    std::size_t d = 0;
+    for (std::size_t j = 0; j < n; j++) d += a[j] != b[j];
+    return d;
+}
+
+void check_pipedream(const std::string& remat, int steps) {
+    const int P = comm().size(), r = comm().rank(), m = 2 * P;
+    RunConfig c = pipedream_run("pipedream_" + remat, "pipedream", false, m);
+    c.optim.grad_clip = 0;  // refused with PipeDream
+    c.train.remat = remat;
+    TrainOptions quiet;
+    quiet.quiet = true;
+    RunConfig rc = c;
+    rc.io.out_dir += "_ref" + std::to_string(r);
+    Trainer ref(rc, quiet);
+    c.train.pp = P;
+    Trainer t(c, quiet, &comm());
+    auto* pe = dynamic_cast<PipelineEngine*>(&t.engine());
+    ASSERT_NE(pe, nullptr);
+    pe->hash_weight_versions(true);
+    const std::vector<float> init = t.params();
+    GPT& rm = ref.model();
+    Engine& re = ref.engine();
+    const std::size_t N = rm.num_params();
+    ASSERT_EQ(init.size(), N);
+    ASSERT_EQ(count_diffs(init.data(), rm.params(), N), 0u) << "the same initial weights";
+    const auto ranges = stage_ranges(*pe);
+    const std::size_t own = pe->store().count();
+    ASSERT_EQ(own, ranges[r][1] - ranges[r][0]);
+
+    const int B = c.micro_batch(), T = c.train.seq_len, V = c.model.vocab_size;
+    const float scale = 1.0f / (float)(B * T * m);  // as the Trainer passes it
+    // hist[k]: the whole model after k updates (each stage applies one per micro-batch).
+    std::vector<std::vector<float>> hist = {init};
+    std::vector<int32_t> x, y;
+    for (int step = 0; step < steps; step++) {
+        pe->begin_step();
+        for (int i = 0; i < m; i++) {
+            tokens(step, i, B * T, V, x, y);
+            pe->forward_backward(x.data(), y.data(), B, T, scale, i == m - 1);
+        }
+        const StepResult res = pe->finish_step(lr_of(step), 0);
+        EXPECT_TRUE(std::isfinite(res.loss));
+        // The reference: micro-batch i's gradient at each stage's stashed version, applied to the
+        // newest weights as one step of one micro-batch.
+        for (int i = 0; i < m; i++) {
+            for (int s = 0; s < P; s++) {
+                const std::vector<float>& w =
+                    hist[(std::size_t)step * m + pp::pipedream_version(P, s, i)];
+                std::copy(w.begin() + (long)ranges[s][0], w.begin() + (long)ranges[s][1],
+                          rm.params() + ranges[s][0]);
+            }
+            tokens(step, i, B * T, V, x, y);
+            re.begin_step();
+            re.forward_backward(x.data(), y.data(), B, T, scale * (float)m, true);
+            std::copy(hist.back().begin(), hist.back().end(), rm.params());
+            re.finish_step(lr_of(step), 0);
+            hist.emplace_back(rm.params(), rm.params() + N);
+        }
+        // Micro-batch by micro-batch: F and B on the same version and bits, the predicted one.
+        const auto& used = pe->versions_used();
+        ASSERT_EQ((int)used.size(), m);
+        for (int i = 0; i < m; i++) {
+            const int64_t want = (int64_t)step * m + pp::pipedream_version(P, r, i);
+            EXPECT_EQ(used[i].forward, want) << "stage " << r << " step " << step << " mb " << i;
+            EXPECT_EQ(used[i].backward, used[i].forward) << "stage " << r << " mb " << i;
+            EXPECT_EQ(used[i].backward_hash, used[i].forward_hash) << "stage " << r << " mb " << i;
+        }
+        // The hashes tell versions apart: the step's first and last forward ran on different
+        // versions (m = 2p) and weights.
+        EXPECT_NE(used[0].forward, used[m - 1].forward);
+        EXPECT_NE(used[0].forward_hash, used[m - 1].forward_hash);
+        EXPECT_EQ(pe->weight_version(), (int64_t)(step + 1) * m);
+        // The stage's weights after the step: bitwise the reference's.
+        const std::vector<float>& want = hist.back();
+        EXPECT_EQ(count_diffs(pe->store().owned_params(), want.data() + ranges[r][0], own), 0u)
+            << "stage " << r << " after step " << step + 1 << " (remat " << remat << ")";
+    }
+    // The stages of one micro-batch ran on different versions (stage 0's last micro-batch on
+    // m - p, stage p - 1's on m - 1): the reference is not synchronous training.
+    if (P > 1) {
+        EXPECT_NE(pp::pipedream_version(P, 0, m - 1), pp::pipedream_version(P, P - 1, m - 1));
+    }
+    // Versions alive: at most p - s, and p - s is reached (m >= 2 (p - 1)); their bytes.
+    EXPECT_EQ(pe->peak_live_versions(), pp::pipedream_versions(P, r));
+    EXPECT_EQ(pe->version_bytes(), pe->predicted_version_bytes());
+    EXPECT_EQ(pe->version_bytes(), 4 * own * (std::size_t)(P - r - 1));
+    bool row = false;
+    for (const MemoryPrediction& p : pe->predicted_memory(B, T))
+        if (p.category == MemCategory::Parameters) {
+            row = true;
+            EXPECT_EQ(p.bytes, 4 * own + pe->predicted_version_bytes());
+            EXPECT_NE(p.formula.find("stashed weight versions"), std::string::npos) << p.formula;
+        }
+    EXPECT_TRUE(row);
+}
+
+TEST(PipeDream, WeightStashingMatchesDelayedUpdateReference) {
+    check_pipedream("none", 3);
+}
+
+TEST(PipeDream, WeightStashingWithFullRecomputeMatchesReference) {
+    check_pipedream("full", 2);
+}
+
+void check_two_bw(bool tied, double clip, int steps) {
+    const int P = comm().size(), r = comm().rank(), m = P + 1;
+    RunConfig c =
+        pipedream_run(tied ? "pipedream2bw_tied" : "pipedream2bw", "pipedream-2bw", tied, m);
+    c.optim.grad_clip = clip;
+    TrainOptions quiet;
+    quiet.quiet = true;
+    RunConfig rc = c;
+    rc.io.out_dir += "_ref" + std::to_string(r);
+    Trainer ref(rc, quiet);
+    c.train.pp = P;
+    Trainer t(c, quiet, &comm());
+    auto* pe = dynamic_cast<PipelineEngine*>(&t.engine());
+    ASSERT_NE(pe, nullptr);
+    pe->hash_weight_versions(true);
+    GPT& rm = ref.model();
+    Engine& re = ref.engine();
+    const std::size_t N = rm.num_params();
+    const std::vector<float> init = t.params();
+    ASSERT_EQ(count_diffs(init.data(), rm.params(), N), 0u) << "the same initial weights";
+    const auto ranges = stage_ranges(*pe);
+    const std::size_t own = pe->store().count();
+    const int B = c.micro_batch(), T = c.train.seq_len, V = c.model.vocab_size;
+    const float scale = 1.0f / (float)(B * T * m);
+    std::vector<float> prev = init;  // W(t - 1), W(-1) = W(0)
+    std::vector<int32_t> x, y;
+    uint64_t last_hash = 0;  // of the shadow the previous step ran on
+    for (int step = 0; step < steps; step++) {
+        pe->begin_step();
+        for (int i = 0; i < m; i++) {
+            tokens(step, i, B * T, V, x, y);
+            pe->forward_backward(x.data(), y.data(), B, T, scale, i == m - 1);
+        }
+        const StepResult res = pe->finish_step(lr_of(step), clip);
+        // The reference: the gradient at W(t - 1), clipped, applied to W(t).
+        std::vector<float> cur(rm.params(), rm.params() + N);
+        std::copy(prev.begin(), prev.end(), rm.params());
+        re.begin_step();
+        for (int i = 0; i < m; i++) {
+            tokens(step, i, B * T, V, x, y);
+            re.forward_backward(x.data(), y.data(), B, T, scale, i == m - 1);
+        }
+        std::copy(cur.begin(), cur.end(), rm.params());
+        const StepResult rres = re.finish_step(lr_of(step), clip);
+        prev = cur;
+        if (tied) {
+            EXPECT_NEAR(res.loss, rres.loss, 1e-5 * std::abs(rres.loss));
+        } else {
+            EXPECT_EQ(res.loss, rres.loss) << "step " << step + 1;
+            EXPECT_EQ(res.grad_norm, rres.grad_norm) << "step " << step + 1;
+        }
+        const auto& used = pe->versions_used();
+        ASSERT_EQ((int)used.size(), m);
+        for (int i = 0; i < m; i++) {
+            EXPECT_EQ(used[i].forward, std::max(0, step - 1)) << "stage " << r << " mb " << i;
+            EXPECT_EQ(used[i].backward, used[i].forward);
+            EXPECT_EQ(used[i].backward_hash, used[i].forward_hash);
+        }
+        if (step >= 2) {  // a new shadow every step once W(1) exists
+            EXPECT_NE(used[0].forward_hash, last_hash) << "step " << step + 1;
+        }
+        last_hash = used[0].forward_hash;
+        EXPECT_EQ(pe->weight_version(), step + 1);
+        const float* got = pe->store().owned_params();
+        const float* want = rm.params() + ranges[r][0];
+        if (!tied) {
+            EXPECT_EQ(count_diffs(got, want, own), 0u) << "stage " << r << " step " << step + 1;
+        } else {
+            double worst = 0;
+            for (std::size_t j = 0; j < own; j++)
+                worst = std::max(worst, (double)std::abs(got[j] - want[j]));
+            EXPECT_LT(worst, 1e-6) << "stage " << r << " step " << step + 1;
+        }
+    }
+    EXPECT_EQ(pe->peak_live_versions(), 2);
+    EXPECT_EQ(pe->version_bytes(), pe->predicted_version_bytes());
+    EXPECT_EQ(pe->version_bytes(), 4 * (own + pe->store().mirror_size()));
+}
+
+TEST(PipeDream, TwoBWMatchesOneStepStaleReference) {
+    check_two_bw(false, 1.0, 4);
+}
+
+TEST(PipeDream, TwoBWTiedGpt2MatchesOneStepStaleReferenceToRounding) {
+    check_two_bw(true, 1.0, 3);
+}
+
+// Through the Trainer (PipeDream runs its schedule in finish_step, with the step's lr): losses
+// finite, every stage at m versions per step, and the measured-bubble footer.
+TEST(PipeDream, TrainerRunsBothSchedules) {
+    const int P = comm().size();
+    for (const char* name : {"pipedream", "pipedream-2bw"}) {
+        const std::string sched = name;
+        RunConfig c = pipedream_run("pipedream_trainer_" + sched, sched, false, 2 * P);
+        c.train.max_steps = 3;
+        c.train.eval_every = 0;
+        c.optim.grad_clip = sched == "pipedream" ? 0 : 1;
+        c.train.pp = P;
+        TrainOptions quiet;
+        quiet.quiet = true;
+        Trainer t(c, quiet, &comm());
+        const TrainSummary sum = t.run();
+        ASSERT_EQ(sum.losses.size(), 3u);
+        for (double l : sum.losses) EXPECT_TRUE(std::isfinite(l)) << sched;
+        auto* pe = dynamic_cast<PipelineEngine*>(&t.engine());
+        ASSERT_NE(pe, nullptr);
+        EXPECT_EQ(pe->weight_version(), sched == "pipedream" ? 3 * 2 * P : 3) << sched;
+        EXPECT_NE(pe->memory_footer().find("pipeline bubble: measured"), std::string::npos)
+            << sched;
+    }
+}
+
+TEST(PipeDream, BadCombinationsAreRefused) {
+    const int P = comm().size();
+    TrainOptions quiet;
+    quiet.quiet = true;
+    auto refused = [&](RunConfig bad, const std::string& what) {
+        try {
+            Trainer t(bad, quiet, &comm());
+            ADD_FAILURE() << "accepted: " << what;
+        } catch (const Error& e) {
+            EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+        }
+    };
+    RunConfig c = pipedream_run("pipedream_refused", "pipedream", true, 2 * P);
+    c.train.pp = P;
+    c.optim.grad_clip = 0;
+    refused(c, "set model.tied_embeddings = false");
+    c = pipedream_run("pipedream_refused", "pipedream", false, 2 * P);
+    c.train.pp = P;
+    c.optim.grad_clip = 1;
+    refused(c, "set optim.grad_clip = 0");
+    c.optim.grad_clip = 0;
+    c.train.pp_virtual = 2;
+    refused(c, "train.pp_virtual = 2 needs train.pp_schedule = \"interleaved\"");
+    if (P >= 4) {
+        RunConfig side = c;  // two pipelines of P / 2 stages
+        side.train.pp_virtual = 1;
+        side.train.pp = P / 2;
+        refused(side, "runs one pipeline only so far");
+        side.train.pp_schedule = "pipedream-2bw";
+        refused(side, "runs one pipeline only so far");
+        RunConfig few = c;  // 2BW at p = 4 with 2 micro-batches
+        few.train.pp_virtual = 1;
+        few.train.pp_schedule = "pipedream-2bw";
+        few.train.batch_size = 2 * 2;
+        refused(few, "needs at least train.pp - 1 = 3 micro-batches");
+    }
+}
+
+}  // namespace
+}  // namespace memtrain::dist
