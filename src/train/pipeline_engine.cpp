@@ -607,8 +607,9 @@ std::vector<MemoryPrediction> PipelineEngine::predicted_memory(int B, int T) con
     const std::size_t shard = (std::size_t)shard_.count;
     std::string versions;
     if (pipedream())
-        versions = fmt::format(" + {} stashed weight versions (PipeDream: p - s - 1)",
-                               pp::pipedream_versions(p_, rank_) - 1);
+        versions = fmt::format(" + {} stashed weight version{} (PipeDream: p - s - 1)",
+                               pp::pipedream_versions(p_, rank_) - 1,
+                               pp::pipedream_versions(p_, rank_) == 2 ? "" : "s");
     if (two_bw()) versions = " + the shadow W(t - 1) (PipeDream-2BW)";
     return {
         {MemCategory::Parameters, fmt::format("4 x stage params ({}){}", units, versions),
@@ -650,6 +651,18 @@ std::string PipelineEngine::memory_footer() const {
             "{} with {} activation slots (each chunk's most micro-batches in flight)\n",
             p_, v_, num_stages(), kind_name(kind_), rank_, chunk_blocks(), slots);
     }
+    if (pipedream())
+        out += fmt::format(
+            "weight versions: stage {} keeps up to p - s = {} (the weights and {} stash "
+            "buffer{}, {:.1f} MiB); most alive at once so far: {}; {} updates applied (one per "
+            "micro-batch)\n",
+            rank_, pp::pipedream_versions(p_, rank_), stash_.size(), stash_.size() == 1 ? "" : "s",
+            version_bytes() / 1048576.0, peak_live_, weight_version());
+    if (two_bw())
+        out += fmt::format(
+            "weight versions: the weights and the shadow W(t - 1) ({:.1f} MiB) every step "
+            "computes on; {} updates applied\n",
+            version_bytes() / 1048576.0, weight_version());
     if (mesh_.dp > 1)
         out += fmt::format(
             "pipelines: {} side by side (job rank = pipeline x {} + stage); stage {}'s {} "

@@ -167,7 +167,7 @@ void check_pipedream(const std::string& remat, int steps) {
         if (p.category == MemCategory::Parameters) {
             row = true;
             EXPECT_EQ(p.bytes, 4 * own + pe->predicted_version_bytes());
-            EXPECT_NE(p.formula.find("stashed weight versions"), std::string::npos) << p.formula;
+            EXPECT_NE(p.formula.find("stashed weight version"), std::string::npos) << p.formula;
         }
     EXPECT_TRUE(row);
 }
@@ -289,6 +289,15 @@ TEST(PipeDream, TrainerRunsBothSchedules) {
         EXPECT_EQ(pe->weight_version(), sched == "pipedream" ? 3 * 2 * P : 3) << sched;
         EXPECT_NE(pe->memory_footer().find("pipeline bubble: measured"), std::string::npos)
             << sched;
+        // Measured = predicted, the weight versions included (the only trainer alive here).
+        const MemoryStats ms = host_memory().snapshot();
+        for (const MemoryPrediction& p : pe->predicted_memory(c.micro_batch(), c.train.seq_len))
+            if (p.category != MemCategory::Workspace) {
+                EXPECT_EQ(ms[p.category], p.bytes) << category_name(p.category) << " " << sched;
+            }
+        if (sched == "pipedream-2bw" || pe->stage() < P - 1) {  // PipeDream's last stage: none
+            EXPECT_GT(pe->version_bytes(), 0u) << sched;
+        }
     }
 }
 
