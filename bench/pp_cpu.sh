@@ -7,6 +7,8 @@
 # backward times on the same schedule lists; the script prints both and their ratio, beside the
 # closed form (p - 1) / (m + p - 1) for equal stages ((p - 1) / (v m + p - 1) interleaved).
 # Usage: bench/pp_cpu.sh [BUILD] [STEPS] [MB]   (needs data/fortunes: the Makefile rule makes it)
+# SCHEDULES picks the schedules; EXTRA adds --set keys to every run (PipeDream needs
+# EXTRA="model.tied_embeddings=false optim.grad_clip=0").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${1:-build}
@@ -19,6 +21,7 @@ trap 'rm -rf "$OUT"' EXIT
 echo "demo 6x384 over 2 stages, micro-batch $MB x 128 tokens, $STEPS steps (bubble over steps 2..$STEPS)"
 printf "%-9s %3s %10s %10s %8s %12s %12s\n" schedule m measured simulated ratio "closed form" "step ms"
 SCHEDULES=${SCHEDULES:-gpipe 1f1b zb-h1 interleaved}
+EXTRA=${EXTRA:-}
 for sched in $SCHEDULES; do
     v=1
     [ "$sched" = interleaved ] && v=2
@@ -30,7 +33,7 @@ for sched in $SCHEDULES; do
             train.pp_virtual=$v \
             train.micro_batch_size=$MB train.batch_size=$((MB * m)) train.max_steps=$STEPS \
             train.eval_every=0 train.log_every=100 sample.max_tokens=0 io.save_final=false \
-            io.checkpoint_every=0 io.out_dir=$OUT/$sched$m >"$log" 2>&1 || { cat "$log"; exit 1; }
+            io.checkpoint_every=0 io.out_dir=$OUT/$sched$m $EXTRA >"$log" 2>&1 || { cat "$log"; exit 1; }
         python3 - "$log" "$sched" "$m" "$v" <<'PY'
 import re, sys
 text = open(sys.argv[1]).read()
