@@ -112,7 +112,7 @@ PipelineEngine::PipelineEngine(const RunConfig& cfg, dist::Communicator& comm)
     // buffers (RunConfig refuses a tied model, so no mirror), 2BW's one shadow of everything the
     // stage computes with (the owned range, then the mirror).
     if (pipedream() || two_bw()) {
-        if (v_ > 1 || zero1_) fail("internal: {} with chunks or ZeRO-1", kind_name(kind_));
+        if (v_ > 1) fail("internal: {} with {} chunks per rank", kind_name(kind_), v_);
         const int copies = pipedream() ? pp::pipedream_versions(p_, rank_) - 1 : 1;
         const std::size_t n = store_->count() + (two_bw() ? store_->mirror_size() : 0);
         for (int k = 0; k < copies; k++) stash_.emplace_back(n, MemCategory::Parameters);
@@ -373,7 +373,10 @@ void PipelineEngine::run_schedule(double lr) {
                     int live = 1;
                     for (int64_t v : stash_version_) live += v >= 0;
                     peak_live_ = std::max(peak_live_, live);
-                    update(store_->owned_grads(), lr);
+                    // Side by side, the stage's replicas sum (or reduce-scatter) this
+                    // micro-batch's gradient first: every pipeline runs the same list, so they
+                    // meet at the same backward.
+                    update(reduce_across_pipelines(), lr);
                     store_->zero_grads();
                 });
             } else {

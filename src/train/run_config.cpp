@@ -495,11 +495,6 @@ void RunConfig::validate_pipeline() const {
     // (The micro-batch arithmetic itself is checked after this.)
     const int64_t mb = (int64_t)micro_batch() * dp();
     if (kind == pp::Kind::PipeDream || kind == pp::Kind::PipeDream2BW) {
-        if (world / train.pp > 1)
-            fail(
-                "train.pp_schedule = \"{}\" runs one pipeline only so far: start mpirun -np {} "
-                "(train.pp), not {}",
-                train.pp_schedule, train.pp, world);
         if (kind == pp::Kind::PipeDream && model.tied_embeddings)
             fail(
                 "train.pp_schedule = \"pipedream\" updates each stage at its own backward, so a "
