@@ -52,13 +52,16 @@
 // no stash is alive between steps, and a checkpoint (the weights, the optimizer state and its step
 // count) resumes exactly. Each stage's gradient is the one of its own stashed version, but the
 // stages of one micro-batch see different versions: pipedream_version(p, s, i) + m x steps.
+// With pipelines side by side, each B(i)'s gradient is summed (or, ZeRO-1, reduce-scattered)
+// across the stage's replicas before the update; they run the same list, so they meet there.
 //
 // PipeDream-2BW (train.pp_schedule = "pipedream-2bw"; Narayanan et al. ICML'21): gradients
 // accumulate over the step's micro-batches as in 1F1B, but every forward and backward of step t
 // runs on a shadow copy W(t - 1) of the weights, and the step's update goes to the newest ones:
 // W(t + 1) = W(t) - lr grad f(W(t - 1)), W(-1) = W(0). Two versions per stage (the weights and
 // the shadow, the tied embedding's mirror included). The shadow is not in checkpoints: a resumed
-// run starts it from the loaded weights (its first step is then not stale).
+// run starts it from the loaded weights (its first step is then not stale). Evaluation and
+// sampling read the newest weights.
 #pragma once
 
 #include <chrono>
