@@ -338,9 +338,8 @@ void PipelineEngine::run_schedule(double lr) {
             float loss = 0;
             if (pipedream()) {
                 // Restore the forward's version, backward (micro-batch i's gradient alone, as a
-                // step of one micro-batch), put the newest weights back, stash them if a
-                // micro-batch in flight still needs them, and update. The update is part of B's
-                // time.
+                // step of one micro-batch) and put the newest weights back; the update follows
+                // once d(input) is on its way.
                 timed(c, a.op, [&] {
                     const int k = where[(std::size_t)i];
                     if (k >= 0) std::swap_ranges(params, params + np, stash_[k].data());
@@ -354,30 +353,6 @@ void PipelineEngine::run_schedule(double lr) {
                     } else {
                         weight_users--;
                     }
-                    if (weight_users > 0) {
-                        const auto free =
-                            std::find(stash_version_.begin(), stash_version_.end(), -1);
-                        if (free == stash_version_.end())
-                            fail("internal: PipeDream stage {} needs more than {} weight versions",
-                                 s, pp::pipedream_versions(p_, rank_));
-                        const int k2 = (int)(free - stash_version_.begin());
-                        std::copy(params, params + np, stash_[k2].data());
-                        stash_version_[k2] = weight_version();
-                        stash_users[k2] = weight_users;
-                        for (int j = 0; j < m; j++)
-                            if (where[j] == -1 && versions_used_[j].forward >= 0 &&
-                                versions_used_[j].backward < 0 && j != i)
-                                where[j] = k2;
-                        weight_users = 0;
-                    }
-                    int live = 1;
-                    for (int64_t v : stash_version_) live += v >= 0;
-                    peak_live_ = std::max(peak_live_, live);
-                    // Side by side, the stage's replicas sum (or reduce-scatter) this
-                    // micro-batch's gradient first: every pipeline runs the same list, so they
-                    // meet at the same backward.
-                    update(reduce_across_pipelines(), lr);
-                    store_->zero_grads();
                 });
             } else {
                 if (two_bw()) {
@@ -396,6 +371,37 @@ void PipelineEngine::run_schedule(double lr) {
                 grad_send[c] =
                     comm_.start_send(g.stage_grad(), n, rank_of(s - 1), tag_backward(c, m, i));
                 stats_.bytes_sent += n * (int64_t)sizeof(float);
+            }
+            if (pipedream()) {
+                // PipeDream's update: the newest weights stashed first if a micro-batch in
+                // flight still needs them. Its time is part of B's (the span ends after it).
+                const double t0 = wall_seconds() - epoch_;
+                if (weight_users > 0) {
+                    const auto free = std::find(stash_version_.begin(), stash_version_.end(), -1);
+                    if (free == stash_version_.end())
+                        fail("internal: PipeDream stage {} needs more than {} weight versions", s,
+                             pp::pipedream_versions(p_, rank_));
+                    const int k2 = (int)(free - stash_version_.begin());
+                    std::copy(params, params + np, stash_[k2].data());
+                    stash_version_[k2] = weight_version();
+                    stash_users[k2] = weight_users;
+                    for (int j = 0; j < m; j++)
+                        if (where[j] == -1 && versions_used_[j].forward >= 0 &&
+                            versions_used_[j].backward < 0 && j != i)
+                            where[j] = k2;
+                    weight_users = 0;
+                }
+                int live = 1;
+                for (int64_t v : stash_version_) live += v >= 0;
+                peak_live_ = std::max(peak_live_, live);
+                // Side by side, the stage's replicas sum (or reduce-scatter) this
+                // micro-batch's gradient first: every pipeline runs the same list, so they
+                // meet at the same backward.
+                update(reduce_across_pipelines(), lr);
+                store_->zero_grads();
+                const double t1 = wall_seconds() - epoch_;
+                when.back() = t1;
+                spent[c][(int)a.op] += t1 - t0;
             }
             if (a.op == pp::Op::B) free_slots[c].push_back(slot);
         } else {  // W: the weight-gradient half, whenever the schedule finds room for it
