@@ -4,6 +4,8 @@
 // checks that against measured bytes), under every schedule and remat policy the planner knows.
 #include <gtest/gtest.h>
 
+#include <memory>
+
 #include <algorithm>
 #include <map>
 #include <string>
@@ -49,6 +51,12 @@ class OneStageOfMany final : public dist::Communicator {
     void barrier() override { no(); }
     [[noreturn]] void abort(std::string_view reason) override {
         fail("abort in a one-process test: {}", reason);
+    }
+    // The engine's mesh (dist::split_mesh) of one pipeline: the pipeline is this whole world, and
+    // each stage's data group is the rank alone.
+    std::unique_ptr<dist::Communicator> split(int, int, std::string_view name) override {
+        if (name.starts_with("pipeline")) return std::make_unique<OneStageOfMany>(rank_, size_);
+        return std::make_unique<OneStageOfMany>(0, 1);
     }
 
   private:
