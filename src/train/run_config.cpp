@@ -507,11 +507,6 @@ void RunConfig::validate_pipeline() const {
             "(train.batch_size "
             "/ train.micro_batch_size = {}) to be a multiple of train.pp = {}",
             accum_steps(), train.pp);
-    if (kind == pp::Kind::ZbH1 && train.remat != "none")
-        fail(
-            "train.pp_schedule = \"zb-h1\" keeps every activation until its weight gradient: it "
-            "needs train.remat = \"none\", not \"{}\"",
-            train.remat);
     if (train.zero_stage > 1)
         fail(
             "train.zero_stage = {} with train.pp = {}: across pipelines only ZeRO-1 is built "

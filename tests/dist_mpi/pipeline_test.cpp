@@ -263,6 +263,13 @@ TEST(Pipeline, OneFOneBMatchesSingleProcess) {
 TEST(Pipeline, ZeroBubbleH1MatchesSingleProcess) {
     check_pipeline_matches_single_process({"zb-h1", true});
 }
+// Under remat the weight halves (W) recompute the GEMM inputs the block dropped, once more.
+TEST(Pipeline, ZeroBubbleH1WithSelectiveRecomputeMatchesSingleProcess) {
+    check_pipeline_matches_single_process({"zb-h1", true, "selective"});
+}
+TEST(Pipeline, ZeroBubbleH1WithFullRecomputeMatchesSingleProcess) {
+    check_pipeline_matches_single_process({"zb-h1", true, "full"});
+}
 TEST(Pipeline, ZeroBubbleH1TiedGpt2MatchesSingleProcess) {
     check_pipeline_matches_single_process({"zb-h1", false}, 1, false);
 }
@@ -414,9 +421,6 @@ TEST(Pipeline, BadLayoutsAreRefusedBeforeTraining) {
     zb.train.pp = comm().size();
     zb.train.pp_schedule = "pipedream";
     refused(zb, "naive, gpipe, 1f1b, interleaved and zb-h1 only");
-    zb.train.pp_schedule = "zb-h1";
-    zb.train.remat = "selective";
-    refused(zb, "needs train.remat = \"none\"");
     // Interleaved: pp_virtual only with it, at least 1, at most the blocks, and micro-batches
     // in whole groups of pp.
     RunConfig iv = c;
