@@ -63,7 +63,7 @@ RunConfig pipeline_run(const PpCase& k, int steps) {
 // A tied model's embedding gradient is summed in another order, so after its first update the
 // runs differ in the last bits; `steps` = 1 without clipping (whose coefficient reads the
 // embedding's gradient too) checks everything else bitwise, more steps check to rounding.
-void check_pipeline_matches_single_process(const PpCase& k, int steps = 6, bool clip = true) {
+void check_pipeline_matches_single_process(const PpCase& k, int steps = 10, bool clip = true) {
     const int P = comm().size(), r = comm().rank();
     RunConfig c = pipeline_run(k, steps);
     if (!clip) c.optim.grad_clip = 0;
