@@ -75,6 +75,16 @@ inline int check_model_gradient(GPT& m, const std::vector<int32_t>& x,
     return checked;
 }
 
+// Options of a Trainer that prints nothing; `resume` a checkpoint (or out dir) to resume from,
+// `stop_after` steps to stop after (checkpointing there), -1 to run to the end.
+inline TrainOptions quiet(std::string resume = "", int stop_after = -1) {
+    TrainOptions o;
+    o.quiet = true;
+    o.resume = std::move(resume);
+    o.stop_after = stop_after;
+    return o;
+}
+
 // Trains `cfg` for `first_steps` steps (checkpointing at the stop), then resumes from that
 // checkpoint in a new Trainer and runs to cfg.train.max_steps. Returns the resumed trainer;
 // `resumed` receives its summary.

@@ -81,12 +81,6 @@ void GPT::set_remat(const RematPlan& plan) {
             fail(
                 "train.remat = offload keeps block inputs in pinned host memory beside a GPU: "
                 "use train.device = \"cuda\" (on the CPU, `full` keeps the same)");
-    if (split_)
-        for (BlockKeep k : plan)
-            if (k != BlockKeep::All)
-                fail(
-                    "a split backward (zb-h1) keeps every activation until W: it needs "
-                    "train.remat = \"none\"");
     plan_ = plan;
     arena_B_ = arena_T_ = 0;  // re-carve (and re-size) at the next forward
 }
@@ -100,12 +94,6 @@ void GPT::set_slots(int k) {
 
 void GPT::set_split_backward(bool on) {
     if (on && lora_) fail("LoRA does not run with a split backward (zb-h1) yet");
-    if (on && !plan_.empty())
-        for (BlockKeep k : plan_)
-            if (k != BlockKeep::All)
-                fail(
-                    "a split backward (zb-h1) keeps every activation until W: it needs "
-                    "train.remat = \"none\"");
     if (on == split_) return;
     split_ = on;
     arena_B_ = arena_T_ = 0;
@@ -382,8 +370,19 @@ void GPT::stage_backward_weight(int slot, int B, int T) {
     if (!split_) fail("internal: stage_backward_weight without set_split_backward(true)");
     Slot& sl = slots_.at(slot);
     // Blocks in the backward's order, so each unit's gradient sees the same sequence of adds.
+    // A block under remat kept only part of its activations: the GEMM inputs the weight halves
+    // read (ln_1, the attention output, ln_2, the MLP activation) are recomputed again here, with
+    // the calls I made (the same bits), into the same scratch.
     for (int l = b1_ - 1; l >= b0_; l--) {
         const int u = layout_.block_unit(l), i = l - b0_;
+        if (keep(l) == BlockKeep::Input || keep(l) == BlockKeep::Selective) {
+            BlockParams p = block_view(layout_, l, store_->acquire(u));
+            if (keep(l) == BlockKeep::Input)
+                block_forward(p, l, nullptr, sl.resid[i], sl.resid[i + 1], sl.saved[i], B, T);
+            else
+                recompute_selective(p, sl.resid[i], sl.saved[i], B, T);
+            store_->release(u);
+        }
         BlockParams g = block_view(layout_, l, store_->unit_grads(u));
         block_weight_grads(g, sl.saved[i], sl.wgrad.data() + i * wgrad_floats(B, T), B, T);
         store_->grads_done(u);

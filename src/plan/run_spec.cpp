@@ -203,11 +203,6 @@ void validate_run(const ModelSpec& m, const RunSpec& r) {
             "tensor parallel degree {} neither divides nor is a multiple of the {} key/value "
             "heads of {}",
             r.tp, m.kv_heads(), m.name);
-    if (r.pp > 1 && r.schedule == Schedule::zb_h1 && r.recompute != Recompute::none)
-        fail(
-            "schedule zb-h1 keeps every activation until its weight gradient: it needs recompute "
-            "none, not {}",
-            to_string(r.recompute));
     if (r.pp > m.n_layer)
         fail("pipeline degree {} exceeds the {} layers of {}", r.pp, m.n_layer, m.name);
     if (r.zero < 0 || r.zero > 3) fail("ZeRO stage must be 0, 1, 2 or 3, got {}", r.zero);

@@ -27,6 +27,7 @@
 #include "kernels/cuda/optimizer_types.h"
 #include "model/cuda_gpt.h"
 #include "optim/loss_scaler.h"
+#include "train/cuda_optimizer.h"
 
 namespace memtrain {
 
@@ -140,7 +141,7 @@ class CudaEngine final : public Engine, public OptimizerState {
     // The fp32 master weights of this rank's range [shard_begin_, + shard_count_) (all of them
     // without ZeRO); in fp32 the parameters themselves.
     float* master() {
-        return master_.size() ? master_.data() : reinterpret_cast<float*>(param_shard());
+        return dev_opt_.master() ? dev_opt_.master() : reinterpret_cast<float*>(param_shard());
     }
     bool sharded_master() const { return stage_ >= 1; }
     // How many floats of unit `unit` each rank's shard holds (in rank order).
@@ -161,7 +162,6 @@ class CudaEngine final : public Engine, public OptimizerState {
     void start_unit_download(int u);
     // Work queued on `side` from now on waits for the backward's writes of unit u's gradients.
     void after_unit_grads(int u, cudaStream_t side);
-    DeviceBuffer<float>& state_buffer(const std::string& name);
     // ZeRO-Offload's update: the pinned gradients (scaled by grad_scale) into fp32, the host
     // optimizer over the fp32 master, the rounded parameters up to the device.
     void host_update(double lr, float grad_scale);
@@ -191,10 +191,9 @@ class CudaEngine final : public Engine, public OptimizerState {
     std::unique_ptr<dist::DeviceZeroUnits<T>> zero_;
     std::unique_ptr<CudaGPT<T>> model_;
     WeightsStore<T> store_;
-    DeviceBuffer<float> master_;  // fp32 master weights (absent when T is float)
-    DeviceBuffer<float> m_, v_;   // AdamW moments, or m_ = SGD momentum
-    DeviceBuffer<cuda::TensorChunk> chunks_;
-    int nchunks_ = 0;
+    // fp32 master weights (absent when T is float), moments and the update of this rank's range
+    // (not under ZeRO-Offload, whose optimizer is host_opt_).
+    DeviceOptimizer<T> dev_opt_;
     // Device: StepScalars, then doubles [sum of squares | eval loss | micro-batch loss sums].
     DeviceBuffer<unsigned char> stats_;
     cuda::StepScalars* scalars_host_ = nullptr;  // pinned
@@ -364,15 +363,7 @@ CudaEngine<T>::CudaEngine(const RunConfig& cfg, dist::Communicator& comm)
         }
     } else {
         // This rank's range: everything, or its ZeRO-1 shard.
-        const std::size_t n = shard_count_;
-        if constexpr (!std::is_same_v<T, float>)
-            master_ = DeviceBuffer<float>(n, MemCategory::OptimizerState);
-        m_ = DeviceBuffer<float>(n, MemCategory::OptimizerState);
-        if (adamw_) v_ = DeviceBuffer<float>(n, MemCategory::OptimizerState);
-        const auto chunks = cuda::tensor_chunks(layout, shard_begin_, n);
-        nchunks_ = (int)chunks.size();
-        chunks_ = DeviceBuffer<cuda::TensorChunk>(chunks.size(), MemCategory::OptimizerState);
-        copy_to_device(chunks_.data(), chunks.data(), chunks_.bytes());
+        dev_opt_ = DeviceOptimizer<T>(cfg_.optim, layout, shard_begin_, shard_count_);
     }
     stats_ = DeviceBuffer<unsigned char>(sizeof(cuda::StepScalars) + 8 * stats_doubles(),
                                          MemCategory::Workspace);
@@ -499,12 +490,8 @@ StepResult CudaEngine<T>::finish_step(double lr, double max_norm) {
         if (!stream_down_)
             MT_CUDA_CHECK(cudaMemcpyAsync(pinned_, grads, shard_count_ * sizeof(T),
                                           cudaMemcpyDeviceToHost, stream_));
-    } else if (adamw_) {
-        cuda::adamw_step<T>(params, master_.size() ? master_.data() : nullptr, m_.data(), v_.data(),
-                            grads, chunks_.data(), nchunks_, dev_scalars, stream_);
     } else {
-        cuda::sgd_step<T>(params, master_.size() ? master_.data() : nullptr, m_.data(), grads,
-                          chunks_.data(), nchunks_, dev_scalars, stream_);
+        dev_opt_.step(params, grads, dev_scalars, stream_);
     }
     // ZeRO-1/2: every rank's updated shard to every rank (a skipped step sends the old values);
     // ZeRO-3 gathers units as the next forward needs them. (Offload: after the host update.)
@@ -637,47 +624,28 @@ double CudaEngine<T>::forward_loss(const int32_t* inputs, const int32_t* targets
 }
 
 template <typename T>
-DeviceBuffer<float>& CudaEngine<T>::state_buffer(const std::string& name) {
-    if (adamw_ && name == "exp_avg") return m_;
-    if (adamw_ && name == "exp_avg_sq") return v_;
-    if (!adamw_ && name == "momentum_buffer") return m_;
-    fail("internal: the CUDA optimizer has no state tensor '{}'", name);
-}
-
-template <typename T>
 std::vector<std::string> CudaEngine<T>::state_names() {
-    if (adamw_) return {"exp_avg", "exp_avg_sq"};
-    return {"momentum_buffer"};
+    return dev_opt_.state_names();
 }
 
 template <typename T>
 void CudaEngine<T>::read_state(const std::string& name, float* dst) {
-    DeviceBuffer<float>& b = state_buffer(name);
-    MT_CUDA_CHECK(cudaMemcpyAsync(dst, b.data(), b.bytes(), cudaMemcpyDeviceToHost, stream_));
-    wait("queued device work");
+    dev_opt_.read_state(name, dst, stream_, [this] { wait("queued device work"); });
 }
 
 template <typename T>
 void CudaEngine<T>::write_state(const std::string& name, std::size_t begin, std::size_t n,
                                 const float* src) {
-    DeviceBuffer<float>& b = state_buffer(name);
-    if (begin > b.size() || n > b.size() - begin)
-        fail("internal: optimizer state write [{}, {}) outside its {} floats", begin, begin + n,
-             b.size());
-    MT_CUDA_CHECK(
-        cudaMemcpyAsync(b.data() + begin, src, n * sizeof(float), cudaMemcpyHostToDevice, stream_));
-    wait("queued device work");
+    dev_opt_.write_state(name, begin, n, src, stream_, [this] { wait("queued device work"); });
 }
 
 template <typename T>
 std::vector<MemoryPrediction> CudaEngine<T>::predicted_memory(int B, int T_) const {
     const std::size_t psi = shard_ * world_, e = sizeof(T);  // padded to equal shards
     const char* tn = precision_name<T>();
-    const bool mixed = !std::is_same_v<T, float>;
-    const std::size_t k = offload_ ? 0 : (mixed ? 4 : 0) + (adamw_ ? 8 : 4);
-    const std::string states =
-        fmt::format("{}{}", mixed ? "fp32 master, " : "", adamw_ ? "Adam m, v" : "momentum");
-    const std::size_t table = (std::size_t)nchunks_ * sizeof(cuda::TensorChunk);
+    const std::size_t k = offload_ ? 0 : dev_opt_.bytes_per_param();
+    const std::string states = dev_opt_.describe();
+    const std::size_t table = dev_opt_.table_bytes();
     auto lay = activation_layout(cfg_.model, B, T_, model_->remat_plan(),
                                  CudaGPT<T>::arena_format(cfg_.model, B, T_));
     const std::size_t extra =
@@ -713,12 +681,7 @@ std::vector<MemoryPrediction> CudaEngine<T>::predicted_memory(int B, int T_) con
 
 template <typename T>
 std::string CudaEngine<T>::memory_footer() const {
-    std::size_t free_b = 0, total_b = 0;
-    MT_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
-    std::string out = fmt::format(
-        "{:<16} {:>12}  of {} (the driver's count: the CUDA context, library code and handles, "
-        "and page granularity beyond the tracked tensors)\n",
-        "device in use", mib(total_b - free_b), mib(total_b));
+    std::string out = device_in_use_line();
     if (offload_) {
         const std::size_t n = shard_count_;  // this rank's range
         out += fmt::format(
@@ -741,14 +704,17 @@ std::string CudaEngine<T>::memory_footer() const {
 }  // namespace
 
 std::unique_ptr<Engine> make_cuda_engine(const RunConfig& cfg, dist::Communicator& comm) {
-    if (!cuda_available()) fail("train.device = \"cuda\", but no CUDA device answers");
-    // One GPU per process: the node's ranks take the node's devices in turn.
-    select_device(comm.local_rank());
-    if (cfg.train.precision == "fp32") return std::make_unique<CudaEngine<float>>(cfg, comm);
-    if (cfg.train.precision == "bf16")
-        return std::make_unique<CudaEngine<__nv_bfloat16>>(cfg, comm);
-    if (cfg.train.precision == "fp16") return std::make_unique<CudaEngine<__half>>(cfg, comm);
-    fail("internal: train.precision '{}' was not resolved", cfg.train.precision);
+    return make_for_precision(
+        cfg, comm,
+        [](const RunConfig& c, dist::Communicator& m) {
+            return std::make_unique<CudaEngine<float>>(c, m);
+        },
+        [](const RunConfig& c, dist::Communicator& m) {
+            return std::make_unique<CudaEngine<__nv_bfloat16>>(c, m);
+        },
+        [](const RunConfig& c, dist::Communicator& m) {
+            return std::make_unique<CudaEngine<__half>>(c, m);
+        });
 }
 
 void inject_overflow_for_test(Engine& engine) {

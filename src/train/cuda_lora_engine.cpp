@@ -29,6 +29,7 @@
 #include "model/cuda_lora.h"
 #include "optim/loss_scaler.h"
 #include "quant/quantized_store.h"
+#include "train/cuda_optimizer.h"
 
 namespace memtrain {
 
@@ -126,14 +127,15 @@ class CudaLoraEngine final : public Engine, public OptimizerState {
     std::size_t count() const override { return n_; }
     int64_t steps_taken() const override { return t_; }
     void set_steps_taken(int64_t t) override { t_ = t; }
-    std::vector<std::string> state_names() override {
-        if (adamw_) return {"exp_avg", "exp_avg_sq"};
-        return {"momentum_buffer"};
-    }
+    std::vector<std::string> state_names() override { return opt_.state_names(); }
     const float* host_state(const std::string&) override { return nullptr; }
-    void read_state(const std::string& name, float* dst) override;
+    void read_state(const std::string& name, float* dst) override {
+        opt_.read_state(name, dst, stream_, [this] { wait("queued device work"); });
+    }
     void write_state(const std::string& name, std::size_t begin, std::size_t n,
-                     const float* src) override;
+                     const float* src) override {
+        opt_.write_state(name, begin, n, src, stream_, [this] { wait("queued device work"); });
+    }
 
   private:
     bool quantized() const { return cfg_.lora.base != "fp32"; }
@@ -143,9 +145,8 @@ class CudaLoraEngine final : public Engine, public OptimizerState {
     }
     // The adapters' fp32 master weights (the parameters themselves in fp32).
     float* master() {
-        return master_.size() ? master_.data() : reinterpret_cast<float*>(params_.data());
+        return opt_.master() ? opt_.master() : reinterpret_cast<float*>(params_.data());
     }
-    DeviceBuffer<float>& state_buffer(const std::string& name);
     // With several ranks through the device communicator, which fails fast on a dead peer.
     void wait(const char* what) {
         if (dcomm_)
@@ -156,7 +157,6 @@ class CudaLoraEngine final : public Engine, public OptimizerState {
     std::size_t stats_doubles() const { return 2 + (std::size_t)cfg_.accum_steps(); }
 
     RunConfig cfg_;
-    bool adamw_;
     cudaStream_t stream_ = nullptr;
     // Data parallelism (DDP): the adapters' gradients all-reduced over NCCL once per step.
     std::unique_ptr<dist::DeviceCommunicator> dcomm_;
@@ -171,11 +171,10 @@ class CudaLoraEngine final : public Engine, public OptimizerState {
     std::unique_ptr<quant::QuantizedStoreWriter> quant_writer_;
     std::unique_ptr<QuantizedDeviceBase<T>> quant_base_;
     std::unique_ptr<HostWindow> base_window_, adapter_window_;
-    // The adapters: T parameters and gradients, fp32 master (absent when T is float), moments.
+    // The adapters: T parameters and gradients; their optimizer (fp32 master when T is not float,
+    // moments).
     DeviceBuffer<T> params_, grads_;
-    DeviceBuffer<float> master_, m_, v_;
-    DeviceBuffer<cuda::TensorChunk> chunks_;
-    int nchunks_ = 0;
+    DeviceOptimizer<T> opt_;
     std::unique_ptr<CudaLora<T>> lora_;
     std::unique_ptr<CudaGPT<T>> model_;
     DeviceBuffer<unsigned char> stats_;  // StepScalars, then doubles [sumsq | eval | losses]
@@ -190,7 +189,6 @@ class CudaLoraEngine final : public Engine, public OptimizerState {
 template <typename T>
 CudaLoraEngine<T>::CudaLoraEngine(const RunConfig& cfg, dist::Communicator& comm)
     : cfg_(cfg),
-      adamw_(cfg.optim.name == "adamw"),
       layout_(make_param_layout(cfg.model)),
       lora_layout_(make_lora_layout(cfg.model, cfg.lora)) {
     if (comm.size() > 1 && cfg_.train.zero_stage > 0)
@@ -212,16 +210,7 @@ CudaLoraEngine<T>::CudaLoraEngine(const RunConfig& cfg, dist::Communicator& comm
     n_ = lora_layout_.params.total;
     params_ = DeviceBuffer<T>(n_, MemCategory::Parameters);
     grads_ = DeviceBuffer<T>(n_, MemCategory::Gradients);
-    if constexpr (!std::is_same_v<T, float>)
-        master_ = DeviceBuffer<float>(n_, MemCategory::OptimizerState);
-    m_ = DeviceBuffer<float>(n_, MemCategory::OptimizerState);
-    if (adamw_) v_ = DeviceBuffer<float>(n_, MemCategory::OptimizerState);
-    const auto chunks = cuda::tensor_chunks(lora_layout_.params, 0, n_);
-    nchunks_ = (int)chunks.size();
-    chunks_ = DeviceBuffer<cuda::TensorChunk>(chunks.size(), MemCategory::OptimizerState);
-    copy_to_device(chunks_.data(), chunks.data(), chunks_.bytes());
-    MT_CUDA_CHECK(cudaMemsetAsync(m_.data(), 0, m_.bytes(), stream_));
-    if (adamw_) MT_CUDA_CHECK(cudaMemsetAsync(v_.data(), 0, v_.bytes(), stream_));
+    opt_ = DeviceOptimizer<T>(cfg_.optim, lora_layout_.params, 0, n_);
 
     // The adapters seen unit by unit in fp32: their master weights (read), written back to the
     // master and rounded into the parameters.
@@ -381,13 +370,7 @@ StepResult CudaLoraEngine<T>::finish_step(double lr, double max_norm) {
     MT_CUDA_CHECK(cudaMemsetAsync(sums, 0, sizeof(double), stream_));
     cuda::sum_squares<T>(sums, grads_.data(), (int64_t)n_, stream_);
     cuda::finish_grad_norm(dev_scalars, sums, stream_);
-    float* master = master_.size() ? master_.data() : nullptr;
-    if (adamw_)
-        cuda::adamw_step<T>(params_.data(), master, m_.data(), v_.data(), grads_.data(),
-                            chunks_.data(), nchunks_, dev_scalars, stream_);
-    else
-        cuda::sgd_step<T>(params_.data(), master, m_.data(), grads_.data(), chunks_.data(),
-                          nchunks_, dev_scalars, stream_);
+    opt_.step(params_.data(), grads_.data(), dev_scalars, stream_);
     MT_CUDA_CHECK(
         cudaMemcpyAsync(scalars_host_, dev_scalars, sizeof(s), cudaMemcpyDeviceToHost, stream_));
     MT_CUDA_CHECK(
@@ -426,39 +409,10 @@ double CudaLoraEngine<T>::forward_loss(const int32_t* inputs, const int32_t* tar
 }
 
 template <typename T>
-DeviceBuffer<float>& CudaLoraEngine<T>::state_buffer(const std::string& name) {
-    if (adamw_ && name == "exp_avg") return m_;
-    if (adamw_ && name == "exp_avg_sq") return v_;
-    if (!adamw_ && name == "momentum_buffer") return m_;
-    fail("internal: the CUDA LoRA optimizer has no state tensor '{}'", name);
-}
-
-template <typename T>
-void CudaLoraEngine<T>::read_state(const std::string& name, float* dst) {
-    DeviceBuffer<float>& b = state_buffer(name);
-    MT_CUDA_CHECK(cudaMemcpyAsync(dst, b.data(), b.bytes(), cudaMemcpyDeviceToHost, stream_));
-    wait("queued device work");
-}
-
-template <typename T>
-void CudaLoraEngine<T>::write_state(const std::string& name, std::size_t begin, std::size_t n,
-                                    const float* src) {
-    DeviceBuffer<float>& b = state_buffer(name);
-    if (begin > b.size() || n > b.size() - begin)
-        fail("internal: optimizer state write [{}, {}) outside its {} floats", begin, begin + n,
-             b.size());
-    MT_CUDA_CHECK(
-        cudaMemcpyAsync(b.data() + begin, src, n * sizeof(float), cudaMemcpyHostToDevice, stream_));
-    wait("queued device work");
-}
-
-template <typename T>
 std::vector<MemoryPrediction> CudaLoraEngine<T>::predicted_memory(int B, int T_) const {
     const std::size_t e = sizeof(T);
     const char* tn = precision_name<T>();
-    const bool mixed = !std::is_same_v<T, float>;
-    const std::size_t k = (mixed ? 4 : 0) + (adamw_ ? 8 : 4);
-    const std::size_t table = (std::size_t)nchunks_ * sizeof(cuda::TensorChunk);
+    const std::size_t k = opt_.bytes_per_param(), table = opt_.table_bytes();
     auto lay =
         activation_layout(cfg_.model, B, T_, plan_, CudaGPT<T>::arena_format(cfg_.model, B, T_));
     std::size_t base = e * layout_.total, slots = 0;
@@ -478,8 +432,7 @@ std::vector<MemoryPrediction> CudaLoraEngine<T>::predicted_memory(int B, int T_)
          base + e * n_},
         {MemCategory::Gradients, fmt::format("adapters only: {} x {} ({})", e, n_, tn), e * n_},
         {MemCategory::OptimizerState,
-         fmt::format("{} x adapters ({}Adam m, v) + chunk table {} B", k,
-                     mixed ? "fp32 master, " : "", table),
+         fmt::format("{} x adapters ({}) + chunk table {} B", k, opt_.describe(), table),
          k * n_ + table},
         {MemCategory::Activations,
          fmt::format("activation_layout(B, T, remat={}, {})", cfg_.train.remat, tn),
@@ -493,11 +446,7 @@ std::vector<MemoryPrediction> CudaLoraEngine<T>::predicted_memory(int B, int T_)
 
 template <typename T>
 std::string CudaLoraEngine<T>::memory_footer() const {
-    std::size_t free_b = 0, total_b = 0;
-    MT_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
-    std::string out =
-        fmt::format("{:<16} {:>9.1f} MiB  of {:.1f} MiB (the driver's count)\n", "device in use",
-                    (total_b - free_b) / 1048576.0, total_b / 1048576.0);
+    std::string out = device_in_use_line();
     out += fmt::format("LoRA: {} adapters, {} trainable parameters = {:.3f}% of the base's {}\n",
                        lora_layout_.sites.size(), n_, 100.0 * (double)n_ / (double)layout_.total,
                        layout_.total);
@@ -511,13 +460,17 @@ std::string CudaLoraEngine<T>::memory_footer() const {
 }  // namespace
 
 std::unique_ptr<Engine> make_cuda_lora_engine(const RunConfig& cfg, dist::Communicator& comm) {
-    if (!cuda_available()) fail("train.device = \"cuda\", but no CUDA device answers");
-    select_device(comm.local_rank());
-    if (cfg.train.precision == "fp32") return std::make_unique<CudaLoraEngine<float>>(cfg, comm);
-    if (cfg.train.precision == "bf16")
-        return std::make_unique<CudaLoraEngine<__nv_bfloat16>>(cfg, comm);
-    if (cfg.train.precision == "fp16") return std::make_unique<CudaLoraEngine<__half>>(cfg, comm);
-    fail("internal: train.precision '{}' was not resolved", cfg.train.precision);
+    return make_for_precision(
+        cfg, comm,
+        [](const RunConfig& c, dist::Communicator& m) {
+            return std::make_unique<CudaLoraEngine<float>>(c, m);
+        },
+        [](const RunConfig& c, dist::Communicator& m) {
+            return std::make_unique<CudaLoraEngine<__nv_bfloat16>>(c, m);
+        },
+        [](const RunConfig& c, dist::Communicator& m) {
+            return std::make_unique<CudaLoraEngine<__half>>(c, m);
+        });
 }
 
 }  // namespace memtrain

@@ -200,7 +200,8 @@ const std::vector<Key>& registry() {
         make_key("train.pp", &R::train, &TrainConfig::pp,
                  "pipeline stages: mpirun -np PP runs one model split over PP ranks"),
         make_key("train.pp_schedule", &R::train, &TrainConfig::pp_schedule,
-                 "pipeline schedule: naive | gpipe | 1f1b | interleaved | zb-h1"),
+                 "pipeline schedule: naive | gpipe | 1f1b | interleaved | zb-h1 | pipedream | "
+                 "pipedream-2bw"),
         make_key("train.pp_virtual", &R::train, &TrainConfig::pp_virtual,
                  "interleaved: model chunks per pipeline rank (pp x pp_virtual virtual stages)"),
         make_key("train.dp_mode", &R::train, &TrainConfig::dp_mode,
@@ -521,11 +522,6 @@ void RunConfig::validate_pipeline() const {
             "(train.batch_size "
             "/ train.micro_batch_size = {}) to be a multiple of train.pp = {}",
             accum_steps(), train.pp);
-    if (kind == pp::Kind::ZbH1 && train.remat != "none")
-        fail(
-            "train.pp_schedule = \"zb-h1\" keeps every activation until its weight gradient: it "
-            "needs train.remat = \"none\", not \"{}\"",
-            train.remat);
     if (train.zero_stage > 1)
         fail(
             "train.zero_stage = {} with train.pp = {}: across pipelines only ZeRO-1 is built "

@@ -33,13 +33,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-TrainOptions quiet(std::string resume = "", int stop_after = -1) {
-    TrainOptions o;
-    o.quiet = true;
-    o.resume = std::move(resume);
-    o.stop_after = stop_after;
-    return o;
-}
+using test::quiet;
 
 // tests/train/lora_train_test.cpp's run, on `device` in `precision`.
 RunConfig lora_run(const std::string& dir, int steps, const std::string& device,

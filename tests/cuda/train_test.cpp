@@ -29,13 +29,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-TrainOptions quiet(std::string resume = "", int stop_after = -1) {
-    TrainOptions o;
-    o.quiet = true;
-    o.resume = std::move(resume);
-    o.stop_after = stop_after;
-    return o;
-}
+using test::quiet;
 
 // The tiny run of tests/test_util.h on the GPU in `precision`.
 RunConfig cuda_run(const std::string& dir, int steps, const std::string& precision) {

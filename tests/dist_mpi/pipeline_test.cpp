@@ -63,7 +63,7 @@ RunConfig pipeline_run(const PpCase& k, int steps) {
 // A tied model's embedding gradient is summed in another order, so after its first update the
 // runs differ in the last bits; `steps` = 1 without clipping (whose coefficient reads the
 // embedding's gradient too) checks everything else bitwise, more steps check to rounding.
-void check_pipeline_matches_single_process(const PpCase& k, int steps = 6, bool clip = true) {
+void check_pipeline_matches_single_process(const PpCase& k, int steps = 10, bool clip = true) {
     const int P = comm().size(), r = comm().rank();
     RunConfig c = pipeline_run(k, steps);
     if (!clip) c.optim.grad_clip = 0;
@@ -263,6 +263,13 @@ TEST(Pipeline, OneFOneBMatchesSingleProcess) {
 TEST(Pipeline, ZeroBubbleH1MatchesSingleProcess) {
     check_pipeline_matches_single_process({"zb-h1", true});
 }
+// Under remat the weight halves (W) recompute the GEMM inputs the block dropped, once more.
+TEST(Pipeline, ZeroBubbleH1WithSelectiveRecomputeMatchesSingleProcess) {
+    check_pipeline_matches_single_process({"zb-h1", true, "selective"});
+}
+TEST(Pipeline, ZeroBubbleH1WithFullRecomputeMatchesSingleProcess) {
+    check_pipeline_matches_single_process({"zb-h1", true, "full"});
+}
 TEST(Pipeline, ZeroBubbleH1TiedGpt2MatchesSingleProcess) {
     check_pipeline_matches_single_process({"zb-h1", false}, 1, false);
 }
@@ -414,9 +421,6 @@ TEST(Pipeline, BadLayoutsAreRefusedBeforeTraining) {
     zb.train.pp = comm().size();
     zb.train.pp_schedule = "pipedream";  // on a tied model (tests/dist_mpi/pipedream_test.cpp)
     refused(zb, "set model.tied_embeddings = false");
-    zb.train.pp_schedule = "zb-h1";
-    zb.train.remat = "selective";
-    refused(zb, "needs train.remat = \"none\"");
     // Interleaved: pp_virtual only with it, at least 1, at most the blocks, and micro-batches
     // in whole groups of pp.
     RunConfig iv = c;

@@ -32,13 +32,7 @@ RunConfig lora_run(const std::string& dir, int steps, const std::string& base = 
     return c;
 }
 
-TrainOptions quiet(std::string resume = "", int stop_after = -1) {
-    TrainOptions o;
-    o.quiet = true;
-    o.resume = std::move(resume);
-    o.stop_after = stop_after;
-    return o;
-}
+using test::quiet;
 
 }  // namespace
 

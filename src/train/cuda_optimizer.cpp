@@ -1,0 +1,116 @@
+// The CUDA engines' device optimizer (see cuda_optimizer.h).
+#include "train/cuda_optimizer.h"
+
+#if MEMTRAIN_HAVE_CUDA
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <type_traits>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "kernels/cuda/ops.h"
+
+namespace memtrain {
+
+template <typename T>
+DeviceOptimizer<T>::DeviceOptimizer(const OptimConfig& cfg, const ParamLayout& layout,
+                                    std::size_t offset, std::size_t n)
+    : adamw_(cfg.name == "adamw") {
+    if constexpr (!std::is_same_v<T, float>)
+        master_ = DeviceBuffer<float>(n, MemCategory::OptimizerState);
+    m_ = DeviceBuffer<float>(n, MemCategory::OptimizerState);
+    if (adamw_) v_ = DeviceBuffer<float>(n, MemCategory::OptimizerState);
+    const auto chunks = cuda::tensor_chunks(layout, offset, n);
+    chunks_ = DeviceBuffer<cuda::TensorChunk>(chunks.size(), MemCategory::OptimizerState);
+    copy_to_device(chunks_.data(), chunks.data(), chunks_.bytes());
+}
+
+template <typename T>
+void DeviceOptimizer<T>::step(T* params, const T* grads, const cuda::StepScalars* scalars,
+                              cudaStream_t stream) {
+    const int nchunks = (int)chunks_.size();
+    if (adamw_)
+        cuda::adamw_step<T>(params, master(), m_.data(), v_.data(), grads, chunks_.data(), nchunks,
+                            scalars, stream);
+    else
+        cuda::sgd_step<T>(params, master(), m_.data(), grads, chunks_.data(), nchunks, scalars,
+                          stream);
+}
+
+template <typename T>
+std::size_t DeviceOptimizer<T>::bytes_per_param() const {
+    return (std::is_same_v<T, float> ? 0 : 4) + (adamw_ ? 8 : 4);
+}
+
+template <typename T>
+std::string DeviceOptimizer<T>::describe() const {
+    return fmt::format("{}{}", std::is_same_v<T, float> ? "" : "fp32 master, ",
+                       adamw_ ? "Adam m, v" : "momentum");
+}
+
+template <typename T>
+DeviceBuffer<float>& DeviceOptimizer<T>::state(const std::string& name) {
+    if (adamw_ && name == "exp_avg") return m_;
+    if (adamw_ && name == "exp_avg_sq") return v_;
+    if (!adamw_ && name == "momentum_buffer") return m_;
+    fail("internal: the CUDA optimizer has no state tensor '{}'", name);
+}
+
+template <typename T>
+std::vector<std::string> DeviceOptimizer<T>::state_names() const {
+    if (adamw_) return {"exp_avg", "exp_avg_sq"};
+    return {"momentum_buffer"};
+}
+
+template <typename T>
+void DeviceOptimizer<T>::read_state(const std::string& name, float* dst, cudaStream_t stream,
+                                    const std::function<void()>& wait) {
+    DeviceBuffer<float>& b = state(name);
+    MT_CUDA_CHECK(cudaMemcpyAsync(dst, b.data(), b.bytes(), cudaMemcpyDeviceToHost, stream));
+    wait();
+}
+
+template <typename T>
+void DeviceOptimizer<T>::write_state(const std::string& name, std::size_t begin, std::size_t n,
+                                     const float* src, cudaStream_t stream,
+                                     const std::function<void()>& wait) {
+    DeviceBuffer<float>& b = state(name);
+    if (begin > b.size() || n > b.size() - begin)
+        fail("internal: optimizer state write [{}, {}) outside its {} floats", begin, begin + n,
+             b.size());
+    MT_CUDA_CHECK(
+        cudaMemcpyAsync(b.data() + begin, src, n * sizeof(float), cudaMemcpyHostToDevice, stream));
+    wait();
+}
+
+std::string device_in_use_line() {
+    std::size_t free_b = 0, total_b = 0;
+    MT_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    return fmt::format(
+        "{:<16} {:>8.1f} MiB  of {:.1f} MiB (the driver's count: the CUDA context, library code "
+        "and handles, and page granularity beyond the tracked tensors)\n",
+        "device in use", (total_b - free_b) / 1048576.0, total_b / 1048576.0);
+}
+
+std::unique_ptr<Engine> make_for_precision(const RunConfig& cfg, dist::Communicator& comm,
+                                           const EngineFactory& fp32, const EngineFactory& bf16,
+                                           const EngineFactory& fp16) {
+    if (!cuda_available()) fail("train.device = \"cuda\", but no CUDA device answers");
+    // One GPU per process: the node's ranks take the node's devices in turn.
+    select_device(comm.local_rank());
+    if (cfg.train.precision == "fp32") return fp32(cfg, comm);
+    if (cfg.train.precision == "bf16") return bf16(cfg, comm);
+    if (cfg.train.precision == "fp16") return fp16(cfg, comm);
+    fail("internal: train.precision '{}' was not resolved", cfg.train.precision);
+}
+
+template class DeviceOptimizer<float>;
+template class DeviceOptimizer<__nv_bfloat16>;
+template class DeviceOptimizer<__half>;
+
+}  // namespace memtrain
+
+#endif  // MEMTRAIN_HAVE_CUDA
