@@ -194,11 +194,13 @@ TEST(PipeDream, WeightStashingWithFullRecomputeMatchesReference) {
     check_pipedream("full", 2);
 }
 
-void check_two_bw(bool tied, double clip, int steps, int dp = 1, int zero = 0) {
+void check_two_bw(bool tied, double clip, int steps, int dp = 1, int zero = 0,
+                  const std::string& remat = "none") {
     const int P = comm().size() / dp, m = P + 1;
-    RunConfig c = pipedream_run(fmt::format("pipedream2bw_{}_dp{}_z{}", tied, dp, zero),
+    RunConfig c = pipedream_run(fmt::format("pipedream2bw_{}_dp{}_z{}_{}", tied, dp, zero, remat),
                                 "pipedream-2bw", tied, m);
     c.optim.grad_clip = clip;
+    c.train.remat = remat;
     c.train.batch_size *= dp;
     c.train.zero_stage = zero;
     TrainOptions quiet;
@@ -285,6 +287,10 @@ void check_two_bw(bool tied, double clip, int steps, int dp = 1, int zero = 0) {
 
 TEST(PipeDream, TwoBWMatchesOneStepStaleReference) {
     check_two_bw(false, 1.0, 4);
+}
+
+TEST(PipeDream, TwoBWWithSelectiveRecomputeMatchesOneStepStaleReference) {
+    check_two_bw(false, 1.0, 3, 1, 0, "selective");
 }
 
 TEST(PipeDream, TwoBWTiedGpt2MatchesOneStepStaleReferenceToRounding) {
