@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "core/error.h"
 #include "dist_mpi/dist_env.h"
 #include "test_util.h"
 #include "train/trainer.h"
@@ -26,6 +27,18 @@ inline RunConfig shared_tiny_run_config(const std::string& name, int steps) {
     }
     comm().barrier();
     return test::tiny_run_config(dir, steps);
+}
+
+// Building a Trainer for `bad` over comm() fails on every rank with an Error containing `what`.
+inline void expect_refused(const RunConfig& bad, const std::string& what) {
+    TrainOptions quiet;
+    quiet.quiet = true;
+    try {
+        Trainer t(bad, quiet, &comm());
+        ADD_FAILURE() << "accepted: " << what;
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
 }
 
 // `one` (every rank on its own, in its own out_dir) and `dist` (the job over comm()) train the
