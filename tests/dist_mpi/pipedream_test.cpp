@@ -16,6 +16,8 @@
 // its two gradient parts in another order: to rounding.
 #include <gtest/gtest.h>
 
+#include <memory>
+
 #include <fmt/format.h>
 
 #include <array>
@@ -63,6 +65,25 @@ void tokens(int step, int i, int n, int vocab, std::vector<int32_t>& x, std::vec
     }
 }
 
+// A pipeline run of `c` over comm() (train.pp = P) and its one-process reference (the rows of
+// one pipeline's m micro-batches of 2, no ZeRO), built before either trains.
+struct PipelineAndReference {
+    std::unique_ptr<Trainer> ref, run;
+    PipelineEngine* pe = nullptr;
+    PipelineAndReference(RunConfig c, int P, int m) {
+        TrainOptions quiet;
+        quiet.quiet = true;
+        RunConfig rc = c;
+        rc.io.out_dir += "_ref" + std::to_string(comm().rank());
+        rc.train.batch_size = 2 * m;
+        rc.train.zero_stage = 0;
+        ref = std::make_unique<Trainer>(rc, quiet);
+        c.train.pp = P;
+        run = std::make_unique<Trainer>(c, quiet, &comm());
+        pe = dynamic_cast<PipelineEngine*>(&run->engine());
+    }
+};
+
 double lr_of(int step) {
     return 1e-3 * (1.0 + 0.5 * step);  // a different learning rate every step
 }
@@ -94,16 +115,9 @@ void check_pipedream(const std::string& remat, int steps, int dp = 1, int zero =
     c.train.remat = remat;
     c.train.batch_size *= dp;
     c.train.zero_stage = zero;
-    TrainOptions quiet;
-    quiet.quiet = true;
-    RunConfig rc = c;
-    rc.io.out_dir += "_ref" + std::to_string(comm().rank());
-    rc.train.batch_size = 2 * m;
-    rc.train.zero_stage = 0;
-    Trainer ref(rc, quiet);
-    c.train.pp = P;
-    Trainer t(c, quiet, &comm());
-    auto* pe = dynamic_cast<PipelineEngine*>(&t.engine());
+    PipelineAndReference runs(c, P, m);
+    Trainer &ref = *runs.ref, &t = *runs.run;
+    PipelineEngine* pe = runs.pe;
     ASSERT_NE(pe, nullptr);
     ASSERT_EQ(pe->replicas(), dp);
     const int r = pe->stage();
@@ -203,16 +217,9 @@ void check_two_bw(bool tied, double clip, int steps, int dp = 1, int zero = 0,
     c.train.remat = remat;
     c.train.batch_size *= dp;
     c.train.zero_stage = zero;
-    TrainOptions quiet;
-    quiet.quiet = true;
-    RunConfig rc = c;
-    rc.io.out_dir += "_ref" + std::to_string(comm().rank());
-    rc.train.batch_size = 2 * m;
-    rc.train.zero_stage = 0;
-    Trainer ref(rc, quiet);
-    c.train.pp = P;
-    Trainer t(c, quiet, &comm());
-    auto* pe = dynamic_cast<PipelineEngine*>(&t.engine());
+    PipelineAndReference runs(c, P, m);
+    Trainer &ref = *runs.ref, &t = *runs.run;
+    PipelineEngine* pe = runs.pe;
     ASSERT_NE(pe, nullptr);
     ASSERT_EQ(pe->replicas(), dp);
     const int r = pe->stage();
