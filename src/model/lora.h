@@ -98,7 +98,6 @@ class LoraAdapters {
     // optimizer's step count (step x accumulation + index), so a resumed run draws the masks the
     // uninterrupted run drew.
     void set_training(bool on) { training_ = on; }
-    void next_micro_batch() { micro_batch_++; }
     void set_micro_batch(uint64_t i) { micro_batch_ = i; }
     // Workspace for N rows (MemCategory::Workspace); bytes it needs for N.
     void prepare(int N);

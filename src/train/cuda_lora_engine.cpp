@@ -253,7 +253,6 @@ CudaLoraEngine<T>::CudaLoraEngine(const RunConfig& cfg, dist::Communicator& comm
             layout_, [sealed](int u, float*) { sealed(u, nullptr); }, sealed);
     } else {
         model_ = std::make_unique<CudaGPT<T>>(cfg_.model, stream_, 0, nullptr, lora_.get());
-        if (!plan_.empty()) model_->set_remat(plan_);
         // The base written unit by unit in fp32 and rounded into the model's parameters.
         base_window_ = std::make_unique<HostWindow>(
             layout_,
@@ -367,8 +366,7 @@ StepResult CudaLoraEngine<T>::finish_step(double lr, double max_norm) {
     // DDP: every rank's adapter gradients summed (the loss gradient already carries 1 / the
     // global token count), so every rank takes the same update.
     if (dcomm_) dcomm_->all_reduce_sum(grads_.data(), (int64_t)n_, dist::device_type<T>(), stream_);
-    MT_CUDA_CHECK(cudaMemsetAsync(sums, 0, sizeof(double), stream_));
-    cuda::sum_squares<T>(sums, grads_.data(), (int64_t)n_, stream_);
+    cuda::sum_squares<T>(sums, grads_.data(), (int64_t)n_, stream_);  // overwrites sums[0]
     cuda::finish_grad_norm(dev_scalars, sums, stream_);
     opt_.step(params_.data(), grads_.data(), dev_scalars, stream_);
     MT_CUDA_CHECK(
