@@ -239,6 +239,15 @@ void PipelineEngine::swap_shadow() {
                          sh + n);
 }
 
+void PipelineEngine::save_shadow() {
+    float* sh = stash_[0].data();
+    const std::size_t n = store_->count();
+    std::copy(store_->owned_params(), store_->owned_params() + n, sh);
+    if (store_->mirror_size())
+        std::copy(store_->mirror_params(), store_->mirror_params() + store_->mirror_size(), sh + n);
+    shadow_version_ = weight_version();
+}
+
 void PipelineEngine::update(float* g, double lr) {
     if (zero1_) {
         opt_->part(0).step(store_->owned_params() + shard_.offset, g, lr);
@@ -270,11 +279,7 @@ void PipelineEngine::run_schedule(double lr) {
     if (pipedream() || two_bw()) versions_used_.resize((std::size_t)m);
     if (two_bw()) {
         if (!shadow_valid_) {  // W(-1) = W(0), and after a resume the loaded weights
-            std::copy(params, params + np, stash_[0].data());
-            if (store_->mirror_size())
-                std::copy(store_->mirror_params(), store_->mirror_params() + store_->mirror_size(),
-                          stash_[0].data() + np);
-            shadow_version_ = weight_version();
+            save_shadow();
             shadow_valid_ = true;
         }
         swap_shadow();
@@ -517,14 +522,8 @@ StepResult PipelineEngine::finish_step(double lr, double max_norm) {
         const double coef = max_norm / (r.grad_norm + 1e-6);
         if (coef < 1.0) cpu::scale_inplace(g, (float)coef, shard_.count);
     }
-    if (two_bw()) {  // the shadow becomes W(t); the update takes the weights to W(t + 1)
-        const std::size_t np = store_->count();
-        std::copy(store_->owned_params(), store_->owned_params() + np, stash_[0].data());
-        if (store_->mirror_size())
-            std::copy(store_->mirror_params(), store_->mirror_params() + store_->mirror_size(),
-                      stash_[0].data() + np);
-        shadow_version_ = weight_version();
-    }
+    // 2BW: the shadow becomes W(t); the update takes the weights to W(t + 1).
+    if (two_bw()) save_shadow();
     update(g, lr);
     if (cfg_.model.tied_embeddings && p_ > 1) {
         const int64_t ne = (int64_t)layout_.units[E].size();

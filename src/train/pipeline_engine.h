@@ -174,8 +174,10 @@ class PipelineEngine final : public Engine {
     // One optimizer update of the owned range by g (all of it, or its ZeRO-1 shard), and the
     // all-gather of the updated shards.
     void update(float* g, double lr);
-    // 2BW: exchanges the parameters (and the mirror) with the shadow copy.
+    // 2BW: exchanges the parameters (and the mirror) with the shadow copy; copies them into it,
+    // the shadow then being the current version.
     void swap_shadow();
+    void save_shadow();
     bool pipedream() const { return kind_ == pp::Kind::PipeDream; }
     bool two_bw() const { return kind_ == pp::Kind::PipeDream2BW; }
     // The schedule for m micro-batches, and each chunk's slots from its simulated peak.

@@ -495,6 +495,7 @@ void RunConfig::validate_pipeline() const {
              train.pp, world, train.pp);
     // (The micro-batch arithmetic itself is checked after this.)
     const int64_t mb = (int64_t)micro_batch() * dp();
+    const bool whole_batches = mb > 0 && train.batch_size % mb == 0;  // accum_steps() is exact
     if (kind == pp::Kind::PipeDream || kind == pp::Kind::PipeDream2BW) {
         if (kind == pp::Kind::PipeDream && model.tied_embeddings)
             fail(
@@ -507,16 +508,14 @@ void RunConfig::validate_pipeline() const {
                 "the other stages have that micro-batch's gradient: set optim.grad_clip = 0 (now "
                 "{})",
                 optim.grad_clip);
-        if (kind == pp::Kind::PipeDream2BW && mb > 0 && train.batch_size % mb == 0 &&
-            accum_steps() < train.pp - 1)
+        if (kind == pp::Kind::PipeDream2BW && whole_batches && accum_steps() < train.pp - 1)
             fail(
                 "train.pp_schedule = \"pipedream-2bw\" needs at least train.pp - 1 = {} "
                 "micro-batches per step (train.batch_size / train.micro_batch_size = {}) to keep "
                 "two weight versions",
                 train.pp - 1, accum_steps());
     }
-    if (kind == pp::Kind::Interleaved && mb > 0 && train.batch_size % mb == 0 &&
-        accum_steps() % train.pp != 0)
+    if (kind == pp::Kind::Interleaved && whole_batches && accum_steps() % train.pp != 0)
         fail(
             "train.pp_schedule = \"interleaved\" needs the micro-batches per step "
             "(train.batch_size "
