@@ -66,6 +66,13 @@ class DeviceCommunicator {
     virtual void broadcast_pieces(const void* mine, void* out, const std::vector<int64_t>& offsets,
                                   const std::vector<int64_t>& counts, DeviceType t,
                                   cudaStream_t stream) = 0;
+    // Point to point (pipeline stages): n elements to rank `peer`, which makes the matching
+    // recv. Each is queued on `stream`; a send waits there for its receive (NCCL's ncclSend is
+    // blocking for the GPU), so a sender queues it on a stream of its own where it should not
+    // hold up its compute. Between two ranks, the sends and receives on one communicator pair
+    // up in the order they were queued.
+    virtual void send(const void* data, int64_t n, DeviceType t, int peer, cudaStream_t stream) = 0;
+    virtual void recv(void* data, int64_t n, DeviceType t, int peer, cudaStream_t stream) = 0;
     // Waits until everything queued on `stream` has finished, with the fail-fast timeout.
     virtual void wait(cudaStream_t stream, const char* what) = 0;
 };

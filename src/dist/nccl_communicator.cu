@@ -84,6 +84,12 @@ class NcclCommunicator final : public DeviceCommunicator {
                   "ncclBroadcast");
         });
     }
+    void send(const void* data, int64_t n, DeviceType t, int peer, cudaStream_t stream) override {
+        if (n > 0) check(ncclSend(data, (size_t)n, nccl_type(t), peer, comm_, stream), "ncclSend");
+    }
+    void recv(void* data, int64_t n, DeviceType t, int peer, cudaStream_t stream) override {
+        if (n > 0) check(ncclRecv(data, (size_t)n, nccl_type(t), peer, comm_, stream), "ncclRecv");
+    }
     void wait(cudaStream_t stream, const char* what) override {
         // Poll instead of blocking in cudaStreamSynchronize: a peer that died leaves NCCL's
         // kernels spinning forever, and only the host can notice and abort.
@@ -100,11 +106,11 @@ class NcclCommunicator final : public DeviceCommunicator {
             if (async != ncclSuccess || waited > limit) {
                 ncclCommAbort(comm_);
                 comm_ = nullptr;
-                fail("rank {} of {}: {} {} after {:.1f} s ({}); a peer rank died or stopped "
-                     "taking part (MEMTRAIN_COMM_TIMEOUT_S = {:.0f})",
-                     rank(), size(), what, async != ncclSuccess ? "failed" : "timed out", waited,
-                     async != ncclSuccess ? ncclGetErrorString(async) : "NCCL still waiting",
-                     limit);
+                fail(
+                    "rank {} of {}: {} {} after {:.1f} s ({}); a peer rank died or stopped "
+                    "taking part (MEMTRAIN_COMM_TIMEOUT_S = {:.0f})",
+                    rank(), size(), what, async != ncclSuccess ? "failed" : "timed out", waited,
+                    async != ncclSuccess ? ncclGetErrorString(async) : "NCCL still waiting", limit);
             }
             if (spins > 100) std::this_thread::sleep_for(std::chrono::microseconds(50));
         }

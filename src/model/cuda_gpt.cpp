@@ -34,6 +34,8 @@ CudaGPT<T>::CudaGPT(const ModelConfig& cfg, cudaStream_t stream, std::size_t pad
                     DeviceUnitStore<T>* units, CudaLora<T>* lora)
     : cfg_(cfg), layout_(make_param_layout(cfg)), stream_(stream), units_(units), lora_(lora) {
     cfg_.validate();
+    b1_ = cfg_.n_layer;
+    slots_.resize(1);
     if (!units_) {
         const std::size_t n = std::max(padded_total, layout_.total);
         params_ = DeviceBuffer<T>(n, MemCategory::Parameters);
@@ -77,8 +79,49 @@ template <typename T>
 void CudaGPT<T>::set_remat(const RematPlan& plan) {
     if (!plan.empty() && plan.size() != (std::size_t)cfg_.n_layer)
         fail("remat plan has {} entries but model.n_layer is {}", plan.size(), cfg_.n_layer);
+    if (staged_)
+        for (BlockKeep k : plan)
+            if (k == BlockKeep::Offload)
+                fail(
+                    "train.remat = offload is not built for a pipeline stage on the GPU: choose "
+                    "none, selective, full or a budget without +offload");
     plan_ = plan;
     arena_B_ = arena_T_ = 0;  // re-carved at the next forward
+}
+
+template <typename T>
+void CudaGPT<T>::set_stage(int first_block, int end_block, int slots) {
+    if (first_block < 0 || end_block > cfg_.n_layer || first_block >= end_block || slots < 1)
+        fail("internal: a stage of blocks [{}, {}) of {} with {} slots", first_block, end_block,
+             cfg_.n_layer, slots);
+    if (!units_) fail("internal: a pipeline stage reaches its units through a store");
+    wait("queued work on the old arenas");
+    b0_ = first_block;
+    b1_ = end_block;
+    staged_ = true;
+    slots_.clear();
+    slots_.resize(slots);
+    arena_B_ = arena_T_ = 0;
+}
+
+template <typename T>
+ArenaPlan CudaGPT<T>::stage_arena(int B, int T_) const {
+    const RematPlan sub =
+        plan_.empty() ? RematPlan{} : RematPlan(plan_.begin() + b0_, plan_.begin() + b1_);
+    return plan_stage_arena(cfg_, b1_ - b0_, B, T_, sub, arena_format(cfg_, B, T_));
+}
+
+template <typename T>
+void CudaGPT<T>::use_slot(int k) {
+    Slot& s = slots_.at(k);
+    cur_ = k;
+    resid_ = s.resid;
+    saved_ = s.saved;
+    lnf_ = s.lnf;
+    lnf_mean_ = s.lnf_mean;
+    lnf_rstd_ = s.lnf_rstd;
+    tok_ = s.tokens.data();
+    unique_ = s.unique;
 }
 
 template <typename T>
@@ -100,22 +143,24 @@ void CudaGPT<T>::ensure_arena(int B, int T_) {
         fail("sequence length {} exceeds model.block_size {}", T_, cfg_.block_size);
     if (B == arena_B_ && T_ == arena_T_) return;
     const ActFormat fmt = arena_format(cfg_, B, T_);
-    const ArenaPlan p = plan_arena(cfg_, B, T_, plan_, fmt);
+    const ArenaPlan p = stage_arena(B, T_);
     wait("queued work on the old arenas");
     drop_graph();  // a captured step points into the arenas
     // Exactly the plan's sizes (free first: no transient double peak), so measured == predicted.
-    if (p.activation_bytes != acts_.size()) {
-        acts_.reset();
-        acts_ = DeviceBuffer<unsigned char>(p.activation_bytes, MemCategory::Activations);
+    const std::size_t nt = token_bytes(B, T_) / sizeof(int32_t);
+    for (Slot& sl : slots_) {
+        if (p.activation_bytes != sl.acts.size()) {
+            sl.acts.reset();
+            sl.acts = DeviceBuffer<unsigned char>(p.activation_bytes, MemCategory::Activations);
+        }
+        if (sl.tokens.size() != nt) {
+            sl.tokens.reset();
+            sl.tokens = DeviceBuffer<int32_t>(nt, MemCategory::Workspace);
+        }
     }
     if (p.workspace_bytes != work_.size()) {
         work_.reset();
         work_ = DeviceBuffer<unsigned char>(p.workspace_bytes, MemCategory::Workspace);
-    }
-    const std::size_t nt = token_bytes(B, T_) / sizeof(int32_t);
-    if (tokens_.size() != nt) {
-        tokens_.reset();
-        tokens_ = DeviceBuffer<int32_t>(nt, MemCategory::Workspace);
     }
     if (pinned_ints_ < nt) {
         for (int i = 0; i < 2; i++) {
@@ -135,33 +180,37 @@ void CudaGPT<T>::ensure_arena(int B, int T_) {
     arena_T_ = T_;
     chunk_ = fmt.loss_chunk;
 
-    unsigned char* a = acts_.data();
     unsigned char* w = work_.data();
     auto at = [](unsigned char* base, std::size_t off) -> void* {
         return off == kNoOffset ? nullptr : base + off;
     };
-    resid_.resize(cfg_.n_layer + 1);
-    for (int l = 0; l <= cfg_.n_layer; l++) resid_[l] = static_cast<T*>(at(a, p.resid[l]));
-    saved_.assign(cfg_.n_layer, Saved{});
-    for (int l = 0; l < cfg_.n_layer; l++) {
-        auto f = [&](SavedField field) { return at(a, p.block[l][static_cast<int>(field)]); };
-        Saved& s = saved_[l];
-        s.ln1 = static_cast<T*>(f(SavedField::Ln1));
-        s.ln1_mean = static_cast<float*>(f(SavedField::Ln1Mean));
-        s.ln1_rstd = static_cast<float*>(f(SavedField::Ln1Rstd));
-        s.qkv = static_cast<T*>(f(SavedField::Qkv));
-        s.lse = static_cast<float*>(f(SavedField::Att));
-        s.atty = static_cast<T*>(f(SavedField::Atty));
-        s.resid_mid = static_cast<T*>(f(SavedField::ResidMid));
-        s.ln2 = static_cast<T*>(f(SavedField::Ln2));
-        s.ln2_mean = static_cast<float*>(f(SavedField::Ln2Mean));
-        s.ln2_rstd = static_cast<float*>(f(SavedField::Ln2Rstd));
-        s.fch = static_cast<T*>(f(SavedField::Fch));
-        s.fch_act = static_cast<T*>(f(SavedField::FchAct));
+    // Each slot's arena: the plan's streams and blocks j = 0.. are the model's b0_ + j.
+    for (Slot& sl : slots_) {
+        unsigned char* a = sl.acts.data();
+        sl.resid.assign(cfg_.n_layer + 1, nullptr);
+        for (int j = 0; j <= b1_ - b0_; j++) sl.resid[b0_ + j] = static_cast<T*>(at(a, p.resid[j]));
+        sl.saved.assign(cfg_.n_layer, Saved{});
+        for (int j = 0; j < b1_ - b0_; j++) {
+            auto f = [&](SavedField field) { return at(a, p.block[j][static_cast<int>(field)]); };
+            Saved& s = sl.saved[b0_ + j];
+            s.ln1 = static_cast<T*>(f(SavedField::Ln1));
+            s.ln1_mean = static_cast<float*>(f(SavedField::Ln1Mean));
+            s.ln1_rstd = static_cast<float*>(f(SavedField::Ln1Rstd));
+            s.qkv = static_cast<T*>(f(SavedField::Qkv));
+            s.lse = static_cast<float*>(f(SavedField::Att));
+            s.atty = static_cast<T*>(f(SavedField::Atty));
+            s.resid_mid = static_cast<T*>(f(SavedField::ResidMid));
+            s.ln2 = static_cast<T*>(f(SavedField::Ln2));
+            s.ln2_mean = static_cast<float*>(f(SavedField::Ln2Mean));
+            s.ln2_rstd = static_cast<float*>(f(SavedField::Ln2Rstd));
+            s.fch = static_cast<T*>(f(SavedField::Fch));
+            s.fch_act = static_cast<T*>(f(SavedField::FchAct));
+        }
+        sl.lnf = static_cast<T*>(at(a, p.lnf));
+        sl.lnf_mean = static_cast<float*>(at(a, p.lnf_mean));
+        sl.lnf_rstd = static_cast<float*>(at(a, p.lnf_rstd));
     }
-    lnf_ = static_cast<T*>(at(a, p.lnf));
-    lnf_mean_ = static_cast<float*>(at(a, p.lnf_mean));
-    lnf_rstd_ = static_cast<float*>(at(a, p.lnf_rstd));
+    use_slot(0);
     dres_ = static_cast<T*>(at(w, p.dres));
     dln_ = static_cast<T*>(at(w, p.dln));
     dbig_ = static_cast<T*>(at(w, p.dbig));
@@ -213,6 +262,7 @@ void CudaGPT<T>::upload_tokens(const int32_t* inputs, const int32_t* targets, in
     }
     // The embedding backward's token order, from the host ids (no copy back from the GPU).
     unique_ = targets ? cuda::bucket_tokens(inputs, N, plan_host_) : 0;
+    slots_[cur_].unique = unique_;
     const std::size_t n = 2 * (std::size_t)N + (targets ? plan_host_.size() : 0);
     // Reuse the pinned buffer whose last copy has completed.
     const int k = next_pinned_;
@@ -224,8 +274,7 @@ void CudaGPT<T>::upload_tokens(const int32_t* inputs, const int32_t* targets, in
         std::memcpy(h + N, targets, N * sizeof(int32_t));
         std::memcpy(h + 2 * N, plan_host_.data(), plan_host_.size() * sizeof(int32_t));
     }
-    MT_CUDA_CHECK(
-        cudaMemcpyAsync(tokens_.data(), h, n * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+    MT_CUDA_CHECK(cudaMemcpyAsync(tok_, h, n * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
     MT_CUDA_CHECK(cudaEventRecord(copied_[k], stream_));
 }
 
@@ -370,13 +419,15 @@ void CudaGPT<T>::forward(int B, int T_, bool offload_inputs) {
     // Each unit is acquired just before use and the next one prefetched (ZeRO-3 gathers it
     // meanwhile); ends with the output embedding's unit prefetched for the classifier.
     const int emb = ParamLayout::embedding_unit(), head = layout_.head_unit();
-    T* e = unit_params(emb);
-    prefetch(L > 0 ? layout_.block_unit(0) : head);
-    cuda::embedding_forward<T>(resid_[0], tokens_.data(), tensor_at(e, off_wte_),
-                               tensor_at(e, off_wpe_), B, T_, cfg_.n_embd, stream_);
-    unit_params_done(emb);
-    copy_out(0);
-    for (int l = 0; l < L; l++) {
+    if (has_embedding()) {
+        T* e = unit_params(emb);
+        prefetch(L > 0 ? layout_.block_unit(0) : head);
+        cuda::embedding_forward<T>(resid_[0], tok_, tensor_at(e, off_wte_), tensor_at(e, off_wpe_),
+                                   B, T_, cfg_.n_embd, stream_);
+        unit_params_done(emb);
+        copy_out(0);
+    }
+    for (int l = b0_; l < b1_; l++) {
         // Block l writes input l + 1 into a ring slot: the copy of the slot's previous input
         // must be out.
         const int evicted = l + 1 < L ? slot_before(l + 1) : -1;
@@ -388,6 +439,7 @@ void CudaGPT<T>::forward(int B, int T_, bool offload_inputs) {
         unit_params_done(layout_.block_unit(l));
         if (l + 1 < L) copy_out(l + 1);
     }
+    if (!has_head()) return;
     T* h = unit_params(head);
     prefetch(lm_unit_);
     norm_forward(lnf_, lnf_mean_, lnf_rstd_, resid_[L], tensor_at(h, off_lnf_w_),
@@ -400,7 +452,6 @@ void CudaGPT<T>::forward_backward(const int32_t* inputs, const int32_t* targets,
                                   float grad_scale, double* loss_sum) {
     ensure_arena(B, T_);
     upload_tokens(inputs, targets, B, T_);
-    const int N = B * T_;
     if (!graphs_) {
         step_body(B, T_, grad_scale, loss_sum);
     } else {
@@ -432,19 +483,30 @@ void CudaGPT<T>::forward_backward(const int32_t* inputs, const int32_t* targets,
             warmed_up_ = true;
         }
     }
+    embedding_backward(B, T_);
+}
+
+template <typename T>
+void CudaGPT<T>::embedding_backward(int B, int T_) {
     if (frozen()) return;  // LoRA: the embedding is frozen
-    const int emb = ParamLayout::embedding_unit();
+    const int emb = ParamLayout::embedding_unit(), N = B * T_;
     T* eg = unit_grads(emb);
     cuda::embedding_backward<T>(tensor_at(eg, off_wte_), tensor_at(eg, off_wpe_), dres_,
-                                tokens_.data() + 2 * N, unique_, B, T_, cfg_.n_embd, stream_);
+                                tok_ + 2 * N, unique_, B, T_, cfg_.n_embd, stream_);
     unit_grads_done(emb);
 }
 
 template <typename T>
 void CudaGPT<T>::step_body(int B, int T_, float grad_scale, double* loss_sum) {
     forward(B, T_, true);
+    head_backward(B, T_, grad_scale, loss_sum);
+    blocks_backward(B, T_);
+}
+
+template <typename T>
+void CudaGPT<T>::head_backward(int B, int T_, float grad_scale, double* loss_sum) {
     const int N = B * T_, C = cfg_.n_embd, L = cfg_.n_layer;
-    const int32_t* dev_targets = tokens_.data() + N;
+    const int32_t* dev_targets = tok_ + N;
     const int head = layout_.head_unit();
     T* lm = unit_params(lm_unit_);
     T* dlm = frozen() ? nullptr : tensor_at(unit_grads(lm_unit_), off_lm_);
@@ -462,8 +524,13 @@ void CudaGPT<T>::step_body(int B, int T_, float grad_scale, double* loss_sum) {
                   tensor_at(h, off_lnf_w_), lnf_mean_, lnf_rstd_, N);
     unit_params_done(head);
     if (!frozen()) unit_grads_done(head);
+}
+
+template <typename T>
+void CudaGPT<T>::blocks_backward(int B, int T_) {
+    const int N = B * T_, C = cfg_.n_embd;
     const std::size_t stream_bytes = (std::size_t)N * C * sizeof(T);
-    for (int l = L - 1; l >= 0; l--) {
+    for (int l = b1_ - 1; l >= b0_; l--) {
         // An Input block re-runs its forward into the scratch; its output rewrites resid_[l + 1]
         // with the same bits (deterministic kernels), which nothing reads any more. An Offload
         // block first waits for its input to be back on the device. When the plan offloads, a
@@ -516,11 +583,16 @@ void CudaGPT<T>::forward_loss(const int32_t* inputs, const int32_t* targets, int
     ensure_arena(B, T_);
     upload_tokens(inputs, targets, B, T_);
     forward(B, T_);
+    loss_only(B, T_, loss_sum);
+}
+
+template <typename T>
+void CudaGPT<T>::loss_only(int B, int T_, double* loss_sum) {
     const int N = B * T_;
     T* lm = unit_params(lm_unit_);
     cuda::classifier_loss<T>(nullptr, nullptr, logits_, row_loss_, lnf_, tensor_at(lm, off_lm_),
-                             tokens_.data() + N, N, cfg_.n_embd, cfg_.vocab_size,
-                             cfg_.padded_vocab(), chunk_, 0.0f, stream_);
+                             tok_ + N, N, cfg_.n_embd, cfg_.vocab_size, cfg_.padded_vocab(), chunk_,
+                             0.0f, stream_);
     unit_params_done(lm_unit_);
     cuda::sum_floats(loss_sum, row_loss_, N, stream_);
 }
@@ -530,6 +602,11 @@ void CudaGPT<T>::forward_logits(const int32_t* inputs, int B, int T_, float* out
     ensure_arena(B, T_);
     upload_tokens(inputs, nullptr, B, T_);
     forward(B, T_);
+    logits_out(B, T_, out);
+}
+
+template <typename T>
+void CudaGPT<T>::logits_out(int B, int T_, float* out) {
     const std::size_t n = (std::size_t)B * T_ * cfg_.vocab_size;
     DeviceBuffer<float> logits(n, MemCategory::Workspace);
     T* lm = unit_params(lm_unit_);
@@ -539,6 +616,39 @@ void CudaGPT<T>::forward_logits(const int32_t* inputs, int B, int T_, float* out
     MT_CUDA_CHECK(
         cudaMemcpyAsync(out, logits.data(), n * sizeof(float), cudaMemcpyDeviceToHost, stream_));
     wait("the logits");
+}
+
+// ---- pipeline stages ---------------------------------------------------------------------------
+
+template <typename T>
+void CudaGPT<T>::stage_forward(int slot, const int32_t* inputs, const int32_t* targets, int B,
+                               int T_) {
+    ensure_arena(B, T_);
+    use_slot(slot);
+    // The first stage embeds the inputs (its embedding backward needs the plan, made from the
+    // targets' presence); the last reads the targets at its backward.
+    if (has_embedding() || has_head()) upload_tokens(inputs, targets, B, T_);
+    forward(B, T_);
+}
+
+template <typename T>
+void CudaGPT<T>::stage_backward(int slot, int B, int T_, float grad_scale, double* loss_sum) {
+    use_slot(slot);
+    if (has_head()) head_backward(B, T_, grad_scale, loss_sum);
+    blocks_backward(B, T_);
+    if (has_embedding()) embedding_backward(B, T_);
+}
+
+template <typename T>
+void CudaGPT<T>::stage_loss(int slot, int B, int T_, double* loss_sum) {
+    use_slot(slot);
+    loss_only(B, T_, loss_sum);
+}
+
+template <typename T>
+void CudaGPT<T>::stage_logits(int slot, int B, int T_, float* out) {
+    use_slot(slot);
+    logits_out(B, T_, out);
 }
 
 template class CudaGPT<float>;

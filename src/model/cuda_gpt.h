@@ -87,6 +87,43 @@ class CudaGPT {
     // Logits over the real vocabulary into host memory: out (B,T,V). Waits for the stream.
     void forward_logits(const int32_t* inputs, int B, int T_, float* out);
 
+    // A pipeline stage (train/cuda_pipeline_engine.cpp): only blocks [first_block, end_block),
+    // with the embedding when first_block is 0 and ln_f, the classifier and the loss when
+    // end_block is n_layer, holding up to `slots` micro-batches between their forward and
+    // backward, each in an activation arena of its own (plan_stage_arena; the workspace is
+    // shared). The units it uses come from `units` (the stage's store). Set before the first
+    // forward; not with offload remat or CUDA graphs. One micro-batch through a stage:
+    //   stage_input(slot)   (not the first stage) the previous stage's output goes here
+    //   stage_forward(slot)
+    //   stage_output(slot)  (not the last stage) send this on
+    //   stage_grad()        (not the last stage) d(output) goes here
+    //   stage_backward(slot)
+    //   stage_grad()        (not the first stage) now d(input): send it back
+    // The whole model is the stage [0, n_layer) with one slot: forward_backward runs the same
+    // kernels in the same order as stage_forward then stage_backward.
+    void set_stage(int first_block, int end_block, int slots);
+    int first_block() const { return b0_; }
+    int end_block() const { return b1_; }
+    int slots() const { return (int)slots_.size(); }
+    bool has_embedding() const { return b0_ == 0; }
+    bool has_head() const { return b1_ == cfg_.n_layer; }
+    // Sizes the arenas for micro-batches of B x T (a no-op when they already are).
+    void prepare(int B, int T_) { ensure_arena(B, T_); }
+    T* stage_input(int slot) { return slots_.at(slot).resid[b0_]; }
+    const T* stage_output(int slot) const { return slots_.at(slot).resid[b1_]; }
+    T* stage_grad() { return dres_; }
+    // The stage's forward of one micro-batch into `slot` (host token ids: the first stage embeds
+    // the inputs; the last keeps the targets for its loss).
+    void stage_forward(int slot, const int32_t* inputs, const int32_t* targets, int B, int T_);
+    // Its backward (the last stage's loss first: the sum of its token losses to *loss_sum), the
+    // gradients accumulating in the store's units.
+    void stage_backward(int slot, int B, int T_, float grad_scale, double* loss_sum);
+    // The last stage after stage_forward, without backward: the loss sum, or the logits (host).
+    void stage_loss(int slot, int B, int T_, double* loss_sum);
+    void stage_logits(int slot, int B, int T_, float* out);
+    // Bytes of one slot's activation arena and of the shared workspace for B x T.
+    ArenaPlan stage_arena(int B, int T_) const;
+
     // Bytes of the device buffers for host token ids (inputs, targets, embedding plan), and of
     // the CUDA graph's loss slot.
     static std::size_t token_bytes(int B, int T_);
@@ -119,6 +156,28 @@ class CudaGPT {
         float *ln2_mean, *ln2_rstd;
         T *fch, *fch_act;
     };
+    // One micro-batch in flight: its activation arena, carved into the residual streams and
+    // saved fields of blocks [b0_, b1_] (indexed by model block) and ln_f's output, and its
+    // token ids on the device with the embedding backward's plan.
+    struct Slot {
+        DeviceBuffer<unsigned char> acts;
+        std::vector<T*> resid;
+        std::vector<Saved> saved;
+        T* lnf = nullptr;
+        float *lnf_mean = nullptr, *lnf_rstd = nullptr;
+        DeviceBuffer<int32_t> tokens;
+        int unique = 0;
+    };
+    // Points the working views (resid_, saved_, lnf_, tok_, unique_) at slot k.
+    void use_slot(int k);
+    // The pieces of a step: the embedding's forward and backward, the head's loss and ln_f
+    // backward (dres_ then holds d(last block's output)), the blocks' backward from b1_ - 1 down
+    // to b0_ (dres_ then holds d(first block's input)).
+    void embedding_backward(int B, int T_);
+    void head_backward(int B, int T_, float grad_scale, double* loss_sum);
+    void blocks_backward(int B, int T_);
+    void loss_only(int B, int T_, double* loss_sum);
+    void logits_out(int B, int T_, float* out);
 
     void ensure_arena(int B, int T_);
     // Forward, loss and backward down to (not including) the embedding backward, on the tokens
@@ -177,22 +236,27 @@ class CudaGPT {
     int lm_unit_ = 0;
 
     RematPlan plan_;
+    int b0_ = 0, b1_ = 0;  // the blocks this model runs: all of them unless a pipeline stage
+    bool staged_ = false;  // set_stage was called
     int arena_B_ = 0, arena_T_ = 0, chunk_ = 0;
-    DeviceBuffer<unsigned char> acts_, work_;
-    std::vector<T*> resid_;
-    std::vector<Saved> saved_;
+    std::vector<Slot> slots_;  // one, unless a pipeline stage holds several micro-batches
+    DeviceBuffer<unsigned char> work_;
+    std::vector<T*> resid_;     // the current slot's, by model block
+    std::vector<Saved> saved_;  // the current slot's, by model block
     T *lnf_ = nullptr, *dres_ = nullptr, *dln_ = nullptr, *dbig_ = nullptr, *dact_ = nullptr,
       *logits_ = nullptr;
     float *lnf_mean_ = nullptr, *lnf_rstd_ = nullptr, *row_loss_ = nullptr, *att_delta_ = nullptr;
 
-    // Token ids on the device: [inputs (N) | targets (N) | embedding plan (N + 2U + 1)], copied
-    // from one of two pinned host buffers (the other may still be read by a queued copy).
-    DeviceBuffer<int32_t> tokens_;
+    // Token ids on the device (the current slot's): [inputs (N) | targets (N) | embedding plan
+    // (N + 2U + 1)], copied from one of two pinned host buffers (the other may still be read by
+    // a queued copy).
+    int32_t* tok_ = nullptr;
     int32_t* pinned_[2] = {nullptr, nullptr};
     cudaEvent_t copied_[2] = {nullptr, nullptr};
     std::size_t pinned_ints_ = 0;
     int next_pinned_ = 0;
     int unique_ = 0;
+    int cur_ = 0;  // the slot the views point at
     std::vector<int32_t> plan_host_;
 
     // Offload blocks (train.remat = offload, or chosen by budget:BYTES+offload): their inputs

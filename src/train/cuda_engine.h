@@ -25,6 +25,10 @@ std::unique_ptr<Engine> make_cuda_engine(const RunConfig& cfg, dist::Communicato
 // trained with the same AdamW and loss scaling (train/cuda_lora_engine.cpp).
 std::unique_ptr<Engine> make_cuda_lora_engine(const RunConfig& cfg, dist::Communicator& comm);
 
+// train.pp stages on the GPU (train/cuda_pipeline_engine.cpp): one rank per stage, NCCL between
+// them.
+std::unique_ptr<Engine> make_cuda_pipeline_engine(const RunConfig& cfg, dist::Communicator& comm);
+
 // Test hook: the engine's next finish_step finds a non-finite gradient, as an fp16 overflow in
 // backward would leave it (tests/cuda: the step is skipped and the loss scale halves).
 void inject_overflow_for_test(Engine& engine);

@@ -128,11 +128,10 @@ std::unique_ptr<Engine> make_engine(const RunConfig& cfg, dist::Communicator& co
         return std::make_unique<PsEngine>(cfg, comm);
     }
     if (cfg.train.pp > 1) {
-        if (cfg.train.device != "cpu")
-            fail(
-                "train.pp = {} runs on the CPU engine only so far, not on {}: set train.device = "
-                "\"cpu\"",
-                cfg.train.pp, cfg.train.device);
+        if (cfg.train.device == "cuda") {
+            cfg.validate_cuda_pipeline();
+            return make_cuda_pipeline_engine(cfg, comm);
+        }
         return std::make_unique<PipelineEngine>(cfg, comm);
     }
     if (cfg.lora.enabled()) {

@@ -533,9 +533,30 @@ void RunConfig::validate_pipeline() const {
             "chunk per rank; set train.zero_stage = 0 (gradients all-reduced across pipelines) or "
             "train.pp_virtual = 1",
             train.pp_virtual);
-    if (train.device == "cuda")
-        fail("train.pp = {} runs on the CPU engine only so far: set train.device = \"cpu\"",
-             train.pp);
+    if (train.device == "cuda") validate_cuda_pipeline();
+}
+
+void RunConfig::validate_cuda_pipeline() const {
+    const pp::Kind kind = pp::parse_kind(train.pp_schedule);
+    // What the GPU pipeline (train/cuda_pipeline_engine.cpp) is built for so far.
+    if (kind != pp::Kind::Naive && kind != pp::Kind::GPipe && kind != pp::Kind::OneFOneB)
+        fail(
+            "train.pp_schedule = \"{}\" runs on the CPU engine only so far; on the GPU choose "
+            "naive, gpipe or 1f1b (or set train.device = \"cpu\")",
+            train.pp_schedule);
+    if (dp() > 1)
+        fail(
+            "train.pp = {} on {} ranks is {} pipelines side by side, which run on the CPU engine "
+            "only so far: start mpirun -np {} on the GPU (or set train.device = \"cpu\")",
+            train.pp, world, dp(), train.pp);
+    if (train.offload_optimizer || train.cuda_graphs)
+        fail("train.{} is not built for pipeline stages on the GPU: set it to false",
+             train.offload_optimizer ? "offload_optimizer" : "cuda_graphs");
+    if (train.remat.find("offload") != std::string::npos)
+        fail(
+            "train.remat = \"{}\" offloads block inputs, which is not built for pipeline stages "
+            "on the GPU: choose none, selective, full or a budget without +offload",
+            train.remat);
 }
 
 void RunConfig::validate_ps() const {
@@ -634,7 +655,7 @@ void RunConfig::validate() const {
         fail(
             "train.offload_optimizer = true moves the optimizer off the GPU to the CPU: it needs "
             "train.device = \"cuda\" (the CPU engine's optimizer is on the CPU already)");
-    if (train.device == "cuda") {
+    if (train.device == "cuda" && train.pp == 1) {  // (pipelines: validate_cuda_pipeline)
         if (train.offload_optimizer && world > 1 && train.zero_stage == 0)
             fail(
                 "train.offload_optimizer with {} ranks needs train.zero_stage >= 1: each rank "

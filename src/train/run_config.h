@@ -101,6 +101,9 @@ struct RunConfig {
     void validate() const;
     // train.pp and train.pp_schedule against the world size and the model (part of validate).
     void validate_pipeline() const;
+    // train.pp > 1 on the GPU: what the GPU pipeline is built for (called again once "auto"
+    // has resolved to the GPU).
+    void validate_cuda_pipeline() const;
     // train.dp_mode and the parameter server's keys (part of validate).
     void validate_ps() const;
     // The [lora] keys and what LoRA runs with (part of validate).

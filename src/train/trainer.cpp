@@ -142,7 +142,7 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
         schedule = make_schedule(GPT::arena_format());
         check_host_fit(cfg_, schedule->plan, comm_->rank(), comm_->local_size());
     }
-    engine_ = make_engine(cfg_, *comm_);
+    engine_ = opts_.engine ? opts_.engine(cfg_, *comm_) : make_engine(cfg_, *comm_);
     if (!priced_first) schedule = make_schedule(engine_->arena_format());
     engine_->set_remat(schedule->plan);
     if (cfg_.train.remat != "none") {

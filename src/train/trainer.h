@@ -30,6 +30,8 @@ struct TrainOptions {
     // finishes, a checkpoint is written and run() returns. Under data parallelism the ranks agree
     // on it every step (the max over ranks), so all stop after the same step.
     const volatile std::sig_atomic_t* stop_signal = nullptr;
+    // Builds the engine instead of make_engine (tests: the GPU pipeline at one stage).
+    std::function<std::unique_ptr<Engine>(const RunConfig&, dist::Communicator&)> engine;
 };
 
 struct TrainSummary {

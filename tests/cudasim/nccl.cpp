@@ -7,13 +7,21 @@
 #include <nccl.h>
 
 #include <cstring>
+#include <list>
 #include <vector>
 
 #include "cudasim/sim.h"
 
+// A send in flight: MPI_Isend from a copy of the data, taken when the stream reaches the send.
+struct PendingSend {
+    MPI_Request request = MPI_REQUEST_NULL;
+    std::vector<unsigned char> data;
+};
+
 struct ncclComm {
     MPI_Comm mpi = MPI_COMM_NULL;
     int rank = 0, size = 1;
+    std::list<PendingSend> sends;  // completed ones are dropped at the next send and at the end
 };
 
 namespace {
@@ -108,7 +116,10 @@ ncclResult_t ncclCommDestroy(ncclComm_t comm) {
     if (!comm) return ncclInvalidArgument;
     int finalized = 0;
     MPI_Finalized(&finalized);
-    if (!finalized) MPI_Comm_free(&comm->mpi);
+    if (!finalized) {
+        for (PendingSend& p : comm->sends) MPI_Wait(&p.request, MPI_STATUS_IGNORE);
+        MPI_Comm_free(&comm->mpi);
+    }
     delete comm;
     return ncclSuccess;
 }
@@ -184,6 +195,39 @@ ncclResult_t ncclBroadcast(const void* send, void* recv, size_t count, ncclDataT
         const std::size_t bytes = count * type_bytes(t);
         if (comm->rank == root && send != recv) std::memmove(recv, send, bytes);
         MPI_Bcast(recv, (int)bytes, MPI_BYTE, root, comm->mpi);
+    });
+    return ncclSuccess;
+}
+
+// Point to point. A GPU's ncclSend waits, on its stream, for the receive; here streams run their
+// work at once, so a send that waited would stop the host thread, and with it every stream of
+// the rank. The send instead copies the data (ready, since streams run in order) and leaves it
+// to MPI; the receive waits. That is what a send on a stream of its own does on a GPU: the
+// sender's other streams go on.
+ncclResult_t ncclSend(const void* send, size_t count, ncclDataType_t t, int peer, ncclComm_t comm,
+                      cudaStream_t stream) {
+    if (!comm || !supported(t) || peer < 0 || peer >= comm->size) return ncclInvalidArgument;
+    cudasim::enqueue(stream, [=] {
+        comm->sends.remove_if([](PendingSend& p) {
+            int done = 0;
+            MPI_Test(&p.request, &done, MPI_STATUS_IGNORE);
+            return done != 0;
+        });
+        const std::size_t bytes = count * type_bytes(t);
+        PendingSend& p = comm->sends.emplace_back();
+        p.data.assign(static_cast<const unsigned char*>(send),
+                      static_cast<const unsigned char*>(send) + bytes);
+        MPI_Isend(p.data.data(), (int)bytes, MPI_BYTE, peer, 0, comm->mpi, &p.request);
+    });
+    return ncclSuccess;
+}
+
+ncclResult_t ncclRecv(void* recv, size_t count, ncclDataType_t t, int peer, ncclComm_t comm,
+                      cudaStream_t stream) {
+    if (!comm || !supported(t) || peer < 0 || peer >= comm->size) return ncclInvalidArgument;
+    cudasim::enqueue(stream, [=] {
+        MPI_Recv(recv, (int)(count * type_bytes(t)), MPI_BYTE, peer, 0, comm->mpi,
+                 MPI_STATUS_IGNORE);
     });
     return ncclSuccess;
 }
