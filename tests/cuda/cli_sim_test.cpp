@@ -63,6 +63,37 @@ TEST(CudaCli, MpirunTrainsUnderZero3) {
     EXPECT_NE(r.output.find("model states per rank (peak): rank 0"), std::string::npos) << r.output;
     EXPECT_TRUE(std::filesystem::exists(dir + "/out/ckpt_000004/model.safetensors")) << r.output;
 }
+
+// `mpirun -np 2 memtrain train --set train.pp=2` on the GPU engine: two stages in fp16 with the
+// loss scale agreed between them, evaluation through both, a checkpoint, and each
+// stage's memory measured against its prediction; the checkpoint then resumes in one process.
+TEST(CudaCli, MpirunTrainsAPipelineOfStages) {
+    auto dir = memtrain::test::temp_dir("cuda_cli_pp");
+    const std::string mpi = "ASAN_OPTIONS=detect_leaks=0:protect_shadow_gap=0 OMP_NUM_THREADS=1 " +
+                            std::string(MT_MPIEXEC) + " --oversubscribe --allow-run-as-root -np 2";
+    auto r = run_sim("train " + tiny_config(dir) +
+                         " --set train.device=cuda train.precision=fp16 train.pp=2 "
+                         "train.pp_schedule=gpipe sample.max_tokens=4 io.out_dir=" +
+                         dir + "/out",
+                     mpi);
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("pipeline stage 0 of 2 (blocks 0..0, gpipe schedule)"),
+              std::string::npos)
+        << r.output;
+    EXPECT_NE(r.output.find("2 slots x plan_stage_arena(1 blocks"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("per pipeline stage (peak, measured / predicted)"), std::string::npos)
+        << r.output;
+    EXPECT_NE(r.output.find("val loss"), std::string::npos) << r.output;
+    EXPECT_TRUE(std::filesystem::exists(dir + "/out/ckpt_000004/model.safetensors")) << r.output;
+    // Two more steps in one process from the pipeline's checkpoint.
+    auto one =
+        run_sim("train " + dir + "/run.toml --resume " + dir +
+                "/out --set train.device=cuda train.precision=fp16 train.pp=1 train.max_steps=6 "
+                "io.out_dir=" +
+                dir + "/one");
+    ASSERT_EQ(one.code, 0) << one.output;
+    EXPECT_NE(one.output.find("step     6/6"), std::string::npos) << one.output;
+}
 #endif
 
 TEST(CudaCli, TrainsOnTheDeviceInEachPrecision) {

@@ -180,6 +180,23 @@ TEST(CudaPp, MatchesTheCpuRun) {
         EXPECT_NEAR(s.losses[i], ref.losses[i], 2e-4 * std::abs(ref.losses[i])) << "step " << i + 1;
 }
 
+// Sampling's logits come from the last stage to every rank: the single GPU's, bitwise.
+TEST(CudaPp, LogitsAreTheSingleGpusOnEveryStage) {
+    REQUIRE_GPU_PP();
+    const RunConfig c = pp_run("cuda_pp_logits", "bf16", "1f1b");
+    RunConfig one = c;
+    one.train.pp = 1;
+    one.io.out_dir += "_one" + std::to_string(comm().rank());
+    const int B = 2, T = c.train.seq_len, V = c.model.vocab_size;
+    std::vector<int32_t> tokens(B * T);
+    for (int i = 0; i < B * T; i++) tokens[i] = (7 * i + 3) % V;
+    std::vector<float> ref(B * T * V), got(B * T * V);
+    Trainer(one, test::quiet()).engine().forward_logits(tokens.data(), B, T, ref.data());
+    Trainer t(c, pipeline_options(), &comm());
+    t.engine().forward_logits(tokens.data(), B, T, got.data());
+    EXPECT_EQ(got, ref);
+}
+
 // What the GPU pipeline is not built for is refused before training, by name.
 TEST(CudaPp, RefusesWhatItDoesNotRun) {
     REQUIRE_GPU_PP();
