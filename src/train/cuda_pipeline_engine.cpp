@@ -27,9 +27,13 @@
 // loss scale alike; every stage updates its own range; the first stage sends the updated
 // embedding back to the last. The loss is the last stage's, broadcast.
 //
-// Built for the synchronous schedules without a split backward (naive, gpipe, 1f1b) and one
-// pipeline (no data parallelism across pipelines, ZeRO stage 0): RunConfig refuses the rest on
-// the GPU, by name.
+// Pipelines side by side (mpirun -np pp x dp, dist/mesh.h): each pipeline is fed its rows of
+// the global micro-batch by the Trainer and runs the schedule on its own communicators; each
+// stage's gradients are all-reduced over its replicas (NCCL across the data group) before the
+// norm, so every replica updates its stage alike.
+//
+// Built for the synchronous schedules without a split backward (naive, gpipe, 1f1b) and ZeRO
+// stage 0 across pipelines: RunConfig refuses the rest on the GPU, by name.
 #include "train/cuda_engine.h"
 
 #include "core/error.h"
@@ -49,6 +53,7 @@
 #include "core/device.h"
 #include "dist/communicator.h"
 #include "dist/device_communicator.h"
+#include "dist/mesh.h"
 #include "dist/param_server.h"
 #include "kernels/cuda/host_convert.h"
 #include "kernels/cuda/ops.h"
@@ -171,9 +176,10 @@ class CudaPipelineEngine final : public Engine, public OptimizerState {
     ~CudaPipelineEngine() override;
 
     std::string describe() const override {
-        return fmt::format("cuda: {} ({}), pipeline stage {} of {} (blocks {}..{}, {} schedule)",
+        return fmt::format("cuda: {} ({}), pipeline stage {} of {} (blocks {}..{}, {} schedule){}",
                            cuda_device_name(), precision_name<T>(), rank_, p_,
-                           model_->first_block(), model_->end_block() - 1, pp::kind_name(kind_));
+                           model_->first_block(), model_->end_block() - 1, pp::kind_name(kind_),
+                           replicas());
     }
     ModelWeights weights() override { return ModelWeights{*weights_, layout_, cfg_.model}; }
     OptimizerState& optimizer() override { return *this; }
@@ -190,8 +196,8 @@ class CudaPipelineEngine final : public Engine, public OptimizerState {
     void forward_logits(const int32_t* inputs, int B, int T_, float* out) override;
     MemoryTracker& memory() override { return device_memory(); }
     std::string memory_title() const override {
-        return fmt::format("device: {}, {}, pipeline stage {} of {}", cuda_device_name(),
-                           precision_name<T>(), rank_, p_);
+        return fmt::format("device: {}, {}, pipeline stage {} of {}{}", cuda_device_name(),
+                           precision_name<T>(), rank_, p_, replicas());
     }
     std::vector<MemoryPrediction> predicted_memory(int B, int T_) const override;
     std::string memory_footer() const override {
@@ -229,6 +235,12 @@ class CudaPipelineEngine final : public Engine, public OptimizerState {
     struct Micro {
         std::vector<int32_t> x, y;
     };
+    // ", pipeline d of D (gradients all-reduced across them)" with pipelines side by side.
+    std::string replicas() const {
+        return mesh_.dp > 1 ? fmt::format(", pipeline {} of {} (gradients all-reduced across them)",
+                                          data_->rank(), mesh_.dp)
+                            : std::string();
+    }
     bool first() const { return rank_ == 0; }
     bool last() const { return rank_ == p_ - 1; }
     void wait(const char* what) { dcomm_->wait(stream_, what); }
@@ -240,6 +252,15 @@ class CudaPipelineEngine final : public Engine, public OptimizerState {
     // A micro-batch through this stage's forward into `slot`: the input received, the output
     // sent on.
     void forward_into(int slot, const Micro& mb);
+    // The mean of the pipelines' losses, summed in pipeline order (the same bits everywhere).
+    double mean_over_pipelines(double loss) {
+        if (mesh_.dp == 1) return loss;
+        std::vector<double> all((std::size_t)mesh_.dp);
+        data_->all_gather_bytes(&loss, all.data(), sizeof(double));
+        double sum = 0;
+        for (double v : all) sum += v;
+        return sum / mesh_.dp;
+    }
     std::size_t stats_doubles() const { return 2 + (std::size_t)cfg_.accum_steps(); }
     double* sums() { return reinterpret_cast<double*>(stats_.data() + sizeof(cuda::StepScalars)); }
     // The communicators across boundary b (ranks b, b + 1).
@@ -247,7 +268,11 @@ class CudaPipelineEngine final : public Engine, public OptimizerState {
     dist::DeviceCommunicator& grad_comm(int b) { return *grad_[b % 2]; }
 
     RunConfig cfg_;
-    dist::Communicator& comm_;
+    dist::Communicator& world_;
+    dist::MeshLayout mesh_;
+    dist::MeshGroups groups_;
+    dist::Communicator& comm_;  // the pipeline: rank = stage
+    dist::Communicator* data_;  // the stage's replicas: rank = pipeline
     int rank_ = 0, p_ = 1;
     pp::Kind kind_;
     ParamLayout layout_;
@@ -257,6 +282,7 @@ class CudaPipelineEngine final : public Engine, public OptimizerState {
     // across even and odd boundaries (see the top of the file).
     std::unique_ptr<dist::DeviceCommunicator> dcomm_;
     std::unique_ptr<dist::DeviceCommunicator> act_[2], grad_[2];
+    std::unique_ptr<dist::DeviceCommunicator> ddata_;  // the stage's replicas (pipelines > 1)
     std::unique_ptr<StageUnits<T>> units_;
     std::unique_ptr<StageWeights<T>> weights_;
     std::unique_ptr<CudaGPT<T>> model_;
@@ -323,26 +349,33 @@ void StageWeights<T>::release(int u) {
 template <typename T>
 CudaPipelineEngine<T>::CudaPipelineEngine(const RunConfig& cfg, dist::Communicator& comm)
     : cfg_(cfg),
-      comm_(comm),
-      rank_(comm.rank()),
-      p_(comm.size()),
+      world_(comm),
+      mesh_{cfg.train.pp, comm.size() / std::max(1, cfg.train.pp)},
+      groups_(dist::split_mesh(comm, mesh_)),
+      comm_(*groups_.stages),
+      data_(groups_.data.get()),
+      rank_(comm_.rank()),
+      p_(comm_.size()),
       kind_(pp::parse_kind(cfg.train.pp_schedule)),
       layout_(make_param_layout(cfg.model)) {
-    if (p_ != cfg_.train.pp)
-        fail("internal: a GPU pipeline of {} stages on {} ranks", cfg_.train.pp, p_);
+    if (p_ != cfg_.train.pp || mesh_.size() != comm.size())
+        fail("internal: GPU pipelines of {} stages on {} ranks", cfg_.train.pp, comm.size());
     MT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     MT_CUDA_CHECK(cudaStreamCreateWithFlags(&fsend_, cudaStreamNonBlocking));
     MT_CUDA_CHECK(cudaStreamCreateWithFlags(&bsend_, cudaStreamNonBlocking));
-    auto nccl = [&] {
+    // Every rank makes each communicator at the same time (its pipeline's, then its stage's
+    // replicas'), each over the host group that carries NCCL's id.
+    auto nccl = [](dist::Communicator& g) {
         return dist::make_nccl_communicator(
-            dist::HostLink{rank_, p_, [&comm](void* d, int64_t b) { comm.broadcast(d, b, 0); }});
+            dist::HostLink{g.rank(), g.size(), [&g](void* d, int64_t b) { g.broadcast(d, b, 0); }});
     };
-    dcomm_ = nccl();
+    dcomm_ = nccl(comm_);
     if (p_ > 1)
         for (int k = 0; k < 2; k++) {
-            act_[k] = nccl();
-            grad_[k] = nccl();
+            act_[k] = nccl(comm_);
+            grad_[k] = nccl(comm_);
         }
+    if (mesh_.dp > 1) ddata_ = nccl(*data_);
     const int B = cfg_.micro_batch(), Tn = cfg_.train.seq_len;
     split_ = pp::split_stages(cfg_.model, p_, B, Tn);
     const int b0 = split_.first_block[rank_], b1 = b0 + split_.blocks[rank_];
@@ -351,13 +384,14 @@ CudaPipelineEngine<T>::CudaPipelineEngine(const RunConfig& cfg, dist::Communicat
         b1 == cfg_.model.n_layer ? layout_.head_unit() : layout_.block_unit(b1 - 1);
     units_ = std::make_unique<StageUnits<T>>(layout_, first_unit, last_unit,
                                              last() && p_ > 1 && cfg_.model.tied_embeddings);
-    // Who owns each unit, for the weights view: the stage its blocks belong to.
+    // Who owns each unit, for the weights view: the stage its blocks belong to (every pipeline
+    // holds the same weights: pipeline 0's stage s, job rank s, speaks for them).
     std::vector<int> owner(layout_.units.size(), 0);
     for (int s = 0; s < p_; s++)
         for (int l = split_.first_block[s]; l < split_.first_block[s] + split_.blocks[s]; l++)
             owner[layout_.block_unit(l)] = s;
     owner[layout_.head_unit()] = p_ - 1;
-    weights_ = std::make_unique<StageWeights<T>>(*this, layout_, std::move(owner), comm_);
+    weights_ = std::make_unique<StageWeights<T>>(*this, layout_, std::move(owner), world_);
     model_ = std::make_unique<CudaGPT<T>>(cfg_.model, stream_, 0, units_.get());
     model_->set_waiter([this](const char* what) { wait(what); });
     opt_ = DeviceOptimizer<T>(cfg_.optim, layout_, units_->begin(), units_->count());
@@ -509,6 +543,11 @@ StepResult CudaPipelineEngine<T>::finish_step(double lr, double max_norm) {
         wait("queued device work");
         inject_overflow_ = false;
     }
+    // Pipelines side by side: each stage's gradients summed over its replicas (the loss gradient
+    // is 1 / the global batch's tokens, so the sum is the whole batch's).
+    if (ddata_)
+        ddata_->all_reduce_sum(units_->grads(), (int64_t)units_->count(), device_type<T>(),
+                               stream_);
     // The global norm: the stages' sums of squares summed over the pipeline.
     cuda::sum_squares<T>(sums(), units_->grads(), (int64_t)units_->count(), stream_);
     dcomm_->all_reduce_sum(sums(), 1, dist::DeviceType::F64, stream_);
@@ -530,7 +569,7 @@ StepResult CudaPipelineEngine<T>::finish_step(double lr, double max_norm) {
     for (int k = 0; k < m; k++) loss += stats_host_[2 + k];
     loss /= (double)m * B_ * T_;
     comm_.broadcast(&loss, sizeof(loss), p_ - 1);
-    r.loss = loss;
+    r.loss = mean_over_pipelines(loss);
     r.grad_norm = scalars_host_->grad_norm;
     r.skipped = scalars_host_->skip != 0;
     r.loss_scale = s.loss_scale;
@@ -569,7 +608,7 @@ double CudaPipelineEngine<T>::forward_loss(const int32_t* inputs, const int32_t*
     wait("the validation loss");
     if (last()) loss = stats_host_[1] / (double)n;
     comm_.broadcast(&loss, sizeof(loss), p_ - 1);
-    return loss;
+    return mean_over_pipelines(loss);
 }
 
 template <typename T>

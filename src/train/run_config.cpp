@@ -544,11 +544,12 @@ void RunConfig::validate_cuda_pipeline() const {
             "train.pp_schedule = \"{}\" runs on the CPU engine only so far; on the GPU choose "
             "naive, gpipe or 1f1b (or set train.device = \"cpu\")",
             train.pp_schedule);
-    if (dp() > 1)
+    if (dp() > 1 && train.zero_stage > 0)
         fail(
-            "train.pp = {} on {} ranks is {} pipelines side by side, which run on the CPU engine "
-            "only so far: start mpirun -np {} on the GPU (or set train.device = \"cpu\")",
-            train.pp, world, dp(), train.pp);
+            "train.zero_stage = {} across {} GPU pipelines: the GPU all-reduces each stage's "
+            "gradients across them (ZeRO stage 0); ZeRO-1 across pipelines runs on the CPU engine "
+            "(or set train.zero_stage = 0)",
+            train.zero_stage, dp());
     if (train.offload_optimizer || train.cuda_graphs)
         fail("train.{} is not built for pipeline stages on the GPU: set it to false",
              train.offload_optimizer ? "offload_optimizer" : "cuda_graphs");

@@ -89,9 +89,22 @@ const char* ncclGetErrorString(ncclResult_t result) {
     }
 }
 
+// A communicator's id names its root (the world rank that made it) and that rank's count of ids
+// so far: the ranks given one id form the communicator. Every rank of the world creates a
+// communicator at the same time (MPI_Comm_split is collective over the world), as memtrain
+// does: the whole world, or each rank its group of a mesh (the pipeline's stages, a stage's
+// replicas) side by side.
 ncclResult_t ncclGetUniqueId(ncclUniqueId* id) {
+    static int made = 0;
+    int inited = 0;
+    MPI_Initialized(&inited);
+    if (!inited) return ncclInvalidUsage;
+    int world_rank = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+    const int name[2] = {world_rank, made++};
     std::memset(id, 0, sizeof(*id));
     std::memcpy(id->internal, "cudasim", 7);
+    std::memcpy(id->internal + 8, name, sizeof(name));
     return ncclSuccess;
 }
 
@@ -99,8 +112,10 @@ ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int
     int inited = 0;
     MPI_Initialized(&inited);
     if (!inited || std::memcmp(id.internal, "cudasim", 7) != 0) return ncclInvalidUsage;
+    int name[2];
+    std::memcpy(name, id.internal + 8, sizeof(name));
     auto* c = new ncclComm;
-    MPI_Comm_dup(MPI_COMM_WORLD, &c->mpi);
+    MPI_Comm_split(MPI_COMM_WORLD, name[0] * 65536 + name[1] % 65536, rank, &c->mpi);
     MPI_Comm_rank(c->mpi, &c->rank);
     MPI_Comm_size(c->mpi, &c->size);
     if (c->rank != rank || c->size != nranks) {
