@@ -5,6 +5,7 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <string_view>
@@ -133,20 +134,26 @@ const char* tp_site_name(TpSite s) {
     return kNames[(int)s];
 }
 
+template <typename F>
+void TpGroup::counted(TpSite s, int64_t n, F&& run) {
+    counts_.calls[(int)s]++;
+    counts_.elements[(int)s] += n;
+    const auto t0 = std::chrono::steady_clock::now();
+    run();
+    counts_.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
 void TpGroup::all_reduce(TpSite site, float* data, int64_t n) {
-    count(site, n);
-    comm_->all_reduce_sum(data, n);
+    counted(site, n, [&] { comm_->all_reduce_sum(data, n); });
 }
 
 void TpGroup::all_reduce_max(TpSite site, double* data, int64_t n) {
-    count(site, n);
-    comm_->all_reduce_max(data, n);
+    counted(site, n, [&] { comm_->all_reduce_max(data, n); });
 }
 
 void TpGroup::all_gather(TpSite site, const float* in, float* out, int64_t n) {
-    count(site, n);
     const std::vector<int64_t> counts((std::size_t)size(), n);
-    comm_->all_gather(in, out, counts);
+    counted(site, n, [&] { comm_->all_gather(in, out, counts); });
 }
 
 int64_t TpGroup::Counts::bytes() const {

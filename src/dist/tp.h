@@ -98,6 +98,7 @@ class TpGroup {
 
     struct Counts {
         std::array<int64_t, kTpSites> calls{}, elements{};
+        double seconds = 0;  // wall time inside the collectives (waiting for peers included)
         int64_t calls_at(TpSite s) const { return calls[(int)s]; }
         int64_t elements_at(TpSite s) const { return elements[(int)s]; }
         // Bytes the group's collectives carried (the all-reduces' payloads, not a ring's traffic).
@@ -107,10 +108,9 @@ class TpGroup {
     void reset_counts() { counts_ = {}; }
 
   private:
-    void count(TpSite s, int64_t n) {
-        counts_.calls[(int)s]++;
-        counts_.elements[(int)s] += n;
-    }
+    // Counts one collective of n elements at `s` and times `run` (the collective itself).
+    template <typename F>
+    void counted(TpSite s, int64_t n, F&& run);
     Communicator* comm_;
     Counts counts_;
 };

@@ -222,8 +222,10 @@ std::string TpEngine::memory_footer() const {
                 sites +=
                     fmt::format("{}{} x{} ({} elements)", sites.empty() ? "" : ", ",
                                 dist::tp_site_name((dist::TpSite)s), c.calls[s], c.elements[s]);
-        out += fmt::format("tensor parallel, last step's collectives: {}; {:.3f} MiB in all\n",
-                           sites, c.bytes() / 1048576.0);
+        out += fmt::format(
+            "tensor parallel, last step's collectives: {}; {:.3f} MiB in all, {:.1f} ms inside "
+            "them\n",
+            sites, c.bytes() / 1048576.0, 1e3 * c.seconds);
     }
     return out;
 }
