@@ -185,6 +185,27 @@ TEST(TpTrain, LlamaGqaMatchesSingleProcess) {
     check_tp_matches_single_process(true);
 }
 
+// Activation checkpointing under TP: a block recomputed in backward runs its forward's
+// all-reduces again, on the same inputs, so the run is bitwise the one that kept everything.
+TEST(TpTrain, RematRecomputesBitwise) {
+    RunConfig c = with_tp(tp_run("tp_remat", true, 2));
+    TrainSummary keep;
+    std::vector<float> keep_params;
+    {
+        Trainer t(c, test::quiet(), &comm());
+        keep = t.run();
+        keep_params = t.params();
+    }
+    for (const char* remat : {"full", "selective"}) {
+        RunConfig r = c;
+        r.train.remat = remat;
+        r.io.out_dir = c.io.out_dir + "_" + remat;
+        Trainer t(r, test::quiet(), &comm());
+        EXPECT_EQ(t.run().losses, keep.losses) << remat;
+        EXPECT_EQ(t.params(), keep_params) << remat;
+    }
+}
+
 // Per step of K micro-batches of N = B x T tokens through L blocks: 2 L K all-reduces of N x C
 // forward and 2 L K backward, K of the embedding and K of the classifier's input gradient, and
 // per micro-batch (N <= 256 rows: one loss chunk) one max of N doubles and one sum of 2N floats.
