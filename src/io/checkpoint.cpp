@@ -129,6 +129,11 @@ std::string save_checkpoint(const std::string& out_dir, const RunConfig& cfg,
             files += (int)per_rank[r];
         }
     }
+    if (!sharded && !root && opt.collective_read()) {
+        // The ranks' part of root's reads (tensor parallelism's gathers); root writes alone.
+        std::vector<float> staging(opt.count());
+        for (const auto& name : opt.state_names()) opt.read_state(name, staging.data());
+    }
     if (sharded || root) {
         const std::vector<std::string> names = opt.state_names();
         // State that lives outside host memory (the CUDA engine's), or in pieces, is copied out

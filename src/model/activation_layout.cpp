@@ -95,8 +95,8 @@ std::size_t saved_field_bytes(SavedField f, const ModelConfig& cfg, int B, int T
     std::size_t n = 0;
     bool stat = info(f).statistic;
     switch (info(f).dim) {
-        case Dim::C:
-            n = BT * cfg.n_embd;
+        case Dim::C:  // the attention output is its heads' width (C / tp on a TP shard)
+            n = BT * (f == SavedField::Atty ? cfg.attn_dim() : cfg.n_embd);
             break;
         case Dim::Mean:
             n = cfg.rmsnorm() ? 0 : BT;
@@ -105,17 +105,17 @@ std::size_t saved_field_bytes(SavedField f, const ModelConfig& cfg, int B, int T
             n = BT;
             break;
         case Dim::Qkv:
-            n = BT * cfg.qkv_dim();
+            n = BT * cfg.local_qkv_dim();
             break;
         case Dim::Att:
-            n = BT * cfg.n_head * (fmt.fused_attention ? 1 : (std::size_t)T);
+            n = BT * cfg.local_heads() * (fmt.fused_attention ? 1 : (std::size_t)T);
             stat = stat || fmt.fused_attention;
             break;
         case Dim::Fc:
-            n = BT * cfg.fc_dim();
+            n = BT * cfg.local_fc_dim();
             break;
         case Dim::Hidden:
-            n = BT * cfg.mlp_hidden();
+            n = BT * cfg.local_hidden();
             break;
     }
     return n * (stat ? sizeof(float) : (std::size_t)fmt.elem_bytes);
@@ -260,14 +260,14 @@ ArenaPlan plan_arena(const ModelConfig& cfg, int B, int T, const RematPlan& plan
     p.dln = take_work(BT * C * e);
     p.entries.push_back({"d layernorm input", BT * C * e, W});
     // One buffer for d(qkv) and d(c_fc output); SwiGLU also needs d(product) beside d(fch).
-    const std::size_t big = BT * (std::size_t)std::max(cfg.qkv_dim(), cfg.fc_dim()) * e;
+    const std::size_t big = BT * (std::size_t)std::max(cfg.local_qkv_dim(), cfg.local_fc_dim()) * e;
     p.dbig = take_work(big);
     p.entries.push_back({"d qkv / d mlp hidden", big, W});
     if (cfg.swiglu()) {
-        p.dact = take_work(BT * cfg.mlp_hidden() * e);
-        p.entries.push_back({"d mlp product", BT * cfg.mlp_hidden() * e, W});
+        p.dact = take_work(BT * cfg.local_hidden() * e);
+        p.entries.push_back({"d mlp product", BT * cfg.local_hidden() * e, W});
     }
-    const std::size_t logits = std::min<std::size_t>(fmt.loss_chunk, BT) * cfg.padded_vocab() * e;
+    const std::size_t logits = std::min<std::size_t>(fmt.loss_chunk, BT) * cfg.local_vocab() * e;
     p.logits = take_work(logits);
     p.entries.push_back({"logits chunk", logits, W});
     if (fmt.cuda) {

@@ -38,6 +38,27 @@ void ModelConfig::validate() const {
     if (!(norm_eps > 0.0)) fail("model.norm_eps must be positive, got {}", norm_eps);
     if (!(rope_theta > 0.0)) fail("model.rope_theta must be positive, got {}", rope_theta);
     if (init_std <= 0.0) fail("model.init_std must be positive, got {}", init_std);
+    if (tp != 1) validate_tp(tp);
+}
+
+void ModelConfig::validate_tp(int ranks) const {
+    if (ranks < 1) fail("train.tp = {} must be >= 1 (1: no tensor parallelism)", ranks);
+    if (n_head % ranks != 0)
+        fail("train.tp = {} must divide model.n_head = {}: each rank holds whole attention heads",
+             ranks, n_head);
+    if (kv_heads() % ranks != 0)
+        fail(
+            "train.tp = {} must divide model.n_kv_head = {}: each rank holds whole key/value "
+            "heads",
+            ranks, kv_heads());
+    if (mlp_hidden() % ranks != 0)
+        fail("train.tp = {} must divide the MLP hidden size {} (model.ffn_hidden)", ranks,
+             mlp_hidden());
+    if (padded_vocab() % ranks != 0)
+        fail(
+            "train.tp = {} must divide the padded vocabulary {} (model.vocab_size rounded up to "
+            "model.vocab_pad): each rank holds as many embedding rows",
+            ranks, padded_vocab());
 }
 
 }  // namespace memtrain

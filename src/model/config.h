@@ -26,6 +26,11 @@ struct ModelConfig {
     double norm_eps = 1e-5;
     double rope_theta = 10000.0;
     double init_std = 0.02;
+    // Tensor parallelism (dist/tp.h): this config describes one of `tp` ranks' shards, whose
+    // local_* sizes below are the whole model's divided by tp (heads, kv heads, MLP hidden,
+    // padded vocabulary rows). Set by the tensor-parallel engine from train.tp, never read from a
+    // file; 1 everywhere else, where the local sizes are the whole model's.
+    int tp = 1;
     // Weights to start from: a Hugging Face model directory, a .safetensors file, or a sharded
     // model.safetensors.index.json, with GPT-2 or Llama tensor names (io/hf_weights.h).
     std::string init_from;
@@ -42,6 +47,16 @@ struct ModelConfig {
     }
     // Output width of mlp.c_fc: H for GELU, 2H ([gate | up]) for SwiGLU.
     int fc_dim() const { return activation == "swiglu" ? 2 * mlp_hidden() : mlp_hidden(); }
+    // One tensor-parallel rank's shard (equal to the whole model's sizes at tp = 1): its query
+    // heads, kv heads, attention width (its heads x head_dim: c_proj's input rows), packed qkv
+    // width, MLP hidden width, c_fc output width, and padded vocabulary rows.
+    int local_heads() const { return n_head / tp; }
+    int local_kv_heads() const { return kv_heads() / tp; }
+    int attn_dim() const { return local_heads() * head_dim(); }
+    int local_qkv_dim() const { return qkv_dim() / tp; }
+    int local_hidden() const { return mlp_hidden() / tp; }
+    int local_fc_dim() const { return fc_dim() / tp; }
+    int local_vocab() const { return padded_vocab() / tp; }
     bool rmsnorm() const { return norm == "rmsnorm"; }
     bool swiglu() const { return activation == "swiglu"; }
     bool rope() const { return positions == "rope"; }
@@ -56,6 +71,10 @@ struct ModelConfig {
     // Throws memtrain::Error naming the offending key when the config is inconsistent or asks
     // for a variant the engine does not implement yet.
     void validate() const;
+    // Whether the model splits over `ranks` tensor-parallel ranks (heads, kv heads, MLP hidden
+    // and padded vocabulary rows all divisible); an Error naming train.tp and the key otherwise.
+    // validate() runs it for a shard's config (tp > 1).
+    void validate_tp(int ranks) const;
 };
 
 }  // namespace memtrain

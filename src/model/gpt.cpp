@@ -7,6 +7,7 @@
 #include <iterator>
 
 #include "core/error.h"
+#include "dist/tp.h"
 #include "kernels/cpu/ops.h"
 
 namespace memtrain {
@@ -94,13 +95,14 @@ void GPT::set_slots(int k) {
 
 void GPT::set_split_backward(bool on) {
     if (on && lora_) fail("LoRA does not run with a split backward (zb-h1) yet");
+    if (on && tp_) fail("internal: tensor parallelism runs without a split backward");
     if (on == split_) return;
     split_ = on;
     arena_B_ = arena_T_ = 0;
 }
 
 std::size_t GPT::wgrad_floats(int B, int T) const {
-    return (std::size_t)B * T * (2 * cfg_.n_embd + cfg_.fc_dim() + cfg_.qkv_dim());
+    return (std::size_t)B * T * (2 * cfg_.n_embd + cfg_.local_fc_dim() + cfg_.local_qkv_dim());
 }
 
 std::size_t GPT::split_backward_bytes(int B, int T) const {
@@ -178,14 +180,42 @@ void GPT::norm_backward(float* dinp, float* dw, float* db, const float* dout, co
 
 void GPT::act_forward(float* out, const float* inp, int N) const {
     if (cfg_.swiglu())
-        cpu::swiglu_forward(out, inp, N, cfg_.mlp_hidden());
+        cpu::swiglu_forward(out, inp, N, cfg_.local_hidden());
     else
-        cpu::gelu_forward(out, inp, (int64_t)N * cfg_.mlp_hidden());
+        cpu::gelu_forward(out, inp, (int64_t)N * cfg_.local_hidden());
+}
+
+void GPT::set_tp(dist::TpGroup* tp) {
+    if (tp && tp->size() != cfg_.tp)
+        fail("internal: a shard of {} tensor-parallel ranks over a group of {}", cfg_.tp,
+             tp->size());
+    if (!tp && cfg_.tp != 1) fail("internal: a tensor-parallel shard needs its group");
+    if (tp && (lora_ || split_ || b0_ != 0 || b1_ != cfg_.n_layer))
+        fail("internal: tensor parallelism runs without LoRA, pipeline stages or split backward");
+    tp_ = tp;
+}
+
+int GPT::vocab_begin() const {
+    return tp_ ? tp_->rank() * cfg_.local_vocab() : 0;
+}
+
+void GPT::add_residual_bias(float* out, const float* resid, const float* bias, int N) const {
+    const int C = cfg_.n_embd;
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        float* o = out + (int64_t)n * C;
+        const float* r = resid + (int64_t)n * C;
+        if (bias)
+            for (int i = 0; i < C; i++) o[i] = r[i] + (o[i] + bias[i]);
+        else
+            for (int i = 0; i < C; i++) o[i] += r[i];
+    }
 }
 
 void GPT::set_lora(LoraAdapters* lora) {
     if (lora && split_)
         fail("LoRA does not run with a split backward (zb-h1) yet: choose another schedule");
+    if (lora && tp_) fail("internal: tensor parallelism runs without LoRA");
     lora_ = lora;
 }
 
@@ -205,26 +235,42 @@ void GPT::lora_backward(int l, BlockLinear linear, const float* adapter, float* 
 
 void GPT::block_forward(const BlockParams& p, int l, const float* adapter, const float* x,
                         float* out, BlockSaved& s, int B, int T) {
-    const int N = B * T, C = cfg_.n_embd, QKV = cfg_.qkv_dim(), F = cfg_.fc_dim(),
-              H = cfg_.mlp_hidden();
+    // A tensor-parallel shard's sizes (dist/tp.h; the whole model's without TP): A is the width
+    // of this rank's attention heads.
+    const int N = B * T, C = cfg_.n_embd, QKV = cfg_.local_qkv_dim(), F = cfg_.local_fc_dim(),
+              H = cfg_.local_hidden(), A = cfg_.attn_dim();
+    const int NH = cfg_.local_heads(), NKV = cfg_.local_kv_heads();
     norm_forward(s.ln1, s.ln1_mean, s.ln1_rstd, x, p.ln1_w, p.ln1_b, N);
     cpu::matmul_forward(s.qkv, s.ln1, p.qkv_w, p.qkv_b, N, C, QKV);
     lora_forward(l, BlockLinear::Qkv, adapter, s.ln1, s.qkv, N);
     // Rotating in place means qkv holds what attention reads (and backward needs); c_attn's
     // backward reads ln1, not qkv, so the unrotated values are never needed again.
     if (cfg_.rope())
-        cpu::rope_forward(s.qkv, B, T, cfg_.n_head, cfg_.kv_heads(), cfg_.head_dim(),
-                          (float)cfg_.rope_theta);
-    cpu::attention_forward(s.atty, s.att, s.qkv, B, T, C, cfg_.n_head, cfg_.kv_heads());
-    std::memcpy(s.resid_mid, x, sizeof(float) * N * C);
-    cpu::matmul_forward(s.resid_mid, s.atty, p.proj_w, p.proj_b, N, C, C, 1.0f);
+        cpu::rope_forward(s.qkv, B, T, NH, NKV, cfg_.head_dim(), (float)cfg_.rope_theta);
+    cpu::attention_forward(s.atty, s.att, s.qkv, B, T, A, NH, NKV);
+    if (tp_) {
+        // Row-parallel c_proj: this rank's heads' share, summed over the group (g), then the
+        // residual and the bias once.
+        cpu::matmul_forward(s.resid_mid, s.atty, p.proj_w, nullptr, N, A, C);
+        tp_->all_reduce(dist::TpSite::RowForward, s.resid_mid, (int64_t)N * C);
+        add_residual_bias(s.resid_mid, x, p.proj_b, N);
+    } else {
+        std::memcpy(s.resid_mid, x, sizeof(float) * N * C);
+        cpu::matmul_forward(s.resid_mid, s.atty, p.proj_w, p.proj_b, N, C, C, 1.0f);
+    }
     lora_forward(l, BlockLinear::Proj, adapter, s.atty, s.resid_mid, N);
     norm_forward(s.ln2, s.ln2_mean, s.ln2_rstd, s.resid_mid, p.ln2_w, p.ln2_b, N);
     cpu::matmul_forward(s.fch, s.ln2, p.fc_w, p.fc_b, N, C, F);
     lora_forward(l, BlockLinear::Fc, adapter, s.ln2, s.fch, N);
     act_forward(s.fch_act, s.fch, N);
-    std::memcpy(out, s.resid_mid, sizeof(float) * N * C);
-    cpu::matmul_forward(out, s.fch_act, p.fcp_w, p.fcp_b, N, H, C, 1.0f);
+    if (tp_) {  // row-parallel mlp.c_proj, as c_proj above
+        cpu::matmul_forward(out, s.fch_act, p.fcp_w, nullptr, N, H, C);
+        tp_->all_reduce(dist::TpSite::RowForward, out, (int64_t)N * C);
+        add_residual_bias(out, s.resid_mid, p.fcp_b, N);
+    } else {
+        std::memcpy(out, s.resid_mid, sizeof(float) * N * C);
+        cpu::matmul_forward(out, s.fch_act, p.fcp_w, p.fcp_b, N, H, C, 1.0f);
+    }
     lora_forward(l, BlockLinear::FcProj, adapter, s.fch_act, out, N);
 }
 
@@ -251,8 +297,11 @@ static DeferredGrads deferred_grads(float* base, int N, int C, int F) {
 void GPT::block_backward(const BlockParams& p, BlockParams& g, int l, const float* adapter,
                          float* adapter_grads, float* dres, const float* x, const BlockSaved& s,
                          int B, int T, float* defer) {
-    const int N = B * T, C = cfg_.n_embd, QKV = cfg_.qkv_dim(), F = cfg_.fc_dim(),
-              H = cfg_.mlp_hidden();
+    // A tensor-parallel shard's sizes (dist/tp.h; the whole model's without TP): A is the width
+    // of this rank's attention heads.
+    const int N = B * T, C = cfg_.n_embd, QKV = cfg_.local_qkv_dim(), F = cfg_.local_fc_dim(),
+              H = cfg_.local_hidden(), A = cfg_.attn_dim();
+    const int NH = cfg_.local_heads(), NKV = cfg_.local_kv_heads();
     // Without `defer` each GEMM's weight half runs with its input half; with it, only the input
     // halves run here and each weight half's output gradient is kept for block_weight_grads.
     // Under LoRA `g` is all null (the base is frozen) and each GEMM's adapters add their share
@@ -281,31 +330,35 @@ void GPT::block_backward(const BlockParams& p, BlockParams& g, int l, const floa
     keep(d.fc, dfch, (std::size_t)N * F);
     cpu::matmul_backward(dln_, w(g.fc_w), w(g.fc_b), dfch, s.ln2, p.fc_w, N, C, F);
     lora(BlockLinear::Fc, s.ln2, dfch, dln_);
+    // Column-parallel c_fc: each rank has its columns' share of d(ln_2 output); summed (f).
+    if (tp_) tp_->all_reduce(dist::TpSite::ColumnBackward, dln_, (int64_t)N * C);
     norm_backward(dres, g.ln2_w, g.ln2_b, dln_, s.resid_mid, p.ln2_w, s.ln2_mean, s.ln2_rstd, N);
     float* datty = dln_;
     keep(d.proj, dres, (std::size_t)N * C);
-    cpu::matmul_backward(datty, w(g.proj_w), w(g.proj_b), dres, s.atty, p.proj_w, N, C, C);
+    cpu::matmul_backward(datty, w(g.proj_w), w(g.proj_b), dres, s.atty, p.proj_w, N, A, C);
     lora(BlockLinear::Proj, s.atty, dres, datty);
     float* dqkv = dbig_;
-    cpu::attention_backward(dqkv, datty, s.qkv, s.att, B, T, C, cfg_.n_head, cfg_.kv_heads());
+    cpu::attention_backward(dqkv, datty, s.qkv, s.att, B, T, A, NH, NKV);
     if (cfg_.rope())
-        cpu::rope_backward(dqkv, B, T, cfg_.n_head, cfg_.kv_heads(), cfg_.head_dim(),
-                           (float)cfg_.rope_theta);
+        cpu::rope_backward(dqkv, B, T, NH, NKV, cfg_.head_dim(), (float)cfg_.rope_theta);
     keep(d.qkv, dqkv, (std::size_t)N * QKV);
     cpu::matmul_backward(dln_, w(g.qkv_w), w(g.qkv_b), dqkv, s.ln1, p.qkv_w, N, C, QKV);
     lora(BlockLinear::Qkv, s.ln1, dqkv, dln_);
+    if (tp_) tp_->all_reduce(dist::TpSite::ColumnBackward, dln_, (int64_t)N * C);  // c_attn's f
     norm_backward(dres, g.ln1_w, g.ln1_b, dln_, x, p.ln1_w, s.ln1_mean, s.ln1_rstd, N);
 }
 
 // The weight halves block_backward deferred, in its order, on the same inputs: the same bits.
 void GPT::block_weight_grads(BlockParams& g, const BlockSaved& s, const float* deferred, int B,
                              int T) {
-    const int N = B * T, C = cfg_.n_embd, QKV = cfg_.qkv_dim(), F = cfg_.fc_dim(),
-              H = cfg_.mlp_hidden();
+    // A tensor-parallel shard's sizes (dist/tp.h; the whole model's without TP): A is the width
+    // of this rank's attention heads.
+    const int N = B * T, C = cfg_.n_embd, QKV = cfg_.local_qkv_dim(), F = cfg_.local_fc_dim(),
+              H = cfg_.local_hidden(), A = cfg_.attn_dim();
     const DeferredGrads d = deferred_grads(const_cast<float*>(deferred), N, C, F);
     cpu::matmul_backward(nullptr, g.fcp_w, g.fcp_b, d.fcp, s.fch_act, nullptr, N, H, C);
     cpu::matmul_backward(nullptr, g.fc_w, g.fc_b, d.fc, s.ln2, nullptr, N, C, F);
-    cpu::matmul_backward(nullptr, g.proj_w, g.proj_b, d.proj, s.atty, nullptr, N, C, C);
+    cpu::matmul_backward(nullptr, g.proj_w, g.proj_b, d.proj, s.atty, nullptr, N, A, C);
     cpu::matmul_backward(nullptr, g.qkv_w, g.qkv_b, d.qkv, s.ln1, nullptr, N, C, QKV);
 }
 
@@ -318,6 +371,7 @@ static void check_tokens(const int32_t* tokens, std::size_t n, int vocab, const 
 }
 
 void GPT::stage_forward(int slot, const int32_t* inputs, int B, int T) {
+    if (cfg_.tp != 1 && !tp_) fail("internal: a tensor-parallel shard runs with set_tp");
     ensure_arena(B, T);
     Slot& sl = slots_.at(slot);
     const int N = B * T, C = cfg_.n_embd;
@@ -327,7 +381,11 @@ void GPT::stage_forward(int slot, const int32_t* inputs, int B, int T) {
         // Each unit announces the next (ParamStore::prefetch), so ZeRO-3 gathers it meanwhile.
         EmbeddingParams e = embedding_view(layout_, store_->acquire(E));
         store_->prefetch(layout_.block_unit(b0_));
-        cpu::embedding_forward(sl.resid[0], inputs, e.wte, e.wpe, B, T, C);
+        if (tp_)
+            dist::vocab_parallel_embedding(*tp_, sl.resid[0], inputs, e.wte, e.wpe, B, T, C,
+                                           vocab_begin(), cfg_.local_vocab());
+        else
+            cpu::embedding_forward(sl.resid[0], inputs, e.wte, e.wpe, B, T, C);
         store_->release(E);
     }
     for (int l = b0_; l < b1_; l++) {
@@ -410,8 +468,12 @@ float GPT::backward_pass(int slot, const int32_t* inputs, const int32_t* targets
         }
         const float* wout = acquire_output_embedding(h);
         store_->prefetch(layout_.block_unit(b1_ - 1));  // gathered during the classifier
-        loss = cpu::classifier_loss(dln_, dwout, logits_, sl.lnf, wout, targets, N, C,
-                                    cfg_.vocab_size, cfg_.padded_vocab(), kLossChunk, grad_scale);
+        loss = tp_ ? dist::vocab_parallel_loss(*tp_, dln_, dwout, logits_, sl.lnf, wout, targets, N,
+                                               C, cfg_.vocab_size, vocab_begin(),
+                                               cfg_.local_vocab(), kLossChunk, grad_scale)
+                   : cpu::classifier_loss(dln_, dwout, logits_, sl.lnf, wout, targets, N, C,
+                                          cfg_.vocab_size, cfg_.padded_vocab(), kLossChunk,
+                                          grad_scale);
         release_output_embedding();
         std::memset(dres_, 0, sizeof(float) * N * C);
         norm_backward(dres_, hg.lnf_w, hg.lnf_b, dln_, sl.resid.back(), h.lnf_w, sl.lnf_mean,
@@ -446,7 +508,11 @@ float GPT::backward_pass(int slot, const int32_t* inputs, const int32_t* targets
     }
     if (has_embedding() && !frozen_base()) {
         EmbeddingParams eg = embedding_view(layout_, store_->unit_grads(E));
-        cpu::embedding_backward(eg.wte, eg.wpe, dres_, inputs, B, T, C);
+        if (tp_)
+            dist::vocab_parallel_embedding_backward(eg.wte, eg.wpe, dres_, inputs, B, T, C,
+                                                    vocab_begin(), cfg_.local_vocab());
+        else
+            cpu::embedding_backward(eg.wte, eg.wpe, dres_, inputs, B, T, C);
         store_->grads_done(E);
     }
     return (float)(loss / N);
@@ -458,9 +524,13 @@ float GPT::stage_loss(int slot, const int32_t* targets, int B, int T) {
     const int N = B * T, H = layout_.head_unit();
     const HeadParams h = head_view(layout_, store_->acquire(H));
     store_->release(H);
-    double loss = cpu::classifier_loss(nullptr, nullptr, logits_, sl.lnf,
-                                       acquire_output_embedding(h), targets, N, cfg_.n_embd,
-                                       cfg_.vocab_size, cfg_.padded_vocab(), kLossChunk, 0.0f);
+    const float* wout = acquire_output_embedding(h);
+    double loss =
+        tp_ ? dist::vocab_parallel_loss(*tp_, nullptr, nullptr, logits_, sl.lnf, wout, targets, N,
+                                        cfg_.n_embd, cfg_.vocab_size, vocab_begin(),
+                                        cfg_.local_vocab(), kLossChunk, 0.0f)
+            : cpu::classifier_loss(nullptr, nullptr, logits_, sl.lnf, wout, targets, N, cfg_.n_embd,
+                                   cfg_.vocab_size, cfg_.padded_vocab(), kLossChunk, 0.0f);
     release_output_embedding();
     store_->release(H);
     return (float)(loss / N);
@@ -471,8 +541,12 @@ void GPT::stage_logits(int slot, int B, int T, float* out) {
     const int H = layout_.head_unit();
     const HeadParams h = head_view(layout_, store_->acquire(H));
     store_->release(H);
-    cpu::classifier_logits(out, sl.lnf, acquire_output_embedding(h), B * T, cfg_.n_embd,
-                           cfg_.vocab_size);
+    if (tp_)
+        dist::vocab_parallel_logits(*tp_, out, sl.lnf, acquire_output_embedding(h), B * T,
+                                    cfg_.n_embd, cfg_.vocab_size, cfg_.local_vocab());
+    else
+        cpu::classifier_logits(out, sl.lnf, acquire_output_embedding(h), B * T, cfg_.n_embd,
+                               cfg_.vocab_size);
     release_output_embedding();
     store_->release(H);
 }

@@ -23,6 +23,10 @@
 
 namespace memtrain {
 
+namespace dist {
+class TpGroup;
+}
+
 // What one block's forward keeps for its backward. Shapes for a micro-batch of B x T, with
 // QKV = ModelConfig::qkv_dim(), F = fc_dim(), H = mlp_hidden() (GPT-2: 3C, 4C, 4C).
 // Fields a config does not need are null and take no bytes (rmsnorm keeps no mean).
@@ -90,6 +94,13 @@ class GPT {
     // never asking the base store for gradients. Null turns it off. Not with a split backward.
     void set_lora(LoraAdapters* lora);
     bool frozen_base() const { return lora_ != nullptr; }
+
+    // Tensor parallelism (dist/tp.h): this model is one shard of config().tp ranks (built from
+    // dist::tp_shard_config) and `tp` their group, which must outlive the model. The forward
+    // and backward then run the group's all-reduces (2 per block each way, the
+    // vocabulary-parallel embedding and loss); every rank calls the same entry points with the
+    // same tokens. A whole model of one stage, without LoRA or split backward.
+    void set_tp(dist::TpGroup* tp);
 
     // Pipeline stages (parallel/pipeline_engine.h). A stage holds up to slots() micro-batches
     // between their forward and their backward, each in an activation arena of its own (the
@@ -187,6 +198,10 @@ class GPT {
     void norm_backward(float* dinp, float* dw, float* db, const float* dout, const float* inp,
                        const float* w, const float* mean, const float* rstd, int N) const;
     void act_forward(float* out, const float* inp, int N) const;
+    // TP: the first vocabulary row this rank holds (0 without TP).
+    int vocab_begin() const;
+    // out (N,C) = resid + (out + bias), after a row-parallel GEMM's all-reduce (bias may be null).
+    void add_residual_bias(float* out, const float* resid, const float* bias, int N) const;
     // Block l of the model (l in [b0_, b1_)).
     BlockKeep keep(int l) const { return plan_.empty() ? BlockKeep::All : plan_[l - b0_]; }
 
@@ -203,6 +218,7 @@ class GPT {
     Buffer<float> work_;  // MemCategory::Workspace, shared by the slots
     RematPlan plan_;      // one entry per block of the stage
     LoraAdapters* lora_ = nullptr;
+    dist::TpGroup* tp_ = nullptr;
     float *dres_, *dln_, *dbig_, *dact_, *logits_;
 };
 

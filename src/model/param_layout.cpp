@@ -18,8 +18,10 @@ const ParamSpec& ParamLayout::get(std::string_view name) const {
 }
 
 ParamLayout make_param_layout(const ModelConfig& cfg) {
-    const int64_t C = cfg.n_embd, Vp = cfg.padded_vocab(), QKV = cfg.qkv_dim(), F = cfg.fc_dim(),
-                  H = cfg.mlp_hidden();
+    // A tensor-parallel shard's sizes (the whole model's at cfg.tp = 1): A is the attention
+    // width its heads produce, the rows of its c_proj.
+    const int64_t C = cfg.n_embd, Vp = cfg.local_vocab(), QKV = cfg.local_qkv_dim(),
+                  F = cfg.local_fc_dim(), H = cfg.local_hidden(), A = cfg.attn_dim();
     const bool norm_bias = !cfg.rmsnorm();
     ParamLayout layout;
     auto add = [&](std::string name, std::vector<int64_t> shape, bool decay) {
@@ -41,7 +43,7 @@ ParamLayout make_param_layout(const ModelConfig& cfg) {
         if (norm_bias) add(h + "ln_1.bias", {C}, false);
         add(h + "attn.c_attn.weight", {C, QKV}, true);
         if (cfg.bias) add(h + "attn.c_attn.bias", {QKV}, false);
-        add(h + "attn.c_proj.weight", {C, C}, true);
+        add(h + "attn.c_proj.weight", {A, C}, true);
         if (cfg.bias) add(h + "attn.c_proj.bias", {C}, false);
         add(h + "ln_2.weight", {C}, false);
         if (norm_bias) add(h + "ln_2.bias", {C}, false);

@@ -37,6 +37,10 @@ class OptimizerState {
     // The tensor in host memory, or null where it lives elsewhere (then read_state copies it).
     virtual const float* host_state(const std::string& name) = 0;
     virtual void read_state(const std::string& name, float* dst /*(count)*/) = 0;
+    // Whether read_state is a collective that every rank of the run must call (tensor
+    // parallelism gathers the whole state from the ranks' shards); checkpoints then have every
+    // rank read while one writes.
+    virtual bool collective_read() const { return false; }
     // Writes floats [begin, begin + n) of the tensor.
     virtual void write_state(const std::string& name, std::size_t begin, std::size_t n,
                              const float* src) = 0;

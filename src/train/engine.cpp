@@ -9,6 +9,7 @@
 #include "train/lora_engine.h"
 #include "train/pipeline_engine.h"
 #include "train/ps_engine.h"
+#include "train/tp_engine.h"
 
 namespace memtrain {
 
@@ -133,6 +134,14 @@ std::unique_ptr<Engine> make_engine(const RunConfig& cfg, dist::Communicator& co
             return make_cuda_pipeline_engine(cfg, comm);
         }
         return std::make_unique<PipelineEngine>(cfg, comm);
+    }
+    if (cfg.train.tp > 1) {
+        if (cfg.train.device != "cpu")
+            fail(
+                "train.tp = {} runs on the CPU engine only so far, not on {}: set train.device = "
+                "\"cpu\"",
+                cfg.train.tp, cfg.train.device);
+        return std::make_unique<TpEngine>(cfg, comm);
     }
     if (cfg.lora.enabled()) {
         if (cfg.train.device == "cuda") return make_cuda_lora_engine(cfg, comm);

@@ -9,6 +9,7 @@
 
 #include "core/error.h"
 #include "dist/communicator.h"
+#include "dist/tp.h"
 #include "model/gpt.h"
 #include "model/lora.h"
 #include "quant/quantized_store.h"
@@ -52,9 +53,40 @@ std::size_t read_number(const std::string& path, const std::string& key, std::si
 
 }  // namespace
 
+// A tensor-parallel rank (train/tp_engine.h): the model states of its shard (the whole tensors
+// plus 1/T of the cut ones), the arenas of the shard's config, and the buffers that gather the
+// shards for checkpoints (a unit, or the optimizer state, from every rank).
+static std::vector<MemoryPrediction> predict_tp_memory(const RunConfig& cfg, const RematPlan& plan,
+                                                       int rank, int B, int T) {
+    const int tp = cfg.train.tp;
+    const dist::TpLayout tl = dist::make_tp_layout(cfg.model, tp, rank);
+    const ModelConfig shard = dist::tp_shard_config(cfg.model, tp);
+    const std::size_t psi = tl.local.total, whole = tl.replicated_floats();
+    auto rows = zero_state_rows(
+        cfg, psi, psi, 1,
+        fmt::format("(whole {} + cut {} / {}) params", whole, tl.full.total - whole, tp));
+    const auto arena = activation_layout(shard, B, T, plan, GPT::arena_format());
+    rows.push_back({MemCategory::Activations,
+                    fmt::format("activation_layout(shard, B, T, remat={})", cfg.train.remat),
+                    arena_bytes(arena, MemCategory::Activations)});
+    rows.push_back({MemCategory::Workspace, "activation_layout(shard, B, T)",
+                    arena_bytes(arena, MemCategory::Workspace)});
+    // Checkpoints: the optimizer state of every rank (T x Ψ_shard), or a unit whole beside every
+    // rank's piece of it, whichever is larger.
+    std::size_t unit = 0;
+    for (std::size_t u = 0; u < tl.full.units.size(); u++)
+        unit = std::max(unit, tl.full.units[u].size() + tp * tl.local.units[u].size());
+    rows.push_back(
+        {MemCategory::Communication,
+         fmt::format("checkpoint gathers: max({} x Ψ_shard, a unit + its {} pieces)", tp, tp),
+         sizeof(float) * std::max((std::size_t)tp * psi, unit)});
+    return rows;
+}
+
 std::vector<MemoryPrediction> predict_cpu_memory(const RunConfig& cfg, const RematPlan& plan,
                                                  int rank, int B, int T) {
     if (cfg.train.device != "cpu" || cfg.train.pp > 1 || cfg.ps()) return {};
+    if (cfg.train.tp > 1) return predict_tp_memory(cfg, plan, rank, B, T);
     const ParamLayout layout = make_param_layout(cfg.model);
     const auto arena = activation_layout(cfg.model, B, T, plan, GPT::arena_format());
     auto shard = [&](std::size_t psi) {

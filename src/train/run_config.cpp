@@ -199,6 +199,9 @@ const std::vector<Key>& registry() {
                  "data-parallel sharding: 0 DDP | 1 optimizer | 2 + gradients | 3 + parameters"),
         make_key("train.pp", &R::train, &TrainConfig::pp,
                  "pipeline stages: mpirun -np PP runs one model split over PP ranks"),
+        make_key("train.tp", &R::train, &TrainConfig::tp,
+                 "tensor-parallel ranks (Megatron): mpirun -np TP splits every block's heads, MLP "
+                 "and the vocabulary over TP ranks"),
         make_key("train.pp_schedule", &R::train, &TrainConfig::pp_schedule,
                  "pipeline schedule: naive | gpipe | 1f1b | interleaved | zb-h1 | pipedream | "
                  "pipedream-2bw"),
@@ -560,6 +563,27 @@ void RunConfig::validate_cuda_pipeline() const {
             train.remat);
 }
 
+void RunConfig::validate_tp() const {
+    if (train.tp < 1) fail("train.tp = {} must be >= 1 (1: no tensor parallelism)", train.tp);
+    if (train.tp == 1) return;
+    model.validate_tp(train.tp);
+    // What tensor parallelism does not compose with yet: refused by name before training.
+    auto refuse = [&](const char* keys, const char* why) {
+        fail("train.tp = {} does not run with {} yet ({}): {}", train.tp, keys, why,
+             "tensor parallelism runs alone for now");
+    };
+    if (train.pp > 1) refuse("train.pp > 1", "pipeline stages");
+    if (ps()) refuse("train.dp_mode = \"ps\"", "the parameter server");
+    if (train.zero_stage != 0) refuse("train.zero_stage > 0", "ZeRO sharding");
+    if (lora.enabled()) refuse("lora.rank > 0", "LoRA adapters");
+    if (train.device == "cuda") refuse("train.device = \"cuda\"", "the CPU engine only");
+    if (world != train.tp)
+        fail(
+            "train.tp = {} needs exactly {} ranks (data parallelism over tensor-parallel groups "
+            "is not built yet), the run has {}: start mpirun -np {}",
+            train.tp, train.tp, world, train.tp);
+}
+
 void RunConfig::validate_ps() const {
     if (train.dp_mode != "allreduce" && train.dp_mode != "ps")
         fail("train.dp_mode = \"{}\" must be \"allreduce\" or \"ps\" (parameter server)",
@@ -685,6 +709,7 @@ void RunConfig::validate() const {
     if (train.batch_size <= 0) fail("train.batch_size must be positive, got {}", train.batch_size);
     if (world < 1) fail("internal: world size {} < 1", world);
     validate_pipeline();
+    validate_tp();
     validate_ps();
     if (train.micro_batch_size < 0 || (int64_t)train.micro_batch_size * dp() > train.batch_size)
         fail(

@@ -33,6 +33,7 @@ struct TrainConfig {
         "analytic";      // recompute priced by "analytic" FLOPs or "measured" time
     int zero_stage = 0;  // data-parallel sharding (dist/zero.h): 0 DDP .. 3 parameters
     int pp = 1;          // pipeline stages (ranks per pipeline; train/pipeline_engine.h)
+    int tp = 1;          // tensor-parallel ranks (Megatron; dist/tp.h, train/tp_engine.h)
     std::string pp_schedule = "1f1b";  // naive | gpipe | 1f1b | interleaved | zb-h1
                                        // (parallel/schedule.h)
     int pp_virtual = 1;  // interleaved: model chunks (virtual stages) per pipeline rank
@@ -83,10 +84,14 @@ struct RunConfig {
     int world = 1;
     bool ps() const { return train.dp_mode == "ps"; }
     // (At least 1, so a config read before the launcher's world size is known still divides.)
-    int dp() const { return std::max(1, ps() ? world - train.ps_servers : world / train.pp); }
+    int dp() const {
+        return std::max(1, ps() ? world - train.ps_servers : world / (train.pp * train.tp));
+    }
     // The fewest ranks the layout the file asks for runs on (train.pp, or the servers and one
     // worker): the config is checked at that world size until the launcher gives the real one.
-    int min_world() const { return ps() ? std::max(1, train.ps_servers) + 1 : train.pp; }
+    int min_world() const {
+        return ps() ? std::max(1, train.ps_servers) + 1 : train.pp * std::max(1, train.tp);
+    }
 
     // Sequences per forward/backward on each rank (default: the global batch split over the
     // data-parallel ranks).
@@ -104,6 +109,9 @@ struct RunConfig {
     // train.pp > 1 on the GPU: what the GPU pipeline is built for (called again once "auto"
     // has resolved to the GPU).
     void validate_cuda_pipeline() const;
+    // train.tp against the model, the world size and what it does not combine with yet (part of
+    // validate).
+    void validate_tp() const;
     // train.dp_mode and the parameter server's keys (part of validate).
     void validate_ps() const;
     // The [lora] keys and what LoRA runs with (part of validate).

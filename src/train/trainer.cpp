@@ -225,6 +225,9 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
                                         : std::string())
         : cfg_.ps() ? fmt::format(" x {} workers | parameter server: {} server ranks, staleness {}",
                                   cfg_.dp(), cfg_.train.ps_servers, cfg_.train.ps_staleness)
+        : cfg_.train.tp > 1
+            ? fmt::format(" | tensor parallel over {} ranks (heads, MLP and vocabulary split)",
+                          cfg_.train.tp)
         : cfg_.world > 1
             ? fmt::format(" x {} ranks (ZeRO stage {})", cfg_.world, cfg_.train.zero_stage)
             : std::string()));
@@ -255,9 +258,9 @@ void Trainer::print(const std::string& s) {
 
 double Trainer::mean_over_ranks(double x) {
     // A pipeline's stages report the same loss (the last stage's, averaged over the pipelines
-    // when there are several), a parameter server's ranks the mean over its workers;
-    // data-parallel ranks their own.
-    if (comm_->size() == 1 || cfg_.train.pp > 1 || cfg_.ps()) return x;
+    // when there are several), a parameter server's ranks the mean over its workers,
+    // tensor-parallel ranks the group's one loss; data-parallel ranks their own.
+    if (comm_->size() == 1 || cfg_.train.pp > 1 || cfg_.train.tp > 1 || cfg_.ps()) return x;
     std::vector<double> all((std::size_t)comm_->size());
     comm_->all_gather_bytes(&x, all.data(), sizeof(double));
     double sum = 0;
@@ -522,8 +525,9 @@ void Trainer::print_sample() {
     if (cfg_.data.tokenizer.empty() || cfg_.sample.max_tokens == 0) return;
     // Under ZeRO-3 every forward gathers parameters, and a pipeline's forward passes through
     // every stage, so every rank generates (the same tokens, from the same RNG state); otherwise
-    // rank 0 alone does.
-    if (!root() && cfg_.train.zero_stage < 3 && cfg_.train.pp == 1) return;
+    // rank 0 alone does. Tensor parallelism's every forward runs the group's all-reduces, so
+    // there too every rank generates.
+    if (!root() && cfg_.train.zero_stage < 3 && cfg_.train.pp == 1 && cfg_.train.tp == 1) return;
     auto tok = data::Tokenizer::load(cfg_.data.tokenizer);
     auto eot = tok.eot_token();
     if (cfg_.sample.prompt.empty() && !eot && !tok.bos_token()) return;

@@ -76,11 +76,12 @@ class Trainer {
     // This rank's rows of the next global micro-batch from `loader`, into x_, y_.
     void next_rows(data::DataLoader& loader);
     bool root() const { return comm_->rank() == 0; }
-    // Which data-parallel replica this rank belongs to: pipelines are train.pp consecutive ranks.
-    // Parameter servers (the last ranks) take no data; they are handed worker 0's rows, unread.
+    // Which data-parallel replica this rank belongs to: pipelines are train.pp consecutive ranks,
+    // tensor-parallel groups train.tp (the ranks of one group read the same rows). Parameter
+    // servers (the last ranks) take no data; they are handed worker 0's rows, unread.
     int dp_rank() const {
         if (cfg_.ps() && comm_->rank() >= cfg_.dp()) return 0;
-        return comm_->rank() / cfg_.train.pp;
+        return comm_->rank() / (cfg_.train.pp * cfg_.train.tp);
     }
     void print(const std::string& s);
     void print_memory_report();

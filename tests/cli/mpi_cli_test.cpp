@@ -251,3 +251,25 @@ TEST(CliMpi, PipelinesSideBySideTrainFromTheCommandLine) {
     EXPECT_NE(r.code, 0) << r.output;
     EXPECT_EQ(count(r.output, "across pipelines only ZeRO-1 is built"), 1) << r.output;
 }
+
+// `mpirun -np 2 memtrain train --set train.tp=2`: the losses are one process's to rounding, the
+// run says it is tensor parallel and reports its collectives, and a model whose heads do not
+// split is refused once.
+TEST(CliMpi, TensorParallelTrainsFromTheCommandLine) {
+    auto dir = memtrain::test::temp_dir("cli_mpi_tp");
+    const std::string cfg = tiny_config(dir, 4);
+    auto one = memtrain::test::run_memtrain("train " + cfg + " --set io.out_dir=" + dir + "/one");
+    ASSERT_EQ(one.code, 0) << one.output;
+    auto r = run("train " + cfg + " --set train.tp=2 io.out_dir=" + dir + "/tp");
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_EQ(count(r.output, "tensor parallel over 2 ranks"), 1) << r.output;
+    EXPECT_EQ(count(r.output, "tensor parallel, last step's collectives"), 1) << r.output;
+    const auto want = losses(dir + "/one/metrics.jsonl"), got = losses(dir + "/tp/metrics.jsonl");
+    ASSERT_EQ(want.size(), 4u);
+    ASSERT_EQ(got.size(), want.size());
+    for (const auto& [step, loss] : want)
+        EXPECT_NEAR(std::stod(got.at(step)), std::stod(loss), 1e-5 * std::stod(loss)) << step;
+    r = run("train " + cfg + " --set train.tp=2 model.n_head=3 model.n_embd=24");
+    EXPECT_NE(r.code, 0) << r.output;
+    EXPECT_EQ(count(r.output, "train.tp = 2 must divide model.n_head = 3"), 1) << r.output;
+}

@@ -1,0 +1,391 @@
+// Tensor parallelism under mpirun (train.tp = the world size, 2 and 4): a tensor-parallel run
+// starts from exactly the single-process weights, gives its loss and gradients within 1e-5
+// relative and trains 10 steps as one process does (GPT-2 and Llama-style with grouped-query
+// attention); the whole tensors' gradients and weights are bitwise the same on every rank; the
+// group's collectives are exactly 2 all-reduces forward and 2 backward per block plus the
+// embedding's and the loss's; checkpoints reshard between tp = T and one process; bad layouts
+// are refused before training.
+#include <gtest/gtest.h>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "core/allocator.h"
+#include "core/error.h"
+#include "dist/tp.h"
+#include "dist_mpi/dist_runs.h"
+#include "test_util.h"
+#include "train/tp_engine.h"
+
+namespace memtrain::dist {
+namespace {
+
+// The tiny run with heads, kv heads, MLP and vocabulary divisible by 4 ranks: GPT-2 (8 heads of
+// 4, MLP 128, vocabulary 64 = 50 real + padding) or Llama-style (8 query heads sharing 4 kv
+// heads, SwiGLU of hidden 64, untied head).
+RunConfig tp_run(const std::string& name, bool llama, int steps) {
+    RunConfig c = shared_tiny_run_config(name + (llama ? "_llama" : "_gpt2"), steps);
+    c.model.n_head = 8;
+    c.model.n_embd = 32;
+    c.model.n_layer = 2;
+    c.io.save_final = false;
+    c.train.eval_every = 5;
+    if (llama) {
+        c.model.norm = "rmsnorm";
+        c.model.activation = "swiglu";
+        c.model.positions = "rope";
+        c.model.tied_embeddings = false;
+        c.model.bias = false;
+        c.model.n_kv_head = 4;
+        c.model.ffn_hidden = 64;
+    }
+    return c;
+}
+
+RunConfig with_tp(RunConfig c) {
+    c.train.tp = comm().size();
+    return c;
+}
+
+TpEngine& tp_engine(Trainer& t) {
+    auto* e = dynamic_cast<TpEngine*>(&t.engine());
+    if (!e) fail("the trainer does not run the tensor-parallel engine: {}", t.engine().describe());
+    return *e;
+}
+
+// Largest |a - b| over a tensor against its largest |b|: the relative error of the tensor.
+struct Worst {
+    double diff = 0, scale = 0;
+    void add(double a, double b) {
+        diff = std::max(diff, std::abs(a - b));
+        scale = std::max(scale, std::abs(b));
+    }
+    double rel() const { return scale > 0 ? diff / scale : diff; }
+};
+
+// This rank's shard against the whole tensors of one process: every element it holds.
+void expect_shard_near(const TpLayout& l, const float* local, const std::vector<float>& whole,
+                       double tol, const std::string& what, double abs_tol = 0) {
+    for (std::size_t i = 0; i < l.full.tensors.size(); i++) {
+        const ParamSpec &f = l.full.tensors[i], &s = l.local.tensors[i];
+        Worst w;
+        for (int64_t e = 0; e < (int64_t)f.numel; e++) {
+            const int64_t li = l.local_index(i, e);
+            if (li >= 0) w.add(local[s.offset + li], whole[f.offset + e]);
+        }
+        EXPECT_LE(w.diff, tol * w.scale + abs_tol)
+            << what << " " << f.name << " (max diff " << w.diff << ", largest " << w.scale << ")";
+    }
+}
+
+// The whole (replicated) tensors of this rank's shard are bitwise those of rank 0.
+void expect_whole_tensors_same_on_every_rank(const TpLayout& l, const float* local,
+                                             const std::string& what) {
+    std::vector<float> mine;
+    for (std::size_t i = 0; i < l.shards.size(); i++)
+        if (!l.shards[i].split())
+            mine.insert(mine.end(), local + l.local.tensors[i].offset,
+                        local + l.local.tensors[i].offset + l.local.tensors[i].numel);
+    std::vector<float> all(mine.size() * comm().size());
+    comm().all_gather(mine.data(), all.data(),
+                      std::vector<int64_t>(comm().size(), (int64_t)mine.size()));
+    std::size_t diff = 0;
+    for (int r = 1; r < comm().size(); r++)
+        for (std::size_t j = 0; j < mine.size(); j++) diff += all[r * mine.size() + j] != all[j];
+    EXPECT_EQ(diff, 0u) << what;
+}
+
+TEST(TpLayout, SlicesAndAssemblesEveryTensor) {
+    const int P = comm().size();
+    for (bool llama : {false, true}) {
+        RunConfig c = tp_run("tp_layout", llama, 1);
+        std::vector<TpLayout> ls;
+        for (int r = 0; r < P; r++) ls.push_back(make_tp_layout(c.model, P, r));
+        const TpLayout& l0 = ls[0];
+        EXPECT_EQ(l0.local.total, l0.replicated_floats() + l0.sharded_floats());
+        EXPECT_EQ(l0.local.total * P,
+                  l0.replicated_floats() * P + (l0.full.total - l0.replicated_floats()));
+        for (std::size_t i = 0; i < l0.full.tensors.size(); i++) {
+            const ParamSpec& f = l0.full.tensors[i];
+            std::vector<float> whole(f.numel), back(f.numel, -1.0f);
+            for (std::size_t e = 0; e < f.numel; e++) whole[e] = (float)e;
+            const std::size_t n = l0.local.tensors[i].numel;
+            std::vector<float> pieces(n * P);
+            for (int r = 0; r < P; r++) tp_slice(ls[r], i, whole.data(), pieces.data() + r * n);
+            tp_assemble(l0, i, pieces.data(), n, back.data());
+            EXPECT_EQ(back, whole) << f.name;
+        }
+        // Rank 1 holds the second heads' query columns of c_attn: column C / P of the whole.
+        std::size_t qkv = 0;
+        while (l0.full.tensors[qkv].name != "h.0.attn.c_attn.weight") qkv++;
+        EXPECT_EQ(ls[1].local_index(qkv, c.model.n_embd / P), 0);
+        EXPECT_EQ(ls[0].local_index(qkv, c.model.n_embd / P), -1);
+    }
+}
+
+// One step: the loss and every gradient of the shard within 1e-5 relative of one process, from
+// bitwise the single-process weights; then 10 steps of training.
+void check_tp_matches_single_process(bool llama) {
+    const int r = comm().rank();
+    TrainOptions quiet;
+    quiet.quiet = true;
+    for (int steps : {1, 10}) {
+        RunConfig c = tp_run(fmt::format("tp_match{}", steps), llama, steps);
+        RunConfig ref_cfg = c;
+        ref_cfg.io.out_dir = c.io.out_dir + "_ref" + std::to_string(r);
+        TrainSummary ref_sum;
+        std::vector<float> ref_init, ref_params, ref_grads;
+        {
+            Trainer ref(ref_cfg, quiet);
+            ref_init = ref.params();
+            ref_sum = ref.run();
+            ref_params = ref.params();
+            ref_grads.assign(ref.model().grads(), ref.model().grads() + ref.model().num_params());
+        }
+        Trainer t(with_tp(c), quiet, &comm());
+        TpEngine& e = tp_engine(t);
+        const TpLayout& l = e.tp_layout();
+        EXPECT_EQ(t.params(), ref_init) << "initial weights";
+        const TrainSummary sum = t.run();
+        const std::string what =
+            fmt::format("{} tp={} {} steps", llama ? "llama" : "gpt2", comm().size(), steps);
+        ASSERT_EQ(sum.losses.size(), ref_sum.losses.size());
+        for (std::size_t i = 0; i < sum.losses.size(); i++)
+            EXPECT_NEAR(sum.losses[i], ref_sum.losses[i], 1e-5 * std::abs(ref_sum.losses[i]))
+                << what << " step " << i + 1;
+        ASSERT_EQ(sum.val_losses.size(), ref_sum.val_losses.size());
+        for (std::size_t i = 0; i < sum.val_losses.size(); i++)
+            EXPECT_NEAR(sum.val_losses[i].second, ref_sum.val_losses[i].second,
+                        1e-5 * std::abs(ref_sum.val_losses[i].second))
+                << what;
+        // The last step's gradients (after clipping, as the single process clipped them).
+        expect_shard_near(l, e.local_grads(), ref_grads, steps == 1 ? 1e-5 : 1e-4,
+                          what + " gradient");
+        // Parameters: Adam turns a gradient that is zero but for rounding (the key bias's, to
+        // which softmax is invariant) into a step of about the learning rate either way, so
+        // beside 1e-5 of the tensor they may differ by 1e-3 of the (peak) learning rate per
+        // step.
+        expect_shard_near(l, e.local_params(), ref_params, 1e-5, what + " parameter",
+                          1e-3 * c.optim.lr * steps);
+        expect_whole_tensors_same_on_every_rank(l, e.local_grads(), what + " whole gradients");
+        expect_whole_tensors_same_on_every_rank(l, e.local_params(), what + " whole weights");
+        EXPECT_EQ(t.params().size(), ref_params.size());
+    }
+}
+
+TEST(TpTrain, Gpt2MatchesSingleProcess) {
+    check_tp_matches_single_process(false);
+}
+
+TEST(TpTrain, LlamaGqaMatchesSingleProcess) {
+    check_tp_matches_single_process(true);
+}
+
+// Activation checkpointing under TP: a block recomputed in backward runs its forward's
+// all-reduces again, on the same inputs, so the run is bitwise the one that kept everything.
+TEST(TpTrain, RematRecomputesBitwise) {
+    RunConfig c = with_tp(tp_run("tp_remat", true, 2));
+    TrainSummary keep;
+    std::vector<float> keep_params;
+    {
+        Trainer t(c, test::quiet(), &comm());
+        keep = t.run();
+        keep_params = t.params();
+    }
+    for (const char* remat : {"full", "selective"}) {
+        RunConfig r = c;
+        r.train.remat = remat;
+        r.io.out_dir = c.io.out_dir + "_" + remat;
+        Trainer t(r, test::quiet(), &comm());
+        EXPECT_EQ(t.run().losses, keep.losses) << remat;
+        EXPECT_EQ(t.params(), keep_params) << remat;
+    }
+}
+
+// Per step of K micro-batches of N = B x T tokens through L blocks: 2 L K all-reduces of N x C
+// forward and 2 L K backward, K of the embedding and K of the classifier's input gradient, and
+// per micro-batch (N <= 256 rows: one loss chunk) one max of N doubles and one sum of 2N floats.
+TEST(TpTrain, CountsTwoAllReducesEachWayPerBlock) {
+    RunConfig c = with_tp(tp_run("tp_counts", false, 2));
+    c.model.n_layer = 3;
+    Trainer t(c, test::quiet(), &comm());
+    t.run();
+    const TpGroup::Counts& n = tp_engine(t).last_step_counts();
+    const int64_t L = 3, K = c.accum_steps(), N = (int64_t)c.micro_batch() * c.train.seq_len,
+                  C = c.model.n_embd;
+    ASSERT_EQ(K, 2);
+    EXPECT_EQ(n.calls_at(TpSite::RowForward), 2 * L * K);
+    EXPECT_EQ(n.elements_at(TpSite::RowForward), 2 * L * K * N * C);
+    EXPECT_EQ(n.calls_at(TpSite::ColumnBackward), 2 * L * K);
+    EXPECT_EQ(n.elements_at(TpSite::ColumnBackward), 2 * L * K * N * C);
+    EXPECT_EQ(n.calls_at(TpSite::Embedding), K);
+    EXPECT_EQ(n.elements_at(TpSite::Embedding), K * N * C);
+    EXPECT_EQ(n.calls_at(TpSite::HeadBackward), K);
+    EXPECT_EQ(n.elements_at(TpSite::HeadBackward), K * N * C);
+    EXPECT_EQ(n.calls_at(TpSite::LossMax), K);
+    EXPECT_EQ(n.elements_at(TpSite::LossMax), K * N);
+    EXPECT_EQ(n.calls_at(TpSite::LossSum), K);
+    EXPECT_EQ(n.elements_at(TpSite::LossSum), K * 2 * N);
+    EXPECT_EQ(n.calls_at(TpSite::Gather), 0);
+    EXPECT_EQ(n.bytes(), 4 * ((4 * L + 2) * K * N * C + 2 * K * N) + 8 * K * N);
+}
+
+// Parameters, gradients and optimizer state per rank are the whole tensors plus 1/T of the cut
+// ones, as allocated and as predicted.
+TEST(TpTrain, PerRankModelStatesAreTheShard) {
+    const int P = comm().size();
+    RunConfig c = with_tp(tp_run("tp_memory", true, 1));
+    const MemoryStats before = host_memory().snapshot();
+    Trainer t(c, test::quiet(), &comm());
+    t.run();
+    const MemoryStats after = host_memory().snapshot();
+    const TpLayout& l = tp_engine(t).tp_layout();
+    const std::size_t psi = l.replicated_floats() + (l.full.total - l.replicated_floats()) / P;
+    EXPECT_EQ(l.local.total, psi);
+    EXPECT_LT(psi, l.full.total);
+    EXPECT_EQ(after[MemCategory::Parameters] - before[MemCategory::Parameters], 4 * psi);
+    EXPECT_EQ(after[MemCategory::Gradients] - before[MemCategory::Gradients], 4 * psi);
+    EXPECT_EQ(after[MemCategory::OptimizerState] - before[MemCategory::OptimizerState], 8 * psi);
+    for (const MemoryPrediction& m :
+         t.engine().predicted_memory(c.micro_batch(), c.train.seq_len)) {
+        if (m.category == MemCategory::Parameters || m.category == MemCategory::Gradients) {
+            EXPECT_EQ(m.bytes, 4 * psi) << m.formula;
+        }
+        if (m.category == MemCategory::OptimizerState) {
+            EXPECT_EQ(m.bytes, 8 * psi) << m.formula;
+        }
+    }
+}
+
+// Weights and optimizer state read through the whole view of the engine.
+std::vector<std::vector<float>> optimizer_state(Trainer& t) {
+    OptimizerState& o = t.engine().optimizer();
+    std::vector<std::vector<float>> out;
+    for (const std::string& name : o.state_names()) {
+        out.emplace_back(o.count());
+        o.read_state(name, out.back().data());
+    }
+    return out;
+}
+
+// A tp = T checkpoint resumes in one process with exactly its weights and optimizer state, and
+// a one-process checkpoint at tp = T; a tp = T checkpoint resumed at tp = T continues bitwise.
+TEST(TpCheckpoint, ReshardsBetweenTpAndOneProcess) {
+    const int r = comm().rank();
+    for (bool llama : {false, true}) {
+        RunConfig one = tp_run("tp_ckpt", llama, 4);
+        RunConfig tp = with_tp(one);
+        const std::string base = one.io.out_dir;
+        TrainSummary whole_run;
+        {
+            tp.io.out_dir = base + "_whole";
+            Trainer t(tp, test::quiet(), &comm());
+            whole_run = t.run();
+        }
+        // tp = T for 2 steps, then one process and tp = T from its checkpoint.
+        tp.io.out_dir = base + "_tp";
+        std::vector<float> tp_params;
+        std::vector<std::vector<float>> tp_state;
+        {
+            Trainer t(tp, test::quiet("", 2), &comm());
+            t.run();
+            tp_params = t.params();
+            tp_state = optimizer_state(t);
+        }
+        {
+            RunConfig rest = one;
+            rest.io.out_dir = base + "_rest" + std::to_string(r);
+            Trainer t(rest, test::quiet(tp.io.out_dir));
+            EXPECT_EQ(t.params(), tp_params) << "tp checkpoint in one process";
+            EXPECT_EQ(optimizer_state(t), tp_state) << "tp optimizer state in one process";
+        }
+        {
+            RunConfig rest = tp;
+            rest.io.out_dir = base + "_tp_rest";
+            Trainer t(rest, test::quiet(tp.io.out_dir), &comm());
+            EXPECT_EQ(t.params(), tp_params);
+            const TrainSummary s = t.run();
+            ASSERT_EQ(s.losses.size(), 2u);
+            EXPECT_EQ(s.losses[0], whole_run.losses[2]) << "resumed at tp = T";
+            EXPECT_EQ(s.losses[1], whole_run.losses[3]) << "resumed at tp = T";
+        }
+        // One process for 2 steps (rank 0 writes), then tp = T from it.
+        RunConfig first = one;
+        first.io.out_dir = base + "_first";
+        std::vector<float> one_params;
+        std::vector<std::vector<float>> one_state;
+        if (r == 0) {
+            Trainer t(first, test::quiet("", 2));
+            t.run();
+        }
+        comm().barrier();
+        {
+            RunConfig probe = one;
+            probe.io.out_dir = base + "_probe" + std::to_string(r);
+            Trainer t(probe, test::quiet(first.io.out_dir));
+            one_params = t.params();
+            one_state = optimizer_state(t);
+        }
+        {
+            RunConfig rest = tp;
+            rest.io.out_dir = base + "_resumed";
+            Trainer t(rest, test::quiet(first.io.out_dir), &comm());
+            EXPECT_EQ(t.params(), one_params) << "one-process checkpoint at tp = T";
+            EXPECT_EQ(optimizer_state(t), one_state) << "one-process optimizer state at tp = T";
+        }
+    }
+}
+
+TEST(TpConfig, RefusesBadLayoutsAndCombinations) {
+    const int P = comm().size();
+    const RunConfig good = with_tp(tp_run("tp_refuse", false, 1));
+    {
+        RunConfig bad = good;
+        bad.model.n_head = 2 * P + 1;
+        bad.model.n_embd = 4 * (2 * P + 1);
+        expect_refused(bad, fmt::format("must divide model.n_head = {}", 2 * P + 1));
+    }
+    {
+        RunConfig bad = good;
+        bad.model.n_kv_head = 1;
+        expect_refused(bad, "must divide model.n_kv_head = 1");
+    }
+    {
+        RunConfig bad = good;
+        bad.model.ffn_hidden = 4 * P + 1;
+        expect_refused(bad, "must divide the MLP hidden size");
+    }
+    {
+        RunConfig bad = good;
+        bad.train.tp = 2 * P;
+        expect_refused(bad, fmt::format("needs exactly {} ranks", 2 * P));
+    }
+    {
+        RunConfig bad = good;
+        bad.train.zero_stage = 1;
+        expect_refused(bad, "train.zero_stage");
+    }
+    {
+        RunConfig bad = good;
+        bad.lora.rank = 4;
+        expect_refused(bad, "lora.rank");
+    }
+    {
+        RunConfig bad = good;
+        bad.train.dp_mode = "ps";
+        expect_refused(bad, "train.dp_mode");
+    }
+    if (P == 4) {
+        RunConfig bad = good;
+        bad.train.tp = 2;
+        bad.train.pp = 2;
+        expect_refused(bad, "train.pp");
+    }
+}
+
+}  // namespace
+}  // namespace memtrain::dist
