@@ -1,10 +1,11 @@
 // The ranks of a run laid out as a grid of parallel dimensions, and the groups each rank talks
-// to along them. Pipelines are train.pp consecutive ranks and there are dp of them side by side:
-// job rank = d x pp + s for pipeline (data-parallel replica) d and stage s, as RunConfig::dp()
-// says. A rank's stage group is the pp ranks of its pipeline (activations and gradients pass
-// along it); its data group is the dp ranks that hold the same stage in every pipeline
-// (gradients are all-reduced, or reduce-scattered under ZeRO-1, across it). Tensor parallelism
-// will add a dimension inside the stage (rank = (d x pp + s) x tp + t, Megatron's order).
+// to along them, in Megatron's order: job rank = (d x pp + s) x tp + t for data-parallel replica
+// (pipeline) d, stage s and tensor-parallel rank t, as RunConfig::dp() says. A stage's tp ranks
+// are consecutive (their all-reduces run every block), then a pipeline's stages, then the
+// pipelines side by side. A rank's tensor-parallel group is the tp ranks holding the shards of
+// its stage (dist/tp.h); its stage group the pp ranks of its pipeline with its t (activations
+// and gradients pass along it); its data group the dp ranks with its stage and t in every
+// pipeline (gradients are all-reduced, or reduce-scattered under ZeRO-1, across it).
 #pragma once
 
 #include <memory>
@@ -17,15 +18,19 @@ namespace memtrain::dist {
 struct MeshLayout {
     int pp = 1;  // stages per pipeline
     int dp = 1;  // pipelines
+    int tp = 1;  // tensor-parallel shards per stage
 
-    int size() const { return pp * dp; }
-    int rank(int d, int s) const { return d * pp + s; }
-    int stage_of(int rank) const { return rank % pp; }
-    int replica_of(int rank) const { return rank / pp; }
-    // The job ranks of pipeline d, in stage order.
-    std::vector<int> stage_group(int d) const;
-    // The job ranks holding stage s, in pipeline order.
-    std::vector<int> data_group(int s) const;
+    int size() const { return pp * dp * tp; }
+    int rank(int d, int s, int t = 0) const { return (d * pp + s) * tp + t; }
+    int stage_of(int rank) const { return rank / tp % pp; }
+    int replica_of(int rank) const { return rank / (tp * pp); }
+    int shard_of(int rank) const { return rank % tp; }
+    // The job ranks of pipeline d with shard t, in stage order.
+    std::vector<int> stage_group(int d, int t = 0) const;
+    // The job ranks holding shard t of stage s, in pipeline order.
+    std::vector<int> data_group(int s, int t = 0) const;
+    // The job ranks holding stage s of pipeline d, in shard order.
+    std::vector<int> tp_group(int d, int s) const;
 };
 
 // This rank's two groups, split from the job's communicator. Both are collectives over every
@@ -34,6 +39,7 @@ struct MeshLayout {
 struct MeshGroups {
     std::unique_ptr<Communicator> stages;  // the pipeline: its rank is the stage
     std::unique_ptr<Communicator> data;    // the stage's replicas: its rank is the pipeline
+    std::unique_ptr<Communicator> tp;      // the stage's shards: its rank is the shard
 };
 MeshGroups split_mesh(Communicator& world, const MeshLayout& mesh);
 

@@ -190,8 +190,8 @@ void GPT::set_tp(dist::TpGroup* tp) {
         fail("internal: a shard of {} tensor-parallel ranks over a group of {}", cfg_.tp,
              tp->size());
     if (!tp && cfg_.tp != 1) fail("internal: a tensor-parallel shard needs its group");
-    if (tp && (lora_ || split_ || b0_ != 0 || b1_ != cfg_.n_layer))
-        fail("internal: tensor parallelism runs without LoRA, pipeline stages or split backward");
+    if (tp && (lora_ || split_))
+        fail("internal: tensor parallelism runs without LoRA or a split backward");
     tp_ = tp;
 }
 

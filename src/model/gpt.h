@@ -99,7 +99,7 @@ class GPT {
     // dist::tp_shard_config) and `tp` their group, which must outlive the model. The forward
     // and backward then run the group's all-reduces (2 per block each way, the
     // vocabulary-parallel embedding and loss); every rank calls the same entry points with the
-    // same tokens. A whole model of one stage, without LoRA or split backward.
+    // same tokens. A whole model or a pipeline stage, without LoRA or split backward.
     void set_tp(dist::TpGroup* tp);
 
     // Pipeline stages (parallel/pipeline_engine.h). A stage holds up to slots() micro-batches

@@ -128,6 +128,11 @@ std::unique_ptr<Engine> make_engine(const RunConfig& cfg, dist::Communicator& co
                 cfg.train.device);
         return std::make_unique<PsEngine>(cfg, comm);
     }
+        if (cfg.train.tp > 1 && cfg.train.device != "cpu")
+        fail(
+            "train.tp = {} runs on the CPU engine only so far, not on {}: set train.device = "
+            "\"cpu\"",
+            cfg.train.tp, cfg.train.device);
     if (cfg.train.pp > 1) {
         if (cfg.train.device == "cuda") {
             cfg.validate_cuda_pipeline();
@@ -136,11 +141,9 @@ std::unique_ptr<Engine> make_engine(const RunConfig& cfg, dist::Communicator& co
         return std::make_unique<PipelineEngine>(cfg, comm);
     }
     if (cfg.train.tp > 1) {
-        if (cfg.train.device != "cpu")
-            fail(
-                "train.tp = {} runs on the CPU engine only so far, not on {}: set train.device = "
-                "\"cpu\"",
-                cfg.train.tp, cfg.train.device);
+        // Tensor parallelism alone, or with data parallelism: the mesh's engine (a pipeline of
+        // one stage per tensor-parallel group) where there are several groups.
+        if (cfg.dp() > 1) return std::make_unique<PipelineEngine>(cfg, comm);
         return std::make_unique<TpEngine>(cfg, comm);
     }
     if (cfg.lora.enabled()) {

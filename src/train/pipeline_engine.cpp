@@ -12,6 +12,7 @@
 #include "core/error.h"
 #include "io/text_file.h"
 #include "kernels/cpu/ops.h"
+#include "train/tp_views.h"
 
 namespace memtrain {
 
@@ -38,12 +39,17 @@ double wall_seconds() {
         .count();
 }
 
-// dp pipelines of train.pp ranks on the job's ranks (validated by RunConfig).
+// dp pipelines of train.pp stages of train.tp shards on the job's ranks (validated by
+// RunConfig).
 dist::MeshLayout mesh_of(const RunConfig& cfg, const dist::Communicator& world) {
-    const int pp = cfg.train.pp;
-    if (pp < 1 || world.size() % pp != 0)
-        fail("internal: pipelines of {} stages on {} ranks", pp, world.size());
-    return dist::MeshLayout{pp, world.size() / pp};
+    const int pp = cfg.train.pp, tp = std::max(1, cfg.train.tp);
+    if (pp < 1 || world.size() % (pp * tp) != 0)
+        fail("internal: pipelines of {} stages x {} shards on {} ranks", pp, tp, world.size());
+    return dist::MeshLayout{pp, world.size() / (pp * tp), tp};
+}
+
+ModelConfig model_of(const RunConfig& cfg) {
+    return cfg.train.tp > 1 ? dist::tp_shard_config(cfg.model, cfg.train.tp) : cfg.model;
 }
 
 }  // namespace
@@ -59,7 +65,12 @@ PipelineEngine::PipelineEngine(const RunConfig& cfg, dist::Communicator& comm)
       p_(cfg.train.pp),
       v_(cfg.train.pp_virtual),
       kind_(pp::parse_kind(cfg.train.pp_schedule)),
-      layout_(make_param_layout(cfg.model)) {
+      model_(model_of(cfg)),
+      layout_(make_param_layout(model_)) {
+    if (mesh_.tp > 1) {
+        tpg_ = std::make_unique<dist::TpGroup>(*groups_.tp);
+        tpl_ = dist::make_tp_layout(cfg_.model, mesh_.tp, groups_.tp->rank());
+    }
     if (comm_.size() != p_) fail("internal: a pipeline of {} stages on {} ranks", p_, comm_.size());
     const int B = cfg_.micro_batch(), T = cfg_.train.seq_len, m = cfg_.accum_steps();
     if ((int64_t)m * v_ > kMaxMicroBatches)
@@ -78,14 +89,18 @@ PipelineEngine::PipelineEngine(const RunConfig& cfg, dist::Communicator& comm)
     }
     store_ =
         std::make_unique<pp::StageStore>(layout_, ranges, last() && cfg_.model.tied_embeddings);
-    // Who owns each unit, for the weights view: the rank of the stage its blocks belong to.
+    // Who owns each unit, for the weights view: the job rank of the stage its blocks belong to
+    // (in pipeline 0, shard 0: every pipeline holds the same weights).
     std::vector<int> owner(layout_.units.size(), 0);
     for (int s = 0; s < num_stages(); s++)
         for (int l = split_.first_block[s]; l < split_.first_block[s] + split_.blocks[s]; l++)
-            owner[layout_.block_unit(l)] = rank_of(s);
-    owner[layout_.head_unit()] = p_ - 1;
+            owner[layout_.block_unit(l)] = mesh_.rank(0, rank_of(s));
+    owner[layout_.head_unit()] = mesh_.rank(0, p_ - 1);
     // Every pipeline holds the same weights: pipeline 0's stage s (job rank s) speaks for them.
-    weights_ = std::make_unique<dist::OwnerWeights>(layout_, *store_, std::move(owner), world_);
+    if (tpg_)
+        weights_ = std::make_unique<TpStageWeights>(tpl_, *store_, *tpg_, std::move(owner), world_);
+    else
+        weights_ = std::make_unique<dist::OwnerWeights>(layout_, *store_, std::move(owner), world_);
     // ZeRO-1 across the pipelines (one chunk per rank, RunConfig checks): this replica updates
     // its shard of the stage's range (at one pipeline there is nothing to shard).
     zero1_ = cfg_.train.zero_stage == 1 && mesh_.dp > 1;
@@ -97,9 +112,9 @@ PipelineEngine::PipelineEngine(const RunConfig& cfg, dist::Communicator& comm)
     for (int c = 0; c < v_; c++) {
         const int s = c * p_ + rank_;
         const int b0 = split_.first_block[s];
-        chunks_.push_back(
-            std::make_unique<GPT>(cfg_.model, store_.get(), b0, b0 + split_.blocks[s]));
+        chunks_.push_back(std::make_unique<GPT>(model_, store_.get(), b0, b0 + split_.blocks[s]));
         chunks_.back()->set_split_backward(kind_ == pp::Kind::ZbH1);
+        if (tpg_) chunks_.back()->set_tp(tpg_.get());
         const pp::StageStore::Range& r = store_->ranges()[c];
         if (zero1_)
             opts.push_back(make_optimizer(cfg_.optim, layout_, r.begin + (std::size_t)shard_.offset,
@@ -108,6 +123,12 @@ PipelineEngine::PipelineEngine(const RunConfig& cfg, dist::Communicator& comm)
             opts.push_back(make_optimizer(cfg_.optim, layout_, r.begin, r.count()));
     }
     opt_ = std::make_unique<RangeOptimizers>(std::move(opts));
+    if (tpg_) {  // one chunk, no ZeRO (RunConfig checks)
+        if (v_ > 1 || zero1_) fail("internal: tensor-parallel stages with chunks or ZeRO-1");
+        const pp::StageStore::Range& r = store_->ranges()[0];
+        opt_view_ =
+            std::make_unique<TpRangeOptimizer>(tpl_, *opt_, *tpg_, r.first_unit, r.last_unit);
+    }
     // The weight versions beside the weights, allocated up front: PipeDream's p - s - 1 stash
     // buffers (RunConfig refuses a tied model, so no mirror), 2BW's one shadow of everything the
     // stage computes with (the owned range, then the mirror).
@@ -153,11 +174,14 @@ std::string PipelineEngine::chunk_blocks() const {
 }
 
 std::string PipelineEngine::describe() const {
-    const std::string replicas =
+    std::string replicas =
         mesh_.dp > 1
             ? fmt::format(", pipeline {} of {} ({})", replica(), mesh_.dp,
                           zero1_ ? "ZeRO-1 across pipelines" : "gradients all-reduced across them")
             : std::string();
+    if (tpg_)
+        replicas =
+            fmt::format(", tensor-parallel shard {} of {}", tpg_->rank(), tpg_->size()) + replicas;
     if (v_ == 1)
         return fmt::format("cpu (fp32), pipeline stage {} of {} (blocks {}, {} schedule){}", rank_,
                            p_, chunk_blocks(), kind_name(kind_), replicas);
@@ -495,11 +519,27 @@ StepResult PipelineEngine::finish_step(double lr, double max_norm) {
     }
     float* g = reduce_across_pipelines();  // the owned gradients, or the ZeRO-1 shard's
     // The global norm: each unit's sum of squares where it lives, added in unit order; under
-    // ZeRO-1 each unit's pieces, one per shard, in pipeline order. Entry (u, d) is filled by one
-    // rank of the job (by every pipeline alike without ZeRO), the rest hold 0.
-    const int D = mesh_.dp, d = zero1_ ? replica() : 0;
-    std::vector<double> sq(layout_.units.size() * (std::size_t)D, 0.0);
-    for (const pp::StageStore::Range& rg : store_->ranges()) {
+    // ZeRO-1 each unit's pieces, one per shard, in pipeline order; with tensor parallelism the
+    // cut tensors' squares of each shard, the whole tensors' once (shard 0's), in shard order.
+    // Entry (u, d, t) is filled by one rank of the job (by every pipeline alike without ZeRO),
+    // the rest hold 0.
+    const int D = mesh_.dp, d = zero1_ ? replica() : 0, TP = mesh_.tp;
+    std::vector<double> sq(layout_.units.size() * (std::size_t)D * TP, 0.0);
+    if (tpg_) {
+        const int t = tpg_->rank();
+        for (const pp::StageStore::Range& rg : store_->ranges())
+            for (int u = rg.first_unit; u <= rg.last_unit; u++) {
+                const ParamUnit& unit = layout_.units[u];
+                double x = 0;
+                for (std::size_t i = unit.first_tensor; i < unit.last_tensor; i++)
+                    if (tpl_.shards[i].split() || t == 0)
+                        x += cpu::sum_squares(g + rg.at + (layout_.tensors[i].offset - rg.begin),
+                                              (int64_t)layout_.tensors[i].numel);
+                sq[((std::size_t)u * D + d) * TP + t] = x;
+            }
+    }
+    for (const pp::StageStore::Range& rg :
+         tpg_ ? std::vector<pp::StageStore::Range>{} : store_->ranges()) {
         // The floats of this range this rank updates, and where they are in g.
         std::size_t lo = rg.begin, hi = rg.end, at = rg.at;
         if (zero1_) {  // one range: its shard
@@ -588,8 +628,10 @@ void PipelineEngine::forward_logits(const int32_t* inputs, int B, int T, float* 
 
 std::string PipelineEngine::memory_title() const {
     return fmt::format(
-        "host, fp32, pipeline stage {} of {}{} (rank {})", rank_, p_,
+        "host, fp32, pipeline stage {} of {}{}{} (rank {})", rank_, p_,
         mesh_.dp > 1 ? fmt::format(" of pipeline {} of {}", replica(), mesh_.dp) : std::string(),
+        tpg_ ? fmt::format(", tensor-parallel shard {} of {}", tpg_->rank(), tpg_->size())
+             : std::string(),
         world_.rank());
 }
 

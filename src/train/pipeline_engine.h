@@ -70,6 +70,7 @@
 #include <vector>
 
 #include "dist/mesh.h"
+#include "dist/tp.h"
 #include "parallel/schedule.h"
 #include "parallel/stage_split.h"
 #include "parallel/stage_store.h"
@@ -97,8 +98,11 @@ class PipelineEngine final : public Engine {
     ~PipelineEngine() override;
 
     std::string describe() const override;
-    ModelWeights weights() override { return ModelWeights{*weights_, layout_, cfg_.model}; }
-    OptimizerState& optimizer() override { return *opt_; }
+    // The whole model (with tensor parallelism, assembled from the shards: train/tp_views.h).
+    ModelWeights weights() override {
+        return ModelWeights{*weights_, tpg_ ? tpl_.full : layout_, cfg_.model};
+    }
+    OptimizerState& optimizer() override { return tpg_ ? *opt_view_ : *opt_; }
     ActFormat arena_format() const override { return GPT::arena_format(); }
     // New weights (initialised, imported or resumed): 2BW's shadow starts again from them.
     void weights_loaded() override { shadow_valid_ = false; }
@@ -203,10 +207,16 @@ class PipelineEngine final : public Engine {
     dist::Communicator* data_;  // the stage's replicas: rank = pipeline
     int rank_ = 0, p_ = 1, v_ = 1;
     pp::Kind kind_;
+    // The model this rank runs: cfg.model, or with train.tp its tensor-parallel shard (dist/tp.h),
+    // whose layout the stage's store, optimizer and norm use.
+    ModelConfig model_;
     ParamLayout layout_;
+    std::unique_ptr<dist::TpGroup> tpg_;        // train.tp > 1: the stage's shards
+    dist::TpLayout tpl_;                        // the whole model's tensors and this shard's
+    std::unique_ptr<OptimizerState> opt_view_;  // tp: the optimizer over the whole layout
     pp::StageSplit split_;
-    std::unique_ptr<pp::StageStore> store_;  // every chunk's units, one range per chunk
-    std::unique_ptr<dist::OwnerWeights> weights_;
+    std::unique_ptr<pp::StageStore> store_;     // every chunk's units, one range per chunk
+    std::unique_ptr<ParamStore> weights_;       // dist::OwnerWeights, or TpStageWeights
     std::vector<std::unique_ptr<GPT>> chunks_;  // chunk c: virtual stage c * p + rank
     std::unique_ptr<RangeOptimizers> opt_;      // one optimizer per chunk's range
     dist::ShardRange shard_;                    // of the owned range (one chunk under ZeRO-1)

@@ -568,20 +568,28 @@ void RunConfig::validate_tp() const {
     if (train.tp == 1) return;
     model.validate_tp(train.tp);
     // What tensor parallelism does not compose with yet: refused by name before training.
-    auto refuse = [&](const char* keys, const char* why) {
+        auto refuse = [&](const char* keys, const char* why) {
         fail("train.tp = {} does not run with {} yet ({}): {}", train.tp, keys, why,
-             "tensor parallelism runs alone for now");
+             "tensor parallelism composes with train.pp (naive, gpipe, 1f1b) and data "
+             "parallelism (gradients all-reduced) so far");
     };
-    if (train.pp > 1) refuse("train.pp > 1", "pipeline stages");
     if (ps()) refuse("train.dp_mode = \"ps\"", "the parameter server");
     if (train.zero_stage != 0) refuse("train.zero_stage > 0", "ZeRO sharding");
     if (lora.enabled()) refuse("lora.rank > 0", "LoRA adapters");
     if (train.device == "cuda") refuse("train.device = \"cuda\"", "the CPU engine only");
-    if (world != train.tp)
+    if (train.pp_virtual > 1) refuse("train.pp_virtual > 1", "interleaved chunks");
+    const pp::Kind kind = pp::parse_kind(train.pp_schedule);
+    if (train.pp > 1 && kind != pp::Kind::Naive && kind != pp::Kind::GPipe &&
+        kind != pp::Kind::OneFOneB)
+        refuse(train.pp_schedule == "zb-h1" ? "train.pp_schedule = \"zb-h1\""
+                                            : "an asynchronous train.pp_schedule",
+               "a split backward or weight versions");
+    const int64_t mesh = (int64_t)train.tp * train.pp;
+    if (world % mesh != 0)
         fail(
-            "train.tp = {} needs exactly {} ranks (data parallelism over tensor-parallel groups "
-            "is not built yet), the run has {}: start mpirun -np {}",
-            train.tp, train.tp, world, train.tp);
+            "train.tp x train.pp = {} x {} = {} ranks per replica does not divide the {} ranks: "
+            "start mpirun -np {} (or a multiple)",
+            train.tp, train.pp, mesh, world, mesh);
 }
 
 void RunConfig::validate_ps() const {
