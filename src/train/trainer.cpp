@@ -214,23 +214,7 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
         engine_->describe(),
         psi - (std::size_t)(cfg_.model.padded_vocab() - cfg_.model.vocab_size) * cfg_.model.n_embd,
         psi, cfg_.train.batch_size, T, cfg_.tokens_per_step(), B, cfg_.accum_steps(),
-        cfg_.train.pp > 1
-            ? fmt::format(" | pipeline of {} stages ({} schedule{}){}", cfg_.train.pp,
-                          cfg_.train.pp_schedule,
-                          cfg_.train.pp_virtual > 1
-                              ? fmt::format(", {} chunks per rank", cfg_.train.pp_virtual)
-                              : "",
-                          cfg_.dp() > 1 ? fmt::format(" x {} pipelines (ZeRO stage {})", cfg_.dp(),
-                                                      cfg_.train.zero_stage)
-                                        : std::string())
-        : cfg_.ps() ? fmt::format(" x {} workers | parameter server: {} server ranks, staleness {}",
-                                  cfg_.dp(), cfg_.train.ps_servers, cfg_.train.ps_staleness)
-        : cfg_.train.tp > 1
-            ? fmt::format(" | tensor parallel over {} ranks (heads, MLP and vocabulary split)",
-                          cfg_.train.tp)
-        : cfg_.world > 1
-            ? fmt::format(" x {} ranks (ZeRO stage {})", cfg_.world, cfg_.train.zero_stage)
-            : std::string()));
+        layout_line()));
     if (cfg_.optim.lr_scaling != "none")
         print(fmt::format("lr scaling ({}): peak lr {} x ({} / {} tokens){} = {:.3e}\n",
                           cfg_.optim.lr_scaling, cfg_.optim.lr, cfg_.tokens_per_step(),
@@ -254,6 +238,29 @@ void Trainer::print(const std::string& s) {
         std::fputs(s.c_str(), stdout);
         std::fflush(stdout);
     }
+}
+
+std::string Trainer::layout_line() const {
+    if (cfg_.ps())
+        return fmt::format(" x {} workers | parameter server: {} server ranks, staleness {}",
+                           cfg_.dp(), cfg_.train.ps_servers, cfg_.train.ps_staleness);
+    std::string out;
+    if (cfg_.train.tp > 1)
+        out += fmt::format(" | tensor parallel over {} ranks (heads, MLP and vocabulary split)",
+                           cfg_.train.tp);
+    if (cfg_.train.pp > 1)
+        out += fmt::format(
+            " | pipeline of {} stages ({} schedule{}){}", cfg_.train.pp, cfg_.train.pp_schedule,
+            cfg_.train.pp_virtual > 1 ? fmt::format(", {} chunks per rank", cfg_.train.pp_virtual)
+                                      : "",
+            cfg_.dp() > 1
+                ? fmt::format(" x {} pipelines (ZeRO stage {})", cfg_.dp(), cfg_.train.zero_stage)
+                : std::string());
+    else if (cfg_.train.tp > 1 && cfg_.dp() > 1)
+        out += fmt::format(" x {} replicas (gradients all-reduced)", cfg_.dp());
+    else if (cfg_.train.tp == 1 && cfg_.world > 1)
+        out += fmt::format(" x {} ranks (ZeRO stage {})", cfg_.world, cfg_.train.zero_stage);
+    return out;
 }
 
 double Trainer::mean_over_ranks(double x) {

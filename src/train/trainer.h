@@ -84,6 +84,8 @@ class Trainer {
         return comm_->rank() / (cfg_.train.pp * cfg_.train.tp);
     }
     void print(const std::string& s);
+    // The start-up line's layout: " | tensor parallel over 2 ranks ... | pipeline of 2 stages ...".
+    std::string layout_line() const;
     void print_memory_report();
     void print_sample();
 

@@ -272,4 +272,22 @@ TEST(CliMpi, TensorParallelTrainsFromTheCommandLine) {
     r = run("train " + cfg + " --set train.tp=2 model.n_head=3 model.n_embd=24");
     EXPECT_NE(r.code, 0) << r.output;
     EXPECT_EQ(count(r.output, "train.tp = 2 must divide model.n_head = 3"), 1) << r.output;
+    // tp 2 x pp 2 on four ranks: the same losses, to rounding, and a checkpoint that one process
+    // resumes.
+    r = run4("train " + cfg + " --set train.tp=2 train.pp=2 io.out_dir=" + dir + "/mesh");
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_EQ(count(r.output,
+                    "tensor parallel over 2 ranks (heads, MLP and vocabulary split) | "
+                    "pipeline of 2 stages (1f1b schedule)"),
+              1)
+        << r.output;
+    const auto mesh = losses(dir + "/mesh/metrics.jsonl");
+    ASSERT_EQ(mesh.size(), want.size());
+    for (const auto& [step, loss] : want)
+        EXPECT_NEAR(std::stod(mesh.at(step)), std::stod(loss), 1e-5 * std::stod(loss)) << step;
+    auto resumed = memtrain::test::run_memtrain(
+        "train " + cfg + " --resume " + dir +
+        "/mesh --set train.tp=1 train.pp=1 train.max_steps=6 io.out_dir=" + dir + "/after");
+    ASSERT_EQ(resumed.code, 0) << resumed.output;
+    EXPECT_NE(resumed.output.find("step     6/6"), std::string::npos) << resumed.output;
 }
