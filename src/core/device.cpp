@@ -73,6 +73,12 @@ void select_device(int local_rank) {
     if (cuda_available()) MT_CUDA_CHECK(cudaSetDevice(local_rank % cuda_device_count()));
 }
 
+std::pair<std::size_t, std::size_t> device_memory_info() {
+    std::size_t free_b = 0, total_b = 0;
+    if (cuda_available()) MT_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    return {free_b, total_b};
+}
+
 void* device_alloc(std::size_t bytes, MemCategory c) {
     if (!cuda_available()) {
         fail("no CUDA device: cannot allocate {} bytes of device memory for {}", bytes,
@@ -176,6 +182,9 @@ std::string cuda_device_name() {
 }
 void device_synchronize() {}
 void select_device(int) {}
+std::pair<std::size_t, std::size_t> device_memory_info() {
+    return {0, 0};
+}
 void* device_alloc(std::size_t bytes, MemCategory c) {
     fail(
         "cannot allocate {} bytes of device memory for {}: memtrain was built without CUDA (no "

@@ -30,6 +30,8 @@ std::string cuda_device_name();
 void device_synchronize();
 // Makes device local_rank % cuda_device_count() this process's (one GPU per rank of a node).
 void select_device(int local_rank);
+// The current device's free and total bytes (cudaMemGetInfo); {0, 0} without a device.
+std::pair<std::size_t, std::size_t> device_memory_info();
 
 // The process-wide tracker for device memory (same type and categories as host_memory()).
 MemoryTracker& device_memory();

@@ -28,6 +28,7 @@
 #include "model/cuda_gpt.h"
 #include "optim/loss_scaler.h"
 #include "train/cuda_optimizer.h"
+#include "train/device_memory_plan.h"
 
 namespace memtrain {
 
@@ -313,8 +314,7 @@ CudaEngine<T>::CudaEngine(const RunConfig& cfg, dist::Communicator& comm)
     // Launched by mpirun (an MPI communicator, even of one rank): the data-parallel path with
     // NCCL, so `mpirun -np 1` runs it at world size 1 against the plain single process.
     // (CUDA graphs run one process, the plain path.)
-    const bool launched =
-        dynamic_cast<dist::LocalCommunicator*>(&comm) == nullptr && !cfg_.train.cuda_graphs;
+    const bool launched = cuda_data_parallel(cfg_, comm);
     rank_ = comm.rank();
     stage_ = launched ? cfg_.train.zero_stage : 0;
     const std::size_t psi = make_param_layout(cfg_.model).total;
@@ -641,35 +641,10 @@ void CudaEngine<T>::write_state(const std::string& name, std::size_t begin, std:
 
 template <typename T>
 std::vector<MemoryPrediction> CudaEngine<T>::predicted_memory(int B, int T_) const {
-    const std::size_t psi = shard_ * world_, e = sizeof(T);  // padded to equal shards
-    const char* tn = precision_name<T>();
-    const std::size_t k = offload_ ? 0 : dev_opt_.bytes_per_param();
-    const std::string states = dev_opt_.describe();
-    const std::size_t table = dev_opt_.table_bytes();
-    auto lay = activation_layout(cfg_.model, B, T_, model_->remat_plan(),
-                                 CudaGPT<T>::arena_format(cfg_.model, B, T_));
-    const std::size_t extra =
-        CudaGPT<T>::token_bytes(B, T_) + CudaGPT<T>::kGraphBytes + stats_.bytes();
-    const std::string per_rank = fmt::format(" / {} ranks", world_);
-    std::vector<MemoryPrediction> out = {
-        {MemCategory::Parameters,
-         fmt::format("{} x params{} ({})", e, stage_ >= 3 ? per_rank : "", tn),
-         e * (stage_ >= 3 ? shard_ : psi)},
-        {MemCategory::Gradients,
-         fmt::format("{} x params{} ({})", e, stage_ >= 2 ? per_rank : "", tn),
-         e * (stage_ >= 2 ? shard_ : psi)},
-        // ZeRO-1: this rank's shard of the optimizer state.
-        {MemCategory::OptimizerState,
-         offload_ ? std::string("none on the device (train.offload_optimizer: see below)")
-                  : fmt::format("{} x params{} ({}) + chunk table {} B", k,
-                                stage_ >= 1 ? per_rank : "", states, table),
-         k * shard_count_ + table},
-        {MemCategory::Activations,
-         fmt::format("activation_layout(B, T, remat={}, {})", cfg_.train.remat, tn),
-         arena_bytes(lay, MemCategory::Activations)},
-        {MemCategory::Workspace, "activation_layout(B, T) + token ids + step statistics",
-         arena_bytes(lay, MemCategory::Workspace) + extra},
-    };
+    // The rows the Trainer checked against the device before this engine allocated
+    // (train/device_memory_plan.h), and the ZeRO-2/3 buckets this engine sized.
+    std::vector<MemoryPrediction> out = predict_cuda_memory(
+        cfg_, model_->remat_plan(), DevicePlacement{world_, rank_, dcomm_ != nullptr}, B, T_);
     if (zero_)
         out.push_back({MemCategory::Communication,
                        stage_ >= 3

@@ -16,6 +16,7 @@
 
 #include <fmt/format.h>
 
+#include "core/device.h"
 #include "core/error.h"
 #include "data/tokenizer.h"
 #include "io/run_report.h"
@@ -25,6 +26,7 @@
 #include "remat/cost.h"
 #include "remat/policy.h"
 #include "remat/profile.h"
+#include "train/device_memory_plan.h"
 #include "train/host_memory_plan.h"
 #include "train/sample.h"
 
@@ -141,9 +143,19 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
     if (priced_first) {
         schedule = make_schedule(GPT::arena_format());
         check_host_fit(cfg_, schedule->plan, comm_->rank(), comm_->local_size());
+    } else if (cfg_.train.device == "cuda" && !opts_.engine && !cfg_.lora.enabled() &&
+               cfg_.train.pp == 1) {
+        // The single-GPU or data-parallel engine: priced against the device the same way (LoRA
+        // and pipeline stages size themselves once built).
+        schedule = make_schedule(device_arena_format(cfg_, Bm, Tm));
+        const auto [free_b, total_b] = device_memory_info();
+        check_device_fit(
+            cfg_, schedule->plan,
+            DevicePlacement{comm_->size(), comm_->rank(), cuda_data_parallel(cfg_, *comm_)}, free_b,
+            total_b);
     }
     engine_ = opts_.engine ? opts_.engine(cfg_, *comm_) : make_engine(cfg_, *comm_);
-    if (!priced_first) schedule = make_schedule(engine_->arena_format());
+    if (!schedule) schedule = make_schedule(engine_->arena_format());
     engine_->set_remat(schedule->plan);
     if (cfg_.train.remat != "none") {
         std::string letters;

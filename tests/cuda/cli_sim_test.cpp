@@ -153,13 +153,15 @@ TEST(CudaCli, ErrorsNameTheKeyAndExitNonZero) {
     r = run_sim("train " + cfg + " --set train.precision=fp8");
     EXPECT_EQ(r.code, 1) << r.output;
     EXPECT_NE(r.output.find("train.precision = \"fp8\" must be"), std::string::npos) << r.output;
-    // Out of device memory (the simulator enforces the size it is given): the error names the
-    // category, the device's size and what would fit.
+    // Too large for the device (the simulator reports and enforces the size it is given):
+    // refused before anything is allocated, naming the categories, the device's size and what
+    // would fit.
     r = run_sim("train " + cfg + " --set train.device=cuda model.n_embd=256 model.n_layer=4",
                 "MEMTRAIN_SIM_DEVICE_MIB=8");
     EXPECT_EQ(r.code, 1) << r.output;
     EXPECT_NE(r.output.find("out of device memory"), std::string::npos) << r.output;
-    EXPECT_NE(r.output.find("the device has 8 MiB"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("the device has 8.0 MiB"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("nothing was allocated"), std::string::npos) << r.output;
     EXPECT_NE(r.output.find("To fit:"), std::string::npos) << r.output;
     // 14 MB of model states fit in 40 MiB; the bf16 activations of 4 x 512 tokens (33 MiB) not.
     r = run_sim("train " + cfg +
