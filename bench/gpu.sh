@@ -106,11 +106,13 @@ if [ "$BENCH_ONLY" = 0 ]; then
             echo "gpu.sh: CUDA tests FAILED; running the benchmarks anyway"
             status=1
         fi
-        # The GPU engine's NCCL path at world size one (one GPU: NCCL takes one rank per GPU):
-        # DDP, ZeRO 1-3 and ZeRO-Offload against the plain single process.
-        echo "== CUDA data parallelism over NCCL (mpirun -np 1)"
+                # The GPU engine's NCCL path at world size one (one GPU: NCCL takes one rank per GPU):
+        # DDP, ZeRO 1-3 and ZeRO-Offload against the plain single process, and the pipeline
+        # code path at one stage against the single GPU and the CPU.
+        echo "== CUDA data parallelism and pipeline stages over NCCL (mpirun -np 1)"
         if ! OMP_NUM_THREADS=${OMP_NUM_THREADS:-$JOBS} MEMTRAIN_COMM_TIMEOUT_S=120 \
-            mpirun --allow-run-as-root -np 1 "$BUILD/memtrain_dist_tests" --gtest_filter='CudaDp.*'; then
+            mpirun --allow-run-as-root -np 1 "$BUILD/memtrain_dist_tests" \
+            --gtest_filter='CudaDp.*:CudaPp.*'; then
             echo "gpu.sh: CUDA data-parallel tests FAILED; running the benchmarks anyway"
             status=1
         fi
