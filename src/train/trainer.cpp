@@ -226,8 +226,11 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
         : cfg_.ps() ? fmt::format(" x {} workers | parameter server: {} server ranks, staleness {}",
                                   cfg_.dp(), cfg_.train.ps_servers, cfg_.train.ps_staleness)
         : cfg_.train.tp > 1
-            ? fmt::format(" | tensor parallel over {} ranks (heads, MLP and vocabulary split)",
-                          cfg_.train.tp)
+            ? fmt::format(" | tensor parallel over {} ranks (heads, MLP and vocabulary split{})",
+                          cfg_.train.tp,
+                          cfg_.train.sequence_parallel
+                              ? "; sequence parallel: norms and residual stream split by tokens"
+                              : "")
         : cfg_.world > 1
             ? fmt::format(" x {} ranks (ZeRO stage {})", cfg_.world, cfg_.train.zero_stage)
             : std::string()));
