@@ -529,6 +529,55 @@ TEST(TpCheckpoint, ReshardsBetweenTpAndOneProcess) {
     }
 }
 
+// Sequence parallelism changes no parameter's layout: a checkpoint written under it resumes
+// under it bitwise (the run continues as if never stopped), at tp = T without it and in one
+// process with exactly its weights and optimizer state.
+TEST(TpSequenceParallel, CheckpointResumesWithAndWithoutSp) {
+    const int r = comm().rank();
+    RunConfig sp = with_sp(tp_run("sp_ckpt", true, 4));
+    const std::string base = sp.io.out_dir;
+    TrainSummary whole_run;
+    {
+        sp.io.out_dir = base + "_whole";
+        Trainer t(sp, test::quiet(), &comm());
+        whole_run = t.run();
+    }
+    sp.io.out_dir = base + "_first";
+    std::vector<float> params;
+    std::vector<std::vector<float>> state;
+    {
+        Trainer t(sp, test::quiet("", 2), &comm());
+        t.run();
+        params = t.params();
+        state = optimizer_state(t);
+    }
+    {
+        RunConfig rest = sp;
+        rest.io.out_dir = base + "_rest";
+        Trainer t(rest, test::quiet(sp.io.out_dir), &comm());
+        EXPECT_EQ(t.params(), params);
+        const TrainSummary s = t.run();
+        ASSERT_EQ(s.losses.size(), 2u);
+        EXPECT_EQ(s.losses[0], whole_run.losses[2]) << "resumed under sequence parallelism";
+        EXPECT_EQ(s.losses[1], whole_run.losses[3]) << "resumed under sequence parallelism";
+    }
+    {
+        RunConfig tp = sp;
+        tp.train.sequence_parallel = false;
+        tp.io.out_dir = base + "_tp";
+        Trainer t(tp, test::quiet(sp.io.out_dir), &comm());
+        EXPECT_EQ(t.params(), params) << "at tp = T without SP";
+        EXPECT_EQ(optimizer_state(t), state) << "at tp = T without SP";
+    }
+    {
+        RunConfig one = tp_run("sp_ckpt_one", true, 4);
+        one.io.out_dir = base + "_one" + std::to_string(r);
+        Trainer t(one, test::quiet(sp.io.out_dir));
+        EXPECT_EQ(t.params(), params) << "in one process";
+        EXPECT_EQ(optimizer_state(t), state) << "in one process";
+    }
+}
+
 TEST(TpConfig, RefusesBadLayoutsAndCombinations) {
     const int P = comm().size();
     const RunConfig good = with_tp(tp_run("tp_refuse", false, 1));
