@@ -143,7 +143,9 @@ class TpGroup {
         double seconds = 0;  // wall time inside the collectives (waiting for peers included)
         int64_t calls_at(TpSite s) const { return calls[(int)s]; }
         int64_t elements_at(TpSite s) const { return elements[(int)s]; }
-        // Bytes the group's collectives carried (the all-reduces' payloads, not a ring's traffic).
+        // Bytes the group's collectives carried: each one's whole buffer (an all-reduce's data,
+        // a reduce-scatter's input, an all-gather's output; Gather's per-rank piece), not a
+        // ring's traffic.
         int64_t bytes() const;
         // Bytes each rank sends in a ring implementation over `ranks` ranks: (ranks - 1) / ranks
         // of the buffer per reduce-scatter or all-gather, twice that per all-reduce.
