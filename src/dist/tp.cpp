@@ -56,9 +56,10 @@ std::pair<int, int64_t> locate(const ParamSpec& spec, const TpShard& sh, int T, 
 
 }  // namespace
 
-ModelConfig tp_shard_config(const ModelConfig& cfg, int ranks) {
+ModelConfig tp_shard_config(const ModelConfig& cfg, int ranks, bool sequence_parallel) {
     ModelConfig c = cfg;
     c.tp = ranks;
+    c.sequence_parallel = sequence_parallel;
     c.validate();
     return c;
 }
@@ -127,11 +128,51 @@ void tp_assemble(const TpLayout& l, std::size_t i, const float* pieces, std::siz
 
 const char* tp_site_name(TpSite s) {
     static constexpr const char* kNames[kTpSites] = {
-        "embedding (fwd)", "row-parallel (fwd)", "column-parallel (bwd)",
-        "loss max (fwd)",  "loss sums (fwd)",    "classifier (bwd)",
+        "embedding (fwd)",
+        "row-parallel (fwd)",
+        "column-parallel (bwd)",
+        "loss max (fwd)",
+        "loss sums (fwd)",
+        "classifier (bwd)",
         "gather",
+        "sp embedding reduce-scatter (fwd)",
+        "sp row-parallel reduce-scatter (fwd)",
+        "sp column-parallel all-gather (fwd)",
+        "sp ln_f all-gather (fwd)",
+        "sp classifier reduce-scatter (bwd)",
+        "sp row-parallel all-gather (bwd)",
+        "sp column-parallel reduce-scatter (bwd)",
+        "sp norm re-gather (bwd)",
+        "sp embedding all-gather (bwd)",
+        "sp norm gradients all-reduce (step)",
     };
     return kNames[(int)s];
+}
+
+TpOp tp_site_op(TpSite s) {
+    switch (s) {
+        case TpSite::Gather:
+        case TpSite::SpColumnGather:
+        case TpSite::SpHeadGather:
+        case TpSite::SpRowGather:
+        case TpSite::SpRegather:
+        case TpSite::SpEmbeddingGather:
+            return TpOp::AllGather;
+        case TpSite::SpEmbedding:
+        case TpSite::SpRowScatter:
+        case TpSite::SpHeadScatter:
+        case TpSite::SpColumnScatter:
+            return TpOp::ReduceScatter;
+        default:
+            return TpOp::AllReduce;
+    }
+}
+
+bool sp_partial_grad(const std::string& name) {
+    for (const char* n :
+         {"ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias", "ln_f.weight", "ln_f.bias"})
+        if (name.ends_with(n)) return true;
+    return false;
 }
 
 template <typename F>
@@ -156,6 +197,38 @@ void TpGroup::all_gather(TpSite site, const float* in, float* out, int64_t n) {
     counted(site, n, [&] { comm_->all_gather(in, out, counts); });
 }
 
+void TpGroup::reduce_scatter(TpSite site, const float* in, float* out, int64_t n) {
+    if (n % size() != 0) fail("internal: a reduce-scatter of {} floats over {} ranks", n, size());
+    const std::vector<int64_t> counts((std::size_t)size(), n / size());
+    counted(site, n, [&] { comm_->reduce_scatter_sum(in, out, counts); });
+}
+
+void TpGroup::all_gather_shards(TpSite site, const float* in, float* out, int64_t n) {
+    if (n % size() != 0) fail("internal: an all-gather of {} floats over {} ranks", n, size());
+    const std::vector<int64_t> counts((std::size_t)size(), n / size());
+    counted(site, n, [&] { comm_->all_gather(in, out, counts); });
+}
+
+double TpGroup::Counts::ring_bytes(int ranks) const {
+    double b = 0;
+    const double share = (double)(ranks - 1) / ranks;
+    for (int s = 0; s < kTpSites; s++) {
+        const double bytes = (double)elements[s] * (s == (int)TpSite::LossMax ? 8 : 4);
+        if (s == (int)TpSite::Gather)
+            b += bytes * (ranks - 1);  // counted per rank: every other rank's piece arrives
+        else
+            b += bytes * share * (tp_site_op((TpSite)s) == TpOp::AllReduce ? 2 : 1);
+    }
+    return b;
+}
+
+int64_t TpGroup::Counts::calls_of(TpOp op) const {
+    int64_t n = 0;
+    for (int s = 0; s < kTpSites; s++)
+        if (tp_site_op((TpSite)s) == op) n += calls[s];
+    return n;
+}
+
 int64_t TpGroup::Counts::bytes() const {
     int64_t b = 0;
     for (int s = 0; s < kTpSites; s++)
@@ -164,24 +237,35 @@ int64_t TpGroup::Counts::bytes() const {
 }
 
 void vocab_parallel_embedding(TpGroup& tp, float* out, const int32_t* inp, const float* wte_local,
-                              const float* wpe, int B, int T, int C, int v0, int Vl) {
+                              const float* wpe, int B, int T, int C, int v0, int Vl,
+                              float* sp_scratch) {
     const int64_t N = (int64_t)B * T;
+    float* lookup = sp_scratch ? sp_scratch : out;
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
-        float* o = out + n * C;
+        float* o = lookup + n * C;
         const int32_t v = inp[n] - v0;
         if (v >= 0 && v < Vl)
             std::memcpy(o, wte_local + (int64_t)v * C, sizeof(float) * C);
         else
             std::memset(o, 0, sizeof(float) * C);
     }
-    tp.all_reduce(TpSite::Embedding, out, N * C);
+    // This rank's rows [row0, row0 + rows) of the sum: all of them, or its sequence shard.
+    int64_t row0 = 0, rows = N;
+    if (sp_scratch) {
+        rows = N / tp.size();
+        row0 = rows * tp.rank();
+        tp.reduce_scatter(TpSite::SpEmbedding, sp_scratch, out, N * C);
+    } else {
+        tp.all_reduce(TpSite::Embedding, out, N * C);
+    }
     if (!wpe) return;
-        // The same sum as cpu::embedding_forward's (the other ranks added exact zeros).
+        // The same sum as cpu::embedding_forward's (the other ranks added exact zeros), at each
+        // row's position in its sequence.
 #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
+    for (int64_t n = 0; n < rows; n++) {
         float* o = out + n * C;
-        const float* p = wpe + (n % T) * C;
+        const float* p = wpe + ((row0 + n) % T) * C;
         for (int i = 0; i < C; i++) o[i] += p[i];
     }
 }
@@ -212,7 +296,8 @@ void vocab_parallel_embedding_backward(float* dwte_local, float* dwpe, const flo
 
 double vocab_parallel_loss(TpGroup& tp, float* dx, float* dwte_local, float* logits_buf,
                            const float* x, const float* wte_local, const int32_t* targets, int N,
-                           int C, int V, int v0, int Vl, int chunk, float grad_scale) {
+                           int C, int V, int v0, int Vl, int chunk, float grad_scale,
+                           float* dx_rows) {
     // Columns of this slice inside the real vocabulary (the rest are padding rows).
     const int real = std::clamp(V - v0, 0, Vl);
     double total = 0.0;
@@ -261,7 +346,10 @@ double vocab_parallel_loss(TpGroup& tp, float* dx, float* dwte_local, float* log
                             xr, C, 1.0f, dwte_local, C);
         }
     }
-    if (dx) tp.all_reduce(TpSite::HeadBackward, dx, (int64_t)N * C);
+    if (dx && dx_rows)
+        tp.reduce_scatter(TpSite::SpHeadScatter, dx, dx_rows, (int64_t)N * C);
+    else if (dx)
+        tp.all_reduce(TpSite::HeadBackward, dx, (int64_t)N * C);
     return total;
 }
 

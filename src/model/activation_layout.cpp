@@ -27,20 +27,21 @@ struct FieldInfo {
     Dim dim;
     bool selective_drops;  // recomputed in backward by the Selective policy
     bool statistic;        // fp32 whatever the activation type
+    bool seq_sharded;      // sequence parallelism keeps this rank's ModelConfig::sp_rows only
 };
 constexpr FieldInfo kFields[kSavedFields] = {
-    {"ln_1", Dim::C, true, false},
-    {"ln_1 mean", Dim::Mean, false, true},
-    {"ln_1 rstd", Dim::One, false, true},
-    {"qkv", Dim::Qkv, false, false},
-    {"attention probabilities", Dim::Att, false, false},
-    {"attention out", Dim::C, false, false},
-    {"residual mid", Dim::C, false, false},
-    {"ln_2", Dim::C, true, false},
-    {"ln_2 mean", Dim::Mean, false, true},
-    {"ln_2 rstd", Dim::One, false, true},
-    {"mlp fc", Dim::Fc, false, false},
-    {"mlp gelu", Dim::Hidden, true, false},
+    {"ln_1", Dim::C, true, false, true},
+    {"ln_1 mean", Dim::Mean, false, true, true},
+    {"ln_1 rstd", Dim::One, false, true, true},
+    {"qkv", Dim::Qkv, false, false, false},
+    {"attention probabilities", Dim::Att, false, false, false},
+    {"attention out", Dim::C, false, false, false},
+    {"residual mid", Dim::C, false, false, true},
+    {"ln_2", Dim::C, true, false, true},
+    {"ln_2 mean", Dim::Mean, false, true, true},
+    {"ln_2 rstd", Dim::One, false, true, true},
+    {"mlp fc", Dim::Fc, false, false, false},
+    {"mlp gelu", Dim::Hidden, true, false, false},
 };
 
 const FieldInfo& info(SavedField f) {
@@ -91,7 +92,10 @@ std::string saved_field_name(SavedField f, const ModelConfig& cfg, const ActForm
 
 std::size_t saved_field_bytes(SavedField f, const ModelConfig& cfg, int B, int T,
                               const ActFormat& fmt) {
-    const std::size_t BT = (std::size_t)B * T;
+    // The rows this rank keeps: its sequence shard for the norm regions under sequence
+    // parallelism, every token row otherwise.
+    const std::size_t BT =
+        info(f).seq_sharded ? (std::size_t)cfg.sp_rows((int64_t)B * T) : (std::size_t)B * T;
     std::size_t n = 0;
     bool stat = info(f).statistic;
     switch (info(f).dim) {
@@ -136,11 +140,12 @@ std::size_t scratch_bytes(const ModelConfig& cfg, int B, int T, BlockKeep k, con
 }
 
 std::size_t resid_bytes(const ModelConfig& cfg, int B, int T, const ActFormat& fmt) {
-    return aligned((std::size_t)B * T * cfg.n_embd * fmt.elem_bytes, fmt);
+    return aligned((std::size_t)cfg.sp_rows((int64_t)B * T) * cfg.n_embd * fmt.elem_bytes, fmt);
 }
 
 std::size_t fixed_bytes(const ModelConfig& cfg, int B, int T, const ActFormat& fmt) {
-    const std::size_t BT = (std::size_t)B * T, C = cfg.n_embd, e = fmt.elem_bytes;
+    const std::size_t BT = (std::size_t)cfg.sp_rows((int64_t)B * T), C = cfg.n_embd,
+                      e = fmt.elem_bytes;
     return aligned(BT * C * e, fmt) * (cfg.n_layer + 1) + aligned(BT * C * e, fmt) +
            (cfg.rmsnorm() ? 1 : 2) * aligned(BT * sizeof(float), fmt);
 }
@@ -169,7 +174,10 @@ ActFormat cuda_arena_format(const ModelConfig& cfg, int elem_bytes, int B, int T
 
 ArenaPlan plan_arena(const ModelConfig& cfg, int B, int T, const RematPlan& plan_in,
                      const ActFormat& fmt) {
-    const std::size_t BT = (std::size_t)B * T, C = cfg.n_embd, L = cfg.n_layer;
+    // BT token rows pass through the tensor-parallel regions; the residual stream, the norms and
+    // d(residual) hold NS of them (NS = BT / tp under sequence parallelism).
+    const std::size_t BT = (std::size_t)B * T, NS = (std::size_t)cfg.sp_rows((int64_t)BT);
+    const std::size_t C = cfg.n_embd, L = cfg.n_layer;
     const std::size_t e = fmt.elem_bytes, f32 = sizeof(float);
     const auto A = MemCategory::Activations, W = MemCategory::Workspace;
     const RematPlan plan = plan_in.empty() ? RematPlan(L, BlockKeep::All) : plan_in;
@@ -192,20 +200,20 @@ ArenaPlan plan_arena(const ModelConfig& cfg, int B, int T, const RematPlan& plan
     // Activation arena, in the order the CPU model has always carved it: residual streams, each
     // field for every block that keeps it, ln_f, then the shared recompute scratch.
     if (offloaded == 0) {
-        for (std::size_t l = 0; l <= L; l++) p.resid.push_back(take_act(BT * C * e));
+        for (std::size_t l = 0; l <= L; l++) p.resid.push_back(take_act(NS * C * e));
         p.entries.push_back({"residual stream x n_layer+1", act, A});
     } else {
         // The inputs of Offload blocks share a ring of slots (the i-th such block, in order, slot
         // i % slots); every other block's input, and the last stream, keep their own.
         const std::size_t slots = std::min<std::size_t>(offloaded, kOffloadSlots);
         std::vector<std::size_t> ring;
-        for (std::size_t k = 0; k < slots; k++) ring.push_back(take_act(BT * C * e));
+        for (std::size_t k = 0; k < slots; k++) ring.push_back(take_act(NS * C * e));
         std::size_t i = 0;
         for (std::size_t l = 0; l < L; l++)
             p.resid.push_back(plan[l] == BlockKeep::Offload ? ring[i++ % slots]
-                                                            : take_act(BT * C * e));
-        p.resid.push_back(take_act(BT * C * e));
-        p.offloaded_bytes = (offloaded - slots) * BT * C * e;
+                                                            : take_act(NS * C * e));
+        p.resid.push_back(take_act(NS * C * e));
+        p.offloaded_bytes = (offloaded - slots) * NS * C * e;
         p.entries.push_back(
             {offloaded == L
                  ? fmt::format("residual stream: {} ring slots + the last (inputs in host memory)",
@@ -232,9 +240,9 @@ ArenaPlan plan_arena(const ModelConfig& cfg, int B, int T, const RematPlan& plan
     }
     {
         const std::size_t start = act;
-        p.lnf = take_act(BT * C * e);
-        if (!cfg.rmsnorm()) p.lnf_mean = take_act(BT * f32);
-        p.lnf_rstd = take_act(BT * f32);
+        p.lnf = take_act(NS * C * e);
+        if (!cfg.rmsnorm()) p.lnf_mean = take_act(NS * f32);
+        p.lnf_rstd = take_act(NS * f32);
         p.entries.push_back(
             {cfg.rmsnorm() ? "ln_f (+ rstd)" : "ln_f (+ mean, rstd)", act - start, A});
     }
@@ -255,8 +263,8 @@ ArenaPlan plan_arena(const ModelConfig& cfg, int B, int T, const RematPlan& plan
     p.activation_bytes = act;
 
     // Workspace arena.
-    p.dres = take_work(BT * C * e);
-    p.entries.push_back({"d residual", BT * C * e, W});
+    p.dres = take_work(NS * C * e);
+    p.entries.push_back({"d residual", NS * C * e, W});
     p.dln = take_work(BT * C * e);
     p.entries.push_back({"d layernorm input", BT * C * e, W});
     // One buffer for d(qkv) and d(c_fc output); SwiGLU also needs d(product) beside d(fch).
@@ -270,6 +278,12 @@ ArenaPlan plan_arena(const ModelConfig& cfg, int B, int T, const RematPlan& plan
     const std::size_t logits = std::min<std::size_t>(fmt.loss_chunk, BT) * cfg.local_vocab() * e;
     p.logits = take_work(logits);
     p.entries.push_back({"logits chunk", logits, W});
+    if (NS != BT) {
+        // Sequence parallelism: the all-gathered norm output (or d(output)) a tensor-parallel
+        // GEMM reads, and a row-parallel GEMM's partial output before its reduce-scatter.
+        p.sp_gather = take_work(BT * C * e);
+        p.entries.push_back({"sequence-parallel gather (all token rows)", BT * C * e, W});
+    }
     if (fmt.cuda) {
         p.row_loss = take_work(BT * f32);
         p.entries.push_back({"per-token losses", BT * f32, W});

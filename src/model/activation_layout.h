@@ -106,6 +106,10 @@ struct ArenaPlan {
     std::size_t dbig = 0;          // d(qkv) or d(mlp fc) (B,T,max(QKV,F))
     std::size_t dact = kNoOffset;  // swiglu: d(mlp activation) (B,T,H)
     std::size_t logits = 0;        // a chunk of logits (chunk,Vp)
+    // Sequence parallelism (ModelConfig::sp_rows < B*T): every token row of a tensor-parallel
+    // GEMM's input or output, (B,T,C). The residual streams, the norm fields and dres then hold
+    // only sp_rows rows.
+    std::size_t sp_gather = kNoOffset;
     // CUDA model only (kNoOffset on the CPU): per-row losses (B*T fp32) and attention
     // backward's delta (B,NH,T fp32). The entries also list the kernels' scratch and cuBLASLt's
     // workspace, which are process-wide allocations outside the arena.

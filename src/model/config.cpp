@@ -39,6 +39,8 @@ void ModelConfig::validate() const {
     if (!(rope_theta > 0.0)) fail("model.rope_theta must be positive, got {}", rope_theta);
     if (init_std <= 0.0) fail("model.init_std must be positive, got {}", init_std);
     if (tp != 1) validate_tp(tp);
+    if (sequence_parallel && tp == 1)
+        fail("train.sequence_parallel = true needs train.tp > 1 (it shards the norms over them)");
 }
 
 void ModelConfig::validate_tp(int ranks) const {

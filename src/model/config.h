@@ -31,6 +31,11 @@ struct ModelConfig {
     // padded vocabulary rows). Set by the tensor-parallel engine from train.tp, never read from a
     // file; 1 everywhere else, where the local sizes are the whole model's.
     int tp = 1;
+    // Sequence parallelism (Korthikanti et al. 2022; dist/tp.h) on a tensor-parallel shard: the
+    // residual stream and the norm regions hold only this rank's contiguous tp-th of a
+    // micro-batch's B x T token rows. Set by the tensor-parallel engine from
+    // train.sequence_parallel, never read from a file.
+    bool sequence_parallel = false;
     // Weights to start from: a Hugging Face model directory, a .safetensors file, or a sharded
     // model.safetensors.index.json, with GPT-2 or Llama tensor names (io/hf_weights.h).
     std::string init_from;
@@ -57,6 +62,12 @@ struct ModelConfig {
     int local_hidden() const { return mlp_hidden() / tp; }
     int local_fc_dim() const { return fc_dim() / tp; }
     int local_vocab() const { return padded_vocab() / tp; }
+    // Token rows of the sequence-sharded regions (residual stream, norms) for a micro-batch of N
+    // rows: N / tp under sequence parallelism, N otherwise. A forward-only call whose N the ranks
+    // do not divide (sampling a prompt of any length) runs without sequence parallelism, so N.
+    int64_t sp_rows(int64_t N) const {
+        return sequence_parallel && tp > 1 && N % tp == 0 ? N / tp : N;
+    }
     bool rmsnorm() const { return norm == "rmsnorm"; }
     bool swiglu() const { return activation == "swiglu"; }
     bool rope() const { return positions == "rope"; }

@@ -160,6 +160,7 @@ void GPT::ensure_arena(int B, int T) {
     dbig_ = wrk(p.dbig);
     dact_ = p.dact == kNoOffset ? nullptr : wrk(p.dact);
     logits_ = wrk(p.logits);
+    sp_ = p.sp_gather == kNoOffset ? nullptr : wrk(p.sp_gather);
 }
 
 void GPT::norm_forward(float* out, float* mean, float* rstd, const float* inp, const float* w,
@@ -236,37 +237,58 @@ void GPT::lora_backward(int l, BlockLinear linear, const float* adapter, float* 
 void GPT::block_forward(const BlockParams& p, int l, const float* adapter, const float* x,
                         float* out, BlockSaved& s, int B, int T) {
     // A tensor-parallel shard's sizes (dist/tp.h; the whole model's without TP): A is the width
-    // of this rank's attention heads.
+    // of this rank's attention heads. Under sequence parallelism x, out and the norm fields hold
+    // this rank's n of the N token rows; the GEMMs and attention see all N, gathered into sp_.
     const int N = B * T, C = cfg_.n_embd, QKV = cfg_.local_qkv_dim(), F = cfg_.local_fc_dim(),
               H = cfg_.local_hidden(), A = cfg_.attn_dim();
     const int NH = cfg_.local_heads(), NKV = cfg_.local_kv_heads();
-    norm_forward(s.ln1, s.ln1_mean, s.ln1_rstd, x, p.ln1_w, p.ln1_b, N);
-    cpu::matmul_forward(s.qkv, s.ln1, p.qkv_w, p.qkv_b, N, C, QKV);
-    lora_forward(l, BlockLinear::Qkv, adapter, s.ln1, s.qkv, N);
+    const bool seq = sp(N);
+    const int n = seq ? (int)cfg_.sp_rows(N) : N;
+    // A norm output's shards all-gathered for a column-parallel GEMM (g: all-gather forward).
+    auto gathered = [&](const float* shard) {
+        if (!seq) return shard;
+        tp_->all_gather_shards(dist::TpSite::SpColumnGather, shard, sp_, (int64_t)N * C);
+        return (const float*)sp_;
+    };
+    norm_forward(s.ln1, s.ln1_mean, s.ln1_rstd, x, p.ln1_w, p.ln1_b, n);
+    const float* ln1 = gathered(s.ln1);
+    cpu::matmul_forward(s.qkv, ln1, p.qkv_w, p.qkv_b, N, C, QKV);
+    lora_forward(l, BlockLinear::Qkv, adapter, ln1, s.qkv, N);
     // Rotating in place means qkv holds what attention reads (and backward needs); c_attn's
-    // backward reads ln1, not qkv, so the unrotated values are never needed again.
+    // backward reads ln1, not qkv, so the unrotated values are never needed again. Every row of
+    // the micro-batch is here, so row b*T + t is rotated by its position t in its sequence.
     if (cfg_.rope())
         cpu::rope_forward(s.qkv, B, T, NH, NKV, cfg_.head_dim(), (float)cfg_.rope_theta);
     cpu::attention_forward(s.atty, s.att, s.qkv, B, T, A, NH, NKV);
+    // Row-parallel c_proj: this rank's heads' share, summed over the group (g: an all-reduce, or
+    // a reduce-scatter to this rank's rows), then the residual and the bias once.
+    auto row_parallel_sum = [&](float* partial_or_out, float* out_rows) {
+        if (seq)
+            tp_->reduce_scatter(dist::TpSite::SpRowScatter, partial_or_out, out_rows,
+                                (int64_t)N * C);
+        else
+            tp_->all_reduce(dist::TpSite::RowForward, partial_or_out, (int64_t)N * C);
+    };
     if (tp_) {
-        // Row-parallel c_proj: this rank's heads' share, summed over the group (g), then the
-        // residual and the bias once.
-        cpu::matmul_forward(s.resid_mid, s.atty, p.proj_w, nullptr, N, A, C);
-        tp_->all_reduce(dist::TpSite::RowForward, s.resid_mid, (int64_t)N * C);
-        add_residual_bias(s.resid_mid, x, p.proj_b, N);
+        float* partial = seq ? sp_ : s.resid_mid;
+        cpu::matmul_forward(partial, s.atty, p.proj_w, nullptr, N, A, C);
+        row_parallel_sum(partial, s.resid_mid);
+        add_residual_bias(s.resid_mid, x, p.proj_b, n);
     } else {
         std::memcpy(s.resid_mid, x, sizeof(float) * N * C);
         cpu::matmul_forward(s.resid_mid, s.atty, p.proj_w, p.proj_b, N, C, C, 1.0f);
     }
     lora_forward(l, BlockLinear::Proj, adapter, s.atty, s.resid_mid, N);
-    norm_forward(s.ln2, s.ln2_mean, s.ln2_rstd, s.resid_mid, p.ln2_w, p.ln2_b, N);
-    cpu::matmul_forward(s.fch, s.ln2, p.fc_w, p.fc_b, N, C, F);
-    lora_forward(l, BlockLinear::Fc, adapter, s.ln2, s.fch, N);
+    norm_forward(s.ln2, s.ln2_mean, s.ln2_rstd, s.resid_mid, p.ln2_w, p.ln2_b, n);
+    const float* ln2 = gathered(s.ln2);
+    cpu::matmul_forward(s.fch, ln2, p.fc_w, p.fc_b, N, C, F);
+    lora_forward(l, BlockLinear::Fc, adapter, ln2, s.fch, N);
     act_forward(s.fch_act, s.fch, N);
     if (tp_) {  // row-parallel mlp.c_proj, as c_proj above
-        cpu::matmul_forward(out, s.fch_act, p.fcp_w, nullptr, N, H, C);
-        tp_->all_reduce(dist::TpSite::RowForward, out, (int64_t)N * C);
-        add_residual_bias(out, s.resid_mid, p.fcp_b, N);
+        float* partial = seq ? sp_ : out;
+        cpu::matmul_forward(partial, s.fch_act, p.fcp_w, nullptr, N, H, C);
+        row_parallel_sum(partial, out);
+        add_residual_bias(out, s.resid_mid, p.fcp_b, n);
     } else {
         std::memcpy(out, s.resid_mid, sizeof(float) * N * C);
         cpu::matmul_forward(out, s.fch_act, p.fcp_w, p.fcp_b, N, H, C, 1.0f);
@@ -278,9 +300,9 @@ void GPT::block_forward(const BlockParams& p, int l, const float* adapter, const
 // inputs, as block_forward: the kernels are deterministic, so the bits are those of the forward.
 // The norm kernels also rewrite the kept mean/rstd, with identical values.
 void GPT::recompute_selective(const BlockParams& p, const float* x, BlockSaved& s, int B, int T) {
-    const int N = B * T;
-    norm_forward(s.ln1, s.ln1_mean, s.ln1_rstd, x, p.ln1_w, p.ln1_b, N);
-    norm_forward(s.ln2, s.ln2_mean, s.ln2_rstd, s.resid_mid, p.ln2_w, p.ln2_b, N);
+    const int N = B * T, n = (int)cfg_.sp_rows(N);  // the norms' rows (sequence parallelism)
+    norm_forward(s.ln1, s.ln1_mean, s.ln1_rstd, x, p.ln1_w, p.ln1_b, n);
+    norm_forward(s.ln2, s.ln2_mean, s.ln2_rstd, s.resid_mid, p.ln2_w, p.ln2_b, n);
     act_forward(s.fch_act, s.fch, N);
 }
 
@@ -302,6 +324,26 @@ void GPT::block_backward(const BlockParams& p, BlockParams& g, int l, const floa
     const int N = B * T, C = cfg_.n_embd, QKV = cfg_.local_qkv_dim(), F = cfg_.local_fc_dim(),
               H = cfg_.local_hidden(), A = cfg_.attn_dim();
     const int NH = cfg_.local_heads(), NKV = cfg_.local_kv_heads();
+    // Sequence parallelism: dres, x and the norm fields hold this rank's n rows. Before each
+    // row-parallel GEMM's backward d(output) is all-gathered into sp_ (the conjugate of its
+    // forward reduce-scatter); each column-parallel GEMM re-gathers its saved norm shard for its
+    // weight gradient and reduce-scatters its input gradient to this rank's rows (the conjugate
+    // of its forward all-gather), which the norm's backward then reads from sp_.
+    const bool seq = sp(N);
+    const int n = seq ? (int)cfg_.sp_rows(N) : N;
+    auto gather = [&](dist::TpSite site, const float* rows) {
+        if (!seq) return rows;
+        tp_->all_gather_shards(site, rows, sp_, (int64_t)N * C);
+        return (const float*)sp_;
+    };
+    auto column_input_grad = [&]() -> const float* {
+        if (seq) {
+            tp_->reduce_scatter(dist::TpSite::SpColumnScatter, dln_, sp_, (int64_t)N * C);
+            return sp_;
+        }
+        if (tp_) tp_->all_reduce(dist::TpSite::ColumnBackward, dln_, (int64_t)N * C);  // f
+        return dln_;
+    };
     // Without `defer` each GEMM's weight half runs with its input half; with it, only the input
     // halves run here and each weight half's output gradient is kept for block_weight_grads.
     // Under LoRA `g` is all null (the base is frozen) and each GEMM's adapters add their share
@@ -310,42 +352,47 @@ void GPT::block_backward(const BlockParams& p, BlockParams& g, int l, const floa
         lora_backward(l, k, adapter, adapter_grads, in, dout, din, N);
     };
     const DeferredGrads d = defer ? deferred_grads(defer, N, C, F) : DeferredGrads{};
-    auto keep = [&](float* dst, const float* src, std::size_t n) {
-        if (defer) std::memcpy(dst, src, sizeof(float) * n);
+    auto keep = [&](float* dst, const float* src, std::size_t count) {
+        if (defer) std::memcpy(dst, src, sizeof(float) * count);
     };
     auto w = [&](float* grad) { return defer ? nullptr : grad; };
     float* dfch = dbig_;
-    keep(d.fcp, dres, (std::size_t)N * C);
+    const float* dout = gather(dist::TpSite::SpRowGather, dres);
+    keep(d.fcp, dout, (std::size_t)N * C);
     if (cfg_.swiglu()) {
         // d(product) (N,H) and d(fch) (N,2H) cannot share rows, so the product's gradient has
         // its own workspace.
-        cpu::matmul_backward(dact_, w(g.fcp_w), w(g.fcp_b), dres, s.fch_act, p.fcp_w, N, H, C);
-        lora(BlockLinear::FcProj, s.fch_act, dres, dact_);
+        cpu::matmul_backward(dact_, w(g.fcp_w), w(g.fcp_b), dout, s.fch_act, p.fcp_w, N, H, C);
+        lora(BlockLinear::FcProj, s.fch_act, dout, dact_);
         cpu::swiglu_backward(dfch, s.fch, dact_, N, H);
     } else {
-        cpu::matmul_backward(dfch, w(g.fcp_w), w(g.fcp_b), dres, s.fch_act, p.fcp_w, N, H, C);
-        lora(BlockLinear::FcProj, s.fch_act, dres, dfch);
+        cpu::matmul_backward(dfch, w(g.fcp_w), w(g.fcp_b), dout, s.fch_act, p.fcp_w, N, H, C);
+        lora(BlockLinear::FcProj, s.fch_act, dout, dfch);
         cpu::gelu_backward(dfch, s.fch, dfch, (int64_t)N * H);
     }
     keep(d.fc, dfch, (std::size_t)N * F);
-    cpu::matmul_backward(dln_, w(g.fc_w), w(g.fc_b), dfch, s.ln2, p.fc_w, N, C, F);
-    lora(BlockLinear::Fc, s.ln2, dfch, dln_);
+    const float* ln2 = gather(dist::TpSite::SpRegather, s.ln2);
+    cpu::matmul_backward(dln_, w(g.fc_w), w(g.fc_b), dfch, ln2, p.fc_w, N, C, F);
+    lora(BlockLinear::Fc, ln2, dfch, dln_);
     // Column-parallel c_fc: each rank has its columns' share of d(ln_2 output); summed (f).
-    if (tp_) tp_->all_reduce(dist::TpSite::ColumnBackward, dln_, (int64_t)N * C);
-    norm_backward(dres, g.ln2_w, g.ln2_b, dln_, s.resid_mid, p.ln2_w, s.ln2_mean, s.ln2_rstd, N);
+    norm_backward(dres, g.ln2_w, g.ln2_b, column_input_grad(), s.resid_mid, p.ln2_w, s.ln2_mean,
+                  s.ln2_rstd, n);
     float* datty = dln_;
-    keep(d.proj, dres, (std::size_t)N * C);
-    cpu::matmul_backward(datty, w(g.proj_w), w(g.proj_b), dres, s.atty, p.proj_w, N, A, C);
-    lora(BlockLinear::Proj, s.atty, dres, datty);
+    dout = gather(dist::TpSite::SpRowGather, dres);
+    keep(d.proj, dout, (std::size_t)N * C);
+    cpu::matmul_backward(datty, w(g.proj_w), w(g.proj_b), dout, s.atty, p.proj_w, N, A, C);
+    lora(BlockLinear::Proj, s.atty, dout, datty);
     float* dqkv = dbig_;
     cpu::attention_backward(dqkv, datty, s.qkv, s.att, B, T, A, NH, NKV);
     if (cfg_.rope())
         cpu::rope_backward(dqkv, B, T, NH, NKV, cfg_.head_dim(), (float)cfg_.rope_theta);
     keep(d.qkv, dqkv, (std::size_t)N * QKV);
-    cpu::matmul_backward(dln_, w(g.qkv_w), w(g.qkv_b), dqkv, s.ln1, p.qkv_w, N, C, QKV);
-    lora(BlockLinear::Qkv, s.ln1, dqkv, dln_);
-    if (tp_) tp_->all_reduce(dist::TpSite::ColumnBackward, dln_, (int64_t)N * C);  // c_attn's f
-    norm_backward(dres, g.ln1_w, g.ln1_b, dln_, x, p.ln1_w, s.ln1_mean, s.ln1_rstd, N);
+    const float* ln1 = gather(dist::TpSite::SpRegather, s.ln1);
+    cpu::matmul_backward(dln_, w(g.qkv_w), w(g.qkv_b), dqkv, ln1, p.qkv_w, N, C, QKV);
+    lora(BlockLinear::Qkv, ln1, dqkv, dln_);
+    // c_attn's f, as c_fc's
+    norm_backward(dres, g.ln1_w, g.ln1_b, column_input_grad(), x, p.ln1_w, s.ln1_mean, s.ln1_rstd,
+                  n);
 }
 
 // The weight halves block_backward deferred, in its order, on the same inputs: the same bits.
@@ -381,9 +428,10 @@ void GPT::stage_forward(int slot, const int32_t* inputs, int B, int T) {
         // Each unit announces the next (ParamStore::prefetch), so ZeRO-3 gathers it meanwhile.
         EmbeddingParams e = embedding_view(layout_, store_->acquire(E));
         store_->prefetch(layout_.block_unit(b0_));
-        if (tp_)
+        if (tp_)  // under sequence parallelism reduce-scattered to this rank's rows
             dist::vocab_parallel_embedding(*tp_, sl.resid[0], inputs, e.wte, e.wpe, B, T, C,
-                                           vocab_begin(), cfg_.local_vocab());
+                                           vocab_begin(), cfg_.local_vocab(),
+                                           sp(N) ? sp_ : nullptr);
         else
             cpu::embedding_forward(sl.resid[0], inputs, e.wte, e.wpe, B, T, C);
         store_->release(E);
@@ -401,7 +449,14 @@ void GPT::stage_forward(int slot, const int32_t* inputs, int B, int T) {
     HeadParams h = head_view(layout_, store_->acquire(layout_.head_unit()));
     // Every caller goes on to the classifier, which reads wte again when it is tied.
     if (cfg_.tied_embeddings) store_->prefetch(E);
-    norm_forward(sl.lnf, sl.lnf_mean, sl.lnf_rstd, sl.resid.back(), h.lnf_w, h.lnf_b, N);
+    norm_forward(sl.lnf, sl.lnf_mean, sl.lnf_rstd, sl.resid.back(), h.lnf_w, h.lnf_b,
+                 (int)cfg_.sp_rows(N));
+}
+
+const float* GPT::head_input(const Slot& sl, int N) {
+    if (!sp(N)) return sl.lnf;
+    tp_->all_gather_shards(dist::TpSite::SpHeadGather, sl.lnf, sp_, (int64_t)N * cfg_.n_embd);
+    return sp_;
 }
 
 const float* GPT::acquire_output_embedding(const HeadParams& head) {
@@ -468,16 +523,21 @@ float GPT::backward_pass(int slot, const int32_t* inputs, const int32_t* targets
         }
         const float* wout = acquire_output_embedding(h);
         store_->prefetch(layout_.block_unit(b1_ - 1));  // gathered during the classifier
-        loss = tp_ ? dist::vocab_parallel_loss(*tp_, dln_, dwout, logits_, sl.lnf, wout, targets, N,
-                                               C, cfg_.vocab_size, vocab_begin(),
-                                               cfg_.local_vocab(), kLossChunk, grad_scale)
+        // Sequence parallelism: the loss reads ln_f's all-gathered rows (in sp_) and its input
+        // gradient comes back reduce-scattered to this rank's rows, into sp_ again.
+        const bool seq = sp(N);
+        const int n = (int)cfg_.sp_rows(N);
+        loss = tp_ ? dist::vocab_parallel_loss(*tp_, dln_, dwout, logits_, head_input(sl, N), wout,
+                                               targets, N, C, cfg_.vocab_size, vocab_begin(),
+                                               cfg_.local_vocab(), kLossChunk, grad_scale,
+                                               seq ? sp_ : nullptr)
                    : cpu::classifier_loss(dln_, dwout, logits_, sl.lnf, wout, targets, N, C,
                                           cfg_.vocab_size, cfg_.padded_vocab(), kLossChunk,
                                           grad_scale);
         release_output_embedding();
-        std::memset(dres_, 0, sizeof(float) * N * C);
-        norm_backward(dres_, hg.lnf_w, hg.lnf_b, dln_, sl.resid.back(), h.lnf_w, sl.lnf_mean,
-                      sl.lnf_rstd, N);
+        std::memset(dres_, 0, sizeof(float) * n * C);
+        norm_backward(dres_, hg.lnf_w, hg.lnf_b, seq ? sp_ : dln_, sl.resid.back(), h.lnf_w,
+                      sl.lnf_mean, sl.lnf_rstd, n);
         if (!frozen_base()) store_->grads_done(H);
         store_->release(H);
     }
@@ -508,10 +568,17 @@ float GPT::backward_pass(int slot, const int32_t* inputs, const int32_t* targets
     }
     if (has_embedding() && !frozen_base()) {
         EmbeddingParams eg = embedding_view(layout_, store_->unit_grads(E));
-        if (tp_)
-            dist::vocab_parallel_embedding_backward(eg.wte, eg.wpe, dres_, inputs, B, T, C,
+        if (tp_) {
+            // Sequence parallelism: every rank's rows of d(embedding output), for the
+            // vocabulary rows this rank holds (the conjugate of the forward's reduce-scatter).
+            const float* demb = dres_;
+            if (sp(N)) {
+                tp_->all_gather_shards(dist::TpSite::SpEmbeddingGather, dres_, sp_, (int64_t)N * C);
+                demb = sp_;
+            }
+            dist::vocab_parallel_embedding_backward(eg.wte, eg.wpe, demb, inputs, B, T, C,
                                                     vocab_begin(), cfg_.local_vocab());
-        else
+        } else
             cpu::embedding_backward(eg.wte, eg.wpe, dres_, inputs, B, T, C);
         store_->grads_done(E);
     }
@@ -526,8 +593,8 @@ float GPT::stage_loss(int slot, const int32_t* targets, int B, int T) {
     store_->release(H);
     const float* wout = acquire_output_embedding(h);
     double loss =
-        tp_ ? dist::vocab_parallel_loss(*tp_, nullptr, nullptr, logits_, sl.lnf, wout, targets, N,
-                                        cfg_.n_embd, cfg_.vocab_size, vocab_begin(),
+        tp_ ? dist::vocab_parallel_loss(*tp_, nullptr, nullptr, logits_, head_input(sl, N), wout,
+                                        targets, N, cfg_.n_embd, cfg_.vocab_size, vocab_begin(),
                                         cfg_.local_vocab(), kLossChunk, 0.0f)
             : cpu::classifier_loss(nullptr, nullptr, logits_, sl.lnf, wout, targets, N, cfg_.n_embd,
                                    cfg_.vocab_size, cfg_.padded_vocab(), kLossChunk, 0.0f);
@@ -542,8 +609,8 @@ void GPT::stage_logits(int slot, int B, int T, float* out) {
     const HeadParams h = head_view(layout_, store_->acquire(H));
     store_->release(H);
     if (tp_)
-        dist::vocab_parallel_logits(*tp_, out, sl.lnf, acquire_output_embedding(h), B * T,
-                                    cfg_.n_embd, cfg_.vocab_size, cfg_.local_vocab());
+        dist::vocab_parallel_logits(*tp_, out, head_input(sl, B * T), acquire_output_embedding(h),
+                                    B * T, cfg_.n_embd, cfg_.vocab_size, cfg_.local_vocab());
     else
         cpu::classifier_logits(out, sl.lnf, acquire_output_embedding(h), B * T, cfg_.n_embd,
                                cfg_.vocab_size);

@@ -100,6 +100,10 @@ class GPT {
     // and backward then run the group's all-reduces (2 per block each way, the
     // vocabulary-parallel embedding and loss); every rank calls the same entry points with the
     // same tokens. A whole model or a pipeline stage, without LoRA or split backward.
+    // With config().sequence_parallel the residual stream and norms hold this rank's
+    // config().sp_rows(B*T) token rows and the all-reduces become all-gathers and
+    // reduce-scatters (dist/tp.h); the norm weights' gradients are then this rank's rows' part,
+    // which the engine sums over the group once per step.
     void set_tp(dist::TpGroup* tp);
 
     // Pipeline stages (parallel/pipeline_engine.h). A stage holds up to slots() micro-batches
@@ -169,6 +173,9 @@ class GPT {
     };
     int blocks() const { return b1_ - b0_; }
     void ensure_arena(int B, int T);
+    // ln_f's output for the classifier: the slot's, or under sequence parallelism every rank's
+    // rows all-gathered into sp_.
+    const float* head_input(const Slot& sl, int N);
     void require_whole(const char* what) const;
     // The output embedding's weights (lm_head, or wte when tied), acquired; and its release.
     const float* acquire_output_embedding(const HeadParams& head);
@@ -220,6 +227,9 @@ class GPT {
     LoraAdapters* lora_ = nullptr;
     dist::TpGroup* tp_ = nullptr;
     float *dres_, *dln_, *dbig_, *dact_, *logits_;
+    float* sp_ = nullptr;  // sequence parallelism: all N token rows (ArenaPlan::sp_gather)
+    // Sequence parallelism on a micro-batch of N rows (ModelConfig::sp_rows < N).
+    bool sp(int N) const { return tp_ && cfg_.sp_rows(N) != N; }
 };
 
 }  // namespace memtrain

@@ -60,14 +60,16 @@ static std::vector<MemoryPrediction> predict_tp_memory(const RunConfig& cfg, con
                                                        int rank, int B, int T) {
     const int tp = cfg.train.tp;
     const dist::TpLayout tl = dist::make_tp_layout(cfg.model, tp, rank);
-    const ModelConfig shard = dist::tp_shard_config(cfg.model, tp);
+    const ModelConfig shard = dist::tp_shard_config(cfg.model, tp, cfg.train.sequence_parallel);
     const std::size_t psi = tl.local.total, whole = tl.replicated_floats();
     auto rows = zero_state_rows(
         cfg, psi, psi, 1,
         fmt::format("(whole {} + cut {} / {}) params", whole, tl.full.total - whole, tp));
     const auto arena = activation_layout(shard, B, T, plan, GPT::arena_format());
     rows.push_back({MemCategory::Activations,
-                    fmt::format("activation_layout(shard, B, T, remat={})", cfg.train.remat),
+                    fmt::format("activation_layout(shard{}, B, T, remat={})",
+                                cfg.train.sequence_parallel ? " with sequence parallelism" : "",
+                                cfg.train.remat),
                     arena_bytes(arena, MemCategory::Activations)});
     rows.push_back({MemCategory::Workspace, "activation_layout(shard, B, T)",
                     arena_bytes(arena, MemCategory::Workspace)});

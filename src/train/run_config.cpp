@@ -202,6 +202,9 @@ const std::vector<Key>& registry() {
         make_key("train.tp", &R::train, &TrainConfig::tp,
                  "tensor-parallel ranks (Megatron): mpirun -np TP splits every block's heads, MLP "
                  "and the vocabulary over TP ranks"),
+        make_key("train.sequence_parallel", &R::train, &TrainConfig::sequence_parallel,
+                 "Megatron sequence parallelism with train.tp > 1: norms and the residual stream "
+                 "hold 1/TP of the tokens, all-gather / reduce-scatter in place of all-reduce"),
         make_key("train.pp_schedule", &R::train, &TrainConfig::pp_schedule,
                  "pipeline schedule: naive | gpipe | 1f1b | interleaved | zb-h1 | pipedream | "
                  "pipedream-2bw"),
@@ -565,10 +568,25 @@ void RunConfig::validate_cuda_pipeline() const {
 
 void RunConfig::validate_tp() const {
     if (train.tp < 1) fail("train.tp = {} must be >= 1 (1: no tensor parallelism)", train.tp);
+    if (train.sequence_parallel && train.tp == 1)
+        fail(
+            "train.sequence_parallel = true needs train.tp > 1: it shards the tensor-parallel "
+            "group's norm regions over its ranks");
     if (train.tp == 1) return;
     model.validate_tp(train.tp);
+    if (train.sequence_parallel && ((int64_t)micro_batch() * train.seq_len) % train.tp != 0)
+        fail(
+            "train.sequence_parallel with train.tp = {} needs the micro-batch's tokens (micro "
+            "batch {} x train.seq_len {}) divisible by {}: each rank holds as many token rows",
+            train.tp, micro_batch(), train.seq_len, train.tp);
+    if (train.sequence_parallel && (train.pp > 1 || dp() > 1))
+        fail(
+            "train.sequence_parallel runs with tensor parallelism alone so far (the tp x pp x dp "
+            "mesh runs without it): set train.sequence_parallel = false, or train.pp = 1 on "
+            "mpirun -np {}",
+            train.tp);
     // What tensor parallelism does not compose with yet: refused by name before training.
-        auto refuse = [&](const char* keys, const char* why) {
+    auto refuse = [&](const char* keys, const char* why) {
         fail("train.tp = {} does not run with {} yet ({}): {}", train.tp, keys, why,
              "tensor parallelism composes with train.pp (naive, gpipe, 1f1b) and data "
              "parallelism (gradients all-reduced) so far");

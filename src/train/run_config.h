@@ -34,6 +34,9 @@ struct TrainConfig {
     int zero_stage = 0;  // data-parallel sharding (dist/zero.h): 0 DDP .. 3 parameters
     int pp = 1;          // pipeline stages (ranks per pipeline; train/pipeline_engine.h)
     int tp = 1;          // tensor-parallel ranks (Megatron; dist/tp.h, train/tp_engine.h)
+    // Sequence parallelism over the tensor-parallel group (needs tp > 1 and micro_batch x
+    // seq_len divisible by tp): norms and the residual stream hold 1/tp of the token rows.
+    bool sequence_parallel = false;
     std::string pp_schedule = "1f1b";  // naive | gpipe | 1f1b | interleaved | zb-h1
                                        // (parallel/schedule.h)
     int pp_virtual = 1;  // interleaved: model chunks (virtual stages) per pipeline rank

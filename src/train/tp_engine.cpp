@@ -131,7 +131,11 @@ TpEngine::TpEngine(const RunConfig& cfg, dist::Communicator& comm)
     if (comm.size() != cfg_.train.tp)
         fail("train.tp = {} needs exactly {} ranks, the run has {}: start mpirun -np {}",
              cfg_.train.tp, cfg_.train.tp, comm.size(), cfg_.train.tp);
-    model_ = std::make_unique<GPT>(dist::tp_shard_config(cfg_.model, cfg_.train.tp), &store_);
+    model_ = std::make_unique<GPT>(
+        dist::tp_shard_config(cfg_.model, cfg_.train.tp, cfg_.train.sequence_parallel), &store_);
+    if (cfg_.train.sequence_parallel)
+        for (std::size_t i = 0; i < tpl_.local.tensors.size(); i++)
+            if (dist::sp_partial_grad(tpl_.local.tensors[i].name)) sp_partial_.push_back(i);
     model_->set_tp(&group_);
     opt_ = make_optimizer(cfg_.optim, tpl_.local);
     whole_ = std::make_unique<WholeStore>(tpl_, store_, group_);
@@ -141,7 +145,8 @@ TpEngine::TpEngine(const RunConfig& cfg, dist::Communicator& comm)
 TpEngine::~TpEngine() = default;
 
 std::string TpEngine::describe() const {
-    return fmt::format("cpu (fp32), tensor-parallel rank {} of {}", group_.rank(), group_.size());
+    return fmt::format("cpu (fp32), tensor-parallel rank {} of {}{}", group_.rank(), group_.size(),
+                       cfg_.train.sequence_parallel ? ", sequence-parallel" : "");
 }
 
 ModelWeights TpEngine::weights() {
@@ -165,9 +170,33 @@ void TpEngine::forward_backward(const int32_t* inputs, const int32_t* targets, i
     micro_batches_++;
 }
 
+void TpEngine::reduce_sequence_partial_grads() {
+    if (sp_partial_.empty()) return;
+    float* g = store_.full_grads();
+    std::size_t n = 0;
+    for (std::size_t i : sp_partial_) n += tpl_.local.tensors[i].numel;
+    Buffer<float> packed(n, MemCategory::Communication);
+    std::size_t at = 0;
+    for (std::size_t i : sp_partial_) {
+        const ParamSpec& t = tpl_.local.tensors[i];
+        std::memcpy(packed.data() + at, g + t.offset, sizeof(float) * t.numel);
+        at += t.numel;
+    }
+    group_.all_reduce(dist::TpSite::SpNormGrads, packed.data(), (int64_t)n);
+    at = 0;
+    for (std::size_t i : sp_partial_) {
+        const ParamSpec& t = tpl_.local.tensors[i];
+        std::memcpy(g + t.offset, packed.data() + at, sizeof(float) * t.numel);
+        at += t.numel;
+    }
+}
+
 StepResult TpEngine::finish_step(double lr, double max_norm) {
     StepResult r;
     r.loss = micro_batches_ ? loss_sum_ / micro_batches_ : 0.0;
+    // Sequence parallelism: each rank's norm gradients cover its token rows only; summed here,
+    // once per step, they are the whole tensors' and the same bits on every rank.
+    reduce_sequence_partial_grads();
     // The global norm: the whole tensors' squares once (every rank has the same), the cut ones'
     // summed over the ranks in rank order (the same bits everywhere).
     float* g = store_.full_grads();
@@ -200,7 +229,8 @@ void TpEngine::forward_logits(const int32_t* inputs, int B, int T, float* out) {
 }
 
 std::string TpEngine::memory_title() const {
-    return fmt::format("host, fp32, tensor-parallel rank {} of {}", group_.rank(), group_.size());
+    return fmt::format("host, fp32, tensor-parallel rank {} of {}{}", group_.rank(), group_.size(),
+                       cfg_.train.sequence_parallel ? ", sequence-parallel" : "");
 }
 
 std::vector<MemoryPrediction> TpEngine::predicted_memory(int B, int T) const {
@@ -223,9 +253,9 @@ std::string TpEngine::memory_footer() const {
                     fmt::format("{}{} x{} ({} elements)", sites.empty() ? "" : ", ",
                                 dist::tp_site_name((dist::TpSite)s), c.calls[s], c.elements[s]);
         out += fmt::format(
-            "tensor parallel, last step's collectives: {}; {:.3f} MiB in all, {:.1f} ms inside "
-            "them\n",
-            sites, c.bytes() / 1048576.0, 1e3 * c.seconds);
+            "tensor parallel, last step's collectives: {}; {:.3f} MiB in all ({:.3f} MiB sent per "
+            "rank by a ring), {:.1f} ms inside them\n",
+            sites, c.bytes() / 1048576.0, c.ring_bytes(group_.size()) / 1048576.0, 1e3 * c.seconds);
     }
     return out;
 }

@@ -7,6 +7,10 @@
 // of what is written. So initialisation, Hugging Face import and checkpoints are those of one
 // process, per tensor with Hugging Face names and whole tensors, and a checkpoint of any T
 // resumes at any other (tp = 1 included). Every rank makes those calls (they are collectives).
+//
+// With train.sequence_parallel the shard runs Megatron's sequence parallelism (dist/tp.h) and
+// finish_step first all-reduces the norm weights' gradients, which each rank computed from its
+// token rows only.
 #pragma once
 
 #include <memory>
@@ -53,6 +57,9 @@ class TpEngine final : public Engine {
   private:
     class WholeStore;
     class WholeOptimizer;
+    // Sequence parallelism: all-reduces the gradients of the tensors in sp_partial_ (counted at
+    // TpSite::SpNormGrads).
+    void reduce_sequence_partial_grads();
 
     RunConfig cfg_;
     dist::TpGroup group_;
@@ -65,7 +72,8 @@ class TpEngine final : public Engine {
     double loss_sum_ = 0;
     int micro_batches_ = 0;
     int64_t steps_ = 0;
-    dist::TpGroup::Counts step_counts_;  // the collectives of the last step
+    dist::TpGroup::Counts step_counts_;    // the collectives of the last step
+    std::vector<std::size_t> sp_partial_;  // sequence parallelism: dist::sp_partial_grad tensors
 };
 
 }  // namespace memtrain

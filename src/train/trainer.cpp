@@ -258,8 +258,11 @@ std::string Trainer::layout_line() const {
                            cfg_.dp(), cfg_.train.ps_servers, cfg_.train.ps_staleness);
     std::string out;
     if (cfg_.train.tp > 1)
-        out += fmt::format(" | tensor parallel over {} ranks (heads, MLP and vocabulary split)",
-                           cfg_.train.tp);
+        out += fmt::format(" | tensor parallel over {} ranks (heads, MLP and vocabulary split{})",
+                           cfg_.train.tp,
+                           cfg_.train.sequence_parallel
+                               ? "; sequence parallel: norms and residual stream split by tokens"
+                               : "");
     if (cfg_.train.pp > 1)
         out += fmt::format(
             " | pipeline of {} stages ({} schedule{}){}", cfg_.train.pp, cfg_.train.pp_schedule,

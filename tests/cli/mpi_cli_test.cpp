@@ -291,3 +291,36 @@ TEST(CliMpi, TensorParallelTrainsFromTheCommandLine) {
     ASSERT_EQ(resumed.code, 0) << resumed.output;
     EXPECT_NE(resumed.output.find("step     6/6"), std::string::npos) << resumed.output;
 }
+
+// `mpirun -np 2 memtrain train --set train.tp=2 train.sequence_parallel=true`: the losses are
+// one process's to rounding, the run names sequence parallelism and reports its all-gathers and
+// reduce-scatters (and no block all-reduce); sequence parallelism without tp > 1, or with a
+// micro-batch whose tokens the ranks do not divide, is refused once.
+TEST(CliMpi, SequenceParallelTrainsFromTheCommandLine) {
+    auto dir = memtrain::test::temp_dir("cli_mpi_sp");
+    const std::string cfg = tiny_config(dir, 4);
+    auto one = memtrain::test::run_memtrain("train " + cfg + " --set io.out_dir=" + dir + "/one");
+    ASSERT_EQ(one.code, 0) << one.output;
+    auto r = run("train " + cfg +
+                 " --set train.tp=2 train.sequence_parallel=true io.out_dir=" + dir + "/sp");
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_EQ(count(r.output, "tensor parallel over 2 ranks"), 1) << r.output;
+    EXPECT_EQ(count(r.output, "sequence parallel: norms and residual stream split by tokens"), 1)
+        << r.output;
+    EXPECT_EQ(count(r.output, "sp row-parallel reduce-scatter (fwd)"), 1) << r.output;
+    EXPECT_EQ(count(r.output, "sp norm gradients all-reduce (step)"), 1) << r.output;
+    EXPECT_EQ(count(r.output, "row-parallel (fwd) x"), 0) << r.output;
+    const auto want = losses(dir + "/one/metrics.jsonl"), got = losses(dir + "/sp/metrics.jsonl");
+    ASSERT_EQ(want.size(), 4u);
+    ASSERT_EQ(got.size(), want.size());
+    for (const auto& [step, loss] : want)
+        EXPECT_NEAR(std::stod(got.at(step)), std::stod(loss), 1e-5 * std::stod(loss)) << step;
+    r = run("train " + cfg + " --set train.sequence_parallel=true");
+    EXPECT_NE(r.code, 0) << r.output;
+    EXPECT_EQ(count(r.output, "train.sequence_parallel = true needs train.tp > 1"), 1) << r.output;
+    r = run("train " + cfg +
+            " --set train.tp=2 train.sequence_parallel=true train.micro_batch_size=1 "
+            "train.seq_len=31");
+    EXPECT_NE(r.code, 0) << r.output;
+    EXPECT_EQ(count(r.output, "needs the micro-batch's tokens"), 1) << r.output;
+}

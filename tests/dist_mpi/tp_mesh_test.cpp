@@ -192,6 +192,9 @@ TEST(TpMesh, RefusesWhatItDoesNotRun) {
     d.train.pp = 1;
     d.train.zero_stage = 1;
     expect_refused(d, "train.zero_stage > 0");
+    RunConfig sp = c;
+    sp.train.sequence_parallel = true;
+    expect_refused(sp, "train.sequence_parallel runs with tensor parallelism alone so far");
 }
 
 }  // namespace

@@ -51,6 +51,13 @@ RunConfig with_tp(RunConfig c) {
     return c;
 }
 
+// The same with Megatron sequence parallelism (B x T = 2 x 8 token rows: 8 or 4 per rank).
+RunConfig with_sp(RunConfig c) {
+    c = with_tp(c);
+    c.train.sequence_parallel = true;
+    return c;
+}
+
 TpEngine& tp_engine(Trainer& t) {
     auto* e = dynamic_cast<TpEngine*>(&t.engine());
     if (!e) fail("the trainer does not run the tensor-parallel engine: {}", t.engine().describe());
@@ -129,12 +136,14 @@ TEST(TpLayout, SlicesAndAssemblesEveryTensor) {
 
 // One step: the loss and every gradient of the shard within 1e-5 relative of one process, from
 // bitwise the single-process weights; then 10 steps of training.
-void check_tp_matches_single_process(bool llama) {
+// With `sp`, under sequence parallelism: the norm gradients, summed over the group, are then
+// bitwise the same on every rank too.
+void check_tp_matches_single_process(bool llama, bool sp = false) {
     const int r = comm().rank();
     TrainOptions quiet;
     quiet.quiet = true;
     for (int steps : {1, 10}) {
-        RunConfig c = tp_run(fmt::format("tp_match{}", steps), llama, steps);
+        RunConfig c = tp_run(fmt::format("{}_match{}", sp ? "sp" : "tp", steps), llama, steps);
         RunConfig ref_cfg = c;
         ref_cfg.io.out_dir = c.io.out_dir + "_ref" + std::to_string(r);
         TrainSummary ref_sum;
@@ -146,13 +155,13 @@ void check_tp_matches_single_process(bool llama) {
             ref_params = ref.params();
             ref_grads.assign(ref.model().grads(), ref.model().grads() + ref.model().num_params());
         }
-        Trainer t(with_tp(c), quiet, &comm());
+        Trainer t(sp ? with_sp(c) : with_tp(c), quiet, &comm());
         TpEngine& e = tp_engine(t);
         const TpLayout& l = e.tp_layout();
         EXPECT_EQ(t.params(), ref_init) << "initial weights";
         const TrainSummary sum = t.run();
-        const std::string what =
-            fmt::format("{} tp={} {} steps", llama ? "llama" : "gpt2", comm().size(), steps);
+        const std::string what = fmt::format("{} tp={}{} {} steps", llama ? "llama" : "gpt2",
+                                             comm().size(), sp ? " sp" : "", steps);
         ASSERT_EQ(sum.losses.size(), ref_sum.losses.size());
         for (std::size_t i = 0; i < sum.losses.size(); i++)
             EXPECT_NEAR(sum.losses[i], ref_sum.losses[i], 1e-5 * std::abs(ref_sum.losses[i]))
@@ -232,6 +241,186 @@ TEST(TpTrain, CountsTwoAllReducesEachWayPerBlock) {
     EXPECT_EQ(n.elements_at(TpSite::LossSum), K * 2 * N);
     EXPECT_EQ(n.calls_at(TpSite::Gather), 0);
     EXPECT_EQ(n.bytes(), 4 * ((4 * L + 2) * K * N * C + 2 * K * N) + 8 * K * N);
+}
+
+TEST(TpSequenceParallel, Gpt2MatchesSingleProcess) {
+    check_tp_matches_single_process(false, true);
+}
+
+TEST(TpSequenceParallel, LlamaGqaMatchesSingleProcess) {
+    check_tp_matches_single_process(true, true);
+}
+
+// Under sequence parallelism a block recomputed in backward runs its forward's all-gathers and
+// reduce-scatters again: the run is bitwise the one that kept everything.
+TEST(TpSequenceParallel, RematRecomputesBitwise) {
+    RunConfig c = with_sp(tp_run("sp_remat", true, 2));
+    TrainSummary keep;
+    std::vector<float> keep_params;
+    {
+        Trainer t(c, test::quiet(), &comm());
+        keep = t.run();
+        keep_params = t.params();
+    }
+    for (const char* remat : {"full", "selective"}) {
+        RunConfig r = c;
+        r.train.remat = remat;
+        r.io.out_dir = c.io.out_dir + "_" + remat;
+        Trainer t(r, test::quiet(), &comm());
+        EXPECT_EQ(t.run().losses, keep.losses) << remat;
+        EXPECT_EQ(t.params(), keep_params) << remat;
+    }
+}
+
+// Per step of K micro-batches of N = B x T tokens through L blocks, each collective over a
+// buffer of N x C: forward 1 reduce-scatter (embedding), per block 2 all-gathers and 2
+// reduce-scatters, 1 all-gather of ln_f; backward 1 reduce-scatter (classifier), per block 2
+// all-gathers of d(output), 2 re-gathers of the norm shards and 2 reduce-scatters, 1 all-gather
+// (embedding); the loss's max and sums as without SP; once per step 1 all-reduce of the norm
+// gradients. No all-reduce of N x C at all, and the ring traffic is TP's plus the re-gathers and
+// the norm gradients'.
+TEST(TpSequenceParallel, CountsGathersAndScattersPerBlock) {
+    const int P = comm().size();
+    RunConfig c = tp_run("sp_counts", false, 2);
+    c.model.n_layer = 3;
+    TpGroup::Counts tp;
+    {
+        Trainer t(with_tp(c), test::quiet(), &comm());
+        t.run();
+        tp = tp_engine(t).last_step_counts();
+    }
+    RunConfig s = with_sp(c);
+    s.io.out_dir += "_sp";
+    Trainer t(s, test::quiet(), &comm());
+    t.run();
+    const TpGroup::Counts& n = tp_engine(t).last_step_counts();
+    const int64_t L = 3, K = c.accum_steps(), N = (int64_t)c.micro_batch() * c.train.seq_len,
+                  C = c.model.n_embd;
+    ASSERT_EQ(K, 2);
+    auto expect_site = [&](TpSite site, int64_t calls, int64_t elements) {
+        EXPECT_EQ(n.calls_at(site), calls) << tp_site_name(site);
+        EXPECT_EQ(n.elements_at(site), elements) << tp_site_name(site);
+    };
+    for (TpSite gone :
+         {TpSite::Embedding, TpSite::RowForward, TpSite::ColumnBackward, TpSite::HeadBackward})
+        expect_site(gone, 0, 0);
+    expect_site(TpSite::SpEmbedding, K, K * N * C);
+    expect_site(TpSite::SpRowScatter, 2 * L * K, 2 * L * K * N * C);
+    expect_site(TpSite::SpColumnGather, 2 * L * K, 2 * L * K * N * C);
+    expect_site(TpSite::SpHeadGather, K, K * N * C);
+    expect_site(TpSite::SpHeadScatter, K, K * N * C);
+    expect_site(TpSite::SpRowGather, 2 * L * K, 2 * L * K * N * C);
+    expect_site(TpSite::SpColumnScatter, 2 * L * K, 2 * L * K * N * C);
+    expect_site(TpSite::SpRegather, 2 * L * K, 2 * L * K * N * C);
+    expect_site(TpSite::SpEmbeddingGather, K, K * N * C);
+    expect_site(TpSite::LossMax, K, K * N);
+    expect_site(TpSite::LossSum, K, K * 2 * N);
+    // LayerNorm weight and bias of ln_1 and ln_2 per block and of ln_f.
+    const int64_t norms = (2 * L + 1) * 2 * C;
+    expect_site(TpSite::SpNormGrads, 1, norms);
+    expect_site(TpSite::Gather, 0, 0);
+    // The only all-reduces: the loss's two per micro-batch and the norm gradients'.
+    EXPECT_EQ(n.calls_of(TpOp::AllReduce), 2 * K + 1);
+    EXPECT_EQ(n.calls_of(TpOp::ReduceScatter), (4 * L + 2) * K);
+    EXPECT_EQ(n.calls_of(TpOp::AllGather), (6 * L + 2) * K);
+    // Korthikanti et al.: an all-gather plus a reduce-scatter carry what one all-reduce does;
+    // what SP adds is the re-gathers and the norm gradients.
+    const double share = (double)(P - 1) / P;
+    EXPECT_DOUBLE_EQ(n.ring_bytes(P),
+                     tp.ring_bytes(P) + 4 * share * (2 * L * K * N * C + 2 * norms));
+    EXPECT_EQ(tp.calls_of(TpOp::AllReduce), (4 * L + 4) * K);
+}
+
+// Activation bytes per rank, measured (the arena's Buffer) and predicted (the engine's memory
+// rows, from plan_arena of the shard's config): equal, with and without SP, kept or recomputed.
+// Under SP the sequence-sharded part (residual streams, ln_1, residual mid, ln_2, ln_f and their
+// statistics) is exactly 1/T of TP's, and the rest is the same; the workspace holds d(residual)
+// for this rank's rows and one gather buffer of all N rows.
+TEST(TpSequenceParallel, ActivationBytesPerRankAreTheSequenceShard) {
+    const int64_t P = comm().size();
+    for (const char* remat : {"none", "selective"}) {
+        RunConfig c = tp_run(fmt::format("sp_memory_{}", remat), true, 1);
+        c.train.remat = remat;
+        std::size_t act[2] = {}, work[2] = {};
+        for (bool sp : {false, true}) {
+            RunConfig r = sp ? with_sp(c) : with_tp(c);
+            r.io.out_dir += sp ? "_sp" : "_tp";
+            const MemoryStats before = host_memory().snapshot();
+            Trainer t(r, test::quiet(), &comm());
+            t.run();
+            const MemoryStats after = host_memory().snapshot();
+            act[sp] = after[MemCategory::Activations] - before[MemCategory::Activations];
+            work[sp] = after[MemCategory::Workspace] - before[MemCategory::Workspace];
+            const ArenaPlan plan = plan_arena(tp_engine(t).model().config(), r.micro_batch(),
+                                              r.train.seq_len, t.engine().remat_plan());
+            EXPECT_EQ(act[sp], plan.activation_bytes) << remat << " sp " << sp;
+            EXPECT_EQ(work[sp], plan.workspace_bytes) << remat << " sp " << sp;
+            for (const MemoryPrediction& m :
+                 t.engine().predicted_memory(r.micro_batch(), r.train.seq_len)) {
+                if (m.category == MemCategory::Activations) {
+                    EXPECT_EQ(m.bytes, act[sp]) << m.formula;
+                }
+                if (m.category == MemCategory::Workspace) {
+                    EXPECT_EQ(m.bytes, work[sp]) << m.formula;
+                }
+            }
+        }
+        // RMSNorm keeps rstd only. Kept per block: ln_1 and ln_2 (unless selective), their
+        // rstd, residual mid; L + 1 residual streams, ln_f and its rstd; selective's scratch
+        // holds one block's ln_1 and ln_2.
+        const int64_t L = c.model.n_layer, N = (int64_t)c.micro_batch() * c.train.seq_len,
+                      C = c.model.n_embd;
+        const bool sel = std::string(remat) == "selective";
+        const int64_t per_block = (sel ? 0 : 2 * N * C) + 2 * N + N * C;
+        const int64_t seq_floats =
+            L * per_block + (L + 1) * N * C + N * C + N + (sel ? 2 * N * C : 0);
+        EXPECT_EQ((int64_t)(act[0] - act[1]), 4 * seq_floats / P * (P - 1)) << remat;
+        // d(residual) shrinks to N / P rows; the gather buffer adds N rows.
+        EXPECT_EQ((int64_t)work[1] - (int64_t)work[0], 4 * (N * C - N * C / P * (P - 1))) << remat;
+    }
+}
+
+// Logits for sampling: a prompt whose length the ranks do not divide runs without SP (all
+// reduces), one they do with it; both are one process's logits to rounding.
+TEST(TpSequenceParallel, LogitsOfAnyLengthMatchOneProcess) {
+    const int r = comm().rank();
+    RunConfig c = tp_run("sp_logits", true, 1);
+    RunConfig ref_cfg = c;
+    ref_cfg.io.out_dir = c.io.out_dir + "_ref" + std::to_string(r);
+    Trainer ref(ref_cfg, test::quiet());
+    Trainer t(with_sp(c), test::quiet(), &comm());
+    const int V = c.model.vocab_size;
+    for (int T : {5, 8}) {
+        std::vector<int32_t> x(T);
+        for (int i = 0; i < T; i++) x[i] = (7 * i + 3) % V;
+        std::vector<float> want((std::size_t)T * V), got(want.size());
+        ref.engine().forward_logits(x.data(), 1, T, want.data());
+        t.engine().forward_logits(x.data(), 1, T, got.data());
+        Worst w;
+        for (std::size_t i = 0; i < want.size(); i++) w.add(got[i], want[i]);
+        EXPECT_LE(w.diff, 1e-5 * w.scale) << "T = " << T;
+        const TpGroup::Counts& n = tp_engine(t).group().counts();
+        EXPECT_EQ(n.calls_at(TpSite::SpHeadGather) > 0, T % comm().size() == 0) << T;
+        tp_engine(t).group().reset_counts();
+    }
+}
+
+TEST(TpSequenceParallel, RefusesWithoutTpOrIndivisibleTokens) {
+    const int P = comm().size();
+    const RunConfig good = with_sp(tp_run("sp_refuse", false, 1));
+    {
+        RunConfig bad = good;
+        bad.train.tp = 1;
+        expect_refused(bad, "train.sequence_parallel = true needs train.tp > 1");
+    }
+    {
+        RunConfig bad = good;
+        bad.train.micro_batch_size = 1;
+        bad.train.seq_len = 2 * P + 1;
+        expect_refused(bad, fmt::format("needs the micro-batch's tokens (micro batch 1 x "
+                                        "train.seq_len {}) divisible by {}",
+                                        2 * P + 1, P));
+    }
 }
 
 // Parameters, gradients and optimizer state per rank are the whole tensors plus 1/T of the cut
@@ -337,6 +526,55 @@ TEST(TpCheckpoint, ReshardsBetweenTpAndOneProcess) {
             EXPECT_EQ(t.params(), one_params) << "one-process checkpoint at tp = T";
             EXPECT_EQ(optimizer_state(t), one_state) << "one-process optimizer state at tp = T";
         }
+    }
+}
+
+// Sequence parallelism changes no parameter's layout: a checkpoint written under it resumes
+// under it bitwise (the run continues as if never stopped), at tp = T without it and in one
+// process with exactly its weights and optimizer state.
+TEST(TpSequenceParallel, CheckpointResumesWithAndWithoutSp) {
+    const int r = comm().rank();
+    RunConfig sp = with_sp(tp_run("sp_ckpt", true, 4));
+    const std::string base = sp.io.out_dir;
+    TrainSummary whole_run;
+    {
+        sp.io.out_dir = base + "_whole";
+        Trainer t(sp, test::quiet(), &comm());
+        whole_run = t.run();
+    }
+    sp.io.out_dir = base + "_first";
+    std::vector<float> params;
+    std::vector<std::vector<float>> state;
+    {
+        Trainer t(sp, test::quiet("", 2), &comm());
+        t.run();
+        params = t.params();
+        state = optimizer_state(t);
+    }
+    {
+        RunConfig rest = sp;
+        rest.io.out_dir = base + "_rest";
+        Trainer t(rest, test::quiet(sp.io.out_dir), &comm());
+        EXPECT_EQ(t.params(), params);
+        const TrainSummary s = t.run();
+        ASSERT_EQ(s.losses.size(), 2u);
+        EXPECT_EQ(s.losses[0], whole_run.losses[2]) << "resumed under sequence parallelism";
+        EXPECT_EQ(s.losses[1], whole_run.losses[3]) << "resumed under sequence parallelism";
+    }
+    {
+        RunConfig tp = sp;
+        tp.train.sequence_parallel = false;
+        tp.io.out_dir = base + "_tp";
+        Trainer t(tp, test::quiet(sp.io.out_dir), &comm());
+        EXPECT_EQ(t.params(), params) << "at tp = T without SP";
+        EXPECT_EQ(optimizer_state(t), state) << "at tp = T without SP";
+    }
+    {
+        RunConfig one = tp_run("sp_ckpt_one", true, 4);
+        one.io.out_dir = base + "_one" + std::to_string(r);
+        Trainer t(one, test::quiet(sp.io.out_dir));
+        EXPECT_EQ(t.params(), params) << "in one process";
+        EXPECT_EQ(optimizer_state(t), state) << "in one process";
     }
 }
 

@@ -225,6 +225,47 @@ TEST(Remat, SolverWithOffloadMatchesExhaustiveSearch) {
     }
 }
 
+// Sequence parallelism (a tensor-parallel shard with ModelConfig::sequence_parallel): the
+// residual streams, the norm fields and ln_f hold B*T / tp rows, the other fields and the
+// workspace's GEMM buffers all B*T, plus one gather buffer of B*T x C; the remat solver's chain
+// prices exactly that arena for mixed plans. A micro-batch whose rows the ranks do not divide
+// is laid out as plain tensor parallelism.
+TEST(Remat, SequenceParallelArenaShardsTheNormRegions) {
+    ModelConfig tp = tiny(6);
+    tp.tp = 2;
+    ModelConfig sp = tp;
+    sp.sequence_parallel = true;
+    const int B = 2, T = 8, N = B * T, C = tp.n_embd;
+    const ActFormat fmt = ActFormat::cpu();
+    EXPECT_EQ(resid_bytes(sp, B, T), resid_bytes(tp, B, T) / 2);
+    EXPECT_EQ(fixed_bytes(sp, B, T), fixed_bytes(tp, B, T) / 2);
+    for (int i = 0; i < kSavedFields; i++) {
+        const SavedField f = static_cast<SavedField>(i);
+        const bool seq = f == SavedField::Ln1 || f == SavedField::Ln1Mean ||
+                         f == SavedField::Ln1Rstd || f == SavedField::ResidMid ||
+                         f == SavedField::Ln2 || f == SavedField::Ln2Mean ||
+                         f == SavedField::Ln2Rstd;
+        EXPECT_EQ(saved_field_bytes(f, sp, B, T, fmt),
+                  saved_field_bytes(f, tp, B, T, fmt) / (seq ? 2 : 1))
+            << saved_field_name(f, sp, fmt);
+    }
+    const Chain ch = make_chain(sp, B, T, fmt);
+    using K = BlockKeep;
+    for (const RematPlan& plan :
+         {RematPlan(6, K::All), RematPlan(6, K::Selective), RematPlan(6, K::Input),
+          RematPlan{K::All, K::Selective, K::Input, K::All, K::Input, K::Selective}}) {
+        const ArenaPlan a = plan_arena(sp, B, T, plan, fmt), b = plan_arena(tp, B, T, plan, fmt);
+        EXPECT_EQ(peak_bytes(ch, plan), a.activation_bytes);
+        EXPECT_LT(a.activation_bytes, b.activation_bytes);
+        EXPECT_EQ(a.workspace_bytes, b.workspace_bytes - 4 * N * C / 2 + 4 * N * C);
+        EXPECT_NE(a.sp_gather, kNoOffset);
+        EXPECT_EQ(b.sp_gather, kNoOffset);
+    }
+    // 1 x 7 rows over 2 ranks: no sequence shard.
+    EXPECT_EQ(plan_arena(sp, 1, 7).activation_bytes, plan_arena(tp, 1, 7).activation_bytes);
+    EXPECT_EQ(plan_arena(sp, 1, 7).sp_gather, kNoOffset);
+}
+
 TEST(Remat, NamedPoliciesHaveTheDocumentedPlans) {
     ModelConfig c = tiny(4);
     auto plan = [&](const char* p) { return make_schedule(parse_policy(p), c, 2, 8).plan; };
