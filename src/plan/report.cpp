@@ -17,8 +17,10 @@ std::string format_memory_table(const MemoryEstimate& est, const ClusterSpec* cl
     std::string out = fmt::format("{:<24} {:>12}  {}\n", "category", "per GPU", "how");
     for (const auto& l : est.lines)
         out += fmt::format("{:<24} {:>12}  {}\n", l.name, format_bytes(l.bytes), l.detail);
-    out += fmt::format("{:<24} {:>12}  stage {} ({} layers)\n", "total", format_bytes(est.total),
-                       est.stage, est.layers_on_stage);
+    out += fmt::format("{:<24} {:>12}  stage {} ({} layers){}\n", "total", format_bytes(est.total),
+                       est.stage, est.layers_on_stage,
+                       est.engine_layout ? ", priced by the engines' layout functions"
+                                         : ", priced by the formulas");
     if (!est.stage_activations.empty()) {
         out += fmt::format("{:<24} {:>12} ", "activations per stage", "");
         for (std::size_t i = 0; i < est.stage_activations.size(); i++)
@@ -136,6 +138,9 @@ nlohmann::json to_json(const MemoryEstimate& est) {
     j["host_bytes"] = est.cpu_bytes;
     j["stage"] = est.stage;
     j["layers_on_stage"] = est.layers_on_stage;
+    j["replica"] = est.replica;
+    // Model states and activations from the engines' layout functions, not the formulas.
+    j["engine_layout"] = est.engine_layout;
     if (!est.stage_activations.empty()) j["stage_activation_bytes"] = est.stage_activations;
     j["not_included"] = est.not_included;
     return j;
