@@ -10,9 +10,9 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "dist/shard_spec.h"
 
 #include "plan/rank_layout.h"
-#include "plan/shard_spec.h"
 #include "plan/stage_activations.h"
 
 namespace memtrain::plan {
@@ -145,7 +145,8 @@ MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, RankCoord at,
     const int64_t s = r.seq_len(m), b = r.micro_batch;
     const int64_t e = activation_bytes(r.precision);
     const StateBytes k = state_bytes(r.precision, r.optimizer);
-    const ShardSpec spec = shard_spec(r.zero, r.offload);
+    const dist::ShardSpec spec = dist::shard_spec(r.zero, r.offload != Offload::none,
+                                                  r.offload == Offload::optimizer_and_params);
 
     // Parameters on this GPU: weight matrices and column-parallel biases are split over tp,
     // norms and row-parallel biases are replicated; the token table is vocab-parallel.
@@ -179,25 +180,27 @@ MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, RankCoord at,
         const RankStates rs = rank_states(m, r, at, pa ? &pa->split : nullptr);
         params = trainable = rs.params;
         const int64_t unsharded = rs.params - rs.optimized;  // a pipeline's embedding copy
-        param_n = (double)held(spec.params, rs.params, rs.shard + unsharded);
-        grad_n = (double)(held(spec.grads, rs.params, rs.shard + unsharded) + rs.reduce_buffer);
-        opt_n = (double)held(spec.optimizer, rs.optimized, rs.shard);
+        param_n = (double)dist::held(spec.params, rs.params, rs.shard + unsharded);
+        grad_n =
+            (double)(dist::held(spec.grads, rs.params, rs.shard + unsharded) + rs.reduce_buffer);
+        opt_n = (double)dist::held(spec.optimizer, rs.optimized, rs.shard);
         count_detail = ", " + rs.source;
     } else {
-        param_n = (double)params * held_fraction(spec.params, r.dp);
-        grad_n = (double)trainable * held_fraction(spec.grads, r.dp);
-        opt_n = (double)trainable * held_fraction(spec.optimizer, r.dp);
+        param_n = (double)params * dist::held_fraction(spec.params, r.dp);
+        grad_n = (double)trainable * dist::held_fraction(spec.grads, r.dp);
+        opt_n = (double)trainable * dist::held_fraction(spec.optimizer, r.dp);
     }
     est.params_on_gpu = params;
     est.trainable_on_gpu = trainable;
-    auto zero_note = [&](Placement p) {
-        return sharded(p) && d > 1 ? fmt::format(" / {} (ZeRO-{})", d, r.zero) : std::string();
+    auto zero_note = [&](dist::Placement p) {
+        return dist::sharded(p) && d > 1 ? fmt::format(" / {} (ZeRO-{})", d, r.zero)
+                                         : std::string();
     };
     double param_bytes;
     std::string param_detail;
     if (r.lora_rank > 0) {
         param_bytes = (frozen_matrix * frozen_bytes + (frozen_other + trainable) * k.param) *
-                      held_fraction(spec.params, r.dp);
+                      dist::held_fraction(spec.params, r.dp);
         const std::string storage = r.frozen_bits == 16  ? fmt::format("at {:g} B", k.param)
                                     : r.frozen_bits == 8 ? "in int8"
                                                          : "in NF4, 4.127 bits";
@@ -219,7 +222,7 @@ MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, RankCoord at,
     std::string opt_detail =
         fmt::format("{:.3f}B x {} B ({} {}){}", trainable / 1e9, k.optim, to_string(r.precision),
                     to_string(r.optimizer), zero_note(spec.optimizer));
-    if (offloaded(spec.optimizer)) {
+    if (dist::offloaded(spec.optimizer)) {
         // ZeRO-Offload as memtrain's engine runs it (src/train/cuda_engine.cpp): the gradients
         // stay on the GPU, where the backward writes and accumulates them (their ZeRO shard from
         // stage 2), and stream down after the last micro-batch. The host holds, for this GPU's
@@ -235,7 +238,7 @@ MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, RankCoord at,
             gb(host), trainable / 1e9, host_per_param, moments, k.param, zero_note(spec.optimizer));
         opt_bytes = 0;
     }
-    if (offloaded(spec.params)) {
+    if (dist::offloaded(spec.params)) {
         est.cpu_bytes += to_bytes(param_bytes);
         param_detail = "offloaded: " + gb(param_bytes) + " host = " + param_detail;
         param_bytes = 0;

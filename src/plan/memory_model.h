@@ -63,7 +63,7 @@ int64_t lora_params_per_layer(const ModelSpec& model, int rank, LoraTargets targ
 // A layout the CPU engines run (uses_engine_layout: tp alone, or pipelines side by side, any
 // ZeRO stage, a model without dropout or LoRA) is priced as they allocate it: model states from
 // make_param_layout (of the tp shard; a stage's units under the trainer's split) and the shard
-// table (plan/shard_spec.h) with the balanced ZeRO piece; activations from plan_arena (pp = 1,
+// table (dist/shard_spec.h) with the balanced ZeRO piece; activations from plan_arena (pp = 1,
 // in the arena format of the engine that would run it) or plan_stage_arena per micro-batch in
 // flight (pipelines, plan/stage_activations.h). Everything else (sequence parallelism, tp with
 // pp, dropout masks, LoRA) keeps the formulas: parameters counted per layer and split over

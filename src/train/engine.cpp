@@ -4,7 +4,7 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
-#include "plan/shard_spec.h"
+#include "dist/shard_spec.h"
 #include "train/cuda_engine.h"
 #include "train/host_memory_plan.h"
 #include "train/lora_engine.h"
@@ -72,15 +72,15 @@ std::string CpuEngine::memory_title() const {
 
 std::vector<MemoryPrediction> zero_state_rows(const RunConfig& cfg, std::size_t shard,
                                               std::size_t psi, int world, const std::string& what) {
-    // Model states per rank under ZeRO (plan/shard_spec.h, the planner's table): a shard (this
-    // rank's count of the balanced layout, Ψ/N rounded) where the stage shards that state, Ψ
+    // Model states per rank under ZeRO (dist/shard_spec.h, as ZeroStore allocates them): a shard
+    // (this rank's count of the balanced layout, Ψ/N rounded) where the stage shards that state, Ψ
     // otherwise.
-    const plan::ShardSpec spec = plan::shard_spec(cfg.train.zero_stage);
-    auto n = [&](plan::Placement p) {
-        return (std::size_t)plan::held(p, (int64_t)psi, (int64_t)shard);
+    const dist::ShardSpec spec = dist::shard_spec(cfg.train.zero_stage);
+    auto n = [&](dist::Placement p) {
+        return (std::size_t)dist::held(p, (int64_t)psi, (int64_t)shard);
     };
-    auto per = [&](plan::Placement p) {
-        return world > 1 && plan::sharded(p) ? fmt::format(" / {} ranks", world) : std::string();
+    auto per = [&](dist::Placement p) {
+        return world > 1 && dist::sharded(p) ? fmt::format(" / {} ranks", world) : std::string();
     };
     const int k = cfg.optim.name == "adamw" ? 8 : 4;
     return {

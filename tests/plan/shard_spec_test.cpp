@@ -1,4 +1,4 @@
-// The ZeRO / offload table (plan/shard_spec.h), and the planner against the CPU engines' own
+// The ZeRO / offload table (dist/shard_spec.h), and the planner against the CPU engines' own
 // prediction (predict_cpu_memory, what CpuEngine and TpEngine report and check_host_fit prices)
 // for tensor-parallel and data-parallel layouts at every rank: the same bytes, because both
 // count with make_param_layout, dist::shard_ranges, the shard table and plan_arena.
@@ -9,39 +9,39 @@
 #include <string>
 
 #include "core/error.h"
+#include "dist/shard_spec.h"
 #include "plan/memory_model.h"
 #include "plan/model_spec.h"
-#include "plan/shard_spec.h"
 #include "remat/policy.h"
 #include "train/host_memory_plan.h"
 
 using namespace memtrain;
-using plan::Placement;
+using dist::Placement;
 
 TEST(PlanShardSpec, ZeroStagesAndOffloadAreRowsOfOneTable) {
     using P = Placement;
-    const plan::ShardSpec want[] = {
+    const dist::ShardSpec want[] = {
         {P::Replicated, P::Replicated, P::Replicated},
         {P::Replicated, P::Replicated, P::Sharded},
         {P::Replicated, P::Sharded, P::Sharded},
         {P::Sharded, P::Sharded, P::Sharded},
     };
     for (int z = 0; z < 4; z++) {
-        const plan::ShardSpec s = plan::shard_spec(z);
+        const dist::ShardSpec s = dist::shard_spec(z);
         EXPECT_EQ(s.params, want[z].params) << z;
         EXPECT_EQ(s.grads, want[z].grads) << z;
         EXPECT_EQ(s.optimizer, want[z].optimizer) << z;
     }
-    EXPECT_EQ(plan::shard_spec(0, plan::Offload::optimizer).optimizer, P::Offloaded);
-    EXPECT_EQ(plan::shard_spec(1, plan::Offload::optimizer).optimizer, P::OffloadedShard);
-    EXPECT_EQ(plan::shard_spec(1, plan::Offload::optimizer).params, P::Replicated);
-    EXPECT_EQ(plan::shard_spec(3, plan::Offload::optimizer_and_params).params, P::OffloadedShard);
-    EXPECT_EQ(plan::shard_spec(2, plan::Offload::optimizer_and_params).params, P::Offloaded);
-    EXPECT_EQ(plan::held(P::Sharded, 10, 3), 3);
-    EXPECT_EQ(plan::held(P::Offloaded, 10, 3), 10);
-    EXPECT_EQ(plan::held(P::OffloadedShard, 10, 3), 3);
-    EXPECT_THROW(plan::shard_spec(4), Error);
-    EXPECT_EQ(plan::describe(plan::shard_spec(2)),
+    EXPECT_EQ(dist::shard_spec(0, true).optimizer, P::Offloaded);
+    EXPECT_EQ(dist::shard_spec(1, true).optimizer, P::OffloadedShard);
+    EXPECT_EQ(dist::shard_spec(1, true).params, P::Replicated);
+    EXPECT_EQ(dist::shard_spec(3, true, true).params, P::OffloadedShard);
+    EXPECT_EQ(dist::shard_spec(2, true, true).params, P::Offloaded);
+    EXPECT_EQ(dist::held(P::Sharded, 10, 3), 3);
+    EXPECT_EQ(dist::held(P::Offloaded, 10, 3), 10);
+    EXPECT_EQ(dist::held(P::OffloadedShard, 10, 3), 3);
+    EXPECT_THROW(dist::shard_spec(4), Error);
+    EXPECT_EQ(dist::describe(dist::shard_spec(2)),
               "parameters replicated, gradients sharded, optimizer state sharded");
 }
 

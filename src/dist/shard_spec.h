@@ -1,23 +1,22 @@
 // Where each model state of a data-parallel rank lives: ZeRO stages 0-3 and ZeRO-Offload as rows
-// of one table (data), so "stage >= k shards X" is written once. The planner
-// (plan/memory_model.cpp) and the CPU engines' predicted memory (train/engine.cpp:
-// zero_state_rows) both count a rank's model-state elements with held().
+// of one table (data), so "stage >= k shards X" is written once. ZeroStore allocates its
+// parameters and gradients by it (dist/zero.cpp), and the CPU engines' predicted memory
+// (train/engine.cpp: zero_state_rows) and the planner (plan/memory_model.cpp) count a rank's
+// model-state elements with held().
 //
 //            parameters   gradients   optimizer state
 //   ZeRO-0   Replicated   Replicated  Replicated
 //   ZeRO-1   Replicated   Replicated  Sharded
 //   ZeRO-2   Replicated   Sharded     Sharded
 //   ZeRO-3   Sharded      Sharded     Sharded
-// Offload moves the optimizer state (and with Offload::optimizer_and_params the parameters) to
-// host memory: Offloaded, or OffloadedShard where the stage also shards that state.
+// Offload moves the optimizer state (and optionally the parameters) to host memory: Offloaded, or
+// OffloadedShard where the stage also shards that state.
 #pragma once
 
 #include <cstdint>
 #include <string>
 
-#include "plan/run_spec.h"
-
-namespace memtrain::plan {
+namespace memtrain::dist {
 
 enum class Placement : uint8_t {
     Replicated,      // every data-parallel rank holds all of it, on the device
@@ -32,8 +31,8 @@ struct ShardSpec {
     Placement optimizer = Placement::Replicated;
 };
 
-// The table above; fails for a stage outside 0..3.
-ShardSpec shard_spec(int zero_stage, Offload offload = Offload::none);
+// The table above; fails for a stage outside 0..3. offload_params needs offload_optimizer.
+ShardSpec shard_spec(int zero_stage, bool offload_optimizer = false, bool offload_params = false);
 
 bool sharded(Placement p);    // Sharded or OffloadedShard
 bool offloaded(Placement p);  // in host memory
@@ -45,4 +44,4 @@ const char* to_string(Placement p);
 // "parameters replicated, gradients sharded, optimizer state sharded"
 std::string describe(const ShardSpec& s);
 
-}  // namespace memtrain::plan
+}  // namespace memtrain::dist

@@ -1,11 +1,11 @@
 // The ZeRO / offload placement table (see shard_spec.h).
-#include "plan/shard_spec.h"
+#include "dist/shard_spec.h"
 
 #include <fmt/format.h>
 
 #include "core/error.h"
 
-namespace memtrain::plan {
+namespace memtrain::dist {
 
 namespace {
 
@@ -15,7 +15,7 @@ Placement to_host(Placement p) {
 
 }  // namespace
 
-ShardSpec shard_spec(int zero_stage, Offload offload) {
+ShardSpec shard_spec(int zero_stage, bool offload_optimizer, bool offload_params) {
     using P = Placement;
     // One row per stage: parameters, gradients, optimizer state.
     static constexpr ShardSpec kStages[] = {
@@ -26,9 +26,11 @@ ShardSpec shard_spec(int zero_stage, Offload offload) {
     };
     if (zero_stage < 0 || zero_stage > 3)
         fail("ZeRO stage {} is out of range: expected 0, 1, 2 or 3", zero_stage);
+    if (offload_params && !offload_optimizer)
+        fail("internal: parameter offload without optimizer offload");
     ShardSpec s = kStages[zero_stage];
-    if (offload != Offload::none) s.optimizer = to_host(s.optimizer);
-    if (offload == Offload::optimizer_and_params) s.params = to_host(s.params);
+    if (offload_optimizer) s.optimizer = to_host(s.optimizer);
+    if (offload_params) s.params = to_host(s.params);
     return s;
 }
 
@@ -67,4 +69,4 @@ std::string describe(const ShardSpec& s) {
                        to_string(s.grads), to_string(s.optimizer));
 }
 
-}  // namespace memtrain::plan
+}  // namespace memtrain::dist
