@@ -1,7 +1,9 @@
-// Per-GPU memory: model states by precision/optimizer, sharded by ZeRO and split by TP/PP;
-// activations per layer from Korthikanti et al. 2022 times the micro-batches in flight, or for a
-// pipeline without TP the engine's own stage layout (plan/stage_activations.h);
-// logits, buckets, ZeRO-3 gather buffers, reserve and a fragmentation margin as separate lines.
+// Per-GPU memory: model states by precision/optimizer, placed by the ZeRO table
+// (dist/shard_spec.h) and split by TP/PP; for layouts the CPU engines run, element counts and
+// activations from their own layout functions (plan/rank_layout.h, plan/stage_activations.h),
+// otherwise per-layer counts and Korthikanti et al. 2022's activations times the micro-batches in
+// flight; logits, buckets, ZeRO-3 gather buffers, reserve and a fragmentation margin as separate
+// lines.
 #include "plan/memory_model.h"
 
 #include <algorithm>
@@ -11,7 +13,6 @@
 
 #include "core/error.h"
 #include "dist/shard_spec.h"
-
 #include "plan/rank_layout.h"
 #include "plan/stage_activations.h"
 
