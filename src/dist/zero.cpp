@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "dist/shard_spec.h"
 #include "kernels/cpu/ops.h"
 
 namespace memtrain::dist {
@@ -15,7 +16,10 @@ ZeroStore::ZeroStore(const ParamLayout& layout, Communicator& comm, int stage)
     if (stage < 0 || stage > 3) fail("dist.zero_stage must be 0, 1, 2 or 3, got {}", stage);
     const int N = comm.size(), r = comm.rank();
     const auto shards = shard_ranges((int64_t)layout.total, N);
-    owned_ = stage == 0 ? ShardRange{0, (int64_t)layout.total} : shards[r];
+    // Which states this stage shards: the placement table the planner prices with.
+    const ShardSpec spec = shard_spec(stage);
+    const int64_t total = (int64_t)layout.total;
+    owned_ = sharded(spec.optimizer) ? shards[r] : ShardRange{0, total};
     for (const auto& unit : layout.units) {
         UnitPieces p = unit_pieces(shards, (int64_t)unit.begin, (int64_t)unit.end);
         UnitShards us;
@@ -29,9 +33,9 @@ ZeroStore::ZeroStore(const ParamLayout& layout, Communicator& comm, int stage)
     holds_.assign(U, 0);
     written_.assign(U, false);
     buckets_.resize(U);
-    params_ = Buffer<float>(stage == 3 ? (std::size_t)owned_.count : layout.total,
+    params_ = Buffer<float>((std::size_t)held(spec.params, total, shards[r].count),
                             MemCategory::Parameters);
-    grads_ = Buffer<float>(stage >= 2 ? (std::size_t)owned_.count : layout.total,
+    grads_ = Buffer<float>((std::size_t)held(spec.grads, total, shards[r].count),
                            MemCategory::Gradients);
 }
 

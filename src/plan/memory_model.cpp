@@ -1,7 +1,9 @@
-// Per-GPU memory: model states by precision/optimizer, sharded by ZeRO and split by TP/PP;
-// activations per layer from Korthikanti et al. 2022 times the micro-batches in flight, or for a
-// pipeline without TP the engine's own stage layout (plan/stage_activations.h);
-// logits, buckets, ZeRO-3 gather buffers, reserve and a fragmentation margin as separate lines.
+// Per-GPU memory: model states by precision/optimizer, placed by the ZeRO table
+// (dist/shard_spec.h) and split by TP/PP; for layouts the CPU engines run, element counts and
+// activations from their own layout functions (plan/rank_layout.h, plan/stage_activations.h),
+// otherwise per-layer counts and Korthikanti et al. 2022's activations times the micro-batches in
+// flight; logits, buckets, ZeRO-3 gather buffers, reserve and a fragmentation margin as separate
+// lines.
 #include "plan/memory_model.h"
 
 #include <algorithm>
@@ -9,6 +11,9 @@
 
 #include <fmt/format.h>
 
+#include "core/error.h"
+#include "dist/shard_spec.h"
+#include "plan/rank_layout.h"
 #include "plan/stage_activations.h"
 
 namespace memtrain::plan {
@@ -126,10 +131,13 @@ std::string layout_detail(const PipelineActivations& pa, const RunSpec& r, int T
                        pp::kind_name(pa.schedule.kind), slots, arena);
 }
 
-MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, int stage,
+MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, RankCoord at,
                             const PipelineActivations* pa) {
+    const int stage = at.stage;
     MemoryEstimate est;
     est.stage = stage;
+    est.replica = at.replica;
+    est.engine_layout = uses_engine_layout(m, r);
     const bool first = stage == 0, last = stage == r.pp - 1;
     // The layout path's stage holds the trainer's split; the formulas split the layers evenly.
     const int layers = pa ? pa->ranks.at(stage).total_blocks : layers_for_stage(m, r, stage);
@@ -138,6 +146,8 @@ MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, int stage,
     const int64_t s = r.seq_len(m), b = r.micro_batch;
     const int64_t e = activation_bytes(r.precision);
     const StateBytes k = state_bytes(r.precision, r.optimizer);
+    const dist::ShardSpec spec = dist::shard_spec(r.zero, r.offload != Offload::none,
+                                                  r.offload == Offload::optimizer_and_params);
 
     // Parameters on this GPU: weight matrices and column-parallel biases are split over tp,
     // norms and row-parallel biases are replicated; the token table is vocab-parallel.
@@ -152,7 +162,6 @@ MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, int stage,
         // An untied head, or with pp > 1 the last stage's copy of a tied embedding (Megatron).
         if (!m.tied_embeddings || !first) params += ceil_div(tok, t);
     }
-    est.params_on_gpu = params;
 
     // Trainable vs frozen: under LoRA only the adapters get gradients and optimizer states;
     // frozen weight matrices may be stored quantized.
@@ -163,13 +172,36 @@ MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, int stage,
         frozen_matrix = matrices;
         frozen_other = params - matrices;
     }
+    // Elements of each state this rank holds (wherever the shard table puts them): from the
+    // engines' layout and the balanced ZeRO shard where they run the layout, else the formulas
+    // above split evenly over dp.
+    double param_n, grad_n, opt_n;
+    std::string count_detail;
+    if (est.engine_layout) {
+        const RankStates rs = rank_states(m, r, at, pa ? &pa->split : nullptr);
+        params = trainable = rs.params;
+        const int64_t unsharded = rs.params - rs.optimized;  // a pipeline's embedding copy
+        param_n = (double)dist::held(spec.params, rs.params, rs.shard + unsharded);
+        grad_n =
+            (double)(dist::held(spec.grads, rs.params, rs.shard + unsharded) + rs.reduce_buffer);
+        opt_n = (double)dist::held(spec.optimizer, rs.optimized, rs.shard);
+        count_detail = ", " + rs.source;
+    } else {
+        param_n = (double)params * dist::held_fraction(spec.params, r.dp);
+        grad_n = (double)trainable * dist::held_fraction(spec.grads, r.dp);
+        opt_n = (double)trainable * dist::held_fraction(spec.optimizer, r.dp);
+    }
+    est.params_on_gpu = params;
     est.trainable_on_gpu = trainable;
-    const int64_t p_div = r.zero >= 3 ? d : 1, g_div = r.zero >= 2 ? d : 1,
-                  o_div = r.zero >= 1 ? d : 1;
+    auto zero_note = [&](dist::Placement p) {
+        return dist::sharded(p) && d > 1 ? fmt::format(" / {} (ZeRO-{})", d, r.zero)
+                                         : std::string();
+    };
     double param_bytes;
     std::string param_detail;
     if (r.lora_rank > 0) {
-        param_bytes = frozen_matrix * frozen_bytes + (frozen_other + trainable) * k.param;
+        param_bytes = (frozen_matrix * frozen_bytes + (frozen_other + trainable) * k.param) *
+                      dist::held_fraction(spec.params, r.dp);
         const std::string storage = r.frozen_bits == 16  ? fmt::format("at {:g} B", k.param)
                                     : r.frozen_bits == 8 ? "in int8"
                                                          : "in NF4, 4.127 bits";
@@ -177,20 +209,21 @@ MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, int stage,
                                    (frozen_matrix + frozen_other) / 1e9, storage, trainable / 1e6,
                                    r.lora_rank, to_string(r.lora_targets), k.param);
     } else {
-        param_bytes = params * k.param;
-        param_detail = fmt::format("{:.3f}B params x {} B", params / 1e9, k.param);
+        param_bytes = param_n * k.param;
+        param_detail = fmt::format("{:.3f}B params x {} B{}", params / 1e9, k.param, count_detail);
     }
-    param_bytes /= p_div;
-    if (p_div > 1) param_detail += fmt::format(" / {} (ZeRO-3)", d);
-    double grad_bytes = trainable * k.grad / g_div;
+    param_detail += zero_note(spec.params);
+    double grad_bytes = grad_n * k.grad;
     std::string grad_detail =
-        fmt::format("{:.3f}B x {} B{}", trainable / 1e9, k.grad,
-                    g_div > 1 ? fmt::format(" / {} (ZeRO-{})", d, r.zero) : "");
-    double opt_bytes = trainable * k.optim / o_div;
-    std::string opt_detail = fmt::format(
-        "{:.3f}B x {} B ({} {}){}", trainable / 1e9, k.optim, to_string(r.precision),
-        to_string(r.optimizer), o_div > 1 ? fmt::format(" / {} (ZeRO-{})", d, r.zero) : "");
-    if (r.offload != Offload::none) {
+        fmt::format("{:.3f}B x {} B{}{}", trainable / 1e9, k.grad, zero_note(spec.grads),
+                    est.engine_layout && r.pp > 1 && d > 1 && r.zero == 1
+                        ? " + the reduce-scattered piece (ZeRO-1 across pipelines)"
+                        : "");
+    double opt_bytes = opt_n * k.optim;
+    std::string opt_detail =
+        fmt::format("{:.3f}B x {} B ({} {}){}", trainable / 1e9, k.optim, to_string(r.precision),
+                    to_string(r.optimizer), zero_note(spec.optimizer));
+    if (dist::offloaded(spec.optimizer)) {
         // ZeRO-Offload as memtrain's engine runs it (src/train/cuda_engine.cpp): the gradients
         // stay on the GPU, where the backward writes and accumulates them (their ZeRO shard from
         // stage 2), and stream down after the last micro-batch. The host holds, for this GPU's
@@ -198,16 +231,15 @@ MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, int stage,
         // reads and the pinned buffer the transfers go through (a parameter's bytes).
         const double moments = k.optim - k.master;
         const double host_per_param = 4 + moments + 4 + k.param;
-        const double host = trainable * host_per_param / o_div;
+        const double host = opt_n * host_per_param;
         est.cpu_bytes += to_bytes(host);
         opt_detail = fmt::format(
             "offloaded: {} host = {:.3f}B x {:g} B (fp32 master 4 + moments {:g} + fp32 grads 4 + "
             "pinned transfer {:g}){}",
-            gb(host), trainable / 1e9, host_per_param, moments, k.param,
-            o_div > 1 ? fmt::format(" / {} (ZeRO-{})", d, r.zero) : "");
+            gb(host), trainable / 1e9, host_per_param, moments, k.param, zero_note(spec.optimizer));
         opt_bytes = 0;
     }
-    if (r.offload == Offload::optimizer_and_params) {
+    if (dist::offloaded(spec.params)) {
         est.cpu_bytes += to_bytes(param_bytes);
         param_detail = "offloaded: " + gb(param_bytes) + " host = " + param_detail;
         param_bytes = 0;
@@ -220,9 +252,21 @@ MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, int stage,
     est.in_flight = in_flight(r, stage);
     double act;
     std::string act_detail;
+    // Without a pipeline, a run the engines run is their arena (which holds its recompute
+    // scratch: no separate working set).
+    const bool arena = !pa && est.engine_layout;
     if (pa) {
         act = static_cast<double>(pa->ranks[stage].bytes);
         act_detail = layout_detail(*pa, r, static_cast<int>(s), stage);
+    } else if (arena) {
+        act = static_cast<double>(arena_activation_bytes(m, r));
+        const ActFormat f = arena_format(rank_config(m, r), r);
+        act_detail = fmt::format(
+            "plan_arena (activation_layout){} of {} blocks, {} x {} tokens, remat {} = {} blocks, "
+            "{} arena, {}-byte activations",
+            t > 1 ? fmt::format(" of the tp = {} shard", t) : std::string(), layers, b, s,
+            to_string(r.recompute), keep_name(block_keep(r.recompute)),
+            f.cuda ? "GPU (fused attention)" : "CPU (attention probabilities)", f.elem_bytes);
     } else {
         act = static_cast<double>(la.saved) * layers * est.in_flight;
         // The embedding's dropout mask (the embedding output itself is layer 0's input).
@@ -248,7 +292,7 @@ MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, int stage,
     }
     // Full recomputation rebuilds one layer's activations during its backward (the layout path
     // has it already: the arena's recompute scratch).
-    int64_t working = r.recompute == Recompute::full && !pa ? la.full : 0;
+    int64_t working = r.recompute == Recompute::full && !pa && !arena ? la.full : 0;
     // Logits in the activation dtype, their fp32 softmax and the fp32 gradient.
     int64_t logits =
         last ? ceil_div(s * b * static_cast<int64_t>(m.vocab_size), t) * (e + 4 + 4) : 0;
@@ -274,9 +318,10 @@ MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, int stage,
             fmt::format("{} layers x {} micro-batches: the GEMMs' output gradients kept until W",
                         layers, est.in_flight));
     add("recompute working set", working,
-        working                                ? "one layer rebuilt during its backward"
-        : pa && r.recompute != Recompute::none ? "in the activations: the arena's recompute scratch"
-                                               : "no full recompute");
+        working ? "one layer rebuilt during its backward"
+        : (pa || arena) && r.recompute != Recompute::none
+            ? "in the activations: the arena's recompute scratch"
+            : "no full recompute");
     add("logits and loss", logits,
         last ? fmt::format("{} tokens x {} vocab / tp {} x {} B", s * b, m.vocab_size, t, e + 8)
              : "not on this stage");
@@ -305,31 +350,41 @@ std::vector<int64_t> stage_activation_bytes(const PipelineActivations& pa) {
 
 }  // namespace
 
-MemoryEstimate estimate_stage_memory(const ModelSpec& m, const RunSpec& r, int stage) {
-    if (!uses_stage_layout(r)) return stage_memory(m, r, stage, nullptr);
+MemoryEstimate estimate_rank_memory(const ModelSpec& m, const RunSpec& r, RankCoord at) {
+    m.validate();
+    validate_run(m, r);
+    if (at.stage < 0 || at.stage >= r.pp || at.replica < 0 || at.replica >= r.dp)
+        fail("rank (stage {}, replica {}) is not in a layout of pp = {} x dp = {}", at.stage,
+             at.replica, r.pp, r.dp);
+    if (!uses_stage_layout(r)) return stage_memory(m, r, at, nullptr);
     const PipelineActivations pa = pipeline_activations(m, r);
-    MemoryEstimate est = stage_memory(m, r, stage, &pa);
+    MemoryEstimate est = stage_memory(m, r, at, &pa);
     est.stage_activations = stage_activation_bytes(pa);
     return est;
+}
+
+MemoryEstimate estimate_stage_memory(const ModelSpec& m, const RunSpec& r, int stage) {
+    return estimate_rank_memory(m, r, RankCoord{stage, 0});
 }
 
 MemoryEstimate estimate_memory(const ModelSpec& m, const RunSpec& r) {
     m.validate();
     validate_run(m, r);
+    // Replica 0 holds the largest ZeRO piece (shard_ranges gives the remainder to the first).
     if (uses_stage_layout(r)) {
         // Every stage: the split balances compute, so any stage may hold the most.
         const PipelineActivations pa = pipeline_activations(m, r);
-        MemoryEstimate best = stage_memory(m, r, 0, &pa);
+        MemoryEstimate best = stage_memory(m, r, RankCoord{0, 0}, &pa);
         for (int s = 1; s < r.pp; s++) {
-            MemoryEstimate e = stage_memory(m, r, s, &pa);
+            MemoryEstimate e = stage_memory(m, r, RankCoord{s, 0}, &pa);
             if (e.total > best.total) best = std::move(e);
         }
         best.stage_activations = stage_activation_bytes(pa);
         return best;
     }
-    MemoryEstimate best = stage_memory(m, r, 0, nullptr);
+    MemoryEstimate best = stage_memory(m, r, RankCoord{0, 0}, nullptr);
     if (r.pp > 1) {
-        MemoryEstimate lastst = stage_memory(m, r, r.pp - 1, nullptr);
+        MemoryEstimate lastst = stage_memory(m, r, RankCoord{r.pp - 1, 0}, nullptr);
         if (lastst.total > best.total) best = std::move(lastst);
     }
     return best;

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "plan/model_spec.h"
+#include "plan/rank_layout.h"
 #include "plan/run_spec.h"
 
 namespace memtrain::plan {
@@ -24,6 +25,10 @@ struct MemoryEstimate {
     int64_t total = 0;              // sum of lines (device bytes, fragmentation included)
     int64_t cpu_bytes = 0;          // host memory of offloaded states, per GPU
     int stage = 0;                  // pipeline stage the numbers are for (0 = first)
+    int replica = 0;                // data-parallel replica (its ZeRO piece) they are for
+    // Model states and, without a pipeline, activations from the engines' layout functions
+    // (plan/rank_layout.h: uses_engine_layout); otherwise the formulas.
+    bool engine_layout = false;
     int layers_on_stage = 0;
     double in_flight = 1;          // micro-batches whose activations are alive at the peak
     int64_t params_on_gpu = 0;     // parameters held by this GPU before ZeRO sharding
@@ -52,17 +57,24 @@ LayerActivations layer_activation_bytes(const ModelSpec& model, const RunSpec& r
 // attn.c_proj [+ mlp.c_fc, mlp.c_proj].
 int64_t lora_params_per_layer(const ModelSpec& model, int rank, LoraTargets targets);
 
-// Validates the run, then estimates every pipeline stage and returns the largest.
+// Validates the run, then estimates every pipeline stage (of replica 0, which holds the largest
+// ZeRO piece) and returns the largest.
 //
-// Activations: with pp = 1, or tp > 1, Korthikanti's per-layer formulas (layer_activation_bytes)
-// x the stage's layers x the micro-batches in flight. A pipeline without tensor parallelism
-// (pp > 1, tp = 1) is priced as the pipeline engine allocates it (plan/stage_activations.h):
-// each stage's blocks from the trainer's split (split_stages), one micro-batch's
-// plan_stage_arena under the trainer's remat plan for `recompute`, in the arena format of the
-// engine that would run it, times the micro-batches its schedule holds; the stage's layers (for
-// the model states too) are the split's.
+// A layout the CPU engines run (uses_engine_layout: tp alone, or pipelines side by side, any
+// ZeRO stage, a model without dropout or LoRA) is priced as they allocate it: model states from
+// make_param_layout (of the tp shard; a stage's units under the trainer's split) and the shard
+// table (dist/shard_spec.h) with the balanced ZeRO piece; activations from plan_arena (pp = 1,
+// in the arena format of the engine that would run it) or plan_stage_arena per micro-batch in
+// flight (pipelines, plan/stage_activations.h). Everything else (sequence parallelism, tp with
+// pp, dropout masks, LoRA) keeps the formulas: parameters counted per layer and split over
+// tp and dp, activations from Korthikanti's per-layer formulas (layer_activation_bytes) x the
+// stage's layers x the micro-batches in flight; a pipeline without tensor parallelism still
+// takes its activations from the stage layout.
 MemoryEstimate estimate_memory(const ModelSpec& model, const RunSpec& run);
-// One stage (0 .. pp-1); stage 0 holds the embedding, stage pp-1 the head and the logits.
+// One stage (0 .. pp-1) of replica 0; stage 0 holds the embedding, stage pp-1 the head and the
+// logits.
 MemoryEstimate estimate_stage_memory(const ModelSpec& model, const RunSpec& run, int stage);
+// One rank: its stage and replica (the per-rank numbers `memtrain train` measures).
+MemoryEstimate estimate_rank_memory(const ModelSpec& model, const RunSpec& run, RankCoord at);
 
 }  // namespace memtrain::plan

@@ -17,8 +17,10 @@ std::string format_memory_table(const MemoryEstimate& est, const ClusterSpec* cl
     std::string out = fmt::format("{:<24} {:>12}  {}\n", "category", "per GPU", "how");
     for (const auto& l : est.lines)
         out += fmt::format("{:<24} {:>12}  {}\n", l.name, format_bytes(l.bytes), l.detail);
-    out += fmt::format("{:<24} {:>12}  stage {} ({} layers)\n", "total", format_bytes(est.total),
-                       est.stage, est.layers_on_stage);
+    out += fmt::format("{:<24} {:>12}  stage {} ({} layers){}\n", "total", format_bytes(est.total),
+                       est.stage, est.layers_on_stage,
+                       est.engine_layout ? ", priced by the engines' layout functions"
+                                         : ", priced by the formulas");
     if (!est.stage_activations.empty()) {
         out += fmt::format("{:<24} {:>12} ", "activations per stage", "");
         for (std::size_t i = 0; i < est.stage_activations.size(); i++)
@@ -136,6 +138,9 @@ nlohmann::json to_json(const MemoryEstimate& est) {
     j["host_bytes"] = est.cpu_bytes;
     j["stage"] = est.stage;
     j["layers_on_stage"] = est.layers_on_stage;
+    j["replica"] = est.replica;
+    // Model states and activations from the engines' layout functions, not the formulas.
+    j["engine_layout"] = est.engine_layout;
     if (!est.stage_activations.empty()) j["stage_activation_bytes"] = est.stage_activations;
     j["not_included"] = est.not_included;
     return j;
@@ -241,17 +246,34 @@ std::string memory_svg(const SearchResult& r, int top, double capacity) {
 
 std::string emit_config_toml(const ModelSpec& m, const Plan& p) {
     const RunSpec& r = p.run;
+    // What the plan asks for that the trainer has no key for: said in the header, never
+    // silently dropped.
+    std::string gaps;
+    if (r.precision == Precision::bf16_only)
+        gaps +=
+            "# bf16-only (no fp32 master weights) has no trainer setting: train.precision = "
+            "\"bf16\" below keeps fp32 master weights, more optimizer memory than planned.\n";
+    if (r.optimizer == Optimizer::adamw8bit)
+        gaps +=
+            "# 8-bit AdamW has no trainer setting: optim.name = \"adamw\" below keeps fp32 "
+            "moments, more optimizer memory than planned.\n";
+    if (r.offload == Offload::optimizer_and_params)
+        gaps +=
+            "# Parameter offload has no trainer setting: train.offload_optimizer = true below "
+            "offloads the optimizer only, and the parameters stay on the GPU.\n";
+    if (r.sequence_parallel)
+        gaps += "# Sequence parallelism is not built yet: the trainer runs tp without it.\n";
     std::string out = fmt::format(
         "# Written by `memtrain plan` for {}.\n"
         "# Layout: {}\n"
         "# precision={} optimizer={} sequence_parallel={} flash_attention={}\n"
         "# Predicted per GPU: {} ({} model states, {} activations); {:.0f} tokens/s, MFU {:.1f}%\n"
-        "# The trainer has no [parallel] keys yet: launch with dp x tp x pp = {} ranks as "
-        "above.\n{}\n",
+        "# Launch dp x tp x pp = {} x {} x {} = {} ranks: mpirun -np {} memtrain train THIS.toml "
+        "(data-parallel replicas are the ranks left over by train.tp and train.pp).\n{}{}\n",
         m.name, describe(r), to_string(r.precision), to_string(r.optimizer), r.sequence_parallel,
         r.flash_attention, format_bytes(p.memory.total), format_bytes(p.memory.model_states()),
-        format_bytes(p.memory.bytes("activations")), p.time.tokens_per_s, p.time.mfu * 100,
-        r.gpus(),
+        format_bytes(p.memory.bytes("activations")), p.time.tokens_per_s, p.time.mfu * 100, r.dp,
+        r.tp, r.pp, r.gpus(), r.gpus(), gaps,
         r.lora_rank > 0
             ? fmt::format("# {}: the trainer runs LoRA on the CPU engine so far (docs/lora.md); "
                           "set model.init_from to the base model.\n",
@@ -265,9 +287,19 @@ std::string emit_config_toml(const ModelSpec& m, const Plan& p) {
         "norm = \"{}\"\nactivation = \"{}\"\npositions = \"{}\"\ntied_embeddings = {}\n",
         m.rmsnorm ? "rmsnorm" : "layernorm", m.swiglu ? "swiglu" : "gelu",
         m.rope ? "rope" : "learned", m.tied_embeddings);
+    // The layout as the trainer's keys: batch_size is the global batch, micro_batch_size per
+    // data-parallel rank, so accumulation is batch_size / (micro_batch_size x dp).
     out += fmt::format(
-        "\n[train]\nseq_len = {}\nbatch_size = {}\nmicro_batch_size = {}\nremat = \"{}\"\n",
-        r.seq_len(m), r.global_batch(), r.micro_batch, to_string(r.recompute));
+        "\n[train]\nseq_len = {}\nbatch_size = {}\nmicro_batch_size = {}\nremat = \"{}\"\n"
+        "precision = \"{}\"\nzero_stage = {}\noffload_optimizer = {}\ntp = {}\npp = {}\n",
+        r.seq_len(m), r.global_batch(), r.micro_batch, to_string(r.recompute),
+        r.precision == Precision::bf16_only ? "bf16" : to_string(r.precision), r.zero,
+        r.offload != Offload::none, r.tp, r.pp);
+    if (r.pp > 1) {
+        out += fmt::format("pp_schedule = \"{}\"\n", to_string(r.schedule));
+        if (r.schedule == Schedule::interleaved)
+            out += fmt::format("pp_virtual = {}\n", r.virtual_stages);
+    }
     out +=
         fmt::format("\n[optim]\nname = \"{}\"\n", r.optimizer == Optimizer::sgd ? "sgd" : "adamw");
     if (r.lora_rank > 0)

@@ -25,8 +25,8 @@ namespace memtrain::plan {
 //   none      -> BlockKeep::All        every saved field kept
 //   selective -> BlockKeep::Selective  ln_1, ln_2 and the MLP activation recomputed in backward
 //   full      -> BlockKeep::Input      only the block input kept; the block is recomputed
-// (The tp > 1 formulas, layer_activation_bytes, read "selective" as Korthikanti's: the attention
-// core recomputed. Only the layout path below uses this mapping.)
+// (The formulas, layer_activation_bytes, read "selective" as Korthikanti's: the attention core
+// recomputed. The layout paths, here and plan/rank_layout.h, use this mapping.)
 BlockKeep block_keep(Recompute r);
 RematPlan remat_plan(Recompute r, int blocks);
 

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "dist/shard_spec.h"
 #include "train/cuda_engine.h"
 #include "train/host_memory_plan.h"
 #include "train/lora_engine.h"
@@ -71,22 +72,26 @@ std::string CpuEngine::memory_title() const {
 
 std::vector<MemoryPrediction> zero_state_rows(const RunConfig& cfg, std::size_t shard,
                                               std::size_t psi, int world, const std::string& what) {
-    const int stage = cfg.train.zero_stage;
-    // Model states per rank under ZeRO: a shard (this rank's count of the balanced layout, Ψ/N
-    // rounded) where the stage shards that state, Ψ otherwise.
-    const std::size_t p_n = stage >= 3 ? shard : psi, g_n = stage >= 2 ? shard : psi,
-                      o_n = stage >= 1 ? shard : psi;
-    const std::string per = world > 1 ? fmt::format(" / {} ranks", world) : "";
+    // Model states per rank under ZeRO (dist/shard_spec.h, as ZeroStore allocates them): a shard
+    // (this rank's count of the balanced layout, Ψ/N rounded) where the stage shards that state, Ψ
+    // otherwise.
+    const dist::ShardSpec spec = dist::shard_spec(cfg.train.zero_stage);
+    auto n = [&](dist::Placement p) {
+        return (std::size_t)dist::held(p, (int64_t)psi, (int64_t)shard);
+    };
+    auto per = [&](dist::Placement p) {
+        return world > 1 && dist::sharded(p) ? fmt::format(" / {} ranks", world) : std::string();
+    };
     const int k = cfg.optim.name == "adamw" ? 8 : 4;
     return {
-        {MemCategory::Parameters, fmt::format("4 x {}{} (fp32)", what, stage >= 3 ? per : ""),
-         4 * p_n},
-        {MemCategory::Gradients, fmt::format("4 x {}{} (fp32)", what, stage >= 2 ? per : ""),
-         4 * g_n},
+        {MemCategory::Parameters, fmt::format("4 x {}{} (fp32)", what, per(spec.params)),
+         4 * n(spec.params)},
+        {MemCategory::Gradients, fmt::format("4 x {}{} (fp32)", what, per(spec.grads)),
+         4 * n(spec.grads)},
         {MemCategory::OptimizerState,
-         fmt::format("{} x {}{} ({})", k, what, stage >= 1 ? per : "",
+         fmt::format("{} x {}{} ({})", k, what, per(spec.optimizer),
                      k == 8 ? "Adam m, v" : "momentum"),
-         (std::size_t)k * o_n},
+         (std::size_t)k * n(spec.optimizer)},
     };
 }
 

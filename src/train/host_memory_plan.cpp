@@ -1,6 +1,7 @@
 // The CPU engines' memory predicted before allocation (see host_memory_plan.h).
 #include "train/host_memory_plan.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <fstream>
 #include <limits>
@@ -125,6 +126,44 @@ std::vector<MemoryPrediction> predict_cpu_memory(const RunConfig& cfg, const Rem
     rows.push_back({MemCategory::Workspace, ws_formula,
                     arena_bytes(arena, MemCategory::Workspace) + ws_extra});
     return rows;
+}
+
+plan::RunSpec planner_run_spec(const RunConfig& cfg, const ActFormat& format) {
+    plan::RunSpec rs;
+    rs.precision = plan::parse_precision(cfg.train.precision);
+    rs.optimizer = cfg.optim.name == "sgd" ? plan::Optimizer::sgd : plan::Optimizer::adamw;
+    rs.micro_batch = cfg.micro_batch();
+    rs.seq = cfg.train.seq_len;
+    rs.micro_batches = cfg.accum_steps();
+    rs.dp = cfg.dp();
+    rs.tp = cfg.train.tp;
+    rs.pp = cfg.train.pp;
+    // The schedules the planner knows; the others (naive, PipeDream) are priced as 1F1B.
+    const std::string& sched = cfg.train.pp_schedule;
+    if (sched == "gpipe" || sched == "1f1b" || sched == "zb-h1")
+        rs.schedule = plan::parse_schedule(sched);
+    if (sched == "interleaved" && cfg.train.pp_virtual > 1) {
+        rs.schedule = plan::Schedule::interleaved;
+        rs.virtual_stages = cfg.train.pp_virtual;
+    }
+    rs.zero = cfg.train.zero_stage;
+    rs.offload = cfg.train.offload_optimizer ? plan::Offload::optimizer : plan::Offload::none;
+    rs.flash_attention = format.fused_attention;
+    rs.fragmentation = 0;
+    rs.reserve_bytes = 0;
+    const std::string& rp = cfg.train.remat;
+    if (rp == "selective" || rp == "full") rs.recompute = plan::parse_recompute(rp);
+    if (cfg.lora.enabled()) {
+        rs.lora_rank = cfg.lora.rank;
+        rs.frozen_bits = cfg.lora.base == "int8" ? 8 : cfg.lora.base == "fp32" ? 16 : 4;
+    }
+    return rs;
+}
+
+plan::RankCoord planner_rank(const RunConfig& cfg, int rank) {
+    if (cfg.train.tp > 1) return {};
+    const int pp = std::max(1, cfg.train.pp);
+    return plan::RankCoord{rank % pp, rank / pp};
 }
 
 std::size_t host_available_bytes() {

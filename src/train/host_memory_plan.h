@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "model/activation_layout.h"
+#include "plan/rank_layout.h"
+#include "plan/run_spec.h"
 #include "train/engine.h"
 #include "train/run_config.h"
 
@@ -20,6 +22,15 @@ namespace memtrain {
 // parameter server, the GPU), whose own prediction comes after construction.
 std::vector<MemoryPrediction> predict_cpu_memory(const RunConfig& cfg, const RematPlan& plan,
                                                  int rank, int B, int T);
+
+// The planner's description of this run (`memtrain estimate` with the same layout): tp, pp and
+// its schedule, dp, the ZeRO stage, offload, precision, optimizer, micro-batching and the remat
+// policy (whole-model policies; per-block schedules such as every:K are priced by the engine's
+// own layout only), for an engine whose arena has `format` (flash attention = fused).
+plan::RunSpec planner_run_spec(const RunConfig& cfg, const ActFormat& format);
+// Where job rank `rank` sits in the planner's layout: a pipeline's stage and replica (job rank =
+// pipeline x pp + stage), a data-parallel rank's replica; tensor-parallel ranks are alike.
+plan::RankCoord planner_rank(const RunConfig& cfg, int rank);
 
 // The bytes this process may still allocate: the kernel's MemAvailable, or less under a cgroup
 // memory limit. MEMTRAIN_HOST_MEMORY (bytes, or with a suffix such as 8GiB) replaces it, for

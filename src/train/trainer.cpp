@@ -310,39 +310,12 @@ float Trainer::evaluate() {
 
 namespace {
 
-// The analytic planner (`memtrain estimate`) for this run, beside the engine's exact layout: its
-// general formulas (Korthikanti-style activations), or for a pipeline the engine's own stage
-// layout and schedule (plan/stage_activations.h).
+// The planner (`memtrain estimate`) for this run's rank 0, the rank that reports: the engines'
+// layout functions for every layout they run, the formulas for the rest (plan/memory_model.h).
 plan::MemoryEstimate planner_estimate(const RunConfig& cfg, Engine& engine) {
-    plan::RunSpec rs;
-    rs.precision = plan::parse_precision(cfg.train.precision);
-    rs.optimizer = cfg.optim.name == "sgd" ? plan::Optimizer::sgd : plan::Optimizer::adamw;
-    rs.micro_batch = cfg.micro_batch();
-    rs.seq = cfg.train.seq_len;
-    rs.micro_batches = cfg.accum_steps();
-    rs.dp = cfg.dp();
-    rs.pp = cfg.train.pp;
-    // The schedules the planner knows; the others (naive, PipeDream) are priced as 1F1B.
-    const std::string& sched = cfg.train.pp_schedule;
-    if (sched == "gpipe" || sched == "1f1b" || sched == "zb-h1")
-        rs.schedule = plan::parse_schedule(sched);
-    if (sched == "interleaved" && cfg.train.pp_virtual > 1) {
-        rs.schedule = plan::Schedule::interleaved;
-        rs.virtual_stages = cfg.train.pp_virtual;
-    }
-    rs.zero = cfg.train.zero_stage;
-    rs.flash_attention = engine.arena_format().fused_attention;
-    rs.fragmentation = 0;
-    rs.reserve_bytes = 0;
-    // The planner models whole-model policies (none, selective, full); per-block schedules
-    // (every:K, sqrt, budget) are priced exactly by activation_layout.
-    const std::string& rp = cfg.train.remat;
-    if (rp == "selective" || rp == "full") rs.recompute = plan::parse_recompute(rp);
-    if (cfg.lora.enabled()) {
-        rs.lora_rank = cfg.lora.rank;
-        rs.frozen_bits = cfg.lora.base == "int8" ? 8 : cfg.lora.base == "fp32" ? 16 : 4;
-    }
-    return plan::estimate_memory(plan::model_from_config(cfg.model), rs);
+    return plan::estimate_rank_memory(plan::model_from_config(cfg.model),
+                                      planner_run_spec(cfg, engine.arena_format()),
+                                      planner_rank(cfg, 0));
 }
 
 }  // namespace
@@ -520,7 +493,7 @@ void Trainer::print_memory_report() {
     out += engine_->memory_footer();
     const auto est = planner_estimate(cfg_, *engine_);
     out += fmt::format(
-        "planner estimate: parameters {} | gradients {} | optimizer {} | "
+        "planner estimate (per rank): parameters {} | gradients {} | optimizer {} | "
         "activations {} (+ recompute working set {}) | logits and loss {}\n",
         mib(est.bytes("parameters")), mib(est.bytes("gradients")),
         mib(est.bytes("optimizer states")), mib(est.bytes("activations")),

@@ -324,3 +324,34 @@ TEST(CliMpi, SequenceParallelTrainsFromTheCommandLine) {
     EXPECT_NE(r.code, 0) << r.output;
     EXPECT_EQ(count(r.output, "needs the micro-batch's tokens"), 1) << r.output;
 }
+
+// `memtrain plan --emit-config` for two GPUs small enough that the best plan shards with ZeRO,
+// then `mpirun -np 2 memtrain train` on the emitted file unchanged but for where the data is:
+// it trains, at the planned ZeRO stage, and reports the planner's per-rank estimate.
+TEST(CliMpi, PlanEmittedConfigTrainsFromTheCommandLine) {
+    auto dir = memtrain::test::temp_dir("cli_mpi_plan_emit");
+    tiny_config(dir, 2);  // the shard
+    write_file(dir + "/m.toml",
+               "[model]\nn_layer = 4\nn_head = 4\nn_embd = 32\nblock_size = 16\nvocab_size = 50\n"
+               "vocab_pad = 16\n");
+    auto p = memtrain::test::run_memtrain("plan " + dir +
+                                          "/m.toml --gpus 2 --gpu-mem-gb 0.002 --reserve-gb 0 "
+                                          "--precision fp32 --no-flash --global-batch 8 --seq 16 "
+                                          "--no-offload --no-lora --emit-config " +
+                                          dir + "/plan.toml");
+    ASSERT_EQ(p.code, 0) << p.output;
+    const std::string emitted = read_file(dir + "/plan.toml");
+    EXPECT_EQ(count(emitted, "zero_stage = 0"), 0) << emitted;
+    EXPECT_EQ(count(emitted, "mpirun -np 2"), 1) << emitted;
+    auto r = run("train " + dir + "/plan.toml --set data.train=" + dir +
+                 "/train.bin train.max_steps=2 train.eval_every=0 train.device=cpu "
+                 "sample.max_tokens=0 io.save_final=false io.out_dir=" +
+                 dir + "/out");
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_EQ(losses(dir + "/out/metrics.jsonl").size(), 2u) << r.output;
+    const auto at = emitted.find("zero_stage = ");
+    ASSERT_NE(at, std::string::npos) << emitted;
+    const std::string stage = emitted.substr(at + 13, 1);  // as planned
+    EXPECT_EQ(count(r.output, "x 2 ranks (ZeRO stage " + stage + ")"), 1) << r.output;
+    EXPECT_EQ(count(r.output, "planner estimate (per rank)"), 1) << r.output;
+}

@@ -9,6 +9,7 @@
 #include <array>
 #include <cstdio>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -16,6 +17,7 @@
 
 #include "cli/cli_util.h"
 #include "test_util.h"
+#include "train/run_config.h"
 
 namespace {
 
@@ -200,4 +202,57 @@ TEST(PlanCli, ThirtyBillionOnOneGpuProposesLora) {
     ASSERT_EQ(o.code, 0) << o.output;
     EXPECT_NE(o.output.find("no layout fits in 80.00 GB per GPU"), std::string::npos) << o.output;
     EXPECT_EQ(o.output.find("LoRA"), std::string::npos) << o.output;
+}
+
+// `memtrain plan --emit-config` on two GPUs small enough that the best plan shards with ZeRO: the
+// file carries the layout as the trainer's keys (zero stage, precision, offload, tp, pp,
+// micro-batch) and validates at the plan's world size. (Training it: PlanGrid.* under mpirun.)
+TEST(PlanCli, EmittedConfigCarriesTheLayout) {
+    const auto dir = memtrain::test::temp_dir("plan_cli_emit");
+    write_text(dir + "/m.toml",
+               "[model]\nn_layer = 4\nn_head = 4\nn_embd = 32\nblock_size = 16\nvocab_size = 50\n"
+               "vocab_pad = 16\n");
+    const std::string out = dir + "/plan.toml";
+    const Outcome o = memtrain_cli("plan " + dir +
+                                   "/m.toml --gpus 2 --gpu-mem-gb 0.002 --reserve-gb 0 "
+                                   "--precision fp32 --no-flash --global-batch 8 --seq 16 "
+                                   "--no-offload --no-lora --emit-config " +
+                                   out);
+    ASSERT_EQ(o.code, 0) << o.output;
+    memtrain::RunConfig c = memtrain::load_run_config(out, {"train.device=cpu"});
+    EXPECT_GT(c.train.zero_stage, 0) << o.output;
+    EXPECT_EQ(c.train.precision, "fp32");
+    EXPECT_EQ(c.train.tp, 1);
+    EXPECT_EQ(c.train.pp, 1);
+    EXPECT_FALSE(c.train.offload_optimizer);
+    EXPECT_EQ(c.train.batch_size, 8);
+    EXPECT_EQ(c.train.seq_len, 16);
+    EXPECT_GT(c.train.micro_batch_size, 0);
+    EXPECT_EQ(c.model.n_layer, 4);
+    c.world = 2;
+    EXPECT_NO_THROW(c.validate());
+    // The header says how to launch it.
+    std::ifstream f(out);
+    const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    EXPECT_NE(text.find("mpirun -np 2"), std::string::npos) << text;
+    EXPECT_NE(text.find("zero_stage = "), std::string::npos) << text;
+}
+
+// `memtrain estimate` says whether a layout was priced by the engines' layout functions (a model
+// the trainer expresses, a layout it runs) or by the formulas (GPT-2's dropout masks; tp with pp).
+TEST(PlanCli, EstimateSaysWhereItsNumbersComeFrom) {
+    const auto dir = memtrain::test::temp_dir("plan_cli_source");
+    write_text(dir + "/m.toml", "[model]\nn_layer = 4\nn_head = 4\nn_embd = 32\nblock_size = 16\n");
+    const std::string engine = "priced by the engines' layout functions";
+    const std::string formulas = "priced by the formulas";
+    for (const char* layout : {"", " --tp 2", " --pp 2", " --dp 2 --zero 3"}) {
+        const Outcome o = memtrain_cli("estimate " + dir + "/m.toml" + layout);
+        ASSERT_EQ(o.code, 0) << layout << "\n" << o.output;
+        EXPECT_NE(o.output.find(engine), std::string::npos) << layout << "\n" << o.output;
+    }
+    for (const std::string& args : {dir + "/m.toml --tp 2 --pp 2", std::string("gpt2")}) {
+        const Outcome o = memtrain_cli("estimate " + args);
+        ASSERT_EQ(o.code, 0) << args << "\n" << o.output;
+        EXPECT_NE(o.output.find(formulas), std::string::npos) << args << "\n" << o.output;
+    }
 }

@@ -75,6 +75,12 @@ TEST(PlanSearch, EmittedConfigLoadsInTheTrainer) {
     EXPECT_EQ(cfg.train.batch_size, 64);
     EXPECT_EQ(cfg.train.micro_batch_size, r.plans[0].run.micro_batch);
     EXPECT_EQ(cfg.train.remat, to_string(r.plans[0].run.recompute));
+    // The layout and precision as the trainer's keys.
+    EXPECT_EQ(cfg.train.precision, "bf16");
+    EXPECT_EQ(cfg.train.zero_stage, r.plans[0].run.zero);
+    EXPECT_EQ(cfg.train.offload_optimizer, r.plans[0].run.offload != Offload::none);
+    EXPECT_EQ(cfg.train.tp, r.plans[0].run.tp);
+    EXPECT_EQ(cfg.train.pp, r.plans[0].run.pp);
     EXPECT_NO_THROW(cfg.validate());
     EXPECT_EQ(cfg.lora.rank, 0);
 
@@ -87,7 +93,8 @@ TEST(PlanSearch, EmittedConfigLoadsInTheTrainer) {
     EXPECT_EQ(qc.lora.rank, 16);
     EXPECT_EQ(qc.lora.targets, "all");
     EXPECT_EQ(qc.lora.base, "nf4");
-    qc.train.device = "cpu";
+    qc.train.device = "cpu";  // the plan's bf16 is a GPU's; the CPU engine trains LoRA in fp32
+    qc.train.precision = "fp32";
     EXPECT_NO_THROW(qc.validate());
 }
 

@@ -1,0 +1,60 @@
+// One rank's model states and activations as the CPU engines allocate them, for the planner:
+// the parameter layout (model/param_layout.h: make_param_layout, of the tensor-parallel shard's
+// config under tp), a pipeline stage's units (the trainer's split, parallel/stage_split.h, as
+// PipelineEngine hands them to its StageStore), the balanced ZeRO shard (dist::shard_ranges) and
+// the activation arena (model/activation_layout.h: plan_arena). `memtrain estimate` prices every
+// layout the engines run with these, so the planner and the engines cannot drift apart
+// (STYLE lesson 2); Korthikanti's formulas (plan/memory_model.h) remain for the rest.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "model/config.h"
+#include "parallel/stage_split.h"
+#include "plan/model_spec.h"
+#include "plan/run_spec.h"
+
+namespace memtrain::plan {
+
+// Which rank of a layout: its pipeline stage (0 .. pp-1) and its data-parallel replica
+// (0 .. dp-1). Tensor-parallel ranks of memtrain's layout all hold the same amounts.
+struct RankCoord {
+    int stage = 0;
+    int replica = 0;
+};
+
+// Whether `r` is priced by the engines' layout functions: the layouts the CPU engines run
+// (tensor parallelism without a pipeline, pipelines without tensor parallelism, side by side,
+// any ZeRO stage the shard table prices) for a model the trainer's config expresses (no dropout
+// masks; biases on every linear layer or none; tp dividing heads, kv heads, MLP and vocabulary),
+// trained in full (no LoRA) and without sequence parallelism, which the engines do not run yet.
+bool uses_engine_layout(const ModelSpec& m, const RunSpec& r);
+
+// The trainer's config of `m` as one tensor-parallel rank holds it (ModelConfig::tp = r.tp).
+ModelConfig rank_config(const ModelSpec& m, const RunSpec& r);
+
+// Element counts of one rank's model states (before bytes per element).
+struct RankStates {
+    int64_t params = 0;     // floats this rank computes with: the tp shard's, or the stage's
+                            // units plus, on a pipeline's last stage, a copy of a tied embedding
+    int64_t optimized = 0;  // of which the optimizer updates (the copy has no state): what ZeRO
+                            // shards over the replicas
+    int64_t shard = 0;      // this replica's piece of `optimized` (dist::shard_ranges)
+    // Gradients a pipeline's ZeRO-1 keeps beside the stage's full ones: the reduce-scattered
+    // piece its optimizer reads (PipelineEngine).
+    int64_t reduce_buffer = 0;
+    std::string source;  // how they were counted, for the table
+};
+// `split`: the trainer's split of a pipeline when the caller has it (PipelineActivations::split),
+// else computed here.
+RankStates rank_states(const ModelSpec& m, const RunSpec& r, RankCoord at,
+                       const pp::StageSplit* split = nullptr);
+
+// Activation bytes of one rank without a pipeline: plan_arena of rank_config for a micro-batch
+// under remat_plan(r.recompute) in the format of the engine that would run it (arena_format).
+// Pipelines: plan/stage_activations.h.
+std::size_t arena_activation_bytes(const ModelSpec& m, const RunSpec& r);
+
+}  // namespace memtrain::plan
