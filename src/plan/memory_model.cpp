@@ -356,7 +356,7 @@ MemoryEstimate estimate_rank_memory(const ModelSpec& m, const RunSpec& r, RankCo
     if (at.stage < 0 || at.stage >= r.pp || at.replica < 0 || at.replica >= r.dp)
         fail("rank (stage {}, replica {}) is not in a layout of pp = {} x dp = {}", at.stage,
              at.replica, r.pp, r.dp);
-    if (!uses_stage_layout(r)) return stage_memory(m, r, at, nullptr);
+    if (!uses_stage_layout(m, r)) return stage_memory(m, r, at, nullptr);
     const PipelineActivations pa = pipeline_activations(m, r);
     MemoryEstimate est = stage_memory(m, r, at, &pa);
     est.stage_activations = stage_activation_bytes(pa);
@@ -371,7 +371,7 @@ MemoryEstimate estimate_memory(const ModelSpec& m, const RunSpec& r) {
     m.validate();
     validate_run(m, r);
     // Replica 0 holds the largest ZeRO piece (shard_ranges gives the remainder to the first).
-    if (uses_stage_layout(r)) {
+    if (uses_stage_layout(m, r)) {
         // Every stage: the split balances compute, so any stage may hold the most.
         const PipelineActivations pa = pipeline_activations(m, r);
         MemoryEstimate best = stage_memory(m, r, RankCoord{0, 0}, &pa);

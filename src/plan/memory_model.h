@@ -33,8 +33,9 @@ struct MemoryEstimate {
     double in_flight = 1;          // micro-batches whose activations are alive at the peak
     int64_t params_on_gpu = 0;     // parameters held by this GPU before ZeRO sharding
     int64_t trainable_on_gpu = 0;  // of which trainable (LoRA: only the adapters)
-    // Pipeline layouts priced by the engine's layout (uses_stage_layout: pp > 1, tp == 1): every
-    // stage's activations line, stage 0 first; empty otherwise.
+    // Pipeline layouts priced by the engine's layout (uses_stage_layout: pp > 1, tp only where the
+    // mesh runs it, no sequence parallelism): every stage's activations line, stage 0 first; empty
+    // otherwise.
     std::vector<int64_t> stage_activations;
     std::vector<std::string> not_included;
 

@@ -29,7 +29,6 @@ bool tp_divides(const ModelConfig& c, int tp) {
 bool uses_engine_layout(const ModelSpec& m, const RunSpec& r) {
     if (m.dropout || m.attn_bias != m.mlp_bias || r.lora_rank > 0 || r.sequence_parallel)
         return false;
-    if (r.tp > 1 && r.pp > 1) return false;
     return tp_divides(config_from_model(m), r.tp);
 }
 
@@ -55,8 +54,11 @@ RankStates rank_states(const ModelSpec& m, const RunSpec& r, RankCoord at,
         // PipelineEngine's units: each chunk (virtual stages stage, stage + pp, ...) its blocks,
         // the embedding with block 0 and the head with the last block.
         const int v = r.schedule == Schedule::interleaved ? r.virtual_stages : 1;
+        // The split is the whole model's (every tensor-parallel shard of a stage has the same
+        // blocks); the units' sizes are the shard's.
         const pp::StageSplit split =
-            given ? *given : pp::split_stages(cfg, r.pp * v, r.micro_batch, r.seq_len(m));
+            given ? *given
+                  : pp::split_stages(config_from_model(m), r.pp * v, r.micro_batch, r.seq_len(m));
         std::string units;
         for (int c = 0; c < v; c++) {
             const int vs = c * r.pp + at.stage;

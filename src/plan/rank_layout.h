@@ -26,8 +26,8 @@ struct RankCoord {
 };
 
 // Whether `r` is priced by the engines' layout functions: the layouts the CPU engines run
-// (tensor parallelism without a pipeline, pipelines without tensor parallelism, side by side,
-// any ZeRO stage the shard table prices) for a model the trainer's config expresses (no dropout
+// (tensor parallelism, pipelines, both (the tp x pp x dp mesh), side by side, any ZeRO stage the
+// shard table prices) for a model the trainer's config expresses (no dropout
 // masks; biases on every linear layer or none; tp dividing heads, kv heads, MLP and vocabulary),
 // trained in full (no LoRA) and without sequence parallelism, which the engines do not run yet.
 bool uses_engine_layout(const ModelSpec& m, const RunSpec& r);

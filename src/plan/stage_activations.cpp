@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "plan/rank_layout.h"
 
 namespace memtrain::plan {
 
@@ -34,8 +35,8 @@ ActFormat arena_format(const ModelConfig& cfg, const RunSpec& r) {
     return f;
 }
 
-bool uses_stage_layout(const RunSpec& r) {
-    return r.pp > 1 && r.tp == 1;
+bool uses_stage_layout(const ModelSpec& m, const RunSpec& r) {
+    return r.pp > 1 && (r.tp == 1 || uses_engine_layout(m, r));
 }
 
 int RankActivations::total_slots() const {
@@ -58,7 +59,11 @@ PipelineActivations pipeline_activations(const ModelSpec& m, const RunSpec& r) {
     out.config = config_from_model(m);
     const int B = r.micro_batch, T = r.seq_len(m), p = r.pp;
     const int v = r.schedule == Schedule::interleaved ? r.virtual_stages : 1;
-    out.format = arena_format(out.config, r);
+    // Each stage is split from the whole model; its arenas are those of the tensor-parallel
+    // shard's config (PipelineEngine's stage models), the whole model's at tp = 1.
+    ModelConfig shard = out.config;
+    shard.tp = r.tp;
+    out.format = arena_format(shard, r);
     out.plan = remat_plan(r.recompute, m.n_layer);
     out.split = pp::split_stages(out.config, p * v, B, T);
     out.schedule = pp::make_schedule(pipeline_kind(r.schedule), p, r.micro_batches, v);
@@ -68,8 +73,8 @@ PipelineActivations pipeline_activations(const ModelSpec& m, const RunSpec& r) {
     for (int s = 0; s < p * v; s++) {
         const auto first = out.plan.begin() + out.split.first_block[s];
         const RematPlan slice(first, first + out.split.blocks[s]);
-        arena[s] = plan_stage_arena(out.config, out.split.blocks[s], B, T, slice, out.format)
-                       .activation_bytes;
+        arena[s] =
+            plan_stage_arena(shard, out.split.blocks[s], B, T, slice, out.format).activation_bytes;
     }
     // The executor's slots: the simulator runs each rank's list in order, so its count of what a
     // virtual stage holds between F and B (or W) is the executor's, whatever the stages cost.

@@ -10,6 +10,7 @@
 
 #include "core/error.h"
 #include "dist/communicator.h"
+#include "dist/mesh.h"
 #include "dist/tp.h"
 #include "model/gpt.h"
 #include "model/lora.h"
@@ -161,9 +162,9 @@ plan::RunSpec planner_run_spec(const RunConfig& cfg, const ActFormat& format) {
 }
 
 plan::RankCoord planner_rank(const RunConfig& cfg, int rank) {
-    if (cfg.train.tp > 1) return {};
-    const int pp = std::max(1, cfg.train.pp);
-    return plan::RankCoord{rank % pp, rank / pp};
+    // The mesh's order (dist/mesh.h): rank = (replica x pp + stage) x tp + shard.
+    const dist::MeshLayout mesh{std::max(1, cfg.train.pp), 1, std::max(1, cfg.train.tp)};
+    return plan::RankCoord{mesh.stage_of(rank), mesh.replica_of(rank)};
 }
 
 std::size_t host_available_bytes() {

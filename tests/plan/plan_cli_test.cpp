@@ -239,18 +239,19 @@ TEST(PlanCli, EmittedConfigCarriesTheLayout) {
 }
 
 // `memtrain estimate` says whether a layout was priced by the engines' layout functions (a model
-// the trainer expresses, a layout it runs) or by the formulas (GPT-2's dropout masks; tp with pp).
+// the trainer expresses, a layout it runs, the tp x pp mesh included) or by the formulas (GPT-2's
+// dropout masks).
 TEST(PlanCli, EstimateSaysWhereItsNumbersComeFrom) {
     const auto dir = memtrain::test::temp_dir("plan_cli_source");
     write_text(dir + "/m.toml", "[model]\nn_layer = 4\nn_head = 4\nn_embd = 32\nblock_size = 16\n");
     const std::string engine = "priced by the engines' layout functions";
     const std::string formulas = "priced by the formulas";
-    for (const char* layout : {"", " --tp 2", " --pp 2", " --dp 2 --zero 3"}) {
+    for (const char* layout : {"", " --tp 2", " --pp 2", " --dp 2 --zero 3", " --tp 2 --pp 2"}) {
         const Outcome o = memtrain_cli("estimate " + dir + "/m.toml" + layout);
         ASSERT_EQ(o.code, 0) << layout << "\n" << o.output;
         EXPECT_NE(o.output.find(engine), std::string::npos) << layout << "\n" << o.output;
     }
-    for (const std::string& args : {dir + "/m.toml --tp 2 --pp 2", std::string("gpt2")}) {
+    for (const std::string& args : {std::string("gpt2"), std::string("gpt2 --tp 2 --pp 2")}) {
         const Outcome o = memtrain_cli("estimate " + args);
         ASSERT_EQ(o.code, 0) << args << "\n" << o.output;
         EXPECT_NE(o.output.find(formulas), std::string::npos) << args << "\n" << o.output;
