@@ -679,17 +679,7 @@ std::string CudaEngine<T>::memory_footer() const {
 }  // namespace
 
 std::unique_ptr<Engine> make_cuda_engine(const RunConfig& cfg, dist::Communicator& comm) {
-    return make_for_precision(
-        cfg, comm,
-        [](const RunConfig& c, dist::Communicator& m) {
-            return std::make_unique<CudaEngine<float>>(c, m);
-        },
-        [](const RunConfig& c, dist::Communicator& m) {
-            return std::make_unique<CudaEngine<__nv_bfloat16>>(c, m);
-        },
-        [](const RunConfig& c, dist::Communicator& m) {
-            return std::make_unique<CudaEngine<__half>>(c, m);
-        });
+    return make_for_precision<CudaEngine>(cfg, comm);
 }
 
 void inject_overflow_for_test(Engine& engine) {

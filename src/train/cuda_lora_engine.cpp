@@ -458,17 +458,7 @@ std::string CudaLoraEngine<T>::memory_footer() const {
 }  // namespace
 
 std::unique_ptr<Engine> make_cuda_lora_engine(const RunConfig& cfg, dist::Communicator& comm) {
-    return make_for_precision(
-        cfg, comm,
-        [](const RunConfig& c, dist::Communicator& m) {
-            return std::make_unique<CudaLoraEngine<float>>(c, m);
-        },
-        [](const RunConfig& c, dist::Communicator& m) {
-            return std::make_unique<CudaLoraEngine<__nv_bfloat16>>(c, m);
-        },
-        [](const RunConfig& c, dist::Communicator& m) {
-            return std::make_unique<CudaLoraEngine<__half>>(c, m);
-        });
+    return make_for_precision<CudaLoraEngine>(cfg, comm);
 }
 
 }  // namespace memtrain

@@ -95,16 +95,9 @@ std::string device_in_use_line() {
         "device in use", (total_b - free_b) / 1048576.0, total_b / 1048576.0);
 }
 
-std::unique_ptr<Engine> make_for_precision(const RunConfig& cfg, dist::Communicator& comm,
-                                           const EngineFactory& fp32, const EngineFactory& bf16,
-                                           const EngineFactory& fp16) {
+void use_rank_device(const dist::Communicator& comm) {
     if (!cuda_available()) fail("train.device = \"cuda\", but no CUDA device answers");
-    // One GPU per process: the node's ranks take the node's devices in turn.
     select_device(comm.local_rank());
-    if (cfg.train.precision == "fp32") return fp32(cfg, comm);
-    if (cfg.train.precision == "bf16") return bf16(cfg, comm);
-    if (cfg.train.precision == "fp16") return fp16(cfg, comm);
-    fail("internal: train.precision '{}' was not resolved", cfg.train.precision);
 }
 
 template class DeviceOptimizer<float>;

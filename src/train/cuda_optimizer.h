@@ -8,6 +8,8 @@
 
 #if MEMTRAIN_HAVE_CUDA
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
 #include <functional>
@@ -16,6 +18,7 @@
 #include <vector>
 
 #include "core/device.h"
+#include "core/error.h"
 #include "dist/communicator.h"
 #include "kernels/cuda/optimizer_types.h"
 #include "model/param_layout.h"
@@ -63,12 +66,20 @@ class DeviceOptimizer {
 // The footer line with the driver's count of device memory in use against the device's size.
 std::string device_in_use_line();
 
-// Engine<float>, Engine<__nv_bfloat16> or Engine<__half> by the resolved train.precision, on this
-// rank's GPU.
-using EngineFactory = std::function<std::unique_ptr<Engine>(const RunConfig&, dist::Communicator&)>;
-std::unique_ptr<Engine> make_for_precision(const RunConfig& cfg, dist::Communicator& comm,
-                                           const EngineFactory& fp32, const EngineFactory& bf16,
-                                           const EngineFactory& fp16);
+// Makes this rank's GPU the current device (one GPU per process: the node's ranks take the
+// node's devices in turn); fails when no CUDA device answers.
+void use_rank_device(const dist::Communicator& comm);
+
+// E<float>, E<__nv_bfloat16> or E<__half> (an engine of the storage type) by the resolved
+// train.precision, on this rank's GPU.
+template <template <typename> class E>
+std::unique_ptr<Engine> make_for_precision(const RunConfig& cfg, dist::Communicator& comm) {
+    use_rank_device(comm);
+    if (cfg.train.precision == "fp32") return std::make_unique<E<float>>(cfg, comm);
+    if (cfg.train.precision == "bf16") return std::make_unique<E<__nv_bfloat16>>(cfg, comm);
+    if (cfg.train.precision == "fp16") return std::make_unique<E<__half>>(cfg, comm);
+    fail("internal: train.precision '{}' was not resolved", cfg.train.precision);
+}
 
 }  // namespace memtrain
 

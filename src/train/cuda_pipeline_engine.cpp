@@ -654,17 +654,7 @@ std::vector<MemoryPrediction> CudaPipelineEngine<T>::predicted_memory(int B, int
 }  // namespace
 
 std::unique_ptr<Engine> make_cuda_pipeline_engine(const RunConfig& cfg, dist::Communicator& comm) {
-    return make_for_precision(
-        cfg, comm,
-        [](const RunConfig& c, dist::Communicator& m) {
-            return std::make_unique<CudaPipelineEngine<float>>(c, m);
-        },
-        [](const RunConfig& c, dist::Communicator& m) {
-            return std::make_unique<CudaPipelineEngine<__nv_bfloat16>>(c, m);
-        },
-        [](const RunConfig& c, dist::Communicator& m) {
-            return std::make_unique<CudaPipelineEngine<__half>>(c, m);
-        });
+    return make_for_precision<CudaPipelineEngine>(cfg, comm);
 }
 
 }  // namespace memtrain

@@ -11,6 +11,7 @@
 #include "core/error.h"
 #include "kernels/cpu/ops.h"
 #include "train/host_memory_plan.h"
+#include "train/tp_views.h"
 
 namespace memtrain {
 
@@ -69,60 +70,6 @@ class TpEngine::WholeStore final : public ParamStore {
     std::map<int, Held> held_;
 };
 
-// The optimizer state of the whole layout over this rank's optimizer of its shard: reading a
-// tensor gathers every rank's shard (a collective); writing a piece of the whole layout keeps
-// the elements this rank holds.
-class TpEngine::WholeOptimizer final : public OptimizerState {
-  public:
-    WholeOptimizer(const dist::TpLayout& l, Optimizer& local, dist::TpGroup& group)
-        : l_(&l), local_(&local), group_(&group) {}
-    std::size_t offset() const override { return 0; }
-    std::size_t count() const override { return l_->full.total; }
-    int64_t steps_taken() const override { return local_->steps_taken(); }
-    void set_steps_taken(int64_t t) override { local_->set_steps_taken(t); }
-    std::vector<std::string> state_names() override { return local_->state_names(); }
-    const float* host_state(const std::string&) override { return nullptr; }
-    bool collective_read() const override { return true; }
-    void read_state(const std::string& name, float* dst) override {
-        const std::size_t n = l_->local.total;
-        Buffer<float> pieces(n * group_->size(), MemCategory::Communication);
-        group_->all_gather(dist::TpSite::Gather, local_->host_state(name), pieces.data(),
-                           (int64_t)n);
-        for (std::size_t i = 0; i < l_->full.tensors.size(); i++)
-            dist::tp_assemble(*l_, i, pieces.data() + l_->local.tensors[i].offset, n,
-                              dst + l_->full.tensors[i].offset);
-    }
-    void write_state(const std::string& name, std::size_t begin, std::size_t n,
-                     const float* src) override {
-        // Runs of consecutive local elements, written as one piece each.
-        std::size_t run_at = 0;
-        std::vector<float> run;
-        auto flush = [&] {
-            if (!run.empty()) local_->write_state(name, run_at, run.size(), run.data());
-            run.clear();
-        };
-        const auto& ts = l_->full.tensors;
-        std::size_t i = 0;
-        for (std::size_t j = begin; j < begin + n; j++) {
-            while (j >= ts[i].offset + ts[i].numel) i++;
-            const int64_t li = l_->local_index(i, (int64_t)(j - ts[i].offset));
-            if (li < 0) continue;
-            const std::size_t at = l_->local.tensors[i].offset + (std::size_t)li;
-            if (run.empty() || at != run_at + run.size()) {
-                flush();
-                run_at = at;
-            }
-            run.push_back(src[j - begin]);
-        }
-        flush();
-    }
-
-  private:
-    const dist::TpLayout* l_;
-    Optimizer* local_;
-    dist::TpGroup* group_;
-};
-
 TpEngine::TpEngine(const RunConfig& cfg, dist::Communicator& comm)
     : cfg_(cfg),
       group_(comm),
@@ -139,7 +86,9 @@ TpEngine::TpEngine(const RunConfig& cfg, dist::Communicator& comm)
     model_->set_tp(&group_);
     opt_ = make_optimizer(cfg_.optim, tpl_.local);
     whole_ = std::make_unique<WholeStore>(tpl_, store_, group_);
-    whole_opt_ = std::make_unique<WholeOptimizer>(tpl_, *opt_, group_);
+    // The optimizer state of the whole layout: every unit's, gathered from the shards.
+    whole_opt_ = std::make_unique<TpRangeOptimizer>(
+        tpl_, *opt_, group_, ParamLayout::embedding_unit(), tpl_.full.head_unit());
 }
 
 TpEngine::~TpEngine() = default;

@@ -56,7 +56,6 @@ class TpEngine final : public Engine {
 
   private:
     class WholeStore;
-    class WholeOptimizer;
     // Sequence parallelism: all-reduces the gradients of the tensors in sp_partial_ (counted at
     // TpSite::SpNormGrads).
     void reduce_sequence_partial_grads();
@@ -68,7 +67,7 @@ class TpEngine final : public Engine {
     std::unique_ptr<GPT> model_;
     std::unique_ptr<Optimizer> opt_;
     std::unique_ptr<WholeStore> whole_;
-    std::unique_ptr<WholeOptimizer> whole_opt_;
+    std::unique_ptr<OptimizerState> whole_opt_;  // TpRangeOptimizer over the whole layout
     double loss_sum_ = 0;
     int micro_batches_ = 0;
     int64_t steps_ = 0;
