@@ -252,6 +252,12 @@ class CudaPipelineEngine final : public Engine, public OptimizerState {
     // A micro-batch through this stage's forward into `slot`: the input received, the output
     // sent on.
     void forward_into(int slot, const Micro& mb);
+    // The compute stream waits for every send queued so far, so the host's next wait covers
+    // them (before an arena can be re-carved under a send, or the engine goes).
+    void join_sends() {
+        for (cudaEvent_t e : out_sent_) MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, e, 0));
+        MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, grad_sent_, 0));
+    }
     // The mean of the pipelines' losses, summed in pipeline order (the same bits everywhere).
     double mean_over_pipelines(double loss) {
         if (mesh_.dp == 1) return loss;
@@ -515,6 +521,7 @@ void CudaPipelineEngine<T>::run_schedule() {
             fail("internal: the GPU pipeline runs no {} actions", pp::action_text(a));
         }
     }
+    join_sends();
 }
 
 template <typename T>
@@ -599,6 +606,7 @@ double CudaPipelineEngine<T>::forward_loss(const int32_t* inputs, const int32_t*
     const Micro mb{std::vector<int32_t>(inputs, inputs + n),
                    std::vector<int32_t>(targets, targets + n)};
     forward_into(0, mb);
+    join_sends();
     double loss = 0;
     if (last()) {
         model_->stage_loss(0, B, T_n, sums() + 1);
@@ -619,6 +627,7 @@ void CudaPipelineEngine<T>::forward_logits(const int32_t* inputs, int B, int T_n
     const std::size_t n = (std::size_t)B * T_n;
     const Micro mb{std::vector<int32_t>(inputs, inputs + n), {}};
     forward_into(0, mb);
+    join_sends();
     if (last()) model_->stage_logits(0, B, T_n, out);
     wait("the logits");
     comm_.broadcast(out, (int64_t)(n * cfg_.model.vocab_size * sizeof(float)), p_ - 1);
