@@ -49,7 +49,9 @@ dist::MeshLayout mesh_of(const RunConfig& cfg, const dist::Communicator& world) 
 }
 
 ModelConfig model_of(const RunConfig& cfg) {
-    return cfg.train.tp > 1 ? dist::tp_shard_config(cfg.model, cfg.train.tp) : cfg.model;
+    return cfg.train.tp > 1
+               ? dist::tp_shard_config(cfg.model, cfg.train.tp, cfg.train.sequence_parallel)
+               : cfg.model;
 }
 
 }  // namespace
@@ -290,7 +292,9 @@ void PipelineEngine::run_schedule(double lr) {
     const int m = (int)mbs_.size();
     if (m != sched_.m) make_schedule(m);
     const int B = B_, T = T_, S = num_stages();
-    const int64_t n = (int64_t)B * T * cfg_.model.n_embd;
+    // A stage's input and output: the residual stream, or under sequence parallelism this
+    // shard's token rows of it.
+    const int64_t n = model_.sp_rows((int64_t)B * T) * cfg_.model.n_embd;
     for (auto& g : chunks_) g->prepare(B, T);
     // Weight versions. PipeDream: where each micro-batch in flight finds the weights its
     // forward ran on (-1: the weights themselves, k: stash buffer k), how many in-flight
@@ -517,6 +521,7 @@ StepResult PipelineEngine::finish_step(double lr, double max_norm) {
             for (int64_t j = 0; j < ne; j++) g[j] += head[j];
         }
     }
+    reduce_sequence_partial_grads();
     float* g = reduce_across_pipelines();  // the owned gradients, or the ZeRO-1 shard's
     // The global norm: each unit's sum of squares where it lives, added in unit order; under
     // ZeRO-1 each unit's pieces, one per shard, in pipeline order; with tensor parallelism the
@@ -577,6 +582,34 @@ StepResult PipelineEngine::finish_step(double lr, double max_norm) {
     return r;
 }
 
+void PipelineEngine::reduce_sequence_partial_grads() {
+    // Sequence parallelism: each shard's norm gradients cover its token rows only; summed over
+    // the tensor-parallel group (one packed all-reduce), they are the whole stage's.
+    if (!tpg_ || !model_.sequence_parallel) return;
+    std::vector<float*> at;
+    std::vector<std::size_t> len;
+    std::size_t n = 0;
+    for (const pp::StageStore::Range& rg : store_->ranges())
+        for (int u = rg.first_unit; u <= rg.last_unit; u++)
+            for (std::size_t i = layout_.units[u].first_tensor; i < layout_.units[u].last_tensor;
+                 i++) {
+                const ParamSpec& t = layout_.tensors[i];
+                if (!dist::sp_partial_grad(t.name)) continue;
+                at.push_back(store_->owned_grads() + rg.at + (t.offset - rg.begin));
+                len.push_back(t.numel);
+                n += t.numel;
+            }
+    if (n == 0) return;
+    std::vector<float> packed(n);
+    std::size_t k = 0;
+    for (std::size_t j = 0; j < at.size(); k += len[j], j++)
+        std::copy(at[j], at[j] + len[j], packed.data() + k);
+    tpg_->all_reduce(dist::TpSite::SpNormGrads, packed.data(), (int64_t)n);
+    k = 0;
+    for (std::size_t j = 0; j < at.size(); k += len[j], j++)
+        std::copy(packed.data() + k, packed.data() + k + len[j], at[j]);
+}
+
 float* PipelineEngine::reduce_across_pipelines() {
     float* g = store_->owned_grads();
     const int64_t n = (int64_t)store_->count();
@@ -600,7 +633,9 @@ double PipelineEngine::mean_over_pipelines(double loss) {
 }
 
 void PipelineEngine::forward_only(const int32_t* inputs, int B, int T) {
-    const int64_t n = (int64_t)B * T * cfg_.model.n_embd;
+    // A stage's input and output: the residual stream, or under sequence parallelism this
+    // shard's token rows of it.
+    const int64_t n = model_.sp_rows((int64_t)B * T) * cfg_.model.n_embd;
     const int S = num_stages();
     // Chunk by chunk through the virtual stages (messages between two ranks stay in order).
     for (int c = 0; c < v_; c++) {

@@ -193,6 +193,8 @@ class PipelineEngine final : public Engine {
     int rank_of(int stage) const { return stage % p_; }
     std::string chunk_blocks() const;  // "0..1" or, interleaved, "0..1, 4..5"
 
+    // Sequence parallelism: sums the norm weights' gradients over the tensor-parallel group.
+    void reduce_sequence_partial_grads();
     // Sums this stage's gradients across its data group (after the tied exchange); returns the
     // gradient this rank's optimizer steps with (the stage's, or its ZeRO-1 shard).
     float* reduce_across_pipelines();

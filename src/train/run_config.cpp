@@ -579,12 +579,7 @@ void RunConfig::validate_tp() const {
             "train.sequence_parallel with train.tp = {} needs the micro-batch's tokens (micro "
             "batch {} x train.seq_len {}) divisible by {}: each rank holds as many token rows",
             train.tp, micro_batch(), train.seq_len, train.tp);
-    if (train.sequence_parallel && (train.pp > 1 || dp() > 1))
-        fail(
-            "train.sequence_parallel runs with tensor parallelism alone so far (the tp x pp x dp "
-            "mesh runs without it): set train.sequence_parallel = false, or train.pp = 1 on "
-            "mpirun -np {}",
-            train.tp);
+
     // What tensor parallelism does not compose with yet: refused by name before training.
     auto refuse = [&](const char* keys, const char* why) {
         fail("train.tp = {} does not run with {} yet ({}): {}", train.tp, keys, why,

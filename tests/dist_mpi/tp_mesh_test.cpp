@@ -1,7 +1,8 @@
 // Tensor parallelism composed with pipeline stages and data parallelism (train.tp x train.pp x
 // pipelines side by side; dist/mesh.h, train/pipeline_engine.h, train/tp_views.h) under mpirun:
-// at 4 ranks tp 2 x pp 2 and tp 2 x dp 2, at 8 ranks the 2 x 2 x 2 mesh. Each layout trains 10
-// steps as one process fed the whole global micro-batch (to the rounding of the tensor-parallel
+// at 4 ranks tp 2 x pp 2 and tp 2 x dp 2, at 8 ranks the 2 x 2 x 2 mesh, each with and without
+// sequence parallelism. Each layout trains 10 steps as one process fed the whole global
+// micro-batch (to the rounding of the tensor-parallel
 // and data-parallel sums), starts from bitwise the single-process weights, and its checkpoint
 // loads exactly (weights and Adam's moments) in one process and in a pp 2 x dp 2 job without
 // tensor parallelism, which train on from it as the mesh does.
@@ -66,6 +67,7 @@ RunConfig one_process(RunConfig c, const std::string& suffix) {
     const int dp = comm().size() / (c.train.tp * c.train.pp);
     c.train.micro_batch_size *= dp;
     c.train.tp = c.train.pp = 1;
+    c.train.sequence_parallel = false;
     c.io.out_dir += suffix + std::to_string(comm().rank());
     return c;
 }
@@ -78,43 +80,46 @@ double worst_diff(const std::vector<float>& a, const std::vector<float>& b) {
 
 TEST(TpMesh, LayoutsTrainAsOneProcess) {
     for (const Mesh& m : meshes())
-        for (bool llama : {false, true}) {
-            const std::string what = m.name() + (llama ? " llama" : " gpt2");
-            SCOPED_TRACE(what);
-            const int steps = 10;
-            const RunConfig c = mesh_run("tp_mesh_" + m.name(), m, llama, steps);
-            TrainSummary ref;
-            std::vector<float> ref_init, ref_params;
-            {
-                Trainer t(one_process(c, "_one"), test::quiet());
-                ref_init = t.params();
-                ref = t.run();
-                ref_params = t.params();
+        for (bool llama : {false, true})
+            for (bool sp : {false, true}) {
+                const std::string what =
+                    m.name() + (llama ? " llama" : " gpt2") + (sp ? " sequence-parallel" : "");
+                SCOPED_TRACE(what);
+                const int steps = 10;
+                RunConfig c = mesh_run("tp_mesh_" + m.name(), m, llama, steps);
+                c.train.sequence_parallel = sp;
+                TrainSummary ref;
+                std::vector<float> ref_init, ref_params;
+                {
+                    Trainer t(one_process(c, "_one"), test::quiet());
+                    ref_init = t.params();
+                    ref = t.run();
+                    ref_params = t.params();
+                }
+                Trainer t(c, test::quiet(), &comm());
+                EXPECT_NE(t.engine().describe().find("tensor-parallel shard"), std::string::npos)
+                    << t.engine().describe();
+                EXPECT_EQ(t.params(), ref_init) << "initial weights";
+                const TrainSummary s = t.run();
+                ASSERT_EQ(s.losses.size(), ref.losses.size());
+                for (std::size_t i = 0; i < s.losses.size(); i++)
+                    EXPECT_NEAR(s.losses[i], ref.losses[i], 1e-5 * std::abs(ref.losses[i]))
+                        << "step " << i + 1;
+                ASSERT_EQ(s.val_losses.size(), ref.val_losses.size());
+                for (std::size_t i = 0; i < s.val_losses.size(); i++)
+                    EXPECT_NEAR(s.val_losses[i].second, ref.val_losses[i].second,
+                                1e-5 * std::abs(ref.val_losses[i].second));
+                // As in tests/dist_mpi/tp_test.cpp: Adam may turn a gradient that is zero but for
+                // rounding into a step of about the learning rate.
+                EXPECT_LT(worst_diff(t.params(), ref_params), 1e-4 + 1e-3 * c.optim.lr * steps);
+                // The stage's store holds this rank's shard of its units only.
+                auto& e = dynamic_cast<PipelineEngine&>(t.engine());
+                const ParamLayout whole = make_param_layout(c.model),
+                                  shard = make_param_layout(tp_shard_config(c.model, m.tp));
+                const int u0 = e.store().first_unit(), u1 = e.store().last_unit();
+                EXPECT_EQ(e.store().count(), shard.units[u1].end - shard.units[u0].begin);
+                EXPECT_LT(e.store().count(), whole.units[u1].end - whole.units[u0].begin);
             }
-            Trainer t(c, test::quiet(), &comm());
-            EXPECT_NE(t.engine().describe().find("tensor-parallel shard"), std::string::npos)
-                << t.engine().describe();
-            EXPECT_EQ(t.params(), ref_init) << "initial weights";
-            const TrainSummary s = t.run();
-            ASSERT_EQ(s.losses.size(), ref.losses.size());
-            for (std::size_t i = 0; i < s.losses.size(); i++)
-                EXPECT_NEAR(s.losses[i], ref.losses[i], 1e-5 * std::abs(ref.losses[i]))
-                    << "step " << i + 1;
-            ASSERT_EQ(s.val_losses.size(), ref.val_losses.size());
-            for (std::size_t i = 0; i < s.val_losses.size(); i++)
-                EXPECT_NEAR(s.val_losses[i].second, ref.val_losses[i].second,
-                            1e-5 * std::abs(ref.val_losses[i].second));
-            // As in tests/dist_mpi/tp_test.cpp: Adam may turn a gradient that is zero but for
-            // rounding into a step of about the learning rate.
-            EXPECT_LT(worst_diff(t.params(), ref_params), 1e-4 + 1e-3 * c.optim.lr * steps);
-            // The stage's store holds this rank's shard of its units only.
-            auto& e = dynamic_cast<PipelineEngine&>(t.engine());
-            const ParamLayout whole = make_param_layout(c.model),
-                              shard = make_param_layout(tp_shard_config(c.model, m.tp));
-            const int u0 = e.store().first_unit(), u1 = e.store().last_unit();
-            EXPECT_EQ(e.store().count(), shard.units[u1].end - shard.units[u0].begin);
-            EXPECT_LT(e.store().count(), whole.units[u1].end - whole.units[u0].begin);
-        }
 }
 
 // The checkpoint of a mesh, written after 5 of 10 steps, loads exactly in one process and in a
@@ -192,9 +197,6 @@ TEST(TpMesh, RefusesWhatItDoesNotRun) {
     d.train.pp = 1;
     d.train.zero_stage = 1;
     expect_refused(d, "train.zero_stage > 0");
-    RunConfig sp = c;
-    sp.train.sequence_parallel = true;
-    expect_refused(sp, "train.sequence_parallel runs with tensor parallelism alone so far");
 }
 
 }  // namespace
