@@ -66,6 +66,7 @@ struct ActFormat {
     std::size_t align = 4;         // every region starts at a multiple of this many bytes
 
     static ActFormat cpu() { return ActFormat{}; }
+    bool operator==(const ActFormat&) const = default;
     // The CUDA model: fused attention, regions 256-byte aligned (cuBLASLt and vector loads).
     static ActFormat cuda_model(int elem_bytes, int loss_chunk) {
         return ActFormat{elem_bytes, true, true, loss_chunk, 256};

@@ -10,6 +10,7 @@
 #include "train/lora_engine.h"
 #include "train/pipeline_engine.h"
 #include "train/ps_engine.h"
+#include "train/run_plan.h"
 #include "train/tp_engine.h"
 
 namespace memtrain {
@@ -125,39 +126,25 @@ std::string CpuEngine::memory_footer() const {
 }
 
 std::unique_ptr<Engine> make_engine(const RunConfig& cfg, dist::Communicator& comm) {
-    if (cfg.ps()) {
-        if (cfg.train.device != "cpu")
-            fail(
-                "train.dp_mode = \"ps\" runs on the CPU engine only so far, not on {}: set "
-                "train.device = \"cpu\"",
-                cfg.train.device);
-        return std::make_unique<PsEngine>(cfg, comm);
-    }
-        if (cfg.train.tp > 1 && cfg.train.device != "cpu")
-        fail(
-            "train.tp = {} runs on the CPU engine only so far, not on {}: set train.device = "
-            "\"cpu\"",
-            cfg.train.tp, cfg.train.device);
-    if (cfg.train.pp > 1) {
-        if (cfg.train.device == "cuda") {
-            cfg.validate_cuda_pipeline();
+    switch (engine_kind(cfg)) {
+        case EngineKind::Cpu:
+            return std::make_unique<CpuEngine>(cfg, comm);
+        case EngineKind::Lora:
+            return std::make_unique<LoraEngine>(cfg, comm);
+        case EngineKind::TensorParallel:
+            return std::make_unique<TpEngine>(cfg, comm);
+        case EngineKind::Pipeline:
+            return std::make_unique<PipelineEngine>(cfg, comm);
+        case EngineKind::ParameterServer:
+            return std::make_unique<PsEngine>(cfg, comm);
+        case EngineKind::Cuda:
+            return make_cuda_engine(cfg, comm);
+        case EngineKind::CudaLora:
+            return make_cuda_lora_engine(cfg, comm);
+        case EngineKind::CudaPipeline:
             return make_cuda_pipeline_engine(cfg, comm);
-        }
-        return std::make_unique<PipelineEngine>(cfg, comm);
     }
-    if (cfg.train.tp > 1) {
-        // Tensor parallelism alone, or with data parallelism: the mesh's engine (a pipeline of
-        // one stage per tensor-parallel group) where there are several groups.
-        if (cfg.dp() > 1) return std::make_unique<PipelineEngine>(cfg, comm);
-        return std::make_unique<TpEngine>(cfg, comm);
-    }
-    if (cfg.lora.enabled()) {
-        if (cfg.train.device == "cuda") return make_cuda_lora_engine(cfg, comm);
-        return std::make_unique<LoraEngine>(cfg, comm);
-    }
-    if (cfg.train.device == "cpu") return std::make_unique<CpuEngine>(cfg, comm);
-    if (cfg.train.device == "cuda") return make_cuda_engine(cfg, comm);
-    fail("internal: train.device '{}' was not resolved to cpu or cuda", cfg.train.device);
+    fail("internal: no engine for train.device '{}'", cfg.train.device);
 }
 
 }  // namespace memtrain

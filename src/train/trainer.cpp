@@ -16,7 +16,6 @@
 
 #include <fmt/format.h>
 
-#include "core/device.h"
 #include "core/error.h"
 #include "data/tokenizer.h"
 #include "io/run_report.h"
@@ -26,8 +25,8 @@
 #include "remat/cost.h"
 #include "remat/policy.h"
 #include "remat/profile.h"
-#include "train/device_memory_plan.h"
 #include "train/host_memory_plan.h"
+#include "train/run_plan.h"
 #include "train/sample.h"
 
 namespace fs = std::filesystem;
@@ -132,30 +131,14 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
         measured = remat::BlockFlops{ns[0], ns[1], ns[2], ns[3], ns[4], ns[5], ns[6]};
         step_cost = remat::estimated_step_ns(cfg_.model, Bm, Tm, *measured);
     }
-    auto make_schedule = [&](const ActFormat& format) {
-        return remat::make_schedule(remat::parse_policy(cfg_.train.remat), cfg_.model, Bm, Tm,
-                                    measured ? &*measured : nullptr, format);
-    };
-    // A CPU run is priced before anything is allocated (train/host_memory_plan.h) and refused,
-    // with what would fit, when it cannot fit this host; the GPU engine sizes its arenas itself.
-    const bool priced_first = cfg_.train.device == "cpu";
-    std::optional<remat::Schedule> schedule;
-    if (priced_first) {
-        schedule = make_schedule(GPT::arena_format());
-        check_host_fit(cfg_, schedule->plan, comm_->rank(), comm_->local_size());
-    } else if (cfg_.train.device == "cuda" && !opts_.engine && !cfg_.lora.enabled() &&
-               cfg_.train.pp == 1) {
-        // The single-GPU or data-parallel engine: priced against the device the same way (LoRA
-        // and pipeline stages size themselves once built).
-        schedule = make_schedule(device_arena_format(cfg_, Bm, Tm));
-        const auto [free_b, total_b] = device_memory_info();
-        check_device_fit(
-            cfg_, schedule->plan,
-            DevicePlacement{comm_->size(), comm_->rank(), cuda_data_parallel(cfg_, *comm_)}, free_b,
-            total_b);
-    }
+    // The run decided before anything is allocated (train/run_plan.h): the engine, the layout,
+    // the remat schedule for the engine's arenas, and this rank's memory, refused with what would
+    // fit when it cannot fit the host or the device.
+    const RunPlan plan = plan_run(cfg_, *comm_, measured ? &*measured : nullptr);
+    const remat::Schedule* schedule = &plan.remat;
     engine_ = opts_.engine ? opts_.engine(cfg_, *comm_) : make_engine(cfg_, *comm_);
-    if (!schedule) schedule = make_schedule(engine_->arena_format());
+    if (!(engine_->arena_format() == plan.format))
+        fail("internal: the {} engine lays out its arenas unlike its plan", engine_->describe());
     engine_->set_remat(schedule->plan);
     if (cfg_.train.remat != "none") {
         std::string letters;

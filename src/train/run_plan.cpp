@@ -1,0 +1,108 @@
+// The typed run plan (see run_plan.h).
+#include "train/run_plan.h"
+
+#include <fmt/format.h>
+
+#include "core/device.h"
+#include "core/error.h"
+#include "model/gpt.h"
+#include "remat/policy.h"
+#include "train/device_memory_plan.h"
+#include "train/host_memory_plan.h"
+
+namespace memtrain {
+
+const char* engine_name(EngineKind k) {
+    switch (k) {
+        case EngineKind::Cpu:
+            return "cpu";
+        case EngineKind::Lora:
+            return "cpu lora";
+        case EngineKind::TensorParallel:
+            return "cpu tensor parallel";
+        case EngineKind::Pipeline:
+            return "cpu pipeline";
+        case EngineKind::ParameterServer:
+            return "cpu parameter server";
+        case EngineKind::Cuda:
+            return "cuda";
+        case EngineKind::CudaLora:
+            return "cuda lora";
+        case EngineKind::CudaPipeline:
+            return "cuda pipeline";
+    }
+    return "?";
+}
+
+EngineKind engine_kind(const RunConfig& cfg) {
+    const bool gpu = cfg.train.device == "cuda";
+    if (!gpu && cfg.train.device != "cpu")
+        fail("internal: train.device '{}' was not resolved to cpu or cuda", cfg.train.device);
+    if (cfg.ps()) {
+        if (gpu)
+            fail(
+                "train.dp_mode = \"ps\" runs on the CPU engine only so far, not on cuda: set "
+                "train.device = \"cpu\"");
+        return EngineKind::ParameterServer;
+    }
+    if (cfg.train.tp > 1 && gpu)
+        fail(
+            "train.tp = {} runs on the CPU engine only so far, not on cuda: set train.device = "
+            "\"cpu\"",
+            cfg.train.tp);
+    if (cfg.train.pp > 1) {
+        if (gpu) {
+            cfg.validate_cuda_pipeline();
+            return EngineKind::CudaPipeline;
+        }
+        return EngineKind::Pipeline;
+    }
+    // Tensor parallelism alone, or with data parallelism: the mesh's engine (a pipeline of one
+    // stage per tensor-parallel group) where there are several groups.
+    if (cfg.train.tp > 1) return cfg.dp() > 1 ? EngineKind::Pipeline : EngineKind::TensorParallel;
+    if (cfg.lora.enabled()) return gpu ? EngineKind::CudaLora : EngineKind::Lora;
+    return gpu ? EngineKind::Cuda : EngineKind::Cpu;
+}
+
+std::string RunPlan::describe() const {
+    return fmt::format("{}, tp {} x pp {} x dp {}, {}, {}", engine_name(engine), mesh.tp, mesh.pp,
+                       mesh.dp, dist::describe(states),
+                       precision == Precision::fp32   ? "fp32"
+                       : precision == Precision::bf16 ? "bf16"
+                                                      : "fp16");
+}
+
+RunPlan plan_run(const RunConfig& cfg, const dist::Communicator& comm,
+                 const remat::BlockFlops* measured) {
+    RunPlan p;
+    p.engine = engine_kind(cfg);
+    const int tp = std::max(1, cfg.train.tp), pp = std::max(1, cfg.train.pp);
+    p.mesh = dist::MeshLayout{pp, cfg.dp(), tp};
+    p.states = dist::shard_spec(cfg.train.zero_stage, cfg.train.offload_optimizer);
+    p.precision = cfg.train.precision == "bf16"   ? Precision::bf16
+                  : cfg.train.precision == "fp16" ? Precision::fp16
+                                                  : Precision::fp32;
+    const bool gpu = cfg.train.device == "cuda";
+    const int B = cfg.micro_batch(), T = cfg.train.seq_len;
+    p.format = gpu ? device_arena_format(cfg, B, T) : GPT::arena_format();
+    p.remat = remat::make_schedule(remat::parse_policy(cfg.train.remat), cfg.model, B, T, measured,
+                                   p.format);
+    if (gpu) {
+        const DevicePlacement where{comm.size(), comm.rank(), cuda_data_parallel(cfg, comm)};
+        p.memory = predict_cuda_memory(cfg, p.remat.plan, where, B, T);
+        p.memory_on = "device";
+        // (Without a device the engine's construction says so.)
+        if (!p.memory.empty() && cuda_available()) {
+            select_device(comm.local_rank());  // this rank's GPU, as the engine takes it
+            const auto [free_b, total_b] = device_memory_info();
+            check_device_fit(cfg, p.remat.plan, where, free_b, total_b);
+        }
+    } else {
+        p.memory = predict_cpu_memory(cfg, p.remat.plan, comm.rank(), B, T);
+        p.memory_on = "host";
+        check_host_fit(cfg, p.remat.plan, comm.rank(), comm.local_size());
+    }
+    return p;
+}
+
+}  // namespace memtrain
