@@ -14,6 +14,8 @@
 #include "dist/tp.h"
 #include "model/gpt.h"
 #include "model/lora.h"
+#include "plan/memory_model.h"
+#include "plan/model_spec.h"
 #include "quant/quantized_store.h"
 #include "remat/policy.h"
 
@@ -184,9 +186,37 @@ std::size_t host_available_bytes() {
     return avail;
 }
 
+std::vector<MemoryPrediction> predict_pipeline_memory(const RunConfig& cfg, int rank) {
+    if (cfg.train.device != "cpu" || cfg.train.pp < 2 || cfg.ps() || cfg.lora.enabled()) return {};
+    // What the planner prices as the executor allocates: the synchronous schedules' slots (not
+    // naive's one, nor PipeDream's weight versions) and the whole-model remat policies.
+    const std::string &sched = cfg.train.pp_schedule, &remat = cfg.train.remat;
+    if (sched != "gpipe" && sched != "1f1b" && sched != "zb-h1" && sched != "interleaved")
+        return {};
+    if (remat != "none" && remat != "selective" && remat != "full") return {};
+    const plan::MemoryEstimate est = plan::estimate_rank_memory(
+        plan::model_from_config(cfg.model), planner_run_spec(cfg, GPT::arena_format()),
+        planner_rank(cfg, rank));
+    if (!est.engine_layout) return {};
+    std::vector<MemoryPrediction> rows;
+    const struct {
+        MemCategory category;
+        const char* line;
+    } lines[] = {{MemCategory::Parameters, "parameters"},
+                 {MemCategory::Gradients, "gradients"},
+                 {MemCategory::OptimizerState, "optimizer states"},
+                 {MemCategory::Activations, "activations"}};
+    for (const auto& l : lines)
+        rows.push_back({l.category, fmt::format("estimate_rank_memory: {}", l.line),
+                        (std::size_t)est.bytes(l.line)});
+    return rows;
+}
+
 void check_host_fit(const RunConfig& cfg, const RematPlan& plan, int rank, int ranks_on_node) {
     const int B = cfg.micro_batch(), T = cfg.train.seq_len;
-    const std::vector<MemoryPrediction> rows = predict_cpu_memory(cfg, plan, rank, B, T);
+    std::vector<MemoryPrediction> rows = predict_cpu_memory(cfg, plan, rank, B, T);
+    const bool stage = rows.empty();
+    if (stage) rows = predict_pipeline_memory(cfg, rank);
     if (rows.empty()) return;
     const std::size_t per_rank = sum(rows), need = per_rank * (std::size_t)ranks_on_node;
     const std::size_t avail = host_available_bytes();
@@ -195,6 +225,16 @@ void check_host_fit(const RunConfig& cfg, const RematPlan& plan, int rank, int r
     for (const auto& r : rows)
         parts += fmt::format("{}{} {}", parts.empty() ? "" : ", ", category_name(r.category),
                              gib(r.bytes));
+    if (stage)
+        fail(
+            "this run needs {} of host memory per rank on pipeline stage {} ({}){} but {} is "
+            "available{}: it would fail while allocating. More stages (train.pp), a smaller "
+            "train.micro_batch_size or train.remat = \"full\" need less per rank",
+            gib(per_rank), planner_rank(cfg, rank).stage, parts,
+            ranks_on_node > 1
+                ? fmt::format(", {} for the {} ranks on this node,", gib(need), ranks_on_node)
+                : std::string(","),
+            gib(avail), std::getenv("MEMTRAIN_HOST_MEMORY") ? " (MEMTRAIN_HOST_MEMORY)" : "");
     // What would change it: the activations at one sequence per micro-batch and full remat, and
     // the model states sharded over more ranks or left to adapters.
     const RematPlan full = remat::make_schedule(remat::parse_policy("full"), cfg.model, 1, T,

@@ -37,8 +37,15 @@ plan::RankCoord planner_rank(const RunConfig& cfg, int rank);
 // tests and for running beside other jobs.
 std::size_t host_available_bytes();
 
+// One rank of a CPU pipeline (train.pp > 1, and the tp x pp x dp mesh): the planner's estimate
+// for it (plan::estimate_rank_memory), which prices these layouts with the engine's layout
+// functions to the byte; empty where the planner does not price what the executor allocates
+// (naive, PipeDream, per-block remat budgets). No workspace row.
+std::vector<MemoryPrediction> predict_pipeline_memory(const RunConfig& cfg, int rank);
+
 // Fails, naming every category and what would fit instead, when `ranks_on_node` ranks of this
-// run need more than host_available_bytes(). A no-op where predict_cpu_memory has no rows.
+// run need more than host_available_bytes(): the rows of predict_cpu_memory, or of
+// predict_pipeline_memory for a pipeline rank. A no-op where neither has rows.
 void check_host_fit(const RunConfig& cfg, const RematPlan& plan, int rank, int ranks_on_node);
 
 }  // namespace memtrain

@@ -99,6 +99,7 @@ RunPlan plan_run(const RunConfig& cfg, const dist::Communicator& comm,
         }
     } else {
         p.memory = predict_cpu_memory(cfg, p.remat.plan, comm.rank(), B, T);
+        if (p.memory.empty()) p.memory = predict_pipeline_memory(cfg, comm.rank());
         p.memory_on = "host";
         check_host_fit(cfg, p.remat.plan, comm.rank(), comm.local_size());
     }

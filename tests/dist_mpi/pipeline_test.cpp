@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -18,6 +19,7 @@
 #include "dist_mpi/dist_runs.h"
 #include "io/safetensors.h"
 #include "test_util.h"
+#include "train/host_memory_plan.h"
 #include "train/pipeline_engine.h"
 
 namespace memtrain::dist {
@@ -395,6 +397,29 @@ TEST(Pipeline, InterleavedCheckpointsMoveBetweenLayouts) {
     std::size_t diff = 0;
     for (std::size_t j = 0; j < params.size(); j++) diff += params[j] != ref_params[j];
     EXPECT_EQ(diff, 0u) << "1f1b from interleaved";
+}
+
+// A pipeline rank that cannot fit the host is refused before anything is allocated, with the
+// planner's per-rank bytes of its stage (which the engine's allocations match to the byte:
+// tests/dist_mpi/plan_grid_test.cpp).
+TEST(Pipeline, AStageThatCannotFitIsRefusedBeforeAllocating) {
+    RunConfig c = pipeline_run(PpCase{"1f1b", false}, 1);
+        c.train.pp = comm().size();
+    RunConfig resolved = c;
+    resolved.resolve();  // as the Trainer holds it
+    const auto rows = predict_pipeline_memory(resolved, comm().rank());
+    ASSERT_EQ(rows.size(), 4u);
+    std::size_t need = 0;
+    for (const auto& r : rows) need += r.bytes;
+    EXPECT_GT(need, 0u);
+    setenv("MEMTRAIN_HOST_MEMORY", "64KiB", 1);
+    const MemoryStats before = host_memory().snapshot();
+    expect_refused(c, fmt::format("of host memory per rank on pipeline stage {}", comm().rank()));
+    const MemoryStats after = host_memory().snapshot();
+    unsetenv("MEMTRAIN_HOST_MEMORY");
+    EXPECT_EQ(after[MemCategory::Parameters], before[MemCategory::Parameters]) << "allocated";
+    EXPECT_EQ(after[MemCategory::Activations], before[MemCategory::Activations]) << "allocated";
+    comm().barrier();
 }
 
 TEST(Pipeline, BadLayoutsAreRefusedBeforeTraining) {
