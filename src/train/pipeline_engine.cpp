@@ -542,21 +542,22 @@ StepResult PipelineEngine::finish_step(double lr, double max_norm) {
                                               (int64_t)layout_.tensors[i].numel);
                 sq[((std::size_t)u * D + d) * TP + t] = x;
             }
-    }
-    for (const pp::StageStore::Range& rg :
-         tpg_ ? std::vector<pp::StageStore::Range>{} : store_->ranges()) {
-        // The floats of this range this rank updates, and where they are in g.
-        std::size_t lo = rg.begin, hi = rg.end, at = rg.at;
-        if (zero1_) {  // one range: its shard
-            lo = rg.begin + (std::size_t)shard_.offset;
-            hi = lo + (std::size_t)shard_.count;
-            at = 0;
-        }
-        for (int u = rg.first_unit; u <= rg.last_unit; u++) {
-            const std::size_t a = std::max(lo, layout_.units[u].begin),
-                              b = std::min(hi, layout_.units[u].end);
-            if (a < b)
-                sq[(std::size_t)u * D + d] = cpu::sum_squares(g + at + (a - lo), (int64_t)(b - a));
+    } else {
+        for (const pp::StageStore::Range& rg : store_->ranges()) {
+            // The floats of this range this rank updates, and where they are in g.
+            std::size_t lo = rg.begin, hi = rg.end, at = rg.at;
+            if (zero1_) {  // one range: its shard
+                lo = rg.begin + (std::size_t)shard_.offset;
+                hi = lo + (std::size_t)shard_.count;
+                at = 0;
+            }
+            for (int u = rg.first_unit; u <= rg.last_unit; u++) {
+                const std::size_t a = std::max(lo, layout_.units[u].begin),
+                                  b = std::min(hi, layout_.units[u].end);
+                if (a < b)
+                    sq[(std::size_t)u * D + d] =
+                        cpu::sum_squares(g + at + (a - lo), (int64_t)(b - a));
+            }
         }
     }
     world_.all_reduce_max(sq.data(), (int64_t)sq.size());
