@@ -12,6 +12,7 @@
 
 #include "core/error.h"
 #include "kernels/cuda/ops.h"
+#include "train/device_memory_plan.h"
 
 namespace memtrain {
 
@@ -42,13 +43,12 @@ void DeviceOptimizer<T>::step(T* params, const T* grads, const cuda::StepScalars
 
 template <typename T>
 std::size_t DeviceOptimizer<T>::bytes_per_param() const {
-    return (std::is_same_v<T, float> ? 0 : 4) + (adamw_ ? 8 : 4);
+    return device_optimizer_bytes_per_param((int)sizeof(T), adamw_);
 }
 
 template <typename T>
 std::string DeviceOptimizer<T>::describe() const {
-    return fmt::format("{}{}", std::is_same_v<T, float> ? "" : "fp32 master, ",
-                       adamw_ ? "Adam m, v" : "momentum");
+    return device_optimizer_states((int)sizeof(T), adamw_);
 }
 
 template <typename T>

@@ -30,6 +30,15 @@ bool cuda_data_parallel(const RunConfig& cfg, const dist::Communicator& comm) {
     return dynamic_cast<const dist::LocalCommunicator*>(&comm) == nullptr && !cfg.train.cuda_graphs;
 }
 
+std::size_t device_optimizer_bytes_per_param(int elem_bytes, bool adamw) {
+    return (elem_bytes == 4 ? 0 : 4) + (adamw ? 8 : 4);
+}
+
+std::string device_optimizer_states(int elem_bytes, bool adamw) {
+    return fmt::format("{}{}", elem_bytes == 4 ? "" : "fp32 master, ",
+                       adamw ? "Adam m, v" : "momentum");
+}
+
 int device_elem_bytes(const RunConfig& cfg) {
     return cfg.train.precision == "fp32" ? 4 : 2;
 }
@@ -58,13 +67,11 @@ std::vector<MemoryPrediction> predict_cuda_memory(const RunConfig& cfg, const Re
     const std::size_t e = (std::size_t)device_elem_bytes(cfg);
     const char* tn = cfg.train.precision.c_str();
     const bool offload = cfg.train.offload_optimizer, adamw = cfg.optim.name == "adamw";
-    // DeviceOptimizer: fp32 master when the storage is not fp32, then Adam's m and v or SGD's
-    // momentum, and its table of tensor chunks.
-    const std::size_t k = offload ? 0 : (e == 4 ? 0 : 4) + (adamw ? 8 : 4);
+    // DeviceOptimizer's state, and its table of tensor chunks.
+    const std::size_t k = offload ? 0 : device_optimizer_bytes_per_param((int)e, adamw);
     const std::size_t table =
         offload ? 0 : cuda::tensor_chunks(layout, begin, count).size() * sizeof(cuda::TensorChunk);
-    const std::string states =
-        fmt::format("{}{}", e == 4 ? "" : "fp32 master, ", adamw ? "Adam m, v" : "momentum");
+    const std::string states = device_optimizer_states((int)e, adamw);
     const auto lay = activation_layout(cfg.model, B, T, plan, device_arena_format(cfg, B, T));
     const std::size_t stats = sizeof(cuda::StepScalars) + 8 * (2 + (std::size_t)cfg.accum_steps());
     const std::size_t extra = device_token_bytes(B, T) + kDeviceGraphBytes + stats;
@@ -124,7 +131,7 @@ void check_device_fit(const RunConfig& cfg, const RematPlan& plan, const DeviceP
             "train.micro_batch_size = 1 with train.remat = \"full\" needs {}",
             mib(smallest));
     else
-                fit = fmt::format(
+        fit = fmt::format(
             "the model states need {}: {}ZeRO over more GPUs (mpirun with train.zero_stage = 3), "
             "train.offload_optimizer = true, or LoRA (lora.rank) to train adapters only",
             mib(states), cfg.train.precision == "fp32" ? "train.precision = bf16, " : "");

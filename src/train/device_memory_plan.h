@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstddef>
+#include <string>
 #include <vector>
 
 #include "dist/communicator.h"
@@ -25,6 +26,10 @@ ActFormat device_arena_format(const RunConfig& cfg, int B, int T);
 // backward's plan), and of the CUDA graph's loss slot (CudaGPT::token_bytes, kGraphBytes).
 std::size_t device_token_bytes(int B, int T);
 inline constexpr std::size_t kDeviceGraphBytes = sizeof(double);
+// The device optimizer's state per parameter of its range (DeviceOptimizer): the fp32 master
+// weights when the storage is not fp32, then Adam's m and v or SGD's momentum; and its name.
+std::size_t device_optimizer_bytes_per_param(int elem_bytes, bool adamw);
+std::string device_optimizer_states(int elem_bytes, bool adamw);  // "fp32 master, Adam m, v"
 
 // Whether the CUDA engine runs data parallelism over NCCL on `comm`: launched by mpirun (an MPI
 // communicator, even of one rank), without CUDA graphs (which run one process, the plain path).
