@@ -56,6 +56,12 @@ CudaGPT<T>::CudaGPT(const ModelConfig& cfg, cudaStream_t stream, std::size_t pad
     for (auto& e : copied_) MT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     graph_loss_buf_ = DeviceBuffer<double>(1, MemCategory::Workspace);
     graph_loss_ = graph_loss_buf_.data();
+    make_walk();
+}
+
+template <typename T>
+void CudaGPT<T>::make_walk() {
+    walk_ = make_unit_walk(layout_, cfg_.n_layer, cfg_.tied_embeddings, b0_, b1_, stage_plan());
 }
 
 template <typename T>
@@ -86,6 +92,7 @@ void CudaGPT<T>::set_remat(const RematPlan& plan) {
                     "train.remat = offload is not built for a pipeline stage on the GPU: choose "
                     "none, selective, full or a budget without +offload");
     plan_ = plan;
+    make_walk();
     arena_B_ = arena_T_ = 0;  // re-carved at the next forward
 }
 
@@ -99,6 +106,7 @@ void CudaGPT<T>::set_stage(int first_block, int end_block, int slots) {
     b0_ = first_block;
     b1_ = end_block;
     staged_ = true;
+    make_walk();
     slots_.clear();
     slots_.resize(slots);
     arena_B_ = arena_T_ = 0;
@@ -106,9 +114,7 @@ void CudaGPT<T>::set_stage(int first_block, int end_block, int slots) {
 
 template <typename T>
 ArenaPlan CudaGPT<T>::stage_arena(int B, int T_) const {
-    const RematPlan sub =
-        plan_.empty() ? RematPlan{} : RematPlan(plan_.begin() + b0_, plan_.begin() + b1_);
-    return plan_stage_arena(cfg_, b1_ - b0_, B, T_, sub, arena_format(cfg_, B, T_));
+    return plan_stage_arena(cfg_, b1_ - b0_, B, T_, stage_plan(), arena_format(cfg_, B, T_));
 }
 
 template <typename T>
@@ -416,35 +422,39 @@ void CudaGPT<T>::forward(int B, int T_, bool offload_inputs) {
                                       copy_stream_));
         MT_CUDA_CHECK(cudaEventRecord(to_host_[l], copy_stream_));
     };
-    // Each unit is acquired just before use and the next one prefetched (ZeRO-3 gathers it
-    // meanwhile); ends with the output embedding's unit prefetched for the classifier.
-    const int emb = ParamLayout::embedding_unit(), head = layout_.head_unit();
-    if (has_embedding()) {
-        T* e = unit_params(emb);
-        prefetch(L > 0 ? layout_.block_unit(0) : head);
-        cuda::embedding_forward<T>(resid_[0], tok_, tensor_at(e, off_wte_), tensor_at(e, off_wpe_),
-                                   B, T_, cfg_.n_embd, stream_);
-        unit_params_done(emb);
-        copy_out(0);
+    // The shared schedule (model/unit_walk.h): each part acquires its unit, announces the next
+    // (ZeRO-3 gathers it meanwhile) and runs; the head announces the output embedding for the
+    // classifier.
+    for (const UnitVisit& v : walk_.forward) {
+        T* w = unit_params(v.unit);
+        prefetch(v.prefetch);
+        switch (v.part) {
+            case UnitVisit::Part::Embedding:
+                cuda::embedding_forward<T>(resid_[0], tok_, tensor_at(w, off_wte_),
+                                           tensor_at(w, off_wpe_), B, T_, cfg_.n_embd, stream_);
+                unit_params_done(v.unit);
+                copy_out(0);
+                break;
+            case UnitVisit::Part::Block: {
+                // Block l writes input l + 1 into a ring slot: the copy of the slot's previous
+                // input must be out.
+                const int l = v.block;
+                const int evicted = l + 1 < L ? slot_before(l + 1) : -1;
+                if (offload_inputs && evicted >= 0)
+                    MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, to_host_[evicted], 0));
+                block_forward(block_at(block_off_[l], w), l, resid_[l], resid_[l + 1], saved_[l], B,
+                              T_);
+                unit_params_done(v.unit);
+                if (l + 1 < L) copy_out(l + 1);
+                break;
+            }
+            case UnitVisit::Part::Head:
+                norm_forward(lnf_, lnf_mean_, lnf_rstd_, resid_[L], tensor_at(w, off_lnf_w_),
+                             tensor_at(w, off_lnf_b_), N);
+                unit_params_done(v.unit);
+                break;
+        }
     }
-    for (int l = b0_; l < b1_; l++) {
-        // Block l writes input l + 1 into a ring slot: the copy of the slot's previous input
-        // must be out.
-        const int evicted = l + 1 < L ? slot_before(l + 1) : -1;
-        if (offload_inputs && evicted >= 0)
-            MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, to_host_[evicted], 0));
-        const Block p = block_params(l);
-        prefetch(l + 1 < L ? layout_.block_unit(l + 1) : head);
-        block_forward(p, l, resid_[l], resid_[l + 1], saved_[l], B, T_);
-        unit_params_done(layout_.block_unit(l));
-        if (l + 1 < L) copy_out(l + 1);
-    }
-    if (!has_head()) return;
-    T* h = unit_params(head);
-    prefetch(lm_unit_);
-    norm_forward(lnf_, lnf_mean_, lnf_rstd_, resid_[L], tensor_at(h, off_lnf_w_),
-                 tensor_at(h, off_lnf_b_), N);
-    unit_params_done(head);
 }
 
 template <typename T>
@@ -499,15 +509,33 @@ void CudaGPT<T>::embedding_backward(int B, int T_) {
 template <typename T>
 void CudaGPT<T>::step_body(int B, int T_, float grad_scale, double* loss_sum) {
     forward(B, T_, true);
-    head_backward(B, T_, grad_scale, loss_sum);
-    blocks_backward(B, T_);
+    backward(B, T_, grad_scale, loss_sum, false);
 }
 
 template <typename T>
-void CudaGPT<T>::head_backward(int B, int T_, float grad_scale, double* loss_sum) {
-    const int N = B * T_, C = cfg_.n_embd, L = cfg_.n_layer;
+void CudaGPT<T>::backward(int B, int T_, float grad_scale, double* loss_sum, bool embedding) {
+    // The shared schedule (model/unit_walk.h). Without the head, dres_ holds d(output),
+    // received from the next stage.
+    for (const UnitVisit& v : walk_.backward) {
+        switch (v.part) {
+            case UnitVisit::Part::Head:
+                head_backward(v, B, T_, grad_scale, loss_sum);
+                break;
+            case UnitVisit::Part::Block:
+                block_backward_part(v, B, T_);
+                break;
+            case UnitVisit::Part::Embedding:
+                if (embedding) embedding_backward(B, T_);
+                break;
+        }
+    }
+}
+
+template <typename T>
+void CudaGPT<T>::head_backward(const UnitVisit& v, int B, int T_, float grad_scale,
+                               double* loss_sum) {
+    const int N = B * T_, C = cfg_.n_embd;
     const int32_t* dev_targets = tok_ + N;
-    const int head = layout_.head_unit();
     T* lm = unit_params(lm_unit_);
     T* dlm = frozen() ? nullptr : tensor_at(unit_grads(lm_unit_), off_lm_);
     cuda::classifier_loss<T>(dln_, dlm, logits_, row_loss_, lnf_, tensor_at(lm, off_lm_),
@@ -516,52 +544,55 @@ void CudaGPT<T>::head_backward(int B, int T_, float grad_scale, double* loss_sum
     unit_params_done(lm_unit_);
     cuda::sum_floats(loss_sum, row_loss_, N, stream_);
     MT_CUDA_CHECK(cudaMemsetAsync(dres_, 0, (std::size_t)N * C * sizeof(T), stream_));
-    T* h = unit_params(head);
-    if (L > 0) prefetch(layout_.block_unit(L - 1));
-    T* hg = frozen() ? nullptr : unit_grads(head);
+    T* h = unit_params(v.unit);
+    prefetch(v.prefetch);
+    T* hg = frozen() ? nullptr : unit_grads(v.unit);
     norm_backward(dres_, hg ? tensor_at(hg, off_lnf_w_) : nullptr,
-                  hg ? tensor_at(hg, off_lnf_b_) : nullptr, dln_, resid_[L],
+                  hg ? tensor_at(hg, off_lnf_b_) : nullptr, dln_, resid_[cfg_.n_layer],
                   tensor_at(h, off_lnf_w_), lnf_mean_, lnf_rstd_, N);
-    unit_params_done(head);
-    if (!frozen()) unit_grads_done(head);
+    unit_params_done(v.unit);
+    if (!frozen()) unit_grads_done(v.unit);
 }
 
 template <typename T>
-void CudaGPT<T>::blocks_backward(int B, int T_) {
-    const int N = B * T_, C = cfg_.n_embd;
+void CudaGPT<T>::block_backward_part(const UnitVisit& v, int B, int T_) {
+    const int N = B * T_, C = cfg_.n_embd, l = v.block, u = v.unit;
     const std::size_t stream_bytes = (std::size_t)N * C * sizeof(T);
-    for (int l = b1_ - 1; l >= b0_; l--) {
-        // An Input block re-runs its forward into the scratch; its output rewrites resid_[l + 1]
-        // with the same bits (deterministic kernels), which nothing reads any more. An Offload
-        // block first waits for its input to be back on the device. When the plan offloads, a
-        // recompute writes its output into dbig_ (free until block_backward) instead, since
-        // resid_[l + 1] may be a ring slot that holds a prefetched input by now.
-        const int u = layout_.block_unit(l);
-        const Block p = block_params(l);
-        if (l > 0) prefetch(layout_.block_unit(l - 1));
-        if (keep(l) == BlockKeep::Offload) {
+    const Block p = block_at(block_off_[l], unit_params(u));
+    prefetch(v.prefetch);
+    // A recomputed block re-runs its forward into the scratch; its output rewrites resid_[l + 1]
+    // with the same bits (deterministic kernels), which nothing reads any more. An Offload
+    // block first waits for its input to be back on the device. When the plan offloads, a
+    // recompute writes its output into dbig_ (free until block_backward) instead, since
+    // resid_[l + 1] may be a ring slot that holds a prefetched input by now.
+    switch (v.redo) {
+        case Redo::Nothing:
+            break;
+        case Redo::Selective:
+            recompute_selective(p, resid_[l], saved_[l], B, T_);
+            break;
+        case Redo::Block:
+            block_forward(p, l, resid_[l], offloads() ? dbig_ : resid_[l + 1], saved_[l], B, T_);
+            break;
+        case Redo::BlockFromHost:
             if (leaves_device(l)) MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, to_device_[l], 0));
             block_forward(p, l, resid_[l], dbig_, saved_[l], B, T_);
-        } else if (keep(l) == BlockKeep::Input) {
-            block_forward(p, l, resid_[l], offloads() ? dbig_ : resid_[l + 1], saved_[l], B, T_);
-        } else if (keep(l) == BlockKeep::Selective) {
-            recompute_selective(p, resid_[l], saved_[l], B, T_);
-        }
-        const Block g = frozen() ? Block{} : block_at(block_off_[l], unit_grads(u));
-        block_backward(p, g, l, resid_[l], saved_[l], B, T_);
-        unit_params_done(u);
-        if (!frozen()) unit_grads_done(u);
-        // Block l's ring slot is free: prefetch the input of the Offload block that had it
-        // before into it on the side stream, while the next blocks' backward runs.
-        const int next = keep(l) == BlockKeep::Offload ? slot_before(l) : -1;
-        if (next >= 0) {
-            MT_CUDA_CHECK(cudaEventRecord(consumed_[l], stream_));
-            MT_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, consumed_[l], 0));
-            MT_CUDA_CHECK(cudaMemcpyAsync(
-                resid_[next], host_resid_ + (std::size_t)off_index_[next] * stream_bytes,
-                stream_bytes, cudaMemcpyHostToDevice, copy_stream_));
-            MT_CUDA_CHECK(cudaEventRecord(to_device_[next], copy_stream_));
-        }
+            break;
+    }
+    const Block g = frozen() ? Block{} : block_at(block_off_[l], unit_grads(u));
+    block_backward(p, g, l, resid_[l], saved_[l], B, T_);
+    unit_params_done(u);
+    if (!frozen()) unit_grads_done(u);
+    // Block l's ring slot is free: prefetch the input of the Offload block that had it before
+    // into it on the side stream, while the next blocks' backward runs.
+    const int next = v.redo == Redo::BlockFromHost ? slot_before(l) : -1;
+    if (next >= 0) {
+        MT_CUDA_CHECK(cudaEventRecord(consumed_[l], stream_));
+        MT_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, consumed_[l], 0));
+        MT_CUDA_CHECK(cudaMemcpyAsync(resid_[next],
+                                      host_resid_ + (std::size_t)off_index_[next] * stream_bytes,
+                                      stream_bytes, cudaMemcpyHostToDevice, copy_stream_));
+        MT_CUDA_CHECK(cudaEventRecord(to_device_[next], copy_stream_));
     }
 }
 
@@ -634,9 +665,7 @@ void CudaGPT<T>::stage_forward(int slot, const int32_t* inputs, const int32_t* t
 template <typename T>
 void CudaGPT<T>::stage_backward(int slot, int B, int T_, float grad_scale, double* loss_sum) {
     use_slot(slot);
-    if (has_head()) head_backward(B, T_, grad_scale, loss_sum);
-    blocks_backward(B, T_);
-    if (has_embedding()) embedding_backward(B, T_);
+    backward(B, T_, grad_scale, loss_sum, true);
 }
 
 template <typename T>

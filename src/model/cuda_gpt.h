@@ -21,6 +21,7 @@
 #include "model/config.h"
 #include "model/lora.h"
 #include "model/param_layout.h"
+#include "model/unit_walk.h"
 
 namespace memtrain {
 
@@ -170,12 +171,19 @@ class CudaGPT {
     };
     // Points the working views (resid_, saved_, lnf_, tok_, unique_) at slot k.
     void use_slot(int k);
-    // The pieces of a step: the embedding's forward and backward, the head's loss and ln_f
-    // backward (dres_ then holds d(last block's output)), the blocks' backward from b1_ - 1 down
-    // to b0_ (dres_ then holds d(first block's input)).
+    // The backward along walk_.backward (the embedding's part only with `embedding`: a CUDA
+    // graph captures the rest), and its parts: the head's loss and ln_f backward (dres_ then
+    // holds d(last block's output)), one block, the embedding.
+    void backward(int B, int T_, float grad_scale, double* loss_sum, bool embedding);
+    void head_backward(const UnitVisit& v, int B, int T_, float grad_scale, double* loss_sum);
+    void block_backward_part(const UnitVisit& v, int B, int T_);
     void embedding_backward(int B, int T_);
-    void head_backward(int B, int T_, float grad_scale, double* loss_sum);
-    void blocks_backward(int B, int T_);
+    // The walk of blocks [b0_, b1_) under plan_ (model/unit_walk.h).
+    void make_walk();
+    // plan_'s entries for blocks [b0_, b1_) (empty: every block keeps All).
+    RematPlan stage_plan() const {
+        return plan_.empty() ? RematPlan{} : RematPlan(plan_.begin() + b0_, plan_.begin() + b1_);
+    }
     void loss_only(int B, int T_, double* loss_sum);
     void logits_out(int B, int T_, float* out);
 
@@ -196,8 +204,8 @@ class CudaGPT {
     void unit_params_done(int u) {
         if (units_) units_->release_params(u);
     }
-    void prefetch(int u) {
-        if (units_) units_->prefetch_params(u);
+    void prefetch(int u) {  // -1: the walk announces nothing
+        if (units_ && u >= 0) units_->prefetch_params(u);
     }
     T* unit_grads(int u) {
         return units_ ? units_->acquire_grads(u) : grads_.data() + layout_.units[u].begin;
@@ -236,6 +244,7 @@ class CudaGPT {
     int lm_unit_ = 0;
 
     RematPlan plan_;
+    UnitWalk walk_;        // the step's schedule over the units (model/unit_walk.h)
     int b0_ = 0, b1_ = 0;  // the blocks this model runs: all of them unless a pipeline stage
     bool staged_ = false;  // set_stage was called
     int arena_B_ = 0, arena_T_ = 0, chunk_ = 0;

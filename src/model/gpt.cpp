@@ -52,6 +52,7 @@ GPT::GPT(const ModelConfig& cfg, ParamStore* store, int first_block, int end_blo
         store = own_store_.get();
     }
     store_ = store;
+    walk_ = make_unit_walk(layout_, cfg_.n_layer, cfg_.tied_embeddings, b0_, b1_, plan_);
 }
 
 float* GPT::params() {
@@ -83,6 +84,7 @@ void GPT::set_remat(const RematPlan& plan) {
                 "train.remat = offload keeps block inputs in pinned host memory beside a GPU: "
                 "use train.device = \"cuda\" (on the CPU, `full` keeps the same)");
     plan_ = plan;
+    walk_ = make_unit_walk(layout_, cfg_.n_layer, cfg_.tied_embeddings, b0_, b1_, plan_);
     arena_B_ = arena_T_ = 0;  // re-carve (and re-size) at the next forward
 }
 
@@ -422,35 +424,41 @@ void GPT::stage_forward(int slot, const int32_t* inputs, int B, int T) {
     ensure_arena(B, T);
     Slot& sl = slots_.at(slot);
     const int N = B * T, C = cfg_.n_embd;
-    const int E = ParamLayout::embedding_unit();
-    if (has_embedding()) {
-        check_tokens(inputs, (std::size_t)N, cfg_.vocab_size, "input");
-        // Each unit announces the next (ParamStore::prefetch), so ZeRO-3 gathers it meanwhile.
-        EmbeddingParams e = embedding_view(layout_, store_->acquire(E));
-        store_->prefetch(layout_.block_unit(b0_));
-        if (tp_)  // under sequence parallelism reduce-scattered to this rank's rows
-            dist::vocab_parallel_embedding(*tp_, sl.resid[0], inputs, e.wte, e.wpe, B, T, C,
-                                           vocab_begin(), cfg_.local_vocab(),
-                                           sp(N) ? sp_ : nullptr);
-        else
-            cpu::embedding_forward(sl.resid[0], inputs, e.wte, e.wpe, B, T, C);
-        store_->release(E);
+    if (has_embedding()) check_tokens(inputs, (std::size_t)N, cfg_.vocab_size, "input");
+    // The shared schedule (model/unit_walk.h): each part acquires its unit, announces the next
+    // (ParamStore::prefetch, so ZeRO-3 gathers it meanwhile) and runs.
+    for (const UnitVisit& v : walk_.forward) {
+        float* w = store_->acquire(v.unit);
+        announce(v.prefetch);
+        switch (v.part) {
+            case UnitVisit::Part::Embedding: {
+                const EmbeddingParams e = embedding_view(layout_, w);
+                if (tp_)  // under sequence parallelism reduce-scattered to this rank's rows
+                    dist::vocab_parallel_embedding(*tp_, sl.resid[0], inputs, e.wte, e.wpe, B, T, C,
+                                                   vocab_begin(), cfg_.local_vocab(),
+                                                   sp(N) ? sp_ : nullptr);
+                else
+                    cpu::embedding_forward(sl.resid[0], inputs, e.wte, e.wpe, B, T, C);
+                break;
+            }
+            case UnitVisit::Part::Block: {
+                const int l = v.block, i = l - b0_;
+                const float* ad = lora_ ? lora_->store().acquire(l) : nullptr;
+                block_forward(block_view(layout_, l, w), l, ad, sl.resid[i], sl.resid[i + 1],
+                              sl.saved[i], B, T);
+                if (lora_) lora_->store().release(l);
+                break;
+            }
+            case UnitVisit::Part::Head: {
+                // The head unit stays acquired until stage_backward or stage_loss releases it.
+                const HeadParams h = head_view(layout_, w);
+                norm_forward(sl.lnf, sl.lnf_mean, sl.lnf_rstd, sl.resid.back(), h.lnf_w, h.lnf_b,
+                             (int)cfg_.sp_rows(N));
+                continue;
+            }
+        }
+        store_->release(v.unit);
     }
-    for (int l = b0_; l < b1_; l++) {
-        const int u = layout_.block_unit(l);
-        BlockParams p = block_view(layout_, l, store_->acquire(u));
-        store_->prefetch(u + 1);  // the next block, or the head
-        const float* ad = lora_ ? lora_->store().acquire(l) : nullptr;
-        block_forward(p, l, ad, sl.resid[l - b0_], sl.resid[l - b0_ + 1], sl.saved[l - b0_], B, T);
-        if (lora_) lora_->store().release(l);
-        store_->release(u);
-    }
-    if (!has_head()) return;
-    HeadParams h = head_view(layout_, store_->acquire(layout_.head_unit()));
-    // Every caller goes on to the classifier, which reads wte again when it is tied.
-    if (cfg_.tied_embeddings) store_->prefetch(E);
-    norm_forward(sl.lnf, sl.lnf_mean, sl.lnf_rstd, sl.resid.back(), h.lnf_w, h.lnf_b,
-                 (int)cfg_.sp_rows(N));
 }
 
 const float* GPT::head_input(const Slot& sl, int N) {
@@ -486,103 +494,135 @@ void GPT::stage_backward_weight(int slot, int B, int T) {
     // A block under remat kept only part of its activations: the GEMM inputs the weight halves
     // read (ln_1, the attention output, ln_2, the MLP activation) are recomputed again here, with
     // the calls I made (the same bits), into the same scratch.
-    for (int l = b1_ - 1; l >= b0_; l--) {
-        const int u = layout_.block_unit(l), i = l - b0_;
-        if (keep(l) == BlockKeep::Input || keep(l) == BlockKeep::Selective) {
-            BlockParams p = block_view(layout_, l, store_->acquire(u));
-            if (keep(l) == BlockKeep::Input)
-                block_forward(p, l, nullptr, sl.resid[i], sl.resid[i + 1], sl.saved[i], B, T);
-            else
-                recompute_selective(p, sl.resid[i], sl.saved[i], B, T);
-            store_->release(u);
+    for (const UnitVisit& v : walk_.backward) {
+        if (v.part != UnitVisit::Part::Block) continue;
+        const int i = v.block - b0_;
+        if (v.redo != Redo::Nothing) {
+            redo(v, block_view(layout_, v.block, store_->acquire(v.unit)), nullptr, sl, B, T);
+            store_->release(v.unit);
         }
-        BlockParams g = block_view(layout_, l, store_->unit_grads(u));
+        BlockParams g = block_view(layout_, v.block, store_->unit_grads(v.unit));
         block_weight_grads(g, sl.saved[i], sl.wgrad.data() + i * wgrad_floats(B, T), B, T);
-        store_->grads_done(u);
+        store_->grads_done(v.unit);
     }
+}
+
+void GPT::redo(const UnitVisit& v, const BlockParams& p, const float* adapter, Slot& sl, int B,
+               int T) {
+    const int i = v.block - b0_;
+    switch (v.redo) {
+        case Redo::Nothing:
+            return;
+        case Redo::Selective:
+            return recompute_selective(p, sl.resid[i], sl.saved[i], B, T);
+        case Redo::Block:
+            // The block's output rewrites resid[i + 1] with the same bits, which nothing reads
+            // any more.
+            return block_forward(p, v.block, adapter, sl.resid[i], sl.resid[i + 1], sl.saved[i], B,
+                                 T);
+        case Redo::BlockFromHost:
+            break;
+    }
+    fail("internal: block {} offloads its input on the CPU", v.block);
 }
 
 float GPT::backward_pass(int slot, const int32_t* inputs, const int32_t* targets, int B, int T,
                          float grad_scale, bool split) {
     Slot& sl = slots_.at(slot);
-    const int N = B * T, C = cfg_.n_embd;
-    const int E = ParamLayout::embedding_unit(), H = layout_.head_unit();
     double loss = 0;
-    if (has_head()) {
-        check_tokens(targets, (std::size_t)N, cfg_.vocab_size, "target");
-        // The head unit is still acquired from stage_forward: this is the same pointer.
-        const HeadParams h = head_view(layout_, store_->acquire(H));
-        store_->release(H);
-        // A frozen base (LoRA) has no gradients: null pointers skip them in the kernels.
-        HeadParams hg{};
-        float* dwout = nullptr;
-        if (!frozen_base()) {
-            hg = head_view(layout_, store_->unit_grads(H));
-            dwout = cfg_.tied_embeddings ? embedding_view(layout_, store_->unit_grads(E)).wte
-                                         : hg.lm_head;
+    // The shared schedule (model/unit_walk.h). Without the head, dres_ holds d(output),
+    // received from the next stage.
+    for (const UnitVisit& v : walk_.backward) {
+        switch (v.part) {
+            case UnitVisit::Part::Head:
+                loss = head_backward(v, sl, targets, B, T, grad_scale);
+                break;
+            case UnitVisit::Part::Block:
+                block_backward_part(v, sl, B, T, split);
+                break;
+            case UnitVisit::Part::Embedding:
+                embedding_backward(v, inputs, B, T);
+                break;
         }
-        const float* wout = acquire_output_embedding(h);
-        store_->prefetch(layout_.block_unit(b1_ - 1));  // gathered during the classifier
-        // Sequence parallelism: the loss reads ln_f's all-gathered rows (in sp_) and its input
-        // gradient comes back reduce-scattered to this rank's rows, into sp_ again.
-        const bool seq = sp(N);
-        const int n = (int)cfg_.sp_rows(N);
-        loss = tp_ ? dist::vocab_parallel_loss(*tp_, dln_, dwout, logits_, head_input(sl, N), wout,
-                                               targets, N, C, cfg_.vocab_size, vocab_begin(),
-                                               cfg_.local_vocab(), kLossChunk, grad_scale,
-                                               seq ? sp_ : nullptr)
-                   : cpu::classifier_loss(dln_, dwout, logits_, sl.lnf, wout, targets, N, C,
-                                          cfg_.vocab_size, cfg_.padded_vocab(), kLossChunk,
-                                          grad_scale);
-        release_output_embedding();
-        std::memset(dres_, 0, sizeof(float) * n * C);
-        norm_backward(dres_, hg.lnf_w, hg.lnf_b, seq ? sp_ : dln_, sl.resid.back(), h.lnf_w,
-                      sl.lnf_mean, sl.lnf_rstd, n);
-        if (!frozen_base()) store_->grads_done(H);
-        store_->release(H);
     }
-    // Otherwise dres_ holds d(output), received from the next stage.
-    for (int l = b1_ - 1; l >= b0_; l--) {
-        const int u = layout_.block_unit(l), i = l - b0_;
-        BlockParams p = block_view(layout_, l, store_->acquire(u));
-        // The embedding's backward needs no parameters, so block 0 announces nothing.
-        if (l > b0_) store_->prefetch(layout_.block_unit(l - 1));
-        BlockParams g{};
-        if (!frozen_base()) g = block_view(layout_, l, store_->unit_grads(u));
-        const float* ad = lora_ ? lora_->store().acquire(l) : nullptr;
-        float* adg = lora_ ? lora_->store().unit_grads(l) : nullptr;
-        // An Input block re-runs block_forward into the scratch; its output rewrites
-        // resid[i + 1] with the same bits, which nothing reads any more.
-        if (keep(l) == BlockKeep::Input)
-            block_forward(p, l, ad, sl.resid[i], sl.resid[i + 1], sl.saved[i], B, T);
-        else if (keep(l) == BlockKeep::Selective)
-            recompute_selective(p, sl.resid[i], sl.saved[i], B, T);
-        block_backward(p, g, l, ad, adg, dres_, sl.resid[i], sl.saved[i], B, T,
-                       split ? sl.wgrad.data() + i * wgrad_floats(B, T) : nullptr);
-        if (lora_) {
-            lora_->store().grads_done(l);
-            lora_->store().release(l);
+    return (float)(loss / (B * T));
+}
+
+double GPT::head_backward(const UnitVisit& v, Slot& sl, const int32_t* targets, int B, int T,
+                          float grad_scale) {
+    const int N = B * T, C = cfg_.n_embd;
+    const int E = ParamLayout::embedding_unit(), H = v.unit;
+    check_tokens(targets, (std::size_t)N, cfg_.vocab_size, "target");
+    // The head unit is still acquired from stage_forward: this is the same pointer.
+    const HeadParams h = head_view(layout_, store_->acquire(H));
+    store_->release(H);
+    // A frozen base (LoRA) has no gradients: null pointers skip them in the kernels.
+    HeadParams hg{};
+    float* dwout = nullptr;
+    if (!frozen_base()) {
+        hg = head_view(layout_, store_->unit_grads(H));
+        dwout =
+            cfg_.tied_embeddings ? embedding_view(layout_, store_->unit_grads(E)).wte : hg.lm_head;
+    }
+    const float* wout = acquire_output_embedding(h);
+    announce(v.prefetch);  // gathered during the classifier
+    // Sequence parallelism: the loss reads ln_f's all-gathered rows (in sp_) and its input
+    // gradient comes back reduce-scattered to this rank's rows, into sp_ again.
+    const bool seq = sp(N);
+    const int n = (int)cfg_.sp_rows(N);
+    const double loss =
+        tp_ ? dist::vocab_parallel_loss(*tp_, dln_, dwout, logits_, head_input(sl, N), wout,
+                                        targets, N, C, cfg_.vocab_size, vocab_begin(),
+                                        cfg_.local_vocab(), kLossChunk, grad_scale,
+                                        seq ? sp_ : nullptr)
+            : cpu::classifier_loss(dln_, dwout, logits_, sl.lnf, wout, targets, N, C,
+                                   cfg_.vocab_size, cfg_.padded_vocab(), kLossChunk, grad_scale);
+    release_output_embedding();
+    std::memset(dres_, 0, sizeof(float) * n * C);
+    norm_backward(dres_, hg.lnf_w, hg.lnf_b, seq ? sp_ : dln_, sl.resid.back(), h.lnf_w,
+                  sl.lnf_mean, sl.lnf_rstd, n);
+    if (!frozen_base()) store_->grads_done(H);
+    store_->release(H);
+    return loss;
+}
+
+void GPT::block_backward_part(const UnitVisit& v, Slot& sl, int B, int T, bool split) {
+    const int l = v.block, u = v.unit, i = l - b0_;
+    BlockParams p = block_view(layout_, l, store_->acquire(u));
+    announce(v.prefetch);
+    BlockParams g{};
+    if (!frozen_base()) g = block_view(layout_, l, store_->unit_grads(u));
+    const float* ad = lora_ ? lora_->store().acquire(l) : nullptr;
+    float* adg = lora_ ? lora_->store().unit_grads(l) : nullptr;
+    redo(v, p, ad, sl, B, T);
+    block_backward(p, g, l, ad, adg, dres_, sl.resid[i], sl.saved[i], B, T,
+                   split ? sl.wgrad.data() + i * wgrad_floats(B, T) : nullptr);
+    if (lora_) {
+        lora_->store().grads_done(l);
+        lora_->store().release(l);
+    }
+    if (!split && !frozen_base()) store_->grads_done(u);
+    store_->release(u);
+}
+
+void GPT::embedding_backward(const UnitVisit& v, const int32_t* inputs, int B, int T) {
+    if (frozen_base()) return;
+    const int N = B * T, C = cfg_.n_embd;
+    EmbeddingParams eg = embedding_view(layout_, store_->unit_grads(v.unit));
+    if (tp_) {
+        // Sequence parallelism: every rank's rows of d(embedding output), for the vocabulary
+        // rows this rank holds (the conjugate of the forward's reduce-scatter).
+        const float* demb = dres_;
+        if (sp(N)) {
+            tp_->all_gather_shards(dist::TpSite::SpEmbeddingGather, dres_, sp_, (int64_t)N * C);
+            demb = sp_;
         }
-        if (!split && !frozen_base()) store_->grads_done(u);
-        store_->release(u);
+        dist::vocab_parallel_embedding_backward(eg.wte, eg.wpe, demb, inputs, B, T, C,
+                                                vocab_begin(), cfg_.local_vocab());
+    } else {
+        cpu::embedding_backward(eg.wte, eg.wpe, dres_, inputs, B, T, C);
     }
-    if (has_embedding() && !frozen_base()) {
-        EmbeddingParams eg = embedding_view(layout_, store_->unit_grads(E));
-        if (tp_) {
-            // Sequence parallelism: every rank's rows of d(embedding output), for the
-            // vocabulary rows this rank holds (the conjugate of the forward's reduce-scatter).
-            const float* demb = dres_;
-            if (sp(N)) {
-                tp_->all_gather_shards(dist::TpSite::SpEmbeddingGather, dres_, sp_, (int64_t)N * C);
-                demb = sp_;
-            }
-            dist::vocab_parallel_embedding_backward(eg.wte, eg.wpe, demb, inputs, B, T, C,
-                                                    vocab_begin(), cfg_.local_vocab());
-        } else
-            cpu::embedding_backward(eg.wte, eg.wpe, dres_, inputs, B, T, C);
-        store_->grads_done(E);
-    }
-    return (float)(loss / N);
+    store_->grads_done(v.unit);
 }
 
 float GPT::stage_loss(int slot, const int32_t* targets, int B, int T) {

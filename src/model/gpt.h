@@ -19,6 +19,7 @@
 #include "model/lora.h"
 #include "model/param_layout.h"
 #include "model/param_store.h"
+#include "model/unit_walk.h"
 #include "model/weights.h"
 
 namespace memtrain {
@@ -196,8 +197,21 @@ class GPT {
                        const float* x, const float* dy, float* dx, int N);
     void block_weight_grads(BlockParams& g, const BlockSaved& s, const float* deferred, int B,
                             int T);
+    // The backward along walk_.backward, and its parts: the loss and ln_f (returns the loss
+    // sum), one block, the embedding.
     float backward_pass(int slot, const int32_t* inputs, const int32_t* targets, int B, int T,
                         float grad_scale, bool split);
+    double head_backward(const UnitVisit& v, Slot& sl, const int32_t* targets, int B, int T,
+                         float grad_scale);
+    void block_backward_part(const UnitVisit& v, Slot& sl, int B, int T, bool split);
+    void embedding_backward(const UnitVisit& v, const int32_t* inputs, int B, int T);
+    // What block v.block re-runs before its backward (v.redo), into its saved fields.
+    void redo(const UnitVisit& v, const BlockParams& p, const float* adapter, Slot& sl, int B,
+              int T);
+    // ParamStore::prefetch of the walk's next unit (-1: none).
+    void announce(int u) {
+        if (u >= 0) store_->prefetch(u);
+    }
     void recompute_selective(const BlockParams& p, const float* x, BlockSaved& s, int B, int T);
     // LayerNorm or RMSNorm per the config (mean and bias unused by RMSNorm).
     void norm_forward(float* out, float* mean, float* rstd, const float* inp, const float* w,
@@ -224,6 +238,7 @@ class GPT {
     std::vector<Slot> slots_;
     Buffer<float> work_;  // MemCategory::Workspace, shared by the slots
     RematPlan plan_;      // one entry per block of the stage
+    UnitWalk walk_;       // the step's schedule over the units (model/unit_walk.h)
     LoraAdapters* lora_ = nullptr;
     dist::TpGroup* tp_ = nullptr;
     float *dres_, *dln_, *dbig_, *dact_, *logits_;
