@@ -108,6 +108,14 @@ LayerActivations layer_activation_bytes(const ModelSpec& m, const RunSpec& r) {
 
 namespace {
 
+// Whose arena the layout path prices: the whole model's, or the tensor-parallel shard's
+// (sequence-parallel: its sequence regions hold this rank's token rows only).
+std::string shard_note(const RunSpec& r) {
+    if (r.tp == 1) return "";
+    return fmt::format(" of the tp = {}{} shard", r.tp,
+                       r.sequence_parallel ? " sequence-parallel" : "");
+}
+
 // What the layout path says about activations, for the table.
 std::string layout_detail(const PipelineActivations& pa, const RunSpec& r, int T, int stage) {
     const RankActivations& ra = pa.ranks[stage];
@@ -117,9 +125,9 @@ std::string layout_detail(const PipelineActivations& pa, const RunSpec& r, int T
             : fmt::format("CPU arena: attention probabilities, {}-byte activations",
                           pa.format.elem_bytes);
     const std::string arena = fmt::format(
-        "plan_stage_arena (activation_layout) of blocks {}, {} x {} tokens, remat {} = "
+        "plan_stage_arena (activation_layout) of blocks {}{}, {} x {} tokens, remat {} = "
         "{} blocks, {}",
-        ra.block_ranges(), r.micro_batch, T, to_string(r.recompute),
+        ra.block_ranges(), shard_note(r), r.micro_batch, T, to_string(r.recompute),
         keep_name(block_keep(r.recompute)), format);
     if (ra.chunks.size() == 1)
         return fmt::format("{} micro-batches in flight ({}) x {:.1f} MB, {}", ra.slots[0],
@@ -264,21 +272,18 @@ MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, RankCoord at,
         act_detail = fmt::format(
             "plan_arena (activation_layout){} of {} blocks, {} x {} tokens, remat {} = {} blocks, "
             "{} arena, {}-byte activations",
-            t > 1 ? fmt::format(" of the tp = {} shard", t) : std::string(), layers, b, s,
-            to_string(r.recompute), keep_name(block_keep(r.recompute)),
+            shard_note(r), layers, b, s, to_string(r.recompute), keep_name(block_keep(r.recompute)),
             f.cuda ? "GPU (fused attention)" : "CPU (attention probabilities)", f.elem_bytes);
     } else {
         act = static_cast<double>(la.saved) * layers * est.in_flight;
         // The embedding's dropout mask (the embedding output itself is layer 0's input).
         if (first && m.dropout)
             act += static_cast<double>(s * b * m.n_embd) / (r.sequence_parallel ? t : 1);
-        act_detail =
-            fmt::format("{} layers x {} micro-batches x {:.1f} MB ({} recompute, {}{}){}", layers,
-                        est.in_flight, la.saved / 1e6, to_string(r.recompute),
-                        r.flash_attention ? "flash" : "no flash", r.sequence_parallel ? ", SP" : "",
-                        r.pp > 1 ? " (Korthikanti's formulas: the stage layout is "
-                                   "used for tp = 1 only)"
-                                 : "");
+        act_detail = fmt::format(
+            "{} layers x {} micro-batches x {:.1f} MB ({} recompute, {}{}) "
+            "(Korthikanti's formulas: no engine runs this layout)",
+            layers, est.in_flight, la.saved / 1e6, to_string(r.recompute),
+            r.flash_attention ? "flash" : "no flash", r.sequence_parallel ? ", SP" : "");
     }
     // Zero bubble (ZB-H1): each micro-batch in flight also keeps, per layer, the output gradients
     // of its four GEMMs until the deferred weight-gradient pass (d(mlp out) and d(attn out)

@@ -27,7 +27,11 @@ bool tp_divides(const ModelConfig& c, int tp) {
 }  // namespace
 
 bool uses_engine_layout(const ModelSpec& m, const RunSpec& r) {
-    if (m.dropout || m.attn_bias != m.mlp_bias || r.lora_rank > 0 || r.sequence_parallel)
+    if (m.dropout || m.attn_bias != m.mlp_bias || r.lora_rank > 0) return false;
+    // Sequence parallelism as the trainer runs it (RunConfig::validate_tp): under tp, with each
+    // micro-batch's tokens divisible by tp (each rank holds as many rows); the trainer refuses
+    // the rest, so the formulas price them.
+    if (r.sequence_parallel && (r.tp < 2 || ((int64_t)r.micro_batch * r.seq_len(m)) % r.tp != 0))
         return false;
     return tp_divides(config_from_model(m), r.tp);
 }
@@ -35,6 +39,9 @@ bool uses_engine_layout(const ModelSpec& m, const RunSpec& r) {
 ModelConfig rank_config(const ModelSpec& m, const RunSpec& r) {
     ModelConfig c = config_from_model(m);
     c.tp = r.tp;
+    // ModelConfig::sp_rows then shards the arena's sequence regions as the engines' shard
+    // configs do (dist::tp_shard_config).
+    c.sequence_parallel = r.sequence_parallel && r.tp > 1;
     return c;
 }
 

@@ -26,13 +26,15 @@ struct RankCoord {
 };
 
 // Whether `r` is priced by the engines' layout functions: the layouts the CPU engines run
-// (tensor parallelism, pipelines, both (the tp x pp x dp mesh), side by side, any ZeRO stage the
-// shard table prices) for a model the trainer's config expresses (no dropout
-// masks; biases on every linear layer or none; tp dividing heads, kv heads, MLP and vocabulary),
-// trained in full (no LoRA) and without sequence parallelism, which the engines do not run yet.
+// (tensor parallelism, with or without sequence parallelism, pipelines, both (the tp x pp x dp
+// mesh), side by side, any ZeRO stage the shard table prices) for a model the trainer's config
+// expresses (no dropout masks; biases on every linear layer or none; tp dividing heads, kv
+// heads, MLP and vocabulary), trained in full (no LoRA). Sequence parallelism needs each
+// micro-batch's tokens divisible by tp, as the trainer does.
 bool uses_engine_layout(const ModelSpec& m, const RunSpec& r);
 
-// The trainer's config of `m` as one tensor-parallel rank holds it (ModelConfig::tp = r.tp).
+// The trainer's config of `m` as one tensor-parallel rank holds it (ModelConfig::tp = r.tp,
+// ModelConfig::sequence_parallel = r.sequence_parallel under tp).
 ModelConfig rank_config(const ModelSpec& m, const RunSpec& r);
 
 // Element counts of one rank's model states (before bytes per element).
