@@ -185,6 +185,7 @@ MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, RankCoord at,
     // above split evenly over dp.
     double param_n, grad_n, opt_n;
     std::string count_detail;
+    bool rs_buffer = false;  // the gradients include ZeRO-1's reduce-scattered piece
     if (est.engine_layout) {
         const RankStates rs = rank_states(m, r, at, pa ? &pa->split : nullptr);
         params = trainable = rs.params;
@@ -194,6 +195,7 @@ MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, RankCoord at,
             (double)(dist::held(spec.grads, rs.params, rs.shard + unsharded) + rs.reduce_buffer);
         opt_n = (double)dist::held(spec.optimizer, rs.optimized, rs.shard);
         count_detail = ", " + rs.source;
+        rs_buffer = rs.reduce_buffer > 0;
     } else {
         param_n = (double)params * dist::held_fraction(spec.params, r.dp);
         grad_n = (double)trainable * dist::held_fraction(spec.grads, r.dp);
@@ -222,11 +224,9 @@ MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, RankCoord at,
     }
     param_detail += zero_note(spec.params);
     double grad_bytes = grad_n * k.grad;
-    std::string grad_detail =
-        fmt::format("{:.3f}B x {} B{}{}", trainable / 1e9, k.grad, zero_note(spec.grads),
-                    est.engine_layout && r.pp > 1 && d > 1 && r.zero == 1
-                        ? " + the reduce-scattered piece (ZeRO-1 across pipelines)"
-                        : "");
+    std::string grad_detail = fmt::format(
+        "{:.3f}B x {} B{}{}", trainable / 1e9, k.grad, zero_note(spec.grads),
+        rs_buffer ? " + the reduce-scattered piece (ZeRO-1 in the pipeline engine)" : "");
     double opt_bytes = opt_n * k.optim;
     std::string opt_detail =
         fmt::format("{:.3f}B x {} B ({} {}){}", trainable / 1e9, k.optim, to_string(r.precision),

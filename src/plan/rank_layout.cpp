@@ -83,8 +83,9 @@ RankStates rank_states(const ModelSpec& m, const RunSpec& r, RankCoord at,
         s.source = fmt::format("make_param_layout units {}{}", units, mirror ? " + wte copy" : "");
     }
     s.shard = dist::shard_ranges(s.optimized, r.dp).at(at.replica).count;
-    // ZeRO-1 across pipelines reduce-scatters into a buffer of the replica's piece.
-    if (r.pp > 1 && r.dp > 1 && r.zero == 1) s.reduce_buffer = s.shard;
+    // ZeRO-1 in the pipeline engine (pipelines, or tensor-parallel stages, side by side)
+    // reduce-scatters into a buffer of the replica's piece.
+    if ((r.pp > 1 || r.tp > 1) && r.dp > 1 && r.zero == 1) s.reduce_buffer = s.shard;
     return s;
 }
 

@@ -44,8 +44,8 @@ struct RankStates {
     int64_t optimized = 0;  // of which the optimizer updates (the copy has no state): what ZeRO
                             // shards over the replicas
     int64_t shard = 0;      // this replica's piece of `optimized` (dist::shard_ranges)
-    // Gradients a pipeline's ZeRO-1 keeps beside the stage's full ones: the reduce-scattered
-    // piece its optimizer reads (PipelineEngine).
+    // Gradients ZeRO-1 in the pipeline engine (pipelines, or tp stages, side by side) keeps
+    // beside the stage's full ones: the reduce-scattered piece its optimizer reads.
     int64_t reduce_buffer = 0;
     std::string source;  // how they were counted, for the table
 };
