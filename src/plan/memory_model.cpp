@@ -108,6 +108,14 @@ LayerActivations layer_activation_bytes(const ModelSpec& m, const RunSpec& r) {
 
 namespace {
 
+// Whose arena the layout path prices: the whole model's, or the tensor-parallel shard's
+// (sequence-parallel: its sequence regions hold this rank's token rows only).
+std::string shard_note(const RunSpec& r) {
+    if (r.tp == 1) return "";
+    return fmt::format(" of the tp = {}{} shard", r.tp,
+                       r.sequence_parallel ? " sequence-parallel" : "");
+}
+
 // What the layout path says about activations, for the table.
 std::string layout_detail(const PipelineActivations& pa, const RunSpec& r, int T, int stage) {
     const RankActivations& ra = pa.ranks[stage];
@@ -117,9 +125,9 @@ std::string layout_detail(const PipelineActivations& pa, const RunSpec& r, int T
             : fmt::format("CPU arena: attention probabilities, {}-byte activations",
                           pa.format.elem_bytes);
     const std::string arena = fmt::format(
-        "plan_stage_arena (activation_layout) of blocks {}, {} x {} tokens, remat {} = "
+        "plan_stage_arena (activation_layout) of blocks {}{}, {} x {} tokens, remat {} = "
         "{} blocks, {}",
-        ra.block_ranges(), r.micro_batch, T, to_string(r.recompute),
+        ra.block_ranges(), shard_note(r), r.micro_batch, T, to_string(r.recompute),
         keep_name(block_keep(r.recompute)), format);
     if (ra.chunks.size() == 1)
         return fmt::format("{} micro-batches in flight ({}) x {:.1f} MB, {}", ra.slots[0],
@@ -177,6 +185,7 @@ MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, RankCoord at,
     // above split evenly over dp.
     double param_n, grad_n, opt_n;
     std::string count_detail;
+    bool rs_buffer = false;  // the gradients include ZeRO-1's reduce-scattered piece
     if (est.engine_layout) {
         const RankStates rs = rank_states(m, r, at, pa ? &pa->split : nullptr);
         params = trainable = rs.params;
@@ -186,6 +195,7 @@ MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, RankCoord at,
             (double)(dist::held(spec.grads, rs.params, rs.shard + unsharded) + rs.reduce_buffer);
         opt_n = (double)dist::held(spec.optimizer, rs.optimized, rs.shard);
         count_detail = ", " + rs.source;
+        rs_buffer = rs.reduce_buffer > 0;
     } else {
         param_n = (double)params * dist::held_fraction(spec.params, r.dp);
         grad_n = (double)trainable * dist::held_fraction(spec.grads, r.dp);
@@ -214,11 +224,9 @@ MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, RankCoord at,
     }
     param_detail += zero_note(spec.params);
     double grad_bytes = grad_n * k.grad;
-    std::string grad_detail =
-        fmt::format("{:.3f}B x {} B{}{}", trainable / 1e9, k.grad, zero_note(spec.grads),
-                    est.engine_layout && r.pp > 1 && d > 1 && r.zero == 1
-                        ? " + the reduce-scattered piece (ZeRO-1 across pipelines)"
-                        : "");
+    std::string grad_detail = fmt::format(
+        "{:.3f}B x {} B{}{}", trainable / 1e9, k.grad, zero_note(spec.grads),
+        rs_buffer ? " + the reduce-scattered piece (ZeRO-1 in the pipeline engine)" : "");
     double opt_bytes = opt_n * k.optim;
     std::string opt_detail =
         fmt::format("{:.3f}B x {} B ({} {}){}", trainable / 1e9, k.optim, to_string(r.precision),
@@ -264,21 +272,18 @@ MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, RankCoord at,
         act_detail = fmt::format(
             "plan_arena (activation_layout){} of {} blocks, {} x {} tokens, remat {} = {} blocks, "
             "{} arena, {}-byte activations",
-            t > 1 ? fmt::format(" of the tp = {} shard", t) : std::string(), layers, b, s,
-            to_string(r.recompute), keep_name(block_keep(r.recompute)),
+            shard_note(r), layers, b, s, to_string(r.recompute), keep_name(block_keep(r.recompute)),
             f.cuda ? "GPU (fused attention)" : "CPU (attention probabilities)", f.elem_bytes);
     } else {
         act = static_cast<double>(la.saved) * layers * est.in_flight;
         // The embedding's dropout mask (the embedding output itself is layer 0's input).
         if (first && m.dropout)
             act += static_cast<double>(s * b * m.n_embd) / (r.sequence_parallel ? t : 1);
-        act_detail =
-            fmt::format("{} layers x {} micro-batches x {:.1f} MB ({} recompute, {}{}){}", layers,
-                        est.in_flight, la.saved / 1e6, to_string(r.recompute),
-                        r.flash_attention ? "flash" : "no flash", r.sequence_parallel ? ", SP" : "",
-                        r.pp > 1 ? " (Korthikanti's formulas: the stage layout is "
-                                   "used for tp = 1 only)"
-                                 : "");
+        act_detail = fmt::format(
+            "{} layers x {} micro-batches x {:.1f} MB ({} recompute, {}{}) "
+            "(Korthikanti's formulas: no engine runs this layout)",
+            layers, est.in_flight, la.saved / 1e6, to_string(r.recompute),
+            r.flash_attention ? "flash" : "no flash", r.sequence_parallel ? ", SP" : "");
     }
     // Zero bubble (ZB-H1): each micro-batch in flight also keeps, per layer, the output gradients
     // of its four GEMMs until the deferred weight-gradient pass (d(mlp out) and d(attn out)

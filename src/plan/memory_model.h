@@ -34,8 +34,7 @@ struct MemoryEstimate {
     int64_t params_on_gpu = 0;     // parameters held by this GPU before ZeRO sharding
     int64_t trainable_on_gpu = 0;  // of which trainable (LoRA: only the adapters)
     // Pipeline layouts priced by the engine's layout (uses_stage_layout: pp > 1, tp only where the
-    // mesh runs it, no sequence parallelism): every stage's activations line, stage 0 first; empty
-    // otherwise.
+    // mesh runs it): every stage's activations line, stage 0 first; empty otherwise.
     std::vector<int64_t> stage_activations;
     std::vector<std::string> not_included;
 
@@ -61,16 +60,17 @@ int64_t lora_params_per_layer(const ModelSpec& model, int rank, LoraTargets targ
 // Validates the run, then estimates every pipeline stage (of replica 0, which holds the largest
 // ZeRO piece) and returns the largest.
 //
-// A layout the CPU engines run (uses_engine_layout: tp alone, or pipelines side by side, any
-// ZeRO stage, a model without dropout or LoRA) is priced as they allocate it: model states from
-// make_param_layout (of the tp shard; a stage's units under the trainer's split) and the shard
-// table (dist/shard_spec.h) with the balanced ZeRO piece; activations from plan_arena (pp = 1,
-// in the arena format of the engine that would run it) or plan_stage_arena per micro-batch in
-// flight (pipelines, plan/stage_activations.h). Everything else (sequence parallelism, tp with
-// pp, dropout masks, LoRA) keeps the formulas: parameters counted per layer and split over
-// tp and dp, activations from Korthikanti's per-layer formulas (layer_activation_bytes) x the
-// stage's layers x the micro-batches in flight; a pipeline without tensor parallelism still
-// takes its activations from the stage layout.
+// A layout the CPU engines run (uses_engine_layout: tp with or without sequence parallelism,
+// pipelines side by side, the tp x pp x dp mesh, any ZeRO stage, a model without dropout or
+// LoRA) is priced as they allocate it: model states from make_param_layout (of the tp shard; a
+// stage's units under the trainer's split) and the shard table (dist/shard_spec.h) with the
+// balanced ZeRO piece; activations from plan_arena (pp = 1, in the arena format of the engine
+// that would run it) or plan_stage_arena per micro-batch in flight (pipelines,
+// plan/stage_activations.h), of the shard's config (sequence-parallel when the run is).
+// Everything else (dropout masks, LoRA) keeps the formulas: parameters counted per layer and
+// split over tp and dp, activations from Korthikanti's per-layer formulas
+// (layer_activation_bytes) x the stage's layers x the micro-batches in flight; a pipeline
+// without tensor parallelism still takes its activations from the stage layout.
 MemoryEstimate estimate_memory(const ModelSpec& model, const RunSpec& run);
 // One stage (0 .. pp-1) of replica 0; stage 0 holds the embedding, stage pp-1 the head and the
 // logits.

@@ -27,7 +27,11 @@ bool tp_divides(const ModelConfig& c, int tp) {
 }  // namespace
 
 bool uses_engine_layout(const ModelSpec& m, const RunSpec& r) {
-    if (m.dropout || m.attn_bias != m.mlp_bias || r.lora_rank > 0 || r.sequence_parallel)
+    if (m.dropout || m.attn_bias != m.mlp_bias || r.lora_rank > 0) return false;
+    // Sequence parallelism as the trainer runs it (RunConfig::validate_tp): under tp, with each
+    // micro-batch's tokens divisible by tp (each rank holds as many rows); the trainer refuses
+    // the rest, so the formulas price them.
+    if (r.sequence_parallel && (r.tp < 2 || ((int64_t)r.micro_batch * r.seq_len(m)) % r.tp != 0))
         return false;
     return tp_divides(config_from_model(m), r.tp);
 }
@@ -35,6 +39,9 @@ bool uses_engine_layout(const ModelSpec& m, const RunSpec& r) {
 ModelConfig rank_config(const ModelSpec& m, const RunSpec& r) {
     ModelConfig c = config_from_model(m);
     c.tp = r.tp;
+    // ModelConfig::sp_rows then shards the arena's sequence regions as the engines' shard
+    // configs do (dist::tp_shard_config).
+    c.sequence_parallel = r.sequence_parallel && r.tp > 1;
     return c;
 }
 
@@ -76,8 +83,9 @@ RankStates rank_states(const ModelSpec& m, const RunSpec& r, RankCoord at,
         s.source = fmt::format("make_param_layout units {}{}", units, mirror ? " + wte copy" : "");
     }
     s.shard = dist::shard_ranges(s.optimized, r.dp).at(at.replica).count;
-    // ZeRO-1 across pipelines reduce-scatters into a buffer of the replica's piece.
-    if (r.pp > 1 && r.dp > 1 && r.zero == 1) s.reduce_buffer = s.shard;
+    // ZeRO-1 in the pipeline engine (pipelines, or tensor-parallel stages, side by side)
+    // reduce-scatters into a buffer of the replica's piece.
+    if ((r.pp > 1 || r.tp > 1) && r.dp > 1 && r.zero == 1) s.reduce_buffer = s.shard;
     return s;
 }
 

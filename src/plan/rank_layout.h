@@ -26,13 +26,15 @@ struct RankCoord {
 };
 
 // Whether `r` is priced by the engines' layout functions: the layouts the CPU engines run
-// (tensor parallelism, pipelines, both (the tp x pp x dp mesh), side by side, any ZeRO stage the
-// shard table prices) for a model the trainer's config expresses (no dropout
-// masks; biases on every linear layer or none; tp dividing heads, kv heads, MLP and vocabulary),
-// trained in full (no LoRA) and without sequence parallelism, which the engines do not run yet.
+// (tensor parallelism, with or without sequence parallelism, pipelines, both (the tp x pp x dp
+// mesh), side by side, any ZeRO stage the shard table prices) for a model the trainer's config
+// expresses (no dropout masks; biases on every linear layer or none; tp dividing heads, kv
+// heads, MLP and vocabulary), trained in full (no LoRA). Sequence parallelism needs each
+// micro-batch's tokens divisible by tp, as the trainer does.
 bool uses_engine_layout(const ModelSpec& m, const RunSpec& r);
 
-// The trainer's config of `m` as one tensor-parallel rank holds it (ModelConfig::tp = r.tp).
+// The trainer's config of `m` as one tensor-parallel rank holds it (ModelConfig::tp = r.tp,
+// ModelConfig::sequence_parallel = r.sequence_parallel under tp).
 ModelConfig rank_config(const ModelSpec& m, const RunSpec& r);
 
 // Element counts of one rank's model states (before bytes per element).
@@ -42,8 +44,8 @@ struct RankStates {
     int64_t optimized = 0;  // of which the optimizer updates (the copy has no state): what ZeRO
                             // shards over the replicas
     int64_t shard = 0;      // this replica's piece of `optimized` (dist::shard_ranges)
-    // Gradients a pipeline's ZeRO-1 keeps beside the stage's full ones: the reduce-scattered
-    // piece its optimizer reads (PipelineEngine).
+    // Gradients ZeRO-1 in the pipeline engine (pipelines, or tp stages, side by side) keeps
+    // beside the stage's full ones: the reduce-scattered piece its optimizer reads.
     int64_t reduce_buffer = 0;
     std::string source;  // how they were counted, for the table
 };

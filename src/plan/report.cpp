@@ -261,8 +261,6 @@ std::string emit_config_toml(const ModelSpec& m, const Plan& p) {
         gaps +=
             "# Parameter offload has no trainer setting: train.offload_optimizer = true below "
             "offloads the optimizer only, and the parameters stay on the GPU.\n";
-    if (r.sequence_parallel)
-        gaps += "# Sequence parallelism is not built yet: the trainer runs tp without it.\n";
     std::string out = fmt::format(
         "# Written by `memtrain plan` for {}.\n"
         "# Layout: {}\n"
@@ -295,6 +293,7 @@ std::string emit_config_toml(const ModelSpec& m, const Plan& p) {
         r.seq_len(m), r.global_batch(), r.micro_batch, to_string(r.recompute),
         r.precision == Precision::bf16_only ? "bf16" : to_string(r.precision), r.zero,
         r.offload != Offload::none, r.tp, r.pp);
+    if (r.sequence_parallel && r.tp > 1) out += "sequence_parallel = true\n";
     if (r.pp > 1) {
         out += fmt::format("pp_schedule = \"{}\"\n", to_string(r.schedule));
         if (r.schedule == Schedule::interleaved)

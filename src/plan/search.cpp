@@ -117,7 +117,9 @@ MethodSearch search_method(const ModelSpec& m, const ClusterSpec& c, const Searc
                             r.recompute = rc, r.micro_batch = mbs;
                             r.micro_batches = B / (mbs * dp);
                             r.seq = seq;
-                            r.sequence_parallel = tp > 1;
+                            // Sequence parallelism with tp wherever the trainer runs it: each
+                            // micro-batch's tokens split evenly over the tp ranks.
+                            r.sequence_parallel = tp > 1 && ((int64_t)mbs * r.seq_len(m)) % tp == 0;
                             Plan p;
                             p.run = r;
                             p.memory = estimate_memory(m, r);

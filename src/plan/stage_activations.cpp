@@ -60,9 +60,9 @@ PipelineActivations pipeline_activations(const ModelSpec& m, const RunSpec& r) {
     const int B = r.micro_batch, T = r.seq_len(m), p = r.pp;
     const int v = r.schedule == Schedule::interleaved ? r.virtual_stages : 1;
     // Each stage is split from the whole model; its arenas are those of the tensor-parallel
-    // shard's config (PipelineEngine's stage models), the whole model's at tp = 1.
-    ModelConfig shard = out.config;
-    shard.tp = r.tp;
+    // shard's config (PipelineEngine's stage models, sequence-parallel when the run is), the
+    // whole model's at tp = 1.
+    const ModelConfig shard = rank_config(m, r);
     out.format = arena_format(shard, r);
     out.plan = remat_plan(r.recompute, m.n_layer);
     out.split = pp::split_stages(out.config, p * v, B, T);

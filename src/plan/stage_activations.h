@@ -38,9 +38,9 @@ RematPlan remat_plan(Recompute r, int blocks);
 ActFormat arena_format(const ModelConfig& cfg, const RunSpec& r);
 
 // Whether estimate_memory prices activations with the engine's layout: pipeline layouts
-// (pp > 1), and with tp > 1 those the tp x pp mesh runs (uses_engine_layout: no sequence
-// parallelism, dropout or LoRA), whose stages hold arenas of the tensor-parallel shard's config;
-// other tensor-parallel pipelines keep Korthikanti's per-layer formulas.
+// (pp > 1), and with tp > 1 those the tp x pp mesh runs (uses_engine_layout: sequence
+// parallelism included, no dropout or LoRA), whose stages hold arenas of the tensor-parallel
+// shard's config; other tensor-parallel pipelines keep Korthikanti's per-layer formulas.
 bool uses_stage_layout(const ModelSpec& m, const RunSpec& r);
 
 // One pipeline rank: its chunks (virtual stages rank, rank + pp, ...; one unless interleaved),

@@ -141,6 +141,7 @@ plan::RunSpec planner_run_spec(const RunConfig& cfg, const ActFormat& format) {
     rs.dp = cfg.dp();
     rs.tp = cfg.train.tp;
     rs.pp = cfg.train.pp;
+    rs.sequence_parallel = cfg.train.sequence_parallel;
     // The schedules the planner knows; the others (naive, PipeDream) are priced as 1F1B.
     const std::string& sched = cfg.train.pp_schedule;
     if (sched == "gpipe" || sched == "1f1b" || sched == "zb-h1")

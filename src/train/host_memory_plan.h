@@ -23,10 +23,11 @@ namespace memtrain {
 std::vector<MemoryPrediction> predict_cpu_memory(const RunConfig& cfg, const RematPlan& plan,
                                                  int rank, int B, int T);
 
-// The planner's description of this run (`memtrain estimate` with the same layout): tp, pp and
-// its schedule, dp, the ZeRO stage, offload, precision, optimizer, micro-batching and the remat
-// policy (whole-model policies; per-block schedules such as every:K are priced by the engine's
-// own layout only), for an engine whose arena has `format` (flash attention = fused).
+// The planner's description of this run (`memtrain estimate` with the same layout): tp and
+// sequence parallelism, pp and its schedule, dp, the ZeRO stage, offload, precision, optimizer,
+// micro-batching and the remat policy (whole-model policies; per-block schedules such as every:K
+// are priced by the engine's own layout only), for an engine whose arena has `format` (flash
+// attention = fused).
 plan::RunSpec planner_run_spec(const RunConfig& cfg, const ActFormat& format);
 // Where job rank `rank` sits in the planner's layout: a pipeline's stage and replica (job rank =
 // pipeline x pp + stage), a data-parallel rank's replica; tensor-parallel ranks are alike.

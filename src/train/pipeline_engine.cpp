@@ -125,11 +125,13 @@ PipelineEngine::PipelineEngine(const RunConfig& cfg, dist::Communicator& comm)
             opts.push_back(make_optimizer(cfg_.optim, layout_, r.begin, r.count()));
     }
     opt_ = std::make_unique<RangeOptimizers>(std::move(opts));
-    if (tpg_) {  // one chunk, no ZeRO (RunConfig checks)
-        if (v_ > 1 || zero1_) fail("internal: tensor-parallel stages with chunks or ZeRO-1");
+    if (tpg_) {  // one chunk (RunConfig checks)
+        if (v_ > 1) fail("internal: tensor-parallel stages with {} chunks per rank", v_);
         const pp::StageStore::Range& r = store_->ranges()[0];
-        opt_view_ =
-            std::make_unique<TpRangeOptimizer>(tpl_, *opt_, *tpg_, r.first_unit, r.last_unit);
+        // Under ZeRO-1 the view gathers the replicas' pieces of the shard's range too, so a
+        // checkpoint holds the whole model's state as one process's does.
+        opt_view_ = std::make_unique<TpRangeOptimizer>(
+            tpl_, *opt_, *tpg_, r.first_unit, r.last_unit, zero1_ ? data_ : nullptr, shard_);
     }
     // The weight versions beside the weights, allocated up front: PipeDream's p - s - 1 stash
     // buffers (RunConfig refuses a tied model, so no mirror), 2BW's one shadow of everything the
@@ -532,16 +534,22 @@ StepResult PipelineEngine::finish_step(double lr, double max_norm) {
     std::vector<double> sq(layout_.units.size() * (std::size_t)D * TP, 0.0);
     if (tpg_) {
         const int t = tpg_->rank();
-        for (const pp::StageStore::Range& rg : store_->ranges())
-            for (int u = rg.first_unit; u <= rg.last_unit; u++) {
-                const ParamUnit& unit = layout_.units[u];
-                double x = 0;
-                for (std::size_t i = unit.first_tensor; i < unit.last_tensor; i++)
-                    if (tpl_.shards[i].split() || t == 0)
-                        x += cpu::sum_squares(g + rg.at + (layout_.tensors[i].offset - rg.begin),
-                                              (int64_t)layout_.tensors[i].numel);
-                sq[((std::size_t)u * D + d) * TP + t] = x;
+        const pp::StageStore::Range& rg = store_->ranges()[0];  // one chunk (RunConfig checks)
+        // The floats of the range this rank updates (ZeRO-1: its piece), and where they are in g.
+        const std::size_t lo = rg.begin + (std::size_t)shard_.offset,
+                          hi = lo + (std::size_t)shard_.count, at = zero1_ ? 0 : rg.at;
+        for (int u = rg.first_unit; u <= rg.last_unit; u++) {
+            const ParamUnit& unit = layout_.units[u];
+            double x = 0;
+            for (std::size_t i = unit.first_tensor; i < unit.last_tensor; i++) {
+                const ParamSpec& ts = layout_.tensors[i];
+                const std::size_t a = std::max(lo, ts.offset),
+                                  b = std::min(hi, ts.offset + ts.numel);
+                if (a < b && (tpl_.shards[i].split() || t == 0))
+                    x += cpu::sum_squares(g + at + (a - lo), (int64_t)(b - a));
             }
+            sq[((std::size_t)u * D + d) * TP + t] = x;
+        }
     } else {
         for (const pp::StageStore::Range& rg : store_->ranges()) {
             // The floats of this range this rank updates, and where they are in g.

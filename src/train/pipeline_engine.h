@@ -36,7 +36,10 @@
 // (the dp ranks holding that stage): all-reduced (train.zero_stage = 0, every replica updates its
 // whole stage), or reduce-scattered so each replica updates 1/dp of the stage's range with 1/dp
 // of its optimizer state, the updated parameters all-gathered (ZeRO-1). The norm adds every
-// unit's (and shard's) sum of squares in a fixed order, so every rank clips alike.
+// unit's (and shard's) sum of squares in a fixed order, so every rank clips alike. With tensor
+// parallelism (train.tp, one chunk per rank) the stage's range is this tp rank's shard of its
+// units, and ZeRO-1 shards that range over the data group alike; the optimizer view
+// (TpRangeOptimizer) gathers it over both groups for checkpoints.
 //
 // PipeDream (train.pp_schedule = "pipedream", weight stashing; Narayanan et al. SOSP'19): the
 // 1F1B lists with p - 1 - s warm-up forwards, but every B(i) ends with an optimizer update of the

@@ -584,10 +584,15 @@ void RunConfig::validate_tp() const {
     auto refuse = [&](const char* keys, const char* why) {
         fail("train.tp = {} does not run with {} yet ({}): {}", train.tp, keys, why,
              "tensor parallelism composes with train.pp (naive, gpipe, 1f1b) and data "
-             "parallelism (gradients all-reduced) so far");
+             "parallelism (gradients all-reduced, or ZeRO-1) so far");
     };
     if (ps()) refuse("train.dp_mode = \"ps\"", "the parameter server");
-    if (train.zero_stage != 0) refuse("train.zero_stage > 0", "ZeRO sharding");
+    if (train.zero_stage > 1)
+        fail(
+            "train.zero_stage = {} with train.tp = {}: with tensor parallelism only ZeRO-1 is "
+            "built (each shard's optimizer state split over the data group; its gradients and "
+            "parameters stay whole); set train.zero_stage = 0 or 1",
+            train.zero_stage, train.tp);
     if (lora.enabled()) refuse("lora.rank > 0", "LoRA adapters");
     if (train.device == "cuda") refuse("train.device = \"cuda\"", "the CPU engine only");
     if (train.pp_virtual > 1) refuse("train.pp_virtual > 1", "interleaved chunks");

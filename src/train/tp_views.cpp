@@ -54,25 +54,37 @@ float* TpStageWeights::unit_grads(int u) {
 }
 
 TpRangeOptimizer::TpRangeOptimizer(const dist::TpLayout& l, OptimizerState& local,
-                                   dist::TpGroup& group, int first_unit, int last_unit)
+                                   dist::TpGroup& group, int first_unit, int last_unit,
+                                   dist::Communicator* data, dist::ShardRange piece)
     : l_(&l),
       local_(&local),
       group_(&group),
+      data_(data),
+      piece_(piece),
       first_tensor_(l.full.units.at(first_unit).first_tensor),
       last_tensor_(l.full.units.at(last_unit).last_tensor),
       begin_(l.full.units[first_unit].begin),
       end_(l.full.units[last_unit].end),
       local_begin_(l.local.units.at(first_unit).begin),
       local_end_(l.local.units.at(last_unit).end) {
-    if (local.count() != local_end_ - local_begin_)
-        fail("internal: an optimizer of {} floats over a shard range of {}", local.count(),
-             local_end_ - local_begin_);
+    const std::size_t n = local_end_ - local_begin_;
+    if (!data_) piece_ = dist::ShardRange{0, (int64_t)n};
+    if (local.count() != (std::size_t)piece_.count || piece_.offset < 0 ||
+        (std::size_t)(piece_.offset + piece_.count) > n)
+        fail("internal: an optimizer of {} floats for the piece [{}, {}) of a shard range of {}",
+             local.count(), piece_.offset, piece_.offset + piece_.count, n);
 }
 
 void TpRangeOptimizer::read_state(const std::string& name, float* dst) {
     const std::size_t n = local_end_ - local_begin_;
     Buffer<float> mine(n, MemCategory::Communication);
-    local_->read_state(name, mine.data());
+    if (data_) {  // ZeRO-1: the replicas' pieces of this shard's range, in replica order
+        Buffer<float> piece((std::size_t)piece_.count, MemCategory::Communication);
+        local_->read_state(name, piece.data());
+        data_->all_gather(piece.data(), mine.data(), dist::shard_counts((int64_t)n, data_->size()));
+    } else {
+        local_->read_state(name, mine.data());
+    }
     Buffer<float> pieces(n * group_->size(), MemCategory::Communication);
     group_->all_gather(dist::TpSite::Gather, mine.data(), pieces.data(), (int64_t)n);
     for (std::size_t i = first_tensor_; i < last_tensor_; i++)
@@ -96,7 +108,11 @@ void TpRangeOptimizer::write_state(const std::string& name, std::size_t begin, s
         while (j >= ts[i].offset + ts[i].numel) i++;
         const int64_t li = l_->local_index(i, (int64_t)(j - ts[i].offset));
         if (li < 0) continue;
-        const std::size_t at = l_->local.tensors[i].offset + (std::size_t)li - local_begin_;
+        std::size_t at = l_->local.tensors[i].offset + (std::size_t)li - local_begin_;
+        // ZeRO-1: another replica's piece holds it.
+        if (at < (std::size_t)piece_.offset || at >= (std::size_t)(piece_.offset + piece_.count))
+            continue;
+        at -= (std::size_t)piece_.offset;
         if (run.empty() || at != run_at + run.size()) {
             flush();
             run_at = at;

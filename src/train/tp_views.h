@@ -9,7 +9,10 @@
 //                   a unit written is sliced back into each holder's shard at its release.
 //   TpRangeOptimizer optimizer(): the stage's optimizer state over its range of the whole
 //                   layout, read by gathering the group's shards (a collective of the group)
-//                   and written element by element into this rank's shard.
+//                   and written element by element into this rank's shard. Under ZeRO-1 across
+//                   the data group each replica's optimizer covers its piece of the shard's
+//                   range: a read first gathers the pieces over the data group (a collective of
+//                   it too), a write keeps the elements of this replica's piece.
 // Every rank makes the same calls in the same order (they are collectives), as with ZeRO-3.
 #pragma once
 
@@ -58,9 +61,12 @@ class TpStageWeights final : public ParamStore, public dist::UnitSource {
 
 class TpRangeOptimizer final : public OptimizerState {
   public:
-    // `local`: this rank's optimizer over units [first_unit, last_unit] of l.local.
+    // `local`: this rank's optimizer over units [first_unit, last_unit] of l.local; or, with
+    // `data` (ZeRO-1), over `piece` of them (counted from the range's begin), the piece
+    // dist::shard_ranges gives this replica of `data`'s.
     TpRangeOptimizer(const dist::TpLayout& l, OptimizerState& local, dist::TpGroup& group,
-                     int first_unit, int last_unit);
+                     int first_unit, int last_unit, dist::Communicator* data = nullptr,
+                     dist::ShardRange piece = {});
     std::size_t offset() const override { return begin_; }
     std::size_t count() const override { return end_ - begin_; }
     int64_t steps_taken() const override { return local_->steps_taken(); }
@@ -76,6 +82,8 @@ class TpRangeOptimizer final : public OptimizerState {
     const dist::TpLayout* l_;
     OptimizerState* local_;
     dist::TpGroup* group_;
+    dist::Communicator* data_;  // ZeRO-1: the replicas holding the other pieces; null without
+    dist::ShardRange piece_;    // ZeRO-1: this replica's piece of [local_begin_, local_end_)
     std::size_t first_tensor_, last_tensor_;  // the range's tensors [first, last)
     std::size_t begin_, end_;                 // the range in l.full
     std::size_t local_begin_, local_end_;     // and in l.local

@@ -1,5 +1,6 @@
 // The planner against memtrain's measured memory, per rank, over a grid of small layouts: tensor
-// parallelism, pipelines side by side, ZeRO stages 0-3 and remat none / selective / full.
+// parallelism with and without sequence parallelism (GPT-2 and Llama-style), pipelines side by
+// side, ZeRO stages 0-3 and remat none / selective / full.
 // Every layout whose ranks equal this job's (mpirun -np 1, 2 or 4) and that RunConfig accepts
 // trains one step; on every rank the allocator's growth in parameters, gradients, optimizer
 // state and activations must be within 5% of plan::estimate_rank_memory for that rank (the
@@ -30,12 +31,16 @@ namespace {
 struct Layout {
     int tp, pp, dp, zero;
     std::string remat;
+    bool sp = false;     // train.sequence_parallel
+    bool llama = false;  // RMSNorm, SwiGLU, RoPE, GQA, untied, no biases
     std::string name() const {
-        return fmt::format("tp{} pp{} dp{} zero{} remat={}", tp, pp, dp, zero, remat);
+        return fmt::format("tp{} pp{} dp{} zero{} remat={}{}{}", tp, pp, dp, zero, remat,
+                           sp ? " sp" : "", llama ? " llama" : "");
     }
 };
 
-// Every combination of the grid.
+// Every combination of the grid; with tp = 2 each also with sequence parallelism, and a
+// Llama-style model with it under selective remat (whose regions differ from GPT-2's).
 std::vector<Layout> grid() {
     std::vector<Layout> out;
     for (int tp : {1, 2})
@@ -43,7 +48,10 @@ std::vector<Layout> grid() {
             for (int dp : {1, 2})
                 for (int zero = 0; zero <= 3; zero++)
                     for (const char* remat : {"none", "selective", "full"})
-                        out.push_back({tp, pp, dp, zero, remat});
+                        for (bool sp : {false, true})
+                            if (!sp || tp > 1) out.push_back({tp, pp, dp, zero, remat, sp});
+    for (int pp : {1, 2})
+        for (int dp : {1, 2}) out.push_back({2, pp, dp, 0, "selective", true, true});
     return out;
 }
 
@@ -64,6 +72,16 @@ RunConfig grid_run(const Layout& l) {
     c.train.pp = l.pp;
     c.train.zero_stage = l.zero;
     c.train.remat = l.remat;
+    c.train.sequence_parallel = l.sp;
+    if (l.llama) {
+        c.model.norm = "rmsnorm";
+        c.model.activation = "swiglu";
+        c.model.positions = "rope";
+        c.model.tied_embeddings = false;
+        c.model.bias = false;
+        c.model.n_kv_head = 2;
+        c.model.ffn_hidden = 64;
+    }
     return c;
 }
 
@@ -122,16 +140,16 @@ TEST(PlanGrid, PerRankBytesMatchMeasuredWithin5Percent) {
 }
 
 // `memtrain plan --emit-config` with this job's ranks as GPUs, small enough that the best plan
-// shards (ZeRO) or splits the model (tp): the TOML carries the plan's layout, reads back as the
-// RunSpec the plan was priced with, and trains two steps on this job, every rank's memory
-// within 5% of the planner's per-rank numbers where the engines' layout prices it.
+// shards (ZeRO) or splits the model (tp, with sequence parallelism): the TOML carries the plan's
+// layout, reads back as the RunSpec the plan was priced with, and trains two steps on this job,
+// every rank's memory within 5% of the planner's per-rank numbers (from the engines' layout).
 TEST(PlanGrid, EmittedConfigTrainsAsPlanned) {
     const int N = comm().size();
     if (N < 2) GTEST_SKIP() << "the plans worth emitting here need 2 ranks or more";
     const bool root = comm().rank() == 0;
     const RunConfig base = grid_run(Layout{1, 1, N, 0, "none"});
     const plan::ModelSpec m = plan::model_from_config(base.model);
-    int trained = 0;
+    int trained = 0, sequence_parallel = 0;
     // GPU memory (decimal bytes): at 2 ranks 2 MB picks dp = 2 with ZeRO, 0.8 MB tp = 2.
     for (double gpu_bytes : {2e6, 0.8e6}) {
         plan::ClusterSpec cluster;
@@ -184,16 +202,18 @@ TEST(PlanGrid, EmittedConfigTrainsAsPlanned) {
             if (root) std::printf("  not runnable by the CPU engines: %s\n", e.what());
             continue;
         }
-        if (plan::uses_engine_layout(m, want)) {
-            train_and_compare(c, name);
-        } else {  // sequence parallelism: priced by the formulas, which the engines do not run
-            if (root) std::printf("  priced by the formulas (sequence parallel): trained only\n");
-            Trainer t(c, test::quiet(), &comm());
-            EXPECT_EQ(t.run().losses.size(), 2u) << name;
-        }
+        // Sequence parallelism, which the search turns on with tp, is the trainer's key too.
+        EXPECT_EQ(c.train.sequence_parallel, want.sequence_parallel) << name;
+        EXPECT_EQ(got.sequence_parallel, want.sequence_parallel) << name;
+        EXPECT_TRUE(plan::uses_engine_layout(m, want)) << name;
+        train_and_compare(c, name);
         trained += want.tp > 1 || want.pp > 1 || want.zero > 0;
+        sequence_parallel += want.sequence_parallel;
     }
     EXPECT_GT(trained, 0) << "no emitted plan with tp, pp or ZeRO trained";
+    if (N == 2) {
+        EXPECT_GT(sequence_parallel, 0) << "no emitted plan with sequence parallelism";
+    }
 }
 
 }  // namespace

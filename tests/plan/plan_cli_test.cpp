@@ -238,15 +238,44 @@ TEST(PlanCli, EmittedConfigCarriesTheLayout) {
     EXPECT_NE(text.find("zero_stage = "), std::string::npos) << text;
 }
 
+// With less memory the best plan on two GPUs splits the model (tp = 2), and the search turns
+// sequence parallelism on with it: the file carries train.sequence_parallel, and the trainer
+// accepts the layout at the plan's world size. (Training it:
+// PlanGrid.EmittedConfigTrainsAsPlanned.)
+TEST(PlanCli, EmittedConfigCarriesSequenceParallelism) {
+    const auto dir = memtrain::test::temp_dir("plan_cli_emit_sp");
+    write_text(dir + "/m.toml",
+               "[model]\nn_layer = 4\nn_head = 4\nn_embd = 32\nblock_size = 16\nvocab_size = 50\n"
+               "vocab_pad = 16\n");
+    const std::string out = dir + "/plan.toml";
+    const Outcome o = memtrain_cli("plan " + dir +
+                                   "/m.toml --gpus 2 --gpu-mem-gb 0.0008 --reserve-gb 0 "
+                                   "--precision fp32 --no-flash --global-batch 8 --seq 16 "
+                                   "--no-offload --no-lora --emit-config " +
+                                   out);
+    ASSERT_EQ(o.code, 0) << o.output;
+    memtrain::RunConfig c = memtrain::load_run_config(out, {"train.device=cpu"});
+    EXPECT_EQ(c.train.tp, 2) << o.output;
+    EXPECT_TRUE(c.train.sequence_parallel) << o.output;
+    c.world = 2;
+    EXPECT_NO_THROW(c.validate());
+    std::ifstream f(out);
+    const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    EXPECT_NE(text.find("sequence_parallel = true"), std::string::npos) << text;
+    EXPECT_EQ(text.find("not built"), std::string::npos) << text;
+}
+
 // `memtrain estimate` says whether a layout was priced by the engines' layout functions (a model
-// the trainer expresses, a layout it runs, the tp x pp mesh included) or by the formulas (GPT-2's
-// dropout masks).
+// the trainer expresses, a layout it runs, the tp x pp mesh and sequence parallelism included) or
+// by the formulas (GPT-2's dropout masks).
 TEST(PlanCli, EstimateSaysWhereItsNumbersComeFrom) {
     const auto dir = memtrain::test::temp_dir("plan_cli_source");
     write_text(dir + "/m.toml", "[model]\nn_layer = 4\nn_head = 4\nn_embd = 32\nblock_size = 16\n");
     const std::string engine = "priced by the engines' layout functions";
     const std::string formulas = "priced by the formulas";
-    for (const char* layout : {"", " --tp 2", " --pp 2", " --dp 2 --zero 3", " --tp 2 --pp 2"}) {
+    for (const char* layout :
+         {"", " --tp 2", " --pp 2", " --dp 2 --zero 3", " --tp 2 --pp 2",
+          " --tp 2 --sequence-parallel", " --tp 2 --pp 2 --sequence-parallel"}) {
         const Outcome o = memtrain_cli("estimate " + dir + "/m.toml" + layout);
         ASSERT_EQ(o.code, 0) << layout << "\n" << o.output;
         EXPECT_NE(o.output.find(engine), std::string::npos) << layout << "\n" << o.output;

@@ -45,8 +45,9 @@ TEST(PlanShardSpec, ZeroStagesAndOffloadAreRowsOfOneTable) {
               "parameters replicated, gradients sharded, optimizer state sharded");
 }
 
-// Every rank of tp = 2 and of dp = 3 under ZeRO 0-3, remat none / selective / full: the
-// planner's parameters, gradients, optimizer states and activations are the engine's rows.
+// Every rank of tp = 2 (with and without sequence parallelism) and of dp = 3 under ZeRO 0-3,
+// remat none / selective / full: the planner's parameters, gradients, optimizer states and
+// activations are the engine's rows.
 TEST(PlanShardSpec, PlannerEqualsTheCpuEnginesPredictionPerRank) {
     RunConfig c;
     c.model.n_layer = 3;
@@ -61,11 +62,13 @@ TEST(PlanShardSpec, PlannerEqualsTheCpuEnginesPredictionPerRank) {
     c.train.precision = "fp32";
     struct Layout {
         int tp, dp, zero;
+        bool sp = false;  // train.sequence_parallel
     };
-    for (const Layout l : {Layout{2, 1, 0}, Layout{1, 3, 0}, Layout{1, 3, 1}, Layout{1, 3, 2},
-                           Layout{1, 3, 3}, Layout{1, 1, 3}})
+    for (const Layout l : {Layout{2, 1, 0}, Layout{2, 1, 0, true}, Layout{1, 3, 0}, Layout{1, 3, 1},
+                           Layout{1, 3, 2}, Layout{1, 3, 3}, Layout{1, 1, 3}})
         for (const char* remat : {"none", "selective", "full"}) {
             c.train.tp = l.tp;
+            c.train.sequence_parallel = l.sp;
             c.world = l.tp * l.dp;
             c.train.zero_stage = l.zero;
             c.train.batch_size = 2 * l.dp;
@@ -76,8 +79,8 @@ TEST(PlanShardSpec, PlannerEqualsTheCpuEnginesPredictionPerRank) {
                                      .plan;
             for (int rank = 0; rank < c.world; rank++) {
                 int compared = 0;
-                const std::string what = fmt::format("tp {} dp {} zero {} remat {} rank {}", l.tp,
-                                                     l.dp, l.zero, remat, rank);
+                const std::string what = fmt::format("tp {}{} dp {} zero {} remat {} rank {}", l.tp,
+                                                     l.sp ? " sp" : "", l.dp, l.zero, remat, rank);
                 const plan::MemoryEstimate est = plan::estimate_rank_memory(
                     plan::model_from_config(c.model), planner_run_spec(c, ActFormat::cpu()),
                     planner_rank(c, rank));
