@@ -311,6 +311,15 @@ ArenaPlan plan_stage_arena(const ModelConfig& cfg, int blocks, int B, int T, con
     return plan_arena(stage, B, T, plan, fmt);
 }
 
+std::size_t split_backward_floats(const ModelConfig& cfg, int B, int T) {
+    // d(mlp c_proj out) and d(attn c_proj out) (C each), d(c_fc out), d(qkv): this rank's share.
+    return (std::size_t)B * T * (2 * cfg.n_embd + cfg.local_fc_dim() + cfg.local_qkv_dim());
+}
+
+std::size_t split_backward_bytes(const ModelConfig& cfg, int blocks, int B, int T) {
+    return sizeof(float) * split_backward_floats(cfg, B, T) * blocks;
+}
+
 std::vector<ArenaEntry> activation_layout(const ModelConfig& cfg, int B, int T,
                                           const RematPlan& plan, const ActFormat& fmt) {
     return plan_arena(cfg, B, T, plan, fmt).entries;

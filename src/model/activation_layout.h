@@ -130,6 +130,12 @@ ArenaPlan plan_arena(const ModelConfig& cfg, int B, int T, const RematPlan& plan
 // allocates each slot with it (GPT::stage_arena) and `memtrain pipeline` prices stages with it.
 ArenaPlan plan_stage_arena(const ModelConfig& cfg, int blocks, int B, int T,
                            const RematPlan& plan = {}, const ActFormat& fmt = ActFormat::cpu());
+// What a zero-bubble schedule's split backward (GPT::set_split_backward) keeps per micro-batch
+// between a stage's I and W: each block's output gradients of its four linear layers (fp32
+// floats per block, and bytes for a stage of `blocks` blocks). Beside each slot's arena; the
+// pipeline engine allocates it and the planner prices it with these.
+std::size_t split_backward_floats(const ModelConfig& cfg, int B, int T);
+std::size_t split_backward_bytes(const ModelConfig& cfg, int blocks, int B, int T);
 // The regions of plan_arena, for reports and tests.
 std::vector<ArenaEntry> activation_layout(const ModelConfig& cfg, int B, int T,
                                           const RematPlan& plan = {},

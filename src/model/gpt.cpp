@@ -104,11 +104,11 @@ void GPT::set_split_backward(bool on) {
 }
 
 std::size_t GPT::wgrad_floats(int B, int T) const {
-    return (std::size_t)B * T * (2 * cfg_.n_embd + cfg_.local_fc_dim() + cfg_.local_qkv_dim());
+    return memtrain::split_backward_floats(cfg_, B, T);
 }
 
 std::size_t GPT::split_backward_bytes(int B, int T) const {
-    return split_ ? sizeof(float) * wgrad_floats(B, T) * blocks() : 0;
+    return split_ ? memtrain::split_backward_bytes(cfg_, blocks(), B, T) : 0;
 }
 
 ArenaPlan GPT::stage_arena(int B, int T) const {

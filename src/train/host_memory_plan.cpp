@@ -92,7 +92,11 @@ static std::vector<MemoryPrediction> predict_tp_memory(const RunConfig& cfg, con
 std::vector<MemoryPrediction> predict_cpu_memory(const RunConfig& cfg, const RematPlan& plan,
                                                  int rank, int B, int T) {
     if (cfg.train.device != "cpu" || cfg.train.pp > 1 || cfg.ps()) return {};
-    if (cfg.train.tp > 1) return predict_tp_memory(cfg, plan, rank, B, T);
+    // Tensor parallelism alone is TpEngine's; with data parallelism it runs on the mesh's engine
+    // (one stage per tensor-parallel group), priced by predict_pipeline_memory.
+    if (cfg.train.tp > 1)
+        return cfg.dp() > 1 ? std::vector<MemoryPrediction>{}
+                            : predict_tp_memory(cfg, plan, rank, B, T);
     const ParamLayout layout = make_param_layout(cfg.model);
     const auto arena = activation_layout(cfg.model, B, T, plan, GPT::arena_format());
     auto shard = [&](std::size_t psi) {
@@ -188,7 +192,9 @@ std::size_t host_available_bytes() {
 }
 
 std::vector<MemoryPrediction> predict_pipeline_memory(const RunConfig& cfg, int rank) {
-    if (cfg.train.device != "cpu" || cfg.train.pp < 2 || cfg.ps() || cfg.lora.enabled()) return {};
+    // The mesh's engine: pipelines, and tensor-parallel groups side by side (pp = 1).
+    const bool mesh = cfg.train.pp > 1 || (cfg.train.tp > 1 && cfg.dp() > 1);
+    if (cfg.train.device != "cpu" || !mesh || cfg.ps() || cfg.lora.enabled()) return {};
     // What the planner prices as the executor allocates: the synchronous schedules' slots (not
     // naive's one, nor PipeDream's weight versions) and the whole-model remat policies.
     const std::string &sched = cfg.train.pp_schedule, &remat = cfg.train.remat;
@@ -210,6 +216,8 @@ std::vector<MemoryPrediction> predict_pipeline_memory(const RunConfig& cfg, int 
     for (const auto& l : lines)
         rows.push_back({l.category, fmt::format("estimate_rank_memory: {}", l.line),
                         (std::size_t)est.bytes(l.line)});
+    // The engine keeps ZB-H1's deferred output gradients among its activations.
+    rows.back().bytes += (std::size_t)est.bytes("zero-bubble W gradients");
     return rows;
 }
 

@@ -18,8 +18,8 @@
 namespace memtrain {
 
 // The rows one rank of a CPU run (data parallel or not, full or LoRA) allocates for
-// micro-batches of B x T with `plan`; empty where the engine is another (pipeline stages, a
-// parameter server, the GPU), whose own prediction comes after construction.
+// micro-batches of B x T with `plan`; empty where the engine is another (pipeline stages and
+// tensor-parallel groups side by side, a parameter server, the GPU).
 std::vector<MemoryPrediction> predict_cpu_memory(const RunConfig& cfg, const RematPlan& plan,
                                                  int rank, int B, int T);
 
@@ -38,10 +38,12 @@ plan::RankCoord planner_rank(const RunConfig& cfg, int rank);
 // tests and for running beside other jobs.
 std::size_t host_available_bytes();
 
-// One rank of a CPU pipeline (train.pp > 1, and the tp x pp x dp mesh): the planner's estimate
-// for it (plan::estimate_rank_memory), which prices these layouts with the engine's layout
-// functions to the byte; empty where the planner does not price what the executor allocates
-// (naive, PipeDream, per-block remat budgets). No workspace row.
+// One rank of the CPU mesh engine (train.pp > 1, or tensor-parallel groups side by side): the
+// planner's estimate for it (plan::estimate_rank_memory), which prices these layouts with the
+// engine's layout functions to the byte (ZB-H1's deferred output gradients among the
+// activations, as the engine keeps them); empty where the planner does not price what the
+// executor allocates (naive, PipeDream, per-block remat budgets). No workspace row. The Trainer
+// checks these rows against the engine's own once it is built.
 std::vector<MemoryPrediction> predict_pipeline_memory(const RunConfig& cfg, int rank);
 
 // Fails, naming every category and what would fit instead, when `ranks_on_node` ranks of this

@@ -50,8 +50,11 @@ struct RunPlan {
     Precision precision = Precision::fp32;
     ActFormat format;       // how the engine's model lays out its arenas
     remat::Schedule remat;  // train.remat solved for this model, micro-batch and format
-    // This rank's predicted bytes, on `memory_on` ("host" or "device"); empty where the engine
-    // sizes itself once built (pipeline stages, the parameter server, GPU LoRA).
+    // This rank's predicted bytes, on `memory_on` ("host" or "device"): the engine's own
+    // formulas (train/host_memory_plan.h, train/device_memory_plan.h), or the planner's per-rank
+    // estimate for the CPU mesh; empty where the engine sizes itself once built (the parameter
+    // server, GPU LoRA and pipelines, naive and PipeDream schedules). The Trainer fails if the
+    // built engine predicts other bytes for these rows, and its memory report prints them.
     std::vector<MemoryPrediction> memory;
     std::string memory_on;
     // "cpu, tp 2 x pp 2 x dp 1, parameters replicated, ..., fp32, remat none"

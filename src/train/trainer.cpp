@@ -134,12 +134,27 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
     // The run decided before anything is allocated (train/run_plan.h): the engine, the layout,
     // the remat schedule for the engine's arenas, and this rank's memory, refused with what would
     // fit when it cannot fit the host or the device.
-    const RunPlan plan = plan_run(cfg_, *comm_, measured ? &*measured : nullptr);
-    const remat::Schedule* schedule = &plan.remat;
+    plan_ = plan_run(cfg_, *comm_, measured ? &*measured : nullptr);
+    const remat::Schedule* schedule = &plan_.remat;
     engine_ = opts_.engine ? opts_.engine(cfg_, *comm_) : make_engine(cfg_, *comm_);
-    if (!(engine_->arena_format() == plan.format))
+    if (!(engine_->arena_format() == plan_.format))
         fail("internal: the {} engine lays out its arenas unlike its plan", engine_->describe());
     engine_->set_remat(schedule->plan);
+    if (!opts_.engine) {
+        // The engine allocated what its plan predicted, row for row: the report prints the plan.
+        const auto built = engine_->predicted_memory(cfg_.micro_batch(), cfg_.train.seq_len);
+        for (std::size_t i = 0; i < plan_.memory.size(); i++) {
+            const MemoryPrediction& want = plan_.memory[i];
+            if (i >= built.size() || built[i].category != want.category ||
+                built[i].bytes != want.bytes)
+                fail("internal: the {} engine predicts {} where its plan predicted {} bytes of {}",
+                     engine_->describe(),
+                     i < built.size() ? fmt::format("{} bytes of {}", built[i].bytes,
+                                                    category_name(built[i].category))
+                                      : std::string("fewer rows"),
+                     want.bytes, category_name(want.category));
+        }
+    }
     if (cfg_.train.remat != "none") {
         std::string letters;
         for (BlockKeep k : schedule->plan) letters += keep_name(k)[0];
@@ -408,8 +423,8 @@ TrainSummary Trainer::run() {
         try {
             io::write_memory_json((fs::path(cfg_.io.out_dir) / "memory.json").string(),
                                   engine_->memory_title(), engine_->memory().snapshot(),
-                                  engine_->predicted_memory(cfg_.micro_batch(), cfg_.train.seq_len),
-                                  planner_estimate(cfg_, *engine_), process_peak_rss());
+                                  predicted_memory(), planner_estimate(cfg_, *engine_),
+                                  process_peak_rss());
         } catch (const Error& e) {  // the run itself succeeded; say what the report will lack
             std::fprintf(stderr, "memtrain: warning: memory.json not written: %s\n", e.what());
         }
@@ -426,6 +441,15 @@ TrainSummary Trainer::run() {
     return sum;
 }
 
+std::vector<MemoryPrediction> Trainer::predicted_memory() const {
+    std::vector<MemoryPrediction> built =
+        engine_->predicted_memory(cfg_.micro_batch(), cfg_.train.seq_len);
+    if (opts_.engine || plan_.memory.empty()) return built;
+    std::vector<MemoryPrediction> rows = plan_.memory;
+    rows.insert(rows.end(), built.begin() + (std::ptrdiff_t)plan_.memory.size(), built.end());
+    return rows;
+}
+
 void Trainer::print_memory_report() {
     auto s = engine_->memory().snapshot();
     // Every rank's peak of model states (parameters + gradients + optimizer state) and of
@@ -438,7 +462,7 @@ void Trainer::print_memory_report() {
             (double)(s.peak(MemCategory::Parameters) + s.peak(MemCategory::Gradients) +
                      s.peak(MemCategory::OptimizerState)),
             0.0, (double)s.peak(MemCategory::Activations), 0.0};
-        for (const auto& r : engine_->predicted_memory(cfg_.micro_batch(), cfg_.train.seq_len)) {
+        for (const auto& r : predicted_memory()) {
             if (r.category == MemCategory::Activations) mine[3] += (double)r.bytes;
             if (r.category == MemCategory::Parameters || r.category == MemCategory::Gradients ||
                 r.category == MemCategory::OptimizerState)
@@ -453,7 +477,7 @@ void Trainer::print_memory_report() {
                        "reserved", "predicted", "formula");
     std::size_t pred_total = 0;
     bool comm_predicted = false;
-    for (const auto& r : engine_->predicted_memory(cfg_.micro_batch(), cfg_.train.seq_len)) {
+    for (const auto& r : predicted_memory()) {
         int i = static_cast<int>(r.category);
         comm_predicted = comm_predicted || r.category == MemCategory::Communication;
         pred_total += r.bytes;

@@ -16,6 +16,7 @@
 #include "io/checkpoint.h"
 #include "train/engine.h"
 #include "train/run_config.h"
+#include "train/run_plan.h"
 
 namespace memtrain {
 
@@ -88,6 +89,10 @@ class Trainer {
     std::string layout_line() const;
     void print_memory_report();
     void print_sample();
+    // The breakdown's predicted rows: the plan's (decided before the engine allocated), then
+    // what the engine sized once built (the GPU's ZeRO-2/3 buckets); the engine's own for engines
+    // that size themselves once built (plan_.memory empty) or a test's engine.
+    std::vector<MemoryPrediction> predicted_memory() const;
 
     RunConfig cfg_;
     TrainOptions opts_;
@@ -95,6 +100,7 @@ class Trainer {
 
     std::unique_ptr<dist::Communicator> own_comm_;
     dist::Communicator* comm_;
+    RunPlan plan_;  // the run as decided before anything was allocated (train/run_plan.h)
     std::unique_ptr<Engine> engine_;
     std::unique_ptr<data::DataLoader> train_loader_, val_loader_;
     std::vector<int32_t> xg_, yg_;  // a global micro-batch (every rank's rows)
