@@ -2,7 +2,8 @@
 // of one table (data), so "stage >= k shards X" is written once. ZeroStore allocates its
 // parameters and gradients by it (dist/zero.cpp), and the CPU engines' predicted memory
 // (train/engine.cpp: zero_state_rows) and the planner (plan/memory_model.cpp) count a rank's
-// model-state elements with held().
+// model-state elements with held(); the CUDA engine's data-parallel part picks its collectives by
+// it (train/cuda_data_parallel.h).
 //
 //            parameters   gradients   optimizer state
 //   ZeRO-0   Replicated   Replicated  Replicated
