@@ -19,14 +19,17 @@ using dist::device_type;
 using dist::sharded;
 
 template <typename T>
-DeviceDataParallel<T>::DeviceDataParallel(const RunConfig& cfg, const ParamLayout& layout,
-                                          dist::Communicator& comm, cudaStream_t compute)
-    : layout_(layout), comm_(comm), compute_(compute) {
+DeviceDataParallel<T>::DeviceDataParallel(const RunConfig& cfg, const dist::ShardSpec& spec,
+                                          const ParamLayout& layout, dist::Communicator& comm,
+                                          cudaStream_t compute)
+    : layout_(layout), comm_(comm), compute_(compute), spec_(spec) {
     // Launched by mpirun (an MPI communicator, even of one rank): NCCL, so `mpirun -np 1` runs
     // this path at world size 1 against the plain single process. (CUDA graphs run one process,
     // the plain path.)
     const bool launched = cuda_data_parallel(cfg, comm);
-    spec_ = dist::shard_spec(launched ? cfg.train.zero_stage : 0, cfg.train.offload_optimizer);
+    if (!launched && (sharded(spec_.optimizer) || sharded(spec_.grads) || sharded(spec_.params)))
+        fail("internal: model states sharded ({}) on one GPU without mpirun",
+             dist::describe(spec_));
     world_ = comm.size();
     rank_ = comm.rank();
     const std::size_t psi = layout_.total;

@@ -38,9 +38,9 @@ template <typename T>
 class DeviceDataParallel {
   public:
     // This rank of `comm` (under mpirun, NCCL between the ranks, even at world size 1), with the
-    // engine's compute stream.
-    DeviceDataParallel(const RunConfig& cfg, const ParamLayout& layout, dist::Communicator& comm,
-                       cudaStream_t compute);
+    // engine's compute stream, holding the model states as `spec` (the run plan's table) says.
+    DeviceDataParallel(const RunConfig& cfg, const dist::ShardSpec& spec, const ParamLayout& layout,
+                       dist::Communicator& comm, cudaStream_t compute);
     DeviceDataParallel(const DeviceDataParallel&) = delete;
     DeviceDataParallel& operator=(const DeviceDataParallel&) = delete;
 

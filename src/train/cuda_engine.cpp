@@ -82,7 +82,7 @@ class WeightsStore final : public ParamStore {
 template <typename T>
 class CudaEngine final : public Engine, public OptimizerState {
   public:
-    CudaEngine(const RunConfig& cfg, dist::Communicator& comm);
+    CudaEngine(const RunConfig& cfg, dist::Communicator& comm, const dist::ShardSpec& states);
     ~CudaEngine() override;
 
     // Engine
@@ -262,8 +262,11 @@ void WeightsStore<T>::write_back(const ParamUnit& unit, const float* src) {
 }
 
 template <typename T>
-CudaEngine<T>::CudaEngine(const RunConfig& cfg, dist::Communicator& comm)
-    : cfg_(cfg), dp_(cfg_, make_param_layout(cfg_.model), comm, stream_.get()), store_(*this) {
+CudaEngine<T>::CudaEngine(const RunConfig& cfg, dist::Communicator& comm,
+                          const dist::ShardSpec& states)
+    : cfg_(cfg),
+      dp_(cfg_, states, make_param_layout(cfg_.model), comm, stream_.get()),
+      store_(*this) {
     model_ =
         std::make_unique<CudaGPT<T>>(cfg_.model, stream(), dp_.padded_total(), dp_.unit_store());
     dp_.attach(*model_);
@@ -495,8 +498,9 @@ std::string CudaEngine<T>::memory_footer() const {
 
 }  // namespace
 
-std::unique_ptr<Engine> make_cuda_engine(const RunConfig& cfg, dist::Communicator& comm) {
-    return make_for_precision<CudaEngine>(cfg, comm);
+std::unique_ptr<Engine> make_cuda_engine(const RunConfig& cfg, dist::Communicator& comm,
+                                         const dist::ShardSpec& states) {
+    return make_for_precision<CudaEngine>(cfg, comm, states);
 }
 
 void inject_overflow_for_test(Engine& engine) {
@@ -526,7 +530,8 @@ std::pair<int64_t, int64_t> zero_gathers_for_test(Engine& engine) {
 
 namespace memtrain {
 
-std::unique_ptr<Engine> make_cuda_engine(const RunConfig&, dist::Communicator&) {
+std::unique_ptr<Engine> make_cuda_engine(const RunConfig&, dist::Communicator&,
+                                         const dist::ShardSpec&) {
     fail(
         "train.device = \"cuda\", but this memtrain was built without CUDA (no nvcc at build "
         "time)");

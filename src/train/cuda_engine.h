@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "dist/communicator.h"
+#include "dist/shard_spec.h"
 #include "train/engine.h"
 
 namespace memtrain {
@@ -18,7 +19,9 @@ namespace memtrain {
 // state sharded, gradients reduce-scattered, parameters all-gathered), 2 (gradients sharded too,
 // reduced unit by unit during every backward) or 3 (parameters sharded too, each unit gathered
 // just before use and the next one prefetched: dist/device_zero.h).
-std::unique_ptr<Engine> make_cuda_engine(const RunConfig& cfg, dist::Communicator& comm);
+// `states`: where the model states live (the run plan's table, dist/shard_spec.h).
+std::unique_ptr<Engine> make_cuda_engine(const RunConfig& cfg, dist::Communicator& comm,
+                                         const dist::ShardSpec& states);
 
 // LoRA / QLoRA (lora.rank > 0) on one GPU: the frozen base whole in the storage precision, or
 // packed (lora.base = int8 | int4 | nf4) and decoded block by block on the device; the adapters

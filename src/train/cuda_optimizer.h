@@ -71,13 +71,15 @@ std::string device_in_use_line();
 void use_rank_device(const dist::Communicator& comm);
 
 // E<float>, E<__nv_bfloat16> or E<__half> (an engine of the storage type) by the resolved
-// train.precision, on this rank's GPU.
-template <template <typename> class E>
-std::unique_ptr<Engine> make_for_precision(const RunConfig& cfg, dist::Communicator& comm) {
+// train.precision, on this rank's GPU; `more` goes to its constructor after (cfg, comm).
+template <template <typename> class E, typename... More>
+std::unique_ptr<Engine> make_for_precision(const RunConfig& cfg, dist::Communicator& comm,
+                                           const More&... more) {
     use_rank_device(comm);
-    if (cfg.train.precision == "fp32") return std::make_unique<E<float>>(cfg, comm);
-    if (cfg.train.precision == "bf16") return std::make_unique<E<__nv_bfloat16>>(cfg, comm);
-    if (cfg.train.precision == "fp16") return std::make_unique<E<__half>>(cfg, comm);
+    if (cfg.train.precision == "fp32") return std::make_unique<E<float>>(cfg, comm, more...);
+    if (cfg.train.precision == "bf16")
+        return std::make_unique<E<__nv_bfloat16>>(cfg, comm, more...);
+    if (cfg.train.precision == "fp16") return std::make_unique<E<__half>>(cfg, comm, more...);
     fail("internal: train.precision '{}' was not resolved", cfg.train.precision);
 }
 

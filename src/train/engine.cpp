@@ -5,13 +5,8 @@
 
 #include "core/error.h"
 #include "dist/shard_spec.h"
-#include "train/cuda_engine.h"
 #include "train/host_memory_plan.h"
-#include "train/lora_engine.h"
-#include "train/pipeline_engine.h"
-#include "train/ps_engine.h"
 #include "train/run_plan.h"
-#include "train/tp_engine.h"
 
 namespace memtrain {
 
@@ -123,28 +118,6 @@ std::string CpuEngine::memory_footer() const {
         out += fmt::format("overlap: ZeRO-3 gathers {} prefetched, {} on the spot, {} dropped\n",
                            p.hits, p.misses, p.dropped);
     return out;
-}
-
-std::unique_ptr<Engine> make_engine(const RunConfig& cfg, dist::Communicator& comm) {
-    switch (engine_kind(cfg)) {
-        case EngineKind::Cpu:
-            return std::make_unique<CpuEngine>(cfg, comm);
-        case EngineKind::Lora:
-            return std::make_unique<LoraEngine>(cfg, comm);
-        case EngineKind::TensorParallel:
-            return std::make_unique<TpEngine>(cfg, comm);
-        case EngineKind::Pipeline:
-            return std::make_unique<PipelineEngine>(cfg, comm);
-        case EngineKind::ParameterServer:
-            return std::make_unique<PsEngine>(cfg, comm);
-        case EngineKind::Cuda:
-            return make_cuda_engine(cfg, comm);
-        case EngineKind::CudaLora:
-            return make_cuda_lora_engine(cfg, comm);
-        case EngineKind::CudaPipeline:
-            return make_cuda_pipeline_engine(cfg, comm);
-    }
-    fail("internal: no engine for train.device '{}'", cfg.train.device);
 }
 
 }  // namespace memtrain

@@ -139,8 +139,4 @@ class CpuEngine final : public Engine {
     int micro_batches_ = 0;
 };
 
-// The engine engine_kind(cfg) names (train/run_plan.h) for a validated, resolved config. A CUDA
-// engine needs a CUDA build and a GPU: otherwise an Error says which.
-std::unique_ptr<Engine> make_engine(const RunConfig& cfg, dist::Communicator& comm);
-
 }  // namespace memtrain

@@ -69,17 +69,34 @@ PipelineEngine::PipelineEngine(const RunConfig& cfg, dist::Communicator& comm)
       kind_(pp::parse_kind(cfg.train.pp_schedule)),
       model_(model_of(cfg)),
       layout_(make_param_layout(model_)) {
-    if (mesh_.tp > 1) {
-        tpg_ = std::make_unique<dist::TpGroup>(*groups_.tp);
-        tpl_ = dist::make_tp_layout(cfg_.model, mesh_.tp, groups_.tp->rank());
-    }
     if (comm_.size() != p_) fail("internal: a pipeline of {} stages on {} ranks", p_, comm_.size());
+    // The techniques, applied to the model in this order (torchtitan's parallelize): each cuts
+    // what the one before left. The recompute plan comes last, from the Trainer (set_remat),
+    // once the stage's blocks and arena format are known.
+    apply_tensor_parallel();
+    apply_pipeline();
+    apply_data_parallel();
+    epoch_ = wall_seconds();
+    comm_.broadcast(&epoch_, sizeof(epoch_), 0);
+}
+
+void PipelineEngine::apply_tensor_parallel() {
+    // This rank's shard of every tensor (Megatron's cut, dist/tp.h) and the group holding the
+    // other shards of its stage; model_ is already the shard's config.
+    if (mesh_.tp == 1) return;
+    if (v_ > 1) fail("internal: tensor-parallel stages with {} chunks per rank", v_);
+    tpg_ = std::make_unique<dist::TpGroup>(*groups_.tp);
+    tpl_ = dist::make_tp_layout(cfg_.model, mesh_.tp, groups_.tp->rank());
+}
+
+void PipelineEngine::apply_pipeline() {
+    // This rank's chunks (virtual stages rank, rank + p, ...; one unless interleaved), each a run
+    // of blocks of the whole model's split and a model over them; their units in one StageStore.
     const int B = cfg_.micro_batch(), T = cfg_.train.seq_len, m = cfg_.accum_steps();
     if ((int64_t)m * v_ > kMaxMicroBatches)
         fail("train.pp: {} micro-batches x {} chunks per step is more than the pipeline's {}", m,
              v_, kMaxMicroBatches);
     split_ = pp::split_stages(cfg_.model, num_stages(), B, T);
-    // This rank's chunks: virtual stages rank, rank + p, ..., each a run of units.
     std::vector<std::pair<int, int>> ranges;
     for (int c = 0; c < v_; c++) {
         const int s = c * p_ + rank_;
@@ -98,40 +115,16 @@ PipelineEngine::PipelineEngine(const RunConfig& cfg, dist::Communicator& comm)
         for (int l = split_.first_block[s]; l < split_.first_block[s] + split_.blocks[s]; l++)
             owner[layout_.block_unit(l)] = mesh_.rank(0, rank_of(s));
     owner[layout_.head_unit()] = mesh_.rank(0, p_ - 1);
-    // Every pipeline holds the same weights: pipeline 0's stage s (job rank s) speaks for them.
     if (tpg_)
         weights_ = std::make_unique<TpStageWeights>(tpl_, *store_, *tpg_, std::move(owner), world_);
     else
         weights_ = std::make_unique<dist::OwnerWeights>(layout_, *store_, std::move(owner), world_);
-    // ZeRO-1 across the pipelines (one chunk per rank, RunConfig checks): this replica updates
-    // its shard of the stage's range (at one pipeline there is nothing to shard).
-    zero1_ = cfg_.train.zero_stage == 1 && mesh_.dp > 1;
-    if (zero1_ && v_ > 1) fail("internal: ZeRO-1 across pipelines with {} chunks per rank", v_);
-    shard_ = zero1_ ? dist::shard_ranges((int64_t)store_->count(), mesh_.dp)[data_->rank()]
-                    : dist::ShardRange{0, (int64_t)store_->count()};
-    if (zero1_) shard_grads_ = Buffer<float>((std::size_t)shard_.count, MemCategory::Gradients);
-    std::vector<std::unique_ptr<Optimizer>> opts;
     for (int c = 0; c < v_; c++) {
-        const int s = c * p_ + rank_;
-        const int b0 = split_.first_block[s];
-        chunks_.push_back(std::make_unique<GPT>(model_, store_.get(), b0, b0 + split_.blocks[s]));
+        const int b0 = split_.first_block[c * p_ + rank_];
+        chunks_.push_back(
+            std::make_unique<GPT>(model_, store_.get(), b0, b0 + split_.blocks[c * p_ + rank_]));
         chunks_.back()->set_split_backward(kind_ == pp::Kind::ZbH1);
         if (tpg_) chunks_.back()->set_tp(tpg_.get());
-        const pp::StageStore::Range& r = store_->ranges()[c];
-        if (zero1_)
-            opts.push_back(make_optimizer(cfg_.optim, layout_, r.begin + (std::size_t)shard_.offset,
-                                          (std::size_t)shard_.count));
-        else
-            opts.push_back(make_optimizer(cfg_.optim, layout_, r.begin, r.count()));
-    }
-    opt_ = std::make_unique<RangeOptimizers>(std::move(opts));
-    if (tpg_) {  // one chunk (RunConfig checks)
-        if (v_ > 1) fail("internal: tensor-parallel stages with {} chunks per rank", v_);
-        const pp::StageStore::Range& r = store_->ranges()[0];
-        // Under ZeRO-1 the view gathers the replicas' pieces of the shard's range too, so a
-        // checkpoint holds the whole model's state as one process's does.
-        opt_view_ = std::make_unique<TpRangeOptimizer>(
-            tpl_, *opt_, *tpg_, r.first_unit, r.last_unit, zero1_ ? data_ : nullptr, shard_);
     }
     // The weight versions beside the weights, allocated up front: PipeDream's p - s - 1 stash
     // buffers (RunConfig refuses a tied model, so no mirror), 2BW's one shadow of everything the
@@ -143,9 +136,34 @@ PipelineEngine::PipelineEngine(const RunConfig& cfg, dist::Communicator& comm)
         for (int k = 0; k < copies; k++) stash_.emplace_back(n, MemCategory::Parameters);
         stash_version_.assign((std::size_t)copies, -1);
     }
-    epoch_ = wall_seconds();
-    comm_.broadcast(&epoch_, sizeof(epoch_), 0);
     make_schedule(m);
+}
+
+void PipelineEngine::apply_data_parallel() {
+    // The pipelines side by side (mesh_.dp) hold the same stage; gradients are all-reduced across
+    // them, or under ZeRO-1 reduce-scattered so this replica updates its piece of the stage's
+    // range (one chunk per rank, RunConfig checks; at one pipeline there is nothing to shard).
+    zero1_ = cfg_.train.zero_stage == 1 && mesh_.dp > 1;
+    if (zero1_ && v_ > 1) fail("internal: ZeRO-1 across pipelines with {} chunks per rank", v_);
+    shard_ = zero1_ ? dist::shard_ranges((int64_t)store_->count(), mesh_.dp)[data_->rank()]
+                    : dist::ShardRange{0, (int64_t)store_->count()};
+    if (zero1_) shard_grads_ = Buffer<float>((std::size_t)shard_.count, MemCategory::Gradients);
+    std::vector<std::unique_ptr<Optimizer>> opts;
+    for (const pp::StageStore::Range& r : store_->ranges()) {
+        if (zero1_)
+            opts.push_back(make_optimizer(cfg_.optim, layout_, r.begin + (std::size_t)shard_.offset,
+                                          (std::size_t)shard_.count));
+        else
+            opts.push_back(make_optimizer(cfg_.optim, layout_, r.begin, r.count()));
+    }
+    opt_ = std::make_unique<RangeOptimizers>(std::move(opts));
+    if (tpg_) {
+        // Under ZeRO-1 the view gathers the replicas' pieces of the shard's range too, so a
+        // checkpoint holds the whole model's state as one process's does.
+        const pp::StageStore::Range& r = store_->ranges()[0];
+        opt_view_ = std::make_unique<TpRangeOptimizer>(
+            tpl_, *opt_, *tpg_, r.first_unit, r.last_unit, zero1_ ? data_ : nullptr, shard_);
+    }
 }
 
 PipelineEngine::~PipelineEngine() {

@@ -177,6 +177,12 @@ class PipelineEngine final : public Engine {
     struct Micro {
         std::vector<int32_t> x, y;
     };
+    // The constructor's steps, in their order: this rank's tensor-parallel shard and group; its
+    // pipeline chunks (blocks, StageStore, models, weight versions, schedule); the data group's
+    // share of the stage (all-reduce, or ZeRO-1's piece) and the optimizers over it.
+    void apply_tensor_parallel();
+    void apply_pipeline();
+    void apply_data_parallel();
     void run_schedule(double lr = 0);
     // One optimizer update of the owned range by g (all of it, or its ZeRO-1 shard), and the
     // all-gather of the updated shards.

@@ -7,8 +7,13 @@
 #include "core/error.h"
 #include "model/gpt.h"
 #include "remat/policy.h"
+#include "train/cuda_engine.h"
 #include "train/device_memory_plan.h"
 #include "train/host_memory_plan.h"
+#include "train/lora_engine.h"
+#include "train/pipeline_engine.h"
+#include "train/ps_engine.h"
+#include "train/tp_engine.h"
 
 namespace memtrain {
 
@@ -78,7 +83,9 @@ RunPlan plan_run(const RunConfig& cfg, const dist::Communicator& comm,
     p.engine = engine_kind(cfg);
     const int tp = std::max(1, cfg.train.tp), pp = std::max(1, cfg.train.pp);
     p.mesh = dist::MeshLayout{pp, cfg.dp(), tp};
-    p.states = dist::shard_spec(cfg.train.zero_stage, cfg.train.offload_optimizer);
+    // One GPU without mpirun holds everything (ZeRO needs NCCL between launched ranks).
+    const bool gpu_alone = cfg.train.device == "cuda" && !cuda_data_parallel(cfg, comm);
+    p.states = dist::shard_spec(gpu_alone ? 0 : cfg.train.zero_stage, cfg.train.offload_optimizer);
     p.precision = cfg.train.precision == "bf16"   ? Precision::bf16
                   : cfg.train.precision == "fp16" ? Precision::fp16
                                                   : Precision::fp32;
@@ -104,6 +111,29 @@ RunPlan plan_run(const RunConfig& cfg, const dist::Communicator& comm,
         check_host_fit(cfg, p.remat.plan, comm.rank(), comm.local_size());
     }
     return p;
+}
+
+std::unique_ptr<Engine> make_engine(const RunPlan& plan, const RunConfig& cfg,
+                                    dist::Communicator& comm) {
+    switch (plan.engine) {
+        case EngineKind::Cpu:
+            return std::make_unique<CpuEngine>(cfg, comm);
+        case EngineKind::Lora:
+            return std::make_unique<LoraEngine>(cfg, comm);
+        case EngineKind::TensorParallel:
+            return std::make_unique<TpEngine>(cfg, comm);
+        case EngineKind::Pipeline:
+            return std::make_unique<PipelineEngine>(cfg, comm);
+        case EngineKind::ParameterServer:
+            return std::make_unique<PsEngine>(cfg, comm);
+        case EngineKind::Cuda:
+            return make_cuda_engine(cfg, comm, plan.states);
+        case EngineKind::CudaLora:
+            return make_cuda_lora_engine(cfg, comm);
+        case EngineKind::CudaPipeline:
+            return make_cuda_pipeline_engine(cfg, comm);
+    }
+    fail("internal: no engine for train.device '{}'", cfg.train.device);
 }
 
 }  // namespace memtrain

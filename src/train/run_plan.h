@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstddef>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -66,5 +67,10 @@ struct RunPlan {
 // what would fit, when this rank's predicted bytes exceed the host's or the device's free memory.
 RunPlan plan_run(const RunConfig& cfg, const dist::Communicator& comm,
                  const remat::BlockFlops* measured = nullptr);
+
+// The engine the plan names, built as planned (the GPU engine shards its model states by
+// plan.states). A CUDA engine needs a CUDA build and a GPU: otherwise an Error says which.
+std::unique_ptr<Engine> make_engine(const RunPlan& plan, const RunConfig& cfg,
+                                    dist::Communicator& comm);
 
 }  // namespace memtrain

@@ -136,7 +136,7 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
     // fit when it cannot fit the host or the device.
     plan_ = plan_run(cfg_, *comm_, measured ? &*measured : nullptr);
     const remat::Schedule* schedule = &plan_.remat;
-    engine_ = opts_.engine ? opts_.engine(cfg_, *comm_) : make_engine(cfg_, *comm_);
+    engine_ = opts_.engine ? opts_.engine(cfg_, *comm_) : make_engine(plan_, cfg_, *comm_);
     if (!(engine_->arena_format() == plan_.format))
         fail("internal: the {} engine lays out its arenas unlike its plan", engine_->describe());
     engine_->set_remat(schedule->plan);
