@@ -185,6 +185,32 @@ TEST(CudaDp, OffloadedShardsTrainTheSameModel) {
     }
 }
 
+// `c` trained whole over comm() (its summary and final parameters), then again into
+// out_dir + "_split", stopped after `cut` steps (a checkpoint for a resume to continue).
+struct WholeAndCut {
+    TrainSummary full;
+    std::vector<float> full_params;
+    RunConfig split;
+};
+WholeAndCut train_whole_and_cut(const RunConfig& c, int cut) {
+    WholeAndCut w;
+    {
+        Trainer t(c, quiet(), &comm());
+        w.full = t.run();
+        w.full_params = t.params();
+    }
+    w.split = c;
+    w.split.io.out_dir = c.io.out_dir + "_split";
+    {
+        TrainOptions o = quiet();
+        o.stop_after = cut;
+        Trainer t(w.split, o, &comm());
+        t.run();
+    }
+    comm().barrier();
+    return w;
+}
+
 // ZeRO-Offload over several ranks, bf16, stopped after 3 of 6 steps and resumed at the same
 // world size: the checkpoint's weights (each rank's piece of its host master weights, gathered
 // into whole units; on resume written back into the pieces and rounded into the device's
@@ -201,30 +227,15 @@ TEST(CudaDp, OffloadedShardsResumeBitForBit) {
         c.train.micro_batch_size = 2;
         c.train.zero_stage = stage;
         c.train.offload_optimizer = true;
-        TrainSummary full;
-        std::vector<float> full_params;
-        {
-            Trainer t(c, quiet(), &comm());
-            full = t.run();
-            full_params = t.params();
-        }
-        RunConfig split = c;
-        split.io.out_dir = c.io.out_dir + "_split";
-        {
-            TrainOptions o = quiet();
-            o.stop_after = 3;
-            Trainer t(split, o, &comm());
-            t.run();
-        }
-        comm().barrier();
+        const WholeAndCut w = train_whole_and_cut(c, 3);
         TrainOptions o = quiet();
-        o.resume = split.io.out_dir;
-        Trainer t(split, o, &comm());
+        o.resume = w.split.io.out_dir;
+        Trainer t(w.split, o, &comm());
         const TrainSummary rest = t.run();
         ASSERT_EQ(rest.losses.size(), 3u);
         for (int i = 0; i < 3; i++)
-            EXPECT_EQ(rest.losses[i], full.losses[3 + i]) << "step " << 4 + i;
-        EXPECT_EQ(t.params(), full_params);
+            EXPECT_EQ(rest.losses[i], w.full.losses[3 + i]) << "step " << 4 + i;
+        EXPECT_EQ(t.params(), w.full_params);
     }
 }
 
@@ -236,21 +247,10 @@ void check_bf16_resume(int stage) {
     c.train.batch_size = N * 2;
     c.train.micro_batch_size = 2;
     c.train.zero_stage = stage;
-    TrainSummary full;
-    {
-        Trainer t(c, quiet(), &comm());
-        full = t.run();
-    }
     // Again, stopping after 3 steps: the checkpoint holds one optimizer file per rank.
-    RunConfig split = c;
-    split.io.out_dir = c.io.out_dir + "_split";
-    {
-        TrainOptions o = quiet();
-        o.stop_after = 3;
-        Trainer t(split, o, &comm());
-        t.run();
-    }
-    comm().barrier();
+    const WholeAndCut w = train_whole_and_cut(c, 3);
+    const TrainSummary& full = w.full;
+    const RunConfig& split = w.split;
     // Every rank resumes that checkpoint alone (in a directory of its own) with the whole global
     // micro-batch: the shards come back together, and the curve continues.
     RunConfig one = split;

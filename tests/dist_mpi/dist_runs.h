@@ -29,6 +29,18 @@ inline RunConfig shared_tiny_run_config(const std::string& name, int steps) {
     return test::tiny_run_config(dir, steps);
 }
 
+// The optimizer state over the whole model, per state name, read through the engine's view (a
+// collective under tensor parallelism and ZeRO: every rank of the job calls it).
+inline std::vector<std::vector<float>> optimizer_state(Trainer& t) {
+    OptimizerState& o = t.engine().optimizer();
+    std::vector<std::vector<float>> out;
+    for (const std::string& name : o.state_names()) {
+        out.emplace_back(o.count());
+        o.read_state(name, out.back().data());
+    }
+    return out;
+}
+
 // Building a Trainer for `bad` over comm() fails on every rank with an Error containing `what`.
 inline void expect_refused(const RunConfig& bad, const std::string& what) {
     TrainOptions quiet;

@@ -404,7 +404,7 @@ TEST(Pipeline, InterleavedCheckpointsMoveBetweenLayouts) {
 // tests/dist_mpi/plan_grid_test.cpp).
 TEST(Pipeline, AStageThatCannotFitIsRefusedBeforeAllocating) {
     RunConfig c = pipeline_run(PpCase{"1f1b", false}, 1);
-        c.train.pp = comm().size();
+    c.train.pp = comm().size();
     RunConfig resolved = c;
     resolved.resolve();  // as the Trainer holds it
     const auto rows = predict_pipeline_memory(resolved, comm().rank());

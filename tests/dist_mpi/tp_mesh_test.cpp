@@ -81,18 +81,6 @@ double worst_diff(const std::vector<float>& a, const std::vector<float>& b) {
     return w;
 }
 
-// The optimizer state over the whole model, per state name (a collective under tensor
-// parallelism: every rank of the job calls it).
-std::vector<std::vector<float>> optimizer_state(Trainer& t) {
-    OptimizerState& o = t.engine().optimizer();
-    std::vector<std::vector<float>> out;
-    for (const std::string& name : o.state_names()) {
-        out.emplace_back(o.count());
-        o.read_state(name, out.back().data());
-    }
-    return out;
-}
-
 TEST(TpMesh, LayoutsTrainAsOneProcess) {
     for (const Mesh& m : meshes())
         for (bool llama : {false, true})

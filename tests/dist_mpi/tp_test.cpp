@@ -450,17 +450,6 @@ TEST(TpTrain, PerRankModelStatesAreTheShard) {
     }
 }
 
-// Weights and optimizer state read through the whole view of the engine.
-std::vector<std::vector<float>> optimizer_state(Trainer& t) {
-    OptimizerState& o = t.engine().optimizer();
-    std::vector<std::vector<float>> out;
-    for (const std::string& name : o.state_names()) {
-        out.emplace_back(o.count());
-        o.read_state(name, out.back().data());
-    }
-    return out;
-}
-
 // A tp = T checkpoint resumes in one process with exactly its weights and optimizer state, and
 // a one-process checkpoint at tp = T; a tp = T checkpoint resumed at tp = T continues bitwise.
 TEST(TpCheckpoint, ReshardsBetweenTpAndOneProcess) {

@@ -207,19 +207,40 @@ TEST(PlanCli, ThirtyBillionOnOneGpuProposesLora) {
 // `memtrain plan --emit-config` on two GPUs small enough that the best plan shards with ZeRO: the
 // file carries the layout as the trainer's keys (zero stage, precision, offload, tp, pp,
 // micro-batch) and validates at the plan's world size. (Training it: PlanGrid.* under mpirun.)
-TEST(PlanCli, EmittedConfigCarriesTheLayout) {
-    const auto dir = memtrain::test::temp_dir("plan_cli_emit");
+namespace {
+
+// `memtrain plan --emit-config` of a small model on two GPUs of `gpu_gb` each (fp32, 8 x 16
+// tokens per step) into `dir`: the command's output and the emitted file, as text and as the
+// trainer's config on the CPU.
+struct Emitted {
+    Outcome run;
+    std::string text;
+    memtrain::RunConfig config;
+};
+Emitted emit_plan(const std::string& dir, const char* gpu_gb) {
     write_text(dir + "/m.toml",
                "[model]\nn_layer = 4\nn_head = 4\nn_embd = 32\nblock_size = 16\nvocab_size = 50\n"
                "vocab_pad = 16\n");
     const std::string out = dir + "/plan.toml";
-    const Outcome o = memtrain_cli("plan " + dir +
-                                   "/m.toml --gpus 2 --gpu-mem-gb 0.002 --reserve-gb 0 "
-                                   "--precision fp32 --no-flash --global-batch 8 --seq 16 "
-                                   "--no-offload --no-lora --emit-config " +
-                                   out);
+    Emitted e;
+    e.run = memtrain_cli("plan " + dir + "/m.toml --gpus 2 --gpu-mem-gb " + gpu_gb +
+                         " --reserve-gb 0 --precision fp32 --no-flash --global-batch 8 --seq 16 "
+                         "--no-offload --no-lora --emit-config " +
+                         out);
+    if (e.run.code != 0) return e;
+    e.config = memtrain::load_run_config(out, {"train.device=cpu"});
+    std::ifstream f(out);
+    e.text.assign((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    return e;
+}
+
+}  // namespace
+
+TEST(PlanCli, EmittedConfigCarriesTheLayout) {
+    const Emitted e = emit_plan(memtrain::test::temp_dir("plan_cli_emit"), "0.002");
+    const Outcome& o = e.run;
     ASSERT_EQ(o.code, 0) << o.output;
-    memtrain::RunConfig c = memtrain::load_run_config(out, {"train.device=cpu"});
+    memtrain::RunConfig c = e.config;
     EXPECT_GT(c.train.zero_stage, 0) << o.output;
     EXPECT_EQ(c.train.precision, "fp32");
     EXPECT_EQ(c.train.tp, 1);
@@ -232,8 +253,7 @@ TEST(PlanCli, EmittedConfigCarriesTheLayout) {
     c.world = 2;
     EXPECT_NO_THROW(c.validate());
     // The header says how to launch it.
-    std::ifstream f(out);
-    const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    const std::string& text = e.text;
     EXPECT_NE(text.find("mpirun -np 2"), std::string::npos) << text;
     EXPECT_NE(text.find("zero_stage = "), std::string::npos) << text;
 }
@@ -243,24 +263,15 @@ TEST(PlanCli, EmittedConfigCarriesTheLayout) {
 // accepts the layout at the plan's world size. (Training it:
 // PlanGrid.EmittedConfigTrainsAsPlanned.)
 TEST(PlanCli, EmittedConfigCarriesSequenceParallelism) {
-    const auto dir = memtrain::test::temp_dir("plan_cli_emit_sp");
-    write_text(dir + "/m.toml",
-               "[model]\nn_layer = 4\nn_head = 4\nn_embd = 32\nblock_size = 16\nvocab_size = 50\n"
-               "vocab_pad = 16\n");
-    const std::string out = dir + "/plan.toml";
-    const Outcome o = memtrain_cli("plan " + dir +
-                                   "/m.toml --gpus 2 --gpu-mem-gb 0.0008 --reserve-gb 0 "
-                                   "--precision fp32 --no-flash --global-batch 8 --seq 16 "
-                                   "--no-offload --no-lora --emit-config " +
-                                   out);
+    const Emitted e = emit_plan(memtrain::test::temp_dir("plan_cli_emit_sp"), "0.0008");
+    const Outcome& o = e.run;
     ASSERT_EQ(o.code, 0) << o.output;
-    memtrain::RunConfig c = memtrain::load_run_config(out, {"train.device=cpu"});
+    memtrain::RunConfig c = e.config;
     EXPECT_EQ(c.train.tp, 2) << o.output;
     EXPECT_TRUE(c.train.sequence_parallel) << o.output;
     c.world = 2;
     EXPECT_NO_THROW(c.validate());
-    std::ifstream f(out);
-    const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    const std::string& text = e.text;
     EXPECT_NE(text.find("sequence_parallel = true"), std::string::npos) << text;
     EXPECT_EQ(text.find("not built"), std::string::npos) << text;
 }
