@@ -262,7 +262,7 @@ MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, RankCoord at,
     std::string act_detail;
     // Without a pipeline, a run the engines run is their arena (which holds its recompute
     // scratch: no separate working set).
-    const bool arena = !pa && est.engine_layout;
+    const bool arena = !pa && uses_engine_arena(m, r);
     if (pa) {
         act = static_cast<double>(pa->ranks[stage].bytes);
         act_detail = layout_detail(*pa, r, static_cast<int>(s), stage);

@@ -36,6 +36,15 @@ bool uses_engine_layout(const ModelSpec& m, const RunSpec& r) {
     return tp_divides(config_from_model(m), r.tp);
 }
 
+bool uses_engine_arena(const ModelSpec& m, const RunSpec& r) {
+    if (uses_engine_layout(m, r)) return true;
+    // LoRA on one rank's whole model: the adapters change the model states, not the arena (their
+    // rank-wide intermediates live in the workspace), so the engine's arena prices it.
+    RunSpec full = r;
+    full.lora_rank = 0;
+    return r.lora_rank > 0 && r.tp == 1 && r.pp == 1 && uses_engine_layout(m, full);
+}
+
 ModelConfig rank_config(const ModelSpec& m, const RunSpec& r) {
     ModelConfig c = config_from_model(m);
     c.tp = r.tp;

@@ -33,6 +33,12 @@ struct RankCoord {
 // micro-batch's tokens divisible by tp, as the trainer does.
 bool uses_engine_layout(const ModelSpec& m, const RunSpec& r);
 
+// Whether `r`'s activations are the engine's arena (plan_arena, arena_activation_bytes): the
+// layouts above, and LoRA on a whole model (tp = pp = 1) the trainer expresses. Only models the
+// trainer cannot express (dropout masks) are left to the per-layer formulas, so each remat name
+// means the trainer's policy wherever the trainer could run the layout.
+bool uses_engine_arena(const ModelSpec& m, const RunSpec& r);
+
 // The trainer's config of `m` as one tensor-parallel rank holds it (ModelConfig::tp = r.tp,
 // ModelConfig::sequence_parallel = r.sequence_parallel under tp).
 ModelConfig rank_config(const ModelSpec& m, const RunSpec& r);

@@ -17,8 +17,9 @@ enum class Optimizer { adamw, sgd, adamw8bit };  // sgd = SGD with momentum
 // For every layout priced by the engines' layout functions (plan/rank_layout.h,
 // plan/stage_activations.h) each name is the trainer's train.remat of that name (selective:
 // ln_1, ln_2 and the MLP activation recomputed), sequence parallelism and tp with pp included;
-// the per-layer formulas (layer_activation_bytes, left for what no engine runs: dropout masks,
-// LoRA) read selective as Korthikanti's, the attention core recomputed.
+// LoRA on a whole model prices its activations with the engine's arena too. The per-layer
+// formulas (layer_activation_bytes, left for what the trainer cannot express: dropout masks, and
+// LoRA sharded over tp or pp) read selective as Korthikanti's, the attention core recomputed.
 enum class Recompute { none, selective, full };
 enum class Schedule { one_f_one_b, gpipe, interleaved, zb_h1 };
 enum class Offload { none, optimizer, optimizer_and_params };

@@ -14,7 +14,11 @@
 #include "optim/optimizer.h"
 #include "plan/memory_model.h"
 #include "plan/model_spec.h"
+#include "plan/rank_layout.h"
 #include "plan/stage_activations.h"
+#include "test_util.h"
+#include "train/host_memory_plan.h"
+#include "train/trainer.h"
 
 using namespace memtrain;
 
@@ -83,5 +87,29 @@ TEST(PlanMeasured, ModelStatesAndActivationsExact) {
             EXPECT_EQ(est.bytes("activations"), measured(MemCategory::Activations)) << what;
             EXPECT_EQ(est.bytes("recompute working set"), 0) << what << ": inside the arena";
         }
+    }
+}
+
+// LoRA on one process: the adapters change the model states, not the arena, so the planner
+// prices a LoRA run's activations with the engine's arena under each remat policy, each name
+// meaning what train.remat means (plan::uses_engine_arena).
+TEST(PlanMeasured, LoraActivationsAreTheEnginesArena) {
+    const std::string dir = test::temp_dir("plan_measured_lora");
+    for (const char* remat : {"none", "selective", "full"}) {
+        RunConfig c = test::tiny_run(dir, 1);
+        c.lora.rank = 4;
+        c.train.remat = remat;
+        TrainOptions o;
+        o.quiet = true;
+        Trainer t(c, o);
+        t.run();
+        const plan::RunSpec r = planner_run_spec(t.config(), t.engine().arena_format());
+        ASSERT_GT(r.lora_rank, 0);
+        const plan::ModelSpec m = plan::model_from_config(c.model);
+        EXPECT_TRUE(plan::uses_engine_arena(m, r)) << remat;
+        const auto est = plan::estimate_memory(m, r);
+        EXPECT_EQ(est.bytes("activations"),
+                  (int64_t)t.engine().memory().snapshot().peak(MemCategory::Activations))
+            << remat;
     }
 }
