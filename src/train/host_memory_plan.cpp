@@ -18,6 +18,7 @@
 #include "plan/model_spec.h"
 #include "quant/quantized_store.h"
 #include "remat/policy.h"
+#include "train/run_plan.h"
 
 namespace memtrain {
 
@@ -91,12 +92,16 @@ static std::vector<MemoryPrediction> predict_tp_memory(const RunConfig& cfg, con
 
 std::vector<MemoryPrediction> predict_cpu_memory(const RunConfig& cfg, const RematPlan& plan,
                                                  int rank, int B, int T) {
-    if (cfg.train.device != "cpu" || cfg.train.pp > 1 || cfg.ps()) return {};
-    // Tensor parallelism alone is TpEngine's; with data parallelism it runs on the mesh's engine
-    // (one stage per tensor-parallel group), priced by predict_pipeline_memory.
-    if (cfg.train.tp > 1)
-        return cfg.dp() > 1 ? std::vector<MemoryPrediction>{}
-                            : predict_tp_memory(cfg, plan, rank, B, T);
+    if (cfg.train.device != "cpu") return {};
+    switch (engine_kind(cfg)) {
+        case EngineKind::TensorParallel:
+            return predict_tp_memory(cfg, plan, rank, B, T);
+        case EngineKind::Cpu:
+        case EngineKind::Lora:
+            break;
+        default:  // the mesh's engine (predict_pipeline_memory), the parameter server
+            return {};
+    }
     const ParamLayout layout = make_param_layout(cfg.model);
     const auto arena = activation_layout(cfg.model, B, T, plan, GPT::arena_format());
     auto shard = [&](std::size_t psi) {
@@ -193,8 +198,8 @@ std::size_t host_available_bytes() {
 
 std::vector<MemoryPrediction> predict_pipeline_memory(const RunConfig& cfg, int rank) {
     // The mesh's engine: pipelines, and tensor-parallel groups side by side (pp = 1).
-    const bool mesh = cfg.train.pp > 1 || (cfg.train.tp > 1 && cfg.dp() > 1);
-    if (cfg.train.device != "cpu" || !mesh || cfg.ps() || cfg.lora.enabled()) return {};
+    if (cfg.train.device != "cpu" || engine_kind(cfg) != EngineKind::Pipeline || cfg.lora.enabled())
+        return {};
     // What the planner prices as the executor allocates: the synchronous schedules' slots (not
     // naive's one, nor PipeDream's weight versions) and the whole-model remat policies.
     const std::string &sched = cfg.train.pp_schedule, &remat = cfg.train.remat;
@@ -221,11 +226,10 @@ std::vector<MemoryPrediction> predict_pipeline_memory(const RunConfig& cfg, int 
     return rows;
 }
 
-void check_host_fit(const RunConfig& cfg, const RematPlan& plan, int rank, int ranks_on_node) {
-    const int B = cfg.micro_batch(), T = cfg.train.seq_len;
-    std::vector<MemoryPrediction> rows = predict_cpu_memory(cfg, plan, rank, B, T);
-    const bool stage = rows.empty();
-    if (stage) rows = predict_pipeline_memory(cfg, rank);
+void check_host_fit(const RunConfig& cfg, const std::vector<MemoryPrediction>& rows, int rank,
+                    int ranks_on_node) {
+    const int T = cfg.train.seq_len;
+    const bool stage = engine_kind(cfg) == EngineKind::Pipeline;
     if (rows.empty()) return;
     const std::size_t per_rank = sum(rows), need = per_rank * (std::size_t)ranks_on_node;
     const std::size_t avail = host_available_bytes();

@@ -47,8 +47,9 @@ std::size_t host_available_bytes();
 std::vector<MemoryPrediction> predict_pipeline_memory(const RunConfig& cfg, int rank);
 
 // Fails, naming every category and what would fit instead, when `ranks_on_node` ranks of this
-// run need more than host_available_bytes(): the rows of predict_cpu_memory, or of
-// predict_pipeline_memory for a pipeline rank. A no-op where neither has rows.
-void check_host_fit(const RunConfig& cfg, const RematPlan& plan, int rank, int ranks_on_node);
+// run need more than host_available_bytes(): `rows` are this rank's, from predict_cpu_memory or,
+// on the mesh's engine, predict_pipeline_memory (the run plan's). A no-op without rows.
+void check_host_fit(const RunConfig& cfg, const std::vector<MemoryPrediction>& rows, int rank,
+                    int ranks_on_node);
 
 }  // namespace memtrain

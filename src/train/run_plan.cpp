@@ -83,19 +83,20 @@ RunPlan plan_run(const RunConfig& cfg, const dist::Communicator& comm,
     p.engine = engine_kind(cfg);
     const int tp = std::max(1, cfg.train.tp), pp = std::max(1, cfg.train.pp);
     p.mesh = dist::MeshLayout{pp, cfg.dp(), tp};
+    const bool gpu = cfg.train.device == "cuda";
+    const bool nccl = gpu && cuda_data_parallel(cfg, comm);
     // One GPU without mpirun holds everything (ZeRO needs NCCL between launched ranks).
-    const bool gpu_alone = cfg.train.device == "cuda" && !cuda_data_parallel(cfg, comm);
-    p.states = dist::shard_spec(gpu_alone ? 0 : cfg.train.zero_stage, cfg.train.offload_optimizer);
+    p.states =
+        dist::shard_spec(gpu && !nccl ? 0 : cfg.train.zero_stage, cfg.train.offload_optimizer);
     p.precision = cfg.train.precision == "bf16"   ? Precision::bf16
                   : cfg.train.precision == "fp16" ? Precision::fp16
                                                   : Precision::fp32;
-    const bool gpu = cfg.train.device == "cuda";
     const int B = cfg.micro_batch(), T = cfg.train.seq_len;
     p.format = gpu ? device_arena_format(cfg, B, T) : GPT::arena_format();
     p.remat = remat::make_schedule(remat::parse_policy(cfg.train.remat), cfg.model, B, T, measured,
                                    p.format);
     if (gpu) {
-        const DevicePlacement where{comm.size(), comm.rank(), cuda_data_parallel(cfg, comm)};
+        const DevicePlacement where{comm.size(), comm.rank(), nccl};
         p.memory = predict_cuda_memory(cfg, p.remat.plan, where, B, T);
         p.memory_on = "device";
         // (Without a device the engine's construction says so.)
@@ -108,7 +109,7 @@ RunPlan plan_run(const RunConfig& cfg, const dist::Communicator& comm,
         p.memory = predict_cpu_memory(cfg, p.remat.plan, comm.rank(), B, T);
         if (p.memory.empty()) p.memory = predict_pipeline_memory(cfg, comm.rank());
         p.memory_on = "host";
-        check_host_fit(cfg, p.remat.plan, comm.rank(), comm.local_size());
+        check_host_fit(cfg, p.memory, comm.rank(), comm.local_size());
     }
     return p;
 }
