@@ -28,12 +28,13 @@ bool tp_divides(const ModelConfig& c, int tp) {
 
 bool uses_engine_layout(const ModelSpec& m, const RunSpec& r) {
     if (m.dropout || m.attn_bias != m.mlp_bias || r.lora_rank > 0) return false;
-    // Sequence parallelism as the trainer runs it (RunConfig::validate_tp): under tp, with each
-    // micro-batch's tokens divisible by tp (each rank holds as many rows); the trainer refuses
-    // the rest, so the formulas price them.
-    if (r.sequence_parallel && (r.tp < 2 || ((int64_t)r.micro_batch * r.seq_len(m)) % r.tp != 0))
-        return false;
+    // Sequence parallelism the trainer refuses is left to the formulas.
+    if (r.sequence_parallel && !sequence_parallel_runs(m, r)) return false;
     return tp_divides(config_from_model(m), r.tp);
+}
+
+bool sequence_parallel_runs(const ModelSpec& m, const RunSpec& r) {
+    return r.tp > 1 && ((int64_t)r.micro_batch * r.seq_len(m)) % r.tp == 0;
 }
 
 bool uses_engine_arena(const ModelSpec& m, const RunSpec& r) {

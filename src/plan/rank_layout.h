@@ -32,6 +32,10 @@ struct RankCoord {
 // heads, MLP and vocabulary), trained in full (no LoRA). Sequence parallelism needs each
 // micro-batch's tokens divisible by tp, as the trainer does.
 bool uses_engine_layout(const ModelSpec& m, const RunSpec& r);
+// Whether the trainer runs sequence parallelism for r's tp and micro-batch (whatever
+// r.sequence_parallel says): tp > 1 with each micro-batch's tokens divisible by tp
+// (RunConfig::validate_tp), so every rank holds as many rows.
+bool sequence_parallel_runs(const ModelSpec& m, const RunSpec& r);
 
 // Whether `r`'s activations are the engine's arena (plan_arena, arena_activation_bytes): the
 // layouts above, and LoRA on a whole model (tp = pp = 1) the trainer expresses. Only models the

@@ -9,6 +9,7 @@
 #include <fmt/ranges.h>
 
 #include "core/error.h"
+#include "plan/rank_layout.h"
 
 namespace memtrain::plan {
 
@@ -117,9 +118,8 @@ MethodSearch search_method(const ModelSpec& m, const ClusterSpec& c, const Searc
                             r.recompute = rc, r.micro_batch = mbs;
                             r.micro_batches = B / (mbs * dp);
                             r.seq = seq;
-                            // Sequence parallelism with tp wherever the trainer runs it: each
-                            // micro-batch's tokens split evenly over the tp ranks.
-                            r.sequence_parallel = tp > 1 && ((int64_t)mbs * r.seq_len(m)) % tp == 0;
+                            // Sequence parallelism with tp wherever the trainer runs it.
+                            r.sequence_parallel = sequence_parallel_runs(m, r);
                             Plan p;
                             p.run = r;
                             p.memory = estimate_memory(m, r);
