@@ -2,7 +2,7 @@
 # Tensor parallelism on the CPU: the demo model (6 x 384, vocabulary 4096) at batch 8 x 128
 # tokens, one process with 2 OpenMP threads against `mpirun -np 2` with train.tp = 2 and one
 # thread per rank, without and with train.sequence_parallel (the same training:
-# tests/dist_mpi/tp_test.cpp checks both match one process). Prints the mean tokens/s and step
+# tests/mpi/tp_test.cpp checks both match one process). Prints the mean tokens/s and step
 # time of steps 2..STEPS, the activation and workspace bytes per rank (the memory report's
 # measured current bytes, equal to its prediction), and the TP group's counted collectives of
 # the last step beside the formula: TP per block 2 all-reduces forward + 2 backward of

@@ -9,10 +9,10 @@
 #include <string>
 #include <vector>
 
+#include "config/run_config.h"
 #include "core/rng.h"
 #include "data/shard.h"
 #include "model/gpt.h"
-#include "train/run_config.h"
 #include "train/trainer.h"
 
 namespace memtrain::test {

@@ -7,10 +7,11 @@
 #include <fmt/format.h>
 
 #include "cli/commands.h"
+#include "config/run_config.h"
 #include "core/error.h"
-#include "parallel/schedule.h"
-#include "parallel/stage_split.h"
-#include "train/run_config.h"
+#include "parallel/pipeline/schedule.h"
+#include "parallel/pipeline/stage_split.h"
+#include "train/validate.h"
 
 namespace memtrain::cli {
 

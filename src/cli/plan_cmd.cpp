@@ -1,4 +1,4 @@
-// `memtrain estimate`, `memtrain plan`, `memtrain scale`: parse flags, call plan/, print.
+// `memtrain estimate`, `memtrain plan`, `memtrain scale`: parse flags, call planner/, print.
 // estimate: per-GPU memory table (and step time) of one layout; plan: ranked layouts with
 // reasons for the rejected ones; scale: compute-optimal size and the time it takes.
 #include <cstdio>
@@ -10,9 +10,9 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
-#include "plan/report.h"
-#include "plan/scaling.h"
-#include "plan/search.h"
+#include "planner/report.h"
+#include "planner/scaling.h"
+#include "planner/search.h"
 
 namespace memtrain::cli {
 

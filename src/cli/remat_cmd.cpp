@@ -11,11 +11,12 @@
 #include <optional>
 
 #include "cli/commands.h"
+#include "config/run_config.h"
 #include "core/error.h"
 #include "remat/cost.h"
 #include "remat/policy.h"
 #include "remat/profile.h"
-#include "train/run_config.h"
+#include "train/validate.h"
 
 namespace memtrain::cli {
 

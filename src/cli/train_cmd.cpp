@@ -15,10 +15,11 @@
 #include <fmt/format.h>
 
 #include "cli/commands.h"
+#include "comm/mpi_communicator.h"
 #include "core/error.h"
-#include "dist/mpi_communicator.h"
 #include "io/checkpoint.h"
 #include "train/trainer.h"
+#include "train/validate.h"
 
 namespace memtrain::cli {
 
@@ -195,7 +196,7 @@ void register_train(CLI::App& app) {
         try {
             cfg = make_config(args->config, args->sets, args->resume);
             cfg->world = comm.size();
-            cfg->validate();
+            validate_config(*cfg);
             check_out_dir(cfg->io.out_dir, comm.rank());
         } catch (const Error& e) {
             error = e.what();

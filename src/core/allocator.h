@@ -8,13 +8,14 @@
 //     MemorySnapshot s = host_memory().snapshot();
 //     s.peak_used[MemCategory::Parameters]  // == 4 * n bytes
 //
-// The CUDA allocator (later) reports into a tracker of the same type.
+// The CUDA allocator (core/device.h) reports into a tracker of the same type.
 #pragma once
 
 #include <array>
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
+#include <string>
 #include <string_view>
 #include <utility>
 
@@ -33,6 +34,14 @@ enum class MemCategory : int {
 constexpr int kNumMemCategories = static_cast<int>(MemCategory::Count);
 
 std::string_view category_name(MemCategory c);
+
+// A row of a memory prediction (the run plan's, the report's): a category's predicted bytes and
+// the formula behind them.
+struct MemoryPrediction {
+    MemCategory category;
+    std::string formula;
+    std::size_t bytes;
+};
 
 struct MemoryStats {
     std::array<std::size_t, kNumMemCategories> used{};

@@ -23,11 +23,11 @@
 #include <functional>
 #include <string>
 
-#include "dist/communicator.h"
+#include "comm/communicator.h"
+#include "config/run_config.h"
 #include "io/hf_weights.h"
 #include "model/gpt.h"
 #include "optim/optimizer.h"
-#include "train/run_config.h"
 
 namespace memtrain {
 

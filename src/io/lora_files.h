@@ -9,10 +9,10 @@
 #include <string>
 #include <vector>
 
+#include "config/run_config.h"
 #include "model/lora.h"
 #include "model/param_store.h"
 #include "model/weights.h"
-#include "train/run_config.h"
 
 namespace memtrain {
 

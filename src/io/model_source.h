@@ -6,9 +6,9 @@
 #include <optional>
 #include <string>
 
+#include "config/run_config.h"
 #include "model/config.h"
 #include "model/weights.h"
-#include "train/run_config.h"
 
 namespace memtrain {
 

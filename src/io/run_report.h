@@ -11,8 +11,7 @@
 #include <vector>
 
 #include "core/allocator.h"
-#include "plan/memory_model.h"
-#include "train/engine.h"
+#include "planner/memory_model.h"
 
 namespace memtrain::io {
 

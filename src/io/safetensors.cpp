@@ -27,26 +27,6 @@ namespace {
 // The reference implementation refuses headers above 100 MB; so do we.
 constexpr uint64_t max_header_bytes = 100'000'000;
 
-struct DTypeRow {
-    DType dtype;
-    std::string_view name;
-    std::size_t size;
-};
-
-constexpr DTypeRow dtype_table[] = {
-    {DType::F64, "F64", 8},   {DType::F32, "F32", 4}, {DType::F16, "F16", 2},
-    {DType::BF16, "BF16", 2}, {DType::I64, "I64", 8}, {DType::I32, "I32", 4},
-    {DType::I16, "I16", 2},   {DType::I8, "I8", 1},   {DType::U64, "U64", 8},
-    {DType::U32, "U32", 4},   {DType::U16, "U16", 2}, {DType::U8, "U8", 1},
-    {DType::BOOL, "BOOL", 1},
-};
-
-const DTypeRow& dtype_row(DType dtype) {
-    for (const auto& r : dtype_table)
-        if (r.dtype == dtype) return r;
-    fail("safetensors: invalid DType value {}", static_cast<int>(dtype));
-}
-
 std::string sys_error(const std::string& what, const std::string& path) {
     return fmt::format("{} {}: {}", what, path, std::strerror(errno));
 }
@@ -100,20 +80,6 @@ uint64_t checked_numel(std::span<const int64_t> shape, const std::string& what) 
 }
 
 }  // namespace
-
-std::size_t dtype_size(DType dtype) {
-    return dtype_row(dtype).size;
-}
-
-std::string_view dtype_name(DType dtype) {
-    return dtype_row(dtype).name;
-}
-
-std::optional<DType> parse_dtype(std::string_view name) {
-    for (const auto& r : dtype_table)
-        if (r.name == name) return r.dtype;
-    return std::nullopt;
-}
 
 std::string shape_string(std::span<const int64_t> shape) {
     return fmt::format("[{}]", fmt::join(shape, ", "));

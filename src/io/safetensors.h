@@ -14,16 +14,15 @@
 #include <string_view>
 #include <vector>
 
+#include "core/dtype.h"
+
 namespace memtrain::io {
 
-enum class DType { F64, F32, F16, BF16, I64, I32, I16, I8, U64, U32, U16, U8, BOOL };
-
-// Bytes per element.
-std::size_t dtype_size(DType dtype);
-// The name used in safetensors headers: "F32", "BF16", ...
-std::string_view dtype_name(DType dtype);
-// The dtype for a header name, or nullopt if it is not one we know.
-std::optional<DType> parse_dtype(std::string_view name);
+// The element types, in core/ (quant/ stores them too); io::DType is the same type.
+using memtrain::DType;
+using memtrain::dtype_name;
+using memtrain::dtype_size;
+using memtrain::parse_dtype;
 
 struct TensorInfo {
     std::string name;

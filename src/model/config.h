@@ -26,13 +26,13 @@ struct ModelConfig {
     double norm_eps = 1e-5;
     double rope_theta = 10000.0;
     double init_std = 0.02;
-    // Tensor parallelism (dist/tp.h): this config describes one of `tp` ranks' shards, whose
-    // local_* sizes below are the whole model's divided by tp (heads, kv heads, MLP hidden,
+    // Tensor parallelism (parallel/tensor/tp.h): this config describes one of `tp` ranks' shards,
+    // whose local_* sizes below are the whole model's divided by tp (heads, kv heads, MLP hidden,
     // padded vocabulary rows). Set by the tensor-parallel engine from train.tp, never read from a
     // file; 1 everywhere else, where the local sizes are the whole model's.
     int tp = 1;
-    // Sequence parallelism (Korthikanti et al. 2022; dist/tp.h) on a tensor-parallel shard: the
-    // residual stream and the norm regions hold only this rank's contiguous tp-th of a
+    // Sequence parallelism (Korthikanti et al. 2022; parallel/tensor/tp.h) on a tensor-parallel
+    // shard: the residual stream and the norm regions hold only this rank's contiguous tp-th of a
     // micro-batch's B x T token rows. Set by the tensor-parallel engine from
     // train.sequence_parallel, never read from a file.
     bool sequence_parallel = false;

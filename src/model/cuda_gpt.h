@@ -27,8 +27,9 @@ namespace memtrain {
 
 // Where the model's parameter units and their gradients live on the device: the device side of
 // model/param_store.h (units: the embedding, each block, the head). Without one, the model keeps
-// both whole in flat buffers of its own; ZeRO-2/3 (dist/device_zero.h) shards them and hands
-// out gathered units and gradient buckets. Pointers are for work queued on the model's stream.
+// both whole in flat buffers of its own; ZeRO-2/3 (parallel/data/device_zero.h) shards them and
+// hands out gathered units and gradient buckets. Pointers are for work queued on the model's
+// stream.
 template <typename T>
 class DeviceUnitStore {
   public:
@@ -88,9 +89,9 @@ class CudaGPT {
     // Logits over the real vocabulary into host memory: out (B,T,V). Waits for the stream.
     void forward_logits(const int32_t* inputs, int B, int T_, float* out);
 
-    // A pipeline stage (train/cuda_pipeline_engine.cpp): only blocks [first_block, end_block),
-    // with the embedding when first_block is 0 and ln_f, the classifier and the loss when
-    // end_block is n_layer, holding up to `slots` micro-batches between their forward and
+    // A pipeline stage (engine/cuda/cuda_pipeline_engine.cpp): only blocks [first_block,
+    // end_block), with the embedding when first_block is 0 and ln_f, the classifier and the loss
+    // when end_block is n_layer, holding up to `slots` micro-batches between their forward and
     // backward, each in an activation arena of its own (plan_stage_arena; the workspace is
     // shared). The units it uses come from `units` (the stage's store). Set before the first
     // forward; not with offload remat or CUDA graphs. One micro-batch through a stage:

@@ -7,8 +7,9 @@
 #include <iterator>
 
 #include "core/error.h"
-#include "dist/tp.h"
 #include "kernels/cpu/ops.h"
+#include "model/tp_comm.h"
+#include "model/vocab_parallel.h"
 
 namespace memtrain {
 
@@ -188,7 +189,7 @@ void GPT::act_forward(float* out, const float* inp, int N) const {
         cpu::gelu_forward(out, inp, (int64_t)N * cfg_.local_hidden());
 }
 
-void GPT::set_tp(dist::TpGroup* tp) {
+void GPT::set_tp(TpComm* tp) {
     if (tp && tp->size() != cfg_.tp)
         fail("internal: a shard of {} tensor-parallel ranks over a group of {}", cfg_.tp,
              tp->size());
@@ -238,9 +239,10 @@ void GPT::lora_backward(int l, BlockLinear linear, const float* adapter, float* 
 
 void GPT::block_forward(const BlockParams& p, int l, const float* adapter, const float* x,
                         float* out, BlockSaved& s, int B, int T) {
-    // A tensor-parallel shard's sizes (dist/tp.h; the whole model's without TP): A is the width
-    // of this rank's attention heads. Under sequence parallelism x, out and the norm fields hold
-    // this rank's n of the N token rows; the GEMMs and attention see all N, gathered into sp_.
+    // A tensor-parallel shard's sizes (parallel/tensor/tp.h; the whole model's without TP): A is
+    // the width of this rank's attention heads. Under sequence parallelism x, out and the norm
+    // fields hold this rank's n of the N token rows; the GEMMs and attention see all N, gathered
+    // into sp_.
     const int N = B * T, C = cfg_.n_embd, QKV = cfg_.local_qkv_dim(), F = cfg_.local_fc_dim(),
               H = cfg_.local_hidden(), A = cfg_.attn_dim();
     const int NH = cfg_.local_heads(), NKV = cfg_.local_kv_heads();
@@ -249,7 +251,7 @@ void GPT::block_forward(const BlockParams& p, int l, const float* adapter, const
     // A norm output's shards all-gathered for a column-parallel GEMM (g: all-gather forward).
     auto gathered = [&](const float* shard) {
         if (!seq) return shard;
-        tp_->all_gather_shards(dist::TpSite::SpColumnGather, shard, sp_, (int64_t)N * C);
+        tp_->all_gather_shards(TpSite::SpColumnGather, shard, sp_, (int64_t)N * C);
         return (const float*)sp_;
     };
     norm_forward(s.ln1, s.ln1_mean, s.ln1_rstd, x, p.ln1_w, p.ln1_b, n);
@@ -266,10 +268,9 @@ void GPT::block_forward(const BlockParams& p, int l, const float* adapter, const
     // a reduce-scatter to this rank's rows), then the residual and the bias once.
     auto row_parallel_sum = [&](float* partial_or_out, float* out_rows) {
         if (seq)
-            tp_->reduce_scatter(dist::TpSite::SpRowScatter, partial_or_out, out_rows,
-                                (int64_t)N * C);
+            tp_->reduce_scatter(TpSite::SpRowScatter, partial_or_out, out_rows, (int64_t)N * C);
         else
-            tp_->all_reduce(dist::TpSite::RowForward, partial_or_out, (int64_t)N * C);
+            tp_->all_reduce(TpSite::RowForward, partial_or_out, (int64_t)N * C);
     };
     if (tp_) {
         float* partial = seq ? sp_ : s.resid_mid;
@@ -321,8 +322,8 @@ static DeferredGrads deferred_grads(float* base, int N, int C, int F) {
 void GPT::block_backward(const BlockParams& p, BlockParams& g, int l, const float* adapter,
                          float* adapter_grads, float* dres, const float* x, const BlockSaved& s,
                          int B, int T, float* defer) {
-    // A tensor-parallel shard's sizes (dist/tp.h; the whole model's without TP): A is the width
-    // of this rank's attention heads.
+    // A tensor-parallel shard's sizes (parallel/tensor/tp.h; the whole model's without TP): A is
+    // the width of this rank's attention heads.
     const int N = B * T, C = cfg_.n_embd, QKV = cfg_.local_qkv_dim(), F = cfg_.local_fc_dim(),
               H = cfg_.local_hidden(), A = cfg_.attn_dim();
     const int NH = cfg_.local_heads(), NKV = cfg_.local_kv_heads();
@@ -333,17 +334,17 @@ void GPT::block_backward(const BlockParams& p, BlockParams& g, int l, const floa
     // of its forward all-gather), which the norm's backward then reads from sp_.
     const bool seq = sp(N);
     const int n = seq ? (int)cfg_.sp_rows(N) : N;
-    auto gather = [&](dist::TpSite site, const float* rows) {
+    auto gather = [&](TpSite site, const float* rows) {
         if (!seq) return rows;
         tp_->all_gather_shards(site, rows, sp_, (int64_t)N * C);
         return (const float*)sp_;
     };
     auto column_input_grad = [&]() -> const float* {
         if (seq) {
-            tp_->reduce_scatter(dist::TpSite::SpColumnScatter, dln_, sp_, (int64_t)N * C);
+            tp_->reduce_scatter(TpSite::SpColumnScatter, dln_, sp_, (int64_t)N * C);
             return sp_;
         }
-        if (tp_) tp_->all_reduce(dist::TpSite::ColumnBackward, dln_, (int64_t)N * C);  // f
+        if (tp_) tp_->all_reduce(TpSite::ColumnBackward, dln_, (int64_t)N * C);  // f
         return dln_;
     };
     // Without `defer` each GEMM's weight half runs with its input half; with it, only the input
@@ -359,7 +360,7 @@ void GPT::block_backward(const BlockParams& p, BlockParams& g, int l, const floa
     };
     auto w = [&](float* grad) { return defer ? nullptr : grad; };
     float* dfch = dbig_;
-    const float* dout = gather(dist::TpSite::SpRowGather, dres);
+    const float* dout = gather(TpSite::SpRowGather, dres);
     keep(d.fcp, dout, (std::size_t)N * C);
     if (cfg_.swiglu()) {
         // d(product) (N,H) and d(fch) (N,2H) cannot share rows, so the product's gradient has
@@ -373,14 +374,14 @@ void GPT::block_backward(const BlockParams& p, BlockParams& g, int l, const floa
         cpu::gelu_backward(dfch, s.fch, dfch, (int64_t)N * H);
     }
     keep(d.fc, dfch, (std::size_t)N * F);
-    const float* ln2 = gather(dist::TpSite::SpRegather, s.ln2);
+    const float* ln2 = gather(TpSite::SpRegather, s.ln2);
     cpu::matmul_backward(dln_, w(g.fc_w), w(g.fc_b), dfch, ln2, p.fc_w, N, C, F);
     lora(BlockLinear::Fc, ln2, dfch, dln_);
     // Column-parallel c_fc: each rank has its columns' share of d(ln_2 output); summed (f).
     norm_backward(dres, g.ln2_w, g.ln2_b, column_input_grad(), s.resid_mid, p.ln2_w, s.ln2_mean,
                   s.ln2_rstd, n);
     float* datty = dln_;
-    dout = gather(dist::TpSite::SpRowGather, dres);
+    dout = gather(TpSite::SpRowGather, dres);
     keep(d.proj, dout, (std::size_t)N * C);
     cpu::matmul_backward(datty, w(g.proj_w), w(g.proj_b), dout, s.atty, p.proj_w, N, A, C);
     lora(BlockLinear::Proj, s.atty, dout, datty);
@@ -389,7 +390,7 @@ void GPT::block_backward(const BlockParams& p, BlockParams& g, int l, const floa
     if (cfg_.rope())
         cpu::rope_backward(dqkv, B, T, NH, NKV, cfg_.head_dim(), (float)cfg_.rope_theta);
     keep(d.qkv, dqkv, (std::size_t)N * QKV);
-    const float* ln1 = gather(dist::TpSite::SpRegather, s.ln1);
+    const float* ln1 = gather(TpSite::SpRegather, s.ln1);
     cpu::matmul_backward(dln_, w(g.qkv_w), w(g.qkv_b), dqkv, ln1, p.qkv_w, N, C, QKV);
     lora(BlockLinear::Qkv, ln1, dqkv, dln_);
     // c_attn's f, as c_fc's
@@ -400,8 +401,8 @@ void GPT::block_backward(const BlockParams& p, BlockParams& g, int l, const floa
 // The weight halves block_backward deferred, in its order, on the same inputs: the same bits.
 void GPT::block_weight_grads(BlockParams& g, const BlockSaved& s, const float* deferred, int B,
                              int T) {
-    // A tensor-parallel shard's sizes (dist/tp.h; the whole model's without TP): A is the width
-    // of this rank's attention heads.
+    // A tensor-parallel shard's sizes (parallel/tensor/tp.h; the whole model's without TP): A is
+    // the width of this rank's attention heads.
     const int N = B * T, C = cfg_.n_embd, QKV = cfg_.local_qkv_dim(), F = cfg_.local_fc_dim(),
               H = cfg_.local_hidden(), A = cfg_.attn_dim();
     const DeferredGrads d = deferred_grads(const_cast<float*>(deferred), N, C, F);
@@ -434,9 +435,9 @@ void GPT::stage_forward(int slot, const int32_t* inputs, int B, int T) {
             case UnitVisit::Part::Embedding: {
                 const EmbeddingParams e = embedding_view(layout_, w);
                 if (tp_)  // under sequence parallelism reduce-scattered to this rank's rows
-                    dist::vocab_parallel_embedding(*tp_, sl.resid[0], inputs, e.wte, e.wpe, B, T, C,
-                                                   vocab_begin(), cfg_.local_vocab(),
-                                                   sp(N) ? sp_ : nullptr);
+                    vocab_parallel_embedding(*tp_, sl.resid[0], inputs, e.wte, e.wpe, B, T, C,
+                                             vocab_begin(), cfg_.local_vocab(),
+                                             sp(N) ? sp_ : nullptr);
                 else
                     cpu::embedding_forward(sl.resid[0], inputs, e.wte, e.wpe, B, T, C);
                 break;
@@ -463,7 +464,7 @@ void GPT::stage_forward(int slot, const int32_t* inputs, int B, int T) {
 
 const float* GPT::head_input(const Slot& sl, int N) {
     if (!sp(N)) return sl.lnf;
-    tp_->all_gather_shards(dist::TpSite::SpHeadGather, sl.lnf, sp_, (int64_t)N * cfg_.n_embd);
+    tp_->all_gather_shards(TpSite::SpHeadGather, sl.lnf, sp_, (int64_t)N * cfg_.n_embd);
     return sp_;
 }
 
@@ -571,10 +572,9 @@ double GPT::head_backward(const UnitVisit& v, Slot& sl, const int32_t* targets, 
     const bool seq = sp(N);
     const int n = (int)cfg_.sp_rows(N);
     const double loss =
-        tp_ ? dist::vocab_parallel_loss(*tp_, dln_, dwout, logits_, head_input(sl, N), wout,
-                                        targets, N, C, cfg_.vocab_size, vocab_begin(),
-                                        cfg_.local_vocab(), kLossChunk, grad_scale,
-                                        seq ? sp_ : nullptr)
+        tp_ ? vocab_parallel_loss(*tp_, dln_, dwout, logits_, head_input(sl, N), wout, targets, N,
+                                  C, cfg_.vocab_size, vocab_begin(), cfg_.local_vocab(), kLossChunk,
+                                  grad_scale, seq ? sp_ : nullptr)
             : cpu::classifier_loss(dln_, dwout, logits_, sl.lnf, wout, targets, N, C,
                                    cfg_.vocab_size, cfg_.padded_vocab(), kLossChunk, grad_scale);
     release_output_embedding();
@@ -614,11 +614,11 @@ void GPT::embedding_backward(const UnitVisit& v, const int32_t* inputs, int B, i
         // rows this rank holds (the conjugate of the forward's reduce-scatter).
         const float* demb = dres_;
         if (sp(N)) {
-            tp_->all_gather_shards(dist::TpSite::SpEmbeddingGather, dres_, sp_, (int64_t)N * C);
+            tp_->all_gather_shards(TpSite::SpEmbeddingGather, dres_, sp_, (int64_t)N * C);
             demb = sp_;
         }
-        dist::vocab_parallel_embedding_backward(eg.wte, eg.wpe, demb, inputs, B, T, C,
-                                                vocab_begin(), cfg_.local_vocab());
+        vocab_parallel_embedding_backward(eg.wte, eg.wpe, demb, inputs, B, T, C, vocab_begin(),
+                                          cfg_.local_vocab());
     } else {
         cpu::embedding_backward(eg.wte, eg.wpe, dres_, inputs, B, T, C);
     }
@@ -633,9 +633,9 @@ float GPT::stage_loss(int slot, const int32_t* targets, int B, int T) {
     store_->release(H);
     const float* wout = acquire_output_embedding(h);
     double loss =
-        tp_ ? dist::vocab_parallel_loss(*tp_, nullptr, nullptr, logits_, head_input(sl, N), wout,
-                                        targets, N, cfg_.n_embd, cfg_.vocab_size, vocab_begin(),
-                                        cfg_.local_vocab(), kLossChunk, 0.0f)
+        tp_ ? vocab_parallel_loss(*tp_, nullptr, nullptr, logits_, head_input(sl, N), wout, targets,
+                                  N, cfg_.n_embd, cfg_.vocab_size, vocab_begin(),
+                                  cfg_.local_vocab(), kLossChunk, 0.0f)
             : cpu::classifier_loss(nullptr, nullptr, logits_, sl.lnf, wout, targets, N, cfg_.n_embd,
                                    cfg_.vocab_size, cfg_.padded_vocab(), kLossChunk, 0.0f);
     release_output_embedding();
@@ -649,8 +649,8 @@ void GPT::stage_logits(int slot, int B, int T, float* out) {
     const HeadParams h = head_view(layout_, store_->acquire(H));
     store_->release(H);
     if (tp_)
-        dist::vocab_parallel_logits(*tp_, out, head_input(sl, B * T), acquire_output_embedding(h),
-                                    B * T, cfg_.n_embd, cfg_.vocab_size, cfg_.local_vocab());
+        vocab_parallel_logits(*tp_, out, head_input(sl, B * T), acquire_output_embedding(h), B * T,
+                              cfg_.n_embd, cfg_.vocab_size, cfg_.local_vocab());
     else
         cpu::classifier_logits(out, sl.lnf, acquire_output_embedding(h), B * T, cfg_.n_embd,
                                cfg_.vocab_size);

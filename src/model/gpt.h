@@ -24,9 +24,7 @@
 
 namespace memtrain {
 
-namespace dist {
-class TpGroup;
-}
+class TpComm;
 
 // What one block's forward keeps for its backward. Shapes for a micro-batch of B x T, with
 // QKV = ModelConfig::qkv_dim(), F = fc_dim(), H = mlp_hidden() (GPT-2: 3C, 4C, 4C).
@@ -54,8 +52,8 @@ class GPT {
     explicit GPT(const ModelConfig& cfg, ParamStore* store = nullptr);
     // A pipeline stage: only blocks [first_block, end_block) of the model, with the embedding
     // when first_block is 0 and the head (ln_f, classifier, loss) when end_block is n_layer. The
-    // store must back the units the stage uses (parallel/stage_store.h); unit numbers stay the
-    // whole model's.
+    // store must back the units the stage uses (parallel/pipeline/stage_store.h); unit numbers stay
+    // the whole model's.
     GPT(const ModelConfig& cfg, ParamStore* store, int first_block, int end_block);
     GPT(const GPT&) = delete;
     GPT& operator=(const GPT&) = delete;
@@ -96,18 +94,19 @@ class GPT {
     void set_lora(LoraAdapters* lora);
     bool frozen_base() const { return lora_ != nullptr; }
 
-    // Tensor parallelism (dist/tp.h): this model is one shard of config().tp ranks (built from
-    // dist::tp_shard_config) and `tp` their group, which must outlive the model. The forward
+    // Tensor parallelism (parallel/tensor/tp.h): this model is one shard of config().tp ranks
+    // (built from dist::tp_shard_config) and `tp` their group (model/tp_comm.h), which must
+    // outlive the model. The forward
     // and backward then run the group's all-reduces (2 per block each way, the
     // vocabulary-parallel embedding and loss); every rank calls the same entry points with the
     // same tokens. A whole model or a pipeline stage, without LoRA or split backward.
     // With config().sequence_parallel the residual stream and norms hold this rank's
     // config().sp_rows(B*T) token rows and the all-reduces become all-gathers and
-    // reduce-scatters (dist/tp.h); the norm weights' gradients are then this rank's rows' part,
-    // which the engine sums over the group once per step.
-    void set_tp(dist::TpGroup* tp);
+    // reduce-scatters (parallel/tensor/tp.h); the norm weights' gradients are then this rank's
+    // rows' part, which the engine sums over the group once per step.
+    void set_tp(TpComm* tp);
 
-    // Pipeline stages (parallel/pipeline_engine.h). A stage holds up to slots() micro-batches
+    // Pipeline stages (engine/cpu/mesh_engine.h). A stage holds up to slots() micro-batches
     // between their forward and their backward, each in an activation arena of its own (the
     // workspace is shared). One micro-batch through a stage:
     //   stage_input(slot)   (not the first stage) receive the previous stage's output here
@@ -240,7 +239,7 @@ class GPT {
     RematPlan plan_;      // one entry per block of the stage
     UnitWalk walk_;       // the step's schedule over the units (model/unit_walk.h)
     LoraAdapters* lora_ = nullptr;
-    dist::TpGroup* tp_ = nullptr;
+    TpComm* tp_ = nullptr;
     float *dres_, *dln_, *dbig_, *dact_, *logits_;
     float* sp_ = nullptr;  // sequence parallelism: all N token rows (ArenaPlan::sp_gather)
     // Sequence parallelism on a micro-batch of N rows (ModelConfig::sp_rows < N).

@@ -11,7 +11,7 @@
 
 #include "core/error.h"
 #include "core/rng.h"
-#include "model/lora_mask.h"
+#include "kernels/lora_mask.h"
 
 namespace memtrain {
 

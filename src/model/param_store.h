@@ -2,8 +2,9 @@
 // embedding, each block and the head; see ParamUnit). The model asks for a unit's parameters just
 // before it uses them and says when it is done, and tells the store when backward has written
 // the last gradient of a unit. A single process keeps everything whole (FullParamStore); the
-// data-parallel engine (dist/zero.h) implements the same calls to gather ZeRO-3 parameter shards
-// just in time and to reduce each unit's gradients as soon as backward has produced them.
+// data-parallel engine (parallel/data/zero_store.h) implements the same calls to gather ZeRO-3
+// parameter shards just in time and to reduce each unit's gradients as soon as backward has
+// produced them.
 //
 // Call pattern of one training micro-batch (u: unit index):
 //     acquire(u) prefetch(next) ... release(u)   forward, for every unit in order

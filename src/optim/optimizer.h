@@ -103,8 +103,8 @@ std::unique_ptr<Optimizer> make_optimizer(const OptimConfig& cfg, const ParamLay
 
 // Several optimizers over disjoint increasing ranges of the same layout, seen by checkpoints as
 // one state: the concatenation of the parts' (an interleaved pipeline rank holds a chunk of the
-// model per virtual stage, parallel/stage_store.h). offset() is the first part's, count() the
-// sum; each part updates its own range with exactly the arithmetic of one optimizer over it.
+// model per virtual stage, parallel/pipeline/stage_store.h). offset() is the first part's, count()
+// the sum; each part updates its own range with exactly the arithmetic of one optimizer over it.
 class RangeOptimizers final : public OptimizerState {
   public:
     explicit RangeOptimizers(std::vector<std::unique_ptr<Optimizer>> parts);

@@ -206,12 +206,12 @@ Result kashin_quantize(const Options& o, MatrixView w) {
     const Kmeans2d km = kmeans_2d(d.u, d.v, 1 << (o.bits / 2), 1 << ((o.bits + 1) / 2));
     const auto packed = pack_bits(km.assign, o.bits);
     const int64_t k = (int64_t)km.centroids.size() / 2;
-    r.parts.push_back(make_part("qweight", io::DType::U8, {(int64_t)packed.size()}, packed.data(),
-                                packed.size()));
-    r.parts.push_back(make_part("codebook", io::DType::F32, {k, 2}, km.centroids.data(),
-                                km.centroids.size() * 4));
-    r.parts.push_back(make_part("norm", io::DType::F32, {1}, &d.norm, 4));
-    r.parts.push_back(make_part("seed", io::DType::U64, {1}, &o.seed, 8));
+    r.parts.push_back(
+        make_part("qweight", DType::U8, {(int64_t)packed.size()}, packed.data(), packed.size()));
+    r.parts.push_back(
+        make_part("codebook", DType::F32, {k, 2}, km.centroids.data(), km.centroids.size() * 4));
+    r.parts.push_back(make_part("norm", DType::F32, {1}, &d.norm, 4));
+    r.parts.push_back(make_part("seed", DType::U64, {1}, &o.seed, 8));
     r.dequant = decode(r, q);
     return r;
 }

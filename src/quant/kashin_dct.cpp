@@ -157,11 +157,10 @@ Result kashin_dct_quantize(const Options& o, MatrixView w) {
         }
     }
     const auto packed = pack_bits(codes, 4);
-    res.parts.push_back(make_part("qweight", io::DType::U8, {(int64_t)packed.size()}, packed.data(),
-                                  packed.size()));
     res.parts.push_back(
-        make_part("levels", io::DType::F16, {m, 4}, levels.data(), levels.size() * 2));
-    res.parts.push_back(make_part("seed", io::DType::U64, {1}, &o.seed, 8));
+        make_part("qweight", DType::U8, {(int64_t)packed.size()}, packed.data(), packed.size()));
+    res.parts.push_back(make_part("levels", DType::F16, {m, 4}, levels.data(), levels.size() * 2));
+    res.parts.push_back(make_part("seed", DType::U64, {1}, &o.seed, 8));
     res.dequant = decode_dct(res, p);
     return res;
 }

@@ -118,9 +118,9 @@ Result kmeans_quantize(MatrixView w, int bits) {
         codes[e] = (uint32_t)j;
     }
     const auto packed = pack_bits(codes, bits);
-    r.parts.push_back(make_part("qweight", io::DType::U8, {(int64_t)packed.size()}, packed.data(),
-                                packed.size()));
-    r.parts.push_back(make_part("codebook", io::DType::F32, {k}, book.data(), book.size() * 4));
+    r.parts.push_back(
+        make_part("qweight", DType::U8, {(int64_t)packed.size()}, packed.data(), packed.size()));
+    r.parts.push_back(make_part("codebook", DType::F32, {k}, book.data(), book.size() * 4));
     r.dequant = kmeans_dequantize(r);
     return r;
 }

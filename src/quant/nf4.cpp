@@ -51,12 +51,11 @@ Result nf4_quantize(MatrixView w, int block, bool double_quant) {
                 absmax[(std::size_t)b] = q * s;
             }
         }
-        r.parts.push_back(make_part("absmax_q", io::DType::U8, {nb}, codes.data(), codes.size()));
+        r.parts.push_back(make_part("absmax_q", DType::U8, {nb}, codes.data(), codes.size()));
         r.parts.push_back(
-            make_part("absmax_scale", io::DType::F32, {n2}, scale2.data(), scale2.size() * 4));
+            make_part("absmax_scale", DType::F32, {n2}, scale2.data(), scale2.size() * 4));
     } else {
-        r.parts.push_back(
-            make_part("absmax", io::DType::F32, {nb}, absmax.data(), absmax.size() * 4));
+        r.parts.push_back(make_part("absmax", DType::F32, {nb}, absmax.data(), absmax.size() * 4));
     }
     std::vector<uint32_t> codes((std::size_t)w.numel());
     for (int64_t b = 0; b < nb; b++) {
@@ -68,7 +67,7 @@ Result nf4_quantize(MatrixView w, int block, bool double_quant) {
         }
     }
     const auto packed = pack_bits(codes, 4);
-    r.parts.insert(r.parts.begin(), make_part("qweight", io::DType::U8, {(int64_t)packed.size()},
+    r.parts.insert(r.parts.begin(), make_part("qweight", DType::U8, {(int64_t)packed.size()},
                                               packed.data(), packed.size()));
     r.dequant = nf4_dequantize(r);
     return r;

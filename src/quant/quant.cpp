@@ -165,8 +165,8 @@ const StoredPart& part(const Result& r, const std::string& name) {
     fail("the stored form of method {} has no part '{}'", r.method, name);
 }
 
-StoredPart make_part(std::string name, io::DType dtype, std::vector<int64_t> shape,
-                     const void* data, std::size_t bytes) {
+StoredPart make_part(std::string name, DType dtype, std::vector<int64_t> shape, const void* data,
+                     std::size_t bytes) {
     StoredPart p{std::move(name), dtype, std::move(shape), std::vector<uint8_t>(bytes)};
     if (bytes) std::memcpy(p.bytes.data(), data, bytes);
     return p;

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "io/safetensors.h"
+#include "core/dtype.h"
 
 namespace memtrain::quant {
 
@@ -26,7 +26,7 @@ struct MatrixView {
 // One array of the stored form (packed codes, scales, zero points, codebooks, norms, seeds).
 struct StoredPart {
     std::string name;
-    io::DType dtype = io::DType::U8;
+    DType dtype = DType::U8;
     std::vector<int64_t> shape;
     std::vector<uint8_t> bytes;
 };
@@ -77,8 +77,8 @@ uint16_t f32_to_f16_up(float x);
 float f16_to_f32(uint16_t h);
 // The part called `name` of r (throws if absent).
 const StoredPart& part(const Result& r, const std::string& name);
-StoredPart make_part(std::string name, io::DType dtype, std::vector<int64_t> shape,
-                     const void* data, std::size_t bytes);
+StoredPart make_part(std::string name, DType dtype, std::vector<int64_t> shape, const void* data,
+                     std::size_t bytes);
 template <typename T>
 std::vector<T> part_values(const StoredPart& p) {
     std::vector<T> v(p.bytes.size() / sizeof(T));

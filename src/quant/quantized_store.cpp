@@ -351,17 +351,17 @@ Result QuantizedParamStore::stored(std::string_view tensor) const {
             r.group = o.group;
             r.rows = m.rows;
             r.cols = m.cols;
-            r.parts.push_back(make_part("qweight", io::DType::U8, {(int64_t)m.codes.size()},
+            r.parts.push_back(make_part("qweight", DType::U8, {(int64_t)m.codes.size()},
                                         m.codes.data(), m.codes.bytes()));
             if (q_.format == BaseFormat::Nf4) {
-                r.parts.push_back(make_part("absmax_q", io::DType::U8, {(int64_t)m.absmax_q.size()},
+                r.parts.push_back(make_part("absmax_q", DType::U8, {(int64_t)m.absmax_q.size()},
                                             m.absmax_q.data(), m.absmax_q.bytes()));
-                r.parts.push_back(make_part("absmax_scale", io::DType::F32,
+                r.parts.push_back(make_part("absmax_scale", DType::F32,
                                             {(int64_t)m.absmax_scale.size()}, m.absmax_scale.data(),
                                             m.absmax_scale.bytes()));
             } else {
                 const int64_t ng = o.group == 0 ? 1 : m.cols / o.group;
-                r.parts.push_back(make_part("scales", io::DType::F16, {m.rows, ng}, m.scales.data(),
+                r.parts.push_back(make_part("scales", DType::F16, {m.rows, ng}, m.scales.data(),
                                             m.scales.bytes()));
             }
             return r;

@@ -59,13 +59,12 @@ Result rtn_quantize(MatrixView w, int bits, int group, bool asym) {
             }
         }
     const auto packed = pack_bits(codes, bits);
-    r.parts.push_back(make_part("qweight", io::DType::U8, {(int64_t)packed.size()}, packed.data(),
-                                packed.size()));
     r.parts.push_back(
-        make_part("scales", io::DType::F16, {w.rows, ng}, scales.data(), scales.size() * 2));
+        make_part("qweight", DType::U8, {(int64_t)packed.size()}, packed.data(), packed.size()));
+    r.parts.push_back(
+        make_part("scales", DType::F16, {w.rows, ng}, scales.data(), scales.size() * 2));
     if (asym)
-        r.parts.push_back(
-            make_part("zeros", io::DType::U8, {w.rows, ng}, zeros.data(), zeros.size()));
+        r.parts.push_back(make_part("zeros", DType::U8, {w.rows, ng}, zeros.data(), zeros.size()));
     r.dequant = rtn_dequantize(r);
     return r;
 }
@@ -108,9 +107,9 @@ Result uniform_quantize(MatrixView w, int bits) {
     }
     const auto packed = pack_bits(codes, bits);
     const float grid[2] = {lo, step};
-    r.parts.push_back(make_part("qweight", io::DType::U8, {(int64_t)packed.size()}, packed.data(),
-                                packed.size()));
-    r.parts.push_back(make_part("grid", io::DType::F32, {2}, grid, sizeof grid));
+    r.parts.push_back(
+        make_part("qweight", DType::U8, {(int64_t)packed.size()}, packed.data(), packed.size()));
+    r.parts.push_back(make_part("grid", DType::F32, {2}, grid, sizeof grid));
     r.dequant = uniform_dequantize(r);
     return r;
 }

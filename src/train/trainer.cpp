@@ -1,5 +1,6 @@
 // The training loop (see trainer.h).
 #include "train/trainer.h"
+#include "train/validate.h"
 
 #include <cblas.h>
 #include <fcntl.h>
@@ -18,15 +19,15 @@
 
 #include "core/error.h"
 #include "data/tokenizer.h"
+#include "engine/host_memory.h"
+#include "engine/run_plan.h"
 #include "io/run_report.h"
 #include "optim/schedule.h"
-#include "plan/memory_model.h"
-#include "plan/model_spec.h"
+#include "planner/memory_model.h"
+#include "planner/model_shape.h"
 #include "remat/cost.h"
 #include "remat/policy.h"
 #include "remat/profile.h"
-#include "train/host_memory_plan.h"
-#include "train/run_plan.h"
 #include "train/sample.h"
 
 namespace fs = std::filesystem;
@@ -94,8 +95,8 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
     }
     comm_ = comm;
     cfg_.world = comm_->size();
-    cfg_.validate();
-    cfg_.resolve();
+    validate_config(cfg_);
+    resolve_config(cfg_);
     // Every rank must run the same configuration (and resume the same checkpoint).
     dist::check_same_config(*comm_, to_toml(cfg_) + "\nresume = " + opts_.resume);
     int threads = cfg_.train.threads;
@@ -131,7 +132,7 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
         measured = remat::BlockFlops{ns[0], ns[1], ns[2], ns[3], ns[4], ns[5], ns[6]};
         step_cost = remat::estimated_step_ns(cfg_.model, Bm, Tm, *measured);
     }
-    // The run decided before anything is allocated (train/run_plan.h): the engine, the layout,
+    // The run decided before anything is allocated (engine/run_plan.h): the engine, the layout,
     // the remat schedule for the engine's arenas, and this rank's memory, refused with what would
     // fit when it cannot fit the host or the device.
     plan_ = plan_run(cfg_, *comm_, measured ? &*measured : nullptr);
@@ -309,7 +310,7 @@ float Trainer::evaluate() {
 namespace {
 
 // The planner (`memtrain estimate`) for this run's rank 0, the rank that reports: the engines'
-// layout functions for every layout they run, the formulas for the rest (plan/memory_model.h).
+// layout functions for every layout they run, the formulas for the rest (planner/memory_model.h).
 plan::MemoryEstimate planner_estimate(const RunConfig& cfg, Engine& engine) {
     return plan::estimate_rank_memory(plan::model_from_config(cfg.model),
                                       planner_run_spec(cfg, engine.arena_format()),

@@ -11,12 +11,12 @@
 #include <string>
 #include <vector>
 
+#include "comm/communicator.h"
+#include "config/run_config.h"
 #include "data/loader.h"
-#include "dist/communicator.h"
+#include "engine/engine.h"
+#include "engine/run_plan.h"
 #include "io/checkpoint.h"
-#include "train/engine.h"
-#include "train/run_config.h"
-#include "train/run_plan.h"
 
 namespace memtrain {
 
@@ -100,7 +100,7 @@ class Trainer {
 
     std::unique_ptr<dist::Communicator> own_comm_;
     dist::Communicator* comm_;
-    RunPlan plan_;  // the run as decided before anything was allocated (train/run_plan.h)
+    RunPlan plan_;  // the run as decided before anything was allocated (engine/run_plan.h)
     std::unique_ptr<Engine> engine_;
     std::unique_ptr<data::DataLoader> train_loader_, val_loader_;
     std::vector<int32_t> xg_, yg_;  // a global micro-batch (every rank's rows)

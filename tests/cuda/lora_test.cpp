@@ -27,6 +27,7 @@
 #include <cuda_runtime_api.h>
 
 #include "model/cuda_lora.h"
+#include "quant/device_base.h"
 
 using namespace memtrain;
 namespace fs = std::filesystem;

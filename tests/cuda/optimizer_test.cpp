@@ -16,9 +16,9 @@
 #include "core/device.h"
 #include "core/error.h"
 #include "cuda/cuda_test_util.h"
-#include "kernels/cuda/optimizer_types.h"
 #include "model/config.h"
 #include "model/param_layout.h"
+#include "optim/device_update.h"
 #include "optim/optim_config.h"
 #include "optim/optimizer.h"
 

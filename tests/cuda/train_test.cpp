@@ -15,12 +15,13 @@
 #include "core/device.h"
 #include "core/error.h"
 #include "cuda/cuda_test_util.h"
-#include "plan/memory_model.h"
-#include "plan/model_spec.h"
+#include "engine/cuda/cuda_engine.h"
+#include "planner/memory_model.h"
+#include "planner/model_shape.h"
 #include "remat/policy.h"
 #include "test_util.h"
-#include "train/cuda_engine.h"
 #include "train/trainer.h"
+#include "train/validate.h"
 
 #if MEMTRAIN_HAVE_CUDA
 
@@ -450,14 +451,14 @@ TEST(CudaTrain, ConfigErrorsNameTheKey) {
     o.train.offload_optimizer = true;
     o.train.batch_size = 4;
     try {
-        o.validate();
+        validate_config(o);
         FAIL() << "offload at stage 0 on 2 ranks was accepted";
     } catch (const Error& e) {
         EXPECT_NE(std::string(e.what()).find("train.zero_stage >= 1"), std::string::npos)
             << e.what();
     }
     o.train.zero_stage = 2;
-    EXPECT_NO_THROW(o.validate());
+    EXPECT_NO_THROW(validate_config(o));
 }
 
 #endif  // MEMTRAIN_HAVE_CUDA

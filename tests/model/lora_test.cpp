@@ -12,8 +12,8 @@
 #include "io/safetensors.h"
 #include "io/text_file.h"
 #include "model/lora.h"
-#include "plan/memory_model.h"
-#include "plan/model_spec.h"
+#include "planner/memory_model.h"
+#include "planner/model_shape.h"
 #include "remat/policy.h"
 #include "test_util.h"
 

@@ -7,7 +7,7 @@
 
 #include "core/error.h"
 #include "core/rng.h"
-#include "parallel/schedule.h"
+#include "parallel/pipeline/schedule.h"
 
 namespace memtrain::pp {
 namespace {
@@ -172,7 +172,7 @@ TEST(PipelineSchedule, ListsAndTimeline) {
     EXPECT_EQ(boxes, 12u);  // one per action
 }
 
-// What the planner reads (plan/time_model, plan/memory_model): the fill and the in-flight
+// What the planner reads (planner/time_model, planner/memory_model): the fill and the in-flight
 // micro-batches of the executor's schedules, simulated, equal to the closed forms.
 TEST(PipelineSchedule, PlannerFillAndInFlightComeFromTheSimulator) {
     for (int p : {2, 3, 4, 8})

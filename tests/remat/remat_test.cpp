@@ -16,6 +16,7 @@
 #include "remat/solver.h"
 #include "test_util.h"
 #include "train/trainer.h"
+#include "train/validate.h"
 
 using namespace memtrain;
 using namespace memtrain::remat;
@@ -314,13 +315,13 @@ TEST(Remat, ParsesPoliciesAndSizes) {
 TEST(Remat, ConfigKeyIsValidatedByName) {
     RunConfig c = parse_run_config("[train]\nremat = \"sqrt\"\n", "x.toml", {});
     EXPECT_EQ(c.train.remat, "sqrt");
-    c.validate();
+    validate_config(c);
     RunConfig d = parse_run_config("", "x", {"train.remat=budget:10MiB"});
     EXPECT_EQ(d.train.remat, "budget:10MiB");
-    d.validate();
+    validate_config(d);
     RunConfig e = parse_run_config("", "x", {"train.remat=sometimes"});
     try {
-        e.validate();
+        validate_config(e);
         FAIL() << "expected an error";
     } catch (const Error& err) {
         std::string m = err.what();
@@ -332,7 +333,7 @@ TEST(Remat, ConfigKeyIsValidatedByName) {
     RunConfig f =
         parse_run_config("", "x", {"train.device=cpu", "train.remat=budget:10MiB+offload"});
     try {
-        f.validate();
+        validate_config(f);
         FAIL() << "expected an error";
     } catch (const Error& err) {
         std::string m = err.what();
@@ -456,5 +457,5 @@ TEST(Remat, MeasuredCostsDriveTheBudgetSolver) {
     Trainer t(rc, q);
     EXPECT_EQ(t.run().steps_done, 3);
     rc.train.remat_costs = "guessed";
-    EXPECT_THROW(rc.validate(), Error);
+    EXPECT_THROW(validate_config(rc), Error);
 }

@@ -1,5 +1,5 @@
 // A GPU run that cannot fit the device is refused before anything is allocated
-// (train/device_memory_plan.h): the prediction is computed from the config alone, names every
+// (engine/device_memory.h): the prediction is computed from the config alone, names every
 // category and what would fit. The engine reports these very rows (CudaEngine::predicted_memory
 // calls predict_cuda_memory), and the CUDA tests check them against its allocations to the byte
 // (tests/cuda/train_test.cpp, on cudasim); here the arithmetic, without a GPU.
@@ -8,9 +8,9 @@
 #include <string>
 
 #include "core/error.h"
+#include "engine/device_memory.h"
 #include "remat/policy.h"
 #include "test_util.h"
-#include "train/device_memory_plan.h"
 
 using namespace memtrain;
 

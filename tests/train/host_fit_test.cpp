@@ -7,8 +7,8 @@
 
 #include "cli/cli_util.h"
 #include "core/error.h"
+#include "engine/host_memory.h"
 #include "test_util.h"
-#include "train/host_memory_plan.h"
 #include "train/trainer.h"
 
 using namespace memtrain;

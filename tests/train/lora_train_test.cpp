@@ -8,11 +8,12 @@
 #include <filesystem>
 
 #include "core/error.h"
+#include "engine/cpu/lora_engine.h"
 #include "io/lora_files.h"
 #include "io/model_source.h"
 #include "test_util.h"
-#include "train/lora_engine.h"
 #include "train/trainer.h"
+#include "train/validate.h"
 
 using namespace memtrain;
 namespace fs = std::filesystem;

@@ -1,15 +1,15 @@
-// The typed run plan (train/run_plan.h): one decision of the engine from the config, the layout
+// The typed run plan (engine/run_plan.h): one decision of the engine from the config, the layout
 // as data, the remat schedule for the engine's arena format, and this rank's memory predicted by
 // the engine's own functions before anything is allocated.
 #include <gtest/gtest.h>
 
 #include <string>
 
+#include "comm/communicator.h"
 #include "core/error.h"
-#include "dist/communicator.h"
+#include "engine/run_plan.h"
 #include "model/gpt.h"
 #include "test_util.h"
-#include "train/run_plan.h"
 
 using namespace memtrain;
 

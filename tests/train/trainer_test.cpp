@@ -12,6 +12,7 @@
 #include "io/safetensors.h"
 #include "test_util.h"
 #include "train/trainer.h"
+#include "train/validate.h"
 
 using namespace memtrain;
 namespace fs = std::filesystem;
@@ -165,7 +166,7 @@ TEST(Config, WrongTypesAndValuesAreNamed) {
     EXPECT_THROW(parse_run_config("", "x", {"train.max_steps=abc"}), Error);
     EXPECT_THROW(parse_run_config("", "x", {"noequals"}), Error);
     RunConfig c = parse_run_config("", "x", {"train.batch_size=6", "train.micro_batch_size=4"});
-    EXPECT_THROW(c.validate(), Error);
+    EXPECT_THROW(validate_config(c), Error);
     RunConfig d = parse_run_config("[optim]\nlr = 1\n", "x", {"optim.schedule=wsd"});
     EXPECT_EQ(d.optim.lr, 1.0);
     EXPECT_EQ(d.optim.schedule, "wsd");

@@ -3,7 +3,7 @@
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops.h"
-#include "model/lora_mask.h"
+#include "kernels/lora_mask.h"
 
 namespace memtrain::cuda {
 

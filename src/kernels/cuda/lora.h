@@ -1,4 +1,4 @@
-// LoRA on the GPU: the adapters' dropout (the mask of model/lora_mask.h, the CPU's bit for bit)
+// LoRA on the GPU: the adapters' dropout (the mask of kernels/lora_mask.h, the CPU's bit for bit)
 // and the frozen QLoRA base's dequantization (quant/quantized_store.h's formats, decoded to T).
 // Included through kernels/cuda/ops.h.
 #pragma once

@@ -1,0 +1,20 @@
+// Element types of stored tensors (safetensors files, quantized parts, checkpoints): their names
+// as safetensors headers spell them and their sizes. Below io/ and quant/, which both use them.
+#pragma once
+
+#include <cstddef>
+#include <optional>
+#include <string_view>
+
+namespace memtrain {
+
+enum class DType { F64, F32, F16, BF16, I64, I32, I16, I8, U64, U32, U16, U8, BOOL };
+
+// Bytes per element.
+std::size_t dtype_size(DType dtype);
+// The name used in safetensors headers: "F32", "BF16", ...
+std::string_view dtype_name(DType dtype);
+// The dtype for a header name, or nullopt if it is not one we know.
+std::optional<DType> parse_dtype(std::string_view name);
+
+}  // namespace memtrain

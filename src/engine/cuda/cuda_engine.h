@@ -1,0 +1,44 @@
+// The CUDA engine (see engine.h): the model, its gradients and the optimizer on one GPU, in fp32,
+// or in bf16/fp16 with fp32 master weights and Adam moments (Micikevicius et al., Mixed
+// Precision Training) and, for fp16, a dynamic loss scale. Declared here without CUDA types so
+// the factory links in every build; a build without CUDA fails with a message.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <utility>
+
+#include "comm/communicator.h"
+#include "engine/engine.h"
+#include "parallel/placement.h"
+
+namespace memtrain {
+
+// Data parallelism over `comm`'s ranks (one GPU each, NCCL between them): ZeRO stage 0 (DDP,
+// gradients all-reduced unit by unit during the last micro-batch's backward), 1 (optimizer
+// state sharded, gradients reduce-scattered, parameters all-gathered), 2 (gradients sharded too,
+// reduced unit by unit during every backward) or 3 (parameters sharded too, each unit gathered
+// just before use and the next one prefetched: parallel/data/device_zero.h).
+// `states`: where the model states live (the run plan's table, parallel/placement.h).
+std::unique_ptr<Engine> make_cuda_engine(const RunConfig& cfg, dist::Communicator& comm,
+                                         const dist::ShardSpec& states);
+
+// LoRA / QLoRA (lora.rank > 0) on one GPU: the frozen base whole in the storage precision, or
+// packed (lora.base = int8 | int4 | nf4) and decoded block by block on the device; the adapters
+// trained with the same AdamW and loss scaling (engine/cuda/cuda_lora_engine.cpp).
+std::unique_ptr<Engine> make_cuda_lora_engine(const RunConfig& cfg, dist::Communicator& comm);
+
+// train.pp stages on the GPU (engine/cuda/cuda_pipeline_engine.cpp): one rank per stage, NCCL
+// between them.
+std::unique_ptr<Engine> make_cuda_pipeline_engine(const RunConfig& cfg, dist::Communicator& comm);
+
+// Test hook: the engine's next finish_step finds a non-finite gradient, as an fp16 overflow in
+// backward would leave it (tests/cuda: the step is skipped and the loss scale halves).
+void inject_overflow_for_test(Engine& engine);
+// Test hook: how many micro-batches the engine replayed as a CUDA graph (train.cuda_graphs).
+int64_t cuda_graph_replays_for_test(Engine& engine);
+// Test hook: ZeRO-3's parameter-unit gathers so far, and how many of them were made when the
+// unit was acquired rather than prefetched ({0, 0} below stage 3).
+std::pair<int64_t, int64_t> zero_gathers_for_test(Engine& engine);
+
+}  // namespace memtrain

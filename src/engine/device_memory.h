@@ -1,0 +1,57 @@
+// The CUDA engine's device memory predicted from the config alone, before anything is allocated
+// (the GPU side of host_memory.h): its model states (whole, or a rank's ZeRO shard, the
+// optimizer on the host under train.offload_optimizer), the activation arenas of the remat plan
+// from the same layout function CudaGPT allocates with, and the workspace. CudaEngine reports
+// exactly these rows beside what it measured (plus its ZeRO-2/3 buckets, sized once built), and
+// the Trainer refuses a run whose rows do not fit the GPU before the engine allocates.
+// Plain C++: it builds (and answers) without the CUDA toolkit.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "config/run_config.h"
+#include "engine/engine.h"
+#include "model/activation_layout.h"
+
+namespace memtrain {
+
+// Bytes per stored value of train.precision on the GPU (fp32 4, bf16 and fp16 2).
+int device_elem_bytes(const RunConfig& cfg);
+// How CudaGPT lays out its arenas for this run (CudaGPT<T>::arena_format).
+ActFormat device_arena_format(const RunConfig& cfg, int B, int T);
+// Device bytes of the host token ids of a B x T micro-batch (inputs, targets, the embedding
+// backward's plan), and of the CUDA graph's loss slot (CudaGPT::token_bytes, kGraphBytes).
+std::size_t device_token_bytes(int B, int T);
+inline constexpr std::size_t kDeviceGraphBytes = sizeof(double);
+// The device optimizer's state per parameter of its range (DeviceOptimizer): the fp32 master
+// weights when the storage is not fp32, then Adam's m and v or SGD's momentum; and its name.
+std::size_t device_optimizer_bytes_per_param(int elem_bytes, bool adamw);
+std::string device_optimizer_states(int elem_bytes, bool adamw);  // "fp32 master, Adam m, v"
+
+// Whether the CUDA engine runs data parallelism over NCCL on `comm`: launched by mpirun (an MPI
+// communicator, even of one rank), without CUDA graphs (which run one process, the plain path).
+bool cuda_data_parallel(const RunConfig& cfg, const dist::Communicator& comm);
+
+// Where the engine stands among `world` ranks: `data_parallel` when it runs DDP or ZeRO over
+// NCCL (launched by mpirun, even at one rank, without CUDA graphs), which pads the flat buffer
+// to equal shards and shards the states by train.zero_stage.
+struct DevicePlacement {
+    int world = 1, rank = 0;
+    bool data_parallel = false;
+};
+
+// The rows CudaEngine allocates for micro-batches of B x T with `plan` (no ZeRO-2/3 buckets:
+// those are sized by the built engine); empty for the other GPU engines (LoRA, pipeline stages).
+std::vector<MemoryPrediction> predict_cuda_memory(const RunConfig& cfg, const RematPlan& plan,
+                                                  const DevicePlacement& where, int B, int T);
+
+// Fails before anything is allocated, naming every category, the device's size and what would
+// fit instead, when predict_cuda_memory's rows exceed `free_bytes` (the device's free memory)
+// of `total_bytes`.
+void check_device_fit(const RunConfig& cfg, const RematPlan& plan, const DevicePlacement& where,
+                      std::size_t free_bytes, std::size_t total_bytes);
+
+}  // namespace memtrain

@@ -1,0 +1,135 @@
+// What the Trainer drives: a model with its parameters, gradients and optimizer state on one
+// device, stepped one micro-batch at a time. CpuEngine (here) is the CPU model over a ZeroStore
+// (a single process is a world of one); CudaEngine (cuda_engine.h) keeps everything on the GPU
+// in fp32, bf16 or fp16 with fp32 master weights. The Trainer owns the data, the schedule, the
+// logs and the checkpoints, and never sees which one it runs.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "config/run_config.h"
+#include "core/allocator.h"
+#include "io/checkpoint.h"
+#include "model/activation_layout.h"
+#include "model/gpt.h"
+#include "model/weights.h"
+#include "optim/optimizer.h"
+#include "parallel/data/zero_store.h"
+
+namespace memtrain {
+
+// One optimizer step's outcome.
+struct StepResult {
+    double loss = 0;        // mean training loss of this rank's micro-batches
+    double grad_norm = 0;   // of the true (unscaled) gradients, before clipping
+    bool skipped = false;   // fp16: a gradient overflowed, the update was skipped
+    double loss_scale = 1;  // fp16: the scale the gradients of this step carried
+    // A skipped step: which gradients were not finite ("non-finite gradients in 2 of 28
+    // tensors, first in backward order: h.1.mlp.c_proj.weight, ..."), the same on every rank.
+    std::string overflow;
+};
+
+class Engine {
+  public:
+    virtual ~Engine() = default;
+
+    // "cpu (fp32)", "cuda: NVIDIA H100 80GB HBM3 (bf16)".
+    virtual std::string describe() const = 0;
+    // Parameters (fp32, unit by unit) for initialisation, import and checkpoints.
+    virtual ModelWeights weights() = 0;
+    virtual OptimizerState& optimizer() = 0;
+    // Called once the weights are initialised or imported through weights(), before any step or
+    // checkpoint load (LoRA: a QLoRA base is quantized here and the model built over it).
+    virtual void weights_loaded() {}
+    // What checkpoints hold: the whole model in Hugging Face files; under LoRA the adapters.
+    virtual CheckpointModel checkpoint_model() { return hf_checkpoint_model(weights()); }
+    // How the model lays out its activations (for the remat solver and the memory report).
+    virtual ActFormat arena_format() const = 0;
+    virtual void set_remat(const RematPlan& plan) = 0;
+    virtual const RematPlan& remat_plan() const = 0;
+
+    // One optimizer step: begin_step, forward_backward for each micro-batch (the last one with
+    // last = true: data parallelism reduces the gradients once), finish_step.
+    virtual void begin_step() = 0;
+    // Every token's loss gradient is grad_scale (1 / tokens in the global batch).
+    virtual void forward_backward(const int32_t* inputs, const int32_t* targets, int B, int T,
+                                  float grad_scale, bool last) = 0;
+    // Clips to max_norm (<= 0: no clipping), updates with learning rate lr.
+    virtual StepResult finish_step(double lr, double max_norm) = 0;
+
+    // Mean loss of one micro-batch (evaluation) and logits (B,T,V) for sampling.
+    virtual double forward_loss(const int32_t* inputs, const int32_t* targets, int B, int T) = 0;
+    virtual void forward_logits(const int32_t* inputs, int B, int T, float* out) = 0;
+
+    // The memory this engine's tensors live in, and the report's predicted rows.
+    virtual MemoryTracker& memory() = 0;
+    virtual std::string memory_title() const = 0;
+    virtual std::vector<MemoryPrediction> predicted_memory(int B, int T) const = 0;
+    // Lines under the table: what the OS or the driver charged beyond the tracked tensors.
+    virtual std::string memory_footer() const = 0;
+
+    // At the end of a run, on the printing rank: files the engine adds to the output directory
+    // (the pipeline's measured timeline); returns a line for the console, or "".
+    virtual std::string write_run_files(const std::string& /*out_dir*/) { return ""; }
+
+    // fp16: the loss scaler's scale and clean-step count, for checkpoints ({0, 0}: none).
+    virtual std::pair<double, int64_t> loss_scaler_state() const { return {0.0, 0}; }
+    virtual void restore_loss_scaler(double /*scale*/, int64_t /*clean_steps*/) {}
+};
+
+// The footer line every host engine's memory report starts with: the process's peak RSS.
+std::string host_rss_line();
+
+// The end of a step over a ZeroStore (the CPU engine's and LoRA's): the mean loss of the
+// micro-batches, the global norm clipped, the optimizer over the rank's range, the stage's
+// all-gather.
+StepResult finish_zero_step(dist::ZeroStore& store, Optimizer& opt, double loss_sum,
+                            int micro_batches, double lr, double max_norm);
+// The model-state rows of the memory report for `psi` floats in a ZeroStore at
+// cfg.train.zero_stage over `world` ranks: Ψ per state, or the rank's `shard` where the stage
+// shards that state. `what` names the floats ("params", "adapters").
+std::vector<MemoryPrediction> zero_state_rows(const RunConfig& cfg, std::size_t shard,
+                                              std::size_t psi, int world, const std::string& what);
+
+// The CPU model over a ZeroStore on `comm`: DDP and ZeRO stages 0-3 (parallel/data/zero_store.h).
+class CpuEngine final : public Engine {
+  public:
+    CpuEngine(const RunConfig& cfg, dist::Communicator& comm);
+    std::string describe() const override { return "cpu (fp32)"; }
+    ModelWeights weights() override { return model_->weights(); }
+    OptimizerState& optimizer() override { return *opt_; }
+    ActFormat arena_format() const override { return GPT::arena_format(); }
+    void set_remat(const RematPlan& plan) override { model_->set_remat(plan); }
+    const RematPlan& remat_plan() const override { return model_->remat_plan(); }
+    void begin_step() override;
+    void forward_backward(const int32_t* inputs, const int32_t* targets, int B, int T,
+                          float grad_scale, bool last) override;
+    StepResult finish_step(double lr, double max_norm) override;
+    double forward_loss(const int32_t* inputs, const int32_t* targets, int B, int T) override;
+    void forward_logits(const int32_t* inputs, int B, int T, float* out) override;
+    MemoryTracker& memory() override { return host_memory(); }
+    std::string memory_title() const override;
+    std::vector<MemoryPrediction> predicted_memory(int B, int T) const override;
+    std::string memory_footer() const override;
+
+    GPT& model() { return *model_; }
+    dist::ZeroStore& store() { return *store_; }
+
+  private:
+    RunConfig cfg_;
+    dist::Communicator& comm_;
+    ParamLayout layout_;
+    std::unique_ptr<dist::ZeroStore> store_;
+    std::unique_ptr<GPT> model_;
+    std::unique_ptr<Optimizer> opt_;
+    double loss_sum_ = 0;
+    int micro_batches_ = 0;
+};
+
+}  // namespace memtrain

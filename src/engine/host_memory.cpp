@@ -1,0 +1,273 @@
+// The CPU engines' memory predicted before allocation (see host_memory.h).
+#include "engine/host_memory.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <fstream>
+#include <limits>
+
+#include <fmt/format.h>
+
+#include "comm/communicator.h"
+#include "core/error.h"
+#include "engine/run_plan.h"
+#include "model/gpt.h"
+#include "model/lora.h"
+#include "parallel/mesh.h"
+#include "parallel/tensor/tp.h"
+#include "planner/memory_model.h"
+#include "planner/model_shape.h"
+#include "quant/quantized_store.h"
+#include "remat/policy.h"
+
+namespace memtrain {
+
+namespace {
+
+std::string gib(std::size_t b) {
+    return fmt::format("{:.2f} GiB", (double)b / (1024.0 * 1024 * 1024));
+}
+
+std::size_t sum(const std::vector<MemoryPrediction>& rows) {
+    std::size_t s = 0;
+    for (const auto& r : rows) s += r.bytes;
+    return s;
+}
+
+// A number from a /proc or /sys file's first token after `key` (key empty: the first token).
+std::size_t read_number(const std::string& path, const std::string& key, std::size_t scale) {
+    std::ifstream f(path);
+    std::string k;
+    while (f >> k) {
+        if (key.empty() || k == key) {
+            std::string v;
+            if (key.empty())
+                v = k;
+            else
+                f >> v;
+            if (v == "max") return std::numeric_limits<std::size_t>::max();
+            try {
+                return (std::size_t)std::stoull(v) * scale;
+            } catch (const std::exception&) {
+                return std::numeric_limits<std::size_t>::max();
+            }
+        }
+    }
+    return std::numeric_limits<std::size_t>::max();
+}
+
+}  // namespace
+
+// A tensor-parallel rank (engine/cpu/tp_engine.h): the model states of its shard (the whole tensors
+// plus 1/T of the cut ones), the arenas of the shard's config, and the buffers that gather the
+// shards for checkpoints (a unit, or the optimizer state, from every rank).
+static std::vector<MemoryPrediction> predict_tp_memory(const RunConfig& cfg, const RematPlan& plan,
+                                                       int rank, int B, int T) {
+    const int tp = cfg.train.tp;
+    const dist::TpLayout tl = dist::make_tp_layout(cfg.model, tp, rank);
+    const ModelConfig shard = dist::tp_shard_config(cfg.model, tp, cfg.train.sequence_parallel);
+    const std::size_t psi = tl.local.total, whole = tl.replicated_floats();
+    auto rows = zero_state_rows(
+        cfg, psi, psi, 1,
+        fmt::format("(whole {} + cut {} / {}) params", whole, tl.full.total - whole, tp));
+    const auto arena = activation_layout(shard, B, T, plan, GPT::arena_format());
+    rows.push_back({MemCategory::Activations,
+                    fmt::format("activation_layout(shard{}, B, T, remat={})",
+                                cfg.train.sequence_parallel ? " with sequence parallelism" : "",
+                                cfg.train.remat),
+                    arena_bytes(arena, MemCategory::Activations)});
+    rows.push_back({MemCategory::Workspace, "activation_layout(shard, B, T)",
+                    arena_bytes(arena, MemCategory::Workspace)});
+    // Checkpoints: the optimizer state of every rank (T x Ψ_shard), or a unit whole beside every
+    // rank's piece of it, whichever is larger.
+    std::size_t unit = 0;
+    for (std::size_t u = 0; u < tl.full.units.size(); u++)
+        unit = std::max(unit, tl.full.units[u].size() + tp * tl.local.units[u].size());
+    rows.push_back(
+        {MemCategory::Communication,
+         fmt::format("checkpoint gathers: max({} x Ψ_shard, a unit + its {} pieces)", tp, tp),
+         sizeof(float) * std::max((std::size_t)tp * psi, unit)});
+    return rows;
+}
+
+std::vector<MemoryPrediction> predict_cpu_memory(const RunConfig& cfg, const RematPlan& plan,
+                                                 int rank, int B, int T) {
+    if (cfg.train.device != "cpu") return {};
+    switch (engine_kind(cfg)) {
+        case EngineKind::TensorParallel:
+            return predict_tp_memory(cfg, plan, rank, B, T);
+        case EngineKind::Cpu:
+        case EngineKind::Lora:
+            break;
+        default:  // the mesh's engine (predict_pipeline_memory), the parameter server
+            return {};
+    }
+    const ParamLayout layout = make_param_layout(cfg.model);
+    const auto arena = activation_layout(cfg.model, B, T, plan, GPT::arena_format());
+    auto shard = [&](std::size_t psi) {
+        return (std::size_t)dist::shard_ranges((int64_t)psi, cfg.world).at(rank).count;
+    };
+    std::vector<MemoryPrediction> rows;
+    std::string ws_formula = "activation_layout(B, T)";
+    std::size_t ws_extra = 0;
+    if (!cfg.lora.enabled()) {
+        rows = zero_state_rows(cfg, shard(layout.total), layout.total, cfg.world, "params");
+    } else {
+        // The adapters' states as any ZeroStore's; the frozen base beside their parameters.
+        const LoraLayout ll = make_lora_layout(cfg.model, cfg.lora);
+        const std::size_t psi = ll.params.total;
+        rows = zero_state_rows(cfg, shard(psi), psi, cfg.world, "adapters");
+        std::size_t base = sizeof(float) * layout.total;
+        std::string base_formula = fmt::format("4 x {} (fp32)", layout.total);
+        if (cfg.lora.base != "fp32") {
+            const quant::BaseQuant q = quant::lora_base_quant(cfg.lora);
+            const quant::BaseBytes bb = quant::QuantizedParamStore::predicted_bytes(cfg.model, q);
+            base = bb.params();
+            base_formula = q.name() + " packed + fp32 rest";
+            ws_extra += bb.slots;
+            ws_formula += " + 2 decoded blocks (fp32)";
+        }
+        rows[0].bytes += base;
+        rows[0].formula = fmt::format("base {} (frozen) + {}", base_formula, rows[0].formula);
+        ws_extra += lora_workspace_bytes(cfg.lora, ll, B * T);
+        ws_formula += " + LoRA h, dh (+ dropout x, dx)";
+    }
+    rows.push_back({MemCategory::Activations,
+                    fmt::format("activation_layout(B, T, remat={})", cfg.train.remat),
+                    arena_bytes(arena, MemCategory::Activations)});
+    rows.push_back({MemCategory::Workspace, ws_formula,
+                    arena_bytes(arena, MemCategory::Workspace) + ws_extra});
+    return rows;
+}
+
+plan::RunSpec planner_run_spec(const RunConfig& cfg, const ActFormat& format) {
+    plan::RunSpec rs;
+    rs.precision = plan::parse_precision(cfg.train.precision);
+    rs.optimizer = cfg.optim.name == "sgd" ? plan::Optimizer::sgd : plan::Optimizer::adamw;
+    rs.micro_batch = cfg.micro_batch();
+    rs.seq = cfg.train.seq_len;
+    rs.micro_batches = cfg.accum_steps();
+    rs.dp = cfg.dp();
+    rs.tp = cfg.train.tp;
+    rs.pp = cfg.train.pp;
+    rs.sequence_parallel = cfg.train.sequence_parallel;
+    // The schedules the planner knows; the others (naive, PipeDream) are priced as 1F1B.
+    const std::string& sched = cfg.train.pp_schedule;
+    if (sched == "gpipe" || sched == "1f1b" || sched == "zb-h1")
+        rs.schedule = plan::parse_schedule(sched);
+    if (sched == "interleaved" && cfg.train.pp_virtual > 1) {
+        rs.schedule = plan::Schedule::interleaved;
+        rs.virtual_stages = cfg.train.pp_virtual;
+    }
+    rs.zero = cfg.train.zero_stage;
+    rs.offload = cfg.train.offload_optimizer ? plan::Offload::optimizer : plan::Offload::none;
+    rs.flash_attention = format.fused_attention;
+    rs.fragmentation = 0;
+    rs.reserve_bytes = 0;
+    const std::string& rp = cfg.train.remat;
+    if (rp == "selective" || rp == "full") rs.recompute = plan::parse_recompute(rp);
+    if (cfg.lora.enabled()) {
+        rs.lora_rank = cfg.lora.rank;
+        rs.frozen_bits = cfg.lora.base == "int8" ? 8 : cfg.lora.base == "fp32" ? 16 : 4;
+    }
+    return rs;
+}
+
+plan::RankCoord planner_rank(const RunConfig& cfg, int rank) {
+    // The mesh's order (parallel/mesh.h): rank = (replica x pp + stage) x tp + shard.
+    const dist::MeshLayout mesh{std::max(1, cfg.train.pp), 1, std::max(1, cfg.train.tp)};
+    return plan::RankCoord{mesh.stage_of(rank), mesh.replica_of(rank)};
+}
+
+std::size_t host_available_bytes() {
+    if (const char* e = std::getenv("MEMTRAIN_HOST_MEMORY")) {
+        try {
+            return remat::parse_bytes(e);
+        } catch (const Error&) {
+            fail("MEMTRAIN_HOST_MEMORY = '{}': expected bytes, e.g. 8GiB", e);
+        }
+    }
+    std::size_t avail = read_number("/proc/meminfo", "MemAvailable:", 1024);
+    // A cgroup v2 limit (containers, Slurm) caps what this process may take.
+    const std::size_t limit = read_number("/sys/fs/cgroup/memory.max", "", 1);
+    const std::size_t used = read_number("/sys/fs/cgroup/memory.current", "", 1);
+    if (limit != std::numeric_limits<std::size_t>::max() && used <= limit)
+        avail = std::min(avail, limit - used);
+    return avail;
+}
+
+std::vector<MemoryPrediction> predict_pipeline_memory(const RunConfig& cfg, int rank) {
+    // The mesh's engine: pipelines, and tensor-parallel groups side by side (pp = 1).
+    if (cfg.train.device != "cpu" || engine_kind(cfg) != EngineKind::Pipeline || cfg.lora.enabled())
+        return {};
+    // What the planner prices as the executor allocates: the synchronous schedules' slots (not
+    // naive's one, nor PipeDream's weight versions) and the whole-model remat policies.
+    const std::string &sched = cfg.train.pp_schedule, &remat = cfg.train.remat;
+    if (sched != "gpipe" && sched != "1f1b" && sched != "zb-h1" && sched != "interleaved")
+        return {};
+    if (remat != "none" && remat != "selective" && remat != "full") return {};
+    const plan::MemoryEstimate est = plan::estimate_rank_memory(
+        plan::model_from_config(cfg.model), planner_run_spec(cfg, GPT::arena_format()),
+        planner_rank(cfg, rank));
+    if (!est.engine_layout) return {};
+    std::vector<MemoryPrediction> rows;
+    const struct {
+        MemCategory category;
+        const char* line;
+    } lines[] = {{MemCategory::Parameters, "parameters"},
+                 {MemCategory::Gradients, "gradients"},
+                 {MemCategory::OptimizerState, "optimizer states"},
+                 {MemCategory::Activations, "activations"}};
+    for (const auto& l : lines)
+        rows.push_back({l.category, fmt::format("estimate_rank_memory: {}", l.line),
+                        (std::size_t)est.bytes(l.line)});
+    // The engine keeps ZB-H1's deferred output gradients among its activations.
+    rows.back().bytes += (std::size_t)est.bytes("zero-bubble W gradients");
+    return rows;
+}
+
+void check_host_fit(const RunConfig& cfg, const std::vector<MemoryPrediction>& rows, int rank,
+                    int ranks_on_node) {
+    const int T = cfg.train.seq_len;
+    const bool stage = engine_kind(cfg) == EngineKind::Pipeline;
+    if (rows.empty()) return;
+    const std::size_t per_rank = sum(rows), need = per_rank * (std::size_t)ranks_on_node;
+    const std::size_t avail = host_available_bytes();
+    if (need <= avail) return;
+    std::string parts;
+    for (const auto& r : rows)
+        parts += fmt::format("{}{} {}", parts.empty() ? "" : ", ", category_name(r.category),
+                             gib(r.bytes));
+    if (stage)
+        fail(
+            "this run needs {} of host memory per rank on pipeline stage {} ({}){} but {} is "
+            "available{}: it would fail while allocating. More stages (train.pp), a smaller "
+            "train.micro_batch_size or train.remat = \"full\" need less per rank",
+            gib(per_rank), planner_rank(cfg, rank).stage, parts,
+            ranks_on_node > 1
+                ? fmt::format(", {} for the {} ranks on this node,", gib(need), ranks_on_node)
+                : std::string(","),
+            gib(avail), std::getenv("MEMTRAIN_HOST_MEMORY") ? " (MEMTRAIN_HOST_MEMORY)" : "");
+    // What would change it: the activations at one sequence per micro-batch and full remat, and
+    // the model states sharded over more ranks or left to adapters.
+    const RematPlan full = remat::make_schedule(remat::parse_policy("full"), cfg.model, 1, T,
+                                                nullptr, GPT::arena_format())
+                               .plan;
+    const std::size_t smallest = sum(predict_cpu_memory(cfg, full, rank, 1, T));
+    std::string would = fmt::format(
+        "train.micro_batch_size = 1 with train.remat = \"full\" needs {} per rank", gib(smallest));
+    if (smallest > avail / (std::size_t)ranks_on_node)
+        would += cfg.lora.enabled() ? "; a smaller model or more memory is needed"
+                                    : "; model states need ZeRO over more nodes, or LoRA "
+                                      "(lora.rank) to train adapters only";
+    fail(
+        "this run needs {} of host memory per rank ({}){} but {} is available{}: it would fail "
+        "while allocating. {}",
+        gib(per_rank), parts,
+        ranks_on_node > 1
+            ? fmt::format(", {} for the {} ranks on this node,", gib(need), ranks_on_node)
+            : std::string(","),
+        gib(avail), std::getenv("MEMTRAIN_HOST_MEMORY") ? " (MEMTRAIN_HOST_MEMORY)" : "", would);
+}
+
+}  // namespace memtrain

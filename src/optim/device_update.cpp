@@ -1,0 +1,53 @@
+// Host half of the GPU optimizer: the per-tensor pieces of a parameter range and the per-step
+// scalars (optim/device_update.h). Plain C++, built everywhere.
+#include "optim/device_update.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+
+namespace memtrain::cuda {
+
+std::vector<TensorChunk> tensor_chunks(const ParamLayout& layout, std::size_t offset,
+                                       std::size_t count, int max_n) {
+    if (max_n < 1) fail("cuda::tensor_chunks: max_n is {}, expected >= 1", max_n);
+    if (offset > layout.total || count > layout.total - offset)
+        fail("cuda::tensor_chunks: range [{}, {} + {}) is outside the {} parameters", offset,
+             offset, count, layout.total);
+    std::vector<TensorChunk> chunks;
+    const std::size_t end = offset + count;
+    for (const ParamSpec& t : layout.tensors) {
+        // The same intersection as Optimizer::for_each_piece, cut into max_n pieces.
+        const std::size_t lo = std::max(t.offset, offset);
+        const std::size_t hi = std::min(t.offset + t.numel, end);
+        for (std::size_t at = lo; at < hi; at += (std::size_t)max_n) {
+            const std::size_t n = std::min(hi - at, (std::size_t)max_n);
+            chunks.push_back({(int64_t)(at - offset), (int32_t)n, t.decay ? 1 : 0});
+        }
+    }
+    return chunks;
+}
+
+StepScalars make_step_scalars(const OptimConfig& cfg, double lr, int64_t step, float loss_scale) {
+    if (step < 1) fail("cuda::make_step_scalars: step is {}, expected the 1-based count", step);
+    StepScalars s{};
+    // AdamW::step's constants: bias corrections in double, then float.
+    s.lr = (float)lr;
+    s.beta1 = (float)cfg.beta1;
+    s.beta2 = (float)cfg.beta2;
+    s.eps = (float)cfg.eps;
+    s.decay_factor = (float)(1.0 - lr * cfg.weight_decay);
+    s.step_size = (float)(lr / (1.0 - std::pow(cfg.beta1, (double)step)));
+    s.bc2_sqrt = (float)std::sqrt(1.0 - std::pow(cfg.beta2, (double)step));
+    // Sgd::step's.
+    s.momentum = (float)cfg.momentum;
+    s.weight_decay = (float)cfg.weight_decay;
+    s.first_step = step == 1 ? 1 : 0;
+    s.nesterov = cfg.nesterov ? 1 : 0;
+    s.loss_scale = loss_scale;
+    s.max_norm = (float)cfg.grad_clip;
+    return s;
+}
+
+}  // namespace memtrain::cuda

@@ -1,0 +1,176 @@
+// Data parallelism with ZeRO sharding (Rajbhandari et al.), as a ParamStore the model runs on.
+// Every rank runs the same model on its own rows of the global batch; this store decides what
+// each rank keeps of the model states and when gradients and parameters travel:
+//
+//   stage  parameters    gradients              optimizer state   communication per step
+//   0      whole         whole, all-reduced     whole             all-reduce per unit (DDP)
+//   1      whole         whole, reduce-scatter  this rank's shard reduce-scatter + all-gather
+//   2      whole         this rank's shard      this rank's shard reduce-scatter per unit and
+//                                                                 micro-batch + all-gather
+//   3      shard         this rank's shard      this rank's shard all-gather per unit use +
+//                                                                 reduce-scatter as stage 2
+//
+// A rank's shard is its balanced piece of the flat parameter buffer (dist::shard_ranges), the
+// same for parameters, gradients and optimizer state, so the optimizer of rank r updates the
+// floats [offset_r, offset_r + count_r) and nothing else.
+//
+// Gradients are reduced unit by unit (embedding, blocks, head) as soon as backward has finished a
+// unit: a unit is DDP's bucket. Every reduction is started nonblocking at grads_done and travels
+// while backward computes the next units (each later unit lets it progress); it is completed at
+// the latest point its result is needed:
+//   - stage 0 all-reduces in place and waits when the gradients are first read (clip_grad_norm,
+//     owned_grads);
+//   - stages 1-3 reduce-scatter into a piece buffer and complete in start order: when the piece
+//     has arrived (checked at every later unit), when starting one more would put more than
+//     kMaxReducing in flight (so at most that many gradient buckets wait on the network), when
+//     backward needs the unit's bucket again (next micro-batch), or when the gradients are read.
+//     Completing copies (stage 1) or adds (stages 2, 3) the piece into this rank's gradient shard
+//     and frees the unit's bucket.
+// Stages 0 and 1 keep whole gradients and so reduce once per optimizer step, after the last
+// micro-batch (set_reduce(false) for the others); stages 2 and 3 keep only a shard, so they
+// reduce each micro-batch's unit into it.
+//
+// Stage 3 gathers a unit's parameters into a buffer of its own at acquire and frees it at
+// release. The model announces the unit it will acquire next (ParamStore::prefetch: forward
+// u + 1 after u, backward u - 1 after u, the embedding again after the head when the embeddings
+// are tied), and the store starts that all-gather at once, so it travels while the current unit
+// computes and acquire usually finds it there (prefetch_stats counts hits and misses). At most
+// one prefetched buffer exists beside the held ones; a prefetch that is not acquired next is
+// dropped when the next one starts, and any prefetch is dropped before the optimizer writes the
+// shard (owned_params), so no gathered copy is ever stale.
+//
+// Memory (floats, Ψ parameters, N ranks, fp32 on the CPU): parameters Ψ (stage 3: Ψ/N),
+// gradients Ψ (stages 2, 3: Ψ/N), optimizer state kΨ (stages 1-3: kΨ/N; AdamW k = 2). Unit
+// buffers (gathered and prefetched parameters, gradient buckets, reduce-scatter pieces) are
+// tagged MemCategory::Communication and live only while a unit is in use or in flight.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "core/allocator.h"
+#include "model/param_store.h"
+
+namespace memtrain::dist {
+
+// How often stage 3 found a unit already gathered at acquire. Only acquires that need a gather
+// count (a unit already held does not).
+struct PrefetchStats {
+    int64_t hits = 0;     // the unit's prefetch had been started (maybe not finished)
+    int64_t misses = 0;   // gathered on the spot
+    int64_t dropped = 0;  // prefetched but not acquired next (a wrong hint, or the optimizer step)
+};
+
+// How stages 1-3's reduce-scatters completed: arrived means a later unit found the piece there
+// (it travelled under compute); the rest were waited for (the in-flight bound, the bucket needed
+// again, or the gradients read).
+struct ReduceStats {
+    int64_t started = 0;
+    int64_t arrived = 0;
+    std::size_t max_in_flight = 0;  // at most ZeroStore::kMaxReducing
+};
+
+class ZeroStore final : public ParamStore {
+  public:
+    // Reduce-scatters in flight at once (stages 1-3); starting another completes the oldest, so
+    // at most this many gradient buckets wait on the network besides the one backward fills.
+    static constexpr std::size_t kMaxReducing = 2;
+
+    ZeroStore(const ParamLayout& layout, Communicator& comm, int stage);
+    // Completes whatever is still in flight: MPI writes into the unit buffers until then.
+    ~ZeroStore() override;
+    ZeroStore(const ZeroStore&) = delete;
+    ZeroStore& operator=(const ZeroStore&) = delete;
+
+    int stage() const { return stage_; }
+    // The floats of the flat buffer this rank updates: everything at stage 0, its shard else.
+    ShardRange owned() const { return owned_; }
+    // Parameters and (reduced) gradients of owned(), valid after the last micro-batch's backward.
+    // The optimizer writes through owned_params(), so it first drops a pending prefetch.
+    float* owned_params();
+    float* owned_grads();
+
+    // Stages 0 and 1: whether this micro-batch's backward reduces its gradients (true for the
+    // last micro-batch of a step). Stages 2 and 3 always reduce. Default true.
+    void set_reduce(bool reduce) { reduce_ = reduce; }
+
+    // The global L2 norm of the reduced gradients; when max_norm > 0 and the norm is larger,
+    // scales them to max_norm (torch.nn.utils.clip_grad_norm_'s coefficient). A collective.
+    double clip_grad_norm(double max_norm);
+    // After the optimizer has updated owned_params(): stages 1 and 2 all-gather the parameters so
+    // every rank holds them whole again. A collective.
+    void finish_step();
+
+    const PrefetchStats& prefetch_stats() const { return prefetch_stats_; }
+    const ReduceStats& reduce_stats() const { return reduce_stats_; }
+
+    // ParamStore
+    float* full_params() override;
+    float* full_grads() override;
+    float* acquire(int u, bool for_write = false) override;
+    void release(int u) override;
+    void prefetch(int u) override;
+    float* unit_grads(int u) override;
+    void grads_done(int u) override;
+    void zero_grads() override;
+
+  private:
+    // One unit's piece of the shard layout: how many of its floats each rank owns, and where
+    // this rank's piece starts inside the unit.
+    struct UnitShards {
+        std::vector<int64_t> counts;  // per rank
+        int64_t mine_begin = 0;       // index into the unit of this rank's first float
+        int64_t mine_count = 0;
+    };
+    // A started reduce-scatter of one unit's gradients into this rank's piece.
+    struct Reducing {
+        int unit = -1;
+        uint64_t op = 0;
+        Buffer<float> piece;
+    };
+    // The started all-gather of the unit announced next (stage 3).
+    struct Prefetched {
+        int unit = -1;  // -1: none
+        uint64_t op = 0;
+        Buffer<float> params;
+    };
+
+    // This rank's shard of unit u's parameters inside params_ (stage 3), or any valid pointer
+    // when it owns none of the unit.
+    const float* my_piece(int u);
+    // Lets started operations advance and completes the reduce-scatters that have arrived.
+    void poll();
+    // Completes the oldest reduce-scatter: its piece into the gradient shard, its bucket freed.
+    void finish_oldest_reduce();
+    // Completes the reduce-scatters up to and including unit u's (before its bucket is reused).
+    void finish_reduces_of(int u);
+    // Completes every started reduction before anyone reads the gradients.
+    void sync();
+    // Waits for the pending prefetch and frees its buffer.
+    void drop_prefetch();
+
+    const ParamLayout* layout_;
+    Communicator* comm_;
+    bool in_flight_ = false;  // stage 0: all-reduces started since the last sync
+    int stage_;
+    ShardRange owned_;
+    std::vector<UnitShards> unit_shards_;
+    bool reduce_ = true;
+
+    Buffer<float> params_;  // whole (stages 0-2) or this rank's shard (stage 3)
+    Buffer<float> grads_;   // whole (stages 0-1) or this rank's shard (stages 2-3)
+    // Stage 3: gathered parameters per unit, with how many acquires hold them and whether one
+    // may write. Stages 2-3: a gradient bucket per unit while backward fills it or it is reduced.
+    std::vector<Buffer<float>> gathered_;
+    std::vector<int> holds_;
+    std::vector<bool> written_;
+    std::vector<Buffer<float>> buckets_;
+    std::deque<Reducing> reducing_;  // oldest first
+    ReduceStats reduce_stats_;
+    Prefetched prefetched_;
+    PrefetchStats prefetch_stats_;
+};
+
+}  // namespace memtrain::dist

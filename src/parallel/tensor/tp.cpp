@@ -1,0 +1,195 @@
+// Tensor parallelism: the cut of each tensor, the counted group, and the vocabulary-parallel
+// embedding and cross-entropy (see tp.h).
+#include "parallel/tensor/tp.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <string_view>
+#include <utility>
+
+#include "core/error.h"
+
+namespace memtrain::dist {
+
+namespace {
+
+// The cut of the whole model's tensor `name` (see tp.h's table).
+TpShard shard_of(const ModelConfig& c, std::string_view name) {
+    const int64_t C = c.n_embd, KV = (int64_t)c.kv_heads() * c.head_dim(), H = c.mlp_hidden();
+    auto ends = [&](std::string_view s) { return name.ends_with(s); };
+    if (name == "wte.weight" || name == "lm_head.weight") return {0, {c.padded_vocab()}};
+    if (ends("attn.c_attn.weight")) return {1, {C, KV, KV}};
+    if (ends("attn.c_attn.bias")) return {0, {C, KV, KV}};
+    if (ends("attn.c_proj.weight")) return {0, {C}};
+    const std::vector<int64_t> fc = c.swiglu() ? std::vector<int64_t>{H, H} : std::vector{H};
+    if (ends("mlp.c_fc.weight")) return {1, fc};
+    if (ends("mlp.c_fc.bias")) return {0, fc};
+    if (ends("mlp.c_proj.weight")) return {0, {H}};
+    return {};
+}
+
+// Which rank holds element e of the whole tensor `spec` cut by `sh` over T ranks, and where in
+// that rank's local tensor.
+std::pair<int, int64_t> locate(const ParamSpec& spec, const TpShard& sh, int T, int64_t e) {
+    if (!sh.split()) return {-1, e};
+    const int64_t along = spec.shape[sh.dim];
+    int64_t inner = 1;
+    for (std::size_t d = sh.dim + 1; d < spec.shape.size(); d++) inner *= spec.shape[d];
+    const int64_t o = e / (along * inner), a = (e / inner) % along, in = e % inner;
+    int64_t start = 0, local_start = 0;
+    for (int64_t s : sh.segments) {
+        const int64_t piece = s / T;
+        if (a < start + s) {
+            const int r = (int)((a - start) / piece);
+            const int64_t la = local_start + (a - start) % piece;
+            return {r, (o * (along / T) + la) * inner + in};
+        }
+        start += s;
+        local_start += piece;
+    }
+    fail("internal: element {} of {} lies outside its segments", e, spec.name);
+}
+
+}  // namespace
+
+ModelConfig tp_shard_config(const ModelConfig& cfg, int ranks, bool sequence_parallel) {
+    ModelConfig c = cfg;
+    c.tp = ranks;
+    c.sequence_parallel = sequence_parallel;
+    c.validate();
+    return c;
+}
+
+TpLayout make_tp_layout(const ModelConfig& cfg, int ranks, int rank) {
+    if (cfg.tp != 1) fail("internal: make_tp_layout takes the whole model's config");
+    TpLayout l;
+    l.ranks = ranks;
+    l.rank = rank;
+    l.full = make_param_layout(cfg);
+    l.local = make_param_layout(tp_shard_config(cfg, ranks));
+    if (l.full.tensors.size() != l.local.tensors.size())
+        fail("internal: the shard layout has {} tensors, the model {}", l.local.tensors.size(),
+             l.full.tensors.size());
+    for (std::size_t i = 0; i < l.full.tensors.size(); i++) {
+        const ParamSpec &f = l.full.tensors[i], &s = l.local.tensors[i];
+        l.shards.push_back(shard_of(cfg, f.name));
+        const std::size_t want = l.shards.back().split() ? f.numel / ranks : f.numel;
+        if (f.name != s.name || s.numel != want)
+            fail("internal: shard tensor {} ({} floats) does not match {} ({} / {})", s.name,
+                 s.numel, f.name, f.numel, ranks);
+    }
+    return l;
+}
+
+int64_t TpLayout::local_index(std::size_t i, int64_t e) const {
+    const auto [r, li] = locate(full.tensors[i], shards[i], ranks, e);
+    return r < 0 || r == rank ? li : -1;
+}
+
+std::size_t TpLayout::replicated_floats() const {
+    std::size_t n = 0;
+    for (std::size_t i = 0; i < shards.size(); i++)
+        if (!shards[i].split()) n += local.tensors[i].numel;
+    return n;
+}
+
+std::size_t TpLayout::sharded_floats() const {
+    return local.total - replicated_floats();
+}
+
+void tp_slice(const TpLayout& l, std::size_t i, const float* whole, float* local) {
+    const ParamSpec& f = l.full.tensors[i];
+    if (!l.shards[i].split()) {
+        std::memcpy(local, whole, sizeof(float) * f.numel);
+        return;
+    }
+    for (int64_t e = 0; e < (int64_t)f.numel; e++) {
+        const auto [r, li] = locate(f, l.shards[i], l.ranks, e);
+        if (r == l.rank) local[li] = whole[e];
+    }
+}
+
+void tp_assemble(const TpLayout& l, std::size_t i, const float* pieces, std::size_t stride,
+                 float* whole) {
+    const ParamSpec& f = l.full.tensors[i];
+    if (!l.shards[i].split()) {
+        std::memcpy(whole, pieces, sizeof(float) * f.numel);  // rank 0's copy
+        return;
+    }
+    for (int64_t e = 0; e < (int64_t)f.numel; e++) {
+        const auto [r, li] = locate(f, l.shards[i], l.ranks, e);
+        whole[e] = pieces[r * stride + li];
+    }
+}
+
+bool sp_partial_grad(const std::string& name) {
+    for (const char* n :
+         {"ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias", "ln_f.weight", "ln_f.bias"})
+        if (name.ends_with(n)) return true;
+    return false;
+}
+
+template <typename F>
+void TpGroup::counted(TpSite s, int64_t n, F&& run) {
+    counts_.calls[(int)s]++;
+    counts_.elements[(int)s] += n;
+    const auto t0 = std::chrono::steady_clock::now();
+    run();
+    counts_.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void TpGroup::all_reduce(TpSite site, float* data, int64_t n) {
+    counted(site, n, [&] { comm_->all_reduce_sum(data, n); });
+}
+
+void TpGroup::all_reduce_max(TpSite site, double* data, int64_t n) {
+    counted(site, n, [&] { comm_->all_reduce_max(data, n); });
+}
+
+void TpGroup::all_gather(TpSite site, const float* in, float* out, int64_t n) {
+    const std::vector<int64_t> counts((std::size_t)size(), n);
+    counted(site, n, [&] { comm_->all_gather(in, out, counts); });
+}
+
+void TpGroup::reduce_scatter(TpSite site, const float* in, float* out, int64_t n) {
+    if (n % size() != 0) fail("internal: a reduce-scatter of {} floats over {} ranks", n, size());
+    const std::vector<int64_t> counts((std::size_t)size(), n / size());
+    counted(site, n, [&] { comm_->reduce_scatter_sum(in, out, counts); });
+}
+
+void TpGroup::all_gather_shards(TpSite site, const float* in, float* out, int64_t n) {
+    if (n % size() != 0) fail("internal: an all-gather of {} floats over {} ranks", n, size());
+    const std::vector<int64_t> counts((std::size_t)size(), n / size());
+    counted(site, n, [&] { comm_->all_gather(in, out, counts); });
+}
+
+double TpGroup::Counts::ring_bytes(int ranks) const {
+    double b = 0;
+    const double share = (double)(ranks - 1) / ranks;
+    for (int s = 0; s < kTpSites; s++) {
+        const double bytes = (double)elements[s] * (s == (int)TpSite::LossMax ? 8 : 4);
+        if (s == (int)TpSite::Gather)
+            b += bytes * (ranks - 1);  // counted per rank: every other rank's piece arrives
+        else
+            b += bytes * share * (tp_site_op((TpSite)s) == TpOp::AllReduce ? 2 : 1);
+    }
+    return b;
+}
+
+int64_t TpGroup::Counts::calls_of(TpOp op) const {
+    int64_t n = 0;
+    for (int s = 0; s < kTpSites; s++)
+        if (tp_site_op((TpSite)s) == op) n += calls[s];
+    return n;
+}
+
+int64_t TpGroup::Counts::bytes() const {
+    int64_t b = 0;
+    for (int s = 0; s < kTpSites; s++)
+        b += elements[s] * (s == (int)TpSite::LossMax ? (int64_t)sizeof(double) : 4);
+    return b;
+}
+
+}  // namespace memtrain::dist

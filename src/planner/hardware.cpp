@@ -1,0 +1,64 @@
+// GPU presets from vendor datasheets (dense, no sparsity) and typical DGX/HGX networking:
+// A100 nodes with 8x200 Gb/s HDR (25 GB/s per GPU), H100/H200 with 8x400 Gb/s NDR (50 GB/s).
+// Host memory per node is the DGX system memory of NVIDIA's datasheets (DGX A100 320GB: 1 TB,
+// DGX A100 640GB: 2 TB, DGX H100 and DGX H200: 2 TB, each for 8 GPUs), counted as 1024 and
+// 2048 decimal GB: an HGX node from another vendor is often built the same way.
+#include "planner/hardware.h"
+
+#include <fmt/ranges.h>
+
+#include "core/error.h"
+#include "planner/nearest.h"
+
+namespace memtrain::plan {
+
+namespace {
+
+GpuSpec make(std::string name, double mem_gb, double tflops, double fp32_tflops, double hbm_tbs,
+             double nvlink_gbs, double net_gbs, double pcie_gbs, double node_host_gb,
+             std::string node) {
+    GpuSpec g;
+    g.name = std::move(name);
+    g.memory_bytes = mem_gb * 1e9;
+    g.peak_flops = tflops * 1e12;
+    g.peak_flops_fp32 = fp32_tflops * 1e12;
+    g.hbm_bandwidth = hbm_tbs * 1e12;
+    g.intra_node_bw = nvlink_gbs * 1e9;
+    g.inter_node_bw = net_gbs * 1e9;
+    g.pcie_bw = pcie_gbs * 1e9;
+    g.host_memory_per_gpu = node_host_gb / 8 * 1e9;
+    g.host_memory_source = fmt::format("as in a {}: {:g} GB for 8 GPUs", node, node_host_gb);
+    return g;
+}
+
+const std::vector<GpuSpec>& presets() {
+    static const std::vector<GpuSpec> table = {
+        make("a100-40gb", 40, 312, 19.5, 1.555, 300, 25, 25, 1024, "DGX A100 320GB"),
+        make("a100-80gb", 80, 312, 19.5, 2.039, 300, 25, 25, 2048, "DGX A100 640GB"),
+        make("h100-80gb", 80, 989, 67, 3.35, 450, 50, 50, 2048, "DGX H100"),
+        make("h200", 141, 989, 67, 4.8, 450, 50, 50, 2048, "DGX H200"),
+    };
+    return table;
+}
+
+}  // namespace
+
+std::vector<std::string> gpu_preset_names() {
+    std::vector<std::string> names;
+    for (const auto& g : presets()) names.push_back(g.name);
+    return names;
+}
+
+GpuSpec gpu_preset(const std::string& name) {
+    if (name == "custom") return GpuSpec{};  // H100-like defaults, meant to be overridden
+    for (const auto& g : presets())
+        if (g.name == name) return g;
+    fail(
+        "unknown GPU \"{}\"; did you mean \"{}\"? (presets: {}; or --gpu custom with "
+        "--gpu-mem-gb, --gpu-tflops, --hbm-bw-gbs and, as the run needs them, --intra-bw-gbs, "
+        "--inter-bw-gbs, --pcie-bw-gbs, --gpu-fp32-tflops)",
+        name, nearest_name(name, gpu_preset_names()),
+        fmt::format("{}", fmt::join(gpu_preset_names(), ", ")));
+}
+
+}  // namespace memtrain::plan

@@ -1,0 +1,248 @@
+// Parsers, validation and per-parameter byte counts for RunSpec.
+// The byte table is the ZeRO paper's accounting (mixed-precision Adam: 2 + 2 + 12 = 16 bytes),
+// extended to fp32, bf16-only, SGD with momentum and 8-bit Adam states.
+#include "planner/run_layout.h"
+
+#include <utility>
+#include <vector>
+
+#include <fmt/ranges.h>
+
+#include "core/error.h"
+#include "planner/nearest.h"
+
+namespace memtrain::plan {
+
+namespace {
+
+template <typename E>
+E parse_enum(const char* what, const std::string& s,
+             const std::vector<std::pair<std::string, E>>& table) {
+    std::vector<std::string> names;
+    for (const auto& [name, value] : table) {
+        if (name == s) return value;
+        names.push_back(name);
+    }
+    fail("unknown {} \"{}\"; did you mean \"{}\"? (one of {})", what, s, nearest_name(s, names),
+         fmt::format("{}", fmt::join(names, ", ")));
+}
+
+}  // namespace
+
+Precision parse_precision(const std::string& s) {
+    return parse_enum<Precision>("precision", s,
+                                 {{"bf16", Precision::mixed_bf16},
+                                  {"fp16", Precision::mixed_fp16},
+                                  {"fp32", Precision::fp32},
+                                  {"bf16-only", Precision::bf16_only}});
+}
+
+Optimizer parse_optimizer(const std::string& s) {
+    return parse_enum<Optimizer>("optimizer", s,
+                                 {{"adamw", Optimizer::adamw},
+                                  {"sgd", Optimizer::sgd},
+                                  {"adamw8bit", Optimizer::adamw8bit}});
+}
+
+Recompute parse_recompute(const std::string& s) {
+    return parse_enum<Recompute>("recompute policy", s,
+                                 {{"none", Recompute::none},
+                                  {"selective", Recompute::selective},
+                                  {"full", Recompute::full}});
+}
+
+Schedule parse_schedule(const std::string& s) {
+    return parse_enum<Schedule>("pipeline schedule", s,
+                                {{"1f1b", Schedule::one_f_one_b},
+                                 {"gpipe", Schedule::gpipe},
+                                 {"interleaved", Schedule::interleaved},
+                                 {"zb-h1", Schedule::zb_h1}});
+}
+
+Offload parse_offload(const std::string& s) {
+    return parse_enum<Offload>("offload", s,
+                               {{"none", Offload::none},
+                                {"optimizer", Offload::optimizer},
+                                {"params", Offload::optimizer_and_params}});
+}
+
+LoraTargets parse_lora_targets(const std::string& s) {
+    return parse_enum<LoraTargets>("LoRA targets", s,
+                                   {{"attn", LoraTargets::attn}, {"all", LoraTargets::all}});
+}
+
+const char* to_string(Precision p) {
+    switch (p) {
+        case Precision::mixed_bf16:
+            return "bf16";
+        case Precision::mixed_fp16:
+            return "fp16";
+        case Precision::fp32:
+            return "fp32";
+        case Precision::bf16_only:
+            return "bf16-only";
+    }
+    return "?";
+}
+const char* to_string(Optimizer o) {
+    switch (o) {
+        case Optimizer::adamw:
+            return "adamw";
+        case Optimizer::sgd:
+            return "sgd";
+        case Optimizer::adamw8bit:
+            return "adamw8bit";
+    }
+    return "?";
+}
+const char* to_string(Recompute r) {
+    switch (r) {
+        case Recompute::none:
+            return "none";
+        case Recompute::selective:
+            return "selective";
+        case Recompute::full:
+            return "full";
+    }
+    return "?";
+}
+pp::Kind pipeline_kind(Schedule s) {
+    switch (s) {
+        case Schedule::gpipe:
+            return pp::Kind::GPipe;
+        case Schedule::interleaved:
+            return pp::Kind::Interleaved;
+        case Schedule::zb_h1:
+            return pp::Kind::ZbH1;
+        case Schedule::one_f_one_b:
+            break;
+    }
+    return pp::Kind::OneFOneB;
+}
+
+const char* to_string(Schedule s) {
+    switch (s) {
+        case Schedule::one_f_one_b:
+            return "1f1b";
+        case Schedule::gpipe:
+            return "gpipe";
+        case Schedule::interleaved:
+            return "interleaved";
+        case Schedule::zb_h1:
+            return "zb-h1";
+    }
+    return "?";
+}
+const char* to_string(Offload o) {
+    switch (o) {
+        case Offload::none:
+            return "none";
+        case Offload::optimizer:
+            return "optimizer";
+        case Offload::optimizer_and_params:
+            return "params";
+    }
+    return "?";
+}
+
+const char* to_string(LoraTargets t) {
+    return t == LoraTargets::all ? "all" : "attn";
+}
+
+std::string describe_method(const RunSpec& r) {
+    if (r.lora_rank <= 0) return "full-parameter training";
+    if (r.frozen_bits == 16) return fmt::format("LoRA r={}", r.lora_rank);
+    return fmt::format("QLoRA {}-bit r={}", r.frozen_bits, r.lora_rank);
+}
+
+StateBytes state_bytes(Precision precision, Optimizer optimizer) {
+    // Optimizer bytes: Adam keeps two moments, SGD one; 8-bit Adam stores both moments in one
+    // byte each. Mixed precision adds a 4-byte fp32 master copy of the weights.
+    double moments = optimizer == Optimizer::adamw ? 2 : optimizer == Optimizer::sgd ? 1 : 0;
+    switch (precision) {
+        case Precision::mixed_bf16:
+        case Precision::mixed_fp16:
+            return {2, 2, 4 + (optimizer == Optimizer::adamw8bit ? 2.0 : 4 * moments), 4};
+        case Precision::fp32:
+            return {4, 4, optimizer == Optimizer::adamw8bit ? 2.0 : 4 * moments};
+        case Precision::bf16_only:
+            return {2, 2, optimizer == Optimizer::adamw8bit ? 2.0 : 2 * moments};
+    }
+    return {0, 0, 0};
+}
+
+int activation_bytes(Precision precision) {
+    return precision == Precision::fp32 ? 4 : 2;
+}
+
+double frozen_bytes_per_weight(int frozen_bits, Precision precision) {
+    switch (frozen_bits) {
+        case 8:
+            return 1;
+        case 4:
+            return (4 + 8.0 / 64 + 32.0 / (64 * 256)) / 8;
+        default:
+            return state_bytes(precision, Optimizer::adamw).param;
+    }
+}
+
+void validate_run(const ModelSpec& m, const RunSpec& r) {
+    if (r.dp < 1 || r.tp < 1 || r.pp < 1)
+        fail("parallel degrees must be >= 1, got dp={} tp={} pp={}", r.dp, r.tp, r.pp);
+    if (m.n_head % r.tp != 0) {
+        std::vector<int> ok;
+        for (int t = 1; t <= m.n_head && t <= 64; ++t)
+            if (m.n_head % t == 0) ok.push_back(t);
+        fail(
+            "tensor parallel degree {} does not divide the {} attention heads of {}; use one of "
+            "{}",
+            r.tp, m.n_head, m.name, fmt::format("{}", fmt::join(ok, ", ")));
+    }
+    if (m.kv_heads() % r.tp != 0 && r.tp % m.kv_heads() != 0)
+        fail(
+            "tensor parallel degree {} neither divides nor is a multiple of the {} key/value "
+            "heads of {}",
+            r.tp, m.kv_heads(), m.name);
+    if (r.pp > m.n_layer)
+        fail("pipeline degree {} exceeds the {} layers of {}", r.pp, m.n_layer, m.name);
+    if (r.zero < 0 || r.zero > 3) fail("ZeRO stage must be 0, 1, 2 or 3, got {}", r.zero);
+    if (r.micro_batch < 1) fail("micro-batch must be >= 1, got {}", r.micro_batch);
+    if (r.micro_batches < 1) fail("micro-batches per step must be >= 1, got {}", r.micro_batches);
+    if (r.seq < 0) fail("sequence length must be positive, got {}", r.seq);
+    if (!m.rope && r.seq_len(m) > m.block_size)
+        fail("sequence length {} exceeds the {} learned positions of {}", r.seq_len(m),
+             m.block_size, m.name);
+    if (r.offload == Offload::optimizer_and_params && r.zero != 3)
+        fail(
+            "offloading parameters needs ZeRO-3 (got ZeRO-{}); use --zero 3 or --offload "
+            "optimizer",
+            r.zero);
+    if (r.offload == Offload::optimizer && r.zero == 0 && r.dp > 1)
+        fail(
+            "offloading the optimizer with dp={} needs ZeRO >= 1 (each rank updates its shard on "
+            "its host; without sharding every rank would repeat the whole update); add --zero 2",
+            r.dp);
+    if (r.zero >= 2 && r.pp > 1)
+        fail(
+            "ZeRO-{} with pipeline parallelism is not supported (gradients are needed on every "
+            "micro-batch); use ZeRO-1 with pp={}",
+            r.zero, r.pp);
+    if (r.schedule == Schedule::interleaved) {
+        if (r.pp < 2 || r.virtual_stages < 2)
+            fail("the interleaved schedule needs pp >= 2 and --virtual-stages >= 2");
+        // Uneven chunks are allowed (Llama 3 405B runs 126 layers this way); at least one layer
+        // per chunk is not optional.
+        if (m.n_layer < r.pp * r.virtual_stages)
+            fail("interleaved schedule: {} layers cannot fill pp={} x virtual stages={} chunks",
+                 m.n_layer, r.pp, r.virtual_stages);
+    }
+    if (r.lora_rank < 0) fail("LoRA rank must be >= 0, got {}", r.lora_rank);
+    if (r.frozen_bits != 16 && r.frozen_bits != 8 && r.frozen_bits != 4)
+        fail("frozen weight bits must be 16, 8 or 4, got {}", r.frozen_bits);
+    if (r.frozen_bits != 16 && r.lora_rank == 0)
+        fail("quantized frozen weights ({} bits) need LoRA (--lora-rank > 0)", r.frozen_bits);
+    if (r.fragmentation < 0 || r.fragmentation > 1)
+        fail("fragmentation margin must be within 0..1, got {}", r.fragmentation);
+}
+
+}  // namespace memtrain::plan

@@ -1,0 +1,95 @@
+// RunSpec: how one training run is laid out on the GPUs (parallel degrees, ZeRO stage,
+// precision, optimizer, recomputation, micro-batching). Plain data plus parsers for the
+// command-line spellings and a validator that explains what is impossible.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "parallel/pipeline/schedule.h"
+#include "planner/model_shape.h"
+
+namespace memtrain::plan {
+
+// mixed_*: 16-bit params and grads with fp32 master weights; bf16_only: no fp32 copy at all.
+enum class Precision { mixed_bf16, mixed_fp16, fp32, bf16_only };
+enum class Optimizer { adamw, sgd, adamw8bit };  // sgd = SGD with momentum
+// For every layout priced by the engines' layout functions (planner/rank_layout.h,
+// planner/stage_activations.h) each name is the trainer's train.remat of that name (selective:
+// ln_1, ln_2 and the MLP activation recomputed), sequence parallelism and tp with pp included;
+// LoRA on a whole model prices its activations with the engine's arena too. The per-layer
+// formulas (layer_activation_bytes, left for what the trainer cannot express: dropout masks, and
+// LoRA sharded over tp or pp) read selective as Korthikanti's, the attention core recomputed.
+enum class Recompute { none, selective, full };
+enum class Schedule { one_f_one_b, gpipe, interleaved, zb_h1 };
+enum class Offload { none, optimizer, optimizer_and_params };
+// Linear layers that get LoRA adapters: the attention projections (the trainer's default), or
+// those and the MLP's. GPT-2: attn.c_attn (fused QKV, one adapter) and attn.c_proj, then mlp.c_fc
+// and mlp.c_proj; Llama: q_proj, k_proj, v_proj, o_proj, then gate_proj, up_proj, down_proj, each
+// its own adapter.
+enum class LoraTargets { attn, all };
+
+struct RunSpec {
+    int dp = 1, tp = 1, pp = 1;
+    int zero = 0;           // ZeRO stage 0..3 over the dp group
+    int micro_batch = 1;    // sequences per micro-batch per data-parallel rank
+    int seq = 0;            // tokens per sequence; 0 = model.block_size
+    int micro_batches = 1;  // micro-batches per optimizer step (gradient accumulation)
+    Recompute recompute = Recompute::none;
+    bool sequence_parallel = false;  // Megatron SP: shards the norm/dropout activations over tp
+    bool flash_attention = true;     // no s^2 attention scores are kept
+    Precision precision = Precision::mixed_bf16;
+    Optimizer optimizer = Optimizer::adamw;
+    Offload offload = Offload::none;
+    Schedule schedule = Schedule::one_f_one_b;
+    int virtual_stages = 1;  // model chunks per pipeline stage (interleaved schedule)
+    int lora_rank = 0;       // > 0: base weights frozen, LoRA adapters on `lora_targets`
+    int frozen_bits = 16;    // storage of frozen base weights under LoRA: 16, 8 or 4 (QLoRA)
+    LoraTargets lora_targets = LoraTargets::attn;
+    int64_t bucket_bytes = 25 * 1024 * 1024;  // gradient all-reduce bucket (PyTorch DDP default)
+    double fragmentation = 0.05;              // allocator slack as a fraction of the rest
+    int64_t reserve_bytes = 0;                // CUDA context, cuBLAS/NCCL workspaces
+
+    int gpus() const { return dp * tp * pp; }
+    int seq_len(const ModelSpec& m) const { return seq > 0 ? seq : m.block_size; }
+    int64_t global_batch() const { return static_cast<int64_t>(dp) * micro_batch * micro_batches; }
+};
+
+Precision parse_precision(const std::string& s);       // bf16 | fp16 | fp32 | bf16-only
+Optimizer parse_optimizer(const std::string& s);       // adamw | sgd | adamw8bit
+Recompute parse_recompute(const std::string& s);       // none | selective | full
+Schedule parse_schedule(const std::string& s);         // 1f1b | gpipe | interleaved | zb-h1
+Offload parse_offload(const std::string& s);           // none | optimizer | params
+LoraTargets parse_lora_targets(const std::string& s);  // attn | all
+const char* to_string(Precision p);
+const char* to_string(Optimizer o);
+const char* to_string(Recompute r);
+const char* to_string(Schedule s);
+// The executor's schedule of the same name (parallel/pipeline/schedule.h).
+pp::Kind pipeline_kind(Schedule s);
+const char* to_string(Offload o);
+const char* to_string(LoraTargets t);
+
+// How the weights are trained, for labels: "full-parameter training", "LoRA r=16", "QLoRA 8-bit
+// r=16", "QLoRA 4-bit r=16" (frozen weights at 16 bits are not quantized: plain LoRA).
+std::string describe_method(const RunSpec& run);
+
+// Throws memtrain::Error with the reason and a fix when the layout cannot run at all
+// (tp does not divide the heads, more stages than layers, ZeRO stage out of range, ...).
+void validate_run(const ModelSpec& model, const RunSpec& run);
+
+// Bytes per parameter of parameters, gradients and optimizer states (before sharding).
+struct StateBytes {
+    double param, grad, optim;
+    double master = 0;  // of optim: the fp32 master copy of mixed precision
+};
+StateBytes state_bytes(Precision precision, Optimizer optimizer);
+// Bytes of one saved activation element: 4 for fp32 training, else 2.
+int activation_bytes(Precision precision);
+// Bytes of one frozen weight-matrix element under LoRA: 16 bits keeps the run's parameter dtype
+// (state_bytes(...).param), 8 bits is int8 with a per-row scale (LLM.int8; the scale's 32/fan_in
+// bits are left out), 4 bits is QLoRA's NF4 with double-quantized block scales, 4 + 8/64 +
+// 32/(64 x 256) = 4.127 bits (Dettmers et al. 2023; `memtrain quantize --method nf4-dq`).
+double frozen_bytes_per_weight(int frozen_bits, Precision precision);
+
+}  // namespace memtrain::plan

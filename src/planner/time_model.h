@@ -1,0 +1,42 @@
+// Step-time model: FLOPs per token, achievable GEMM throughput, TP/PP/DP communication over
+// NVLink or the network, the pipeline bubble, overlap, and the optimizer step (on GPU or CPU).
+// Output: step time, tokens/s, MFU (model FLOPs) and HFU (with recomputation).
+#pragma once
+
+#include "planner/hardware.h"
+#include "planner/model_shape.h"
+#include "planner/run_layout.h"
+
+namespace memtrain::plan {
+
+// Training FLOPs per token, Megatron's accounting: 6 x matmul params + 12 L h s for attention
+// (scores and weighted sum, forward + backward); LoRA skips weight gradients (4x instead of 6x).
+double model_flops_per_token(const ModelSpec& model, const RunSpec& run);
+// The same plus what recomputation executes again (full: one more forward; selective without
+// flash attention: the attention core's forward).
+double hardware_flops_per_token(const ModelSpec& model, const RunSpec& run);
+
+// Seconds for a ring all-reduce of `bytes` over n ranks at `bw` bytes/s per rank.
+double ring_all_reduce_s(double bytes, int n, double bw);
+// Reduce-scatter or all-gather: half the all-reduce traffic.
+double ring_gather_s(double bytes, int n, double bw);
+
+struct TimeEstimate {
+    double step_s = 0;
+    double compute_s = 0;    // GEMMs and attention of all micro-batches on one stage
+    double tp_comm_s = 0;    // tensor-parallel all-reduces (not overlapped, as in Megatron)
+    double pp_comm_s = 0;    // pipeline send/recv of activations and their gradients
+    double bubble_s = 0;     // pipeline fill and drain
+    double dp_comm_s = 0;    // exposed (not overlapped) data-parallel / ZeRO traffic
+    double optimizer_s = 0;  // optimizer step on the GPU (HBM bound) or on the CPU
+    double offload_s = 0;    // host<->device traffic of offloaded states
+    double bubble_fraction = 0;
+    double gemm_efficiency = 0;  // fraction of peak assumed for the GEMMs
+    double tokens_per_s = 0;
+    double mfu = 0;  // model FLOPs / (gpus x peak)
+    double hfu = 0;  // hardware FLOPs (with recomputation) / (gpus x peak)
+};
+
+TimeEstimate estimate_time(const ModelSpec& model, const RunSpec& run, const ClusterSpec& cluster);
+
+}  // namespace memtrain::plan

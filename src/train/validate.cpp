@@ -1,0 +1,334 @@
+// The run config's checks across keys (see validate.h).
+#include "train/validate.h"
+
+#include <cstdint>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "core/device.h"
+#include "core/error.h"
+#include "model/lora.h"
+#include "parallel/pipeline/schedule.h"
+#include "remat/policy.h"
+
+namespace memtrain {
+
+RunConfig load_run_config(const std::string& path, const std::vector<std::string>& overrides,
+                          const RunConfig* base) {
+    RunConfig cfg = read_run_config(path, overrides, base);
+    // So that `--set train.pp=2` or `train.dp_mode=ps` is not refused for want of ranks a file
+    // cannot know about.
+    cfg.world = cfg.min_world();
+    validate_config(cfg);
+    cfg.world = 1;
+    resolve_config(cfg);
+    return cfg;
+}
+
+void resolve_config(RunConfig& cfg) {
+    if (cfg.train.device == "auto") cfg.train.device = cuda_available() ? "cuda" : "cpu";
+    if (cfg.train.precision == "auto")
+        cfg.train.precision = cfg.train.device == "cuda" ? "bf16" : "fp32";
+}
+
+void validate_pipeline(const RunConfig& cfg) {
+    if (cfg.train.pp < 1) fail("train.pp = {} must be >= 1 (1: no pipeline)", cfg.train.pp);
+    if (cfg.train.pp > cfg.model.n_layer)
+        fail("train.pp = {} stages for model.n_layer = {} blocks: every stage needs a block",
+             cfg.train.pp, cfg.model.n_layer);
+    const pp::Kind kind = pp::parse_kind(cfg.train.pp_schedule);  // names the valid ones
+    if (cfg.train.pp_virtual < 1)
+        fail("train.pp_virtual = {} must be >= 1 (1: one chunk of the model per rank)",
+             cfg.train.pp_virtual);
+    if (cfg.train.pp_virtual > 1 && kind != pp::Kind::Interleaved)
+        fail(
+            "train.pp_virtual = {} needs train.pp_schedule = \"interleaved\", not \"{}\" (set "
+            "train.pp_virtual = 1)",
+            cfg.train.pp_virtual, cfg.train.pp_schedule);
+    if (cfg.train.pp_virtual > 1 && cfg.train.pp == 1)
+        fail("train.pp_virtual = {} needs a pipeline: set train.pp > 1", cfg.train.pp_virtual);
+    if ((int64_t)cfg.train.pp * cfg.train.pp_virtual > cfg.model.n_layer)
+        fail(
+            "train.pp x train.pp_virtual = {} x {} virtual stages for model.n_layer = {} blocks: "
+            "every stage needs a block",
+            cfg.train.pp, cfg.train.pp_virtual, cfg.model.n_layer);
+    if (cfg.train.pp == 1) return;
+    if (cfg.world % cfg.train.pp != 0)
+        fail("train.pp = {} does not divide the {} ranks: start mpirun -np {} (or a multiple)",
+             cfg.train.pp, cfg.world, cfg.train.pp);
+    // (The micro-batch arithmetic itself is checked after this.)
+    const int64_t mb = (int64_t)cfg.micro_batch() * cfg.dp();
+    const bool whole_batches = mb > 0 && cfg.train.batch_size % mb == 0;  // accum_steps() is exact
+    if (kind == pp::Kind::PipeDream || kind == pp::Kind::PipeDream2BW) {
+        if (kind == pp::Kind::PipeDream && cfg.model.tied_embeddings)
+            fail(
+                "train.pp_schedule = \"pipedream\" updates each stage at its own backward, so a "
+                "tied embedding would be two versions on the first and last stage: set "
+                "model.tied_embeddings = false (or use \"pipedream-2bw\")");
+        if (kind == pp::Kind::PipeDream && cfg.optim.grad_clip > 0)
+            fail(
+                "train.pp_schedule = \"pipedream\" updates each stage at its own backward, before "
+                "the other stages have that micro-batch's gradient: set optim.grad_clip = 0 (now "
+                "{})",
+                cfg.optim.grad_clip);
+        if (kind == pp::Kind::PipeDream2BW && whole_batches && cfg.accum_steps() < cfg.train.pp - 1)
+            fail(
+                "train.pp_schedule = \"pipedream-2bw\" needs at least train.pp - 1 = {} "
+                "micro-batches per step (train.batch_size / train.micro_batch_size = {}) to keep "
+                "two weight versions",
+                cfg.train.pp - 1, cfg.accum_steps());
+    }
+    if (kind == pp::Kind::Interleaved && whole_batches && cfg.accum_steps() % cfg.train.pp != 0)
+        fail(
+            "train.pp_schedule = \"interleaved\" needs the micro-batches per step "
+            "(train.batch_size "
+            "/ train.micro_batch_size = {}) to be a multiple of train.pp = {}",
+            cfg.accum_steps(), cfg.train.pp);
+    if (cfg.train.zero_stage > 1)
+        fail(
+            "train.zero_stage = {} with train.pp = {}: across pipelines only ZeRO-1 is built "
+            "(each stage's gradients and parameters stay whole, its optimizer state is sharded); "
+            "set train.zero_stage = 0 or 1",
+            cfg.train.zero_stage, cfg.train.pp);
+    if (cfg.train.zero_stage == 1 && cfg.train.pp_virtual > 1)
+        fail(
+            "train.zero_stage = 1 with train.pp_virtual = {}: ZeRO-1 across pipelines shards one "
+            "chunk per rank; set train.zero_stage = 0 (gradients all-reduced across pipelines) or "
+            "train.pp_virtual = 1",
+            cfg.train.pp_virtual);
+    if (cfg.train.device == "cuda") validate_cuda_pipeline(cfg);
+}
+
+void validate_cuda_pipeline(const RunConfig& cfg) {
+    const pp::Kind kind = pp::parse_kind(cfg.train.pp_schedule);
+    // What the GPU pipeline (engine/cuda/cuda_pipeline_engine.cpp) is built for so far.
+    if (kind != pp::Kind::Naive && kind != pp::Kind::GPipe && kind != pp::Kind::OneFOneB)
+        fail(
+            "train.pp_schedule = \"{}\" runs on the CPU engine only so far; on the GPU choose "
+            "naive, gpipe or 1f1b (or set train.device = \"cpu\")",
+            cfg.train.pp_schedule);
+    if (cfg.dp() > 1 && cfg.train.zero_stage > 0)
+        fail(
+            "train.zero_stage = {} across {} GPU pipelines: the GPU all-reduces each stage's "
+            "gradients across them (ZeRO stage 0); ZeRO-1 across pipelines runs on the CPU engine "
+            "(or set train.zero_stage = 0)",
+            cfg.train.zero_stage, cfg.dp());
+    if (cfg.train.offload_optimizer || cfg.train.cuda_graphs)
+        fail("train.{} is not built for pipeline stages on the GPU: set it to false",
+             cfg.train.offload_optimizer ? "offload_optimizer" : "cuda_graphs");
+    if (cfg.train.remat.find("offload") != std::string::npos)
+        fail(
+            "train.remat = \"{}\" offloads block inputs, which is not built for pipeline stages "
+            "on the GPU: choose none, selective, full or a budget without +offload",
+            cfg.train.remat);
+}
+
+void validate_tp(const RunConfig& cfg) {
+    if (cfg.train.tp < 1)
+        fail("train.tp = {} must be >= 1 (1: no tensor parallelism)", cfg.train.tp);
+    if (cfg.train.sequence_parallel && cfg.train.tp == 1)
+        fail(
+            "train.sequence_parallel = true needs train.tp > 1: it shards the tensor-parallel "
+            "group's norm regions over its ranks");
+    if (cfg.train.tp == 1) return;
+    cfg.model.validate_tp(cfg.train.tp);
+    if (cfg.train.sequence_parallel &&
+        ((int64_t)cfg.micro_batch() * cfg.train.seq_len) % cfg.train.tp != 0)
+        fail(
+            "train.sequence_parallel with train.tp = {} needs the micro-batch's tokens (micro "
+            "batch {} x train.seq_len {}) divisible by {}: each rank holds as many token rows",
+            cfg.train.tp, cfg.micro_batch(), cfg.train.seq_len, cfg.train.tp);
+
+    // What tensor parallelism does not compose with yet: refused by name before training.
+    auto refuse = [&](const char* keys, const char* why) {
+        fail("train.tp = {} does not run with {} yet ({}): {}", cfg.train.tp, keys, why,
+             "tensor parallelism composes with train.pp (naive, gpipe, 1f1b) and data "
+             "parallelism (gradients all-reduced, or ZeRO-1) so far");
+    };
+    if (cfg.ps()) refuse("train.dp_mode = \"ps\"", "the parameter server");
+    if (cfg.train.zero_stage > 1)
+        fail(
+            "train.zero_stage = {} with train.tp = {}: with tensor parallelism only ZeRO-1 is "
+            "built (each shard's optimizer state split over the data group; its gradients and "
+            "parameters stay whole); set train.zero_stage = 0 or 1",
+            cfg.train.zero_stage, cfg.train.tp);
+    if (cfg.lora.enabled()) refuse("lora.rank > 0", "LoRA adapters");
+    if (cfg.train.device == "cuda") refuse("train.device = \"cuda\"", "the CPU engine only");
+    if (cfg.train.pp_virtual > 1) refuse("train.pp_virtual > 1", "interleaved chunks");
+    const pp::Kind kind = pp::parse_kind(cfg.train.pp_schedule);
+    if (cfg.train.pp > 1 && kind != pp::Kind::Naive && kind != pp::Kind::GPipe &&
+        kind != pp::Kind::OneFOneB)
+        refuse(cfg.train.pp_schedule == "zb-h1" ? "train.pp_schedule = \"zb-h1\""
+                                                : "an asynchronous train.pp_schedule",
+               "a split backward or weight versions");
+    const int64_t mesh = (int64_t)cfg.train.tp * cfg.train.pp;
+    if (cfg.world % mesh != 0)
+        fail(
+            "train.tp x train.pp = {} x {} = {} ranks per replica does not divide the {} ranks: "
+            "start mpirun -np {} (or a multiple)",
+            cfg.train.tp, cfg.train.pp, mesh, cfg.world, mesh);
+}
+
+void validate_ps(const RunConfig& cfg) {
+    if (cfg.train.dp_mode != "allreduce" && cfg.train.dp_mode != "ps")
+        fail("train.dp_mode = \"{}\" must be \"allreduce\" or \"ps\" (parameter server)",
+             cfg.train.dp_mode);
+    if (!cfg.ps()) return;
+    const int units = cfg.model.n_layer + 2;  // embedding, blocks, head (model/param_layout.h)
+    if (cfg.train.ps_servers < 1 || cfg.train.ps_servers > units)
+        fail(
+            "train.ps_servers = {} must be in [1, {}]: each server holds at least one unit (the "
+            "embedding, a block or the head) of the model's {}",
+            cfg.train.ps_servers, units, units);
+    if (cfg.train.ps_staleness < 0)
+        fail("train.ps_staleness = {} must be >= 0 (0: synchronous)", cfg.train.ps_staleness);
+    if (cfg.world < cfg.train.ps_servers + 1)
+        fail(
+            "train.dp_mode = \"ps\" with train.ps_servers = {} needs at least {} ranks (the "
+            "servers and a worker), the run has {}: start mpirun -np {} or more",
+            cfg.train.ps_servers, cfg.train.ps_servers + 1, cfg.world, cfg.train.ps_servers + 1);
+    if (cfg.train.pp != 1)
+        fail(
+            "train.dp_mode = \"ps\" with train.pp = {}: a parameter server serves whole "
+            "replicas, set train.pp = 1",
+            cfg.train.pp);
+    if (cfg.train.zero_stage != 0)
+        fail(
+            "train.dp_mode = \"ps\" with train.zero_stage = {}: the servers already hold the "
+            "optimizer state (sharded over train.ps_servers), set train.zero_stage = 0",
+            cfg.train.zero_stage);
+    if (cfg.train.device == "cuda")
+        fail(
+            "train.dp_mode = \"ps\" runs on the CPU engine only so far: set train.device = "
+            "\"cpu\"");
+    if (cfg.train.precision != "fp32" && cfg.train.precision != "auto")
+        fail("train.dp_mode = \"ps\" trains in fp32 only so far, not train.precision = \"{}\"",
+             cfg.train.precision);
+}
+
+void validate_lora(const RunConfig& cfg) {
+    cfg.lora.validate();
+    if (!cfg.lora.enabled()) {
+        if (cfg.lora.base != "fp32")
+            fail("lora.base = \"{}\" quantizes the frozen base of a LoRA run: set lora.rank > 0",
+                 cfg.lora.base);
+        return;
+    }
+    if (cfg.train.pp > 1 || cfg.ps())
+        fail("LoRA (lora.rank = {}) runs with data parallelism and ZeRO, not with {} yet",
+             cfg.lora.rank, cfg.ps() ? "a parameter server" : "pipeline stages (train.pp)");
+    make_lora_layout(cfg.model, cfg.lora);  // targets that match nothing fail here
+}
+
+void validate_config(const RunConfig& cfg) {
+    cfg.model.validate();
+    cfg.optim.validate();
+    validate_lora(cfg);
+    if (cfg.train.device != "cpu" && cfg.train.device != "cuda" && cfg.train.device != "auto")
+        fail("train.device = \"{}\" must be \"cpu\", \"cuda\" or \"auto\"", cfg.train.device);
+    if (cfg.train.device == "cuda" && !MEMTRAIN_HAVE_CUDA)
+        fail(
+            "train.device = \"cuda\", but this memtrain was built without CUDA (no nvcc at "
+            "build time); rebuild where the CUDA toolkit is installed, or use device = \"cpu\"");
+    if (cfg.train.device == "cuda" && !cuda_available())
+        fail(
+            "train.device = \"cuda\", but no CUDA device answers on this machine; use device "
+            "= \"cpu\" or \"auto\"");
+    if (cfg.train.precision != "fp32" && cfg.train.precision != "bf16" &&
+        cfg.train.precision != "fp16" && cfg.train.precision != "auto")
+        fail("train.precision = \"{}\" must be \"fp32\", \"bf16\", \"fp16\" or \"auto\"",
+             cfg.train.precision);
+    if (cfg.train.device == "cpu" && cfg.train.precision != "fp32" && cfg.train.precision != "auto")
+        fail(
+            "train.precision = \"{}\" needs train.device = \"cuda\": the CPU engine trains in "
+            "fp32",
+            cfg.train.precision);
+    remat::RematPolicy remat_policy;
+    try {
+        remat_policy = remat::parse_policy(cfg.train.remat);
+    } catch (const Error& e) {
+        fail("train.remat = \"{}\": {}", cfg.train.remat, e.what());
+    }
+    // offload and budget:BYTES+offload keep block inputs in host memory beside a GPU.
+    const bool remat_offloads = remat_policy.may_offload();
+    if (remat_offloads && cfg.train.device == "cpu")
+        fail(
+            "train.remat = {} keeps block inputs in pinned host memory beside a GPU: use "
+            "train.device = \"cuda\" (on the CPU, `full` keeps the same)",
+            cfg.train.remat);
+    if (remat_offloads && cfg.train.cuda_graphs)
+        fail(
+            "train.remat = {} copies on a second stream, which train.cuda_graphs does not "
+            "capture yet: use one or the other",
+            cfg.train.remat);
+    if (cfg.train.offload_optimizer && cfg.train.device == "cpu")
+        fail(
+            "train.offload_optimizer = true moves the optimizer off the GPU to the CPU: it needs "
+            "train.device = \"cuda\" (the CPU engine's optimizer is on the CPU already)");
+    if (cfg.train.device == "cuda" && cfg.train.pp == 1) {  // (pipelines: validate_cuda_pipeline)
+        if (cfg.train.offload_optimizer && cfg.world > 1 && cfg.train.zero_stage == 0)
+            fail(
+                "train.offload_optimizer with {} ranks needs train.zero_stage >= 1: each rank "
+                "updates its shard on its host (at stage 0 every rank would repeat the whole "
+                "update)",
+                cfg.world);
+        if (cfg.train.cuda_graphs && cfg.world > 1)
+            fail(
+                "train.cuda_graphs with {} ranks: the overlapped all-reduces run on a second "
+                "stream, which the capture does not take in yet; use one or the other",
+                cfg.world);
+    }
+    if (cfg.train.cuda_graphs && cfg.train.device == "cpu")
+        fail("train.cuda_graphs = true needs train.device = \"cuda\" (or \"auto\" on a GPU)");
+    if (cfg.train.device == "cuda" && cfg.train.remat_costs == "measured")
+        fail(
+            "train.remat_costs = \"measured\" profiles the CPU kernels; on device = \"cuda\" use "
+            "\"analytic\"");
+    if (!(cfg.optim.loss_scale > 0) || cfg.optim.loss_scale > 1e30)
+        fail("optim.loss_scale = {} must be a positive number (e.g. 65536)", cfg.optim.loss_scale);
+    if (cfg.optim.loss_scale_window < 1)
+        fail("optim.loss_scale_window = {} must be >= 1", cfg.optim.loss_scale_window);
+    if (cfg.train.seq_len <= 0 || cfg.train.seq_len > cfg.model.block_size)
+        fail("train.seq_len = {} must be in [1, model.block_size = {}]", cfg.train.seq_len,
+             cfg.model.block_size);
+    if (cfg.train.batch_size <= 0)
+        fail("train.batch_size must be positive, got {}", cfg.train.batch_size);
+    if (cfg.world < 1) fail("internal: world size {} < 1", cfg.world);
+    validate_pipeline(cfg);
+    validate_tp(cfg);
+    validate_ps(cfg);
+    if (cfg.train.micro_batch_size < 0 ||
+        (int64_t)cfg.train.micro_batch_size * cfg.dp() > cfg.train.batch_size)
+        fail(
+            "train.micro_batch_size = {} must be in [0, train.batch_size / data-parallel ranks = "
+            "{} / {}] (train.batch_size is the global batch)",
+            cfg.train.micro_batch_size, cfg.train.batch_size, cfg.dp());
+    if (cfg.micro_batch() <= 0 || cfg.train.batch_size % (cfg.micro_batch() * cfg.dp()) != 0)
+        fail(
+            "train.batch_size = {} must be a multiple of train.micro_batch_size ({}) x "
+            "data-parallel ranks ({})",
+            cfg.train.batch_size, cfg.micro_batch(), cfg.dp());
+    if (cfg.train.remat_costs != "analytic" && cfg.train.remat_costs != "measured")
+        fail("train.remat_costs = \"{}\" must be \"analytic\" or \"measured\"",
+             cfg.train.remat_costs);
+    if (cfg.train.zero_stage < 0 || cfg.train.zero_stage > 3)
+        fail("train.zero_stage = {} must be 0, 1, 2 or 3", cfg.train.zero_stage);
+    if (cfg.train.max_steps < 0) fail("train.max_steps must be >= 0, got {}", cfg.train.max_steps);
+    if (cfg.train.eval_every < 0)
+        fail("train.eval_every must be >= 0, got {}", cfg.train.eval_every);
+    if (cfg.train.eval_batches <= 0)
+        fail("train.eval_batches must be positive, got {}", cfg.train.eval_batches);
+    if (cfg.train.log_every <= 0)
+        fail("train.log_every must be positive, got {}", cfg.train.log_every);
+    if (cfg.train.threads < 0) fail("train.threads must be >= 0, got {}", cfg.train.threads);
+    if (cfg.io.checkpoint_every < 0)
+        fail("io.checkpoint_every must be >= 0, got {}", cfg.io.checkpoint_every);
+    if (cfg.sample.max_tokens < 0)
+        fail("sample.max_tokens must be >= 0, got {}", cfg.sample.max_tokens);
+    if (!(cfg.sample.temperature > 0))
+        fail("sample.temperature must be positive, got {}", cfg.sample.temperature);
+    if (cfg.sample.top_k < 0) fail("sample.top_k must be >= 0, got {}", cfg.sample.top_k);
+}
+
+}  // namespace memtrain

@@ -1,0 +1,36 @@
+// The run config checked across its keys before anything is planned or allocated, and "auto"
+// resolved to this machine's device: the first part of the plan step (train/plan.h). Each check
+// fails with one line naming the keys and what would run instead.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "config/run_config.h"
+
+namespace memtrain {
+
+// config/run_config.h's read_run_config, then the checks across keys at the fewest ranks the
+// layout runs on (the launcher's world size comes at start-up, where the Trainer checks again),
+// then "auto" resolved: what `memtrain train` starts from.
+RunConfig load_run_config(const std::string& path, const std::vector<std::string>& overrides,
+                          const RunConfig* base = nullptr);
+
+// Replaces "auto" in train.device and train.precision by what this machine runs: cuda and bf16
+// where a GPU answers, else cpu and fp32.
+void resolve_config(RunConfig& cfg);
+// Every check below, and the model's, optimizer's and sampling keys'.
+void validate_config(const RunConfig& cfg);
+// train.pp and train.pp_schedule against the world size and the model.
+void validate_pipeline(const RunConfig& cfg);
+// train.pp > 1 on the GPU: what the GPU pipeline is built for (called again once "auto" has
+// resolved to the GPU).
+void validate_cuda_pipeline(const RunConfig& cfg);
+// train.tp against the model, the world size and what it does not combine with yet.
+void validate_tp(const RunConfig& cfg);
+// train.dp_mode and the parameter server's keys.
+void validate_ps(const RunConfig& cfg);
+// The [lora] keys and what LoRA runs with.
+void validate_lora(const RunConfig& cfg);
+
+}  // namespace memtrain

@@ -1,0 +1,389 @@
+// Data parallelism of the CUDA engine under mpirun, one GPU per rank with NCCL between them (or,
+// where no GPU answers, cudasim's NCCL over MPI: the memtrain_sim_dist_tests binary): N ranks
+// with micro-batch b train the same model as one process with micro-batch N*b, for DDP (stage 0,
+// gradients all-reduced unit by unit during the backward) and ZeRO stages 1-3 (optimizer state,
+// then gradients, then parameters sharded); each rank holds exactly its shards; ZeRO-3 gathers
+// units ahead of their use; a checkpoint saved by N ranks under ZeRO-1 or 3 resumes in one
+// process, and one saved under ZeRO-Offload resumes at the same world size bit for bit.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "core/device.h"
+#include "core/error.h"
+#include "engine/cuda/cuda_engine.h"
+#include "model/lora.h"
+#include "mpi/dist_runs.h"
+#include "planner/memory_model.h"
+#include "planner/model_shape.h"
+#include "test_util.h"
+
+namespace memtrain::dist {
+namespace {
+
+// One GPU per rank (NCCL refuses two ranks on one GPU); cudasim's ranks share its device.
+#if MT_CUDA_SIM_TESTS
+#define REQUIRE_GPU_DP() (void)0
+#else
+#define REQUIRE_GPU_DP()                                                                           \
+    do {                                                                                           \
+        if (!cuda_available() || !MEMTRAIN_HAVE_NCCL || cuda_device_count() < comm().local_size()) \
+            GTEST_SKIP() << "needs one CUDA device per rank and NCCL";                             \
+    } while (0)
+#endif
+
+RunConfig shared_cuda_run(const std::string& name, int steps, const std::string& precision) {
+    RunConfig c = shared_tiny_run_config(name, steps);
+    c.train.device = "cuda";
+    c.train.precision = precision;
+    c.io.save_final = false;
+    return c;
+}
+
+TrainOptions quiet() {
+    TrainOptions o;
+    o.quiet = true;
+    return o;
+}
+
+// N ranks against one process with the whole global micro-batch, fp32: losses, final parameters,
+// and each rank's bytes of parameters, gradients and optimizer state (its shards, exactly).
+void check_ranks_match_one_process(int stage, const std::string& name,
+                                   void (*adjust)(RunConfig&) = nullptr) {
+    const int N = comm().size(), b = 2, K = 2, steps = 8;
+    {
+        RunConfig c = shared_cuda_run(name, steps, "fp32");
+        if (adjust) adjust(c);
+        c.train.batch_size = N * b * K;
+        // The reference: every rank alone, with the whole global micro-batch.
+        RunConfig ref_cfg = c;
+        ref_cfg.train.micro_batch_size = N * b;
+        ref_cfg.io.out_dir = c.io.out_dir + "_ref" + std::to_string(comm().rank());
+        TrainSummary ref_sum;
+        std::vector<float> ref_params;
+        {
+            Trainer ref(ref_cfg, quiet());
+            ref_sum = ref.run();
+            ref_params = ref.params();
+        }
+        c.train.micro_batch_size = b;
+        c.train.zero_stage = stage;
+        const MemoryStats before = device_memory().snapshot();
+        const MemoryStats host_before = host_memory().snapshot();
+        Trainer t(c, quiet(), &comm());
+        const MemoryStats after = device_memory().snapshot();
+        const MemoryStats host_after = host_memory().snapshot();
+        auto grew = [&](MemCategory k) { return after[k] - before[k]; };
+        TrainSummary sum = t.run();
+        ASSERT_EQ(sum.losses.size(), ref_sum.losses.size());
+        // The rows split over ranks and a rank sum change the summation order: fp32 agrees to
+        // rounding, amplified a little by Adam over the steps.
+        for (std::size_t i = 0; i < sum.losses.size(); i++)
+            EXPECT_NEAR(sum.losses[i], ref_sum.losses[i], 2e-5 * std::abs(ref_sum.losses[i]))
+                << "step " << i + 1;
+        const std::vector<float> params = t.params();
+        double worst = 0;
+        for (std::size_t i = 0; i < params.size(); i++)
+            worst = std::max(worst, (double)std::abs(params[i] - ref_params[i]));
+        EXPECT_LT(worst, 1e-4);
+        // Adam's m and v (fp32, no master copy): whole at stage 0, this rank's shard from stage
+        // 1; the gradients (fp32) a padded shard of N from stage 2, the parameters from stage 3.
+        const std::size_t psi = t.engine().weights().layout.total;
+        const std::size_t shard = (psi + N - 1) / N;
+        const std::size_t mine =
+            stage == 0 ? psi
+                       : std::min(shard, psi - std::min(psi, (std::size_t)comm().rank() * shard));
+        // (ZeRO-Offload: none of the optimizer on the device; the host holds this rank's range.)
+        const bool offload = c.train.offload_optimizer;
+        const std::size_t dev_opt = offload ? 0 : 8 * mine;
+        EXPECT_GE(grew(MemCategory::OptimizerState), dev_opt);
+        EXPECT_LT(grew(MemCategory::OptimizerState), dev_opt + 64 * 1024)
+            << "beyond the chunk table";
+        EXPECT_EQ(t.engine().optimizer().count(), mine);
+        EXPECT_EQ(grew(MemCategory::Gradients), 4 * (stage >= 2 ? shard : N * shard));
+        EXPECT_EQ(grew(MemCategory::Parameters), 4 * (stage >= 3 ? shard : N * shard));
+        // The planner (memtrain estimate) predicts these bytes, up to the padding of the shards
+        // (an element per rank) and the optimizer's chunk table.
+        plan::RunSpec r;
+        r.precision = plan::Precision::fp32;
+        r.optimizer = plan::Optimizer::adamw;
+        r.dp = N;
+        r.zero = stage;
+        r.micro_batch = b;
+        r.seq = c.train.seq_len;
+        r.offload = offload ? plan::Offload::optimizer : plan::Offload::none;
+        const auto est = plan::estimate_memory(plan::model_from_config(c.model), r);
+        EXPECT_NEAR((double)est.bytes("parameters"), (double)grew(MemCategory::Parameters), 4 * N);
+        EXPECT_NEAR((double)est.bytes("gradients"), (double)grew(MemCategory::Gradients), 4 * N);
+        EXPECT_NEAR((double)est.bytes("optimizer states"),
+                    (double)grew(MemCategory::OptimizerState), 64 * 1024);
+        if (offload) {
+            // On the host: this rank's fp32 master, moments and gradients, and the pinned
+            // transfer buffer (an element of padding per rank; the optimizer's small tables).
+            double host = 0;
+            for (MemCategory k :
+                 {MemCategory::OptimizerState, MemCategory::Gradients, MemCategory::Communication})
+                host += (double)(host_after[k] - host_before[k]);
+            EXPECT_GT(host, 0);
+            EXPECT_NEAR((double)est.cpu_bytes, host, 20.0 * N + 4096);
+        }
+        // Stage 3 prefetches: apart from the first forward, units are gathered before they are
+        // acquired (or are still in their slot from the forward).
+        const auto [gathers, on_demand] = zero_gathers_for_test(t.engine());
+        if (stage == 3) {
+            EXPECT_GT(gathers, 0);
+            EXPECT_LE(on_demand, 2) << "of " << gathers << " gathers";
+        } else {
+            EXPECT_EQ(gathers, 0);
+        }
+    }
+}
+
+TEST(CudaDp, RanksTrainTheSameModelAsOneProcess) {
+    REQUIRE_GPU_DP();
+    for (int stage : {0, 1, 2, 3}) {
+        SCOPED_TRACE("zero stage " + std::to_string(stage));
+        check_ranks_match_one_process(stage, "cuda_dp_" + std::to_string(stage));
+    }
+}
+
+// ZeRO-3 on a Llama-style model with an untied head (the head unit holds lm_head) and every
+// block recomputed from its input, so units are gathered again inside the backward.
+TEST(CudaDp, Zero3LlamaUntiedWithFullRecompute) {
+    REQUIRE_GPU_DP();
+    check_ranks_match_one_process(3, "cuda_dp_llama", [](RunConfig& c) {
+        c.model.norm = "rmsnorm";
+        c.model.activation = "swiglu";
+        c.model.positions = "rope";
+        c.model.n_kv_head = 1;
+        c.model.tied_embeddings = false;
+        c.train.remat = "full";
+    });
+}
+
+// ZeRO-2 with the block inputs offloaded to pinned host memory (train.remat = offload): the
+// activation copies' stream and the collectives' stream run beside the compute stream together.
+TEST(CudaDp, Zero2WithOffloadedActivations) {
+    REQUIRE_GPU_DP();
+    check_ranks_match_one_process(2, "cuda_dp_remat_offload", [](RunConfig& c) {
+        c.model.n_layer = 5;  // more blocks than the device's ring of block inputs
+        c.train.remat = "offload";
+    });
+}
+
+// ZeRO-Offload over several ranks (ZeRO-2 + Offload, as DeepSpeed pairs them): each rank keeps its
+// shard's master weights, moments and update on its host.
+TEST(CudaDp, OffloadedShardsTrainTheSameModel) {
+    REQUIRE_GPU_DP();
+    for (int stage : {1, 2, 3}) {
+        SCOPED_TRACE("zero stage " + std::to_string(stage));
+        check_ranks_match_one_process(stage, "cuda_dp_offload_" + std::to_string(stage),
+                                      [](RunConfig& c) { c.train.offload_optimizer = true; });
+    }
+}
+
+// `c` trained whole over comm() (its summary and final parameters), then again into
+// out_dir + "_split", stopped after `cut` steps (a checkpoint for a resume to continue).
+struct WholeAndCut {
+    TrainSummary full;
+    std::vector<float> full_params;
+    RunConfig split;
+};
+WholeAndCut train_whole_and_cut(const RunConfig& c, int cut) {
+    WholeAndCut w;
+    {
+        Trainer t(c, quiet(), &comm());
+        w.full = t.run();
+        w.full_params = t.params();
+    }
+    w.split = c;
+    w.split.io.out_dir = c.io.out_dir + "_split";
+    {
+        TrainOptions o = quiet();
+        o.stop_after = cut;
+        Trainer t(w.split, o, &comm());
+        t.run();
+    }
+    comm().barrier();
+    return w;
+}
+
+// ZeRO-Offload over several ranks, bf16, stopped after 3 of 6 steps and resumed at the same
+// world size: the checkpoint's weights (each rank's piece of its host master weights, gathered
+// into whole units; on resume written back into the pieces and rounded into the device's
+// parameters, ZeRO-3's piece of them) and the host optimizer's shard come back exactly, so the
+// curve and the parameters are the unbroken run's, bit for bit.
+TEST(CudaDp, OffloadedShardsResumeBitForBit) {
+    REQUIRE_GPU_DP();
+    const int N = comm().size(), steps = 6;
+    for (int stage : {1, 3}) {
+        SCOPED_TRACE("zero stage " + std::to_string(stage));
+        RunConfig c =
+            shared_cuda_run("cuda_dp_offload_resume_" + std::to_string(stage), steps, "bf16");
+        c.train.batch_size = N * 2;
+        c.train.micro_batch_size = 2;
+        c.train.zero_stage = stage;
+        c.train.offload_optimizer = true;
+        const WholeAndCut w = train_whole_and_cut(c, 3);
+        TrainOptions o = quiet();
+        o.resume = w.split.io.out_dir;
+        Trainer t(w.split, o, &comm());
+        const TrainSummary rest = t.run();
+        ASSERT_EQ(rest.losses.size(), 3u);
+        for (int i = 0; i < 3; i++)
+            EXPECT_EQ(rest.losses[i], w.full.losses[3 + i]) << "step " << 4 + i;
+        EXPECT_EQ(t.params(), w.full_params);
+    }
+}
+
+// A bf16 run of N ranks at `stage` stops after 3 of 6 steps; every rank resumes its checkpoint
+// alone with the whole global micro-batch: the shards come back together and the curve goes on.
+void check_bf16_resume(int stage) {
+    const int N = comm().size(), steps = 6;
+    RunConfig c = shared_cuda_run("cuda_dp_bf16_" + std::to_string(stage), steps, "bf16");
+    c.train.batch_size = N * 2;
+    c.train.micro_batch_size = 2;
+    c.train.zero_stage = stage;
+    // Again, stopping after 3 steps: the checkpoint holds one optimizer file per rank.
+    const WholeAndCut w = train_whole_and_cut(c, 3);
+    const TrainSummary& full = w.full;
+    const RunConfig& split = w.split;
+    // Every rank resumes that checkpoint alone (in a directory of its own) with the whole global
+    // micro-batch: the shards come back together, and the curve continues.
+    RunConfig one = split;
+    one.train.micro_batch_size = N * 2;
+    one.io.out_dir = split.io.out_dir + "_one" + std::to_string(comm().rank());
+    TrainOptions o = quiet();
+    o.resume = split.io.out_dir;
+    Trainer t(one, o);
+    TrainSummary rest = t.run();
+    ASSERT_EQ(rest.losses.size(), 3u);
+    // bf16: one process and N ranks round their gradient sums differently.
+    for (int i = 0; i < 3; i++) EXPECT_NEAR(rest.losses[i], full.losses[3 + i], 0.02) << i;
+}
+
+TEST(CudaDp, Bf16ShardedOptimizerResumesInOneProcess) {
+    REQUIRE_GPU_DP();
+    for (int stage : {1, 3}) {
+        SCOPED_TRACE("zero stage " + std::to_string(stage));
+        check_bf16_resume(stage);
+    }
+}
+
+// fp16 with dynamic loss scaling under data parallelism: an overflow that shows in one rank's
+// gradients only (from ZeRO-1 each rank checks its shard of the sum) skips the step on every
+// rank. All ranks halve the scale together, keep their parameters, and stay identical; the run
+// tracks one process that overflows at the same step.
+TEST(CudaDp, Fp16OverflowOnOneRankSkipsTheStepOnEveryRank) {
+    REQUIRE_GPU_DP();
+    const int N = comm().size(), steps = 4;
+    for (int stage : {0, 1, 2, 3}) {
+        SCOPED_TRACE("zero stage " + std::to_string(stage));
+        RunConfig c = shared_cuda_run("cuda_dp_fp16_" + std::to_string(stage), steps, "fp16");
+        c.optim.loss_scale = 1024;
+        c.train.batch_size = N * 2;
+        c.train.micro_batch_size = 2;
+        c.train.zero_stage = stage;
+        // Stage 0 all-reduces whole gradients, so an overflow reaches every rank's copy; from
+        // stage 1 the last rank alone sees it (in the shard it owns, or before its
+        // reduce-scatter).
+        const bool inject_here = stage == 0 || comm().rank() == N - 1;
+        std::vector<float> before_2, after_2;
+        double scale_after_2 = 0;
+        TrainOptions o = quiet();
+        o.before_step = [&](int64_t step, Engine& e) {
+            if (step == 2) {
+                before_2 = gather_params(e.weights());  // a collective from ZeRO-1: every rank
+                if (inject_here) inject_overflow_for_test(e);
+            }
+            if (step == 3) {
+                after_2 = gather_params(e.weights());
+                scale_after_2 = e.loss_scaler_state().first;
+            }
+        };
+        Trainer t(c, o, &comm());
+        const TrainSummary s = t.run();
+        EXPECT_EQ(s.steps_skipped, 1);
+        ASSERT_FALSE(before_2.empty());
+        EXPECT_EQ(before_2, after_2) << "the skipped step changed parameters";
+        EXPECT_EQ(scale_after_2, 512.0) << "the scale halves on every rank";
+        // Every rank ends with the same parameters: the elementwise maximum over ranks of p and
+        // of -p are p and -p.
+        const std::vector<float> p = t.params();
+        std::vector<double> hi(p.begin(), p.end()), lo(p.size());
+        for (std::size_t i = 0; i < p.size(); i++) lo[i] = -(double)p[i];
+        comm().all_reduce_max(hi.data(), (int64_t)hi.size());
+        comm().all_reduce_max(lo.data(), (int64_t)lo.size());
+        std::size_t differ = 0;
+        for (std::size_t i = 0; i < p.size(); i++) differ += hi[i] != p[i] || -lo[i] != p[i];
+        EXPECT_EQ(differ, 0u) << "parameters differ between ranks";
+        // One process with the whole global micro-batch, overflowing at the same step.
+        RunConfig one = c;
+        one.train.micro_batch_size = N * 2;
+        one.train.zero_stage = 0;
+        one.io.out_dir = c.io.out_dir + "_one" + std::to_string(comm().rank());
+        TrainOptions o1 = quiet();
+        o1.before_step = [](int64_t step, Engine& e) {
+            if (step == 2) inject_overflow_for_test(e);
+        };
+        Trainer ref(one, o1);
+        const TrainSummary r = ref.run();
+        EXPECT_EQ(r.steps_skipped, 1);
+        ASSERT_EQ(s.losses.size(), r.losses.size());
+        // fp16: one process and N ranks round their gradient sums differently.
+        for (std::size_t i = 0; i < s.losses.size(); i++)
+            EXPECT_NEAR(s.losses[i], r.losses[i], 0.02) << "step " << i + 1;
+    }
+}
+
+// LoRA on GPUs under DDP (model/cuda_lora.h): the adapters' gradients are all-reduced once per
+// step, so N ranks with micro-batch b train the adapters one process trains with micro-batch
+// N b (QLoRA nf4 base, no dropout: each rank draws its own masks). ZeRO stages are refused.
+TEST(CudaDp, LoraAdaptersTrainTheSameModelAsOneProcess) {
+    REQUIRE_GPU_DP();
+    const int N = comm().size(), b = 2, K = 2;
+    RunConfig c = shared_cuda_run("cuda_dp_lora", 6, "fp32");
+    c.model.n_embd = 32;
+    c.lora.rank = 4;
+    c.lora.targets = "all";
+    c.lora.base = "nf4";
+    c.lora.base_group = 32;
+    c.optim.lr = 1e-2;
+    c.train.batch_size = N * b * K;
+    RunConfig ref_cfg = c;
+    ref_cfg.train.micro_batch_size = N * b;
+    ref_cfg.io.out_dir = c.io.out_dir + "_ref" + std::to_string(comm().rank());
+    const TrainSummary ref = Trainer(ref_cfg, quiet()).run();
+    c.train.micro_batch_size = b;
+    const MemoryStats before = device_memory().snapshot();
+    Trainer t(c, quiet(), &comm());
+    const MemoryStats after = device_memory().snapshot();
+    const TrainSummary sum = t.run();
+    ASSERT_EQ(sum.losses.size(), ref.losses.size());
+    EXPECT_LT(sum.losses.back(), sum.losses.front());
+    for (std::size_t i = 0; i < sum.losses.size(); i++)
+        EXPECT_NEAR(sum.losses[i], ref.losses[i], 2e-5 * std::abs(ref.losses[i])) << i + 1;
+    ASSERT_EQ(sum.val_losses.size(), ref.val_losses.size());
+    for (std::size_t i = 0; i < sum.val_losses.size(); i++)
+        EXPECT_NEAR(sum.val_losses[i].second, ref.val_losses[i].second, 1e-4) << i;
+    // Every rank holds the adapters' gradients whole (DDP) and nothing of the base's.
+    const std::size_t adapters = make_lora_layout(c.model, c.lora).params.total;
+    EXPECT_EQ(after[MemCategory::Gradients] - before[MemCategory::Gradients], 4 * adapters);
+    if (N > 1) {
+        RunConfig z = c;
+        z.train.zero_stage = 1;
+        try {
+            Trainer bad(z, quiet(), &comm());
+            ADD_FAILURE() << "ZeRO-1 of GPU LoRA adapters was accepted";
+        } catch (const Error& e) {
+            EXPECT_NE(std::string(e.what()).find("train.zero_stage"), std::string::npos)
+                << e.what();
+        }
+    }
+}
+
+}  // namespace
+}  // namespace memtrain::dist

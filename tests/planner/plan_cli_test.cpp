@@ -1,0 +1,300 @@
+// `memtrain estimate | plan | scale` through the binary: impossible numbers and unsupported
+// model configs are refused with one line naming the flag (or model_type) and exit code 1, and
+// a config.json directory counts the parameters its tensors have.
+#include <gtest/gtest.h>
+
+#include <sys/wait.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/cli_util.h"
+#include "config/run_config.h"
+#include "test_util.h"
+#include "train/validate.h"
+
+namespace {
+
+using Outcome = memtrain::test::CliResult;
+
+Outcome memtrain_cli(const std::string& args) {
+    return memtrain::test::run_memtrain(args);
+}
+
+// Exit code 1 and a single line holding every piece of `expect`.
+void expect_refusal(const std::string& args, const std::vector<std::string>& expect) {
+    const Outcome o = memtrain_cli(args);
+    EXPECT_EQ(o.code, 1) << args << "\n" << o.output;
+    EXPECT_EQ(std::count(o.output.begin(), o.output.end(), '\n'), 1) << args << "\n" << o.output;
+    for (const auto& e : expect)
+        EXPECT_NE(o.output.find(e), std::string::npos) << args << "\n" << o.output;
+}
+
+void write_text(const std::string& path, const std::string& text) {
+    std::ofstream(path, std::ios::binary) << text;
+}
+
+}  // namespace
+
+TEST(PlanCli, RefusesImpossibleNumbersNamingTheFlag) {
+    struct Case {
+        std::string args;
+        std::vector<std::string> expect;
+    };
+    const Case cases[] = {
+        {"estimate gpt2 --gpu-mem-gb -80", {"--gpu-mem-gb", "-80"}},
+        {"estimate gpt2 --gpu-mem-gb 0", {"--gpu-mem-gb", "0"}},
+        {"estimate gpt2 --gpu-tflops 0", {"--gpu-tflops", "positive"}},
+        {"estimate gpt2 --hbm-bw-gbs -1", {"--hbm-bw-gbs", "-1"}},
+        {"estimate gpt2 --intra-bw-gbs 0", {"--intra-bw-gbs"}},
+        {"estimate gpt2 --efficiency 1.5", {"--efficiency", "1.5", "(0, 1]"}},
+        {"estimate gpt2 --efficiency 0", {"--efficiency", "(0, 1]"}},
+        {"estimate gpt2 --host-mem-gb -2", {"--host-mem-gb", "-2"}},
+        {"estimate gpt2 --dp 0", {"--dp", "0"}},
+        {"estimate gpt2 --tp -2", {"--tp", "-2"}},
+        {"estimate gpt2 --micro-batch 0", {"--micro-batch", "0"}},
+        {"estimate gpt2 --global-batch -8", {"--global-batch", "-8"}},
+        {"estimate gpt2 --seq 0", {"--seq", "0"}},
+        {"estimate gpt2 --zero 4", {"--zero", "4"}},
+        {"estimate gpt2 --gpus-per-node 0", {"--gpus-per-node", "0"}},
+        {"plan gpt2 --gpus 0", {"--gpus", "0"}},
+        {"plan gpt2 --gpus -8", {"--gpus", "-8"}},
+        {"plan gpt2 --nodes 0", {"--nodes", "0"}},
+        {"plan gpt2 --gpus 8 --global-batch 0", {"--global-batch", "0"}},
+        {"plan gpt2 --gpus 8 --seq -1", {"--seq", "-1"}},
+        {"plan gpt2 --gpus 8 --inter-bw-gbs -3", {"--inter-bw-gbs", "-3"}},
+        {"plan gpt2 --gpus 8 --efficiency 2", {"--efficiency", "2"}},
+        {"scale --flops -1e21", {"--flops", "-1e+21"}},
+        {"scale --flops 1e21 --mfu 0", {"--mfu", "0"}},
+        {"scale --flops 1e21 --mfu 1.2", {"--mfu", "1.2"}},
+        {"scale --gpus 0 --days 3", {"--gpus", "0"}},
+        {"scale --gpus 8 --days -1", {"--days", "-1"}},
+        {"scale --flops 1e21 --gpu-mem-gb -1", {"--gpu-mem-gb", "-1"}},
+        {"plan gpt2 --gpus 1 --host-mem-gb 0", {"--host-mem-gb", "0"}},
+        {"plan gpt2 --gpus 1 --frozen-bits 5", {"--frozen-bits", "16, 8 or 4", "5"}},
+        {"plan gpt2 --gpus 1 --lora-rank -1", {"--lora-rank", "-1"}},
+        {"plan gpt2 --gpus 1 --lora-rank 0", {"--lora-rank", "at least 1", "0"}},
+        {"plan gpt2 --gpus 1 --lora-targets mlp", {"--lora-targets", "attn", "all", "mlp"}},
+        {"plan gpt2 --gpus 1 --no-lora --frozen-bits 4", {"--frozen-bits 4", "--no-lora"}},
+        {"plan gpt2 --gpus 1 --no-lora --lora-rank 8", {"--lora-rank 8", "--no-lora"}},
+        {"estimate gpt2 --frozen-bits 5 --lora-rank 8", {"--frozen-bits", "5"}},
+        {"estimate gpt2 --frozen-bits 4", {"--frozen-bits 4", "--lora-rank"}},
+        {"estimate gpt2 --lora-rank -1", {"--lora-rank", "-1"}},
+        {"estimate gpt2 --lora-targets all", {"--lora-targets", "--lora-rank"}},
+    };
+    for (const auto& c : cases) expect_refusal(c.args, c.expect);
+}
+
+TEST(PlanCli, CustomGpuNeedsItsNumbers) {
+    expect_refusal("estimate gpt2 --gpu custom",
+                   {"--gpu custom", "--gpu-mem-gb", "--gpu-tflops", "--hbm-bw-gbs"});
+    // Only the missing ones are named; several GPUs also need the NVLink bandwidth, several
+    // nodes the network's, offload PCIe's.
+    const std::string some = "--gpu custom --gpu-mem-gb 24 --gpu-tflops 165 --hbm-bw-gbs 1000";
+    Outcome o = memtrain_cli("estimate gpt2 " + some);
+    EXPECT_EQ(o.code, 0) << o.output;
+    EXPECT_NE(o.output.find("GPU custom"), std::string::npos) << o.output;
+    o = memtrain_cli("estimate gpt2 " + some + " --dp 2");
+    EXPECT_EQ(o.code, 1) << o.output;
+    EXPECT_NE(o.output.find("--intra-bw-gbs"), std::string::npos) << o.output;
+    EXPECT_EQ(o.output.find("--gpu-mem-gb"), std::string::npos) << o.output;
+    EXPECT_EQ(o.output.find("--inter-bw-gbs"), std::string::npos) << o.output;
+    expect_refusal("plan gpt2 --gpus 16 --gpus-per-node 8 " + some,
+                   {"--intra-bw-gbs", "--inter-bw-gbs", "--pcie-bw-gbs", "--host-mem-gb"});
+    expect_refusal("estimate gpt2 --precision fp32 " + some, {"--gpu-fp32-tflops"});
+    o = memtrain_cli("plan gpt2 --gpus 16 --no-offload " + some +
+                     " --intra-bw-gbs 300 --inter-bw-gbs 25");
+    EXPECT_EQ(o.code, 0) << o.output;
+}
+
+TEST(PlanCli, UnsupportedArchitecturesAreRefused) {
+    const auto dir = memtrain::test::temp_dir("plan_cli_arch");
+    write_text(dir + "/mixtral.json",
+               R"({"model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336,
+                   "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 32,
+                   "vocab_size": 32000, "num_local_experts": 8, "num_experts_per_tok": 2})");
+    expect_refusal("estimate " + dir + "/mixtral.json",
+                   {"mixtral.json", "model_type \"mixtral\"", "mixture-of-experts",
+                    "gpt2, llama, mistral, memtrain-llama-style"});
+    write_text(dir + "/bert.json",
+               R"({"model_type": "bert", "hidden_size": 768, "num_attention_heads": 12,
+                   "num_hidden_layers": 12, "intermediate_size": 3072, "vocab_size": 30522})");
+    expect_refusal("plan " + dir + "/bert.json --gpus 8",
+                   {"model_type \"bert\" is not supported", "gpt2, llama"});
+}
+
+TEST(PlanCli, CheckpointConfigDirectoryCountsItsTensors) {
+    // A Llama checkpoint's config.json, read through its directory as `memtrain estimate` is
+    // given one: 2 layers, width 64, 8 heads of which 2 KV heads, SwiGLU 176, untied.
+    const auto dir = memtrain::test::temp_dir("plan_cli_ckpt");
+    write_text(dir + "/config.json",
+               R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                   "hidden_size": 64, "intermediate_size": 176, "num_attention_heads": 8,
+                   "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 300,
+                   "max_position_embeddings": 64, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+                   "tie_word_embeddings": false, "attention_bias": false, "mlp_bias": false})");
+    const Outcome o = memtrain_cli("estimate " + dir + " --json");
+    ASSERT_EQ(o.code, 0) << o.output;
+    const auto j = nlohmann::json::parse(o.output);
+    // embed 300x64, per layer q 64x64 + k,v 16x64 + o 64x64 + 3 x 176x64 + 2 norms, norm, head.
+    const int64_t layer = 64 * 64 + 2 * 16 * 64 + 64 * 64 + 3 * 176 * 64 + 2 * 64;
+    EXPECT_EQ(j["params"].get<int64_t>(), 300 * 64 + 2 * layer + 64 + 300 * 64);
+}
+
+// Host memory is stated and always checked: the GPU preset's typical node unless given.
+TEST(PlanCli, HostMemoryIsStated) {
+    Outcome o = memtrain_cli("plan gpt2 --gpus 8 --global-batch 64 --top 1");
+    ASSERT_EQ(o.code, 0) << o.output;
+    EXPECT_NE(o.output.find("host memory: 2048 GB per node (default for h100-80gb, as in a DGX "
+                            "H100: 2048 GB for 8 GPUs; --host-mem-gb to change)"),
+              std::string::npos)
+        << o.output;
+    o = memtrain_cli("plan gpt2 --gpus 8 --global-batch 64 --top 1 --gpu a100-40gb");
+    EXPECT_NE(o.output.find("host memory: 1024 GB per node (default for a100-40gb"),
+              std::string::npos)
+        << o.output;
+    o = memtrain_cli("plan gpt2 --gpus 8 --global-batch 64 --top 1 --host-mem-gb 512 --json");
+    ASSERT_EQ(o.code, 0) << o.output;
+    const auto j = nlohmann::json::parse(o.output);
+    EXPECT_EQ(j["host_memory_bytes"].get<double>(), 512e9);
+    EXPECT_FALSE(j["host_memory_default"].get<bool>());
+    // gpt2-xl on a 20 GB GPU needs ZeRO-Offload: a 1 GB host refuses it.
+    o = memtrain_cli("estimate gpt2-xl --gpu-mem-gb 20 --offload optimizer --host-mem-gb 1");
+    ASSERT_EQ(o.code, 0) << o.output;
+    EXPECT_NE(o.output.find("host: does NOT fit in 1.00 GB per node"), std::string::npos)
+        << o.output;
+}
+
+// The issue's example through the binary: fine-tuning a 30B Llama on one 80 GB GPU of a
+// 128 GB host. Full fine-tuning fits nowhere, so the plans are LoRA, said as much, with the
+// memory breakdown, and the rejected list starts with full-parameter training naming LoRA.
+TEST(PlanCli, ThirtyBillionOnOneGpuProposesLora) {
+    Outcome o = memtrain_cli("plan llama-30b --gpus 1 --host-mem-gb 128 --global-batch 64");
+    ASSERT_EQ(o.code, 0) << o.output;
+    for (const char* part :
+         {"llama-30b: 32.529B parameters on 1 x h100-80gb (80 GB)",
+          "host memory: 128 GB per node (--host-mem-gb)",
+          "full-parameter training does not fit (see rejected), so these plans are LoRA r=16",
+          "not the same job as training every weight", "  1 LoRA r=16 ",
+          "best plan, per-GPU memory:", "LoRA r=16 (attn) x 2 B",
+          "rejected:\n  full-parameter training: nothing fits: without offload"})
+        EXPECT_NE(o.output.find(part), std::string::npos) << part << "\n" << o.output;
+    EXPECT_NE(o.output.find("; LoRA r=16 fits\n"), std::string::npos) << o.output;
+    o = memtrain_cli(
+        "plan llama-30b --gpus 1 --host-mem-gb 128 --global-batch 64 --top 100 --json");
+    ASSERT_EQ(o.code, 0) << o.output;
+    const auto j = nlohmann::json::parse(o.output);
+    EXPECT_TRUE(j["lora_instead_of_full"].get<bool>());
+    ASSERT_FALSE(j["plans"].empty());
+    for (const auto& p : j["plans"]) {
+        EXPECT_EQ(p["method"], "LoRA r=16");
+        EXPECT_EQ(p["lora_targets"], "attn");
+        EXPECT_LE(p["memory"]["total_bytes"].get<double>(), 80e9);
+    }
+    // --no-lora: nothing fits, and the command still explains why (exit 0, as before).
+    o = memtrain_cli("plan llama-30b --gpus 1 --host-mem-gb 128 --global-batch 64 --no-lora");
+    ASSERT_EQ(o.code, 0) << o.output;
+    EXPECT_NE(o.output.find("no layout fits in 80.00 GB per GPU"), std::string::npos) << o.output;
+    EXPECT_EQ(o.output.find("LoRA"), std::string::npos) << o.output;
+}
+
+// `memtrain plan --emit-config` on two GPUs small enough that the best plan shards with ZeRO: the
+// file carries the layout as the trainer's keys (zero stage, precision, offload, tp, pp,
+// micro-batch) and validates at the plan's world size. (Training it: PlanGrid.* under mpirun.)
+namespace {
+
+// `memtrain plan --emit-config` of a small model on two GPUs of `gpu_gb` each (fp32, 8 x 16
+// tokens per step) into `dir`: the command's output and the emitted file, as text and as the
+// trainer's config on the CPU.
+struct Emitted {
+    Outcome run;
+    std::string text;
+    memtrain::RunConfig config;
+};
+Emitted emit_plan(const std::string& dir, const char* gpu_gb) {
+    write_text(dir + "/m.toml",
+               "[model]\nn_layer = 4\nn_head = 4\nn_embd = 32\nblock_size = 16\nvocab_size = 50\n"
+               "vocab_pad = 16\n");
+    const std::string out = dir + "/plan.toml";
+    Emitted e;
+    e.run = memtrain_cli("plan " + dir + "/m.toml --gpus 2 --gpu-mem-gb " + gpu_gb +
+                         " --reserve-gb 0 --precision fp32 --no-flash --global-batch 8 --seq 16 "
+                         "--no-offload --no-lora --emit-config " +
+                         out);
+    if (e.run.code != 0) return e;
+    e.config = memtrain::load_run_config(out, {"train.device=cpu"});
+    std::ifstream f(out);
+    e.text.assign((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    return e;
+}
+
+}  // namespace
+
+TEST(PlanCli, EmittedConfigCarriesTheLayout) {
+    const Emitted e = emit_plan(memtrain::test::temp_dir("plan_cli_emit"), "0.002");
+    const Outcome& o = e.run;
+    ASSERT_EQ(o.code, 0) << o.output;
+    memtrain::RunConfig c = e.config;
+    EXPECT_GT(c.train.zero_stage, 0) << o.output;
+    EXPECT_EQ(c.train.precision, "fp32");
+    EXPECT_EQ(c.train.tp, 1);
+    EXPECT_EQ(c.train.pp, 1);
+    EXPECT_FALSE(c.train.offload_optimizer);
+    EXPECT_EQ(c.train.batch_size, 8);
+    EXPECT_EQ(c.train.seq_len, 16);
+    EXPECT_GT(c.train.micro_batch_size, 0);
+    EXPECT_EQ(c.model.n_layer, 4);
+    c.world = 2;
+    EXPECT_NO_THROW(validate_config(c));
+    // The header says how to launch it.
+    const std::string& text = e.text;
+    EXPECT_NE(text.find("mpirun -np 2"), std::string::npos) << text;
+    EXPECT_NE(text.find("zero_stage = "), std::string::npos) << text;
+}
+
+// With less memory the best plan on two GPUs splits the model (tp = 2), and the search turns
+// sequence parallelism on with it: the file carries train.sequence_parallel, and the trainer
+// accepts the layout at the plan's world size. (Training it:
+// PlanGrid.EmittedConfigTrainsAsPlanned.)
+TEST(PlanCli, EmittedConfigCarriesSequenceParallelism) {
+    const Emitted e = emit_plan(memtrain::test::temp_dir("plan_cli_emit_sp"), "0.0008");
+    const Outcome& o = e.run;
+    ASSERT_EQ(o.code, 0) << o.output;
+    memtrain::RunConfig c = e.config;
+    EXPECT_EQ(c.train.tp, 2) << o.output;
+    EXPECT_TRUE(c.train.sequence_parallel) << o.output;
+    c.world = 2;
+    EXPECT_NO_THROW(validate_config(c));
+    const std::string& text = e.text;
+    EXPECT_NE(text.find("sequence_parallel = true"), std::string::npos) << text;
+    EXPECT_EQ(text.find("not built"), std::string::npos) << text;
+}
+
+// `memtrain estimate` says whether a layout was priced by the engines' layout functions (a model
+// the trainer expresses, a layout it runs, the tp x pp mesh and sequence parallelism included) or
+// by the formulas (GPT-2's dropout masks).
+TEST(PlanCli, EstimateSaysWhereItsNumbersComeFrom) {
+    const auto dir = memtrain::test::temp_dir("plan_cli_source");
+    write_text(dir + "/m.toml", "[model]\nn_layer = 4\nn_head = 4\nn_embd = 32\nblock_size = 16\n");
+    const std::string engine = "priced by the engines' layout functions";
+    const std::string formulas = "priced by the formulas";
+    for (const char* layout :
+         {"", " --tp 2", " --pp 2", " --dp 2 --zero 3", " --tp 2 --pp 2",
+          " --tp 2 --sequence-parallel", " --tp 2 --pp 2 --sequence-parallel"}) {
+        const Outcome o = memtrain_cli("estimate " + dir + "/m.toml" + layout);
+        ASSERT_EQ(o.code, 0) << layout << "\n" << o.output;
+        EXPECT_NE(o.output.find(engine), std::string::npos) << layout << "\n" << o.output;
+    }
+    for (const std::string& args : {std::string("gpt2"), std::string("gpt2 --tp 2 --pp 2")}) {
+        const Outcome o = memtrain_cli("estimate " + args);
+        ASSERT_EQ(o.code, 0) << args << "\n" << o.output;
+        EXPECT_NE(o.output.find(formulas), std::string::npos) << args << "\n" << o.output;
+    }
+}
