@@ -18,6 +18,7 @@
 #include "comm/mpi_communicator.h"
 #include "core/error.h"
 #include "io/checkpoint.h"
+#include "train/plan.h"
 #include "train/trainer.h"
 #include "train/validate.h"
 
@@ -152,6 +153,7 @@ void register_train(CLI::App& app) {
         std::string resume;
         bool keys = false;
         bool print_config = false;
+        bool print_plan = false;
         int stop_after = -1;
     };
     auto args = std::make_shared<Args>();
@@ -168,6 +170,9 @@ void register_train(CLI::App& app) {
     cmd->add_flag("--help-keys", args->keys, "list every config key and exit");
     cmd->add_flag("--print-config", args->print_config,
                   "print the resolved config as TOML (every key) and exit without training");
+    cmd->add_flag("--print-plan", args->print_plan,
+                  "print the run plan (engine, mesh, placements, precision, remat, this rank's "
+                  "predicted memory) and exit without allocating (under mpirun: rank 0's)");
     cmd->callback([args]() {
         if (args->keys) {
             for (const auto& k : config_keys()) std::printf("%s\n", k.c_str());
@@ -176,6 +181,20 @@ void register_train(CLI::App& app) {
         if (args->print_config) {
             std::fputs(to_toml(make_config(args->config, args->sets, args->resume)).c_str(),
                        stdout);
+            return;
+        }
+        if (args->print_plan) {
+            std::unique_ptr<dist::Communicator> comm;
+            if (dist::launched_by_mpi())
+                comm = std::make_unique<dist::MpiCommunicator>();
+            else
+                comm = std::make_unique<dist::LocalCommunicator>();
+            RunConfig cfg = make_config(args->config, args->sets, args->resume);
+            cfg.world = comm->size();
+            validate_config(cfg);
+            const RunPlan plan = plan_run(cfg, *comm);
+            if (comm->rank() == 0)
+                std::fputs(("plan: " + plan.describe() + "\n" + plan.table()).c_str(), stdout);
             return;
         }
         TrainOptions opts;

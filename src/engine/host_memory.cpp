@@ -14,6 +14,7 @@
 #include "model/gpt.h"
 #include "model/lora.h"
 #include "parallel/mesh.h"
+#include "parallel/placement.h"
 #include "parallel/tensor/tp.h"
 #include "planner/memory_model.h"
 #include "planner/model_shape.h"
@@ -21,6 +22,37 @@
 #include "remat/policy.h"
 
 namespace memtrain {
+
+std::string host_rss_line() {
+    return fmt::format(
+        "{:<16} {:>12}  (everything the OS charged: code, libraries, loaders, allocator slack)\n",
+        "process peak RSS", fmt::format("{:.1f} MiB", process_peak_rss() / 1048576.0));
+}
+
+std::vector<MemoryPrediction> zero_state_rows(const RunConfig& cfg, std::size_t shard,
+                                              std::size_t psi, int world, const std::string& what) {
+    // Model states per rank under ZeRO (parallel/placement.h, as ZeroStore allocates them): a shard
+    // (this rank's count of the balanced layout, Ψ/N rounded) where the stage shards that state, Ψ
+    // otherwise.
+    const dist::ShardSpec spec = dist::shard_spec(cfg.train.zero_stage);
+    auto n = [&](dist::Placement p) {
+        return (std::size_t)dist::held(p, (int64_t)psi, (int64_t)shard);
+    };
+    auto per = [&](dist::Placement p) {
+        return world > 1 && dist::sharded(p) ? fmt::format(" / {} ranks", world) : std::string();
+    };
+    const int k = cfg.optim.name == "adamw" ? 8 : 4;
+    return {
+        {MemCategory::Parameters, fmt::format("4 x {}{} (fp32)", what, per(spec.params)),
+         4 * n(spec.params)},
+        {MemCategory::Gradients, fmt::format("4 x {}{} (fp32)", what, per(spec.grads)),
+         4 * n(spec.grads)},
+        {MemCategory::OptimizerState,
+         fmt::format("{} x {}{} ({})", k, what, per(spec.optimizer),
+                     k == 8 ? "Adam m, v" : "momentum"),
+         (std::size_t)k * n(spec.optimizer)},
+    };
+}
 
 namespace {
 
@@ -198,7 +230,7 @@ std::size_t host_available_bytes() {
 
 std::vector<MemoryPrediction> predict_pipeline_memory(const RunConfig& cfg, int rank) {
     // The mesh's engine: pipelines, and tensor-parallel groups side by side (pp = 1).
-    if (cfg.train.device != "cpu" || engine_kind(cfg) != EngineKind::Pipeline || cfg.lora.enabled())
+    if (cfg.train.device != "cpu" || engine_kind(cfg) != EngineKind::Mesh || cfg.lora.enabled())
         return {};
     // What the planner prices as the executor allocates: the synchronous schedules' slots (not
     // naive's one, nor PipeDream's weight versions) and the whole-model remat policies.
@@ -229,7 +261,7 @@ std::vector<MemoryPrediction> predict_pipeline_memory(const RunConfig& cfg, int 
 void check_host_fit(const RunConfig& cfg, const std::vector<MemoryPrediction>& rows, int rank,
                     int ranks_on_node) {
     const int T = cfg.train.seq_len;
-    const bool stage = engine_kind(cfg) == EngineKind::Pipeline;
+    const bool stage = engine_kind(cfg) == EngineKind::Mesh;
     if (rows.empty()) return;
     const std::size_t per_rank = sum(rows), need = per_rank * (std::size_t)ranks_on_node;
     const std::size_t avail = host_available_bytes();

@@ -17,6 +17,15 @@
 
 namespace memtrain {
 
+// The footer line every host engine's memory report starts with: the process's peak RSS.
+std::string host_rss_line();
+
+// The model-state rows of the memory report for `psi` floats in a ZeroStore at
+// cfg.train.zero_stage over `world` ranks: Ψ per state, or the rank's `shard` where the stage
+// shards that state. `what` names the floats ("params", "adapters").
+std::vector<MemoryPrediction> zero_state_rows(const RunConfig& cfg, std::size_t shard,
+                                              std::size_t psi, int world, const std::string& what);
+
 // The rows one rank of a CPU run (data parallel or not, full or LoRA) allocates for
 // micro-batches of B x T with `plan`; empty where the engine is another (pipeline stages and
 // tensor-parallel groups side by side, a parameter server, the GPU).

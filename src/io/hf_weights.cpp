@@ -161,7 +161,7 @@ void gather_transposed(float* hf, const ParamSpec& t, const HfPiece& p, const fl
 }  // namespace
 
 void save_hf_weights(const ModelWeights& weights, const std::string& path, bool write) {
-    ParamStore& store = weights.store;
+    WeightWindow& store = weights.store;
     const ParamLayout& layout = weights.layout;
     if (!write) {
         // Take part in the gathers the writing rank makes, in the same order.
@@ -223,7 +223,7 @@ void load_hf_weights(const ModelWeights& weights, const std::string& path) {
     const HfTensorSource src = HfTensorSource::open(path);
     const ModelConfig& cfg = weights.cfg;
     const ParamLayout& layout = weights.layout;
-    ParamStore& store = weights.store;
+    WeightWindow& store = weights.store;
     const HfNaming naming = src.has("model.embed_tokens.weight") ? HfNaming::Llama : HfNaming::Gpt2;
     const std::vector<HfPiece> pieces = hf_pieces(cfg, naming);
     std::vector<float> staging;

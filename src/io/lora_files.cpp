@@ -50,7 +50,7 @@ std::string adapter_config_json(const RunConfig& cfg, const LoraLayout& layout) 
 }
 
 void save_lora_adapters(const std::string& dir, const RunConfig& cfg, const LoraLayout& layout,
-                        ParamStore& store, bool write) {
+                        WeightWindow& store, bool write) {
     const ParamLayout& pl = layout.params;
     // The adapters are small (r (in + out) per site): gather them whole, unit by unit as every
     // rank does, then write.
@@ -70,7 +70,7 @@ void save_lora_adapters(const std::string& dir, const RunConfig& cfg, const Lora
 }
 
 void load_lora_adapters(const std::string& path, const ModelConfig& cfg, const LoraLayout& layout,
-                        ParamStore& store) {
+                        WeightWindow& store) {
     const std::string file = adapter_file(path);
     if (!fs::exists(file)) fail("{}: no LoRA adapters (adapter_model.safetensors) there", path);
     const HfTensorSource src = HfTensorSource::open(file);
@@ -107,7 +107,7 @@ void load_merged_lora_model(const std::string& ckpt_dir, const RunConfig& cfg,
     // QLoRA trained against the quantized base: merge into what it decodes to.
     if (cfg.lora.base != "fp32") quant::round_trip_base(weights, quant::lora_base_quant(cfg.lora));
     const LoraLayout layout = make_lora_layout(cfg.model, cfg.lora);
-    FullParamStore adapters(layout.params);
+    FullUnitStore adapters(layout.params);
     load_lora_adapters(ckpt_dir, cfg.model, layout, adapters);
     float* base = weights.store.full_params();
     if (!base) fail("internal: load_merged_lora_model needs a whole model");

@@ -11,7 +11,7 @@
 
 #include "config/run_config.h"
 #include "model/lora.h"
-#include "model/param_store.h"
+#include "model/unit_store.h"
 #include "model/weights.h"
 
 namespace memtrain {
@@ -23,11 +23,11 @@ std::string adapter_config_json(const RunConfig& cfg, const LoraLayout& layout);
 // Writes DIR/adapter_model.safetensors and DIR/adapter_config.json from the adapters' store.
 // Every rank calls it (under ZeRO-3 the units are gathered); only `write` writes.
 void save_lora_adapters(const std::string& dir, const RunConfig& cfg, const LoraLayout& layout,
-                        ParamStore& store, bool write);
+                        WeightWindow& store, bool write);
 // Loads every adapter tensor by its PEFT name from DIR/adapter_model.safetensors (or the file
 // itself), checking shapes; an Error names a missing or misshapen tensor.
 void load_lora_adapters(const std::string& path, const ModelConfig& cfg, const LoraLayout& layout,
-                        ParamStore& store);
+                        WeightWindow& store);
 // Whether `dir` holds LoRA adapters (adapter_model.safetensors).
 bool has_lora_adapters(const std::string& dir);
 

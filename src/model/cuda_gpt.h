@@ -26,7 +26,7 @@
 namespace memtrain {
 
 // Where the model's parameter units and their gradients live on the device: the device side of
-// model/param_store.h (units: the embedding, each block, the head). Without one, the model keeps
+// model/unit_store.h (units: the embedding, each block, the head). Without one, the model keeps
 // both whole in flat buffers of its own; ZeRO-2/3 (parallel/data/device_zero.h) shards them and
 // hands out gathered units and gradient buckets. Pointers are for work queued on the model's
 // stream.

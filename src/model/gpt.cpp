@@ -26,21 +26,21 @@ static_assert(sizeof(BlockSaved) == kSavedFields * sizeof(float*),
 
 }  // namespace
 
-FullParamStore::FullParamStore(const ParamLayout& layout)
+FullUnitStore::FullUnitStore(const ParamLayout& layout)
     : layout_(&layout), params_(layout.total, MemCategory::Parameters) {}
 
-float* FullParamStore::full_grads() {
+float* FullUnitStore::full_grads() {
     if (grads_.size() == 0) grads_ = Buffer<float>(layout_->total, MemCategory::Gradients);
     return grads_.data();
 }
 
-void FullParamStore::zero_grads() {
+void FullUnitStore::zero_grads() {
     std::memset(full_grads(), 0, grads_.bytes());
 }
 
-GPT::GPT(const ModelConfig& cfg, ParamStore* store) : GPT(cfg, store, 0, cfg.n_layer) {}
+GPT::GPT(const ModelConfig& cfg, UnitStore* store) : GPT(cfg, store, 0, cfg.n_layer) {}
 
-GPT::GPT(const ModelConfig& cfg, ParamStore* store, int first_block, int end_block) : cfg_(cfg) {
+GPT::GPT(const ModelConfig& cfg, UnitStore* store, int first_block, int end_block) : cfg_(cfg) {
     cfg_.validate();
     if (first_block < 0 || end_block > cfg_.n_layer || first_block >= end_block)
         fail("internal: stage blocks [{}, {}) of a model of {} blocks", first_block, end_block,
@@ -49,7 +49,7 @@ GPT::GPT(const ModelConfig& cfg, ParamStore* store, int first_block, int end_blo
     b1_ = end_block;
     layout_ = make_param_layout(cfg_);
     if (!store) {
-        own_store_ = std::make_unique<FullParamStore>(layout_);
+        own_store_ = std::make_unique<FullUnitStore>(layout_);
         store = own_store_.get();
     }
     store_ = store;
@@ -427,7 +427,7 @@ void GPT::stage_forward(int slot, const int32_t* inputs, int B, int T) {
     const int N = B * T, C = cfg_.n_embd;
     if (has_embedding()) check_tokens(inputs, (std::size_t)N, cfg_.vocab_size, "input");
     // The shared schedule (model/unit_walk.h): each part acquires its unit, announces the next
-    // (ParamStore::prefetch, so ZeRO-3 gathers it meanwhile) and runs.
+    // (UnitStore::prefetch, so ZeRO-3 gathers it meanwhile) and runs.
     for (const UnitVisit& v : walk_.forward) {
         float* w = store_->acquire(v.unit);
         announce(v.prefetch);

@@ -18,7 +18,7 @@
 #include "model/config.h"
 #include "model/lora.h"
 #include "model/param_layout.h"
-#include "model/param_store.h"
+#include "model/unit_store.h"
 #include "model/unit_walk.h"
 #include "model/weights.h"
 
@@ -46,22 +46,22 @@ struct BlockSaved {
 
 class GPT {
   public:
-    // Parameters and gradients live in a ParamStore: by default one of the model's own that keeps
-    // them whole (FullParamStore); a data-parallel run passes its sharding store, which must
+    // Parameters and gradients live in a UnitStore: by default one of the model's own that keeps
+    // them whole (FullUnitStore); a data-parallel run passes its sharding store, which must
     // outlive the model.
-    explicit GPT(const ModelConfig& cfg, ParamStore* store = nullptr);
+    explicit GPT(const ModelConfig& cfg, UnitStore* store = nullptr);
     // A pipeline stage: only blocks [first_block, end_block) of the model, with the embedding
     // when first_block is 0 and the head (ln_f, classifier, loss) when end_block is n_layer. The
     // store must back the units the stage uses (parallel/pipeline/stage_store.h); unit numbers stay
     // the whole model's.
-    GPT(const ModelConfig& cfg, ParamStore* store, int first_block, int end_block);
+    GPT(const ModelConfig& cfg, UnitStore* store, int first_block, int end_block);
     GPT(const GPT&) = delete;
     GPT& operator=(const GPT&) = delete;
 
     const ModelConfig& config() const { return cfg_; }
     const ParamLayout& layout() const { return layout_; }
     std::size_t num_params() const { return layout_.total; }
-    ParamStore& store() { return *store_; }
+    UnitStore& store() { return *store_; }
     // The whole flat buffers; an Error if the store shards them (ZeRO-3 parameters, ZeRO-2/3
     // gradients), where callers go unit by unit through store() instead.
     float* params();
@@ -207,7 +207,7 @@ class GPT {
     // What block v.block re-runs before its backward (v.redo), into its saved fields.
     void redo(const UnitVisit& v, const BlockParams& p, const float* adapter, Slot& sl, int B,
               int T);
-    // ParamStore::prefetch of the walk's next unit (-1: none).
+    // UnitStore::prefetch of the walk's next unit (-1: none).
     void announce(int u) {
         if (u >= 0) store_->prefetch(u);
     }
@@ -227,8 +227,8 @@ class GPT {
 
     ModelConfig cfg_;
     ParamLayout layout_;
-    std::unique_ptr<FullParamStore> own_store_;  // when no store was passed in
-    ParamStore* store_;
+    std::unique_ptr<FullUnitStore> own_store_;  // when no store was passed in
+    UnitStore* store_;
 
     int b0_ = 0, b1_ = 0;  // the blocks this model runs
     int nslots_ = 1;

@@ -159,7 +159,7 @@ LoraLayout make_lora_layout(const ModelConfig& cfg, const LoraConfig& lora) {
     return out;
 }
 
-void init_lora_weights(ParamStore& store, const LoraLayout& layout, uint64_t seed) {
+void init_lora_weights(WeightWindow& store, const LoraLayout& layout, uint64_t seed) {
     Rng rng(seed ^ 0x10AA0000ull);
     const double std = 1.0 / layout.rank;
     for (int u = 0; u < (int)layout.params.units.size(); u++) {
@@ -175,7 +175,7 @@ void init_lora_weights(ParamStore& store, const LoraLayout& layout, uint64_t see
     }
 }
 
-LoraAdapters::LoraAdapters(const LoraConfig& cfg, const LoraLayout& layout, ParamStore& store,
+LoraAdapters::LoraAdapters(const LoraConfig& cfg, const LoraLayout& layout, UnitStore& store,
                            uint64_t dropout_seed)
     : cfg_(cfg), layout_(&layout), store_(&store), seed_(dropout_seed) {}
 

@@ -8,7 +8,7 @@
 // each of q_proj, k_proj, v_proj, gate_proj, up_proj gets an adapter of its own on its columns of
 // the fused GEMM, exactly as PEFT puts one on each separate nn.Linear.
 //
-// The adapters are parameters of their own layout (one unit per block), held by any ParamStore:
+// The adapters are parameters of their own layout (one unit per block), held by any UnitStore:
 // a ZeroStore shards their gradients and optimizer state like the full model's. Nothing is
 // saved for backward beyond what the block keeps anyway: the adapter's hidden h = drop(x) A^T
 // (N x rank) is recomputed from the block's saved input, and the dropout mask is a hash of
@@ -24,7 +24,7 @@
 #include "core/allocator.h"
 #include "model/config.h"
 #include "model/param_layout.h"
-#include "model/param_store.h"
+#include "model/unit_store.h"
 
 namespace memtrain {
 
@@ -83,16 +83,16 @@ std::vector<std::string> lora_module_suffixes(const ModelConfig& cfg);
 std::size_t lora_workspace_bytes(const LoraConfig& cfg, const LoraLayout& layout, int N);
 
 // A ~ N(0, 1/rank) (PEFT's "gaussian" init), B = 0, unit by unit through the store.
-void init_lora_weights(ParamStore& store, const LoraLayout& layout, uint64_t seed);
+void init_lora_weights(WeightWindow& store, const LoraLayout& layout, uint64_t seed);
 
 // The adapters' arithmetic inside the blocks (GPT calls it; see model/gpt.h set_lora).
 class LoraAdapters {
   public:
-    LoraAdapters(const LoraConfig& cfg, const LoraLayout& layout, ParamStore& store,
+    LoraAdapters(const LoraConfig& cfg, const LoraLayout& layout, UnitStore& store,
                  uint64_t dropout_seed);
     const LoraConfig& config() const { return cfg_; }
     const LoraLayout& layout() const { return *layout_; }
-    ParamStore& store() { return *store_; }
+    UnitStore& store() { return *store_; }
     // Dropout applies in training only; each micro-batch draws a new mask (forward, recompute
     // and backward of one micro-batch use the same). The engines number micro-batches from the
     // optimizer's step count (step x accumulation + index), so a resumed run draws the masks the
@@ -118,7 +118,7 @@ class LoraAdapters {
 
     LoraConfig cfg_;
     const LoraLayout* layout_;
-    ParamStore* store_;
+    UnitStore* store_;
     uint64_t seed_;
     uint64_t micro_batch_ = 0;
     bool training_ = false;

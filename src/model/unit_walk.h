@@ -1,7 +1,7 @@
 // The schedule of a model's step over its parameter units, written once for both drivers (GPT on
 // the CPU, model/gpt.h; CudaGPT<T> on the GPU, model/cuda_gpt.h): which part runs in which order,
 // which unit each part computes with, which unit it announces to the store while it runs
-// (ParamStore::prefetch / DeviceUnitStore::prefetch_params, so ZeRO-3 gathers it meanwhile), and
+// (UnitStore::prefetch / DeviceUnitStore::prefetch_params, so ZeRO-3 gathers it meanwhile), and
 // what a block's backward first re-runs under its remat plan. A driver walks the list and supplies
 // the kernels of each part; a technique that changes the schedule (how far ahead to gather, a new
 // BlockKeep, a stage boundary) changes this file, and both engines follow.

@@ -1,4 +1,4 @@
-// A model's weights seen unit by unit through its ParamStore, whatever holds them: the CPU model's
+// A model's weights seen unit by unit through its UnitStore, whatever holds them: the CPU model's
 // flat buffer, a ZeRO shard store, or the CUDA model (whose store copies each unit's fp32 master
 // weights to the host and back). Initialisation, Hugging Face import/export and checkpoints go
 // through this, so every backend gets the same bits from the same seed or file.
@@ -9,12 +9,12 @@
 
 #include "model/config.h"
 #include "model/param_layout.h"
-#include "model/param_store.h"
+#include "model/unit_store.h"
 
 namespace memtrain {
 
 struct ModelWeights {
-    ParamStore& store;
+    WeightWindow& store;
     const ParamLayout& layout;
     const ModelConfig& cfg;
 };

@@ -505,10 +505,6 @@ void QuantizedStoreWriter::release(int u) {
     target_->load_unit(u, scratch_.data());
 }
 
-float* QuantizedStoreWriter::unit_grads(int u) {
-    fail("internal: the quantized base writer has no gradients (unit_grads of unit {})", u);
-}
-
 BaseQuant lora_base_quant(const LoraConfig& lora) {
     return parse_base_quant(lora.base, lora.base == "int8" ? 0 : lora.base_group);
 }

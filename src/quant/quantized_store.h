@@ -1,7 +1,7 @@
 // A frozen base model held quantized in memory (QLoRA): the four linear weights of every block
 // packed as int8, int4 or NF4, everything else fp32, and each block decoded to fp32 when the
 // model acquires it, into one of a few unit-sized slots (as ZeRO-3 gathers a unit just in time).
-// The model reads it like any other ParamStore; it has no gradients and cannot be written.
+// The model reads it like any other UnitStore; it has no gradients and cannot be written.
 //
 // Example:
 //     const quant::BaseQuant q = quant::parse_base_quant("nf4");
@@ -22,7 +22,7 @@
 #include "model/config.h"
 #include "model/lora.h"
 #include "model/param_layout.h"
-#include "model/param_store.h"
+#include "model/unit_store.h"
 #include "model/weights.h"
 #include "quant/quant.h"
 
@@ -85,7 +85,7 @@ PackedSizes packed_sizes(const BaseQuant& q, int64_t rows, int64_t cols);
 // mlp.c_fc or mlp.c_proj weight of a block.
 bool is_packed_matrix(const ParamSpec& t);
 
-class QuantizedParamStore final : public ParamStore {
+class QuantizedParamStore final : public UnitStore {
   public:
     static constexpr int kDefaultSlots = 2;
 
@@ -139,7 +139,7 @@ class QuantizedParamStore final : public ParamStore {
     // NF4's double quantization: absmax codes per fp32 scale.
     static int nf4_dq_block();
 
-    // ParamStore. acquire(u) of a block decodes it into a slot unless a slot holds it already;
+    // UnitStore. acquire(u) of a block decodes it into a slot unless a slot holds it already;
     // for_write is an error (frozen). There are no gradients: unit_grads is an error,
     // full_grads and full_params are null, zero_grads and grads_done do nothing.
     float* full_params() override { return nullptr; }
@@ -193,22 +193,17 @@ class QuantizedParamStore final : public ParamStore {
     DecodeStats stats_;
 };
 
-// A write-only ParamStore over a QuantizedParamStore, for loaders that write unit by unit
+// A write-only UnitStore over a QuantizedParamStore, for loaders that write unit by unit
 // through ModelWeights (init_gpt2_weights, load_hf_weights): acquire(u, true) gives one zeroed
 // unit-sized fp32 scratch (Workspace), release(u) quantizes it into the store. One unit at a
 // time; reading, gradients and nested acquires are errors.
-class QuantizedStoreWriter final : public ParamStore {
+class QuantizedStoreWriter final : public WeightWindow {
   public:
     explicit QuantizedStoreWriter(QuantizedParamStore& target);
     ModelWeights weights() { return {*this, target_->layout(), target_->config()}; }
 
-    float* full_params() override { return nullptr; }
-    float* full_grads() override { return nullptr; }
     float* acquire(int u, bool for_write = false) override;
     void release(int u) override;
-    float* unit_grads(int u) override;
-    void grads_done(int) override {}
-    void zero_grads() override {}
 
   private:
     QuantizedParamStore* target_;

@@ -19,6 +19,7 @@
 
 #include "core/error.h"
 #include "data/tokenizer.h"
+#include "engine/cpu/cpu_engine.h"
 #include "engine/host_memory.h"
 #include "engine/run_plan.h"
 #include "io/run_report.h"
@@ -28,6 +29,8 @@
 #include "remat/cost.h"
 #include "remat/policy.h"
 #include "remat/profile.h"
+#include "train/build.h"
+#include "train/plan.h"
 #include "train/sample.h"
 
 namespace fs = std::filesystem;
@@ -119,25 +122,13 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
     }
     print("config (all of it as TOML: memtrain train ... --print-config)\n" + format_table(cfg_));
 
-    // The recompute schedule is fixed for the run: the arena is sized once to its layout.
-    const int Bm = cfg_.micro_batch(), Tm = cfg_.train.seq_len;
-    std::optional<remat::BlockFlops> measured;
-    double step_cost = (double)remat::step_flops(cfg_.model, Bm, Tm);
-    if (cfg_.train.remat_costs == "measured" && cfg_.train.remat != "none") {
-        // A short profiling pass on this machine (one block's kernels, no extra model); every
-        // rank uses rank 0's numbers, so all ranks choose the same schedule.
-        const remat::BlockFlops t = remat::measure_block(cfg_.model, Bm, Tm);
-        int64_t ns[7] = {t.ln, t.qkv, t.attention, t.proj, t.fc, t.gelu, t.fc_proj};
-        comm_->broadcast(ns, sizeof(ns), 0);
-        measured = remat::BlockFlops{ns[0], ns[1], ns[2], ns[3], ns[4], ns[5], ns[6]};
-        step_cost = remat::estimated_step_ns(cfg_.model, Bm, Tm, *measured);
-    }
     // The run decided before anything is allocated (engine/run_plan.h): the engine, the layout,
-    // the remat schedule for the engine's arenas, and this rank's memory, refused with what would
-    // fit when it cannot fit the host or the device.
-    plan_ = plan_run(cfg_, *comm_, measured ? &*measured : nullptr);
+    // the remat schedule for the engine's arenas (fixed for the run: the arena is sized once to
+    // its layout), and this rank's memory, refused with what would fit when it cannot fit the
+    // host or the device.
+    plan_ = plan_run(cfg_, *comm_);
     const remat::Schedule* schedule = &plan_.remat;
-    engine_ = opts_.engine ? opts_.engine(cfg_, *comm_) : make_engine(plan_, cfg_, *comm_);
+    engine_ = opts_.engine ? opts_.engine(plan_, *comm_) : make_engine(plan_, *comm_);
     if (!(engine_->arena_format() == plan_.format))
         fail("internal: the {} engine lays out its arenas unlike its plan", engine_->describe());
     engine_->set_remat(schedule->plan);
@@ -164,8 +155,8 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
                         "host memory) | "
                         "activations {} | recompute {:.1f}% of a step ({})\n",
                         cfg_.train.remat, letters, mib(schedule->peak_bytes),
-                        100.0 * schedule->recompute_flops / step_cost,
-                        measured ? "measured time" : "analytic FLOPs"));
+                        100.0 * schedule->recompute_flops / plan_.step_cost,
+                        plan_.costs_measured ? "measured time" : "analytic FLOPs"));
     }
     // Every rank reads the whole global micro-batch (tokens are cheap) and keeps its rows, so the
     // data position is one number for the run, whatever its world size.
@@ -226,6 +217,7 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
         psi - (std::size_t)(cfg_.model.padded_vocab() - cfg_.model.vocab_size) * cfg_.model.n_embd,
         psi, cfg_.train.batch_size, T, cfg_.tokens_per_step(), B, cfg_.accum_steps(),
         layout_line()));
+    print("plan: " + plan_.summary() + " (--print-plan)\n");
     if (cfg_.optim.lr_scaling != "none")
         print(fmt::format("lr scaling ({}): peak lr {} x ({} / {} tokens){} = {:.3e}\n",
                           cfg_.optim.lr_scaling, cfg_.optim.lr, cfg_.tokens_per_step(),
@@ -281,7 +273,7 @@ double Trainer::mean_over_ranks(double x) {
     // A pipeline's stages report the same loss (the last stage's, averaged over the pipelines
     // when there are several), a parameter server's ranks the mean over its workers,
     // tensor-parallel ranks the group's one loss; data-parallel ranks their own.
-    if (comm_->size() == 1 || cfg_.train.pp > 1 || cfg_.train.tp > 1 || cfg_.ps()) return x;
+    if (plan_.loss_is_global()) return x;
     std::vector<double> all((std::size_t)comm_->size());
     comm_->all_gather_bytes(&x, all.data(), sizeof(double));
     double sum = 0;

@@ -14,6 +14,7 @@
 #include "comm/communicator.h"
 #include "config/run_config.h"
 #include "data/loader.h"
+#include "engine/cpu/cpu_engine.h"
 #include "engine/engine.h"
 #include "engine/run_plan.h"
 #include "io/checkpoint.h"
@@ -32,7 +33,7 @@ struct TrainOptions {
     // on it every step (the max over ranks), so all stop after the same step.
     const volatile std::sig_atomic_t* stop_signal = nullptr;
     // Builds the engine instead of make_engine (tests: the GPU pipeline at one stage).
-    std::function<std::unique_ptr<Engine>(const RunConfig&, dist::Communicator&)> engine;
+    std::function<std::unique_ptr<Engine>(const RunPlan&, dist::Communicator&)> engine;
 };
 
 struct TrainSummary {
@@ -77,13 +78,8 @@ class Trainer {
     // This rank's rows of the next global micro-batch from `loader`, into x_, y_.
     void next_rows(data::DataLoader& loader);
     bool root() const { return comm_->rank() == 0; }
-    // Which data-parallel replica this rank belongs to: pipelines are train.pp consecutive ranks,
-    // tensor-parallel groups train.tp (the ranks of one group read the same rows). Parameter
-    // servers (the last ranks) take no data; they are handed worker 0's rows, unread.
-    int dp_rank() const {
-        if (cfg_.ps() && comm_->rank() >= cfg_.dp()) return 0;
-        return comm_->rank() / (cfg_.train.pp * cfg_.train.tp);
-    }
+    // Which data-parallel replica's rows this rank reads (RunPlan::dp_rank).
+    int dp_rank() const { return plan_.dp_rank(); }
     void print(const std::string& s);
     // The start-up line's layout: " | tensor parallel over 2 ranks ... | pipeline of 2 stages ...".
     std::string layout_line() const;

@@ -100,30 +100,6 @@ void validate_pipeline(const RunConfig& cfg) {
     if (cfg.train.device == "cuda") validate_cuda_pipeline(cfg);
 }
 
-void validate_cuda_pipeline(const RunConfig& cfg) {
-    const pp::Kind kind = pp::parse_kind(cfg.train.pp_schedule);
-    // What the GPU pipeline (engine/cuda/cuda_pipeline_engine.cpp) is built for so far.
-    if (kind != pp::Kind::Naive && kind != pp::Kind::GPipe && kind != pp::Kind::OneFOneB)
-        fail(
-            "train.pp_schedule = \"{}\" runs on the CPU engine only so far; on the GPU choose "
-            "naive, gpipe or 1f1b (or set train.device = \"cpu\")",
-            cfg.train.pp_schedule);
-    if (cfg.dp() > 1 && cfg.train.zero_stage > 0)
-        fail(
-            "train.zero_stage = {} across {} GPU pipelines: the GPU all-reduces each stage's "
-            "gradients across them (ZeRO stage 0); ZeRO-1 across pipelines runs on the CPU engine "
-            "(or set train.zero_stage = 0)",
-            cfg.train.zero_stage, cfg.dp());
-    if (cfg.train.offload_optimizer || cfg.train.cuda_graphs)
-        fail("train.{} is not built for pipeline stages on the GPU: set it to false",
-             cfg.train.offload_optimizer ? "offload_optimizer" : "cuda_graphs");
-    if (cfg.train.remat.find("offload") != std::string::npos)
-        fail(
-            "train.remat = \"{}\" offloads block inputs, which is not built for pipeline stages "
-            "on the GPU: choose none, selective, full or a budget without +offload",
-            cfg.train.remat);
-}
-
 void validate_tp(const RunConfig& cfg) {
     if (cfg.train.tp < 1)
         fail("train.tp = {} must be >= 1 (1: no tensor parallelism)", cfg.train.tp);

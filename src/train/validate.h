@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "config/run_config.h"
+#include "engine/run_plan.h"  // validate_cuda_pipeline
 
 namespace memtrain {
 
@@ -23,9 +24,6 @@ void resolve_config(RunConfig& cfg);
 void validate_config(const RunConfig& cfg);
 // train.pp and train.pp_schedule against the world size and the model.
 void validate_pipeline(const RunConfig& cfg);
-// train.pp > 1 on the GPU: what the GPU pipeline is built for (called again once "auto" has
-// resolved to the GPU).
-void validate_cuda_pipeline(const RunConfig& cfg);
 // train.tp against the model, the world size and what it does not combine with yet.
 void validate_tp(const RunConfig& cfg);
 // train.dp_mode and the parameter server's keys.

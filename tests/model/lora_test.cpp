@@ -43,7 +43,7 @@ struct LoraModel {
     GPT model;
     LoraConfig lc;
     LoraLayout lay;
-    FullParamStore adapters;
+    FullUnitStore adapters;
     LoraAdapters lora;
     std::vector<int32_t> x, y;
     LoraModel(const ModelConfig& cfg, LoraConfig c, bool random_b)
@@ -176,7 +176,7 @@ TEST(Lora, BaseGetsNoGradientsAndRematKeepsTheBits) {
                               .plan);
         EXPECT_EQ(s.grads(), want) << policy;
     }
-    // The base store was never asked for gradients (FullParamStore allocates them on first use):
+    // The base store was never asked for gradients (FullUnitStore allocates them on first use):
     // the only gradients alive are the adapters'.
     EXPECT_EQ(host_memory().snapshot().used[(int)MemCategory::Gradients], 4 * s.n());
 }
@@ -236,17 +236,17 @@ TEST(Lora, PeftFilesHoldPeftNamesAndReload) {
         EXPECT_NE(
             json.find(cfg.is_llama() ? "\"fan_in_fan_out\": false" : "\"fan_in_fan_out\": true"),
             std::string::npos);
-        FullParamStore back(s.lay.params);
+        FullUnitStore back(s.lay.params);
         load_lora_adapters(dir, cfg, s.lay, back);
         EXPECT_EQ(0, std::memcmp(back.full_params(), s.a(), s.n() * sizeof(float)));
         // A subset of the targets loads; another rank does not (an Error naming the tensor).
         const LoraLayout attn = make_lora_layout(cfg, lora_cfg("attn"));
-        FullParamStore sa(attn.params);
+        FullUnitStore sa(attn.params);
         EXPECT_NO_THROW(load_lora_adapters(dir, cfg, attn, sa));
         LoraConfig r4 = lora_cfg("all");
         r4.rank = 4;
         const LoraLayout l4 = make_lora_layout(cfg, r4);
-        FullParamStore s4(l4.params);
+        FullUnitStore s4(l4.params);
         EXPECT_THROW(load_lora_adapters(dir, cfg, l4, s4), Error);
     }
 }

@@ -55,8 +55,8 @@ void check_shape(const UnitWalk& w, const ParamLayout& layout, int L, bool tied,
     }
 }
 
-// A FullParamStore that writes down every call the model makes.
-class RecordingStore final : public ParamStore {
+// A FullUnitStore that writes down every call the model makes.
+class RecordingStore final : public UnitStore {
   public:
     explicit RecordingStore(const ParamLayout& l) : inner_(l) {}
     float* full_params() override { return inner_.full_params(); }
@@ -74,7 +74,7 @@ class RecordingStore final : public ParamStore {
     std::vector<std::pair<char, int>> log;
 
   private:
-    FullParamStore inner_;
+    FullUnitStore inner_;
 };
 
 }  // namespace

@@ -54,7 +54,7 @@ RunConfig pp_run(const std::string& name, const std::string& precision,
 // The pipeline over comm(), its engine built by make_cuda_pipeline_engine also at one stage.
 TrainOptions pipeline_options() {
     TrainOptions o = test::quiet();
-    o.engine = [](const RunConfig& c, Communicator& m) { return make_cuda_pipeline_engine(c, m); };
+    o.engine = [](const RunPlan& p, Communicator& m) { return make_cuda_pipeline_engine(p, m); };
     return o;
 }
 

@@ -69,7 +69,7 @@ void tokens(int step, int i, int n, int vocab, std::vector<int32_t>& x, std::vec
 // one pipeline's m micro-batches of 2, no ZeRO), built before either trains.
 struct PipelineAndReference {
     std::unique_ptr<Trainer> ref, run;
-    PipelineEngine* pe = nullptr;
+    MeshEngine* pe = nullptr;
     PipelineAndReference(RunConfig c, int P, int m) {
         TrainOptions quiet;
         quiet.quiet = true;
@@ -80,7 +80,7 @@ struct PipelineAndReference {
         ref = std::make_unique<Trainer>(rc, quiet);
         c.train.pp = P;
         run = std::make_unique<Trainer>(c, quiet, &comm());
-        pe = dynamic_cast<PipelineEngine*>(&run->engine());
+        pe = dynamic_cast<MeshEngine*>(&run->engine());
     }
 };
 
@@ -89,7 +89,7 @@ double lr_of(int step) {
 }
 
 // Every stage's floats [begin, end) of the flat parameter buffer (each rank owns one range).
-std::vector<std::array<uint64_t, 2>> stage_ranges(PipelineEngine& pe) {
+std::vector<std::array<uint64_t, 2>> stage_ranges(MeshEngine& pe) {
     const pp::StageStore::Range& r = pe.store().ranges().at(0);
     std::array<uint64_t, 2> mine = {r.begin, r.end};
     std::vector<std::array<uint64_t, 2>> all((std::size_t)comm().size());
@@ -117,7 +117,7 @@ void check_pipedream(const std::string& remat, int steps, int dp = 1, int zero =
     c.train.zero_stage = zero;
     PipelineAndReference runs(c, P, m);
     Trainer &ref = *runs.ref, &t = *runs.run;
-    PipelineEngine* pe = runs.pe;
+    MeshEngine* pe = runs.pe;
     ASSERT_NE(pe, nullptr);
     ASSERT_EQ(pe->replicas(), dp);
     const int r = pe->stage();
@@ -219,7 +219,7 @@ void check_two_bw(bool tied, double clip, int steps, int dp = 1, int zero = 0,
     c.train.zero_stage = zero;
     PipelineAndReference runs(c, P, m);
     Trainer &ref = *runs.ref, &t = *runs.run;
-    PipelineEngine* pe = runs.pe;
+    MeshEngine* pe = runs.pe;
     ASSERT_NE(pe, nullptr);
     ASSERT_EQ(pe->replicas(), dp);
     const int r = pe->stage();
@@ -334,7 +334,7 @@ TEST(PipeDream, TrainerRunsBothSchedules) {
         const TrainSummary sum = t.run();
         ASSERT_EQ(sum.losses.size(), 3u);
         for (double l : sum.losses) EXPECT_TRUE(std::isfinite(l)) << sched;
-        auto* pe = dynamic_cast<PipelineEngine*>(&t.engine());
+        auto* pe = dynamic_cast<MeshEngine*>(&t.engine());
         ASSERT_NE(pe, nullptr);
         EXPECT_EQ(pe->weight_version(), sched == "pipedream" ? 3 * 2 * P : 3) << sched;
         EXPECT_NE(pe->memory_footer().find("pipeline bubble: measured"), std::string::npos)
@@ -374,7 +374,7 @@ TEST(PipeDream, CheckpointsResume) {
             k.io.out_dir = base + dir;
             Trainer t(k, o, &comm());
             const TrainSummary sum = t.run();
-            auto* pe = dynamic_cast<PipelineEngine*>(&t.engine());
+            auto* pe = dynamic_cast<MeshEngine*>(&t.engine());
             return std::make_tuple(sum, t.params(), pe ? pe->weight_version() : -1);
         };
         TrainOptions restart = quiet;  // 2BW: the shadow restarted where the resume restarts it

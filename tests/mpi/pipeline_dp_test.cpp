@@ -63,8 +63,8 @@ RunConfig one_process(const RunConfig& c, const std::string& suffix) {
     return one;
 }
 
-PipelineEngine& pipeline_engine(Trainer& t) {
-    auto* pe = dynamic_cast<PipelineEngine*>(&t.engine());
+MeshEngine& pipeline_engine(Trainer& t) {
+    auto* pe = dynamic_cast<MeshEngine*>(&t.engine());
     if (!pe) fail("internal: the trainer does not run the pipeline engine");
     return *pe;
 }
@@ -135,7 +135,7 @@ void check_matches_one_process(const std::string& schedule, int zero, bool llama
 
     Trainer t(c, quiet, &comm());
     const TrainSummary sum = t.run();
-    PipelineEngine& pe = pipeline_engine(t);
+    MeshEngine& pe = pipeline_engine(t);
     EXPECT_EQ(pe.stage(), r % kStages);
     EXPECT_EQ(pe.replica(), r / kStages);
     EXPECT_EQ(pe.replicas(), D);

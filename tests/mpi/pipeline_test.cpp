@@ -90,7 +90,7 @@ void check_pipeline_matches_single_process(const PpCase& k, int steps = 10, bool
     c.train.pp_virtual = k.virt;
     Trainer t(c, quiet, &comm());
     const TrainSummary sum = t.run();
-    auto* pe = dynamic_cast<PipelineEngine*>(&t.engine());
+    auto* pe = dynamic_cast<MeshEngine*>(&t.engine());
     ASSERT_NE(pe, nullptr);
     EXPECT_EQ(pe->stage(), r);
     EXPECT_EQ(pe->chunks(), k.virt);

@@ -126,7 +126,7 @@ TEST(TpMesh, LayoutsTrainAsOneProcess) {
                     // for rounding into a step of about the learning rate.
                     EXPECT_LT(worst_diff(t.params(), ref_params), 1e-4 + 1e-3 * c.optim.lr * steps);
                     // The stage's store holds this rank's shard of its units only.
-                    auto& e = dynamic_cast<PipelineEngine&>(t.engine());
+                    auto& e = dynamic_cast<MeshEngine&>(t.engine());
                     const ParamLayout whole = make_param_layout(c.model),
                                       shard = make_param_layout(tp_shard_config(c.model, m.tp));
                     const int u0 = e.store().first_unit(), u1 = e.store().last_unit();

@@ -272,7 +272,7 @@ TEST(Parity, LoraLossAndAdapterGradientsMatchPyTorch) {
     lc.alpha = 8;
     lc.targets = "all";
     const LoraLayout lay = make_lora_layout(m.config(), lc);
-    FullParamStore adapters(lay.params);
+    FullUnitStore adapters(lay.params);
     for (const ParamSpec& t : lay.params.tensors) {
         auto v = read(f, "lora." + t.name, t.shape);
         std::copy(v.begin(), v.end(), adapters.full_params() + t.offset);

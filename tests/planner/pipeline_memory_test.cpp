@@ -24,6 +24,7 @@
 #include "planner/model_shape.h"
 #include "planner/stage_activations.h"
 #include "remat/policy.h"
+#include "train/plan.h"
 
 using namespace memtrain;
 
@@ -201,7 +202,7 @@ TEST(PlanPipeline, StageActivationsAreThePipelineEnginesPrediction) {
                     const int B = c.micro_batch(), T = c.train.seq_len;
                     for (int s = 0; s < P; s++) {
                         OneStageOfMany comm(s, P);
-                        PipelineEngine engine(c, comm);
+                        MeshEngine engine(plan_layout(c, comm), comm);
                         // What the Trainer hands the engine: the policy's plan for the whole model.
                         engine.set_remat(remat::make_schedule(remat::parse_policy(c.train.remat),
                                                               c.model, B, T, nullptr,

@@ -10,6 +10,7 @@
 #include "engine/run_plan.h"
 #include "model/gpt.h"
 #include "test_util.h"
+#include "train/plan.h"
 
 using namespace memtrain;
 
@@ -32,11 +33,11 @@ TEST(RunPlan, OneDecisionOfTheEngine) {
     EXPECT_EQ(engine_kind(c), EngineKind::TensorParallel);
     c.world = 4;
     c.train.batch_size = 4;
-    EXPECT_EQ(engine_kind(c), EngineKind::Pipeline) << "tp x dp runs as the mesh";
+    EXPECT_EQ(engine_kind(c), EngineKind::Mesh) << "tp x dp runs as the mesh";
     c = tiny();
     c.world = 2;
     c.train.pp = 2;
-    EXPECT_EQ(engine_kind(c), EngineKind::Pipeline);
+    EXPECT_EQ(engine_kind(c), EngineKind::Mesh);
     c.train.device = "cuda";
     c.train.precision = "bf16";
     EXPECT_EQ(engine_kind(c), EngineKind::CudaPipeline);
@@ -68,7 +69,7 @@ TEST(RunPlan, HoldsTheLayoutScheduleAndMemoryBeforeAllocation) {
     EXPECT_EQ(p.format, GPT::arena_format());
     ASSERT_EQ(p.remat.plan.size(), (std::size_t)c.model.n_layer);
     for (BlockKeep k : p.remat.plan) EXPECT_EQ(k, BlockKeep::Input);
-    EXPECT_EQ(p.memory_on, "host");
+    EXPECT_EQ(p.memory_on, MemoryOn::Host);
     EXPECT_FALSE(p.memory.empty());
     EXPECT_NE(p.describe().find("parameters replicated"), std::string::npos) << p.describe();
     // ZeRO-3's row of the shard table.

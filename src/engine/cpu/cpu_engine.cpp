@@ -1,17 +1,16 @@
-// The CPU engine and the engine factory (see engine.h).
-#include "engine/engine.h"
+// The CPU engine (see cpu_engine.h).
+#include "engine/cpu/cpu_engine.h"
 
 #include <fmt/format.h>
 
 #include "core/error.h"
 #include "engine/host_memory.h"
-#include "engine/run_plan.h"
 #include "parallel/placement.h"
 
 namespace memtrain {
 
-CpuEngine::CpuEngine(const RunConfig& cfg, dist::Communicator& comm)
-    : cfg_(cfg), comm_(comm), layout_(make_param_layout(cfg.model)) {
+CpuEngine::CpuEngine(const RunPlan& plan, dist::Communicator& comm)
+    : cfg_(plan.cfg), comm_(comm), layout_(make_param_layout(plan.cfg.model)) {
     store_ = std::make_unique<dist::ZeroStore>(layout_, comm_, cfg_.train.zero_stage);
     model_ = std::make_unique<GPT>(cfg_.model, store_.get());
     const dist::ShardRange owned = store_->owned();
@@ -29,12 +28,6 @@ void CpuEngine::forward_backward(const int32_t* inputs, const int32_t* targets, 
     store_->set_reduce(last);  // stages 0-1 reduce once per step
     loss_sum_ += model_->forward_backward(inputs, targets, B, T, grad_scale);
     micro_batches_++;
-}
-
-std::string host_rss_line() {
-    return fmt::format(
-        "{:<16} {:>12}  (everything the OS charged: code, libraries, loaders, allocator slack)\n",
-        "process peak RSS", fmt::format("{:.1f} MiB", process_peak_rss() / 1048576.0));
 }
 
 StepResult finish_zero_step(dist::ZeroStore& store, Optimizer& opt, double loss_sum,
@@ -64,31 +57,6 @@ std::string CpuEngine::memory_title() const {
     return fmt::format("host, fp32{}", N > 1 ? fmt::format(", rank 0 of {}, ZeRO stage {}", N,
                                                            cfg_.train.zero_stage)
                                              : std::string());
-}
-
-std::vector<MemoryPrediction> zero_state_rows(const RunConfig& cfg, std::size_t shard,
-                                              std::size_t psi, int world, const std::string& what) {
-    // Model states per rank under ZeRO (parallel/placement.h, as ZeroStore allocates them): a shard
-    // (this rank's count of the balanced layout, Ψ/N rounded) where the stage shards that state, Ψ
-    // otherwise.
-    const dist::ShardSpec spec = dist::shard_spec(cfg.train.zero_stage);
-    auto n = [&](dist::Placement p) {
-        return (std::size_t)dist::held(p, (int64_t)psi, (int64_t)shard);
-    };
-    auto per = [&](dist::Placement p) {
-        return world > 1 && dist::sharded(p) ? fmt::format(" / {} ranks", world) : std::string();
-    };
-    const int k = cfg.optim.name == "adamw" ? 8 : 4;
-    return {
-        {MemCategory::Parameters, fmt::format("4 x {}{} (fp32)", what, per(spec.params)),
-         4 * n(spec.params)},
-        {MemCategory::Gradients, fmt::format("4 x {}{} (fp32)", what, per(spec.grads)),
-         4 * n(spec.grads)},
-        {MemCategory::OptimizerState,
-         fmt::format("{} x {}{} ({})", k, what, per(spec.optimizer),
-                     k == 8 ? "Adam m, v" : "momentum"),
-         (std::size_t)k * n(spec.optimizer)},
-    };
 }
 
 std::vector<MemoryPrediction> CpuEngine::predicted_memory(int B, int T) const {

@@ -9,13 +9,13 @@
 
 namespace memtrain {
 
-LoraEngine::LoraEngine(const RunConfig& cfg, dist::Communicator& comm)
-    : cfg_(cfg),
+LoraEngine::LoraEngine(const RunPlan& plan, dist::Communicator& comm)
+    : cfg_(plan.cfg),
       comm_(comm),
-      layout_(make_param_layout(cfg.model)),
-      lora_layout_(make_lora_layout(cfg.model, cfg.lora)) {
+      layout_(make_param_layout(plan.cfg.model)),
+      lora_layout_(make_lora_layout(plan.cfg.model, plan.cfg.lora)) {
     if (cfg_.lora.base == "fp32") {
-        fp32_base_ = std::make_unique<FullParamStore>(layout_);
+        fp32_base_ = std::make_unique<FullUnitStore>(layout_);
     } else {
         const quant::BaseQuant q = quant::lora_base_quant(cfg_.lora);
         q.check(cfg_.model);
@@ -34,9 +34,8 @@ LoraEngine::LoraEngine(const RunConfig& cfg, dist::Communicator& comm)
 
 LoraEngine::~LoraEngine() = default;
 
-ParamStore& LoraEngine::base() {
-    if (quant_writer_) return *quant_writer_;
-    return quant_base_ ? static_cast<ParamStore&>(*quant_base_) : *fp32_base_;
+UnitStore& LoraEngine::base() {
+    return quant_base_ ? static_cast<UnitStore&>(*quant_base_) : *fp32_base_;
 }
 
 GPT& LoraEngine::model() {
@@ -54,6 +53,8 @@ std::string LoraEngine::describe() const {
 }
 
 ModelWeights LoraEngine::weights() {
+    // Until weights_loaded(), a QLoRA base is written through its quantizing writer.
+    if (quant_writer_) return ModelWeights{*quant_writer_, layout_, cfg_.model};
     return ModelWeights{base(), layout_, cfg_.model};
 }
 

@@ -7,14 +7,16 @@
 
 #include <memory>
 
+#include "engine/cpu/cpu_engine.h"
 #include "engine/engine.h"
+#include "engine/run_plan.h"
 #include "quant/quantized_store.h"
 
 namespace memtrain {
 
 class LoraEngine final : public Engine {
   public:
-    LoraEngine(const RunConfig& cfg, dist::Communicator& comm);
+    LoraEngine(const RunPlan& plan, dist::Communicator& comm);
     ~LoraEngine() override;
     std::string describe() const override;
     // The frozen base (initialisation and import write it before weights_loaded()).
@@ -43,9 +45,9 @@ class LoraEngine final : public Engine {
   private:
     RunConfig cfg_;
     dist::Communicator& comm_;
-    ParamLayout layout_;                         // the base model's
-    LoraLayout lora_layout_;                     // the adapters'
-    std::unique_ptr<FullParamStore> fp32_base_;  // lora.base = fp32
+    ParamLayout layout_;                        // the base model's
+    LoraLayout lora_layout_;                    // the adapters'
+    std::unique_ptr<FullUnitStore> fp32_base_;  // lora.base = fp32
     // QLoRA: the packed base, written through quant_writer_ (one unit of fp32 at a time) until
     // weights_loaded().
     std::unique_ptr<quant::QuantizedParamStore> quant_base_;
@@ -57,7 +59,7 @@ class LoraEngine final : public Engine {
     RematPlan plan_;  // the model's (it is built after set_remat, in weights_loaded)
     double loss_sum_ = 0;
     int micro_batches_ = 0;
-    ParamStore& base();
+    UnitStore& base();
 };
 
 }  // namespace memtrain

@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "engine/host_memory.h"
 #include "io/text_file.h"
 #include "kernels/cpu/ops.h"
 #include "parallel/tensor/tp_views.h"
@@ -39,15 +40,6 @@ double wall_seconds() {
         .count();
 }
 
-// dp pipelines of train.pp stages of train.tp shards on the job's ranks (validated by
-// RunConfig).
-dist::MeshLayout mesh_of(const RunConfig& cfg, const dist::Communicator& world) {
-    const int pp = cfg.train.pp, tp = std::max(1, cfg.train.tp);
-    if (pp < 1 || world.size() % (pp * tp) != 0)
-        fail("internal: pipelines of {} stages x {} shards on {} ranks", pp, tp, world.size());
-    return dist::MeshLayout{pp, world.size() / (pp * tp), tp};
-}
-
 ModelConfig model_of(const RunConfig& cfg) {
     return cfg.train.tp > 1
                ? dist::tp_shard_config(cfg.model, cfg.train.tp, cfg.train.sequence_parallel)
@@ -56,18 +48,18 @@ ModelConfig model_of(const RunConfig& cfg) {
 
 }  // namespace
 
-PipelineEngine::PipelineEngine(const RunConfig& cfg, dist::Communicator& comm)
-    : cfg_(cfg),
+MeshEngine::MeshEngine(const RunPlan& plan, dist::Communicator& comm)
+    : cfg_(plan.cfg),
       world_(comm),
-      mesh_(mesh_of(cfg, comm)),
+      mesh_(plan.mesh),
       groups_(dist::split_mesh(comm, mesh_)),
       comm_(*groups_.stages),
       data_(groups_.data.get()),
       rank_(comm_.rank()),
-      p_(cfg.train.pp),
-      v_(cfg.train.pp_virtual),
-      kind_(pp::parse_kind(cfg.train.pp_schedule)),
-      model_(model_of(cfg)),
+      p_(plan.cfg.train.pp),
+      v_(plan.cfg.train.pp_virtual),
+      kind_(pp::parse_kind(plan.cfg.train.pp_schedule)),
+      model_(model_of(plan.cfg)),
       layout_(make_param_layout(model_)) {
     if (comm_.size() != p_) fail("internal: a pipeline of {} stages on {} ranks", p_, comm_.size());
     // The techniques, applied to the model in this order (torchtitan's parallelize): each cuts
@@ -80,7 +72,7 @@ PipelineEngine::PipelineEngine(const RunConfig& cfg, dist::Communicator& comm)
     comm_.broadcast(&epoch_, sizeof(epoch_), 0);
 }
 
-void PipelineEngine::apply_tensor_parallel() {
+void MeshEngine::apply_tensor_parallel() {
     // This rank's shard of every tensor (Megatron's cut, parallel/tensor/tp.h) and the group
     // holding the other shards of its stage; model_ is already the shard's config.
     if (mesh_.tp == 1) return;
@@ -89,7 +81,7 @@ void PipelineEngine::apply_tensor_parallel() {
     tpl_ = dist::make_tp_layout(cfg_.model, mesh_.tp, groups_.tp->rank());
 }
 
-void PipelineEngine::apply_pipeline() {
+void MeshEngine::apply_pipeline() {
     // This rank's chunks (virtual stages rank, rank + p, ...; one unless interleaved), each a run
     // of blocks of the whole model's split and a model over them; their units in one StageStore.
     const int B = cfg_.micro_batch(), T = cfg_.train.seq_len, m = cfg_.accum_steps();
@@ -139,7 +131,7 @@ void PipelineEngine::apply_pipeline() {
     make_schedule(m);
 }
 
-void PipelineEngine::apply_data_parallel() {
+void MeshEngine::apply_data_parallel() {
     // The pipelines side by side (mesh_.dp) hold the same stage; gradients are all-reduced across
     // them, or under ZeRO-1 reduce-scattered so this replica updates its piece of the stage's
     // range (one chunk per rank, RunConfig checks; at one pipeline there is nothing to shard).
@@ -166,11 +158,11 @@ void PipelineEngine::apply_data_parallel() {
     }
 }
 
-PipelineEngine::~PipelineEngine() {
+MeshEngine::~MeshEngine() {
     comm_.wait_all();  // sends still travelling read our buffers
 }
 
-void PipelineEngine::make_schedule(int m) {
+void MeshEngine::make_schedule(int m) {
     sched_ = pp::make_schedule(kind_, p_, m, v_);
     pp::validate(sched_);
     // The simulator runs each rank's list in order, so its count of what a stage holds between
@@ -181,13 +173,13 @@ void PipelineEngine::make_schedule(int m) {
         chunks_[c]->set_slots(std::max(1, sim.peak_stage_in_flight[c * p_ + rank_]));
 }
 
-int PipelineEngine::slots() const {
+int MeshEngine::slots() const {
     int k = 0;
     for (const auto& g : chunks_) k += g->slots();
     return k;
 }
 
-std::string PipelineEngine::chunk_blocks() const {
+std::string MeshEngine::chunk_blocks() const {
     std::string out;
     for (const auto& g : chunks_)
         out +=
@@ -195,7 +187,7 @@ std::string PipelineEngine::chunk_blocks() const {
     return out;
 }
 
-std::string PipelineEngine::describe() const {
+std::string MeshEngine::describe() const {
     std::string replicas =
         mesh_.dp > 1
             ? fmt::format(", pipeline {} of {} ({})", replica(), mesh_.dp,
@@ -213,7 +205,7 @@ std::string PipelineEngine::describe() const {
         rank_, p_, v_, num_stages(), chunk_blocks(), kind_name(kind_), replicas);
 }
 
-void PipelineEngine::set_remat(const RematPlan& plan) {
+void MeshEngine::set_remat(const RematPlan& plan) {
     plan_ = plan;
     if (plan.empty()) {
         for (auto& g : chunks_) g->set_remat({});
@@ -225,14 +217,14 @@ void PipelineEngine::set_remat(const RematPlan& plan) {
         g->set_remat(RematPlan(plan.begin() + g->first_block(), plan.begin() + g->end_block()));
 }
 
-void PipelineEngine::begin_step() {
+void MeshEngine::begin_step() {
     store_->zero_grads();
     mbs_.clear();
     loss_sum_ = 0;
 }
 
-void PipelineEngine::forward_backward(const int32_t* inputs, const int32_t* targets, int B, int T,
-                                      float grad_scale, bool last_mb) {
+void MeshEngine::forward_backward(const int32_t* inputs, const int32_t* targets, int B, int T,
+                                  float grad_scale, bool last_mb) {
     const std::size_t n = (std::size_t)B * T;
     mbs_.push_back(Micro{std::vector<int32_t>(inputs, inputs + n),
                          std::vector<int32_t>(targets, targets + n)});
@@ -258,17 +250,17 @@ uint64_t bits_hash(const float* x, std::size_t n) {
 
 }  // namespace
 
-int64_t PipelineEngine::weight_version() const {
+int64_t MeshEngine::weight_version() const {
     return opt_->steps_taken();
 }
 
-std::size_t PipelineEngine::version_bytes() const {
+std::size_t MeshEngine::version_bytes() const {
     std::size_t b = 0;
     for (const Buffer<float>& x : stash_) b += x.size() * sizeof(float);
     return b;
 }
 
-std::size_t PipelineEngine::predicted_version_bytes() const {
+std::size_t MeshEngine::predicted_version_bytes() const {
     if (pipedream())
         return sizeof(float) * (std::size_t)(pp::pipedream_versions(p_, rank_) - 1) *
                store_->count();
@@ -276,7 +268,7 @@ std::size_t PipelineEngine::predicted_version_bytes() const {
     return 0;
 }
 
-void PipelineEngine::swap_shadow() {
+void MeshEngine::swap_shadow() {
     float* sh = stash_[0].data();
     const std::size_t n = store_->count();
     std::swap_ranges(store_->owned_params(), store_->owned_params() + n, sh);
@@ -285,7 +277,7 @@ void PipelineEngine::swap_shadow() {
                          sh + n);
 }
 
-void PipelineEngine::save_shadow() {
+void MeshEngine::save_shadow() {
     float* sh = stash_[0].data();
     const std::size_t n = store_->count();
     std::copy(store_->owned_params(), store_->owned_params() + n, sh);
@@ -294,7 +286,7 @@ void PipelineEngine::save_shadow() {
     shadow_version_ = weight_version();
 }
 
-void PipelineEngine::update(float* g, double lr) {
+void MeshEngine::update(float* g, double lr) {
     if (zero1_) {
         opt_->part(0).step(store_->owned_params() + shard_.offset, g, lr);
         // Every replica's updated shard to every replica of the stage.
@@ -308,7 +300,7 @@ void PipelineEngine::update(float* g, double lr) {
     }
 }
 
-void PipelineEngine::run_schedule(double lr) {
+void MeshEngine::run_schedule(double lr) {
     const int m = (int)mbs_.size();
     if (m != sched_.m) make_schedule(m);
     const int B = B_, T = T_, S = num_stages();
@@ -516,7 +508,7 @@ void PipelineEngine::run_schedule(double lr) {
     stats_.bubble += makespan > 0 ? 1.0 - busy_sum / p_ / makespan : 0.0;
 }
 
-StepResult PipelineEngine::finish_step(double lr, double max_norm) {
+StepResult MeshEngine::finish_step(double lr, double max_norm) {
     StepResult r;
     const int E = ParamLayout::embedding_unit();
     if (pipedream()) {
@@ -609,7 +601,7 @@ StepResult PipelineEngine::finish_step(double lr, double max_norm) {
     return r;
 }
 
-void PipelineEngine::reduce_sequence_partial_grads() {
+void MeshEngine::reduce_sequence_partial_grads() {
     // Sequence parallelism: each shard's norm gradients cover its token rows only; summed over
     // the tensor-parallel group (one packed all-reduce), they are the whole stage's.
     if (!tpg_ || !model_.sequence_parallel) return;
@@ -637,7 +629,7 @@ void PipelineEngine::reduce_sequence_partial_grads() {
         std::copy(packed.data() + k, packed.data() + k + len[j], at[j]);
 }
 
-float* PipelineEngine::reduce_across_pipelines() {
+float* MeshEngine::reduce_across_pipelines() {
     float* g = store_->owned_grads();
     const int64_t n = (int64_t)store_->count();
     if (mesh_.dp == 1) return g;
@@ -650,7 +642,7 @@ float* PipelineEngine::reduce_across_pipelines() {
     return shard_grads_.data();
 }
 
-double PipelineEngine::mean_over_pipelines(double loss) {
+double MeshEngine::mean_over_pipelines(double loss) {
     if (mesh_.dp == 1) return loss;
     std::vector<double> all((std::size_t)mesh_.dp);
     data_->all_gather_bytes(&loss, all.data(), sizeof(double));
@@ -659,7 +651,7 @@ double PipelineEngine::mean_over_pipelines(double loss) {
     return sum / mesh_.dp;
 }
 
-void PipelineEngine::forward_only(const int32_t* inputs, int B, int T) {
+void MeshEngine::forward_only(const int32_t* inputs, int B, int T) {
     // A stage's input and output: the residual stream, or under sequence parallelism this
     // shard's token rows of it.
     const int64_t n = model_.sp_rows((int64_t)B * T) * cfg_.model.n_embd;
@@ -675,20 +667,20 @@ void PipelineEngine::forward_only(const int32_t* inputs, int B, int T) {
     }
 }
 
-double PipelineEngine::forward_loss(const int32_t* inputs, const int32_t* targets, int B, int T) {
+double MeshEngine::forward_loss(const int32_t* inputs, const int32_t* targets, int B, int T) {
     forward_only(inputs, B, T);
     double loss = last() ? chunks_.back()->stage_loss(0, targets, B, T) : 0.0;
     comm_.broadcast(&loss, sizeof(loss), p_ - 1);
     return mean_over_pipelines(loss);
 }
 
-void PipelineEngine::forward_logits(const int32_t* inputs, int B, int T, float* out) {
+void MeshEngine::forward_logits(const int32_t* inputs, int B, int T, float* out) {
     forward_only(inputs, B, T);
     if (last()) chunks_.back()->stage_logits(0, B, T, out);
     comm_.broadcast(out, (int64_t)B * T * cfg_.model.vocab_size * (int64_t)sizeof(float), p_ - 1);
 }
 
-std::string PipelineEngine::memory_title() const {
+std::string MeshEngine::memory_title() const {
     return fmt::format(
         "host, fp32, pipeline stage {} of {}{}{} (rank {})", rank_, p_,
         mesh_.dp > 1 ? fmt::format(" of pipeline {} of {}", replica(), mesh_.dp) : std::string(),
@@ -697,7 +689,7 @@ std::string PipelineEngine::memory_title() const {
         world_.rank());
 }
 
-std::vector<MemoryPrediction> PipelineEngine::predicted_memory(int B, int T) const {
+std::vector<MemoryPrediction> MeshEngine::predicted_memory(int B, int T) const {
     const std::size_t own = store_->count(), mirror = store_->mirror_size();
     std::string units;
     for (const pp::StageStore::Range& r : store_->ranges())
@@ -747,7 +739,7 @@ std::vector<MemoryPrediction> PipelineEngine::predicted_memory(int B, int T) con
     };
 }
 
-std::string PipelineEngine::memory_footer() const {
+std::string MeshEngine::memory_footer() const {
     std::string out = host_rss_line();
     if (v_ == 1)
         out += fmt::format(
@@ -806,7 +798,7 @@ std::string PipelineEngine::memory_footer() const {
     return out;
 }
 
-std::string PipelineEngine::write_run_files(const std::string& out_dir) {
+std::string MeshEngine::write_run_files(const std::string& out_dir) {
     if (timeline_.spans.empty()) return "";
     const std::string path = (std::filesystem::path(out_dir) / "pipeline_timeline.svg").string();
     const std::string title =

@@ -1,4 +1,4 @@
-// PipelineEngine: the CPU model split into stages over the ranks of a pipeline (train.pp), run by
+// MeshEngine: the CPU model split into stages over the ranks of a pipeline (train.pp), run by
 // one executor over a schedule's action lists (parallel/pipeline/schedule.h). Rank r holds stage r:
 // a contiguous run of blocks (parallel/pipeline/stage_split.h), with the embedding on the first
 // stage and ln_f, the classifier and the loss on the last; its parameters, gradients and optimizer
@@ -72,7 +72,9 @@
 #include <string>
 #include <vector>
 
+#include "engine/cpu/cpu_engine.h"
 #include "engine/engine.h"
+#include "engine/run_plan.h"
 #include "parallel/mesh.h"
 #include "parallel/pipeline/schedule.h"
 #include "parallel/pipeline/stage_split.h"
@@ -95,10 +97,10 @@ struct PipelineStats {
     std::vector<double> stage_forward_s, stage_backward_s, stage_input_s, stage_weight_s;
 };
 
-class PipelineEngine final : public Engine {
+class MeshEngine final : public Engine {
   public:
-    PipelineEngine(const RunConfig& cfg, dist::Communicator& comm);
-    ~PipelineEngine() override;
+    MeshEngine(const RunPlan& plan, dist::Communicator& comm);
+    ~MeshEngine() override;
 
     std::string describe() const override;
     // The whole model (with tensor parallelism, assembled from the shards:
@@ -228,7 +230,7 @@ class PipelineEngine final : public Engine {
     std::unique_ptr<OptimizerState> opt_view_;  // tp: the optimizer over the whole layout
     pp::StageSplit split_;
     std::unique_ptr<pp::StageStore> store_;     // every chunk's units, one range per chunk
-    std::unique_ptr<ParamStore> weights_;       // dist::OwnerWeights, or TpStageWeights
+    std::unique_ptr<WeightWindow> weights_;     // dist::OwnerWeights, or TpStageWeights
     std::vector<std::unique_ptr<GPT>> chunks_;  // chunk c: virtual stage c * p + rank
     std::unique_ptr<RangeOptimizers> opt_;      // one optimizer per chunk's range
     dist::ShardRange shard_;                    // of the owned range (one chunk under ZeRO-1)

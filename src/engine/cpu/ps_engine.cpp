@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "engine/host_memory.h"
 #include "kernels/cpu/ops.h"
 
 namespace memtrain {
@@ -43,13 +44,13 @@ class PsEngine::Replica final : public dist::UnitSource {
     PsEngine& e_;
 };
 
-PsEngine::PsEngine(const RunConfig& cfg, dist::Communicator& comm)
-    : cfg_(cfg),
+PsEngine::PsEngine(const RunPlan& plan, dist::Communicator& comm)
+    : cfg_(plan.cfg),
       comm_(comm),
       rank_(comm.rank()),
-      workers_(cfg.dp()),
-      staleness_(cfg.train.ps_staleness),
-      layout_(make_param_layout(cfg.model)) {
+      workers_(plan.cfg.dp()),
+      staleness_(plan.cfg.train.ps_staleness),
+      layout_(make_param_layout(plan.cfg.model)) {
     if (workers_ < 1 || workers_ + cfg_.train.ps_servers != comm.size())
         fail("internal: {} parameter-server workers and {} servers on {} ranks", workers_,
              cfg_.train.ps_servers, comm.size());

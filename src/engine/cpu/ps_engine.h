@@ -39,7 +39,9 @@
 #include <string>
 #include <vector>
 
+#include "engine/cpu/cpu_engine.h"
 #include "engine/engine.h"
+#include "engine/run_plan.h"
 #include "parallel/pipeline/stage_store.h"
 #include "parallel/ps/param_server.h"
 
@@ -56,7 +58,7 @@ struct PsStats {
 
 class PsEngine final : public Engine {
   public:
-    PsEngine(const RunConfig& cfg, dist::Communicator& comm);
+    PsEngine(const RunPlan& plan, dist::Communicator& comm);
     // Workers pull the versions still on their way (staleness > 0), servers complete their sends.
     ~PsEngine() override;
 

@@ -19,12 +19,10 @@ namespace memtrain {
 // every rank and assembles its whole tensors; releasing one acquired for writing keeps this
 // rank's pieces. A collective per acquire, which every rank makes in the same order
 // (initialisation, import, checkpoints). Gradients are not seen through it.
-class TpEngine::WholeStore final : public ParamStore {
+class TpEngine::WholeStore final : public WeightWindow {
   public:
-    WholeStore(const dist::TpLayout& l, FullParamStore& local, dist::TpGroup& group)
+    WholeStore(const dist::TpLayout& l, FullUnitStore& local, dist::TpGroup& group)
         : l_(&l), local_(&local), group_(&group) {}
-    float* full_params() override { return nullptr; }
-    float* full_grads() override { return nullptr; }
     float* acquire(int u, bool for_write) override {
         Held& h = held_[u];
         h.write = h.write || for_write;
@@ -52,11 +50,6 @@ class TpEngine::WholeStore final : public ParamStore {
         }
         held_.erase(it);
     }
-    float* unit_grads(int) override {
-        fail("internal: the tensor-parallel engine's whole view holds no gradients");
-    }
-    void grads_done(int) override {}
-    void zero_grads() override {}
 
   private:
     struct Held {
@@ -65,15 +58,15 @@ class TpEngine::WholeStore final : public ParamStore {
         Buffer<float> whole;
     };
     const dist::TpLayout* l_;
-    FullParamStore* local_;
+    FullUnitStore* local_;
     dist::TpGroup* group_;
     std::map<int, Held> held_;
 };
 
-TpEngine::TpEngine(const RunConfig& cfg, dist::Communicator& comm)
-    : cfg_(cfg),
+TpEngine::TpEngine(const RunPlan& plan, dist::Communicator& comm)
+    : cfg_(plan.cfg),
       group_(comm),
-      tpl_(dist::make_tp_layout(cfg.model, cfg.train.tp, comm.rank())),
+      tpl_(dist::make_tp_layout(plan.cfg.model, plan.cfg.train.tp, comm.rank())),
       store_(tpl_.local) {
     if (comm.size() != cfg_.train.tp)
         fail("train.tp = {} needs exactly {} ranks, the run has {}: start mpirun -np {}",

@@ -17,14 +17,16 @@
 #include <string>
 #include <vector>
 
+#include "engine/cpu/cpu_engine.h"
 #include "engine/engine.h"
+#include "engine/run_plan.h"
 #include "parallel/tensor/tp.h"
 
 namespace memtrain {
 
 class TpEngine final : public Engine {
   public:
-    TpEngine(const RunConfig& cfg, dist::Communicator& comm);
+    TpEngine(const RunPlan& plan, dist::Communicator& comm);
     ~TpEngine() override;
     std::string describe() const override;
     ModelWeights weights() override;
@@ -63,7 +65,7 @@ class TpEngine final : public Engine {
     RunConfig cfg_;
     dist::TpGroup group_;
     dist::TpLayout tpl_;
-    FullParamStore store_;  // this rank's shard, in tpl_.local
+    FullUnitStore store_;  // this rank's shard, in tpl_.local
     std::unique_ptr<GPT> model_;
     std::unique_ptr<Optimizer> opt_;
     std::unique_ptr<WholeStore> whole_;

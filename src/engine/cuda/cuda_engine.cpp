@@ -46,7 +46,7 @@ std::string mib(std::size_t bytes) {
     return fmt::format("{:.1f} MiB", bytes / 1048576.0);
 }
 
-// The engine's ParamStore for weight I/O: a unit's fp32 master weights copied to a host buffer
+// The engine's UnitStore for weight I/O: a unit's fp32 master weights copied to a host buffer
 // and, when written, back to the master and (rounded) to the compute copy. It asks the engine's
 // parts where the master weights live (the device or, under ZeRO-Offload, the host) and which
 // piece of them this rank holds (all of each unit, or its shard's piece: then reading a unit
@@ -55,18 +55,11 @@ template <typename T>
 class CudaEngine;
 
 template <typename T>
-class WeightsStore final : public ParamStore {
+class WeightsStore final : public WeightWindow {
   public:
     explicit WeightsStore(CudaEngine<T>& e) : e_(e) {}
-    float* full_params() override { return nullptr; }
-    float* full_grads() override { return nullptr; }
     float* acquire(int u, bool for_write) override;
     void release(int u) override;
-    float* unit_grads(int) override {
-        fail("internal: the CUDA engine's weight store has no gradients");
-    }
-    void grads_done(int) override {}
-    void zero_grads() override {}
 
   private:
     // The new values of unit `unit` (at `src`) into this rank's master weights and its compute
@@ -83,7 +76,7 @@ class WeightsStore final : public ParamStore {
 template <typename T>
 class CudaEngine final : public Engine, public OptimizerState {
   public:
-    CudaEngine(const RunConfig& cfg, dist::Communicator& comm, const dist::ShardSpec& states);
+    CudaEngine(const RunPlan& plan, dist::Communicator& comm);
     ~CudaEngine() override;
 
     // Engine
@@ -263,11 +256,9 @@ void WeightsStore<T>::write_back(const ParamUnit& unit, const float* src) {
 }
 
 template <typename T>
-CudaEngine<T>::CudaEngine(const RunConfig& cfg, dist::Communicator& comm,
-                          const dist::ShardSpec& states)
-    : cfg_(cfg),
-      dp_(cuda_data_parallel(cfg_, comm), states, make_param_layout(cfg_.model), comm,
-          stream_.get()),
+CudaEngine<T>::CudaEngine(const RunPlan& plan, dist::Communicator& comm)
+    : cfg_(plan.cfg),
+      dp_(plan.collective, plan.states, make_param_layout(cfg_.model), comm, stream_.get()),
       store_(*this) {
     model_ =
         std::make_unique<CudaGPT<T>>(cfg_.model, stream(), dp_.padded_total(), dp_.unit_store());
@@ -500,9 +491,8 @@ std::string CudaEngine<T>::memory_footer() const {
 
 }  // namespace
 
-std::unique_ptr<Engine> make_cuda_engine(const RunConfig& cfg, dist::Communicator& comm,
-                                         const dist::ShardSpec& states) {
-    return make_for_precision<CudaEngine>(cfg, comm, states);
+std::unique_ptr<Engine> make_cuda_engine(const RunPlan& plan, dist::Communicator& comm) {
+    return make_for_precision<CudaEngine>(plan, comm);
 }
 
 void inject_overflow_for_test(Engine& engine) {
@@ -532,8 +522,7 @@ std::pair<int64_t, int64_t> zero_gathers_for_test(Engine& engine) {
 
 namespace memtrain {
 
-std::unique_ptr<Engine> make_cuda_engine(const RunConfig&, dist::Communicator&,
-                                         const dist::ShardSpec&) {
+std::unique_ptr<Engine> make_cuda_engine(const RunPlan&, dist::Communicator&) {
     fail(
         "train.device = \"cuda\", but this memtrain was built without CUDA (no nvcc at build "
         "time)");

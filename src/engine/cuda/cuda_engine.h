@@ -1,5 +1,5 @@
-// The CUDA engine (see engine.h): the model, its gradients and the optimizer on one GPU, in fp32,
-// or in bf16/fp16 with fp32 master weights and Adam moments (Micikevicius et al., Mixed
+// The CUDA engines (engine/engine.h): the model, its gradients and the optimizer on one GPU, in
+// fp32, or in bf16/fp16 with fp32 master weights and Adam moments (Micikevicius et al., Mixed
 // Precision Training) and, for fp16, a dynamic loss scale. Declared here without CUDA types so
 // the factory links in every build; a build without CUDA fails with a message.
 #pragma once
@@ -10,7 +10,7 @@
 
 #include "comm/communicator.h"
 #include "engine/engine.h"
-#include "parallel/placement.h"
+#include "engine/run_plan.h"
 
 namespace memtrain {
 
@@ -19,18 +19,17 @@ namespace memtrain {
 // state sharded, gradients reduce-scattered, parameters all-gathered), 2 (gradients sharded too,
 // reduced unit by unit during every backward) or 3 (parameters sharded too, each unit gathered
 // just before use and the next one prefetched: parallel/data/device_zero.h).
-// `states`: where the model states live (the run plan's table, parallel/placement.h).
-std::unique_ptr<Engine> make_cuda_engine(const RunConfig& cfg, dist::Communicator& comm,
-                                         const dist::ShardSpec& states);
+// Where the model states live is the plan's table (plan.states, parallel/placement.h).
+std::unique_ptr<Engine> make_cuda_engine(const RunPlan& plan, dist::Communicator& comm);
 
 // LoRA / QLoRA (lora.rank > 0) on one GPU: the frozen base whole in the storage precision, or
 // packed (lora.base = int8 | int4 | nf4) and decoded block by block on the device; the adapters
 // trained with the same AdamW and loss scaling (engine/cuda/cuda_lora_engine.cpp).
-std::unique_ptr<Engine> make_cuda_lora_engine(const RunConfig& cfg, dist::Communicator& comm);
+std::unique_ptr<Engine> make_cuda_lora_engine(const RunPlan& plan, dist::Communicator& comm);
 
 // train.pp stages on the GPU (engine/cuda/cuda_pipeline_engine.cpp): one rank per stage, NCCL
 // between them.
-std::unique_ptr<Engine> make_cuda_pipeline_engine(const RunConfig& cfg, dist::Communicator& comm);
+std::unique_ptr<Engine> make_cuda_pipeline_engine(const RunPlan& plan, dist::Communicator& comm);
 
 // Test hook: the engine's next finish_step finds a non-finite gradient, as an fp16 overflow in
 // backward would leave it (tests/cuda: the step is skipped and the loss scale halves).

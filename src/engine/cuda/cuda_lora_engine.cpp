@@ -22,6 +22,7 @@
 #include "comm/device_communicator.h"
 #include "core/device.h"
 #include "engine/cuda/device_optimizer.h"
+#include "engine/host_memory.h"
 #include "io/lora_files.h"
 #include "kernels/cuda/host_convert.h"
 #include "kernels/cuda/ops.h"
@@ -40,16 +41,14 @@ using cuda::precision_name;
 using cuda::to_fp32;
 using cuda::to_storage;
 
-// A ParamStore over device values, one unit at a time through a host fp32 buffer: `read` copies
+// A UnitStore over device values, one unit at a time through a host fp32 buffer: `read` copies
 // unit u's floats down, `write` puts them back after a writing acquire.
-class HostWindow final : public ParamStore {
+class HostWindow final : public WeightWindow {
   public:
     using Read = std::function<void(int u, float* dst)>;
     using Write = std::function<void(int u, const float* src)>;
     HostWindow(const ParamLayout& layout, Read read, Write write)
         : layout_(&layout), read_(std::move(read)), write_(std::move(write)) {}
-    float* full_params() override { return nullptr; }
-    float* full_grads() override { return nullptr; }
     float* acquire(int u, bool for_write) override {
         if (held_ >= 0 && held_ != u) fail("internal: HostWindow holds one unit at a time");
         if (holds_++ == 0) {
@@ -67,9 +66,6 @@ class HostWindow final : public ParamStore {
         held_ = -1;
         written_ = false;
     }
-    float* unit_grads(int) override { fail("internal: a HostWindow has no gradients"); }
-    void grads_done(int) override {}
-    void zero_grads() override {}
 
   private:
     const ParamLayout* layout_;
@@ -83,7 +79,7 @@ class HostWindow final : public ParamStore {
 template <typename T>
 class CudaLoraEngine final : public Engine, public OptimizerState {
   public:
-    CudaLoraEngine(const RunConfig& cfg, dist::Communicator& comm);
+    CudaLoraEngine(const RunPlan& plan, dist::Communicator& comm);
     ~CudaLoraEngine() override;
 
     std::string describe() const override;
@@ -188,10 +184,10 @@ class CudaLoraEngine final : public Engine, public OptimizerState {
 };
 
 template <typename T>
-CudaLoraEngine<T>::CudaLoraEngine(const RunConfig& cfg, dist::Communicator& comm)
-    : cfg_(cfg),
-      layout_(make_param_layout(cfg.model)),
-      lora_layout_(make_lora_layout(cfg.model, cfg.lora)) {
+CudaLoraEngine<T>::CudaLoraEngine(const RunPlan& plan, dist::Communicator& comm)
+    : cfg_(plan.cfg),
+      layout_(make_param_layout(plan.cfg.model)),
+      lora_layout_(make_lora_layout(plan.cfg.model, plan.cfg.lora)) {
     if (comm.size() > 1 && cfg_.train.zero_stage > 0)
         fail(
             "LoRA on the CUDA engine runs data parallelism as DDP (train.zero_stage = 0), not ZeRO "
@@ -458,8 +454,8 @@ std::string CudaLoraEngine<T>::memory_footer() const {
 
 }  // namespace
 
-std::unique_ptr<Engine> make_cuda_lora_engine(const RunConfig& cfg, dist::Communicator& comm) {
-    return make_for_precision<CudaLoraEngine>(cfg, comm);
+std::unique_ptr<Engine> make_cuda_lora_engine(const RunPlan& plan, dist::Communicator& comm) {
+    return make_for_precision<CudaLoraEngine>(plan, comm);
 }
 
 }  // namespace memtrain
@@ -468,7 +464,7 @@ std::unique_ptr<Engine> make_cuda_lora_engine(const RunConfig& cfg, dist::Commun
 
 namespace memtrain {
 
-std::unique_ptr<Engine> make_cuda_lora_engine(const RunConfig&, dist::Communicator&) {
+std::unique_ptr<Engine> make_cuda_lora_engine(const RunPlan&, dist::Communicator&) {
     fail(
         "train.device = \"cuda\", but this memtrain was built without CUDA (no nvcc at build "
         "time)");

@@ -1,6 +1,6 @@
 // The CUDA engine split into pipeline stages (train.pp with train.device = "cuda"): one GPU per
 // rank, rank s holding stage s of the schedule's action lists (parallel/pipeline/schedule.h), the
-// same lists, split (parallel/pipeline/stage_split.h) and tags as the CPU's PipelineEngine
+// same lists, split (parallel/pipeline/stage_split.h) and tags as the CPU's MeshEngine
 // (engine/cpu/mesh_engine.h), over CudaGPT<T> stages in fp32, bf16 or fp16 with fp32 master
 // weights.
 //
@@ -134,13 +134,11 @@ class CudaPipelineEngine;
 // weights, or the parameters in fp32) and, when written, put back (master and rounded
 // parameters, or the mirror) at its release.
 template <typename T>
-class StageWeights final : public ParamStore, public dist::UnitSource {
+class StageWeights final : public WeightWindow, public dist::UnitSource {
   public:
     StageWeights(CudaPipelineEngine<T>& e, const ParamLayout& layout, std::vector<int> owner,
                  dist::Communicator& comm)
         : e_(e), layout_(layout), owner_(layout, *this, std::move(owner), comm) {}
-    float* full_params() override { return nullptr; }
-    float* full_grads() override { return nullptr; }
     float* acquire(int u, bool for_write) override {
         Held& h = held_[u];
         h.count++;
@@ -148,11 +146,6 @@ class StageWeights final : public ParamStore, public dist::UnitSource {
         return owner_.acquire(u, for_write);
     }
     void release(int u) override;
-    float* unit_grads(int u) override {
-        fail("internal: gradients of unit {} asked of the pipeline's weight view", u);
-    }
-    void grads_done(int) override {}
-    void zero_grads() override {}
     // dist::UnitSource: this stage's copy of unit u (downloaded now), or null.
     float* unit(int u) override;
     bool read_into_scratch() const override { return false; }
@@ -172,7 +165,7 @@ class StageWeights final : public ParamStore, public dist::UnitSource {
 template <typename T>
 class CudaPipelineEngine final : public Engine, public OptimizerState {
   public:
-    CudaPipelineEngine(const RunConfig& cfg, dist::Communicator& comm);
+    CudaPipelineEngine(const RunPlan& plan, dist::Communicator& comm);
     ~CudaPipelineEngine() override;
 
     std::string describe() const override {
@@ -353,17 +346,17 @@ void StageWeights<T>::release(int u) {
 }
 
 template <typename T>
-CudaPipelineEngine<T>::CudaPipelineEngine(const RunConfig& cfg, dist::Communicator& comm)
-    : cfg_(cfg),
+CudaPipelineEngine<T>::CudaPipelineEngine(const RunPlan& plan, dist::Communicator& comm)
+    : cfg_(plan.cfg),
       world_(comm),
-      mesh_{cfg.train.pp, comm.size() / std::max(1, cfg.train.pp)},
+      mesh_{plan.cfg.train.pp, comm.size() / std::max(1, plan.cfg.train.pp)},
       groups_(dist::split_mesh(comm, mesh_)),
       comm_(*groups_.stages),
       data_(groups_.data.get()),
       rank_(comm_.rank()),
       p_(comm_.size()),
-      kind_(pp::parse_kind(cfg.train.pp_schedule)),
-      layout_(make_param_layout(cfg.model)) {
+      kind_(pp::parse_kind(plan.cfg.train.pp_schedule)),
+      layout_(make_param_layout(plan.cfg.model)) {
     if (p_ != cfg_.train.pp || mesh_.size() != comm.size())
         fail("internal: GPU pipelines of {} stages on {} ranks", cfg_.train.pp, comm.size());
     MT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
@@ -662,8 +655,8 @@ std::vector<MemoryPrediction> CudaPipelineEngine<T>::predicted_memory(int B, int
 
 }  // namespace
 
-std::unique_ptr<Engine> make_cuda_pipeline_engine(const RunConfig& cfg, dist::Communicator& comm) {
-    return make_for_precision<CudaPipelineEngine>(cfg, comm);
+std::unique_ptr<Engine> make_cuda_pipeline_engine(const RunPlan& plan, dist::Communicator& comm) {
+    return make_for_precision<CudaPipelineEngine>(plan, comm);
 }
 
 }  // namespace memtrain
@@ -672,7 +665,7 @@ std::unique_ptr<Engine> make_cuda_pipeline_engine(const RunConfig& cfg, dist::Co
 
 namespace memtrain {
 
-std::unique_ptr<Engine> make_cuda_pipeline_engine(const RunConfig&, dist::Communicator&) {
+std::unique_ptr<Engine> make_cuda_pipeline_engine(const RunPlan&, dist::Communicator&) {
     fail(
         "train.device = \"cuda\", but this memtrain was built without CUDA (no nvcc at build "
         "time)");

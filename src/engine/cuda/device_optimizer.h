@@ -22,6 +22,7 @@
 #include "core/device.h"
 #include "core/error.h"
 #include "engine/engine.h"
+#include "engine/run_plan.h"
 #include "model/param_layout.h"
 #include "optim/device_update.h"
 #include "optim/optim_config.h"
@@ -70,17 +71,20 @@ std::string device_in_use_line();
 // node's devices in turn); fails when no CUDA device answers.
 void use_rank_device(const dist::Communicator& comm);
 
-// E<float>, E<__nv_bfloat16> or E<__half> (an engine of the storage type) by the resolved
-// train.precision, on this rank's GPU; `more` goes to its constructor after (cfg, comm).
-template <template <typename> class E, typename... More>
-std::unique_ptr<Engine> make_for_precision(const RunConfig& cfg, dist::Communicator& comm,
-                                           const More&... more) {
+// E<float>, E<__nv_bfloat16> or E<__half> (an engine of the storage type) by the plan's
+// precision, on this rank's GPU.
+template <template <typename> class E>
+std::unique_ptr<Engine> make_for_precision(const RunPlan& plan, dist::Communicator& comm) {
     use_rank_device(comm);
-    if (cfg.train.precision == "fp32") return std::make_unique<E<float>>(cfg, comm, more...);
-    if (cfg.train.precision == "bf16")
-        return std::make_unique<E<__nv_bfloat16>>(cfg, comm, more...);
-    if (cfg.train.precision == "fp16") return std::make_unique<E<__half>>(cfg, comm, more...);
-    fail("internal: train.precision '{}' was not resolved", cfg.train.precision);
+    switch (plan.precision) {
+        case Precision::fp32:
+            return std::make_unique<E<float>>(plan, comm);
+        case Precision::bf16:
+            return std::make_unique<E<__nv_bfloat16>>(plan, comm);
+        case Precision::fp16:
+            return std::make_unique<E<__half>>(plan, comm);
+    }
+    fail("internal: no storage type for the plan's precision");
 }
 
 }  // namespace memtrain

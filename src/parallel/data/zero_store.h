@@ -1,4 +1,4 @@
-// Data parallelism with ZeRO sharding (Rajbhandari et al.), as a ParamStore the model runs on.
+// Data parallelism with ZeRO sharding (Rajbhandari et al.), as a UnitStore the model runs on.
 // Every rank runs the same model on its own rows of the global batch; this store decides what
 // each rank keeps of the model states and when gradients and parameters travel:
 //
@@ -31,7 +31,7 @@
 // reduce each micro-batch's unit into it.
 //
 // Stage 3 gathers a unit's parameters into a buffer of its own at acquire and frees it at
-// release. The model announces the unit it will acquire next (ParamStore::prefetch: forward
+// release. The model announces the unit it will acquire next (UnitStore::prefetch: forward
 // u + 1 after u, backward u - 1 after u, the embedding again after the head when the embeddings
 // are tied), and the store starts that all-gather at once, so it travels while the current unit
 // computes and acquire usually finds it there (prefetch_stats counts hits and misses). At most
@@ -51,7 +51,7 @@
 
 #include "comm/communicator.h"
 #include "core/allocator.h"
-#include "model/param_store.h"
+#include "model/unit_store.h"
 
 namespace memtrain::dist {
 
@@ -72,7 +72,7 @@ struct ReduceStats {
     std::size_t max_in_flight = 0;  // at most ZeroStore::kMaxReducing
 };
 
-class ZeroStore final : public ParamStore {
+class ZeroStore final : public UnitStore {
   public:
     // Reduce-scatters in flight at once (stages 1-3); starting another completes the oldest, so
     // at most this many gradient buckets wait on the network besides the one backward fills.
@@ -106,7 +106,7 @@ class ZeroStore final : public ParamStore {
     const PrefetchStats& prefetch_stats() const { return prefetch_stats_; }
     const ReduceStats& reduce_stats() const { return reduce_stats_; }
 
-    // ParamStore
+    // UnitStore
     float* full_params() override;
     float* full_grads() override;
     float* acquire(int u, bool for_write = false) override;

@@ -19,12 +19,12 @@
 
 #include "core/allocator.h"
 #include "model/param_layout.h"
-#include "model/param_store.h"
+#include "model/unit_store.h"
 #include "parallel/ps/param_server.h"
 
 namespace memtrain::pp {
 
-class StageStore final : public ParamStore, public dist::UnitSource {
+class StageStore final : public UnitStore, public dist::UnitSource {
   public:
     // Units [first, last] of the layout, kept in the parameter buffer's order.
     struct Range {
@@ -58,7 +58,7 @@ class StageStore final : public ParamStore, public dist::UnitSource {
     float* mirror_grads() { return mirror_grads_.data(); }
     std::size_t mirror_size() const { return mirror_params_.size(); }
 
-    // ParamStore: only the units this stage has; anything else is an internal error.
+    // UnitStore: only the units this stage has; anything else is an internal error.
     float* full_params() override;
     float* full_grads() override;
     float* acquire(int u, bool for_write = false) override;

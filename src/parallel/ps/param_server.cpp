@@ -79,8 +79,4 @@ void OwnerWeights::release(int u) {
     held_.erase(it);
 }
 
-float* OwnerWeights::unit_grads(int u) {
-    fail("internal: gradients of unit {} asked of the parameter server's weight view", u);
-}
-
 }  // namespace memtrain::dist

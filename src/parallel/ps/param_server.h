@@ -14,7 +14,7 @@
 #include "comm/communicator.h"
 #include "core/allocator.h"
 #include "model/param_layout.h"
-#include "model/param_store.h"
+#include "model/unit_store.h"
 
 namespace memtrain::dist {
 
@@ -48,18 +48,13 @@ class UnitSource {
 // owner; writing one (initialisation, import, resume) writes every rank's own copy, and release
 // broadcasts the owner's result so every copy agrees whatever each rank wrote. A collective per
 // acquire and written release: every rank makes the same calls in the same order, as with ZeRO-3.
-class OwnerWeights final : public ParamStore {
+class OwnerWeights final : public WeightWindow {
   public:
     // owner_rank[u]: the rank holding unit u (the one whose values count).
     OwnerWeights(const ParamLayout& layout, UnitSource& source, std::vector<int> owner_rank,
                  Communicator& comm);
-    float* full_params() override { return nullptr; }
-    float* full_grads() override { return nullptr; }
     float* acquire(int u, bool for_write = false) override;
     void release(int u) override;
-    float* unit_grads(int u) override;
-    void grads_done(int) override {}
-    void zero_grads() override {}
 
   private:
     struct Held {

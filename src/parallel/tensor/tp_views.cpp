@@ -49,10 +49,6 @@ void TpStageWeights::release(int u) {
     held_.erase(it);
 }
 
-float* TpStageWeights::unit_grads(int u) {
-    fail("internal: gradients of unit {} asked of the tensor-parallel pipeline's weight view", u);
-}
-
 TpRangeOptimizer::TpRangeOptimizer(const dist::TpLayout& l, OptimizerState& local,
                                    dist::TpGroup& group, int first_unit, int last_unit,
                                    dist::Communicator* data, dist::ShardRange piece)

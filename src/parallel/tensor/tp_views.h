@@ -22,26 +22,21 @@
 #include <vector>
 
 #include "core/allocator.h"
-#include "model/param_store.h"
+#include "model/unit_store.h"
 #include "optim/optimizer.h"
 #include "parallel/ps/param_server.h"
 #include "parallel/tensor/tp.h"
 
 namespace memtrain {
 
-class TpStageWeights final : public ParamStore, public dist::UnitSource {
+class TpStageWeights final : public WeightWindow, public dist::UnitSource {
   public:
     // `shards`: this rank's units in l.local (its stage's, and a mirror), null where it keeps
     // none; `owner`: per unit, the job rank whose values count.
     TpStageWeights(const dist::TpLayout& l, dist::UnitSource& shards, dist::TpGroup& group,
                    std::vector<int> owner, dist::Communicator& world);
-    float* full_params() override { return nullptr; }
-    float* full_grads() override { return nullptr; }
     float* acquire(int u, bool for_write) override;
     void release(int u) override;
-    float* unit_grads(int u) override;
-    void grads_done(int) override {}
-    void zero_grads() override {}
     // dist::UnitSource: unit u assembled from the group's shards, where this rank has a shard.
     float* unit(int u) override;
     bool read_into_scratch() const override { return false; }

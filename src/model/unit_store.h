@@ -1,7 +1,7 @@
-// ParamStore: where the model's parameters and gradients live, one unit at a time (units are the
+// UnitStore: where the model's parameters and gradients live, one unit at a time (units are the
 // embedding, each block and the head; see ParamUnit). The model asks for a unit's parameters just
 // before it uses them and says when it is done, and tells the store when backward has written
-// the last gradient of a unit. A single process keeps everything whole (FullParamStore); the
+// the last gradient of a unit. A single process keeps everything whole (FullUnitStore); the
 // data-parallel engine (parallel/data/zero_store.h) implements the same calls to gather ZeRO-3
 // parameter shards just in time and to reduce each unit's gradients as soon as backward has
 // produced them.
@@ -19,23 +19,20 @@
 
 #include "core/allocator.h"
 #include "model/param_layout.h"
+#include "model/weight_window.h"
 
 namespace memtrain {
 
-class ParamStore {
+// A unit store is also the WeightWindow its weights are loaded and saved through.
+class UnitStore : public WeightWindow {
   public:
-    virtual ~ParamStore() = default;
-
     // The whole flat buffers, or null where this store does not hold them whole (ZeRO-3
     // parameters, ZeRO-2/3 gradients).
-    virtual float* full_params() = 0;
+    float* full_params() override = 0;
     virtual float* full_grads() = 0;
 
-    // Unit u's parameters, complete, as `layout.units[u].size()` floats, valid until release(u).
-    // With for_write, the caller may change them and release(u) keeps the change (loading and
-    // initialising weights); every rank of a sharded store must make the same calls.
-    virtual float* acquire(int u, bool for_write = false) = 0;
-    virtual void release(int u) = 0;
+    // acquire(u) / release(u) as WeightWindow's: unit u's parameters, complete, valid until
+    // release(u) (for_write: loading and initialising weights).
     // A hint: unit u is the next one this caller will acquire (ZeRO-3 starts gathering it now).
     // Results never depend on it, but a sharded store communicates on it, so every rank must make
     // the same calls, as with acquire.
@@ -53,9 +50,9 @@ class ParamStore {
 
 // Everything whole, in two flat buffers (the gradients allocated on first use, so inference never
 // pays for them). acquire/release and grads_done cost nothing.
-class FullParamStore final : public ParamStore {
+class FullUnitStore final : public UnitStore {
   public:
-    explicit FullParamStore(const ParamLayout& layout);
+    explicit FullUnitStore(const ParamLayout& layout);
     float* full_params() override { return params_.data(); }
     float* full_grads() override;
     float* acquire(int u, bool) override { return params_.data() + layout_->units[u].begin; }

@@ -1,0 +1,24 @@
+// The plan step: the checked config and the job's communicator in, the RunPlan out
+// (engine/run_plan.h), with this rank's memory checked against the host or the device before
+// anything is allocated.
+#pragma once
+
+#include "comm/communicator.h"
+#include "config/run_config.h"
+#include "engine/run_plan.h"
+#include "remat/cost.h"
+
+namespace memtrain {
+
+// The plan's layout decisions for this rank of `comm` (`measured`: profiled block costs, or null
+// for the analytic ones): every field but the memory rows, nothing checked against the machine.
+RunPlan plan_layout(const RunConfig& cfg, const dist::Communicator& comm,
+                    const remat::BlockFlops* measured = nullptr);
+
+// The plan of `cfg` on `comm`, with its memory checked: fails before anything is allocated,
+// naming what would fit, when this rank's predicted bytes exceed the host's or the device's free
+// memory. Under train.remat_costs = "measured" rank 0 profiles one block first and every rank
+// solves with its numbers (a collective over `comm`).
+RunPlan plan_run(const RunConfig& cfg, dist::Communicator& comm);
+
+}  // namespace memtrain
