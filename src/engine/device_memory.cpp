@@ -113,8 +113,8 @@ void check_device_fit(const RunConfig& cfg, const RematPlan& plan, const DeviceP
     }
     // What would change it: the activations at one sequence per micro-batch and full remat; the
     // model states in bf16, sharded over more GPUs or with the optimizer on the host.
-    const RematPlan full = remat::make_schedule(remat::parse_policy("full"), cfg.model, 1, T,
-                                                nullptr, device_arena_format(cfg, 1, T))
+    const RematPlan full = remat::solve_policy(remat::parse_policy("full"), cfg.model, 1, T,
+                                               nullptr, device_arena_format(cfg, 1, T))
                                .plan;
     std::size_t states = 0;
     for (const auto& r : rows)

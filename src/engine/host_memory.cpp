@@ -174,7 +174,7 @@ std::vector<MemoryPrediction> predict_cpu_memory(const RunConfig& cfg, const Rem
 
 plan::RunSpec planner_run_spec(const RunConfig& cfg, const ActFormat& format) {
     plan::RunSpec rs;
-    rs.precision = plan::parse_precision(cfg.train.precision);
+    rs.precision = plan::parse_precision(cfg.train.precision, &rs.fp32_master);
     rs.optimizer = cfg.optim.name == "sgd" ? plan::Optimizer::sgd : plan::Optimizer::adamw;
     rs.micro_batch = cfg.micro_batch();
     rs.seq = cfg.train.seq_len;
@@ -188,7 +188,7 @@ plan::RunSpec planner_run_spec(const RunConfig& cfg, const ActFormat& format) {
     if (sched == "gpipe" || sched == "1f1b" || sched == "zb-h1")
         rs.schedule = plan::parse_schedule(sched);
     if (sched == "interleaved" && cfg.train.pp_virtual > 1) {
-        rs.schedule = plan::Schedule::interleaved;
+        rs.schedule = pp::Kind::Interleaved;
         rs.virtual_stages = cfg.train.pp_virtual;
     }
     rs.zero = cfg.train.zero_stage;
@@ -282,8 +282,8 @@ void check_host_fit(const RunConfig& cfg, const std::vector<MemoryPrediction>& r
             gib(avail), std::getenv("MEMTRAIN_HOST_MEMORY") ? " (MEMTRAIN_HOST_MEMORY)" : "");
     // What would change it: the activations at one sequence per micro-batch and full remat, and
     // the model states sharded over more ranks or left to adapters.
-    const RematPlan full = remat::make_schedule(remat::parse_policy("full"), cfg.model, 1, T,
-                                                nullptr, GPT::arena_format())
+    const RematPlan full = remat::solve_policy(remat::parse_policy("full"), cfg.model, 1, T,
+                                               nullptr, GPT::arena_format())
                                .plan;
     const std::size_t smallest = sum(predict_cpu_memory(cfg, full, rank, 1, T));
     std::string would = fmt::format(

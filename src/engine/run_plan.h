@@ -20,6 +20,7 @@
 
 #include "config/run_config.h"
 #include "core/allocator.h"
+#include "core/dtype.h"
 #include "model/activation_layout.h"
 #include "parallel/mesh.h"
 #include "parallel/pipeline/schedule.h"
@@ -47,11 +48,8 @@ EngineKind engine_kind(const RunConfig& cfg);
 // checks, and again once "auto" has resolved to the GPU).
 void validate_cuda_pipeline(const RunConfig& cfg);
 
-// The one precision type: what the model computes and stores its activations in (fp32 master
-// weights under bf16 and fp16).
-enum class Precision { fp32, bf16, fp16 };
-const char* precision_name(Precision p);
-Precision parse_precision(const std::string& name);  // "fp32" | "bf16" | "fp16"
+// train.precision once resolved (core/dtype.h's Precision); fails on "auto".
+Precision resolved_precision(const std::string& name);
 
 // Where a plan's memory rows live.
 enum class MemoryOn { Host, Device };
@@ -75,7 +73,7 @@ struct RunPlan {
     bool lora = false;
     std::optional<quant::BaseQuant> lora_base;  // QLoRA: the packed base; none: fp32
     ActFormat format;                           // how the engine's model lays out its arenas
-    remat::Schedule remat;  // train.remat solved for this model, micro-batch and format
+    remat::Solution remat;  // train.remat solved for this model, micro-batch and format
     // What the solver priced recompute against: a step's cost in FLOPs (analytic) or in ns
     // (train.remat_costs = "measured": rank 0's profile of one block, the same on every rank).
     double step_cost = 0;

@@ -21,7 +21,7 @@
 namespace memtrain::plan {
 
 // The planner's recompute option as the trainer's per-block plan, one meaning per name: exactly
-// the plan `train.remat` of the same name gives (remat::make_schedule of remat::parse_policy):
+// the plan `train.remat` of the same name gives (remat::solve_policy of remat::parse_policy):
 //   none      -> BlockKeep::All        every saved field kept
 //   selective -> BlockKeep::Selective  ln_1, ln_2 and the MLP activation recomputed in backward
 //   full      -> BlockKeep::Input      only the block input kept; the block is recomputed
@@ -62,7 +62,7 @@ struct PipelineActivations {
     ActFormat format;       // arena_format
     RematPlan plan;         // remat_plan for the whole model (the trainer slices it per stage)
     pp::StageSplit split;   // split_stages(config, pp x v, micro_batch, seq)
-    pp::Schedule schedule;  // make_schedule(pipeline_kind(schedule), pp, micro_batches, v)
+    pp::Schedule schedule;  // make_schedule(schedule, pp, micro_batches, v)
     std::vector<RankActivations> ranks;
 };
 

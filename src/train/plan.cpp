@@ -37,7 +37,7 @@ RunPlan plan_layout(const RunConfig& config, const dist::Communicator& comm,
     // One GPU without mpirun holds everything (ZeRO needs NCCL between launched ranks).
     p.zero_stage = gpu && !p.collective ? 0 : cfg.train.zero_stage;
     p.states = dist::shard_spec(p.zero_stage, cfg.train.offload_optimizer);
-    p.precision = parse_precision(cfg.train.precision);
+    p.precision = resolved_precision(cfg.train.precision);
     if (pp > 1) {
         p.schedule = pp::parse_kind(cfg.train.pp_schedule);
         p.virtual_stages = cfg.train.pp_virtual;
@@ -50,8 +50,8 @@ RunPlan plan_layout(const RunConfig& config, const dist::Communicator& comm,
                            : (double)remat::step_flops(cfg.model, B, T);
     p.costs_measured = measured != nullptr;
     p.format = gpu ? device_arena_format(cfg, B, T) : GPT::arena_format();
-    p.remat = remat::make_schedule(remat::parse_policy(cfg.train.remat), cfg.model, B, T, measured,
-                                   p.format);
+    p.remat = remat::solve_policy(remat::parse_policy(cfg.train.remat), cfg.model, B, T, measured,
+                                  p.format);
     return p;
 }
 

@@ -127,7 +127,7 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
     // its layout), and this rank's memory, refused with what would fit when it cannot fit the
     // host or the device.
     plan_ = plan_run(cfg_, *comm_);
-    const remat::Schedule* schedule = &plan_.remat;
+    const remat::Solution* schedule = &plan_.remat;
     engine_ = opts_.engine ? opts_.engine(plan_, *comm_) : make_engine(plan_, *comm_);
     if (!(engine_->arena_format() == plan_.format))
         fail("internal: the {} engine lays out its arenas unlike its plan", engine_->describe());

@@ -250,7 +250,7 @@ TEST(CudaTrain, OffloadedOptimizerTrainsTheSameModel) {
         // and gradients on the device, and on the host the fp32 master, Adam's moments, the fp32
         // gradients and the pinned transfer buffer.
         plan::RunSpec r;
-        r.precision = fp32 ? plan::Precision::fp32 : plan::Precision::mixed_bf16;
+        r.precision = fp32 ? Precision::fp32 : Precision::bf16;
         r.offload = plan::Offload::optimizer;
         r.micro_batch = h.micro_batch();
         r.seq = h.train.seq_len;
@@ -312,7 +312,7 @@ std::string mixed_offload_policy(const RunConfig& c, int elem_bytes) {
                                ch.blocks[0][0].kept_bytes + ch.resid_bytes;
     const std::string policy = "budget:" + std::to_string(budget) + "+offload";
     const RematPlan plan =
-        remat::make_schedule(remat::parse_policy(policy), c.model, B, T, nullptr, fmt).plan;
+        remat::solve_policy(remat::parse_policy(policy), c.model, B, T, nullptr, fmt).plan;
     const auto offloaded = std::count(plan.begin(), plan.end(), BlockKeep::Offload);
     EXPECT_GT(offloaded, kOffloadSlots) << policy << ": some input leaves the device";
     EXPECT_LT(offloaded, L) << policy << ": some block keeps more";

@@ -75,8 +75,8 @@ TEST(PlanShardSpec, PlannerEqualsTheCpuEnginesPredictionPerRank) {
             c.train.batch_size = 2 * l.dp;
             c.train.remat = remat;
             validate_config(c);
-            const RematPlan rp = remat::make_schedule(remat::parse_policy(remat), c.model, 2, 16,
-                                                      nullptr, ActFormat::cpu())
+            const RematPlan rp = remat::solve_policy(remat::parse_policy(remat), c.model, 2, 16,
+                                                     nullptr, ActFormat::cpu())
                                      .plan;
             for (int rank = 0; rank < c.world; rank++) {
                 int compared = 0;

@@ -80,8 +80,8 @@ TEST(DeviceFit, ModelStatesFollowPrecisionAndZeroStage) {
 TEST(DeviceFit, ActivationsFollowTheRematPlan) {
     const RunConfig c = gpu_run("bf16");
     const int B = 2, T = 8;
-    const RematPlan full = remat::make_schedule(remat::parse_policy("full"), c.model, B, T, nullptr,
-                                                device_arena_format(c, B, T))
+    const RematPlan full = remat::solve_policy(remat::parse_policy("full"), c.model, B, T, nullptr,
+                                               device_arena_format(c, B, T))
                                .plan;
     const auto keep = predict_cuda_memory(c, {}, {}, B, T);
     const auto recompute = predict_cuda_memory(c, full, {}, B, T);
