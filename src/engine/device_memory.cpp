@@ -14,10 +14,6 @@ namespace memtrain {
 
 namespace {
 
-std::string mib(std::size_t b) {
-    return fmt::format("{:.1f} MiB", (double)b / (1024.0 * 1024));
-}
-
 std::size_t sum(const std::vector<MemoryPrediction>& rows) {
     std::size_t s = 0;
     for (const auto& r : rows) s += r.bytes;

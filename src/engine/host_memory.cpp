@@ -56,10 +56,6 @@ std::vector<MemoryPrediction> zero_state_rows(const RunConfig& cfg, std::size_t 
 
 namespace {
 
-std::string gib(std::size_t b) {
-    return fmt::format("{:.2f} GiB", (double)b / (1024.0 * 1024 * 1024));
-}
-
 std::size_t sum(const std::vector<MemoryPrediction>& rows) {
     std::size_t s = 0;
     for (const auto& r : rows) s += r.bytes;

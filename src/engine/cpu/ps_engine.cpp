@@ -24,7 +24,7 @@ double seconds_since(Clock::time_point t0) {
     return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-std::string mib(double bytes) {
+std::string mib2(double bytes) {
     return fmt::format("{:.2f} MiB", bytes / 1048576.0);
 }
 
@@ -300,9 +300,9 @@ std::string PsEngine::memory_footer() const {
         "ps traffic per step: worker 0 sent {} received {} | server 0 sent {} received {} | all "
         "links {} (2 W Ψ x 4 B = {}; a ring all-reduce over {} ranks: 2 Ψ (W-1) x 4 B = {}) | "
         "workers waited {:.1f} ms per step on pushes and pulls\n",
-        mib(stats_.sent[0] / steps), mib(stats_.received[0] / steps),
-        mib(stats_.sent[workers_] / steps), mib(stats_.received[workers_] / steps),
-        mib(total / steps), mib(2 * W * psi4), workers_, mib(2 * (W - 1) * psi4),
+        mib2(stats_.sent[0] / steps), mib2(stats_.received[0] / steps),
+        mib2(stats_.sent[workers_] / steps), mib2(stats_.received[workers_] / steps),
+        mib2(total / steps), mib2(2 * W * psi4), workers_, mib2(2 * (W - 1) * psi4),
         1e3 * worker_wait / W / steps);
     return out;
 }

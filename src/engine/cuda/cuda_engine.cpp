@@ -42,10 +42,6 @@ namespace {
 using cuda::precision_name;
 using cuda::to_storage;
 
-std::string mib(std::size_t bytes) {
-    return fmt::format("{:.1f} MiB", bytes / 1048576.0);
-}
-
 // The engine's UnitStore for weight I/O: a unit's fp32 master weights copied to a host buffer
 // and, when written, back to the master and (rounded) to the compute copy. It asks the engine's
 // parts where the master weights live (the device or, under ZeRO-Offload, the host) and which
