@@ -37,7 +37,7 @@ enum class EngineKind {
     Mesh,             // MeshEngine: train.pp, pipelines side by side, the tp x pp x dp mesh
     ParameterServer,  // PsEngine: train.dp_mode = "ps"
     Cuda,             // CudaEngine: one GPU, DDP or ZeRO over NCCL, ZeRO-Offload
-    CudaLora,         // CudaLoraEngine
+    CudaLora,         // CudaEngine over LoRA's adapters (engine/cuda/model_states.h)
     CudaPipeline,     // CudaPipelineEngine: train.pp stages on GPUs
 };
 const char* engine_name(EngineKind k);
@@ -64,10 +64,11 @@ struct RunPlan {
     int ps_servers = 0;       // parameter-server ranks (the job's last); 0 = none
     int ps_staleness = 0;
     dist::ShardSpec states;
-    int zero_stage = 0;       // the stage `states` is the row of
-    bool collective = false;  // GPU: NCCL between the launched ranks (even at world size 1)
+    int zero_stage = 0;        // the stage `states` is the row of
+    bool collective = false;   // GPU: NCCL between the launched ranks (even at world size 1)
+    bool cuda_graphs = false;  // GPU: each micro-batch replayed as one captured CUDA graph
     Precision precision = Precision::fp32;
-    pp::Kind schedule = pp::Kind::OneFOneB;  // with mesh.pp > 1
+    pp::Kind schedule = pp::Kind::OneFOneB;  // train.pp_schedule (run with mesh.pp > 1)
     int virtual_stages = 1;                  // interleaved: chunks per rank
     bool sequence_parallel = false;
     bool lora = false;

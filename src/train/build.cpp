@@ -24,9 +24,8 @@ std::unique_ptr<Engine> make_engine(const RunPlan& plan, dist::Communicator& com
         case EngineKind::ParameterServer:
             return std::make_unique<PsEngine>(plan, comm);
         case EngineKind::Cuda:
+        case EngineKind::CudaLora:  // the same class: LoRA is the plan's choice of model states
             return make_cuda_engine(plan, comm);
-        case EngineKind::CudaLora:
-            return make_cuda_lora_engine(plan, comm);
         case EngineKind::CudaPipeline:
             return make_cuda_pipeline_engine(plan, comm);
     }

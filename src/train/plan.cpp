@@ -34,14 +34,13 @@ RunPlan plan_layout(const RunConfig& config, const dist::Communicator& comm,
     }
     const bool gpu = p.gpu();
     p.collective = gpu && cuda_data_parallel(cfg, comm);
+    p.cuda_graphs = gpu && cfg.train.cuda_graphs;
     // One GPU without mpirun holds everything (ZeRO needs NCCL between launched ranks).
     p.zero_stage = gpu && !p.collective ? 0 : cfg.train.zero_stage;
     p.states = dist::shard_spec(p.zero_stage, cfg.train.offload_optimizer);
     p.precision = resolved_precision(cfg.train.precision);
-    if (pp > 1) {
-        p.schedule = pp::parse_kind(cfg.train.pp_schedule);
-        p.virtual_stages = cfg.train.pp_virtual;
-    }
+    p.schedule = pp::parse_kind(cfg.train.pp_schedule);  // (a pipeline engine at one stage too)
+    if (pp > 1) p.virtual_stages = cfg.train.pp_virtual;
     p.sequence_parallel = tp > 1 && cfg.train.sequence_parallel;
     p.lora = cfg.lora.enabled();
     if (p.lora && cfg.lora.base != "fp32") p.lora_base = quant::lora_base_quant(cfg.lora);
@@ -69,14 +68,14 @@ RunPlan plan_run(const RunConfig& cfg, dist::Communicator& comm) {
     RunPlan p = plan_layout(cfg, comm, measured ? &*measured : nullptr);
     const int B = p.cfg.micro_batch(), T = p.cfg.train.seq_len;
     if (p.gpu()) {
-        const DevicePlacement where{comm.size(), comm.rank(), p.collective};
-        p.memory = predict_cuda_memory(p.cfg, p.remat.plan, where, B, T);
+        // What the plan's GPU engine (whole model, LoRA or a pipeline stage) will allocate.
+        p.memory = predict_device_memory(p, p.remat.plan, B, T);
         p.memory_on = MemoryOn::Device;
         // (Without a device the engine's construction says so.)
         if (!p.memory.empty() && cuda_available()) {
             select_device(comm.local_rank());  // this rank's GPU, as the engine takes it
             const auto [free_b, total_b] = device_memory_info();
-            check_device_fit(p.cfg, p.remat.plan, where, free_b, total_b);
+            check_device_fit(p, free_b, total_b);
         }
     } else {
         p.memory = predict_cpu_memory(p.cfg, p.remat.plan, comm.rank(), B, T);

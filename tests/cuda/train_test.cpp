@@ -15,6 +15,7 @@
 #include "core/device.h"
 #include "core/error.h"
 #include "cuda/cuda_test_util.h"
+#include "cuda/device_fit_util.h"
 #include "engine/cuda/cuda_engine.h"
 #include "planner/memory_model.h"
 #include "planner/model_shape.h"
@@ -394,6 +395,16 @@ TEST(CudaTrain, DeviceMemoryIsWhatTheModelPredicts) {
         EXPECT_GE(states, 16 * psi);
         EXPECT_LT(states, 16 * psi + 64 * 1024);
     }
+}
+
+// A model whose parameters alone exceed the device is refused by the plan before the engine
+// allocates anything, naming the categories and what would fit (the command line's version:
+// tests/cuda/cli_sim_test.cpp, with the simulated device made small).
+TEST(CudaTrain, ARunTooLargeForTheDeviceIsRefusedBeforeAllocating) {
+    REQUIRE_GPU();
+    RunConfig c = cuda_run(test::temp_dir("cuda_too_large"), 1, "bf16");
+    const std::string m = test::refused_before_allocating(test::too_large_for_device(c), quiet());
+    EXPECT_NE(m.find("the model states need"), std::string::npos) << m;
 }
 
 TEST(CudaTrain, LlamaStyleFp32MatchesTheCpu) {
