@@ -19,14 +19,6 @@
 
 namespace memtrain {
 
-namespace {
-
-std::string mib(std::size_t bytes) {
-    return fmt::format("{:.1f} MiB", bytes / 1048576.0);
-}
-
-}  // namespace
-
 using cuda::to_storage;
 
 template <typename T>
