@@ -14,7 +14,11 @@
 #include "model/gpt.h"
 #include "model/lora.h"
 #include "parallel/mesh.h"
+#include "parallel/pipeline/schedule.h"
+#include "parallel/pipeline/stage_split.h"
+#include "parallel/pipeline/weight_versions.h"
 #include "parallel/placement.h"
+#include "parallel/ps/param_server.h"
 #include "parallel/tensor/tp.h"
 #include "planner/memory_model.h"
 #include "planner/model_shape.h"
@@ -90,9 +94,9 @@ std::size_t read_number(const std::string& path, const std::string& key, std::si
 
 }  // namespace
 
-// A tensor-parallel rank (engine/cpu/tp_engine.h): the model states of its shard (the whole tensors
-// plus 1/T of the cut ones), the arenas of the shard's config, and the buffers that gather the
-// shards for checkpoints (a unit, or the optimizer state, from every rank).
+// A tensor-parallel rank (tensor parallelism alone, engine/cpu/cpu_engine.h): the model states of
+// its shard (the whole tensors plus 1/T of the cut ones), the arenas of the shard's config, and the
+// buffers that gather the shards for checkpoints (a unit, or the optimizer state, from every rank).
 static std::vector<MemoryPrediction> predict_tp_memory(const RunConfig& cfg, const RematPlan& plan,
                                                        int rank, int B, int T) {
     const int tp = cfg.train.tp;
@@ -170,6 +174,66 @@ std::vector<MemoryPrediction> predict_cpu_memory(const RunConfig& cfg, const Rem
     rows.push_back({MemCategory::Workspace, ws_formula,
                     arena_bytes(arena, MemCategory::Workspace) + ws_extra});
     return rows;
+}
+
+std::vector<MemoryPrediction> stage_memory_rows(const RunPlan& plan, const StageFootprint& f) {
+    const int k = plan.cfg.optim.name == "adamw" ? 8 : 4;
+    const std::size_t stage = f.params + f.mirror;
+    return {
+        {MemCategory::Parameters, fmt::format("4 x stage params ({}){}", f.units, f.versions),
+         4 * stage + f.version_bytes},
+        {MemCategory::Gradients,
+         f.piece
+             ? fmt::format("4 x stage params + 4 x its 1/{} shard (reduce-scattered)", f.replicas)
+             : std::string("4 x stage params"),
+         4 * stage + 4 * f.reduce_buffer},
+        {MemCategory::OptimizerState,
+         f.piece ? fmt::format("{} x 1/{} of the stage params ({}, ZeRO-1 across pipelines)", k,
+                               f.replicas, k == 8 ? "Adam m, v" : "momentum")
+                 : fmt::format("{} x stage params, own units ({})", k,
+                               k == 8 ? "Adam m, v" : "momentum"),
+         (std::size_t)k * f.updated},
+        {MemCategory::Activations,
+         fmt::format("micro-batches in flight: {}, remat={}{}", f.slots, plan.remat_policy,
+                     f.split_backward ? " + output gradients kept for W" : ""),
+         f.activations},
+        {MemCategory::Workspace,
+         f.chunks == 1
+             ? std::string("activation_layout(stage blocks), shared")
+             : fmt::format("activation_layout(chunk blocks), one per chunk ({})", f.chunks),
+         f.workspace},
+    };
+}
+
+std::vector<MemoryPrediction> ps_memory_rows(const RunPlan& plan, const RematPlan& remat,
+                                             bool server, std::size_t server_floats, int B, int T) {
+    const int k = plan.cfg.optim.name == "adamw" ? 8 : 4;
+    if (server) {
+        const std::size_t own = server_floats;
+        const std::size_t copies = plan.ps_staleness > 0 ? (std::size_t)plan.ps_staleness + 1 : 0;
+        return {
+            {MemCategory::Parameters, "4 x server params (its units)", 4 * own},
+            {MemCategory::Gradients, "4 x server params (sum of the pushes)", 4 * own},
+            {MemCategory::OptimizerState,
+             fmt::format("{} x server params ({})", k, k == 8 ? "Adam m, v" : "momentum"),
+             (std::size_t)k * own},
+            {MemCategory::Communication,
+             fmt::format("4 x server params x (1 push buffer + {} published versions)", copies),
+             4 * own * (1 + copies)},
+        };
+    }
+    const std::size_t psi = make_param_layout(plan.cfg.model).total;
+    const auto lay = activation_layout(plan.cfg.model, B, T, remat, GPT::arena_format());
+    return {
+        {MemCategory::Parameters, "4 x params (a whole replica)", 4 * psi},
+        {MemCategory::Gradients, "4 x params", 4 * psi},
+        {MemCategory::OptimizerState, "none: the servers hold it", 0},
+        {MemCategory::Activations,
+         fmt::format("activation_layout(B, T, remat={})", plan.remat_policy),
+         arena_bytes(lay, MemCategory::Activations)},
+        {MemCategory::Workspace, "activation_layout(B, T)",
+         arena_bytes(lay, MemCategory::Workspace)},
+    };
 }
 
 plan::RunSpec planner_run_spec(const RunConfig& cfg, const ActFormat& format) {

@@ -1,8 +1,10 @@
 // The CPU engines' memory, predicted from the config alone, before anything is allocated: the
 // model states (whole, or a ZeroStore shard), the frozen base of a LoRA run, and the activation
 // arenas of the remat plan, computed by the same layout functions the engines allocate with.
-// CpuEngine and LoraEngine report exactly these rows beside what they measured, and the
-// Trainer refuses a run whose rows do not fit the host's memory before it allocates.
+// CpuEngine over a whole model reports exactly these rows beside what it measured; a pipeline
+// stage and a parameter server build theirs from what they allocated (stage_memory_rows,
+// ps_memory_rows). The Trainer refuses a run whose rows do not fit the host's memory before it
+// allocates.
 #pragma once
 
 #include <cstddef>
@@ -11,6 +13,7 @@
 
 #include "config/run_config.h"
 #include "engine/engine.h"
+#include "engine/run_plan.h"
 #include "model/activation_layout.h"
 #include "planner/rank_layout.h"
 #include "planner/run_layout.h"
@@ -26,11 +29,37 @@ std::string host_rss_line();
 std::vector<MemoryPrediction> zero_state_rows(const RunConfig& cfg, std::size_t shard,
                                               std::size_t psi, int world, const std::string& what);
 
-// The rows one rank of a CPU run (data parallel or not, full or LoRA) allocates for
-// micro-batches of B x T with `plan`; empty where the engine is another (pipeline stages and
-// tensor-parallel groups side by side, a parameter server, the GPU).
+// The rows one rank of a CPU run over a whole model (data parallel or not, full or LoRA, or one
+// tensor-parallel group) allocates for micro-batches of B x T with `plan`; empty for the other
+// layouts (pipeline stages and tensor-parallel groups side by side, a parameter server: see
+// predict_pipeline_memory; the GPU).
 std::vector<MemoryPrediction> predict_cpu_memory(const RunConfig& cfg, const RematPlan& plan,
                                                  int rank, int B, int T);
+
+// A pipeline stage's footprint (CpuEngine under EngineKind::Mesh): what its rows are made of.
+struct StageFootprint {
+    std::string units;              // "h.2..head" (", " between chunks) + " + a copy of wte"
+    std::size_t params = 0;         // floats of the stage's units
+    std::size_t mirror = 0;         // floats of the tied embedding's copy (last stage)
+    std::size_t version_bytes = 0;  // the weight versions beside them (PipeDream, 2BW)
+    std::string versions;           // what they add to the formula
+    int replicas = 1;               // pipelines side by side
+    bool piece = false;             // ZeRO-1: the optimizer updates a piece of the range
+    std::size_t updated = 0;        // floats the optimizer updates (the range, or the piece)
+    std::size_t reduce_buffer = 0;  // floats of the reduce-scattered piece (ZeRO-1)
+    std::size_t activations = 0;    // bytes: every chunk's slots of its arena
+    std::size_t workspace = 0;      // bytes: every chunk's workspace
+    std::string slots;              // "2 x activation_layout(blocks 0..1) + ..."
+    bool split_backward = false;    // zero bubble keeps output gradients for W
+    int chunks = 1;
+};
+// The stage's rows from its footprint.
+std::vector<MemoryPrediction> stage_memory_rows(const RunPlan& plan, const StageFootprint& f);
+// A parameter-server rank's rows (engine/cpu/ps_engine.h): a server's `server_floats` of units,
+// their gradient sum, optimizer state, a push buffer and the published versions in flight; a
+// worker's whole replica, gradients and arenas (no optimizer state).
+std::vector<MemoryPrediction> ps_memory_rows(const RunPlan& plan, const RematPlan& remat,
+                                             bool server, std::size_t server_floats, int B, int T);
 
 // The planner's description of this run (`memtrain estimate` with the same layout): tp and
 // sequence parallelism, pp and its schedule, dp, the ZeRO stage, offload, precision, optimizer,

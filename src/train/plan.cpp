@@ -46,6 +46,10 @@ RunPlan plan_layout(const RunConfig& config, const dist::Communicator& comm,
     p.lora = cfg.lora.enabled();
     if (p.lora && cfg.lora.base != "fp32") p.lora_base = quant::lora_base_quant(cfg.lora);
     const int B = cfg.micro_batch(), T = cfg.train.seq_len;
+    p.micro_batch = B;
+    p.seq_len = T;
+    p.accum_steps = cfg.accum_steps();
+    p.remat_policy = cfg.train.remat;
     p.step_cost = measured ? remat::estimated_step_ns(cfg.model, B, T, *measured)
                            : (double)remat::step_flops(cfg.model, B, T);
     p.costs_measured = measured != nullptr;

@@ -52,7 +52,7 @@ RunConfig one_process(const RunConfig& c, const std::string& tag) {
 // are bitwise. The embedding's gradient is a scatter-add, token row by token row, into that sum:
 // one process adds micro-batch k's rows one at a time to the sum of micro-batches < k, the
 // server adds worker k's whole row sums, so where a token occurs in two micro-batches the sums
-// differ in the last bits (as a pipeline's tied embedding does, engine/cpu/mesh_engine.h). One
+// differ in the last bits (as a pipeline's tied embedding does, parallel/pipeline/executor.h). One
 // step without clipping (whose coefficient reads the embedding's gradient) checks everything
 // else bitwise; more steps follow the embedding to rounding. One worker is bitwise throughout.
 void check_matches_one_process(const std::string& name, int servers, int per_worker, bool llama,
