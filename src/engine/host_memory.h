@@ -1,10 +1,11 @@
-// The CPU engines' memory, predicted from the config alone, before anything is allocated: the
-// model states (whole, or a ZeroStore shard), the frozen base of a LoRA run, and the activation
-// arenas of the remat plan, computed by the same layout functions the engines allocate with.
-// CpuEngine over a whole model reports exactly these rows beside what it measured; a pipeline
-// stage and a parameter server build theirs from what they allocated (stage_memory_rows,
-// ps_memory_rows). The Trainer refuses a run whose rows do not fit the host's memory before it
-// allocates.
+// The CPU engines' memory, predicted from the plan alone, before anything is allocated: the
+// model states (whole, a ZeroStore shard, a tensor-parallel shard, a pipeline stage's units with
+// its weight versions, a parameter server's units), the frozen base of a LoRA run, and the
+// activation arenas of the remat plan (a pipeline stage's as many as its schedule keeps in
+// flight), computed by the same layout functions the engines allocate with. The engines report
+// the same rows (CpuEngine over a whole model exactly these; a pipeline stage and a parameter
+// server from what they allocated, through the same row builders), and the plan refuses a run
+// whose rows do not fit the host's memory before anything is allocated.
 #pragma once
 
 #include <cstddef>
@@ -32,7 +33,7 @@ std::vector<MemoryPrediction> zero_state_rows(const RunConfig& cfg, std::size_t 
 // The rows one rank of a CPU run over a whole model (data parallel or not, full or LoRA, or one
 // tensor-parallel group) allocates for micro-batches of B x T with `plan`; empty for the other
 // layouts (pipeline stages and tensor-parallel groups side by side, a parameter server: see
-// predict_pipeline_memory; the GPU).
+// predict_host_memory; the GPU).
 std::vector<MemoryPrediction> predict_cpu_memory(const RunConfig& cfg, const RematPlan& plan,
                                                  int rank, int B, int T);
 
@@ -55,11 +56,21 @@ struct StageFootprint {
 };
 // The stage's rows from its footprint.
 std::vector<MemoryPrediction> stage_memory_rows(const RunPlan& plan, const StageFootprint& f);
+// Rank plan.rank's footprint, from the plan: the split of the blocks over the virtual stages,
+// the schedule's slots per chunk (pp::simulate, as the executor sizes them), the chunk's arena
+// under `remat` for micro-batches of B x T.
+StageFootprint stage_footprint(const RunPlan& plan, const RematPlan& remat, int B, int T);
+
 // A parameter-server rank's rows (engine/cpu/ps_engine.h): a server's `server_floats` of units,
 // their gradient sum, optimizer state, a push buffer and the published versions in flight; a
 // worker's whole replica, gradients and arenas (no optimizer state).
 std::vector<MemoryPrediction> ps_memory_rows(const RunPlan& plan, const RematPlan& remat,
                                              bool server, std::size_t server_floats, int B, int T);
+
+// The rows rank plan.rank of a CPU run allocates for micro-batches of B x T under `remat`,
+// whichever engine the plan names (empty on the GPU).
+std::vector<MemoryPrediction> predict_host_memory(const RunPlan& plan, const RematPlan& remat,
+                                                  int B, int T);
 
 // The planner's description of this run (`memtrain estimate` with the same layout): tp and
 // sequence parallelism, pp and its schedule, dp, the ZeRO stage, offload, precision, optimizer,
@@ -76,18 +87,17 @@ plan::RankCoord planner_rank(const RunConfig& cfg, int rank);
 // tests and for running beside other jobs.
 std::size_t host_available_bytes();
 
-// One rank of the CPU mesh engine (train.pp > 1, or tensor-parallel groups side by side): the
-// planner's estimate for it (plan::estimate_rank_memory), which prices these layouts with the
-// engine's layout functions to the byte (ZB-H1's deferred output gradients among the
-// activations, as the engine keeps them); empty where the planner does not price what the
-// executor allocates (naive, PipeDream, per-block remat budgets). No workspace row. The Trainer
-// checks these rows against the engine's own once it is built.
+// One rank of the CPU mesh (train.pp > 1, or tensor-parallel groups side by side): the planner's
+// estimate for it (plan::estimate_rank_memory), which prices these layouts with the engine's
+// layout functions to the byte (ZB-H1's deferred output gradients among the activations, as the
+// engine keeps them); empty where the planner does not price what the executor allocates
+// (naive, PipeDream, per-block remat budgets). No workspace row. The plan's rows are
+// stage_footprint's; tests check the planner against the engine.
 std::vector<MemoryPrediction> predict_pipeline_memory(const RunConfig& cfg, int rank);
 
-// Fails, naming every category and what would fit instead, when `ranks_on_node` ranks of this
-// run need more than host_available_bytes(): `rows` are this rank's, from predict_cpu_memory or,
-// on the mesh's engine, predict_pipeline_memory (the run plan's). A no-op without rows.
-void check_host_fit(const RunConfig& cfg, const std::vector<MemoryPrediction>& rows, int rank,
-                    int ranks_on_node);
+// Fails, naming every category and what would fit instead, when `ranks_on_node` ranks of the run
+// need more than host_available_bytes(): the plan's rows are this rank's (predict_host_memory).
+// A no-op without rows.
+void check_host_fit(const RunPlan& plan, int ranks_on_node);
 
 }  // namespace memtrain

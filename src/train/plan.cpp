@@ -83,10 +83,9 @@ RunPlan plan_run(const RunConfig& cfg, dist::Communicator& comm) {
             check_device_fit(p.cfg, p.remat.plan, where, free_b, total_b);
         }
     } else {
-        p.memory = predict_cpu_memory(p.cfg, p.remat.plan, comm.rank(), B, T);
-        if (p.memory.empty()) p.memory = predict_pipeline_memory(p.cfg, comm.rank());
+        p.memory = predict_host_memory(p, p.remat.plan, B, T);
         p.memory_on = MemoryOn::Host;
-        check_host_fit(p.cfg, p.memory, comm.rank(), comm.local_size());
+        check_host_fit(p, comm.local_size());
     }
     return p;
 }

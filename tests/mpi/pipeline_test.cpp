@@ -21,6 +21,7 @@
 #include "io/safetensors.h"
 #include "mpi/dist_runs.h"
 #include "test_util.h"
+#include "train/plan.h"
 #include "train/validate.h"
 
 namespace memtrain::dist {
@@ -421,6 +422,48 @@ TEST(Pipeline, AStageThatCannotFitIsRefusedBeforeAllocating) {
     EXPECT_EQ(after[MemCategory::Parameters], before[MemCategory::Parameters]) << "allocated";
     EXPECT_EQ(after[MemCategory::Activations], before[MemCategory::Activations]) << "allocated";
     comm().barrier();
+}
+
+// Every schedule and remat policy is priced before anything is allocated, as the executor
+// allocates it (naive's one slot, per-block remat plans, a budget's): the plan's rows are what
+// the built engine reports, its measured bytes those rows, and a naive stage that cannot fit the
+// host is refused before allocating, naming its stage.
+TEST(Pipeline, EveryScheduleAndRematIsPlannedAsTheEngineAllocates) {
+    for (const PpCase& k :
+         {PpCase{"naive", true}, PpCase{"1f1b", true, "every:2"}, PpCase{"gpipe", false, "sqrt"}}) {
+        RunConfig c = pipeline_run(k, 2);
+        c.train.pp = comm().size();
+        c.train.pp_schedule = k.schedule;
+        {
+            Trainer t(c, test::quiet(), &comm());
+            const RunConfig& tc = t.config();
+            const RunPlan plan = plan_run(tc, comm());
+            const auto built = t.engine().predicted_memory(tc.micro_batch(), tc.train.seq_len);
+            ASSERT_EQ(plan.memory.size(), built.size()) << case_name(k);
+            for (std::size_t i = 0; i < built.size(); i++) {
+                EXPECT_EQ(plan.memory[i].category, built[i].category) << case_name(k);
+                EXPECT_EQ(plan.memory[i].bytes, built[i].bytes)
+                    << case_name(k) << " " << built[i].formula;
+                EXPECT_EQ(plan.memory[i].formula, built[i].formula) << case_name(k);
+            }
+            t.run();
+            const MemoryStats ms = host_memory().snapshot();
+            for (const MemoryPrediction& p : built)
+                if (p.category != MemCategory::Workspace) {
+                    EXPECT_EQ(ms[p.category], p.bytes)
+                        << case_name(k) << " " << category_name(p.category);
+                }
+        }
+        if (k.schedule != "naive") continue;
+        setenv("MEMTRAIN_HOST_MEMORY", "1KiB", 1);
+        const MemoryStats before = host_memory().snapshot();
+        expect_refused(c,
+                       fmt::format("of host memory per rank on pipeline stage {}", comm().rank()));
+        const MemoryStats after = host_memory().snapshot();
+        unsetenv("MEMTRAIN_HOST_MEMORY");
+        EXPECT_EQ(after.total_used, before.total_used) << "allocated";
+        comm().barrier();
+    }
 }
 
 TEST(Pipeline, BadLayoutsAreRefusedBeforeTraining) {

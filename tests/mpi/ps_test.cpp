@@ -16,6 +16,7 @@
 #include "engine/cpu/ps_engine.h"
 #include "mpi/dist_runs.h"
 #include "test_util.h"
+#include "train/plan.h"
 
 namespace memtrain::dist {
 namespace {
@@ -233,6 +234,36 @@ TEST(Ps, CheckpointsMoveBetweenPsAndOneProcess) {
     RunConfig ps = c;
     ps.io.out_dir = c.io.out_dir + "_ps";
     check_checkpoint_round_trip(one_process(c, "one"), ps, steps, cut, "PS");
+}
+
+// Every rank's memory is priced before anything is allocated (a worker's replica and arenas, a
+// server's units with their optimizer state, push buffer and published versions): the plan's
+// rows are what the built engine reports, and a run that does not fit the host is refused before
+// allocating, naming the categories.
+TEST(Ps, MemoryIsPlannedAndARunThatCannotFitIsRefusedBeforeAllocating) {
+    if (comm().size() < 2) GTEST_SKIP() << "needs a worker and a server";
+    RunConfig c = ps_run("ps_memory", 1, 1, true, 1);
+    c.train.ps_staleness = 1;
+    {
+        Trainer t(c, test::quiet(), &comm());
+        const RunConfig& tc = t.config();
+        const RunPlan plan = plan_run(tc, comm());
+        const auto built = t.engine().predicted_memory(tc.micro_batch(), tc.train.seq_len);
+        ASSERT_EQ(plan.memory.size(), built.size());
+        for (std::size_t i = 0; i < built.size(); i++) {
+            EXPECT_EQ(plan.memory[i].category, built[i].category);
+            EXPECT_EQ(plan.memory[i].bytes, built[i].bytes) << built[i].formula;
+            EXPECT_EQ(plan.memory[i].formula, built[i].formula);
+        }
+        EXPECT_EQ(built.size(), comm().rank() < comm().size() - 1 ? 5u : 4u);
+    }
+    setenv("MEMTRAIN_HOST_MEMORY", "1KiB", 1);
+    const MemoryStats before = host_memory().snapshot();
+    expect_refused(c, "of host memory per rank");
+    const MemoryStats after = host_memory().snapshot();
+    unsetenv("MEMTRAIN_HOST_MEMORY");
+    EXPECT_EQ(after.total_used, before.total_used) << "allocated";
+    comm().barrier();
 }
 
 TEST(Ps, BadLayoutsAreRefusedNamingTheKey) {
