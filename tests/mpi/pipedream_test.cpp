@@ -31,7 +31,6 @@
 #include "mpi/dist_runs.h"
 #include "parallel/pipeline/schedule.h"
 #include "test_util.h"
-#include "train/plan.h"
 
 namespace memtrain::dist {
 namespace {
@@ -417,30 +416,16 @@ TEST(PipeDream, WeightVersionsArePlannedAndAStageThatCannotFitIsRefused) {
         c.train.pp = P;
         {
             Trainer t(c, test::quiet(), &comm());
-            const RunConfig& tc = t.config();
-            const RunPlan plan = plan_run(tc, comm());
-            const auto built = t.engine().predicted_memory(tc.micro_batch(), tc.train.seq_len);
-            ASSERT_EQ(plan.memory.size(), built.size()) << sched;
-            for (std::size_t i = 0; i < built.size(); i++) {
-                EXPECT_EQ(plan.memory[i].category, built[i].category) << sched;
-                EXPECT_EQ(plan.memory[i].bytes, built[i].bytes) << sched << " " << built[i].formula;
-                EXPECT_EQ(plan.memory[i].formula, built[i].formula) << sched;
-            }
+            const auto planned = expect_planned_rows_are_the_engines(t, sched);
             auto* pe = dynamic_cast<CpuEngine*>(&t.engine());
             ASSERT_NE(pe, nullptr);
-            EXPECT_EQ(plan.memory[0].bytes,
+            EXPECT_EQ(planned.at(0).bytes,
                       4 * (pe->stage_store().count() + pe->stage_store().mirror_size()) +
                           pe->weight_versions().predicted_bytes())
                 << sched;
         }
-        setenv("MEMTRAIN_HOST_MEMORY", "1KiB", 1);
-        const MemoryStats before = host_memory().snapshot();
-        expect_refused(c,
-                       fmt::format("of host memory per rank on pipeline stage {}", comm().rank()));
-        const MemoryStats after = host_memory().snapshot();
-        unsetenv("MEMTRAIN_HOST_MEMORY");
-        EXPECT_EQ(after.total_used, before.total_used) << sched << ": allocated";
-        comm().barrier();
+        expect_refused_before_allocating(
+            c, fmt::format("of host memory per rank on pipeline stage {}", comm().rank()));
     }
 }
 

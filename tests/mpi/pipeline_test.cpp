@@ -21,7 +21,6 @@
 #include "io/safetensors.h"
 #include "mpi/dist_runs.h"
 #include "test_util.h"
-#include "train/plan.h"
 #include "train/validate.h"
 
 namespace memtrain::dist {
@@ -436,16 +435,7 @@ TEST(Pipeline, EveryScheduleAndRematIsPlannedAsTheEngineAllocates) {
         c.train.pp_schedule = k.schedule;
         {
             Trainer t(c, test::quiet(), &comm());
-            const RunConfig& tc = t.config();
-            const RunPlan plan = plan_run(tc, comm());
-            const auto built = t.engine().predicted_memory(tc.micro_batch(), tc.train.seq_len);
-            ASSERT_EQ(plan.memory.size(), built.size()) << case_name(k);
-            for (std::size_t i = 0; i < built.size(); i++) {
-                EXPECT_EQ(plan.memory[i].category, built[i].category) << case_name(k);
-                EXPECT_EQ(plan.memory[i].bytes, built[i].bytes)
-                    << case_name(k) << " " << built[i].formula;
-                EXPECT_EQ(plan.memory[i].formula, built[i].formula) << case_name(k);
-            }
+            const auto built = expect_planned_rows_are_the_engines(t, case_name(k));
             t.run();
             const MemoryStats ms = host_memory().snapshot();
             for (const MemoryPrediction& p : built)
@@ -454,15 +444,9 @@ TEST(Pipeline, EveryScheduleAndRematIsPlannedAsTheEngineAllocates) {
                         << case_name(k) << " " << category_name(p.category);
                 }
         }
-        if (k.schedule != "naive") continue;
-        setenv("MEMTRAIN_HOST_MEMORY", "1KiB", 1);
-        const MemoryStats before = host_memory().snapshot();
-        expect_refused(c,
-                       fmt::format("of host memory per rank on pipeline stage {}", comm().rank()));
-        const MemoryStats after = host_memory().snapshot();
-        unsetenv("MEMTRAIN_HOST_MEMORY");
-        EXPECT_EQ(after.total_used, before.total_used) << "allocated";
-        comm().barrier();
+        if (k.schedule == "naive")
+            expect_refused_before_allocating(
+                c, fmt::format("of host memory per rank on pipeline stage {}", comm().rank()));
     }
 }
 

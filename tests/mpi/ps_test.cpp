@@ -16,7 +16,6 @@
 #include "engine/cpu/ps_engine.h"
 #include "mpi/dist_runs.h"
 #include "test_util.h"
-#include "train/plan.h"
 
 namespace memtrain::dist {
 namespace {
@@ -246,24 +245,10 @@ TEST(Ps, MemoryIsPlannedAndARunThatCannotFitIsRefusedBeforeAllocating) {
     c.train.ps_staleness = 1;
     {
         Trainer t(c, test::quiet(), &comm());
-        const RunConfig& tc = t.config();
-        const RunPlan plan = plan_run(tc, comm());
-        const auto built = t.engine().predicted_memory(tc.micro_batch(), tc.train.seq_len);
-        ASSERT_EQ(plan.memory.size(), built.size());
-        for (std::size_t i = 0; i < built.size(); i++) {
-            EXPECT_EQ(plan.memory[i].category, built[i].category);
-            EXPECT_EQ(plan.memory[i].bytes, built[i].bytes) << built[i].formula;
-            EXPECT_EQ(plan.memory[i].formula, built[i].formula);
-        }
+        const auto built = expect_planned_rows_are_the_engines(t, "ps");
         EXPECT_EQ(built.size(), comm().rank() < comm().size() - 1 ? 5u : 4u);
     }
-    setenv("MEMTRAIN_HOST_MEMORY", "1KiB", 1);
-    const MemoryStats before = host_memory().snapshot();
-    expect_refused(c, "of host memory per rank");
-    const MemoryStats after = host_memory().snapshot();
-    unsetenv("MEMTRAIN_HOST_MEMORY");
-    EXPECT_EQ(after.total_used, before.total_used) << "allocated";
-    comm().barrier();
+    expect_refused_before_allocating(c, "of host memory per rank");
 }
 
 TEST(Ps, BadLayoutsAreRefusedNamingTheKey) {

@@ -30,8 +30,8 @@ void slice_unit(const dist::TpLayout& l, int u, const float* whole, float* local
 }  // namespace
 
 float* TpWholeWeights::acquire(int u, bool for_write) {
-    Held& h = held_[u];
-    h.write = h.write || for_write;
+    TpHeldUnit& h = held_[u];
+    h.written = h.written || for_write;
     if (h.count++ > 0) return h.whole.data();
     assemble_unit(*l_, u, local_->acquire(u, false), *group_, h.whole);
     local_->release(u);
@@ -42,7 +42,7 @@ void TpWholeWeights::release(int u) {
     auto it = held_.find(u);
     if (it == held_.end()) fail("internal: release of unit {} that is not acquired", u);
     if (--it->second.count > 0) return;
-    if (it->second.write) {
+    if (it->second.written) {
         slice_unit(*l_, u, it->second.whole.data(), local_->acquire(u, true));
         local_->release(u);
     }
@@ -55,7 +55,7 @@ TpStageWeights::TpStageWeights(const dist::TpLayout& l, dist::UnitSource& shards
     : l_(&l), shards_(&shards), group_(&group), owner_(l.full, *this, std::move(owner), world) {}
 
 float* TpStageWeights::acquire(int u, bool for_write) {
-    Held& h = held_[u];
+    TpHeldUnit& h = held_[u];
     h.count++;
     h.written = h.written || for_write;
     return owner_.acquire(u, for_write);
@@ -64,7 +64,7 @@ float* TpStageWeights::acquire(int u, bool for_write) {
 float* TpStageWeights::unit(int u) {
     const float* local = shards_->unit(u);
     if (!local) return nullptr;
-    Held& h = held_[u];
+    TpHeldUnit& h = held_[u];
     assemble_unit(*l_, u, local, *group_, h.whole);
     return h.whole.data();
 }

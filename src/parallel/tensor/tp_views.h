@@ -33,6 +33,14 @@
 
 namespace memtrain {
 
+// A whole unit assembled from the shards while it is acquired (nested acquires count), and
+// whether one acquire may write it.
+struct TpHeldUnit {
+    int count = 0;
+    bool written = false;
+    Buffer<float> whole;
+};
+
 class TpWholeWeights final : public WeightWindow {
   public:
     // `local`: this rank's shard, in l.local.
@@ -42,15 +50,10 @@ class TpWholeWeights final : public WeightWindow {
     void release(int u) override;
 
   private:
-    struct Held {
-        int count = 0;
-        bool write = false;
-        Buffer<float> whole;
-    };
     const dist::TpLayout* l_;
     UnitStore* local_;
     dist::TpGroup* group_;
-    std::map<int, Held> held_;
+    std::map<int, TpHeldUnit> held_;
 };
 
 class TpStageWeights final : public WeightWindow, public dist::UnitSource {
@@ -66,16 +69,11 @@ class TpStageWeights final : public WeightWindow, public dist::UnitSource {
     bool read_into_scratch() const override { return false; }
 
   private:
-    struct Held {
-        int count = 0;
-        bool written = false;
-        Buffer<float> whole;
-    };
     const dist::TpLayout* l_;
     dist::UnitSource* shards_;
     dist::TpGroup* group_;
     dist::OwnerWeights owner_;
-    std::map<int, Held> held_;
+    std::map<int, TpHeldUnit> held_;
 };
 
 class TpRangeOptimizer final : public OptimizerState {
