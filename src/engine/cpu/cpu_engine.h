@@ -175,16 +175,17 @@ class CpuEngine final : public Engine {
     std::unique_ptr<pp::Timeline> timeline_;
     std::unique_ptr<pp::WeightVersions> versions_;
     std::unique_ptr<pp::Executor> exec_;
-    // LoRA: the adapters' layout, their dropout and arithmetic, the QLoRA base (written through
-    // quant_writer_, one unit of fp32 at a time, until weights_loaded()).
+    // LoRA: the adapters' layout and the QLoRA base (written through quant_writer_, one unit of
+    // fp32 at a time, until weights_loaded()).
     LoraLayout lora_layout_;
-    std::unique_ptr<LoraAdapters> lora_;
     std::unique_ptr<quant::QuantizedParamStore> quant_base_;
     std::unique_ptr<quant::QuantizedStoreWriter> quant_writer_;
     // Where a whole model's units live: the trainable states in a ZeroStore (data parallelism),
     // or whole in full_ (a tensor-parallel shard; LoRA's fp32 base).
     std::unique_ptr<dist::ZeroStore> zero_;
     std::unique_ptr<FullUnitStore> full_;
+    // LoRA: the adapters' dropout and arithmetic, over their ZeroStore.
+    std::unique_ptr<LoraAdapters> lora_;
     // Pipelines: the stage's gradients across its replicas.
     std::unique_ptr<dist::ReplicaSync> replicas_;
     std::vector<std::unique_ptr<GPT>> chunks_;
