@@ -8,7 +8,7 @@
 #include <filesystem>
 
 #include "core/error.h"
-#include "engine/cpu/lora_engine.h"
+#include "engine/cpu/cpu_engine.h"
 #include "io/lora_files.h"
 #include "io/model_source.h"
 #include "test_util.h"
@@ -52,7 +52,7 @@ TEST(LoraTrain, PredictedBytesEqualMeasuredForEveryCategory) {
             EXPECT_EQ(after.used[i] - before.used[i], p.bytes)
                 << base << ": " << category_name(p.category) << " (" << p.formula << ")";
         }
-        auto& e = dynamic_cast<LoraEngine&>(t.engine());
+        auto& e = dynamic_cast<CpuEngine&>(t.engine());
         // Adapters only: gradients and Adam states of Ψa floats.
         EXPECT_EQ(
             after.used[(int)MemCategory::Gradients] - before.used[(int)MemCategory::Gradients],
@@ -86,9 +86,9 @@ TEST(LoraTrain, LearnsWithTheBaseFrozenAndResumesBitwise) {
     auto b = test::train_stop_and_resume(c2, 5, resumed);
     ASSERT_EQ(resumed.losses.size(), 7u);
     for (int i = 0; i < 7; i++) EXPECT_EQ(resumed.losses[i], sa.losses[5 + i]) << i;
-    auto& ea = dynamic_cast<LoraEngine&>(a.engine());
-    auto& eb = dynamic_cast<LoraEngine&>(b->engine());
-    EXPECT_EQ(0, std::memcmp(ea.adapter_store().full_params(), eb.adapter_store().full_params(),
+    auto& ea = dynamic_cast<CpuEngine&>(a.engine());
+    auto& eb = dynamic_cast<CpuEngine&>(b->engine());
+    EXPECT_EQ(0, std::memcmp(ea.zero_store().full_params(), eb.zero_store().full_params(),
                              4 * ea.lora_layout().params.total));
 
     // eval/sample/merge read the checkpoint as base + merged adapters: its loss is the run's.
