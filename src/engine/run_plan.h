@@ -31,10 +31,11 @@
 namespace memtrain {
 
 enum class EngineKind {
-    Cpu,              // CpuEngine: one process, DDP or ZeRO 0-3 (parallel/data/zero_store.h)
-    Lora,             // LoraEngine: adapters over a frozen (or packed) base
-    TensorParallel,   // TpEngine: train.tp alone (and sequence parallelism)
-    Mesh,             // MeshEngine: train.pp, pipelines side by side, the tp x pp x dp mesh
+    // CpuEngine composes the first four (engine/cpu/cpu_engine.h):
+    Cpu,              // one process, DDP or ZeRO 0-3 (parallel/data/zero_store.h)
+    Lora,             // adapters over a frozen (or packed) base
+    TensorParallel,   // train.tp alone (and sequence parallelism)
+    Mesh,             // train.pp, pipelines side by side, the tp x pp x dp mesh (the executor)
     ParameterServer,  // PsEngine: train.dp_mode = "ps"
     Cuda,             // CudaEngine: one GPU, DDP or ZeRO over NCCL, ZeRO-Offload
     CudaLora,         // CudaEngine over LoRA's adapters (engine/cuda/model_states.h)
@@ -79,10 +80,14 @@ struct RunPlan {
     // (train.remat_costs = "measured": rank 0's profile of one block, the same on every rank).
     double step_cost = 0;
     bool costs_measured = false;
+    // train.remat as written ("full", "budget:2GiB", ...), and the step's shape (RunConfig's
+    // micro_batch(), train.seq_len, accum_steps()): micro-batches of micro_batch x seq_len tokens,
+    // accum_steps of them per step on each data-parallel rank.
+    std::string remat_policy;
+    int micro_batch = 1, seq_len = 1, accum_steps = 1;
     // This rank's predicted bytes on `memory_on`: the engine's own formulas
-    // (engine/host_memory.h, engine/device_memory.h), or the planner's per-rank estimate for the
-    // CPU mesh. The Trainer fails if the built engine predicts other bytes for these rows, and
-    // its memory report prints them.
+    // (engine/host_memory.h for every CPU engine, engine/device_memory.h). The Trainer fails if
+    // the built engine predicts other bytes for these rows, and its memory report prints them.
     std::vector<MemoryPrediction> memory;
     MemoryOn memory_on = MemoryOn::Host;
 

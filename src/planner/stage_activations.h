@@ -67,9 +67,9 @@ struct PipelineActivations {
 };
 
 // Every rank's activations for the pipeline layout of `r` (pp > 1), as the executor allocates
-// them (MeshEngine::make_schedule, predicted_memory): each chunk gets as many slots as the
-// simulator's most micro-batches in flight on its virtual stage (between F and B, or W when the
-// backward is split; at least 1), each slot one plan_stage_arena of the chunk's blocks.
+// them (pp::Executor::make_schedule, engine/host_memory.h stage_footprint): each chunk gets as many
+// slots as the simulator's most micro-batches in flight on its virtual stage (between F and B, or W
+// when the backward is split; at least 1), each slot one plan_stage_arena of the chunk's blocks.
 PipelineActivations pipeline_activations(const ModelSpec& m, const RunSpec& r);
 
 }  // namespace memtrain::plan

@@ -45,6 +45,10 @@ RunPlan plan_layout(const RunConfig& config, const dist::Communicator& comm,
     p.lora = cfg.lora.enabled();
     if (p.lora && cfg.lora.base != "fp32") p.lora_base = quant::lora_base_quant(cfg.lora);
     const int B = cfg.micro_batch(), T = cfg.train.seq_len;
+    p.micro_batch = B;
+    p.seq_len = T;
+    p.accum_steps = cfg.accum_steps();
+    p.remat_policy = cfg.train.remat;
     p.step_cost = measured ? remat::estimated_step_ns(cfg.model, B, T, *measured)
                            : (double)remat::step_flops(cfg.model, B, T);
     p.costs_measured = measured != nullptr;
@@ -78,10 +82,9 @@ RunPlan plan_run(const RunConfig& cfg, dist::Communicator& comm) {
             check_device_fit(p, free_b, total_b);
         }
     } else {
-        p.memory = predict_cpu_memory(p.cfg, p.remat.plan, comm.rank(), B, T);
-        if (p.memory.empty()) p.memory = predict_pipeline_memory(p.cfg, comm.rank());
+        p.memory = predict_host_memory(p, p.remat.plan, B, T);
         p.memory_on = MemoryOn::Host;
-        check_host_fit(p.cfg, p.memory, comm.rank(), comm.local_size());
+        check_host_fit(p, comm.local_size());
     }
     return p;
 }

@@ -462,7 +462,7 @@ GPT& Trainer::model() {
 }
 
 dist::ZeroStore& Trainer::store() {
-    return cpu_engine().store();
+    return cpu_engine().zero_store();
 }
 
 }  // namespace memtrain

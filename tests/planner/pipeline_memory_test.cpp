@@ -17,7 +17,7 @@
 #include "comm/communicator.h"
 #include "config/run_config.h"
 #include "core/error.h"
-#include "engine/cpu/mesh_engine.h"
+#include "engine/cpu/cpu_engine.h"
 #include "model/activation_layout.h"
 #include "parallel/pipeline/schedule.h"
 #include "planner/memory_model.h"
@@ -202,7 +202,7 @@ TEST(PlanPipeline, StageActivationsAreThePipelineEnginesPrediction) {
                     const int B = c.micro_batch(), T = c.train.seq_len;
                     for (int s = 0; s < P; s++) {
                         OneStageOfMany comm(s, P);
-                        MeshEngine engine(plan_layout(c, comm), comm);
+                        CpuEngine engine(plan_layout(c, comm), comm);
                         // What the Trainer hands the engine: the policy's plan for the whole model.
                         engine.set_remat(remat::solve_policy(remat::parse_policy(c.train.remat),
                                                              c.model, B, T, nullptr,

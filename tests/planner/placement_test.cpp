@@ -1,7 +1,8 @@
 // The ZeRO / offload table (parallel/placement.h), and the planner against the CPU engines' own
-// prediction (predict_cpu_memory, what CpuEngine and TpEngine report and check_host_fit prices)
-// for tensor-parallel and data-parallel layouts at every rank: the same bytes, because both
-// count with make_param_layout, dist::shard_ranges, the shard table and plan_arena.
+// prediction (predict_cpu_memory, what CpuEngine reports over a whole model or a tensor-parallel
+// group and check_host_fit prices) for tensor-parallel and data-parallel layouts at every rank: the
+// same bytes, because both count with make_param_layout, dist::shard_ranges, the shard table and
+// plan_arena.
 #include <gtest/gtest.h>
 
 #include <fmt/format.h>

@@ -8,7 +8,7 @@
 #include <filesystem>
 
 #include "core/error.h"
-#include "engine/cpu/lora_engine.h"
+#include "engine/cpu/cpu_engine.h"
 #include "io/lora_files.h"
 #include "io/model_source.h"
 #include "test_util.h"
@@ -52,7 +52,7 @@ TEST(LoraTrain, PredictedBytesEqualMeasuredForEveryCategory) {
             EXPECT_EQ(after.used[i] - before.used[i], p.bytes)
                 << base << ": " << category_name(p.category) << " (" << p.formula << ")";
         }
-        auto& e = dynamic_cast<LoraEngine&>(t.engine());
+        auto& e = dynamic_cast<CpuEngine&>(t.engine());
         // Adapters only: gradients and Adam states of Ψa floats.
         EXPECT_EQ(
             after.used[(int)MemCategory::Gradients] - before.used[(int)MemCategory::Gradients],
@@ -96,9 +96,9 @@ TEST(LoraTrain, LearnsWithTheBaseFrozenAndResumesBitwise) {
     ASSERT_EQ(resumed.losses.size(), (std::size_t)(kSteps - kStop));
     for (int i = 0; i < kSteps - kStop; i++)
         EXPECT_EQ(resumed.losses[i], sa.losses[kStop + i]) << i;
-    auto& ea = dynamic_cast<LoraEngine&>(a.engine());
-    auto& eb = dynamic_cast<LoraEngine&>(b->engine());
-    EXPECT_EQ(0, std::memcmp(ea.adapter_store().full_params(), eb.adapter_store().full_params(),
+    auto& ea = dynamic_cast<CpuEngine&>(a.engine());
+    auto& eb = dynamic_cast<CpuEngine&>(b->engine());
+    EXPECT_EQ(0, std::memcmp(ea.zero_store().full_params(), eb.zero_store().full_params(),
                              4 * ea.lora_layout().params.total));
 
     // eval/sample/merge read the checkpoint as base + merged adapters: its loss is the run's.
