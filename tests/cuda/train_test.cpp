@@ -56,6 +56,13 @@ double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
     return m;
 }
 
+// How many of the parameters differ by more than `tol`.
+std::size_t count_beyond(const std::vector<float>& a, const std::vector<float>& b, double tol) {
+    std::size_t n = 0;
+    for (std::size_t i = 0; i < a.size(); i++) n += std::fabs(a[i] - b[i]) > tol;
+    return n;
+}
+
 }  // namespace
 
 TEST(CudaTrain, Fp32MatchesTheCpuReferenceFor20Steps) {
@@ -231,7 +238,17 @@ TEST(CudaTrain, OffloadedOptimizerTrainsTheSameModel) {
         for (int i = 0; i < 10; i++)
             EXPECT_NEAR(b.losses[i], a.losses[i], (fp32 ? 1e-5 : 1e-3) * std::fabs(a.losses[i]))
                 << "step " << i;
-        EXPECT_LT(max_abs_diff(dev.params(), host.params()), fp32 ? 5e-5 : 1e-3);
+        if (fp32) {
+            EXPECT_LT(max_abs_diff(dev.params(), host.params()), 5e-5);
+        } else {
+            // A bf16 weight rounded the other way changes the gradients a little, and Adam
+            // moves a parameter whose gradient is noise by about lr per step whatever its
+            // size, so a few parameters may drift apart by a few lr (21 of 7872 in the sanitizer
+            // build); the rest agree to 1e-3. A wrong update would move nearly all of them.
+            const std::vector<float> pd = dev.params(), ph = host.params();
+            EXPECT_LE(count_beyond(pd, ph, 1e-3), pd.size() / 100) << "of " << pd.size();
+            EXPECT_LT(max_abs_diff(pd, ph), 2 * 10 * h.optim.lr);
+        }
         // Nothing of the optimizer on the device.
         EXPECT_EQ(after[MemCategory::OptimizerState], before[MemCategory::OptimizerState]);
         // The gradients stream to the host unit by unit during the last backward, and the
