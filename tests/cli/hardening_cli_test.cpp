@@ -27,6 +27,7 @@
 
 #include "cli/cli_util.h"
 #include "data/shard.h"
+#include "data/tokenizer.h"
 #include "io/safetensors.h"
 #include "test_util.h"
 
@@ -613,5 +614,42 @@ TEST(HardeningCli, AResumeOnOtherDataOrGeometryIsRefusedUnlessAccepted) {
     EXPECT_NE(r.output.find("train.seed 7 (was 1337)"), std::string::npos) << r.output;
 }
 
+// The same tokenizer path holding another tokenizer of the same vocabulary size (trained on
+// another corpus): its fingerprint differs from the one the checkpoint recorded, and the resume
+// is refused. The shard records no fingerprint (0), so only the resume's check can see it.
+TEST(HardeningCli, AResumeWithAnotherTokenizerIsRefused) {
+    const std::string dir = test::temp_dir("hard_resume_tokenizer");
+    write_file(dir + "/a.txt", test::small_corpus());
+    std::string other = test::small_corpus();
+    for (auto& ch : other)
+        if (ch == 'e') ch = 'q';
+    write_file(dir + "/b.txt", other);
+    for (const char* name : {"a", "b"}) {
+        auto r = run(std::string("tokenizer train --vocab-size 280 --doc-separator % --out ") +
+                     dir + "/t" + name + ".json " + dir + "/" + name + ".txt");
+        ASSERT_EQ(r.code, 0) << r.output;
+    }
+    const auto ta = data::Tokenizer::load(dir + "/ta.json");
+    const auto tb = data::Tokenizer::load(dir + "/tb.json");
+    ASSERT_EQ(ta.vocab_size(), tb.vocab_size());  // (else the shard check refuses first)
+    ASSERT_NE(ta.fingerprint(), tb.fingerprint());
+    const std::string cfg = tiny_config(dir, 2);
+    const uint32_t vocab = (uint32_t)ta.vocab_size();
+    data::write_shard(dir + "/train.bin", test::patterned_tokens(1 << 14, vocab, 1), vocab);
+    fs::copy_file(dir + "/ta.json", dir + "/tok.json");
+    auto r = run("train " + cfg + " --set model.vocab_size=" + std::to_string(vocab) +
+                 " data.tokenizer=" + dir + "/tok.json");
+    ASSERT_EQ(r.code, 0) << r.output;
+    fs::copy_file(dir + "/tb.json", dir + "/tok.json", fs::copy_options::overwrite_existing);
+    r = run("train --resume " + dir + "/out --set train.max_steps=3");
+    EXPECT_EQ(r.code, 1) << r.output;
+    EXPECT_NE(r.output.find("data.tokenizer of fingerprint"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("--accept-changes"), std::string::npos) << r.output;
+    EXPECT_FALSE(fs::exists(dir + "/out/ckpt_000003"));
+    // The tokenizer it was trained with: the resume goes on.
+    fs::copy_file(dir + "/ta.json", dir + "/tok.json", fs::copy_options::overwrite_existing);
+    r = run("train --resume " + dir + "/out --set train.max_steps=3");
+    EXPECT_EQ(r.code, 0) << r.output;
+}
 }  // namespace
 }  // namespace memtrain

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -129,6 +130,19 @@ TEST(Hardening, SpecialFilesAreRefusedBeforeTheyAreOpened) {
                     "101 bytes, more than the 100 bytes a thing may be"));
     EXPECT_TRUE(has(error_of([&] { read_regular_file(dir + "/none", 100, "thing"); }),
                     "thing " + dir + "/none does not exist"));
+}
+
+// tokenizer.json is capped at kMaxTokenizerBytes: a larger file is refused from its size,
+// before a byte of it is read (a sparse file here, so the test writes nothing).
+TEST(Hardening, ATokenizerFileOverItsCapIsRefusedBeforeItIsRead) {
+    const std::string dir = test::temp_dir("hardening_tok_cap");
+    const std::string path = dir + "/tokenizer.json";
+    write_file(path, "{");
+    fs::resize_file(path, kMaxTokenizerBytes + 1);
+    const std::string e = error_of([&] { data::Tokenizer::load(path); });
+    EXPECT_TRUE(has(e, fmt::format("is {} bytes, more than the {} bytes", kMaxTokenizerBytes + 1,
+                                   kMaxTokenizerBytes)))
+        << e;
 }
 
 // The safetensors header is read as events into TensorInfo records, not as a DOM (a 95 MB
@@ -279,6 +293,45 @@ TEST(Hardening, ACheckpointOfNonFiniteWeightsIsRefused) {
     EXPECT_TRUE(has(error_of([&] { save_checkpoint(cfg.io.out_dir, cfg, model, *opt, st); }),
                     "non-finite"));
     EXPECT_FALSE(fs::exists(cfg.io.out_dir + "/ckpt_000002"));
+}
+
+// A save that fails (here a file-size limit, as on a full disk) removes its temporary
+// directory and leaves `latest` where it was. In a child process, whose limit ends with it.
+TEST(Hardening, AFailedSaveRemovesItsTemporary) {
+    const std::string dir = test::temp_dir("hardening_failed_save");
+    RunConfig cfg = test::tiny_run(dir);
+    GPT model(cfg.model);
+    init_gpt2_weights(model.weights(), 1);
+    auto opt = make_optimizer(cfg.optim, model.layout());
+    TrainState st;
+    st.step = 1;
+    save_checkpoint(cfg.io.out_dir, cfg, model, *opt, st);
+    const pid_t child = fork();
+    if (child == 0) {
+        signal(SIGXFSZ, SIG_IGN);  // a write past the limit fails with EFBIG instead
+        struct rlimit rl {
+            4096, 4096
+        };
+        setrlimit(RLIMIT_FSIZE, &rl);
+        st.step = 2;
+        try {
+            save_checkpoint(cfg.io.out_dir, cfg, model, *opt, st);
+        } catch (const Error&) {
+            _exit(0);
+        } catch (...) {
+            _exit(3);
+        }
+        _exit(2);  // the save succeeded under the limit: the test proves nothing
+    }
+    int status = 0;
+    ASSERT_EQ(waitpid(child, &status, 0), child);
+    ASSERT_TRUE(WIFEXITED(status));
+    ASSERT_EQ(WEXITSTATUS(status), 0) << "2: the save did not fail; 3: not a memtrain::Error";
+    EXPECT_EQ(read_file(cfg.io.out_dir + "/latest"), "ckpt_000001\n");
+    for (const auto& entry : fs::directory_iterator(cfg.io.out_dir)) {
+        const std::string name = entry.path().filename().string();
+        EXPECT_TRUE(name == "ckpt_000001" || name == "latest") << name;
+    }
 }
 
 // A step whose loss is not finite stops the run before anything of it is logged or saved.
