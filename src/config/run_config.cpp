@@ -388,7 +388,17 @@ void apply_table(RunConfig& cfg, const toml::table& root, const std::string& src
     for (const auto& [sec_key, sec_node] : root) {
         std::string sec(sec_key.str());
         if (!sec_node.is_table()) {
-            find_key(sec, src);  // a top-level key: always unknown, with a suggestion
+            // A top-level key is always unknown (every key lives in a section). A quoted
+            // "io.save_final" is one key whose name holds a dot, not save_final in [io]: it
+            // names a registered key, so say how to write it (found by fuzz_config; it went on
+            // to bind a reference to the null table below).
+            for (const auto& k : registry())
+                if (k.name == sec)
+                    fail(
+                        "{}: \"{}\" is quoted as one key name at the top level; write {} = ... "
+                        "without the quotes, or {} = ... under [{}]",
+                        src, sec, sec, leaf_of(sec), section_of(sec));
+            unknown_key(sec, src);
         }
         const toml::table& table = *sec_node.as_table();
         // An unknown section holding no keys would otherwise pass unnoticed.

@@ -89,6 +89,17 @@ TEST(Hardening, TomlDepthAndSizeAreBoundedBeforeTheParser) {
                     "more than the 1048576 bytes a config may be"));
 }
 
+// fuzz_config's finding: a quoted top-level key that names a registered key ("io.save_final"
+// as one name) passed the unknown-key check and was then read as a section's table (a null
+// reference, undefined behaviour). Now one line.
+TEST(Hardening, AQuotedDottedTopLevelKeyIsOneLine) {
+    const std::string e =
+        error_of([] { parse_run_config("\"io.save_final\" = \"%d\"\n", "q.toml", {}); });
+    EXPECT_TRUE(has(e, "q.toml: \"io.save_final\" is quoted as one key name")) << e;
+    EXPECT_TRUE(has(error_of([] { parse_run_config("\"nope\" = 1\n", "q.toml", {}); }),
+                    "unknown config key 'nope'"));
+}
+
 TEST(Hardening, TomlErrorsDoNotEchoTheFile) {
     const std::string err =
         error_of([] { parse_run_config("root:$y$j9T$secret:19000:0:99999:7:::\n", "s", {}); });
