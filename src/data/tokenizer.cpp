@@ -146,6 +146,8 @@ nlohmann::json parse_json(const std::string& path, const std::string& text) {
         return nlohmann::json::parse(text);
     } catch (const nlohmann::json::parse_error& e) {
         fail("{}: malformed JSON (parse error at byte {})", path, e.byte);
+    } catch (const nlohmann::json::exception&) {  // a number out of range (1e999)
+        fail("{}: malformed JSON (a number out of range)", path);
     }
 }
 

@@ -29,6 +29,10 @@ json parse_json_file(const fs::path& path) {
         return json::parse(text);
     } catch (const json::parse_error& e) {
         fail("{} is not valid JSON (parse error at byte {})", path.string(), e.byte);
+    } catch (const json::exception&) {
+        // A number too large for a double (1e999) is out_of_range, not a parse error; its
+        // message would quote the number (found by fuzz_config_json).
+        fail("{} is not valid JSON (a number out of range)", path.string());
     }
 }
 

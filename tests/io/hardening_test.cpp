@@ -217,6 +217,15 @@ TEST(Hardening, ConfigJsonIsBoundedInSizeNestingAndDimensions) {
     write_file(path, "{\"model_type\": \"gpt2\", \"x\": " + std::string(1000, '[') +
                          std::string(1000, ']') + "}");
     EXPECT_TRUE(has(error_of([&] { model_config_from_hf(path); }), "nests arrays or objects"));
+    // fuzz_config_json's finding: a number too large for a double is nlohmann's out_of_range,
+    // which escaped as an internal error (exit 3); now one line that does not quote it.
+    write_file(path, "{\"model_type\": \"gpt2\", \"n_embd\": 55e5555555550080}");
+    const std::string big = error_of([&] { model_config_from_hf(path); });
+    EXPECT_TRUE(has(big, "is not valid JSON (a number out of range)")) << big;
+    EXPECT_FALSE(has(big, "5555")) << big;
+    write_file(dir + "/tokenizer.json", "{\"model\": {\"vocab\": {\"a\": 1e999}}}");
+    EXPECT_TRUE(has(error_of([&] { data::Tokenizer::load(dir + "/tokenizer.json"); }),
+                    "malformed JSON (a number out of range)"));
     write_file(path, "root:$y$j9T$secret\n");
     const std::string e = error_of([&] { model_config_from_hf(path); });
     EXPECT_TRUE(has(e, "not valid JSON (parse error at byte")) << e;
