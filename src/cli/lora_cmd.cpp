@@ -11,6 +11,7 @@
 #include "core/error.h"
 #include "io/hf_weights.h"
 #include "io/model_source.h"
+#include "io/out_dir.h"
 #include "io/text_file.h"
 #include "model/gpt.h"
 
@@ -34,35 +35,30 @@ void register_lora(CLI::App& app) {
         if (!src.lora)
             fail("{} holds no LoRA adapters (adapter_model.safetensors): nothing to merge",
                  src.dir);
-        const fs::path out(a->out);
-        if (fs::exists(out) && !fs::exists(out / "lora_merge.json"))
-            fail(
-                "--out {} exists and is not a `memtrain lora merge` output; refusing to replace it",
-                a->out);
+        // Written under a fresh name beside --out and swapped in whole (io/out_dir.h): a failure
+        // or a kill leaves the old output or the new one, never neither.
+        io::StagedDir staged(a->out, "lora_merge.json", "`memtrain lora merge`");
         const RunConfig& run = *src.run;
         GPT model(src.model);
         load_source_weights(src, model.weights());
-
-        // Written beside and renamed into place: a failure leaves no partial directory.
-        const fs::path tmp = out.string() + ".tmp";
-        fs::remove_all(tmp);
-        fs::create_directories(tmp);
+        const fs::path tmp = staged.dir();
         save_hf_weights(model.weights(), (tmp / "model.safetensors").string());
         io::write_text_file(tmp / "config.json", hf_config_json(src.model));
         if (!src.tokenizer.empty() && fs::is_regular_file(src.tokenizer))
-            fs::copy_file(src.tokenizer, tmp / "tokenizer.json");
+            io::write_text_file(
+                tmp / "tokenizer.json",
+                read_regular_file(src.tokenizer, kMaxTokenizerBytes, "tokenizer.json"));
         nlohmann::ordered_json record = {
             {"adapters", src.dir},         {"base", run.model.init_from},
             {"rank", run.lora.rank},       {"alpha", run.lora.alpha},
             {"targets", run.lora.targets}, {"frozen_base", run.lora.base}};
         io::write_text_file(tmp / "lora_merge.json", record.dump() + "\n");
-        fs::remove_all(out);
-        fs::rename(tmp, out);
+        staged.commit();
         std::printf("%s\n", fmt::format("merged {} (LoRA r={} alpha={} on {}) into {} -> {}",
                                         src.dir, run.lora.rank, run.lora.alpha, run.lora.targets,
                                         run.model.init_from.empty() ? "its seeded base"
                                                                     : run.model.init_from,
-                                        a->out)
+                                        staged.out())
                                 .c_str());
     });
 }

@@ -17,7 +17,9 @@
 #include "core/error.h"
 #include "io/hf_weights.h"
 #include "io/model_source.h"
+#include "io/out_dir.h"
 #include "io/safetensors.h"
+#include "io/text_file.h"
 #include "quant/quant.h"
 
 namespace fs = std::filesystem;
@@ -52,10 +54,17 @@ std::vector<float> transpose(const std::vector<float>& a, int64_t rows, int64_t 
     return t;
 }
 
-void write_text(const fs::path& path, const std::string& text) {
-    std::ofstream f(path, std::ios::binary);
-    f << text;
-    if (!f) fail("cannot write {}", path.string());
+// A model whose weights are not finite quantizes to codes that mean nothing (NaN scales become
+// zeros, reported as zero error): refused, naming the first such tensor.
+void check_finite(const std::vector<float>& w, const std::string& name, const std::string& src) {
+    std::size_t bad = 0, first = 0;
+    for (std::size_t i = 0; i < w.size(); i++)
+        if (!std::isfinite(w[i]) && bad++ == 0) first = i;
+    if (bad)
+        fail(
+            "{}: tensor {} holds {} non-finite values of {} (the first at index {}); refusing to "
+            "quantize a model whose weights are not finite",
+            src, name, bad, w.size(), first);
 }
 
 }  // namespace
@@ -109,16 +118,11 @@ void register_quantize(CLI::App& app) {
                     fail("{} ({}): {}", p.name, io::shape_string(p.shape), e.what());
                 }
             }
-        const fs::path out(a->out);
-        if (fs::exists(out) && !fs::exists(out / "quantization.json"))
-            fail("--out {} exists and is not a memtrain quantize output; refusing to replace it",
-                 a->out);
+        // Written under a fresh name beside --out and swapped in whole (io/out_dir.h).
+        io::StagedDir staged(a->out, "quantization.json", "memtrain quantize");
         const HfTensorSource source = HfTensorSource::open(src.weights);
-
-        const fs::path tmp = out.string() + ".tmp";
-        fs::remove_all(tmp);
-        fs::create_directories(tmp);
-        try {
+        const fs::path tmp = staged.dir();
+        {
             io::SafetensorsWriter model_w, quant_w;
             model_w.set_metadata("format", "pt");
             quant_w.set_metadata("format", "memtrain-quantized");
@@ -136,6 +140,7 @@ void register_quantize(CLI::App& app) {
                 for (int64_t d : p.shape) numel *= d;
                 std::vector<float> w((std::size_t)numel);
                 source.read(p.name, w, p.shape);
+                check_finite(w, p.name, src.dir);
                 all_params += numel;
                 if (!is_block_linear(p)) {
                     all_bits += 32 * (uint64_t)numel;
@@ -225,18 +230,21 @@ void register_quantize(CLI::App& app) {
             }
             model_w.write((tmp / "model.safetensors").string());
             quant_w.write((tmp / "quantized.safetensors").string());
-            write_text(tmp / "quantization.json", j.dump(2) + "\n");
-            write_text(tmp / "config.json", hf_config_json(cfg));
+            io::write_text_file(tmp / "quantization.json", j.dump(2) + "\n");
+            io::write_text_file(tmp / "config.json", hf_config_json(cfg));
             if (!src.tokenizer.empty()) {
                 if (fs::is_directory(src.tokenizer)) {
                     for (const char* f : {"encoder.json", "vocab.bpe"})
-                        fs::copy_file(fs::path(src.tokenizer) / f, tmp / f);
+                        io::write_text_file(
+                            tmp / f, read_regular_file((fs::path(src.tokenizer) / f).string(),
+                                                       kMaxTokenizerBytes, f));
                 } else {
-                    fs::copy_file(src.tokenizer, tmp / "tokenizer.json");
+                    io::write_text_file(
+                        tmp / "tokenizer.json",
+                        read_regular_file(src.tokenizer, kMaxTokenizerBytes, "tokenizer.json"));
                 }
             }
-            if (fs::exists(out)) fs::remove_all(out);
-            fs::rename(tmp, out);
+            staged.commit();
             if (a->json) {
                 std::printf("%s\n", j.dump(2).c_str());
                 return;
@@ -258,11 +266,8 @@ void register_quantize(CLI::App& app) {
                                         ? fmt::format("; {} of {} fell back to {}", fallbacks,
                                                       tensors.size(), o.fallback)
                                         : "",
-                                    a->out)
+                                    staged.out())
                             .c_str());
-        } catch (...) {
-            fs::remove_all(tmp);
-            throw;
         }
     });
 }

@@ -18,7 +18,9 @@ void register_report(CLI::App& app) {
     cmd->add_option("run_dir", a->run_dir, "the run's out_dir (holds metrics.jsonl)")->required();
     cmd->add_option("--out", a->out, "output HTML file (default: RUN_DIR/report.html)");
     cmd->callback([a]() {
-        const std::string path = io::write_run_report(a->run_dir, a->out);
+        std::string note;
+        const std::string path = io::write_run_report(a->run_dir, a->out, &note);
+        if (!note.empty()) std::fprintf(stderr, "memtrain: note: %s\n", note.c_str());
         std::printf("wrote %s\n", path.c_str());
     });
 }

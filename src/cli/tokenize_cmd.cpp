@@ -1,10 +1,15 @@
 // `memtrain tokenize` turns text files into train/val token shards; `memtrain tokenizer train`
 // learns a byte-level BPE vocabulary; `tokenizer encode`, `decode` and `info` are for looking at
 // one. Parsing and printing only: the work is in data/tokenizer and data/shard.
+#include <signal.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <charconv>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -16,9 +21,11 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "core/regular_file.h"
 #include "core/rng.h"
 #include "data/shard.h"
 #include "data/tokenizer.h"
+#include "io/text_file.h"
 
 namespace memtrain::cli {
 
@@ -65,11 +72,8 @@ std::vector<fs::path> expand_inputs(const std::vector<std::string>& inputs) {
 Corpus read_corpus(const std::vector<std::string>& inputs, const std::string& separator) {
     Corpus corpus;
     for (const fs::path& file : expand_inputs(inputs)) {
-        std::ifstream in(file, std::ios::binary);
-        if (!in) fail("cannot read input '{}'", file.string());
-        std::ostringstream ss;
-        ss << in.rdbuf();
-        const std::string text = ss.str();
+        // (expand_inputs keeps regular files; this refuses one that became a FIFO since.)
+        const std::string text = read_regular_file(file.string(), SIZE_MAX, "input");
         if (text.find('\0') != std::string::npos) {
             corpus.skipped.push_back(file.string());  // e.g. fortune's .dat index files
             continue;
@@ -121,6 +125,24 @@ bool is_validation(uint64_t seed, uint64_t index, double fraction) {
     uint64_t x = splitmix64(s) ^ (index * 0x9E3779B97F4A7C15ull);
     const double u = static_cast<double>(splitmix64(x) >> 11) * (1.0 / 9007199254740992.0);
     return u < fraction;
+}
+
+// Removes .train.bin.PID.new and .val.bin.PID.new of tokenize runs that died (their process is
+// gone), so a kill leaves no lasting debris; a live run's are left alone.
+void remove_dead_temporaries(const fs::path& out) {
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(out, ec)) {
+        const std::string name = e.path().filename().string();
+        for (const char* prefix : {".train.bin.", ".val.bin."}) {
+            if (name.rfind(prefix, 0) != 0 || !name.ends_with(".new")) continue;
+            const std::string pid =
+                name.substr(std::strlen(prefix), name.size() - std::strlen(prefix) - 4);
+            if (pid.empty() || pid.size() > 9 ||
+                pid.find_first_not_of("0123456789") != std::string::npos)
+                continue;
+            if (::kill((pid_t)std::stol(pid), 0) != 0 && errno == ESRCH) fs::remove(e.path(), ec);
+        }
+    }
 }
 
 struct TokenizeOptions {
@@ -176,13 +198,43 @@ void run_tokenize(const TokenizeOptions& o) {
     if (ec) fail("cannot create output directory '{}': {}", o.out, ec.message());
     const auto vocab = static_cast<uint32_t>(tok.vocab_size());
     const uint64_t fingerprint = tok.fingerprint();
-    data::write_shard((fs::path(o.out) / "train.bin").string(), train, vocab, fingerprint);
-    const std::string val_path = (fs::path(o.out) / "val.bin").string();
-    if (o.val_fraction > 0) {
-        data::write_shard(val_path, val, vocab, fingerprint);
-    } else {
-        fs::remove(val_path, ec);  // a val.bin from an earlier run would no longer match
+    // train.bin and val.bin are replaced as a pair: both are written under names of this
+    // process's own, then a marker goes down, both are renamed into place, and the marker goes.
+    // A kill between the two renames leaves the marker, and the shard reader refuses a shard
+    // beside it (the pair may be mixed) until tokenize runs again.
+    const fs::path out(o.out);
+    const std::string stamp = std::to_string(::getpid());
+    remove_dead_temporaries(out);
+    const fs::path train_new = out / (".train.bin." + stamp + ".new"),
+                   val_new = out / (".val.bin." + stamp + ".new");
+    const bool with_val = o.val_fraction > 0;
+    try {
+        data::write_shard(train_new.string(), train, vocab, fingerprint);
+        if (with_val) data::write_shard(val_new.string(), val, vocab, fingerprint);
+    } catch (...) {
+        fs::remove(train_new, ec);
+        fs::remove(val_new, ec);
+        throw;
     }
+    const fs::path marker = out / data::kTokenizeIncomplete;
+    io::write_text_file(marker, fmt::format("memtrain tokenize (pid {}) is replacing train.bin "
+                                            "and val.bin here\n",
+                                            stamp));
+    io::sync_directory(out);
+    auto move_in = [&](const fs::path& from, const char* name) {
+        fs::rename(from, out / name, ec);
+        if (ec)
+            fail("cannot rename {} to {}: {}", from.string(), (out / name).string(), ec.message());
+    };
+    move_in(train_new, "train.bin");
+    test_pause("tokenize-pair");
+    if (with_val)
+        move_in(val_new, "val.bin");
+    else
+        fs::remove(out / "val.bin", ec);  // a val.bin from an earlier run would no longer match
+    io::sync_directory(out);
+    fs::remove(marker, ec);
+    io::sync_directory(out);
 
     size_t doc_bytes = 0;
     for (const auto& d : docs) doc_bytes += d.size();

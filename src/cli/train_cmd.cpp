@@ -84,9 +84,11 @@ RunConfig make_config(const std::string& config, const std::vector<std::string>&
             "memtrain train needs a CONFIG, a TOML file (e.g. configs/demo.toml), or --resume DIR "
             "to continue a run from its checkpoint");
     if (resume.empty()) return load_run_config(config, sets);
-    const std::string dir = resolve_checkpoint_dir(resume);
+    std::string note;  // (a fallback from a dangling `latest`: the Trainer says it)
+    const std::string dir = resolve_checkpoint_dir(resume, &note);
     RunConfig base = checkpoint_config(dir);
-    base.io.out_dir = std::filesystem::path(dir).parent_path().string();
+    const auto parent = std::filesystem::path(dir).parent_path();
+    base.io.out_dir = parent.empty() ? std::string(".") : parent.string();  // (--resume ckpt_5)
     return load_run_config(config, sets, &base);
 }
 
@@ -155,6 +157,8 @@ void register_train(CLI::App& app) {
         bool print_config = false;
         bool print_plan = false;
         int stop_after = -1;
+        bool overwrite = false;
+        bool accept_changes = false;
     };
     auto args = std::make_shared<Args>();
     cmd->add_option("config", args->config,
@@ -167,6 +171,13 @@ void register_train(CLI::App& app) {
                     "the config saved in it; CONFIG and --set, if given, override its keys");
     cmd->add_option("--stop-after", args->stop_after,
                     "stop (and checkpoint) after this many steps of this run");
+    cmd->add_flag("--overwrite", args->overwrite,
+                  "replace the run io.out_dir holds (its checkpoints, latest and metrics are "
+                  "removed first); without it a new run there is refused");
+    cmd->add_flag("--accept-changes", args->accept_changes,
+                  "with --resume: continue although data.train, the tokenizer, train.seq_len, "
+                  "train.batch_size, train.seed or the model's norm_eps / rope_theta changed "
+                  "(printed); without it such a resume is refused");
     cmd->add_flag("--help-keys", args->keys, "list every config key and exit");
     cmd->add_flag("--print-config", args->print_config,
                   "print the resolved config as TOML (every key) and exit without training");
@@ -201,6 +212,9 @@ void register_train(CLI::App& app) {
         opts.resume = args->resume;
         opts.stop_after = args->stop_after;
         opts.stop_signal = &g_stop_signal;
+        opts.refuse_existing_run = true;
+        opts.overwrite = args->overwrite;
+        opts.accept_changes = args->accept_changes;
         if (!dist::launched_by_mpi()) {
             install_stop_handlers(true);
             Trainer trainer(make_config(args->config, args->sets, args->resume), opts);

@@ -3,10 +3,9 @@
 
 #include <toml++/toml.h>
 #include <algorithm>
-#include <cerrno>
-#include <cstring>
+#include <cctype>
+#include <cmath>
 #include <filesystem>
-#include <fstream>
 #include <functional>
 #include <limits>
 #include <sstream>
@@ -14,10 +13,20 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "core/regular_file.h"
 
 namespace memtrain {
 
 namespace {
+
+// What toml++ says about a parse error, without the bytes it saw there: the file may not be a
+// TOML at all (a mistyped path to a secret), and an error message must not show its content.
+std::string toml_error_text(std::string_view description) {
+    std::string d(description);
+    for (const char* cut : {", saw ", "; saw ", " saw "})
+        if (auto at = d.find(cut); at != std::string::npos) d.resize(at);
+    return d;
+}
 
 struct Key {
     std::string name;  // "section.key"
@@ -95,6 +104,9 @@ Key make_key(std::string name, S RunConfig::*sec, T S::*field, std::string doc) 
                 dst = (T)n.as_floating_point()->get();
             else
                 bad();
+            // TOML has inf and nan literals; no key means anything by them, and a run with
+            // optim.lr = inf turns every weight into NaN at its first step.
+            if (!std::isfinite(dst)) fail("{}: {} = {} must be a finite number", src, name, dst);
         } else {
             if (!n.is_string()) bad();
             dst = n.as_string()->get();
@@ -103,6 +115,7 @@ Key make_key(std::string name, S RunConfig::*sec, T S::*field, std::string doc) 
     k.from_text = [=](RunConfig& c, const std::string& text) {
         // Parse the override as a TOML value; a bare word is taken as a string.
         toml::table t;
+        check_toml_text("v = " + text, "--set " + name);
         try {
             t = toml::parse("v = " + text);
         } catch (const toml::parse_error&) {
@@ -375,7 +388,17 @@ void apply_table(RunConfig& cfg, const toml::table& root, const std::string& src
     for (const auto& [sec_key, sec_node] : root) {
         std::string sec(sec_key.str());
         if (!sec_node.is_table()) {
-            find_key(sec, src);  // a top-level key: always unknown, with a suggestion
+            // A top-level key is always unknown (every key lives in a section). A quoted
+            // "io.save_final" is one key whose name holds a dot, not save_final in [io]: it
+            // names a registered key, so say how to write it (found by fuzz_config; it went on
+            // to bind a reference to the null table below).
+            for (const auto& k : registry())
+                if (k.name == sec)
+                    fail(
+                        "{}: \"{}\" is quoted as one key name at the top level; write {} = ... "
+                        "without the quotes, or {} = ... under [{}]",
+                        src, sec, sec, leaf_of(sec), section_of(sec));
+            unknown_key(sec, src);
         }
         const toml::table& table = *sec_node.as_table();
         // An unknown section holding no keys would otherwise pass unnoticed.
@@ -416,12 +439,13 @@ RunConfig parse_layers(const std::string& text, const std::string& src,
                        const std::vector<std::string>& overrides, const RunConfig* base,
                        const std::filesystem::path* file_dir) {
     RunConfig cfg = base ? *base : RunConfig{};
+    check_toml_text(text, src);
     toml::table root;
     try {
         root = toml::parse(text, src);
     } catch (const toml::parse_error& e) {
         fail("{}:{}:{}: invalid TOML: {}", src, e.source().begin.line, e.source().begin.column,
-             e.description());
+             toml_error_text(e.description()));
     }
     std::vector<std::string> from_file, from_sets;
     apply_table(cfg, root, src, &from_file);
@@ -466,6 +490,118 @@ RunConfig parse_layers(const std::string& text, const std::string& src,
 
 }  // namespace
 
+void check_toml_text(std::string_view text, const std::string& src) {
+    if (text.size() > kMaxConfigBytes)
+        fail("{} is {} bytes, more than the {} bytes a config may be", src, text.size(),
+             kMaxConfigBytes);
+    // toml++ recurses once per part of a dotted key or table name, and once per level of
+    // nested arrays and inline tables, so a 100 KB file of a.a.a... overflows the stack. Keys
+    // here have two parts; the scan bounds both before the parser sees the text. Outside
+    // strings and comments, the dots between two of = , [ ] { } and a newline are one key's
+    // parts (a number or a date has at most one).
+    constexpr int kMaxParts = 32, kMaxNesting = 32;
+    int dots = 0, nesting = 0, line = 1;
+    std::size_t i = 0;
+    const std::size_t n = text.size();
+    auto starts = [&](std::size_t at, std::string_view s) {
+        return text.substr(at, s.size()) == s;
+    };
+    // TOML allows no raw control character but tab and the line ends, in strings and comments
+    // too (toml++ asserts on some of them in its key parser).
+    auto control = [&](char ch) {
+        if (((unsigned char)ch < 0x20 && ch != '\t' && ch != '\n' && ch != '\r') || ch == 0x7f)
+            fail("{}:{}: a control character (byte 0x{:02x}) is not allowed in TOML", src, line,
+                 (unsigned)(unsigned char)ch);
+    };
+    // At the start of a line, a '[' opens a table header. toml++'s key parser assumes the
+    // header's first character starts a key (an assertion in its debug builds, an assumption
+    // the optimizer may act on in clang-built ones), so that is checked here.
+    bool line_start = true;
+    auto header_start = [&](std::size_t at) {
+        auto skip_blank = [&] {
+            while (at < n && (text[at] == ' ' || text[at] == '\t')) at++;
+        };
+        at++;  // the '['
+        skip_blank();
+        if (at < n && text[at] == '[') {
+            at++;
+            skip_blank();
+        }
+        const char k = at < n ? text[at] : '\0';
+        if (!(std::isalnum((unsigned char)k) || k == '_' || k == '-' || k == '"' || k == '\''))
+            fail("{}:{}: a table name must start with a letter, a digit, _, - or a quote", src,
+                 line);
+    };
+    while (i < n) {
+        const char c = text[i];
+        control(c);
+        // Outside strings and comments TOML is ASCII (bare keys, numbers, whitespace); toml++
+        // classifies other characters there with a table that reaches __builtin_unreachable
+        // for some (U+0360, for one).
+        if ((unsigned char)c >= 0x80)
+            fail("{}:{}: a non-ASCII character outside a string or a comment", src, line);
+        if (c == '[' && line_start && nesting == 0) header_start(i);
+        if (c != ' ' && c != '\t') line_start = c == '\n';
+        if (c == '#') {  // a comment, to the end of the line
+            while (i < n && text[i] != '\n') control(text[i++]);
+            continue;
+        }
+        if (c == '"' || c == '\'') {
+            const bool multi = starts(i, c == '"' ? "\"\"\"" : "'''");
+            const std::string_view close =
+                multi ? (c == '"' ? "\"\"\"" : "'''") : std::string_view(&text[i], 1);
+            i += multi ? 3 : 1;
+            bool closed = false;
+            while (i < n) {
+                if (starts(i, close)) {
+                    closed = true;
+                    break;
+                }
+                control(text[i]);
+                if (text[i] == '\n') {
+                    if (!multi) break;  // an unterminated string: the parser reports it
+                    line++;
+                }
+                if (c == '"' && text[i] == '\\') i++;  // an escape: skip the escaped character
+                i++;
+            }
+            if (closed) i += close.size();
+            continue;
+        }
+        switch (c) {
+            case '\n':
+                line++;
+                [[fallthrough]];
+            case '=':
+            case ',':
+                dots = 0;
+                break;
+            case '[':
+            case '{':
+                dots = 0;
+                if (++nesting > kMaxNesting)
+                    fail("{}:{}: arrays, tables or inline tables nested more than {} deep", src,
+                         line, kMaxNesting);
+                break;
+            case ']':
+            case '}':
+                dots = 0;
+                nesting = std::max(0, nesting - 1);
+                break;
+            case '.':
+                if (++dots >= kMaxParts)
+                    fail(
+                        "{}:{}: a key or table name of more than {} dotted parts; memtrain's keys "
+                        "have two (section.key)",
+                        src, line, kMaxParts);
+                break;
+            default:
+                break;
+        }
+        i++;
+    }
+}
+
 RunConfig parse_run_config(const std::string& text, const std::string& src,
                            const std::vector<std::string>& overrides, const RunConfig* base) {
     return parse_layers(text, src, overrides, base, nullptr);
@@ -490,12 +626,8 @@ RunConfig read_run_config(const std::string& path, const std::vector<std::string
                                       path)
                         : std::string());
         }
-        if (!std::filesystem::exists(st)) fail("config file {} does not exist", path);
-        std::ifstream f(path);
-        if (!f) fail("config file {} cannot be read: {}", path, std::strerror(errno));
-        std::stringstream ss;
-        ss << f.rdbuf();
-        text = ss.str();
+        // A FIFO or /dev/zero is refused before it is opened; a config is a few KB.
+        text = read_regular_file(path, kMaxConfigBytes, "config file");
     }
     const auto dir = std::filesystem::path(path).parent_path();
     return parse_layers(text, path.empty() ? "<defaults>" : path, overrides, base, &dir);
@@ -546,6 +678,10 @@ std::string format_table(const RunConfig& cfg, int width) {
     }
     flush();
     return out;
+}
+
+std::string config_value(const RunConfig& cfg, const std::string& key) {
+    return find_key(key, "config_value").to_text(cfg);
 }
 
 std::vector<std::string> config_keys() {

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "model/config.h"
@@ -118,10 +119,19 @@ RunConfig read_run_config(const std::string& path, const std::vector<std::string
 RunConfig parse_run_config(const std::string& toml_text, const std::string& source_name,
                            const std::vector<std::string>& overrides,
                            const RunConfig* base = nullptr);
+// Refuses TOML text that toml++ cannot be trusted with: more than kMaxConfigBytes (1 MiB), a
+// dotted key or table name of 32 parts or more, or brackets and braces nested more than 32
+// deep (toml++ recurses per part and overflows the stack on a 100 KB file of them). Every TOML
+// memtrain reads (a run's config, a checkpoint's memtrain.toml, --set, the planner's model
+// files, the report) passes here first. `src` names the text in the error.
+void check_toml_text(std::string_view text, const std::string& src);
 // The fully resolved config as TOML (saved beside checkpoints; `memtrain train --print-config`)
 // and as a compact printout: a line or a few per section, key=value pairs wrapped at `width`.
 std::string to_toml(const RunConfig& cfg);
 std::string format_table(const RunConfig& cfg, int width = 100);
+// One key's value as its TOML literal ("128", "\"/data/train.bin\""); an Error for an
+// unknown key.
+std::string config_value(const RunConfig& cfg, const std::string& key);
 // All registered keys "section.key", for documentation and suggestions.
 std::vector<std::string> config_keys();
 

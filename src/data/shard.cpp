@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/regular_file.h"
 
 namespace memtrain::data {
 
@@ -67,7 +68,8 @@ void write_shard(const std::string& path, std::span<const uint32_t> tokens, uint
     put_u32(header + kOffVocab, vocab_size);
     put_u64(header + kOffFingerprint, tokenizer_fingerprint);
 
-    const std::string tmp = path + ".tmp";
+    // This process's own temporary name: two writers of one path never share it.
+    const std::string tmp = path + "." + std::to_string(::getpid()) + ".tmp";
     std::FILE* f = std::fopen(tmp.c_str(), "wb");
     if (!f) fail("cannot write token shard '{}': {}", tmp, std::strerror(errno));
     bool ok = std::fwrite(header, 1, sizeof(header), f) == sizeof(header);
@@ -93,21 +95,30 @@ void write_shard(const std::string& path, std::span<const uint32_t> tokens, uint
     }
     std::error_code ec;
     std::filesystem::rename(tmp, path, ec);
-    if (ec) fail("cannot rename '{}' to '{}': {}", tmp, path, ec.message());
+    if (ec) {
+        std::remove(tmp.c_str());
+        fail("cannot rename '{}' to '{}': {}", tmp, path, ec.message());
+    }
 }
 
 TokenShard::TokenShard(const std::string& path) : path_(path) {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) fail("cannot open token shard '{}': {}", path, std::strerror(errno));
+    // A shard beside the marker of an interrupted `memtrain tokenize` may be half of a pair
+    // whose other half came from another run (tokenize_cmd.cpp replaces the two as a pair).
+    const auto marker = std::filesystem::path(path).parent_path() / kTokenizeIncomplete;
+    std::error_code ec;
+    if (std::filesystem::exists(marker, ec))
+        fail(
+            "token shard '{}': a `memtrain tokenize` into {} was interrupted while replacing "
+            "train.bin and val.bin ({} is there), so the two may come from different runs; run "
+            "memtrain tokenize again",
+            path, marker.parent_path().string(), marker.filename().string());
+    // A FIFO (which would block the open) or a device is refused before it is opened.
+    const int fd = open_regular_file(path, "token shard");
     struct stat st {};
     if (::fstat(fd, &st) != 0) {
         const int e = errno;
         ::close(fd);
         fail("cannot stat token shard '{}': {}", path, std::strerror(e));
-    }
-    if (!S_ISREG(st.st_mode)) {
-        ::close(fd);
-        fail("token shard '{}' is not a regular file", path);
     }
     const auto file_size = static_cast<uint64_t>(st.st_size);
     if (file_size < kShardHeaderBytes) {

@@ -21,7 +21,11 @@ inline uint32_t shard_bytes_per_token(uint32_t vocab_size) {
     return vocab_size <= 65536 ? 2 : 4;
 }
 
-// Writes `path` atomically (path + ".tmp", then rename). Every token must be < vocab_size.
+// Left in a directory by `memtrain tokenize` while it replaces train.bin and val.bin there, and
+// removed once both are in place: a shard beside it is refused (the pair may be mixed).
+inline constexpr char kTokenizeIncomplete[] = ".tokenize-incomplete";
+
+// Writes `path` atomically (path + ".<pid>.tmp", then rename). Every token must be < vocab_size.
 // `tokenizer_fingerprint` is Tokenizer::fingerprint() of the tokenizer that made the tokens, 0 if
 // unknown.
 void write_shard(const std::string& path, std::span<const uint32_t> tokens, uint32_t vocab_size,

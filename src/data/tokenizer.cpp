@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/regular_file.h"
 #include "data/unicode_class.h"
 
 namespace memtrain::data {
@@ -132,19 +133,21 @@ std::string shown_token(std::string_view s) {
         .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
+// Tokenizer files are at most kMaxTokenizerBytes (64 MiB; Llama 3's tokenizer.json is 9 MB): a
+// FIFO, /dev/zero or a 10 GB file is refused before it is read.
 std::string read_text_file(const std::string& path, const char* what) {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) fail("cannot read {} '{}': {}", what, path, std::strerror(errno));
-    std::ostringstream ss;
-    ss << in.rdbuf();
-    return ss.str();
+    return read_regular_file(path, kMaxTokenizerBytes, what);
 }
 
+// A parse error names the byte, not the text there: the file may not be a tokenizer at all.
 nlohmann::json parse_json(const std::string& path, const std::string& text) {
+    check_json_nesting(text, 64, path);
     try {
         return nlohmann::json::parse(text);
     } catch (const nlohmann::json::parse_error& e) {
-        fail("{}: malformed JSON: {}", path, e.what());
+        fail("{}: malformed JSON (parse error at byte {})", path, e.byte);
+    } catch (const nlohmann::json::exception&) {  // a number out of range (1e999)
+        fail("{}: malformed JSON (a number out of range)", path);
     }
 }
 

@@ -1,7 +1,12 @@
 // Checkpoint writing and reading on top of the safetensors reader and writer.
 #include "io/checkpoint.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -11,8 +16,10 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "core/regular_file.h"
 #include "data/tokenizer.h"
 #include "io/hf_weights.h"
+#include "io/out_dir.h"
 #include "io/safetensors.h"
 #include "io/text_file.h"
 
@@ -48,6 +55,93 @@ namespace {
 
 std::string optimizer_file(int index, int count) {
     return fmt::format("optimizer.{:05d}-of-{:05d}.safetensors", index, count);
+}
+
+// std::filesystem throws its own exception type; a failed rename is bad input for a person
+// (a full disk, a permission), not an internal error.
+void rename_or_fail(const fs::path& from, const fs::path& to) {
+    std::error_code ec;
+    fs::rename(from, to, ec);
+    if (ec) fail("cannot rename {} to {}: {}", from.string(), to.string(), ec.message());
+}
+
+// How many of the n values at p are not finite (the exponent bits all set), for the dtypes
+// that hold weights; SIZE_MAX for others.
+std::size_t count_non_finite(const unsigned char* p, std::size_t n, io::DType dtype) {
+    std::size_t bad = 0;
+    switch (dtype) {
+        case io::DType::F32:
+            for (std::size_t i = 0; i < n; i++) {
+                uint32_t b;
+                std::memcpy(&b, p + 4 * i, 4);
+                bad += (b & 0x7f800000u) == 0x7f800000u;
+            }
+            return bad;
+        case io::DType::BF16:
+        case io::DType::F16: {
+            const uint16_t mask = dtype == io::DType::BF16 ? 0x7f80 : 0x7c00;
+            for (std::size_t i = 0; i < n; i++) {
+                uint16_t h;
+                std::memcpy(&h, p + 2 * i, 2);
+                bad += (h & mask) == mask;
+            }
+            return bad;
+        }
+        default:
+            return SIZE_MAX;
+    }
+}
+
+// The first tensor of the checkpoint files in `dir` (weights, adapters, optimizer state) that
+// holds a value that is not finite, described for the error; "" when every value is finite.
+// One pass over what was just written, read back through the page cache.
+std::string first_non_finite(const fs::path& dir) {
+    std::vector<fs::path> files;
+    for (const auto& e : fs::directory_iterator(dir)) {
+        const std::string name = e.path().filename().string();
+        if (name.ends_with(".safetensors") && name != "training_state.safetensors")
+            files.push_back(e.path());
+    }
+    std::sort(files.begin(), files.end());  // model.safetensors before optimizer.*
+    for (const auto& f : files) {
+        const auto st = io::SafetensorsFile::open(f.string());
+        for (const auto& t : st.tensors()) {
+            const std::size_t bad = count_non_finite(static_cast<const unsigned char*>(st.data(t)),
+                                                     (std::size_t)t.numel, t.dtype);
+            if (bad != SIZE_MAX && bad > 0)
+                return fmt::format("tensor '{}' of {} holds {} non-finite values of {}", t.name,
+                                   f.filename().string(), bad, t.numel);
+        }
+    }
+    return "";
+}
+
+void write_checkpoint_files(const fs::path& tmp_dir, const RunConfig& cfg,
+                            const CheckpointModel& weights, OptimizerState& opt,
+                            const TrainState& state, dist::Communicator& comm);
+
+// Whether a checkpoint directory holds every file a resume reads first.
+bool complete_checkpoint(const fs::path& d) {
+    std::error_code ec;
+    return fs::is_directory(d, ec) &&
+           (fs::exists(d / "model.safetensors", ec) ||
+            fs::exists(d / "adapter_model.safetensors", ec)) &&
+           fs::exists(d / "training_state.safetensors", ec) && fs::exists(d / "memtrain.toml", ec);
+}
+
+// The complete ckpt_* of `dir` with the highest step, or "".
+std::string newest_complete_checkpoint(const fs::path& dir) {
+    std::string best;
+    uint64_t best_step = 0;
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(dir, ec)) {
+        const std::string name = e.path().filename().string();
+        if (!io::is_checkpoint_name(name) || name.size() > 25 || !complete_checkpoint(e.path()))
+            continue;
+        const uint64_t step = std::stoull(name.substr(5));
+        if (best.empty() || step > best_step) best = name, best_step = step;
+    }
+    return best;
 }
 
 }  // namespace
@@ -96,15 +190,83 @@ std::string save_checkpoint(const std::string& out_dir, const RunConfig& cfg,
                             const TrainState& state, dist::Communicator& comm) {
     const bool root = comm.rank() == 0;
     std::string name = fmt::format("ckpt_{:06d}", state.step);
-    fs::path final_dir = fs::path(out_dir) / name;
-    fs::path tmp_dir = fs::path(out_dir) / ("." + name + ".tmp");
+    // Rank 0's process id names this save's temporaries: a second writer (which the out_dir's
+    // lock should have stopped) never deletes or fills this one's.
+    int64_t owner = root ? (int64_t)::getpid() : 0;
+    if (comm.size() > 1) comm.all_reduce_max(&owner, 1);
+    const fs::path out(out_dir);
+    fs::path final_dir = out / name;
+    fs::path tmp_dir = out / fmt::format(".{}.tmp.{}", name, owner);
     if (root) {
-        fs::create_directories(out_dir);
-        fs::remove_all(tmp_dir);
-        fs::create_directories(tmp_dir);
+        std::error_code ec;
+        fs::create_directories(out, ec);
+        fs::remove_all(tmp_dir, ec);
+        fs::create_directories(tmp_dir, ec);
+        if (ec) fail("cannot create {}: {}", tmp_dir.string(), ec.message());
     }
     comm.barrier();  // the directory exists for every rank (out_dir is on a shared file system)
 
+    try {
+        write_checkpoint_files(tmp_dir, cfg, weights, opt, state, comm);
+    } catch (...) {
+        // A failed save (a full disk) leaves nothing behind on the disk it failed on.
+        std::error_code ec;
+        if (root) fs::remove_all(tmp_dir, ec);
+        throw;
+    }
+    comm.barrier();  // every rank's files are complete
+
+    // Never a checkpoint of a diverged model: one that resumes into NaN at once would become
+    // `latest` and every resume would fail. Rank 0 reads back what was written.
+    std::string bad;
+    if (root) {
+        try {
+            bad = first_non_finite(tmp_dir);
+        } catch (...) {
+            std::error_code ec;
+            fs::remove_all(tmp_dir, ec);
+            throw;
+        }
+        if (!bad.empty()) {
+            std::error_code ec;
+            fs::remove_all(tmp_dir, ec);
+        }
+    }
+    int64_t refused = bad.empty() ? 0 : 1;
+    if (comm.size() > 1) comm.all_reduce_max(&refused, 1);
+    if (refused)
+        fail(
+            "not saving {} at step {}: {} (training diverged); `latest` still names the last "
+            "good checkpoint. Lower optim.lr or check the data",
+            name, state.step, root ? bad : std::string("rank 0 found non-finite values"));
+
+    if (root) {
+        // Swap into place: the old directory of the same step (if any) goes only after the new
+        // one is complete. Each rename is followed by an fsync of out_dir, so after a power cut
+        // `latest` names a directory that is there (or the previous one).
+        io::sync_directory(tmp_dir);
+        fs::path old_dir = out / fmt::format(".{}.old.{}", name, owner);
+        std::error_code ec;
+        fs::remove_all(old_dir, ec);
+        if (fs::exists(final_dir, ec)) rename_or_fail(final_dir, old_dir);
+        rename_or_fail(tmp_dir, final_dir);
+        io::sync_directory(out);
+        fs::remove_all(old_dir, ec);
+        fs::path latest_tmp = out / fmt::format(".latest.{}.tmp", owner);
+        io::write_text_file(latest_tmp, name + "\n");  // (fsynced)
+        rename_or_fail(latest_tmp, out / "latest");
+        io::sync_directory(out);
+    }
+    comm.barrier();  // nobody reads `latest` before it points here
+    return final_dir.string();
+}
+
+namespace {
+
+void write_checkpoint_files(const fs::path& tmp_dir, const RunConfig& cfg,
+                            const CheckpointModel& weights, OptimizerState& opt,
+                            const TrainState& state, dist::Communicator& comm) {
+    const bool root = comm.rank() == 0;
     weights.save(tmp_dir.string(), root);
 
     // Optimizer state: one file when every rank's optimizer covers the whole layout (then every
@@ -179,6 +341,11 @@ std::string save_checkpoint(const std::string& out_dir, const RunConfig& cfg,
             w.set_metadata(fmt::format("rng{}", i), std::to_string(state.rng[i]));
         w.set_metadata("data_epoch", std::to_string(state.data_epoch));
         w.set_metadata("data_cursor", std::to_string(state.data_cursor));
+        if (state.data_tokens) w.set_metadata("data_tokens", std::to_string(state.data_tokens));
+        if (state.data_fingerprint)
+            w.set_metadata("data_fingerprint", std::to_string(state.data_fingerprint));
+        if (state.tokenizer_fingerprint)
+            w.set_metadata("tokenizer_fingerprint", std::to_string(state.tokenizer_fingerprint));
         if (state.loss_scale > 0) {
             w.set_metadata("loss_scale", fmt::format("{}", state.loss_scale));
             w.set_metadata("loss_scale_clean", std::to_string(state.loss_scale_clean));
@@ -189,50 +356,119 @@ std::string save_checkpoint(const std::string& out_dir, const RunConfig& cfg,
             tok.save((tmp_dir / "tokenizer.json").string());
         }
     }
-    comm.barrier();  // every rank's files are complete
-
-    if (root) {
-        // Swap into place: the old directory of the same step (if any) goes only after the new
-        // one is complete.
-        fs::path old_dir = fs::path(out_dir) / ("." + name + ".old");
-        fs::remove_all(old_dir);
-        if (fs::exists(final_dir)) fs::rename(final_dir, old_dir);
-        fs::rename(tmp_dir, final_dir);
-        fs::remove_all(old_dir);
-        fs::path latest_tmp = fs::path(out_dir) / ".latest.tmp";
-        io::write_text_file(latest_tmp, name + "\n");
-        fs::rename(latest_tmp, fs::path(out_dir) / "latest");
-    }
-    comm.barrier();  // nobody reads `latest` before it points here
-    return final_dir.string();
 }
 
-std::string resolve_checkpoint_dir(const std::string& path) {
+}  // namespace
+
+std::string resolve_checkpoint_dir(const std::string& path, std::string* note) {
     fs::path p(path);
-    if (!fs::exists(p)) fail("checkpoint {} does not exist", path);
+    std::error_code ec;
+    if (!fs::exists(p, ec)) fail("checkpoint {} does not exist", path);
     // A LoRA run's checkpoint holds its adapters instead of the model.
     auto holds_weights = [](const fs::path& d) {
-        return fs::exists(d / "model.safetensors") || fs::exists(d / "adapter_model.safetensors");
+        std::error_code e;
+        return fs::exists(d / "model.safetensors", e) ||
+               fs::exists(d / "adapter_model.safetensors", e);
     };
     if (holds_weights(p)) return p.string();
-    if (fs::exists(p / "latest")) {
-        std::string name = io::read_text_file(p / "latest");
-        while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
-        fs::path d = p / name;
-        if (!holds_weights(d))
-            fail("{}/latest points at {}, which holds no model.safetensors", path, d.string());
-        return d.string();
+    const fs::path latest = p / "latest";
+    const bool has_latest = fs::exists(fs::symlink_status(latest, ec));
+    std::string name;
+    if (has_latest) {
+        name = io::read_text_file(latest, 4096);
+        const auto first = name.find_first_not_of(" \t\r\n");
+        name = first == std::string::npos
+                   ? std::string()
+                   : name.substr(first, name.find_last_not_of(" \t\r\n") - first + 1);
+        // Only a checkpoint of this directory: "../other_run/ckpt_000002" would resume another
+        // run and write into it. (Its content is not echoed: `latest` may be a link to any file.)
+        if (!name.empty() && !io::is_checkpoint_name(name))
+            fail(
+                "{}/latest does not name a checkpoint of {} (it must hold ckpt_ and digits, "
+                "nothing else); refusing to follow it",
+                path, path);
+        if (!name.empty() && complete_checkpoint(p / name)) return (p / name).string();
     }
-    fail(
-        "{} is neither a checkpoint directory (no model.safetensors) nor an output directory "
-        "with a 'latest' file",
-        path);
+    // `latest` empty, naming a checkpoint that is missing or incomplete (after a power cut,
+    // say), or absent while checkpoints are there: the newest complete one, said aloud.
+    const std::string best = newest_complete_checkpoint(p);
+    if (best.empty()) {
+        if (has_latest)
+            fail(
+                "{}/latest points at {}, which holds no complete checkpoint, and no other "
+                "complete ckpt_* is there",
+                path, (p / name).string());
+        fail(
+            "{} is neither a checkpoint directory (no model.safetensors) nor an output directory "
+            "with a 'latest' file",
+            path);
+    }
+    const std::string why = !has_latest    ? "there is no latest"
+                            : name.empty() ? "latest is empty"
+                            : fs::exists(p / name, ec)
+                                ? fmt::format("latest names {}, which is incomplete", name)
+                                : fmt::format("latest names {}, which is missing", name);
+    const std::string msg =
+        fmt::format("{}: {}; using {}, the newest complete checkpoint", path, why, best);
+    if (note)
+        *note = msg;
+    else
+        std::fprintf(stderr, "memtrain: warning: %s\n", msg.c_str());
+    return (p / best).string();
 }
 
 RunConfig checkpoint_config(const std::string& dir) {
     fs::path p = fs::path(dir) / "memtrain.toml";
-    if (!fs::exists(p)) fail("checkpoint {} has no memtrain.toml", dir);
-    return parse_run_config(io::read_text_file(p), p.string(), {});
+    std::error_code ec;
+    if (!fs::exists(p, ec)) fail("checkpoint {} has no memtrain.toml", dir);
+    RunConfig cfg = parse_run_config(io::read_text_file(p, kMaxConfigBytes), p.string(), {});
+    // A downloaded checkpoint is outside input: its model is checked (and bounded) before any
+    // layout is built from it.
+    try {
+        cfg.model.validate();
+    } catch (const Error& e) {
+        fail("{}: {}", p.string(), e.what());
+    }
+    return cfg;
+}
+
+namespace {
+
+// The training state's metadata, its format and version checked.
+TrainState read_state_metadata(const io::SafetensorsFile& f, const std::string& spath) {
+    if (meta(f, "format", spath) != "memtrain-training-state")
+        fail("{}: not a memtrain training state", spath);
+    if (meta(f, "version", spath) != "2")
+        fail("{}: training state version {} is not supported (this build reads version 2)", spath,
+             meta(f, "version", spath));
+    TrainState st;
+    st.step = (int64_t)meta_u64(f, "step", spath);
+    for (int i = 0; i < 4; i++) st.rng[i] = meta_u64(f, fmt::format("rng{}", i), spath);
+    st.data_epoch = meta_u64(f, "data_epoch", spath);
+    st.data_cursor = meta_u64(f, "data_cursor", spath);
+    if (f.metadata().count("loss_scale")) {  // fp16 runs only
+        const std::string& v = meta(f, "loss_scale", spath);
+        try {
+            st.loss_scale = std::stod(v);
+        } catch (const std::exception&) {
+            fail("{}: metadata 'loss_scale' = '{}' is not a number", spath, v);
+        }
+        if (!std::isfinite(st.loss_scale) || st.loss_scale <= 0)
+            fail("{}: metadata 'loss_scale' = '{}' is not a positive number", spath, v);
+        st.loss_scale_clean = (int64_t)meta_u64(f, "loss_scale_clean", spath);
+    }
+    for (auto [key, field] : {std::pair{"data_tokens", &st.data_tokens},
+                              std::pair{"data_fingerprint", &st.data_fingerprint},
+                              std::pair{"tokenizer_fingerprint", &st.tokenizer_fingerprint}})
+        if (f.metadata().count(key)) *field = meta_u64(f, key, spath);
+    return st;
+}
+
+}  // namespace
+
+TrainState checkpoint_state(const std::string& dir) {
+    const std::string spath = (fs::path(dir) / "training_state.safetensors").string();
+    return read_state_metadata(io::SafetensorsFile::open(spath), spath);
 }
 
 TrainState load_checkpoint(const std::string& dir, const CheckpointModel& weights,
@@ -252,31 +488,13 @@ TrainState load_checkpoint(const std::string& dir, const CheckpointModel& weight
 
     std::string spath = (fs::path(dir) / "training_state.safetensors").string();
     auto f = io::SafetensorsFile::open(spath);
-    if (meta(f, "format", spath) != "memtrain-training-state")
-        fail("{}: not a memtrain training state", spath);
-    if (meta(f, "version", spath) != "2")
-        fail("{}: training state version {} is not supported (this build reads version 2)", spath,
-             meta(f, "version", spath));
+    TrainState st = read_state_metadata(f, spath);
     if (meta(f, "optimizer", spath) != saved.optim.name)
         fail("{}: optimizer state is for '{}'", spath, meta(f, "optimizer", spath));
     const std::size_t total = weights.layout.total;
     if (meta_u64(f, "params", spath) != total)
         fail("{}: state of {} parameters, the model has {}", spath, meta_u64(f, "params", spath),
              total);
-    TrainState st;
-    st.step = (int64_t)meta_u64(f, "step", spath);
-    for (int i = 0; i < 4; i++) st.rng[i] = meta_u64(f, fmt::format("rng{}", i), spath);
-    st.data_epoch = meta_u64(f, "data_epoch", spath);
-    st.data_cursor = meta_u64(f, "data_cursor", spath);
-    if (f.metadata().count("loss_scale")) {  // fp16 runs only
-        const std::string& v = meta(f, "loss_scale", spath);
-        try {
-            st.loss_scale = std::stod(v);
-        } catch (const std::exception&) {
-            fail("{}: metadata 'loss_scale' = '{}' is not a number", spath, v);
-        }
-        st.loss_scale_clean = (int64_t)meta_u64(f, "loss_scale_clean", spath);
-    }
     opt.set_steps_taken((int64_t)meta_u64(f, "optimizer_steps", spath));
 
     // This rank's optimizer ranges, assembled from whichever files overlap them: the files may

@@ -38,6 +38,10 @@ struct TrainState {
     // fp16's dynamic loss scale and its clean-step count (0: the run has none).
     double loss_scale = 0;
     int64_t loss_scale_clean = 0;
+    // What the run trained on, so a resume can tell when it changed (0: not recorded, as in
+    // checkpoints of older versions): the training shard's token count and its tokenizer's
+    // fingerprint, and the fingerprint of data.tokenizer.
+    uint64_t data_tokens = 0, data_fingerprint = 0, tokenizer_fingerprint = 0;
 };
 
 // Hugging Face weights of the CPU model (io/hf_weights.h has the store-level functions).
@@ -58,6 +62,11 @@ CheckpointModel hf_checkpoint_model(const ModelWeights& weights);
 // Writes out_dir/ckpt_<step>/ atomically and points out_dir/latest at it. Returns its path.
 // Every rank of `comm` calls it: rank 0 writes the weights and the shared files; each rank
 // writes its optimizer shard when the optimizer covers less than the whole layout (ZeRO).
+// The files go into .ckpt_<step>.tmp.<pid of rank 0> (a temporary of this writer's own),
+// fsynced, and are checked: weights or optimizer state that are not finite are refused (the
+// temporary is removed, `latest` stays where it was, an Error names the tensor), as is any
+// failure to write (the temporary is removed too). Then the directory is renamed into place,
+// `latest` replaced by rename, and out_dir fsynced after each rename.
 std::string save_checkpoint(const std::string& out_dir, const RunConfig& cfg,
                             const CheckpointModel& weights, OptimizerState& opt,
                             const TrainState& state, dist::Communicator& comm);
@@ -66,10 +75,17 @@ std::string save_checkpoint(const std::string& out_dir, const RunConfig& cfg,
                             const TrainState& state, dist::Communicator& comm);
 std::string save_checkpoint(const std::string& out_dir, const RunConfig& cfg, GPT& model,
                             Optimizer& opt, const TrainState& state);
-// Accepts a checkpoint directory or an out_dir holding `latest`.
-std::string resolve_checkpoint_dir(const std::string& path);
-// Reads the run config saved in a checkpoint.
+// Accepts a checkpoint directory or an out_dir holding `latest`. `latest` must name a direct
+// ckpt_* child of the out_dir (anything else, "../other/ckpt_000002" for one, is refused);
+// when it is empty or names a checkpoint that is missing or incomplete (a power cut between
+// a rename and its sync), the newest complete ckpt_* is taken instead, with a warning on
+// stderr. With `note`, the warning goes there instead.
+std::string resolve_checkpoint_dir(const std::string& path, std::string* note = nullptr);
+// Reads the run config saved in a checkpoint (at most 1 MiB, its model checked).
 RunConfig checkpoint_config(const std::string& dir);
+// The training state a checkpoint records (step, RNG, data position, what it trained on),
+// without loading anything else.
+TrainState checkpoint_state(const std::string& dir);
 // Restores weights, optimizer state and the training state; the model's config must match.
 // Works at any world size and ZeRO stage: each rank reads the slice of the optimizer files that
 // its optimizer covers, whatever layout of files the checkpoint was written with (resharding).

@@ -19,11 +19,20 @@ namespace memtrain {
 
 namespace {
 
+// config.json and model.safetensors.index.json: at most 1 MiB (a 405B model's index is a
+// tenth of that), not a FIFO or a device, nested at most 64 deep. A parse error names the byte,
+// never the text there: the file may be something other than the JSON it is named as.
 json parse_json_file(const fs::path& path) {
+    const std::string text = io::read_text_file(path, kMaxConfigBytes);
+    check_json_nesting(text, 64, path.string());
     try {
-        return json::parse(io::read_text_file(path));
+        return json::parse(text);
     } catch (const json::parse_error& e) {
-        fail("{} is not valid JSON: {}", path.string(), e.what());
+        fail("{} is not valid JSON (parse error at byte {})", path.string(), e.byte);
+    } catch (const json::exception&) {
+        // A number too large for a double (1e999) is out_of_range, not a parse error; its
+        // message would quote the number (found by fuzz_config_json).
+        fail("{} is not valid JSON (a number out of range)", path.string());
     }
 }
 

@@ -15,7 +15,10 @@
 #include <toml++/toml.h>
 #include <nlohmann/json.hpp>
 
+#include "config/run_config.h"
 #include "core/error.h"
+#include "core/regular_file.h"
+#include "io/out_dir.h"
 #include "io/text_file.h"
 
 namespace fs = std::filesystem;
@@ -77,23 +80,45 @@ std::string nonfinite_to_null(const std::string& line) {
 RunMetrics parse_metrics(const std::string& text, const std::string& origin) {
     std::map<int64_t, StepRecord> steps;
     std::map<int64_t, double> val;
+    std::vector<int64_t> resumes;
+    std::string note;
     std::istringstream in(text);
     std::string line;
     int line_no = 0;
+    // The last line, when the text does not end in a newline: maybe cut short by a kill or a
+    // full disk.
+    const std::size_t last_start = text.rfind('\n') == std::string::npos ? 0 : text.rfind('\n') + 1;
+    std::size_t at = 0;
     while (std::getline(in, line)) {
         line_no++;
+        const bool unterminated = at == last_start && last_start < text.size();
+        at += line.size() + 1;
         if (!line.empty() && line.back() == '\r') line.pop_back();
         if (line.find_first_not_of(" \t") == std::string::npos) continue;
         nlohmann::json j;
         try {
             j = nlohmann::json::parse(nonfinite_to_null(line));
-        } catch (const std::exception& e) {
-            fail("{}:{}: not a JSON line ({})", origin, line_no, e.what());
+        } catch (const nlohmann::json::exception&) {
+            if (unterminated) {
+                note = fmt::format(
+                    "{}:{}: the last line is incomplete ({} bytes, from a run stopped while "
+                    "writing it); skipped",
+                    origin, line_no, line.size());
+                break;
+            }
+            fail("{}:{}: not a JSON line", origin, line_no);
         }
         if (!j.is_object()) fail("{}:{}: expected a JSON object, got {}", origin, line_no, line);
         if (!j.contains("step") || !j["step"].is_number_integer())
             fail("{}:{}: expected an integer \"step\", got {}", origin, line_no, line);
         const int64_t step = j["step"].get<int64_t>();
+        if (j.contains("event") && j["event"] == "resume") {
+            // A run resumed from step `step`: what was logged for later steps is re-run now.
+            steps.erase(steps.upper_bound(step), steps.end());
+            val.erase(val.upper_bound(step), val.end());
+            resumes.push_back(step);
+            continue;
+        }
         auto number = [&](const char* key) -> std::optional<double> {
             if (!j.contains(key) || j[key].is_null()) return std::nullopt;
             if (!j[key].is_number())
@@ -136,6 +161,8 @@ RunMetrics parse_metrics(const std::string& text, const std::string& origin) {
     RunMetrics m;
     for (auto& [s, r] : steps) m.steps.push_back(std::move(r));
     for (auto& [s, v] : val) m.val_loss.emplace_back(s, v);
+    m.resumes = std::move(resumes);
+    m.note = std::move(note);
     return m;
 }
 
@@ -732,6 +759,14 @@ std::string render_report_html(const ReportInput& in) {
     h += "<h1>memtrain run report</h1>\n<p class=\"path\" id=\"run-dir\">" + escape(in.run_dir) +
          "</p>\n";
     h += summary_section(m);
+    if (!m.note.empty()) h += "<p class=\"note\" id=\"metrics-note\">" + escape(m.note) + "</p>\n";
+    if (!m.resumes.empty()) {
+        std::string steps;
+        for (int64_t r : m.resumes) steps += (steps.empty() ? "" : ", ") + std::to_string(r);
+        h += "<p class=\"note\" id=\"resumes\">resumed from step " + steps +
+             " (steps logged after it by the run that stopped were replaced by the resumed "
+             "run's)</p>\n";
+    }
     h += "<section id=\"training\"><h2>Training</h2>\n";
     Series val{"validation loss", kPalette[1], {}};
     for (const auto& [step, v] : m.val_loss) val.points.push_back({(double)step, v});
@@ -774,10 +809,11 @@ ReportInput read_run(const std::string& run_dir) {
     // The latest checkpoint: the one `latest` names, else the highest step.
     fs::path ckpt;
     if (fs::exists(dir / "latest")) {
-        std::string name = read_text_file(dir / "latest");
+        std::string name = read_text_file(dir / "latest", 4096);
         while (!name.empty() && std::isspace(static_cast<unsigned char>(name.back())))
             name.pop_back();
-        if (!name.empty() && fs::exists(dir / name / "memtrain.toml")) ckpt = dir / name;
+        // Only a checkpoint of this directory (a `latest` of ../elsewhere is not followed).
+        if (is_checkpoint_name(name) && fs::exists(dir / name / "memtrain.toml")) ckpt = dir / name;
     }
     if (ckpt.empty()) {
         std::string best;
@@ -793,30 +829,38 @@ ReportInput read_run(const std::string& run_dir) {
     in.run_dir = run_dir;
     if (!ckpt.empty()) {
         in.config_origin = (ckpt / "memtrain.toml").string();
-        in.config_toml = read_text_file(ckpt / "memtrain.toml");
+        in.config_toml = read_text_file(ckpt / "memtrain.toml", kMaxConfigBytes);
     }
     fs::path metrics = dir / "metrics.jsonl";
     if (!fs::exists(metrics)) {  // a run may name its log otherwise (io.metrics)
         try {
+            check_toml_text(in.config_toml, in.config_origin);  // toml++ overflows on some
             const auto cfg = toml::parse(in.config_toml, in.config_origin);
-            if (auto name = cfg["io"]["metrics"].value<std::string>()) metrics = dir / *name;
+            if (auto name = cfg["io"]["metrics"].value<std::string>();
+                name && name->find('/') == std::string::npos && *name != ".." && *name != ".")
+                metrics = dir / *name;
         } catch (const toml::parse_error&) {
+        } catch (const Error&) {
         }
     }
     if (!fs::exists(metrics))
         fail("{} has no metrics.jsonl: is it a run's out_dir (io.out_dir of memtrain train)?",
              run_dir);
-    in.metrics = parse_metrics(read_text_file(metrics), metrics.string());
+    // (A long run's log is large; it is memtrain's own file, still refused if not a regular one.)
+    in.metrics = parse_metrics(read_text_file(metrics, std::size_t{2} << 30), metrics.string());
     if (fs::exists(dir / "memory.json"))
         in.memory =
             parse_memory_json(read_text_file(dir / "memory.json"), (dir / "memory.json").string());
     return in;
 }
 
-std::string write_run_report(const std::string& run_dir, const std::string& out_path) {
+std::string write_run_report(const std::string& run_dir, const std::string& out_path,
+                             std::string* note) {
     const std::string out =
         out_path.empty() ? (fs::path(run_dir) / "report.html").string() : out_path;
-    const std::string html = render_report_html(read_run(run_dir));
+    const ReportInput input = read_run(run_dir);
+    if (note) *note = input.metrics.note;
+    const std::string html = render_report_html(input);
     write_text_file_atomically(out, html);
     return out;
 }

@@ -28,11 +28,17 @@ struct StepRecord {
 struct RunMetrics {
     std::vector<StepRecord> steps;                     // ascending step
     std::vector<std::pair<int64_t, double>> val_loss;  // (step, loss), ascending step
+    std::vector<int64_t> resumes;                      // the steps runs resumed from
+    // What the parser passed over: a torn last line ("" when none).
+    std::string note;
 };
 
-// Parses metrics.jsonl text. Blank lines are skipped; a resumed run appends to the file, so
-// where a step appears twice the later line wins. Throws memtrain::Error naming `origin` and
-// the line number for a line that is not a JSON object with an integer "step" or whose fields
+// Parses metrics.jsonl text. Blank lines are skipped. A resumed run appends to the file after
+// a line {"step": S, "event": "resume"}: the lines for steps after S logged before it (by the
+// run that died) are dropped, so no step is plotted twice; where a step still appears twice the
+// later line wins. A last line that is not complete JSON (a run killed while writing it, a full
+// disk) is skipped and `note` says so. Throws memtrain::Error naming `origin` and the line
+// number for any other line that is not a JSON object with an integer "step" or whose fields
 // have the wrong type.
 RunMetrics parse_metrics(const std::string& text, const std::string& origin);
 
@@ -77,7 +83,9 @@ struct ReportInput {
 ReportInput read_run(const std::string& run_dir);
 std::string render_report_html(const ReportInput& input);
 // read_run + render, written to `out_path` (default RUN_DIR/report.html) through a temporary
-// file, so a failure never leaves a partial page. Returns the path written.
-std::string write_run_report(const std::string& run_dir, const std::string& out_path = "");
+// file, so a failure never leaves a partial page. Returns the path written; `note` receives
+// what the metrics parser passed over (RunMetrics::note).
+std::string write_run_report(const std::string& run_dir, const std::string& out_path = "",
+                             std::string* note = nullptr);
 
 }  // namespace memtrain::io

@@ -19,6 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/regular_file.h"
 
 namespace memtrain::io {
 
@@ -207,12 +208,248 @@ struct SafetensorsFile::Mapping {
     }
 };
 
+// The header read as a stream of JSON events into TensorInfo records, never as a DOM: a
+// 100 MB header of tiny tensors costs about its own size instead of 20 times it, and values
+// under keys the format does not know are skipped without being built.
+class SafetensorsFile::HeaderReader : public nlohmann::json_sax<nlohmann::json> {
+  public:
+    HeaderReader(SafetensorsFile& f, const std::string& path) : f_(f), path_(path) {}
+    bool done() const { return done_; }
+
+    bool null() override { return scalar("null"); }
+    bool boolean(bool) override { return scalar("boolean"); }
+    bool number_integer(number_integer_t v) override {
+        if (in_ == In::Shape) {
+            if (v < 0) fail("{} has a shape with a negative dimension {}", what(), v);
+            info_.shape.push_back(v);
+            return true;
+        }
+        if (in_ == In::Offsets) return offset(v < 0 ? -1 : v);
+        return scalar("number");
+    }
+    bool number_unsigned(number_unsigned_t v) override {
+        if (in_ == In::Shape) {
+            if (v > static_cast<uint64_t>(INT64_MAX))
+                fail("{} has a shape, expected non-negative integers of 63 bits", what());
+            info_.shape.push_back(static_cast<int64_t>(v));
+            return true;
+        }
+        if (in_ == In::Offsets) return offset((int64_t)std::min<uint64_t>(v, INT64_MAX), v);
+        return scalar("number");
+    }
+    bool number_float(number_float_t, const string_t&) override {
+        if (in_ == In::Shape)
+            fail("{} has a shape, expected non-negative integers (got a fraction)", what());
+        if (in_ == In::Offsets) return offset(-1);
+        return scalar("number");
+    }
+    bool string(string_t& v) override {
+        if (in_ == In::Skip) return true;
+        if (in_ == In::Meta) {
+            f_.metadata_[key_] = std::move(v);
+            return true;
+        }
+        if (in_ == In::Tensor && key_ == "dtype") {
+            auto parsed = parse_dtype(v);
+            if (!parsed)
+                fail(
+                    "{} has unknown dtype '{}' (expected one of F64 F32 F16 BF16 I64 I32 I16 I8 "
+                    "U64 U32 U16 U8 BOOL)",
+                    what(), printable(v.substr(0, 32)) + (v.size() > 32 ? "..." : ""));
+            info_.dtype = *parsed;
+            has_dtype_ = true;
+            return true;
+        }
+        return scalar("string");
+    }
+    bool binary(binary_t&) override { return scalar("binary"); }
+
+    bool start_object(std::size_t) override {
+        switch (in_) {
+            case In::Start:
+                in_ = In::Root;
+                return true;
+            case In::Root:
+                if (key_ == "__metadata__") {
+                    in_ = In::Meta;
+                } else {
+                    in_ = In::Tensor;
+                    info_ = TensorInfo{};
+                    info_.name = key_;
+                    has_dtype_ = has_shape_ = false;
+                    offsets_ = 0;
+                }
+                return true;
+            case In::Tensor:
+                if (key_ == "dtype" || key_ == "shape" || key_ == "data_offsets")
+                    return container("object");
+                return skip();
+            case In::Skip:
+                skip_depth_++;
+                return true;
+            default:
+                return container("object");
+        }
+    }
+    bool start_array(std::size_t) override {
+        if (in_ == In::Tensor && key_ == "shape") {
+            in_ = In::Shape;
+            has_shape_ = true;
+            info_.shape.clear();
+            return true;
+        }
+        if (in_ == In::Tensor && key_ == "data_offsets") {
+            in_ = In::Offsets;
+            offsets_ = 0;
+            return true;
+        }
+        if (in_ == In::Tensor) return skip();
+        if (in_ == In::Skip) {
+            skip_depth_++;
+            return true;
+        }
+        return container("array");
+    }
+    bool end_array() override {
+        if (in_ == In::Skip) return unskip();
+        if (in_ == In::Offsets && offsets_ != 2) bad_offsets();
+        in_ = In::Tensor;  // (Shape or Offsets: the only arrays not skipped or refused)
+        return true;
+    }
+    bool end_object() override {
+        switch (in_) {
+            case In::Skip:
+                return unskip();
+            case In::Meta:
+                in_ = In::Root;
+                return true;
+            case In::Tensor:
+                finish_tensor();
+                in_ = In::Root;
+                return true;
+            case In::Root:
+                in_ = In::End;
+                done_ = true;
+                return true;
+            default:
+                return true;
+        }
+    }
+    bool key(string_t& k) override {
+        if (in_ == In::Skip) return true;
+        if (in_ == In::Root && k.empty()) fail("{} has a tensor with an empty name", path_);
+        key_ = std::move(k);
+        return true;
+    }
+    bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) override {
+        return false;  // (sax_parse returns false; open() says the header is invalid)
+    }
+
+  private:
+    enum class In { Start, Root, Meta, Tensor, Shape, Offsets, Skip, End };
+
+    std::string what() const { return fmt::format("tensor '{}' in {}", info_.name, path_); }
+    static std::string printable(const std::string& s) {
+        std::string out;
+        for (unsigned char c : s) out += c >= 0x20 && c < 0x7f ? (char)c : '?';
+        return out;
+    }
+    // A value that is not a container where one was expected, by the kind that came.
+    bool scalar(const char* kind) {
+        switch (in_) {
+            case In::Skip:
+                return true;
+            case In::Start:
+                fail("{} has a JSON header that is a {}, expected an object of tensors", path_,
+                     kind);
+            case In::Root:
+                if (key_ == "__metadata__")
+                    fail("{}: __metadata__ is a {}, expected an object of strings", path_, kind);
+                info_.name = key_;
+                fail(
+                    "{} is described by a {}, expected an object with dtype, shape and "
+                    "data_offsets",
+                    what(), kind);
+            case In::Meta:
+                fail("{}: metadata value for '{}' is a {}, expected a string", path_, key_, kind);
+            case In::Tensor:
+                if (key_ == "dtype")
+                    fail("{} has a dtype that is a {}, expected a string", what(), kind);
+                if (key_ == "shape")
+                    fail("{} has a shape that is a {}, expected an array", what(), kind);
+                if (key_ == "data_offsets") bad_offsets();
+                return true;  // another key's value: not ours to judge
+            case In::Shape:
+                fail("{} has a shape, expected non-negative integers (got a {})", what(), kind);
+            case In::Offsets:
+                bad_offsets();
+            default:
+                return true;
+        }
+    }
+    bool container(const char* kind) { return scalar(kind); }
+    bool skip() {
+        in_ = In::Skip;
+        skip_depth_ = 1;
+        return true;
+    }
+    bool unskip() {
+        if (--skip_depth_ == 0) in_ = In::Tensor;
+        return true;
+    }
+    bool offset(int64_t v, uint64_t u = 0) {
+        if (v < 0 || offsets_ >= 2) bad_offsets();
+        (offsets_ == 0 ? info_.begin : info_.end) = u ? u : (uint64_t)v;
+        offsets_++;
+        return true;
+    }
+    [[noreturn]] void bad_offsets() const {
+        fail("{} has data_offsets that are not [begin, end] as two non-negative integers", what());
+    }
+    void finish_tensor() {
+        if (!has_dtype_) fail("{} has no dtype", what());
+        if (!has_shape_) fail("{} has no shape", what());
+        if (offsets_ == 0) fail("{} has no data_offsets", what());
+        uint64_t numel = checked_numel(info_.shape, what());
+        uint64_t nbytes;
+        if (numel > static_cast<uint64_t>(INT64_MAX) ||
+            __builtin_mul_overflow(numel, static_cast<uint64_t>(dtype_size(info_.dtype)), &nbytes))
+            fail("{} has shape {} whose byte size overflows 64 bits", what(),
+                 shape_string(info_.shape));
+        info_.numel = static_cast<int64_t>(numel);
+        if (info_.begin > info_.end)
+            fail("{} has data_offsets [{}, {}] with begin after end", what(), info_.begin,
+                 info_.end);
+        if (info_.end > f_.data_size_)
+            fail(
+                "{} has data_offsets [{}, {}] but the data section is only {} bytes (file "
+                "truncated?)",
+                what(), info_.begin, info_.end, f_.data_size_);
+        if (info_.end - info_.begin != nbytes)
+            fail(
+                "{} has dtype {} and shape {}, which is {} bytes, but its data_offsets [{}, {}] "
+                "span {} bytes",
+                what(), dtype_name(info_.dtype), shape_string(info_.shape), nbytes, info_.begin,
+                info_.end, info_.end - info_.begin);
+        f_.tensors_.push_back(std::move(info_));
+    }
+
+    SafetensorsFile& f_;
+    const std::string& path_;
+    In in_ = In::Start;
+    std::string key_;
+    TensorInfo info_;
+    bool has_dtype_ = false, has_shape_ = false, done_ = false;
+    int offsets_ = 0;
+    std::size_t skip_depth_ = 0;
+};
+
 SafetensorsFile SafetensorsFile::open(const std::string& path) {
     SafetensorsFile f;
     f.path_ = path;
 
-    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) fail("{}", sys_error("cannot open safetensors file", path));
+    // A FIFO (which would block the open) or a device is refused before it is opened.
+    int fd = open_regular_file(path, "safetensors file");
     struct stat st;
     if (::fstat(fd, &st) != 0) {
         int saved = errno;
@@ -242,118 +479,48 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
     f.map_ = std::make_shared<const Mapping>(addr, file_size);
     const auto* bytes = static_cast<const unsigned char*>(addr);
 
+    // (The length itself is not printed: in a file that is not a safetensors, it is the file's
+    // first eight bytes.)
     uint64_t header_len = 0;
     for (int i = 0; i < 8; i++) header_len |= static_cast<uint64_t>(bytes[i]) << (8 * i);
     if (header_len > max_header_bytes)
         fail(
-            "{} is not a safetensors file: its header length is {} bytes, more than the {} "
+            "{} is not a safetensors file: its header length field is more than the {} bytes "
             "allowed",
-            path, header_len, max_header_bytes);
+            path, max_header_bytes);
     if (header_len > file_size - 8)
         fail(
-            "{} is truncated or corrupt: its header length is {} bytes but only {} bytes follow "
-            "the length field",
-            path, header_len, file_size - 8);
+            "{} is truncated or corrupt: its header length field says more than the {} bytes "
+            "that follow it",
+            path, file_size - 8);
     f.data_ = bytes + 8 + header_len;
     f.data_size_ = file_size - 8 - header_len;
 
     std::string_view text(reinterpret_cast<const char*>(bytes + 8), header_len);
-    nlohmann::json header;
+    // Room for every tensor at once (an upper bound: each has one data_offsets key), so the
+    // list is not copied while it grows; capacity never touched costs no memory.
+    std::size_t entries = 0;
+    for (auto at = text.find("\"data_offsets\""); at != std::string_view::npos;
+         at = text.find("\"data_offsets\"", at + 1))
+        entries++;
+    f.tensors_.reserve(entries);
+    HeaderReader reader(f, path);
     try {
-        header = nlohmann::json::parse(text);
-    } catch (const nlohmann::json::exception& ex) {
-        fail("{} has an invalid JSON header ({} bytes): {}", path, header_len, ex.what());
+        nlohmann::json::sax_parse(text, &reader);
+    } catch (const nlohmann::json::exception&) {
+        fail("{} has an invalid JSON header ({} bytes)", path, header_len);
     }
-    if (!header.is_object())
-        fail("{} has a JSON header that is a {}, expected an object of tensors", path,
-             header.type_name());
+    if (!reader.done()) fail("{} has an invalid JSON header ({} bytes)", path, header_len);
 
-    for (const auto& [key, value] : header.items()) {
-        if (key == "__metadata__") {
-            if (!value.is_object())
-                fail("{}: __metadata__ is a {}, expected an object of strings", path,
-                     value.type_name());
-            for (const auto& [mk, mv] : value.items()) {
-                if (!mv.is_string())
-                    fail("{}: metadata value for '{}' is a {}, expected a string", path, mk,
-                         mv.type_name());
-                f.metadata_[mk] = mv.get<std::string>();
-            }
-            continue;
-        }
-        const std::string what = fmt::format("tensor '{}' in {}", key, path);
-        if (key.empty()) fail("{} has a tensor with an empty name", path);
-        if (!value.is_object())
-            fail(
-                "{} is described by a {}, expected an object with dtype, shape and "
-                "data_offsets",
-                what, value.type_name());
-        TensorInfo info;
-        info.name = key;
-
-        auto dt = value.find("dtype");
-        if (dt == value.end()) fail("{} has no dtype", what);
-        if (!dt->is_string())
-            fail("{} has a dtype that is a {}, expected a string", what, dt->type_name());
-        auto parsed = parse_dtype(dt->get_ref<const std::string&>());
-        if (!parsed)
-            fail(
-                "{} has unknown dtype '{}' (expected one of F64 F32 F16 BF16 I64 I32 I16 I8 U64 "
-                "U32 U16 U8 BOOL)",
-                what, dt->get_ref<const std::string&>());
-        info.dtype = *parsed;
-
-        auto sh = value.find("shape");
-        if (sh == value.end()) fail("{} has no shape", what);
-        if (!sh->is_array())
-            fail("{} has a shape that is a {}, expected an array", what, sh->type_name());
-        for (const auto& d : *sh) {
-            if (d.is_number_unsigned() && d.get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX)) {
-                info.shape.push_back(static_cast<int64_t>(d.get<uint64_t>()));
-            } else if (d.is_number_integer() && !d.is_number_unsigned()) {
-                fail("{} has shape {} with a negative dimension {}", what, sh->dump(),
-                     d.get<int64_t>());
-            } else {
-                fail("{} has shape {}, expected non-negative integers", what, sh->dump());
-            }
-        }
-        uint64_t numel = checked_numel(info.shape, what);
-        uint64_t nbytes;
-        if (numel > static_cast<uint64_t>(INT64_MAX) ||
-            __builtin_mul_overflow(numel, static_cast<uint64_t>(dtype_size(info.dtype)), &nbytes))
-            fail("{} has shape {} whose byte size overflows 64 bits", what,
-                 shape_string(info.shape));
-        info.numel = static_cast<int64_t>(numel);
-
-        auto off = value.find("data_offsets");
-        if (off == value.end()) fail("{} has no data_offsets", what);
-        if (!off->is_array() || off->size() != 2 || !(*off)[0].is_number_unsigned() ||
-            !(*off)[1].is_number_unsigned())
-            fail("{} has data_offsets {}, expected [begin, end] as non-negative integers", what,
-                 off->dump());
-        info.begin = (*off)[0].get<uint64_t>();
-        info.end = (*off)[1].get<uint64_t>();
-        if (info.begin > info.end)
-            fail("{} has data_offsets [{}, {}] with begin after end", what, info.begin, info.end);
-        if (info.end > f.data_size_)
-            fail(
-                "{} has data_offsets [{}, {}] but the data section is only {} bytes (file "
-                "truncated?)",
-                what, info.begin, info.end, f.data_size_);
-        if (info.end - info.begin != nbytes)
-            fail(
-                "{} has dtype {} and shape {}, which is {} bytes, but its data_offsets [{}, {}] "
-                "span {} bytes",
-                what, dtype_name(info.dtype), shape_string(info.shape), nbytes, info.begin,
-                info.end, info.end - info.begin);
-        f.tensors_.push_back(std::move(info));
-    }
-
-    // The format requires the tensors to tile the data section: no overlaps, no holes.
-    std::stable_sort(f.tensors_.begin(), f.tensors_.end(),
-                     [](const TensorInfo& a, const TensorInfo& b) {
-                         return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
-                     });
+    // The format requires the tensors to tile the data section: no overlaps, no holes. Sorted
+    // in place (files are usually in order already); empty tensors at one offset by name.
+    auto by_offset = [](const TensorInfo& a, const TensorInfo& b) {
+        return a.begin != b.begin ? a.begin < b.begin
+               : a.end != b.end   ? a.end < b.end
+                                  : a.name < b.name;
+    };
+    if (!std::is_sorted(f.tensors_.begin(), f.tensors_.end(), by_offset))
+        std::sort(f.tensors_.begin(), f.tensors_.end(), by_offset);
     uint64_t expect = 0;
     const TensorInfo* prev = nullptr;
     for (const auto& t : f.tensors_) {
@@ -373,13 +540,22 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
             "{}: the data section is {} bytes but its tensors cover only {} (trailing bytes or "
             "a corrupt header)",
             path, f.data_size_, expect);
-    for (std::size_t i = 0; i < f.tensors_.size(); i++) f.index_[f.tensors_[i].name] = i;
+    f.index_.resize(f.tensors_.size());
+    for (std::size_t i = 0; i < f.index_.size(); i++) f.index_[i] = i;
+    std::sort(f.index_.begin(), f.index_.end(), [&](std::size_t a, std::size_t b) {
+        return f.tensors_[a].name < f.tensors_[b].name;
+    });
+    for (std::size_t i = 1; i < f.index_.size(); i++)
+        if (f.tensors_[f.index_[i - 1]].name == f.tensors_[f.index_[i]].name)
+            fail("{}: tensor '{}' appears twice in the header", path, f.tensors_[f.index_[i]].name);
     return f;
 }
 
 const TensorInfo* SafetensorsFile::find(std::string_view name) const {
-    auto it = index_.find(name);
-    return it == index_.end() ? nullptr : &tensors_[it->second];
+    auto it =
+        std::lower_bound(index_.begin(), index_.end(), name,
+                         [&](std::size_t i, std::string_view n) { return tensors_[i].name < n; });
+    return it == index_.end() || tensors_[*it].name != name ? nullptr : &tensors_[*it];
 }
 
 const TensorInfo& SafetensorsFile::get(std::string_view name) const {

@@ -15,6 +15,20 @@ void ModelConfig::validate() const {
     positive("block_size", block_size);
     positive("vocab_size", vocab_size);
     positive("vocab_pad", vocab_pad);
+    // Upper bounds, far above any real model (Llama 3 405B: 126 blocks, width 16384, MLP 53248,
+    // 128256 tokens), so that every size derived from the config (fc_dim() is 2 ffn_hidden as
+    // an int; a tensor's element count n_embd x fc_dim in 64 bits; the whole layout) fits its
+    // type, and a config.json of 10^9 layers is refused before a layout of 10^9 blocks is built.
+    auto at_most = [](const char* key, int v, int limit) {
+        if (v > limit)
+            fail("model.{} = {} is more than memtrain supports ({} at most)", key, v, limit);
+    };
+    at_most("n_layer", n_layer, kMaxLayers);
+    at_most("n_embd", n_embd, kMaxWidth);
+    at_most("block_size", block_size, kMaxContext);
+    at_most("vocab_size", vocab_size, kMaxVocab);
+    at_most("vocab_pad", vocab_pad, kMaxVocabPad);
+    at_most("ffn_hidden", ffn_hidden, kMaxHidden);
     if (n_embd % n_head != 0)
         fail("model.n_embd ({}) must be divisible by model.n_head ({})", n_embd, n_head);
     if (n_kv_head < 0) fail("model.n_kv_head must be 0 (= n_head) or positive, got {}", n_kv_head);

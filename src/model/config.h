@@ -9,6 +9,16 @@
 
 namespace memtrain {
 
+// The largest values ModelConfig::validate accepts: with them every derived width (fc_dim, the
+// padded vocabulary) fits an int and every tensor's and the layout's element count fits 64 bits
+// with room to multiply by bytes per element.
+constexpr int kMaxLayers = 16384;
+constexpr int kMaxWidth = 1 << 17;     // n_embd
+constexpr int kMaxHidden = 1 << 20;    // ffn_hidden
+constexpr int kMaxContext = 1 << 20;   // block_size
+constexpr int kMaxVocab = 1 << 24;     // vocab_size
+constexpr int kMaxVocabPad = 1 << 16;  // vocab_pad
+
 struct ModelConfig {
     int n_layer = 6;
     int n_head = 6;

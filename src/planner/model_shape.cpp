@@ -12,7 +12,9 @@
 #include <toml++/toml.h>
 #include <nlohmann/json.hpp>
 
+#include "config/run_config.h"
 #include "core/error.h"
+#include "core/regular_file.h"
 #include "model/config.h"
 #include "model/param_layout.h"
 #include "planner/nearest.h"
@@ -80,6 +82,17 @@ void ModelSpec::validate() const {
     if (n_kv_head < 0 || (n_kv_head > 0 && n_head % n_kv_head != 0))
         fail("model {}: n_head {} is not a multiple of n_kv_head {}", name, n_head, n_kv_head);
     if (ffn_hidden < 0) fail("model {}: ffn_hidden must be >= 0, got {}", name, ffn_hidden);
+    // The engine's bounds (model/config.h), so the products below stay far inside 64 bits.
+    auto at_most = [&](const char* key, int v, int limit) {
+        if (v > limit)
+            fail("model {}: {} = {} is more than memtrain supports ({} at most)", name, key, v,
+                 limit);
+    };
+    at_most("n_layer", n_layer, kMaxLayers);
+    at_most("n_embd", n_embd, kMaxWidth);
+    at_most("block_size", block_size, kMaxContext);
+    at_most("vocab_size", vocab_size, kMaxVocab);
+    at_most("ffn_hidden", ffn_hidden, kMaxHidden);
 }
 
 namespace {
@@ -128,12 +141,9 @@ const std::map<std::string, ModelSpec>& presets() {
     return table;
 }
 
+// A config.json or TOML is a few KB: a FIFO, /dev/zero or a huge file is refused, not read.
 std::string read_text(const std::string& path) {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) fail("cannot open model file {}", path);
-    std::stringstream ss;
-    ss << in.rdbuf();
-    return ss.str();
+    return read_regular_file(path, kMaxConfigBytes, "model file");
 }
 
 bool ends_with(const std::string& s, const std::string& suffix) {
@@ -310,10 +320,14 @@ ModelSpec read_memtrain(const JsonReader& r, const std::string& origin) {
 
 ModelSpec model_from_hf_json(const std::string& json_text, const std::string& origin) {
     nlohmann::json j;
+    check_json_nesting(json_text, 64, origin);  // (error messages dump values: bounded depth)
     try {
         j = nlohmann::json::parse(json_text);
-    } catch (const std::exception& e) {
-        fail("{}: not valid JSON ({})", origin, e.what());
+    } catch (const nlohmann::json::parse_error& e) {
+        // The byte, not the text there: the file may be something else than a config.json.
+        fail("{}: not valid JSON (parse error at byte {})", origin, e.byte);
+    } catch (const std::exception&) {
+        fail("{}: not valid JSON", origin);
     }
     if (!j.is_object()) fail("{}: expected a JSON object (a Hugging Face config.json)", origin);
     JsonReader r(j, origin);
@@ -359,9 +373,10 @@ ModelSpec model_from_hf_json(const std::string& json_text, const std::string& or
 ModelSpec model_from_toml(const std::string& toml_text, const std::string& origin) {
     toml::table root;
     try {
+        check_toml_text(toml_text, origin);
         root = toml::parse(toml_text, origin);
     } catch (const toml::parse_error& e) {
-        fail("{}: TOML parse error: {}", origin, std::string(e.description()));
+        fail("{}:{}:{}: invalid TOML", origin, e.source().begin.line, e.source().begin.column);
     }
     const toml::table* model = root["model"].as_table();
     if (!model) fail("{}: no [model] section", origin);
@@ -372,7 +387,8 @@ ModelSpec model_from_toml(const std::string& toml_text, const std::string& origi
         auto node = (*model)[key];
         if (!node) return fallback;
         auto v = node.value<int64_t>();
-        if (!v) fail("{}: model.{} must be an integer", origin, key);
+        if (!v || *v < INT32_MIN || *v > INT32_MAX)
+            fail("{}: model.{} must be an integer of 32 bits", origin, key);
         return static_cast<int>(*v);
     };
     auto get_str = [&](const char* key, const std::string& fallback,

@@ -108,14 +108,55 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
     }
     if (cfg_.data.train.empty())
         fail("data.train is not set: give a token shard (memtrain tokenize writes train.bin)");
-    if (root()) check_out_dir(cfg_.io.out_dir);
-    std::string resume_dir;
-    if (!opts_.resume.empty()) {
-        resume_dir = resolve_checkpoint_dir(opts_.resume);
-        RunConfig saved = checkpoint_config(resume_dir);
-        if (saved.optim.name != cfg_.optim.name)
+    std::string resume_dir, resume_note;
+    if (!opts_.resume.empty()) resume_dir = resolve_checkpoint_dir(opts_.resume, &resume_note);
+    // The out_dir is this run's alone (docs/training.md, "The out_dir"): rank 0 locks it for the
+    // run's life, then judges what is in it. The ranks agree before going on, so a refusal on
+    // rank 0 does not leave the others waiting in a collective.
+    bool clear_old_run = false;
+    std::string refusal;
+    if (root()) {
+        try {
+            check_out_dir(cfg_.io.out_dir);
+            lock_ = io::OutDirLock(cfg_.io.out_dir);
+            io::remove_stale_temporaries(cfg_.io.out_dir);  // dead saves' (we hold the lock)
+            std::error_code ec;
+            // Resuming a checkpoint of this out_dir continues its run; anything else is new here.
+            const fs::path parent = fs::path(resume_dir).parent_path();
+            const bool continuing =
+                !resume_dir.empty() &&
+                fs::equivalent(parent.empty() ? fs::path(".") : parent, cfg_.io.out_dir, ec);
+            const std::string evidence = io::run_evidence(cfg_.io.out_dir, cfg_.io.metrics);
+            if (opts_.refuse_existing_run && !continuing && !evidence.empty()) {
+                if (!opts_.overwrite)
+                    fail(
+                        "io.out_dir = \"{}\" holds another run ({} is there); a new run would "
+                        "overwrite its checkpoints and metrics. Continue it with memtrain train "
+                        "--resume {}, give this run another io.out_dir, or pass --overwrite to "
+                        "replace it",
+                        cfg_.io.out_dir, evidence, cfg_.io.out_dir);
+                clear_old_run = true;
+            }
+        } catch (const Error& e) {
+            refusal = e.what();
+        }
+    }
+    int64_t refused = refusal.empty() ? 0 : 1;
+    if (comm_->size() > 1) comm_->all_reduce_max(&refused, 1);
+    if (refused) {
+        if (!refusal.empty()) fail("{}", refusal);
+        fail("rank 0 cannot use io.out_dir = \"{}\" (it says why)", cfg_.io.out_dir);
+    }
+    if (!resume_note.empty() && root())
+        std::fprintf(stderr, "memtrain: warning: %s\n", resume_note.c_str());
+    std::optional<RunConfig> saved;
+    TrainState saved_state;
+    if (!resume_dir.empty()) {
+        saved = checkpoint_config(resume_dir);
+        saved_state = checkpoint_state(resume_dir);
+        if (saved->optim.name != cfg_.optim.name)
             fail("checkpoint {} was trained with optim.name = \"{}\", the config says \"{}\"",
-                 resume_dir, saved.optim.name, cfg_.optim.name);
+                 resume_dir, saved->optim.name, cfg_.optim.name);
     }
     print("config (all of it as TOML: memtrain train ... --print-config)\n" + format_table(cfg_));
 
@@ -167,8 +208,10 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
             fail("token shard vocabulary ({}) is larger than model.vocab_size ({})",
                  l->shard().vocab_size(), cfg_.model.vocab_size);
     }
+    std::optional<uint64_t> tokenizer_fp;
     if (!cfg_.data.tokenizer.empty()) {
         auto tok = data::Tokenizer::load(cfg_.data.tokenizer);
+        tokenizer_fp = tok.fingerprint();
         if (tok.vocab_size() > cfg_.model.vocab_size)
             fail("tokenizer {} has {} tokens but model.vocab_size is {}", cfg_.data.tokenizer,
                  tok.vocab_size(), cfg_.model.vocab_size);
@@ -181,6 +224,17 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
     }
     xg_.resize((std::size_t)Bg * T);
     yg_.resize((std::size_t)Bg * T);
+    if (saved) {
+        const std::string changes = resume_changes(resume_dir, *saved, saved_state, tokenizer_fp);
+        if (!changes.empty() && !opts_.accept_changes)
+            fail(
+                "resuming {} with {}: that is not the run it continues (the data order, the "
+                "meaning of token ids or the step's batch would change under it). Resume with "
+                "the checkpoint's own values, or add --accept-changes to continue anyway",
+                resume_dir, changes);
+        if (!changes.empty())
+            print(fmt::format("resume: continuing with changes (--accept-changes): {}\n", changes));
+    }
 
     state_.rng = Rng(cfg_.train.seed ^ 0x5A3D1Eull).state();
     // A LoRA checkpoint holds only the adapters: its frozen base comes from model.init_from (or
@@ -221,16 +275,67 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
                           cfg_.optim.lr_reference_batch,
                           cfg_.optim.lr_scaling == "sqrt" ? "^0.5" : "", peak_lr_));
 
+    // What this run trains on, recorded in its checkpoints for the next resume to compare.
+    state_.data_tokens = train_loader_->shard().size();
+    state_.data_fingerprint = train_loader_->shard().tokenizer_fingerprint().value_or(0);
+    state_.tokenizer_fingerprint = tokenizer_fp.value_or(0);
+
     if (root()) {
-        fs::create_directories(cfg_.io.out_dir);
-        std::string mpath = (fs::path(cfg_.io.out_dir) / cfg_.io.metrics).string();
-        metrics_ = std::fopen(mpath.c_str(), resume_dir.empty() ? "w" : "a");
-        if (!metrics_) fail("could not open metrics file {}", mpath);
+        if (clear_old_run) {  // --overwrite, now that the run has passed every check
+            io::clear_run(cfg_.io.out_dir, cfg_.io.metrics);
+            print(fmt::format("--overwrite: removed the run that was in {}\n", cfg_.io.out_dir));
+        }
+        // io.metrics is a plain file name (validate_config), so this stays in out_dir.
+        const std::string mpath = (fs::path(cfg_.io.out_dir) / cfg_.io.metrics).string();
+        metrics_ = std::make_unique<io::MetricsLog>(mpath, !resume_dir.empty());
+        if (!metrics_->note().empty())
+            std::fprintf(stderr, "memtrain: note: %s\n", metrics_->note().c_str());
+        // Steps after the checkpoint were logged by the run that died and are logged again
+        // now: the marker tells `memtrain report` to drop the earlier lines for them.
+        if (!resume_dir.empty())
+            log_metrics(fmt::format("{{\"step\": {}, \"event\": \"resume\"}}", state_.step));
     }
 }
 
-Trainer::~Trainer() {
-    if (metrics_) std::fclose(metrics_);
+Trainer::~Trainer() = default;
+
+void Trainer::log_metrics(const std::string& line) {
+    if (!metrics_ || metrics_->failed()) return;
+    if (!metrics_->write(line)) {
+        metrics_failed_at_ = std::max<int64_t>(1, state_.step);
+        std::fprintf(stderr,
+                     "memtrain: warning: %s at step %lld; metrics.jsonl stops here (it ends in "
+                     "a complete line), training goes on\n",
+                     metrics_->error().c_str(), (long long)state_.step);
+    }
+}
+
+std::string Trainer::resume_changes(const std::string& dir, const RunConfig& saved,
+                                    const TrainState& st,
+                                    std::optional<uint64_t> tokenizer_fp) const {
+    std::vector<std::string> changes;
+    // Keys whose change makes the resumed run another run: what it reads, in what order and
+    // batches, and the numerics of a model whose shape (checked on load) is the same.
+    for (const char* key : {"data.train", "train.seq_len", "train.batch_size", "train.seed",
+                            "model.norm_eps", "model.rope_theta", "lora.alpha"}) {
+        const std::string was = config_value(saved, key), now = config_value(cfg_, key);
+        if (was != now) changes.push_back(fmt::format("{} {} (was {})", key, now, was));
+    }
+    // The same path may hold other tokens now, or the tokenizer another vocabulary.
+    if (st.data_tokens && st.data_tokens != train_loader_->shard().size())
+        changes.push_back(fmt::format("a data.train of {} tokens (was {})",
+                                      train_loader_->shard().size(), st.data_tokens));
+    const uint64_t shard_fp = train_loader_->shard().tokenizer_fingerprint().value_or(0);
+    if (st.data_fingerprint && shard_fp && st.data_fingerprint != shard_fp)
+        changes.push_back(fmt::format("a data.train tokenized by tokenizer {:016x} (was {:016x})",
+                                      shard_fp, st.data_fingerprint));
+    if (st.tokenizer_fingerprint && tokenizer_fp && st.tokenizer_fingerprint != *tokenizer_fp)
+        changes.push_back(fmt::format("data.tokenizer of fingerprint {:016x} (was {:016x})",
+                                      *tokenizer_fp, st.tokenizer_fingerprint));
+    (void)dir;
+    std::string out;
+    for (const auto& c : changes) out += (out.empty() ? "" : ", ") + c;
+    return out;
 }
 
 void Trainer::print(const std::string& s) {
@@ -321,9 +426,29 @@ TrainSummary Trainer::run() {
                                       k == K - 1);
         }
         double lr = lr_at(cfg_.optim, peak_lr_, state_.step, total);
+        if (!std::isfinite(lr))  // (validate_config refuses non-finite keys; a product may not be)
+            fail(
+                "the learning rate at step {} is {} (optim.lr = {}, scaled peak {}): refusing "
+                "to update with it",
+                state_.step + 1, lr, cfg_.optim.lr, peak_lr_);
         const StepResult step = engine_->finish_step(lr, cfg_.optim.grad_clip);
         const double loss = mean_over_ranks(step.loss);
         const double norm = step.grad_norm;
+        // A non-finite loss or gradient norm (not an fp16 overflow, which the engine skipped):
+        // the run stops here, before this step is logged or saved, so no checkpoint ever holds
+        // its update; `latest` names the last good one.
+        if (!step.skipped && (!std::isfinite(loss) || !std::isfinite(norm))) {
+            const bool first = ran == 0 && opts_.resume.empty();
+            fail("{} at step {}: loss {}, gradient norm {}; stopping before this step is saved{}",
+                 first ? "not finite" : "training diverged", state_.step + 1, loss, norm,
+                 first && !cfg_.model.init_from.empty()
+                     ? fmt::format(". The first step of the run: check the weights of "
+                                   "model.init_from = {} and the data",
+                                   cfg_.model.init_from)
+                     : fmt::format(" (latest names the last good checkpoint). Lower optim.lr "
+                                   "(now {}) or check the data",
+                                   cfg_.optim.lr));
+        }
         if (step.skipped) sum.steps_skipped++;
         state_.step++;
         ran++;
@@ -338,9 +463,6 @@ TrainSummary Trainer::run() {
         double tps = (double)cfg_.tokens_per_step() / secs;
         auto mem = engine_->memory().snapshot();
         sum.losses.push_back((float)loss);
-        if (!std::isfinite(loss))
-            fail("training loss became {} at step {}: lower optim.lr (now {}) or check the data",
-                 loss, state_.step, cfg_.optim.lr);
         // fp16: the loss scale this step's gradients carried, and whether an overflow skipped it.
         const std::string scale =
             fp16 ? fmt::format(
@@ -354,28 +476,25 @@ TrainSummary Trainer::run() {
                             state_.step, total, loss, lr, norm, tps, secs * 1000,
                             mib(mem.total_used), mib(mem.peak_total_used), scale));
         if (metrics_)
-            fmt::print(
-                metrics_,
+            log_metrics(fmt::format(
                 "{{\"step\": {}, \"loss\": {:.6f}, \"lr\": {:.6e}, \"grad_norm\": {:.6f}, "
                 "\"tokens_per_s\": {:.1f}, \"ms_per_step\": {:.3f}, \"mem_bytes\": {}, "
-                "\"peak_mem_bytes\": {}{}{}}}\n",
+                "\"peak_mem_bytes\": {}{}{}}}",
                 state_.step, loss, lr, norm, tps, secs * 1000, mem.total_used, mem.peak_total_used,
                 io::metrics_memory_field(mem),
                 fp16 ? fmt::format(
                            ", \"loss_scale\": {:g}, \"skipped\": {}{}", step.loss_scale,
                            step.skipped,
                            step.skipped ? fmt::format(", \"overflow\": \"{}\"", step.overflow) : "")
-                     : std::string());
+                     : std::string()));
         bool last = state_.step == total;
         if (val_loader_ &&
             ((cfg_.train.eval_every > 0 && state_.step % cfg_.train.eval_every == 0) || last)) {
             float vl = evaluate();
             sum.val_losses.push_back({(int)state_.step, vl});
             print(fmt::format("step {:>5}/{} | val loss {:.4f}\n", state_.step, total, vl));
-            if (metrics_)
-                fmt::print(metrics_, "{{\"step\": {}, \"val_loss\": {:.6f}}}\n", state_.step, vl);
+            log_metrics(fmt::format("{{\"step\": {}, \"val_loss\": {:.6f}}}", state_.step, vl));
         }
-        if (metrics_) std::fflush(metrics_);
         // A signal stops every rank after the same step: one tiny all-reduce when there are
         // peers (a handler may have run on some ranks only, or at different steps).
         int64_t stop_sig = opts_.stop_signal ? (int64_t)*opts_.stop_signal : 0;
@@ -395,8 +514,11 @@ TrainSummary Trainer::run() {
     sum.steps_done = state_.step;
     sum.tokens_per_s =
         timed_steps ? (double)cfg_.tokens_per_step() * timed_steps / timed_seconds : 0;
-    if (metrics_) std::fclose(metrics_);
-    metrics_ = nullptr;
+    if (metrics_failed_at_)  // said once when it happened; again where the run ends
+        std::fprintf(stderr, "memtrain: warning: %s holds steps up to %lld only (%s)\n",
+                     metrics_->path().c_str(), (long long)metrics_failed_at_ - 1,
+                     metrics_->error().c_str());
+    metrics_.reset();
     if (root()) {  // for `memtrain report`: measured peaks beside the predictions
         try {
             write_memory_json(plan_, *engine_, (fs::path(cfg_.io.out_dir) / "memory.json").string(),

@@ -18,6 +18,8 @@
 #include "engine/engine.h"
 #include "engine/run_plan.h"
 #include "io/checkpoint.h"
+#include "io/metrics_log.h"
+#include "io/out_dir.h"
 
 namespace memtrain {
 
@@ -34,6 +36,14 @@ struct TrainOptions {
     const volatile std::sig_atomic_t* stop_signal = nullptr;
     // Builds the engine instead of make_engine (tests: the GPU pipeline at one stage).
     std::function<std::unique_ptr<Engine>(const RunPlan&, dist::Communicator&)> engine;
+    // The out_dir rules of `memtrain train` (docs/training.md): a run (new, or resumed into
+    // another directory) does not go into an out_dir that holds another run, unless
+    // `overwrite`, which first removes that run's files. Off for library callers and tests.
+    bool refuse_existing_run = false;
+    bool overwrite = false;
+    // A resume on other data, another tokenizer, seq_len, batch size or seed is refused unless
+    // this is set; either way the run prints what changed.
+    bool accept_changes = false;
 };
 
 struct TrainSummary {
@@ -92,13 +102,22 @@ class Trainer {
 
     std::unique_ptr<dist::Communicator> own_comm_;
     dist::Communicator* comm_;
-    RunPlan plan_;  // the run as decided before anything was allocated (engine/run_plan.h)
+    // What changed between the checkpoint a run resumes from and this run ("" when nothing):
+    // refused unless opts_.accept_changes. Every rank computes the same.
+    std::string resume_changes(const std::string& dir, const RunConfig& saved, const TrainState& st,
+                               std::optional<uint64_t> tokenizer_fp) const;
+    // Appends one line to the metrics log; a failure is a warning once, then logging stops.
+    void log_metrics(const std::string& line);
+
+    io::OutDirLock lock_;  // rank 0: the out_dir is this run's while the Trainer lives
+    RunPlan plan_;         // the run as decided before anything was allocated (engine/run_plan.h)
     std::unique_ptr<Engine> engine_;
     std::unique_ptr<data::DataLoader> train_loader_, val_loader_;
     std::vector<int32_t> xg_, yg_;  // a global micro-batch (every rank's rows)
     TrainState state_;
     double peak_lr_ = 0;
-    std::FILE* metrics_ = nullptr;
+    std::unique_ptr<io::MetricsLog> metrics_;
+    int64_t metrics_failed_at_ = 0;  // the step whose line could not be written; 0: none
 };
 
 }  // namespace memtrain

@@ -197,6 +197,20 @@ void validate_lora(const RunConfig& cfg) {
     make_lora_layout(cfg.model, cfg.lora);  // targets that match nothing fail here
 }
 
+void validate_metrics_name(const std::string& name) {
+    // A plain name, created inside io.out_dir: an absolute or ../ path (from a config, or from a
+    // downloaded checkpoint's memtrain.toml on resume) would truncate a file anywhere.
+    if (name.empty() || name == "." || name == ".." || name.find('/') != std::string::npos ||
+        name.find('\0') != std::string::npos)
+        fail(
+            "io.metrics = \"{}\" must be a plain file name (no directory, not . or ..): the log "
+            "is written inside io.out_dir",
+            name);
+    for (const char* own : {"latest", "memory.json", ".lock", "report.html"})
+        if (name == own)
+            fail("io.metrics = \"{}\" is the name of a file memtrain keeps in io.out_dir", name);
+}
+
 void validate_config(const RunConfig& cfg) {
     cfg.model.validate();
     cfg.optim.validate();
@@ -270,6 +284,13 @@ void validate_config(const RunConfig& cfg) {
              cfg.model.block_size);
     if (cfg.train.batch_size <= 0)
         fail("train.batch_size must be positive, got {}", cfg.train.batch_size);
+    // Token counts of a step are ints in the loaders and kernels; 2^31 tokens a step is a
+    // thousand times the largest batches trained.
+    if (cfg.tokens_per_step() > INT32_MAX)
+        fail(
+            "train.batch_size x train.seq_len = {} x {} = {} tokens a step is more than memtrain "
+            "supports ({} at most)",
+            cfg.train.batch_size, cfg.train.seq_len, cfg.tokens_per_step(), INT32_MAX);
     if (cfg.world < 1) fail("internal: world size {} < 1", cfg.world);
     validate_pipeline(cfg);
     validate_tp(cfg);
@@ -300,6 +321,7 @@ void validate_config(const RunConfig& cfg) {
     if (cfg.train.threads < 0) fail("train.threads must be >= 0, got {}", cfg.train.threads);
     if (cfg.io.checkpoint_every < 0)
         fail("io.checkpoint_every must be >= 0, got {}", cfg.io.checkpoint_every);
+    validate_metrics_name(cfg.io.metrics);
     if (cfg.sample.max_tokens < 0)
         fail("sample.max_tokens must be >= 0, got {}", cfg.sample.max_tokens);
     if (!(cfg.sample.temperature > 0))

@@ -28,6 +28,8 @@ void validate_pipeline(const RunConfig& cfg);
 void validate_tp(const RunConfig& cfg);
 // train.dp_mode and the parameter server's keys.
 void validate_ps(const RunConfig& cfg);
+// io.metrics: a plain file name inside io.out_dir, not one of memtrain's own files there.
+void validate_metrics_name(const std::string& name);
 // The [lora] keys and what LoRA runs with.
 void validate_lora(const RunConfig& cfg);
 

@@ -288,10 +288,33 @@ TEST(Safetensors, OpenRejectsMissingAndNonRegularFiles) {
 }
 
 TEST(Safetensors, OpenRejectsBadHeaderLength) {
-    expect_open_error(le64(100'000'001) + std::string(64, ' '), {"header length", "100000001"},
+    expect_open_error(le64(100'000'001) + std::string(64, ' '), {"header length", "100000000"},
                       "absurd.safetensors");
     expect_open_error(le64(~0ull), {"header length"}, "max.safetensors");
-    expect_open_error(le64(50) + "{}", {"header length is 50", "2 bytes"}, "long.safetensors");
+    expect_open_error(le64(50) + "{}", {"header length", "2 bytes"}, "long.safetensors");
+}
+
+// A file that is not a safetensors (a link to a password file, say) is refused without its
+// bytes in the message: the "header length" is the file's first 8 bytes read as a number.
+TEST(Safetensors, ErrorsDoNotEchoTheBytesOfAFileThatIsNotOne) {
+    const std::string dir = test_dir("not_safetensors");
+    const std::string path = dir + "/model.safetensors";
+    for (const std::string& text : {std::string("root:$y$j9T$secretsecret:19000:0:99999:7:::\n"),
+                                    le64(40) + "root:$y$j9T$secretsecretsecret"}) {
+        std::ofstream(path, std::ios::binary) << text;
+        std::uint64_t first8 = 0;
+        for (int i = 0; i < 8; i++) first8 |= (std::uint64_t)(unsigned char)text[i] << (8 * i);
+        try {
+            io::SafetensorsFile::open(path);
+            ADD_FAILURE() << "opened";
+        } catch (const Error& e) {
+            const std::string m = e.what();
+            EXPECT_EQ(m.find(std::to_string(first8)), std::string::npos) << m;
+            EXPECT_EQ(m.find("root"), std::string::npos) << m;
+            EXPECT_EQ(m.find("secret"), std::string::npos) << m;
+            EXPECT_EQ(m.find("last read"), std::string::npos) << m;
+        }
+    }
 }
 
 TEST(Safetensors, OpenRejectsBadJson) {

@@ -70,12 +70,13 @@ TEST(HostFit, ARunThatCannotFitIsRefusedBeforeAllocating) {
 }
 
 TEST(HostFit, AHugeModelFromTheCommandLineIsOneLine) {
-    // 100000 blocks of the demo model: terabytes. Refused at once, not by std::bad_alloc.
+    // 10000 blocks (the bound is 16384) 1536 wide: terabytes. Refused at once, not by
+    // std::bad_alloc.
     const std::string dir = test::temp_dir("host_fit_cli");
     test::tiny_run(dir, 1);
     auto r = test::run_memtrain("train --set data.train=" + dir +
-                                "/train.bin model.vocab_size=50 model.n_layer=100000 "
-                                "model.n_embd=384 model.n_head=6 train.device=cpu io.out_dir=" +
+                                "/train.bin model.vocab_size=50 model.n_layer=10000 "
+                                "model.n_embd=1536 model.n_head=6 train.device=cpu io.out_dir=" +
                                 dir + "/out");
     EXPECT_EQ(r.code, 1) << r.output;
     EXPECT_NE(r.output.find("this run needs"), std::string::npos) << r.output;
