@@ -234,6 +234,9 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
                 resume_dir, changes);
         if (!changes.empty())
             print(fmt::format("resume: continuing with changes (--accept-changes): {}\n", changes));
+        if (changes.empty() && saved->data.train != cfg_.data.train)
+            print(fmt::format("resume: data.train is now {} (was {}), with the same {} tokens\n",
+                              cfg_.data.train, saved->data.train, train_loader_->shard().size()));
     }
 
     state_.rng = Rng(cfg_.train.seed ^ 0x5A3D1Eull).state();
@@ -316,8 +319,10 @@ std::string Trainer::resume_changes(const std::string& dir, const RunConfig& sav
     std::vector<std::string> changes;
     // Keys whose change makes the resumed run another run: what it reads, in what order and
     // batches, and the numerics of a model whose shape (checked on load) is the same.
-    for (const char* key : {"data.train", "train.seq_len", "train.batch_size", "train.seed",
-                            "model.norm_eps", "model.rope_theta", "lora.alpha"}) {
+    // The data is named by what it holds (its token count and tokenizer, below), not by its
+    // path: a shard copied or moved elsewhere continues the run.
+    for (const char* key : {"train.seq_len", "train.batch_size", "train.seed", "model.norm_eps",
+                            "model.rope_theta", "lora.alpha"}) {
         const std::string was = config_value(saved, key), now = config_value(cfg_, key);
         if (was != now) changes.push_back(fmt::format("{} {} (was {})", key, now, was));
     }

@@ -612,6 +612,13 @@ TEST(HardeningCli, AResumeOnOtherDataOrGeometryIsRefusedUnlessAccepted) {
     EXPECT_EQ(r.code, 0) << r.output;
     EXPECT_NE(r.output.find("continuing with changes"), std::string::npos) << r.output;
     EXPECT_NE(r.output.find("train.seed 7 (was 1337)"), std::string::npos) << r.output;
+    // The same tokens at another path continue the run, and the run says where they are now.
+    fs::copy_file(dir + "/train.bin", dir + "/moved.bin");
+    r = run("train --resume " + dir +
+            "/out --set train.max_steps=4 train.seed=7 data.train=" + dir + "/moved.bin");
+    EXPECT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("data.train is now " + dir + "/moved.bin"), std::string::npos)
+        << r.output;
 }
 
 // The same tokenizer path holding another tokenizer of the same vocabulary size (trained on
