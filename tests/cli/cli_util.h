@@ -4,14 +4,19 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <array>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -37,6 +42,53 @@ inline CliResult run_memtrain(const std::string& args, const std::string& binary
     return run_command("timeout -k 5 120 " + std::string(MT_BINARY_DIR) + "/" + binary + " " +
                        args);
 }
+
+// A background `memtrain ARGS` with its output in `log`: optionally an environment prefix
+// ("NAME=value ...") and a file-size limit (RLIMIT_FSIZE, with SIGXFSZ ignored so a write past
+// it fails with EFBIG, as on a full disk). Killed at the end of the test if still running.
+struct Child {
+    pid_t pid = -1;
+    std::string log;
+    Child(const std::string& args, const std::string& log_path, const std::string& env = "",
+          rlim_t file_limit = RLIM_INFINITY)
+        : log(log_path) {
+        pid = fork();
+        if (pid == 0) {
+            if (file_limit != RLIM_INFINITY) {
+                signal(SIGXFSZ, SIG_IGN);
+                struct rlimit rl {
+                    file_limit, file_limit
+                };
+                setrlimit(RLIMIT_FSIZE, &rl);
+            }
+            const std::string cmd = env + " OMP_NUM_THREADS=1 exec " + std::string(MT_BINARY_DIR) +
+                                    "/memtrain " + args + " > " + log + " 2>&1";
+            execl("/bin/sh", "sh", "-c", cmd.c_str(), (char*)nullptr);
+            _exit(127);
+        }
+    }
+    Child(const Child&) = delete;
+    Child& operator=(const Child&) = delete;
+    // The wait status, or -1 if it did not end within `limit`.
+    int wait(std::chrono::milliseconds limit) {
+        const auto end = std::chrono::steady_clock::now() + limit;
+        int status = 0;
+        while (std::chrono::steady_clock::now() < end) {
+            if (waitpid(pid, &status, WNOHANG) == pid) {
+                pid = -1;
+                return status;
+            }
+            std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        }
+        return -1;
+    }
+    ~Child() {
+        if (pid > 0) {
+            kill(pid, SIGKILL);
+            waitpid(pid, nullptr, 0);
+        }
+    }
+};
 
 inline std::string read_file(const std::string& path) {
     std::ifstream f(path, std::ios::binary);

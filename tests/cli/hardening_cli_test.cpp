@@ -37,6 +37,7 @@ using namespace std::chrono_literals;
 namespace memtrain {
 namespace {
 
+using test::Child;
 using test::CliResult;
 using test::read_file;
 using test::write_file;
@@ -47,51 +48,6 @@ const std::string kBin = std::string(MT_BINARY_DIR) + "/memtrain";
 CliResult run(const std::string& args, const std::string& env = "") {
     return test::run_command(env + " OMP_NUM_THREADS=1 timeout -k 5 120 " + kBin + " " + args);
 }
-
-// A background memtrain with its output in `log`: optionally an environment variable and a
-// file-size limit (RLIMIT_FSIZE, with SIGXFSZ ignored so a write past it fails with EFBIG, as
-// on a full disk). Killed at the end of the test if still running.
-struct Child {
-    pid_t pid = -1;
-    std::string log;
-    Child(const std::string& args, const std::string& log_path, const std::string& env = "",
-          rlim_t file_limit = RLIM_INFINITY)
-        : log(log_path) {
-        pid = fork();
-        if (pid == 0) {
-            if (file_limit != RLIM_INFINITY) {
-                signal(SIGXFSZ, SIG_IGN);
-                struct rlimit rl {
-                    file_limit, file_limit
-                };
-                setrlimit(RLIMIT_FSIZE, &rl);
-            }
-            std::string cmd =
-                env + " OMP_NUM_THREADS=1 exec " + kBin + " " + args + " > " + log + " 2>&1";
-            execl("/bin/sh", "sh", "-c", cmd.c_str(), (char*)nullptr);
-            _exit(127);
-        }
-    }
-    // The wait status, or -1 if it did not end within `limit`.
-    int wait(std::chrono::milliseconds limit) {
-        const auto end = std::chrono::steady_clock::now() + limit;
-        int status = 0;
-        while (std::chrono::steady_clock::now() < end) {
-            if (waitpid(pid, &status, WNOHANG) == pid) {
-                pid = -1;
-                return status;
-            }
-            std::this_thread::sleep_for(5ms);
-        }
-        return -1;
-    }
-    ~Child() {
-        if (pid > 0) {
-            kill(pid, SIGKILL);
-            waitpid(pid, nullptr, 0);
-        }
-    }
-};
 
 // Waits (at most 90 s) until `file` contains `what`.
 bool wait_for(const std::string& file, const std::string& what) {

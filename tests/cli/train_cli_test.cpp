@@ -25,6 +25,7 @@ using namespace std::chrono_literals;
 
 namespace {
 
+using memtrain::test::Child;
 using Result = memtrain::test::CliResult;
 using memtrain::test::read_file;
 using memtrain::test::write_file;
@@ -52,41 +53,6 @@ std::map<int, std::string> losses(const std::string& metrics) {
     }
     return out;
 }
-
-// A background `memtrain ARGS`, its output in a file; killed at the end of the test if still
-// running.
-struct Child {
-    pid_t pid = -1;
-    std::string log;
-    Child(const std::string& args, const std::string& log_path) : log(log_path) {
-        pid = fork();
-        if (pid == 0) {
-            std::string cmd = "OMP_NUM_THREADS=1 exec " + kBin + " " + args + " > " + log + " 2>&1";
-            execl("/bin/sh", "sh", "-c", cmd.c_str(), (char*)nullptr);
-            _exit(127);
-        }
-    }
-    // The wait status, or -1 if it did not end within `limit` (then it is killed).
-    int wait(std::chrono::milliseconds limit) {
-        auto end = std::chrono::steady_clock::now() + limit;
-        int status = 0;
-        while (std::chrono::steady_clock::now() < end) {
-            pid_t r = waitpid(pid, &status, WNOHANG);
-            if (r == pid) {
-                pid = -1;
-                return status;
-            }
-            std::this_thread::sleep_for(5ms);
-        }
-        return -1;
-    }
-    ~Child() {
-        if (pid > 0) {
-            kill(pid, SIGKILL);
-            waitpid(pid, nullptr, 0);
-        }
-    }
-};
 
 // Waits (at most 60 s) until `file` holds at least `n` lines containing `what`.
 bool wait_for_lines(const std::string& file, const std::string& what, int n) {
