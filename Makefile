@@ -26,8 +26,10 @@ $(DEMO_DATA)/train.bin: | build
 	$(MEMTRAIN) tokenize --tokenizer $(DEMO_DATA)/tokenizer.json --out $(DEMO_DATA) --doc-separator % \
 	    --val-fraction 0.05 $$(find $(FORTUNES) -maxdepth 1 -type f ! -name '*.dat' | sort)
 
+# --overwrite: each `make demo` replaces the previous demo run in out/demo (a plain
+# `memtrain train` refuses an out_dir that holds another run: docs/training.md, "The out_dir").
 demo: build $(DEMO_DATA)/train.bin
-	$(MEMTRAIN) train configs/demo.toml
+	$(MEMTRAIN) train configs/demo.toml --overwrite
 
 test: build
 	@bash scripts/run_tests.sh $(BUILD)

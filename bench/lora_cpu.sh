@@ -42,7 +42,7 @@ run() {  # name, --set arguments
     "$BIN" train configs/demo.toml --set model.init_from=$BASE data.train=data/jargon/train.bin \
         data.val=data/jargon/val.bin train.device=cpu train.max_steps=$STEPS train.eval_every=0 \
         optim.warmup_steps=10 sample.max_tokens=0 io.checkpoint_every=0 io.out_dir=$OUT/$name "$@" \
-        >"$OUT/$name.log" 2>&1 || { tail -20 "$OUT/$name.log"; exit 1; }
+        --overwrite >"$OUT/$name.log" 2>&1 || { tail -20 "$OUT/$name.log"; exit 1; }
 }
 run full optim.lr=3e-4
 run lora-r8-attn optim.lr=2e-3 lora.rank=8 lora.alpha=16 lora.targets=attn
