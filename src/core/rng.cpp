@@ -17,11 +17,9 @@ void fill_normal(float* w, std::size_t n, double std, uint64_t seed, std::string
         Rng rng(stream + (uint64_t)b * 0x9E3779B97F4A7C15ull);
         const std::size_t begin = (std::size_t)b * kBlock, end = std::min(n, begin + kBlock);
         for (std::size_t k = begin; k < end; k += 2) {
-            const double u1 = ((double)(rng.next_u64() >> 11) + 0.5) * (1.0 / 9007199254740992.0);
-            const double u2 = (double)(rng.next_u64() >> 11) * (1.0 / 9007199254740992.0);
-            const double r = std::sqrt(-2.0 * std::log(u1)) * std;
-            w[k] = (float)(r * std::cos(6.283185307179586 * u2));
-            if (k + 1 < end) w[k + 1] = (float)(r * std::sin(6.283185307179586 * u2));
+            const auto [c, s] = rng.normal_pair(std);
+            w[k] = (float)c;
+            if (k + 1 < end) w[k + 1] = (float)s;
         }
     }
 }

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string_view>
+#include <utility>
 
 namespace memtrain {
 
@@ -37,12 +38,17 @@ class Rng {
     }
     // Uniform in [0, 1) with 24 bits, exactly representable as float.
     float uniform() { return static_cast<float>(next_u64() >> 40) * (1.0f / 16777216.0f); }
-    // Standard normal via Box-Muller in double precision.
-    double normal() {
-        double u1 = (static_cast<double>(next_u64() >> 11) + 0.5) * (1.0 / 9007199254740992.0);
-        double u2 = static_cast<double>(next_u64() >> 11) * (1.0 / 9007199254740992.0);
-        return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
+    // Two independent normal(0, scale) numbers from one pair of draws (Box-Muller in double
+    // precision): the cosine and the sine branch.
+    std::pair<double, double> normal_pair(double scale) {
+        const double u1 =
+            (static_cast<double>(next_u64() >> 11) + 0.5) * (1.0 / 9007199254740992.0);
+        const double u2 = static_cast<double>(next_u64() >> 11) * (1.0 / 9007199254740992.0);
+        const double r = std::sqrt(-2.0 * std::log(u1)) * scale, a = 6.283185307179586 * u2;
+        return {r * std::cos(a), r * std::sin(a)};
     }
+    // Standard normal: the cosine branch of a pair.
+    double normal() { return normal_pair(1.0).first; }
     const std::array<uint64_t, 4>& state() const { return state_; }
     void set_state(const std::array<uint64_t, 4>& s) { state_ = s; }
 
