@@ -7,7 +7,7 @@
 #include "engine/cpu/mesh_engine.h"
 #include "engine/cpu/ps_engine.h"
 #include "engine/cpu/tp_engine.h"
-#include "engine/cuda/cuda_engine.h"
+#include "engine/cuda_backend.h"
 
 namespace memtrain {
 
@@ -24,11 +24,9 @@ std::unique_ptr<Engine> make_engine(const RunPlan& plan, dist::Communicator& com
         case EngineKind::ParameterServer:
             return std::make_unique<PsEngine>(plan, comm);
         case EngineKind::Cuda:
-            return make_cuda_engine(plan, comm);
         case EngineKind::CudaLora:
-            return make_cuda_lora_engine(plan, comm);
         case EngineKind::CudaPipeline:
-            return make_cuda_pipeline_engine(plan, comm);
+            return make_cuda_backend_engine(plan, comm);  // loads the CUDA backend
     }
     fail("internal: no engine for train.device '{}'", plan.cfg.train.device);
 }
