@@ -254,8 +254,17 @@ class Peer:
             run["peak_bytes"] = (res["max_memory_allocated"] if self.a.device == "cuda"
                                  else r["peak_rss_bytes"])
             run["device_in_use_bytes"] = res.get("device_in_use_bytes_at_end")
+        print_result(label, run)
         note_progress(run)
         return run
+
+
+def print_result(label, run):
+    """One line per finished run, so a run cut off by a time limit keeps what it measured."""
+    if run.get("ok") and "tokens_per_s" in run:
+        print("[%s] result: %.0f tokens/s, %.1f ms/step, peak %.0f MiB"
+              % (label, run["tokens_per_s"], run.get("ms_per_step", math.nan),
+                 run.get("peak_bytes", math.nan) / MIB), flush=True)
 
 
 def process_record(r, kind):
@@ -378,6 +387,7 @@ class Memtrain:
             return run
         run["peak_bytes"] = (run["tracked_peak_bytes"] if self.a.device == "cuda"
                              else r["peak_rss_bytes"])
+        print_result(label, run)
         return run
 
 

@@ -222,7 +222,7 @@ void register_estimate(CLI::App& app) {
             fail("--fragmentation must be a fraction in [0, 1), got {}", a->run.fragmentation);
         ModelSpec m = load_model(a->model);
         RunSpec r = a->run;
-        r.precision = parse_precision(a->precision);
+        r.precision = parse_precision(a->precision, &r.fp32_master);
         r.optimizer = parse_optimizer(a->optimizer);
         r.recompute = parse_recompute(a->recompute);
         r.offload = parse_offload(a->offload);
@@ -258,8 +258,9 @@ void register_estimate(CLI::App& app) {
         }
         std::printf("%s: %.3fB parameters (%d layers, d=%d, %d heads), seq %d\n", m.name.c_str(),
                     m.total_params() / 1e9, m.n_layer, m.n_embd, m.n_head, r.seq_len(m));
-        std::printf("layout: %s, %s %s, GPU %s\n", describe(r).c_str(), to_string(r.precision),
-                    to_string(r.optimizer), c.gpu.name.c_str());
+        std::printf("layout: %s, %s %s, GPU %s\n", describe(r).c_str(),
+                    precision_label(r.precision, r.fp32_master), to_string(r.optimizer),
+                    c.gpu.name.c_str());
         if (r.offload != Offload::none) std::printf("%s\n", host_memory_line(c, cmd).c_str());
         std::printf("\n");
         std::printf("%s\n%s", format_memory_table(est, &c).c_str(), format_time(t).c_str());
@@ -339,7 +340,7 @@ void register_plan_cmd(CLI::App& app) {
         }
         if (gpus <= 0) fail("give the cluster size with --gpus N (at least 1) or --nodes N");
         SearchSpec s = a->spec;
-        s.precision = parse_precision(a->precision);
+        s.precision = parse_precision(a->precision, &s.fp32_master);
         const ClusterSpec c =
             make_cluster(a->gpu, cmd, gpus, {s.precision == Precision::fp32, !a->no_offload});
         s.optimizer = parse_optimizer(a->optimizer);

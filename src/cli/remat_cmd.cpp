@@ -36,7 +36,7 @@ std::string plan_letters(const RematPlan& plan) {
 
 struct Point {
     std::string name;
-    Schedule s;
+    Solution s;
     double measured_pct = NAN;       // measured step time over the no-recompute step, in %
     std::size_t measured_bytes = 0;  // the allocator's activation bytes under this schedule
 };
@@ -176,7 +176,7 @@ void register_remat(CLI::App& app) {
             std::vector<Point> pts;
             for (const char* p : {"none", "selective", "sqrt", "full", "offload"}) {
                 if (std::string(p) == "offload" && device != "cuda") continue;
-                pts.push_back({p, make_schedule(parse_policy(p), m, B, T, cost_ptr, fmt)});
+                pts.push_back({p, solve_policy(parse_policy(p), m, B, T, cost_ptr, fmt)});
             }
             const std::size_t lo = min_feasible_bytes(chain), hi = pts[0].s.peak_bytes;
             // The budget sweep, after the named policies (none is pts[0]).
@@ -235,7 +235,7 @@ void register_remat(CLI::App& app) {
                 "{} keeps block inputs in host memory beside a GPU: price it with --device cuda "
                 "(this is the {} layout)",
                 policy, device);
-        Schedule s = make_schedule(pol, m, B, T, cost_ptr, fmt);
+        Solution s = solve_policy(pol, m, B, T, cost_ptr, fmt);
         std::printf("\nschedule for %s\n%-6s %-10s %14s %13s %s\n", policy.c_str(), "block",
                     "keeps", "kept bytes", "recompute", unit_name);
         for (std::size_t l = 0; l < s.plan.size(); l++) {

@@ -33,8 +33,8 @@ struct TrainConfig {
         "analytic";  // recompute priced by "analytic" FLOPs or "measured" time
     int zero_stage =
         0;       // data-parallel sharding (parallel/data/zero_store.h): 0 DDP .. 3 parameters
-    int pp = 1;  // pipeline stages (ranks per pipeline; engine/cpu/mesh_engine.h)
-    int tp = 1;  // tensor-parallel ranks (Megatron; parallel/tensor/tp.h, engine/cpu/tp_engine.h)
+    int pp = 1;  // pipeline stages (ranks per pipeline; engine/cpu/cpu_engine.h)
+    int tp = 1;  // tensor-parallel ranks (Megatron; parallel/tensor/tp.h, engine/cpu/cpu_engine.h)
     // Sequence parallelism over the tensor-parallel group (needs tp > 1 and micro_batch x
     // seq_len divisible by tp): norms and the residual stream hold 1/tp of the token rows.
     bool sequence_parallel = false;

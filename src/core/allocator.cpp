@@ -1,6 +1,8 @@
 // Host side of the tagged allocator: aligned allocations and the per-category tracker.
 #include "core/allocator.h"
 
+#include <fmt/format.h>
+
 #include <sys/resource.h>
 
 #include <cstdio>
@@ -11,6 +13,14 @@
 #include "core/error.h"
 
 namespace memtrain {
+
+std::string mib(std::size_t bytes) {
+    return fmt::format("{:.1f} MiB", (double)bytes / (1024.0 * 1024));
+}
+
+std::string gib(std::size_t bytes) {
+    return fmt::format("{:.2f} GiB", (double)bytes / (1024.0 * 1024 * 1024));
+}
 
 std::string_view category_name(MemCategory c) {
     switch (c) {

@@ -34,6 +34,9 @@ enum class MemCategory : int {
 constexpr int kNumMemCategories = static_cast<int>(MemCategory::Count);
 
 std::string_view category_name(MemCategory c);
+// Byte counts as the reports print them: "12.3 MiB", "1.25 GiB".
+std::string mib(std::size_t bytes);
+std::string gib(std::size_t bytes);
 
 // A row of a memory prediction (the run plan's, the report's): a category's predicted bytes and
 // the formula behind them.

@@ -29,6 +29,24 @@ const DTypeRow& dtype_row(DType dtype) {
 
 }  // namespace
 
+const char* precision_name(Precision p) {
+    switch (p) {
+        case Precision::fp32:
+            return "fp32";
+        case Precision::bf16:
+            return "bf16";
+        case Precision::fp16:
+            return "fp16";
+    }
+    return "?";
+}
+
+std::optional<Precision> find_precision(std::string_view name) {
+    for (Precision p : {Precision::fp32, Precision::bf16, Precision::fp16})
+        if (name == precision_name(p)) return p;
+    return std::nullopt;
+}
+
 std::size_t dtype_size(DType dtype) {
     return dtype_row(dtype).size;
 }

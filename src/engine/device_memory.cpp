@@ -1,4 +1,4 @@
-// The CUDA engine's device memory predicted before allocation (see device_memory.h).
+// The CUDA engines' device memory predicted before allocation (see device_memory.h).
 #include "engine/device_memory.h"
 
 #include <algorithm>
@@ -7,16 +7,15 @@
 
 #include "comm/communicator.h"
 #include "core/error.h"
+#include "model/lora.h"
 #include "optim/device_update.h"
+#include "parallel/pipeline/stage_split.h"
+#include "quant/quantized_store.h"
 #include "remat/policy.h"
 
 namespace memtrain {
 
 namespace {
-
-std::string mib(std::size_t b) {
-    return fmt::format("{:.1f} MiB", (double)b / (1024.0 * 1024));
-}
 
 std::size_t sum(const std::vector<MemoryPrediction>& rows) {
     std::size_t s = 0;
@@ -24,7 +23,92 @@ std::size_t sum(const std::vector<MemoryPrediction>& rows) {
     return s;
 }
 
+int elem_bytes(Precision p) {
+    return p == Precision::fp32 ? 4 : 2;
+}
+
+// The schedule of full recompute at one sequence per micro-batch: the least activation memory a
+// run of this model and sequence length can have (what the refusal offers).
+RematPlan full_remat(const RunConfig& cfg, int T) {
+    return remat::solve_policy(remat::parse_policy("full"), cfg.model, 1, T, nullptr,
+                                device_arena_format(cfg, 1, T))
+        .plan;
+}
+
+// Fails when `rows` exceed `free_bytes`, naming every category, the device's size and what
+// would fit: smaller activations (`smallest`: the rows' total at one sequence per micro-batch
+// and full recompute) when they are the largest row, else `states_remedy` for the model states.
+void refuse_unless_fits(const std::vector<MemoryPrediction>& rows, const std::string& where,
+                        std::size_t smallest, const std::string& states_remedy,
+                        std::size_t free_bytes, std::size_t total_bytes) {
+    const std::size_t need = sum(rows);
+    if (rows.empty() || need <= free_bytes) return;
+    std::string parts;
+    const MemoryPrediction* largest = &rows[0];
+    for (const auto& r : rows) {
+        parts += fmt::format("{}{} {}", parts.empty() ? "" : ", ", category_name(r.category),
+                             mib(r.bytes));
+        if (r.bytes > largest->bytes) largest = &r;
+    }
+    std::size_t states = 0;
+    for (const auto& r : rows)
+        if (r.category == MemCategory::Parameters || r.category == MemCategory::Gradients ||
+            r.category == MemCategory::OptimizerState)
+            states += r.bytes;
+    std::string fit;
+    if (largest->category == MemCategory::Activations ||
+        largest->category == MemCategory::Workspace)
+        fit = fmt::format(
+            "most of it is for activations and their workspace: lower train.micro_batch_size or "
+            "train.seq_len, or recompute (train.remat = selective, full or budget:BYTES); "
+            "train.micro_batch_size = 1 with train.remat = \"full\" needs {}",
+            mib(smallest));
+    else
+        fit = fmt::format("the model states need {}: {}", mib(states), states_remedy);
+    fail(
+        "this run needs {} of device memory per GPU{} ({}) but the device has {} ({} free): it "
+        "would run out of device memory while allocating, so nothing was allocated. To fit: {}",
+        mib(need), where, parts, mib(total_bytes), mib(free_bytes), fit);
+}
+
+// What shrinks the model states of a run on the plan's GPU engine.
+std::string states_remedy(const RunConfig& cfg, EngineKind kind, bool packed_base) {
+    const std::string bf16 = cfg.train.precision == "fp32" ? "train.precision = bf16, " : "";
+    if (kind == EngineKind::CudaLora)
+        return packed_base ? "a GPU with more memory: the frozen base is packed already"
+                           : bf16 + "a packed frozen base (QLoRA: lora.base = nf4, int4 or int8)";
+    if (kind == EngineKind::CudaPipeline)
+        return bf16 +
+               "more pipeline stages (train.pp, one GPU each), or LoRA (lora.rank) on one "
+               "GPU to train adapters only";
+    return bf16 +
+           "ZeRO over more GPUs (mpirun with train.zero_stage = 3), "
+           "train.offload_optimizer = true, or LoRA (lora.rank) to train adapters only";
+}
+
+// DeviceOptimizer's row over floats [begin, begin + n) of `layout` ("k x <what> (states) +
+// chunk table"): its state per parameter and its table of tensor chunks.
+MemoryPrediction optimizer_row(const ParamLayout& layout, std::size_t begin, std::size_t n,
+                               const std::string& what, int elem_bytes, bool adamw) {
+    const std::size_t k = device_optimizer_bytes_per_param(elem_bytes, adamw);
+    const std::size_t table =
+        cuda::tensor_chunks(layout, begin, n).size() * sizeof(cuda::TensorChunk);
+    return {MemCategory::OptimizerState,
+            fmt::format("{} x {} ({}) + chunk table {} B", k, what,
+                        device_optimizer_states(elem_bytes, adamw), table),
+            k * n + table};
+}
+
 }  // namespace
+
+std::size_t device_step_bytes(int accum_steps) {
+    return sizeof(cuda::StepScalars) + 8 * (2 + (std::size_t)accum_steps);
+}
+
+int pipeline_stage_slots(const pp::Schedule& s, int stage) {
+    const pp::SimResult sim = pp::simulate(s, pp::StageCosts::uniform(s.num_stages(), 1, 2, 1, 1));
+    return std::max(1, sim.peak_stage_in_flight.at((std::size_t)stage));
+}
 
 bool cuda_data_parallel(const RunConfig& cfg, const dist::Communicator& comm) {
     return dynamic_cast<const dist::LocalCommunicator*>(&comm) == nullptr && !cfg.train.cuda_graphs;
@@ -67,14 +151,9 @@ std::vector<MemoryPrediction> predict_cuda_memory(const RunConfig& cfg, const Re
     const std::size_t e = (std::size_t)device_elem_bytes(cfg);
     const char* tn = cfg.train.precision.c_str();
     const bool offload = cfg.train.offload_optimizer, adamw = cfg.optim.name == "adamw";
-    // DeviceOptimizer's state, and its table of tensor chunks.
-    const std::size_t k = offload ? 0 : device_optimizer_bytes_per_param((int)e, adamw);
-    const std::size_t table =
-        offload ? 0 : cuda::tensor_chunks(layout, begin, count).size() * sizeof(cuda::TensorChunk);
-    const std::string states = device_optimizer_states((int)e, adamw);
     const auto lay = activation_layout(cfg.model, B, T, plan, device_arena_format(cfg, B, T));
-    const std::size_t stats = sizeof(cuda::StepScalars) + 8 * (2 + (std::size_t)cfg.accum_steps());
-    const std::size_t extra = device_token_bytes(B, T) + kDeviceGraphBytes + stats;
+    const std::size_t extra =
+        device_token_bytes(B, T) + kDeviceGraphBytes + device_step_bytes(cfg.accum_steps());
     const std::string per_rank = fmt::format(" / {} ranks", world);
     return {
         {MemCategory::Parameters,
@@ -84,11 +163,10 @@ std::vector<MemoryPrediction> predict_cuda_memory(const RunConfig& cfg, const Re
          fmt::format("{} x params{} ({})", e, stage >= 2 ? per_rank : "", tn),
          e * (stage >= 2 ? shard : padded)},
         // ZeRO-1: this rank's shard of the optimizer state.
-        {MemCategory::OptimizerState,
-         offload ? std::string("none on the device (train.offload_optimizer: see below)")
-                 : fmt::format("{} x params{} ({}) + chunk table {} B", k,
-                               stage >= 1 ? per_rank : "", states, table),
-         k * count + table},
+        offload ? MemoryPrediction{MemCategory::OptimizerState,
+                                   "none on the device (train.offload_optimizer: see below)", 0}
+                : optimizer_row(layout, begin, count,
+                                fmt::format("params{}", stage >= 1 ? per_rank : ""), (int)e, adamw),
         {MemCategory::Activations,
          fmt::format("activation_layout(B, T, remat={}, {})", cfg.train.remat, tn),
          arena_bytes(lay, MemCategory::Activations)},
@@ -97,48 +175,129 @@ std::vector<MemoryPrediction> predict_cuda_memory(const RunConfig& cfg, const Re
     };
 }
 
+std::vector<MemoryPrediction> predict_cuda_lora_memory(const RunPlan& plan, const RematPlan& remat,
+                                                       int B, int T) {
+    const RunConfig& cfg = plan.cfg;
+    const ParamLayout layout = make_param_layout(cfg.model);
+    const LoraLayout lora = make_lora_layout(cfg.model, cfg.lora);
+    const int eb = elem_bytes(plan.precision);
+    const std::size_t e = (std::size_t)eb, n = lora.params.total;
+    const char* tn = precision_name(plan.precision);
+    const auto lay =
+        activation_layout(cfg.model, B, T, remat, cuda_arena_format(cfg.model, eb, B, T));
+    std::size_t base = e * layout.total, slots = 0;
+    std::string base_text = fmt::format("frozen base {} x {} ({})", e, layout.total, tn);
+    if (plan.lora_base) {
+        const quant::DeviceBaseBytes b =
+            quant::device_base_bytes(cfg.model, *plan.lora_base, eb, quant::kDeviceBaseSlots);
+        base = b.params;
+        slots = b.slots;
+        base_text = fmt::format("frozen base packed {} + the rest {}", plan.lora_base->name(), tn);
+    }
+    // The adapters' GEMM scratch (CudaLora): lora_workspace_bytes counts fp32 elements.
+    const std::size_t adapter_gemms =
+        lora_workspace_bytes(cfg.lora, lora, B * T) / sizeof(float) * e;
+    const std::size_t extra = device_token_bytes(B, T) + kDeviceGraphBytes +
+                              device_step_bytes(cfg.accum_steps()) + adapter_gemms + slots;
+    return {
+        {MemCategory::Parameters, fmt::format("{} + adapters {} x {}", base_text, e, n),
+         base + e * n},
+        {MemCategory::Gradients, fmt::format("adapters only: {} x {} ({})", e, n, tn), e * n},
+        optimizer_row(lora.params, 0, n, "adapters", eb, cfg.optim.name == "adamw"),
+        {MemCategory::Activations,
+         fmt::format("activation_layout(B, T, remat={}, {})", cfg.train.remat, tn),
+         arena_bytes(lay, MemCategory::Activations)},
+        {MemCategory::Workspace,
+         std::string("activation_layout(B, T) + token ids + step statistics + adapter GEMMs") +
+             (plan.lora_base ? " + 2 decode slots" : ""),
+         arena_bytes(lay, MemCategory::Workspace) + extra},
+    };
+}
+
+std::vector<MemoryPrediction> predict_cuda_stage_memory(const RunPlan& plan, const RematPlan& remat,
+                                                        int B, int T) {
+    const RunConfig& cfg = plan.cfg;
+    const int p = plan.mesh.pp, stage = plan.mesh.stage_of(plan.rank);
+    const ParamLayout layout = make_param_layout(cfg.model);
+    // The stage's blocks and units, as the engine splits the model (for the config's
+    // micro-batch, once).
+    const pp::StageSplit split =
+        pp::split_stages(cfg.model, p, cfg.micro_batch(), cfg.train.seq_len);
+    const int b0 = split.first_block[(std::size_t)stage];
+    const int b1 = b0 + split.blocks[(std::size_t)stage];
+    const int first_unit = b0 == 0 ? ParamLayout::embedding_unit() : layout.block_unit(b0);
+    const int last_unit = b1 == cfg.model.n_layer ? layout.head_unit() : layout.block_unit(b1 - 1);
+    const std::size_t begin = layout.units[(std::size_t)first_unit].begin;
+    const std::size_t count = layout.units[(std::size_t)last_unit].end - begin;
+    // A tied embedding across stages: the last stage's mirror of wte (parameters and gradients)
+    // and the first stage's buffer for the classifier's wte gradient.
+    const bool tied = p > 1 && cfg.model.tied_embeddings;
+    const std::size_t emb = layout.units[(std::size_t)ParamLayout::embedding_unit()].size();
+    const std::size_t mirror = tied && stage == p - 1 ? emb : 0;
+    const int eb = elem_bytes(plan.precision);
+    const std::size_t e = (std::size_t)eb, n = count + mirror;
+    const std::size_t tied_in = tied && stage == 0 ? e * emb : 0;
+    const char* tn = precision_name(plan.precision);
+    const int slots =
+        pipeline_stage_slots(pp::make_schedule(plan.schedule, p, cfg.accum_steps()), stage);
+    const RematPlan stage_remat =
+        remat.empty() ? RematPlan{} : RematPlan(remat.begin() + b0, remat.begin() + b1);
+    const ArenaPlan a = plan_stage_arena(cfg.model, b1 - b0, B, T, stage_remat,
+                                         cuda_arena_format(cfg.model, eb, B, T));
+    const std::string mirrored = mirror ? " + the tied wte's mirror" : "";
+    return {
+        {MemCategory::Parameters, fmt::format("{} x stage params{} ({})", e, mirrored, tn), e * n},
+        {MemCategory::Gradients, fmt::format("{} x stage params{} ({})", e, mirrored, tn), e * n},
+        optimizer_row(layout, begin, count, "stage params", eb, cfg.optim.name == "adamw"),
+        {MemCategory::Activations,
+         fmt::format("{} slots x plan_stage_arena({} blocks, B, T, remat={}, {})", slots, b1 - b0,
+                     cfg.train.remat, tn),
+         (std::size_t)slots * a.activation_bytes},
+        {MemCategory::Workspace,
+         fmt::format("plan_stage_arena(B, T) + {} slots x token ids + step statistics{}", slots,
+                     tied_in ? " + the tied wte's gradient" : ""),
+         arena_bytes(a.entries, MemCategory::Workspace) +
+             (std::size_t)slots * device_token_bytes(B, T) + kDeviceGraphBytes +
+             device_step_bytes(cfg.accum_steps()) + tied_in},
+    };
+}
+
+std::vector<MemoryPrediction> predict_device_memory(const RunPlan& plan, const RematPlan& remat,
+                                                    int B, int T) {
+    switch (plan.engine) {
+        case EngineKind::Cuda:
+            return predict_cuda_memory(
+                plan.cfg, remat, DevicePlacement{plan.world, plan.rank, plan.collective}, B, T);
+        case EngineKind::CudaLora:
+            return predict_cuda_lora_memory(plan, remat, B, T);
+        case EngineKind::CudaPipeline:
+            return predict_cuda_stage_memory(plan, remat, B, T);
+        default:
+            return {};
+    }
+}
+
+void check_device_fit(const RunPlan& plan, std::size_t free_bytes, std::size_t total_bytes) {
+    if (plan.memory.empty() || sum(plan.memory) <= free_bytes) return;
+    const int T = plan.cfg.train.seq_len;
+    const std::size_t smallest = sum(predict_device_memory(plan, full_remat(plan.cfg, T), 1, T));
+    const std::string where = plan.engine == EngineKind::CudaPipeline
+                                  ? fmt::format(" on pipeline stage {} of {}",
+                                                plan.mesh.stage_of(plan.rank), plan.mesh.pp)
+                                  : std::string();
+    refuse_unless_fits(plan.memory, where, smallest,
+                       states_remedy(plan.cfg, plan.engine, plan.lora_base.has_value()), free_bytes,
+                       total_bytes);
+}
+
 void check_device_fit(const RunConfig& cfg, const RematPlan& plan, const DevicePlacement& where,
                       std::size_t free_bytes, std::size_t total_bytes) {
     const int B = cfg.micro_batch(), T = cfg.train.seq_len;
     const std::vector<MemoryPrediction> rows = predict_cuda_memory(cfg, plan, where, B, T);
-    if (rows.empty()) return;
-    const std::size_t need = sum(rows);
-    if (need <= free_bytes) return;
-    std::string parts;
-    const MemoryPrediction* largest = &rows[0];
-    for (const auto& r : rows) {
-        parts += fmt::format("{}{} {}", parts.empty() ? "" : ", ", category_name(r.category),
-                             mib(r.bytes));
-        if (r.bytes > largest->bytes) largest = &r;
-    }
-    // What would change it: the activations at one sequence per micro-batch and full remat; the
-    // model states in bf16, sharded over more GPUs or with the optimizer on the host.
-    const RematPlan full = remat::make_schedule(remat::parse_policy("full"), cfg.model, 1, T,
-                                                nullptr, device_arena_format(cfg, 1, T))
-                               .plan;
-    std::size_t states = 0;
-    for (const auto& r : rows)
-        if (r.category == MemCategory::Parameters || r.category == MemCategory::Gradients ||
-            r.category == MemCategory::OptimizerState)
-            states += r.bytes;
-    const std::size_t smallest = sum(predict_cuda_memory(cfg, full, where, 1, T));
-    std::string fit;
-    if (largest->category == MemCategory::Activations ||
-        largest->category == MemCategory::Workspace)
-        fit = fmt::format(
-            "most of it is for activations and their workspace: lower train.micro_batch_size or "
-            "train.seq_len, or recompute (train.remat = selective, full or budget:BYTES); "
-            "train.micro_batch_size = 1 with train.remat = \"full\" needs {}",
-            mib(smallest));
-    else
-        fit = fmt::format(
-            "the model states need {}: {}ZeRO over more GPUs (mpirun with train.zero_stage = 3), "
-            "train.offload_optimizer = true, or LoRA (lora.rank) to train adapters only",
-            mib(states), cfg.train.precision == "fp32" ? "train.precision = bf16, " : "");
-    fail(
-        "this run needs {} of device memory per GPU ({}) but the device has {} ({} free): it "
-        "would run out of device memory while allocating, so nothing was allocated. To fit: {}",
-        mib(need), parts, mib(total_bytes), mib(free_bytes), fit);
+    if (rows.empty() || sum(rows) <= free_bytes) return;
+    const std::size_t smallest = sum(predict_cuda_memory(cfg, full_remat(cfg, T), where, 1, T));
+    refuse_unless_fits(rows, "", smallest, states_remedy(cfg, EngineKind::Cuda, false), free_bytes,
+                       total_bytes);
 }
 
 }  // namespace memtrain

@@ -1,10 +1,11 @@
-// The CUDA engine's device memory predicted from the config alone, before anything is allocated
-// (the GPU side of host_memory.h): its model states (whole, or a rank's ZeRO shard, the
-// optimizer on the host under train.offload_optimizer), the activation arenas of the remat plan
-// from the same layout function CudaGPT allocates with, and the workspace. CudaEngine reports
-// exactly these rows beside what it measured (plus its ZeRO-2/3 buckets, sized once built), and
-// the Trainer refuses a run whose rows do not fit the GPU before the engine allocates.
-// Plain C++: it builds (and answers) without the CUDA toolkit.
+// The CUDA engines' device memory predicted from the plan alone, before anything is allocated
+// (the GPU side of host_memory.h), for each GPU engine kind: the whole model's states (whole, or
+// a rank's ZeRO shard, the optimizer on the host under train.offload_optimizer), LoRA's frozen
+// base (whole or QLoRA-packed) and adapters, or a pipeline stage's units and activation slots;
+// the activation arenas of the remat plan from the same layout functions CudaGPT allocates with,
+// and the workspace. The engines report exactly these rows beside what they measured (plus the
+// ZeRO-2/3 buckets, sized once built), and plan_run refuses a run whose rows do not fit the GPU
+// before the engine allocates. Plain C++: it builds (and answers) without the CUDA toolkit.
 #pragma once
 
 #include <cstddef>
@@ -14,7 +15,9 @@
 #include "comm/communicator.h"
 #include "config/run_config.h"
 #include "engine/engine.h"
+#include "engine/run_plan.h"
 #include "model/activation_layout.h"
+#include "parallel/pipeline/schedule.h"
 
 namespace memtrain {
 
@@ -30,6 +33,12 @@ inline constexpr std::size_t kDeviceGraphBytes = sizeof(double);
 // weights when the storage is not fp32, then Adam's m and v or SGD's momentum; and its name.
 std::size_t device_optimizer_bytes_per_param(int elem_bytes, bool adamw);
 std::string device_optimizer_states(int elem_bytes, bool adamw);  // "fp32 master, Adam m, v"
+// The device bytes of the engines' shared step (DeviceStep): its scalars and the loss sums of
+// `accum_steps` micro-batches.
+std::size_t device_step_bytes(int accum_steps);
+// The activation slots of the GPU pipeline's stage `stage` under schedule `s`: the most
+// micro-batches it holds between their forward and backward (at least one).
+int pipeline_stage_slots(const pp::Schedule& s, int stage);
 
 // Whether the CUDA engine runs data parallelism over NCCL on `comm`: launched by mpirun (an MPI
 // communicator, even of one rank), without CUDA graphs (which run one process, the plain path).
@@ -43,14 +52,30 @@ struct DevicePlacement {
     bool data_parallel = false;
 };
 
-// The rows CudaEngine allocates for micro-batches of B x T with `plan` (no ZeRO-2/3 buckets:
-// those are sized by the built engine); empty for the other GPU engines (LoRA, pipeline stages).
+// The rows CudaEngine allocates over the whole model for micro-batches of B x T with `plan` (no
+// ZeRO-2/3 buckets: those are sized by the built engine); empty for LoRA and pipeline stages
+// (the functions below).
 std::vector<MemoryPrediction> predict_cuda_memory(const RunConfig& cfg, const RematPlan& plan,
                                                   const DevicePlacement& where, int B, int T);
+// The rows CudaEngine allocates over LoRA's adapters (plan.lora): the frozen base whole in the
+// storage precision or packed (plan.lora_base) with its decode slots, the adapters' parameters,
+// gradients and optimizer state, the arenas and the adapters' GEMM workspace.
+std::vector<MemoryPrediction> predict_cuda_lora_memory(const RunPlan& plan, const RematPlan& remat,
+                                                       int B, int T);
+// The rows CudaPipelineEngine allocates on this rank's stage (plan.mesh.stage_of(plan.rank)):
+// the stage's units (and the last stage's mirror of a tied embedding), its optimizer state, one
+// activation arena per slot the schedule keeps in flight, the shared workspace.
+std::vector<MemoryPrediction> predict_cuda_stage_memory(const RunPlan& plan, const RematPlan& remat,
+                                                        int B, int T);
+// The rows of the plan's GPU engine kind (one of the three above).
+std::vector<MemoryPrediction> predict_device_memory(const RunPlan& plan, const RematPlan& remat,
+                                                    int B, int T);
 
 // Fails before anything is allocated, naming every category, the device's size and what would
-// fit instead, when predict_cuda_memory's rows exceed `free_bytes` (the device's free memory)
+// fit instead, when the plan's rows (plan.memory) exceed `free_bytes` (the device's free memory)
 // of `total_bytes`.
+void check_device_fit(const RunPlan& plan, std::size_t free_bytes, std::size_t total_bytes);
+// The same for the whole model's rows (predict_cuda_memory) of `cfg`.
 void check_device_fit(const RunConfig& cfg, const RematPlan& plan, const DevicePlacement& where,
                       std::size_t free_bytes, std::size_t total_bytes);
 

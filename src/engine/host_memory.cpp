@@ -14,7 +14,11 @@
 #include "model/gpt.h"
 #include "model/lora.h"
 #include "parallel/mesh.h"
+#include "parallel/pipeline/schedule.h"
+#include "parallel/pipeline/stage_split.h"
+#include "parallel/pipeline/weight_versions.h"
 #include "parallel/placement.h"
+#include "parallel/ps/param_server.h"
 #include "parallel/tensor/tp.h"
 #include "planner/memory_model.h"
 #include "planner/model_shape.h"
@@ -56,10 +60,6 @@ std::vector<MemoryPrediction> zero_state_rows(const RunConfig& cfg, std::size_t 
 
 namespace {
 
-std::string gib(std::size_t b) {
-    return fmt::format("{:.2f} GiB", (double)b / (1024.0 * 1024 * 1024));
-}
-
 std::size_t sum(const std::vector<MemoryPrediction>& rows) {
     std::size_t s = 0;
     for (const auto& r : rows) s += r.bytes;
@@ -90,9 +90,9 @@ std::size_t read_number(const std::string& path, const std::string& key, std::si
 
 }  // namespace
 
-// A tensor-parallel rank (engine/cpu/tp_engine.h): the model states of its shard (the whole tensors
-// plus 1/T of the cut ones), the arenas of the shard's config, and the buffers that gather the
-// shards for checkpoints (a unit, or the optimizer state, from every rank).
+// A tensor-parallel rank (tensor parallelism alone, engine/cpu/cpu_engine.h): the model states of
+// its shard (the whole tensors plus 1/T of the cut ones), the arenas of the shard's config, and the
+// buffers that gather the shards for checkpoints (a unit, or the optimizer state, from every rank).
 static std::vector<MemoryPrediction> predict_tp_memory(const RunConfig& cfg, const RematPlan& plan,
                                                        int rank, int B, int T) {
     const int tp = cfg.train.tp;
@@ -131,7 +131,7 @@ std::vector<MemoryPrediction> predict_cpu_memory(const RunConfig& cfg, const Rem
         case EngineKind::Cpu:
         case EngineKind::Lora:
             break;
-        default:  // the mesh's engine (predict_pipeline_memory), the parameter server
+        default:  // a pipeline stage or a parameter server (predict_host_memory)
             return {};
     }
     const ParamLayout layout = make_param_layout(cfg.model);
@@ -172,9 +172,143 @@ std::vector<MemoryPrediction> predict_cpu_memory(const RunConfig& cfg, const Rem
     return rows;
 }
 
+std::vector<MemoryPrediction> stage_memory_rows(const RunPlan& plan, const StageFootprint& f) {
+    const int k = plan.cfg.optim.name == "adamw" ? 8 : 4;
+    const std::size_t stage = f.params + f.mirror;
+    return {
+        {MemCategory::Parameters, fmt::format("4 x stage params ({}){}", f.units, f.versions),
+         4 * stage + f.version_bytes},
+        {MemCategory::Gradients,
+         f.piece
+             ? fmt::format("4 x stage params + 4 x its 1/{} shard (reduce-scattered)", f.replicas)
+             : std::string("4 x stage params"),
+         4 * stage + 4 * f.reduce_buffer},
+        {MemCategory::OptimizerState,
+         f.piece ? fmt::format("{} x 1/{} of the stage params ({}, ZeRO-1 across pipelines)", k,
+                               f.replicas, k == 8 ? "Adam m, v" : "momentum")
+                 : fmt::format("{} x stage params, own units ({})", k,
+                               k == 8 ? "Adam m, v" : "momentum"),
+         (std::size_t)k * f.updated},
+        {MemCategory::Activations,
+         fmt::format("micro-batches in flight: {}, remat={}{}", f.slots, plan.remat_policy,
+                     f.split_backward ? " + output gradients kept for W" : ""),
+         f.activations},
+        {MemCategory::Workspace,
+         f.chunks == 1
+             ? std::string("activation_layout(stage blocks), shared")
+             : fmt::format("activation_layout(chunk blocks), one per chunk ({})", f.chunks),
+         f.workspace},
+    };
+}
+
+StageFootprint stage_footprint(const RunPlan& plan, const RematPlan& remat, int B, int T) {
+    // As CpuEngine builds the stage: the whole model's blocks split over p x v virtual stages,
+    // this rank's chunks c * p + s, their units in the layout of the (tensor-parallel shard's)
+    // config, a slot per micro-batch the schedule keeps in flight on the chunk.
+    const ModelConfig& whole = plan.cfg.model;
+    const int tp = plan.mesh.tp, p = plan.mesh.pp, v = plan.virtual_stages;
+    const int s = plan.mesh.stage_of(plan.rank);
+    const ModelConfig cfg =
+        tp > 1 ? dist::tp_shard_config(whole, tp, plan.sequence_parallel) : whole;
+    const ParamLayout layout = make_param_layout(cfg);
+    const pp::StageSplit split = pp::split_stages(whole, p * v, plan.micro_batch, plan.seq_len);
+    const pp::SimResult sim = pp::simulate(pp::make_schedule(plan.schedule, p, plan.accum_steps, v),
+                                           pp::StageCosts::uniform(p * v, 1, 2, 1, 1));
+    StageFootprint f;
+    f.chunks = v;
+    f.split_backward = plan.schedule == pp::Kind::ZbH1;
+    bool embedding = false;
+    for (int c = 0; c < v; c++) {
+        const int vs = c * p + s, b0 = split.first_block[vs], b1 = b0 + split.blocks[vs];
+        const int first = b0 == 0 ? ParamLayout::embedding_unit() : layout.block_unit(b0);
+        const int last = b1 == whole.n_layer ? layout.head_unit() : layout.block_unit(b1 - 1);
+        embedding = embedding || b0 == 0;
+        f.params += layout.units[last].end - layout.units[first].begin;
+        f.units += fmt::format("{}{}..{}", f.units.empty() ? "" : ", ", layout.units[first].name,
+                               layout.units[last].name);
+        const RematPlan keep =
+            remat.empty() ? RematPlan{} : RematPlan(remat.begin() + b0, remat.begin() + b1);
+        const ArenaPlan a = plan_stage_arena(cfg, b1 - b0, B, T, keep, GPT::arena_format());
+        const int slots = std::max(1, sim.peak_stage_in_flight[vs]);
+        const std::size_t wgrad = f.split_backward ? split_backward_bytes(cfg, b1 - b0, B, T) : 0;
+        f.activations += (std::size_t)slots * (a.activation_bytes + wgrad);
+        f.workspace += a.workspace_bytes;
+        f.slots += fmt::format("{}{} x activation_layout(blocks {}..{})",
+                               f.slots.empty() ? "" : " + ", slots, b0, b1 - 1);
+    }
+    if (s == p - 1 && whole.tied_embeddings && !embedding) {
+        f.mirror = layout.units[ParamLayout::embedding_unit()].size();
+        f.units += " + a copy of wte";
+    }
+    f.version_bytes =
+        sizeof(float) * pp::weight_version_floats(plan.schedule, p, s, f.params, f.mirror);
+    f.versions = pp::weight_version_formula(plan.schedule, p, s);
+    f.replicas = plan.mesh.dp;
+    f.piece = f.replicas > 1 && dist::sharded(plan.states.optimizer);
+    f.updated = f.piece ? (std::size_t)dist::shard_ranges((int64_t)f.params, f.replicas)
+                              .at(plan.mesh.replica_of(plan.rank))
+                              .count
+                        : f.params;
+    f.reduce_buffer = f.piece ? f.updated : 0;
+    return f;
+}
+
+std::vector<MemoryPrediction> ps_memory_rows(const RunPlan& plan, const RematPlan& remat,
+                                             bool server, std::size_t server_floats, int B, int T) {
+    const int k = plan.cfg.optim.name == "adamw" ? 8 : 4;
+    if (server) {
+        const std::size_t own = server_floats;
+        const std::size_t copies = plan.ps_staleness > 0 ? (std::size_t)plan.ps_staleness + 1 : 0;
+        return {
+            {MemCategory::Parameters, "4 x server params (its units)", 4 * own},
+            {MemCategory::Gradients, "4 x server params (sum of the pushes)", 4 * own},
+            {MemCategory::OptimizerState,
+             fmt::format("{} x server params ({})", k, k == 8 ? "Adam m, v" : "momentum"),
+             (std::size_t)k * own},
+            {MemCategory::Communication,
+             fmt::format("4 x server params x (1 push buffer + {} published versions)", copies),
+             4 * own * (1 + copies)},
+        };
+    }
+    const std::size_t psi = make_param_layout(plan.cfg.model).total;
+    const auto lay = activation_layout(plan.cfg.model, B, T, remat, GPT::arena_format());
+    return {
+        {MemCategory::Parameters, "4 x params (a whole replica)", 4 * psi},
+        {MemCategory::Gradients, "4 x params", 4 * psi},
+        {MemCategory::OptimizerState, "none: the servers hold it", 0},
+        {MemCategory::Activations,
+         fmt::format("activation_layout(B, T, remat={})", plan.remat_policy),
+         arena_bytes(lay, MemCategory::Activations)},
+        {MemCategory::Workspace, "activation_layout(B, T)",
+         arena_bytes(lay, MemCategory::Workspace)},
+    };
+}
+
+std::vector<MemoryPrediction> predict_host_memory(const RunPlan& plan, const RematPlan& remat,
+                                                  int B, int T) {
+    switch (plan.engine) {
+        case EngineKind::Cpu:
+        case EngineKind::Lora:
+        case EngineKind::TensorParallel:
+            return predict_cpu_memory(plan.cfg, remat, plan.rank, B, T);
+        case EngineKind::Mesh:
+            return stage_memory_rows(plan, stage_footprint(plan, remat, B, T));
+        case EngineKind::ParameterServer: {
+            // The last ps_servers ranks are servers, each a contiguous run of units.
+            const int workers = plan.mesh.dp;
+            if (plan.rank < workers) return ps_memory_rows(plan, remat, false, 0, B, T);
+            const dist::ServerSplit split =
+                dist::split_servers(make_param_layout(plan.cfg.model), plan.ps_servers);
+            return ps_memory_rows(plan, remat, true, split.count(plan.rank - workers), B, T);
+        }
+        default:  // the GPU (engine/device_memory.h)
+            return {};
+    }
+}
+
 plan::RunSpec planner_run_spec(const RunConfig& cfg, const ActFormat& format) {
     plan::RunSpec rs;
-    rs.precision = plan::parse_precision(cfg.train.precision);
+    rs.precision = plan::parse_precision(cfg.train.precision, &rs.fp32_master);
     rs.optimizer = cfg.optim.name == "sgd" ? plan::Optimizer::sgd : plan::Optimizer::adamw;
     rs.micro_batch = cfg.micro_batch();
     rs.seq = cfg.train.seq_len;
@@ -188,7 +322,7 @@ plan::RunSpec planner_run_spec(const RunConfig& cfg, const ActFormat& format) {
     if (sched == "gpipe" || sched == "1f1b" || sched == "zb-h1")
         rs.schedule = plan::parse_schedule(sched);
     if (sched == "interleaved" && cfg.train.pp_virtual > 1) {
-        rs.schedule = plan::Schedule::interleaved;
+        rs.schedule = pp::Kind::Interleaved;
         rs.virtual_stages = cfg.train.pp_virtual;
     }
     rs.zero = cfg.train.zero_stage;
@@ -258,10 +392,8 @@ std::vector<MemoryPrediction> predict_pipeline_memory(const RunConfig& cfg, int 
     return rows;
 }
 
-void check_host_fit(const RunConfig& cfg, const std::vector<MemoryPrediction>& rows, int rank,
-                    int ranks_on_node) {
-    const int T = cfg.train.seq_len;
-    const bool stage = engine_kind(cfg) == EngineKind::Mesh;
+void check_host_fit(const RunPlan& plan, int ranks_on_node) {
+    const std::vector<MemoryPrediction>& rows = plan.memory;
     if (rows.empty()) return;
     const std::size_t per_rank = sum(rows), need = per_rank * (std::size_t)ranks_on_node;
     const std::size_t avail = host_available_bytes();
@@ -270,36 +402,39 @@ void check_host_fit(const RunConfig& cfg, const std::vector<MemoryPrediction>& r
     for (const auto& r : rows)
         parts += fmt::format("{}{} {}", parts.empty() ? "" : ", ", category_name(r.category),
                              gib(r.bytes));
-    if (stage)
+    const std::string node = ranks_on_node > 1 ? fmt::format(", {} for the {} ranks on this node,",
+                                                             gib(need), ranks_on_node)
+                                               : std::string(",");
+    const char* env = std::getenv("MEMTRAIN_HOST_MEMORY") ? " (MEMTRAIN_HOST_MEMORY)" : "";
+    if (plan.engine == EngineKind::Mesh)
         fail(
             "this run needs {} of host memory per rank on pipeline stage {} ({}){} but {} is "
             "available{}: it would fail while allocating. More stages (train.pp), a smaller "
             "train.micro_batch_size or train.remat = \"full\" need less per rank",
-            gib(per_rank), planner_rank(cfg, rank).stage, parts,
-            ranks_on_node > 1
-                ? fmt::format(", {} for the {} ranks on this node,", gib(need), ranks_on_node)
-                : std::string(","),
-            gib(avail), std::getenv("MEMTRAIN_HOST_MEMORY") ? " (MEMTRAIN_HOST_MEMORY)" : "");
+            gib(per_rank), plan.mesh.stage_of(plan.rank), parts, node, gib(avail), env);
     // What would change it: the activations at one sequence per micro-batch and full remat, and
     // the model states sharded over more ranks or left to adapters.
-    const RematPlan full = remat::make_schedule(remat::parse_policy("full"), cfg.model, 1, T,
-                                                nullptr, GPT::arena_format())
+    const int T = plan.seq_len;
+    const RematPlan full = remat::solve_policy(remat::parse_policy("full"), plan.cfg.model, 1, T,
+                                               nullptr, GPT::arena_format())
                                .plan;
-    const std::size_t smallest = sum(predict_cpu_memory(cfg, full, rank, 1, T));
+    const std::size_t smallest = sum(predict_host_memory(plan, full, 1, T));
     std::string would = fmt::format(
         "train.micro_batch_size = 1 with train.remat = \"full\" needs {} per rank", gib(smallest));
     if (smallest > avail / (std::size_t)ranks_on_node)
-        would += cfg.lora.enabled() ? "; a smaller model or more memory is needed"
-                                    : "; model states need ZeRO over more nodes, or LoRA "
-                                      "(lora.rank) to train adapters only";
+        would +=
+            plan.lora ? "; a smaller model or more memory is needed"
+            : plan.engine != EngineKind::ParameterServer
+                ? "; model states need ZeRO over more nodes, or LoRA (lora.rank) to train adapters "
+                  "only"
+            : plan.rank < plan.mesh.dp
+                ? "; a parameter-server worker holds the whole model: a smaller model or more "
+                  "memory is needed"
+                : "; more parameter servers (train.ps_servers) hold fewer units each";
     fail(
         "this run needs {} of host memory per rank ({}){} but {} is available{}: it would fail "
         "while allocating. {}",
-        gib(per_rank), parts,
-        ranks_on_node > 1
-            ? fmt::format(", {} for the {} ranks on this node,", gib(need), ranks_on_node)
-            : std::string(","),
-        gib(avail), std::getenv("MEMTRAIN_HOST_MEMORY") ? " (MEMTRAIN_HOST_MEMORY)" : "", would);
+        gib(per_rank), parts, node, gib(avail), env, would);
 }
 
 }  // namespace memtrain

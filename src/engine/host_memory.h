@@ -1,8 +1,11 @@
-// The CPU engines' memory, predicted from the config alone, before anything is allocated: the
-// model states (whole, or a ZeroStore shard), the frozen base of a LoRA run, and the activation
-// arenas of the remat plan, computed by the same layout functions the engines allocate with.
-// CpuEngine and LoraEngine report exactly these rows beside what they measured, and the
-// Trainer refuses a run whose rows do not fit the host's memory before it allocates.
+// The CPU engines' memory, predicted from the plan alone, before anything is allocated: the
+// model states (whole, a ZeroStore shard, a tensor-parallel shard, a pipeline stage's units with
+// its weight versions, a parameter server's units), the frozen base of a LoRA run, and the
+// activation arenas of the remat plan (a pipeline stage's as many as its schedule keeps in
+// flight), computed by the same layout functions the engines allocate with. The engines report
+// the same rows (CpuEngine over a whole model exactly these; a pipeline stage and a parameter
+// server from what they allocated, through the same row builders), and the plan refuses a run
+// whose rows do not fit the host's memory before anything is allocated.
 #pragma once
 
 #include <cstddef>
@@ -11,6 +14,7 @@
 
 #include "config/run_config.h"
 #include "engine/engine.h"
+#include "engine/run_plan.h"
 #include "model/activation_layout.h"
 #include "planner/rank_layout.h"
 #include "planner/run_layout.h"
@@ -26,11 +30,47 @@ std::string host_rss_line();
 std::vector<MemoryPrediction> zero_state_rows(const RunConfig& cfg, std::size_t shard,
                                               std::size_t psi, int world, const std::string& what);
 
-// The rows one rank of a CPU run (data parallel or not, full or LoRA) allocates for
-// micro-batches of B x T with `plan`; empty where the engine is another (pipeline stages and
-// tensor-parallel groups side by side, a parameter server, the GPU).
+// The rows one rank of a CPU run over a whole model (data parallel or not, full or LoRA, or one
+// tensor-parallel group) allocates for micro-batches of B x T with `plan`; empty for the other
+// layouts (pipeline stages and tensor-parallel groups side by side, a parameter server: see
+// predict_host_memory; the GPU).
 std::vector<MemoryPrediction> predict_cpu_memory(const RunConfig& cfg, const RematPlan& plan,
                                                  int rank, int B, int T);
+
+// A pipeline stage's footprint (CpuEngine under EngineKind::Mesh): what its rows are made of.
+struct StageFootprint {
+    std::string units;              // "h.2..head" (", " between chunks) + " + a copy of wte"
+    std::size_t params = 0;         // floats of the stage's units
+    std::size_t mirror = 0;         // floats of the tied embedding's copy (last stage)
+    std::size_t version_bytes = 0;  // the weight versions beside them (PipeDream, 2BW)
+    std::string versions;           // what they add to the formula
+    int replicas = 1;               // pipelines side by side
+    bool piece = false;             // ZeRO-1: the optimizer updates a piece of the range
+    std::size_t updated = 0;        // floats the optimizer updates (the range, or the piece)
+    std::size_t reduce_buffer = 0;  // floats of the reduce-scattered piece (ZeRO-1)
+    std::size_t activations = 0;    // bytes: every chunk's slots of its arena
+    std::size_t workspace = 0;      // bytes: every chunk's workspace
+    std::string slots;              // "2 x activation_layout(blocks 0..1) + ..."
+    bool split_backward = false;    // zero bubble keeps output gradients for W
+    int chunks = 1;
+};
+// The stage's rows from its footprint.
+std::vector<MemoryPrediction> stage_memory_rows(const RunPlan& plan, const StageFootprint& f);
+// Rank plan.rank's footprint, from the plan: the split of the blocks over the virtual stages,
+// the schedule's slots per chunk (pp::simulate, as the executor sizes them), the chunk's arena
+// under `remat` for micro-batches of B x T.
+StageFootprint stage_footprint(const RunPlan& plan, const RematPlan& remat, int B, int T);
+
+// A parameter-server rank's rows (engine/cpu/ps_engine.h): a server's `server_floats` of units,
+// their gradient sum, optimizer state, a push buffer and the published versions in flight; a
+// worker's whole replica, gradients and arenas (no optimizer state).
+std::vector<MemoryPrediction> ps_memory_rows(const RunPlan& plan, const RematPlan& remat,
+                                             bool server, std::size_t server_floats, int B, int T);
+
+// The rows rank plan.rank of a CPU run allocates for micro-batches of B x T under `remat`,
+// whichever engine the plan names (empty on the GPU).
+std::vector<MemoryPrediction> predict_host_memory(const RunPlan& plan, const RematPlan& remat,
+                                                  int B, int T);
 
 // The planner's description of this run (`memtrain estimate` with the same layout): tp and
 // sequence parallelism, pp and its schedule, dp, the ZeRO stage, offload, precision, optimizer,
@@ -47,18 +87,17 @@ plan::RankCoord planner_rank(const RunConfig& cfg, int rank);
 // tests and for running beside other jobs.
 std::size_t host_available_bytes();
 
-// One rank of the CPU mesh engine (train.pp > 1, or tensor-parallel groups side by side): the
-// planner's estimate for it (plan::estimate_rank_memory), which prices these layouts with the
-// engine's layout functions to the byte (ZB-H1's deferred output gradients among the
-// activations, as the engine keeps them); empty where the planner does not price what the
-// executor allocates (naive, PipeDream, per-block remat budgets). No workspace row. The Trainer
-// checks these rows against the engine's own once it is built.
+// One rank of the CPU mesh (train.pp > 1, or tensor-parallel groups side by side): the planner's
+// estimate for it (plan::estimate_rank_memory), which prices these layouts with the engine's
+// layout functions to the byte (ZB-H1's deferred output gradients among the activations, as the
+// engine keeps them); empty where the planner does not price what the executor allocates
+// (naive, PipeDream, per-block remat budgets). No workspace row. The plan's rows are
+// stage_footprint's; tests check the planner against the engine.
 std::vector<MemoryPrediction> predict_pipeline_memory(const RunConfig& cfg, int rank);
 
-// Fails, naming every category and what would fit instead, when `ranks_on_node` ranks of this
-// run need more than host_available_bytes(): `rows` are this rank's, from predict_cpu_memory or,
-// on the mesh's engine, predict_pipeline_memory (the run plan's). A no-op without rows.
-void check_host_fit(const RunConfig& cfg, const std::vector<MemoryPrediction>& rows, int rank,
-                    int ranks_on_node);
+// Fails, naming every category and what would fit instead, when `ranks_on_node` ranks of the run
+// need more than host_available_bytes(): the plan's rows are this rank's (predict_host_memory).
+// A no-op without rows.
+void check_host_fit(const RunPlan& plan, int ranks_on_node);
 
 }  // namespace memtrain

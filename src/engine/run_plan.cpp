@@ -88,22 +88,8 @@ bool on_gpu(EngineKind k) {
     return k == EngineKind::Cuda || k == EngineKind::CudaLora || k == EngineKind::CudaPipeline;
 }
 
-const char* precision_name(Precision p) {
-    switch (p) {
-        case Precision::fp32:
-            return "fp32";
-        case Precision::bf16:
-            return "bf16";
-        case Precision::fp16:
-            return "fp16";
-    }
-    return "?";
-}
-
-Precision parse_precision(const std::string& name) {
-    if (name == "fp32") return Precision::fp32;
-    if (name == "bf16") return Precision::bf16;
-    if (name == "fp16") return Precision::fp16;
+Precision resolved_precision(const std::string& name) {
+    if (const auto p = find_precision(name)) return *p;
     fail("internal: precision \"{}\" was not resolved to fp32, bf16 or fp16", name);
 }
 

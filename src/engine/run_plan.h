@@ -20,6 +20,7 @@
 
 #include "config/run_config.h"
 #include "core/allocator.h"
+#include "core/dtype.h"
 #include "model/activation_layout.h"
 #include "parallel/mesh.h"
 #include "parallel/pipeline/schedule.h"
@@ -30,13 +31,14 @@
 namespace memtrain {
 
 enum class EngineKind {
-    Cpu,              // CpuEngine: one process, DDP or ZeRO 0-3 (parallel/data/zero_store.h)
-    Lora,             // LoraEngine: adapters over a frozen (or packed) base
-    TensorParallel,   // TpEngine: train.tp alone (and sequence parallelism)
-    Mesh,             // MeshEngine: train.pp, pipelines side by side, the tp x pp x dp mesh
+    // CpuEngine composes the first four (engine/cpu/cpu_engine.h):
+    Cpu,              // one process, DDP or ZeRO 0-3 (parallel/data/zero_store.h)
+    Lora,             // adapters over a frozen (or packed) base
+    TensorParallel,   // train.tp alone (and sequence parallelism)
+    Mesh,             // train.pp, pipelines side by side, the tp x pp x dp mesh (the executor)
     ParameterServer,  // PsEngine: train.dp_mode = "ps"
     Cuda,             // CudaEngine: one GPU, DDP or ZeRO over NCCL, ZeRO-Offload
-    CudaLora,         // CudaLoraEngine
+    CudaLora,         // CudaEngine over LoRA's adapters (engine/cuda/model_states.h)
     CudaPipeline,     // CudaPipelineEngine: train.pp stages on GPUs
 };
 const char* engine_name(EngineKind k);
@@ -47,11 +49,8 @@ EngineKind engine_kind(const RunConfig& cfg);
 // checks, and again once "auto" has resolved to the GPU).
 void validate_cuda_pipeline(const RunConfig& cfg);
 
-// The one precision type: what the model computes and stores its activations in (fp32 master
-// weights under bf16 and fp16).
-enum class Precision { fp32, bf16, fp16 };
-const char* precision_name(Precision p);
-Precision parse_precision(const std::string& name);  // "fp32" | "bf16" | "fp16"
+// train.precision once resolved (core/dtype.h's Precision); fails on "auto".
+Precision resolved_precision(const std::string& name);
 
 // Where a plan's memory rows live.
 enum class MemoryOn { Host, Device };
@@ -66,24 +65,29 @@ struct RunPlan {
     int ps_servers = 0;       // parameter-server ranks (the job's last); 0 = none
     int ps_staleness = 0;
     dist::ShardSpec states;
-    int zero_stage = 0;       // the stage `states` is the row of
-    bool collective = false;  // GPU: NCCL between the launched ranks (even at world size 1)
+    int zero_stage = 0;        // the stage `states` is the row of
+    bool collective = false;   // GPU: NCCL between the launched ranks (even at world size 1)
+    bool cuda_graphs = false;  // GPU: each micro-batch replayed as one captured CUDA graph
     Precision precision = Precision::fp32;
-    pp::Kind schedule = pp::Kind::OneFOneB;  // with mesh.pp > 1
+    pp::Kind schedule = pp::Kind::OneFOneB;  // train.pp_schedule (run with mesh.pp > 1)
     int virtual_stages = 1;                  // interleaved: chunks per rank
     bool sequence_parallel = false;
     bool lora = false;
     std::optional<quant::BaseQuant> lora_base;  // QLoRA: the packed base; none: fp32
     ActFormat format;                           // how the engine's model lays out its arenas
-    remat::Schedule remat;  // train.remat solved for this model, micro-batch and format
+    remat::Solution remat;  // train.remat solved for this model, micro-batch and format
     // What the solver priced recompute against: a step's cost in FLOPs (analytic) or in ns
     // (train.remat_costs = "measured": rank 0's profile of one block, the same on every rank).
     double step_cost = 0;
     bool costs_measured = false;
+    // train.remat as written ("full", "budget:2GiB", ...), and the step's shape (RunConfig's
+    // micro_batch(), train.seq_len, accum_steps()): micro-batches of micro_batch x seq_len tokens,
+    // accum_steps of them per step on each data-parallel rank.
+    std::string remat_policy;
+    int micro_batch = 1, seq_len = 1, accum_steps = 1;
     // This rank's predicted bytes on `memory_on`: the engine's own formulas
-    // (engine/host_memory.h, engine/device_memory.h), or the planner's per-rank estimate for the
-    // CPU mesh. The Trainer fails if the built engine predicts other bytes for these rows, and
-    // its memory report prints them.
+    // (engine/host_memory.h for every CPU engine, engine/device_memory.h). The Trainer fails if
+    // the built engine predicts other bytes for these rows, and its memory report prints them.
     std::vector<MemoryPrediction> memory;
     MemoryOn memory_on = MemoryOn::Host;
 

@@ -106,7 +106,7 @@ class GPT {
     // rows' part, which the engine sums over the group once per step.
     void set_tp(TpComm* tp);
 
-    // Pipeline stages (engine/cpu/mesh_engine.h). A stage holds up to slots() micro-batches
+    // Pipeline stages (parallel/pipeline/executor.h). A stage holds up to slots() micro-batches
     // between their forward and their backward, each in an activation arena of its own (the
     // workspace is shared). One micro-batch through a stage:
     //   stage_input(slot)   (not the first stage) receive the previous stage's output here

@@ -160,7 +160,6 @@ LoraLayout make_lora_layout(const ModelConfig& cfg, const LoraConfig& lora) {
 }
 
 void init_lora_weights(WeightWindow& store, const LoraLayout& layout, uint64_t seed) {
-    Rng rng(seed ^ 0x10AA0000ull);
     const double std = 1.0 / layout.rank;
     for (int u = 0; u < (int)layout.params.units.size(); u++) {
         const ParamUnit& unit = layout.params.units[u];
@@ -169,7 +168,10 @@ void init_lora_weights(WeightWindow& store, const LoraLayout& layout, uint64_t s
             const ParamSpec& t = layout.params.tensors[i];
             float* w = base + (t.offset - unit.begin);
             const bool is_a = t.name.ends_with(".lora_A.weight");
-            for (std::size_t k = 0; k < t.numel; k++) w[k] = is_a ? (float)(rng.normal() * std) : 0;
+            if (is_a)
+                fill_normal(w, t.numel, std, seed ^ 0x10AA0000ull, t.name);
+            else
+                std::fill(w, w + t.numel, 0.0f);
         }
         store.release(u);
     }

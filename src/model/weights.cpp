@@ -11,7 +11,6 @@ namespace memtrain {
 void init_gpt2_weights(const ModelWeights& weights, uint64_t seed) {
     const ModelConfig& cfg = weights.cfg;
     const ParamLayout& layout = weights.layout;
-    Rng rng(seed);
     const double resid_std = cfg.init_std / std::sqrt(2.0 * cfg.n_layer);
     const std::size_t C = cfg.n_embd;
     for (int u = 0; u < (int)layout.units.size(); u++) {
@@ -28,7 +27,7 @@ void init_gpt2_weights(const ModelWeights& weights, uint64_t seed) {
             } else {
                 bool resid = t.name.ends_with("c_proj.weight");
                 double std = resid ? resid_std : cfg.init_std;
-                for (std::size_t k = 0; k < t.numel; k++) w[k] = (float)(rng.normal() * std);
+                fill_normal(w, t.numel, std, seed, t.name);
             }
             // Padded vocabulary rows are never looked up; keep them exactly zero (in lm_head
             // too: its padded logits are ignored, and zero rows get zero gradient, so they stay

@@ -178,12 +178,15 @@ void RangeOptimizers::write_state(const std::string& name, std::size_t begin, st
 }
 
 double clip_grad_norm(float* grads, std::size_t n, double max_norm) {
-    double norm = std::sqrt(cpu::sum_squares(grads, (int64_t)n));
-    if (max_norm > 0) {
-        double coef = max_norm / (norm + 1e-6);
-        if (coef < 1.0) cpu::scale_inplace(grads, (float)coef, (int64_t)n);
-    }
+    const double norm = std::sqrt(cpu::sum_squares(grads, (int64_t)n));
+    clip_to_norm(grads, n, norm, max_norm);
     return norm;
+}
+
+void clip_to_norm(float* grads, std::size_t n, double norm, double max_norm) {
+    if (max_norm <= 0) return;
+    const double coef = max_norm / (norm + 1e-6);
+    if (coef < 1.0) cpu::scale_inplace(grads, (float)coef, (int64_t)n);
 }
 
 }  // namespace memtrain

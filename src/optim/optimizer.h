@@ -132,5 +132,8 @@ class RangeOptimizers final : public OptimizerState {
 // coefficient max_norm / (norm + 1e-6), applied only when below 1). Returns the norm before
 // clipping. max_norm <= 0 only measures.
 double clip_grad_norm(float* grads, std::size_t n, double max_norm);
+// Its scaling once the global norm is known (a sharded or staged run sums it across ranks first):
+// grads *= max_norm / (norm + 1e-6) when max_norm > 0 and that is below 1.
+void clip_to_norm(float* grads, std::size_t n, double norm, double max_norm);
 
 }  // namespace memtrain

@@ -1,7 +1,7 @@
 // Where each model state of a data-parallel rank lives: ZeRO stages 0-3 and ZeRO-Offload as rows
 // of one table (data), so "stage >= k shards X" is written once. ZeroStore allocates its
 // parameters and gradients by it (parallel/data/zero_store.cpp), and the CPU engines' predicted
-// memory (engine/cpu/cpu_engine.cpp: zero_state_rows) and the planner (planner/memory_model.cpp)
+// memory (engine/host_memory.cpp: zero_state_rows) and the planner (planner/memory_model.cpp)
 // count a rank's model-state elements with held(); the CUDA engine's data-parallel part picks its
 // collectives by it (parallel/data/device_data_parallel.h).
 //

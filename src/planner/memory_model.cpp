@@ -36,8 +36,8 @@ int layers_for_stage(const ModelSpec& m, const RunSpec& r, int stage) {
 // as 1/v).
 double in_flight(const RunSpec& r, int stage) {
     if (r.pp == 1) return 1;
-    const int v = r.schedule == Schedule::interleaved ? r.virtual_stages : 1;
-    return pp::uniform_in_flight(pipeline_kind(r.schedule), r.pp, r.micro_batches, v).at(stage);
+    const int v = r.schedule == pp::Kind::Interleaved ? r.virtual_stages : 1;
+    return pp::uniform_in_flight(r.schedule, r.pp, r.micro_batches, v).at(stage);
 }
 
 std::string gb(double bytes) {
@@ -154,7 +154,7 @@ MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, RankCoord at,
     const int64_t t = r.tp, d = r.dp;
     const int64_t s = r.seq_len(m), b = r.micro_batch;
     const int64_t e = activation_bytes(r.precision);
-    const StateBytes k = state_bytes(r.precision, r.optimizer);
+    const StateBytes k = state_bytes(r.precision, r.fp32_master, r.optimizer);
     const dist::ShardSpec spec = dist::shard_spec(r.zero, r.offload != Offload::none,
                                                   r.offload == Offload::optimizer_and_params);
 
@@ -175,7 +175,7 @@ MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, RankCoord at,
     // Trainable vs frozen: under LoRA only the adapters get gradients and optimizer states;
     // frozen weight matrices may be stored quantized.
     int64_t trainable = params, frozen_matrix = 0, frozen_other = 0;
-    const double frozen_bytes = frozen_bytes_per_weight(r.frozen_bits, r.precision);
+    const double frozen_bytes = frozen_bytes_per_weight(r.frozen_bits, r.precision, r.fp32_master);
     if (r.lora_rank > 0) {
         trainable = layers * ceil_div(lora_params_per_layer(m, r.lora_rank, r.lora_targets), t);
         frozen_matrix = matrices;
@@ -229,9 +229,9 @@ MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, RankCoord at,
         "{:.3f}B x {} B{}{}", trainable / 1e9, k.grad, zero_note(spec.grads),
         rs_buffer ? " + the reduce-scattered piece (ZeRO-1 in the pipeline engine)" : "");
     double opt_bytes = opt_n * k.optim;
-    std::string opt_detail =
-        fmt::format("{:.3f}B x {} B ({} {}){}", trainable / 1e9, k.optim, to_string(r.precision),
-                    to_string(r.optimizer), zero_note(spec.optimizer));
+    std::string opt_detail = fmt::format("{:.3f}B x {} B ({} {}){}", trainable / 1e9, k.optim,
+                                         precision_label(r.precision, r.fp32_master),
+                                         to_string(r.optimizer), zero_note(spec.optimizer));
     if (dist::offloaded(spec.optimizer)) {
         // ZeRO-Offload as memtrain's engine runs it (src/engine/cuda/cuda_engine.cpp): the
         // gradients stay on the GPU, where the backward writes and accumulates them (their ZeRO
@@ -291,7 +291,7 @@ MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, RankCoord at,
     // b s h, d(fc out) b s ffn (x2 for SwiGLU gate and up), d(qkv) b s (h + 2 kv_dim)),
     // in the activation dtype, split over tp as the GEMMs are.
     double zb = 0;
-    if (r.pp > 1 && r.schedule == Schedule::zb_h1) {
+    if (r.pp > 1 && r.schedule == pp::Kind::ZbH1) {
         const double h = m.n_embd, fc = (double)m.ffn() * (m.swiglu ? 2 : 1);
         const double qkv = h + 2.0 * (double)m.kv_dim();
         zb = (double)s * b * (2 * h + fc + qkv) / t * e * layers * est.in_flight;

@@ -68,9 +68,9 @@ RankStates rank_states(const ModelSpec& m, const RunSpec& r, RankCoord at,
         s.source = r.tp > 1 ? fmt::format("make_param_layout of the tp = {} shard", r.tp)
                             : std::string("make_param_layout");
     } else {
-        // MeshEngine's units: each chunk (virtual stages stage, stage + pp, ...) its blocks,
-        // the embedding with block 0 and the head with the last block.
-        const int v = r.schedule == Schedule::interleaved ? r.virtual_stages : 1;
+        // CpuEngine's pipeline units: each chunk (virtual stages stage, stage + pp, ...) its
+        // blocks, the embedding with block 0 and the head with the last block.
+        const int v = r.schedule == pp::Kind::Interleaved ? r.virtual_stages : 1;
         // The split is the whole model's (every tensor-parallel shard of a stage has the same
         // blocks); the units' sizes are the shard's.
         const pp::StageSplit split =

@@ -1,7 +1,7 @@
 // One rank's model states and activations as the CPU engines allocate them, for the planner:
 // the parameter layout (model/param_layout.h: make_param_layout, of the tensor-parallel shard's
 // config under tp), a pipeline stage's units (the trainer's split, parallel/pipeline/stage_split.h,
-// as MeshEngine hands them to its StageStore), the balanced ZeRO shard (dist::shard_ranges) and
+// as CpuEngine hands them to its StageStore), the balanced ZeRO shard (dist::shard_ranges) and
 // the activation arena (model/activation_layout.h: plan_arena). `memtrain estimate` prices every
 // layout the engines run with these, so the planner and the engines cannot drift apart
 // (STYLE lesson 2); Korthikanti's formulas (planner/memory_model.h) remain for the rest.

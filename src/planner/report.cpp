@@ -249,7 +249,7 @@ std::string emit_config_toml(const ModelSpec& m, const Plan& p) {
     // What the plan asks for that the trainer has no key for: said in the header, never
     // silently dropped.
     std::string gaps;
-    if (r.precision == Precision::bf16_only)
+    if (!r.fp32_master)
         gaps +=
             "# bf16-only (no fp32 master weights) has no trainer setting: train.precision = "
             "\"bf16\" below keeps fp32 master weights, more optimizer memory than planned.\n";
@@ -268,10 +268,10 @@ std::string emit_config_toml(const ModelSpec& m, const Plan& p) {
         "# Predicted per GPU: {} ({} model states, {} activations); {:.0f} tokens/s, MFU {:.1f}%\n"
         "# Launch dp x tp x pp = {} x {} x {} = {} ranks: mpirun -np {} memtrain train THIS.toml "
         "(data-parallel replicas are the ranks left over by train.tp and train.pp).\n{}{}\n",
-        m.name, describe(r), to_string(r.precision), to_string(r.optimizer), r.sequence_parallel,
-        r.flash_attention, format_bytes(p.memory.total), format_bytes(p.memory.model_states()),
-        format_bytes(p.memory.bytes("activations")), p.time.tokens_per_s, p.time.mfu * 100, r.dp,
-        r.tp, r.pp, r.gpus(), r.gpus(), gaps,
+        m.name, describe(r), precision_label(r.precision, r.fp32_master), to_string(r.optimizer),
+        r.sequence_parallel, r.flash_attention, format_bytes(p.memory.total),
+        format_bytes(p.memory.model_states()), format_bytes(p.memory.bytes("activations")),
+        p.time.tokens_per_s, p.time.mfu * 100, r.dp, r.tp, r.pp, r.gpus(), r.gpus(), gaps,
         r.lora_rank > 0
             ? fmt::format("# {}: the trainer runs LoRA on the CPU engine so far (docs/lora.md); "
                           "set model.init_from to the base model.\n",
@@ -291,12 +291,11 @@ std::string emit_config_toml(const ModelSpec& m, const Plan& p) {
         "\n[train]\nseq_len = {}\nbatch_size = {}\nmicro_batch_size = {}\nremat = \"{}\"\n"
         "precision = \"{}\"\nzero_stage = {}\noffload_optimizer = {}\ntp = {}\npp = {}\n",
         r.seq_len(m), r.global_batch(), r.micro_batch, to_string(r.recompute),
-        r.precision == Precision::bf16_only ? "bf16" : to_string(r.precision), r.zero,
-        r.offload != Offload::none, r.tp, r.pp);
+        precision_name(r.precision), r.zero, r.offload != Offload::none, r.tp, r.pp);
     if (r.sequence_parallel && r.tp > 1) out += "sequence_parallel = true\n";
     if (r.pp > 1) {
         out += fmt::format("pp_schedule = \"{}\"\n", to_string(r.schedule));
-        if (r.schedule == Schedule::interleaved)
+        if (r.schedule == pp::Kind::Interleaved)
             out += fmt::format("pp_virtual = {}\n", r.virtual_stages);
     }
     out +=

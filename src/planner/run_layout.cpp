@@ -29,12 +29,13 @@ E parse_enum(const char* what, const std::string& s,
 
 }  // namespace
 
-Precision parse_precision(const std::string& s) {
+Precision parse_precision(const std::string& s, bool* fp32_master) {
+    *fp32_master = s != "bf16-only";
     return parse_enum<Precision>("precision", s,
-                                 {{"bf16", Precision::mixed_bf16},
-                                  {"fp16", Precision::mixed_fp16},
+                                 {{"bf16", Precision::bf16},
+                                  {"fp16", Precision::fp16},
                                   {"fp32", Precision::fp32},
-                                  {"bf16-only", Precision::bf16_only}});
+                                  {"bf16-only", Precision::bf16}});
 }
 
 Optimizer parse_optimizer(const std::string& s) {
@@ -51,12 +52,12 @@ Recompute parse_recompute(const std::string& s) {
                                   {"full", Recompute::full}});
 }
 
-Schedule parse_schedule(const std::string& s) {
-    return parse_enum<Schedule>("pipeline schedule", s,
-                                {{"1f1b", Schedule::one_f_one_b},
-                                 {"gpipe", Schedule::gpipe},
-                                 {"interleaved", Schedule::interleaved},
-                                 {"zb-h1", Schedule::zb_h1}});
+pp::Kind parse_schedule(const std::string& s) {
+    return parse_enum<pp::Kind>("pipeline schedule", s,
+                                {{"1f1b", pp::Kind::OneFOneB},
+                                 {"gpipe", pp::Kind::GPipe},
+                                 {"interleaved", pp::Kind::Interleaved},
+                                 {"zb-h1", pp::Kind::ZbH1}});
 }
 
 Offload parse_offload(const std::string& s) {
@@ -71,18 +72,8 @@ LoraTargets parse_lora_targets(const std::string& s) {
                                    {{"attn", LoraTargets::attn}, {"all", LoraTargets::all}});
 }
 
-const char* to_string(Precision p) {
-    switch (p) {
-        case Precision::mixed_bf16:
-            return "bf16";
-        case Precision::mixed_fp16:
-            return "fp16";
-        case Precision::fp32:
-            return "fp32";
-        case Precision::bf16_only:
-            return "bf16-only";
-    }
-    return "?";
+const char* precision_label(Precision p, bool fp32_master) {
+    return p == Precision::bf16 && !fp32_master ? "bf16-only" : precision_name(p);
 }
 const char* to_string(Optimizer o) {
     switch (o) {
@@ -106,32 +97,8 @@ const char* to_string(Recompute r) {
     }
     return "?";
 }
-pp::Kind pipeline_kind(Schedule s) {
-    switch (s) {
-        case Schedule::gpipe:
-            return pp::Kind::GPipe;
-        case Schedule::interleaved:
-            return pp::Kind::Interleaved;
-        case Schedule::zb_h1:
-            return pp::Kind::ZbH1;
-        case Schedule::one_f_one_b:
-            break;
-    }
-    return pp::Kind::OneFOneB;
-}
-
-const char* to_string(Schedule s) {
-    switch (s) {
-        case Schedule::one_f_one_b:
-            return "1f1b";
-        case Schedule::gpipe:
-            return "gpipe";
-        case Schedule::interleaved:
-            return "interleaved";
-        case Schedule::zb_h1:
-            return "zb-h1";
-    }
-    return "?";
+std::string to_string(pp::Kind s) {
+    return pp::kind_name(s);
 }
 const char* to_string(Offload o) {
     switch (o) {
@@ -155,34 +122,29 @@ std::string describe_method(const RunSpec& r) {
     return fmt::format("QLoRA {}-bit r={}", r.frozen_bits, r.lora_rank);
 }
 
-StateBytes state_bytes(Precision precision, Optimizer optimizer) {
+StateBytes state_bytes(Precision precision, bool fp32_master, Optimizer optimizer) {
     // Optimizer bytes: Adam keeps two moments, SGD one; 8-bit Adam stores both moments in one
-    // byte each. Mixed precision adds a 4-byte fp32 master copy of the weights.
+    // byte each. Mixed precision adds a 4-byte fp32 master copy of the weights; without it
+    // (bf16-only) the moments are bf16 too.
     double moments = optimizer == Optimizer::adamw ? 2 : optimizer == Optimizer::sgd ? 1 : 0;
-    switch (precision) {
-        case Precision::mixed_bf16:
-        case Precision::mixed_fp16:
-            return {2, 2, 4 + (optimizer == Optimizer::adamw8bit ? 2.0 : 4 * moments), 4};
-        case Precision::fp32:
-            return {4, 4, optimizer == Optimizer::adamw8bit ? 2.0 : 4 * moments};
-        case Precision::bf16_only:
-            return {2, 2, optimizer == Optimizer::adamw8bit ? 2.0 : 2 * moments};
-    }
-    return {0, 0, 0};
+    const double eight_bit = optimizer == Optimizer::adamw8bit ? 2.0 : -1;
+    if (precision == Precision::fp32) return {4, 4, eight_bit >= 0 ? eight_bit : 4 * moments};
+    if (!fp32_master) return {2, 2, eight_bit >= 0 ? eight_bit : 2 * moments};
+    return {2, 2, 4 + (eight_bit >= 0 ? eight_bit : 4 * moments), 4};
 }
 
 int activation_bytes(Precision precision) {
     return precision == Precision::fp32 ? 4 : 2;
 }
 
-double frozen_bytes_per_weight(int frozen_bits, Precision precision) {
+double frozen_bytes_per_weight(int frozen_bits, Precision precision, bool fp32_master) {
     switch (frozen_bits) {
         case 8:
             return 1;
         case 4:
             return (4 + 8.0 / 64 + 32.0 / (64 * 256)) / 8;
         default:
-            return state_bytes(precision, Optimizer::adamw).param;
+            return state_bytes(precision, fp32_master, Optimizer::adamw).param;
     }
 }
 
@@ -227,7 +189,7 @@ void validate_run(const ModelSpec& m, const RunSpec& r) {
             "ZeRO-{} with pipeline parallelism is not supported (gradients are needed on every "
             "micro-batch); use ZeRO-1 with pp={}",
             r.zero, r.pp);
-    if (r.schedule == Schedule::interleaved) {
+    if (r.schedule == pp::Kind::Interleaved) {
         if (r.pp < 2 || r.virtual_stages < 2)
             fail("the interleaved schedule needs pp >= 2 and --virtual-stages >= 2");
         // Uneven chunks are allowed (Llama 3 405B runs 126 layers this way); at least one layer

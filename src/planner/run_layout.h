@@ -6,13 +6,12 @@
 #include <cstdint>
 #include <string>
 
+#include "core/dtype.h"
 #include "parallel/pipeline/schedule.h"
 #include "planner/model_shape.h"
 
 namespace memtrain::plan {
 
-// mixed_*: 16-bit params and grads with fp32 master weights; bf16_only: no fp32 copy at all.
-enum class Precision { mixed_bf16, mixed_fp16, fp32, bf16_only };
 enum class Optimizer { adamw, sgd, adamw8bit };  // sgd = SGD with momentum
 // For every layout priced by the engines' layout functions (planner/rank_layout.h,
 // planner/stage_activations.h) each name is the trainer's train.remat of that name (selective:
@@ -21,7 +20,6 @@ enum class Optimizer { adamw, sgd, adamw8bit };  // sgd = SGD with momentum
 // formulas (layer_activation_bytes, left for what the trainer cannot express: dropout masks, and
 // LoRA sharded over tp or pp) read selective as Korthikanti's, the attention core recomputed.
 enum class Recompute { none, selective, full };
-enum class Schedule { one_f_one_b, gpipe, interleaved, zb_h1 };
 enum class Offload { none, optimizer, optimizer_and_params };
 // Linear layers that get LoRA adapters: the attention projections (the trainer's default), or
 // those and the MLP's. GPT-2: attn.c_attn (fused QKV, one adapter) and attn.c_proj, then mlp.c_fc
@@ -38,10 +36,13 @@ struct RunSpec {
     Recompute recompute = Recompute::none;
     bool sequence_parallel = false;  // Megatron SP: shards the norm/dropout activations over tp
     bool flash_attention = true;     // no s^2 attention scores are kept
-    Precision precision = Precision::mixed_bf16;
+    // bf16/fp16: 16-bit parameters and gradients, with an fp32 master copy unless !fp32_master
+    // ("bf16-only"); fp32: everything in fp32 (core/dtype.h's Precision).
+    Precision precision = Precision::bf16;
+    bool fp32_master = true;
     Optimizer optimizer = Optimizer::adamw;
     Offload offload = Offload::none;
-    Schedule schedule = Schedule::one_f_one_b;
+    pp::Kind schedule = pp::Kind::OneFOneB;  // the ones parse_schedule accepts
     int virtual_stages = 1;  // model chunks per pipeline stage (interleaved schedule)
     int lora_rank = 0;       // > 0: base weights frozen, LoRA adapters on `lora_targets`
     int frozen_bits = 16;    // storage of frozen base weights under LoRA: 16, 8 or 4 (QLoRA)
@@ -55,18 +56,19 @@ struct RunSpec {
     int64_t global_batch() const { return static_cast<int64_t>(dp) * micro_batch * micro_batches; }
 };
 
-Precision parse_precision(const std::string& s);       // bf16 | fp16 | fp32 | bf16-only
-Optimizer parse_optimizer(const std::string& s);       // adamw | sgd | adamw8bit
-Recompute parse_recompute(const std::string& s);       // none | selective | full
-Schedule parse_schedule(const std::string& s);         // 1f1b | gpipe | interleaved | zb-h1
+// bf16 | fp16 | fp32 | bf16-only (bf16 without fp32 master weights: *fp32_master = false).
+Precision parse_precision(const std::string& s, bool* fp32_master);
+Optimizer parse_optimizer(const std::string& s);  // adamw | sgd | adamw8bit
+Recompute parse_recompute(const std::string& s);  // none | selective | full
+// The executor's schedules the planner prices: 1f1b | gpipe | interleaved | zb-h1.
+pp::Kind parse_schedule(const std::string& s);
 Offload parse_offload(const std::string& s);           // none | optimizer | params
 LoraTargets parse_lora_targets(const std::string& s);  // attn | all
-const char* to_string(Precision p);
+// "bf16", "fp16", "fp32" or "bf16-only".
+const char* precision_label(Precision p, bool fp32_master);
 const char* to_string(Optimizer o);
 const char* to_string(Recompute r);
-const char* to_string(Schedule s);
-// The executor's schedule of the same name (parallel/pipeline/schedule.h).
-pp::Kind pipeline_kind(Schedule s);
+std::string to_string(pp::Kind s);
 const char* to_string(Offload o);
 const char* to_string(LoraTargets t);
 
@@ -83,13 +85,13 @@ struct StateBytes {
     double param, grad, optim;
     double master = 0;  // of optim: the fp32 master copy of mixed precision
 };
-StateBytes state_bytes(Precision precision, Optimizer optimizer);
+StateBytes state_bytes(Precision precision, bool fp32_master, Optimizer optimizer);
 // Bytes of one saved activation element: 4 for fp32 training, else 2.
 int activation_bytes(Precision precision);
 // Bytes of one frozen weight-matrix element under LoRA: 16 bits keeps the run's parameter dtype
 // (state_bytes(...).param), 8 bits is int8 with a per-row scale (LLM.int8; the scale's 32/fan_in
 // bits are left out), 4 bits is QLoRA's NF4 with double-quantized block scales, 4 + 8/64 +
 // 32/(64 x 256) = 4.127 bits (Dettmers et al. 2023; `memtrain quantize --method nf4-dq`).
-double frozen_bytes_per_weight(int frozen_bits, Precision precision);
+double frozen_bytes_per_weight(int frozen_bits, Precision precision, bool fp32_master);
 
 }  // namespace memtrain::plan

@@ -253,6 +253,7 @@ SearchResult search_plans(const ModelSpec& m, const ClusterSpec& c, const Search
     RunSpec base;
     base.flash_attention = spec.flash_attention;
     base.precision = spec.precision, base.optimizer = spec.optimizer;
+    base.fp32_master = spec.fp32_master;
     base.fragmentation = spec.fragmentation;
     base.reserve_bytes = spec.reserve_bytes;
     base.lora_targets = spec.lora_targets;

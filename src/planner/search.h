@@ -18,7 +18,8 @@ namespace memtrain::plan {
 struct SearchSpec {
     int global_batch = 0;  // sequences per optimizer step; 0 = 1024
     int seq = 0;           // 0 = model.block_size
-    Precision precision = Precision::mixed_bf16;
+    Precision precision = Precision::bf16;
+    bool fp32_master = true;  // false: "bf16-only"
     Optimizer optimizer = Optimizer::adamw;
     bool flash_attention = true;
     bool allow_offload = true;

@@ -58,17 +58,17 @@ PipelineActivations pipeline_activations(const ModelSpec& m, const RunSpec& r) {
     PipelineActivations out;
     out.config = config_from_model(m);
     const int B = r.micro_batch, T = r.seq_len(m), p = r.pp;
-    const int v = r.schedule == Schedule::interleaved ? r.virtual_stages : 1;
+    const int v = r.schedule == pp::Kind::Interleaved ? r.virtual_stages : 1;
     // Each stage is split from the whole model; its arenas are those of the tensor-parallel
-    // shard's config (MeshEngine's stage models, sequence-parallel when the run is), the
+    // shard's config (CpuEngine's pipeline chunks, sequence-parallel when the run is), the
     // whole model's at tp = 1.
     const ModelConfig shard = rank_config(m, r);
     out.format = arena_format(shard, r);
     out.plan = remat_plan(r.recompute, m.n_layer);
     out.split = pp::split_stages(out.config, p * v, B, T);
-    out.schedule = pp::make_schedule(pipeline_kind(r.schedule), p, r.micro_batches, v);
+    out.schedule = pp::make_schedule(r.schedule, p, r.micro_batches, v);
     // Per virtual stage: one micro-batch's arena of its blocks under their slice of the plan,
-    // as MeshEngine::set_remat hands the stage's model its blocks' entries.
+    // as CpuEngine::set_remat hands the stage's model its blocks' entries.
     std::vector<std::size_t> arena(p * v);
     for (int s = 0; s < p * v; s++) {
         const auto first = out.plan.begin() + out.split.first_block[s];

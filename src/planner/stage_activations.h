@@ -21,7 +21,7 @@
 namespace memtrain::plan {
 
 // The planner's recompute option as the trainer's per-block plan, one meaning per name: exactly
-// the plan `train.remat` of the same name gives (remat::make_schedule of remat::parse_policy):
+// the plan `train.remat` of the same name gives (remat::solve_policy of remat::parse_policy):
 //   none      -> BlockKeep::All        every saved field kept
 //   selective -> BlockKeep::Selective  ln_1, ln_2 and the MLP activation recomputed in backward
 //   full      -> BlockKeep::Input      only the block input kept; the block is recomputed
@@ -62,14 +62,14 @@ struct PipelineActivations {
     ActFormat format;       // arena_format
     RematPlan plan;         // remat_plan for the whole model (the trainer slices it per stage)
     pp::StageSplit split;   // split_stages(config, pp x v, micro_batch, seq)
-    pp::Schedule schedule;  // make_schedule(pipeline_kind(schedule), pp, micro_batches, v)
+    pp::Schedule schedule;  // make_schedule(schedule, pp, micro_batches, v)
     std::vector<RankActivations> ranks;
 };
 
 // Every rank's activations for the pipeline layout of `r` (pp > 1), as the executor allocates
-// them (MeshEngine::make_schedule, predicted_memory): each chunk gets as many slots as the
-// simulator's most micro-batches in flight on its virtual stage (between F and B, or W when the
-// backward is split; at least 1), each slot one plan_stage_arena of the chunk's blocks.
+// them (pp::Executor::make_schedule, engine/host_memory.h stage_footprint): each chunk gets as many
+// slots as the simulator's most micro-batches in flight on its virtual stage (between F and B, or W
+// when the backward is split; at least 1), each slot one plan_stage_arena of the chunk's blocks.
 PipelineActivations pipeline_activations(const ModelSpec& m, const RunSpec& r);
 
 }  // namespace memtrain::plan

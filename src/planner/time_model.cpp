@@ -41,7 +41,7 @@ TimeEstimate estimate_time(const ModelSpec& m, const RunSpec& r, const ClusterSp
     const GpuSpec& g = c.gpu;
     const double s = r.seq_len(m), b = r.micro_batch, h = m.n_embd;
     const double e = activation_bytes(r.precision);
-    const StateBytes k = state_bytes(r.precision, r.optimizer);
+    const StateBytes k = state_bytes(r.precision, r.fp32_master, r.optimizer);
     const int mb = r.micro_batches;
     const double peak = r.precision == Precision::fp32 ? g.peak_flops_fp32 : g.peak_flops;
 
@@ -70,9 +70,8 @@ TimeEstimate estimate_time(const ModelSpec& m, const RunSpec& r, const ClusterSp
     if (r.pp > 1) {
         // The executor's schedule, simulated (parallel/pipeline/schedule.h): p - 1 micro-batch
         // times of fill for GPipe and 1F1B, (p - 1) / v interleaved.
-        const double fill =
-            pp::uniform_fill(pipeline_kind(r.schedule), r.pp, mb,
-                             r.schedule == Schedule::interleaved ? r.virtual_stages : 1);
+        const double fill = pp::uniform_fill(
+            r.schedule, r.pp, mb, r.schedule == pp::Kind::Interleaved ? r.virtual_stages : 1);
         out.bubble_s = fill * t_micro;
         out.bubble_fraction = fill / mb;
     }
@@ -83,7 +82,8 @@ TimeEstimate estimate_time(const ModelSpec& m, const RunSpec& r, const ClusterSp
     double grad_bytes = trainable * k.grad;
     double param_bytes =
         mem.params_on_gpu *
-        (r.lora_rank > 0 ? frozen_bytes_per_weight(r.frozen_bits, r.precision) : k.param);
+        (r.lora_rank > 0 ? frozen_bytes_per_weight(r.frozen_bits, r.precision, r.fp32_master)
+                         : k.param);
     double backward_last = t_compute * 2.0 / 3.0;
     if (r.zero >= 3) {
         // Every micro-batch gathers the weights twice (forward, backward) and reduce-scatters

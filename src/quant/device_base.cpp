@@ -22,36 +22,13 @@ std::size_t round4(std::size_t n) {
     return (n + 3) / 4 * 4;
 }
 
-// A matrix's device bytes: each part starts 4-byte aligned.
-std::size_t device_matrix_bytes(const quant::PackedSizes& s) {
-    return round4(s.codes) + round4(2 * s.scales) + round4(s.absmax_q) + 4 * s.absmax_scale;
-}
-
 }  // namespace
 
 template <typename T>
 typename QuantizedDeviceBase<T>::Bytes QuantizedDeviceBase<T>::predicted_bytes(
     const ModelConfig& cfg, const quant::BaseQuant& q) {
-    q.check(cfg);
-    const ParamLayout layout = make_param_layout(cfg);
-    Bytes b;
-    std::size_t plain = 0, block = 0;
-    for (const ParamUnit& u : layout.units) {
-        bool packed = false;
-        for (std::size_t i = u.first_tensor; i < u.last_tensor; i++) {
-            const ParamSpec& t = layout.tensors[i];
-            if (quant::is_packed_matrix(t)) {
-                b.params += device_matrix_bytes(quant::packed_sizes(q, t.shape[1], t.shape[0]));
-                packed = true;
-            } else {
-                plain += t.numel;
-            }
-        }
-        if (packed) block = std::max(block, u.size());
-    }
-    b.params += plain * sizeof(T);
-    b.slots = kSlots * block * sizeof(T);
-    return b;
+    const quant::DeviceBaseBytes b = quant::device_base_bytes(cfg, q, (int)sizeof(T), kSlots);
+    return Bytes{b.params, b.slots};
 }
 
 template <typename T>

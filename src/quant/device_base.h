@@ -23,7 +23,7 @@ namespace memtrain {
 template <typename T>
 class QuantizedDeviceBase final : public DeviceUnitStore<T> {
   public:
-    static constexpr int kSlots = 2;
+    static constexpr int kSlots = quant::kDeviceBaseSlots;
     // Copies `host` (complete) to the device.
     QuantizedDeviceBase(const quant::QuantizedParamStore& host, cudaStream_t stream);
     // The bytes this store allocates for cfg under q: parameters (packed + T runs) and the slots.

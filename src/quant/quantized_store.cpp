@@ -245,6 +245,35 @@ BaseBytes QuantizedParamStore::predicted_bytes(const ModelConfig& cfg, const Bas
     return b;
 }
 
+std::size_t device_matrix_bytes(const PackedSizes& s) {
+    auto round4 = [](std::size_t n) { return (n + 3) / 4 * 4; };
+    return round4(s.codes) + round4(2 * s.scales) + round4(s.absmax_q) + 4 * s.absmax_scale;
+}
+
+DeviceBaseBytes device_base_bytes(const ModelConfig& cfg, const BaseQuant& q, int elem_bytes,
+                                  int slots) {
+    q.check(cfg);
+    const ParamLayout layout = make_param_layout(cfg);
+    DeviceBaseBytes b;
+    std::size_t plain = 0, block = 0;
+    for (const ParamUnit& u : layout.units) {
+        bool packed = false;
+        for (std::size_t i = u.first_tensor; i < u.last_tensor; i++) {
+            const ParamSpec& t = layout.tensors[i];
+            if (is_packed_matrix(t)) {
+                b.params += device_matrix_bytes(packed_sizes(q, t.shape[1], t.shape[0]));
+                packed = true;
+            } else {
+                plain += t.numel;
+            }
+        }
+        if (packed) block = std::max(block, u.size());
+    }
+    b.params += plain * (std::size_t)elem_bytes;
+    b.slots = (std::size_t)slots * block * (std::size_t)elem_bytes;
+    return b;
+}
+
 BaseBytes QuantizedParamStore::bytes() const {
     BaseBytes b;
     for (const Unit& un : units_) {

@@ -85,6 +85,19 @@ PackedSizes packed_sizes(const BaseQuant& q, int64_t rows, int64_t cols);
 // mlp.c_fc or mlp.c_proj weight of a block.
 bool is_packed_matrix(const ParamSpec& t);
 
+// The bytes of QLoRA's base on the GPU (quant/device_base.h) for cfg under q, from the formats
+// alone (the plan prices it before the GPU engine exists): the packed matrices, each array
+// 4-byte aligned, and every other tensor in elem_bytes; and `slots` decode slots of the largest
+// block unit.
+inline constexpr int kDeviceBaseSlots = 2;  // QuantizedDeviceBase's decode slots
+struct DeviceBaseBytes {
+    std::size_t params = 0, slots = 0;
+};
+DeviceBaseBytes device_base_bytes(const ModelConfig& cfg, const BaseQuant& q, int elem_bytes,
+                                  int slots);
+// One packed matrix's device bytes: each array starts 4-byte aligned.
+std::size_t device_matrix_bytes(const PackedSizes& s);
+
 class QuantizedParamStore final : public UnitStore {
   public:
     static constexpr int kDefaultSlots = 2;

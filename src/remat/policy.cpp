@@ -74,8 +74,8 @@ std::string format_bytes(std::size_t bytes) {
     return fmt::format("{:.2f} MiB ({} B)", bytes / 1048576.0, bytes);
 }
 
-Schedule make_schedule(const RematPolicy& policy, const ModelConfig& cfg, int B, int T,
-                       const BlockFlops* costs, const ActFormat& fmt) {
+Solution solve_policy(const RematPolicy& policy, const ModelConfig& cfg, int B, int T,
+                      const BlockFlops* costs, const ActFormat& fmt) {
     Chain chain = costs ? make_chain(cfg, B, T, *costs, fmt) : make_chain(cfg, B, T, fmt);
     chain.allow_offload = policy.budget_offload;
     const int L = cfg.n_layer;

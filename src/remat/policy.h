@@ -37,10 +37,10 @@ RematPolicy parse_policy(const std::string& text);
 std::size_t parse_bytes(const std::string& text);
 // The schedule of `policy` for this model and micro-batch B x T. A budget below every plan's
 // peak fails with a message naming the smallest feasible budget. Recompute is priced by `costs`
-// (null: analytic FLOPs; else e.g. measure_block's nanoseconds), in the Schedule's
+// (null: analytic FLOPs; else e.g. measure_block's nanoseconds), in the Solution's
 // recompute_flops field; bytes are those of the arenas of format `fmt`.
-Schedule make_schedule(const RematPolicy& policy, const ModelConfig& cfg, int B, int T,
-                       const BlockFlops* costs = nullptr, const ActFormat& fmt = ActFormat::cpu());
+Solution solve_policy(const RematPolicy& policy, const ModelConfig& cfg, int B, int T,
+                      const BlockFlops* costs = nullptr, const ActFormat& fmt = ActFormat::cpu());
 std::string format_bytes(std::size_t bytes);  // "12.3 MiB (12897280 B)"
 
 }  // namespace memtrain::remat

@@ -40,7 +40,7 @@ int64_t recompute_flops(const Chain& chain, const RematPlan& plan) {
     return f;
 }
 
-Schedule evaluate(const Chain& chain, const RematPlan& plan) {
+Solution evaluate(const Chain& chain, const RematPlan& plan) {
     return {plan, peak_bytes(chain, plan), recompute_flops(chain, plan)};
 }
 
@@ -72,11 +72,11 @@ std::size_t min_feasible_bytes(const Chain& chain) {
     return best;
 }
 
-std::optional<Schedule> solve_budget(const Chain& chain, std::size_t budget) {
+std::optional<Solution> solve_budget(const Chain& chain, std::size_t budget) {
     const std::size_t n = chain.blocks.size();
     if (n == 0) {
         if (chain.fixed_bytes > budget) return std::nullopt;
-        return Schedule{{}, chain.fixed_bytes, 0};
+        return Solution{{}, chain.fixed_bytes, 0};
     }
     // The max-scratch term is not additive, so fix it: for each scratch level W allow only the
     // options whose working set fits in W, and knapsack the kept bytes into budget - fixed - W.
@@ -109,7 +109,7 @@ std::optional<Schedule> solve_budget(const Chain& chain, std::size_t budget) {
             for (int c = 0; c < rings; c++) unit = std::gcd(unit, weight(l, k, c));
     if (unit == 0) unit = 1;
 
-    std::optional<Schedule> best;
+    std::optional<Solution> best;
     constexpr int64_t kInf = std::numeric_limits<int64_t>::max();
     for (std::size_t W : levels) {
         if (base + W > budget) continue;
@@ -158,7 +158,7 @@ std::optional<Schedule> solve_budget(const Chain& chain, std::size_t budget) {
                     jj -= (weight(l, k, prev) + u - 1) / u;
                     cc = prev;
                 }
-                Schedule s = evaluate(chain, plan);
+                Solution s = evaluate(chain, plan);
                 if (s.peak_bytes <= budget && (!best || s.recompute_flops < best->recompute_flops ||
                                                (s.recompute_flops == best->recompute_flops &&
                                                 s.peak_bytes < best->peak_bytes)))

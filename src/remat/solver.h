@@ -37,7 +37,7 @@ struct Chain {
     bool allow_offload = false;   // the solver may choose Offload
 };
 
-struct Schedule {
+struct Solution {
     RematPlan plan;
     std::size_t peak_bytes = 0;
     int64_t recompute_flops = 0;
@@ -48,13 +48,13 @@ struct Schedule {
 const Option& option(const Chain& chain, std::size_t l, BlockKeep keep);
 std::size_t peak_bytes(const Chain& chain, const RematPlan& plan);
 int64_t recompute_flops(const Chain& chain, const RematPlan& plan);
-Schedule evaluate(const Chain& chain, const RematPlan& plan);
+Solution evaluate(const Chain& chain, const RematPlan& plan);
 // The smallest peak any plan reaches (the least budget solve_budget can satisfy).
 std::size_t min_feasible_bytes(const Chain& chain);
 // Least recompute FLOPs with peak <= budget, ties broken by the smaller peak; nullopt when no
 // plan fits. Exact when the budget needs at most kMaxUnits units of the gcd of all byte sizes;
 // beyond that sizes are rounded up to a coarser unit (still never over the budget).
-std::optional<Schedule> solve_budget(const Chain& chain, std::size_t budget);
+std::optional<Solution> solve_budget(const Chain& chain, std::size_t budget);
 inline constexpr std::size_t kMaxUnits = std::size_t{1} << 16;
 
 }  // namespace memtrain::remat

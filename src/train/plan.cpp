@@ -34,24 +34,27 @@ RunPlan plan_layout(const RunConfig& config, const dist::Communicator& comm,
     }
     const bool gpu = p.gpu();
     p.collective = gpu && cuda_data_parallel(cfg, comm);
+    p.cuda_graphs = gpu && cfg.train.cuda_graphs;
     // One GPU without mpirun holds everything (ZeRO needs NCCL between launched ranks).
     p.zero_stage = gpu && !p.collective ? 0 : cfg.train.zero_stage;
     p.states = dist::shard_spec(p.zero_stage, cfg.train.offload_optimizer);
-    p.precision = parse_precision(cfg.train.precision);
-    if (pp > 1) {
-        p.schedule = pp::parse_kind(cfg.train.pp_schedule);
-        p.virtual_stages = cfg.train.pp_virtual;
-    }
+    p.precision = resolved_precision(cfg.train.precision);
+    p.schedule = pp::parse_kind(cfg.train.pp_schedule);  // (a pipeline engine at one stage too)
+    if (pp > 1) p.virtual_stages = cfg.train.pp_virtual;
     p.sequence_parallel = tp > 1 && cfg.train.sequence_parallel;
     p.lora = cfg.lora.enabled();
     if (p.lora && cfg.lora.base != "fp32") p.lora_base = quant::lora_base_quant(cfg.lora);
     const int B = cfg.micro_batch(), T = cfg.train.seq_len;
+    p.micro_batch = B;
+    p.seq_len = T;
+    p.accum_steps = cfg.accum_steps();
+    p.remat_policy = cfg.train.remat;
     p.step_cost = measured ? remat::estimated_step_ns(cfg.model, B, T, *measured)
                            : (double)remat::step_flops(cfg.model, B, T);
     p.costs_measured = measured != nullptr;
     p.format = gpu ? device_arena_format(cfg, B, T) : GPT::arena_format();
-    p.remat = remat::make_schedule(remat::parse_policy(cfg.train.remat), cfg.model, B, T, measured,
-                                   p.format);
+    p.remat = remat::solve_policy(remat::parse_policy(cfg.train.remat), cfg.model, B, T, measured,
+                                  p.format);
     return p;
 }
 
@@ -69,20 +72,19 @@ RunPlan plan_run(const RunConfig& cfg, dist::Communicator& comm) {
     RunPlan p = plan_layout(cfg, comm, measured ? &*measured : nullptr);
     const int B = p.cfg.micro_batch(), T = p.cfg.train.seq_len;
     if (p.gpu()) {
-        const DevicePlacement where{comm.size(), comm.rank(), p.collective};
-        p.memory = predict_cuda_memory(p.cfg, p.remat.plan, where, B, T);
+        // What the plan's GPU engine (whole model, LoRA or a pipeline stage) will allocate.
+        p.memory = predict_device_memory(p, p.remat.plan, B, T);
         p.memory_on = MemoryOn::Device;
         // (Without a device the engine's construction says so.)
         if (!p.memory.empty() && cuda_available()) {
             select_device(comm.local_rank());  // this rank's GPU, as the engine takes it
             const auto [free_b, total_b] = device_memory_info();
-            check_device_fit(p.cfg, p.remat.plan, where, free_b, total_b);
+            check_device_fit(p, free_b, total_b);
         }
     } else {
-        p.memory = predict_cpu_memory(p.cfg, p.remat.plan, comm.rank(), B, T);
-        if (p.memory.empty()) p.memory = predict_pipeline_memory(p.cfg, comm.rank());
+        p.memory = predict_host_memory(p, p.remat.plan, B, T);
         p.memory_on = MemoryOn::Host;
-        check_host_fit(p.cfg, p.memory, comm.rank(), comm.local_size());
+        check_host_fit(p, comm.local_size());
     }
     return p;
 }

@@ -31,6 +31,7 @@
 #include "remat/profile.h"
 #include "train/build.h"
 #include "train/plan.h"
+#include "train/report.h"
 #include "train/sample.h"
 
 namespace fs = std::filesystem;
@@ -38,10 +39,6 @@ namespace fs = std::filesystem;
 namespace memtrain {
 
 namespace {
-
-std::string mib(std::size_t bytes) {
-    return fmt::format("{:.1f} MiB", bytes / 1048576.0);
-}
 
 // fp16 holds magnitudes up to 65504. Weights beyond that (a checkpoint trained in bf16 or fp32
 // may have them) round to inf in the first forward, and every step then overflows until the
@@ -127,7 +124,7 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
     // its layout), and this rank's memory, refused with what would fit when it cannot fit the
     // host or the device.
     plan_ = plan_run(cfg_, *comm_);
-    const remat::Schedule* schedule = &plan_.remat;
+    const remat::Solution* schedule = &plan_.remat;
     engine_ = opts_.engine ? opts_.engine(plan_, *comm_) : make_engine(plan_, *comm_);
     if (!(engine_->arena_format() == plan_.format))
         fail("internal: the {} engine lays out its arenas unlike its plan", engine_->describe());
@@ -299,18 +296,6 @@ float Trainer::evaluate() {
     return (float)mean_over_ranks(total / n);
 }
 
-namespace {
-
-// The planner (`memtrain estimate`) for this run's rank 0, the rank that reports: the engines'
-// layout functions for every layout they run, the formulas for the rest (planner/memory_model.h).
-plan::MemoryEstimate planner_estimate(const RunConfig& cfg, Engine& engine) {
-    return plan::estimate_rank_memory(plan::model_from_config(cfg.model),
-                                      planner_run_spec(cfg, engine.arena_format()),
-                                      planner_rank(cfg, 0));
-}
-
-}  // namespace
-
 TrainSummary Trainer::run() {
     TrainSummary sum;
     const int B = cfg_.micro_batch(), T = cfg_.train.seq_len, K = cfg_.accum_steps();
@@ -414,10 +399,8 @@ TrainSummary Trainer::run() {
     metrics_ = nullptr;
     if (root()) {  // for `memtrain report`: measured peaks beside the predictions
         try {
-            io::write_memory_json((fs::path(cfg_.io.out_dir) / "memory.json").string(),
-                                  engine_->memory_title(), engine_->memory().snapshot(),
-                                  predicted_memory(), planner_estimate(cfg_, *engine_),
-                                  process_peak_rss());
+            write_memory_json(plan_, *engine_, (fs::path(cfg_.io.out_dir) / "memory.json").string(),
+                              /*plan_rows=*/!opts_.engine);
         } catch (const Error& e) {  // the run itself succeeded; say what the report will lack
             std::fprintf(stderr, "memtrain: warning: memory.json not written: %s\n", e.what());
         }
@@ -434,86 +417,9 @@ TrainSummary Trainer::run() {
     return sum;
 }
 
-std::vector<MemoryPrediction> Trainer::predicted_memory() const {
-    std::vector<MemoryPrediction> built =
-        engine_->predicted_memory(cfg_.micro_batch(), cfg_.train.seq_len);
-    if (opts_.engine || plan_.memory.empty()) return built;
-    std::vector<MemoryPrediction> rows = plan_.memory;
-    rows.insert(rows.end(), built.begin() + (std::ptrdiff_t)plan_.memory.size(), built.end());
-    return rows;
-}
-
 void Trainer::print_memory_report() {
-    auto s = engine_->memory().snapshot();
-    // Every rank's peak of model states (parameters + gradients + optimizer state) and of
-    // activations, measured and predicted, gathered so rank 0 can show that sharding or the
-    // pipeline really spread them. A collective.
-    constexpr int kRec = 4;
-    std::vector<double> ranks(kRec * (std::size_t)comm_->size());
-    {
-        double mine[kRec] = {
-            (double)(s.peak(MemCategory::Parameters) + s.peak(MemCategory::Gradients) +
-                     s.peak(MemCategory::OptimizerState)),
-            0.0, (double)s.peak(MemCategory::Activations), 0.0};
-        for (const auto& r : predicted_memory()) {
-            if (r.category == MemCategory::Activations) mine[3] += (double)r.bytes;
-            if (r.category == MemCategory::Parameters || r.category == MemCategory::Gradients ||
-                r.category == MemCategory::OptimizerState)
-                mine[1] += (double)r.bytes;
-        }
-        comm_->all_gather_bytes(mine, ranks.data(), sizeof(mine));
-    }
-    if (!root()) return;
-    const int N = cfg_.world;
-    std::string out = fmt::format("\nmemory breakdown ({})\n", engine_->memory_title());
-    out += fmt::format("{:<16} {:>12} {:>12} {:>12} {:>12}  {}\n", "category", "current", "peak",
-                       "reserved", "predicted", "formula");
-    std::size_t pred_total = 0;
-    bool comm_predicted = false;
-    for (const auto& r : predicted_memory()) {
-        int i = static_cast<int>(r.category);
-        comm_predicted = comm_predicted || r.category == MemCategory::Communication;
-        pred_total += r.bytes;
-        out += fmt::format("{:<16} {:>12} {:>12} {:>12} {:>12}  {}\n", category_name(r.category),
-                           mib(s.used[i]), mib(s.peak_used[i]), mib(s.reserved[i]), mib(r.bytes),
-                           r.formula);
-    }
-    {
-        // Unit buffers of the data-parallel engine: gathered parameters (stage 3), gradient
-        // buckets (stages 2-3) and reduce-scatter pieces; alive only while a unit is in use.
-        const int i = static_cast<int>(MemCategory::Communication);
-        if (s.peak_used[i] > 0 && !comm_predicted)
-            out += fmt::format("{:<16} {:>12} {:>12} {:>12} {:>12}  {}\n", "communication",
-                               mib(s.used[i]), mib(s.peak_used[i]), mib(s.reserved[i]), "-",
-                               "unit buffers (largest unit: " +
-                                   mib(4 * engine_->weights().layout.largest_unit()) + ")");
-    }
-    out += fmt::format("{:<16} {:>12} {:>12} {:>12} {:>12}\n", "total tracked", mib(s.total_used),
-                       mib(s.peak_total_used), mib(s.total_reserved), mib(pred_total));
-    out += engine_->memory_footer();
-    const auto est = planner_estimate(cfg_, *engine_);
-    out += fmt::format(
-        "planner estimate (per rank): parameters {} | gradients {} | optimizer {} | "
-        "activations {} (+ recompute working set {}) | logits and loss {}\n",
-        mib(est.bytes("parameters")), mib(est.bytes("gradients")),
-        mib(est.bytes("optimizer states")), mib(est.bytes("activations")),
-        mib(est.bytes("recompute working set")), mib(est.bytes("logits and loss")));
-    if (cfg_.train.pp > 1) {
-        out += "per pipeline stage (peak, measured / predicted):\n";
-        for (int r = 0; r < N; r++)
-            out += fmt::format(
-                "  stage {}{}: model states {} / {} | activations {} / {}\n", r % cfg_.train.pp,
-                cfg_.dp() > 1 ? fmt::format(" of pipeline {} (rank {})", r / cfg_.train.pp, r)
-                              : std::string(),
-                mib((std::size_t)ranks[kRec * r]), mib((std::size_t)ranks[kRec * r + 1]),
-                mib((std::size_t)ranks[kRec * r + 2]), mib((std::size_t)ranks[kRec * r + 3]));
-    } else if (N > 1) {
-        out += "model states per rank (peak):";
-        for (int r = 0; r < N; r++)
-            out += fmt::format(" rank {} {}{}", r, mib((std::size_t)ranks[kRec * r]),
-                               r + 1 < N ? " |" : "\n");
-    }
-    print(out);
+    // (A collective: every rank sends its peaks to rank 0.)
+    print(memory_report(plan_, *engine_, *comm_, /*plan_rows=*/!opts_.engine));
 }
 
 void Trainer::print_sample() {
@@ -556,7 +462,7 @@ GPT& Trainer::model() {
 }
 
 dist::ZeroStore& Trainer::store() {
-    return cpu_engine().store();
+    return cpu_engine().zero_store();
 }
 
 }  // namespace memtrain

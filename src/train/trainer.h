@@ -85,10 +85,6 @@ class Trainer {
     std::string layout_line() const;
     void print_memory_report();
     void print_sample();
-    // The breakdown's predicted rows: the plan's (decided before the engine allocated), then
-    // what the engine sized once built (the GPU's ZeRO-2/3 buckets); the engine's own for engines
-    // that size themselves once built (plan_.memory empty) or a test's engine.
-    std::vector<MemoryPrediction> predicted_memory() const;
 
     RunConfig cfg_;
     TrainOptions opts_;

@@ -94,6 +94,27 @@ TEST(CudaCli, MpirunTrainsAPipelineOfStages) {
     ASSERT_EQ(one.code, 0) << one.output;
     EXPECT_NE(one.output.find("step     6/6"), std::string::npos) << one.output;
 }
+
+// Pipeline stages too large for their (simulated, 8 MiB) devices: each stage's plan is refused
+// before its engine allocates, naming the stage and the categories.
+TEST(CudaCli, MpirunRefusesStagesTooLargeForTheDevice) {
+    auto dir = memtrain::test::temp_dir("cuda_cli_pp_too_large");
+    const std::string mpi =
+        "MEMTRAIN_SIM_DEVICE_MIB=8 ASAN_OPTIONS=detect_leaks=0:protect_shadow_gap=0 "
+        "OMP_NUM_THREADS=1 " +
+        std::string(MT_MPIEXEC) + " --oversubscribe --allow-run-as-root -np 2";
+    auto r = run_sim("train " + tiny_config(dir) +
+                         " --set train.device=cuda train.pp=2 model.n_embd=1024 model.n_head=8 "
+                         "model.n_layer=4 io.out_dir=" +
+                         dir + "/out",
+                     mpi);
+    EXPECT_NE(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("out of device memory"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("on pipeline stage 0 of 2 (parameters"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("the device has 8.0 MiB"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("nothing was allocated"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("train.pp"), std::string::npos) << r.output;
+}
 #endif
 
 TEST(CudaCli, TrainsOnTheDeviceInEachPrecision) {
@@ -140,6 +161,29 @@ TEST(CudaCli, QLoraTrainsOnTheDeviceAndMerges) {
     r = run_sim("lora merge " + ckpt + " --out " + dir + "/merged");
     ASSERT_EQ(r.code, 0) << r.output;
     EXPECT_TRUE(std::filesystem::exists(dir + "/merged/model.safetensors")) << r.output;
+}
+
+// LoRA and QLoRA too large for the (simulated, 8 MiB) device: refused before anything is
+// allocated, naming the categories; a base that is not packed yet is pointed at QLoRA.
+TEST(CudaCli, LoraTooLargeForTheDeviceIsRefused) {
+    auto dir = memtrain::test::temp_dir("cuda_cli_lora_too_large");
+    const std::string cfg = tiny_config(dir);
+    for (const char* base : {"fp32", "nf4"}) {
+        SCOPED_TRACE(base);
+        auto r = run_sim("train " + cfg +
+                             " --set train.device=cuda model.n_embd=1024 model.n_head=8 "
+                             "model.n_layer=4 lora.rank=4 lora.base_group=32 lora.base=" +
+                             base,
+                         "MEMTRAIN_SIM_DEVICE_MIB=8");
+        EXPECT_EQ(r.code, 1) << r.output;
+        EXPECT_NE(r.output.find("out of device memory"), std::string::npos) << r.output;
+        EXPECT_NE(r.output.find("parameters"), std::string::npos) << r.output;
+        EXPECT_NE(r.output.find("the device has 8.0 MiB"), std::string::npos) << r.output;
+        EXPECT_NE(r.output.find("nothing was allocated"), std::string::npos) << r.output;
+        if (std::string(base) == "fp32") {
+            EXPECT_NE(r.output.find("lora.base = nf4"), std::string::npos) << r.output;
+        }
+    }
 }
 
 TEST(CudaCli, ErrorsNameTheKeyAndExitNonZero) {

@@ -14,6 +14,7 @@
 #include "core/device.h"
 #include "core/error.h"
 #include "cuda/cuda_test_util.h"
+#include "cuda/device_fit_util.h"
 #include "io/safetensors.h"
 #include "model/gpt.h"
 #include "model/weights.h"
@@ -229,6 +230,37 @@ TEST(CudaLora, DeviceMemoryIsWhatTheEnginePredicts) {
         EXPECT_EQ(grew(MemCategory::Gradients), 2 * adapters);
         EXPECT_LT(grew(MemCategory::OptimizerState), 12 * adapters + 4096);
     }
+}
+
+// The plan prices LoRA and QLoRA on the GPU before the engine exists (engine/device_memory.h):
+// the engine allocates exactly the plan's rows (the Trainer checks that its own rows are the
+// plan's), and a base too large for the device is refused before anything is allocated.
+TEST(CudaLora, ThePlanPredictsTheDeviceMemoryAndRefusesWhatDoesNotFit) {
+    REQUIRE_GPU();
+    dist::LocalCommunicator one;
+    for (const char* base : {"fp32", "nf4"}) {
+        SCOPED_TRACE(base);
+        auto d = test::temp_dir(std::string("lora_gpu_plan_") + base);
+        RunConfig c = lora_run(d, 2, "cuda", "bf16", base);
+        const RunPlan plan = test::plan_of(c, one);
+        ASSERT_EQ(plan.engine, EngineKind::CudaLora);
+        ASSERT_EQ(plan.memory.size(), 5u);
+        const MemoryStats before = device_memory().snapshot();
+        Trainer t(c, quiet());
+        t.run();
+        const MemoryStats after = device_memory().snapshot();
+        for (const MemoryPrediction& row : plan.memory) {
+            SCOPED_TRACE(std::string(category_name(row.category)) + ": " + row.formula);
+            if (row.category == MemCategory::Workspace)  // process-wide scratch may exist
+                EXPECT_LE(after[row.category] - before[row.category], row.bytes);
+            else
+                EXPECT_EQ(after[row.category] - before[row.category], row.bytes);
+        }
+    }
+    auto d = test::temp_dir("lora_gpu_too_large");
+    const std::string m = test::refused_before_allocating(
+        test::too_large_for_device(lora_run(d, 1, "cuda", "bf16")), quiet());
+    EXPECT_NE(m.find("lora.base = nf4"), std::string::npos) << m;
 }
 
 TEST(CudaLora, UnsupportedCombinationsAreRefused) {

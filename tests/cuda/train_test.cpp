@@ -15,6 +15,7 @@
 #include "core/device.h"
 #include "core/error.h"
 #include "cuda/cuda_test_util.h"
+#include "cuda/device_fit_util.h"
 #include "engine/cuda/cuda_engine.h"
 #include "planner/memory_model.h"
 #include "planner/model_shape.h"
@@ -250,7 +251,7 @@ TEST(CudaTrain, OffloadedOptimizerTrainsTheSameModel) {
         // and gradients on the device, and on the host the fp32 master, Adam's moments, the fp32
         // gradients and the pinned transfer buffer.
         plan::RunSpec r;
-        r.precision = fp32 ? plan::Precision::fp32 : plan::Precision::mixed_bf16;
+        r.precision = fp32 ? Precision::fp32 : Precision::bf16;
         r.offload = plan::Offload::optimizer;
         r.micro_batch = h.micro_batch();
         r.seq = h.train.seq_len;
@@ -312,7 +313,7 @@ std::string mixed_offload_policy(const RunConfig& c, int elem_bytes) {
                                ch.blocks[0][0].kept_bytes + ch.resid_bytes;
     const std::string policy = "budget:" + std::to_string(budget) + "+offload";
     const RematPlan plan =
-        remat::make_schedule(remat::parse_policy(policy), c.model, B, T, nullptr, fmt).plan;
+        remat::solve_policy(remat::parse_policy(policy), c.model, B, T, nullptr, fmt).plan;
     const auto offloaded = std::count(plan.begin(), plan.end(), BlockKeep::Offload);
     EXPECT_GT(offloaded, kOffloadSlots) << policy << ": some input leaves the device";
     EXPECT_LT(offloaded, L) << policy << ": some block keeps more";
@@ -394,6 +395,16 @@ TEST(CudaTrain, DeviceMemoryIsWhatTheModelPredicts) {
         EXPECT_GE(states, 16 * psi);
         EXPECT_LT(states, 16 * psi + 64 * 1024);
     }
+}
+
+// A model whose parameters alone exceed the device is refused by the plan before the engine
+// allocates anything, naming the categories and what would fit (the command line's version:
+// tests/cuda/cli_sim_test.cpp, with the simulated device made small).
+TEST(CudaTrain, ARunTooLargeForTheDeviceIsRefusedBeforeAllocating) {
+    REQUIRE_GPU();
+    RunConfig c = cuda_run(test::temp_dir("cuda_too_large"), 1, "bf16");
+    const std::string m = test::refused_before_allocating(test::too_large_for_device(c), quiet());
+    EXPECT_NE(m.find("the model states need"), std::string::npos) << m;
 }
 
 TEST(CudaTrain, LlamaStyleFp32MatchesTheCpu) {

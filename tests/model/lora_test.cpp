@@ -171,8 +171,8 @@ TEST(Lora, BaseGetsNoGradientsAndRematKeepsTheBits) {
     s.lora.set_training(true);
     const std::vector<float> want = s.grads();
     for (const char* policy : {"full", "selective", "every:2"}) {
-        s.model.set_remat(remat::make_schedule(remat::parse_policy(policy), s.model.config(), B, T,
-                                               nullptr, GPT::arena_format())
+        s.model.set_remat(remat::solve_policy(remat::parse_policy(policy), s.model.config(), B, T,
+                                              nullptr, GPT::arena_format())
                               .plan);
         EXPECT_EQ(s.grads(), want) << policy;
     }

@@ -105,7 +105,7 @@ void check_ranks_match_one_process(int stage, const std::string& name,
         // The planner (memtrain estimate) predicts these bytes, up to the padding of the shards
         // (an element per rank) and the optimizer's chunk table.
         plan::RunSpec r;
-        r.precision = plan::Precision::fp32;
+        r.precision = Precision::fp32;
         r.optimizer = plan::Optimizer::adamw;
         r.dp = N;
         r.zero = stage;

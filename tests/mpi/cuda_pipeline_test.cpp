@@ -17,6 +17,7 @@
 
 #include "core/device.h"
 #include "core/error.h"
+#include "cuda/device_fit_util.h"
 #include "engine/cuda/cuda_engine.h"
 #include "mpi/dist_runs.h"
 #include "test_util.h"
@@ -235,6 +236,41 @@ TEST(CudaPp, PipelinesSideBySideTrainTheOneGpuModel) {
         z.train.zero_stage = 1;
         if (P > 1) expect_refused(z, "train.zero_stage = 1 across 2 GPU pipelines");
     }
+}
+
+// The plan prices each stage before the engine exists (engine/device_memory.h): built from the
+// plan alone (make_engine; the Trainer checks the engine's rows are its plan's), every stage
+// allocates exactly its plan's rows; and a model whose stages cannot fit their devices is
+// refused on every stage before anything is allocated, naming the stage.
+TEST(CudaPp, ThePlanPredictsEachStageAndRefusesWhatDoesNotFit) {
+    REQUIRE_GPU_PP();
+    if (comm().size() < 2) return;  // train.pp > 1
+    for (const bool tied : {false, true}) {
+        SCOPED_TRACE(tied ? "tied" : "untied");
+        RunConfig c = pp_run(tied ? "cuda_pp_plan_tied" : "cuda_pp_plan", "bf16", "1f1b");
+        c.model.tied_embeddings = tied;
+        c.train.remat = "selective";
+        const RunPlan plan = test::plan_of(c, comm());
+        ASSERT_EQ(plan.engine, EngineKind::CudaPipeline);
+        ASSERT_EQ(plan.memory.size(), 5u);
+        const MemoryStats before = device_memory().snapshot();
+        Trainer t(c, test::quiet(), &comm());
+        t.run();
+        const MemoryStats after = device_memory().snapshot();
+        for (const MemoryPrediction& p : plan.memory) {
+            SCOPED_TRACE(std::string(category_name(p.category)) + ": " + p.formula);
+            if (p.category == MemCategory::Workspace)
+                EXPECT_LE(after[p.category] - before[p.category], p.bytes);
+            else
+                EXPECT_EQ(after[p.category] - before[p.category], p.bytes);
+        }
+    }
+    const RunConfig big =
+        test::too_large_for_device(pp_run("cuda_pp_too_large", "bf16", "1f1b"), comm().size());
+    const std::string m = test::refused_before_allocating(big, test::quiet(), &comm());
+    EXPECT_NE(m.find(fmt::format("on pipeline stage {} of {}", comm().rank(), comm().size())),
+              std::string::npos)
+        << m;
 }
 
 // What the GPU pipeline is not built for is refused before training, by name.

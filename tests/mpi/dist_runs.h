@@ -4,13 +4,17 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <filesystem>
 #include <string>
 #include <vector>
 
+#include "core/allocator.h"
 #include "core/error.h"
 #include "mpi/dist_env.h"
 #include "test_util.h"
+#include "train/plan.h"
 #include "train/trainer.h"
 
 namespace memtrain::dist {
@@ -51,6 +55,34 @@ inline void expect_refused(const RunConfig& bad, const std::string& what) {
     } catch (const Error& e) {
         EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
     }
+}
+
+// The rows plan_run predicts for t's config on comm(), before anything is allocated, are the
+// rows its built engine reports (category, bytes and formula); returns them.
+inline std::vector<MemoryPrediction> expect_planned_rows_are_the_engines(Trainer& t,
+                                                                         const std::string& what) {
+    const RunConfig& tc = t.config();
+    const RunPlan plan = plan_run(tc, comm());
+    const auto built = t.engine().predicted_memory(tc.micro_batch(), tc.train.seq_len);
+    EXPECT_EQ(plan.memory.size(), built.size()) << what;
+    for (std::size_t i = 0; i < std::min(built.size(), plan.memory.size()); i++) {
+        EXPECT_EQ(plan.memory[i].category, built[i].category) << what;
+        EXPECT_EQ(plan.memory[i].bytes, built[i].bytes) << what << " " << built[i].formula;
+        EXPECT_EQ(plan.memory[i].formula, built[i].formula) << what;
+    }
+    return plan.memory;
+}
+
+// Building a Trainer for `run` over comm() on a host of 1 KiB (MEMTRAIN_HOST_MEMORY) fails on
+// every rank with an Error containing `what`, before anything is allocated.
+inline void expect_refused_before_allocating(const RunConfig& run, const std::string& what) {
+    setenv("MEMTRAIN_HOST_MEMORY", "1KiB", 1);
+    const MemoryStats before = host_memory().snapshot();
+    expect_refused(run, what);
+    const MemoryStats after = host_memory().snapshot();
+    unsetenv("MEMTRAIN_HOST_MEMORY");
+    EXPECT_EQ(after.total_used, before.total_used) << what << ": something was allocated";
+    comm().barrier();
 }
 
 // `one` (every rank on its own, in its own out_dir) and `dist` (the job over comm()) train the

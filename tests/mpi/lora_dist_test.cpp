@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/cpu/lora_engine.h"
+#include "engine/cpu/cpu_engine.h"
 #include "mpi/dist_runs.h"
 
 namespace memtrain::dist {
@@ -35,8 +35,8 @@ void check_lora_matches_single_process(int stage) {
     {
         Trainer ref(ref_cfg, quiet);
         ref_sum = ref.run();
-        auto& e = dynamic_cast<LoraEngine&>(ref.engine());
-        const float* p = e.adapter_store().full_params();
+        auto& e = dynamic_cast<CpuEngine&>(ref.engine());
+        const float* p = e.zero_store().full_params();
         ref_adapters.assign(p, p + e.lora_layout().params.total);
         base = ref.params();
     }
@@ -52,20 +52,20 @@ void check_lora_matches_single_process(int stage) {
             << name << " step " << i + 1;
     EXPECT_EQ(t.params(), base) << name << ": the frozen base changed";
 
-    auto& e = dynamic_cast<LoraEngine&>(t.engine());
+    auto& e = dynamic_cast<CpuEngine&>(t.engine());
     const ParamLayout& lay = e.lora_layout().params;
     double worst = 0;
     for (int u = 0; u < (int)lay.units.size(); u++) {
-        const float* p = e.adapter_store().acquire(u);
+        const float* p = e.zero_store().acquire(u);
         for (std::size_t i = 0; i < lay.units[u].size(); i++)
             worst = std::max(worst, (double)std::abs(p[i] - ref_adapters[lay.units[u].begin + i]));
-        e.adapter_store().release(u);
+        e.zero_store().release(u);
     }
     EXPECT_LT(worst, 2e-5) << name << ": largest adapter difference";
 
     // Adapter states per rank: Ψa or this rank's shard; the base is fp32 and whole everywhere;
     // no base gradient exists.
-    const std::size_t psi = lay.total, shard = (std::size_t)e.adapter_store().owned().count;
+    const std::size_t psi = lay.total, shard = (std::size_t)e.zero_store().owned().count;
     const MemoryStats m = host_memory().snapshot();
     auto grew = [&](MemCategory k) { return m[k] - before[k]; };
     EXPECT_EQ(grew(MemCategory::Parameters),

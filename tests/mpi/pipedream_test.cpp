@@ -27,7 +27,7 @@
 #include <vector>
 
 #include "core/error.h"
-#include "engine/cpu/mesh_engine.h"
+#include "engine/cpu/cpu_engine.h"
 #include "mpi/dist_runs.h"
 #include "parallel/pipeline/schedule.h"
 #include "test_util.h"
@@ -69,7 +69,7 @@ void tokens(int step, int i, int n, int vocab, std::vector<int32_t>& x, std::vec
 // one pipeline's m micro-batches of 2, no ZeRO), built before either trains.
 struct PipelineAndReference {
     std::unique_ptr<Trainer> ref, run;
-    MeshEngine* pe = nullptr;
+    CpuEngine* pe = nullptr;
     PipelineAndReference(RunConfig c, int P, int m) {
         TrainOptions quiet;
         quiet.quiet = true;
@@ -80,7 +80,7 @@ struct PipelineAndReference {
         ref = std::make_unique<Trainer>(rc, quiet);
         c.train.pp = P;
         run = std::make_unique<Trainer>(c, quiet, &comm());
-        pe = dynamic_cast<MeshEngine*>(&run->engine());
+        pe = dynamic_cast<CpuEngine*>(&run->engine());
     }
 };
 
@@ -89,8 +89,8 @@ double lr_of(int step) {
 }
 
 // Every stage's floats [begin, end) of the flat parameter buffer (each rank owns one range).
-std::vector<std::array<uint64_t, 2>> stage_ranges(MeshEngine& pe) {
-    const pp::StageStore::Range& r = pe.store().ranges().at(0);
+std::vector<std::array<uint64_t, 2>> stage_ranges(CpuEngine& pe) {
+    const pp::StageStore::Range& r = pe.stage_store().ranges().at(0);
     std::array<uint64_t, 2> mine = {r.begin, r.end};
     std::vector<std::array<uint64_t, 2>> all((std::size_t)comm().size());
     comm().all_gather_bytes(mine.data(), all.data(), sizeof(mine));
@@ -117,11 +117,11 @@ void check_pipedream(const std::string& remat, int steps, int dp = 1, int zero =
     c.train.zero_stage = zero;
     PipelineAndReference runs(c, P, m);
     Trainer &ref = *runs.ref, &t = *runs.run;
-    MeshEngine* pe = runs.pe;
+    CpuEngine* pe = runs.pe;
     ASSERT_NE(pe, nullptr);
     ASSERT_EQ(pe->replicas(), dp);
     const int r = pe->stage();
-    pe->hash_weight_versions(true);
+    pe->weight_versions().hash_weights(true);
     const std::vector<float> init = t.params();
     GPT& rm = ref.model();
     Engine& re = ref.engine();
@@ -129,7 +129,7 @@ void check_pipedream(const std::string& remat, int steps, int dp = 1, int zero =
     ASSERT_EQ(init.size(), N);
     ASSERT_EQ(count_diffs(init.data(), rm.params(), N), 0u) << "the same initial weights";
     const auto ranges = stage_ranges(*pe);
-    const std::size_t own = pe->store().count();
+    const std::size_t own = pe->stage_store().count();
     ASSERT_EQ(own, ranges[r][1] - ranges[r][0]);
 
     const int B = c.micro_batch(), T = c.train.seq_len, V = c.model.vocab_size;
@@ -163,7 +163,7 @@ void check_pipedream(const std::string& remat, int steps, int dp = 1, int zero =
             hist.emplace_back(rm.params(), rm.params() + N);
         }
         // Micro-batch by micro-batch: F and B on the same version and bits, the predicted one.
-        const auto& used = pe->versions_used();
+        const auto& used = pe->weight_versions().used();
         ASSERT_EQ((int)used.size(), m);
         for (int i = 0; i < m; i++) {
             const int64_t want = (int64_t)step * m + pp::pipedream_version(P, r, i);
@@ -175,10 +175,11 @@ void check_pipedream(const std::string& remat, int steps, int dp = 1, int zero =
         // versions (m = 2p) and weights.
         EXPECT_NE(used[0].forward, used[m - 1].forward);
         EXPECT_NE(used[0].forward_hash, used[m - 1].forward_hash);
-        EXPECT_EQ(pe->weight_version(), (int64_t)(step + 1) * m);
+        EXPECT_EQ(pe->weight_versions().version(), (int64_t)(step + 1) * m);
         // The stage's weights after the step: bitwise the reference's.
         const std::vector<float>& want = hist.back();
-        EXPECT_EQ(count_diffs(pe->store().owned_params(), want.data() + ranges[r][0], own), 0u)
+        EXPECT_EQ(count_diffs(pe->stage_store().owned_params(), want.data() + ranges[r][0], own),
+                  0u)
             << "stage " << r << " after step " << step + 1 << " (remat " << remat << ")";
     }
     // The stages of one micro-batch ran on different versions (stage 0's last micro-batch on
@@ -187,14 +188,14 @@ void check_pipedream(const std::string& remat, int steps, int dp = 1, int zero =
         EXPECT_NE(pp::pipedream_version(P, 0, m - 1), pp::pipedream_version(P, P - 1, m - 1));
     }
     // Versions alive: at most p - s, and p - s is reached (m >= 2 (p - 1)); their bytes.
-    EXPECT_EQ(pe->peak_live_versions(), pp::pipedream_versions(P, r));
-    EXPECT_EQ(pe->version_bytes(), pe->predicted_version_bytes());
-    EXPECT_EQ(pe->version_bytes(), 4 * own * (std::size_t)(P - r - 1));
+    EXPECT_EQ(pe->weight_versions().peak_live(), pp::pipedream_versions(P, r));
+    EXPECT_EQ(pe->weight_versions().bytes(), pe->weight_versions().predicted_bytes());
+    EXPECT_EQ(pe->weight_versions().bytes(), 4 * own * (std::size_t)(P - r - 1));
     bool row = false;
     for (const MemoryPrediction& p : pe->predicted_memory(B, T))
         if (p.category == MemCategory::Parameters) {
             row = true;
-            EXPECT_EQ(p.bytes, 4 * own + pe->predicted_version_bytes());
+            EXPECT_EQ(p.bytes, 4 * own + pe->weight_versions().predicted_bytes());
             EXPECT_NE(p.formula.find("stashed weight version"), std::string::npos) << p.formula;
         }
     EXPECT_TRUE(row);
@@ -219,18 +220,18 @@ void check_two_bw(bool tied, double clip, int steps, int dp = 1, int zero = 0,
     c.train.zero_stage = zero;
     PipelineAndReference runs(c, P, m);
     Trainer &ref = *runs.ref, &t = *runs.run;
-    MeshEngine* pe = runs.pe;
+    CpuEngine* pe = runs.pe;
     ASSERT_NE(pe, nullptr);
     ASSERT_EQ(pe->replicas(), dp);
     const int r = pe->stage();
-    pe->hash_weight_versions(true);
+    pe->weight_versions().hash_weights(true);
     GPT& rm = ref.model();
     Engine& re = ref.engine();
     const std::size_t N = rm.num_params();
     const std::vector<float> init = t.params();
     ASSERT_EQ(count_diffs(init.data(), rm.params(), N), 0u) << "the same initial weights";
     const auto ranges = stage_ranges(*pe);
-    const std::size_t own = pe->store().count();
+    const std::size_t own = pe->stage_store().count();
     const int B = c.micro_batch(), T = c.train.seq_len, V = c.model.vocab_size;
     const float scale = 1.0f / (float)(B * T * m * dp), ref_scale = 1.0f / (float)(B * T * m);
     std::vector<float> prev = init;  // W(t - 1), W(-1) = W(0)
@@ -264,7 +265,7 @@ void check_two_bw(bool tied, double clip, int steps, int dp = 1, int zero = 0,
                 EXPECT_NEAR(res.grad_norm, rres.grad_norm, 1e-6 * rres.grad_norm);
             }
         }
-        const auto& used = pe->versions_used();
+        const auto& used = pe->weight_versions().used();
         ASSERT_EQ((int)used.size(), m);
         for (int i = 0; i < m; i++) {
             EXPECT_EQ(used[i].forward, std::max(0, step - 1)) << "stage " << r << " mb " << i;
@@ -275,8 +276,8 @@ void check_two_bw(bool tied, double clip, int steps, int dp = 1, int zero = 0,
             EXPECT_NE(used[0].forward_hash, last_hash) << "step " << step + 1;
         }
         last_hash = used[0].forward_hash;
-        EXPECT_EQ(pe->weight_version(), step + 1);
-        const float* got = pe->store().owned_params();
+        EXPECT_EQ(pe->weight_versions().version(), step + 1);
+        const float* got = pe->stage_store().owned_params();
         const float* want = rm.params() + ranges[r][0];
         if (!tied) {
             EXPECT_EQ(count_diffs(got, want, own), 0u) << "stage " << r << " step " << step + 1;
@@ -287,9 +288,9 @@ void check_two_bw(bool tied, double clip, int steps, int dp = 1, int zero = 0,
             EXPECT_LT(worst, 1e-6) << "stage " << r << " step " << step + 1;
         }
     }
-    EXPECT_EQ(pe->peak_live_versions(), 2);
-    EXPECT_EQ(pe->version_bytes(), pe->predicted_version_bytes());
-    EXPECT_EQ(pe->version_bytes(), 4 * (own + pe->store().mirror_size()));
+    EXPECT_EQ(pe->weight_versions().peak_live(), 2);
+    EXPECT_EQ(pe->weight_versions().bytes(), pe->weight_versions().predicted_bytes());
+    EXPECT_EQ(pe->weight_versions().bytes(), 4 * (own + pe->stage_store().mirror_size()));
 }
 
 TEST(PipeDream, TwoBWMatchesOneStepStaleReference) {
@@ -334,9 +335,9 @@ TEST(PipeDream, TrainerRunsBothSchedules) {
         const TrainSummary sum = t.run();
         ASSERT_EQ(sum.losses.size(), 3u);
         for (double l : sum.losses) EXPECT_TRUE(std::isfinite(l)) << sched;
-        auto* pe = dynamic_cast<MeshEngine*>(&t.engine());
+        auto* pe = dynamic_cast<CpuEngine*>(&t.engine());
         ASSERT_NE(pe, nullptr);
-        EXPECT_EQ(pe->weight_version(), sched == "pipedream" ? 3 * 2 * P : 3) << sched;
+        EXPECT_EQ(pe->weight_versions().version(), sched == "pipedream" ? 3 * 2 * P : 3) << sched;
         EXPECT_NE(pe->memory_footer().find("pipeline bubble: measured"), std::string::npos)
             << sched;
         // Measured = predicted, the weight versions included (the only trainer alive here).
@@ -346,7 +347,7 @@ TEST(PipeDream, TrainerRunsBothSchedules) {
                 EXPECT_EQ(ms[p.category], p.bytes) << category_name(p.category) << " " << sched;
             }
         if (sched == "pipedream-2bw" || pe->stage() < P - 1) {  // PipeDream's last stage: none
-            EXPECT_GT(pe->version_bytes(), 0u) << sched;
+            EXPECT_GT(pe->weight_versions().bytes(), 0u) << sched;
         }
     }
 }
@@ -374,8 +375,8 @@ TEST(PipeDream, CheckpointsResume) {
             k.io.out_dir = base + dir;
             Trainer t(k, o, &comm());
             const TrainSummary sum = t.run();
-            auto* pe = dynamic_cast<MeshEngine*>(&t.engine());
-            return std::make_tuple(sum, t.params(), pe ? pe->weight_version() : -1);
+            auto* pe = dynamic_cast<CpuEngine*>(&t.engine());
+            return std::make_tuple(sum, t.params(), pe ? pe->weight_versions().version() : -1);
         };
         TrainOptions restart = quiet;  // 2BW: the shadow restarted where the resume restarts it
         if (!pd)
@@ -400,6 +401,31 @@ TEST(PipeDream, CheckpointsResume) {
             const auto [plain, plain_params, plain_version] = run("_plain", quiet);
             EXPECT_GT(count_diffs(plain_params.data(), all_params.data(), all_params.size()), 0u);
         }
+    }
+}
+
+// PipeDream's stashes and 2BW's shadow are priced before anything is allocated: the plan's rows
+// are what the built engine reports (the weight versions among the parameters), and a stage
+// that cannot fit the host is refused before allocating, naming its stage.
+TEST(PipeDream, WeightVersionsArePlannedAndAStageThatCannotFitIsRefused) {
+    const int P = comm().size();
+    for (const char* name : {"pipedream", "pipedream-2bw"}) {
+        const std::string sched = name;
+        RunConfig c = pipedream_run("pipedream_memory_" + sched, sched, false, 2 * P);
+        c.optim.grad_clip = sched == "pipedream" ? 0 : 1;
+        c.train.pp = P;
+        {
+            Trainer t(c, test::quiet(), &comm());
+            const auto planned = expect_planned_rows_are_the_engines(t, sched);
+            auto* pe = dynamic_cast<CpuEngine*>(&t.engine());
+            ASSERT_NE(pe, nullptr);
+            EXPECT_EQ(planned.at(0).bytes,
+                      4 * (pe->stage_store().count() + pe->stage_store().mirror_size()) +
+                          pe->weight_versions().predicted_bytes())
+                << sched;
+        }
+        expect_refused_before_allocating(
+            c, fmt::format("of host memory per rank on pipeline stage {}", comm().rank()));
     }
 }
 

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "core/error.h"
-#include "engine/cpu/mesh_engine.h"
+#include "engine/cpu/cpu_engine.h"
 #include "mpi/dist_runs.h"
 #include "parallel/mesh.h"
 #include "test_util.h"
@@ -63,8 +63,8 @@ RunConfig one_process(const RunConfig& c, const std::string& suffix) {
     return one;
 }
 
-MeshEngine& pipeline_engine(Trainer& t) {
-    auto* pe = dynamic_cast<MeshEngine*>(&t.engine());
+CpuEngine& pipeline_engine(Trainer& t) {
+    auto* pe = dynamic_cast<CpuEngine*>(&t.engine());
     if (!pe) fail("internal: the trainer does not run the pipeline engine");
     return *pe;
 }
@@ -135,7 +135,7 @@ void check_matches_one_process(const std::string& schedule, int zero, bool llama
 
     Trainer t(c, quiet, &comm());
     const TrainSummary sum = t.run();
-    MeshEngine& pe = pipeline_engine(t);
+    CpuEngine& pe = pipeline_engine(t);
     EXPECT_EQ(pe.stage(), r % kStages);
     EXPECT_EQ(pe.replica(), r / kStages);
     EXPECT_EQ(pe.replicas(), D);
@@ -147,7 +147,7 @@ void check_matches_one_process(const std::string& schedule, int zero, bool llama
 
     // The replicas of each stage hold the same bits: every rank's stage parameters against
     // pipeline 0's (job rank s for stage s), broadcast over the job.
-    pp::StageStore& st = pe.store();
+    pp::StageStore& st = pe.stage_store();
     for (int s = 0; s < kStages; s++) {
         int64_t n = (int64_t)st.count();
         comm().broadcast(&n, sizeof(n), s);

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "core/error.h"
-#include "engine/cpu/mesh_engine.h"
+#include "engine/cpu/cpu_engine.h"
 #include "engine/host_memory.h"
 #include "io/safetensors.h"
 #include "mpi/dist_runs.h"
@@ -90,7 +90,7 @@ void check_pipeline_matches_single_process(const PpCase& k, int steps = 10, bool
     c.train.pp_virtual = k.virt;
     Trainer t(c, quiet, &comm());
     const TrainSummary sum = t.run();
-    auto* pe = dynamic_cast<MeshEngine*>(&t.engine());
+    auto* pe = dynamic_cast<CpuEngine*>(&t.engine());
     ASSERT_NE(pe, nullptr);
     EXPECT_EQ(pe->stage(), r);
     EXPECT_EQ(pe->chunks(), k.virt);
@@ -117,7 +117,7 @@ void check_pipeline_matches_single_process(const PpCase& k, int steps = 10, bool
     // This stage's gradients of the last step (clipped as the single process clipped them) and
     // parameters after it: bitwise, except the tied embedding (to rounding) and, after more than
     // one step of a tied model, what followed from it.
-    const pp::StageStore& st = pe->store();
+    const pp::StageStore& st = pe->stage_store();
     const ParamLayout& layout = pe->model().layout();
     const std::size_t tied_end =
         c.model.tied_embeddings ? layout.units[ParamLayout::embedding_unit()].end : 0;
@@ -156,7 +156,7 @@ void check_pipeline_matches_single_process(const PpCase& k, int steps = 10, bool
 
     // What the executor measured: every step after the first, the bytes it passed on (an
     // activation forward unless last, a gradient back unless first, per micro-batch).
-    const PipelineStats& ps = pe->stats();
+    const pp::PipelineStats& ps = pe->timeline().stats();
     EXPECT_EQ(ps.steps, steps - 1);
     EXPECT_GE(ps.bubble, 0.0);
     EXPECT_LE(ps.bubble, ps.steps);  // a fraction per step
@@ -170,7 +170,7 @@ void check_pipeline_matches_single_process(const PpCase& k, int steps = 10, bool
     // backward after the next stage's (the receives it waited for); interleaved, by virtual
     // stage, across the ranks (rank P - 1's chunk c passes on to rank 0's chunk c + 1).
     const int m = tc.accum_steps();
-    const pp::SimResult& tl = pe->measured_timeline();
+    const pp::SimResult& tl = pe->timeline().measured();
     ASSERT_EQ((int)tl.spans.size(), P);
     std::vector<std::vector<double>> f_end(S, std::vector<double>(m, -1)),
         b_end = f_end, f_start = f_end, b_start = f_end;
@@ -421,6 +421,33 @@ TEST(Pipeline, AStageThatCannotFitIsRefusedBeforeAllocating) {
     EXPECT_EQ(after[MemCategory::Parameters], before[MemCategory::Parameters]) << "allocated";
     EXPECT_EQ(after[MemCategory::Activations], before[MemCategory::Activations]) << "allocated";
     comm().barrier();
+}
+
+// Every schedule and remat policy is priced before anything is allocated, as the executor
+// allocates it (naive's one slot, per-block remat plans, a budget's): the plan's rows are what
+// the built engine reports, its measured bytes those rows, and a naive stage that cannot fit the
+// host is refused before allocating, naming its stage.
+TEST(Pipeline, EveryScheduleAndRematIsPlannedAsTheEngineAllocates) {
+    for (const PpCase& k :
+         {PpCase{"naive", true}, PpCase{"1f1b", true, "every:2"}, PpCase{"gpipe", false, "sqrt"}}) {
+        RunConfig c = pipeline_run(k, 2);
+        c.train.pp = comm().size();
+        c.train.pp_schedule = k.schedule;
+        {
+            Trainer t(c, test::quiet(), &comm());
+            const auto built = expect_planned_rows_are_the_engines(t, case_name(k));
+            t.run();
+            const MemoryStats ms = host_memory().snapshot();
+            for (const MemoryPrediction& p : built)
+                if (p.category != MemCategory::Workspace) {
+                    EXPECT_EQ(ms[p.category], p.bytes)
+                        << case_name(k) << " " << category_name(p.category);
+                }
+        }
+        if (k.schedule == "naive")
+            expect_refused_before_allocating(
+                c, fmt::format("of host memory per rank on pipeline stage {}", comm().rank()));
+    }
 }
 
 TEST(Pipeline, BadLayoutsAreRefusedBeforeTraining) {

@@ -160,8 +160,8 @@ TEST(PlanGrid, EmittedConfigTrainsAsPlanned) {
         plan::SearchSpec spec;
         spec.global_batch = 8;
         spec.seq = 16;
-        spec.precision = plan::Precision::fp32;  // what the CPU engines train in
-        spec.flash_attention = false;            // the CPU kernels keep the probabilities
+        spec.precision = Precision::fp32;  // what the CPU engines train in
+        spec.flash_attention = false;      // the CPU kernels keep the probabilities
         spec.allow_offload = false;
         spec.reserve_bytes = 0;
         spec.fragmentation = 0;

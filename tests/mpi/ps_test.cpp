@@ -52,7 +52,7 @@ RunConfig one_process(const RunConfig& c, const std::string& tag) {
 // are bitwise. The embedding's gradient is a scatter-add, token row by token row, into that sum:
 // one process adds micro-batch k's rows one at a time to the sum of micro-batches < k, the
 // server adds worker k's whole row sums, so where a token occurs in two micro-batches the sums
-// differ in the last bits (as a pipeline's tied embedding does, engine/cpu/mesh_engine.h). One
+// differ in the last bits (as a pipeline's tied embedding does, parallel/pipeline/executor.h). One
 // step without clipping (whose coefficient reads the embedding's gradient) checks everything
 // else bitwise; more steps follow the embedding to rounding. One worker is bitwise throughout.
 void check_matches_one_process(const std::string& name, int servers, int per_worker, bool llama,
@@ -233,6 +233,22 @@ TEST(Ps, CheckpointsMoveBetweenPsAndOneProcess) {
     RunConfig ps = c;
     ps.io.out_dir = c.io.out_dir + "_ps";
     check_checkpoint_round_trip(one_process(c, "one"), ps, steps, cut, "PS");
+}
+
+// Every rank's memory is priced before anything is allocated (a worker's replica and arenas, a
+// server's units with their optimizer state, push buffer and published versions): the plan's
+// rows are what the built engine reports, and a run that does not fit the host is refused before
+// allocating, naming the categories.
+TEST(Ps, MemoryIsPlannedAndARunThatCannotFitIsRefusedBeforeAllocating) {
+    if (comm().size() < 2) GTEST_SKIP() << "needs a worker and a server";
+    RunConfig c = ps_run("ps_memory", 1, 1, true, 1);
+    c.train.ps_staleness = 1;
+    {
+        Trainer t(c, test::quiet(), &comm());
+        const auto built = expect_planned_rows_are_the_engines(t, "ps");
+        EXPECT_EQ(built.size(), comm().rank() < comm().size() - 1 ? 5u : 4u);
+    }
+    expect_refused_before_allocating(c, "of host memory per rank");
 }
 
 TEST(Ps, BadLayoutsAreRefusedNamingTheKey) {

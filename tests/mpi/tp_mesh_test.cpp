@@ -1,5 +1,5 @@
 // Tensor parallelism composed with pipeline stages and data parallelism (train.tp x train.pp x
-// pipelines side by side; parallel/mesh.h, engine/cpu/mesh_engine.h, parallel/tensor/tp_views.h)
+// pipelines side by side; parallel/mesh.h, engine/cpu/cpu_engine.h, parallel/tensor/tp_views.h)
 // under mpirun: at 4 ranks tp 2 x pp 2 and tp 2 x dp 2, at 8 ranks the 2 x 2 x 2 mesh, each with
 // and without sequence parallelism, and where there are pipelines side by side with ZeRO-1 across
 // them. Each layout trains 10 steps as one process fed the whole global micro-batch (to the
@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "core/error.h"
-#include "engine/cpu/mesh_engine.h"
+#include "engine/cpu/cpu_engine.h"
 #include "io/checkpoint.h"
 #include "mpi/dist_runs.h"
 #include "test_util.h"
@@ -126,18 +126,18 @@ TEST(TpMesh, LayoutsTrainAsOneProcess) {
                     // for rounding into a step of about the learning rate.
                     EXPECT_LT(worst_diff(t.params(), ref_params), 1e-4 + 1e-3 * c.optim.lr * steps);
                     // The stage's store holds this rank's shard of its units only.
-                    auto& e = dynamic_cast<MeshEngine&>(t.engine());
+                    auto& e = dynamic_cast<CpuEngine&>(t.engine());
                     const ParamLayout whole = make_param_layout(c.model),
                                       shard = make_param_layout(tp_shard_config(c.model, m.tp));
-                    const int u0 = e.store().first_unit(), u1 = e.store().last_unit();
-                    EXPECT_EQ(e.store().count(), shard.units[u1].end - shard.units[u0].begin);
-                    EXPECT_LT(e.store().count(), whole.units[u1].end - whole.units[u0].begin);
+                    const int u0 = e.stage_store().first_unit(), u1 = e.stage_store().last_unit();
+                    EXPECT_EQ(e.stage_store().count(), shard.units[u1].end - shard.units[u0].begin);
+                    EXPECT_LT(e.stage_store().count(), whole.units[u1].end - whole.units[u0].begin);
                     // ZeRO-1: this replica's optimizer updates its piece of the shard's range.
                     const dist::ShardRange piece =
-                        dist::shard_ranges((int64_t)e.store().count(), m.dp)[e.replica()];
+                        dist::shard_ranges((int64_t)e.stage_store().count(), m.dp)[e.replica()];
                     EXPECT_EQ(e.update_range().offset, zero ? piece.offset : 0);
                     EXPECT_EQ(e.update_range().count,
-                              zero ? piece.count : (int64_t)e.store().count());
+                              zero ? piece.count : (int64_t)e.stage_store().count());
                 }
 }
 

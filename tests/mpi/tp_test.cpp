@@ -16,7 +16,7 @@
 
 #include "core/allocator.h"
 #include "core/error.h"
-#include "engine/cpu/tp_engine.h"
+#include "engine/cpu/cpu_engine.h"
 #include "mpi/dist_runs.h"
 #include "parallel/tensor/tp.h"
 #include "test_util.h"
@@ -58,8 +58,8 @@ RunConfig with_sp(RunConfig c) {
     return c;
 }
 
-TpEngine& tp_engine(Trainer& t) {
-    auto* e = dynamic_cast<TpEngine*>(&t.engine());
+CpuEngine& tp_engine(Trainer& t) {
+    auto* e = dynamic_cast<CpuEngine*>(&t.engine());
     if (!e) fail("the trainer does not run the tensor-parallel engine: {}", t.engine().describe());
     return *e;
 }
@@ -156,7 +156,7 @@ void check_tp_matches_single_process(bool llama, bool sp = false) {
             ref_grads.assign(ref.model().grads(), ref.model().grads() + ref.model().num_params());
         }
         Trainer t(sp ? with_sp(c) : with_tp(c), quiet, &comm());
-        TpEngine& e = tp_engine(t);
+        CpuEngine& e = tp_engine(t);
         const TpLayout& l = e.tp_layout();
         EXPECT_EQ(t.params(), ref_init) << "initial weights";
         const TrainSummary sum = t.run();
@@ -399,9 +399,9 @@ TEST(TpSequenceParallel, LogitsOfAnyLengthMatchOneProcess) {
         Worst w;
         for (std::size_t i = 0; i < want.size(); i++) w.add(got[i], want[i]);
         EXPECT_LE(w.diff, 1e-5 * w.scale) << "T = " << T;
-        const TpGroup::Counts& n = tp_engine(t).group().counts();
+        const TpGroup::Counts& n = tp_engine(t).tp_group().counts();
         EXPECT_EQ(n.calls_at(TpSite::SpHeadGather) > 0, T % comm().size() == 0) << T;
-        tp_engine(t).group().reset_counts();
+        tp_engine(t).tp_group().reset_counts();
     }
 }
 

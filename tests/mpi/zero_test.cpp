@@ -130,7 +130,7 @@ void check_matches_single_process(const Case& k) {
     // The planner (memtrain estimate) predicts the same per-rank model states for this layout,
     // up to the rounding of Ψ/N (a float per state).
     plan::RunSpec r;
-    r.precision = plan::Precision::fp32;
+    r.precision = Precision::fp32;
     r.optimizer = plan::Optimizer::adamw;
     r.dp = N;
     r.zero = k.stage;

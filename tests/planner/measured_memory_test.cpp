@@ -69,7 +69,7 @@ TEST(PlanMeasured, ModelStatesAndActivationsExact) {
             auto measured = [&](MemCategory c) { return (int64_t)(after[c] - before[c]); };
 
             plan::RunSpec r;
-            r.precision = plan::Precision::fp32;
+            r.precision = Precision::fp32;
             r.optimizer = plan::Optimizer::adamw;
             r.micro_batch = s.B;
             r.seq = s.T;

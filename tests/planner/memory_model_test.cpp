@@ -58,7 +58,7 @@ TEST(PlanMemory, ZeroStagesShardOverDp) {
 TEST(PlanMemory, Fp32AdamWIs4Plus4Plus8) {
     ModelSpec m = load_model("gpt2");
     RunSpec r = base_run();
-    r.precision = Precision::fp32;
+    r.precision = memtrain::Precision::fp32;
     MemoryEstimate e = estimate_memory(m, r);
     const int64_t psi = m.total_params();
     EXPECT_EQ(e.bytes("parameters"), 4 * psi);
@@ -67,11 +67,11 @@ TEST(PlanMemory, Fp32AdamWIs4Plus4Plus8) {
 }
 
 TEST(PlanMemory, OptimizerAndPrecisionVariants) {
-    EXPECT_DOUBLE_EQ(state_bytes(Precision::mixed_bf16, Optimizer::sgd).optim,
+    EXPECT_DOUBLE_EQ(state_bytes(memtrain::Precision::bf16, true, Optimizer::sgd).optim,
                      8);  // master + momentum
-    EXPECT_DOUBLE_EQ(state_bytes(Precision::mixed_bf16, Optimizer::adamw8bit).optim, 6);
-    EXPECT_DOUBLE_EQ(state_bytes(Precision::bf16_only, Optimizer::adamw).optim, 4);
-    EXPECT_DOUBLE_EQ(state_bytes(Precision::fp32, Optimizer::sgd).optim, 4);
+    EXPECT_DOUBLE_EQ(state_bytes(memtrain::Precision::bf16, true, Optimizer::adamw8bit).optim, 6);
+    EXPECT_DOUBLE_EQ(state_bytes(memtrain::Precision::bf16, false, Optimizer::adamw).optim, 4);
+    EXPECT_DOUBLE_EQ(state_bytes(memtrain::Precision::fp32, true, Optimizer::sgd).optim, 4);
 }
 
 // ZeRO-Offload as the engine runs it: the bf16 parameters and gradients stay on the GPU (their
@@ -92,10 +92,10 @@ TEST(PlanMemory, OffloadMovesStatesToHost) {
         std::string::npos)
         << e.lines[2].detail;
     // fp32 training has no separate master on the GPU, but the host update keeps one.
-    r.precision = Precision::fp32;
+    r.precision = memtrain::Precision::fp32;
     EXPECT_EQ(estimate_memory(m, r).cpu_bytes, (4 + 8 + 4 + 4) * psi);
     // 4 ranks under ZeRO-2: the host holds a quarter, the GPU a quarter of the gradients.
-    r.precision = Precision::mixed_bf16;
+    r.precision = memtrain::Precision::bf16;
     r.dp = 4, r.zero = 2;
     e = estimate_memory(m, r);
     EXPECT_EQ(e.cpu_bytes, 18 * ((psi + 3) / 4));
@@ -157,7 +157,7 @@ TEST(PlanActivations, PipelineMicroBatchesInFlight) {
     MemoryEstimate first = estimate_stage_memory(m, r, 0);
     EXPECT_EQ(first.in_flight, 8);  // 1F1B: p micro-batches on the first stage
     EXPECT_EQ(estimate_stage_memory(m, r, 7).in_flight, 1);
-    r.schedule = Schedule::gpipe;
+    r.schedule = memtrain::pp::Kind::GPipe;
     EXPECT_EQ(estimate_stage_memory(m, r, 0).in_flight, 16);  // GPipe: all m
     EXPECT_EQ(first.layers_on_stage, 12);
 }
@@ -256,9 +256,9 @@ TEST(PlanMemory, ZeroBubbleWGradientsAreTheExecutorsBytes) {
             cfg.n_kv_head = 2;
         }
         plan::RunSpec r;
-        r.precision = plan::Precision::fp32;
+        r.precision = memtrain::Precision::fp32;
         r.pp = 2;
-        r.schedule = plan::Schedule::zb_h1;
+        r.schedule = memtrain::pp::Kind::ZbH1;
         r.micro_batch = 2;
         r.seq = 32;
         r.micro_batches = 6;
@@ -267,18 +267,18 @@ TEST(PlanMemory, ZeroBubbleWGradientsAreTheExecutorsBytes) {
             const auto est = plan::estimate_stage_memory(spec, r, stage);
             GPT stage_model(cfg, nullptr, 2 * stage, 2 * stage + 2);
             stage_model.set_split_backward(true);
-            const double slots = pp::uniform_in_flight(pp::Kind::ZbH1, 2, 6)[stage];
+            const double slots = pp::uniform_in_flight(memtrain::pp::Kind::ZbH1, 2, 6)[stage];
             EXPECT_EQ((double)est.bytes("zero-bubble W gradients"),
                       slots * (double)stage_model.split_backward_bytes(2, 32))
                 << "stage " << stage << (llama ? " llama" : " gpt2");
         }
-        r.schedule = plan::Schedule::one_f_one_b;
+        r.schedule = memtrain::pp::Kind::OneFOneB;
         EXPECT_EQ(plan::estimate_memory(spec, r).bytes("zero-bubble W gradients"), 0);
     }
     // With recompute the W gradients are the same bytes (W recomputes the dropped inputs).
     plan::RunSpec full;
     full.pp = 2;
-    full.schedule = plan::Schedule::zb_h1;
+    full.schedule = memtrain::pp::Kind::ZbH1;
     full.recompute = plan::Recompute::full;
     EXPECT_NO_THROW(plan::validate_run(plan::model_from_config(cfg), full));
 }

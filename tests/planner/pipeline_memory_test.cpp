@@ -17,7 +17,7 @@
 #include "comm/communicator.h"
 #include "config/run_config.h"
 #include "core/error.h"
-#include "engine/cpu/mesh_engine.h"
+#include "engine/cpu/cpu_engine.h"
 #include "model/activation_layout.h"
 #include "parallel/pipeline/schedule.h"
 #include "planner/memory_model.h"
@@ -98,7 +98,7 @@ RunConfig tiny_pipeline(int pp, const std::string& schedule, const std::string& 
 }
 
 // The planner's run for the same layout, on the CPU engine (fp32, attention probabilities).
-plan::RunSpec planner_run(const RunConfig& c, plan::Schedule schedule) {
+plan::RunSpec planner_run(const RunConfig& c, pp::Kind schedule) {
     plan::RunSpec r;
     r.pp = c.train.pp;
     r.schedule = schedule;
@@ -107,7 +107,7 @@ plan::RunSpec planner_run(const RunConfig& c, plan::Schedule schedule) {
     r.micro_batches = c.accum_steps();
     r.virtual_stages = c.train.pp_virtual;
     r.recompute = plan::parse_recompute(c.train.remat);
-    r.precision = plan::Precision::fp32;
+    r.precision = Precision::fp32;
     r.flash_attention = GPT::arena_format().fused_attention;
     r.optimizer = plan::Optimizer::adamw;
     return r;
@@ -136,7 +136,7 @@ TEST(PlanPipeline, RecomputeNamesMeanTheTrainersRematPlans) {
     for (plan::Recompute rc :
          {plan::Recompute::none, plan::Recompute::selective, plan::Recompute::full}) {
         const RematPlan trainer =
-            remat::make_schedule(remat::parse_policy(plan::to_string(rc)), c.model, 2, 32).plan;
+            remat::solve_policy(remat::parse_policy(plan::to_string(rc)), c.model, 2, 32).plan;
         EXPECT_EQ(plan::remat_plan(rc, c.model.n_layer), trainer) << plan::to_string(rc);
     }
     EXPECT_EQ(plan::block_keep(plan::Recompute::selective), BlockKeep::Selective);
@@ -180,12 +180,12 @@ TEST(PlanPipeline, ConfigFromModelRoundTrips) {
 TEST(PlanPipeline, StageActivationsAreThePipelineEnginesPrediction) {
     struct Sched {
         const char* name;
-        plan::Schedule planner;
+        pp::Kind planner;
     };
-    const Sched scheds[] = {{"gpipe", plan::Schedule::gpipe},
-                            {"1f1b", plan::Schedule::one_f_one_b},
-                            {"zb-h1", plan::Schedule::zb_h1},
-                            {"interleaved", plan::Schedule::interleaved}};
+    const Sched scheds[] = {{"gpipe", pp::Kind::GPipe},
+                            {"1f1b", pp::Kind::OneFOneB},
+                            {"zb-h1", pp::Kind::ZbH1},
+                            {"interleaved", pp::Kind::Interleaved}};
     int checked = 0;
     std::map<std::string, int64_t> none_bytes, selective_bytes;
     for (int P : {2, 4})
@@ -202,11 +202,11 @@ TEST(PlanPipeline, StageActivationsAreThePipelineEnginesPrediction) {
                     const int B = c.micro_batch(), T = c.train.seq_len;
                     for (int s = 0; s < P; s++) {
                         OneStageOfMany comm(s, P);
-                        MeshEngine engine(plan_layout(c, comm), comm);
+                        CpuEngine engine(plan_layout(c, comm), comm);
                         // What the Trainer hands the engine: the policy's plan for the whole model.
-                        engine.set_remat(remat::make_schedule(remat::parse_policy(c.train.remat),
-                                                              c.model, B, T, nullptr,
-                                                              engine.arena_format())
+                        engine.set_remat(remat::solve_policy(remat::parse_policy(c.train.remat),
+                                                             c.model, B, T, nullptr,
+                                                             engine.arena_format())
                                              .plan);
                         const auto lines = engine.predicted_memory(B, T);
                         const std::size_t engine_act = predicted(lines, MemCategory::Activations);
@@ -268,8 +268,8 @@ TEST(PlanPipeline, GpuStagesUseTheCudaArena) {
     const RunConfig c = tiny_pipeline(2, "gpipe", "selective", true);
     const plan::ModelSpec spec = plan::model_from_config(c.model);
     // bf16 with flash attention: the CUDA engine's arena (fused attention, 256-byte regions).
-    plan::RunSpec g = planner_run(c, plan::Schedule::gpipe);
-    g.precision = plan::Precision::mixed_bf16;
+    plan::RunSpec g = planner_run(c, pp::Kind::GPipe);
+    g.precision = Precision::bf16;
     g.flash_attention = true;
     const pp::StageSplit split = pp::split_stages(c.model, 2, 2, 32);
     const ActFormat fmt = cuda_arena_format(c.model, 2, 2, 32);

@@ -1,7 +1,8 @@
 // The ZeRO / offload table (parallel/placement.h), and the planner against the CPU engines' own
-// prediction (predict_cpu_memory, what CpuEngine and TpEngine report and check_host_fit prices)
-// for tensor-parallel and data-parallel layouts at every rank: the same bytes, because both
-// count with make_param_layout, dist::shard_ranges, the shard table and plan_arena.
+// prediction (predict_cpu_memory, what CpuEngine reports over a whole model or a tensor-parallel
+// group and check_host_fit prices) for tensor-parallel and data-parallel layouts at every rank: the
+// same bytes, because both count with make_param_layout, dist::shard_ranges, the shard table and
+// plan_arena.
 #include <gtest/gtest.h>
 
 #include <fmt/format.h>
@@ -75,8 +76,8 @@ TEST(PlanShardSpec, PlannerEqualsTheCpuEnginesPredictionPerRank) {
             c.train.batch_size = 2 * l.dp;
             c.train.remat = remat;
             validate_config(c);
-            const RematPlan rp = remat::make_schedule(remat::parse_policy(remat), c.model, 2, 16,
-                                                      nullptr, ActFormat::cpu())
+            const RematPlan rp = remat::solve_policy(remat::parse_policy(remat), c.model, 2, 16,
+                                                     nullptr, ActFormat::cpu())
                                      .plan;
             for (int rank = 0; rank < c.world; rank++) {
                 int compared = 0;

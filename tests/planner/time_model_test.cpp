@@ -35,6 +35,6 @@ TEST(PlanTime, BubbleAndThroughput) {
     EXPECT_GT(t.mfu, 0.3);
     EXPECT_LT(t.mfu, 0.6);
     EXPECT_NEAR(t.tokens_per_s, 16.0 * 32 * 2048 / t.step_s, 1e-6);
-    r.schedule = Schedule::interleaved, r.virtual_stages = 4;
+    r.schedule = memtrain::pp::Kind::Interleaved, r.virtual_stages = 4;
     EXPECT_DOUBLE_EQ(estimate_time(m, r, c).bubble_fraction, 7.0 / 4 / 32);
 }

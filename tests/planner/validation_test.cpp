@@ -19,7 +19,7 @@ struct PublishedRun {
     int dp, tp, pp, micro_batch, global_batch, seq;
     int zero;
     Recompute recompute;
-    Schedule schedule;
+    memtrain::pp::Kind schedule;
     int virtual_stages;
     bool hardware_flops;     // reported TFLOP/s count the recomputed forward (Megatron's formula)
     double reported_tflops;  // per GPU
@@ -36,21 +36,21 @@ std::vector<PublishedRun> runs() {
     ModelSpec llama405 = load_model("llama3-405b");
     return {
         {"Megatron 18.4B (Narayanan 2021)", gpt("18.4B", 40, 6144, 48, 51200), "a100-80gb", 32, 8,
-         1, 1, 1024, 2048, 0, Recompute::full, Schedule::one_f_one_b, 1, true, 135},
+         1, 1, 1024, 2048, 0, Recompute::full, memtrain::pp::Kind::OneFOneB, 1, true, 135},
         {"Megatron 145.6B (Narayanan 2021)", gpt("145.6B", 80, 12288, 96, 51200), "a100-80gb", 24,
-         8, 8, 1, 2304, 2048, 0, Recompute::full, Schedule::interleaved, 2, true, 148},
+         8, 8, 1, 2304, 2048, 0, Recompute::full, memtrain::pp::Kind::Interleaved, 2, true, 148},
         {"Megatron 529.6B (Narayanan 2021)", gpt("529.6B", 105, 20480, 128, 51200), "a100-80gb", 9,
-         8, 35, 1, 2520, 2048, 0, Recompute::full, Schedule::one_f_one_b, 1, true, 163},
+         8, 35, 1, 2520, 2048, 0, Recompute::full, memtrain::pp::Kind::OneFOneB, 1, true, 163},
         {"Megatron 1T (Narayanan 2021)", gpt("1008B", 128, 25600, 160, 51200), "a100-80gb", 6, 8,
-         64, 1, 3072, 2048, 0, Recompute::full, Schedule::one_f_one_b, 1, true, 163},
+         64, 1, 3072, 2048, 0, Recompute::full, memtrain::pp::Kind::OneFOneB, 1, true, 163},
         {"MT-NLG 530B (Smith 2022)", gpt("MT-NLG", 105, 20480, 128, 51200), "a100-80gb", 8, 8, 35,
-         1, 1920, 2048, 1, Recompute::full, Schedule::one_f_one_b, 1, true, 126},
+         1, 1920, 2048, 1, Recompute::full, memtrain::pp::Kind::OneFOneB, 1, true, 126},
         {"BLOOM 176B (BigScience 2022)", gpt("BLOOM", 70, 14336, 112, 250880), "a100-80gb", 8, 4,
-         12, 2, 2048, 2048, 1, Recompute::full, Schedule::one_f_one_b, 1, true, 150},
+         12, 2, 2048, 2048, 1, Recompute::full, memtrain::pp::Kind::OneFOneB, 1, true, 150},
         {"OPT-175B (Zhang 2022)", gpt("OPT-175B", 96, 12288, 96, 50272), "a100-80gb", 124, 8, 1, 8,
-         992, 2048, 3, Recompute::full, Schedule::one_f_one_b, 1, true, 147},
+         992, 2048, 3, Recompute::full, memtrain::pp::Kind::OneFOneB, 1, true, 147},
         {"Llama 3 405B (Llama team 2024)", llama405, "h100-80gb", 64, 8, 16, 1, 2048, 8192, 1,
-         Recompute::selective, Schedule::interleaved, 4, false, 430},
+         Recompute::selective, memtrain::pp::Kind::Interleaved, 4, false, 430},
     };
 }
 

@@ -60,7 +60,7 @@ std::vector<std::string> policies_for(const ModelConfig& c) {
 
 // The schedule's predicted activation bytes are what the layout lists and what one
 // forward/backward allocates (current and peak), and workspace matches the layout too.
-void expect_measured_bytes(const ModelConfig& c, const Schedule& s, const std::string& what) {
+void expect_measured_bytes(const ModelConfig& c, const Solution& s, const std::string& what) {
     auto lay = activation_layout(c, 2, 8, s.plan);
     EXPECT_EQ(s.peak_bytes, arena_bytes(lay, MemCategory::Activations)) << what;
     auto before = host_memory().snapshot();
@@ -87,7 +87,7 @@ TEST(Remat, EveryPolicyGivesBitwiseIdenticalLossAndGradients) {
         ModelConfig c = tiny(L);
         Result ref = run(c, {});
         for (const auto& text : policies_for(c)) {
-            Schedule s = make_schedule(parse_policy(text), c, 2, 8);
+            Solution s = solve_policy(parse_policy(text), c, 2, 8);
             Result r = run(c, s.plan);
             EXPECT_EQ(r.loss, ref.loss) << text << " L=" << L;
             EXPECT_EQ(0, std::memcmp(r.grads.data(), ref.grads.data(), ref.grads.size() * 4))
@@ -108,7 +108,7 @@ TEST(Remat, PredictedBytesAreMeasuredBytes) {
     for (int L : {1, 3, 4}) {
         ModelConfig c = tiny(L);
         for (const auto& text : policies_for(c)) {
-            Schedule s = make_schedule(parse_policy(text), c, 2, 8);
+            Solution s = solve_policy(parse_policy(text), c, 2, 8);
             expect_measured_bytes(c, s, text + " L=" + std::to_string(L));
         }
     }
@@ -121,7 +121,7 @@ TEST(Remat, SetRematResizesTheArenaExactly) {
     auto x = tokens(16, c.vocab_size, 3), y = tokens(16, c.vocab_size, 4);
     auto before = host_memory().snapshot();
     for (const char* p : {"none", "full", "selective", "none"}) {
-        Schedule s = make_schedule(parse_policy(p), c, 2, 8);
+        Solution s = solve_policy(parse_policy(p), c, 2, 8);
         m.set_remat(s.plan);
         m.forward_loss(x.data(), y.data(), 2, 8);
         EXPECT_EQ(
@@ -171,12 +171,12 @@ void check_solver_against_exhaustive(uint64_t seed, int trials, bool offload) {
         for (int i = 0; i < n; i++) total *= options;
         const std::size_t step = (offload ? 96 : 64) + trial;
         for (std::size_t budget = lo > 200 ? lo - 200 : 0; budget <= hi; budget += step) {
-            std::optional<Schedule> best;
+            std::optional<Solution> best;
             RematPlan plan(n);
             for (int code = 0; code < total; code++) {
                 for (int i = 0, c = code; i < n; i++, c /= options)
                     plan[i] = static_cast<BlockKeep>(c % options);
-                Schedule s = evaluate(ch, plan);
+                Solution s = evaluate(ch, plan);
                 if (s.peak_bytes > budget) continue;
                 if (!best || s.recompute_flops < best->recompute_flops ||
                     (s.recompute_flops == best->recompute_flops && s.peak_bytes < best->peak_bytes))
@@ -269,7 +269,7 @@ TEST(Remat, SequenceParallelArenaShardsTheNormRegions) {
 
 TEST(Remat, NamedPoliciesHaveTheDocumentedPlans) {
     ModelConfig c = tiny(4);
-    auto plan = [&](const char* p) { return make_schedule(parse_policy(p), c, 2, 8).plan; };
+    auto plan = [&](const char* p) { return solve_policy(parse_policy(p), c, 2, 8).plan; };
     using K = BlockKeep;
     EXPECT_EQ(plan("none"), RematPlan(4, K::All));
     EXPECT_EQ(plan("full"), RematPlan(4, K::Input));
@@ -278,10 +278,10 @@ TEST(Remat, NamedPoliciesHaveTheDocumentedPlans) {
     EXPECT_EQ(plan("sqrt"), (RematPlan{K::All, K::Input, K::All, K::Input}));
     // A budget of none's peak keeps everything; the smallest feasible budget is what full needs.
     Chain ch = make_chain(c, 2, 8);
-    auto none = make_schedule(parse_policy("none"), c, 2, 8);
-    EXPECT_EQ(make_schedule(parse_policy(fmt::format("budget:{}", none.peak_bytes)), c, 2, 8).plan,
+    auto none = solve_policy(parse_policy("none"), c, 2, 8);
+    EXPECT_EQ(solve_policy(parse_policy(fmt::format("budget:{}", none.peak_bytes)), c, 2, 8).plan,
               none.plan);
-    EXPECT_EQ(min_feasible_bytes(ch), make_schedule(parse_policy("full"), c, 2, 8).peak_bytes);
+    EXPECT_EQ(min_feasible_bytes(ch), solve_policy(parse_policy("full"), c, 2, 8).peak_bytes);
 }
 
 TEST(Remat, ParsesPoliciesAndSizes) {
@@ -347,14 +347,13 @@ TEST(Remat, TooSmallBudgetNamesTheSmallestFeasibleOne) {
     ModelConfig c = tiny(3);
     std::size_t need = min_feasible_bytes(make_chain(c, 2, 8));
     try {
-        make_schedule(parse_policy(fmt::format("budget:{}", need - 1)), c, 2, 8);
+        solve_policy(parse_policy(fmt::format("budget:{}", need - 1)), c, 2, 8);
         FAIL() << "expected an error";
     } catch (const Error& e) {
         EXPECT_NE(std::string(e.what()).find(fmt::format("budget:{}", need)), std::string::npos)
             << e.what();
     }
-    EXPECT_EQ(make_schedule(parse_policy(fmt::format("budget:{}", need)), c, 2, 8).peak_bytes,
-              need);
+    EXPECT_EQ(solve_policy(parse_policy(fmt::format("budget:{}", need)), c, 2, 8).peak_bytes, need);
 }
 
 TEST(Remat, TrainerWithFullRecomputeMatchesNoneAndResumesBitwise) {
@@ -402,7 +401,7 @@ TEST(Remat, LlamaStyleEveryPolicyIsBitwiseAndPredictedBytesAreMeasured) {
         c.ffn_hidden = 24;
         Result ref = run(c, {});
         for (const auto& text : policies_for(c)) {
-            Schedule s = make_schedule(parse_policy(text), c, 2, 8);
+            Solution s = solve_policy(parse_policy(text), c, 2, 8);
             Result r = run(c, s.plan);
             EXPECT_EQ(r.loss, ref.loss) << text << " L=" << L;
             EXPECT_EQ(0, std::memcmp(r.grads.data(), ref.grads.data(), ref.grads.size() * 4))
@@ -439,7 +438,7 @@ TEST(Remat, MeasuredCostsDriveTheBudgetSolver) {
     const std::size_t lo = min_feasible_bytes(chain);
     const std::size_t hi = evaluate(chain, RematPlan(cfg.n_layer, BlockKeep::All)).peak_bytes;
     const std::size_t budget = (lo + hi) / 2;
-    Schedule s = make_schedule(parse_policy("budget:" + std::to_string(budget)), cfg, B, T, &ns);
+    Solution s = solve_policy(parse_policy("budget:" + std::to_string(budget)), cfg, B, T, &ns);
     EXPECT_LE(s.peak_bytes, budget);
     EXPECT_EQ(s.recompute_flops, recompute_flops(chain, s.plan));
 

@@ -1,16 +1,21 @@
 // A GPU run that cannot fit the device is refused before anything is allocated
-// (engine/device_memory.h): the prediction is computed from the config alone, names every
-// category and what would fit. The engine reports these very rows (CudaEngine::predicted_memory
-// calls predict_cuda_memory), and the CUDA tests check them against its allocations to the byte
-// (tests/cuda/train_test.cpp, on cudasim); here the arithmetic, without a GPU.
+// (engine/device_memory.h): the prediction is computed from the plan alone, for every GPU engine
+// kind (the whole model, LoRA and QLoRA, a pipeline stage), and names every category and what
+// would fit. The engines report these very rows, and the CUDA tests check them against their
+// allocations to the byte (tests/cuda/train_test.cpp, lora_test.cpp,
+// tests/mpi/cuda_pipeline_test.cpp, on cudasim); here the arithmetic, without a GPU.
 #include <gtest/gtest.h>
 
 #include <string>
 
+#include "comm/communicator.h"
 #include "core/error.h"
 #include "engine/device_memory.h"
+#include "model/lora.h"
+#include "quant/quantized_store.h"
 #include "remat/policy.h"
 #include "test_util.h"
+#include "train/plan.h"
 
 using namespace memtrain;
 
@@ -80,8 +85,8 @@ TEST(DeviceFit, ModelStatesFollowPrecisionAndZeroStage) {
 TEST(DeviceFit, ActivationsFollowTheRematPlan) {
     const RunConfig c = gpu_run("bf16");
     const int B = 2, T = 8;
-    const RematPlan full = remat::make_schedule(remat::parse_policy("full"), c.model, B, T, nullptr,
-                                                device_arena_format(c, B, T))
+    const RematPlan full = remat::solve_policy(remat::parse_policy("full"), c.model, B, T, nullptr,
+                                               device_arena_format(c, B, T))
                                .plan;
     const auto keep = predict_cuda_memory(c, {}, {}, B, T);
     const auto recompute = predict_cuda_memory(c, full, {}, B, T);
@@ -119,5 +124,108 @@ TEST(DeviceFit, ARunThatCannotFitIsRefusedNamingWhatWouldFit) {
     } catch (const Error& e) {
         EXPECT_NE(std::string(e.what()).find("for activations"), std::string::npos) << e.what();
         EXPECT_NE(std::string(e.what()).find("train.remat"), std::string::npos) << e.what();
+    }
+}
+
+namespace {
+
+// The plan of `c` in one process (the collective and the stage come from the job's communicator;
+// tests of a pipeline stage set the rank afterwards).
+RunPlan gpu_plan(const RunConfig& c) {
+    dist::LocalCommunicator comm;
+    RunPlan p = plan_layout(c, comm, nullptr);
+    p.memory = predict_device_memory(p, p.remat.plan, p.cfg.micro_batch(), p.cfg.train.seq_len);
+    p.memory_on = MemoryOn::Device;
+    return p;
+}
+
+RunConfig lora_gpu_run(const std::string& base) {
+    RunConfig c = gpu_run("bf16");
+    c.model.n_embd = 32;  // int4/nf4 groups of 32 divide every block matrix's inputs
+    c.lora.rank = 4;
+    c.lora.targets = "all";
+    c.lora.base = base;
+    c.lora.base_group = 32;
+    return c;
+}
+
+RunConfig pipeline_gpu_run() {
+    RunConfig c = gpu_run("bf16");
+    c.model.n_layer = 4;
+    c.world = 2;
+    c.train.pp = 2;
+    return c;
+}
+
+}  // namespace
+
+// GPU LoRA: the frozen base whole (or packed) and the adapters' gradients and optimizer state
+// only, as CudaEngine allocates them over its adapter states.
+TEST(DeviceFit, LoraRowsAreTheFrozenBaseAndTheAdapters) {
+    const RunPlan p = gpu_plan(lora_gpu_run("fp32"));
+    ASSERT_EQ(p.engine, EngineKind::CudaLora);
+    const std::size_t psi = make_param_layout(p.cfg.model).total;
+    const std::size_t n = make_lora_layout(p.cfg.model, p.cfg.lora).params.total;
+    EXPECT_EQ(bytes_of(p.memory, MemCategory::Parameters), 2 * psi + 2 * n);
+    EXPECT_EQ(bytes_of(p.memory, MemCategory::Gradients), 2 * n);
+    EXPECT_GE(bytes_of(p.memory, MemCategory::OptimizerState), 12 * n);
+    EXPECT_LT(bytes_of(p.memory, MemCategory::OptimizerState), 12 * n + 4096);
+    // QLoRA: the block matrices packed in 4 bits, with two decode slots in the workspace.
+    const RunPlan q = gpu_plan(lora_gpu_run("nf4"));
+    ASSERT_TRUE(q.lora_base.has_value());
+    const quant::DeviceBaseBytes b = quant::device_base_bytes(q.cfg.model, *q.lora_base, 2, 2);
+    EXPECT_EQ(bytes_of(q.memory, MemCategory::Parameters), b.params + 2 * n);
+    EXPECT_LT(b.params, 2 * psi);
+    EXPECT_EQ(bytes_of(q.memory, MemCategory::Workspace),
+              bytes_of(p.memory, MemCategory::Workspace) + b.slots);
+}
+
+// A GPU pipeline stage holds its own blocks' states (the last stage also a mirror of a tied
+// embedding) and one activation arena per micro-batch the schedule keeps in flight on it.
+TEST(DeviceFit, PipelineStageRowsHoldTheStageOnly) {
+    RunPlan p = gpu_plan(pipeline_gpu_run());
+    ASSERT_EQ(p.engine, EngineKind::CudaPipeline);
+    const ParamLayout layout = make_param_layout(p.cfg.model);
+    const std::size_t emb = layout.units[ParamLayout::embedding_unit()].size();
+    const int B = p.cfg.micro_batch(), T = p.cfg.train.seq_len;
+    const auto first = predict_cuda_stage_memory(p, {}, B, T);
+    p.rank = 1;
+    const auto last = predict_cuda_stage_memory(p, {}, B, T);
+    EXPECT_EQ(bytes_of(first, MemCategory::Parameters) + bytes_of(last, MemCategory::Parameters),
+              2 * (layout.total + emb));
+    EXPECT_EQ(bytes_of(first, MemCategory::Gradients), bytes_of(first, MemCategory::Parameters));
+    // 1F1B over 2 stages: the first stage holds both micro-batches of the step at once, the
+    // last one.
+    const pp::Schedule s = pp::make_schedule(pp::Kind::OneFOneB, 2, p.cfg.accum_steps());
+    EXPECT_EQ(pipeline_stage_slots(s, 0), 2);
+    EXPECT_EQ(pipeline_stage_slots(s, 1), 1);
+    EXPECT_NE(first[3].formula.find("2 slots"), std::string::npos) << first[3].formula;
+}
+
+// Every GPU engine kind is refused by the plan's rows before anything is allocated, naming the
+// categories (plan_run calls check_device_fit with the device's free memory).
+TEST(DeviceFit, EveryGpuKindIsRefusedBeforeItAllocates) {
+    RunPlan stage = gpu_plan(pipeline_gpu_run());
+    stage.rank = 1;
+    stage.memory = predict_device_memory(stage, {}, 2, 8);
+    for (const RunPlan& p : {gpu_plan(gpu_run("bf16")), gpu_plan(lora_gpu_run("nf4")), stage}) {
+        SCOPED_TRACE(engine_name(p.engine));
+        ASSERT_FALSE(p.memory.empty());
+        const std::size_t need = total(p.memory);
+        EXPECT_NO_THROW(check_device_fit(p, need, need));
+        try {
+            check_device_fit(p, need - 1, 8u << 20);
+            ADD_FAILURE() << "a run one byte too large was accepted";
+        } catch (const Error& e) {
+            const std::string m = e.what();
+            EXPECT_NE(m.find("of device memory per GPU"), std::string::npos) << m;
+            EXPECT_NE(m.find("parameters"), std::string::npos) << m;
+            EXPECT_NE(m.find("activations"), std::string::npos) << m;
+            EXPECT_NE(m.find("nothing was allocated"), std::string::npos) << m;
+            EXPECT_NE(m.find("To fit:"), std::string::npos) << m;
+            if (p.engine == EngineKind::CudaPipeline) {
+                EXPECT_NE(m.find("on pipeline stage 1 of 2"), std::string::npos) << m;
+            }
+        }
     }
 }

@@ -82,3 +82,31 @@ TEST(HostFit, AHugeModelFromTheCommandLineIsOneLine) {
     EXPECT_NE(r.output.find("it would fail while allocating"), std::string::npos) << r.output;
     EXPECT_EQ(r.output.find("bad_alloc"), std::string::npos) << r.output;
 }
+
+// LoRA and QLoRA: the frozen base (fp32, or packed), the adapters' states and the arenas are
+// priced before anything is allocated, and a run they do not fit is refused naming them.
+TEST(HostFit, ALoraRunThatCannotFitIsRefusedBeforeAllocating) {
+    // The error building a Trainer for `c` gives ("" if it is built).
+    auto refusal = [](const RunConfig& c) -> std::string {
+        try {
+            Trainer t(c, test::quiet());
+        } catch (const Error& e) {
+            return e.what();
+        }
+        return "";
+    };
+    for (const char* base : {"fp32", "nf4"}) {
+        RunConfig c = test::tiny_run(test::temp_dir(std::string("host_fit_lora_") + base), 1);
+        c.model.n_embd = 32;  // nf4 groups of 32 divide every block matrix's inputs
+        c.lora.rank = 4;
+        c.lora.base = base;
+        c.lora.base_group = 32;
+        HostMemory small("64KiB");
+        const std::size_t before = host_memory().snapshot().total_used;
+        const std::string m = refusal(c);
+        EXPECT_EQ(host_memory().snapshot().total_used, before) << base << ": allocated";
+        for (const char* word : {"host memory per rank", "parameters", "activations",
+                                 "MEMTRAIN_HOST_MEMORY", "a smaller model or more memory"})
+            EXPECT_NE(m.find(word), std::string::npos) << base << ": " << m;
+    }
+}

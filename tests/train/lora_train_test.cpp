@@ -8,7 +8,7 @@
 #include <filesystem>
 
 #include "core/error.h"
-#include "engine/cpu/lora_engine.h"
+#include "engine/cpu/cpu_engine.h"
 #include "io/lora_files.h"
 #include "io/model_source.h"
 #include "test_util.h"
@@ -52,7 +52,7 @@ TEST(LoraTrain, PredictedBytesEqualMeasuredForEveryCategory) {
             EXPECT_EQ(after.used[i] - before.used[i], p.bytes)
                 << base << ": " << category_name(p.category) << " (" << p.formula << ")";
         }
-        auto& e = dynamic_cast<LoraEngine&>(t.engine());
+        auto& e = dynamic_cast<CpuEngine&>(t.engine());
         // Adapters only: gradients and Adam states of Ψa floats.
         EXPECT_EQ(
             after.used[(int)MemCategory::Gradients] - before.used[(int)MemCategory::Gradients],
@@ -69,26 +69,36 @@ TEST(LoraTrain, PredictedBytesEqualMeasuredForEveryCategory) {
 TEST(LoraTrain, LearnsWithTheBaseFrozenAndResumesBitwise) {
     const std::string d1 = test::temp_dir("lora_full"), d2 = test::temp_dir("lora_split");
     // With dropout: the resumed run must draw the masks the uninterrupted one drew.
-    RunConfig c = lora_run(d1, 12);
+    // Rank-4 adapters learn little through a random base at GPT-2's init_std (its logits span a
+    // fraction of a nat), and each step's batch is noisy: a wider base, 30 steps, and the mean
+    // of the last five losses against the first five.
+    constexpr int kSteps = 30, kStop = 5;
+    RunConfig c = lora_run(d1, kSteps);
+    c.model.init_std = 0.1;
     c.lora.dropout = 0.1;
     Trainer a(c, quiet());
     const std::vector<float> base_before = a.params();
     auto sa = a.run();
-    EXPECT_LT(sa.losses.back(), sa.losses.front() - 0.1f);
+    const auto mean5 = [](auto first) {
+        return (first[0] + first[1] + first[2] + first[3] + first[4]) / 5;
+    };
+    EXPECT_LT(mean5(sa.losses.end() - 5), mean5(sa.losses.begin()) - 0.1f);
     EXPECT_EQ(a.params(), base_before) << "the frozen base changed";
-    EXPECT_TRUE(fs::exists(d1 + "/out/ckpt_000012/adapter_model.safetensors"));
-    EXPECT_TRUE(fs::exists(d1 + "/out/ckpt_000012/adapter_config.json"));
-    EXPECT_FALSE(fs::exists(d1 + "/out/ckpt_000012/model.safetensors"));
+    EXPECT_TRUE(fs::exists(d1 + "/out/ckpt_000030/adapter_model.safetensors"));
+    EXPECT_TRUE(fs::exists(d1 + "/out/ckpt_000030/adapter_config.json"));
+    EXPECT_FALSE(fs::exists(d1 + "/out/ckpt_000030/model.safetensors"));
 
     TrainSummary resumed;
-    RunConfig c2 = lora_run(d2, 12);
+    RunConfig c2 = lora_run(d2, kSteps);
+    c2.model.init_std = c.model.init_std;
     c2.lora.dropout = 0.1;
-    auto b = test::train_stop_and_resume(c2, 5, resumed);
-    ASSERT_EQ(resumed.losses.size(), 7u);
-    for (int i = 0; i < 7; i++) EXPECT_EQ(resumed.losses[i], sa.losses[5 + i]) << i;
-    auto& ea = dynamic_cast<LoraEngine&>(a.engine());
-    auto& eb = dynamic_cast<LoraEngine&>(b->engine());
-    EXPECT_EQ(0, std::memcmp(ea.adapter_store().full_params(), eb.adapter_store().full_params(),
+    auto b = test::train_stop_and_resume(c2, kStop, resumed);
+    ASSERT_EQ(resumed.losses.size(), (std::size_t)(kSteps - kStop));
+    for (int i = 0; i < kSteps - kStop; i++)
+        EXPECT_EQ(resumed.losses[i], sa.losses[kStop + i]) << i;
+    auto& ea = dynamic_cast<CpuEngine&>(a.engine());
+    auto& eb = dynamic_cast<CpuEngine&>(b->engine());
+    EXPECT_EQ(0, std::memcmp(ea.zero_store().full_params(), eb.zero_store().full_params(),
                              4 * ea.lora_layout().params.total));
 
     // eval/sample/merge read the checkpoint as base + merged adapters: its loss is the run's.

@@ -24,7 +24,7 @@ double seconds_since(Clock::time_point t0) {
     return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-std::string mib(double bytes) {
+std::string mib2(double bytes) {
     return fmt::format("{:.2f} MiB", bytes / 1048576.0);
 }
 
@@ -45,23 +45,23 @@ class PsEngine::Replica final : public dist::UnitSource {
 };
 
 PsEngine::PsEngine(const RunPlan& plan, dist::Communicator& comm)
-    : cfg_(plan.cfg),
+    : plan_(plan),
       comm_(comm),
       rank_(comm.rank()),
-      workers_(plan.cfg.dp()),
-      staleness_(plan.cfg.train.ps_staleness),
+      workers_(plan.mesh.dp),
+      staleness_(plan.ps_staleness),
       layout_(make_param_layout(plan.cfg.model)) {
-    if (workers_ < 1 || workers_ + cfg_.train.ps_servers != comm.size())
+    if (workers_ < 1 || workers_ + plan.ps_servers != comm.size())
         fail("internal: {} parameter-server workers and {} servers on {} ranks", workers_,
-             cfg_.train.ps_servers, comm.size());
-    split_ = dist::split_servers(layout_, cfg_.train.ps_servers);
+             plan.ps_servers, comm.size());
+    split_ = dist::split_servers(layout_, plan.ps_servers);
     std::vector<int> owner(layout_.units.size());
     for (int u = 0; u < (int)owner.size(); u++) owner[u] = server_rank(split_.server_of(u));
     if (is_server()) {
         const int s = rank_ - workers_;
         store_ = std::make_unique<pp::StageStore>(layout_, split_.first_unit[s],
                                                   split_.last_unit[s], false);
-        opt_ = make_optimizer(cfg_.optim, layout_, store_->begin(), store_->count());
+        opt_ = make_optimizer(plan_.cfg.optim, layout_, store_->begin(), store_->count());
         incoming_ = Buffer<float>(store_->count(), MemCategory::Communication);
         const int copies = staleness_ > 0 ? staleness_ + 1 : 1;
         version_sends_.assign(copies, std::vector<uint64_t>(workers_, 0));
@@ -69,11 +69,11 @@ PsEngine::PsEngine(const RunPlan& plan, dist::Communicator& comm)
             for (int k = 0; k < copies; k++)
                 versions_.emplace_back(store_->count(), MemCategory::Communication);
     } else {
-        model_ = std::make_unique<GPT>(cfg_.model);
+        model_ = std::make_unique<GPT>(plan_.cfg.model);
         model_->zero_grads();  // allocates the gradients now, as the prediction counts them
         // No optimizer state: an empty range whose step count still advances, so a checkpoint
         // written by rank 0 (a worker) records the servers' step count.
-        opt_ = make_optimizer(cfg_.optim, layout_, 0, 0);
+        opt_ = make_optimizer(plan_.cfg.optim, layout_, 0, 0);
         pushes_.assign(split_.servers(), 0);
     }
     replica_ = std::make_unique<Replica>(*this);
@@ -104,7 +104,7 @@ std::string PsEngine::describe() const {
 }
 
 void PsEngine::set_remat(const RematPlan& plan) {
-    plan_ = plan;
+    remat_ = plan;
     if (model_) model_->set_remat(plan);
 }
 
@@ -202,10 +202,7 @@ StepResult PsEngine::finish_step(double lr, double max_norm) {
         }
         wait_s_ += seconds_since(t0);
         r.grad_norm = grad_norm();
-        if (max_norm > 0) {
-            const double coef = max_norm / (r.grad_norm + 1e-6);
-            if (coef < 1.0) cpu::scale_inplace(g, (float)coef, n);
-        }
+        clip_to_norm(g, (std::size_t)n, r.grad_norm, max_norm);
         // Staleness 0 sends the parameters themselves: the last version's sends must be done
         // before the update rewrites them (they are: every worker pulled it before pushing).
         if (staleness_ == 0)
@@ -252,33 +249,7 @@ std::string PsEngine::memory_title() const {
 }
 
 std::vector<MemoryPrediction> PsEngine::predicted_memory(int B, int T) const {
-    const int k = cfg_.optim.name == "adamw" ? 8 : 4;
-    if (is_server()) {
-        const std::size_t own = store_->count();
-        const std::size_t copies = staleness_ > 0 ? (std::size_t)staleness_ + 1 : 0;
-        return {
-            {MemCategory::Parameters, "4 x server params (its units)", 4 * own},
-            {MemCategory::Gradients, "4 x server params (sum of the pushes)", 4 * own},
-            {MemCategory::OptimizerState,
-             fmt::format("{} x server params ({})", k, k == 8 ? "Adam m, v" : "momentum"),
-             (std::size_t)k * own},
-            {MemCategory::Communication,
-             fmt::format("4 x server params x (1 push buffer + {} published versions)", copies),
-             4 * own * (1 + copies)},
-        };
-    }
-    const std::size_t psi = layout_.total;
-    auto lay = activation_layout(cfg_.model, B, T, plan_, GPT::arena_format());
-    return {
-        {MemCategory::Parameters, "4 x params (a whole replica)", 4 * psi},
-        {MemCategory::Gradients, "4 x params", 4 * psi},
-        {MemCategory::OptimizerState, "none: the servers hold it", 0},
-        {MemCategory::Activations,
-         fmt::format("activation_layout(B, T, remat={})", cfg_.train.remat),
-         arena_bytes(lay, MemCategory::Activations)},
-        {MemCategory::Workspace, "activation_layout(B, T)",
-         arena_bytes(lay, MemCategory::Workspace)},
-    };
+    return ps_memory_rows(plan_, remat_, is_server(), is_server() ? store_->count() : 0, B, T);
 }
 
 std::string PsEngine::memory_footer() const {
@@ -300,9 +271,9 @@ std::string PsEngine::memory_footer() const {
         "ps traffic per step: worker 0 sent {} received {} | server 0 sent {} received {} | all "
         "links {} (2 W Ψ x 4 B = {}; a ring all-reduce over {} ranks: 2 Ψ (W-1) x 4 B = {}) | "
         "workers waited {:.1f} ms per step on pushes and pulls\n",
-        mib(stats_.sent[0] / steps), mib(stats_.received[0] / steps),
-        mib(stats_.sent[workers_] / steps), mib(stats_.received[workers_] / steps),
-        mib(total / steps), mib(2 * W * psi4), workers_, mib(2 * (W - 1) * psi4),
+        mib2(stats_.sent[0] / steps), mib2(stats_.received[0] / steps),
+        mib2(stats_.sent[workers_] / steps), mib2(stats_.received[workers_] / steps),
+        mib2(total / steps), mib2(2 * W * psi4), workers_, mib2(2 * (W - 1) * psi4),
         1e3 * worker_wait / W / steps);
     return out;
 }

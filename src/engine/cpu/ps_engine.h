@@ -39,7 +39,6 @@
 #include <string>
 #include <vector>
 
-#include "engine/cpu/cpu_engine.h"
 #include "engine/engine.h"
 #include "engine/run_plan.h"
 #include "parallel/pipeline/stage_store.h"
@@ -63,11 +62,11 @@ class PsEngine final : public Engine {
     ~PsEngine() override;
 
     std::string describe() const override;
-    ModelWeights weights() override { return ModelWeights{*weights_, layout_, cfg_.model}; }
+    ModelWeights weights() override { return ModelWeights{*weights_, layout_, plan_.cfg.model}; }
     OptimizerState& optimizer() override { return *opt_; }
     ActFormat arena_format() const override { return GPT::arena_format(); }
     void set_remat(const RematPlan& plan) override;
-    const RematPlan& remat_plan() const override { return plan_; }
+    const RematPlan& remat_plan() const override { return remat_; }
     void begin_step() override;
     void forward_backward(const int32_t* inputs, const int32_t* targets, int B, int T,
                           float grad_scale, bool last) override;
@@ -104,7 +103,7 @@ class PsEngine final : public Engine {
     // The mean over workers of one value per rank, and every rank's traffic (a collective).
     double exchange(double mine);
 
-    RunConfig cfg_;
+    RunPlan plan_;
     dist::Communicator& comm_;
     int rank_ = 0, workers_ = 1, staleness_ = 0;
     ParamLayout layout_;
@@ -114,7 +113,7 @@ class PsEngine final : public Engine {
     std::unique_ptr<Replica> replica_;
     std::unique_ptr<dist::OwnerWeights> weights_;
     std::unique_ptr<Optimizer> opt_;  // servers: their range; workers: empty (counts steps)
-    RematPlan plan_;
+    RematPlan remat_;
 
     int64_t steps_ = 0;  // optimizer steps of this run: the servers' newest version
     int64_t have_ = 0;   // worker: the version its replica holds

@@ -11,9 +11,8 @@ namespace {
 std::unique_ptr<Engine> make(const RunPlan& plan, dist::Communicator& comm) {
     switch (plan.engine) {
         case EngineKind::Cuda:
+        case EngineKind::CudaLora:  // the same class: LoRA is the plan's choice of model states
             return make_cuda_engine(plan, comm);
-        case EngineKind::CudaLora:
-            return make_cuda_lora_engine(plan, comm);
         case EngineKind::CudaPipeline:
             return make_cuda_pipeline_engine(plan, comm);
         default:

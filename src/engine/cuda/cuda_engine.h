@@ -1,7 +1,9 @@
 // The CUDA engines (engine/engine.h): the model, its gradients and the optimizer on one GPU, in
 // fp32, or in bf16/fp16 with fp32 master weights and Adam moments (Micikevicius et al., Mixed
-// Precision Training) and, for fp16, a dynamic loss scale. Declared here without CUDA types so
-// the factory links in every build; a build without CUDA fails with a message.
+// Precision Training) and, for fp16, a dynamic loss scale. Two classes: CudaEngine (the whole
+// model, or LoRA's adapters over it) and CudaPipelineEngine (a pipeline stage), one step between
+// them (device_step.h). Declared here without CUDA types so the factories link in every build; a
+// build without CUDA fails with a message.
 #pragma once
 
 #include <cstdint>
@@ -14,18 +16,16 @@
 
 namespace memtrain {
 
-// Data parallelism over `comm`'s ranks (one GPU each, NCCL between them): ZeRO stage 0 (DDP,
-// gradients all-reduced unit by unit during the last micro-batch's backward), 1 (optimizer
-// state sharded, gradients reduce-scattered, parameters all-gathered), 2 (gradients sharded too,
-// reduced unit by unit during every backward) or 3 (parameters sharded too, each unit gathered
-// just before use and the next one prefetched: parallel/data/device_zero.h).
-// Where the model states live is the plan's table (plan.states, parallel/placement.h).
+// The whole model (engine/cuda/cuda_engine.cpp), data parallelism over `comm`'s ranks (one GPU
+// each, NCCL between them): ZeRO stage 0 (DDP, gradients all-reduced unit by unit during the
+// last micro-batch's backward), 1 (optimizer state sharded, gradients reduce-scattered,
+// parameters all-gathered), 2 (gradients sharded too, reduced unit by unit during every
+// backward) or 3 (parameters sharded too, each unit gathered just before use and the next one
+// prefetched: parallel/data/device_zero.h). Where the model states live is the plan's table
+// (plan.states, parallel/placement.h). With plan.lora, LoRA / QLoRA: the frozen base whole in
+// the storage precision, or packed (lora.base = int8 | int4 | nf4) and decoded block by block on
+// the device; the adapters trained with the same optimizer and loss scaling, DDP over NCCL.
 std::unique_ptr<Engine> make_cuda_engine(const RunPlan& plan, dist::Communicator& comm);
-
-// LoRA / QLoRA (lora.rank > 0) on one GPU: the frozen base whole in the storage precision, or
-// packed (lora.base = int8 | int4 | nf4) and decoded block by block on the device; the adapters
-// trained with the same AdamW and loss scaling (engine/cuda/cuda_lora_engine.cpp).
-std::unique_ptr<Engine> make_cuda_lora_engine(const RunPlan& plan, dist::Communicator& comm);
 
 // train.pp stages on the GPU (engine/cuda/cuda_pipeline_engine.cpp): one rank per stage, NCCL
 // between them.

@@ -25,7 +25,9 @@
 // of wte) to the first and is added there; the global gradient norm is the sum of the stages'
 // sums of squares (an all-reduce), so every stage clips, skips an fp16 overflow and moves its
 // loss scale alike; every stage updates its own range; the first stage sends the updated
-// embedding back to the last. The loss is the last stage's, broadcast.
+// embedding back to the last. The loss is the last stage's, broadcast. The step's arithmetic
+// (scalars, norm, skip, loss scale) is the CUDA engines' shared DeviceStep (device_step.h); this
+// engine supplies those collectives.
 //
 // Pipelines side by side (mpirun -np pp x dp, parallel/mesh.h): each pipeline is fed its rows of
 // the global micro-batch by the Trainer and runs the schedule on its own communicators; each
@@ -52,12 +54,14 @@
 
 #include "comm/communicator.h"
 #include "comm/device_communicator.h"
+#include "core/cuda_streams.h"
 #include "core/device.h"
 #include "engine/cuda/device_optimizer.h"
+#include "engine/cuda/device_step.h"
+#include "engine/device_memory.h"
 #include "kernels/cuda/host_convert.h"
 #include "kernels/cuda/ops.h"
 #include "model/cuda_gpt.h"
-#include "optim/loss_scaler.h"
 #include "parallel/mesh.h"
 #include "parallel/pipeline/schedule.h"
 #include "parallel/pipeline/stage_split.h"
@@ -163,7 +167,7 @@ class StageWeights final : public WeightWindow, public dist::UnitSource {
 };
 
 template <typename T>
-class CudaPipelineEngine final : public Engine, public OptimizerState {
+class CudaPipelineEngine final : public Engine, private StepCollectives<T> {
   public:
     CudaPipelineEngine(const RunPlan& plan, dist::Communicator& comm);
     ~CudaPipelineEngine() override;
@@ -171,20 +175,22 @@ class CudaPipelineEngine final : public Engine, public OptimizerState {
     std::string describe() const override {
         return fmt::format("cuda: {} ({}), pipeline stage {} of {} (blocks {}..{}, {} schedule){}",
                            cuda_device_name(), precision_name<T>(), rank_, p_,
-                           model_->first_block(), model_->end_block() - 1, pp::kind_name(kind_),
-                           replicas());
+                           model_->first_block(), model_->end_block() - 1,
+                           pp::kind_name(plan_.schedule), replicas());
     }
-    ModelWeights weights() override { return ModelWeights{*weights_, layout_, cfg_.model}; }
-    OptimizerState& optimizer() override { return *this; }
+    ModelWeights weights() override { return ModelWeights{*weights_, layout_, cfg().model}; }
+    OptimizerState& optimizer() override { return *opt_; }
     ActFormat arena_format() const override {
-        return CudaGPT<T>::arena_format(cfg_.model, cfg_.micro_batch(), cfg_.train.seq_len);
+        return CudaGPT<T>::arena_format(cfg().model, cfg().micro_batch(), cfg().train.seq_len);
     }
     void set_remat(const RematPlan& plan) override { model_->set_remat(plan); }
     const RematPlan& remat_plan() const override { return model_->remat_plan(); }
     void begin_step() override;
     void forward_backward(const int32_t* inputs, const int32_t* targets, int B, int T_,
                           float grad_scale, bool last) override;
-    StepResult finish_step(double lr, double max_norm) override;
+    StepResult finish_step(double lr, double max_norm) override {
+        return step_->finish(lr, max_norm, *this);
+    }
     double forward_loss(const int32_t* inputs, const int32_t* targets, int B, int T_) override;
     void forward_logits(const int32_t* inputs, int B, int T_, float* out) override;
     MemoryTracker& memory() override { return device_memory(); }
@@ -192,42 +198,43 @@ class CudaPipelineEngine final : public Engine, public OptimizerState {
         return fmt::format("device: {}, {}, pipeline stage {} of {}{}", cuda_device_name(),
                            precision_name<T>(), rank_, p_, replicas());
     }
-    std::vector<MemoryPrediction> predicted_memory(int B, int T_) const override;
+    std::vector<MemoryPrediction> predicted_memory(int B, int T_) const override {
+        return predict_cuda_stage_memory(plan_, model_->remat_plan(), B, T_);
+    }
     std::string memory_footer() const override {
         return device_in_use_line() +
                fmt::format("{:<16} {:>12}  (host: code, libraries, loaders)\n", "process peak RSS",
                            fmt::format("{:.1f} MiB", process_peak_rss() / 1048576.0));
     }
-    std::pair<double, int64_t> loss_scaler_state() const override {
-        return scaler_ ? std::pair<double, int64_t>{scaler_->scale(), scaler_->clean_steps()}
-                       : std::pair<double, int64_t>{0.0, 0};
-    }
+    std::pair<double, int64_t> loss_scaler_state() const override { return step_->scaler_state(); }
     void restore_loss_scaler(double scale, int64_t clean) override {
-        if (scaler_ && scale > 0) scaler_->restore(scale, clean);
+        step_->restore_scaler(scale, clean);
     }
-
-    // OptimizerState: the stage's range of the flat buffer, its state on the device.
-    std::size_t offset() const override { return units_->begin(); }
-    std::size_t count() const override { return units_->count(); }
-    int64_t steps_taken() const override { return t_; }
-    void set_steps_taken(int64_t t) override { t_ = t; }
-    std::vector<std::string> state_names() override { return opt_.state_names(); }
-    const float* host_state(const std::string&) override { return nullptr; }
-    void read_state(const std::string& name, float* dst) override {
-        opt_.read_state(name, dst, stream_, [this] { wait("queued device work"); });
-    }
-    void write_state(const std::string& name, std::size_t begin, std::size_t n,
-                     const float* src) override {
-        opt_.write_state(name, begin, n, src, stream_, [this] { wait("queued device work"); });
-    }
-
-    void inject_overflow() { inject_overflow_ = true; }
 
   private:
     friend class StageWeights<T>;
     struct Micro {
         std::vector<int32_t> x, y;
     };
+
+    // StepCollectives: the stage's own collectives around the shared step. The tied embedding's
+    // gradient (last stage's mirror) joins the first stage's before the norm; each stage's
+    // gradients are summed over its replicas (pipelines side by side), its sum of squares over
+    // the pipeline; every stage updates its own range and the first sends the updated embedding
+    // back to the last stage's mirror. The loss is the last stage's, broadcast.
+    T* gradients() override;
+    void reduce(double* sum_sq) override;
+    void update(const cuda::StepScalars* scalars) override;
+    std::string overflow() override {
+        return "a non-finite gradient norm over the pipeline's stages";
+    }
+    double job_loss(double mean) override {
+        comm_.broadcast(&mean, sizeof(mean), p_ - 1);
+        return mean_over_pipelines(mean);
+    }
+    void wait(const char* what) override { dcomm_->wait(stream_.get(), what); }
+
+    const RunConfig& cfg() const { return plan_.cfg; }
     // ", pipeline d of D (gradients all-reduced across them)" with pipelines side by side.
     std::string replicas() const {
         return mesh_.dp > 1 ? fmt::format(", pipeline {} of {} (gradients all-reduced across them)",
@@ -236,10 +243,10 @@ class CudaPipelineEngine final : public Engine, public OptimizerState {
     }
     bool first() const { return rank_ == 0; }
     bool last() const { return rank_ == p_ - 1; }
-    void wait(const char* what) { dcomm_->wait(stream_, what); }
+    bool tied_across() const { return p_ > 1 && cfg().model.tied_embeddings; }
     // The stage's fp32 master weights (its parameters when T is float).
     float* master() {
-        return opt_.master() ? opt_.master() : reinterpret_cast<float*>(units_->params());
+        return opt_->master() ? opt_->master() : reinterpret_cast<float*>(units_->params());
     }
     void run_schedule();
     // A micro-batch through this stage's forward into `slot`: the input received, the output
@@ -248,8 +255,8 @@ class CudaPipelineEngine final : public Engine, public OptimizerState {
     // The compute stream waits for every send queued so far, so the host's next wait covers
     // them (before an arena can be re-carved under a send, or the engine goes).
     void join_sends() {
-        for (cudaEvent_t e : out_sent_) MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, e, 0));
-        MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, grad_sent_, 0));
+        for (cudaEvent_t e : out_sent_) MT_CUDA_CHECK(cudaStreamWaitEvent(stream_.get(), e, 0));
+        MT_CUDA_CHECK(cudaStreamWaitEvent(stream_.get(), grad_sent_, 0));
     }
     // The mean of the pipelines' losses, summed in pipeline order (the same bits everywhere).
     double mean_over_pipelines(double loss) {
@@ -260,23 +267,21 @@ class CudaPipelineEngine final : public Engine, public OptimizerState {
         for (double v : all) sum += v;
         return sum / mesh_.dp;
     }
-    std::size_t stats_doubles() const { return 2 + (std::size_t)cfg_.accum_steps(); }
-    double* sums() { return reinterpret_cast<double*>(stats_.data() + sizeof(cuda::StepScalars)); }
     // The communicators across boundary b (ranks b, b + 1).
     dist::DeviceCommunicator& act_comm(int b) { return *act_[b % 2]; }
     dist::DeviceCommunicator& grad_comm(int b) { return *grad_[b % 2]; }
 
-    RunConfig cfg_;
+    RunPlan plan_;
     dist::Communicator& world_;
     dist::MeshLayout mesh_;
     dist::MeshGroups groups_;
     dist::Communicator& comm_;  // the pipeline: rank = stage
     dist::Communicator* data_;  // the stage's replicas: rank = pipeline
     int rank_ = 0, p_ = 1;
-    pp::Kind kind_;
     ParamLayout layout_;
     pp::StageSplit split_;
-    cudaStream_t stream_ = nullptr, fsend_ = nullptr, bsend_ = nullptr;
+    // The compute stream and the two streams of sends (see the top of the file).
+    CudaStream stream_, fsend_, bsend_;
     // The step's reductions and the tied embedding (compute stream), activations and gradients
     // across even and odd boundaries (see the top of the file).
     std::unique_ptr<dist::DeviceCommunicator> dcomm_;
@@ -285,22 +290,16 @@ class CudaPipelineEngine final : public Engine, public OptimizerState {
     std::unique_ptr<StageUnits<T>> units_;
     std::unique_ptr<StageWeights<T>> weights_;
     std::unique_ptr<CudaGPT<T>> model_;
-    DeviceOptimizer<T> opt_;
-    std::unique_ptr<LossScaler> scaler_;
+    std::unique_ptr<DeviceOptimizer<T>> opt_;
+    std::unique_ptr<DeviceStep<T>> step_;
     pp::Schedule sched_;
     // Per slot: its output is ready to send / has been sent; the gradient likewise.
     std::vector<cudaEvent_t> out_ready_, out_sent_;
     cudaEvent_t grad_ready_ = nullptr, grad_sent_ = nullptr;
-    // Device: StepScalars, then doubles [sum of squares | eval loss | micro-batch loss sums].
-    DeviceBuffer<unsigned char> stats_;
     DeviceBuffer<T> tied_in_;  // first stage of a tied model: the classifier's wte gradient
-    cuda::StepScalars* scalars_host_ = nullptr;  // pinned
-    double* stats_host_ = nullptr;               // pinned
     std::vector<Micro> mbs_;
     int B_ = 0, T_ = 0;
     float grad_scale_ = 0;
-    int64_t t_ = 0;
-    bool inject_overflow_ = false;
 };
 
 template <typename T>
@@ -314,7 +313,7 @@ float* StageWeights<T>::unit(int u) {
     if (su.owns(u)) {
         MT_CUDA_CHECK(cudaMemcpyAsync(h.host.data(), e_.master() + (unit.begin - su.begin()),
                                       unit.size() * sizeof(float), cudaMemcpyDeviceToHost,
-                                      e_.stream_));
+                                      e_.stream_.get()));
         e_.wait("a weight transfer");
     }
     return h.host.data();
@@ -330,16 +329,16 @@ void StageWeights<T>::release(int u) {
     if (h.written && su.owns(u)) {
         float* dst = e_.master() + (unit.begin - su.begin());
         MT_CUDA_CHECK(cudaMemcpyAsync(dst, h.host.data(), unit.size() * sizeof(float),
-                                      cudaMemcpyHostToDevice, e_.stream_));
+                                      cudaMemcpyHostToDevice, e_.stream_.get()));
         if constexpr (!std::is_same_v<T, float>)
             cuda::cast<T, float>(su.params() + (unit.begin - su.begin()), dst, (int64_t)unit.size(),
-                                 e_.stream_);
+                                 e_.stream_.get());
         e_.wait("a weight transfer");
     } else if (h.written && su.mirrors(u)) {
         std::vector<T> rounded(unit.size());
         for (std::size_t i = 0; i < unit.size(); i++) rounded[i] = cuda::to_storage<T>(h.host[i]);
         MT_CUDA_CHECK(cudaMemcpyAsync(su.mirror_params(), rounded.data(), unit.size() * sizeof(T),
-                                      cudaMemcpyHostToDevice, e_.stream_));
+                                      cudaMemcpyHostToDevice, e_.stream_.get()));
         e_.wait("a weight transfer");
     }
     held_.erase(u);
@@ -347,21 +346,17 @@ void StageWeights<T>::release(int u) {
 
 template <typename T>
 CudaPipelineEngine<T>::CudaPipelineEngine(const RunPlan& plan, dist::Communicator& comm)
-    : cfg_(plan.cfg),
+    : plan_(plan),
       world_(comm),
-      mesh_{plan.cfg.train.pp, comm.size() / std::max(1, plan.cfg.train.pp)},
+      mesh_{plan.mesh.pp, plan.mesh.dp},
       groups_(dist::split_mesh(comm, mesh_)),
       comm_(*groups_.stages),
       data_(groups_.data.get()),
       rank_(comm_.rank()),
       p_(comm_.size()),
-      kind_(pp::parse_kind(plan.cfg.train.pp_schedule)),
       layout_(make_param_layout(plan.cfg.model)) {
-    if (p_ != cfg_.train.pp || mesh_.size() != comm.size())
-        fail("internal: GPU pipelines of {} stages on {} ranks", cfg_.train.pp, comm.size());
-    MT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    MT_CUDA_CHECK(cudaStreamCreateWithFlags(&fsend_, cudaStreamNonBlocking));
-    MT_CUDA_CHECK(cudaStreamCreateWithFlags(&bsend_, cudaStreamNonBlocking));
+    if (p_ != mesh_.pp || mesh_.size() != comm.size())
+        fail("internal: GPU pipelines of {} stages on {} ranks", mesh_.pp, comm.size());
     // Every rank makes each communicator at the same time (its pipeline's, then its stage's
     // replicas'), each over the host group that carries NCCL's id.
     auto nccl = [](dist::Communicator& g) {
@@ -375,14 +370,14 @@ CudaPipelineEngine<T>::CudaPipelineEngine(const RunPlan& plan, dist::Communicato
             grad_[k] = nccl(comm_);
         }
     if (mesh_.dp > 1) ddata_ = nccl(*data_);
-    const int B = cfg_.micro_batch(), Tn = cfg_.train.seq_len;
-    split_ = pp::split_stages(cfg_.model, p_, B, Tn);
+    const int B = cfg().micro_batch(), Tn = cfg().train.seq_len;
+    split_ = pp::split_stages(cfg().model, p_, B, Tn);
     const int b0 = split_.first_block[rank_], b1 = b0 + split_.blocks[rank_];
     const int first_unit = b0 == 0 ? ParamLayout::embedding_unit() : layout_.block_unit(b0);
     const int last_unit =
-        b1 == cfg_.model.n_layer ? layout_.head_unit() : layout_.block_unit(b1 - 1);
-    units_ = std::make_unique<StageUnits<T>>(layout_, first_unit, last_unit,
-                                             last() && p_ > 1 && cfg_.model.tied_embeddings);
+        b1 == cfg().model.n_layer ? layout_.head_unit() : layout_.block_unit(b1 - 1);
+    units_ =
+        std::make_unique<StageUnits<T>>(layout_, first_unit, last_unit, last() && tied_across());
     // Who owns each unit, for the weights view: the stage its blocks belong to (every pipeline
     // holds the same weights: pipeline 0's stage s, job rank s, speaks for them).
     std::vector<int> owner(layout_.units.size(), 0);
@@ -391,64 +386,53 @@ CudaPipelineEngine<T>::CudaPipelineEngine(const RunPlan& plan, dist::Communicato
             owner[layout_.block_unit(l)] = s;
     owner[layout_.head_unit()] = p_ - 1;
     weights_ = std::make_unique<StageWeights<T>>(*this, layout_, std::move(owner), world_);
-    model_ = std::make_unique<CudaGPT<T>>(cfg_.model, stream_, 0, units_.get());
+    model_ = std::make_unique<CudaGPT<T>>(cfg().model, stream_.get(), 0, units_.get());
     model_->set_waiter([this](const char* what) { wait(what); });
-    opt_ = DeviceOptimizer<T>(cfg_.optim, layout_, units_->begin(), units_->count());
-    if (first() && p_ > 1 && cfg_.model.tied_embeddings)
+    opt_ = std::make_unique<DeviceOptimizer<T>>(cfg().optim, layout_, units_->begin(),
+                                                units_->count(), stream_.get(),
+                                                [this](const char* what) { wait(what); });
+    if (first() && tied_across())
         tied_in_ = DeviceBuffer<T>(layout_.units[ParamLayout::embedding_unit()].size(),
                                    MemCategory::Workspace);
-    stats_ = DeviceBuffer<unsigned char>(sizeof(cuda::StepScalars) + 8 * stats_doubles(),
-                                         MemCategory::Workspace);
-    MT_CUDA_CHECK(
-        cudaMallocHost(reinterpret_cast<void**>(&scalars_host_), sizeof(cuda::StepScalars)));
-    MT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&stats_host_), 8 * stats_doubles()));
-    if (cfg_.train.precision == "fp16")
-        scaler_ = std::make_unique<LossScaler>(cfg_.optim.loss_scale, cfg_.optim.loss_scale_window);
-    // The schedule, and the slots: the most micro-batches this stage holds at once under it.
-    const int m = cfg_.accum_steps();
-    sched_ = pp::make_schedule(kind_, p_, m);
+    step_ = std::make_unique<DeviceStep<T>>(cfg().optim, plan_.precision, cfg().accum_steps(),
+                                            stream_.get());
+    // The schedule, and the slots: the most micro-batches this stage holds at once under it
+    // (engine/device_memory.h prices the same count).
+    sched_ = pp::make_schedule(plan_.schedule, p_, cfg().accum_steps());
     pp::validate(sched_);
-    const pp::SimResult sim = pp::simulate(sched_, pp::StageCosts::uniform(p_, 1, 2, 1, 1));
-    const int slots = std::max(1, sim.peak_stage_in_flight[rank_]);
-    model_->set_stage(b0, b1, slots);
+    model_->set_stage(b0, b1, pipeline_stage_slots(sched_, rank_));
     for (auto* v : {&out_ready_, &out_sent_}) {
-        v->resize(slots);
+        v->resize((std::size_t)model_->slots());
         for (auto& e : *v) MT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     }
     for (auto* e : {&grad_ready_, &grad_sent_})
         MT_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
     // Nothing is in flight yet: the "sent" events stand recorded.
-    for (auto& e : out_sent_) MT_CUDA_CHECK(cudaEventRecord(e, fsend_));
-    MT_CUDA_CHECK(cudaEventRecord(grad_sent_, bsend_));
+    for (auto& e : out_sent_) MT_CUDA_CHECK(cudaEventRecord(e, fsend_.get()));
+    MT_CUDA_CHECK(cudaEventRecord(grad_sent_, bsend_.get()));
 }
 
 template <typename T>
 CudaPipelineEngine<T>::~CudaPipelineEngine() {
-    for (cudaStream_t s : {stream_, fsend_, bsend_})
-        if (s) cudaStreamSynchronize(s);
+    for (const CudaStream* s : {&stream_, &fsend_, &bsend_}) cudaStreamSynchronize(s->get());
     model_.reset();
     for (auto* v : {&out_ready_, &out_sent_})
         for (auto& e : *v) cudaEventDestroy(e);
     for (cudaEvent_t e : {grad_ready_, grad_sent_})
         if (e) cudaEventDestroy(e);
-    if (scalars_host_) cudaFreeHost(scalars_host_);
-    if (stats_host_) cudaFreeHost(stats_host_);
-    for (cudaStream_t s : {stream_, fsend_, bsend_})
-        if (s) cudaStreamDestroy(s);
 }
 
 template <typename T>
 void CudaPipelineEngine<T>::begin_step() {
-    units_->zero_grads(stream_);
+    units_->zero_grads(stream_.get());
     mbs_.clear();
+    step_->begin();
 }
 
 template <typename T>
 void CudaPipelineEngine<T>::forward_backward(const int32_t* inputs, const int32_t* targets, int B,
                                              int T_n, float grad_scale, bool last_mb) {
-    if ((int)mbs_.size() >= cfg_.accum_steps())
-        fail("internal: more micro-batches ({}) than train accumulation steps ({})",
-             mbs_.size() + 1, cfg_.accum_steps());
+    step_->next_micro(B, T_n);  // (its loss sum is written by the schedule's B action)
     const std::size_t n = (std::size_t)B * T_n;
     mbs_.push_back(Micro{std::vector<int32_t>(inputs, inputs + n),
                          std::vector<int32_t>(targets, targets + n)});
@@ -460,18 +444,19 @@ void CudaPipelineEngine<T>::forward_backward(const int32_t* inputs, const int32_
 
 template <typename T>
 void CudaPipelineEngine<T>::forward_into(int slot, const Micro& mb) {
-    const int64_t n = (int64_t)B_ * T_ * cfg_.model.n_embd;
+    const int64_t n = (int64_t)B_ * T_ * cfg().model.n_embd;
+    cudaStream_t stream = stream_.get();
     // The slot's last output must be on its way before anything rewrites the slot.
-    MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, out_sent_[slot], 0));
+    MT_CUDA_CHECK(cudaStreamWaitEvent(stream, out_sent_[slot], 0));
     if (!first())
-        act_comm(rank_ - 1).recv(model_->stage_input(slot), n, device_type<T>(), rank_ - 1,
-                                 stream_);
+        act_comm(rank_ - 1).recv(model_->stage_input(slot), n, device_type<T>(), rank_ - 1, stream);
     model_->stage_forward(slot, mb.x.data(), mb.y.data(), B_, T_);
     if (!last()) {
-        MT_CUDA_CHECK(cudaEventRecord(out_ready_[slot], stream_));
-        MT_CUDA_CHECK(cudaStreamWaitEvent(fsend_, out_ready_[slot], 0));
-        act_comm(rank_).send(model_->stage_output(slot), n, device_type<T>(), rank_ + 1, fsend_);
-        MT_CUDA_CHECK(cudaEventRecord(out_sent_[slot], fsend_));
+        MT_CUDA_CHECK(cudaEventRecord(out_ready_[slot], stream));
+        MT_CUDA_CHECK(cudaStreamWaitEvent(fsend_.get(), out_ready_[slot], 0));
+        act_comm(rank_).send(model_->stage_output(slot), n, device_type<T>(), rank_ + 1,
+                             fsend_.get());
+        MT_CUDA_CHECK(cudaEventRecord(out_sent_[slot], fsend_.get()));
     }
 }
 
@@ -479,13 +464,13 @@ template <typename T>
 void CudaPipelineEngine<T>::run_schedule() {
     const int m = (int)mbs_.size();
     if (m != sched_.m) fail("internal: {} micro-batches for a schedule of {}", m, sched_.m);
-    const int64_t n = (int64_t)B_ * T_ * cfg_.model.n_embd;
+    const int64_t n = (int64_t)B_ * T_ * cfg().model.n_embd;
+    cudaStream_t stream = stream_.get();
     model_->prepare(B_, T_);
     // fp16: the loss gradient carries the loss scale.
-    const float scale = scaler_ ? (float)scaler_->scale() : 1.0f;
+    const float scale = step_->loss_scale();
     std::vector<int> free_slots, slot_of((std::size_t)m, -1);
     for (int k = model_->slots() - 1; k >= 0; k--) free_slots.push_back(k);
-    double* loss = sums() + 2;
     for (const pp::Action& a : sched_.ranks[rank_]) {
         const int i = a.mb;
         if (a.op == pp::Op::F) {
@@ -497,17 +482,16 @@ void CudaPipelineEngine<T>::run_schedule() {
         } else if (a.op == pp::Op::B) {
             const int slot = slot_of[i];
             // The gradient buffer's last send must be out before it is rewritten.
-            MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, grad_sent_, 0));
+            MT_CUDA_CHECK(cudaStreamWaitEvent(stream, grad_sent_, 0));
             if (!last())
-                grad_comm(rank_).recv(model_->stage_grad(), n, device_type<T>(), rank_ + 1,
-                                      stream_);
-            model_->stage_backward(slot, B_, T_, grad_scale_ * scale, loss + i);
+                grad_comm(rank_).recv(model_->stage_grad(), n, device_type<T>(), rank_ + 1, stream);
+            model_->stage_backward(slot, B_, T_, grad_scale_ * scale, step_->loss_sum(i));
             if (!first()) {
-                MT_CUDA_CHECK(cudaEventRecord(grad_ready_, stream_));
-                MT_CUDA_CHECK(cudaStreamWaitEvent(bsend_, grad_ready_, 0));
+                MT_CUDA_CHECK(cudaEventRecord(grad_ready_, stream));
+                MT_CUDA_CHECK(cudaStreamWaitEvent(bsend_.get(), grad_ready_, 0));
                 grad_comm(rank_ - 1).send(model_->stage_grad(), n, device_type<T>(), rank_ - 1,
-                                          bsend_);
-                MT_CUDA_CHECK(cudaEventRecord(grad_sent_, bsend_));
+                                          bsend_.get());
+                MT_CUDA_CHECK(cudaEventRecord(grad_sent_, bsend_.get()));
             }
             free_slots.push_back(slot);
         } else {
@@ -518,75 +502,43 @@ void CudaPipelineEngine<T>::run_schedule() {
 }
 
 template <typename T>
-StepResult CudaPipelineEngine<T>::finish_step(double lr, double max_norm) {
-    const int m = (int)mbs_.size();
-    const int64_t t = t_ + 1;
-    cuda::StepScalars& s = *scalars_host_;
-    s = cuda::make_step_scalars(cfg_.optim, lr, t, scaler_ ? (float)scaler_->scale() : 1.0f);
-    s.max_norm = (float)max_norm;
-    auto* dev_scalars = reinterpret_cast<cuda::StepScalars*>(stats_.data());
-    MT_CUDA_CHECK(cudaMemcpyAsync(dev_scalars, &s, sizeof(s), cudaMemcpyHostToDevice, stream_));
-    const int E = ParamLayout::embedding_unit();
-    const int64_t ne = (int64_t)layout_.units[E].size();
+T* CudaPipelineEngine<T>::gradients() {
     // The tied embedding: the classifier's gradient (last stage) joins the embedding's (first).
-    if (p_ > 1 && cfg_.model.tied_embeddings) {
-        if (last()) dcomm_->send(units_->mirror_grads(), ne, device_type<T>(), 0, stream_);
+    if (tied_across()) {
+        const int E = ParamLayout::embedding_unit();
+        const int64_t ne = (int64_t)layout_.units[E].size();
+        if (last()) dcomm_->send(units_->mirror_grads(), ne, device_type<T>(), 0, stream_.get());
         if (first()) {
-            dcomm_->recv(tied_in_.data(), ne, device_type<T>(), p_ - 1, stream_);
-            cuda::add_inplace<T>(units_->acquire_grads(E), tied_in_.data(), ne, stream_);
+            dcomm_->recv(tied_in_.data(), ne, device_type<T>(), p_ - 1, stream_.get());
+            cuda::add_inplace<T>(units_->acquire_grads(E), tied_in_.data(), ne, stream_.get());
         }
     }
-    if (inject_overflow_) {  // test hook: one gradient becomes +inf, as an fp16 overflow would
-        const T inf = (T)INFINITY;
-        MT_CUDA_CHECK(
-            cudaMemcpyAsync(units_->grads(), &inf, sizeof(T), cudaMemcpyHostToDevice, stream_));
-        wait("queued device work");
-        inject_overflow_ = false;
-    }
+    return units_->grads();
+}
+
+template <typename T>
+void CudaPipelineEngine<T>::reduce(double* sum_sq) {
     // Pipelines side by side: each stage's gradients summed over its replicas (the loss gradient
     // is 1 / the global batch's tokens, so the sum is the whole batch's).
     if (ddata_)
         ddata_->all_reduce_sum(units_->grads(), (int64_t)units_->count(), device_type<T>(),
-                               stream_);
+                               stream_.get());
     // The global norm: the stages' sums of squares summed over the pipeline.
-    cuda::sum_squares<T>(sums(), units_->grads(), (int64_t)units_->count(), stream_);
-    dcomm_->all_reduce_sum(sums(), 1, dist::DeviceType::F64, stream_);
-    cuda::finish_grad_norm(dev_scalars, sums(), stream_);
-    opt_.step(units_->params(), units_->grads(), dev_scalars, stream_);
+    cuda::sum_squares<T>(sum_sq, units_->grads(), (int64_t)units_->count(), stream_.get());
+    dcomm_->all_reduce_sum(sum_sq, 1, dist::DeviceType::F64, stream_.get());
+}
+
+template <typename T>
+void CudaPipelineEngine<T>::update(const cuda::StepScalars* scalars) {
+    opt_->step(units_->params(), units_->grads(), scalars, stream_.get());
     // The updated embedding back to the last stage's mirror (the old one after a skipped step).
-    if (p_ > 1 && cfg_.model.tied_embeddings) {
-        if (first()) dcomm_->send(units_->acquire_params(E), ne, device_type<T>(), p_ - 1, stream_);
-        if (last()) dcomm_->recv(units_->mirror_params(), ne, device_type<T>(), 0, stream_);
+    if (tied_across()) {
+        const int E = ParamLayout::embedding_unit();
+        const int64_t ne = (int64_t)layout_.units[E].size();
+        if (first())
+            dcomm_->send(units_->acquire_params(E), ne, device_type<T>(), p_ - 1, stream_.get());
+        if (last()) dcomm_->recv(units_->mirror_params(), ne, device_type<T>(), 0, stream_.get());
     }
-    MT_CUDA_CHECK(
-        cudaMemcpyAsync(scalars_host_, dev_scalars, sizeof(s), cudaMemcpyDeviceToHost, stream_));
-    MT_CUDA_CHECK(
-        cudaMemcpyAsync(stats_host_, sums(), 8 * stats_doubles(), cudaMemcpyDeviceToHost, stream_));
-    wait("the pipeline's step");
-    StepResult r;
-    // The loss: the last stage's mean over the step's tokens, on every stage.
-    double loss = 0;
-    for (int k = 0; k < m; k++) loss += stats_host_[2 + k];
-    loss /= (double)m * B_ * T_;
-    comm_.broadcast(&loss, sizeof(loss), p_ - 1);
-    r.loss = mean_over_pipelines(loss);
-    r.grad_norm = scalars_host_->grad_norm;
-    r.skipped = scalars_host_->skip != 0;
-    r.loss_scale = s.loss_scale;
-    if (!r.skipped) {
-        t_++;
-    } else {
-        r.overflow = "a non-finite gradient norm over the pipeline's stages";
-    }
-    if (scaler_) {
-        scaler_->update(r.skipped, t);
-    } else if (r.skipped) {
-        fail(
-            "the gradient norm is not finite at step {} ({} training has no loss scale to "
-            "lower): lower optim.lr or check the data",
-            t, precision_name<T>());
-    }
-    return r;
 }
 
 template <typename T>
@@ -600,16 +552,9 @@ double CudaPipelineEngine<T>::forward_loss(const int32_t* inputs, const int32_t*
                    std::vector<int32_t>(targets, targets + n)};
     forward_into(0, mb);
     join_sends();
-    double loss = 0;
-    if (last()) {
-        model_->stage_loss(0, B, T_n, sums() + 1);
-        MT_CUDA_CHECK(cudaMemcpyAsync(&stats_host_[1], sums() + 1, sizeof(double),
-                                      cudaMemcpyDeviceToHost, stream_));
-    }
-    wait("the validation loss");
-    if (last()) loss = stats_host_[1] / (double)n;
-    comm_.broadcast(&loss, sizeof(loss), p_ - 1);
-    return mean_over_pipelines(loss);
+    if (last()) model_->stage_loss(0, B, T_n, step_->eval_sum());
+    // The last stage's loss, on every stage of every pipeline.
+    return job_loss(step_->eval_loss((int64_t)n, *this, last()));
 }
 
 template <typename T>
@@ -623,34 +568,7 @@ void CudaPipelineEngine<T>::forward_logits(const int32_t* inputs, int B, int T_n
     join_sends();
     if (last()) model_->stage_logits(0, B, T_n, out);
     wait("the logits");
-    comm_.broadcast(out, (int64_t)(n * cfg_.model.vocab_size * sizeof(float)), p_ - 1);
-}
-
-template <typename T>
-std::vector<MemoryPrediction> CudaPipelineEngine<T>::predicted_memory(int B, int T_n) const {
-    const std::size_t e = sizeof(T), n = units_->count() + units_->mirror_size();
-    const char* tn = precision_name<T>();
-    const ArenaPlan a = model_->stage_arena(B, T_n);
-    const int k = model_->slots();
-    const std::string mirror = units_->mirror_size() ? " + the tied wte's mirror" : "";
-    return {
-        {MemCategory::Parameters, fmt::format("{} x stage params{} ({})", e, mirror, tn), e * n},
-        {MemCategory::Gradients, fmt::format("{} x stage params{} ({})", e, mirror, tn), e * n},
-        {MemCategory::OptimizerState,
-         fmt::format("{} x stage params ({}) + chunk table {} B", opt_.bytes_per_param(),
-                     opt_.describe(), opt_.table_bytes()),
-         opt_.bytes_per_param() * units_->count() + opt_.table_bytes()},
-        {MemCategory::Activations,
-         fmt::format("{} slots x plan_stage_arena({} blocks, B, T, remat={}, {})", k,
-                     model_->end_block() - model_->first_block(), cfg_.train.remat, tn),
-         (std::size_t)k * a.activation_bytes},
-        {MemCategory::Workspace,
-         fmt::format("plan_stage_arena(B, T) + {} slots x token ids + step statistics{}", k,
-                     tied_in_.size() ? " + the tied wte's gradient" : ""),
-         arena_bytes(a.entries, MemCategory::Workspace) +
-             (std::size_t)k * CudaGPT<T>::token_bytes(B, T_n) + CudaGPT<T>::kGraphBytes +
-             stats_.bytes() + tied_in_.bytes()},
-    };
+    comm_.broadcast(out, (int64_t)(n * cfg().model.vocab_size * sizeof(float)), p_ - 1);
 }
 
 }  // namespace

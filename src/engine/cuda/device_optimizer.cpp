@@ -7,6 +7,7 @@
 #include <cuda_fp16.h>
 
 #include <type_traits>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -18,8 +19,9 @@ namespace memtrain {
 
 template <typename T>
 DeviceOptimizer<T>::DeviceOptimizer(const OptimConfig& cfg, const ParamLayout& layout,
-                                    std::size_t offset, std::size_t n)
-    : adamw_(cfg.name == "adamw") {
+                                    std::size_t offset, std::size_t n, cudaStream_t stream,
+                                    Wait wait)
+    : adamw_(cfg.name == "adamw"), offset_(offset), n_(n), stream_(stream), wait_(std::move(wait)) {
     if constexpr (!std::is_same_v<T, float>)
         master_ = DeviceBuffer<float>(n, MemCategory::OptimizerState);
     m_ = DeviceBuffer<float>(n, MemCategory::OptimizerState);
@@ -60,30 +62,28 @@ DeviceBuffer<float>& DeviceOptimizer<T>::state(const std::string& name) {
 }
 
 template <typename T>
-std::vector<std::string> DeviceOptimizer<T>::state_names() const {
+std::vector<std::string> DeviceOptimizer<T>::state_names() {
     if (adamw_) return {"exp_avg", "exp_avg_sq"};
     return {"momentum_buffer"};
 }
 
 template <typename T>
-void DeviceOptimizer<T>::read_state(const std::string& name, float* dst, cudaStream_t stream,
-                                    const std::function<void()>& wait) {
+void DeviceOptimizer<T>::read_state(const std::string& name, float* dst) {
     DeviceBuffer<float>& b = state(name);
-    MT_CUDA_CHECK(cudaMemcpyAsync(dst, b.data(), b.bytes(), cudaMemcpyDeviceToHost, stream));
-    wait();
+    MT_CUDA_CHECK(cudaMemcpyAsync(dst, b.data(), b.bytes(), cudaMemcpyDeviceToHost, stream_));
+    wait_("queued device work");
 }
 
 template <typename T>
 void DeviceOptimizer<T>::write_state(const std::string& name, std::size_t begin, std::size_t n,
-                                     const float* src, cudaStream_t stream,
-                                     const std::function<void()>& wait) {
+                                     const float* src) {
     DeviceBuffer<float>& b = state(name);
     if (begin > b.size() || n > b.size() - begin)
         fail("internal: optimizer state write [{}, {}) outside its {} floats", begin, begin + n,
              b.size());
     MT_CUDA_CHECK(
-        cudaMemcpyAsync(b.data() + begin, src, n * sizeof(float), cudaMemcpyHostToDevice, stream));
-    wait();
+        cudaMemcpyAsync(b.data() + begin, src, n * sizeof(float), cudaMemcpyHostToDevice, stream_));
+    wait_("queued device work");
 }
 
 std::string device_in_use_line() {

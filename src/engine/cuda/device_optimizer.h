@@ -1,9 +1,9 @@
-// The optimizer of the CUDA engines (engine/cuda/cuda_engine.cpp, engine/cuda/cuda_lora_engine.cpp)
-// on the device: fp32 master weights (when the storage type is not float), AdamW's m and v or SGD's
-// momentum, and the multi-tensor chunk table, over one range of a parameter layout (the whole
-// model, a ZeRO-1 shard, or LoRA's adapters). It updates the T parameters from the T gradients
-// with the kernels of kernels/cuda/optimizer.h, and reads and writes its tensors as the
-// checkpoint's optimizer state. Part of splitting the CUDA engine along its plan (issue 15).
+// The optimizer of the CUDA engines on the device: fp32 master weights (when the storage type is
+// not float), AdamW's m and v or SGD's momentum, the multi-tensor chunk table and the step count,
+// over one range of a parameter layout (the whole model, a ZeRO-1 shard, a pipeline stage, or
+// LoRA's adapters). It updates the T parameters from the T gradients with the kernels of
+// kernels/cuda/optimizer.h, and is the engine's OptimizerState: checkpoints read and write its
+// tensors and its step count through it.
 #pragma once
 
 #if MEMTRAIN_HAVE_CUDA
@@ -26,16 +26,21 @@
 #include "model/param_layout.h"
 #include "optim/device_update.h"
 #include "optim/optim_config.h"
+#include "optim/optimizer.h"
 
 namespace memtrain {
 
 template <typename T>
-class DeviceOptimizer {
+class DeviceOptimizer final : public OptimizerState {
   public:
-    DeviceOptimizer() = default;
-    // Floats [offset, offset + n) of `layout`, every tensor zero.
+    // Waits for the engine's compute stream (naming what for: with NCCL, a dead peer fails fast).
+    using Wait = std::function<void(const char* what)>;
+    // Floats [offset, offset + n) of `layout`, every tensor zero; checkpoint reads and writes are
+    // queued on `stream` and waited for with `wait`.
     DeviceOptimizer(const OptimConfig& cfg, const ParamLayout& layout, std::size_t offset,
-                    std::size_t n);
+                    std::size_t n, cudaStream_t stream, Wait wait);
+    DeviceOptimizer(const DeviceOptimizer&) = delete;
+    DeviceOptimizer& operator=(const DeviceOptimizer&) = delete;
     // The fp32 master weights of the range, or null when T is float (the parameters are the
     // master).
     float* master() { return master_.size() ? master_.data() : nullptr; }
@@ -48,17 +53,25 @@ class DeviceOptimizer {
     std::size_t table_bytes() const { return chunks_.bytes(); }
     std::string describe() const;  // "fp32 master, Adam m, v"
 
-    // The checkpoint's view (OptimizerState): names and whole-tensor reads, ranged writes.
-    // `wait` waits for `stream` (the engine's fail-fast wait).
-    std::vector<std::string> state_names() const;
-    void read_state(const std::string& name, float* dst, cudaStream_t stream,
-                    const std::function<void()>& wait);
-    void write_state(const std::string& name, std::size_t begin, std::size_t n, const float* src,
-                     cudaStream_t stream, const std::function<void()>& wait);
+    // OptimizerState: the range, the step count (of updates taken: a skipped fp16 step is not
+    // one), whole-tensor reads and ranged writes of the moments.
+    std::size_t offset() const override { return offset_; }
+    std::size_t count() const override { return n_; }
+    int64_t steps_taken() const override { return t_; }
+    void set_steps_taken(int64_t t) override { t_ = t; }
+    std::vector<std::string> state_names() override;
+    const float* host_state(const std::string&) override { return nullptr; }
+    void read_state(const std::string& name, float* dst) override;
+    void write_state(const std::string& name, std::size_t begin, std::size_t n,
+                     const float* src) override;
 
   private:
     DeviceBuffer<float>& state(const std::string& name);
     bool adamw_ = true;
+    std::size_t offset_ = 0, n_ = 0;
+    int64_t t_ = 0;
+    cudaStream_t stream_ = nullptr;
+    Wait wait_;
     DeviceBuffer<float> master_;  // absent when T is float
     DeviceBuffer<float> m_, v_;   // AdamW moments, or m_ = SGD momentum
     DeviceBuffer<cuda::TensorChunk> chunks_;

@@ -18,11 +18,15 @@
 //     EPILOGUE_AUX_LD divisible by 8 and >= rows(D). cuBLASLt's GELU is the tanh approximation
 //     (PyTorch fuses it into addmm only for approximate = "tanh"), the same as GPT-2's and
 //     kernels/cpu/activation.cpp's.
-//   - The heuristic reads the bias and aux pointers' values to know their alignment (they must
-//     be set before cublasLtMatmulAlgoGetHeuristic, and a plan is valid for any pointers at least
-//     as aligned); it refuses (NOT_SUPPORTED or no result) what it cannot run, in which case
-//     nothing is queued and the fallback below runs instead. The bias must be 16-byte aligned in
-//     practice (other projects report misaligned-bias failures), which the simulator enforces.
+//   - The heuristic refuses (NOT_SUPPORTED or no result) what it cannot run, in which case
+//     nothing is queued and the fallback below runs instead. It does NOT refuse epilogue pointers
+//     it cannot write: on an H200 (cuBLAS 13.0, 2026-11-26) it offered a GELU_AUX kernel that
+//     stores the aux matrix 16 bytes at a time for an aux pointer 2 bytes past a 16-byte
+//     boundary, and the launch died with "misaligned address". So an epilogue runs only with
+//     16-byte aligned bias and aux pointers (try_epilogue_gemm), as the simulator enforces.
+//   - Its DGELU epilogue computes GELU'(x) with a faster tanh than tanhf: on the same H200 one
+//     fp32 element in 12480 came out 4e-3 relative from the exact derivative. bf16 and fp16 round
+//     far more than that; fp32, the reference precision, takes the exact fallback instead.
 #include <cublasLt.h>
 
 #include <array>
@@ -294,9 +298,12 @@ static void gemm(const GemmArgs& g, cudaStream_t stream) {
              g.m, g.n, g.k, g.ta, g.tb, (int)g.ab_type, (int)g.cd_type);
 }
 
-// An epilogue GEMM, counted as fused or fallen back.
+// An epilogue GEMM, counted as fused or fallen back: never asked for with bias or aux pointers
+// less than 16-byte aligned (the header says why).
 static bool try_epilogue_gemm(const GemmArgs& g, cudaStream_t stream) {
-    const bool ok = try_gemm(g, stream);
+    const bool aligned =
+        (!g.bias || alignment_of(g.bias) >= 16) && (!g.aux || alignment_of(g.aux) >= 16);
+    const bool ok = aligned && try_gemm(g, stream);
     (ok ? lt().fused : lt().fallback)++;
     return ok;
 }
@@ -417,9 +424,11 @@ void matmul_backward(T* dinp, T* dweight, T* dbias, const T* dout, const T* inp,
             g.epilogue = CUBLASLT_EPILOGUE_DGELU;
             g.aux = gelu_pre;
             g.aux_ld = IC;
-            const bool fused = IC % 8 == 0 && try_epilogue_gemm(g, stream);
+            // (fp32: the exact derivative, not cuBLASLt's; the header says why.)
+            const bool exact = std::is_same<T, float>::value;
+            const bool fused = IC % 8 == 0 && !exact && try_epilogue_gemm(g, stream);
             if (!fused) {
-                if (IC % 8 != 0) lt().fallback++;
+                if (IC % 8 != 0 || exact) lt().fallback++;
                 g.epilogue = CUBLASLT_EPILOGUE_DEFAULT;
                 g.aux = nullptr;
                 g.aux_ld = 0;

@@ -20,14 +20,15 @@ using cuda::to_fp32;
 using cuda::to_storage;
 
 template <typename T>
-DeviceOffload<T>::DeviceOffload(const RunConfig& cfg, const ParamLayout& layout, std::size_t first,
-                                std::size_t count, cudaStream_t compute, bool stream_grads)
+DeviceOffload<T>::DeviceOffload(const OptimConfig& optim, const ParamLayout& layout,
+                                std::size_t first, std::size_t count, cudaStream_t compute,
+                                bool stream_grads)
     : layout_(layout),
       first_(first),
       count_(count),
       compute_(compute),
-      adamw_(cfg.optim.name == "adamw") {
-    opt_ = make_optimizer(cfg.optim, layout_, first_, count_);
+      adamw_(optim.name == "adamw") {
+    opt_ = make_optimizer(optim, layout_, first_, count_);
     master_ = Buffer<float>(count_, MemCategory::OptimizerState);
     grads_ = Buffer<float>(count_, MemCategory::Gradients);
     MT_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&pinned_), pinned_bytes()));

@@ -14,11 +14,11 @@
 #include <memory>
 #include <string>
 
-#include "config/run_config.h"
 #include "core/allocator.h"
 #include "core/cuda_streams.h"
 #include "model/cuda_gpt.h"
 #include "model/param_layout.h"
+#include "optim/optim_config.h"
 #include "optim/optimizer.h"
 
 namespace memtrain {
@@ -29,7 +29,7 @@ class DeviceOffload {
     // Floats [first, first + count) of `layout` (everything in one process, this rank's shard
     // under ZeRO), the update queued on the compute stream `compute`. `stream_grads`: the
     // gradients come down unit by unit during the last backward (attach installs the hook).
-    DeviceOffload(const RunConfig& cfg, const ParamLayout& layout, std::size_t first,
+    DeviceOffload(const OptimConfig& optim, const ParamLayout& layout, std::size_t first,
                   std::size_t count, cudaStream_t compute, bool stream_grads);
     ~DeviceOffload();
     DeviceOffload(const DeviceOffload&) = delete;

@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "kernels/cpu/ops.h"
+#include "optim/optimizer.h"
 #include "parallel/placement.h"
 
 namespace memtrain::dist {
@@ -222,7 +223,7 @@ double ZeroStore::clip_grad_norm(double max_norm) {
     double sq;
     if (stage_ == 0) {
         // Whole and identical on every rank: each unit's sum in unit order, the same sum a
-        // single process and a pipeline's stages (engine/cpu/mesh_engine.h) make.
+        // single process and a pipeline's stages (engine/cpu/cpu_engine.h) make.
         sq = 0;
         for (const ParamUnit& u : layout_->units)
             sq += cpu::sum_squares(grads_.data() + u.begin, (int64_t)u.size());
@@ -235,10 +236,7 @@ double ZeroStore::clip_grad_norm(double max_norm) {
         for (double x : all) sq += x;
     }
     const double norm = std::sqrt(sq);
-    if (max_norm > 0) {
-        const double coef = max_norm / (norm + 1e-6);
-        if (coef < 1.0) cpu::scale_inplace(owned_grads(), (float)coef, owned_.count);
-    }
+    clip_to_norm(owned_grads(), (std::size_t)owned_.count, norm, max_norm);
     return norm;
 }
 

@@ -6,7 +6,7 @@
 // with an optimizer per range (RangeOptimizers, optim/optimizer.h). The last stage of a tied model
 // also holds a mirror of the embedding unit (the classifier reads wte): its gradient goes to stage
 // 0, which owns wte, and stage 0 sends the updated wte back after each step
-// (engine/cpu/mesh_engine.h).
+// (parallel/pipeline/executor.h).
 //
 // Checkpoints, import and initialisation see it through dist::OwnerWeights
 // (parallel/ps/param_server.h), with the StageStore as this rank's dist::UnitSource: a unit read is

@@ -9,7 +9,9 @@
 #include <string_view>
 #include <utility>
 
+#include "core/allocator.h"
 #include "core/error.h"
+#include "kernels/cpu/ops.h"
 
 namespace memtrain::dist {
 
@@ -129,6 +131,47 @@ bool sp_partial_grad(const std::string& name) {
          {"ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias", "ln_f.weight", "ln_f.bias"})
         if (name.ends_with(n)) return true;
     return false;
+}
+
+void sum_sequence_partial_grads(TpGroup& group, const ParamLayout& layout,
+                                const std::vector<UnitGrads>& ranges) {
+    std::vector<std::pair<float*, std::size_t>> at;  // each tensor's gradients and size
+    std::size_t n = 0;
+    for (const UnitGrads& r : ranges)
+        for (int u = r.first_unit; u <= r.last_unit; u++)
+            for (std::size_t i = layout.units[u].first_tensor; i < layout.units[u].last_tensor;
+                 i++) {
+                const ParamSpec& t = layout.tensors[i];
+                if (!sp_partial_grad(t.name)) continue;
+                at.emplace_back(r.grads + (t.offset - layout.units[r.first_unit].begin), t.numel);
+                n += t.numel;
+            }
+    if (n == 0) return;
+    Buffer<float> packed(n, MemCategory::Communication);
+    std::size_t k = 0;
+    for (const auto& [g, len] : at) {
+        std::memcpy(packed.data() + k, g, sizeof(float) * len);
+        k += len;
+    }
+    group.all_reduce(TpSite::SpNormGrads, packed.data(), (int64_t)n);
+    k = 0;
+    for (const auto& [g, len] : at) {
+        std::memcpy(g, packed.data() + k, sizeof(float) * len);
+        k += len;
+    }
+}
+
+double tp_grad_norm(const TpLayout& l, const float* grads, TpGroup& group) {
+    double whole = 0, cut = 0;
+    for (std::size_t i = 0; i < l.local.tensors.size(); i++) {
+        const ParamSpec& t = l.local.tensors[i];
+        (l.shards[i].split() ? cut : whole) += cpu::sum_squares(grads + t.offset, (int64_t)t.numel);
+    }
+    std::vector<double> all((std::size_t)group.size());
+    group.comm().all_gather_bytes(&cut, all.data(), sizeof(double));
+    double sq = whole;
+    for (double x : all) sq += x;
+    return std::sqrt(sq);
 }
 
 template <typename F>

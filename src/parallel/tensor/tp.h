@@ -96,6 +96,24 @@ void tp_assemble(const TpLayout& l, std::size_t i, const float* pieces, std::siz
 // parallelism (the norm weights and biases), summed over the group once per step.
 bool sp_partial_grad(const std::string& name);
 
+class TpGroup;
+
+// Gradients of units [first_unit, last_unit] of a layout, `grads` pointing at the first unit's
+// first float (the units' floats follow one another, as in a pipeline stage's range).
+struct UnitGrads {
+    int first_unit, last_unit;
+    float* grads;
+};
+// Sequence parallelism: sums the sp_partial_grad tensors' gradients of `ranges` over the group,
+// once per step, in one all-reduce (site SpNormGrads) of their floats packed in layout order;
+// summed, they are the whole tensors' and the same bits on every rank. A no-op without them.
+void sum_sequence_partial_grads(TpGroup& group, const ParamLayout& layout,
+                                const std::vector<UnitGrads>& ranges);
+// The global L2 norm of a tensor-parallel model's gradients, this rank's shard `grads` in
+// l.local's order: the whole tensors' squares once (every rank has the same), the cut ones'
+// summed over the group in rank order (the same bits everywhere). A collective of the group.
+double tp_grad_norm(const TpLayout& l, const float* grads, TpGroup& group);
+
 // The tensor-parallel group: every rank of `comm` holds one shard; the model runs its collectives
 // through it (model/tp_comm.h). Counts each collective and its elements by site.
 class TpGroup final : public TpComm {

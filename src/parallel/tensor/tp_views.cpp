@@ -5,13 +5,57 @@
 
 namespace memtrain {
 
+namespace {
+
+// Unit u whole in `whole`, from every rank's shard of it (an all-gather of the group).
+void assemble_unit(const dist::TpLayout& l, int u, const float* local, dist::TpGroup& group,
+                   Buffer<float>& whole) {
+    const ParamUnit &fu = l.full.units[u], &lu = l.local.units[u];
+    whole = Buffer<float>(fu.size(), MemCategory::Communication);
+    Buffer<float> pieces(lu.size() * group.size(), MemCategory::Communication);
+    group.all_gather(TpSite::Gather, local, pieces.data(), (int64_t)lu.size());
+    for (std::size_t i = fu.first_tensor; i < fu.last_tensor; i++)
+        dist::tp_assemble(l, i, pieces.data() + (l.local.tensors[i].offset - lu.begin), lu.size(),
+                          whole.data() + (l.full.tensors[i].offset - fu.begin));
+}
+
+// This rank's pieces of unit u's whole tensors into its shard of the unit.
+void slice_unit(const dist::TpLayout& l, int u, const float* whole, float* local) {
+    const ParamUnit &fu = l.full.units[u], &lu = l.local.units[u];
+    for (std::size_t i = fu.first_tensor; i < fu.last_tensor; i++)
+        dist::tp_slice(l, i, whole + (l.full.tensors[i].offset - fu.begin),
+                       local + (l.local.tensors[i].offset - lu.begin));
+}
+
+}  // namespace
+
+float* TpWholeWeights::acquire(int u, bool for_write) {
+    TpHeldUnit& h = held_[u];
+    h.written = h.written || for_write;
+    if (h.count++ > 0) return h.whole.data();
+    assemble_unit(*l_, u, local_->acquire(u, false), *group_, h.whole);
+    local_->release(u);
+    return h.whole.data();
+}
+
+void TpWholeWeights::release(int u) {
+    auto it = held_.find(u);
+    if (it == held_.end()) fail("internal: release of unit {} that is not acquired", u);
+    if (--it->second.count > 0) return;
+    if (it->second.written) {
+        slice_unit(*l_, u, it->second.whole.data(), local_->acquire(u, true));
+        local_->release(u);
+    }
+    held_.erase(it);
+}
+
 TpStageWeights::TpStageWeights(const dist::TpLayout& l, dist::UnitSource& shards,
                                dist::TpGroup& group, std::vector<int> owner,
                                dist::Communicator& world)
     : l_(&l), shards_(&shards), group_(&group), owner_(l.full, *this, std::move(owner), world) {}
 
 float* TpStageWeights::acquire(int u, bool for_write) {
-    Held& h = held_[u];
+    TpHeldUnit& h = held_[u];
     h.count++;
     h.written = h.written || for_write;
     return owner_.acquire(u, for_write);
@@ -20,14 +64,8 @@ float* TpStageWeights::acquire(int u, bool for_write) {
 float* TpStageWeights::unit(int u) {
     const float* local = shards_->unit(u);
     if (!local) return nullptr;
-    const ParamUnit &fu = l_->full.units[u], &lu = l_->local.units[u];
-    Held& h = held_[u];
-    h.whole = Buffer<float>(fu.size(), MemCategory::Communication);
-    Buffer<float> pieces(lu.size() * group_->size(), MemCategory::Communication);
-    group_->all_gather(TpSite::Gather, local, pieces.data(), (int64_t)lu.size());
-    for (std::size_t i = fu.first_tensor; i < fu.last_tensor; i++)
-        dist::tp_assemble(*l_, i, pieces.data() + (l_->local.tensors[i].offset - lu.begin),
-                          lu.size(), h.whole.data() + (l_->full.tensors[i].offset - fu.begin));
+    TpHeldUnit& h = held_[u];
+    assemble_unit(*l_, u, local, *group_, h.whole);
     return h.whole.data();
 }
 
@@ -37,15 +75,8 @@ void TpStageWeights::release(int u) {
     if (it == held_.end() || it->second.count <= 0)
         fail("internal: unit {} released more often than acquired", u);
     if (--it->second.count > 0) return;
-    if (it->second.written) {
-        if (float* local = shards_->unit(u)) {
-            const ParamUnit &fu = l_->full.units[u], &lu = l_->local.units[u];
-            for (std::size_t i = fu.first_tensor; i < fu.last_tensor; i++)
-                dist::tp_slice(*l_, i,
-                               it->second.whole.data() + (l_->full.tensors[i].offset - fu.begin),
-                               local + (l_->local.tensors[i].offset - lu.begin));
-        }
-    }
+    if (it->second.written)
+        if (float* local = shards_->unit(u)) slice_unit(*l_, u, it->second.whole.data(), local);
     held_.erase(it);
 }
 

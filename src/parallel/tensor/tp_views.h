@@ -1,9 +1,13 @@
-// The whole model seen through the tensor-parallel shards of a pipeline stage (train.tp with
-// train.pp or several pipelines; engine/cpu/mesh_engine.h): what initialisation, import and
-// checkpoints read and write, per whole tensor with Hugging Face names, while each rank keeps
-// its shard (parallel/tensor/tp.h).
+// The whole model seen through the tensor-parallel shards (engine/cpu/cpu_engine.h): what
+// initialisation, import and checkpoints read and write, per whole tensor with Hugging Face
+// names, while each rank keeps its shard (parallel/tensor/tp.h).
 //
-//   TpStageWeights  weights(): dist::OwnerWeights over whole units. A unit is assembled by the
+//   TpWholeWeights  weights() of tensor parallelism alone (every rank of the group holds a shard
+//                   of every unit): acquiring a unit all-gathers it from the group and assembles
+//                   its whole tensors; releasing one acquired for writing keeps this rank's
+//                   pieces. Gradients are not seen through it.
+//   TpStageWeights  weights() of a pipeline stage (train.tp with train.pp or several pipelines):
+//   dist::OwnerWeights over whole units. A unit is assembled by the
 //                   tensor-parallel group of every stage holding it (an all-gather of its
 //                   shards) when acquired, and the owner's values are broadcast to every rank;
 //                   a unit written is sliced back into each holder's shard at its release.
@@ -29,6 +33,29 @@
 
 namespace memtrain {
 
+// A whole unit assembled from the shards while it is acquired (nested acquires count), and
+// whether one acquire may write it.
+struct TpHeldUnit {
+    int count = 0;
+    bool written = false;
+    Buffer<float> whole;
+};
+
+class TpWholeWeights final : public WeightWindow {
+  public:
+    // `local`: this rank's shard, in l.local.
+    TpWholeWeights(const dist::TpLayout& l, UnitStore& local, dist::TpGroup& group)
+        : l_(&l), local_(&local), group_(&group) {}
+    float* acquire(int u, bool for_write) override;
+    void release(int u) override;
+
+  private:
+    const dist::TpLayout* l_;
+    UnitStore* local_;
+    dist::TpGroup* group_;
+    std::map<int, TpHeldUnit> held_;
+};
+
 class TpStageWeights final : public WeightWindow, public dist::UnitSource {
   public:
     // `shards`: this rank's units in l.local (its stage's, and a mirror), null where it keeps
@@ -42,16 +69,11 @@ class TpStageWeights final : public WeightWindow, public dist::UnitSource {
     bool read_into_scratch() const override { return false; }
 
   private:
-    struct Held {
-        int count = 0;
-        bool written = false;
-        Buffer<float> whole;
-    };
     const dist::TpLayout* l_;
     dist::UnitSource* shards_;
     dist::TpGroup* group_;
     dist::OwnerWeights owner_;
-    std::map<int, Held> held_;
+    std::map<int, TpHeldUnit> held_;
 };
 
 class TpRangeOptimizer final : public OptimizerState {

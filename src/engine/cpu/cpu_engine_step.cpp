@@ -1,0 +1,149 @@
+// The end of a CPU engine's step, for each way the trained states are held: a ZeroStore, one
+// tensor-parallel shard, pipeline stages (see cpu_engine.h).
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+#include "engine/cpu/cpu_engine.h"
+#include "kernels/cpu/ops.h"
+
+namespace memtrain {
+
+StepResult CpuEngine::finish_step(double lr, double max_norm) {
+    if (pipelined()) return finish_stage_step(lr, max_norm);
+    if (zero_) return finish_zero_step(lr, max_norm);
+    return finish_shard_step(lr, max_norm);
+}
+
+StepResult CpuEngine::finish_zero_step(double lr, double max_norm) {
+    // The mean loss of the micro-batches, the global norm clipped, the optimizer over the rank's
+    // range, the stage's all-gather.
+    StepResult r;
+    r.loss = micro_batches_ ? loss_sum_ / micro_batches_ : 0.0;
+    r.grad_norm = zero_->clip_grad_norm(max_norm);
+    opt_->part(0).step(zero_->owned_params(), zero_->owned_grads(), lr);
+    zero_->finish_step();
+    return r;
+}
+
+void CpuEngine::sum_sequence_partial_grads() {
+    // Sequence parallelism: each shard's norm gradients cover its token rows only; summed over
+    // the tensor-parallel group (one packed all-reduce), once per step, they are the whole
+    // tensors' and the same bits on every rank.
+    if (!tp_ || !model_.sequence_parallel) return;
+    std::vector<dist::UnitGrads> ranges;
+    if (stages_) {
+        for (const pp::StageStore::Range& rg : stages_->ranges())
+            ranges.push_back({rg.first_unit, rg.last_unit, stages_->owned_grads() + rg.at});
+    } else {
+        ranges.push_back({ParamLayout::embedding_unit(), layout_.head_unit(), full_->full_grads()});
+    }
+    dist::sum_sequence_partial_grads(*tp_, layout_, ranges);
+}
+
+StepResult CpuEngine::finish_shard_step(double lr, double max_norm) {
+    StepResult r;
+    r.loss = micro_batches_ ? loss_sum_ / micro_batches_ : 0.0;
+    sum_sequence_partial_grads();
+    float* g = full_->full_grads();
+    r.grad_norm = dist::tp_grad_norm(tpl_, g, *tp_);
+    clip_to_norm(g, layout_.total, r.grad_norm, max_norm);
+    opt_->part(0).step(full_->full_params(), g, lr);
+    step_counts_ = tp_->counts();
+    steps_++;
+    return r;
+}
+
+void CpuEngine::update_stage(float* g, double lr) {
+    float* params = stages_->owned_params();
+    if (replicas_->sharded()) {
+        opt_->part(0).step(params + replicas_->owned().offset, g, lr);
+        replicas_->gather(params);  // every replica's updated piece to every replica
+        return;
+    }
+    for (int c = 0; c < opt_->parts(); c++) {
+        const std::size_t at = stages_->ranges()[c].at;
+        opt_->part(c).step(params + at, g + at, lr);
+    }
+}
+
+double CpuEngine::stage_grad_norm(const float* g) {
+    // Each unit's sum of squares where it lives, added in unit order; under ZeRO-1 each unit's
+    // pieces, one per replica, in replica order; with tensor parallelism the cut tensors' squares
+    // of each shard, the whole tensors' once (shard 0's), in shard order. Entry (u, d, t) is
+    // filled by one rank of the job (by every replica alike without ZeRO), the rest hold 0.
+    const dist::ShardRange own = replicas_->owned();
+    const bool piece = replicas_->sharded();
+    const int D = plan_.mesh.dp, d = piece ? replica() : 0, TP = plan_.mesh.tp;
+    std::vector<double> sq(layout_.units.size() * (std::size_t)D * TP, 0.0);
+    if (tp_) {
+        const int t = tp_->rank();
+        const pp::StageStore::Range& rg = stages_->ranges()[0];  // one chunk (the config's checks)
+        // The floats of the range this rank updates (ZeRO-1: its piece), and where they are in g.
+        const std::size_t lo = rg.begin + (std::size_t)own.offset, hi = lo + (std::size_t)own.count,
+                          at = piece ? 0 : rg.at;
+        for (int u = rg.first_unit; u <= rg.last_unit; u++) {
+            const ParamUnit& unit = layout_.units[u];
+            double x = 0;
+            for (std::size_t i = unit.first_tensor; i < unit.last_tensor; i++) {
+                const ParamSpec& ts = layout_.tensors[i];
+                const std::size_t a = std::max(lo, ts.offset),
+                                  b = std::min(hi, ts.offset + ts.numel);
+                if (a < b && (tpl_.shards[i].split() || t == 0))
+                    x += cpu::sum_squares(g + at + (a - lo), (int64_t)(b - a));
+            }
+            sq[((std::size_t)u * D + d) * TP + t] = x;
+        }
+    } else {
+        for (const pp::StageStore::Range& rg : stages_->ranges()) {
+            // The floats of this range this rank updates, and where they are in g.
+            std::size_t lo = rg.begin, hi = rg.end, at = rg.at;
+            if (piece) {  // one range: its piece
+                lo = rg.begin + (std::size_t)own.offset;
+                hi = lo + (std::size_t)own.count;
+                at = 0;
+            }
+            for (int u = rg.first_unit; u <= rg.last_unit; u++) {
+                const std::size_t a = std::max(lo, layout_.units[u].begin),
+                                  b = std::min(hi, layout_.units[u].end);
+                if (a < b)
+                    sq[(std::size_t)u * D + d] =
+                        cpu::sum_squares(g + at + (a - lo), (int64_t)(b - a));
+            }
+        }
+    }
+    world_.all_reduce_max(sq.data(), (int64_t)sq.size());
+    double total = 0;
+    for (double s : sq) total += s;
+    return std::sqrt(total);
+}
+
+StepResult CpuEngine::finish_stage_step(double lr, double max_norm) {
+    StepResult r;
+    if (versions_->update_per_micro_batch()) {
+        // PipeDream: every micro-batch updates its stages inside the schedule (the config
+        // refuses clipping, which would need every stage's gradient of a micro-batch, and a tied
+        // embedding). Side by side, the stage's replicas sum (or reduce-scatter) each
+        // micro-batch's gradient first: every pipeline runs the same list, so they meet at the
+        // same backward.
+        if (exec_->queued() == 0) fail("internal: PipeDream finish_step without micro-batches");
+        exec_->run([&] {
+            update_stage(replicas_->reduce(stages_->owned_grads()), lr);
+            stages_->zero_grads();
+        });
+        r.loss = replicas_->mean(exec_->step_loss());
+        return r;
+    }
+    exec_->join_tied_grads(*stages_);
+    sum_sequence_partial_grads();
+    float* g = replicas_->reduce(stages_->owned_grads());  // the range's, or the ZeRO-1 piece's
+    r.grad_norm = stage_grad_norm(g);
+    clip_to_norm(g, (std::size_t)replicas_->owned().count, r.grad_norm, max_norm);
+    versions_->before_update();
+    update_stage(g, lr);
+    exec_->share_tied_weights(*stages_);
+    r.loss = replicas_->mean(exec_->step_loss());
+    return r;
+}
+
+}  // namespace memtrain

@@ -1,0 +1,139 @@
+// The whole model's states for the CUDA engine (model_states.h): CudaGPT<T> over data
+// parallelism (parallel/data/device_data_parallel.h: NCCL, the shard ranges and the collectives
+// of each dist::ShardSpec placement), the optimizer of this rank's range on the device
+// (engine/cuda/device_optimizer.h) or on the host (parallel/data/device_offload.h:
+// ZeRO-Offload), weight I/O through whichever holds the fp32 master weights, and the overflow's
+// location after a skipped fp16 step.
+#pragma once
+
+#if MEMTRAIN_HAVE_CUDA
+
+#include <cuda_runtime_api.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "engine/cuda/device_optimizer.h"
+#include "engine/cuda/model_states.h"
+#include "engine/run_plan.h"
+#include "parallel/data/device_data_parallel.h"
+#include "parallel/data/device_offload.h"
+
+namespace memtrain {
+
+template <typename T>
+class WholeModelStates;
+
+// The UnitStore for weight I/O: a unit's fp32 master weights copied to a host buffer and, when
+// written, back to the master and (rounded) to the compute copy. It asks the states where the
+// master weights live (the device or, under ZeRO-Offload, the host) and which piece of them this
+// rank holds (all of each unit, or its shard's piece: then reading a unit gathers it from every
+// rank, a collective).
+template <typename T>
+class WeightsStore final : public WeightWindow {
+  public:
+    explicit WeightsStore(WholeModelStates<T>& s) : s_(s) {}
+    float* acquire(int u, bool for_write) override;
+    void release(int u) override;
+
+  private:
+    // The new values of unit `unit` (at `src`) into this rank's master weights and its compute
+    // copy of the parameters.
+    void write_back(const ParamUnit& unit, const float* src);
+
+    WholeModelStates<T>& s_;
+    int held_ = -1, holds_ = 0;
+    bool written_ = false;
+    bool lent_ = false;  // acquire returned the master weights themselves (host memory, whole)
+    std::vector<float> host_, piece_;
+};
+
+template <typename T>
+class WholeModelStates final : public ModelStates<T> {
+  public:
+    WholeModelStates(const RunPlan& plan, dist::Communicator& comm, cudaStream_t stream);
+    ~WholeModelStates() override;
+
+    CudaGPT<T>* model() override { return model_.get(); }
+    ModelWeights weights() override { return ModelWeights{store_, layout(), plan_.cfg.model}; }
+
+    void begin_step() override {
+        model_->zero_grads();
+        dp_.begin_step();
+    }
+    // DDP reduces once per step, during the last micro-batch's backward, unit by unit;
+    // ZeRO-Offload in one process likewise streams the gradients down then. Everything after
+    // the backward (the optimizer) waits for the last unit's all-reduce or copy.
+    void before_backward(bool last, int64_t) override {
+        dp_.before_backward(last);
+        if (offload_) offload_->before_backward(last);
+    }
+    void after_backward() override {
+        dp_.after_backward();
+        if (offload_) offload_->after_backward();
+    }
+
+    // StepCollectives: the gradients summed over the ranks into this rank's range, the update on
+    // the device (then shared: a skipped step shares the old values) or on the host after the
+    // step's wait (the range's gradients brought down first, unless they streamed down).
+    T* gradients() override { return dp_.step_grads(); }
+    void reduce(double* sum_sq) override { dp_.reduce_gradients(sum_sq); }
+    void update(const cuda::StepScalars* scalars) override {
+        if (offload_) {
+            offload_->download(dp_.grad_shard());
+        } else {
+            opt_->step(dp_.param_shard(), dp_.grad_shard(), scalars, stream_);
+            dp_.share_updated_params();
+        }
+    }
+    void updated(double lr, float grad_scale) override {
+        if (!offload_) return;
+        offload_->update(lr, grad_scale, dp_.param_shard());
+        dp_.share_updated_params();
+    }
+    // The moments (and the step count) of this rank's range, on the device or the host.
+    OptimizerState& optimizer() override {
+        return offload_ ? offload_->optimizer() : static_cast<OptimizerState&>(*opt_);
+    }
+    std::string overflow() override;
+    void wait(const char* what) override { dp_.wait(what); }
+
+    std::vector<MemoryPrediction> predicted_memory(const RematPlan& remat, int B,
+                                                   int T_) const override;
+    std::string memory_footer() const override;
+    std::pair<int64_t, int64_t> zero_gathers() const override { return dp_.zero_gathers(); }
+
+  private:
+    friend class WeightsStore<T>;
+    const ParamLayout& layout() const { return model_->layout(); }
+    // This rank's fp32 master weights, its range [dp_.first(), + dp_.count()): in host memory
+    // under ZeRO-Offload, else on the device (the parameters themselves in fp32).
+    struct MasterWeights {
+        float* data;
+        bool on_host;
+    };
+    MasterWeights master_weights() {
+        if (offload_) return {offload_->master(), true};
+        float* m = opt_->master();
+        return {m ? m : reinterpret_cast<float*>(dp_.param_shard()), false};
+    }
+
+    RunPlan plan_;
+    cudaStream_t stream_;
+    // Data parallelism: the shard ranges, NCCL and ZeRO-2/3's unit store (one process: the
+    // trivial case, everything replicated).
+    DeviceDataParallel<T> dp_;
+    std::unique_ptr<CudaGPT<T>> model_;
+    WeightsStore<T> store_;
+    // The optimizer of this rank's range: on the device (fp32 master weights, absent when T is
+    // float, moments and the update), or on the host under ZeRO-Offload.
+    std::unique_ptr<DeviceOptimizer<T>> opt_;
+    std::unique_ptr<DeviceOffload<T>> offload_;
+};
+
+}  // namespace memtrain
+
+#endif  // MEMTRAIN_HAVE_CUDA
