@@ -112,13 +112,13 @@ REDUNDANT = [
     ('for (cudaEvent_t e : out_sent_)', 'run_schedule <- forward_backward',
      "the next step's forward waits for its slot's own send (out_sent_[slot]) before rewriting "
      "the slot, and an arena carved anew is freed first (cudaFree waits for the device)"),
-    ('cudaStreamWaitEvent(stream_, grad_sent_, 0)', 'run_schedule <- forward_backward',
+    ('grad_sent_, 0)', 'run_schedule <- forward_backward',
      "the next step's backward waits for the gradient buffer's last send (grad_sent_) before "
      "rewriting it, and an arena carved anew is freed first"),
-    ('cudaStreamWaitEvent(stream_, grad_sent_, 0)', 'forward_loss',
+    ('grad_sent_, 0)', 'forward_loss',
      "an evaluation sends no gradient, and the last training step's gradient send was joined "
      "at the end of its schedule"),
-    ('cudaStreamWaitEvent(stream_, out_sent_[slot], 0)', '',
+    ('out_sent_[slot], 0)', '',
      "in training a slot is reused only after its micro-batch's backward, whose gradient the "
      "next stage sends only after receiving this slot's output; an evaluation joins its sends "
      "and waits before the next forward"),
