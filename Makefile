@@ -1,25 +1,34 @@
 # memtrain: the two commands of the README.
-#   make demo   install dependencies, build, train the demo GPT on real English text
-#   make test   install dependencies, build, run every test
+#   make demo   install dependencies, build what the demo runs, train the demo GPT on real English
+#               text
+#   make test   install dependencies, build everything, run every test
 BUILD ?= build
 JOBS ?= $(shell nproc)
 MEMTRAIN = $(BUILD)/memtrain
 FORTUNES = /usr/share/games/fortunes
 DEMO_DATA = data/fortunes
+# Whether a GPU answers here: then the demo builds the CUDA backend it will load (nvcc), else the
+# command line alone (a CPU run never loads the backend: docs/cuda.md, "Build").
+GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 
-.PHONY: all deps build demo test bench clean format
+.PHONY: all deps configure build demo-build demo test bench gpu-bundle clean format
 
 all: build
 
 deps:
 	@bash scripts/deps.sh
 
-build: deps
+configure: deps
 	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release >/dev/null
+
+build: configure
 	@cmake --build $(BUILD) -j $(JOBS)
 
+demo-build: configure
+	@cmake --build $(BUILD) -j $(JOBS) --target memtrain $(if $(GPU),memtrain_cuda)
+
 # The demo corpus: Debian's fortune databases (the .dat files are indexes; .u8 are symlinks).
-$(DEMO_DATA)/train.bin: | build
+$(DEMO_DATA)/train.bin: | demo-build
 	@mkdir -p $(DEMO_DATA)
 	$(MEMTRAIN) tokenizer train --vocab-size 4096 --doc-separator % --out $(DEMO_DATA)/tokenizer.json \
 	    $$(find $(FORTUNES) -maxdepth 1 -type f ! -name '*.dat' | sort)
@@ -28,7 +37,7 @@ $(DEMO_DATA)/train.bin: | build
 
 # --overwrite: each `make demo` replaces the previous demo run in out/demo (a plain
 # `memtrain train` refuses an out_dir that holds another run: docs/training.md, "The out_dir").
-demo: build $(DEMO_DATA)/train.bin
+demo: demo-build $(DEMO_DATA)/train.bin
 	$(MEMTRAIN) train configs/demo.toml --overwrite
 
 test: build
@@ -36,6 +45,10 @@ test: build
 
 bench: build
 	@bash bench/cpu.sh $(BUILD)
+
+# The GPU machine's bundle (docs/benchmarks.md, "GPU"): built here, carried there.
+gpu-bundle: deps
+	@bash scripts/gpu_bundle.sh $(BUILD)
 
 format:
 	@clang-format -i $$(git ls-files '*.cpp' '*.h')

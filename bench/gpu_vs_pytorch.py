@@ -56,6 +56,11 @@ sys.path.insert(0, HERE)
 from cpu_vs_pytorch import write_shard  # noqa: E402  (memtrain's token shard format)
 
 MIB = 1 << 20
+# --deadline: no process starts after this time (time.time()), and none runs past it, so that a
+# benchmark inside a fixed window (bench/gpu_device.sh) ends in time with what it measured.
+DEADLINE = None
+# --progress: each finished run is appended here as one JSON line, as it finishes.
+PROGRESS = None
 VOCAB_PAD = 128  # memtrain's model.vocab_pad in the GPT-2 configs: 50257 -> 50304 rows
 
 # name: shape, micro-batch, (warm-up, timed) steps in full and --quick runs, peers run by default
@@ -110,6 +115,14 @@ def run_process(label, cmd, timeout, env=None, cwd=None):
     """Runs cmd in its own process group with its output in a file; returns a dict with rc,
     output, seconds, peak RSS (wait4) and timed_out. A process past `timeout` seconds is killed
     with its group."""
+    if DEADLINE is not None:
+        left = DEADLINE - time.time() - 5
+        if left < 10:
+            print("[%s] skipped: the time budget (--deadline) is spent" % label, flush=True)
+            return {"label": label, "cmd": cmd, "rc": None, "seconds": 0.0, "timed_out": False,
+                    "peak_rss_bytes": 0, "output": "",
+                    "error": "skipped: the time budget (--deadline) is spent"}
+        timeout = min(timeout, left)
     print("[%s] %s" % (label, " ".join(shlex.quote(c) for c in cmd)), flush=True)
     t0 = time.time()
     with tempfile.TemporaryFile(mode="w+", errors="replace") as log:
@@ -144,6 +157,19 @@ def run_process(label, cmd, timeout, env=None, cwd=None):
     if "error" in res:
         show_output(label, output)
     return res
+
+
+def note_progress(run):
+    """Appends a finished run's headline numbers to --progress (results as they come)."""
+    if PROGRESS and run:
+        keys = ("label", "kind", "ok", "error", "seconds", "tokens_per_s", "ms_per_step",
+                "peak_bytes", "tracked_peak_bytes", "remat", "budget_bytes")
+        rec = {k: run[k] for k in keys if k in run}
+        if "result" in run and isinstance(run["result"], dict) and "tflops" in run["result"]:
+            rec["tflops"] = run["result"]["tflops"]
+        rec["time"] = time.time()
+        with open(PROGRESS, "a") as f:
+            f.write(json.dumps(rec) + "\n")
 
 
 def last_error_line(output):
@@ -209,7 +235,9 @@ class Peer:
             cmd += ["--gemm-size", "1024", "--gemm-iters", "10", "--gemm-repeats", "3"]
         r = run_process("GEMM peak", cmd, self.a.timeout)
         res = last_json(r["output"]) if "error" not in r else None
-        return finish_run(r, res, "gemm")
+        run = finish_run(r, res, "gemm")
+        note_progress(run)
+        return run
 
     def train(self, label, shape, mode, checkpoint, warmup, steps):
         cmd = self.base() + [
@@ -227,6 +255,7 @@ class Peer:
                                  else r["peak_rss_bytes"])
             run["device_in_use_bytes"] = res.get("device_in_use_bytes_at_end")
         print_result(label, run)
+        note_progress(run)
         return run
 
 
@@ -321,6 +350,11 @@ class Memtrain:
 
     def train(self, label, warmup, steps, remat="none", accum=1, extra=()):
         """One memtrain run; `accum` micro-batches per step, `extra` more --set key=value."""
+        run = self._train(label, warmup, steps, remat, accum, extra)
+        note_progress(run)
+        return run
+
+    def _train(self, label, warmup, steps, remat, accum, extra):
         name = re.sub(r"[^A-Za-z0-9]+", "-", label).strip("-")
         out_dir = os.path.join(self.tmp, name)
         os.makedirs(out_dir, exist_ok=True)
@@ -733,7 +767,14 @@ def main():
     ap.add_argument("--timeout", type=float, default=900.0,
                     help="seconds per process before it is killed (default 900)")
     ap.add_argument("--json", help="also write every measurement here")
+    ap.add_argument("--deadline", type=float,
+                    help="seconds from now: no process runs past it (a fixed window)")
+    ap.add_argument("--progress", help="append each finished run to this JSONL file")
     a = ap.parse_args()
+    global DEADLINE, PROGRESS
+    if a.deadline:
+        DEADLINE = time.time() + a.deadline
+    PROGRESS = a.progress
 
     a.preset = a.preset or ("1.5b" if a.remat_compare else "124m")
     if a.offload_accum is None:

@@ -21,9 +21,11 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cpu_vs_pytorch import write_shard  # noqa: E402
+import gpu_vs_pytorch  # noqa: E402
 from gpu_vs_pytorch import (memtrain_config, param_counts, run_process, show_output,  # noqa: E402
                             tail)
 
@@ -83,9 +85,13 @@ def main():
     ap.add_argument("--quick", action="store_true", help="1 + 2 steps per attempt")
     ap.add_argument("--timeout", type=int, default=900)
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--deadline", type=float,
+                    help="seconds from now: no attempt runs past it (bench/gpu_device.sh)")
     ap.add_argument("--no-plan-skip", action="store_true",
                     help="launch shapes the planner predicts do not fit")
     a = ap.parse_args()
+    if a.deadline:
+        gpu_vs_pytorch.DEADLINE = time.time() + a.deadline
     if not os.access(a.memtrain, os.X_OK):
         sys.exit("offload_gpu.py: no memtrain binary at %s (build first)" % a.memtrain)
     smoke = a.device == "cpu-smoke"

@@ -5,11 +5,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <string>
 #include <vector>
 
 #include "config/run_config.h"
+#include "core/device.h"
 #include "core/rng.h"
 #include "data/shard.h"
 #include "model/gpt.h"
@@ -17,9 +19,22 @@
 
 namespace memtrain::test {
 
-// A fresh directory under the build tree, removed at construction if it existed.
+// Whether the CUDA device is cudasim's (tests/cudasim): the CUDA tests' objects are linked both
+// with the simulator and with the GPU backend, and a few checks differ between the two.
+inline bool on_cudasim() {
+    return cuda_available() && cuda_device_name().rfind("memtrain CUDA simulator", 0) == 0;
+}
+
+// Where tests write: MEMTRAIN_TEST_TMP, else test_tmp in the build tree (the GPU bundle's test
+// binaries run away from the tree they were built in: bench/gpu_device.sh sets it).
+inline std::filesystem::path test_tmp_root() {
+    const char* v = std::getenv("MEMTRAIN_TEST_TMP");
+    return v && *v ? std::filesystem::path(v) : std::filesystem::path(MT_BINARY_DIR) / "test_tmp";
+}
+
+// A fresh directory under test_tmp_root(), removed at construction if it existed.
 inline std::string temp_dir(const std::string& name) {
-    auto p = std::filesystem::path(MT_BINARY_DIR) / "test_tmp" / name;
+    auto p = test_tmp_root() / name;
     std::filesystem::remove_all(p);
     std::filesystem::create_directories(p);
     return p.string();

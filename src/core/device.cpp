@@ -1,54 +1,84 @@
-// The device side of the tagged allocator and the CUDA error helpers, in plain C++ over the CUDA
-// runtime. Without CUDA (MEMTRAIN_HAVE_CUDA=0) the same functions report "no device".
+// The device layer as CPU code sees it (core/device.h): the device memory tracker, and the
+// questions about devices, answered by the CUDA backend when it is there (core/cuda_backend.h)
+// and "no device" when it is not. The rest of core/device.h is core/cuda_device.cpp, part of the
+// backend.
 #include "core/device.h"
 
-#include <cstdio>
+#include <dlfcn.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <filesystem>
 #include <mutex>
 
-#include "core/error.h"
-
-#if MEMTRAIN_HAVE_CUDA
-#include <cublasLt.h>
-#include <cuda_runtime_api.h>
-#endif
+#include "core/cuda_backend.h"
 
 namespace memtrain {
+
+namespace {
+
+// Constant-initialised, so a backend linked into the executable can register from its static
+// initialiser whatever the order of initialisation.
+std::atomic<const CudaDeviceApi*> g_api{nullptr};
+std::string* g_status = nullptr;  // why loading failed; set once under the loader's lock
+
+// A GPU driver is installed here: the NVIDIA device nodes (Linux, containers) or WSL's.
+bool driver_present() {
+    for (const char* node : {"/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg"})
+        if (::access(node, F_OK) == 0) return true;
+    return false;
+}
+
+// The backend library: MEMTRAIN_CUDA_BACKEND, else beside the executable, else on the library
+// path.
+std::string load() {
+    std::string path;
+    if (const char* v = std::getenv("MEMTRAIN_CUDA_BACKEND"); v && *v) {
+        path = v;
+    } else {
+        if (!driver_present()) return "no GPU driver on this machine (no /dev/nvidiactl)";
+        std::error_code ec;
+        const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+        const auto beside = exe.parent_path() / "libmemtrain_cuda.so";
+        path = !ec && std::filesystem::exists(beside, ec) ? beside.string() : "libmemtrain_cuda.so";
+    }
+    if (!::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL)) {
+        const char* why = ::dlerror();
+        return "the CUDA backend " + path + " could not be loaded (" + (why ? why : "?") +
+               "); it is built by `make build` or `cmake --build build --target memtrain_cuda`";
+    }
+    if (!g_api.load()) return "the CUDA backend " + path + " loaded but did not register";
+    return "";
+}
+
+}  // namespace
+
+void register_cuda_backend(const CudaDeviceApi* api) {
+    g_api.store(api);
+}
+
+bool load_cuda_backend() {
+    static std::once_flag once;
+    std::call_once(once, [] {
+        if (g_api.load()) return;
+        g_status = new std::string(load());
+    });
+    return g_api.load() != nullptr;
+}
+
+std::string cuda_backend_status() {
+    if (load_cuda_backend()) return "";
+    return g_status ? *g_status : "not loaded";
+}
 
 MemoryTracker& device_memory() {
     static MemoryTracker tracker;
     return tracker;
 }
 
-#if MEMTRAIN_HAVE_CUDA
-
-// cudaMalloc returns 256-byte aligned blocks; that is the least it can hold for a request.
-static constexpr std::size_t kDeviceAlign = 256;
-
-static std::size_t device_reserved_bytes(std::size_t bytes) {
-    std::size_t b = bytes == 0 ? 1 : bytes;
-    return (b + kDeviceAlign - 1) / kDeviceAlign * kDeviceAlign;
-}
-
-void cuda_fail(int code, const char* expr, const char* file, int line) {
-    fail("{}:{}: {} failed: {} ({})", file, line, expr,
-         cudaGetErrorString(static_cast<cudaError_t>(code)), code);
-}
-
-void cublas_fail(int status, const char* expr, const char* file, int line) {
-    fail("{}:{}: {} failed: {} ({})", file, line, expr,
-         cublasLtGetStatusString(static_cast<cublasStatus_t>(status)), status);
-}
-
 int cuda_device_count() {
-    static const int count = [] {
-        int n = 0;
-        cudaError_t err = cudaGetDeviceCount(&n);
-        if (err != cudaSuccess) {
-            cudaGetLastError();  // leave no error behind for the next check
-            return 0;
-        }
-        return n;
-    }();
+    static const int count = load_cuda_backend() ? g_api.load()->device_count() : 0;
     return count;
 }
 
@@ -57,160 +87,19 @@ bool cuda_available() {
 }
 
 std::string cuda_device_name() {
-    if (!cuda_available()) return "none";
-    int dev = 0;
-    MT_CUDA_CHECK(cudaGetDevice(&dev));
-    cudaDeviceProp prop{};
-    MT_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
-    return prop.name;
+    return cuda_available() ? g_api.load()->device_name() : "none";
 }
 
 void device_synchronize() {
-    if (cuda_available()) MT_CUDA_CHECK(cudaDeviceSynchronize());
+    if (cuda_available()) g_api.load()->synchronize();
 }
 
 void select_device(int local_rank) {
-    if (cuda_available()) MT_CUDA_CHECK(cudaSetDevice(local_rank % cuda_device_count()));
+    if (cuda_available()) g_api.load()->select(local_rank);
 }
 
 std::pair<std::size_t, std::size_t> device_memory_info() {
-    std::size_t free_b = 0, total_b = 0;
-    if (cuda_available()) MT_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
-    return {free_b, total_b};
+    return cuda_available() ? g_api.load()->memory_info() : std::pair<std::size_t, std::size_t>{};
 }
-
-void* device_alloc(std::size_t bytes, MemCategory c) {
-    if (!cuda_available()) {
-        fail("no CUDA device: cannot allocate {} bytes of device memory for {}", bytes,
-             category_name(c));
-    }
-    std::size_t reserved = device_reserved_bytes(bytes);
-    void* p = nullptr;
-    // Exactly the bytes asked for (the driver rounds on its own): under cudasim, a kernel that
-    // reads or writes past them is then caught by AddressSanitizer.
-    cudaError_t err = cudaMalloc(&p, bytes == 0 ? 1 : bytes);
-    if (err != cudaSuccess) {
-        cudaGetLastError();
-        MemoryStats s = device_memory().snapshot();
-        std::size_t free_b = 0, total_b = 0;
-        cudaMemGetInfo(&free_b, &total_b);
-        cudaGetLastError();
-        // What would make it fit, by what was being allocated.
-        const char* advice =
-            c == MemCategory::Activations || c == MemCategory::Workspace
-                ? "lower train.micro_batch_size or train.seq_len, or recompute activations "
-                  "(train.remat = selective, full or budget:BYTES; `memtrain remat CONFIG "
-                  "--frontier` lists the options)"
-            : c == MemCategory::Parameters || c == MemCategory::Gradients ||
-                    c == MemCategory::OptimizerState
-                ? "the model states alone do not fit: train.precision = bf16 holds 16 bytes "
-                  "per parameter, fp32 16 too but without master copies; a smaller model, or "
-                  "`memtrain estimate` for the sizes"
-                : "free device memory or use a smaller run";
-        fail(
-            "out of device memory: could not allocate {} MiB for {} ({} MiB tracked in use, {} "
-            "MiB of it {}; the device has {} MiB, {} MiB free): {}. To fit: {}",
-            bytes >> 20, category_name(c), s.total_used >> 20, s[c] >> 20, category_name(c),
-            total_b >> 20, free_b >> 20, cudaGetErrorString(err), advice);
-    }
-    MT_CUDA_CHECK(cudaMemset(p, 0, bytes == 0 ? 1 : bytes));
-    device_memory().on_alloc(c, bytes, reserved);
-    return p;
-}
-
-void device_free(void* p, std::size_t bytes, MemCategory c) {
-    // Called from destructors, so it must not throw. At process exit the runtime may already be
-    // unloaded, which is harmless; anything else means the context is broken, and the next checked
-    // call reports it, so a line on stderr is enough here.
-    cudaError_t err = cudaFree(p);
-    if (err != cudaSuccess && err != cudaErrorCudartUnloading) {
-        std::fprintf(stderr, "memtrain: cudaFree failed: %s\n", cudaGetErrorString(err));
-    }
-    device_memory().on_free(c, bytes, device_reserved_bytes(bytes));
-}
-
-void copy_to_device(void* dst_device, const void* src_host, std::size_t bytes) {
-    if (bytes) MT_CUDA_CHECK(cudaMemcpy(dst_device, src_host, bytes, cudaMemcpyHostToDevice));
-}
-
-void copy_to_host(void* dst_host, const void* src_device, std::size_t bytes) {
-    if (bytes) MT_CUDA_CHECK(cudaMemcpy(dst_host, src_device, bytes, cudaMemcpyDeviceToHost));
-}
-
-void* device_scratch(std::size_t bytes) {
-    // Never freed: it lives as long as the process (like cuBLASLt's own workspace), so no
-    // destructor runs after the CUDA runtime has gone at exit.
-    static std::mutex mu;
-    static void* ptr = nullptr;
-    static std::size_t size = 0;
-    std::lock_guard lock(mu);
-    if (bytes > size) {
-        constexpr std::size_t kStep = std::size_t{1} << 20;  // grow in whole MiB
-        std::size_t want = (bytes + kStep - 1) / kStep * kStep;
-        if (ptr) {
-            MT_CUDA_CHECK(cudaDeviceSynchronize());
-            device_free(ptr, size, MemCategory::Workspace);
-            ptr = nullptr;
-            size = 0;
-        }
-        ptr = device_alloc(want, MemCategory::Workspace);
-        size = want;
-    }
-    return ptr;
-}
-
-#else  // CPU-only build
-
-[[noreturn]] static void no_cuda(const char* what) {
-    fail("{}: memtrain was built without CUDA (no nvcc found, or -DMEMTRAIN_CUDA=OFF)", what);
-}
-
-void cuda_fail(int code, const char* expr, const char* file, int line) {
-    fail("{}:{}: {} failed with CUDA error {}", file, line, expr, code);
-}
-void cublas_fail(int status, const char* expr, const char* file, int line) {
-    fail("{}:{}: {} failed with cuBLAS status {}", file, line, expr, status);
-}
-int cuda_device_count() {
-    return 0;
-}
-bool cuda_available() {
-    return false;
-}
-std::string cuda_device_name() {
-    return "none";
-}
-void device_synchronize() {}
-void select_device(int) {}
-std::pair<std::size_t, std::size_t> device_memory_info() {
-    return {0, 0};
-}
-void* device_alloc(std::size_t bytes, MemCategory c) {
-    fail(
-        "cannot allocate {} bytes of device memory for {}: memtrain was built without CUDA (no "
-        "nvcc found, or -DMEMTRAIN_CUDA=OFF)",
-        bytes, category_name(c));
-}
-void device_free(void* p, std::size_t bytes, MemCategory c) {
-    (void)p;
-    (void)bytes;
-    (void)c;
-}
-void copy_to_device(void* dst_device, const void* src_host, std::size_t bytes) {
-    (void)dst_device;
-    (void)src_host;
-    if (bytes) no_cuda("copy_to_device");
-}
-void copy_to_host(void* dst_host, const void* src_device, std::size_t bytes) {
-    (void)dst_host;
-    (void)src_device;
-    if (bytes) no_cuda("copy_to_host");
-}
-void* device_scratch(std::size_t bytes) {
-    (void)bytes;
-    no_cuda("device_scratch");
-}
-
-#endif
 
 }  // namespace memtrain

@@ -1,7 +1,9 @@
 // The CUDA device seen from plain C++: whether one answers, its name, a second memory tracker for
-// device bytes, and DeviceBuffer<T>, the device twin of Buffer<T>. Callers need no #ifdef: in a
-// build without CUDA (MEMTRAIN_HAVE_CUDA=0) cuda_available() is false and allocating fails with a
-// memtrain::Error that says so.
+// device bytes, and DeviceBuffer<T>, the device twin of Buffer<T>. Callers need no #ifdef: where
+// no CUDA backend is there (no GPU driver, a build without CUDA) cuda_available() is false. The
+// questions (cuda_available ... device_memory_info) and device_memory() work in every program;
+// allocation, copies, the scratch area and the error helpers are the backend's
+// (core/cuda_device.cpp), linked only into code that runs on the device (core/cuda_backend.h).
 //
 // Example:
 //     if (cuda_available()) {

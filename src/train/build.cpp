@@ -4,7 +4,7 @@
 #include "core/error.h"
 #include "engine/cpu/cpu_engine.h"
 #include "engine/cpu/ps_engine.h"
-#include "engine/cuda/cuda_engine.h"
+#include "engine/cuda_backend.h"
 
 namespace memtrain {
 
@@ -19,9 +19,8 @@ std::unique_ptr<Engine> make_engine(const RunPlan& plan, dist::Communicator& com
             return std::make_unique<PsEngine>(plan, comm);
         case EngineKind::Cuda:
         case EngineKind::CudaLora:  // the same class: LoRA is the plan's choice of model states
-            return make_cuda_engine(plan, comm);
         case EngineKind::CudaPipeline:
-            return make_cuda_pipeline_engine(plan, comm);
+            return make_cuda_backend_engine(plan, comm);  // loads the CUDA backend
     }
     fail("internal: no engine for train.device '{}'", plan.cfg.train.device);
 }

@@ -6,6 +6,7 @@
 
 #include <fmt/format.h>
 
+#include "core/cuda_backend.h"
 #include "core/device.h"
 #include "core/error.h"
 #include "model/lora.h"
@@ -223,8 +224,9 @@ void validate_config(const RunConfig& cfg) {
             "build time); rebuild where the CUDA toolkit is installed, or use device = \"cpu\"");
     if (cfg.train.device == "cuda" && !cuda_available())
         fail(
-            "train.device = \"cuda\", but no CUDA device answers on this machine; use device "
-            "= \"cpu\" or \"auto\"");
+            "train.device = \"cuda\", but no CUDA device answers on this machine ({}); use "
+            "device = \"cpu\" or \"auto\"",
+            load_cuda_backend() ? "the driver reports none" : cuda_backend_status());
     if (cfg.train.precision != "fp32" && cfg.train.precision != "bf16" &&
         cfg.train.precision != "fp16" && cfg.train.precision != "auto")
         fail("train.precision = \"{}\" must be \"fp32\", \"bf16\", \"fp16\" or \"auto\"",

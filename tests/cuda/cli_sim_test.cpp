@@ -1,6 +1,6 @@
 // The command line on cudasim (memtrain_sim): `memtrain train` with train.device = "cuda" end to
 // end, in each precision, and its errors. Built into the simulator's tests only (on a GPU the same
-// run is `memtrain train`, which bench/gpu.sh exercises).
+// run is `memtrain train`, which bench/gpu_device.sh exercises).
 #include <gtest/gtest.h>
 
 #include <sys/wait.h>

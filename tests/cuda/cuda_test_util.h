@@ -16,6 +16,7 @@
 
 #include "core/device.h"
 #include "core/rng.h"
+#include "test_util.h"
 
 #if MEMTRAIN_HAVE_CUDA
 #include <cuda_bf16.h>
@@ -33,8 +34,9 @@ inline bool gpu_required() {
 
 }  // namespace memtrain::test
 
-// Skips where no GPU answers, except under MEMTRAIN_REQUIRE_GPU=1 (bench/gpu.sh sets it), where a
-// missing device is a failure: on the GPU machine a skipped kernel test must not read as a pass.
+// Skips where no GPU answers, except under MEMTRAIN_REQUIRE_GPU=1 (bench/gpu_device.sh sets it),
+// where a missing device is a failure: on the GPU machine a skipped kernel test must not read as a
+// pass.
 #define REQUIRE_GPU()                                                       \
     do {                                                                    \
         if (!::memtrain::cuda_available()) {                                \

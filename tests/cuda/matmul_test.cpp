@@ -29,12 +29,6 @@ using namespace memtrain::test;
 
 namespace {
 
-#if MT_CUDA_SIM_TESTS
-constexpr bool kSimulator = true;
-#else
-constexpr bool kSimulator = false;
-#endif
-
 // Unit roundoff of T: half the distance from 1 to the next value (bf16 keeps 8 significant bits,
 // fp16 11).
 template <typename T>
@@ -75,7 +69,7 @@ void expect_near_t(const std::string& what, const std::vector<float>& got,
 // only checks the values.
 void expect_path(const cuda::EpilogueCounts& before, bool fused, const char* what) {
     const cuda::EpilogueCounts after = cuda::matmul_epilogue_counts();
-    if (!kSimulator) return;
+    if (!on_cudasim()) return;
     if (fused) {
         EXPECT_GT(after.fused, before.fused) << what << ": expected the fused epilogue";
         EXPECT_EQ(after.fallback, before.fallback) << what << ": expected no fallback";

@@ -1,7 +1,6 @@
 // The CUDA semantics memtrain's kernels rely on, asked of the GPU and of cudasim with the same
-// expectations (semantics_kernels.h), plus the simulator's own checks: a barrier that cannot
-// complete is reported, copies check their pointers, and stream capture refuses synchronising
-// calls as a GPU does.
+// expectations (semantics_kernels.h); stream capture refuses synchronising calls as a GPU does.
+// (The simulator's own checks are tests/cudasim/tests/sim_test.cpp.)
 #include <gtest/gtest.h>
 
 #include <vector>
@@ -128,39 +127,5 @@ TEST(CudaSemantics, SynchronisingDuringCaptureInvalidatesIt) {
     cudaGetLastError();
     MT_CUDA_CHECK(cudaStreamDestroy(s));
 }
-
-#if MT_CUDA_SIM_TESTS
-// ---- the simulator's own checks (on a GPU these would hang or corrupt memory) ------------------
-
-TEST(CudaSim, DivergentBarrierIsReportedAsDeadlock) {
-    GTEST_FLAG_SET(death_test_style, "threadsafe");
-    DeviceBuffer<int> d(32, MemCategory::Other);
-    EXPECT_DEATH(semantics::divergent_barrier(d.data()),
-                 "cudasim: deadlock in kernel divergent_kernel, block \\(0,0,0\\): 1 threads "
-                 "wait at __syncthreads, 31 at a warp collective");
-}
-
-TEST(CudaSim, CopiesCheckDevicePointers) {
-    std::vector<float> host(8), other(8);
-    void* d = nullptr;
-    ASSERT_EQ(cudaMalloc(&d, 32), cudaSuccess);
-    EXPECT_EQ(cudaMemcpy(d, host.data(), 32, cudaMemcpyHostToDevice), cudaSuccess);
-    EXPECT_EQ(cudaMemcpy(other.data(), host.data(), 32, cudaMemcpyHostToDevice),
-              cudaErrorInvalidValue);
-    EXPECT_EQ(cudaMemcpy(host.data(), d, 36, cudaMemcpyDeviceToHost), cudaErrorInvalidValue)
-        << "a copy past the end of the allocation";
-    cudaGetLastError();
-    ASSERT_EQ(cudaFree(d), cudaSuccess);
-}
-
-TEST(CudaSim, DeviceMemoryStartsUndefined) {
-    void* p = nullptr;
-    ASSERT_EQ(cudaMalloc(&p, 16), cudaSuccess);
-    std::vector<float> h(4);
-    ASSERT_EQ(cudaMemcpy(h.data(), p, 16, cudaMemcpyDeviceToHost), cudaSuccess);
-    for (float x : h) EXPECT_TRUE(std::isnan(x));
-    ASSERT_EQ(cudaFree(p), cudaSuccess);
-}
-#endif  // MT_CUDA_SIM_TESTS
 
 #endif  // MEMTRAIN_HAVE_CUDA

@@ -1,27 +1,26 @@
 // The NCCL calls memtrain makes, reimplemented for cudasim over MPI (see sim.h): "device"
-// buffers are host memory here, so each collective is the MPI collective on them, queued on the
-// stream like any other work (and recorded when the stream is being captured). bf16 and fp16 are
-// summed in fp32 and rounded once, where NCCL rounds after each step of its ring: results agree
-// to a rounding of the type. Lets the CUDA engine's data parallelism run under mpirun in CI.
+// buffers are host memory here, so each collective is the non-blocking MPI collective on them,
+// queued on the stream like any other work (and recorded when the stream is being captured). An
+// operation starts when the stream's scheduler reaches it, in the communicator's issue order
+// (queue.h), and the stream's later work waits until MPI completes it, while the process's other
+// streams go on, as on a GPU. bf16 and fp16 are summed in fp32 and rounded once, where NCCL
+// rounds after each step of its ring: results agree to a rounding of the type. Lets the CUDA
+// engine's data parallelism and pipelines run under mpirun in CI.
 #include <mpi.h>
 #include <nccl.h>
 
 #include <cstring>
+#include <functional>
 #include <list>
+#include <memory>
 #include <vector>
 
 #include "cudasim/sim.h"
 
-// A send in flight: MPI_Isend from a copy of the data, taken when the stream reaches the send.
-struct PendingSend {
-    MPI_Request request = MPI_REQUEST_NULL;
-    std::vector<unsigned char> data;
-};
-
 struct ncclComm {
     MPI_Comm mpi = MPI_COMM_NULL;
     int rank = 0, size = 1;
-    std::list<PendingSend> sends;  // completed ones are dropped at the next send and at the end
+    bool aborted = false;  // after ncclCommAbort: queued operations complete as no-ops
 };
 
 namespace {
@@ -52,20 +51,78 @@ void from_f32(ncclDataType_t t, void* p, std::size_t i, float v) {
         static_cast<__half*>(p)[i] = __float2half_rn(v);
 }
 
-// Sums `count` elements at `in` over the ranks into `out` (every rank's full result).
-void all_reduce(const void* in, void* out, std::size_t count, ncclDataType_t t, MPI_Comm c) {
+bool mpi_finalized() {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    return finalized != 0;
+}
+
+// An operation in flight: its MPI request, the buffers it owns, and what to do once complete.
+struct Op {
+    MPI_Request request = MPI_REQUEST_NULL;
+    std::vector<unsigned char> bytes;
+    std::vector<float> floats;
+    std::function<void()> finish;
+};
+
+// Queues an operation on `stream`: `start` posts the MPI request when the stream reaches it;
+// the stream's later work waits until the request completes and `op->finish` has run.
+void queue_op(ncclComm_t comm, cudaStream_t stream, std::function<void(Op&)> start) {
+    auto op = std::make_shared<Op>();
+    cudasim::enqueue_async(
+        stream, comm,
+        [comm, op, start = std::move(start)] {
+            if (!comm->aborted && !mpi_finalized()) start(*op);
+        },
+        [comm, op] {
+            if (op->request != MPI_REQUEST_NULL) {
+                if (comm->aborted || mpi_finalized()) return true;
+                int done = 0;
+                MPI_Test(&op->request, &done, MPI_STATUS_IGNORE);
+                if (!done) return false;
+            }
+            if (op->finish) op->finish();
+            op->bytes.clear();
+            op->floats.clear();
+            return true;
+        });
+}
+
+// Starts the sum of `count` elements at `in` over the ranks into `out` (every rank's result).
+void start_all_reduce(Op& op, const void* in, void* out, std::size_t count, ncclDataType_t t,
+                      MPI_Comm c) {
     if (t == ncclFloat32 || t == ncclFloat64) {
         MPI_Datatype mt = t == ncclFloat32 ? MPI_FLOAT : MPI_DOUBLE;
         if (in == out)
-            MPI_Allreduce(MPI_IN_PLACE, out, (int)count, mt, MPI_SUM, c);
+            MPI_Iallreduce(MPI_IN_PLACE, out, (int)count, mt, MPI_SUM, c, &op.request);
         else
-            MPI_Allreduce(in, out, (int)count, mt, MPI_SUM, c);
+            MPI_Iallreduce(in, out, (int)count, mt, MPI_SUM, c, &op.request);
         return;
     }
-    std::vector<float> f(count);
-    for (std::size_t i = 0; i < count; i++) f[i] = to_f32(t, in, i);
-    MPI_Allreduce(MPI_IN_PLACE, f.data(), (int)count, MPI_FLOAT, MPI_SUM, c);
-    for (std::size_t i = 0; i < count; i++) from_f32(t, out, i, f[i]);
+    op.floats.resize(count);
+    for (std::size_t i = 0; i < count; i++) op.floats[i] = to_f32(t, in, i);
+    MPI_Iallreduce(MPI_IN_PLACE, op.floats.data(), (int)count, MPI_FLOAT, MPI_SUM, c, &op.request);
+    op.finish = [&op, out, count, t] {
+        for (std::size_t i = 0; i < count; i++) from_f32(t, out, i, op.floats[i]);
+    };
+}
+
+// Sends whose data MPI may still be reading: kept until MPI is done with them.
+struct PendingSend {
+    MPI_Request request;
+    std::shared_ptr<std::vector<unsigned char>> data;
+};
+std::list<PendingSend>& pending_sends() {
+    static auto* l = new std::list<PendingSend>;
+    return *l;
+}
+void reap_sends() {
+    pending_sends().remove_if([](PendingSend& p) {
+        if (mpi_finalized()) return true;
+        int done = 0;
+        MPI_Test(&p.request, &done, MPI_STATUS_IGNORE);
+        return done != 0;
+    });
 }
 
 bool supported(ncclDataType_t t) {
@@ -129,18 +186,16 @@ ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int
 
 ncclResult_t ncclCommDestroy(ncclComm_t comm) {
     if (!comm) return ncclInvalidArgument;
-    int finalized = 0;
-    MPI_Finalized(&finalized);
-    if (!finalized) {
-        for (PendingSend& p : comm->sends) MPI_Wait(&p.request, MPI_STATUS_IGNORE);
-        MPI_Comm_free(&comm->mpi);
-    }
+    cudasim::drain();  // the communicator's queued operations complete first
+    if (!mpi_finalized()) MPI_Comm_free(&comm->mpi);
     delete comm;
     return ncclSuccess;
 }
 
+// Queued operations may still name the communicator: it is marked, not freed (the process is
+// about to fail anyway).
 ncclResult_t ncclCommAbort(ncclComm_t comm) {
-    delete comm;
+    if (comm) comm->aborted = true;
     return ncclSuccess;
 }
 
@@ -161,19 +216,24 @@ ncclResult_t ncclGroupEnd() {
 ncclResult_t ncclAllReduce(const void* send, void* recv, size_t count, ncclDataType_t t,
                            ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
     if (!comm || op != ncclSum || !supported(t)) return ncclInvalidArgument;
-    cudasim::enqueue(stream, [=] { all_reduce(send, recv, count, t, comm->mpi); });
+    queue_op(comm, stream, [=](Op& o) { start_all_reduce(o, send, recv, count, t, comm->mpi); });
     return ncclSuccess;
 }
 
 ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t count, ncclDataType_t t,
                                ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
     if (!comm || op != ncclSum || !supported(t)) return ncclInvalidArgument;
-    cudasim::enqueue(stream, [=] {
-        // The whole sum, then this rank's block (recv may lie inside send).
-        const std::size_t b = type_bytes(t);
-        std::vector<unsigned char> full(count * comm->size * b);
-        all_reduce(send, full.data(), count * comm->size, t, comm->mpi);
-        std::memmove(recv, full.data() + (std::size_t)comm->rank * count * b, count * b);
+    queue_op(comm, stream, [=](Op& o) {
+        // The whole sum into a buffer of its own, then this rank's block (recv may lie inside
+        // send).
+        const std::size_t b = type_bytes(t), n = count * comm->size;
+        o.bytes.resize(n * b);
+        start_all_reduce(o, send, o.bytes.data(), n, t, comm->mpi);
+        auto convert = std::move(o.finish);
+        o.finish = [&o, convert, recv, count, b, rank = comm->rank] {
+            if (convert) convert();
+            std::memmove(recv, o.bytes.data() + (std::size_t)rank * count * b, count * b);
+        };
     });
     return ncclSuccess;
 }
@@ -182,11 +242,15 @@ ncclResult_t ncclReduce(const void* send, void* recv, size_t count, ncclDataType
                         ncclRedOp_t op, int root, ncclComm_t comm, cudaStream_t stream) {
     if (!comm || op != ncclSum || !supported(t) || root < 0 || root >= comm->size)
         return ncclInvalidArgument;
-    cudasim::enqueue(stream, [=] {
+    queue_op(comm, stream, [=](Op& o) {
         // The whole sum on every rank, kept by the root only (recv is ignored elsewhere).
-        std::vector<unsigned char> sum(count * type_bytes(t));
-        all_reduce(send, sum.data(), count, t, comm->mpi);
-        if (comm->rank == root) std::memmove(recv, sum.data(), sum.size());
+        o.bytes.resize(count * type_bytes(t));
+        start_all_reduce(o, send, o.bytes.data(), count, t, comm->mpi);
+        auto convert = std::move(o.finish);
+        o.finish = [&o, convert, recv, root, rank = comm->rank] {
+            if (convert) convert();
+            if (rank == root) std::memmove(recv, o.bytes.data(), o.bytes.size());
+        };
     });
     return ncclSuccess;
 }
@@ -194,11 +258,13 @@ ncclResult_t ncclReduce(const void* send, void* recv, size_t count, ncclDataType
 ncclResult_t ncclAllGather(const void* send, void* recv, size_t count, ncclDataType_t t,
                            ncclComm_t comm, cudaStream_t stream) {
     if (!comm || !supported(t)) return ncclInvalidArgument;
-    cudasim::enqueue(stream, [=] {
+    queue_op(comm, stream, [=](Op& o) {
+        // From a copy of this rank's piece: it may lie inside recv (an in-place gather).
         const std::size_t bytes = count * type_bytes(t);
-        std::vector<unsigned char> mine(static_cast<const unsigned char*>(send),
-                                        static_cast<const unsigned char*>(send) + bytes);
-        MPI_Allgather(mine.data(), (int)bytes, MPI_BYTE, recv, (int)bytes, MPI_BYTE, comm->mpi);
+        o.bytes.assign(static_cast<const unsigned char*>(send),
+                       static_cast<const unsigned char*>(send) + bytes);
+        MPI_Iallgather(o.bytes.data(), (int)bytes, MPI_BYTE, recv, (int)bytes, MPI_BYTE, comm->mpi,
+                       &o.request);
     });
     return ncclSuccess;
 }
@@ -206,33 +272,28 @@ ncclResult_t ncclAllGather(const void* send, void* recv, size_t count, ncclDataT
 ncclResult_t ncclBroadcast(const void* send, void* recv, size_t count, ncclDataType_t t, int root,
                            ncclComm_t comm, cudaStream_t stream) {
     if (!comm || !supported(t)) return ncclInvalidArgument;
-    cudasim::enqueue(stream, [=] {
+    queue_op(comm, stream, [=](Op& o) {
         const std::size_t bytes = count * type_bytes(t);
         if (comm->rank == root && send != recv) std::memmove(recv, send, bytes);
-        MPI_Bcast(recv, (int)bytes, MPI_BYTE, root, comm->mpi);
+        MPI_Ibcast(recv, (int)bytes, MPI_BYTE, root, comm->mpi, &o.request);
     });
     return ncclSuccess;
 }
 
-// Point to point. A GPU's ncclSend waits, on its stream, for the receive; here streams run their
-// work at once, so a send that waited would stop the host thread, and with it every stream of
-// the rank. The send instead copies the data (ready, since streams run in order) and leaves it
-// to MPI; the receive waits. That is what a send on a stream of its own does on a GPU: the
-// sender's other streams go on.
+// Point to point. The send reads its data when its stream reaches it (into a buffer of its own,
+// which MPI sends meanwhile) and completes then; the receive completes when the data is there.
 ncclResult_t ncclSend(const void* send, size_t count, ncclDataType_t t, int peer, ncclComm_t comm,
                       cudaStream_t stream) {
     if (!comm || !supported(t) || peer < 0 || peer >= comm->size) return ncclInvalidArgument;
-    cudasim::enqueue(stream, [=] {
-        comm->sends.remove_if([](PendingSend& p) {
-            int done = 0;
-            MPI_Test(&p.request, &done, MPI_STATUS_IGNORE);
-            return done != 0;
-        });
+    queue_op(comm, stream, [=](Op&) {
         const std::size_t bytes = count * type_bytes(t);
-        PendingSend& p = comm->sends.emplace_back();
-        p.data.assign(static_cast<const unsigned char*>(send),
-                      static_cast<const unsigned char*>(send) + bytes);
-        MPI_Isend(p.data.data(), (int)bytes, MPI_BYTE, peer, 0, comm->mpi, &p.request);
+        auto copy = std::make_shared<std::vector<unsigned char>>(
+            static_cast<const unsigned char*>(send),
+            static_cast<const unsigned char*>(send) + bytes);
+        MPI_Request r = MPI_REQUEST_NULL;
+        MPI_Isend(copy->data(), (int)bytes, MPI_BYTE, peer, 0, comm->mpi, &r);
+        pending_sends().push_back({r, std::move(copy)});
+        reap_sends();
     });
     return ncclSuccess;
 }
@@ -240,9 +301,8 @@ ncclResult_t ncclSend(const void* send, size_t count, ncclDataType_t t, int peer
 ncclResult_t ncclRecv(void* recv, size_t count, ncclDataType_t t, int peer, ncclComm_t comm,
                       cudaStream_t stream) {
     if (!comm || !supported(t) || peer < 0 || peer >= comm->size) return ncclInvalidArgument;
-    cudasim::enqueue(stream, [=] {
-        MPI_Recv(recv, (int)(count * type_bytes(t)), MPI_BYTE, peer, 0, comm->mpi,
-                 MPI_STATUS_IGNORE);
+    queue_op(comm, stream, [=](Op& o) {
+        MPI_Irecv(recv, (int)(count * type_bytes(t)), MPI_BYTE, peer, 0, comm->mpi, &o.request);
     });
     return ncclSuccess;
 }

@@ -1,34 +1,30 @@
 // The CUDA runtime calls memtrain makes, reimplemented for cudasim (see sim.h) with the
 // signatures of cuda_runtime_api.h. Device memory is host memory with its allocations recorded,
-// so copies can check that a "device" pointer really is one; streams run work in order at once;
-// a stream being captured records its work into a graph instead (and, as on a GPU, a capture
-// that meets a synchronising call is invalidated, so code that would break CUDA graphs breaks
-// here too).
+// so copies can check that a "device" pointer really is one. Streams queue their work and run it
+// when a synchronisation needs it (queue.h); each call below keeps its CUDA meaning: what it
+// waits for, and what it lets the host do before the device has done it. A stream being
+// captured records its work into a graph instead (and, as on a GPU, a capture that meets a
+// synchronising call is invalidated, so code that would break CUDA graphs breaks here too).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <vector>
 
+#include "cudasim/queue.h"
 #include "cudasim/sim.h"
 
-struct CUstream_st {
-    bool capturing = false;
-    bool invalidated = false;
-    std::vector<std::function<void()>> recorded;
-};
-struct CUevent_st {
-    std::chrono::steady_clock::time_point when{};
-    bool recorded = false;
-};
 struct CUgraph_st {
     std::vector<std::function<void()>> work;
 };
 struct CUgraphExec_st {
-    std::vector<std::function<void()>> work;
+    // Shared with the launches still queued: CUDA frees an executable graph in flight only
+    // once its launches have completed.
+    std::shared_ptr<const std::vector<std::function<void()>>> work;
 };
 
 namespace cudasim {
@@ -41,7 +37,6 @@ struct State {
     std::map<uintptr_t, std::size_t> pinned;  // page-locked host memory
     std::size_t used = 0;
     std::vector<CUstream_st*> capturing;  // streams being captured (global capture mode)
-    CUstream_st default_stream;
 };
 
 State& state() {
@@ -83,12 +78,6 @@ bool is_pinned(const void* p, std::size_t bytes) {
     return in_map(state().pinned, p, bytes);
 }
 
-CUstream_st* stream_of(cudaStream_t s) {
-    if (s == nullptr || s == cudaStreamLegacy || s == cudaStreamPerThread)
-        return &state().default_stream;
-    return s;
-}
-
 // A synchronising call while some stream is being captured invalidates the capture (the global
 // capture mode's rule) and fails.
 cudaError_t check_not_capturing() {
@@ -123,16 +112,6 @@ cudaError_t check_copy(void* dst, const void* src, std::size_t n, cudaMemcpyKind
 
 void set_last_error(cudaError_t e) {
     last_error = e;
-}
-
-cudaError_t enqueue(cudaStream_t stream, std::function<void()> work) {
-    CUstream_st* s = stream_of(stream);
-    if (s->capturing) {
-        s->recorded.push_back(std::move(work));
-        return cudaSuccess;
-    }
-    work();
-    return cudaSuccess;
 }
 
 }  // namespace cudasim
@@ -221,7 +200,9 @@ cudaError_t cudaSetDevice(int device) {
 }
 
 cudaError_t cudaDeviceSynchronize(void) {
-    return cudasim::check_not_capturing();
+    if (cudaError_t e = cudasim::check_not_capturing()) return e;
+    cudasim::complete_all();
+    return cudaSuccess;
 }
 
 cudaError_t cudaDeviceReset(void) {
@@ -327,6 +308,9 @@ cudaError_t cudaMalloc(void** ptr, size_t size) {
 
 cudaError_t cudaFree(void* ptr) {
     if (!ptr) return cudaSuccess;
+    // cudaFree waits for the device to finish the work queued before it (an implicit
+    // cudaDeviceSynchronize), so no queued kernel reads freed memory.
+    cudasim::complete_all();
     auto& st = state();
     std::lock_guard lock(st.mu);
     auto it = st.device.find(reinterpret_cast<uintptr_t>(ptr));
@@ -361,6 +345,7 @@ cudaError_t cudaHostAlloc(void** ptr, size_t size, unsigned int) {
 
 cudaError_t cudaFreeHost(void* ptr) {
     if (!ptr) return cudaSuccess;
+    cudasim::complete_all();  // as cudaFree: a queued copy may still read or write it
     auto& st = state();
     std::lock_guard lock(st.mu);
     auto it = st.pinned.find(reinterpret_cast<uintptr_t>(ptr));
@@ -378,43 +363,67 @@ cudaError_t cudaHostRegister(void* ptr, size_t size, unsigned int) {
 }
 
 cudaError_t cudaHostUnregister(void* ptr) {
+    cudasim::complete_all();
     auto& st = state();
     std::lock_guard lock(st.mu);
     return st.pinned.erase(reinterpret_cast<uintptr_t>(ptr)) ? cudaSuccess
                                                              : fail(cudaErrorInvalidValue);
 }
 
+// A synchronous copy is queued on the legacy stream (so it waits for the legacy and blocking
+// streams' earlier work, never for a non-blocking stream's) and returns once it has run.
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, enum cudaMemcpyKind kind) {
     if (cudasim::check_not_capturing() != cudaSuccess) return cudaErrorStreamCaptureImplicit;
     if (cudaError_t e = cudasim::check_copy(dst, src, count, kind)) return fail(e);
-    if (count) std::memmove(dst, src, count);
+    if (count == 0) return cudaSuccess;
+    cudasim::Lock lock;
+    auto item = std::make_shared<cudasim::Item>();
+    item->run = [=] { std::memmove(dst, src, count); };
+    cudasim::complete(cudasim::push(cudasim::stream_of(nullptr), item));
     return cudaSuccess;
 }
 
+// As CUDA's: from pinned memory, or between device buffers, the copy reads and writes when the
+// stream reaches it; from pageable memory to the device, the host buffer is read now (CUDA
+// stages it before returning); from the device to pageable memory, the call returns once the
+// copy has run.
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, enum cudaMemcpyKind kind,
                             cudaStream_t stream) {
     if (cudaError_t e = cudasim::check_copy(dst, src, count, kind)) return fail(e);
+    cudasim::Lock lock;
     CUstream_st* s = cudasim::stream_of(stream);
-    if (s->capturing && count > 0) {
+    const void* host = kind == cudaMemcpyHostToDevice   ? src
+                       : kind == cudaMemcpyDeviceToHost ? static_cast<const void*>(dst)
+                                                        : nullptr;
+    const bool pageable = host && count > 0 && !cudasim::is_pinned(host, count);
+    if (s->capturing && pageable) {
         // A captured copy from or to pageable host memory is not allowed (the graph would read
         // the host buffer at replay, when the caller may have changed it).
-        const void* host = kind == cudaMemcpyHostToDevice   ? src
-                           : kind == cudaMemcpyDeviceToHost ? static_cast<const void*>(dst)
-                                                            : nullptr;
-        if (host && !cudasim::is_pinned(host, count)) {
-            s->invalidated = true;
-            return fail(cudaErrorStreamCaptureUnsupported);
-        }
+        s->invalidated = true;
+        return fail(cudaErrorStreamCaptureUnsupported);
     }
     if (count == 0) return cudaSuccess;
-    return cudasim::enqueue(stream, [=] { std::memmove(dst, src, count); });
+    if (s->capturing || !pageable)
+        return cudasim::enqueue(stream, [=] { std::memmove(dst, src, count); });
+    auto item = std::make_shared<cudasim::Item>();
+    if (kind == cudaMemcpyHostToDevice) {
+        auto staged = std::make_shared<std::vector<unsigned char>>(
+            static_cast<const unsigned char*>(src), static_cast<const unsigned char*>(src) + count);
+        item->run = [=] { std::memcpy(dst, staged->data(), count); };
+        cudasim::push(s, item);
+    } else {
+        item->run = [=] { std::memmove(dst, src, count); };
+        cudasim::complete(cudasim::push(s, item));
+    }
+    return cudaSuccess;
 }
 
+// cudaMemset on device memory is asynchronous to the host: queued on the legacy stream.
 cudaError_t cudaMemset(void* ptr, int value, size_t count) {
     if (cudasim::check_not_capturing() != cudaSuccess) return cudaErrorStreamCaptureImplicit;
     if (count && !cudasim::is_device(ptr, count)) return fail(cudaErrorInvalidValue);
-    if (count) std::memset(ptr, value, count);
-    return cudaSuccess;
+    if (count == 0) return cudaSuccess;
+    return cudasim::enqueue(nullptr, [=] { std::memset(ptr, value, count); });
 }
 
 cudaError_t cudaMemsetAsync(void* ptr, int value, size_t count, cudaStream_t stream) {
@@ -426,36 +435,57 @@ cudaError_t cudaMemsetAsync(void* ptr, int value, size_t count, cudaStream_t str
 // ---- streams and events
 // ----------------------------------------------------------------------------
 cudaError_t cudaStreamCreate(cudaStream_t* stream) {
-    *stream = new CUstream_st;
+    *stream = cudasim::new_stream(true);
     return cudaSuccess;
 }
 
-cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int) {
-    return cudaStreamCreate(stream);
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int flags) {
+    *stream = cudasim::new_stream((flags & cudaStreamNonBlocking) == 0);
+    return cudaSuccess;
 }
 
 cudaError_t cudaStreamDestroy(cudaStream_t stream) {
     if (!stream || stream == cudaStreamLegacy || stream == cudaStreamPerThread)
         return fail(cudaErrorInvalidResourceHandle);
-    delete stream;
+    cudasim::destroy_stream(stream);
     return cudaSuccess;
 }
 
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+    cudasim::Lock lock;
     CUstream_st* s = cudasim::stream_of(stream);
     if (s->capturing) {
         s->invalidated = true;
         return fail(cudaErrorStreamCaptureUnsupported);
     }
-    return cudasim::check_not_capturing();
-}
-
-cudaError_t cudaStreamQuery(cudaStream_t) {
+    if (cudaError_t e = cudasim::check_not_capturing()) return e;
+    if (s->legacy)
+        cudasim::complete_legacy();
+    else
+        cudasim::complete(s->tail);
     return cudaSuccess;
 }
 
-cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t event, unsigned int) {
-    return event ? cudaSuccess : fail(cudaErrorInvalidResourceHandle);
+// A query makes progress (a GPU would have, meanwhile) without waiting for another process.
+cudaError_t cudaStreamQuery(cudaStream_t stream) {
+    cudasim::Lock lock;
+    CUstream_st* s = cudasim::stream_of(stream);
+    return cudasim::complete(s->tail, false) ? cudaSuccess : cudaErrorNotReady;
+}
+
+// Later work on `stream` waits for the event's last record made before this call; an event
+// never recorded makes no wait.
+cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int) {
+    if (!event) return fail(cudaErrorInvalidResourceHandle);
+    if (cudasim::drop_wait(__builtin_return_address(0))) return cudaSuccess;
+    cudasim::Lock lock;
+    CUstream_st* s = cudasim::stream_of(stream);
+    if (s->capturing || !event->record || event->record->state == cudasim::Item::State::Done)
+        return cudaSuccess;
+    auto item = std::make_shared<cudasim::Item>();
+    item->after_done.push_back(event->record);
+    cudasim::push(s, std::move(item));
+    return cudaSuccess;
 }
 
 cudaError_t cudaEventCreate(cudaEvent_t* event) {
@@ -467,33 +497,45 @@ cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned int) {
     return cudaEventCreate(event);
 }
 
+// A record still queued completes later, as on a GPU; the waits made on it keep it.
 cudaError_t cudaEventDestroy(cudaEvent_t event) {
     if (!event) return fail(cudaErrorInvalidResourceHandle);
+    cudasim::Lock lock;
     delete event;
     return cudaSuccess;
 }
 
 cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
     if (!event) return fail(cudaErrorInvalidResourceHandle);
-    return cudasim::enqueue(stream, [event] {
-        event->when = std::chrono::steady_clock::now();
-        event->recorded = true;
-    });
+    cudasim::Lock lock;
+    CUstream_st* s = cudasim::stream_of(stream);
+    if (s->capturing) return cudaSuccess;  // a captured record orders nothing in this simulator
+    event->record = cudasim::push(s, std::make_shared<cudasim::Item>());
+    return cudaSuccess;
 }
 
 cudaError_t cudaEventQuery(cudaEvent_t event) {
-    return event ? cudaSuccess : fail(cudaErrorInvalidResourceHandle);
+    if (!event) return fail(cudaErrorInvalidResourceHandle);
+    cudasim::Lock lock;
+    return cudasim::complete(event->record, false) ? cudaSuccess : cudaErrorNotReady;
 }
 
 cudaError_t cudaEventSynchronize(cudaEvent_t event) {
     if (!event) return fail(cudaErrorInvalidResourceHandle);
-    return cudasim::check_not_capturing();
+    if (cudaError_t e = cudasim::check_not_capturing()) return e;
+    cudasim::Lock lock;
+    cudasim::complete(event->record);
+    return cudaSuccess;
 }
 
 cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
-    if (!start || !end || !start->recorded || !end->recorded)
+    if (!start || !end || !start->record || !end->record)
         return fail(cudaErrorInvalidResourceHandle);
-    *ms = std::chrono::duration<float, std::milli>(end->when - start->when).count();
+    cudasim::Lock lock;
+    if (start->record->state != cudasim::Item::State::Done ||
+        end->record->state != cudasim::Item::State::Done)
+        return fail(cudaErrorNotReady);
+    *ms = std::chrono::duration<float, std::milli>(end->record->when - start->record->when).count();
     return cudaSuccess;
 }
 
@@ -540,14 +582,15 @@ cudaError_t cudaStreamIsCapturing(cudaStream_t stream, enum cudaStreamCaptureSta
 
 cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph, unsigned long long) {
     if (!graph) return fail(cudaErrorInvalidValue);
-    *exec = new CUgraphExec_st{graph->work};
+    *exec =
+        new CUgraphExec_st{std::make_shared<const std::vector<std::function<void()>>>(graph->work)};
     return cudaSuccess;
 }
 
 cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t stream) {
     if (!exec) return fail(cudaErrorInvalidValue);
-    return cudasim::enqueue(stream, [exec] {
-        for (auto& w : exec->work) w();
+    return cudasim::enqueue(stream, [work = exec->work] {
+        for (auto& w : *work) w();
     });
 }
 

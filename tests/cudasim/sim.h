@@ -14,12 +14,22 @@
 //     Blocks run on several OS threads at once (OpenMP), as blocks run on several SMs.
 //   - The CUDA runtime and cuBLASLt calls memtrain makes are reimplemented over host memory
 //     (runtime.cpp, cublaslt.cpp): "device" memory is host memory (so AddressSanitizer checks
-//     every kernel's accesses in the sanitizer build), streams run their work at once in order,
-//     and stream capture records the work into a graph that replays it (CUDA graphs).
+//     every kernel's accesses in the sanitizer build), and stream capture records the work into
+//     a graph that replays it (CUDA graphs).
+//   - Streams keep CUDA's meaning (queue.h): work is queued per stream and runs only when a
+//     synchronisation needs it (cudaStreamSynchronize, cudaEventSynchronize, a synchronous copy,
+//     cudaDeviceSynchronize, cudaFree), in an order drawn from MEMTRAIN_SIM_SEED among the
+//     orders CUDA allows (a stream's own order, event waits, the legacy stream's implicit
+//     synchronisation, a communicator's issue order). A missing cudaStreamWaitEvent lets a
+//     consumer run before its producer, as it may on a GPU.
 //
 // Settings (environment): MEMTRAIN_SIM_DEVICE_MIB, the device memory the simulator reports and
 // enforces (default 81559, an H100's); MEMTRAIN_SIM_THREADS, OS threads for blocks (default
-// OpenMP's).
+// OpenMP's); MEMTRAIN_SIM_SEED, the interleaving of streams (default 1; 0 runs work in the order
+// the host issued it, as the first simulator did); MEMTRAIN_SIM_DROP_WAIT (site:OFFSET drops
+// every cudaStreamWaitEvent made from that return address, call:N the N-th call) and
+// MEMTRAIN_SIM_WAIT_SITES (a folder: each process writes the call sites of its waits there at
+// exit): the mutation test's hook (tests/cudasim/drop_wait_test.py).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -60,9 +70,20 @@ void* dynamic_smem();
 cudaError_t launch(const char* name, dim3 grid, dim3 block, std::size_t smem, cudaStream_t stream,
                    std::function<void()> body);
 
-// Work that a stream would queue (a copy, a memset, a cuBLASLt call): runs now, or is recorded
-// while the stream is being captured. Returns what enqueueing returns.
+// Work that a stream would queue (a copy, a memset, a cuBLASLt call): queued on the stream, or
+// recorded while the stream is being captured. Returns what enqueueing returns.
 cudaError_t enqueue(cudaStream_t stream, std::function<void()> work);
+// Work that waits for other processes (an NCCL operation): `start` runs when the scheduler
+// reaches it, then `done` is polled until it returns true, and the stream's later work waits
+// until then (other streams go on meanwhile). Operations with the same `order` (a communicator)
+// start in the order they were enqueued, whatever their stream, as NCCL's do.
+cudaError_t enqueue_async(cudaStream_t stream, const void* order, std::function<void()> start,
+                          std::function<bool()> done);
+// Runs every queued item of every stream (what cudaDeviceSynchronize waits for).
+void drain();
+// The interleaving seed in use (MEMTRAIN_SIM_SEED), and a test's way to change it.
+uint64_t seed();
+void set_seed(uint64_t seed);
 
 // Sets the error the next cudaGetLastError() returns (sticky errors are not simulated).
 void set_last_error(cudaError_t e);

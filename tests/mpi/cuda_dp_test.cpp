@@ -25,15 +25,12 @@ namespace memtrain::dist {
 namespace {
 
 // One GPU per rank (NCCL refuses two ranks on one GPU); cudasim's ranks share its device.
-#if MT_CUDA_SIM_TESTS
-#define REQUIRE_GPU_DP() (void)0
-#else
-#define REQUIRE_GPU_DP()                                                                           \
-    do {                                                                                           \
-        if (!cuda_available() || !MEMTRAIN_HAVE_NCCL || cuda_device_count() < comm().local_size()) \
-            GTEST_SKIP() << "needs one CUDA device per rank and NCCL";                             \
+#define REQUIRE_GPU_DP()                                                                    \
+    do {                                                                                    \
+        if (!::memtrain::test::on_cudasim() && (!cuda_available() || !MEMTRAIN_HAVE_NCCL || \
+                                                cuda_device_count() < comm().local_size())) \
+            GTEST_SKIP() << "needs one CUDA device per rank and NCCL";                      \
     } while (0)
-#endif
 
 RunConfig shared_cuda_run(const std::string& name, int steps, const std::string& precision) {
     RunConfig c = shared_tiny_run_config(name, steps);

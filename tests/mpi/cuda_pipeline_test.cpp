@@ -25,15 +25,12 @@
 namespace memtrain::dist {
 namespace {
 
-#if MT_CUDA_SIM_TESTS
-#define REQUIRE_GPU_PP() (void)0
-#else
-#define REQUIRE_GPU_PP()                                                                           \
-    do {                                                                                           \
-        if (!cuda_available() || !MEMTRAIN_HAVE_NCCL || cuda_device_count() < comm().local_size()) \
-            GTEST_SKIP() << "needs one CUDA device per rank and NCCL";                             \
+#define REQUIRE_GPU_PP()                                                                    \
+    do {                                                                                    \
+        if (!::memtrain::test::on_cudasim() && (!cuda_available() || !MEMTRAIN_HAVE_NCCL || \
+                                                cuda_device_count() < comm().local_size())) \
+            GTEST_SKIP() << "needs one CUDA device per rank and NCCL";                      \
     } while (0)
-#endif
 
 // Four blocks (so three ranks are three stages), an untied head, no clipping: the pipeline's
 // bits are the single process's.

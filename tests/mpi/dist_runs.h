@@ -19,11 +19,11 @@
 
 namespace memtrain::dist {
 
-// test::tiny_run_config over MT_BINARY_DIR/test_tmp/NAME, made fresh by rank 0 (with the
+// test::tiny_run_config over test::test_tmp_root()/NAME, made fresh by rank 0 (with the
 // shards) while the other ranks wait.
 inline RunConfig shared_tiny_run_config(const std::string& name, int steps) {
     namespace fs = std::filesystem;
-    const std::string dir = (fs::path(MT_BINARY_DIR) / "test_tmp" / name).string();
+    const std::string dir = (test::test_tmp_root() / name).string();
     if (comm().rank() == 0) {
         fs::remove_all(dir);
         fs::create_directories(dir);
