@@ -15,8 +15,13 @@ GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 
 all: build
 
+# `make demo` installs what the demo builds and runs; everything else (the tests' PyTorch,
+# Chromium, GPT-2's tokenizer files) comes with `make test` (scripts/deps.sh).
+DEPS_SET ?= all
+demo demo-build: DEPS_SET = demo
+
 deps:
-	@bash scripts/deps.sh
+	@bash scripts/deps.sh $(DEPS_SET)
 
 configure: deps
 	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release >/dev/null

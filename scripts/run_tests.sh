@@ -19,17 +19,21 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${1:-build}
 JOBS=$(nproc)
+# Each phase's wall time, so a CI log shows where its minutes went.
+phase() { echo "== [$((SECONDS / 60))m$((SECONDS % 60))s] $*"; }
 
-echo "== tests: optimised build ($BUILD)"
+phase "tests: optimised build ($BUILD)"
 ctest --test-dir "$BUILD" --output-on-failure -j "$JOBS"
 
 if [ "${MEMTRAIN_SKIP_SANITIZE:-0}" != "1" ]; then
     SAN="$BUILD-sanitize"
-    echo "== tests: AddressSanitizer + UndefinedBehaviorSanitizer build ($SAN)"
+    phase "build: AddressSanitizer + UndefinedBehaviorSanitizer ($SAN)"
     cmake -S . -B "$SAN" -DCMAKE_BUILD_TYPE=Debug -DMEMTRAIN_SANITIZE=ON -DMEMTRAIN_CUDA_GPU=OFF \
         >/dev/null
     cmake --build "$SAN" -j "$JOBS" >/dev/null
+    phase "tests: AddressSanitizer + UndefinedBehaviorSanitizer build ($SAN)"
     # protect_shadow_gap=0: on a machine with a GPU the CUDA driver maps memory where ASan
     # reserves its shadow gap (docs/cuda.md); without a GPU it changes nothing.
     ASAN_OPTIONS=detect_leaks=1:protect_shadow_gap=0 ctest --test-dir "$SAN" --output-on-failure -j "$JOBS"
 fi
+phase "done"

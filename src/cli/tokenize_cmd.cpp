@@ -251,13 +251,13 @@ void run_tokenize(const TokenizeOptions& o) {
         seconds_since(start));
 }
 
-struct TrainOptions {
+struct TokenizerTrainOptions {
     int vocab_size = 0;
     std::string out, separator;
     std::vector<std::string> inputs;
 };
 
-void run_tokenizer_train(const TrainOptions& o) {
+void run_tokenizer_train(const TokenizerTrainOptions& o) {
     const auto start = std::chrono::steady_clock::now();
     const Corpus corpus = read_corpus(o.inputs, o.separator);
     const data::Tokenizer tok = data::Tokenizer::train(corpus.documents, o.vocab_size);
@@ -344,7 +344,7 @@ void register_tokenize(CLI::App& app) {
     CLI::App* tokenizer = app.add_subcommand("tokenizer", "Train or inspect a BPE tokenizer");
     tokenizer->require_subcommand(1);
 
-    auto tr = std::make_shared<TrainOptions>();
+    auto tr = std::make_shared<TokenizerTrainOptions>();
     CLI::App* train =
         tokenizer->add_subcommand("train", "Train a byte-level BPE tokenizer on text files");
     train

@@ -22,6 +22,12 @@ std::string gib(std::size_t bytes) {
     return fmt::format("{:.2f} GiB", (double)bytes / (1024.0 * 1024 * 1024));
 }
 
+std::size_t predicted_total(const std::vector<MemoryPrediction>& rows) {
+    std::size_t s = 0;
+    for (const auto& r : rows) s += r.bytes;
+    return s;
+}
+
 std::string_view category_name(MemCategory c) {
     switch (c) {
         case MemCategory::Parameters:

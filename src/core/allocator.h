@@ -18,6 +18,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 namespace memtrain {
 
@@ -45,6 +46,9 @@ struct MemoryPrediction {
     std::string formula;
     std::size_t bytes;
 };
+
+// The bytes of all rows.
+std::size_t predicted_total(const std::vector<MemoryPrediction>& rows);
 
 struct MemoryStats {
     std::array<std::size_t, kNumMemCategories> used{};

@@ -17,12 +17,6 @@ namespace memtrain {
 
 namespace {
 
-std::size_t sum(const std::vector<MemoryPrediction>& rows) {
-    std::size_t s = 0;
-    for (const auto& r : rows) s += r.bytes;
-    return s;
-}
-
 int elem_bytes(Precision p) {
     return p == Precision::fp32 ? 4 : 2;
 }
@@ -31,7 +25,7 @@ int elem_bytes(Precision p) {
 // run of this model and sequence length can have (what the refusal offers).
 RematPlan full_remat(const RunConfig& cfg, int T) {
     return remat::solve_policy(remat::parse_policy("full"), cfg.model, 1, T, nullptr,
-                                device_arena_format(cfg, 1, T))
+                               device_arena_format(cfg, 1, T))
         .plan;
 }
 
@@ -41,7 +35,7 @@ RematPlan full_remat(const RunConfig& cfg, int T) {
 void refuse_unless_fits(const std::vector<MemoryPrediction>& rows, const std::string& where,
                         std::size_t smallest, const std::string& states_remedy,
                         std::size_t free_bytes, std::size_t total_bytes) {
-    const std::size_t need = sum(rows);
+    const std::size_t need = predicted_total(rows);
     if (rows.empty() || need <= free_bytes) return;
     std::string parts;
     const MemoryPrediction* largest = &rows[0];
@@ -278,9 +272,10 @@ std::vector<MemoryPrediction> predict_device_memory(const RunPlan& plan, const R
 }
 
 void check_device_fit(const RunPlan& plan, std::size_t free_bytes, std::size_t total_bytes) {
-    if (plan.memory.empty() || sum(plan.memory) <= free_bytes) return;
+    if (plan.memory.empty() || predicted_total(plan.memory) <= free_bytes) return;
     const int T = plan.cfg.train.seq_len;
-    const std::size_t smallest = sum(predict_device_memory(plan, full_remat(plan.cfg, T), 1, T));
+    const std::size_t smallest =
+        predicted_total(predict_device_memory(plan, full_remat(plan.cfg, T), 1, T));
     const std::string where = plan.engine == EngineKind::CudaPipeline
                                   ? fmt::format(" on pipeline stage {} of {}",
                                                 plan.mesh.stage_of(plan.rank), plan.mesh.pp)
@@ -294,8 +289,9 @@ void check_device_fit(const RunConfig& cfg, const RematPlan& plan, const DeviceP
                       std::size_t free_bytes, std::size_t total_bytes) {
     const int B = cfg.micro_batch(), T = cfg.train.seq_len;
     const std::vector<MemoryPrediction> rows = predict_cuda_memory(cfg, plan, where, B, T);
-    if (rows.empty() || sum(rows) <= free_bytes) return;
-    const std::size_t smallest = sum(predict_cuda_memory(cfg, full_remat(cfg, T), where, 1, T));
+    if (rows.empty() || predicted_total(rows) <= free_bytes) return;
+    const std::size_t smallest =
+        predicted_total(predict_cuda_memory(cfg, full_remat(cfg, T), where, 1, T));
     refuse_unless_fits(rows, "", smallest, states_remedy(cfg, EngineKind::Cuda, false), free_bytes,
                        total_bytes);
 }

@@ -60,12 +60,6 @@ std::vector<MemoryPrediction> zero_state_rows(const RunConfig& cfg, std::size_t 
 
 namespace {
 
-std::size_t sum(const std::vector<MemoryPrediction>& rows) {
-    std::size_t s = 0;
-    for (const auto& r : rows) s += r.bytes;
-    return s;
-}
-
 // A number from a /proc or /sys file's first token after `key` (key empty: the first token).
 std::size_t read_number(const std::string& path, const std::string& key, std::size_t scale) {
     std::ifstream f(path);
@@ -395,7 +389,8 @@ std::vector<MemoryPrediction> predict_pipeline_memory(const RunConfig& cfg, int 
 void check_host_fit(const RunPlan& plan, int ranks_on_node) {
     const std::vector<MemoryPrediction>& rows = plan.memory;
     if (rows.empty()) return;
-    const std::size_t per_rank = sum(rows), need = per_rank * (std::size_t)ranks_on_node;
+    const std::size_t per_rank = predicted_total(rows),
+                      need = per_rank * (std::size_t)ranks_on_node;
     const std::size_t avail = host_available_bytes();
     if (need <= avail) return;
     std::string parts;
@@ -418,7 +413,7 @@ void check_host_fit(const RunPlan& plan, int ranks_on_node) {
     const RematPlan full = remat::solve_policy(remat::parse_policy("full"), plan.cfg.model, 1, T,
                                                nullptr, GPT::arena_format())
                                .plan;
-    const std::size_t smallest = sum(predict_host_memory(plan, full, 1, T));
+    const std::size_t smallest = predicted_total(predict_host_memory(plan, full, 1, T));
     std::string would = fmt::format(
         "train.micro_batch_size = 1 with train.remat = \"full\" needs {} per rank", gib(smallest));
     if (smallest > avail / (std::size_t)ranks_on_node)

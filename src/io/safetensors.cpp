@@ -572,6 +572,18 @@ std::vector<std::string> SafetensorsFile::names() const {
     return out;
 }
 
+void SafetensorsFile::release_pages(const TensorInfo& info, uint64_t offset, uint64_t n) const {
+    const auto* p = static_cast<const unsigned char*>(data(info));
+    if (offset > info.end - info.begin || n == 0) return;
+    n = std::min<uint64_t>(n, info.end - info.begin - offset);
+    // Whole pages around the range: the mapping is read-only, so dropping a page a neighbour
+    // still reads costs only a fault that maps it again.
+    const auto page = (uintptr_t)::sysconf(_SC_PAGESIZE);
+    const uintptr_t begin = (uintptr_t)(p + offset) & ~(page - 1);
+    const uintptr_t end = ((uintptr_t)(p + offset + n) + page - 1) & ~(page - 1);
+    ::madvise((void*)begin, end - begin, MADV_DONTNEED);
+}
+
 const void* SafetensorsFile::data(const TensorInfo& info) const {
     // Guard against a TensorInfo from another file.
     if (info.begin > info.end || info.end > data_size_)

@@ -82,6 +82,10 @@ class SafetensorsFile {
     // The tensor's bytes inside the mapping; valid while this object (or a copy) lives. Files we
     // write keep every tensor aligned to its element size; foreign files need not.
     const void* data(const TensorInfo& info) const;
+    // Drops the pages of bytes [offset, offset + n) of the tensor from this process's resident
+    // set (they stay in the page cache; a later read maps them again). A pass over a large file
+    // then holds a few MiB resident instead of the whole file.
+    void release_pages(const TensorInfo& info, uint64_t offset, uint64_t n) const;
 
     // Checks the tensor has exactly `expect_shape` (and out.size() elements) and converts it
     // from F32, BF16 or F16 into `out`. `expect_name` is the name the caller asked for, used in

@@ -31,7 +31,7 @@ GpuSpec make(std::string name, double mem_gb, double tflops, double fp32_tflops,
     return g;
 }
 
-const std::vector<GpuSpec>& presets() {
+const std::vector<GpuSpec>& gpu_presets() {
     static const std::vector<GpuSpec> table = {
         make("a100-40gb", 40, 312, 19.5, 1.555, 300, 25, 25, 1024, "DGX A100 320GB"),
         make("a100-80gb", 80, 312, 19.5, 2.039, 300, 25, 25, 2048, "DGX A100 640GB"),
@@ -45,13 +45,13 @@ const std::vector<GpuSpec>& presets() {
 
 std::vector<std::string> gpu_preset_names() {
     std::vector<std::string> names;
-    for (const auto& g : presets()) names.push_back(g.name);
+    for (const auto& g : gpu_presets()) names.push_back(g.name);
     return names;
 }
 
 GpuSpec gpu_preset(const std::string& name) {
     if (name == "custom") return GpuSpec{};  // H100-like defaults, meant to be overridden
-    for (const auto& g : presets())
+    for (const auto& g : gpu_presets())
         if (g.name == name) return g;
     fail(
         "unknown GPU \"{}\"; did you mean \"{}\"? (presets: {}; or --gpu custom with "

@@ -116,7 +116,7 @@ ModelSpec llama(std::string name, int layers, int heads, int kv, int width, int 
     return m;
 }
 
-const std::map<std::string, ModelSpec>& presets() {
+const std::map<std::string, ModelSpec>& model_presets() {
     static const std::map<std::string, ModelSpec> table = [] {
         std::map<std::string, ModelSpec> t;
         auto put = [&](ModelSpec m) { t[m.name] = m; };
@@ -155,7 +155,7 @@ bool ends_with(const std::string& s, const std::string& suffix) {
 
 std::vector<std::string> model_preset_names() {
     std::vector<std::string> names;
-    for (const auto& [k, v] : presets()) names.push_back(k);
+    for (const auto& [k, v] : model_presets()) names.push_back(k);
     return names;
 }
 
@@ -467,7 +467,7 @@ ModelConfig config_from_model(const ModelSpec& m) {
 }
 
 ModelSpec load_model(const std::string& name_or_path) {
-    const auto& table = presets();
+    const auto& table = model_presets();
     if (auto it = table.find(name_or_path); it != table.end()) return it->second;
     bool looks_like_file = ends_with(name_or_path, ".json") || ends_with(name_or_path, ".toml") ||
                            name_or_path.find('/') != std::string::npos;

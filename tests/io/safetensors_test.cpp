@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include <unistd.h>
+
 #include "core/error.h"
 #include "io/safetensors.h"
 
@@ -221,6 +223,44 @@ TEST(Safetensors, WriteIsAtomicAndLeavesNoTemporary) {
         EXPECT_NE(std::string(e.what()).find(bad), std::string::npos) << e.what();
     }
     EXPECT_FALSE(std::filesystem::exists(bad));
+}
+
+// The pages of a read tensor leave the resident set when released, and read the same again
+// (the checkpoint's non-finite check reads back optimizer files this way).
+TEST(Safetensors, ReleasedPagesLeaveTheResidentSetAndReadAgain) {
+    auto resident = [] {
+        std::ifstream statm("/proc/self/statm");
+        uint64_t size = 0, pages = 0;
+        statm >> size >> pages;
+        return pages * (uint64_t)::sysconf(_SC_PAGESIZE);
+    };
+    const std::size_t n = std::size_t{16} << 20;  // 64 MiB of floats
+    std::string path = test_dir("release") + "/big.safetensors";
+    {
+        std::vector<float> v(n);
+        for (std::size_t i = 0; i < n; i++) v[i] = (float)(i % 1000);
+        io::SafetensorsWriter w;
+        w.add("big", DType::F32, {(int64_t)n}, v.data());
+        w.write(path);
+    }
+    auto f = io::SafetensorsFile::open(path);
+    const io::TensorInfo& t = f.get("big");
+    const auto* p = static_cast<const float*>(f.data(t));
+    double sum = 0;
+    for (std::size_t i = 0; i < n; i += 1024) sum += p[i];  // one read a page: all resident
+    const uint64_t touched = resident();
+    f.release_pages(t, 0, t.end - t.begin);
+    const uint64_t released = resident();
+    EXPECT_GT(touched, released + (uint64_t{48} << 20))
+        << "resident " << touched << " bytes before release, " << released << " after";
+    double again = 0;
+    for (std::size_t i = 0; i < n; i += 1024) again += p[i];
+    EXPECT_EQ(sum, again);
+    EXPECT_EQ(p[n - 1], (float)((n - 1) % 1000));
+    // Ranges past the tensor are clipped, an empty one does nothing.
+    f.release_pages(t, t.end - t.begin - 4, 1 << 20);
+    f.release_pages(t, 0, 0);
+    EXPECT_EQ(p[n - 1], (float)((n - 1) % 1000));
 }
 
 TEST(Safetensors, WriterRejectsBadTensors) {
