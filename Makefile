@@ -19,12 +19,16 @@ all: build
 # Chromium, GPT-2's tokenizer files) comes with `make test` (scripts/deps.sh).
 DEPS_SET ?= all
 demo demo-build: DEPS_SET = demo
+# The demo configures nvcc only where a GPU answers (CMake's CUDA checks cost ~15 s); the tests
+# build the GPU targets everywhere.
+CUDA_GPU ?= ON
+demo demo-build: CUDA_GPU = $(if $(GPU),ON,OFF)
 
 deps:
 	@bash scripts/deps.sh $(DEPS_SET)
 
 configure: deps
-	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release >/dev/null
+	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DMEMTRAIN_CUDA_GPU=$(CUDA_GPU) >/dev/null
 
 build: configure
 	@cmake --build $(BUILD) -j $(JOBS)

@@ -1,6 +1,7 @@
 // `memtrain eval MODEL --data SHARD [--seq-len T] [--batch B] [--max-batches N] [--json]`:
 // held-out loss and perplexity of a memtrain checkpoint or a Hugging Face model directory.
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 
 #include <fmt/format.h>
@@ -40,7 +41,8 @@ void register_eval(CLI::App& app) {
         if (T == 0) T = src.run ? src.run->train.seq_len : std::min(m.block_size, 1024);
         if (T <= 0 || T > m.block_size)
             fail("--seq-len {} must be in [1, model.block_size = {}]", T, m.block_size);
-        if (a->batch <= 0) fail("--batch must be positive, got {}", a->batch);
+        if (a->batch <= 0 || (int64_t)a->batch * T > INT32_MAX)
+            fail("--batch {} must be in [1, {}] at --seq-len {}", a->batch, INT32_MAX / T, T);
         if (a->max_batches < 0) fail("--max-batches must be >= 0, got {}", a->max_batches);
         data::DataLoader loader(a->data, a->batch, T, 0, false);
         if (loader.shard().vocab_size() > (uint32_t)m.vocab_size)

@@ -483,7 +483,13 @@ RunConfig parse_layers(const std::string& text, const std::string& src,
             cfg.train.batch_tokens % cfg.train.seq_len != 0)
             fail("train.batch_tokens = {} must be a positive multiple of train.seq_len = {}",
                  cfg.train.batch_tokens, cfg.train.seq_len);
-        cfg.train.batch_size = (int)(cfg.train.batch_tokens / cfg.train.seq_len);
+        const int64_t sequences = cfg.train.batch_tokens / cfg.train.seq_len;
+        if (sequences > INT32_MAX)
+            fail(
+                "train.batch_tokens = {} is {} sequences of train.seq_len = {}: more than the {} "
+                "a step holds at most",
+                cfg.train.batch_tokens, sequences, cfg.train.seq_len, INT32_MAX);
+        cfg.train.batch_size = (int)sequences;
     }
     return cfg;
 }

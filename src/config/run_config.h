@@ -89,13 +89,18 @@ struct RunConfig {
     int world = 1;
     bool ps() const { return train.dp_mode == "ps"; }
     // (At least 1, so a config read before the launcher's world size is known still divides.)
+    // (train.pp and train.tp are read as at least 1 here: validate_config refuses others, and
+    // may ask for dp() before it has.)
     int dp() const {
-        return std::max(1, ps() ? world - train.ps_servers : world / (train.pp * train.tp));
+        const int64_t mesh = (int64_t)std::max(1, train.pp) * std::max(1, train.tp);
+        return std::max(1, ps() ? world - train.ps_servers : (int)(world / mesh));
     }
     // The fewest ranks the layout the file asks for runs on (train.pp, or the servers and one
     // worker): the config is checked at that world size until the launcher gives the real one.
     int min_world() const {
-        return ps() ? std::max(1, train.ps_servers) + 1 : train.pp * std::max(1, train.tp);
+        const int64_t n = ps() ? (int64_t)std::max(1, train.ps_servers) + 1
+                               : (int64_t)std::max(1, train.pp) * std::max(1, train.tp);
+        return (int)std::min<int64_t>(n, INT32_MAX);
     }
 
     // Sequences per forward/backward on each rank (default: the global batch split over the

@@ -22,6 +22,13 @@ std::string gib(std::size_t bytes) {
     return fmt::format("{:.2f} GiB", (double)bytes / (1024.0 * 1024 * 1024));
 }
 
+std::size_t array_bytes(std::size_t n, std::size_t elem_size) {
+    std::size_t bytes = 0;
+    if (__builtin_mul_overflow(n, elem_size, &bytes))
+        fail("an allocation of {} elements of {} bytes does not fit in 64 bits", n, elem_size);
+    return bytes;
+}
+
 std::size_t predicted_total(const std::vector<MemoryPrediction>& rows) {
     std::size_t s = 0;
     for (const auto& r : rows) s += r.bytes;

@@ -47,6 +47,10 @@ struct MemoryPrediction {
     std::size_t bytes;
 };
 
+// The bytes of n elements of elem_size bytes; an error where the product does not fit in
+// size_t (a size computed from a config wrapped, and the buffer would come back too small).
+std::size_t array_bytes(std::size_t n, std::size_t elem_size);
+
 // The bytes of all rows.
 std::size_t predicted_total(const std::vector<MemoryPrediction>& rows);
 
@@ -89,7 +93,7 @@ class Buffer {
   public:
     Buffer() = default;
     Buffer(std::size_t n, MemCategory c) : n_(n), cat_(c) {
-        data_ = static_cast<T*>(tracked_alloc(n * sizeof(T), c));
+        data_ = static_cast<T*>(tracked_alloc(array_bytes(n, sizeof(T)), c));
     }
     ~Buffer() { reset(); }
     Buffer(const Buffer&) = delete;

@@ -65,7 +65,7 @@ class DeviceBuffer {
   public:
     DeviceBuffer() = default;
     DeviceBuffer(std::size_t n, MemCategory c) : n_(n), cat_(c) {
-        data_ = static_cast<T*>(device_alloc(n * sizeof(T), c));
+        data_ = static_cast<T*>(device_alloc(array_bytes(n, sizeof(T)), c));
     }
     ~DeviceBuffer() { reset(); }
     DeviceBuffer(const DeviceBuffer&) = delete;

@@ -436,7 +436,7 @@ ModelConfig model_config_from_hf(const std::string& path) {
         m.rope_theta = r.number("rope_theta", 10000.0);
         m.tied_embeddings = r.boolean("tie_word_embeddings", false);
         m.init_std = r.number("initializer_range", 0.02);
-        if (r.has("head_dim") && r.integer("head_dim") * m.n_head != m.n_embd)
+        if (r.has("head_dim") && (int64_t)r.integer("head_dim") * m.n_head != m.n_embd)
             fail("{}: head_dim = {} with {} heads is not hidden_size = {} (not supported)", path,
                  r.integer("head_dim"), m.n_head, m.n_embd);
         if (const std::string act = r.string("hidden_act", "silu"); act != "silu")

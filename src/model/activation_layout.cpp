@@ -90,6 +90,27 @@ std::string saved_field_name(SavedField f, const ModelConfig& cfg, const ActForm
     return info(f).name;
 }
 
+namespace {
+
+// Products and sums of the layout's sizes, checked: the config's bounds allow shapes (a huge
+// batch of long sequences with many heads) whose T^2 attention bytes pass 2^64; such a plan is
+// an error, never a wrapped size and an arena too small.
+std::size_t layout_mul(std::size_t a, std::size_t b) {
+    std::size_t r = 0;
+    if (__builtin_mul_overflow(a, b, &r))
+        fail("the activations of this model and batch do not fit in 64 bits ({} x {} bytes)", a, b);
+    return r;
+}
+
+std::size_t layout_add(std::size_t a, std::size_t b) {
+    std::size_t r = 0;
+    if (__builtin_add_overflow(a, b, &r))
+        fail("the activations of this model and batch do not fit in 64 bits");
+    return r;
+}
+
+}  // namespace
+
 std::size_t saved_field_bytes(SavedField f, const ModelConfig& cfg, int B, int T,
                               const ActFormat& fmt) {
     // The rows this rank keeps: its sequence shard for the norm regions under sequence
@@ -100,7 +121,7 @@ std::size_t saved_field_bytes(SavedField f, const ModelConfig& cfg, int B, int T
     bool stat = info(f).statistic;
     switch (info(f).dim) {
         case Dim::C:  // the attention output is its heads' width (C / tp on a TP shard)
-            n = BT * (f == SavedField::Atty ? cfg.attn_dim() : cfg.n_embd);
+            n = layout_mul(BT, f == SavedField::Atty ? cfg.attn_dim() : cfg.n_embd);
             break;
         case Dim::Mean:
             n = cfg.rmsnorm() ? 0 : BT;
@@ -109,33 +130,36 @@ std::size_t saved_field_bytes(SavedField f, const ModelConfig& cfg, int B, int T
             n = BT;
             break;
         case Dim::Qkv:
-            n = BT * cfg.local_qkv_dim();
+            n = layout_mul(BT, cfg.local_qkv_dim());
             break;
         case Dim::Att:
-            n = BT * cfg.local_heads() * (fmt.fused_attention ? 1 : (std::size_t)T);
+            n = layout_mul(layout_mul(BT, cfg.local_heads()),
+                           fmt.fused_attention ? 1 : (std::size_t)T);
             stat = stat || fmt.fused_attention;
             break;
         case Dim::Fc:
-            n = BT * cfg.local_fc_dim();
+            n = layout_mul(BT, cfg.local_fc_dim());
             break;
         case Dim::Hidden:
-            n = BT * cfg.local_hidden();
+            n = layout_mul(BT, cfg.local_hidden());
             break;
     }
-    return n * (stat ? sizeof(float) : (std::size_t)fmt.elem_bytes);
+    return layout_mul(n, stat ? sizeof(float) : (std::size_t)fmt.elem_bytes);
 }
 
 std::size_t kept_bytes(const ModelConfig& cfg, int B, int T, BlockKeep k, const ActFormat& fmt) {
     std::size_t n = 0;
     for (int i = 0; i < kSavedFields; i++)
-        if (keeps(k, field(i))) n += aligned(saved_field_bytes(field(i), cfg, B, T, fmt), fmt);
+        if (keeps(k, field(i)))
+            n = layout_add(n, aligned(saved_field_bytes(field(i), cfg, B, T, fmt), fmt));
     return n;
 }
 
 std::size_t scratch_bytes(const ModelConfig& cfg, int B, int T, BlockKeep k, const ActFormat& fmt) {
     std::size_t n = 0;
     for (int i = 0; i < kSavedFields; i++)
-        if (!keeps(k, field(i))) n += aligned(saved_field_bytes(field(i), cfg, B, T, fmt), fmt);
+        if (!keeps(k, field(i)))
+            n = layout_add(n, aligned(saved_field_bytes(field(i), cfg, B, T, fmt), fmt));
     return n;
 }
 
@@ -146,8 +170,10 @@ std::size_t resid_bytes(const ModelConfig& cfg, int B, int T, const ActFormat& f
 std::size_t fixed_bytes(const ModelConfig& cfg, int B, int T, const ActFormat& fmt) {
     const std::size_t BT = (std::size_t)cfg.sp_rows((int64_t)B * T), C = cfg.n_embd,
                       e = fmt.elem_bytes;
-    return aligned(BT * C * e, fmt) * (cfg.n_layer + 1) + aligned(BT * C * e, fmt) +
-           (cfg.rmsnorm() ? 1 : 2) * aligned(BT * sizeof(float), fmt);
+    const std::size_t stream = aligned(layout_mul(layout_mul(BT, C), e), fmt);
+    return layout_add(
+        layout_add(layout_mul(stream, cfg.n_layer + 1), stream),
+        layout_mul(cfg.rmsnorm() ? 1 : 2, aligned(layout_mul(BT, sizeof(float)), fmt)));
 }
 
 std::size_t cuda_kernel_scratch_bytes(const ModelConfig& cfg, int B, int T) {
@@ -188,12 +214,12 @@ ArenaPlan plan_arena(const ModelConfig& cfg, int B, int T, const RematPlan& plan
     std::size_t act = 0, work = 0;
     auto take_act = [&](std::size_t bytes) {
         std::size_t at = act;
-        act += aligned(bytes, fmt);
+        act = layout_add(act, aligned(bytes, fmt));
         return at;
     };
     auto take_work = [&](std::size_t bytes) {
         std::size_t at = work;
-        work += aligned(bytes, fmt);
+        work = layout_add(work, aligned(bytes, fmt));
         return at;
     };
 

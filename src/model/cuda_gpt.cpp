@@ -7,6 +7,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cstdint>
 
 #include <algorithm>
 #include <cstring>
@@ -147,6 +148,10 @@ template <typename T>
 void CudaGPT<T>::ensure_arena(int B, int T_) {
     if (T_ > cfg_.block_size)
         fail("sequence length {} exceeds model.block_size {}", T_, cfg_.block_size);
+    // Token rows are ints in the kernels, and the embedding's backward sorts 2N of them.
+    if (B < 1 || (int64_t)B * T_ > INT32_MAX / 2)
+        fail("a batch of {} x {} tokens: the GPU model runs 1 to {} tokens at once", B, T_,
+             INT32_MAX / 2);
     if (B == arena_B_ && T_ == arena_T_) return;
     const ActFormat fmt = arena_format(cfg_, B, T_);
     const ArenaPlan p = stage_arena(B, T_);
@@ -278,7 +283,7 @@ void CudaGPT<T>::upload_tokens(const int32_t* inputs, const int32_t* targets, in
     std::memcpy(h, inputs, N * sizeof(int32_t));
     if (targets) {
         std::memcpy(h + N, targets, N * sizeof(int32_t));
-        std::memcpy(h + 2 * N, plan_host_.data(), plan_host_.size() * sizeof(int32_t));
+        std::memcpy(h + 2 * (std::size_t)N, plan_host_.data(), plan_host_.size() * sizeof(int32_t));
     }
     MT_CUDA_CHECK(cudaMemcpyAsync(tok_, h, n * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
     MT_CUDA_CHECK(cudaEventRecord(copied_[k], stream_));
@@ -502,7 +507,7 @@ void CudaGPT<T>::embedding_backward(int B, int T_) {
     const int emb = ParamLayout::embedding_unit(), N = B * T_;
     T* eg = unit_grads(emb);
     cuda::embedding_backward<T>(tensor_at(eg, off_wte_), tensor_at(eg, off_wpe_), dres_,
-                                tok_ + 2 * N, unique_, B, T_, cfg_.n_embd, stream_);
+                                tok_ + 2 * (std::size_t)N, unique_, B, T_, cfg_.n_embd, stream_);
     unit_grads_done(emb);
 }
 

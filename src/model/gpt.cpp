@@ -3,6 +3,7 @@
 #include "model/gpt.h"
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <iterator>
 
@@ -116,9 +117,17 @@ ArenaPlan GPT::stage_arena(int B, int T) const {
     return plan_stage_arena(cfg_, blocks(), B, T, plan_, arena_format());
 }
 
+// A batch's token rows are ints in the kernels (N = B * T): the shape is checked before any of
+// its B * T tokens is read.
+static void check_batch(int B, int T) {
+    if (B < 1 || T < 1 || (int64_t)B * T > INT32_MAX)
+        fail("a batch of {} x {} tokens: the model runs 1 to {} tokens at once", B, T, INT32_MAX);
+}
+
 void GPT::ensure_arena(int B, int T) {
     if (T > cfg_.block_size)
         fail("sequence length {} exceeds model.block_size {}", T, cfg_.block_size);
+    check_batch(B, T);
     if (B == arena_B_ && T == arena_T_) return;
     // One slot's arena is the layout of a model of this stage's blocks (the whole model's when
     // the stage is the whole model).
@@ -412,7 +421,9 @@ void GPT::block_weight_grads(BlockParams& g, const BlockSaved& s, const float* d
     cpu::matmul_backward(nullptr, g.qkv_w, g.qkv_b, d.qkv, s.ln1, nullptr, N, C, QKV);
 }
 
-static void check_tokens(const int32_t* tokens, std::size_t n, int vocab, const char* what) {
+static void check_tokens(const int32_t* tokens, int B, int T, int vocab, const char* what) {
+    check_batch(B, T);
+    const std::size_t n = (std::size_t)B * T;
     for (std::size_t i = 0; i < n; i++) {
         if (tokens[i] < 0 || tokens[i] >= vocab)
             fail("{} token {} at position {} is outside the vocabulary [0, {})", what, tokens[i], i,
@@ -425,7 +436,7 @@ void GPT::stage_forward(int slot, const int32_t* inputs, int B, int T) {
     ensure_arena(B, T);
     Slot& sl = slots_.at(slot);
     const int N = B * T, C = cfg_.n_embd;
-    if (has_embedding()) check_tokens(inputs, (std::size_t)N, cfg_.vocab_size, "input");
+    if (has_embedding()) check_tokens(inputs, B, T, cfg_.vocab_size, "input");
     // The shared schedule (model/unit_walk.h): each part acquires its unit, announces the next
     // (UnitStore::prefetch, so ZeRO-3 gathers it meanwhile) and runs.
     for (const UnitVisit& v : walk_.forward) {
@@ -553,7 +564,7 @@ double GPT::head_backward(const UnitVisit& v, Slot& sl, const int32_t* targets, 
                           float grad_scale) {
     const int N = B * T, C = cfg_.n_embd;
     const int E = ParamLayout::embedding_unit(), H = v.unit;
-    check_tokens(targets, (std::size_t)N, cfg_.vocab_size, "target");
+    check_tokens(targets, B, T, cfg_.vocab_size, "target");
     // The head unit is still acquired from stage_forward: this is the same pointer.
     const HeadParams h = head_view(layout_, store_->acquire(H));
     store_->release(H);
@@ -626,7 +637,7 @@ void GPT::embedding_backward(const UnitVisit& v, const int32_t* inputs, int B, i
 }
 
 float GPT::stage_loss(int slot, const int32_t* targets, int B, int T) {
-    check_tokens(targets, (std::size_t)B * T, cfg_.vocab_size, "target");
+    check_tokens(targets, B, T, cfg_.vocab_size, "target");
     const Slot& sl = slots_.at(slot);
     const int N = B * T, H = layout_.head_unit();
     const HeadParams h = head_view(layout_, store_->acquire(H));
@@ -667,14 +678,14 @@ void GPT::require_whole(const char* what) const {
 float GPT::forward_backward(const int32_t* inputs, const int32_t* targets, int B, int T,
                             float grad_scale) {
     require_whole("forward_backward");
-    if (has_head()) check_tokens(targets, (std::size_t)B * T, cfg_.vocab_size, "target");
+    if (has_head()) check_tokens(targets, B, T, cfg_.vocab_size, "target");
     stage_forward(0, inputs, B, T);
     return stage_backward(0, inputs, targets, B, T, grad_scale);
 }
 
 float GPT::forward_loss(const int32_t* inputs, const int32_t* targets, int B, int T) {
     require_whole("forward_loss");
-    check_tokens(targets, (std::size_t)B * T, cfg_.vocab_size, "target");
+    check_tokens(targets, B, T, cfg_.vocab_size, "target");
     stage_forward(0, inputs, B, T);
     return stage_loss(0, targets, B, T);
 }

@@ -111,6 +111,13 @@ LoraLayout make_lora_layout(const ModelConfig& cfg, const LoraConfig& lora) {
             }
         }
     }
+    // A rank above a module's smaller side adds parameters and no expressiveness (the update
+    // B A has rank at most min(in, out)); the bound also keeps every size below in 64 bits.
+    for (std::size_t i = 0; i < modules.size(); i++)
+        if (chosen[i] && lora.rank > std::min(modules[i].in, modules[i].out))
+            fail("lora.rank = {} is more than {}'s smaller side ({} x {}): at most {}", lora.rank,
+                 modules[i].suffix, modules[i].in, modules[i].out,
+                 std::min(modules[i].in, modules[i].out));
     LoraLayout out;
     out.rank = lora.rank;
     const int64_t r = lora.rank;

@@ -287,7 +287,7 @@ ModelSpec read_llama(const JsonReader& r, const std::string& origin) {
     m.tied_embeddings = r.get_bool("tie_word_embeddings", false);
     m.attn_bias = r.get_bool("attention_bias", false);
     m.mlp_bias = r.get_bool("mlp_bias", false);
-    if (r.has("head_dim") && m.n_head > 0 && r.get_int("head_dim") * m.n_head != m.n_embd)
+    if (r.has("head_dim") && m.n_head > 0 && (int64_t)r.get_int("head_dim") * m.n_head != m.n_embd)
         fail(
             "{}: head_dim {} x num_attention_heads {} != hidden_size {}; the planner models "
             "heads of hidden_size / num_attention_heads",

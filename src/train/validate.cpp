@@ -158,8 +158,9 @@ void validate_ps(const RunConfig& cfg) {
             "train.ps_servers = {} must be in [1, {}]: each server holds at least one unit (the "
             "embedding, a block or the head) of the model's {}",
             cfg.train.ps_servers, units, units);
-    if (cfg.train.ps_staleness < 0)
-        fail("train.ps_staleness = {} must be >= 0 (0: synchronous)", cfg.train.ps_staleness);
+    if (cfg.train.ps_staleness < 0 || cfg.train.ps_staleness > 65536)
+        fail("train.ps_staleness = {} must be in [0, 65536] (0: synchronous)",
+             cfg.train.ps_staleness);
     if (cfg.world < cfg.train.ps_servers + 1)
         fail(
             "train.dp_mode = \"ps\" with train.ps_servers = {} needs at least {} ranks (the "

@@ -19,6 +19,7 @@
 
 #include "cli/cli_util.h"
 #include "config/run_config.h"
+#include "core/allocator.h"
 #include "core/error.h"
 #include "core/regular_file.h"
 #include "data/tokenizer.h"
@@ -28,6 +29,7 @@
 #include "io/out_dir.h"
 #include "io/run_report.h"
 #include "io/safetensors.h"
+#include "model/activation_layout.h"
 #include "model/config.h"
 #include "model/gpt.h"
 #include "model/weights.h"
@@ -273,6 +275,58 @@ TEST(Hardening, ModelDimensionsAreBoundedSoDerivedSizesFit) {
     r.train.seq_len = 1 << 12;
     r.model.block_size = 1 << 12;
     EXPECT_TRUE(has(error_of([&] { validate_config(r); }), "tokens a step is more than"));
+}
+
+// The element-count audit: values that used to divide by zero, truncate or wrap before any
+// check saw them are refused with the key's name.
+TEST(Hardening, CountsFromTheConfigNeverWrapOrDivideByZero) {
+    const std::string demo = std::string(MT_SOURCE_DIR) + "/configs/demo.toml";
+    auto load = [&](std::vector<std::string> sets) {
+        return error_of([&] { load_run_config(demo, sets); });
+    };
+    // train.tp = 0 beside a pipeline divided by zero in dp() (SIGFPE) before validate_tp ran.
+    EXPECT_TRUE(has(load({"train.pp=2", "train.tp=0"}), "train.tp = 0 must be >= 1"));
+    RunConfig r;
+    r.train.pp = 0;
+    r.train.tp = 0;
+    r.world = 4;
+    EXPECT_EQ(r.dp(), 4);
+    EXPECT_EQ(r.min_world(), 1);
+    r.train.pp = 1 << 14;
+    r.train.tp = 1 << 17;  // 2^31 ranks per replica: an int product wrapped
+    EXPECT_EQ(r.min_world(), INT32_MAX);
+    EXPECT_EQ(r.dp(), 1);
+    // batch_tokens / seq_len truncated to an int: (2^35 + 64) sequences became 64.
+    EXPECT_TRUE(
+        has(load({"train.batch_tokens=4398046519296"}), "train.batch_tokens = 4398046519296"));
+    // lora.rank above a target's smaller side (it made n x r products wrap).
+    EXPECT_TRUE(has(load({"lora.rank=385"}), "lora.rank = 385 is more than"));
+    EXPECT_EQ(load({"lora.rank=384"}), "");
+    EXPECT_TRUE(has(load({"train.dp_mode=\"ps\"", "train.ps_staleness=2147483647"}),
+                    "train.ps_staleness = 2147483647 must be in [0, 65536]"));
+    // Sizes that pass 64 bits are an error, not a wrapped (too small) allocation.
+    EXPECT_TRUE(has(error_of([] { array_bytes(SIZE_MAX / 2, 4); }), "does not fit in 64 bits"));
+    EXPECT_EQ(array_bytes(1000, 4), 4000u);
+    ModelConfig huge;
+    huge.n_embd = kMaxWidth;
+    huge.n_head = kMaxWidth;
+    huge.block_size = kMaxContext;
+    huge.validate();
+    ActFormat fmt;
+    EXPECT_TRUE(
+        has(error_of([&] { saved_field_bytes(SavedField::Att, huge, 1024, kMaxContext, fmt); }),
+            "do not fit in 64 bits"));
+    // The model runs at most 2^31 - 1 token rows at once (its kernels index rows with ints).
+    ModelConfig small;
+    small.n_layer = 1;
+    small.n_embd = 8;
+    small.n_head = 2;
+    small.vocab_size = 16;
+    small.block_size = 1024;
+    GPT model(small);
+    std::vector<int32_t> tok(1, 0);
+    EXPECT_TRUE(has(error_of([&] { model.forward_loss(tok.data(), tok.data(), 1 << 22, 1024); }),
+                    "tokens at once"));
 }
 
 TEST(Hardening, IoMetricsIsAPlainNameInsideTheOutDir) {

@@ -273,7 +273,7 @@ static __global__ void __launch_bounds__(kRefThreads)
 // ---- launch ------------------------------------------------------------------------------------
 
 static unsigned row_blocks(int64_t rows) {
-    return (unsigned)ceil_div(rows, kRefRows);
+    return grid_x(ceil_div(rows, kRefRows), "attention row blocks");
 }
 
 template <typename E>

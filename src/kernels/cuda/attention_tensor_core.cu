@@ -542,7 +542,7 @@ static void launch_flash_forward(E* out, float* lse, const E* qkv, const Dims& d
     const size_t smem = 3 * tile_bytes<E, HS>();
     const auto flash_forward = flash_forward_kernel<E, HS>;
     allow_smem((const void*)flash_forward, smem);
-    const dim3 grid((unsigned)(d.B * d.NH), (unsigned)ceil_div(d.T, kTile));
+    const dim3 grid(grid_x((int64_t)d.B * d.NH, "batch x heads"), (unsigned)ceil_div(d.T, kTile));
     MT_LAUNCH(flash_forward, grid, kTcThreads, smem, stream, out, lse, qkv, d, scale_log2, vec);
 }
 
@@ -555,13 +555,13 @@ static void launch_flash_backward(E* dqkv, const float* delta, const E* dout, co
     const size_t smem = 4 * tile_bytes<E, HS>();
     const auto flash_dq = flash_dq_kernel<E, HS>;
     allow_smem((const void*)flash_dq, smem);
-    MT_LAUNCH(flash_dq, dim3((unsigned)(d.B * d.NH), tiles), kTcThreads, smem, stream, dqkv, dout,
-              qkv, lse, delta, d, scale, scale_log2, vec);
+    MT_LAUNCH(flash_dq, dim3(grid_x((int64_t)d.B * d.NH, "batch x heads"), tiles), kTcThreads, smem,
+              stream, dqkv, dout, qkv, lse, delta, d, scale, scale_log2, vec);
     const size_t dkv_smem = smem + 2 * kTile * sizeof(float);
     const auto flash_dkv = flash_dkv_kernel<E, HS>;
     allow_smem((const void*)flash_dkv, dkv_smem);
-    MT_LAUNCH(flash_dkv, dim3((unsigned)(d.B * d.NKV), tiles), kTcThreads, dkv_smem, stream, dqkv,
-              dout, qkv, lse, delta, d, scale, scale_log2, vec);
+    MT_LAUNCH(flash_dkv, dim3(grid_x((int64_t)d.B * d.NKV, "batch x kv heads"), tiles), kTcThreads,
+              dkv_smem, stream, dqkv, dout, qkv, lse, delta, d, scale, scale_log2, vec);
 }
 
 // ---- entries -----------------------------------------------------------------------------------

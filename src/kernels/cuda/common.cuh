@@ -62,6 +62,15 @@ inline int64_t ceil_div(int64_t a, int64_t b) {
     return (a + b - 1) / b;
 }
 
+// A grid's x dimension of n blocks, one per item (a row, a head): an error beyond CUDA's limit
+// of 2^31 - 1, where the unsigned cast would wrap and skip work silently.
+inline unsigned grid_x(int64_t n, const char* what) {
+    if (n < 0 || n > INT32_MAX)
+        fail("{} = {} blocks: more than a CUDA grid holds (2^31 - 1); use a smaller micro-batch",
+             what, n);
+    return (unsigned)n;
+}
+
 // Blocks for a grid-stride elementwise loop over n items: enough to fill the GPU many times over,
 // never more than the grid's x limit.
 inline unsigned elementwise_blocks(int64_t n, int threads) {
