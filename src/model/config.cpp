@@ -5,16 +5,7 @@
 
 namespace memtrain {
 
-void ModelConfig::validate() const {
-    auto positive = [](const char* key, int v) {
-        if (v <= 0) fail("model.{} must be a positive integer, got {}", key, v);
-    };
-    positive("n_layer", n_layer);
-    positive("n_head", n_head);
-    positive("n_embd", n_embd);
-    positive("block_size", block_size);
-    positive("vocab_size", vocab_size);
-    positive("vocab_pad", vocab_pad);
+void ModelConfig::check_bounds() const {
     // Upper bounds, far above any real model (Llama 3 405B: 126 blocks, width 16384, MLP 53248,
     // 128256 tokens), so that every size derived from the config (fc_dim() is 2 ffn_hidden as
     // an int; a tensor's element count n_embd x fc_dim in 64 bits; the whole layout) fits its
@@ -29,6 +20,19 @@ void ModelConfig::validate() const {
     at_most("vocab_size", vocab_size, kMaxVocab);
     at_most("vocab_pad", vocab_pad, kMaxVocabPad);
     at_most("ffn_hidden", ffn_hidden, kMaxHidden);
+}
+
+void ModelConfig::validate() const {
+    auto positive = [](const char* key, int v) {
+        if (v <= 0) fail("model.{} must be a positive integer, got {}", key, v);
+    };
+    positive("n_layer", n_layer);
+    positive("n_head", n_head);
+    positive("n_embd", n_embd);
+    positive("block_size", block_size);
+    positive("vocab_size", vocab_size);
+    positive("vocab_pad", vocab_pad);
+    check_bounds();
     if (n_embd % n_head != 0)
         fail("model.n_embd ({}) must be divisible by model.n_head ({})", n_embd, n_head);
     if (n_kv_head < 0) fail("model.n_kv_head must be 0 (= n_head) or positive, got {}", n_kv_head);

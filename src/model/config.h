@@ -92,6 +92,9 @@ struct ModelConfig {
     // Throws memtrain::Error naming the offending key when the config is inconsistent or asks
     // for a variant the engine does not implement yet.
     void validate() const;
+    // The upper bounds alone (validate() checks them too): for readers that derive sizes from a
+    // config before validating the rest of it (the planner's).
+    void check_bounds() const;
     // Whether the model splits over `ranks` tensor-parallel ranks (heads, kv heads, MLP hidden
     // and padded vocabulary rows all divisible); an Error naming train.tp and the key otherwise.
     // validate() runs it for a shard's config (tp > 1).

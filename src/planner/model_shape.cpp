@@ -225,7 +225,10 @@ class JsonReader {
         if (!has(key)) fail("{}: missing key \"{}\"", origin_, key);
         if (!j_[key].is_number_integer())
             fail("{}: key \"{}\" must be an integer, got {}", origin_, key, j_[key].dump());
-        return j_[key].get<int>();
+        const int64_t v = j_[key].get<int64_t>();
+        if (v < INT32_MIN || v > INT32_MAX)
+            fail("{}: key \"{}\" = {} is out of range", origin_, key, v);
+        return (int)v;
     }
     int get_int(const char* key, int fallback) const { return has(key) ? get_int(key) : fallback; }
     bool get_bool(const char* key, bool fallback) const {
@@ -426,6 +429,7 @@ ModelSpec model_from_toml(const std::string& toml_text, const std::string& origi
 }
 
 ModelSpec model_from_config(const ModelConfig& c) {
+    c.check_bounds();  // every size below fits its type
     ModelSpec m;
     m.name = "config";
     m.n_layer = c.n_layer, m.n_head = c.n_head, m.n_embd = c.n_embd;

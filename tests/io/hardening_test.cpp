@@ -34,6 +34,7 @@
 #include "model/gpt.h"
 #include "model/weights.h"
 #include "optim/optimizer.h"
+#include "planner/model_shape.h"
 #include "test_util.h"
 #include "train/trainer.h"
 #include "train/validate.h"
@@ -316,6 +317,11 @@ TEST(Hardening, CountsFromTheConfigNeverWrapOrDivideByZero) {
     EXPECT_TRUE(
         has(error_of([&] { saved_field_bytes(SavedField::Att, huge, 1024, kMaxContext, fmt); }),
             "do not fit in 64 bits"));
+    // The planner derives sizes from a model before validating the rest of it: bounds first.
+    ModelConfig wide;
+    wide.n_embd = 1 << 29;  // 8 C wrapped an int in fc_dim()
+    EXPECT_TRUE(
+        has(error_of([&] { plan::model_from_config(wide); }), "is more than memtrain supports"));
     // The model runs at most 2^31 - 1 token rows at once (its kernels index rows with ints).
     ModelConfig small;
     small.n_layer = 1;
