@@ -323,13 +323,8 @@ TEST(Hardening, CountsFromTheConfigNeverWrapOrDivideByZero) {
     EXPECT_TRUE(
         has(error_of([&] { plan::model_from_config(wide); }), "is more than memtrain supports"));
     // The model runs at most 2^31 - 1 token rows at once (its kernels index rows with ints).
-    ModelConfig small;
-    small.n_layer = 1;
-    small.n_embd = 8;
-    small.n_head = 2;
-    small.vocab_size = 16;
-    small.block_size = 1024;
-    GPT model(small);
+    // (The shape is checked before the tokens or the context length.)
+    GPT model(test::tiny_model(1));
     std::vector<int32_t> tok(1, 0);
     EXPECT_TRUE(has(error_of([&] { model.forward_loss(tok.data(), tok.data(), 1 << 22, 1024); }),
                     "tokens at once"));
