@@ -1,4 +1,5 @@
-// Helpers shared by tests: temporary directories, tiny token shards and tiny run configs.
+// Helpers shared by tests: temporary directories, tiny token shards and tiny run configs, random
+// inputs, the PyTorch parity fixture's sizes and the messages of thrown Errors.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -12,12 +13,25 @@
 
 #include "config/run_config.h"
 #include "core/device.h"
+#include "core/error.h"
 #include "core/rng.h"
 #include "data/shard.h"
+#include "io/safetensors.h"
 #include "model/gpt.h"
 #include "train/trainer.h"
 
 namespace memtrain::test {
+
+// The message of the Error `f` throws ("" if it throws none).
+template <typename F>
+std::string error_of(F&& f) {
+    try {
+        f();
+    } catch (const Error& e) {
+        return e.what();
+    }
+    return "";
+}
 
 // Whether the CUDA device is cudasim's (tests/cudasim): the CUDA tests' objects are linked both
 // with the simulator and with the GPU backend, and a few checks differ between the two.
@@ -50,6 +64,29 @@ inline ModelConfig tiny_model(int layers = 2) {
     c.vocab_size = 37;
     c.vocab_pad = 16;
     return c;
+}
+
+// The GPT-2 that tests/parity/make_fixture.py writes (vocabulary, context, layers, heads, width)
+// and its token batch: kFixtureBatch rows of kFixtureSeq + 1 tokens.
+inline constexpr int kFixtureVocab = 96, kFixtureBlock = 32, kFixtureLayers = 2, kFixtureHeads = 4,
+                     kFixtureEmbd = 64, kFixtureBatch = 2, kFixtureSeq = 16;
+
+// The F32 tensor `name` of `f`, which must have `shape`.
+inline std::vector<float> read_f32_tensor(const io::SafetensorsFile& f, const std::string& name,
+                                          std::vector<int64_t> shape) {
+    std::size_t n = 1;
+    for (auto d : shape) n *= d;
+    std::vector<float> out(n);
+    f.read_f32(f.get(name), out, name, shape);
+    return out;
+}
+
+// `n` normal draws of standard deviation `sd`.
+inline std::vector<float> gaussian(int64_t n, uint64_t seed, float sd = 1.0f) {
+    Rng rng(seed);
+    std::vector<float> v((std::size_t)n);
+    for (auto& x : v) x = (float)(sd * rng.normal());
+    return v;
 }
 
 // Uniformly random token ids.

@@ -16,27 +16,20 @@ namespace fs = std::filesystem;
 
 namespace {
 
-using Result = memtrain::test::CliResult;
+using memtrain::test::run_memtrain;
+using memtrain::test::small_corpus;
 using memtrain::test::write_file;
-
-Result run(const std::string& args) {
-    return memtrain::test::run_memtrain(args);
-}
-
-std::string corpus() {
-    return memtrain::test::small_corpus();
-}
 
 }  // namespace
 
 TEST(Cli, EndToEndTokenizeTrainSample) {
     auto dir = memtrain::test::temp_dir("cli_e2e");
-    write_file(dir + "/corpus.txt", corpus());
-    auto r = run("tokenizer train --vocab-size 320 --doc-separator % --out " + dir + "/tok.json " +
-                 dir + "/corpus.txt");
+    write_file(dir + "/corpus.txt", small_corpus());
+    auto r = run_memtrain("tokenizer train --vocab-size 320 --doc-separator % --out " + dir +
+                          "/tok.json " + dir + "/corpus.txt");
     ASSERT_EQ(r.code, 0) << r.output;
-    r = run("tokenize --tokenizer " + dir + "/tok.json --out " + dir +
-            " --doc-separator % --val-fraction 0.1 " + dir + "/corpus.txt");
+    r = run_memtrain("tokenize --tokenizer " + dir + "/tok.json --out " + dir +
+                     " --doc-separator % --val-fraction 0.1 " + dir + "/corpus.txt");
     ASSERT_EQ(r.code, 0) << r.output;
     ASSERT_TRUE(fs::exists(dir + "/train.bin"));
     ASSERT_TRUE(fs::exists(dir + "/val.bin"));
@@ -46,7 +39,7 @@ TEST(Cli, EndToEndTokenizeTrainSample) {
                "eval_every = 3\neval_batches = 1\n"
                "[data]\ntrain = \"train.bin\"\nval = \"val.bin\"\ntokenizer = \"tok.json\"\n"
                "[sample]\nmax_tokens = 8\nprompt = \"The \"\n");
-    r = run("train " + dir + "/run.toml --set io.out_dir=" + dir + "/out");
+    r = run_memtrain("train " + dir + "/run.toml --set io.out_dir=" + dir + "/out");
     ASSERT_EQ(r.code, 0) << r.output;
     EXPECT_NE(r.output.find("\nmodel  n_layer=2 "), std::string::npos) << "config printed";
     EXPECT_NE(r.output.find("step     6/6"), std::string::npos) << r.output;
@@ -55,12 +48,12 @@ TEST(Cli, EndToEndTokenizeTrainSample) {
     EXPECT_NE(r.output.find("optimizer state"), std::string::npos);
     EXPECT_NE(r.output.find("sample"), std::string::npos);
     EXPECT_TRUE(fs::exists(dir + "/out/ckpt_000006/tokenizer.json"));
-    r = run("sample " + dir + "/out --prompt \"A journey\" --max-tokens 5 --top-k 5");
+    r = run_memtrain("sample " + dir + "/out --prompt \"A journey\" --max-tokens 5 --top-k 5");
     ASSERT_EQ(r.code, 0) << r.output;
     EXPECT_EQ(r.output.rfind("A journey", 0), 0u) << r.output;
     // Resume with more steps continues from step 6.
-    r = run("train " + dir + "/run.toml --set io.out_dir=" + dir +
-            "/out --set train.max_steps=8 --resume " + dir + "/out");
+    r = run_memtrain("train " + dir + "/run.toml --set io.out_dir=" + dir +
+                     "/out --set train.max_steps=8 --resume " + dir + "/out");
     ASSERT_EQ(r.code, 0) << r.output;
     EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
     EXPECT_NE(r.output.find("step     8/8"), std::string::npos) << r.output;
@@ -68,34 +61,34 @@ TEST(Cli, EndToEndTokenizeTrainSample) {
 
 TEST(Cli, BadInputGivesOneClearLineAndNonZeroExit) {
     auto dir = memtrain::test::temp_dir("cli_bad");
-    auto r = run("train " + dir + "/missing.toml");
+    auto r = run_memtrain("train " + dir + "/missing.toml");
     EXPECT_EQ(r.code, 1);
     EXPECT_NE(r.output.find("does not exist"), std::string::npos) << r.output;
 
-    r = run("train --set modle.n_layer=2");
+    r = run_memtrain("train --set modle.n_layer=2");
     EXPECT_EQ(r.code, 1);
     EXPECT_NE(r.output.find("did you mean 'model.n_layer'"), std::string::npos) << r.output;
 
     write_file(dir + "/bad.toml", "[train]\nbatch_size = \"eight\"\n");
-    r = run("train " + dir + "/bad.toml");
+    r = run_memtrain("train " + dir + "/bad.toml");
     EXPECT_EQ(r.code, 1);
     EXPECT_NE(r.output.find("train.batch_size must be an integer"), std::string::npos) << r.output;
 
     write_file(dir + "/nodata.toml", "[data]\ntrain = \"nowhere.bin\"\n");
-    r = run("train " + dir + "/nodata.toml");
+    r = run_memtrain("train " + dir + "/nodata.toml");
     EXPECT_EQ(r.code, 1);
     EXPECT_NE(r.output.find("nowhere.bin"), std::string::npos) << r.output;
 
     write_file(dir + "/notashard.bin", std::string(200, 'x'));
-    r = run("train --set data.train=" + dir + "/notashard.bin");
+    r = run_memtrain("train --set data.train=" + dir + "/notashard.bin");
     EXPECT_EQ(r.code, 1);
     EXPECT_NE(r.output.find("magic"), std::string::npos) << r.output;
 
-    r = run("sample " + dir + "/nothing");
+    r = run_memtrain("sample " + dir + "/nothing");
     EXPECT_EQ(r.code, 1);
     EXPECT_NE(r.output.find("does not exist"), std::string::npos) << r.output;
 
-    r = run("frobnicate");
+    r = run_memtrain("frobnicate");
     EXPECT_NE(r.code, 0);
 }
 
@@ -103,13 +96,13 @@ TEST(Cli, TruncatedCheckpointIsNamedAndNothingIsOverwritten) {
     auto dir = memtrain::test::temp_dir("cli_trunc");
     memtrain::RunConfig c = memtrain::test::tiny_run(dir, 2);
     write_file(dir + "/run.toml", memtrain::to_toml(c));
-    auto r = run("train " + dir + "/run.toml");
+    auto r = run_memtrain("train " + dir + "/run.toml");
     ASSERT_EQ(r.code, 0) << r.output;
     std::string model = dir + "/out/ckpt_000002/model.safetensors";
     fs::resize_file(model, fs::file_size(model) - 100);
     auto size_before = fs::file_size(model);
-    r = run("sample " + dir + "/out --tokenizer " + std::string(MT_SOURCE_DIR) +
-            "/third_party/gpt2 --max-tokens 2");
+    r = run_memtrain("sample " + dir + "/out --tokenizer " + std::string(MT_SOURCE_DIR) +
+                     "/third_party/gpt2 --max-tokens 2");
     EXPECT_EQ(r.code, 1) << r.output;
     EXPECT_NE(r.output.find("model.safetensors"), std::string::npos) << r.output;
     EXPECT_EQ(fs::file_size(model), size_before);
@@ -118,11 +111,11 @@ TEST(Cli, TruncatedCheckpointIsNamedAndNothingIsOverwritten) {
 TEST(Cli, RematScheduleFrontierAndTooSmallBudget) {
     auto dir = memtrain::test::temp_dir("cli_remat");
     std::string cfg = std::string(MT_SOURCE_DIR) + "/configs/demo.toml";
-    auto r = run("remat " + cfg + " --budget 100MiB");
+    auto r = run_memtrain("remat " + cfg + " --budget 100MiB");
     ASSERT_EQ(r.code, 0) << r.output;
     EXPECT_NE(r.output.find("predicted peak activation memory"), std::string::npos) << r.output;
     EXPECT_NE(r.output.find("predicted recompute overhead"), std::string::npos) << r.output;
-    r = run("remat " + cfg + " --frontier --svg " + dir + "/frontier.svg");
+    r = run_memtrain("remat " + cfg + " --frontier --svg " + dir + "/frontier.svg");
     ASSERT_EQ(r.code, 0) << r.output;
     for (const char* row : {"none", "selective", "sqrt", "full", "budget:"})
         EXPECT_NE(r.output.find(row), std::string::npos) << row;
@@ -130,11 +123,11 @@ TEST(Cli, RematScheduleFrontierAndTooSmallBudget) {
     std::string head(5, '\0');
     svg.read(head.data(), 5);
     EXPECT_EQ(head, "<svg ");
-    r = run("remat " + cfg + " --budget 1KiB");
+    r = run_memtrain("remat " + cfg + " --budget 1KiB");
     EXPECT_EQ(r.code, 1);
     EXPECT_NE(r.output.find("smallest feasible peak activation memory"), std::string::npos)
         << r.output;
-    r = run("train " + cfg + " --set train.remat=budget:lots");
+    r = run_memtrain("train " + cfg + " --set train.remat=budget:lots");
     EXPECT_EQ(r.code, 1);
     EXPECT_NE(r.output.find("train.remat"), std::string::npos) << r.output;
 }
@@ -148,17 +141,17 @@ TEST(Cli, RematPricesTheGpuLayoutAnywhere) {
         EXPECT_NE(at, std::string::npos) << row << "\n" << out;
         return at == std::string::npos ? 0.0 : std::stod(out.substr(at + row.size() + 2));
     };
-    auto cpu = run("remat " + cfg + " --frontier --device cpu");
-    auto gpu = run("remat " + cfg + " --frontier --device cuda --precision bf16");
+    auto cpu = run_memtrain("remat " + cfg + " --frontier --device cpu");
+    auto gpu = run_memtrain("remat " + cfg + " --frontier --device cuda --precision bf16");
     ASSERT_EQ(cpu.code, 0) << cpu.output;
     ASSERT_EQ(gpu.code, 0) << gpu.output;
     EXPECT_NE(gpu.output.find("activation layout: cuda, bf16"), std::string::npos) << gpu.output;
     for (const char* row : {"none", "selective", "full"})
         EXPECT_LT(peak(gpu.output, row), 0.6 * peak(cpu.output, row)) << row;
-    auto bad = run("remat " + cfg + " --device cuda --precision fp8");
+    auto bad = run_memtrain("remat " + cfg + " --device cuda --precision fp8");
     EXPECT_EQ(bad.code, 1);
     EXPECT_NE(bad.output.find("--precision fp8"), std::string::npos) << bad.output;
-    bad = run("remat " + cfg + " --device cuda --measure");
+    bad = run_memtrain("remat " + cfg + " --device cuda --measure");
     EXPECT_EQ(bad.code, 1);
     EXPECT_NE(bad.output.find("--measure profiles the CPU kernels"), std::string::npos)
         << bad.output;
@@ -168,10 +161,10 @@ TEST(Cli, RematPricesTheGpuLayoutAnywhere) {
     EXPECT_LT(peak(gpu.output, "offload"), peak(gpu.output, "full"));
     const std::string at =
         std::to_string((std::size_t)((peak(gpu.output, "offload") + 0.01) * 1048576));
-    auto mixed = run("remat " + cfg + " --device cuda --budget " + at + "+offload");
+    auto mixed = run_memtrain("remat " + cfg + " --device cuda --budget " + at + "+offload");
     ASSERT_EQ(mixed.code, 0) << mixed.output;
     EXPECT_NE(mixed.output.find(" offload "), std::string::npos) << mixed.output;
-    bad = run("remat " + cfg + " --device cpu --budget 40MiB+offload");
+    bad = run_memtrain("remat " + cfg + " --device cpu --budget 40MiB+offload");
     EXPECT_EQ(bad.code, 1);
     EXPECT_NE(bad.output.find("price it with --device cuda"), std::string::npos) << bad.output;
 }

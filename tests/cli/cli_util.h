@@ -20,6 +20,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "data/shard.h"
+#include "test_util.h"
+
 namespace memtrain::test {
 
 struct CliResult {
@@ -100,6 +103,30 @@ inline std::string read_file(const std::string& path) {
 inline void write_file(const std::string& path, const std::string& text) {
     std::ofstream f(path, std::ios::binary);
     f << text;
+}
+
+// How many times `what` occurs in `text` (overlapping occurrences counted).
+inline int count_occurrences(const std::string& text, const std::string& what) {
+    int n = 0;
+    for (auto at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) n++;
+    return n;
+}
+
+// A run a few milliseconds a step, long enough to be signalled in the middle; no validation.
+// Writes dir/train.bin and dir/run.toml (out_dir dir/out) and returns the TOML's path.
+inline std::string slow_config(const std::string& dir, int steps, int width = 64) {
+    data::write_shard(dir + "/train.bin", patterned_tokens(1 << 16, 50, 1), 50);
+    write_file(dir + "/run.toml",
+               "[model]\nn_layer = 2\nn_head = 2\nn_embd = " + std::to_string(width) +
+                   "\nblock_size = 32\nvocab_size = 50\nvocab_pad = 16\n"
+                   "[train]\ndevice = \"cpu\"\nseq_len = 32\nbatch_size = 8\nmax_steps = " +
+                   std::to_string(steps) +
+                   "\neval_every = 0\n[optim]\nlr = 3e-3\nwarmup_steps = 2\n"
+                   "[data]\ntrain = \"train.bin\"\n[io]\nout_dir = \"" +
+                   dir +
+                   "/out\"\n"
+                   "[sample]\nmax_tokens = 0\n");
+    return dir + "/run.toml";
 }
 
 // A few hundred lines of English with `%` document separators, for tokenizer and shard tests.

@@ -39,13 +39,14 @@ namespace {
 
 using test::Child;
 using test::CliResult;
+using test::count_occurrences;
 using test::read_file;
 using test::write_file;
 
 const std::string kBin = std::string(MT_BINARY_DIR) + "/memtrain";
 
 // memtrain ARGS to completion (at most 120 s), one thread; stdout and stderr together.
-CliResult run(const std::string& args, const std::string& env = "") {
+CliResult run_with_env(const std::string& args, const std::string& env = "") {
     return test::run_command(env + " OMP_NUM_THREADS=1 timeout -k 5 120 " + kBin + " " + args);
 }
 
@@ -60,7 +61,7 @@ bool wait_for(const std::string& file, const std::string& what) {
 }
 
 // A tiny run's TOML in dir/run.toml over dir/train.bin (vocabulary 50), out_dir dir/out.
-std::string tiny_config(const std::string& dir, int steps = 4, const std::string& extra = "") {
+std::string one_layer_config(const std::string& dir, int steps = 4, const std::string& extra = "") {
     data::write_shard(dir + "/train.bin", test::patterned_tokens(1 << 14, 50, 1), 50);
     write_file(dir + "/run.toml",
                "[model]\nn_layer = 1\nn_head = 2\nn_embd = 16\nblock_size = 16\n"
@@ -71,12 +72,6 @@ std::string tiny_config(const std::string& dir, int steps = 4, const std::string
                    "[data]\ntrain = \"train.bin\"\n[io]\nout_dir = \"" +
                    dir + "/out\"\n[sample]\nmax_tokens = 0\n" + extra);
     return dir + "/run.toml";
-}
-
-std::size_t count(const std::string& text, const std::string& what) {
-    std::size_t n = 0;
-    for (auto at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) n++;
-    return n;
 }
 
 // Every file under `dir` (but the lock file, which each run that takes the lock rewrites) with
@@ -94,33 +89,33 @@ std::map<std::string, std::size_t> snapshot(const std::string& dir) {
 
 TEST(HardeningCli, DeepTomlIsOneLineNotACrash) {
     const std::string dir = test::temp_dir("hard_deep_toml");
-    const std::string cfg = tiny_config(dir, 2);
+    const std::string cfg = one_layer_config(dir, 2);
     std::string dotted, tables = "[";
     for (int i = 0; i < 50000; i++) dotted += i ? ".a" : "a";
     for (int i = 0; i < 60000; i++) tables += i ? ".t" : "t";
     write_file(dir + "/deep.toml", dotted + " = 1\n");
     write_file(dir + "/deeptab.toml", tables + "]\n");
     for (const char* f : {"/deep.toml", "/deeptab.toml"}) {
-        auto r = run("train " + dir + f + " --print-config");
+        auto r = run_with_env("train " + dir + f + " --print-config");
         EXPECT_EQ(r.code, 1) << f << ": " << r.output;
         EXPECT_NE(r.output.find("dotted parts"), std::string::npos) << r.output;
     }
     // The same key in a checkpoint's memtrain.toml: sample, resume and quantize refuse it.
-    auto r = run("train " + cfg);
+    auto r = run_with_env("train " + cfg);
     ASSERT_EQ(r.code, 0) << r.output;
     const std::string toml = dir + "/out/ckpt_000002/memtrain.toml";
     write_file(toml, dotted + " = 1\n" + read_file(toml));
     for (const std::string& args :
          {"sample " + dir + "/out --max-tokens 2", "train --resume " + dir + "/out",
           "quantize " + dir + "/out --method rtn --bits 4 --out " + dir + "/q"}) {
-        r = run(args);
+        r = run_with_env(args);
         EXPECT_EQ(r.code, 1) << args << ": " << r.output;
         EXPECT_NE(r.output.find("memtrain.toml"), std::string::npos) << r.output;
         EXPECT_NE(r.output.find("dotted parts"), std::string::npos) << r.output;
     }
     // A config of more than 1 MiB (a 2 MiB sample.prompt) is refused before it is parsed.
     write_file(dir + "/big.toml", "[sample]\nprompt = \"" + std::string(2 << 20, 'x') + "\"\n");
-    r = run("train " + dir + "/big.toml --print-config");
+    r = run_with_env("train " + dir + "/big.toml --print-config");
     EXPECT_EQ(r.code, 1) << r.output.substr(0, 300);
     EXPECT_NE(r.output.find("more than the 1048576 bytes"), std::string::npos)
         << r.output.substr(0, 300);
@@ -132,11 +127,11 @@ TEST(HardeningCli, DeepTomlIsOneLineNotACrash) {
 // this test is a heap-buffer-overflow report on today's main). Now a bound, before any layout.
 TEST(HardeningCli, HugeModelDimensionsAreRefusedBeforeAnyLayout) {
     const std::string dir = test::temp_dir("hard_ffn");
-    const std::string cfg = tiny_config(dir, 1);
-    auto r = run("train " + cfg +
-                 " --set model.n_layer=1 model.n_embd=64 model.n_head=2 train.seq_len=2 "
-                 "model.block_size=2 train.batch_size=1 model.activation=swiglu "
-                 "model.ffn_hidden=1431655766 model.bias=false");
+    const std::string cfg = one_layer_config(dir, 1);
+    auto r = run_with_env("train " + cfg +
+                          " --set model.n_layer=1 model.n_embd=64 model.n_head=2 train.seq_len=2 "
+                          "model.block_size=2 train.batch_size=1 model.activation=swiglu "
+                          "model.ffn_hidden=1431655766 model.bias=false");
     EXPECT_EQ(r.code, 1) << r.output;
     EXPECT_NE(r.output.find("model.ffn_hidden = 1431655766 is more than memtrain supports"),
               std::string::npos)
@@ -151,7 +146,7 @@ TEST(HardeningCli, HugeModelDimensionsAreRefusedBeforeAnyLayout) {
          {"sample " + dir + "/hf --max-tokens 1",
           "quantize " + dir + "/hf --method rtn --bits 4 --out " + dir + "/q",
           "estimate " + dir + "/hf"}) {
-        r = run(cmd);
+        r = run_with_env(cmd);
         EXPECT_EQ(r.code, 1) << cmd << ": " << r.output;
         EXPECT_NE(r.output.find("1000000000 is more than memtrain supports"), std::string::npos)
             << cmd << ": " << r.output;
@@ -163,12 +158,12 @@ TEST(HardeningCli, HugeModelDimensionsAreRefusedBeforeAnyLayout) {
 
 TEST(HardeningCli, FifoAndDevZeroAreRefusedBeforeTheyAreRead) {
     const std::string dir = test::temp_dir("hard_fifo");
-    const std::string cfg = tiny_config(dir, 1);
+    const std::string cfg = one_layer_config(dir, 1);
     const std::string fifo = dir + "/fifo";
     ASSERT_EQ(mkfifo(fifo.c_str(), 0644), 0);
     // A model directory whose files are links to the special files (a cloned repo can hold
     // such links).
-    auto r = run("train " + cfg + " --set io.out_dir=" + dir + "/ck");
+    auto r = run_with_env("train " + cfg + " --set io.out_dir=" + dir + "/ck");
     ASSERT_EQ(r.code, 0) << r.output;
     for (const std::string& special : {fifo, std::string("/dev/zero")}) {
         SCOPED_TRACE(special);
@@ -184,7 +179,7 @@ TEST(HardeningCli, FifoAndDevZeroAreRefusedBeforeTheyAreRead) {
         fs::create_symlink(special, hf + "/config.json");
         cmds.push_back("sample " + hf + " --max-tokens 1");
         for (const auto& c : cmds) {
-            r = run(c);
+            r = run_with_env(c);
             EXPECT_EQ(r.code, 1) << c << ": " << r.output;
             EXPECT_NE(r.output.find("not a regular file"), std::string::npos)
                 << c << ": " << r.output;
@@ -200,21 +195,21 @@ TEST(HardeningCli, FifoAndDevZeroAreRefusedBeforeTheyAreRead) {
 
 TEST(HardeningCli, TwoConcurrentRunsOfOneOutDirTheSecondFailsFast) {
     const std::string dir = test::temp_dir("hard_lock");
-    const std::string cfg = tiny_config(dir, 2);
-    auto r = run("train " + cfg);
+    const std::string cfg = one_layer_config(dir, 2);
+    auto r = run_with_env("train " + cfg);
     ASSERT_EQ(r.code, 0) << r.output;
     // Run A resumes and keeps going (until signalled); B resumes the same out_dir meanwhile.
     Child a("train --resume " + dir + "/out --set train.max_steps=1000000 io.checkpoint_every=1",
             dir + "/a.log");
     ASSERT_TRUE(wait_for(dir + "/a.log", "step     3/")) << read_file(dir + "/a.log");
     const auto before = read_file(dir + "/out/metrics.jsonl");
-    r = run("train --resume " + dir + "/out --set optim.lr=5e-4 train.max_steps=1000000");
+    r = run_with_env("train --resume " + dir + "/out --set optim.lr=5e-4 train.max_steps=1000000");
     EXPECT_EQ(r.code, 1) << r.output;
     EXPECT_NE(r.output.find("is in use by pid " + std::to_string(a.pid)), std::string::npos)
         << r.output;
     EXPECT_EQ(r.output.find("resumed from"), std::string::npos) << r.output;
     // A new run into it (even with --overwrite) fails the same way and removes nothing.
-    r = run("train " + cfg + " --overwrite");
+    r = run_with_env("train " + cfg + " --overwrite");
     EXPECT_EQ(r.code, 1) << r.output;
     EXPECT_NE(r.output.find("is in use by pid"), std::string::npos) << r.output;
     kill(a.pid, SIGTERM);
@@ -225,7 +220,8 @@ TEST(HardeningCli, TwoConcurrentRunsOfOneOutDirTheSecondFailsFast) {
     const std::string metrics = read_file(dir + "/out/metrics.jsonl");
     EXPECT_EQ(metrics.rfind(before, 0), 0u) << "the metrics written before B started changed";
     for (int s = 1; s < 20; s++)
-        EXPECT_LE(count(metrics, "{\"step\": " + std::to_string(s) + ", \"loss\""), 1u) << s;
+        EXPECT_LE(count_occurrences(metrics, "{\"step\": " + std::to_string(s) + ", \"loss\""), 1)
+            << s;
     for (const auto& e : fs::directory_iterator(dir + "/out")) {
         const std::string name = e.path().filename().string();
         if (name.rfind("ckpt_", 0) == 0) {
@@ -236,61 +232,63 @@ TEST(HardeningCli, TwoConcurrentRunsOfOneOutDirTheSecondFailsFast) {
         EXPECT_EQ(name.find(".tmp"), std::string::npos) << name;
     }
     // Once A is gone the lock is free again.
-    r = run("train --resume " + dir + "/out --stop-after 1");
+    r = run_with_env("train --resume " + dir + "/out --stop-after 1");
     EXPECT_EQ(r.code, 0) << r.output;
 }
 
 TEST(HardeningCli, ANewRunIntoAnotherRunsOutDirIsRefusedUnlessOverwrite) {
     const std::string dir = test::temp_dir("hard_newrun");
-    const std::string cfg = tiny_config(dir, 4);
-    auto r = run("train " + cfg + " --set io.checkpoint_every=2");
+    const std::string cfg = one_layer_config(dir, 4);
+    auto r = run_with_env("train " + cfg + " --set io.checkpoint_every=2");
     ASSERT_EQ(r.code, 0) << r.output;
     const auto old = snapshot(dir + "/out");
-    r = run("train " + cfg + " --set train.seed=99 train.max_steps=2");
+    r = run_with_env("train " + cfg + " --set train.seed=99 train.max_steps=2");
     EXPECT_EQ(r.code, 1) << r.output;
     EXPECT_NE(r.output.find("holds another run"), std::string::npos) << r.output;
     EXPECT_NE(r.output.find("--overwrite"), std::string::npos) << r.output;
     EXPECT_EQ(snapshot(dir + "/out"), old) << "the refused run changed the out_dir";
     // A fork: a resume into another directory that holds a run is refused too; into a new
     // directory it is fine.
-    r = run("train " + cfg + " --set io.out_dir=" + dir + "/other");
+    r = run_with_env("train " + cfg + " --set io.out_dir=" + dir + "/other");
     ASSERT_EQ(r.code, 0) << r.output;
-    r = run("train --resume " + dir + "/out --set io.out_dir=" + dir + "/other");
+    r = run_with_env("train --resume " + dir + "/out --set io.out_dir=" + dir + "/other");
     EXPECT_EQ(r.code, 1) << r.output;
     EXPECT_NE(r.output.find("holds another run"), std::string::npos) << r.output;
-    r = run("train --resume " + dir + "/out/ckpt_000002 --set io.out_dir=" + dir + "/fork");
+    r = run_with_env("train --resume " + dir + "/out/ckpt_000002 --set io.out_dir=" + dir +
+                     "/fork");
     EXPECT_EQ(r.code, 0) << r.output;
     EXPECT_TRUE(fs::exists(dir + "/fork/ckpt_000004/model.safetensors"));
     // --overwrite replaces the old run whole: no checkpoint of it stays beside the new ones.
-    r = run("train " + cfg + " --set train.seed=99 train.max_steps=2 --overwrite");
+    r = run_with_env("train " + cfg + " --set train.seed=99 train.max_steps=2 --overwrite");
     ASSERT_EQ(r.code, 0) << r.output;
     EXPECT_TRUE(fs::exists(dir + "/out/ckpt_000002"));
     EXPECT_FALSE(fs::exists(dir + "/out/ckpt_000004"));
     EXPECT_EQ(read_file(dir + "/out/latest"), "ckpt_000002\n");
-    EXPECT_EQ(count(read_file(dir + "/out/metrics.jsonl"), "\"loss\""), 2u);
+    EXPECT_EQ(count_occurrences(read_file(dir + "/out/metrics.jsonl"), "\"loss\""), 2);
 }
 
 TEST(HardeningCli, PathsReadFromFilesStayInsideTheOutDir) {
     const std::string dir = test::temp_dir("hard_paths");
-    const std::string cfg = tiny_config(dir, 2);
-    auto r = run("train " + cfg + " --set io.out_dir=" + dir + "/victim");
+    const std::string cfg = one_layer_config(dir, 2);
+    auto r = run_with_env("train " + cfg + " --set io.out_dir=" + dir + "/victim");
     ASSERT_EQ(r.code, 0) << r.output;
-    r = run("train " + cfg + " --set io.out_dir=" + dir + "/myrun");
+    r = run_with_env("train " + cfg + " --set io.out_dir=" + dir + "/myrun");
     ASSERT_EQ(r.code, 0) << r.output;
     const auto victim = snapshot(dir + "/victim");
     // `latest` naming another run's checkpoint.
     write_file(dir + "/myrun/latest", "../victim/ckpt_000002\n");
-    r = run("train --resume " + dir + "/myrun --set train.max_steps=4");
+    r = run_with_env("train --resume " + dir + "/myrun --set train.max_steps=4");
     EXPECT_EQ(r.code, 1) << r.output;
     EXPECT_NE(r.output.find("does not name a checkpoint"), std::string::npos) << r.output;
     EXPECT_EQ(snapshot(dir + "/victim"), victim);
     write_file(dir + "/myrun/latest", "ckpt_000002\n");
     // io.metrics as a path: from --set, and from a checkpoint's memtrain.toml on resume.
     write_file(dir + "/precious.txt", "precious user data\n");
-    r = run("train " + cfg + " --set io.out_dir=" + dir + "/x io.metrics=../precious.txt");
+    r = run_with_env("train " + cfg + " --set io.out_dir=" + dir + "/x io.metrics=../precious.txt");
     EXPECT_EQ(r.code, 1) << r.output;
     EXPECT_NE(r.output.find("must be a plain file name"), std::string::npos) << r.output;
-    r = run("train " + cfg + " --set io.out_dir=" + dir + "/x io.metrics=" + dir + "/precious.txt");
+    r = run_with_env("train " + cfg + " --set io.out_dir=" + dir + "/x io.metrics=" + dir +
+                     "/precious.txt");
     EXPECT_EQ(r.code, 1) << r.output;
     const std::string toml = dir + "/myrun/ckpt_000002/memtrain.toml";
     std::string t = read_file(toml);
@@ -298,7 +296,7 @@ TEST(HardeningCli, PathsReadFromFilesStayInsideTheOutDir) {
     ASSERT_NE(at, std::string::npos) << t;
     t.replace(at, 25, "metrics = '" + dir + "/precious.txt'");
     write_file(toml, t);
-    r = run("train --resume " + dir + "/myrun --set train.max_steps=3");
+    r = run_with_env("train --resume " + dir + "/myrun --set train.max_steps=3");
     EXPECT_EQ(r.code, 1) << r.output;
     EXPECT_NE(r.output.find("must be a plain file name"), std::string::npos) << r.output;
     EXPECT_EQ(read_file(dir + "/precious.txt"), "precious user data\n");
@@ -307,12 +305,12 @@ TEST(HardeningCli, PathsReadFromFilesStayInsideTheOutDir) {
 
 TEST(HardeningCli, ADanglingLatestFallsBackToTheNewestCompleteCheckpoint) {
     const std::string dir = test::temp_dir("hard_dangling");
-    const std::string cfg = tiny_config(dir, 3);
-    auto r = run("train " + cfg + " --set io.checkpoint_every=1");
+    const std::string cfg = one_layer_config(dir, 3);
+    auto r = run_with_env("train " + cfg + " --set io.checkpoint_every=1");
     ASSERT_EQ(r.code, 0) << r.output;
     // As after a power cut between the rename of ckpt_000004 and the sync: latest names it.
     write_file(dir + "/out/latest", "ckpt_000004\n");
-    r = run("train --resume " + dir + "/out --set train.max_steps=4");
+    r = run_with_env("train --resume " + dir + "/out --set train.max_steps=4");
     ASSERT_EQ(r.code, 0) << r.output;
     EXPECT_NE(r.output.find("latest names ckpt_000004, which is missing; using ckpt_000003"),
               std::string::npos)
@@ -321,7 +319,8 @@ TEST(HardeningCli, ADanglingLatestFallsBackToTheNewestCompleteCheckpoint) {
     EXPECT_EQ(read_file(dir + "/out/latest"), "ckpt_000004\n");
     // An empty latest (the rename's data lost): the same.
     write_file(dir + "/out/latest", "");
-    r = run("eval " + dir + "/out --data " + dir + "/train.bin --seq-len 8 --max-batches 1");
+    r = run_with_env("eval " + dir + "/out --data " + dir +
+                     "/train.bin --seq-len 8 --max-batches 1");
     EXPECT_EQ(r.code, 0) << r.output;
     EXPECT_NE(r.output.find("latest is empty; using ckpt_000004"), std::string::npos) << r.output;
 }
@@ -342,25 +341,26 @@ void kill_in_replace_window(const std::string& dir, const std::string& command,
     ASSERT_TRUE(fs::exists(out + "/" + marker)) << command;
     ASSERT_TRUE(fs::exists(out + "/model.safetensors")) << command;
     EXPECT_NO_THROW(io::SafetensorsFile::open(out + "/model.safetensors"));
-    auto r = run("eval " + out + " --data " + dir + "/train.bin --seq-len 8 --max-batches 1");
+    auto r =
+        run_with_env("eval " + out + " --data " + dir + "/train.bin --seq-len 8 --max-batches 1");
     EXPECT_EQ(r.code, 0) << r.output;
-    r = run(command);
+    r = run_with_env(command);
     EXPECT_EQ(r.code, 0) << r.output;
     EXPECT_TRUE(fs::exists(out + "/" + marker));
 }
 
 TEST(HardeningCli, QuantizeReplacesItsOutputWithoutAWindowAndKeepsForeignTemporaries) {
     const std::string dir = test::temp_dir("hard_quant");
-    const std::string cfg = tiny_config(dir, 2);
-    auto r = run("train " + cfg);
+    const std::string cfg = one_layer_config(dir, 2);
+    auto r = run_with_env("train " + cfg);
     ASSERT_EQ(r.code, 0) << r.output;
     const std::string q = dir + "/q";
     // An OUT.tmp memtrain did not make stays; a trailing slash is the same --out.
     fs::create_directories(q + ".tmp");
     write_file(q + ".tmp/keep.txt", "mine\n");
-    r = run("quantize " + dir + "/out --method rtn --bits 4 --out " + q + "/");
+    r = run_with_env("quantize " + dir + "/out --method rtn --bits 4 --out " + q + "/");
     ASSERT_EQ(r.code, 0) << r.output;
-    r = run("quantize " + dir + "/out --method rtn --bits 8 --out " + q + "/");
+    r = run_with_env("quantize " + dir + "/out --method rtn --bits 8 --out " + q + "/");
     ASSERT_EQ(r.code, 0) << r.output;
     EXPECT_NE(read_file(q + "/quantization.json").find("\"bits\": 8"), std::string::npos);
     EXPECT_EQ(read_file(q + ".tmp/keep.txt"), "mine\n");
@@ -371,10 +371,10 @@ TEST(HardeningCli, QuantizeReplacesItsOutputWithoutAWindowAndKeepsForeignTempora
 
 TEST(HardeningCli, LoraMergeReplacesItsOutputWithoutAWindow) {
     const std::string dir = test::temp_dir("hard_merge");
-    const std::string cfg = tiny_config(dir, 2);
-    auto r = run("train " + cfg + " --set lora.rank=2 io.out_dir=" + dir + "/lora");
+    const std::string cfg = one_layer_config(dir, 2);
+    auto r = run_with_env("train " + cfg + " --set lora.rank=2 io.out_dir=" + dir + "/lora");
     ASSERT_EQ(r.code, 0) << r.output;
-    r = run("lora merge " + dir + "/lora --out " + dir + "/m/");
+    r = run_with_env("lora merge " + dir + "/lora --out " + dir + "/m/");
     ASSERT_EQ(r.code, 0) << r.output;
     kill_in_replace_window(dir, "lora merge " + dir + "/lora --out " + dir + "/m", dir + "/m",
                            "lora_merge.json");
@@ -382,8 +382,8 @@ TEST(HardeningCli, LoraMergeReplacesItsOutputWithoutAWindow) {
 
 TEST(HardeningCli, QuantizeRefusesNonFiniteWeights) {
     const std::string dir = test::temp_dir("hard_quant_nan");
-    const std::string cfg = tiny_config(dir, 2);
-    auto r = run("train " + cfg);
+    const std::string cfg = one_layer_config(dir, 2);
+    auto r = run_with_env("train " + cfg);
     ASSERT_EQ(r.code, 0) << r.output;
     // Poison one weight of a block linear in place (its bytes in the file).
     const std::string model = dir + "/out/ckpt_000002/model.safetensors";
@@ -400,7 +400,7 @@ TEST(HardeningCli, QuantizeRefusesNonFiniteWeights) {
     io.seekp((std::streamoff)at);
     io.write(reinterpret_cast<const char*>(&nan), 4);
     io.close();
-    r = run("quantize " + dir + "/out --method rtn --bits 4 --out " + dir + "/q");
+    r = run_with_env("quantize " + dir + "/out --method rtn --bits 4 --out " + dir + "/q");
     EXPECT_EQ(r.code, 1) << r.output;
     EXPECT_NE(r.output.find("h.0.attn.c_attn.weight holds 1 non-finite values"), std::string::npos)
         << r.output;
@@ -414,14 +414,14 @@ TEST(HardeningCli, TokenizeReplacesTrainAndValAsAPair) {
     for (auto& ch : other)
         if (ch == 'e') ch = 'q';
     write_file(dir + "/b.txt", other);
-    auto r = run("tokenizer train --vocab-size 300 --doc-separator % --out " + dir + "/ta.json " +
-                 dir + "/a.txt");
+    auto r = run_with_env("tokenizer train --vocab-size 300 --doc-separator % --out " + dir +
+                          "/ta.json " + dir + "/a.txt");
     ASSERT_EQ(r.code, 0) << r.output;
-    r = run("tokenizer train --vocab-size 290 --doc-separator % --out " + dir + "/tb.json " + dir +
-            "/b.txt");
+    r = run_with_env("tokenizer train --vocab-size 290 --doc-separator % --out " + dir +
+                     "/tb.json " + dir + "/b.txt");
     ASSERT_EQ(r.code, 0) << r.output;
     const std::string tok = " --doc-separator % --val-fraction 0.2 --out " + dir + "/data ";
-    r = run("tokenize --tokenizer " + dir + "/ta.json" + tok + dir + "/a.txt");
+    r = run_with_env("tokenize --tokenizer " + dir + "/ta.json" + tok + dir + "/a.txt");
     ASSERT_EQ(r.code, 0) << r.output;
     // Killed between the two renames: train.bin is B's, val.bin still A's.
     {
@@ -433,17 +433,17 @@ TEST(HardeningCli, TokenizeReplacesTrainAndValAsAPair) {
         c.wait(30s);
     }
     // The mixed pair is refused (even without data.tokenizer, which would catch it otherwise).
-    const std::string cfg = tiny_config(dir, 1);
+    const std::string cfg = one_layer_config(dir, 1);
     const std::string sets = " --set model.vocab_size=300 data.train=" + dir +
                              "/data/train.bin data.val=" + dir + "/data/val.bin";
-    r = run("train " + cfg + sets);
+    r = run_with_env("train " + cfg + sets);
     EXPECT_EQ(r.code, 1) << r.output;
     EXPECT_NE(r.output.find("was interrupted while replacing train.bin and val.bin"),
               std::string::npos)
         << r.output;
-    r = run("tokenize --tokenizer " + dir + "/tb.json" + tok + dir + "/b.txt");
+    r = run_with_env("tokenize --tokenizer " + dir + "/tb.json" + tok + dir + "/b.txt");
     ASSERT_EQ(r.code, 0) << r.output;
-    r = run("train " + cfg + sets);
+    r = run_with_env("train " + cfg + sets);
     EXPECT_EQ(r.code, 0) << r.output;
     // The killed run's temporary (of a process that is gone) was removed by the next run.
     for (const auto& e : fs::directory_iterator(dir + "/data"))
@@ -455,17 +455,17 @@ TEST(HardeningCli, TokenizeReplacesTrainAndValAsAPair) {
 
 TEST(HardeningCli, NonFiniteOptimizerKeysAreRefused) {
     const std::string dir = test::temp_dir("hard_lr_inf");
-    const std::string cfg = tiny_config(dir, 2);
+    const std::string cfg = one_layer_config(dir, 2);
     for (const char* set : {"optim.lr=inf", "optim.lr=nan", "optim.weight_decay=-inf",
                             "optim.beta2=nan", "optim.grad_clip=inf"}) {
-        auto r = run("train " + cfg + " --set " + set + " io.checkpoint_every=1");
+        auto r = run_with_env("train " + cfg + " --set " + set + " io.checkpoint_every=1");
         EXPECT_EQ(r.code, 1) << set << ": " << r.output;
         EXPECT_NE(r.output.find("must be a finite number"), std::string::npos) << r.output;
     }
     std::string t = read_file(cfg);
     t.replace(t.find("lr = 3e-3"), 9, "lr = inf");
     write_file(dir + "/inf.toml", t);
-    auto r = run("train " + dir + "/inf.toml");
+    auto r = run_with_env("train " + dir + "/inf.toml");
     EXPECT_EQ(r.code, 1) << r.output;
     EXPECT_NE(r.output.find("optim.lr = inf must be a finite number"), std::string::npos)
         << r.output;
@@ -477,7 +477,7 @@ TEST(HardeningCli, NonFiniteOptimizerKeysAreRefused) {
 // where the test may mount one.
 void expect_metrics_survive_a_full_disk(const std::string& dir, const std::string& out_dir,
                                         rlim_t file_limit) {
-    const std::string cfg = tiny_config(dir, 400);
+    const std::string cfg = one_layer_config(dir, 400);
     // (The limit holds for the log too: one step line, at the end.)
     Child c("train " + cfg + " --set io.out_dir=" + out_dir +
                 " io.save_final=false train.log_every=1000",
@@ -498,7 +498,7 @@ void expect_metrics_survive_a_full_disk(const std::string& dir, const std::strin
     for (std::string l; std::getline(in, l); lines++) EXPECT_TRUE(nlohmann::json::accept(l)) << l;
     EXPECT_GT(lines, 0);
     EXPECT_LT(lines, 400);
-    auto r = run("report " + out_dir + " --out " + dir + "/report.html");
+    auto r = run_with_env("report " + out_dir + " --out " + dir + "/report.html");
     EXPECT_EQ(r.code, 0) << r.output;
 }
 
@@ -524,22 +524,22 @@ TEST(HardeningCli, MetricsFullTmpfs) {
 
 TEST(HardeningCli, ReportSkipsATornLastLineAndResumedStepsOnce) {
     const std::string dir = test::temp_dir("hard_report");
-    const std::string cfg = tiny_config(dir, 6);
-    auto r = run("train " + cfg + " --set io.checkpoint_every=2");
+    const std::string cfg = one_layer_config(dir, 6);
+    auto r = run_with_env("train " + cfg + " --set io.checkpoint_every=2");
     ASSERT_EQ(r.code, 0) << r.output;
     // As a run killed after step 6 mid-line, resumed from ckpt_000004: steps 5 and 6 re-run.
     std::string m = read_file(dir + "/out/metrics.jsonl");
     write_file(dir + "/out/metrics.jsonl", m + "{\"step\": 7, \"loss\": 3.1");
-    r = run("report " + dir + "/out");
+    r = run_with_env("report " + dir + "/out");
     EXPECT_EQ(r.code, 0) << r.output;
     EXPECT_NE(r.output.find("the last line is incomplete"), std::string::npos) << r.output;
-    r = run("train --resume " + dir + "/out/ckpt_000004 --set train.max_steps=6");
+    r = run_with_env("train --resume " + dir + "/out/ckpt_000004 --set train.max_steps=6");
     ASSERT_EQ(r.code, 0) << r.output;
     EXPECT_NE(r.output.find("ended in an incomplete line"), std::string::npos) << r.output;
     m = read_file(dir + "/out/metrics.jsonl");
     EXPECT_NE(m.find("{\"step\": 4, \"event\": \"resume\"}\n"), std::string::npos) << m;
     EXPECT_EQ(m.find("\"step\": 7"), std::string::npos) << m;
-    r = run("report " + dir + "/out");
+    r = run_with_env("report " + dir + "/out");
     EXPECT_EQ(r.code, 0) << r.output;
     const std::string html = read_file(dir + "/out/report.html");
     EXPECT_NE(html.find("resumed from step 4"), std::string::npos);
@@ -547,31 +547,32 @@ TEST(HardeningCli, ReportSkipsATornLastLineAndResumedStepsOnce) {
 
 TEST(HardeningCli, AResumeOnOtherDataOrGeometryIsRefusedUnlessAccepted) {
     const std::string dir = test::temp_dir("hard_resume_changes");
-    const std::string cfg = tiny_config(dir, 2);
-    auto r = run("train " + cfg);
+    const std::string cfg = one_layer_config(dir, 2);
+    auto r = run_with_env("train " + cfg);
     ASSERT_EQ(r.code, 0) << r.output;
     for (const std::string set :
          {"train.seq_len=4", "train.batch_size=4", "train.seed=7", "model.norm_eps=1e-3"}) {
-        r = run("train --resume " + dir + "/out --set train.max_steps=3 " + set);
+        r = run_with_env("train --resume " + dir + "/out --set train.max_steps=3 " + set);
         EXPECT_EQ(r.code, 1) << set << ": " << r.output;
         EXPECT_NE(r.output.find(set.substr(0, set.find('=')) + " "), std::string::npos) << r.output;
         EXPECT_NE(r.output.find("--accept-changes"), std::string::npos) << r.output;
     }
     // The same path, other tokens (a smaller shard).
     data::write_shard(dir + "/train.bin", test::patterned_tokens(1 << 12, 50, 3), 50);
-    r = run("train --resume " + dir + "/out --set train.max_steps=3");
+    r = run_with_env("train --resume " + dir + "/out --set train.max_steps=3");
     EXPECT_EQ(r.code, 1) << r.output;
     EXPECT_NE(r.output.find("a data.train of 4096 tokens (was 16384)"), std::string::npos)
         << r.output;
     EXPECT_FALSE(fs::exists(dir + "/out/ckpt_000003"));
-    r = run("train --resume " + dir + "/out --set train.max_steps=3 train.seed=7 --accept-changes");
+    r = run_with_env("train --resume " + dir +
+                     "/out --set train.max_steps=3 train.seed=7 --accept-changes");
     EXPECT_EQ(r.code, 0) << r.output;
     EXPECT_NE(r.output.find("continuing with changes"), std::string::npos) << r.output;
     EXPECT_NE(r.output.find("train.seed 7 (was 1337)"), std::string::npos) << r.output;
     // The same tokens at another path continue the run, and the run says where they are now.
     fs::copy_file(dir + "/train.bin", dir + "/moved.bin");
-    r = run("train --resume " + dir +
-            "/out --set train.max_steps=4 train.seed=7 data.train=" + dir + "/moved.bin");
+    r = run_with_env("train --resume " + dir +
+                     "/out --set train.max_steps=4 train.seed=7 data.train=" + dir + "/moved.bin");
     EXPECT_EQ(r.code, 0) << r.output;
     EXPECT_NE(r.output.find("data.train is now " + dir + "/moved.bin"), std::string::npos)
         << r.output;
@@ -588,30 +589,31 @@ TEST(HardeningCli, AResumeWithAnotherTokenizerIsRefused) {
         if (ch == 'e') ch = 'q';
     write_file(dir + "/b.txt", other);
     for (const char* name : {"a", "b"}) {
-        auto r = run(std::string("tokenizer train --vocab-size 280 --doc-separator % --out ") +
-                     dir + "/t" + name + ".json " + dir + "/" + name + ".txt");
+        auto r =
+            run_with_env(std::string("tokenizer train --vocab-size 280 --doc-separator % --out ") +
+                         dir + "/t" + name + ".json " + dir + "/" + name + ".txt");
         ASSERT_EQ(r.code, 0) << r.output;
     }
     const auto ta = data::Tokenizer::load(dir + "/ta.json");
     const auto tb = data::Tokenizer::load(dir + "/tb.json");
     ASSERT_EQ(ta.vocab_size(), tb.vocab_size());  // (else the shard check refuses first)
     ASSERT_NE(ta.fingerprint(), tb.fingerprint());
-    const std::string cfg = tiny_config(dir, 2);
+    const std::string cfg = one_layer_config(dir, 2);
     const uint32_t vocab = (uint32_t)ta.vocab_size();
     data::write_shard(dir + "/train.bin", test::patterned_tokens(1 << 14, vocab, 1), vocab);
     fs::copy_file(dir + "/ta.json", dir + "/tok.json");
-    auto r = run("train " + cfg + " --set model.vocab_size=" + std::to_string(vocab) +
-                 " data.tokenizer=" + dir + "/tok.json");
+    auto r = run_with_env("train " + cfg + " --set model.vocab_size=" + std::to_string(vocab) +
+                          " data.tokenizer=" + dir + "/tok.json");
     ASSERT_EQ(r.code, 0) << r.output;
     fs::copy_file(dir + "/tb.json", dir + "/tok.json", fs::copy_options::overwrite_existing);
-    r = run("train --resume " + dir + "/out --set train.max_steps=3");
+    r = run_with_env("train --resume " + dir + "/out --set train.max_steps=3");
     EXPECT_EQ(r.code, 1) << r.output;
     EXPECT_NE(r.output.find("data.tokenizer of fingerprint"), std::string::npos) << r.output;
     EXPECT_NE(r.output.find("--accept-changes"), std::string::npos) << r.output;
     EXPECT_FALSE(fs::exists(dir + "/out/ckpt_000003"));
     // The tokenizer it was trained with: the resume goes on.
     fs::copy_file(dir + "/ta.json", dir + "/tok.json", fs::copy_options::overwrite_existing);
-    r = run("train --resume " + dir + "/out --set train.max_steps=3");
+    r = run_with_env("train --resume " + dir + "/out --set train.max_steps=3");
     EXPECT_EQ(r.code, 0) << r.output;
 }
 }  // namespace

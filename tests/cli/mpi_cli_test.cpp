@@ -31,25 +31,21 @@ const std::string kMpirun = std::string(MT_MPIEXEC) +
                             " --oversubscribe --allow-run-as-root -np 2 " + MT_BINARY_DIR +
                             "/memtrain ";
 
-using Result = memtrain::test::CliResult;
+using memtrain::test::CliResult;
+using memtrain::test::count_occurrences;
 using memtrain::test::read_file;
+using memtrain::test::slow_config;
 using memtrain::test::write_file;
 
-Result run(const std::string& args) {
+CliResult run_mpi(const std::string& args) {
     return memtrain::test::run_command(kEnv + "timeout -k 5 120 " + kMpirun + args);
 }
 
 // The same on 4 ranks.
-Result run4(const std::string& args) {
+CliResult run_mpi4(const std::string& args) {
     return memtrain::test::run_command(kEnv + "timeout -k 5 180 " + std::string(MT_MPIEXEC) +
                                        " --oversubscribe --allow-run-as-root -np 4 " +
                                        MT_BINARY_DIR + "/memtrain " + args);
-}
-
-int count(const std::string& text, const std::string& what) {
-    int n = 0;
-    for (auto at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) n++;
-    return n;
 }
 
 std::map<int, std::string> losses(const std::string& metrics) {
@@ -63,10 +59,11 @@ std::map<int, std::string> losses(const std::string& metrics) {
     return out;
 }
 
-bool wait_for_lines(const std::string& file, const std::string& what, int n) {
+// Waits (at most 60 s) until `file` contains `what` at least `n` times.
+bool wait_for_count(const std::string& file, const std::string& what, int n) {
     auto end = std::chrono::steady_clock::now() + 60s;
     while (std::chrono::steady_clock::now() < end) {
-        if (count(read_file(file), what) >= n) return true;
+        if (count_occurrences(read_file(file), what) >= n) return true;
         std::this_thread::sleep_for(2ms);
     }
     return false;
@@ -99,41 +96,27 @@ pid_t find_rank(pid_t root, int rank) {
     return -1;
 }
 
-std::string tiny_config(const std::string& dir, int steps) {
-    using memtrain::test::patterned_tokens;
-    memtrain::data::write_shard(dir + "/train.bin", patterned_tokens(1 << 16, 50, 1), 50);
-    write_file(dir + "/run.toml",
-               "[model]\nn_layer = 2\nn_head = 2\nn_embd = 64\nblock_size = 32\nvocab_size = 50\n"
-               "vocab_pad = 16\n[train]\ndevice = \"cpu\"\nseq_len = 32\nbatch_size = 8\n"
-               "max_steps = " +
-                   std::to_string(steps) +
-                   "\neval_every = 0\n[optim]\nlr = 3e-3\nwarmup_steps = 2\n"
-                   "[data]\ntrain = \"train.bin\"\n[io]\nout_dir = \"" +
-                   dir + "/out\"\n[sample]\nmax_tokens = 0\n");
-    return dir + "/run.toml";
-}
-
 }  // namespace
 
 TEST(CliMpi, StartupErrorEveryRankMeetsIsPrintedOnce) {
     auto dir = memtrain::test::temp_dir("cli_mpi_once");
     write_file(dir + "/bad.toml", "[train]\nlr = 1e-3\n");
-    auto r = run("train " + dir + "/bad.toml");
+    auto r = run_mpi("train " + dir + "/bad.toml");
     EXPECT_NE(r.code, 0) << r.output;
-    EXPECT_EQ(count(r.output, "unknown config key 'train.lr'"), 1) << r.output;
+    EXPECT_EQ(count_occurrences(r.output, "unknown config key 'train.lr'"), 1) << r.output;
     EXPECT_NE(r.output.find("memtrain: error: " + dir + "/bad.toml: unknown config key"),
               std::string::npos)
         << r.output;
     // A value every rank rejects (the batch over 2 ranks), named with the key and the value.
-    r = run("train " + tiny_config(dir, 2) + " --set train.batch_size=3");
+    r = run_mpi("train " + slow_config(dir, 2) + " --set train.batch_size=3");
     EXPECT_NE(r.code, 0) << r.output;
-    EXPECT_EQ(count(r.output, "train.batch_size = 3"), 1) << r.output;
+    EXPECT_EQ(count_occurrences(r.output, "train.batch_size = 3"), 1) << r.output;
 }
 
 TEST(CliMpi, SigtermOnOneRankStopsEveryRankAtTheSameStep) {
     auto dir = memtrain::test::temp_dir("cli_mpi_sigterm");
-    const std::string cfg = tiny_config(dir, 40);
-    auto r = run("train " + cfg + " --set io.out_dir=" + dir + "/full");
+    const std::string cfg = slow_config(dir, 40);
+    auto r = run_mpi("train " + cfg + " --set io.out_dir=" + dir + "/full");
     ASSERT_EQ(r.code, 0) << r.output;
     const std::string log = dir + "/log.txt";
     pid_t mpirun = fork();
@@ -142,7 +125,7 @@ TEST(CliMpi, SigtermOnOneRankStopsEveryRankAtTheSameStep) {
         execl("/bin/sh", "sh", "-c", cmd.c_str(), (char*)nullptr);
         _exit(127);
     }
-    ASSERT_TRUE(wait_for_lines(dir + "/out/metrics.jsonl", "\"loss\"", 3)) << read_file(log);
+    ASSERT_TRUE(wait_for_count(dir + "/out/metrics.jsonl", "\"loss\"", 3)) << read_file(log);
     const pid_t rank1 = find_rank(mpirun, 1);
     EXPECT_GT(rank1, 0);
     if (rank1 > 0) kill(rank1, SIGTERM);
@@ -161,12 +144,12 @@ TEST(CliMpi, SigtermOnOneRankStopsEveryRankAtTheSameStep) {
     const std::string out = read_file(log);
     ASSERT_TRUE(WIFEXITED(status)) << out;
     EXPECT_EQ(WEXITSTATUS(status), 128 + SIGTERM) << out;
-    EXPECT_EQ(count(out, "stopped by SIGTERM after step"), 1) << out;
+    EXPECT_EQ(count_occurrences(out, "stopped by SIGTERM after step"), 1) << out;
     EXPECT_NE(out.find("mpirun -np 2 memtrain train --resume " + dir + "/out"), std::string::npos)
         << out;
     const auto first = losses(dir + "/out/metrics.jsonl");
     ASSERT_LT(first.size(), 40u) << "the run ended before the signal";
-    r = run("train --resume " + dir + "/out");
+    r = run_mpi("train --resume " + dir + "/out");
     ASSERT_EQ(r.code, 0) << r.output;
     EXPECT_EQ(losses(dir + "/out/metrics.jsonl"), losses(dir + "/full/metrics.jsonl"));
 }
@@ -176,7 +159,7 @@ TEST(CliMpi, SigtermOnOneRankStopsEveryRankAtTheSameStep) {
 // step's timeline is drawn, and a layout the model cannot take is refused once.
 TEST(CliMpi, PipelineTrainsFromTheCommandLine) {
     auto dir = memtrain::test::temp_dir("cli_mpi_pipeline");
-    const std::string cfg = tiny_config(dir, 6);
+    const std::string cfg = slow_config(dir, 6);
     const std::string sets =
         " --set train.micro_batch_size=2 model.tied_embeddings=false io.out_dir=";
     auto one = memtrain::test::run_memtrain("train " + cfg + sets + dir + "/one");
@@ -184,40 +167,46 @@ TEST(CliMpi, PipelineTrainsFromTheCommandLine) {
     ASSERT_EQ(losses(dir + "/one/metrics.jsonl").size(), 6u);
     for (const std::string sched : {"1f1b", "zb-h1"}) {
         const std::string out = dir + "/" + sched;
-        auto r = run("train " + cfg + sets + out + " train.pp=2 train.pp_schedule=" + sched);
+        auto r = run_mpi("train " + cfg + sets + out + " train.pp=2 train.pp_schedule=" + sched);
         ASSERT_EQ(r.code, 0) << r.output;
-        EXPECT_EQ(count(r.output, "pipeline of 2 stages (" + sched + " schedule)"), 1) << r.output;
-        EXPECT_EQ(count(r.output, "pipeline bubble: measured"), 1) << r.output;
-        EXPECT_EQ(count(r.output, "  stage 1: model states"), 1) << r.output;
+        EXPECT_EQ(count_occurrences(r.output, "pipeline of 2 stages (" + sched + " schedule)"), 1)
+            << r.output;
+        EXPECT_EQ(count_occurrences(r.output, "pipeline bubble: measured"), 1) << r.output;
+        EXPECT_EQ(count_occurrences(r.output, "  stage 1: model states"), 1) << r.output;
         EXPECT_EQ(read_file(out + "/pipeline_timeline.svg").rfind("<svg", 0), 0u);
         EXPECT_EQ(losses(out + "/metrics.jsonl"), losses(dir + "/one/metrics.jsonl")) << sched;
     }
-    auto r = run("train " + cfg + " --set train.pp=3");
+    auto r = run_mpi("train " + cfg + " --set train.pp=3");
     EXPECT_NE(r.code, 0) << r.output;
-    EXPECT_EQ(count(r.output, "train.pp = 3 stages for model.n_layer = 2 blocks"), 1) << r.output;
+    EXPECT_EQ(count_occurrences(r.output, "train.pp = 3 stages for model.n_layer = 2 blocks"), 1)
+        << r.output;
 }
 
 // The interleaved schedule from the command line: 4 blocks as 2 ranks x 2 chunks, the losses one
 // process's, and pp_virtual without the interleaved schedule refused once.
 TEST(CliMpi, InterleavedPipelineTrainsFromTheCommandLine) {
     auto dir = memtrain::test::temp_dir("cli_mpi_interleaved");
-    const std::string cfg = tiny_config(dir, 4);
+    const std::string cfg = slow_config(dir, 4);
     const std::string sets =
         " --set train.micro_batch_size=2 model.n_layer=4 model.tied_embeddings=false io.out_dir=";
     auto one = memtrain::test::run_memtrain("train " + cfg + sets + dir + "/one");
     ASSERT_EQ(one.code, 0) << one.output;
     const std::string out = dir + "/interleaved";
-    auto r = run("train " + cfg + sets + out +
-                 " train.pp=2 train.pp_schedule=interleaved train.pp_virtual=2");
+    auto r = run_mpi("train " + cfg + sets + out +
+                     " train.pp=2 train.pp_schedule=interleaved train.pp_virtual=2");
     ASSERT_EQ(r.code, 0) << r.output;
-    EXPECT_EQ(count(r.output, "pipeline of 2 stages (interleaved schedule, 2 chunks per rank)"), 1)
+    EXPECT_EQ(count_occurrences(r.output,
+                                "pipeline of 2 stages (interleaved schedule, 2 chunks per rank)"),
+              1)
         << r.output;
-    EXPECT_EQ(count(r.output, "pipeline bubble: measured"), 1) << r.output;
+    EXPECT_EQ(count_occurrences(r.output, "pipeline bubble: measured"), 1) << r.output;
     EXPECT_EQ(read_file(out + "/pipeline_timeline.svg").rfind("<svg", 0), 0u);
     EXPECT_EQ(losses(out + "/metrics.jsonl"), losses(dir + "/one/metrics.jsonl"));
-    r = run("train " + cfg + " --set model.n_layer=4 train.pp=2 train.pp_virtual=2");
+    r = run_mpi("train " + cfg + " --set model.n_layer=4 train.pp=2 train.pp_virtual=2");
     EXPECT_NE(r.code, 0) << r.output;
-    EXPECT_EQ(count(r.output, "train.pp_virtual = 2 needs train.pp_schedule = \"interleaved\""), 1)
+    EXPECT_EQ(count_occurrences(r.output,
+                                "train.pp_virtual = 2 needs train.pp_schedule = \"interleaved\""),
+              1)
         << r.output;
 }
 
@@ -226,7 +215,7 @@ TEST(CliMpi, InterleavedPipelineTrainsFromTheCommandLine) {
 // the report names every rank's stage and pipeline.
 TEST(CliMpi, PipelinesSideBySideTrainFromTheCommandLine) {
     auto dir = memtrain::test::temp_dir("cli_mpi_ppdp");
-    const std::string cfg = tiny_config(dir, 4);
+    const std::string cfg = slow_config(dir, 4);
     const std::string sets =
         " --set train.micro_batch_size=2 model.tied_embeddings=false io.out_dir=";
     auto one = memtrain::test::run_memtrain("train " + cfg +
@@ -235,21 +224,23 @@ TEST(CliMpi, PipelinesSideBySideTrainFromTheCommandLine) {
                                             dir + "/one");
     ASSERT_EQ(one.code, 0) << one.output;
     const std::string out = dir + "/ppdp";
-    auto r = run4("train " + cfg + sets + out + " train.pp=2 train.zero_stage=1");
+    auto r = run_mpi4("train " + cfg + sets + out + " train.pp=2 train.zero_stage=1");
     ASSERT_EQ(r.code, 0) << r.output;
-    EXPECT_EQ(count(r.output, "pipeline of 2 stages (1f1b schedule) x 2 pipelines (ZeRO stage 1)"),
+    EXPECT_EQ(count_occurrences(
+                  r.output, "pipeline of 2 stages (1f1b schedule) x 2 pipelines (ZeRO stage 1)"),
               1)
         << r.output;
-    EXPECT_EQ(count(r.output, "  stage 1 of pipeline 1 (rank 3): model states"), 1) << r.output;
+    EXPECT_EQ(count_occurrences(r.output, "  stage 1 of pipeline 1 (rank 3): model states"), 1)
+        << r.output;
     const auto want = losses(dir + "/one/metrics.jsonl"), got = losses(out + "/metrics.jsonl");
     ASSERT_EQ(got.size(), 4u);
     ASSERT_EQ(want.size(), 4u);
     for (const auto& [step, loss] : want)
         EXPECT_NEAR(std::stod(got.at(step)), std::stod(loss), 1e-5 * std::stod(loss))
             << "step " << step;
-    r = run4("train " + cfg + " --set train.pp=2 train.zero_stage=2");
+    r = run_mpi4("train " + cfg + " --set train.pp=2 train.zero_stage=2");
     EXPECT_NE(r.code, 0) << r.output;
-    EXPECT_EQ(count(r.output, "across pipelines only ZeRO-1 is built"), 1) << r.output;
+    EXPECT_EQ(count_occurrences(r.output, "across pipelines only ZeRO-1 is built"), 1) << r.output;
 }
 
 // `mpirun -np 2 memtrain train --set train.tp=2`: the losses are one process's to rounding, the
@@ -257,28 +248,30 @@ TEST(CliMpi, PipelinesSideBySideTrainFromTheCommandLine) {
 // split is refused once.
 TEST(CliMpi, TensorParallelTrainsFromTheCommandLine) {
     auto dir = memtrain::test::temp_dir("cli_mpi_tp");
-    const std::string cfg = tiny_config(dir, 4);
+    const std::string cfg = slow_config(dir, 4);
     auto one = memtrain::test::run_memtrain("train " + cfg + " --set io.out_dir=" + dir + "/one");
     ASSERT_EQ(one.code, 0) << one.output;
-    auto r = run("train " + cfg + " --set train.tp=2 io.out_dir=" + dir + "/tp");
+    auto r = run_mpi("train " + cfg + " --set train.tp=2 io.out_dir=" + dir + "/tp");
     ASSERT_EQ(r.code, 0) << r.output;
-    EXPECT_EQ(count(r.output, "tensor parallel over 2 ranks"), 1) << r.output;
-    EXPECT_EQ(count(r.output, "tensor parallel, last step's collectives"), 1) << r.output;
+    EXPECT_EQ(count_occurrences(r.output, "tensor parallel over 2 ranks"), 1) << r.output;
+    EXPECT_EQ(count_occurrences(r.output, "tensor parallel, last step's collectives"), 1)
+        << r.output;
     const auto want = losses(dir + "/one/metrics.jsonl"), got = losses(dir + "/tp/metrics.jsonl");
     ASSERT_EQ(want.size(), 4u);
     ASSERT_EQ(got.size(), want.size());
     for (const auto& [step, loss] : want)
         EXPECT_NEAR(std::stod(got.at(step)), std::stod(loss), 1e-5 * std::stod(loss)) << step;
-    r = run("train " + cfg + " --set train.tp=2 model.n_head=3 model.n_embd=24");
+    r = run_mpi("train " + cfg + " --set train.tp=2 model.n_head=3 model.n_embd=24");
     EXPECT_NE(r.code, 0) << r.output;
-    EXPECT_EQ(count(r.output, "train.tp = 2 must divide model.n_head = 3"), 1) << r.output;
+    EXPECT_EQ(count_occurrences(r.output, "train.tp = 2 must divide model.n_head = 3"), 1)
+        << r.output;
     // tp 2 x pp 2 on four ranks: the same losses, to rounding, and a checkpoint that one process
     // resumes.
-    r = run4("train " + cfg + " --set train.tp=2 train.pp=2 io.out_dir=" + dir + "/mesh");
+    r = run_mpi4("train " + cfg + " --set train.tp=2 train.pp=2 io.out_dir=" + dir + "/mesh");
     ASSERT_EQ(r.code, 0) << r.output;
-    EXPECT_EQ(count(r.output,
-                    "tensor parallel over 2 ranks (heads, MLP and vocabulary split) | "
-                    "pipeline of 2 stages (1f1b schedule)"),
+    EXPECT_EQ(count_occurrences(r.output,
+                                "tensor parallel over 2 ranks (heads, MLP and vocabulary split) | "
+                                "pipeline of 2 stages (1f1b schedule)"),
               1)
         << r.output;
     const auto mesh = losses(dir + "/mesh/metrics.jsonl");
@@ -298,31 +291,34 @@ TEST(CliMpi, TensorParallelTrainsFromTheCommandLine) {
 // micro-batch whose tokens the ranks do not divide, is refused once.
 TEST(CliMpi, SequenceParallelTrainsFromTheCommandLine) {
     auto dir = memtrain::test::temp_dir("cli_mpi_sp");
-    const std::string cfg = tiny_config(dir, 4);
+    const std::string cfg = slow_config(dir, 4);
     auto one = memtrain::test::run_memtrain("train " + cfg + " --set io.out_dir=" + dir + "/one");
     ASSERT_EQ(one.code, 0) << one.output;
-    auto r = run("train " + cfg +
-                 " --set train.tp=2 train.sequence_parallel=true io.out_dir=" + dir + "/sp");
+    auto r = run_mpi("train " + cfg +
+                     " --set train.tp=2 train.sequence_parallel=true io.out_dir=" + dir + "/sp");
     ASSERT_EQ(r.code, 0) << r.output;
-    EXPECT_EQ(count(r.output, "tensor parallel over 2 ranks"), 1) << r.output;
-    EXPECT_EQ(count(r.output, "sequence parallel: norms and residual stream split by tokens"), 1)
+    EXPECT_EQ(count_occurrences(r.output, "tensor parallel over 2 ranks"), 1) << r.output;
+    EXPECT_EQ(
+        count_occurrences(r.output, "sequence parallel: norms and residual stream split by tokens"),
+        1)
         << r.output;
-    EXPECT_EQ(count(r.output, "sp row-parallel reduce-scatter (fwd)"), 1) << r.output;
-    EXPECT_EQ(count(r.output, "sp norm gradients all-reduce (step)"), 1) << r.output;
-    EXPECT_EQ(count(r.output, "row-parallel (fwd) x"), 0) << r.output;
+    EXPECT_EQ(count_occurrences(r.output, "sp row-parallel reduce-scatter (fwd)"), 1) << r.output;
+    EXPECT_EQ(count_occurrences(r.output, "sp norm gradients all-reduce (step)"), 1) << r.output;
+    EXPECT_EQ(count_occurrences(r.output, "row-parallel (fwd) x"), 0) << r.output;
     const auto want = losses(dir + "/one/metrics.jsonl"), got = losses(dir + "/sp/metrics.jsonl");
     ASSERT_EQ(want.size(), 4u);
     ASSERT_EQ(got.size(), want.size());
     for (const auto& [step, loss] : want)
         EXPECT_NEAR(std::stod(got.at(step)), std::stod(loss), 1e-5 * std::stod(loss)) << step;
-    r = run("train " + cfg + " --set train.sequence_parallel=true");
+    r = run_mpi("train " + cfg + " --set train.sequence_parallel=true");
     EXPECT_NE(r.code, 0) << r.output;
-    EXPECT_EQ(count(r.output, "train.sequence_parallel = true needs train.tp > 1"), 1) << r.output;
-    r = run("train " + cfg +
-            " --set train.tp=2 train.sequence_parallel=true train.micro_batch_size=1 "
-            "train.seq_len=31");
+    EXPECT_EQ(count_occurrences(r.output, "train.sequence_parallel = true needs train.tp > 1"), 1)
+        << r.output;
+    r = run_mpi("train " + cfg +
+                " --set train.tp=2 train.sequence_parallel=true train.micro_batch_size=1 "
+                "train.seq_len=31");
     EXPECT_NE(r.code, 0) << r.output;
-    EXPECT_EQ(count(r.output, "needs the micro-batch's tokens"), 1) << r.output;
+    EXPECT_EQ(count_occurrences(r.output, "needs the micro-batch's tokens"), 1) << r.output;
 }
 
 // `memtrain plan --emit-config` for two GPUs small enough that the best plan shards with ZeRO,
@@ -330,7 +326,7 @@ TEST(CliMpi, SequenceParallelTrainsFromTheCommandLine) {
 // it trains, at the planned ZeRO stage, and reports the planner's per-rank estimate.
 TEST(CliMpi, PlanEmittedConfigTrainsFromTheCommandLine) {
     auto dir = memtrain::test::temp_dir("cli_mpi_plan_emit");
-    tiny_config(dir, 2);  // the shard
+    slow_config(dir, 2);  // the shard
     write_file(dir + "/m.toml",
                "[model]\nn_layer = 4\nn_head = 4\nn_embd = 32\nblock_size = 16\nvocab_size = 50\n"
                "vocab_pad = 16\n");
@@ -341,17 +337,17 @@ TEST(CliMpi, PlanEmittedConfigTrainsFromTheCommandLine) {
                                           dir + "/plan.toml");
     ASSERT_EQ(p.code, 0) << p.output;
     const std::string emitted = read_file(dir + "/plan.toml");
-    EXPECT_EQ(count(emitted, "zero_stage = 0"), 0) << emitted;
-    EXPECT_EQ(count(emitted, "mpirun -np 2"), 1) << emitted;
-    auto r = run("train " + dir + "/plan.toml --set data.train=" + dir +
-                 "/train.bin train.max_steps=2 train.eval_every=0 train.device=cpu "
-                 "sample.max_tokens=0 io.save_final=false io.out_dir=" +
-                 dir + "/out");
+    EXPECT_EQ(count_occurrences(emitted, "zero_stage = 0"), 0) << emitted;
+    EXPECT_EQ(count_occurrences(emitted, "mpirun -np 2"), 1) << emitted;
+    auto r = run_mpi("train " + dir + "/plan.toml --set data.train=" + dir +
+                     "/train.bin train.max_steps=2 train.eval_every=0 train.device=cpu "
+                     "sample.max_tokens=0 io.save_final=false io.out_dir=" +
+                     dir + "/out");
     ASSERT_EQ(r.code, 0) << r.output;
     EXPECT_EQ(losses(dir + "/out/metrics.jsonl").size(), 2u) << r.output;
     const auto at = emitted.find("zero_stage = ");
     ASSERT_NE(at, std::string::npos) << emitted;
     const std::string stage = emitted.substr(at + 13, 1);  // as planned
-    EXPECT_EQ(count(r.output, "x 2 ranks (ZeRO stage " + stage + ")"), 1) << r.output;
-    EXPECT_EQ(count(r.output, "planner estimate (per rank)"), 1) << r.output;
+    EXPECT_EQ(count_occurrences(r.output, "x 2 ranks (ZeRO stage " + stage + ")"), 1) << r.output;
+    EXPECT_EQ(count_occurrences(r.output, "planner estimate (per rank)"), 1) << r.output;
 }

@@ -35,16 +35,8 @@ Shell memtrain_cmd(const std::string& args) {
     return memtrain::test::run_memtrain(args);
 }
 
-void write_text(const std::string& path, const std::string& text) {
-    std::ofstream(path, std::ios::binary) << text;
-}
-
-std::string read_text(const std::string& path) {
-    std::ifstream in(path, std::ios::binary);
-    std::stringstream ss;
-    ss << in.rdbuf();
-    return ss.str();
-}
+using memtrain::test::read_file;
+using memtrain::test::write_file;
 
 // The element whose id is `id`, from its start tag to the matching close tag of its name
 // (the charts and tables hold no nested element of their own name).
@@ -103,7 +95,8 @@ std::string text_of_id(const std::string& dom, const std::string& id) {
     return "";
 }
 
-std::string corpus() {
+// Four famous first lines, four to a document.
+std::string report_corpus() {
     const char* lines[] = {
         "It was the best of times, it was the worst of times.\n",
         "Call me Ishmael. Some years ago, never mind how long precisely.\n",
@@ -126,9 +119,9 @@ TEST(ReportCli, TrainingRunRendersInHeadlessChromium) {
     const std::string chromium = which.output.substr(0, which.output.find('\n'));
 
     const auto dir = memtrain::test::temp_dir("report_e2e");
-    Shell r = memtrain::test::tokenize_corpus(dir, corpus(), 300);
+    Shell r = memtrain::test::tokenize_corpus(dir, report_corpus(), 300);
     ASSERT_EQ(r.code, 0) << r.output;
-    write_text(dir + "/run.toml",
+    write_file(dir + "/run.toml",
                "[model]\nn_layer = 2\nn_head = 2\nn_embd = 32\nblock_size = 32\nvocab_size = 300\n"
                "[train]\nseq_len = 32\nbatch_size = 4\nmicro_batch_size = 2\nmax_steps = 7\n"
                "eval_every = 3\neval_batches = 1\n"
@@ -148,7 +141,7 @@ TEST(ReportCli, TrainingRunRendersInHeadlessChromium) {
     // What the run recorded, read independently of the report's parser.
     std::vector<nlohmann::json> steps, vals;
     {
-        std::istringstream in(read_text(out + "/metrics.jsonl"));
+        std::istringstream in(read_file(out + "/metrics.jsonl"));
         std::string line;
         while (std::getline(in, line)) {
             auto j = nlohmann::json::parse(line);
@@ -157,7 +150,7 @@ TEST(ReportCli, TrainingRunRendersInHeadlessChromium) {
     }
     ASSERT_EQ(steps.size(), 7u);
     ASSERT_EQ(vals.size(), 3u);  // steps 3, 6 and the last
-    const auto memory = nlohmann::json::parse(read_text(out + "/memory.json"));
+    const auto memory = nlohmann::json::parse(read_file(out + "/memory.json"));
 
     const std::string profile = dir + "/chromium";
     fs::create_directories(profile);
@@ -166,7 +159,7 @@ TEST(ReportCli, TrainingRunRendersInHeadlessChromium) {
               " --headless --no-sandbox --disable-gpu --no-first-run "
               "--user-data-dir=" +
               profile + "/data --dump-dom file://" + page + " 2>" + profile + "/stderr.log");
-    ASSERT_EQ(dom_run.code, 0) << read_text(profile + "/stderr.log");
+    ASSERT_EQ(dom_run.code, 0) << read_file(profile + "/stderr.log");
     const std::string& dom = dom_run.output;
     ASSERT_NE(dom.find("memtrain run report"), std::string::npos) << dom.substr(0, 500);
 
@@ -265,7 +258,7 @@ TEST(ReportCli, BadRunDirectoriesGiveOneLine) {
     EXPECT_EQ(r.code, 1);
     EXPECT_NE(r.output.find("no metrics.jsonl"), std::string::npos) << r.output;
     // A broken line before the last is an error naming it, and no page is written.
-    write_text(dir + "/metrics.jsonl",
+    write_file(dir + "/metrics.jsonl",
                "{\"step\": 1, \"loss\": 2.0}\n{\"step\": 2, \"lo\n{\"step\": 3, \"loss\": 1.0}\n");
     r = memtrain_cmd("report " + dir);
     EXPECT_EQ(r.code, 1);
@@ -274,7 +267,7 @@ TEST(ReportCli, BadRunDirectoriesGiveOneLine) {
     EXPECT_FALSE(fs::exists(dir + "/report.html"));
     // A torn last line (a run killed while writing it) is skipped, and the report says so
     // (docs/report.md).
-    write_text(dir + "/metrics.jsonl", "{\"step\": 1, \"loss\": 2.0}\n{\"step\": 2, \"lo");
+    write_file(dir + "/metrics.jsonl", "{\"step\": 1, \"loss\": 2.0}\n{\"step\": 2, \"lo");
     r = memtrain_cmd("report " + dir);
     EXPECT_EQ(r.code, 0) << r.output;
     EXPECT_NE(r.output.find(dir + "/metrics.jsonl:2: the last line is incomplete"),

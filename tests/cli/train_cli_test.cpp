@@ -26,21 +26,21 @@ using namespace std::chrono_literals;
 namespace {
 
 using memtrain::test::Child;
-using Result = memtrain::test::CliResult;
+using memtrain::test::CliResult;
 using memtrain::test::read_file;
+using memtrain::test::slow_config;
 using memtrain::test::write_file;
 
-const std::string kBin = std::string(MT_BINARY_DIR) + "/memtrain";
-
 // Runs memtrain to completion (at most 120 s), in `cwd` if given, on one thread.
-Result run(const std::string& args, const std::string& cwd = "") {
+CliResult run_in_dir(const std::string& args, const std::string& cwd = "") {
     return memtrain::test::run_command((cwd.empty() ? "" : "cd " + cwd + " && ") +
                                        "OMP_NUM_THREADS=1 timeout -k 5 120 " + MT_BINARY_DIR +
                                        "/memtrain " + args);
 }
 
-// step -> the loss as metrics.jsonl prints it (the text, so equal means the same bits printed).
-std::map<int, std::string> losses(const std::string& metrics) {
+// step -> the loss as metrics.jsonl prints it (the text, so equal means the same bits printed);
+// a step logged twice fails the test.
+std::map<int, std::string> losses_logged_once(const std::string& metrics) {
     std::map<int, std::string> out;
     static const std::regex line(R"(\{"step": (\d+), "loss": ([-0-9.e]+),)");
     std::istringstream in(read_file(metrics));
@@ -67,53 +67,37 @@ bool wait_for_lines(const std::string& file, const std::string& what, int n) {
     return false;
 }
 
-// A run a few milliseconds a step, long enough to be signalled in the middle; no validation.
-std::string slow_config(const std::string& dir, int steps, int width = 64) {
-    using memtrain::test::patterned_tokens;
-    memtrain::data::write_shard(dir + "/train.bin", patterned_tokens(1 << 16, 50, 1), 50);
-    write_file(dir + "/run.toml",
-               "[model]\nn_layer = 2\nn_head = 2\nn_embd = " + std::to_string(width) +
-                   "\nblock_size = 32\nvocab_size = 50\nvocab_pad = 16\n"
-                   "[train]\ndevice = \"cpu\"\nseq_len = 32\nbatch_size = 8\nmax_steps = " +
-                   std::to_string(steps) +
-                   "\neval_every = 0\n[optim]\nlr = 3e-3\nwarmup_steps = 2\n"
-                   "[data]\ntrain = \"train.bin\"\n[io]\nout_dir = \"" +
-                   dir +
-                   "/out\"\n"
-                   "[sample]\nmax_tokens = 0\n");
-    return dir + "/run.toml";
-}
-
 }  // namespace
 
 TEST(TrainCli, ResumeWithTheCheckpointsOwnConfig) {
     auto dir = memtrain::test::temp_dir("train_cli_resume");
     const std::string cfg = slow_config(dir, 6, 16);
-    auto r = run("train " + cfg + " --set io.out_dir=" + dir + "/full");
+    auto r = run_in_dir("train " + cfg + " --set io.out_dir=" + dir + "/full");
     ASSERT_EQ(r.code, 0) << r.output;
-    r = run("train " + cfg + " --stop-after 3");
+    r = run_in_dir("train " + cfg + " --stop-after 3");
     ASSERT_EQ(r.code, 0) << r.output;
     // No CONFIG: the checkpoint's saved config (its paths absolute: any working directory).
     fs::create_directories(dir + "/elsewhere");
-    r = run("train --resume " + dir + "/out", dir + "/elsewhere");
+    r = run_in_dir("train --resume " + dir + "/out", dir + "/elsewhere");
     ASSERT_EQ(r.code, 0) << r.output;
     EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
-    auto want = losses(dir + "/full/metrics.jsonl"), got = losses(dir + "/out/metrics.jsonl");
+    auto want = losses_logged_once(dir + "/full/metrics.jsonl"),
+         got = losses_logged_once(dir + "/out/metrics.jsonl");
     ASSERT_EQ(want.size(), 6u);
     EXPECT_EQ(got, want);
     // --set over the checkpoint's config extends the run.
-    r = run("train --resume " + dir + "/out --set train.max_steps=8");
+    r = run_in_dir("train --resume " + dir + "/out --set train.max_steps=8");
     ASSERT_EQ(r.code, 0) << r.output;
     EXPECT_NE(r.output.find("step     8/8"), std::string::npos) << r.output;
     EXPECT_TRUE(fs::exists(dir + "/out/ckpt_000008/model.safetensors"));
     // A config file given too overrides the checkpoint's keys it sets, then --set.
     write_file(dir + "/more.toml", "[train]\nmax_steps = 9\nlog_every = 3\n");
-    r = run("train " + dir + "/more.toml --resume " + dir + "/out --print-config");
+    r = run_in_dir("train " + dir + "/more.toml --resume " + dir + "/out --print-config");
     ASSERT_EQ(r.code, 0) << r.output;
     EXPECT_NE(r.output.find("max_steps = 9\n"), std::string::npos) << r.output;
     EXPECT_NE(r.output.find("n_embd = 16\n"), std::string::npos) << r.output;
-    r = run("train " + dir + "/more.toml --resume " + dir +
-            "/out --set train.max_steps=10 --print-config");
+    r = run_in_dir("train " + dir + "/more.toml --resume " + dir +
+                   "/out --set train.max_steps=10 --print-config");
     EXPECT_NE(r.output.find("max_steps = 10\n"), std::string::npos) << r.output;
     EXPECT_NE(r.output.find("log_every = 3\n"), std::string::npos) << r.output;
 }
@@ -121,7 +105,7 @@ TEST(TrainCli, ResumeWithTheCheckpointsOwnConfig) {
 TEST(TrainCli, SigtermStopsWithACheckpointAndResumesExactly) {
     auto dir = memtrain::test::temp_dir("train_cli_sigterm");
     const std::string cfg = slow_config(dir, 60);
-    auto r = run("train " + cfg + " --set io.out_dir=" + dir + "/full");
+    auto r = run_in_dir("train " + cfg + " --set io.out_dir=" + dir + "/full");
     ASSERT_EQ(r.code, 0) << r.output;
     {
         Child c("train " + cfg, dir + "/log.txt");
@@ -136,14 +120,15 @@ TEST(TrainCli, SigtermStopsWithACheckpointAndResumesExactly) {
         EXPECT_NE(log.find("memtrain train --resume " + dir + "/out"), std::string::npos) << log;
         EXPECT_EQ(log.find("memory breakdown"), std::string::npos) << log;
     }
-    auto first = losses(dir + "/out/metrics.jsonl");
+    auto first = losses_logged_once(dir + "/out/metrics.jsonl");
     ASSERT_LT(first.size(), 60u) << "the run ended before the signal";
     const std::string latest = read_file(dir + "/out/latest");
     EXPECT_EQ(latest, "ckpt_" + std::string(6 - std::to_string(first.size()).size(), '0') +
                           std::to_string(first.size()) + "\n");
-    r = run("train --resume " + dir + "/out");
+    r = run_in_dir("train --resume " + dir + "/out");
     ASSERT_EQ(r.code, 0) << r.output;
-    EXPECT_EQ(losses(dir + "/out/metrics.jsonl"), losses(dir + "/full/metrics.jsonl"));
+    EXPECT_EQ(losses_logged_once(dir + "/out/metrics.jsonl"),
+              losses_logged_once(dir + "/full/metrics.jsonl"));
 }
 
 TEST(TrainCli, SecondSignalExitsAtOnceWithoutACheckpoint) {
@@ -172,55 +157,55 @@ TEST(TrainCli, ClearErrorsForConfigMistakes) {
     auto dir = memtrain::test::temp_dir("train_cli_errors");
     const std::string cfg = slow_config(dir, 2, 16);
     // No CONFIG and no --resume.
-    auto r = run("train");
+    auto r = run_in_dir("train");
     EXPECT_EQ(r.code, 1) << r.output;
     EXPECT_NE(r.output.find("needs a CONFIG"), std::string::npos) << r.output;
     // A directory as CONFIG; one holding a run points at --resume.
-    r = run("train " + dir);
+    r = run_in_dir("train " + dir);
     EXPECT_EQ(r.code, 1) << r.output;
     EXPECT_NE(r.output.find("is a directory; memtrain train expects a TOML file"),
               std::string::npos)
         << r.output;
-    ASSERT_EQ(run("train " + cfg).code, 0);
-    r = run("train " + dir + "/out");
+    ASSERT_EQ(run_in_dir("train " + cfg).code, 0);
+    r = run_in_dir("train " + dir + "/out");
     EXPECT_NE(r.output.find("memtrain train --resume " + dir + "/out"), std::string::npos)
         << r.output;
     // io.out_dir that cannot be created or written: the key, the path and the reason.
     write_file(dir + "/afile", "x");
-    r = run("train " + cfg + " --set io.out_dir=" + dir + "/afile/out");
+    r = run_in_dir("train " + cfg + " --set io.out_dir=" + dir + "/afile/out");
     EXPECT_EQ(r.code, 1) << r.output;
     EXPECT_NE(r.output.find("io.out_dir = \"" + dir + "/afile/out\": cannot create the directory"),
               std::string::npos)
         << r.output;
     EXPECT_NE(r.output.find("Not a directory"), std::string::npos) << r.output;
     EXPECT_EQ(r.output.find("internal error"), std::string::npos) << r.output;
-    r = run("train " + cfg + " --set io.out_dir=/proc/memtrain_out");
+    r = run_in_dir("train " + cfg + " --set io.out_dir=/proc/memtrain_out");
     EXPECT_EQ(r.code, 1) << r.output;
     EXPECT_NE(r.output.find("io.out_dir = \"/proc/memtrain_out\""), std::string::npos) << r.output;
     // Keys in the wrong section, or a misspelt section.
     write_file(dir + "/lr.toml", "[train]\nlr = 1e-3\n");
-    r = run("train " + dir + "/lr.toml");
+    r = run_in_dir("train " + dir + "/lr.toml");
     EXPECT_EQ(r.code, 1) << r.output;
     EXPECT_NE(r.output.find("unknown config key 'train.lr'; did you mean 'optim.lr'?"),
               std::string::npos)
         << r.output;
     write_file(dir + "/optimizer.toml", "[optimizer]\nlr = 1e-3\n");
-    r = run("train " + dir + "/optimizer.toml");
+    r = run_in_dir("train " + dir + "/optimizer.toml");
     EXPECT_NE(r.output.find("did you mean 'optim.lr'?"), std::string::npos) << r.output;
     EXPECT_NE(r.output.find("[optim]"), std::string::npos) << r.output;
     write_file(dir + "/empty_section.toml", "[optimizer]\n");
-    r = run("train " + dir + "/empty_section.toml");
+    r = run_in_dir("train " + dir + "/empty_section.toml");
     EXPECT_EQ(r.code, 1) << r.output;
     EXPECT_NE(r.output.find("unknown config section [optimizer]; did you mean [optim]?"),
               std::string::npos)
         << r.output;
-    r = run("train " + cfg + " --set trian.steps=3");
+    r = run_in_dir("train " + cfg + " --set trian.steps=3");
     EXPECT_EQ(r.code, 1) << r.output;
     EXPECT_NE(r.output.find("did you mean 'train.max_steps'?"), std::string::npos) << r.output;
 }
 
 TEST(TrainCli, VersionAndShortConfigPrintout) {
-    auto r = run("--version");
+    auto r = run_in_dir("--version");
     EXPECT_EQ(r.code, 0) << r.output;
     EXPECT_TRUE(std::regex_search(
         r.output,
@@ -228,7 +213,7 @@ TEST(TrainCli, VersionAndShortConfigPrintout) {
             R"(^memtrain \d+\.\d+\.\d+ \(git ([0-9a-f]{4,}|unknown), \w+, CUDA (on|off)\)\n$)")))
         << r.output;
     auto dir = memtrain::test::temp_dir("train_cli_table");
-    r = run("train " + slow_config(dir, 1, 16));
+    r = run_in_dir("train " + slow_config(dir, 1, 16));
     ASSERT_EQ(r.code, 0) << r.output;
     // The config printout: a few lines per section, at most 100 columns, every key there.
     const auto begin = r.output.find("config (");
@@ -242,7 +227,7 @@ TEST(TrainCli, VersionAndShortConfigPrintout) {
     EXPECT_LE(lines, 17) << table;
     for (const char* key : {"n_layer=2", "max_steps=1", "lr=0.003", "out_dir=", "top_k=40"})
         EXPECT_NE(table.find(key), std::string::npos) << key << "\n" << table;
-    r = run("train " + dir + "/run.toml --print-config");
+    r = run_in_dir("train " + dir + "/run.toml --print-config");
     ASSERT_EQ(r.code, 0) << r.output;
     EXPECT_NE(r.output.find("[model]\nn_layer = 2\n"), std::string::npos) << r.output;
     EXPECT_EQ(r.output.find("step "), std::string::npos) << "--print-config does not train";

@@ -158,6 +158,17 @@ template <typename T>
 inline const char* type_name() {
     return cuda::precision_name<T>();
 }
+// Unit roundoff of T: half the distance from 1 to the next value (bf16 keeps 8 significant bits,
+// fp16 11).
+template <typename T>
+inline double unit_roundoff() {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>)
+        return 1.0 / 256;
+    else if constexpr (std::is_same_v<T, __half>)
+        return 1.0 / 2048;
+    else
+        return 1.0 / (1 << 24);
+}
 
 }  // namespace memtrain::test
 #endif

@@ -29,16 +29,6 @@ using namespace memtrain::test;
 
 namespace {
 
-template <typename T>
-double unit_roundoff() {
-    if constexpr (std::is_same_v<T, __nv_bfloat16>)
-        return 1.0 / 256;
-    else if constexpr (std::is_same_v<T, __half>)
-        return 1.0 / 2048;
-    else
-        return 1.0 / (1 << 24);
-}
-
 double download_double(const DeviceBuffer<double>& d) {
     return download(d)[0];
 }

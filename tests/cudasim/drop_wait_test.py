@@ -37,20 +37,25 @@ SCENARIOS = {
 }
 
 
-def command(build, mpiexec, scenario):
+def command(build, mpiexec, scenario, fail_fast=False):
     binary, gfilter, ranks = SCENARIOS[scenario]
     argv = [os.path.join(build, binary), '--gtest_filter=' + gfilter]
+    # A mutant is caught at its first failed assertion: one process stops there (under mpirun
+    # the other ranks would wait for it in a collective until the communication timeout).
+    if fail_fast and not ranks:
+        argv.append('--gtest_fail_fast')
     if ranks:
         argv = [mpiexec, '--oversubscribe', '--allow-run-as-root', '-np', str(ranks)] + argv
     return argv
 
 
-def run(build, mpiexec, scenario, env_extra, timeout):
+def run(build, mpiexec, scenario, env_extra, timeout, fail_fast=False):
     env = dict(os.environ, OMP_NUM_THREADS='1', MEMTRAIN_COMM_TIMEOUT_S='30',
                ASAN_OPTIONS='detect_leaks=0', **env_extra)
     t0 = time.time()
     try:
-        p = subprocess.run(command(build, mpiexec, scenario), env=env, stdout=subprocess.PIPE,
+        p = subprocess.run(command(build, mpiexec, scenario, fail_fast), env=env,
+                           stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, timeout=timeout, text=True, errors='replace')
         return p.returncode, p.stdout, time.time() - t0
     except subprocess.TimeoutExpired as e:
@@ -206,15 +211,17 @@ def main():
             print('  redundant  %s\n          %s' % (line, why_redundant[line]))
             continue
         caught = None
+        t0, runs = time.time(), 0
         # The quickest scenario first; each under the seeds in turn until one fails.
         tries = sorted((took[s], s, key) for key in keys for s in sites[key]
                        if SCENARIOS[s][0] == os.path.basename(key[0]))
         for seed in SEEDS:
             for _, s, key in tries:
+                runs += 1
                 rc, out, secs = run(args.build, args.mpiexec, s,
                                     {'MEMTRAIN_SIM_DROP_WAIT': 'site:%#x' % key[1],
                                      'MEMTRAIN_SIM_SEED': str(seed)},
-                                    args.timeout or max(60, 5 * took[s]))
+                                    args.timeout or max(60, 5 * took[s]), fail_fast=True)
                 if rc != 0:
                     caught = (s, seed, rc)
                     break
@@ -222,7 +229,8 @@ def main():
                 break
         if caught:
             how = 'timed out' if caught[2] == 'timeout' else 'failed'
-            print('  caught  %s\n          %s %s under seed %d' % (line, caught[0], how, caught[1]))
+            print('  caught  %s\n          %s %s under seed %d (%d runs, %.0f s)' %
+                  (line, caught[0], how, caught[1], runs, time.time() - t0))
         elif line in why_redundant:
             print('  redundant  %s (no scenario fails without it, as listed)' % line)
         else:

@@ -17,16 +17,9 @@ namespace memtrain::data {
 namespace {
 
 namespace fs = std::filesystem;
+using testing::read_file;
 using testing::scratch_dir;
-
-std::string read_bytes(const fs::path& p) {
-    std::ifstream in(p, std::ios::binary);
-    return std::string((std::istreambuf_iterator<char>(in)), {});
-}
-
-void write_bytes(const fs::path& p, const std::string& bytes) {
-    testing::write_file(p, bytes);
-}
+using testing::write_file;
 
 // Expects construction to throw memtrain::Error whose message contains `needle`.
 void expect_error(const fs::path& p, const std::string& needle) {
@@ -69,7 +62,7 @@ TEST(Shard, RoundTripU32AndHeaderLayout) {
     const std::vector<uint32_t> tokens{0, 65536, 100000, 3};
     const auto path = dir / "b.bin";
     write_shard(path.string(), tokens, 100001, 0x0123456789abcdefull);
-    const std::string bytes = read_bytes(path);
+    const std::string bytes = read_file(path);
     ASSERT_EQ(bytes.size(), 64u + 4 * tokens.size());
     EXPECT_EQ(bytes.substr(0, 8), "MTTOKENS");
     auto u32 = [&](size_t off) {
@@ -116,44 +109,44 @@ TEST(Shard, CorruptFilesGiveClearErrors) {
     const auto dir = scratch_dir();
     const auto good = dir / "good.bin";
     write_shard(good.string(), std::vector<uint32_t>{1, 2, 3, 4}, 100);
-    const std::string bytes = read_bytes(good);
+    const std::string bytes = read_file(good);
     const auto bad = dir / "bad.bin";
 
     expect_error(dir / "missing.bin", "does not exist");
-    write_bytes(bad, bytes.substr(0, 10));
+    write_file(bad, bytes.substr(0, 10));
     expect_error(bad, "smaller than the 64-byte header");
     std::string b = bytes;
     b[0] = 'X';
-    write_bytes(bad, b);
+    write_file(bad, b);
     expect_error(bad, "not a memtrain token shard: bad magic");
     b = bytes;
     b[8] = 3;
-    write_bytes(bad, b);
+    write_file(bad, b);
     expect_error(bad, "version 3");
     b = bytes;
     b[30] = 1;
-    write_bytes(bad, b);
+    write_file(bad, b);
     expect_error(bad, "reserved header bytes 28-31");
     b = bytes;
     b[12] = 4;
-    write_bytes(bad, b);
+    write_file(bad, b);
     expect_error(bad, "4 bytes per token; expected 2");
-    write_bytes(bad, bytes.substr(0, bytes.size() - 1));
+    write_file(bad, bytes.substr(0, bytes.size() - 1));
     expect_error(
         bad, "truncated: the header says 4 tokens, so 72 bytes are expected, but the file has 71");
-    write_bytes(bad, bytes + "xx");
+    write_file(bad, bytes + "xx");
     expect_error(bad, "too long");
     b = bytes;
     b[64 + 2 * 2] = 100;  // token index 2 becomes 100 == vocab size
-    write_bytes(bad, b);
+    write_file(bad, b);
     expect_error(bad, "token 100 at index 2");
     b = bytes;
     b[16 + 7] = 0x7f;  // absurd token count
-    write_bytes(bad, b);
+    write_file(bad, b);
     expect_error(bad, "token shard");
     b = bytes;
     b[40] = 1;
-    write_bytes(bad, b);
+    write_file(bad, b);
     expect_error(bad, "reserved header byte 40");
     fs::remove_all(dir);
 }
@@ -164,14 +157,14 @@ TEST(Shard, ReadsVersion1WithoutFingerprint) {
     const auto dir = scratch_dir();
     const auto path = dir / "v1.bin";
     write_shard(path.string(), std::vector<uint32_t>{5, 6, 7}, 10);
-    std::string b = read_bytes(path);
+    std::string b = read_file(path);
     b[8] = 1;
-    write_bytes(path, b);
+    write_file(path, b);
     const TokenShard s(path.string());
     EXPECT_EQ(s.size(), 3u);
     EXPECT_EQ(s.tokenizer_fingerprint(), std::nullopt);
     b[33] = 1;
-    write_bytes(path, b);
+    write_file(path, b);
     expect_error(path, "reserved header byte 33");
     fs::remove_all(dir);
 }

@@ -22,18 +22,8 @@ namespace {
 
 namespace fs = std::filesystem;
 
-void run_cli(const std::string& command_line) {
-    CLI::App app{"memtrain"};
-    app.require_subcommand(1);
-    cli::register_tokenize(app);
-    app.parse(command_line, false);
-}
-
-TrainOptions quiet() {
-    TrainOptions o;
-    o.quiet = true;
-    return o;
-}
+using test::quiet;
+using testing::run_cli;
 
 std::vector<std::string> docs(const std::string& word) {
     std::vector<std::string> out;
@@ -68,7 +58,8 @@ Fixture make_fixture(const std::string& name) {
     return s;
 }
 
-std::string error_of(const RunConfig& cfg) {
+// The message of the Error constructing a Trainer for `cfg` throws ("" if none).
+std::string trainer_error(const RunConfig& cfg) {
     try {
         Trainer t(cfg, quiet());
     } catch (const Error& e) {
@@ -86,13 +77,13 @@ TEST(TokenizerShardCheck, SameTokenizerTrains) {
     const std::string copy = s.dir + "/copy.json";
     Tokenizer::load(s.tok_a).save(copy);
     s.cfg.data.tokenizer = copy;
-    EXPECT_EQ(error_of(s.cfg), "");
+    EXPECT_EQ(trainer_error(s.cfg), "");
 }
 
 TEST(TokenizerShardCheck, OtherTokenizerIsRefused) {
     Fixture s = make_fixture("shard_check_other");
     s.cfg.data.tokenizer = s.tok_b;
-    const std::string m = error_of(s.cfg);
+    const std::string m = trainer_error(s.cfg);
     ASSERT_NE(m, "");
     EXPECT_NE(m.find(s.dir + "/train.bin"), std::string::npos) << m;
     EXPECT_NE(m.find(s.tok_b), std::string::npos) << m;
@@ -109,20 +100,20 @@ TEST(TokenizerShardCheck, OldShardsAreCheckedByVocabSize) {
     write_shard(s.dir + "/train.bin", tokens, 300);
     write_shard(s.dir + "/val.bin", tokens, 300);
     s.cfg.data.tokenizer = s.tok_b;  // same vocab size: cannot be told apart, accepted
-    EXPECT_EQ(error_of(s.cfg), "");
+    EXPECT_EQ(trainer_error(s.cfg), "");
 
     const std::string big = s.dir + "/big.json";
     Tokenizer::train(docs("fox"), 310).save(big);
     s.cfg.model.vocab_size = 320;
     s.cfg.data.tokenizer = big;
-    std::string m = error_of(s.cfg);
+    std::string m = trainer_error(s.cfg);
     EXPECT_NE(m.find("vocab size 300"), std::string::npos) << m;
     EXPECT_NE(m.find(big), std::string::npos) << m;
     EXPECT_NE(m.find("memtrain tokenize"), std::string::npos) << m;
 
     s.cfg.data.tokenizer.clear();
     s.cfg.model.vocab_size = 200;
-    m = error_of(s.cfg);
+    m = trainer_error(s.cfg);
     EXPECT_NE(m.find("larger than model.vocab_size"), std::string::npos) << m;
 }
 

@@ -1,4 +1,5 @@
-// Helpers shared by the data tests: a per-test scratch directory and the GPT-2 file location.
+// Helpers shared by the data tests: a per-test scratch directory, file helpers, the tokenize
+// commands in-process and the GPT-2 file location.
 #pragma once
 
 #include <filesystem>
@@ -7,6 +8,9 @@
 
 #include <gtest/gtest.h>
 #include <unistd.h>
+#include <CLI/CLI.hpp>
+
+#include "cli/commands.h"
 
 namespace memtrain::data::testing {
 
@@ -24,6 +28,21 @@ inline std::filesystem::path scratch_dir() {
 inline void write_file(const std::filesystem::path& path, const std::string& text) {
     std::ofstream out(path, std::ios::binary);
     out << text;
+}
+
+// The whole file's bytes ("" if it cannot be read).
+inline std::string read_file(const std::filesystem::path& path) {
+    std::ifstream in(path, std::ios::binary);
+    return std::string((std::istreambuf_iterator<char>(in)), {});
+}
+
+// Parses `command_line` ("tokenize ..." or "tokenizer ...") as memtrain's tokenize commands and
+// runs it in this process.
+inline void run_cli(const std::string& command_line) {
+    CLI::App app{"memtrain"};
+    app.require_subcommand(1);
+    cli::register_tokenize(app);
+    app.parse(command_line, false);
 }
 
 inline std::string gpt2_dir() {

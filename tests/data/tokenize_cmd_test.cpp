@@ -20,23 +20,14 @@ namespace {
 
 namespace fs = std::filesystem;
 
-void run_cli(const std::string& command_line) {
-    CLI::App app{"memtrain"};
-    app.require_subcommand(1);
-    cli::register_tokenize(app);
-    app.parse(command_line, false);
-}
+using testing::read_file;
+using testing::run_cli;
 
 std::vector<uint32_t> all_tokens(const fs::path& p) {
     TokenShard s(p.string());
     std::vector<uint32_t> out(s.size());
     if (!out.empty()) s.read(0, out.size(), out.data());
     return out;
-}
-
-std::string read_bytes(const fs::path& p) {
-    std::ifstream in(p, std::ios::binary);
-    return std::string((std::istreambuf_iterator<char>(in)), {});
 }
 
 TEST(TokenizerCli, TrainAndTokenizeCorpus) {
@@ -86,9 +77,9 @@ TEST(TokenizerCli, TrainAndTokenizeCorpus) {
     EXPECT_EQ(got, docs);
 
     // Same inputs and seed: the same bytes.
-    const std::string train_bytes = read_bytes(out / "train.bin");
+    const std::string train_bytes = read_file(out / "train.bin");
     run_cli(cmd);
-    EXPECT_EQ(read_bytes(out / "train.bin"), train_bytes);
+    EXPECT_EQ(read_file(out / "train.bin"), train_bytes);
 
     EXPECT_THROW(run_cli(fmt::format("tokenize --tokenizer {} --out {} {}", tok_path.string(),
                                      out.string(), (dir / "missing.txt").string())),

@@ -23,15 +23,14 @@ namespace {
 
 namespace fs = std::filesystem;
 
-using Result = test::CliResult;
-
-Result run_memtrain(const std::string& args, const std::string& stdin_text = "") {
+// memtrain ARGS, with `stdin_text` (if any) on its standard input.
+test::CliResult run_with_stdin(const std::string& args, const std::string& stdin_text = "") {
     if (stdin_text.empty()) return test::run_memtrain(args);
     return test::run_command("printf '%s' '" + stdin_text + "' | timeout -k 5 120 " +
                              std::string(MT_BINARY_DIR) + "/memtrain " + args);
 }
 
-std::string corpus() {
+std::string fortune_corpus() {
     std::string s;
     for (int i = 0; i < 80; ++i) {
         s += "Fortune " + std::to_string(i) + ": the early bird gets the worm, it's said.\n%\n";
@@ -47,15 +46,15 @@ std::vector<uint32_t> shard_tokens(const TokenShard& s) {
 
 TEST(TokenizerCliCommands, EncodeDecodeInfo) {
     const auto dir = testing::scratch_dir();
-    testing::write_file(dir / "corpus.txt", corpus());
+    testing::write_file(dir / "corpus.txt", fortune_corpus());
     const std::string tok_path = (dir / "tok.json").string();
     auto r =
-        run_memtrain(fmt::format("tokenizer train --vocab-size 300 --doc-separator % --out {} {}",
-                                 tok_path, (dir / "corpus.txt").string()));
+        run_with_stdin(fmt::format("tokenizer train --vocab-size 300 --doc-separator % --out {} {}",
+                                   tok_path, (dir / "corpus.txt").string()));
     ASSERT_EQ(r.code, 0) << r.output;
     const Tokenizer tok = Tokenizer::load(tok_path);
 
-    r = run_memtrain(fmt::format("tokenizer encode --tokenizer {} \"the early bird\"", tok_path));
+    r = run_with_stdin(fmt::format("tokenizer encode --tokenizer {} \"the early bird\"", tok_path));
     ASSERT_EQ(r.code, 0) << r.output;
     std::string expected_ids;
     for (uint32_t id : tok.encode("the early bird")) {
@@ -65,31 +64,31 @@ TEST(TokenizerCliCommands, EncodeDecodeInfo) {
     EXPECT_EQ(r.output, expected_ids + "\n");
 
     // Ids as arguments, then the same on stdin (any whitespace between them).
-    r = run_memtrain(fmt::format("tokenizer decode --tokenizer {} {}", tok_path, expected_ids));
+    r = run_with_stdin(fmt::format("tokenizer decode --tokenizer {} {}", tok_path, expected_ids));
     EXPECT_EQ(r.code, 0) << r.output;
     EXPECT_EQ(r.output, "the early bird\n");
     std::string stdin_ids = expected_ids;
     for (char& c : stdin_ids) {
         if (c == ' ') c = '\n';
     }
-    r = run_memtrain(fmt::format("tokenizer decode --tokenizer {}", tok_path),
-                     "  " + stdin_ids + "\n");
+    r = run_with_stdin(fmt::format("tokenizer decode --tokenizer {}", tok_path),
+                       "  " + stdin_ids + "\n");
     EXPECT_EQ(r.code, 0) << r.output;
     EXPECT_EQ(r.output, "the early bird\n");
 
-    r = run_memtrain(fmt::format("tokenizer decode --tokenizer {} 5 12x 7", tok_path));
+    r = run_with_stdin(fmt::format("tokenizer decode --tokenizer {} 5 12x 7", tok_path));
     EXPECT_EQ(r.code, 1) << r.output;
     EXPECT_NE(r.output.find("'12x' is not a token id"), std::string::npos) << r.output;
-    r = run_memtrain(fmt::format("tokenizer decode --tokenizer {} 5 300", tok_path));
+    r = run_with_stdin(fmt::format("tokenizer decode --tokenizer {} 5 300", tok_path));
     EXPECT_EQ(r.code, 1) << r.output;
     EXPECT_NE(r.output.find("token id 300 is out of range; the vocab size is 300"),
               std::string::npos)
         << r.output;
-    r = run_memtrain(fmt::format("tokenizer decode --tokenizer {}", tok_path), "1 -2");
+    r = run_with_stdin(fmt::format("tokenizer decode --tokenizer {}", tok_path), "1 -2");
     EXPECT_EQ(r.code, 1) << r.output;
     EXPECT_NE(r.output.find("'-2'"), std::string::npos) << r.output;
 
-    r = run_memtrain(fmt::format("tokenizer info --tokenizer {}", tok_path));
+    r = run_with_stdin(fmt::format("tokenizer info --tokenizer {}", tok_path));
     ASSERT_EQ(r.code, 0) << r.output;
     for (const std::string& line :
          {std::string("vocab size    300\n"), fmt::format("merges        {}\n", tok.num_merges()),
@@ -98,7 +97,8 @@ TEST(TokenizerCliCommands, EncodeDecodeInfo) {
           fmt::format("fingerprint   {:016x}\n", tok.fingerprint())}) {
         EXPECT_NE(r.output.find(line), std::string::npos) << line << "\nin:\n" << r.output;
     }
-    r = run_memtrain(fmt::format("tokenizer info --tokenizer {}", (dir / "missing.json").string()));
+    r = run_with_stdin(
+        fmt::format("tokenizer info --tokenizer {}", (dir / "missing.json").string()));
     EXPECT_EQ(r.code, 1) << r.output;
     fs::remove_all(dir);
 }
@@ -107,7 +107,7 @@ TEST(TokenizerCliCommands, EncodeDecodeInfo) {
 // <|end_of_text|>, and both shards carry the tokenizer's fingerprint.
 TEST(TokenizerCliCommands, TokenizeWithLlama3Tokenizer) {
     const auto dir = testing::scratch_dir();
-    testing::write_file(dir / "corpus.txt", corpus());
+    testing::write_file(dir / "corpus.txt", fortune_corpus());
     std::vector<std::string> docs;
     for (int i = 0; i < 80; ++i) {
         docs.push_back("Fortune " + std::to_string(i) +
@@ -120,7 +120,7 @@ TEST(TokenizerCliCommands, TokenizeWithLlama3Tokenizer) {
     const Tokenizer tok = Tokenizer::load(tok_path);
     const uint32_t bos = layout.first_special, eot = bos + 1;
 
-    auto r = run_memtrain(fmt::format("tokenizer info --tokenizer {}", tok_path));
+    auto r = run_with_stdin(fmt::format("tokenizer info --tokenizer {}", tok_path));
     ASSERT_EQ(r.code, 0) << r.output;
     EXPECT_NE(r.output.find("pre-tokenizer llama3 (ignore_merges)\n"), std::string::npos)
         << r.output;
@@ -137,14 +137,14 @@ TEST(TokenizerCliCommands, TokenizeWithLlama3Tokenizer) {
         if (!ids.empty()) ids += ' ';
         ids += std::to_string(id);
     }
-    r = run_memtrain(fmt::format(
+    r = run_with_stdin(fmt::format(
         "tokenizer encode --add-special-tokens --tokenizer {} \"the early bird\"", tok_path));
     EXPECT_EQ(r.code, 0) << r.output;
     EXPECT_EQ(r.output, ids + '\n');
     EXPECT_EQ(r.output.substr(0, r.output.find(' ')), std::to_string(bos));
 
     const auto out = dir / "shards";
-    r = run_memtrain(
+    r = run_with_stdin(
         fmt::format("tokenize --tokenizer {} --out {} --doc-separator % --val-fraction 0.2 {}",
                     tok_path, out.string(), (dir / "corpus.txt").string()));
     ASSERT_EQ(r.code, 0) << r.output;

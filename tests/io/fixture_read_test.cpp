@@ -12,40 +12,45 @@
 #include <string>
 #include <vector>
 
+#include "cli/cli_util.h"
 #include "io/safetensors.h"
+#include "test_util.h"
 
 using namespace memtrain;
 
 namespace {
 
-constexpr int V = 96, BLOCK = 32, L = 2, NH = 4, C = 64, B = 2, T = 16;
+using test::kFixtureBatch;
+using test::kFixtureBlock;
+using test::kFixtureEmbd;
+using test::kFixtureHeads;
+using test::kFixtureLayers;
+using test::kFixtureSeq;
+using test::kFixtureVocab;
+using test::read_f32_tensor;
 
 std::vector<std::pair<std::string, std::vector<int64_t>>> hf_params() {
-    std::vector<std::pair<std::string, std::vector<int64_t>>> p = {{"wte.weight", {V, C}},
-                                                                   {"wpe.weight", {BLOCK, C}}};
-    for (int i = 0; i < L; i++) {
+    std::vector<std::pair<std::string, std::vector<int64_t>>> p = {
+        {"wte.weight", {kFixtureVocab, kFixtureEmbd}},
+        {"wpe.weight", {kFixtureBlock, kFixtureEmbd}}};
+    for (int i = 0; i < kFixtureLayers; i++) {
         std::string h = "h." + std::to_string(i) + ".";
-        p.push_back({h + "ln_1.weight", {C}});
-        p.push_back({h + "ln_1.bias", {C}});
-        p.push_back({h + "attn.c_attn.weight", {C, 3 * C}});
-        p.push_back({h + "attn.c_attn.bias", {3 * C}});
-        p.push_back({h + "attn.c_proj.weight", {C, C}});
-        p.push_back({h + "attn.c_proj.bias", {C}});
-        p.push_back({h + "ln_2.weight", {C}});
-        p.push_back({h + "ln_2.bias", {C}});
-        p.push_back({h + "mlp.c_fc.weight", {C, 4 * C}});
-        p.push_back({h + "mlp.c_fc.bias", {4 * C}});
-        p.push_back({h + "mlp.c_proj.weight", {4 * C, C}});
-        p.push_back({h + "mlp.c_proj.bias", {C}});
+        p.push_back({h + "ln_1.weight", {kFixtureEmbd}});
+        p.push_back({h + "ln_1.bias", {kFixtureEmbd}});
+        p.push_back({h + "attn.c_attn.weight", {kFixtureEmbd, 3 * kFixtureEmbd}});
+        p.push_back({h + "attn.c_attn.bias", {3 * kFixtureEmbd}});
+        p.push_back({h + "attn.c_proj.weight", {kFixtureEmbd, kFixtureEmbd}});
+        p.push_back({h + "attn.c_proj.bias", {kFixtureEmbd}});
+        p.push_back({h + "ln_2.weight", {kFixtureEmbd}});
+        p.push_back({h + "ln_2.bias", {kFixtureEmbd}});
+        p.push_back({h + "mlp.c_fc.weight", {kFixtureEmbd, 4 * kFixtureEmbd}});
+        p.push_back({h + "mlp.c_fc.bias", {4 * kFixtureEmbd}});
+        p.push_back({h + "mlp.c_proj.weight", {4 * kFixtureEmbd, kFixtureEmbd}});
+        p.push_back({h + "mlp.c_proj.bias", {kFixtureEmbd}});
     }
-    p.push_back({"ln_f.weight", {C}});
-    p.push_back({"ln_f.bias", {C}});
+    p.push_back({"ln_f.weight", {kFixtureEmbd}});
+    p.push_back({"ln_f.bias", {kFixtureEmbd}});
     return p;
-}
-
-std::string read_text(const std::string& path) {
-    std::ifstream f(path);
-    return std::string(std::istreambuf_iterator<char>(f), {});
 }
 
 // Builds the fixture once per process; "" (after a test failure) if torch or the script fails.
@@ -59,29 +64,20 @@ const std::string& fixture() {
             ADD_FAILURE() << "/usr/bin/python3 cannot import torch and numpy, which the PyTorch "
                              "parity fixture needs; install python3-torch and python3-numpy "
                              "(scripts/deps.sh does). Python said:\n"
-                          << read_text(log);
+                          << test::read_file(log);
             return "";
         }
         std::string cmd = std::string("/usr/bin/python3 ") + MT_SOURCE_DIR +
                           "/tests/parity/make_fixture.py " + out + " > " + log + " 2>&1";
         if (std::system(cmd.c_str()) != 0) {
             ADD_FAILURE() << "tests/parity/make_fixture.py failed (" << cmd << "):\n"
-                          << read_text(log);
+                          << test::read_file(log);
             return "";
         }
         std::remove(log.c_str());
         return out;
     }();
     return path;
-}
-
-std::vector<float> read(const io::SafetensorsFile& f, const std::string& name,
-                        std::vector<int64_t> shape) {
-    int64_t n = 1;
-    for (auto d : shape) n *= d;
-    std::vector<float> out((std::size_t)n);
-    f.read_f32(f.get(name), out, name, shape);
-    return out;
 }
 
 }  // namespace
@@ -98,19 +94,20 @@ TEST(FixtureRead, EveryTensorHasItsNameDTypeAndShape) {
             ASSERT_NE(t, nullptr) << prefix + name << " missing from " << path;
             EXPECT_EQ(t->dtype, io::DType::F32) << t->name;
             EXPECT_EQ(t->shape, shape) << t->name;
-            auto v = read(f, t->name, shape);
+            auto v = read_f32_tensor(f, t->name, shape);
             for (float x : v) ASSERT_TRUE(std::isfinite(x)) << t->name;
         }
     }
     const auto& tok = f.get("tokens");
     EXPECT_EQ(tok.dtype, io::DType::I32);
-    ASSERT_EQ(tok.shape, (std::vector<int64_t>{B, T + 1}));
+    ASSERT_EQ(tok.shape, (std::vector<int64_t>{kFixtureBatch, kFixtureSeq + 1}));
     const auto* ids = static_cast<const int32_t*>(f.data(tok));
-    for (int i = 0; i < B * (T + 1); i++) {
+    for (int i = 0; i < kFixtureBatch * (kFixtureSeq + 1); i++) {
         EXPECT_GE(ids[i], 0);
-        EXPECT_LT(ids[i], V);
+        EXPECT_LT(ids[i], kFixtureVocab);
     }
-    EXPECT_EQ(f.get("logits").shape, (std::vector<int64_t>{B, T, V}));
+    EXPECT_EQ(f.get("logits").shape,
+              (std::vector<int64_t>{kFixtureBatch, kFixtureSeq, kFixtureVocab}));
     EXPECT_EQ(f.get("loss").shape, (std::vector<int64_t>{1}));
     EXPECT_EQ(f.get("adam.losses").shape, (std::vector<int64_t>{5}));
 
@@ -124,37 +121,37 @@ TEST(FixtureRead, EveryTensorHasItsNameDTypeAndShape) {
     EXPECT_EQ(m.at("block_size"), "32");
     EXPECT_EQ(m.at("warmup_steps"), "2");
     EXPECT_EQ(m.at("steps"), "5");
-    (void)NH;
+    (void)kFixtureHeads;
 }
 
 TEST(FixtureRead, StoredLossIsTheCrossEntropyOfTheStoredLogits) {
     const std::string& path = fixture();
     ASSERT_FALSE(path.empty());
     auto f = io::SafetensorsFile::open(path);
-    auto logits = read(f, "logits", {B, T, V});
+    auto logits = read_f32_tensor(f, "logits", {kFixtureBatch, kFixtureSeq, kFixtureVocab});
     const auto* ids = static_cast<const int32_t*>(f.data(f.get("tokens")));
     double total = 0;
-    for (int b = 0; b < B; b++)
-        for (int t = 0; t < T; t++) {
-            const float* row = logits.data() + ((std::size_t)b * T + t) * V;
+    for (int b = 0; b < kFixtureBatch; b++)
+        for (int t = 0; t < kFixtureSeq; t++) {
+            const float* row = logits.data() + ((std::size_t)b * kFixtureSeq + t) * kFixtureVocab;
             double mx = row[0];
-            for (int v = 1; v < V; v++) mx = std::max(mx, (double)row[v]);
+            for (int v = 1; v < kFixtureVocab; v++) mx = std::max(mx, (double)row[v]);
             double sum = 0;
-            for (int v = 0; v < V; v++) sum += std::exp(row[v] - mx);
-            int target = ids[b * (T + 1) + t + 1];
+            for (int v = 0; v < kFixtureVocab; v++) sum += std::exp(row[v] - mx);
+            int target = ids[b * (kFixtureSeq + 1) + t + 1];
             total += mx + std::log(sum) - row[target];
         }
-    double ce = total / (B * T);
-    float loss = read(f, "loss", {1})[0];
+    double ce = total / (kFixtureBatch * kFixtureSeq);
+    float loss = read_f32_tensor(f, "loss", {1})[0];
     EXPECT_NEAR(ce, loss, 1e-5 * loss);
-    EXPECT_NEAR(loss, std::log((double)V), 0.5);  // near-uniform at initialisation
+    EXPECT_NEAR(loss, std::log((double)kFixtureVocab), 0.5);  // near-uniform at initialisation
 
     // The AdamW run starts from the same weights, and its loss goes down.
-    auto losses = read(f, "adam.losses", {5});
+    auto losses = read_f32_tensor(f, "adam.losses", {5});
     EXPECT_FLOAT_EQ(losses[0], loss);
     for (int i = 1; i < 5; i++) EXPECT_LT(losses[i], losses[i - 1]);
     // The learning rates follow warmup (2 steps) then cosine to 0.1 * peak at step 5.
-    auto lrs = read(f, "adam.lrs", {5});
+    auto lrs = read_f32_tensor(f, "adam.lrs", {5});
     const double pi = std::acos(-1.0), peak = 1e-3, lo = 1e-4;
     double expect[5] = {peak / 2, peak, peak, lo + 0.5 * (peak - lo) * (1 + std::cos(pi / 3)),
                         lo + 0.5 * (peak - lo) * (1 + std::cos(2 * pi / 3))};

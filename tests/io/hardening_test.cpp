@@ -44,19 +44,9 @@ namespace fs = std::filesystem;
 namespace memtrain {
 namespace {
 
+using test::error_of;
 using test::read_file;
 using test::write_file;
-
-// The message of the Error `f` throws ("" if it throws none).
-template <typename F>
-std::string error_of(F&& f) {
-    try {
-        f();
-    } catch (const Error& e) {
-        return e.what();
-    }
-    return "";
-}
 
 bool has(const std::string& text, const std::string& what) {
     return text.find(what) != std::string::npos;

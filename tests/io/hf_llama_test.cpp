@@ -35,7 +35,7 @@ void python(const std::string& args, const std::string& log) {
         << "scripts/deps.sh installs them); see " << log;
 }
 
-json reference(const std::string& model_dir, const std::string& out) {
+json hf_reference(const std::string& model_dir, const std::string& out) {
     python("ref " + model_dir + " " + out, out + ".log");
     std::ifstream f(out);
     return json::parse(f);
@@ -74,7 +74,7 @@ void expect_matches(GPT& m, const json& ref) {
 TEST(HfLlama, ShardedHfModelMatchesTheFloat64Reference) {
     const std::string dir = test::temp_dir("hf_llama_in");
     python("make " + dir + "/model", dir + "/make.log");
-    const json ref = reference(dir + "/model", dir + "/ref.json");
+    const json ref = hf_reference(dir + "/model", dir + "/ref.json");
 
     const ModelSource src = open_model_source(dir + "/model");
     const ModelConfig& c = src.model;
@@ -93,7 +93,7 @@ TEST(HfLlama, ShardedHfModelMatchesTheFloat64Reference) {
     fs::create_directories(out);
     save_hf_weights(m.weights(), out + "/model.safetensors");
     { std::ofstream(out + "/config.json") << hf_config_json(c); }
-    const json ref2 = reference(out, dir + "/ref2.json");
+    const json ref2 = hf_reference(out, dir + "/ref2.json");
     EXPECT_EQ(ref2["loss"].get<double>(), ref["loss"].get<double>())
         << "the export must hold exactly the loaded values";
     EXPECT_EQ(ref2["greedy"], ref["greedy"]);

@@ -8,6 +8,7 @@
 #include <functional>
 #include <sstream>
 
+#include "cli/cli_util.h"
 #include "core/error.h"
 #include "io/run_report.h"
 #include "test_util.h"
@@ -17,18 +18,8 @@ using namespace memtrain;
 
 namespace {
 
-std::string error_of(const std::function<void()>& f) {
-    try {
-        f();
-    } catch (const Error& e) {
-        return e.what();
-    }
-    return "";
-}
-
-void write_text(const std::string& path, const std::string& text) {
-    std::ofstream(path, std::ios::binary) << text;
-}
+using test::error_of;
+using test::write_file;
 
 const char* kOldLog =
     R"({"step": 1, "loss": 5.5, "lr": 1e-4, "grad_norm": 1.5, "tokens_per_s": 900.0, "ms_per_step": 10.0, "mem_bytes": 1000, "peak_mem_bytes": 1200}
@@ -137,12 +128,12 @@ TEST(RunReport, RunDirectoryErrors) {
     EXPECT_NE(e.find(dir + "/nothing does not exist"), std::string::npos) << e;
     e = error_of([&] { io::write_run_report(dir); });
     EXPECT_NE(e.find("no metrics.jsonl"), std::string::npos) << e;
-    write_text(dir + "/metrics.jsonl", std::string(kOldLog) + "{\"step\": 3, \"loss\": \n");
+    write_file(dir + "/metrics.jsonl", std::string(kOldLog) + "{\"step\": 3, \"loss\": \n");
     e = error_of([&] { io::write_run_report(dir); });
     EXPECT_NE(e.find(dir + "/metrics.jsonl:4:"), std::string::npos) << e;
     EXPECT_FALSE(fs::exists(dir + "/report.html")) << "no page from a bad log";
     EXPECT_FALSE(fs::exists(dir + "/report.html.tmp"));
-    write_text(dir + "/metrics.jsonl", kOldLog);
+    write_file(dir + "/metrics.jsonl", kOldLog);
     e = error_of([&] { io::write_run_report(dir, dir + "/no/such/dir/r.html"); });
     EXPECT_NE(e.find("could not write"), std::string::npos) << e;
 }
@@ -150,7 +141,7 @@ TEST(RunReport, RunDirectoryErrors) {
 TEST(RunReport, OldMetricsRenderWithNotRecorded) {
     // A run of an older memtrain: no per-category bytes, no memory.json, no checkpoint.
     const auto dir = test::temp_dir("run_report_old");
-    write_text(dir + "/metrics.jsonl", kOldLog);
+    write_file(dir + "/metrics.jsonl", kOldLog);
     const std::string out = io::write_run_report(dir);
     EXPECT_EQ(out, dir + "/report.html");
     std::ifstream in(out);
@@ -169,7 +160,7 @@ TEST(RunReport, OldMetricsRenderWithNotRecorded) {
     EXPECT_EQ(html.find("<script"), std::string::npos);
     EXPECT_EQ(html.find("http://"), html.find("http://www.w3.org/2000/svg"));
     // Nothing but step numbers: every chart says not recorded.
-    write_text(dir + "/metrics.jsonl", "{\"step\": 1}\n");
+    write_file(dir + "/metrics.jsonl", "{\"step\": 1}\n");
     const std::string bare = io::render_report_html(io::read_run(dir));
     for (const char* id :
          {"chart-loss", "chart-lr", "chart-grad-norm", "chart-tokens-per-s", "chart-memory"})
@@ -208,8 +199,8 @@ TEST(RunReport, LongRunsKeepPagesSmallAndSpikesVisible) {
 TEST(RunReport, MetricsFileNamedByTheConfig) {
     const auto dir = test::temp_dir("run_report_io_metrics");
     fs::create_directories(dir + "/ckpt_000002");
-    write_text(dir + "/ckpt_000002/memtrain.toml", "[io]\nmetrics = \"log.jsonl\"\n");
-    write_text(dir + "/log.jsonl", kOldLog);
+    write_file(dir + "/ckpt_000002/memtrain.toml", "[io]\nmetrics = \"log.jsonl\"\n");
+    write_file(dir + "/log.jsonl", kOldLog);
     const auto in = io::read_run(dir);
     EXPECT_EQ(in.metrics.steps.size(), 2u);
     EXPECT_NE(in.config_toml.find("log.jsonl"), std::string::npos);

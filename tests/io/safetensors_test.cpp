@@ -14,6 +14,7 @@
 
 #include <unistd.h>
 
+#include "cli/cli_util.h"
 #include "core/error.h"
 #include "io/safetensors.h"
 
@@ -22,6 +23,9 @@ using io::DType;
 
 namespace {
 
+using test::read_file;
+using test::write_file;
+
 // Named after the running test too: CTest runs tests in parallel processes.
 std::string test_dir(const std::string& name) {
     auto p = std::filesystem::path(MT_BINARY_DIR) / "test_tmp" / "safetensors" /
@@ -29,16 +33,6 @@ std::string test_dir(const std::string& name) {
     std::filesystem::remove_all(p);
     std::filesystem::create_directories(p);
     return p.string();
-}
-
-void write_bytes(const std::string& path, const std::string& bytes) {
-    std::ofstream f(path, std::ios::binary | std::ios::trunc);
-    f.write(bytes.data(), (std::streamsize)bytes.size());
-}
-
-std::string read_bytes(const std::string& path) {
-    std::ifstream f(path, std::ios::binary);
-    return std::string(std::istreambuf_iterator<char>(f), {});
 }
 
 std::string le64(uint64_t n) {
@@ -56,7 +50,7 @@ std::string raw_file(const std::string& header, const std::string& data) {
 void expect_open_error(const std::string& bytes, std::vector<std::string> words,
                        const std::string& file_name) {
     std::string path = test_dir("bad") + "/" + file_name;
-    write_bytes(path, bytes);
+    write_file(path, bytes);
     words.push_back(path);
     try {
         io::SafetensorsFile::open(path);
@@ -157,7 +151,7 @@ TEST(Safetensors, RoundTripsTensorsAndMetadata) {
     EXPECT_EQ(f.find("ints"), &f.get("ints"));
 
     // The header is padded to 8 bytes, so the data section starts 8-aligned.
-    std::string raw = read_bytes(path);
+    std::string raw = read_file(path);
     uint64_t hlen = 0;
     for (int i = 0; i < 8; i++) hlen |= (uint64_t)(unsigned char)raw[i] << (8 * i);
     EXPECT_EQ(hlen % 8, 0u);
@@ -431,7 +425,7 @@ TEST(Safetensors, ReadsForeignLayoutWithPaddingAndNoMetadata) {
         R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"z":{"dtype":"U8","shape":[2],"data_offsets":[8,10]}})";
     header.append(8 - header.size() % 8, ' ');
     std::string path = test_dir("foreign") + "/f.safetensors";
-    write_bytes(path, raw_file(header, data));
+    write_file(path, raw_file(header, data));
     auto f = io::SafetensorsFile::open(path);
     EXPECT_EQ(f.names(), (std::vector<std::string>{"a", "z"}));
     std::vector<float> out(2);
@@ -444,7 +438,7 @@ TEST(Safetensors, ReadsForeignLayoutWithPaddingAndNoMetadata) {
 // memtrain::Error, and whatever opens must have every tensor readable within the file.
 TEST(Safetensors, MutationFuzzNeverCrashes) {
     std::string dir = test_dir("fuzz");
-    const std::string base = read_bytes(write_sample(dir));
+    const std::string base = read_file(write_sample(dir));
     uint64_t hlen = 0;
     for (int i = 0; i < 8; i++) hlen |= (uint64_t)(unsigned char)base[i] << (8 * i);
     const std::string header = base.substr(8, hlen), data = base.substr(8 + hlen);
@@ -508,7 +502,7 @@ TEST(Safetensors, MutationFuzzNeverCrashes) {
                 bytes[below(bytes.size())] ^= (char)(1u << below(8));
         }
         std::filesystem::remove(path);  // a fresh file: rewriting in place makes ext4 flush
-        write_bytes(path, bytes);
+        write_file(path, bytes);
         try {
             auto f = io::SafetensorsFile::open(path);
             valid++;

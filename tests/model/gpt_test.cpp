@@ -13,20 +13,8 @@
 
 using namespace memtrain;
 
-namespace {
-
-ModelConfig tiny() {
-    return test::tiny_model(2);
-}
-
-std::vector<int32_t> tokens(int n, int vocab, uint64_t seed) {
-    return test::random_tokens(n, vocab, seed);
-}
-
-}  // namespace
-
 TEST(Gpt, ParameterCountMatchesGpt2Formula) {
-    ModelConfig c = tiny();
+    ModelConfig c = test::tiny_model();
     GPT m(c);
     std::size_t C = c.n_embd, L = c.n_layer;
     std::size_t expect =
@@ -38,7 +26,7 @@ TEST(Gpt, ParameterCountMatchesGpt2Formula) {
 TEST(Gpt, ModelStateBytesAre4_4_8Psi) {
     auto before = host_memory().snapshot();
     {
-        ModelConfig c = tiny();
+        ModelConfig c = test::tiny_model();
         GPT m(c);
         m.grads();
         OptimConfig oc;
@@ -59,11 +47,12 @@ TEST(Gpt, ModelStateBytesAre4_4_8Psi) {
 }
 
 TEST(Gpt, ActivationBytesMatchLayout) {
-    ModelConfig c = tiny();
+    ModelConfig c = test::tiny_model();
     GPT m(c);
     m.init_weights(1);
     auto before = host_memory().snapshot();
-    auto x = tokens(2 * 8, c.vocab_size, 3), y = tokens(2 * 8, c.vocab_size, 4);
+    auto x = test::random_tokens(2 * 8, c.vocab_size, 3),
+         y = test::random_tokens(2 * 8, c.vocab_size, 4);
     m.forward_backward(x.data(), y.data(), 2, 8, 1.0f / 16);
     auto s = host_memory().snapshot();
     auto lay = activation_layout(c, 2, 8);
@@ -79,8 +68,8 @@ TEST(Gpt, ActivationBytesMatchLayout) {
 }
 
 TEST(Gpt, SameSeedSameBits) {
-    ModelConfig c = tiny();
-    auto x = tokens(16, c.vocab_size, 5), y = tokens(16, c.vocab_size, 6);
+    ModelConfig c = test::tiny_model();
+    auto x = test::random_tokens(16, c.vocab_size, 5), y = test::random_tokens(16, c.vocab_size, 6);
     GPT a(c), b(c);
     a.init_weights(42);
     b.init_weights(42);
@@ -97,17 +86,18 @@ TEST(Gpt, SameSeedSameBits) {
 }
 
 TEST(Gpt, LossAtInitIsNearLogVocab) {
-    ModelConfig c = tiny();
+    ModelConfig c = test::tiny_model();
     GPT m(c);
     m.init_weights(7);
-    auto x = tokens(16, c.vocab_size, 8), y = tokens(16, c.vocab_size, 9);
+    auto x = test::random_tokens(16, c.vocab_size, 8), y = test::random_tokens(16, c.vocab_size, 9);
     EXPECT_NEAR(m.forward_loss(x.data(), y.data(), 2, 8), std::log(37.0), 0.1);
 }
 
 TEST(Gpt, GradientAccumulationEqualsOneLargeBatch) {
-    ModelConfig c = tiny();
+    ModelConfig c = test::tiny_model();
     const int T = 8, K = 4, b = 1;
-    auto x = tokens(K * b * T, c.vocab_size, 10), y = tokens(K * b * T, c.vocab_size, 11);
+    auto x = test::random_tokens(K * b * T, c.vocab_size, 10),
+         y = test::random_tokens(K * b * T, c.vocab_size, 11);
     GPT big(c), acc(c);
     big.init_weights(3);
     acc.init_weights(3);
@@ -136,15 +126,16 @@ TEST(Gpt, GradientAccumulationEqualsOneLargeBatch) {
 }
 
 TEST(Gpt, WholeModelGradientMatchesFiniteDifferences) {
-    ModelConfig c = tiny();
+    ModelConfig c = test::tiny_model();
     GPT m(c);
     m.init_weights(12);
-    auto x = tokens(16, c.vocab_size, 13), y = tokens(16, c.vocab_size, 14);
+    auto x = test::random_tokens(16, c.vocab_size, 13),
+         y = test::random_tokens(16, c.vocab_size, 14);
     EXPECT_GT(test::check_model_gradient(m, x, y, 2, 8, 3), 50);
 }
 
 TEST(Gpt, RejectsOutOfVocabularyTokens) {
-    ModelConfig c = tiny();
+    ModelConfig c = test::tiny_model();
     GPT m(c);
     std::vector<int32_t> x(8, 0), y(8, 0);
     x[3] = 37;
@@ -152,7 +143,7 @@ TEST(Gpt, RejectsOutOfVocabularyTokens) {
 }
 
 TEST(Gpt, RejectsUnimplementedVariantsByName) {
-    ModelConfig c = tiny();
+    ModelConfig c = test::tiny_model();
     c.norm = "batchnorm";
     try {
         GPT m(c);

@@ -32,10 +32,6 @@ ModelConfig tiny_llama(int layers = 2) {
     return c;
 }
 
-std::vector<int32_t> tokens(int n, int vocab, uint64_t seed) {
-    return test::random_tokens(n, vocab, seed);
-}
-
 void expect_error_naming(const ModelConfig& c, const std::string& key) {
     try {
         c.validate();
@@ -124,7 +120,7 @@ TEST(Llama, ConfigKeysParseFromToml) {
 
 TEST(Llama, SameSeedSameBitsAndMemoryMatchesLayout) {
     ModelConfig c = tiny_llama();
-    auto x = tokens(16, c.vocab_size, 5), y = tokens(16, c.vocab_size, 6);
+    auto x = test::random_tokens(16, c.vocab_size, 5), y = test::random_tokens(16, c.vocab_size, 6);
     auto before = host_memory().snapshot();
     GPT a(c), b(c);
     a.init_weights(42);
@@ -166,7 +162,8 @@ TEST(Llama, WholeModelGradientMatchesFiniteDifferences) {
     for (const auto& t : m.layout().tensors)
         if (t.name.find("wte") != std::string::npos || t.name.find("lm_head") != std::string::npos)
             for (std::size_t k = 37 * 16; k < t.numel; k++) m.params()[t.offset + k] = 0.0f;
-    auto x = tokens(16, c.vocab_size, 13), y = tokens(16, c.vocab_size, 14);
+    auto x = test::random_tokens(16, c.vocab_size, 13),
+         y = test::random_tokens(16, c.vocab_size, 14);
     EXPECT_GT(test::check_model_gradient(m, x, y, 2, 8, 5), 80);
 }
 

@@ -22,10 +22,11 @@ namespace fs = std::filesystem;
 
 namespace {
 
-constexpr int B = 2, T = 8;
+// Every micro-batch here: kBatch sequences of kSeq tokens.
+constexpr int kBatch = 2, kSeq = 8;
 
 // An exact Llama (rmsnorm, swiglu, rope, no bias, untied, GQA): its adapters are per projection.
-ModelConfig tiny_llama() {
+ModelConfig tiny_exact_llama() {
     ModelConfig c = test::tiny_model();
     c.n_head = 4;
     c.n_kv_head = 2;
@@ -52,8 +53,8 @@ struct LoraModel {
           lay(make_lora_layout(cfg, c)),
           adapters(lay.params),
           lora(lc, lay, adapters, 7),
-          x(test::random_tokens(B * T, cfg.vocab_size, 3)),
-          y(test::random_tokens(B * T, cfg.vocab_size, 4)) {
+          x(test::random_tokens(kBatch * kSeq, cfg.vocab_size, 3)),
+          y(test::random_tokens(kBatch * kSeq, cfg.vocab_size, 4)) {
         model.init_weights(11);
         init_lora_weights(adapters, lay, 5);
         if (random_b) {  // so A's gradients are not zero
@@ -67,10 +68,10 @@ struct LoraModel {
     }
     float* a() { return adapters.full_params(); }
     std::size_t n() const { return lay.params.total; }
-    double loss() { return model.forward_loss(x.data(), y.data(), B, T); }
+    double loss() { return model.forward_loss(x.data(), y.data(), kBatch, kSeq); }
     std::vector<float> grads() {
         adapters.zero_grads();
-        model.forward_backward(x.data(), y.data(), B, T, 1.0f / (B * T));
+        model.forward_backward(x.data(), y.data(), kBatch, kSeq, 1.0f / (kBatch * kSeq));
         return {adapters.full_grads(), adapters.full_grads() + n()};
     }
 };
@@ -116,7 +117,7 @@ TEST(Lora, LayoutHasPeftShapesAndTargets) {
     EXPECT_EQ(g.params.tensors[0].shape, (std::vector<int64_t>{3, 16}));
     EXPECT_EQ(g.params.tensors[1].shape, (std::vector<int64_t>{48, 3}));
     EXPECT_EQ(g.params.total, 2u * 3 * ((16 + 48) + (16 + 16)));
-    const LoraLayout l = make_lora_layout(tiny_llama(), lora_cfg("all"));
+    const LoraLayout l = make_lora_layout(tiny_exact_llama(), lora_cfg("all"));
     ASSERT_EQ(l.sites.size(), 14u);
     EXPECT_EQ(l.sites[1].module, "model.layers.0.self_attn.k_proj");
     EXPECT_EQ(l.sites[1].col0, 16);
@@ -131,7 +132,7 @@ TEST(Lora, LayoutHasPeftShapesAndTargets) {
     EXPECT_EQ(l.sites_of(1, BlockLinear::FcProj).front().module, "model.layers.1.mlp.down_proj");
     EXPECT_TRUE(g.sites_of(1, BlockLinear::Fc).empty());
     EXPECT_EQ(l.max_in, 24);  // down_proj's input: the MLP's hidden width
-    EXPECT_EQ(make_lora_layout(tiny_llama(), lora_cfg("q_proj,v_proj")).sites.size(), 4u);
+    EXPECT_EQ(make_lora_layout(tiny_exact_llama(), lora_cfg("q_proj,v_proj")).sites.size(), 4u);
     EXPECT_EQ(make_lora_layout(test::tiny_model(), lora_cfg("c_proj")).sites.size(), 4u);
     EXPECT_EQ(make_lora_layout(test::tiny_model(), lora_cfg("mlp.c_proj")).sites.size(), 2u);
     try {
@@ -145,24 +146,26 @@ TEST(Lora, LayoutHasPeftShapesAndTargets) {
 }
 
 TEST(Lora, ZeroBIsExactlyTheBaseModel) {
-    for (const ModelConfig& cfg : {test::tiny_model(), tiny_llama()}) {
+    for (const ModelConfig& cfg : {test::tiny_model(), tiny_exact_llama()}) {
         GPT base(cfg);
         base.init_weights(11);
         LoraModel s(cfg, lora_cfg("all"), false);
-        const double want = base.forward_loss(s.x.data(), s.y.data(), B, T);
+        const double want = base.forward_loss(s.x.data(), s.y.data(), kBatch, kSeq);
         EXPECT_EQ(s.loss(), want);
         s.lora.set_training(true);
-        EXPECT_EQ(s.model.forward_backward(s.x.data(), s.y.data(), B, T, 1.0f / (B * T)),
-                  base.forward_backward(s.x.data(), s.y.data(), B, T, 1.0f / (B * T)));
+        EXPECT_EQ(
+            s.model.forward_backward(s.x.data(), s.y.data(), kBatch, kSeq, 1.0f / (kBatch * kSeq)),
+            base.forward_backward(s.x.data(), s.y.data(), kBatch, kSeq, 1.0f / (kBatch * kSeq)));
     }
 }
 
 TEST(Lora, GradientsMatchFiniteDifferences) {
     LoraModel g(test::tiny_model(), lora_cfg("all"), true);
     check_fd(g);
-    LoraModel l(tiny_llama(), lora_cfg("all"), true);
+    LoraModel l(tiny_exact_llama(), lora_cfg("all"), true);
     check_fd(l);
-    LoraModel d(tiny_llama(), lora_cfg("attn", 0.3), true);  // one dropout mask per micro-batch
+    LoraModel d(tiny_exact_llama(), lora_cfg("attn", 0.3),
+                true);  // one dropout mask per micro-batch
     check_fd(d);
 }
 
@@ -171,8 +174,8 @@ TEST(Lora, BaseGetsNoGradientsAndRematKeepsTheBits) {
     s.lora.set_training(true);
     const std::vector<float> want = s.grads();
     for (const char* policy : {"full", "selective", "every:2"}) {
-        s.model.set_remat(remat::solve_policy(remat::parse_policy(policy), s.model.config(), B, T,
-                                              nullptr, GPT::arena_format())
+        s.model.set_remat(remat::solve_policy(remat::parse_policy(policy), s.model.config(), kBatch,
+                                              kSeq, nullptr, GPT::arena_format())
                               .plan);
         EXPECT_EQ(s.grads(), want) << policy;
     }
@@ -196,26 +199,26 @@ TEST(Lora, DropoutIsOneMaskPerMicroBatchAndOffInEvaluation) {
 }
 
 TEST(Lora, MergedModelEqualsTheUnmergedOne) {
-    for (const ModelConfig& cfg : {test::tiny_model(), tiny_llama()}) {
+    for (const ModelConfig& cfg : {test::tiny_model(), tiny_exact_llama()}) {
         LoraModel s(cfg, lora_cfg("all"), true);
-        std::vector<float> lu((std::size_t)B * T * cfg.vocab_size), lm(lu.size());
-        s.model.forward_logits(s.x.data(), B, T, lu.data());
+        std::vector<float> lu((std::size_t)kBatch * kSeq * cfg.vocab_size), lm(lu.size());
+        s.model.forward_logits(s.x.data(), kBatch, kSeq, lu.data());
         GPT merged(cfg);
         std::memcpy(merged.params(), s.model.params(), merged.num_params() * sizeof(float));
         merge_lora(merged.params(), merged.layout(), s.a(), s.lay, s.lc.scale());
-        merged.forward_logits(s.x.data(), B, T, lm.data());
+        merged.forward_logits(s.x.data(), kBatch, kSeq, lm.data());
         double num = 0, den = 0;
         for (std::size_t i = 0; i < lu.size(); i++) {
             num += ((double)lu[i] - lm[i]) * ((double)lu[i] - lm[i]);
             den += (double)lu[i] * lu[i];
         }
         EXPECT_LT(std::sqrt(num / den), 1e-5);
-        EXPECT_NEAR(merged.forward_loss(s.x.data(), s.y.data(), B, T), s.loss(), 1e-5);
+        EXPECT_NEAR(merged.forward_loss(s.x.data(), s.y.data(), kBatch, kSeq), s.loss(), 1e-5);
     }
 }
 
 TEST(Lora, PeftFilesHoldPeftNamesAndReload) {
-    for (const ModelConfig& cfg : {test::tiny_model(), tiny_llama()}) {
+    for (const ModelConfig& cfg : {test::tiny_model(), tiny_exact_llama()}) {
         const std::string dir = test::temp_dir("lora_peft");
         LoraModel s(cfg, lora_cfg("all"), true);
         RunConfig rc;
@@ -258,7 +261,7 @@ TEST(Lora, PlannerCountsTheTrainersAdapters) {
     gpt2.n_layer = 3;
     gpt2.n_embd = 48;
     gpt2.n_head = 4;
-    for (const ModelConfig& cfg : {gpt2, tiny_llama()})
+    for (const ModelConfig& cfg : {gpt2, tiny_exact_llama()})
         for (const char* t : {"attn", "all"}) {
             const LoraLayout lay = make_lora_layout(cfg, lora_cfg(t));
             const int64_t per_layer = plan::lora_params_per_layer(plan::model_from_config(cfg), 3,

@@ -40,11 +40,7 @@ RunConfig shared_cuda_run(const std::string& name, int steps, const std::string&
     return c;
 }
 
-TrainOptions quiet() {
-    TrainOptions o;
-    o.quiet = true;
-    return o;
-}
+using test::quiet;
 
 // N ranks against one process with the whole global micro-batch, fp32: losses, final parameters,
 // and each rank's bytes of parameters, gradients and optimizer state (its shards, exactly).

@@ -52,7 +52,7 @@ RunConfig ppdp_run(const std::string& name, int steps, const std::string& schedu
 }
 
 // The same global batch in one process: micro-batches of every pipeline's rows together.
-RunConfig one_process(const RunConfig& c, const std::string& suffix) {
+RunConfig pipelines_as_one_process(const RunConfig& c, const std::string& suffix) {
     RunConfig one = c;
     one.train.pp = 1;
     one.train.pp_virtual = 1;
@@ -113,8 +113,8 @@ void expect_near_run(const TrainSummary& s, const std::vector<float>& params,
     EXPECT_LT(worst, 2e-5) << what << ": largest parameter difference";
 }
 
-void check_matches_one_process(const std::string& schedule, int zero, bool llama = true,
-                               int chunks = 1) {
+void check_pipelines_match_one_process(const std::string& schedule, int zero, bool llama = true,
+                                       int chunks = 1) {
     if (comm().size() % kStages != 0) GTEST_SKIP() << "needs an even number of ranks";
     const int steps = 6, D = pipelines(), r = comm().rank();
     const std::string name = "ppdp_" + schedule + "_zero" + std::to_string(zero) +
@@ -128,7 +128,7 @@ void check_matches_one_process(const std::string& schedule, int zero, bool llama
     TrainSummary ref;
     std::vector<float> ref_params;
     {
-        Trainer t(one_process(c, "ref"), quiet);
+        Trainer t(pipelines_as_one_process(c, "ref"), quiet);
         ref = t.run();
         ref_params = t.params();
     }
@@ -181,29 +181,29 @@ void check_matches_one_process(const std::string& schedule, int zero, bool llama
 }
 
 TEST(PipelineDp, GpipeMatchesOneProcess) {
-    check_matches_one_process("gpipe", 0);
+    check_pipelines_match_one_process("gpipe", 0);
 }
 TEST(PipelineDp, OneFOneBMatchesOneProcess) {
-    check_matches_one_process("1f1b", 0);
+    check_pipelines_match_one_process("1f1b", 0);
 }
 TEST(PipelineDp, ZeroBubbleH1MatchesOneProcess) {
-    check_matches_one_process("zb-h1", 0);
+    check_pipelines_match_one_process("zb-h1", 0);
 }
 TEST(PipelineDp, OneFOneBWithZero1MatchesOneProcess) {
-    check_matches_one_process("1f1b", 1);
+    check_pipelines_match_one_process("1f1b", 1);
 }
 TEST(PipelineDp, GpipeWithZero1MatchesOneProcess) {
-    check_matches_one_process("gpipe", 1);
+    check_pipelines_match_one_process("gpipe", 1);
 }
 // Interleaved (2 chunks per rank, 4 virtual stages) with pipelines side by side: every chunk's
 // range is all-reduced across the data group.
 TEST(PipelineDp, InterleavedMatchesOneProcess) {
-    check_matches_one_process("interleaved", 0, true, 2);
+    check_pipelines_match_one_process("interleaved", 0, true, 2);
 }
 // The tied embedding: its classifier gradient joins the first stage's inside each pipeline,
 // then the data group sums it with the rest of stage 0's range.
 TEST(PipelineDp, TiedGpt2WithZero1MatchesOneProcess) {
-    check_matches_one_process("1f1b", 1, false);
+    check_pipelines_match_one_process("1f1b", 1, false);
 }
 
 // A checkpoint of pp 2 x dp D (all-reduced or ZeRO-1) resumes: in the same layout, continuing
@@ -254,7 +254,7 @@ void check_checkpoint_moves(int zero) {
     {  // one process, on every rank
         TrainOptions o = quiet;
         o.resume = saving.io.out_dir;
-        Trainer t(one_process(c, "one"), o);
+        Trainer t(pipelines_as_one_process(c, "one"), o);
         const std::vector<float> p = t.params();
         ASSERT_EQ(p.size(), saved_params.size());
         EXPECT_EQ(std::memcmp(p.data(), saved_params.data(), p.size() * 4), 0) << name;

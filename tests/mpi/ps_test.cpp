@@ -40,7 +40,7 @@ RunConfig ps_run(const std::string& name, int servers, int per_worker, bool llam
 }
 
 // The same run in one process (on every rank): the global batch as micro-batches in worker order.
-RunConfig one_process(const RunConfig& c, const std::string& tag) {
+RunConfig ps_as_one_process(const RunConfig& c, const std::string& tag) {
     RunConfig one = c;
     one.train.dp_mode = "allreduce";
     one.io.out_dir = c.io.out_dir + "_" + tag + std::to_string(comm().rank());
@@ -55,8 +55,8 @@ RunConfig one_process(const RunConfig& c, const std::string& tag) {
 // differ in the last bits (as a pipeline's tied embedding does, parallel/pipeline/executor.h). One
 // step without clipping (whose coefficient reads the embedding's gradient) checks everything
 // else bitwise; more steps follow the embedding to rounding. One worker is bitwise throughout.
-void check_matches_one_process(const std::string& name, int servers, int per_worker, bool llama,
-                               int steps = 6, bool clip = true) {
+void check_ps_matches_one_process(const std::string& name, int servers, int per_worker, bool llama,
+                                  int steps = 6, bool clip = true) {
     if (comm().size() < servers + 1) GTEST_SKIP() << "needs " << servers + 1 << " ranks";
     RunConfig c = ps_run(name, servers, per_worker, llama, steps);
     if (!clip) c.optim.grad_clip = 0;
@@ -68,7 +68,7 @@ void check_matches_one_process(const std::string& name, int servers, int per_wor
     TrainSummary ref_sum;
     std::vector<float> ref_params, ref_grads;
     {
-        Trainer ref(one_process(c, "ref"), quiet);
+        Trainer ref(ps_as_one_process(c, "ref"), quiet);
         ref_sum = ref.run();
         ref_params = ref.params();
         ref_grads.assign(ref.model().grads(), ref.model().grads() + ref.model().num_params());
@@ -141,22 +141,22 @@ void check_matches_one_process(const std::string& name, int servers, int per_wor
 }
 
 TEST(Ps, OneServerMatchesOneProcessBitwise) {
-    check_matches_one_process("ps_llama_1s", 1, 1, true, 1, false);
-    check_matches_one_process("ps_llama_1s", 1, 1, true);
+    check_ps_matches_one_process("ps_llama_1s", 1, 1, true, 1, false);
+    check_ps_matches_one_process("ps_llama_1s", 1, 1, true);
 }
 TEST(Ps, TwoServersMatchOneProcessBitwise) {
-    check_matches_one_process("ps_llama_2s", 2, 1, true, 1, false);
-    check_matches_one_process("ps_llama_2s", 2, 1, true);
+    check_ps_matches_one_process("ps_llama_2s", 2, 1, true, 1, false);
+    check_ps_matches_one_process("ps_llama_2s", 2, 1, true);
 }
 // One worker per server layout: the whole run bitwise (np 4: three servers, one worker).
 TEST(Ps, OneWorkerIsOneProcessBitwise) {
-    check_matches_one_process("ps_llama_1w", comm().size() - 1, 1, true);
+    check_ps_matches_one_process("ps_llama_1w", comm().size() - 1, 1, true);
 }
 TEST(Ps, TiedGpt2MatchesOneProcessToRounding) {
-    check_matches_one_process("ps_gpt2_1s", 1, 1, false);
+    check_ps_matches_one_process("ps_gpt2_1s", 1, 1, false);
 }
 TEST(Ps, SeveralMicroBatchesPerWorkerMatchToRounding) {
-    check_matches_one_process("ps_llama_k3", 1, 3, true);
+    check_ps_matches_one_process("ps_llama_k3", 1, 3, true);
 }
 
 TEST(Ps, ServersSplitUnitsByBalancedContiguousRanges) {
@@ -232,7 +232,7 @@ TEST(Ps, CheckpointsMoveBetweenPsAndOneProcess) {
     const RunConfig c = ps_run("ps_ckpt", servers, 1, true, steps);
     RunConfig ps = c;
     ps.io.out_dir = c.io.out_dir + "_ps";
-    check_checkpoint_round_trip(one_process(c, "one"), ps, steps, cut, "PS");
+    check_checkpoint_round_trip(ps_as_one_process(c, "one"), ps, steps, cut, "PS");
 }
 
 // Every rank's memory is priced before anything is allocated (a worker's replica and arenas, a

@@ -27,13 +27,13 @@
 namespace memtrain::dist {
 namespace {
 
-struct Mesh {
+struct MeshDegrees {
     int tp, pp, dp;
     std::string name() const { return fmt::format("tp{}_pp{}_dp{}", tp, pp, dp); }
 };
 
 // The layouts of this job's size (none at other sizes).
-std::vector<Mesh> meshes() {
+std::vector<MeshDegrees> meshes() {
     if (comm().size() == 4) return {{2, 2, 1}, {2, 1, 2}};
     if (comm().size() == 8) return {{2, 2, 2}};
     return {};
@@ -41,7 +41,7 @@ std::vector<Mesh> meshes() {
 
 // Heads, kv heads, MLP and vocabulary split over 2 shards; 4 blocks over 2 stages; GPT-2 with a
 // tied embedding (its two gradients summed across the stages) or Llama-style with GQA.
-RunConfig mesh_run(const std::string& name, const Mesh& m, bool llama, int steps) {
+RunConfig mesh_run(const std::string& name, const MeshDegrees& m, bool llama, int steps) {
     RunConfig c = shared_tiny_run_config(name, steps);
     c.model.n_head = 8;
     c.model.n_embd = 32;
@@ -65,7 +65,7 @@ RunConfig mesh_run(const std::string& name, const Mesh& m, bool llama, int steps
 }
 
 // One process fed each step's whole global micro-batch (every pipeline's rows at once).
-RunConfig one_process(RunConfig c, const std::string& suffix) {
+RunConfig mesh_as_one_process(RunConfig c, const std::string& suffix) {
     const int dp = comm().size() / (c.train.tp * c.train.pp);
     c.train.micro_batch_size *= dp;
     c.train.tp = c.train.pp = 1;
@@ -82,7 +82,7 @@ double worst_diff(const std::vector<float>& a, const std::vector<float>& b) {
 }
 
 TEST(TpMesh, LayoutsTrainAsOneProcess) {
-    for (const Mesh& m : meshes())
+    for (const MeshDegrees& m : meshes())
         for (bool llama : {false, true})
             for (bool sp : {false, true})
                 for (int zero : {0, 1}) {
@@ -101,7 +101,7 @@ TEST(TpMesh, LayoutsTrainAsOneProcess) {
                     TrainSummary ref;
                     std::vector<float> ref_init, ref_params;
                     {
-                        Trainer t(one_process(c, "_one"), test::quiet());
+                        Trainer t(mesh_as_one_process(c, "_one"), test::quiet());
                         ref_init = t.params();
                         ref = t.run();
                         ref_params = t.params();
@@ -146,7 +146,7 @@ TEST(TpMesh, LayoutsTrainAsOneProcess) {
 // gathered); both then train the remaining 5 steps as the mesh does, to rounding. At 8 ranks
 // also with ZeRO-1 across the pipelines (the pp 2 x dp 2 job then with ZeRO-1 too).
 TEST(TpMesh, CheckpointsReshardToOneProcessAndToPipelines) {
-    for (const Mesh& m : meshes())
+    for (const MeshDegrees& m : meshes())
         for (int zero : {0, 1}) {
             if (zero == 1 && m.pp * m.dp < 4)
                 continue;  // tp 2 x dp 2: Zero1CheckpointsRoundTrip...
@@ -170,7 +170,7 @@ TEST(TpMesh, CheckpointsReshardToOneProcessAndToPipelines) {
             }
             // One process, from the mesh's checkpoint.
             {
-                RunConfig one = one_process(c, "_resumed_one");
+                RunConfig one = mesh_as_one_process(c, "_resumed_one");
                 Trainer t(one, test::quiet(first.io.out_dir));
                 EXPECT_EQ(t.params(), saved) << "weights loaded in one process";
                 const TrainSummary s = t.run();
@@ -212,7 +212,7 @@ TEST(TpMesh, CheckpointsReshardToOneProcessAndToPipelines) {
 // other way, the mesh loads one process's checkpoint bitwise and trains on as one process does.
 TEST(TpMesh, Zero1CheckpointsRoundTripWithOneProcess) {
     if (comm().size() != 4) return;
-    const Mesh m{2, 1, 2};
+    const MeshDegrees m{2, 1, 2};
     const int steps = 10, cut = 5;
     RunConfig c = mesh_run("tp_mesh_zero1_ckpt", m, false, steps);
     c.train.zero_stage = 1;
@@ -228,7 +228,7 @@ TEST(TpMesh, Zero1CheckpointsRoundTripWithOneProcess) {
         Trainer t(c, test::quiet(), &comm());
         mesh_full = t.run();
     }
-    const RunConfig one = one_process(c, "_one");
+    const RunConfig one = mesh_as_one_process(c, "_one");
     {
         Trainer t(one, test::quiet());
         one_full = t.run();
@@ -248,13 +248,13 @@ TEST(TpMesh, Zero1CheckpointsRoundTripWithOneProcess) {
     ASSERT_EQ(saved_state.size(), 2u) << "Adam's m and v";
     ASSERT_EQ(saved_state[0].size(), saved.size());
     {
-        Trainer t(one_process(c, "_resumed_one"), test::quiet(first.io.out_dir));
+        Trainer t(mesh_as_one_process(c, "_resumed_one"), test::quiet(first.io.out_dir));
         EXPECT_EQ(t.params(), saved) << "weights loaded in one process";
         EXPECT_TRUE(optimizer_state(t) == saved_state) << "Adam's moments loaded in one process";
         expect_close(t.run(), mesh_full, "one process from the mesh");
     }
     // One process's checkpoint (rank 0's) in the mesh.
-    RunConfig one_first = one_process(c, "_one_first");
+    RunConfig one_first = mesh_as_one_process(c, "_one_first");
     std::vector<float> one_saved;
     std::vector<std::vector<float>> one_state;
     {

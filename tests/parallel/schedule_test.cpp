@@ -12,7 +12,8 @@
 namespace memtrain::pp {
 namespace {
 
-double run(Kind k, int p, int m, int v, double tf, double tb, double ti = 0, double tw = 0) {
+double simulated_makespan(Kind k, int p, int m, int v, double tf, double tb, double ti = 0,
+                          double tw = 0) {
     Schedule s = make_schedule(k, p, m, v);
     return simulate(s, StageCosts::uniform(p * v, tf / v, tb / v, ti / v, tw / v)).makespan;
 }
@@ -33,10 +34,10 @@ TEST(PipelineSchedule, TestVectorTable) {
     };
     for (const Row& r : rows) {
         SCOPED_TRACE(testing::Message() << "p " << r.p << " m " << r.m);
-        EXPECT_DOUBLE_EQ(run(Kind::GPipe, r.p, r.m, 1, 1, 2), r.gpipe);
-        EXPECT_DOUBLE_EQ(run(Kind::OneFOneB, r.p, r.m, 1, 1, 2), r.gpipe);
-        EXPECT_DOUBLE_EQ(run(Kind::ZbH1, r.p, r.m, 1, 1, 0, 1, 1), r.zb);
-        EXPECT_DOUBLE_EQ(run(Kind::Interleaved, r.p, r.m, 2, 1, 2), r.inter);
+        EXPECT_DOUBLE_EQ(simulated_makespan(Kind::GPipe, r.p, r.m, 1, 1, 2), r.gpipe);
+        EXPECT_DOUBLE_EQ(simulated_makespan(Kind::OneFOneB, r.p, r.m, 1, 1, 2), r.gpipe);
+        EXPECT_DOUBLE_EQ(simulated_makespan(Kind::ZbH1, r.p, r.m, 1, 1, 0, 1, 1), r.zb);
+        EXPECT_DOUBLE_EQ(simulated_makespan(Kind::Interleaved, r.p, r.m, 2, 1, 2), r.inter);
         auto one =
             simulate(make_schedule(Kind::OneFOneB, r.p, r.m), StageCosts::uniform(r.p, 1, 2));
         EXPECT_NEAR(one.bubble(), r.bubble, 5e-5);  // the table rounds to 4 digits
@@ -54,9 +55,10 @@ TEST(PipelineSchedule, ClosedFormsOverAGrid) {
             for (auto [tf, tb] : fb) {
                 SCOPED_TRACE(testing::Message() << "p " << p << " m " << m << " tf " << tf);
                 const double ideal = (m + p - 1) * (tf + tb);
-                EXPECT_DOUBLE_EQ(run(Kind::GPipe, p, m, 1, tf, tb), ideal);
-                EXPECT_DOUBLE_EQ(run(Kind::OneFOneB, p, m, 1, tf, tb), ideal);
-                EXPECT_DOUBLE_EQ(run(Kind::Naive, p, m, 1, tf, tb), m * p * (tf + tb));
+                EXPECT_DOUBLE_EQ(simulated_makespan(Kind::GPipe, p, m, 1, tf, tb), ideal);
+                EXPECT_DOUBLE_EQ(simulated_makespan(Kind::OneFOneB, p, m, 1, tf, tb), ideal);
+                EXPECT_DOUBLE_EQ(simulated_makespan(Kind::Naive, p, m, 1, tf, tb),
+                                 m * p * (tf + tb));
                 auto g = simulate(make_schedule(Kind::GPipe, p, m), StageCosts::uniform(p, tf, tb));
                 auto o =
                     simulate(make_schedule(Kind::OneFOneB, p, m), StageCosts::uniform(p, tf, tb));
@@ -65,7 +67,7 @@ TEST(PipelineSchedule, ClosedFormsOverAGrid) {
                     EXPECT_EQ(o.peak_in_flight[s], std::min(p - s, m));
                 }
                 for (int v = 2; v <= 4 && m % p == 0; v++) {
-                    EXPECT_NEAR(run(Kind::Interleaved, p, m, v, tf, tb),
+                    EXPECT_NEAR(simulated_makespan(Kind::Interleaved, p, m, v, tf, tb),
                                 m * (tf + tb) + (p - 1) * (tf + tb) / v, 1e-9);
                     auto in = simulate(make_schedule(Kind::Interleaved, p, m, v),
                                        StageCosts::uniform(p * v, tf / v, tb / v));
@@ -77,7 +79,7 @@ TEST(PipelineSchedule, ClosedFormsOverAGrid) {
                 // where 1F1B idles (t_W <= t_F); never slower than 1F1B with B = I + W.
                 for (double tw : {tb / 2, tb / 3}) {
                     const double ti = tb - tw;
-                    const double zb = run(Kind::ZbH1, p, m, 1, tf, 0, ti, tw);
+                    const double zb = simulated_makespan(Kind::ZbH1, p, m, 1, tf, 0, ti, tw);
                     EXPECT_LE(zb, ideal + 1e-9);
                     if (m < p || tw > tf) continue;
                     EXPECT_NEAR(zb, m * (tf + ti + tw) + (p - 1) * (tf + ti - tw), 1e-9);

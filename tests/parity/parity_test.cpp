@@ -14,12 +14,20 @@
 #include "model/gpt.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
+#include "test_util.h"
 
 using namespace memtrain;
 
 namespace {
 
-constexpr int V = 96, BLOCK = 32, L = 2, NH = 4, C = 64, B = 2, T = 16;
+using test::kFixtureBatch;
+using test::kFixtureBlock;
+using test::kFixtureEmbd;
+using test::kFixtureHeads;
+using test::kFixtureLayers;
+using test::kFixtureSeq;
+using test::kFixtureVocab;
+using test::read_f32_tensor;
 
 // Builds a fixture once per process; `flag` is make_fixture.py's variant flag ("" or "--llama").
 std::string build_fixture(const std::string& stem, const std::string& flag) {
@@ -88,22 +96,13 @@ const std::string& fixture_path() {
 
 ModelConfig fixture_model() {
     ModelConfig c;
-    c.n_layer = L;
-    c.n_head = NH;
-    c.n_embd = C;
-    c.block_size = BLOCK;
-    c.vocab_size = V;
+    c.n_layer = kFixtureLayers;
+    c.n_head = kFixtureHeads;
+    c.n_embd = kFixtureEmbd;
+    c.block_size = kFixtureBlock;
+    c.vocab_size = kFixtureVocab;
     c.vocab_pad = 64;
     return c;
-}
-
-std::vector<float> read(const io::SafetensorsFile& f, const std::string& name,
-                        std::vector<int64_t> shape) {
-    std::size_t n = 1;
-    for (auto d : shape) n *= d;
-    std::vector<float> out(n);
-    f.read_f32(f.get(name), out, name, shape);
-    return out;
 }
 
 // ||a - b|| / ||b||
@@ -120,14 +119,14 @@ double rel_err(const float* a, const float* b, std::size_t n) {
 void split_tokens(const io::SafetensorsFile& f, std::vector<int32_t>& x, std::vector<int32_t>& y) {
     const auto& info = f.get("tokens");
     ASSERT_EQ(info.dtype, io::DType::I32);
-    ASSERT_EQ(info.shape, (std::vector<int64_t>{B, T + 1}));
+    ASSERT_EQ(info.shape, (std::vector<int64_t>{kFixtureBatch, kFixtureSeq + 1}));
     const int32_t* tok = static_cast<const int32_t*>(f.data(info));
-    x.resize(B * T);
-    y.resize(B * T);
-    for (int b = 0; b < B; b++)
-        for (int t = 0; t < T; t++) {
-            x[b * T + t] = tok[b * (T + 1) + t];
-            y[b * T + t] = tok[b * (T + 1) + t + 1];
+    x.resize(kFixtureBatch * kFixtureSeq);
+    y.resize(kFixtureBatch * kFixtureSeq);
+    for (int b = 0; b < kFixtureBatch; b++)
+        for (int t = 0; t < kFixtureSeq; t++) {
+            x[b * kFixtureSeq + t] = tok[b * (kFixtureSeq + 1) + t];
+            y[b * kFixtureSeq + t] = tok[b * (kFixtureSeq + 1) + t + 1];
         }
 }
 
@@ -139,8 +138,9 @@ void load_fixture(const io::SafetensorsFile& f, GPT& m, std::vector<int32_t>& x,
 }
 
 std::vector<int64_t> hf_shape(const ParamSpec& t) {
-    return t.name == "wte.weight" || t.name == "lm_head.weight" ? std::vector<int64_t>{V, C}
-                                                                : t.shape;
+    return t.name == "wte.weight" || t.name == "lm_head.weight"
+               ? std::vector<int64_t>{kFixtureVocab, kFixtureEmbd}
+               : t.shape;
 }
 
 // The Llama-style fixture's model (make_fixture.py --llama): the same sizes, 2 kv heads, the
@@ -167,20 +167,21 @@ TEST(Parity, LogitsLossAndGradientsMatchPyTorch) {
     std::vector<int32_t> x, y;
     load_fixture(f, m, x, y);
 
-    std::vector<float> logits((std::size_t)B * T * V);
-    m.forward_logits(x.data(), B, T, logits.data());
-    auto ref_logits = read(f, "logits", {B, T, V});
+    std::vector<float> logits((std::size_t)kFixtureBatch * kFixtureSeq * kFixtureVocab);
+    m.forward_logits(x.data(), kFixtureBatch, kFixtureSeq, logits.data());
+    auto ref_logits = read_f32_tensor(f, "logits", {kFixtureBatch, kFixtureSeq, kFixtureVocab});
     double e = rel_err(logits.data(), ref_logits.data(), logits.size());
     EXPECT_LT(e, 1e-5) << "logits relative error";
 
     m.zero_grads();
-    float loss = m.forward_backward(x.data(), y.data(), B, T, 1.0f / (B * T));
-    float ref_loss = read(f, "loss", {1})[0];
+    float loss = m.forward_backward(x.data(), y.data(), kFixtureBatch, kFixtureSeq,
+                                    1.0f / (kFixtureBatch * kFixtureSeq));
+    float ref_loss = read_f32_tensor(f, "loss", {1})[0];
     EXPECT_LT(std::abs(loss - ref_loss) / ref_loss, 1e-5) << loss << " vs " << ref_loss;
 
     for (const auto& t : m.layout().tensors) {
         auto shape = hf_shape(t);
-        auto ref = read(f, "grad." + t.name, shape);
+        auto ref = read_f32_tensor(f, "grad." + t.name, shape);
         double ge = rel_err(m.grads() + t.offset, ref.data(), ref.size());
         EXPECT_LT(ge, 1e-4) << "gradient of " << t.name;
     }
@@ -205,16 +206,17 @@ TEST(Parity, FiveAdamWStepsWithWarmupCosineMatchPyTorch) {
     oc.warmup_steps = 2;
     oc.min_lr_ratio = 0.1;
     auto opt = make_optimizer(oc, m.layout());
-    auto ref_losses = read(f, "adam.losses", {5});
+    auto ref_losses = read_f32_tensor(f, "adam.losses", {5});
     for (int step = 0; step < 5; step++) {
         m.zero_grads();
-        float loss = m.forward_backward(x.data(), y.data(), B, T, 1.0f / (B * T));
+        float loss = m.forward_backward(x.data(), y.data(), kFixtureBatch, kFixtureSeq,
+                                        1.0f / (kFixtureBatch * kFixtureSeq));
         EXPECT_LT(std::abs(loss - ref_losses[step]) / ref_losses[step], 1e-5) << "step " << step;
         clip_grad_norm(m.grads(), m.num_params(), oc.grad_clip);
         opt->step(m.params(), m.grads(), lr_at(oc, oc.lr, step, 5));
     }
     for (const auto& t : m.layout().tensors) {
-        auto ref = read(f, "adam.final." + t.name, hf_shape(t));
+        auto ref = read_f32_tensor(f, "adam.final." + t.name, hf_shape(t));
         double pe = rel_err(m.params() + t.offset, ref.data(), ref.size());
         // 1e-4, not 1e-5: the key part of c_attn.bias has a gradient that is exactly zero in
         // exact arithmetic (softmax ignores a per-query constant), so in fp32 it is rounding
@@ -235,15 +237,16 @@ TEST(Parity, LlamaStyleLogitsLossAndGradientsMatchPyTorch) {
     std::vector<int32_t> x, y;
     load_fixture(f, m, x, y);
 
-    std::vector<float> logits((std::size_t)B * T * V);
-    m.forward_logits(x.data(), B, T, logits.data());
-    auto ref_logits = read(f, "logits", {B, T, V});
+    std::vector<float> logits((std::size_t)kFixtureBatch * kFixtureSeq * kFixtureVocab);
+    m.forward_logits(x.data(), kFixtureBatch, kFixtureSeq, logits.data());
+    auto ref_logits = read_f32_tensor(f, "logits", {kFixtureBatch, kFixtureSeq, kFixtureVocab});
     EXPECT_LT(rel_err(logits.data(), ref_logits.data(), logits.size()), 1e-5)
         << "logits relative error";
 
     m.zero_grads();
-    float loss = m.forward_backward(x.data(), y.data(), B, T, 1.0f / (B * T));
-    float ref_loss = read(f, "loss", {1})[0];
+    float loss = m.forward_backward(x.data(), y.data(), kFixtureBatch, kFixtureSeq,
+                                    1.0f / (kFixtureBatch * kFixtureSeq));
+    float ref_loss = read_f32_tensor(f, "loss", {1})[0];
     EXPECT_LT(std::abs(loss - ref_loss) / ref_loss, 1e-5) << loss << " vs " << ref_loss;
 
     // Every tensor of the model is in the fixture and every gradient matches; the fixture has
@@ -252,7 +255,7 @@ TEST(Parity, LlamaStyleLogitsLossAndGradientsMatchPyTorch) {
     for (const auto& info : f.tensors()) grads_in_fixture += info.name.starts_with("grad.");
     EXPECT_EQ(grads_in_fixture, m.layout().tensors.size());
     for (const auto& t : m.layout().tensors) {
-        auto ref = read(f, "grad." + t.name, hf_shape(t));
+        auto ref = read_f32_tensor(f, "grad." + t.name, hf_shape(t));
         double ge = rel_err(m.grads() + t.offset, ref.data(), ref.size());
         EXPECT_LT(ge, 1e-4) << "gradient of " << t.name;
     }
@@ -274,18 +277,19 @@ TEST(Parity, LoraLossAndAdapterGradientsMatchPyTorch) {
     const LoraLayout lay = make_lora_layout(m.config(), lc);
     FullUnitStore adapters(lay.params);
     for (const ParamSpec& t : lay.params.tensors) {
-        auto v = read(f, "lora." + t.name, t.shape);
+        auto v = read_f32_tensor(f, "lora." + t.name, t.shape);
         std::copy(v.begin(), v.end(), adapters.full_params() + t.offset);
     }
     LoraAdapters lora(lc, lay, adapters, 1);
     m.set_lora(&lora);
     lora.set_training(true);
     adapters.zero_grads();
-    float loss = m.forward_backward(x.data(), y.data(), B, T, 1.0f / (B * T));
-    float ref_loss = read(f, "loss", {1})[0];
+    float loss = m.forward_backward(x.data(), y.data(), kFixtureBatch, kFixtureSeq,
+                                    1.0f / (kFixtureBatch * kFixtureSeq));
+    float ref_loss = read_f32_tensor(f, "loss", {1})[0];
     EXPECT_LT(std::abs(loss - ref_loss) / ref_loss, 1e-5) << loss << " vs " << ref_loss;
     for (const ParamSpec& t : lay.params.tensors) {
-        auto ref = read(f, "grad.lora." + t.name, t.shape);
+        auto ref = read_f32_tensor(f, "grad.lora." + t.name, t.shape);
         EXPECT_LT(rel_err(adapters.full_grads() + t.offset, ref.data(), ref.size()), 1e-4)
             << "gradient of " << t.name;
     }

@@ -10,7 +10,7 @@
 #include "planner/report.h"
 #include "planner/search.h"
 
-using namespace memtrain::plan;
+namespace memtrain::plan {
 
 namespace {
 
@@ -243,3 +243,5 @@ TEST(PlanLora, BadLoraSpecsAreRefused) {
     r.frozen_bits = 4;  // estimate: quantized weights without adapters
     EXPECT_THROW(estimate_memory(m, r), memtrain::Error);
 }
+
+}  // namespace memtrain::plan

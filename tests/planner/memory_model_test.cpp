@@ -10,7 +10,7 @@
 #include "planner/report.h"
 #include "planner/search.h"
 
-using namespace memtrain::plan;
+namespace memtrain::plan {
 
 namespace {
 RunSpec base_run() {
@@ -282,3 +282,5 @@ TEST(PlanMemory, ZeroBubbleWGradientsAreTheExecutorsBytes) {
     full.recompute = plan::Recompute::full;
     EXPECT_NO_THROW(plan::validate_run(plan::model_from_config(cfg), full));
 }
+
+}  // namespace memtrain::plan

@@ -9,7 +9,7 @@
 #include "planner/model_shape.h"
 #include "test_util.h"
 
-using namespace memtrain::plan;
+namespace memtrain::plan {
 
 TEST(PlanModel, UnknownPresetSuggestsNearest) {
     try {
@@ -232,3 +232,5 @@ TEST(PlanModel, UnknownModelTypeIsRefused) {
                   .find("\"norm\" = \"batchnorm\""),
               std::string::npos);
 }
+
+}  // namespace memtrain::plan

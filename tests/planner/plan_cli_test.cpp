@@ -23,6 +23,7 @@
 namespace {
 
 using Outcome = memtrain::test::CliResult;
+using memtrain::test::write_file;
 
 Outcome memtrain_cli(const std::string& args) {
     return memtrain::test::run_memtrain(args);
@@ -35,10 +36,6 @@ void expect_refusal(const std::string& args, const std::vector<std::string>& exp
     EXPECT_EQ(std::count(o.output.begin(), o.output.end(), '\n'), 1) << args << "\n" << o.output;
     for (const auto& e : expect)
         EXPECT_NE(o.output.find(e), std::string::npos) << args << "\n" << o.output;
-}
-
-void write_text(const std::string& path, const std::string& text) {
-    std::ofstream(path, std::ios::binary) << text;
 }
 
 }  // namespace
@@ -116,14 +113,14 @@ TEST(PlanCli, CustomGpuNeedsItsNumbers) {
 
 TEST(PlanCli, UnsupportedArchitecturesAreRefused) {
     const auto dir = memtrain::test::temp_dir("plan_cli_arch");
-    write_text(dir + "/mixtral.json",
+    write_file(dir + "/mixtral.json",
                R"({"model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336,
                    "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 32,
                    "vocab_size": 32000, "num_local_experts": 8, "num_experts_per_tok": 2})");
     expect_refusal("estimate " + dir + "/mixtral.json",
                    {"mixtral.json", "model_type \"mixtral\"", "mixture-of-experts",
                     "gpt2, llama, mistral, memtrain-llama-style"});
-    write_text(dir + "/bert.json",
+    write_file(dir + "/bert.json",
                R"({"model_type": "bert", "hidden_size": 768, "num_attention_heads": 12,
                    "num_hidden_layers": 12, "intermediate_size": 3072, "vocab_size": 30522})");
     expect_refusal("plan " + dir + "/bert.json --gpus 8",
@@ -134,7 +131,7 @@ TEST(PlanCli, CheckpointConfigDirectoryCountsItsTensors) {
     // A Llama checkpoint's config.json, read through its directory as `memtrain estimate` is
     // given one: 2 layers, width 64, 8 heads of which 2 KV heads, SwiGLU 176, untied.
     const auto dir = memtrain::test::temp_dir("plan_cli_ckpt");
-    write_text(dir + "/config.json",
+    write_file(dir + "/config.json",
                R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
                    "hidden_size": 64, "intermediate_size": 176, "num_attention_heads": 8,
                    "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 300,
@@ -219,7 +216,7 @@ struct Emitted {
     memtrain::RunConfig config;
 };
 Emitted emit_plan(const std::string& dir, const char* gpu_gb) {
-    write_text(dir + "/m.toml",
+    write_file(dir + "/m.toml",
                "[model]\nn_layer = 4\nn_head = 4\nn_embd = 32\nblock_size = 16\nvocab_size = 50\n"
                "vocab_pad = 16\n");
     const std::string out = dir + "/plan.toml";
@@ -282,7 +279,7 @@ TEST(PlanCli, EmittedConfigCarriesSequenceParallelism) {
 // by the formulas (GPT-2's dropout masks).
 TEST(PlanCli, EstimateSaysWhereItsNumbersComeFrom) {
     const auto dir = memtrain::test::temp_dir("plan_cli_source");
-    write_text(dir + "/m.toml", "[model]\nn_layer = 4\nn_head = 4\nn_embd = 32\nblock_size = 16\n");
+    write_file(dir + "/m.toml", "[model]\nn_layer = 4\nn_head = 4\nn_embd = 32\nblock_size = 16\n");
     const std::string engine = "priced by the engines' layout functions";
     const std::string formulas = "priced by the formulas";
     for (const char* layout :

@@ -6,7 +6,7 @@
 #include "core/error.h"
 #include "planner/scaling.h"
 
-using namespace memtrain::plan;
+namespace memtrain::plan {
 
 TEST(PlanScaling, ChinchillaLossAt70B1_4T) {
     // 1.69 + 406.4 / 7e10^0.34 + 410.7 / 1.4e12^0.28 = 1.69 + 0.0836 + 0.1633
@@ -39,3 +39,5 @@ TEST(PlanScaling, ShapeForParams) {
     EXPECT_NEAR(std::log(m.total_params() / 7e9), 0, 0.35);
     EXPECT_EQ(m.n_embd % m.n_head, 0);
 }
+
+}  // namespace memtrain::plan

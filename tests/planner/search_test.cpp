@@ -7,7 +7,7 @@
 #include "planner/search.h"
 #include "train/validate.h"
 
-using namespace memtrain::plan;
+namespace memtrain::plan {
 
 namespace {
 ModelSpec model_200b() {
@@ -158,3 +158,5 @@ TEST(PlanSearch, BadInput) {
         EXPECT_NE(std::string(e.what()).find("did you mean"), std::string::npos);
     }
 }
+
+}  // namespace memtrain::plan

@@ -3,7 +3,7 @@
 
 #include "planner/time_model.h"
 
-using namespace memtrain::plan;
+namespace memtrain::plan {
 
 TEST(PlanTime, Gpt3FlopsPerTokenMatchesMegatron) {
     ModelSpec m = load_model("gpt3-175b");
@@ -38,3 +38,5 @@ TEST(PlanTime, BubbleAndThroughput) {
     r.schedule = memtrain::pp::Kind::Interleaved, r.virtual_stages = 4;
     EXPECT_DOUBLE_EQ(estimate_time(m, r, c).bubble_fraction, 7.0 / 4 / 32);
 }
+
+}  // namespace memtrain::plan

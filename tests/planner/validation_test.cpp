@@ -8,7 +8,7 @@
 #include "planner/memory_model.h"
 #include "planner/time_model.h"
 
-using namespace memtrain::plan;
+namespace memtrain::plan {
 
 namespace {
 
@@ -89,3 +89,5 @@ TEST(PlanValidation, PublishedRunsWithin25Percent) {
         }
     }
 }
+
+}  // namespace memtrain::plan

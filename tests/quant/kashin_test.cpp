@@ -10,16 +10,12 @@
 
 #include "core/rng.h"
 #include "quant/kashin.h"
+#include "test_util.h"
 
 namespace memtrain::quant {
 namespace {
 
-std::vector<float> gaussian(int64_t n, uint64_t seed) {
-    Rng rng(seed);
-    std::vector<float> v((std::size_t)n);
-    for (auto& x : v) x = (float)rng.normal();
-    return v;
-}
+using test::gaussian;
 
 TEST(QuantKashin, HaarBasisIsOrthogonalAndSeeded) {
     Rng a(7), b(7);

@@ -7,19 +7,16 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "quant/quant.h"
+#include "test_util.h"
 
 namespace memtrain::quant {
 namespace {
 
-std::vector<float> gaussian(int64_t n, uint64_t seed, float sd = 0.02f) {
-    Rng rng(seed);
-    std::vector<float> v((std::size_t)n);
-    for (auto& x : v) x = (float)(sd * rng.normal());
-    return v;
-}
+using test::gaussian;
 
-Result run(const std::string& method, int bits, int group, const std::vector<float>& w,
-           int64_t rows, int64_t cols) {
+// quantize() with `method`, `bits` and `group` on the rows x cols matrix `w`.
+Result quantize_with(const std::string& method, int bits, int group, const std::vector<float>& w,
+                     int64_t rows, int64_t cols) {
     Options o;
     o.method = method;
     o.bits = bits;
@@ -52,10 +49,10 @@ TEST(QuantPack, BitsAndHalvesRoundTrip) {
 
 TEST(QuantRtn, PerRowErrorIsAtMostHalfAScale) {
     const int64_t rows = 24, cols = 96;
-    auto w = gaussian(rows * cols, 2);
+    auto w = gaussian(rows * cols, 2, 0.02f);
     w[5] = 0.3f;  // an outlier only widens its own row's scale
     for (int bits : {8, 4, 3}) {
-        const Result r = run("rtn", bits, 0, w, rows, cols);
+        const Result r = quantize_with("rtn", bits, 0, w, rows, cols);
         const auto scales = part_values<uint16_t>(part(r, "scales"));
         ASSERT_EQ(scales.size(), (std::size_t)rows);
         for (int64_t i = 0; i < rows; i++) {
@@ -76,9 +73,9 @@ TEST(QuantRtn, PerRowErrorIsAtMostHalfAScale) {
 
 TEST(QuantRtn, GroupwiseAndAsymmetricBounds) {
     const int64_t rows = 16, cols = 128;
-    auto w = gaussian(rows * cols, 3);
+    auto w = gaussian(rows * cols, 3, 0.02f);
     for (int g : {32, 64, 128}) {
-        const Result r = run("rtn", 4, g, w, rows, cols);
+        const Result r = quantize_with("rtn", 4, g, w, rows, cols);
         const auto scales = part_values<uint16_t>(part(r, "scales"));
         ASSERT_EQ(scales.size(), (std::size_t)(rows * cols / g));
         for (int64_t e = 0; e < rows * cols; e++) {
@@ -91,7 +88,7 @@ TEST(QuantRtn, GroupwiseAndAsymmetricBounds) {
     }
     // The integer zero point moves the grid by up to half a step, so the ends may be clipped by
     // up to a whole step; inside the grid the error is at most half a step.
-    const Result a = run("rtn-asym", 4, 0, w, rows, cols);
+    const Result a = quantize_with("rtn-asym", 4, 0, w, rows, cols);
     const auto scales = part_values<uint16_t>(part(a, "scales"));
     for (int64_t e = 0; e < rows * cols; e++) {
         const float s = f16_to_f32(scales[(std::size_t)(e / cols)]);
@@ -103,14 +100,14 @@ TEST(QuantRtn, GroupwiseAndAsymmetricBounds) {
 
 TEST(QuantPerTensor, UniformAndKmeans) {
     const int64_t rows = 32, cols = 64, n = rows * cols;
-    auto w = gaussian(n, 4);
-    const Result u = run("uniform", 4, 0, w, rows, cols);
+    auto w = gaussian(n, 4, 0.02f);
+    const Result u = quantize_with("uniform", 4, 0, w, rows, cols);
     const auto grid = part_values<float>(part(u, "grid"));
     for (int64_t e = 0; e < n; e++)
         EXPECT_LE(std::fabs(w[(std::size_t)e] - u.dequant[(std::size_t)e]), grid[1] * 0.5001f);
     EXPECT_EQ(u.stored_bits(), packed_bits(n, 4) + 64);
 
-    const Result k = run("kmeans", 4, 0, w, rows, cols);
+    const Result k = quantize_with("kmeans", 4, 0, w, rows, cols);
     const auto book = part_values<float>(part(k, "codebook"));
     ASSERT_EQ(book.size(), 16u);
     double err = 0, ref = 0;
@@ -128,11 +125,11 @@ TEST(QuantPerTensor, UniformAndKmeans) {
 
 TEST(QuantNf4, BlockErrorBoundAndBitsBothWays) {
     const int64_t rows = 8, cols = 64 * 40, n = rows * cols, nb = n / 64;
-    auto w = gaussian(n, 5);
+    auto w = gaussian(n, 5, 0.02f);
     float half_gap = 0;
     for (int k = 0; k < 15; k++)
         half_gap = std::max(half_gap, 0.5f * (kNf4Levels[k + 1] - kNf4Levels[k]));
-    const Result r = run("nf4", 4, 0, w, rows, cols);
+    const Result r = quantize_with("nf4", 4, 0, w, rows, cols);
     const auto absmax = part_values<float>(part(r, "absmax"));
     for (int64_t e = 0; e < n; e++)
         EXPECT_LE(std::fabs(w[(std::size_t)e] - r.dequant[(std::size_t)e]),
@@ -140,7 +137,7 @@ TEST(QuantNf4, BlockErrorBoundAndBitsBothWays) {
     EXPECT_EQ(r.stored_bits(), 4 * (uint64_t)n + 32 * nb);
     EXPECT_DOUBLE_EQ(r.bpw(), 4.5);
 
-    const Result d = run("nf4-dq", 4, 0, w, rows, cols);
+    const Result d = quantize_with("nf4-dq", 4, 0, w, rows, cols);
     const auto q = part(d, "absmax_q").bytes;
     const auto s2 = part_values<float>(part(d, "absmax_scale"));
     ASSERT_EQ(s2.size(), (std::size_t)((nb + 255) / 256));

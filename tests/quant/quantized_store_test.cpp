@@ -58,7 +58,7 @@ std::vector<float> transpose(const float* x, int64_t rows, int64_t cols) {
 
 // Quantizes memtrain (in, out) tensor t of `params` as the store must: quant::quantize of the
 // (out, in) matrix.
-Result reference(const BaseQuant& q, const ParamSpec& t, const float* params) {
+Result reference_quantization(const BaseQuant& q, const ParamSpec& t, const float* params) {
     const int64_t in = t.shape[0], out = t.shape[1];
     const std::vector<float> w = transpose(params + t.offset, in, out);
     return quantize(q.options(), {w.data(), out, in});
@@ -71,7 +71,7 @@ std::vector<float> dequantized_params(const BaseQuant& q, const ParamLayout& lay
     std::vector<float> all(params, params + layout.total);
     for (const ParamSpec& t : layout.tensors) {
         if (!is_packed_matrix(t)) continue;
-        const Result r = reference(q, t, params);
+        const Result r = reference_quantization(q, t, params);
         const std::vector<float> d = dequantize(r);
         const std::vector<float> back = transpose(d.data(), r.rows, r.cols);
         std::copy(back.begin(), back.end(), all.begin() + (std::ptrdiff_t)t.offset);
@@ -119,7 +119,7 @@ TEST_P(QuantizedStore, DecodesExactlyWhatDequantizeGives) {
                     continue;
                 }
                 matrices++;
-                const Result ref = reference(q, t, full.params());
+                const Result ref = reference_quantization(q, t, full.params());
                 const Result kept = store.stored(t.name);
                 ASSERT_EQ(kept.parts.size(), ref.parts.size()) << t.name;
                 for (std::size_t p = 0; p < ref.parts.size(); p++) {

@@ -18,32 +18,23 @@
 #include "train/trainer.h"
 #include "train/validate.h"
 
-using namespace memtrain;
-using namespace memtrain::remat;
-
+namespace memtrain::remat {
 namespace {
 
-ModelConfig tiny(int layers) {
-    return test::tiny_model(layers);
-}
-
-std::vector<int32_t> tokens(int n, int vocab, uint64_t seed) {
-    return test::random_tokens(n, vocab, seed);
-}
-
-struct Result {
+struct LossAndGrads {
     float loss;
     std::vector<float> grads;
 };
 
 // Two micro-batches with accumulation, so stale scratch contents would show.
-Result run(const ModelConfig& c, const RematPlan& plan) {
+LossAndGrads two_micro_batches(const ModelConfig& c, const RematPlan& plan) {
     GPT m(c);
     m.init_weights(11);
     m.set_remat(plan);
     m.zero_grads();
     const int B = 2, T = 8;
-    auto x = tokens(2 * B * T, c.vocab_size, 5), y = tokens(2 * B * T, c.vocab_size, 6);
+    auto x = test::random_tokens(2 * B * T, c.vocab_size, 5),
+         y = test::random_tokens(2 * B * T, c.vocab_size, 6);
     float loss = m.forward_backward(x.data(), y.data(), B, T, 1.0f / 32);
     loss += m.forward_backward(x.data() + B * T, y.data() + B * T, B, T, 1.0f / 32);
     return {loss, std::vector<float>(m.grads(), m.grads() + m.num_params())};
@@ -68,7 +59,7 @@ void expect_measured_bytes(const ModelConfig& c, const Solution& s, const std::s
     GPT m(c);
     m.init_weights(1);
     m.set_remat(s.plan);
-    auto x = tokens(16, c.vocab_size, 3), y = tokens(16, c.vocab_size, 4);
+    auto x = test::random_tokens(16, c.vocab_size, 3), y = test::random_tokens(16, c.vocab_size, 4);
     m.forward_backward(x.data(), y.data(), 2, 8, 1.0f / 16);
     auto now = host_memory().snapshot();
     EXPECT_EQ(now[MemCategory::Activations] - before[MemCategory::Activations], s.peak_bytes)
@@ -84,11 +75,11 @@ void expect_measured_bytes(const ModelConfig& c, const Solution& s, const std::s
 
 TEST(Remat, EveryPolicyGivesBitwiseIdenticalLossAndGradients) {
     for (int L : {1, 3, 4}) {
-        ModelConfig c = tiny(L);
-        Result ref = run(c, {});
+        ModelConfig c = test::tiny_model(L);
+        LossAndGrads ref = two_micro_batches(c, {});
         for (const auto& text : policies_for(c)) {
             Solution s = solve_policy(parse_policy(text), c, 2, 8);
-            Result r = run(c, s.plan);
+            LossAndGrads r = two_micro_batches(c, s.plan);
             EXPECT_EQ(r.loss, ref.loss) << text << " L=" << L;
             EXPECT_EQ(0, std::memcmp(r.grads.data(), ref.grads.data(), ref.grads.size() * 4))
                 << text << " L=" << L;
@@ -98,7 +89,7 @@ TEST(Remat, EveryPolicyGivesBitwiseIdenticalLossAndGradients) {
             RematPlan mixed(L, BlockKeep::Selective);
             mixed[0] = BlockKeep::Input;
             mixed[L - 1] = BlockKeep::All;
-            Result r = run(c, mixed);
+            LossAndGrads r = two_micro_batches(c, mixed);
             EXPECT_EQ(0, std::memcmp(r.grads.data(), ref.grads.data(), ref.grads.size() * 4));
         }
     }
@@ -106,7 +97,7 @@ TEST(Remat, EveryPolicyGivesBitwiseIdenticalLossAndGradients) {
 
 TEST(Remat, PredictedBytesAreMeasuredBytes) {
     for (int L : {1, 3, 4}) {
-        ModelConfig c = tiny(L);
+        ModelConfig c = test::tiny_model(L);
         for (const auto& text : policies_for(c)) {
             Solution s = solve_policy(parse_policy(text), c, 2, 8);
             expect_measured_bytes(c, s, text + " L=" + std::to_string(L));
@@ -115,10 +106,10 @@ TEST(Remat, PredictedBytesAreMeasuredBytes) {
 }
 
 TEST(Remat, SetRematResizesTheArenaExactly) {
-    ModelConfig c = tiny(3);
+    ModelConfig c = test::tiny_model(3);
     GPT m(c);
     m.init_weights(1);
-    auto x = tokens(16, c.vocab_size, 3), y = tokens(16, c.vocab_size, 4);
+    auto x = test::random_tokens(16, c.vocab_size, 3), y = test::random_tokens(16, c.vocab_size, 4);
     auto before = host_memory().snapshot();
     for (const char* p : {"none", "full", "selective", "none"}) {
         Solution s = solve_policy(parse_policy(p), c, 2, 8);
@@ -209,7 +200,7 @@ TEST(Remat, SolverMatchesExhaustiveSearch) {
 TEST(Remat, SolverWithOffloadMatchesExhaustiveSearch) {
     check_solver_against_exhaustive(11, 40, true);
     // The chain's peak of a mixed plan is the CUDA arena's activation bytes.
-    const ModelConfig cfg = tiny(6);
+    const ModelConfig cfg = test::tiny_model(6);
     const ActFormat fmt = ActFormat::cuda_model(2, 64);
     const Chain ch = make_chain(cfg, 2, 16, fmt);
     using K = BlockKeep;
@@ -232,7 +223,7 @@ TEST(Remat, SolverWithOffloadMatchesExhaustiveSearch) {
 // prices exactly that arena for mixed plans. A micro-batch whose rows the ranks do not divide
 // is laid out as plain tensor parallelism.
 TEST(Remat, SequenceParallelArenaShardsTheNormRegions) {
-    ModelConfig tp = tiny(6);
+    ModelConfig tp = test::tiny_model(6);
     tp.tp = 2;
     ModelConfig sp = tp;
     sp.sequence_parallel = true;
@@ -268,7 +259,7 @@ TEST(Remat, SequenceParallelArenaShardsTheNormRegions) {
 }
 
 TEST(Remat, NamedPoliciesHaveTheDocumentedPlans) {
-    ModelConfig c = tiny(4);
+    ModelConfig c = test::tiny_model(4);
     auto plan = [&](const char* p) { return solve_policy(parse_policy(p), c, 2, 8).plan; };
     using K = BlockKeep;
     EXPECT_EQ(plan("none"), RematPlan(4, K::All));
@@ -344,7 +335,7 @@ TEST(Remat, ConfigKeyIsValidatedByName) {
 }
 
 TEST(Remat, TooSmallBudgetNamesTheSmallestFeasibleOne) {
-    ModelConfig c = tiny(3);
+    ModelConfig c = test::tiny_model(3);
     std::size_t need = min_feasible_bytes(make_chain(c, 2, 8));
     try {
         solve_policy(parse_policy(fmt::format("budget:{}", need - 1)), c, 2, 8);
@@ -391,7 +382,7 @@ TEST(Remat, TrainerWithFullRecomputeMatchesNoneAndResumesBitwise) {
 // pre-activation and an H product, rope rotates qkv in place, 2 kv heads, untied lm_head).
 TEST(Remat, LlamaStyleEveryPolicyIsBitwiseAndPredictedBytesAreMeasured) {
     for (int L : {1, 3}) {
-        ModelConfig c = tiny(L);
+        ModelConfig c = test::tiny_model(L);
         c.n_head = 4;
         c.n_kv_head = 2;
         c.norm = "rmsnorm";
@@ -399,10 +390,10 @@ TEST(Remat, LlamaStyleEveryPolicyIsBitwiseAndPredictedBytesAreMeasured) {
         c.positions = "rope";
         c.tied_embeddings = false;
         c.ffn_hidden = 24;
-        Result ref = run(c, {});
+        LossAndGrads ref = two_micro_batches(c, {});
         for (const auto& text : policies_for(c)) {
             Solution s = solve_policy(parse_policy(text), c, 2, 8);
-            Result r = run(c, s.plan);
+            LossAndGrads r = two_micro_batches(c, s.plan);
             EXPECT_EQ(r.loss, ref.loss) << text << " L=" << L;
             EXPECT_EQ(0, std::memcmp(r.grads.data(), ref.grads.data(), ref.grads.size() * 4))
                 << text << " L=" << L;
@@ -410,7 +401,7 @@ TEST(Remat, LlamaStyleEveryPolicyIsBitwiseAndPredictedBytesAreMeasured) {
         }
         if (L >= 3) {
             RematPlan mixed{BlockKeep::Input, BlockKeep::Selective, BlockKeep::All};
-            Result r = run(c, mixed);
+            LossAndGrads r = two_micro_batches(c, mixed);
             EXPECT_EQ(0, std::memcmp(r.grads.data(), ref.grads.data(), ref.grads.size() * 4));
         }
     }
@@ -458,3 +449,5 @@ TEST(Remat, MeasuredCostsDriveTheBudgetSolver) {
     rc.train.remat_costs = "guessed";
     EXPECT_THROW(validate_config(rc), Error);
 }
+
+}  // namespace memtrain::remat

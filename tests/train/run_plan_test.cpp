@@ -16,25 +16,25 @@ using namespace memtrain;
 
 namespace {
 
-RunConfig tiny() {
+RunConfig tiny_one_step_run() {
     return test::tiny_run_config(test::temp_dir("run_plan"), 1);
 }
 
 }  // namespace
 
 TEST(RunPlan, OneDecisionOfTheEngine) {
-    RunConfig c = tiny();
+    RunConfig c = tiny_one_step_run();
     EXPECT_EQ(engine_kind(c), EngineKind::Cpu);
     c.lora.rank = 2;
     EXPECT_EQ(engine_kind(c), EngineKind::Lora);
-    c = tiny();
+    c = tiny_one_step_run();
     c.world = 2;
     c.train.tp = 2;
     EXPECT_EQ(engine_kind(c), EngineKind::TensorParallel);
     c.world = 4;
     c.train.batch_size = 4;
     EXPECT_EQ(engine_kind(c), EngineKind::Mesh) << "tp x dp runs as the mesh";
-    c = tiny();
+    c = tiny_one_step_run();
     c.world = 2;
     c.train.pp = 2;
     EXPECT_EQ(engine_kind(c), EngineKind::Mesh);
@@ -43,13 +43,13 @@ TEST(RunPlan, OneDecisionOfTheEngine) {
     EXPECT_EQ(engine_kind(c), EngineKind::CudaPipeline);
     c.train.pp_schedule = "zb-h1";
     EXPECT_THROW(engine_kind(c), Error) << "zero-bubble runs on the CPU only";
-    c = tiny();
+    c = tiny_one_step_run();
     c.train.device = "cuda";
     c.train.precision = "bf16";
     EXPECT_EQ(engine_kind(c), EngineKind::Cuda);
     c.lora.rank = 2;
     EXPECT_EQ(engine_kind(c), EngineKind::CudaLora);
-    c = tiny();
+    c = tiny_one_step_run();
     c.world = 3;
     c.train.dp_mode = "ps";
     c.train.batch_size = 4;
@@ -59,7 +59,7 @@ TEST(RunPlan, OneDecisionOfTheEngine) {
 }
 
 TEST(RunPlan, HoldsTheLayoutScheduleAndMemoryBeforeAllocation) {
-    RunConfig c = tiny();
+    RunConfig c = tiny_one_step_run();
     c.train.remat = "full";
     dist::LocalCommunicator one;
     const RunPlan p = plan_run(c, one);

@@ -21,7 +21,7 @@ std::unique_ptr<Engine> make(const RunPlan& plan, dist::Communicator& comm) {
     fail("internal: the CUDA backend was asked for a CPU engine");
 }
 
-[[maybe_unused]] const bool kRegistered = (register_cuda_engine_factory(&make), true);
+[[maybe_unused]] const bool kEngineFactoryRegistered = (register_cuda_engine_factory(&make), true);
 
 }  // namespace
 
