@@ -92,6 +92,40 @@ RunConfig make_config(const std::string& config, const std::vector<std::string>&
     return load_run_config(config, sets, &base);
 }
 
+// What `memtrain train` would train: nothing when a resumed run is already at train.max_steps,
+// with --stop-after 0, or with train.max_steps = 0. Then it says so (the line returned) and
+// touches no file: a finished run's checkpoints, metrics and memory.json stay as they are.
+std::optional<std::string> nothing_to_train(const RunConfig& cfg, const std::string& resume,
+                                            int stop_after) {
+    const int64_t max_steps = cfg.train.max_steps;
+    int64_t at = 0;
+    bool continuing = false;  // the checkpoint's own run, in its out_dir (not a fork elsewhere)
+    if (!resume.empty()) {
+        const std::string dir = resolve_checkpoint_dir(resume);
+        at = checkpoint_state(dir).step;
+        const std::filesystem::path parent = std::filesystem::path(dir).parent_path();
+        std::error_code ec;
+        continuing = std::filesystem::equivalent(parent.empty() ? "." : parent, cfg.io.out_dir, ec);
+    }
+    const std::string cmd =
+        resume.empty() ? "memtrain train CONFIG" : "memtrain train --resume " + resume;
+    if (continuing && at >= max_steps)
+        return fmt::format(
+            "the run in {} is already complete at step {} (train.max_steps = {}): nothing to "
+            "train, no file changed. To train longer: {} --set train.max_steps={}",
+            cfg.io.out_dir, at, max_steps, cmd, std::max<int64_t>(2 * at, at + 1));
+    if (max_steps == 0)
+        return fmt::format(
+            "train.max_steps = 0: nothing to train, no file changed. Set train.max_steps to the "
+            "number of optimizer steps to run (e.g. --set train.max_steps=1000)");
+    if (stop_after == 0)
+        return fmt::format(
+            "--stop-after 0: nothing to train (the run stays at step {}), no file "
+            "changed",
+            at);
+    return std::nullopt;
+}
+
 // 64-bit FNV-1a: the same error text gives the same number on every rank.
 uint64_t text_hash(const std::string& s) {
     uint64_t h = 1469598103934665603ull;
@@ -170,7 +204,8 @@ void register_train(CLI::App& app) {
                     "continue from a checkpoint directory (or an out_dir with `latest`), with "
                     "the config saved in it; CONFIG and --set, if given, override its keys");
     cmd->add_option("--stop-after", args->stop_after,
-                    "stop (and checkpoint) after this many steps of this run");
+                    "stop (and checkpoint) after this many steps of this run (0: train nothing)")
+        ->check(CLI::NonNegativeNumber);
     cmd->add_flag("--overwrite", args->overwrite,
                   "replace the run io.out_dir holds (its checkpoints, latest and metrics are "
                   "removed first); without it a new run there is refused");
@@ -216,8 +251,14 @@ void register_train(CLI::App& app) {
         opts.overwrite = args->overwrite;
         opts.accept_changes = args->accept_changes;
         if (!dist::launched_by_mpi()) {
+            RunConfig cfg = make_config(args->config, args->sets, args->resume);
+            validate_config(cfg);
+            if (auto nothing = nothing_to_train(cfg, args->resume, args->stop_after)) {
+                std::printf("memtrain: %s\n", nothing->c_str());
+                return;
+            }
             install_stop_handlers(true);
-            Trainer trainer(make_config(args->config, args->sets, args->resume), opts);
+            Trainer trainer(std::move(cfg), opts);
             const TrainSummary sum = trainer.run();
             if (sum.stopped_by_signal) stopped(sum, trainer.config(), 0, 1);
             return;
@@ -230,6 +271,11 @@ void register_train(CLI::App& app) {
             cfg = make_config(args->config, args->sets, args->resume);
             cfg->world = comm.size();
             validate_config(*cfg);
+            // Every rank reads the same checkpoint: all return here together, or none does.
+            if (auto nothing = nothing_to_train(*cfg, args->resume, args->stop_after)) {
+                if (comm.rank() == 0) std::printf("memtrain: %s\n", nothing->c_str());
+                return;
+            }
             check_out_dir(cfg->io.out_dir, comm.rank());
         } catch (const Error& e) {
             error = e.what();

@@ -13,7 +13,9 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -103,6 +105,23 @@ inline std::string read_file(const std::string& path) {
 inline void write_file(const std::string& path, const std::string& text) {
     std::ofstream f(path, std::ios::binary);
     f << text;
+}
+
+// Every regular file under `dir` (but the out_dir's .lock) -> a hash of its bytes and, with
+// `with_mtime`, of its modification time: equal snapshots mean no file was added, removed or
+// changed (or, with mtimes, written at all).
+inline std::map<std::string, std::size_t> dir_snapshot(const std::string& dir,
+                                                       bool with_mtime = false) {
+    std::map<std::string, std::size_t> out;
+    for (const auto& e : std::filesystem::recursive_directory_iterator(dir))
+        if (e.is_regular_file() && e.path().filename() != ".lock") {
+            std::size_t h = std::hash<std::string>{}(read_file(e.path().string()));
+            if (with_mtime)
+                h ^= std::hash<long long>{}(
+                    (long long)e.last_write_time().time_since_epoch().count());
+            out[e.path().string()] = h;
+        }
+    return out;
 }
 
 // How many times `what` occurs in `text` (overlapping occurrences counted).

@@ -76,14 +76,6 @@ std::string one_layer_config(const std::string& dir, int steps = 4, const std::s
 
 // Every file under `dir` (but the lock file, which each run that takes the lock rewrites) with
 // a hash of its bytes, to show that a refused command touched nothing.
-std::map<std::string, std::size_t> snapshot(const std::string& dir) {
-    std::map<std::string, std::size_t> out;
-    for (const auto& e : fs::recursive_directory_iterator(dir))
-        if (e.is_regular_file() && e.path().filename() != ".lock")
-            out[e.path().string()] = std::hash<std::string>{}(read_file(e.path().string()));
-    return out;
-}
-
 // ------------------------------------------------------------------------------------------
 // Crashes
 
@@ -241,12 +233,12 @@ TEST(HardeningCli, ANewRunIntoAnotherRunsOutDirIsRefusedUnlessOverwrite) {
     const std::string cfg = one_layer_config(dir, 4);
     auto r = run_with_env("train " + cfg + " --set io.checkpoint_every=2");
     ASSERT_EQ(r.code, 0) << r.output;
-    const auto old = snapshot(dir + "/out");
+    const auto old = test::dir_snapshot(dir + "/out");
     r = run_with_env("train " + cfg + " --set train.seed=99 train.max_steps=2");
     EXPECT_EQ(r.code, 1) << r.output;
     EXPECT_NE(r.output.find("holds another run"), std::string::npos) << r.output;
     EXPECT_NE(r.output.find("--overwrite"), std::string::npos) << r.output;
-    EXPECT_EQ(snapshot(dir + "/out"), old) << "the refused run changed the out_dir";
+    EXPECT_EQ(test::dir_snapshot(dir + "/out"), old) << "the refused run changed the out_dir";
     // A fork: a resume into another directory that holds a run is refused too; into a new
     // directory it is fine.
     r = run_with_env("train " + cfg + " --set io.out_dir=" + dir + "/other");
@@ -274,13 +266,13 @@ TEST(HardeningCli, PathsReadFromFilesStayInsideTheOutDir) {
     ASSERT_EQ(r.code, 0) << r.output;
     r = run_with_env("train " + cfg + " --set io.out_dir=" + dir + "/myrun");
     ASSERT_EQ(r.code, 0) << r.output;
-    const auto victim = snapshot(dir + "/victim");
+    const auto victim = test::dir_snapshot(dir + "/victim");
     // `latest` naming another run's checkpoint.
     write_file(dir + "/myrun/latest", "../victim/ckpt_000002\n");
     r = run_with_env("train --resume " + dir + "/myrun --set train.max_steps=4");
     EXPECT_EQ(r.code, 1) << r.output;
     EXPECT_NE(r.output.find("does not name a checkpoint"), std::string::npos) << r.output;
-    EXPECT_EQ(snapshot(dir + "/victim"), victim);
+    EXPECT_EQ(test::dir_snapshot(dir + "/victim"), victim);
     write_file(dir + "/myrun/latest", "ckpt_000002\n");
     // io.metrics as a path: from --set, and from a checkpoint's memtrain.toml on resume.
     write_file(dir + "/precious.txt", "precious user data\n");
@@ -300,7 +292,7 @@ TEST(HardeningCli, PathsReadFromFilesStayInsideTheOutDir) {
     EXPECT_EQ(r.code, 1) << r.output;
     EXPECT_NE(r.output.find("must be a plain file name"), std::string::npos) << r.output;
     EXPECT_EQ(read_file(dir + "/precious.txt"), "precious user data\n");
-    EXPECT_EQ(snapshot(dir + "/victim"), victim);
+    EXPECT_EQ(test::dir_snapshot(dir + "/victim"), victim);
 }
 
 TEST(HardeningCli, ADanglingLatestFallsBackToTheNewestCompleteCheckpoint) {

@@ -102,6 +102,43 @@ TEST(TrainCli, ResumeWithTheCheckpointsOwnConfig) {
     EXPECT_NE(r.output.find("log_every = 3\n"), std::string::npos) << r.output;
 }
 
+// Nothing to train (a finished run resumed, --stop-after 0, train.max_steps = 0): one line that
+// says so and how to train longer, exit 0, and no file written (a finished run's memory.json
+// once came back with zero activations).
+TEST(TrainCli, NothingToTrainSaysSoAndChangesNoFile) {
+    auto dir = memtrain::test::temp_dir("train_cli_complete");
+    const std::string cfg = slow_config(dir, 3, 16);
+    auto r = run_in_dir("train " + cfg);
+    ASSERT_EQ(r.code, 0) << r.output;
+    ASSERT_TRUE(fs::exists(dir + "/out/memory.json"));
+    const auto before = memtrain::test::dir_snapshot(dir + "/out", /*with_mtime=*/true);
+    r = run_in_dir("train --resume " + dir + "/out");
+    EXPECT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("already complete at step 3 (train.max_steps = 3): nothing to train, "
+                            "no file changed. To train longer: memtrain train --resume " +
+                            dir + "/out --set train.max_steps=6"),
+              std::string::npos)
+        << r.output;
+    EXPECT_EQ(r.output.find("tok/s"), std::string::npos) << "it trained: " << r.output;
+    r = run_in_dir("train --resume " + dir + "/out --set train.max_steps=6 --stop-after 0");
+    EXPECT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("--stop-after 0: nothing to train (the run stays at step 3)"),
+              std::string::npos)
+        << r.output;
+    EXPECT_EQ(memtrain::test::dir_snapshot(dir + "/out", true), before);
+    // A new run of no steps writes nothing either.
+    r = run_in_dir("train " + cfg + " --set train.max_steps=0 io.out_dir=" + dir + "/zero");
+    EXPECT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("train.max_steps = 0: nothing to train"), std::string::npos)
+        << r.output;
+    EXPECT_FALSE(fs::exists(dir + "/zero"));
+    // A negative count is refused, naming the flag.
+    r = run_in_dir("train " + cfg + " --stop-after -2 --set io.out_dir=" + dir + "/neg");
+    EXPECT_NE(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("--stop-after"), std::string::npos) << r.output;
+    EXPECT_FALSE(fs::exists(dir + "/neg"));
+}
+
 TEST(TrainCli, SigtermStopsWithACheckpointAndResumesExactly) {
     auto dir = memtrain::test::temp_dir("train_cli_sigterm");
     const std::string cfg = slow_config(dir, 60);
