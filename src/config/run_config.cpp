@@ -176,7 +176,12 @@ const std::vector<Key>& registry() {
         make_key("model.rope_theta", &R::model, &ModelConfig::rope_theta, "rope base"),
         make_key("model.init_std", &R::model, &ModelConfig::init_std, "weight init std"),
         make_key("model.init_from", &R::model, &ModelConfig::init_from,
-                 "Hugging Face GPT-2 safetensors to start from"),
+                 "weights to start from: a Hugging Face model directory, a memtrain checkpoint "
+                 "or out_dir, or a .safetensors file (no other model.* key: the architecture is "
+                 "the source's)"),
+        make_key("model.init_partial", &R::model, &ModelConfig::init_partial,
+                 "load only the tensors of model.init_from this model has (false: a source "
+                 "holding others is refused)"),
         make_key("train.device", &R::train, &TrainConfig::device,
                  "cpu | cuda | auto (cuda where a GPU answers)"),
         make_key("train.precision", &R::train, &TrainConfig::precision,
@@ -437,7 +442,7 @@ std::string* path_field(RunConfig& c, const std::string& name) {
 // resumes from any directory.
 RunConfig parse_layers(const std::string& text, const std::string& src,
                        const std::vector<std::string>& overrides, const RunConfig* base,
-                       const std::filesystem::path* file_dir) {
+                       const std::filesystem::path* file_dir, std::vector<std::string>* given) {
     RunConfig cfg = base ? *base : RunConfig{};
     check_toml_text(text, src);
     toml::table root;
@@ -490,6 +495,10 @@ RunConfig parse_layers(const std::string& text, const std::string& src,
                 "a step holds at most",
                 cfg.train.batch_tokens, sequences, cfg.train.seq_len, INT32_MAX);
         cfg.train.batch_size = (int)sequences;
+    }
+    if (given) {
+        *given = from_file;
+        given->insert(given->end(), from_sets.begin(), from_sets.end());
     }
     return cfg;
 }
@@ -610,11 +619,11 @@ void check_toml_text(std::string_view text, const std::string& src) {
 
 RunConfig parse_run_config(const std::string& text, const std::string& src,
                            const std::vector<std::string>& overrides, const RunConfig* base) {
-    return parse_layers(text, src, overrides, base, nullptr);
+    return parse_layers(text, src, overrides, base, nullptr, nullptr);
 }
 
 RunConfig read_run_config(const std::string& path, const std::vector<std::string>& overrides,
-                          const RunConfig* base) {
+                          const RunConfig* base, std::vector<std::string>* given) {
     std::string text;
     if (!path.empty()) {
         std::error_code ec;
@@ -636,7 +645,7 @@ RunConfig read_run_config(const std::string& path, const std::vector<std::string
         text = read_regular_file(path, kMaxConfigBytes, "config file");
     }
     const auto dir = std::filesystem::path(path).parent_path();
-    return parse_layers(text, path.empty() ? "<defaults>" : path, overrides, base, &dir);
+    return parse_layers(text, path.empty() ? "<defaults>" : path, overrides, base, &dir, given);
 }
 
 std::string to_toml(const RunConfig& cfg) {

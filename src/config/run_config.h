@@ -118,9 +118,11 @@ struct RunConfig {
 // the defaults: the file, then the overrides, replace only the keys they set. Relative paths the
 // file sets are resolved against the file's directory, those --set gives against the working
 // directory (both made absolute). Each key is checked alone; train/validate.h's
-// load_run_config also checks them together.
+// load_run_config also checks them together. `given`, if not null, receives the names of the
+// keys the file and the overrides set.
 RunConfig read_run_config(const std::string& path, const std::vector<std::string>& overrides,
-                          const RunConfig* base = nullptr);
+                          const RunConfig* base = nullptr,
+                          std::vector<std::string>* given = nullptr);
 RunConfig parse_run_config(const std::string& toml_text, const std::string& source_name,
                            const std::vector<std::string>& overrides,
                            const RunConfig* base = nullptr);

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <sstream>
 
 #include <fmt/format.h>
@@ -99,6 +100,13 @@ void HfTensorSource::read(std::string_view name, std::span<float> out,
     if (it == where_.end()) fail("{} has no tensor '{}'", path_, name);
     const io::SafetensorsFile& f = files_[it->second];
     f.read_f32(f.get(name), out, name, shape);
+}
+
+std::vector<std::string> HfTensorSource::names() const {
+    std::vector<std::string> out;
+    out.reserve(where_.size());
+    for (const auto& [name, file] : where_) out.push_back(name);
+    return out;
 }
 
 HfNaming hf_naming(const ModelConfig& cfg) {
@@ -228,13 +236,73 @@ void save_hf_weights(const ModelWeights& weights, const std::string& path, bool 
     release();
 }
 
-void load_hf_weights(const ModelWeights& weights, const std::string& path) {
+namespace {
+
+// Tensors a Hugging Face file may carry that are not weights of the model: GPT-2's causal-mask
+// buffers, Llama's rotary inverse frequencies, and lm_head written beside a tied embedding.
+bool hf_buffer(const std::string& name, const ModelConfig& cfg) {
+    auto ends = [&](std::string_view tail) {
+        return name.size() >= tail.size() &&
+               name.compare(name.size() - tail.size(), tail.size(), tail) == 0;
+    };
+    return ends(".attn.bias") || ends(".attn.masked_bias") || ends("rotary_emb.inv_freq") ||
+           (cfg.tied_embeddings && name == "lm_head.weight");
+}
+
+// The blocks a source holds: one more than the largest N of h.N. / model.layers.N. (0: none).
+int source_blocks(const std::vector<std::string>& names) {
+    int blocks = 0;
+    for (const std::string& n : names)
+        for (std::string_view prefix : {"h.", "transformer.h.", "model.layers."})
+            if (n.rfind(prefix, 0) == 0) {
+                const std::size_t at = prefix.size(), dot = n.find('.', at);
+                if (dot == std::string::npos || dot == at || dot - at > 6) continue;
+                if (n.find_first_not_of("0123456789", at) != dot) continue;
+                blocks = std::max(blocks, std::stoi(n.substr(at, dot - at)) + 1);
+            }
+    return blocks;
+}
+
+// With refuse_unused: every tensor of `src` is one of `used` or a buffer (hf_buffer).
+void check_every_tensor_used(const HfTensorSource& src, const std::set<std::string>& used,
+                             const ModelConfig& cfg) {
+    const std::vector<std::string> names = src.names();
+    std::vector<std::string> unused;
+    for (const std::string& n : names)
+        if (!used.count(n) && !hf_buffer(n, cfg)) unused.push_back(n);
+    if (unused.empty()) return;
+    std::string listed;
+    for (std::size_t i = 0; i < unused.size() && i < 4; i++) listed += (i ? ", " : "") + unused[i];
+    if (unused.size() > 4) listed += ", ...";
+    const int blocks = source_blocks(names);
+    fail(
+        "model.init_from = {} holds {} tensor{} this model does not use ({}){}. Describe the "
+        "source's model in [model] (or leave [model] out to take its config.json), or set "
+        "model.init_partial = true to load only the tensors this model has",
+        src.path(), unused.size(), unused.size() == 1 ? "" : "s", listed,
+        blocks > cfg.n_layer
+            ? fmt::format(": it has {} blocks, model.n_layer = {}", blocks, cfg.n_layer)
+            : std::string());
+}
+
+}  // namespace
+
+void load_hf_weights(const ModelWeights& weights, const std::string& path, bool refuse_unused) {
     const HfTensorSource src = HfTensorSource::open(path);
     const ModelConfig& cfg = weights.cfg;
     const ParamLayout& layout = weights.layout;
     WeightWindow& store = weights.store;
     const HfNaming naming = src.has("model.embed_tokens.weight") ? HfNaming::Llama : HfNaming::Gpt2;
     const std::vector<HfPiece> pieces = hf_pieces(cfg, naming);
+    if (refuse_unused) {  // before a byte is read: a mismatch is a config mistake
+        std::set<std::string> used;
+        for (const HfPiece& p : pieces)
+            used.insert(naming == HfNaming::Gpt2 && !src.has(p.name) &&
+                                src.has("transformer." + p.name)
+                            ? "transformer." + p.name
+                            : p.name);
+        check_every_tensor_used(src, used, cfg);
+    }
     std::vector<float> staging;
     std::size_t next = 0;
     for (int u = 0; u < (int)layout.units.size(); u++) {

@@ -25,6 +25,8 @@ class HfTensorSource {
     static HfTensorSource open(const std::string& path);
     const std::string& path() const { return path_; }
     bool has(std::string_view name) const { return where_.count(name) != 0; }
+    // Every tensor name, sorted.
+    std::vector<std::string> names() const;
     // Tensor `name` (F32, BF16 or F16 on disk) as fp32 into `out`; it must have `shape`.
     void read(std::string_view name, std::span<float> out, std::span<const int64_t> shape) const;
 
@@ -62,8 +64,13 @@ std::vector<HfPiece> hf_pieces(const ModelConfig& cfg, HfNaming naming);
 void save_hf_weights(const ModelWeights& weights, const std::string& path, bool write = true);
 // Loads weights by Hugging Face name from `path` (as HfTensorSource::open takes it), GPT-2 or
 // Llama names, F32/BF16/F16; every tensor must be there with the expected shape, else an Error
-// names it. Every rank reads and keeps what its store holds.
-void load_hf_weights(const ModelWeights& weights, const std::string& path);
+// names it. Every rank reads and keeps what its store holds. With `refuse_unused`, a source
+// holding tensors the model does not use (the blocks of a deeper model, an untied lm_head for a
+// tied one) is refused, naming them; the buffers Hugging Face files carry beside the weights
+// (GPT-2's attn.bias/masked_bias masks, rotary inv_freq, the tied copy of lm_head) are not
+// tensors of a model.
+void load_hf_weights(const ModelWeights& weights, const std::string& path,
+                     bool refuse_unused = false);
 
 // config.json for the model: GPT2Config for GPT-2, LlamaConfig for Llama (both load in
 // `transformers`), and a memtrain-specific record for the variants between them.

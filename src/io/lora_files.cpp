@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "io/hf_weights.h"
+#include "io/model_source.h"
 #include "io/safetensors.h"
 #include "io/text_file.h"
 #include "quant/quantized_store.h"
@@ -101,7 +102,7 @@ void load_merged_lora_model(const std::string& ckpt_dir, const RunConfig& cfg,
     if (!cfg.lora.enabled())
         fail("{}: its memtrain.toml has lora.rank = 0, yet it holds adapters", ckpt_dir);
     if (!cfg.model.init_from.empty())
-        load_hf_weights(weights, cfg.model.init_from);
+        load_init_weights(weights, cfg.model.init_from, cfg.model.init_partial);
     else
         init_gpt2_weights(weights, cfg.train.seed);
     // QLoRA trained against the quantized base: merge into what it decodes to.

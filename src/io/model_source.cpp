@@ -53,4 +53,29 @@ void load_source_weights(const ModelSource& src, const ModelWeights& weights) {
         load_hf_weights(weights, src.weights);
 }
 
+void load_init_weights(const ModelWeights& weights, const std::string& path, bool partial) {
+    if (!fs::is_directory(path)) {  // a .safetensors file or an index (or a missing path)
+        load_hf_weights(weights, path, !partial);
+        return;
+    }
+    const ModelSource src = open_model_source(path);
+    if (src.lora)
+        load_merged_lora_model(src.dir, *src.run, weights);
+    else
+        load_hf_weights(weights, src.weights, !partial);
+}
+
+ModelConfig init_source_model(const ModelConfig& cfg) {
+    if (!fs::is_directory(cfg.init_from))
+        fail(
+            "model.init_from = {} is not a model directory, and the config gives no [model] to "
+            "describe its weights: give a directory (a Hugging Face model with config.json, a "
+            "memtrain checkpoint or out_dir) or the model's keys",
+            cfg.init_from);
+    ModelConfig m = open_model_source(cfg.init_from).model;
+    m.init_from = cfg.init_from;
+    m.init_partial = cfg.init_partial;
+    return m;
+}
+
 }  // namespace memtrain

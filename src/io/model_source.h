@@ -27,4 +27,13 @@ ModelSource open_model_source(const std::string& path);
 // into its base (io/lora_files.h).
 void load_source_weights(const ModelSource& src, const ModelWeights& weights);
 
+// model.init_from's weights into a model of weights.cfg: a directory as open_model_source reads
+// it (a memtrain checkpoint, an out_dir with `latest`, a Hugging Face model directory; a LoRA
+// checkpoint merged into its base), or a .safetensors file or index. Unless `partial`, a source
+// holding tensors the model does not use is refused (load_hf_weights).
+void load_init_weights(const ModelWeights& weights, const std::string& path, bool partial);
+// The architecture of model.init_from's directory (its memtrain.toml's or config.json's model),
+// for a config that gives no [model]: init_from and init_partial as `cfg` has them.
+ModelConfig init_source_model(const ModelConfig& cfg);
+
 }  // namespace memtrain

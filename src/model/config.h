@@ -46,9 +46,13 @@ struct ModelConfig {
     // micro-batch's B x T token rows. Set by the tensor-parallel engine from
     // train.sequence_parallel, never read from a file.
     bool sequence_parallel = false;
-    // Weights to start from: a Hugging Face model directory, a .safetensors file, or a sharded
-    // model.safetensors.index.json, with GPT-2 or Llama tensor names (io/hf_weights.h).
+    // Weights to start from: a Hugging Face model directory, a memtrain checkpoint or an out_dir
+    // with `latest`, a .safetensors file, or a sharded model.safetensors.index.json, with GPT-2 or
+    // Llama tensor names (io/hf_weights.h, io/model_source.h).
     std::string init_from;
+    // Load only the tensors of init_from this model has (the first blocks of a deeper model, say);
+    // false: a source holding tensors the model does not use is refused.
+    bool init_partial = false;
 
     int padded_vocab() const { return (vocab_size + vocab_pad - 1) / vocab_pad * vocab_pad; }
     int head_dim() const { return n_embd / n_head; }

@@ -22,6 +22,7 @@
 #include "engine/cpu/cpu_engine.h"
 #include "engine/host_memory.h"
 #include "engine/run_plan.h"
+#include "io/model_source.h"
 #include "io/run_report.h"
 #include "optim/schedule.h"
 #include "planner/memory_model.h"
@@ -245,7 +246,7 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
     const bool weights_in_checkpoint = !resume_dir.empty() && !cfg_.lora.enabled();
     if (!weights_in_checkpoint) {
         if (!cfg_.model.init_from.empty()) {
-            load_hf_weights(engine_->weights(), cfg_.model.init_from);
+            load_init_weights(engine_->weights(), cfg_.model.init_from, cfg_.model.init_partial);
             if (cfg_.train.precision == "fp16")
                 check_fp16_range(engine_->weights(), cfg_.model.init_from);
             print(fmt::format("initialised {}weights from {}\n",

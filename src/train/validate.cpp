@@ -1,6 +1,7 @@
 // The run config's checks across keys (see validate.h).
 #include "train/validate.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -9,6 +10,7 @@
 #include "core/cuda_backend.h"
 #include "core/device.h"
 #include "core/error.h"
+#include "io/model_source.h"
 #include "model/lora.h"
 #include "parallel/pipeline/schedule.h"
 #include "remat/policy.h"
@@ -17,7 +19,15 @@ namespace memtrain {
 
 RunConfig load_run_config(const std::string& path, const std::vector<std::string>& overrides,
                           const RunConfig* base) {
-    RunConfig cfg = read_run_config(path, overrides, base);
+    std::vector<std::string> given;
+    RunConfig cfg = read_run_config(path, overrides, base, &given);
+    // A new run from model.init_from that describes no model takes the source's architecture
+    // (a resume has its checkpoint's).
+    const bool model_given = std::any_of(given.begin(), given.end(), [](const std::string& k) {
+        return k.rfind("model.", 0) == 0 && k != "model.init_from" && k != "model.init_partial";
+    });
+    if (!base && !cfg.model.init_from.empty() && !model_given)
+        cfg.model = init_source_model(cfg.model);
     // So that `--set train.pp=2` or `train.dp_mode=ps` is not refused for want of ranks a file
     // cannot know about.
     cfg.world = cfg.min_world();

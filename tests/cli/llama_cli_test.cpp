@@ -86,5 +86,65 @@ TEST(LlamaCli, TrainSampleEvalAndFineTuneFromTheHfDirectory) {
     EXPECT_NE(r.output.find("--seq-len"), std::string::npos) << r.output;
 }
 
+// model.init_from takes what docs/huggingface.md says it does: an out_dir with `latest`, and
+// without [model] the source's own architecture; a source with tensors the model does not use
+// (a 3-block checkpoint into a 2-block model) is refused unless model.init_partial says so.
+TEST(LlamaCli, InitFromAnOutDirTakesItsArchitectureAndRefusesAPartialLoad) {
+    const std::string dir = test::temp_dir("init_from_cli");
+    auto r = memtrain::test::tokenize_corpus(dir, test::small_corpus(), 320);
+    ASSERT_EQ(r.code, 0) << r.output;
+    const std::string run_keys =
+        "[train]\nseq_len = 16\nbatch_size = 2\nmax_steps = 2\ndevice = \"cpu\"\n"
+        "eval_every = 0\n[data]\ntrain = \"train.bin\"\ntokenizer = \"tok.json\"\n"
+        "[sample]\nmax_tokens = 0\n";
+    write_file(dir + "/deep.toml",
+               "[model]\nn_layer = 3\nn_head = 2\nn_embd = 32\nblock_size = 16\n"
+               "vocab_size = 320\nnorm = \"rmsnorm\"\nactivation = \"swiglu\"\n"
+               "positions = \"rope\"\nbias = false\n" +
+                   run_keys);
+    r = run_memtrain("train " + dir + "/deep.toml --set io.out_dir=" + dir + "/deep");
+    ASSERT_EQ(r.code, 0) << r.output;
+
+    // No [model]: the out_dir (its `latest`) gives both the architecture and the weights.
+    write_file(dir + "/ft.toml", run_keys);
+    r = run_memtrain("train " + dir + "/ft.toml --set io.out_dir=" + dir +
+                     "/ft model.init_from=" + dir + "/deep");
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("initialised weights from " + dir + "/deep"), std::string::npos)
+        << r.output;
+    EXPECT_NE(r.output.find("n_layer=3 "), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("norm=rmsnorm"), std::string::npos) << r.output;
+
+    // A model of 2 blocks from the 3-block source: refused, naming the tensors and the blocks.
+    const std::string shallow =
+        " --set model.n_layer=2 model.n_head=2 model.n_embd=32 "
+        "model.block_size=16 model.vocab_size=320 model.norm=rmsnorm "
+        "model.activation=swiglu model.positions=rope model.bias=false ";
+    r = run_memtrain("train " + dir + "/ft.toml" + shallow + "io.out_dir=" + dir +
+                     "/shallow model.init_from=" + dir + "/deep");
+    EXPECT_EQ(r.code, 1) << r.output;
+    EXPECT_NE(r.output.find("model.init_from = " + dir +
+                            "/deep/ckpt_000002/model.safetensors "
+                            "holds 9 tensors this model does not use "
+                            "(model.layers.2.input_layernorm.weight, "),
+              std::string::npos)
+        << r.output;
+    EXPECT_NE(r.output.find("it has 3 blocks, model.n_layer = 2"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("model.init_partial = true"), std::string::npos) << r.output;
+    EXPECT_FALSE(fs::exists(dir + "/shallow/latest"));
+    // ... loaded on purpose: the first two blocks, and the run trains.
+    r = run_memtrain("train " + dir + "/ft.toml" + shallow + "io.out_dir=" + dir +
+                     "/shallow model.init_partial=true model.init_from=" + dir + "/deep");
+    EXPECT_EQ(r.code, 0) << r.output;
+    EXPECT_TRUE(fs::exists(dir + "/shallow/ckpt_000002/model.safetensors"));
+    // A single file with no [model] cannot say what model it holds.
+    r = run_memtrain("train " + dir + "/ft.toml --set io.out_dir=" + dir +
+                     "/file model.init_from=" + dir + "/deep/ckpt_000002/model.safetensors");
+    EXPECT_EQ(r.code, 1) << r.output;
+    EXPECT_NE(r.output.find("is not a model directory, and the config gives no [model]"),
+              std::string::npos)
+        << r.output;
+}
+
 }  // namespace
 }  // namespace memtrain
