@@ -262,6 +262,11 @@ const std::vector<Key>& registry() {
         make_key("io.checkpoint_every", &R::io, &IoConfig::checkpoint_every,
                  "steps between checkpoints (0 = final only)"),
         make_key("io.save_final", &R::io, &IoConfig::save_final, "checkpoint at the end"),
+        make_key("io.keep_last", &R::io, &IoConfig::keep_last,
+                 "checkpoints kept: the newest K (0 = all), besides io.keep_every's and those "
+                 "holding a file named keep"),
+        make_key("io.keep_every", &R::io, &IoConfig::keep_every,
+                 "with io.keep_last: checkpoints at multiples of this many steps are kept too"),
         make_key("io.metrics", &R::io, &IoConfig::metrics, "JSONL metrics file in out_dir"),
         make_key("sample.prompt", &R::sample, &SampleConfig::prompt, "sample after training"),
         make_key("sample.max_tokens", &R::sample, &SampleConfig::max_tokens, "0 = no sample"),

@@ -64,6 +64,11 @@ struct IoConfig {
     int checkpoint_every = 0;  // steps between checkpoints; 0 = only the final one
     bool save_final = true;
     std::string metrics = "metrics.jsonl";  // inside out_dir
+    // Retention (io/checkpoint.h, prune_checkpoints): after each save only the newest keep_last
+    // checkpoints stay (0 = all), besides those at multiples of keep_every steps and any with a
+    // file named `keep` in it.
+    int keep_last = 0;
+    int keep_every = 0;
 };
 
 struct SampleConfig {

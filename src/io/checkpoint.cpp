@@ -277,6 +277,39 @@ std::string save_checkpoint(const std::string& out_dir, const RunConfig& cfg,
     return final_dir.string();
 }
 
+std::vector<std::string> prune_checkpoints(const std::string& out_dir, int keep_last,
+                                           int keep_every, int64_t saved) {
+    if (keep_last <= 0) return {};
+    const fs::path out(out_dir);
+    std::error_code ec;
+    std::vector<std::pair<int64_t, std::string>> ckpts;  // (step, name), this run's up to saved
+    for (const auto& e : fs::directory_iterator(out, ec)) {
+        const std::string name = e.path().filename().string();
+        if (!io::is_checkpoint_name(name) || !e.is_directory(ec) || name.size() > 23) continue;
+        const int64_t step = std::stoll(name.substr(5));
+        if (step <= saved) ckpts.push_back({step, name});
+    }
+    std::sort(ckpts.begin(), ckpts.end(), std::greater<>());
+    // (Just written by this process: the name and a newline.)
+    std::string latest = io::read_text_file(out / "latest", 4096);
+    while (!latest.empty() && std::isspace((unsigned char)latest.back())) latest.pop_back();
+    std::vector<std::string> removed;
+    for (std::size_t i = (std::size_t)keep_last; i < ckpts.size(); i++) {
+        const auto& [step, name] = ckpts[i];
+        if (name == latest || (keep_every > 0 && step % keep_every == 0) ||
+            fs::exists(out / name / "keep", ec))
+            continue;
+        // (The stale-temporary sweep at start-up finishes a removal a crash interrupted.)
+        const fs::path doomed = out / fmt::format(".{}.old.{}", name, (long long)::getpid());
+        fs::rename(out / name, doomed, ec);
+        if (ec) continue;  // (a checkpoint that cannot go stays; the next save tries again)
+        fs::remove_all(doomed, ec);
+        removed.push_back(name);
+    }
+    if (!removed.empty()) io::sync_directory(out);
+    return removed;
+}
+
 namespace {
 
 void write_checkpoint_files(const fs::path& tmp_dir, const RunConfig& cfg,

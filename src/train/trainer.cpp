@@ -16,6 +16,7 @@
 #include <tuple>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "core/error.h"
 #include "data/tokenizer.h"
@@ -514,6 +515,13 @@ TrainSummary Trainer::run() {
                 save_checkpoint(cfg_.io.out_dir, cfg_, engine_->checkpoint_model(),
                                 engine_->optimizer(), state_, *comm_);
             print(fmt::format("checkpoint: {}\n", sum.last_checkpoint));
+            if (root()) {
+                const std::vector<std::string> removed = prune_checkpoints(
+                    cfg_.io.out_dir, cfg_.io.keep_last, cfg_.io.keep_every, state_.step);
+                if (!removed.empty())
+                    print(fmt::format("checkpoint: removed {} (io.keep_last = {})\n",
+                                      fmt::join(removed, ", "), cfg_.io.keep_last));
+            }
         }
         if (stop_sig != 0) break;
     }

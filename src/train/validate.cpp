@@ -334,6 +334,10 @@ void validate_config(const RunConfig& cfg) {
     if (cfg.train.threads < 0) fail("train.threads must be >= 0, got {}", cfg.train.threads);
     if (cfg.io.checkpoint_every < 0)
         fail("io.checkpoint_every must be >= 0, got {}", cfg.io.checkpoint_every);
+    if (cfg.io.keep_last < 0)
+        fail("io.keep_last must be >= 0 (0 keeps every checkpoint), got {}", cfg.io.keep_last);
+    if (cfg.io.keep_every < 0)
+        fail("io.keep_every must be >= 0 (0: none kept for its step), got {}", cfg.io.keep_every);
     validate_metrics_name(cfg.io.metrics);
     if (cfg.sample.max_tokens < 0)
         fail("sample.max_tokens must be >= 0, got {}", cfg.sample.max_tokens);

@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cstdio>
@@ -137,6 +138,43 @@ TEST(TrainCli, NothingToTrainSaysSoAndChangesNoFile) {
     EXPECT_NE(r.code, 0) << r.output;
     EXPECT_NE(r.output.find("--stop-after"), std::string::npos) << r.output;
     EXPECT_FALSE(fs::exists(dir + "/neg"));
+}
+
+// io.keep_last = 2 keeps the newest two checkpoints, besides io.keep_every's, those a user marked
+// with a file named `keep`, and (a resume of an older one) those after the step saved.
+TEST(TrainCli, KeepLastRemovesOlderCheckpointsButTheMarkedOnes) {
+    auto dir = memtrain::test::temp_dir("train_cli_keep");
+    const std::string cfg = slow_config(dir, 3, 16);
+    auto r = run_in_dir("train " + cfg + " --set io.checkpoint_every=1");
+    ASSERT_EQ(r.code, 0) << r.output;
+    write_file(dir + "/out/ckpt_000001/keep", "");
+    r = run_in_dir("train --resume " + dir +
+                   "/out --set train.max_steps=7 io.keep_last=2 io.keep_every=3");
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("checkpoint: removed ckpt_000002 (io.keep_last = 2)"),
+              std::string::npos)
+        << r.output;
+    auto left = [&] {
+        std::vector<std::string> names;
+        for (const auto& e : fs::directory_iterator(dir + "/out"))
+            if (e.is_directory()) names.push_back(e.path().filename().string());
+        std::sort(names.begin(), names.end());
+        return names;
+    };
+    EXPECT_EQ(left(), (std::vector<std::string>{"ckpt_000001", "ckpt_000003", "ckpt_000006",
+                                                "ckpt_000007"}));
+    // Resumed from step 3 again: steps 4 and 5 are saved anew and pruned; 6 and 7, after the
+    // step saved, belong to the other branch and stay.
+    r = run_in_dir("train --resume " + dir +
+                   "/out/ckpt_000003 --set train.max_steps=5 io.keep_last=1 io.keep_every=3 "
+                   "io.checkpoint_every=1");
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_EQ(left(), (std::vector<std::string>{"ckpt_000001", "ckpt_000003", "ckpt_000005",
+                                                "ckpt_000006", "ckpt_000007"}));
+    EXPECT_EQ(read_file(dir + "/out/latest"), "ckpt_000005\n");
+    r = run_in_dir("train " + cfg + " --set io.keep_last=-1 io.out_dir=" + dir + "/bad");
+    EXPECT_EQ(r.code, 1) << r.output;
+    EXPECT_NE(r.output.find("io.keep_last = -1 is out of range"), std::string::npos) << r.output;
 }
 
 TEST(TrainCli, SigtermStopsWithACheckpointAndResumesExactly) {
