@@ -43,7 +43,7 @@ void register_lora(CLI::App& app) {
         load_source_weights(src, model.weights());
         const fs::path tmp = staged.dir();
         save_hf_weights(model.weights(), (tmp / "model.safetensors").string());
-        io::write_text_file(tmp / "config.json", hf_config_json(src.model));
+        io::write_text_file(tmp / "config.json", hf_config_json(src.model, src.tokenizer));
         if (!src.tokenizer.empty() && fs::is_regular_file(src.tokenizer))
             io::write_text_file(
                 tmp / "tokenizer.json",

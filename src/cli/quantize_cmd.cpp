@@ -231,7 +231,7 @@ void register_quantize(CLI::App& app) {
             model_w.write((tmp / "model.safetensors").string());
             quant_w.write((tmp / "quantized.safetensors").string());
             io::write_text_file(tmp / "quantization.json", j.dump(2) + "\n");
-            io::write_text_file(tmp / "config.json", hf_config_json(cfg));
+            io::write_text_file(tmp / "config.json", hf_config_json(cfg, src.tokenizer));
             if (!src.tokenizer.empty()) {
                 if (fs::is_directory(src.tokenizer)) {
                     for (const char* f : {"encoder.json", "vocab.bpe"})

@@ -374,7 +374,7 @@ void write_checkpoint_files(const fs::path& tmp_dir, const RunConfig& cfg,
     }
 
     if (root) {
-        io::write_text_file(tmp_dir / "config.json", hf_config_json(cfg.model));
+        io::write_text_file(tmp_dir / "config.json", hf_config_json(cfg.model, cfg.data.tokenizer));
         io::write_text_file(tmp_dir / "memtrain.toml", to_toml(cfg));
         io::SafetensorsWriter w;
         w.set_metadata("format", "memtrain-training-state");

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "data/tokenizer.h"
 #include "io/text_file.h"
 
 namespace fs = std::filesystem;
@@ -545,6 +546,19 @@ ModelConfig model_config_from_hf(const std::string& path) {
         fail("{}: {}", path, e.what());
     }
     return m;
+}
+
+std::string hf_config_json(const ModelConfig& cfg, const std::string& tokenizer) {
+    std::string json = hf_config_json(cfg);
+    if (tokenizer.empty()) return json;
+    const data::Tokenizer tok = data::Tokenizer::load(tokenizer);
+    const std::optional<uint32_t> eos = tok.eot_token();
+    const std::optional<uint32_t> bos = tok.bos_token() ? tok.bos_token() : eos;
+    std::string ids;
+    if (bos) ids += fmt::format("  \"bos_token_id\": {},\n", *bos);
+    if (eos) ids += fmt::format("  \"eos_token_id\": {},\n", *eos);
+    json.insert(json.find("  \"torch_dtype\""), ids);
+    return json;
 }
 
 }  // namespace memtrain

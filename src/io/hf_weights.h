@@ -75,6 +75,11 @@ void load_hf_weights(const ModelWeights& weights, const std::string& path,
 // config.json for the model: GPT2Config for GPT-2, LlamaConfig for Llama (both load in
 // `transformers`), and a memtrain-specific record for the variants between them.
 std::string hf_config_json(const ModelConfig& cfg);
+// The same with the token ids `transformers` generates with: eos_token_id the tokenizer's end of
+// text, bos_token_id the token its post-processor puts first (Llama 3's <|begin_of_text|>) or,
+// as GPT-2's config has it, the end of text. `tokenizer` as data::Tokenizer::load takes it; empty:
+// no ids.
+std::string hf_config_json(const ModelConfig& cfg, const std::string& tokenizer);
 // The model a config.json describes: model_type "gpt2", "llama" or memtrain's
 // "memtrain-llama-style". Anything else (mixtures of experts, other families, RoPE scaling) is
 // refused with a message naming the key.

@@ -41,6 +41,10 @@ TEST(LlamaCli, TrainSampleEvalAndFineTuneFromTheHfDirectory) {
     auto config = nlohmann::json::parse(cj);
     EXPECT_EQ(config["model_type"], "llama");
     EXPECT_EQ(config["num_key_value_heads"], 2);
+    // The ids `generate` stops at: the trained tokenizer's <|endoftext|> (its last id), also the
+    // bos as in GPT-2's config (the tokenizer puts no token first).
+    EXPECT_EQ(config["eos_token_id"], 319) << config.dump();
+    EXPECT_EQ(config["bos_token_id"], 319) << config.dump();
 
     // Greedy decoding is deterministic whatever the seed.
     r = run_memtrain("sample " + dir + "/out --temperature 0 --max-tokens 8 --prompt \"The \"");

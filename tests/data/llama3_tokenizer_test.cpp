@@ -14,6 +14,7 @@
 
 #include "core/error.h"
 #include "data/tokenizer.h"
+#include "io/hf_weights.h"
 #include "llama3_layout.h"
 #include "python_ref.h"
 #include "test_util.h"
@@ -285,6 +286,23 @@ class TokenizerLlama3 : public ::testing::Test {
     fs::path dir_;
 };
 Tokenizer* TokenizerLlama3::trained_ = nullptr;
+
+// A Llama checkpoint's config.json names the ids `generate` starts and stops with, as Meta's does:
+// bos <|begin_of_text|>, eos <|end_of_text|>.
+TEST_F(TokenizerLlama3, ConfigJsonCarriesItsBosAndEosIds) {
+    Llama3Layout l;
+    (void)load_layout(true, &l);
+    ModelConfig m;
+    m.norm = "rmsnorm";
+    m.activation = "swiglu";
+    m.positions = "rope";
+    m.bias = false;
+    const json config = json::parse(hf_config_json(m, (dir_ / "llama3.json").string()));
+    EXPECT_EQ(config["model_type"], "llama");
+    EXPECT_EQ(config["bos_token_id"], l.first_special) << config.dump();
+    EXPECT_EQ(config["eos_token_id"], l.first_special + 1) << config.dump();
+    EXPECT_FALSE(json::parse(hf_config_json(m, "")).contains("bos_token_id"));
+}
 
 TEST_F(TokenizerLlama3, LoadsEncodesAndRoundTrips) {
     Llama3Layout l;
