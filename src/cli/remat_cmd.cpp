@@ -122,6 +122,7 @@ void register_remat(CLI::App& app) {
                   "time real steps of every schedule");
     cmd->callback([a] {
         RunConfig cfg = load_run_config(a->config, a->sets);
+        resolve_config(cfg);  // "auto": what this machine would run
         const ModelConfig& m = cfg.model;
         const int B = cfg.micro_batch(), T = cfg.train.seq_len;
         // Whose layout to price: the run's device and precision, or those named here.

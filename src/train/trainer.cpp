@@ -98,6 +98,10 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
     comm_ = comm;
     cfg_.world = comm_->size();
     validate_config(cfg_);
+    // Checkpoints record train.device and train.precision as written ("auto" stays "auto": a
+    // resume on another machine resolves it there); the run uses what they resolve to here.
+    written_device_ = cfg_.train.device;
+    written_precision_ = cfg_.train.precision;
     resolve_config(cfg_);
     // Every rank must run the same configuration (and resume the same checkpoint).
     dist::check_same_config(*comm_, to_toml(cfg_) + "\nresume = " + opts_.resume);
@@ -303,6 +307,13 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
 }
 
 Trainer::~Trainer() = default;
+
+RunConfig Trainer::config_as_written() const {
+    RunConfig c = cfg_;
+    c.train.device = written_device_;
+    c.train.precision = written_precision_;
+    return c;
+}
 
 void Trainer::log_metrics(const std::string& line) {
     if (!metrics_ || metrics_->failed()) return;
@@ -512,7 +523,7 @@ TrainSummary Trainer::run() {
             (last && cfg_.io.save_final) || stopping) {
             std::tie(state_.loss_scale, state_.loss_scale_clean) = engine_->loss_scaler_state();
             sum.last_checkpoint =
-                save_checkpoint(cfg_.io.out_dir, cfg_, engine_->checkpoint_model(),
+                save_checkpoint(cfg_.io.out_dir, config_as_written(), engine_->checkpoint_model(),
                                 engine_->optimizer(), state_, *comm_);
             print(fmt::format("checkpoint: {}\n", sum.last_checkpoint));
             if (root()) {

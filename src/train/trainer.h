@@ -96,7 +96,10 @@ class Trainer {
     void print_memory_report();
     void print_sample();
 
-    RunConfig cfg_;
+    RunConfig cfg_;  // train.device and train.precision resolved ("auto" -> what runs here)
+    std::string written_device_, written_precision_;  // as the config gave them
+    // cfg_ with train.device and train.precision as the config gave them: what checkpoints save.
+    RunConfig config_as_written() const;
     TrainOptions opts_;
     CpuEngine& cpu_engine();
 

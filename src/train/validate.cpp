@@ -33,7 +33,6 @@ RunConfig load_run_config(const std::string& path, const std::vector<std::string
     cfg.world = cfg.min_world();
     validate_config(cfg);
     cfg.world = 1;
-    resolve_config(cfg);
     return cfg;
 }
 

@@ -12,8 +12,10 @@
 namespace memtrain {
 
 // config/run_config.h's read_run_config, then the checks across keys at the fewest ranks the
-// layout runs on (the launcher's world size comes at start-up, where the Trainer checks again),
-// then "auto" resolved: what `memtrain train` starts from.
+// layout runs on (the launcher's world size comes at start-up, where the Trainer checks again):
+// what `memtrain train` starts from. "auto" in train.device and train.precision stays as written
+// (so --print-config and a checkpoint's memtrain.toml keep it, and a resume on another machine
+// resolves it there); the Trainer and plan_run resolve their own copies.
 RunConfig load_run_config(const std::string& path, const std::vector<std::string>& overrides,
                           const RunConfig* base = nullptr);
 

@@ -177,6 +177,26 @@ TEST(TrainCli, KeepLastRemovesOlderCheckpointsButTheMarkedOnes) {
     EXPECT_NE(r.output.find("io.keep_last = -1 is out of range"), std::string::npos) << r.output;
 }
 
+// train.device = "auto" is what the user wrote: --print-config and the checkpoint's memtrain.toml
+// keep it (a resume on a machine with a GPU resolves it there); the start-up table shows what
+// runs here.
+TEST(TrainCli, DeviceAutoStaysAutoInPrintedAndSavedConfigs) {
+    auto dir = memtrain::test::temp_dir("train_cli_auto");
+    const std::string cfg = slow_config(dir, 1, 16);
+    auto r = run_in_dir("train " + cfg + " --set train.device=auto --print-config");
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("device = 'auto'\n"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("precision = 'auto'\n"), std::string::npos) << r.output;
+    r = run_in_dir("train " + cfg + " --set train.device=auto");
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_TRUE(r.output.find("device=cpu ") != std::string::npos ||
+                r.output.find("device=cuda ") != std::string::npos)
+        << r.output;
+    const std::string saved = read_file(dir + "/out/ckpt_000001/memtrain.toml");
+    EXPECT_NE(saved.find("device = 'auto'\n"), std::string::npos) << saved;
+    EXPECT_NE(saved.find("precision = 'auto'\n"), std::string::npos) << saved;
+}
+
 TEST(TrainCli, SigtermStopsWithACheckpointAndResumesExactly) {
     auto dir = memtrain::test::temp_dir("train_cli_sigterm");
     const std::string cfg = slow_config(dir, 60);
