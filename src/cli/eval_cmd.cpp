@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <memory>
 
 #include <fmt/format.h>
 
@@ -44,25 +45,30 @@ void register_eval(CLI::App& app) {
         if (a->batch <= 0 || (int64_t)a->batch * T > INT32_MAX)
             fail("--batch {} must be in [1, {}] at --seq-len {}", a->batch, INT32_MAX / T, T);
         if (a->max_batches < 0) fail("--max-batches must be >= 0, got {}", a->max_batches);
-        data::DataLoader loader(a->data, a->batch, T, 0, false);
-        if (loader.shard().vocab_size() > (uint32_t)m.vocab_size)
+        int batch = a->batch;
+        auto loader = std::make_unique<data::DataLoader>(a->data, batch, T, 0, false);
+        if (loader->shard().vocab_size() > (uint32_t)m.vocab_size)
             fail("{} was tokenized with a vocabulary of {} tokens; the model has {}", a->data,
-                 loader.shard().vocab_size(), m.vocab_size);
-        int64_t batches = (int64_t)(loader.num_windows() / a->batch);
-        if (batches == 0)
-            fail("{} holds {} windows of {} tokens, fewer than one batch of {}", a->data,
-                 loader.num_windows(), T + 1, a->batch);
+                 loader->shard().vocab_size(), m.vocab_size);
+        if (loader->num_windows() == 0)
+            fail("{} holds no window of --seq-len {} + 1 = {} tokens", a->data, T, T + 1);
+        if (loader->num_windows() < (std::size_t)batch) {
+            // A small shard (a few documents of validation): one partial batch of all of it.
+            batch = (int)loader->num_windows();
+            loader = std::make_unique<data::DataLoader>(a->data, batch, T, 0, false);
+        }
+        int64_t batches = (int64_t)(loader->num_windows() / batch);
         if (a->max_batches > 0) batches = std::min(batches, a->max_batches);
         GPT model(m);
         load_source_weights(src, model.weights());
-        std::vector<int32_t> x((std::size_t)a->batch * T), y(x.size());
+        std::vector<int32_t> x((std::size_t)batch * T), y(x.size());
         double total = 0;
         for (int64_t i = 0; i < batches; i++) {
-            loader.next_batch(x.data(), y.data());
-            total += model.forward_loss(x.data(), y.data(), a->batch, T);
+            loader->next_batch(x.data(), y.data());
+            total += model.forward_loss(x.data(), y.data(), batch, T);
         }
         const double loss = total / (double)batches;
-        const int64_t tokens = batches * a->batch * T;
+        const int64_t tokens = batches * batch * T;
         if (a->json)
             std::printf("%s\n",
                         fmt::format("{{\"model\": \"{}\", \"data\": \"{}\", \"tokens\": {}, "
@@ -72,7 +78,7 @@ void register_eval(CLI::App& app) {
         else
             std::printf("%s\n", fmt::format("eval {} on {}: {} tokens ({} windows of {}) | loss "
                                             "{:.4f} | perplexity {:.2f}",
-                                            src.dir, a->data, tokens, batches * a->batch, T, loss,
+                                            src.dir, a->data, tokens, batches * batch, T, loss,
                                             std::exp(loss))
                                     .c_str());
     });

@@ -1,10 +1,14 @@
 // Entry point of the `memtrain` command: dispatches to the subcommands in cli/.
 // Every memtrain::Error becomes one line on stderr and exit code 1; CLI usage errors exit 2.
+#include <algorithm>
 #include <cstdio>
 #include <exception>
+#include <string>
+#include <vector>
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "planner/nearest.h"
 
 #ifndef MEMTRAIN_VERSION
 #define MEMTRAIN_VERSION "0.0.0"
@@ -33,6 +37,19 @@ int main(int argc, char** argv) {
     memtrain::cli::register_report(app);
     memtrain::cli::register_quantize(app);
     memtrain::cli::register_lora(app);
+    // `memtrain trian`: name the command meant (CLI11 says only that the word was not expected).
+    if (argc > 1 && argv[1][0] != '-') {
+        std::vector<std::string> names;
+        for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; }))
+            names.push_back(sub->get_name());
+        if (std::find(names.begin(), names.end(), argv[1]) == names.end()) {
+            std::fprintf(stderr,
+                         "memtrain: error: unknown command '%s'; did you mean %s? (memtrain "
+                         "--help lists the commands)\n",
+                         argv[1], memtrain::plan::did_you_mean(argv[1], names).c_str());
+            return 2;
+        }
+    }
     try {
         app.parse(argc, argv);
     } catch (const CLI::ParseError& e) {

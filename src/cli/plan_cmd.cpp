@@ -356,11 +356,15 @@ void register_plan_cmd(CLI::App& app) {
                 fail("no plan fits, so there is no config to write to {}", a->emit);
             write_file(a->emit, emit_config_toml(m, r.plans[0]));
         }
+        // Nothing fits: the table still says why (and how close each layout came), and the exit
+        // code says it to a script.
+        const int code = r.plans.empty() ? 1 : 0;
         if (a->json) {
             nlohmann::json j = to_json(r, a->top);
             j["host_memory_bytes"] = c.host_memory();
             j["host_memory_default"] = !check.given("--host-mem-gb");
             std::printf("%s\n", j.dump(2).c_str());
+            if (code) throw ExitCode{code};
             return;
         }
         std::printf("%s: %.3fB parameters on %d x %s (%.0f GB), global batch %d x %d tokens\n",
@@ -371,6 +375,12 @@ void register_plan_cmd(CLI::App& app) {
         std::printf("%s", format_plans(r, a->top, a->reasons, c).c_str());
         if (!a->emit.empty()) std::printf("\nwrote %s\n", a->emit.c_str());
         if (!a->svg.empty()) std::printf("wrote %s\n", a->svg.c_str());
+        if (code) {
+            std::fflush(stdout);
+            std::fprintf(stderr, "memtrain: no layout of %s fits %d x %s (exit 1)\n",
+                         m.name.c_str(), gpus, c.gpu.name.c_str());
+            throw ExitCode{code};
+        }
     });
 }
 
@@ -397,6 +407,12 @@ void register_scale(CLI::App& app) {
         check.fraction("--mfu", a->assumed_mfu);
         check.positive("--seq", a->seq);
         check.positive("--global-batch", a->global_batch);
+        if (a->flops > 0 && a->days > 0)
+            fail(
+                "--flops {:g} and --days {:g} both set the compute budget: give --flops C, or "
+                "--gpus N --days D (and --gpu) to derive it (--gpus alone with --flops times the "
+                "run)",
+                a->flops, a->days);
         double C = a->flops;
         ClusterSpec c;
         check_gpu_flags(a->gpu, cmd);

@@ -53,9 +53,19 @@ void register_sample(CLI::App& app) {
         Rng rng(a->seed);
         SampleOptions so{a->max_tokens, a->temperature, a->top_k, eot ? (int64_t)*eot : -1};
         auto out = generate(model, prompt, so, rng);
-        if (!out.empty() && (int64_t)out.back() == so.stop_token) out.pop_back();
+        const bool stopped = !out.empty() && (int64_t)out.back() == so.stop_token;
+        if (stopped) out.pop_back();
         std::vector<uint32_t> ids(out.begin(), out.end());
         std::printf("%s%s\n", a->prompt.c_str(), tok.decode(ids).c_str());
+        std::fflush(stdout);
+        // Fewer tokens than asked for: say why, apart from the text (stderr).
+        if (stopped)
+            std::fprintf(
+                stderr,
+                "memtrain: the model ended the text (end-of-text token) after %zu of "
+                "--max-tokens %d tokens%s\n",
+                out.size(), a->max_tokens,
+                a->temperature == 0 ? " (greedy: every run of this prompt stops there)" : "");
     });
 }
 

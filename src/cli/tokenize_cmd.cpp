@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cerrno>
 #include <charconv>
 #include <chrono>
@@ -160,6 +161,9 @@ void run_tokenize(const TokenizeOptions& o) {
     const data::Tokenizer tok = data::Tokenizer::load(o.tokenizer);
     const Corpus corpus = read_corpus(o.inputs, o.separator);
     const auto& docs = corpus.documents;
+    fmt::print("tokenize: encoding {} documents ({} bytes in {} files)...\n", docs.size(),
+               corpus.bytes, corpus.files);
+    std::fflush(stdout);
 
     std::vector<std::vector<uint32_t>> encoded(docs.size());
 #pragma omp parallel for schedule(dynamic, 16)
@@ -172,8 +176,11 @@ void run_tokenize(const TokenizeOptions& o) {
     const auto bos = tok.bos_token(), eot = tok.eot_token();
     std::vector<uint32_t> train, val;
     size_t train_docs = 0, val_docs = 0, text_tokens = 0;
+    // One document (nanoGPT's input.txt): no document can be drawn for val, so its tokens are
+    // split instead, the last --val-fraction of them to val.bin, as nanoGPT's prepare.py does.
+    const bool split_tokens = docs.size() == 1 && o.val_fraction > 0;
     for (size_t i = 0; i < docs.size(); ++i) {
-        const bool to_val = is_validation(o.seed, i, o.val_fraction);
+        const bool to_val = !split_tokens && is_validation(o.seed, i, o.val_fraction);
         auto& dst = to_val ? val : train;
         (to_val ? val_docs : train_docs)++;
         if (bos) {
@@ -185,9 +192,19 @@ void run_tokenize(const TokenizeOptions& o) {
         if (bos && eot) dst.push_back(*eot);
         text_tokens += encoded[i].size();
     }
+    if (split_tokens) {
+        const size_t n = train.size();
+        const size_t n_val = std::min<size_t>(
+            n - 1, std::max<size_t>(1, (size_t)std::llround((double)n * o.val_fraction)));
+        if (n < 2)
+            fail("the corpus is {} token{}: too few to split into train and val", n,
+                 n == 1 ? "" : "s");
+        val.assign(train.end() - (std::ptrdiff_t)n_val, train.end());
+        train.resize(n - n_val);
+    }
     if (train_docs == 0)
         fail("the train split is empty: all {} documents went to val", docs.size());
-    if (o.val_fraction > 0 && val_docs == 0) {
+    if (o.val_fraction > 0 && val_docs == 0 && !split_tokens) {
         fail(
             "the val split is empty: none of {} documents was drawn with --val-fraction {}; raise "
             "it, add documents, or pass --val-fraction 0 to write no val.bin",
@@ -238,8 +255,15 @@ void run_tokenize(const TokenizeOptions& o) {
 
     size_t doc_bytes = 0;
     for (const auto& d : docs) doc_bytes += d.size();
-    fmt::print("tokenize: {} text files ({} binary skipped), {} documents ({} train, {} val)\n",
-               corpus.files, corpus.skipped.size(), docs.size(), train_docs, val_docs);
+    if (split_tokens)
+        fmt::print(
+            "tokenize: {} text file{} ({} binary skipped), 1 document: split by tokens, the last "
+            "{:g}% to val.bin\n",
+            corpus.files, corpus.files == 1 ? "" : "s", corpus.skipped.size(),
+            100.0 * (double)val.size() / (double)(train.size() + val.size()));
+    else
+        fmt::print("tokenize: {} text files ({} binary skipped), {} documents ({} train, {} val)\n",
+                   corpus.files, corpus.skipped.size(), docs.size(), train_docs, val_docs);
     fmt::print("tokenize: {}/train.bin {} tokens, {}, vocab {}, tokenizer fingerprint {:016x}\n",
                o.out, train.size(),
                o.val_fraction > 0 ? fmt::format("{}/val.bin {} tokens", o.out, val.size())
@@ -260,6 +284,10 @@ struct TokenizerTrainOptions {
 void run_tokenizer_train(const TokenizerTrainOptions& o) {
     const auto start = std::chrono::steady_clock::now();
     const Corpus corpus = read_corpus(o.inputs, o.separator);
+    // A first line at once: learning the merges of a few MB takes tens of seconds.
+    fmt::print("tokenizer train: learning {} ids from {} documents ({} bytes in {} files)...\n",
+               o.vocab_size, corpus.documents.size(), corpus.bytes, corpus.files);
+    std::fflush(stdout);
     const data::Tokenizer tok = data::Tokenizer::train(corpus.documents, o.vocab_size);
     tok.save(o.out);
     fmt::print(
@@ -331,7 +359,8 @@ void register_tokenize(CLI::App& app) {
     tokenize->add_option("--out", topt->out, "output directory")->required();
     tokenize
         ->add_option("--val-fraction", topt->val_fraction,
-                     "fraction of documents drawn for val.bin (0: no val.bin)")
+                     "fraction of documents drawn for val.bin (0: no val.bin); a corpus of one "
+                     "document gives val.bin its last fraction of tokens instead")
         ->capture_default_str();
     tokenize->add_option("--doc-separator", topt->separator,
                          "a line equal to this ends a document (e.g. % for fortune files); "

@@ -193,6 +193,7 @@ void register_train(CLI::App& app) {
         int stop_after = -1;
         bool overwrite = false;
         bool accept_changes = false;
+        bool reset_data = false;
     };
     auto args = std::make_shared<Args>();
     cmd->add_option("config", args->config,
@@ -213,6 +214,9 @@ void register_train(CLI::App& app) {
                   "with --resume: continue although data.train, the tokenizer, train.seq_len, "
                   "train.batch_size, train.seed or the model's norm_eps / rope_theta changed "
                   "(printed); without it such a resume is refused");
+    cmd->add_flag("--reset-data", args->reset_data,
+                  "with --resume: read data.train from its start (a new shard, say: --set "
+                  "data.train=new.bin), keeping the weights, optimizer state, step and schedule");
     cmd->add_flag("--help-keys", args->keys, "list every config key and exit");
     cmd->add_flag("--print-config", args->print_config,
                   "print the resolved config as TOML (every key) and exit without training");
@@ -225,8 +229,14 @@ void register_train(CLI::App& app) {
             return;
         }
         if (args->print_config) {
-            std::fputs(to_toml(make_config(args->config, args->sets, args->resume)).c_str(),
-                       stdout);
+            const RunConfig cfg = make_config(args->config, args->sets, args->resume);
+            // The checks training makes once "auto" is resolved here (bf16 asked of a machine
+            // whose device is the CPU): the config printed is one that would start.
+            RunConfig resolved = cfg;
+            resolve_config(resolved);
+            resolved.world = resolved.min_world();
+            validate_config(resolved);
+            std::fputs(to_toml(cfg).c_str(), stdout);
             return;
         }
         if (args->print_plan) {
@@ -250,6 +260,9 @@ void register_train(CLI::App& app) {
         opts.refuse_existing_run = true;
         opts.overwrite = args->overwrite;
         opts.accept_changes = args->accept_changes;
+        opts.reset_data = args->reset_data;
+        if (args->reset_data && args->resume.empty())
+            fail("--reset-data needs --resume: a new run reads its data from the start anyway");
         if (!dist::launched_by_mpi()) {
             RunConfig cfg = make_config(args->config, args->sets, args->resume);
             validate_config(cfg);

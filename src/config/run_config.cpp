@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "core/error.h"
 #include "core/regular_file.h"
@@ -242,7 +243,8 @@ const std::vector<Key>& registry() {
         make_key("optim.momentum", &R::optim, &OptimConfig::momentum, "SGD"),
         make_key("optim.nesterov", &R::optim, &OptimConfig::nesterov, "SGD"),
         make_key("optim.grad_clip", &R::optim, &OptimConfig::grad_clip, "global norm (0 = off)"),
-        make_key("optim.schedule", &R::optim, &OptimConfig::schedule, "constant | cosine | wsd"),
+        make_key("optim.schedule", &R::optim, &OptimConfig::schedule,
+                 "constant | cosine | linear | wsd"),
         make_key("optim.warmup_steps", &R::optim, &OptimConfig::warmup_steps, "linear warmup"),
         make_key("optim.decay_fraction", &R::optim, &OptimConfig::decay_fraction,
                  "wsd: cooldown share of steps"),
@@ -352,8 +354,76 @@ std::size_t leaf_cost(const std::string& a, const std::string& b) {
     return edit_distance(a, b);
 }
 
-[[noreturn]] void unknown_key(const std::string& name, const std::string& src) {
+// What users of other trainers type (Hugging Face's TrainingArguments, DeepSpeed's JSON,
+// nanoGPT's train.py, Megatron's flags), by the name after any section: memtrain's key, and how
+// it differs where it is not the same quantity.
+struct PeerKey {
+    const char* theirs;
+    const char* ours;
+    const char* note;
+};
+constexpr PeerKey kPeerKeys[] = {
+    {"gradient_accumulation_steps", "train.micro_batch_size",
+     "memtrain derives accumulation: train.batch_size / (train.micro_batch_size x data-parallel "
+     "ranks)"},
+    {"per_device_train_batch_size", "train.micro_batch_size", ""},
+    {"train_micro_batch_size_per_gpu", "train.micro_batch_size", ""},
+    {"train_batch_size", "train.batch_size", "sequences per optimizer step, all ranks together"},
+    {"global_batch_size", "train.batch_size", ""},
+    {"learning_rate", "optim.lr", ""},
+    {"max_iters", "train.max_steps", ""},
+    {"train_iters", "train.max_steps", ""},
+    {"num_train_epochs", "train.max_steps", "memtrain counts optimizer steps, not epochs"},
+    {"warmup_iters", "optim.warmup_steps", ""},
+    {"lr_warmup_iters", "optim.warmup_steps", ""},
+    {"lr_scheduler_type", "optim.schedule", ""},
+    {"lr_decay_style", "optim.schedule", ""},
+    {"max_grad_norm", "optim.grad_clip", ""},
+    {"gradient_clipping", "optim.grad_clip", ""},
+    {"clip_grad", "optim.grad_clip", ""},
+    {"adam_beta1", "optim.beta1", ""},
+    {"adam_beta2", "optim.beta2", ""},
+    {"adam_epsilon", "optim.eps", ""},
+    {"adam_eps", "optim.eps", ""},
+    {"output_dir", "io.out_dir", ""},
+    {"save_steps", "io.checkpoint_every", ""},
+    {"save_interval", "io.checkpoint_every", ""},
+    {"save_total_limit", "io.keep_last", ""},
+    {"eval_steps", "train.eval_every", ""},
+    {"eval_interval", "train.eval_every", ""},
+    {"eval_iters", "train.eval_batches", ""},
+    {"logging_steps", "train.log_every", ""},
+    {"log_interval", "train.log_every", ""},
+    {"bf16", "train.precision", "train.precision = \"bf16\""},
+    {"fp16", "train.precision", "train.precision = \"fp16\""},
+    {"dtype", "train.precision", "fp32, bf16 or fp16"},
+    {"gradient_checkpointing", "train.remat", "train.remat = \"full\", or a schedule"},
+    {"activations_checkpoint_method", "train.remat", ""},
+    {"tensor_model_parallel_size", "train.tp", ""},
+    {"pipeline_model_parallel_size", "train.pp", ""},
+    {"num_layers", "model.n_layer", ""},
+    {"hidden_size", "model.n_embd", ""},
+    {"num_attention_heads", "model.n_head", ""},
+    {"max_position_embeddings", "model.block_size", ""},
+    {"seq_length", "train.seq_len", ""},
+    {"max_seq_length", "train.seq_len", ""},
+    {"dropout", "", "memtrain trains without dropout (no key for it yet; lora.dropout is LoRA's)"},
+    {"attn_pdrop", "", "memtrain trains without dropout (no key for it yet)"},
+    {"resid_pdrop", "", "memtrain trains without dropout (no key for it yet)"},
+    {"embd_pdrop", "", "memtrain trains without dropout (no key for it yet)"},
+    {"hidden_dropout", "", "memtrain trains without dropout (no key for it yet)"},
+    {"attention_dropout", "", "memtrain trains without dropout (no key for it yet)"},
+};
+
+std::string unknown_key_message(const std::string& name, const std::string& src) {
     const std::string sec = section_of(name), leaf = leaf_of(name);
+    for (const PeerKey& p : kPeerKeys) {
+        if (leaf != p.theirs) continue;
+        const std::string note = *p.note ? fmt::format(" ({})", p.note) : std::string();
+        if (!*p.ours) return fmt::format("{}: unknown config key '{}'{}", src, name, note);
+        return fmt::format("{}: unknown config key '{}'; memtrain's is '{}'{}", src, name, p.ours,
+                           note);
+    }
     const bool known_section = is_section(sec);
     const std::string meant_section = known_section ? sec
                                       : sec.empty() ? std::string()
@@ -381,9 +451,23 @@ std::size_t leaf_cost(const std::string& a, const std::string& b) {
                                 meant_section);
     else if (near && section_of(best->name) != sec && leaf_of(best->name) == leaf)
         why = fmt::format(" ({} is a key of [{}], not of [{}])", leaf, section_of(best->name), sec);
-    if (near) fail("{}: unknown config key '{}'; did you mean '{}'?{}", src, name, best->name, why);
-    fail("{}: unknown config key '{}'{} (see `memtrain train --help-keys` for the list)", src, name,
-         why);
+    if (near)
+        return fmt::format("{}: unknown config key '{}'; did you mean '{}'?{}", src, name,
+                           best->name, why);
+    return fmt::format(
+        "{}: unknown config key '{}'{} (see `memtrain train --help-keys` for the "
+        "list)",
+        src, name, why);
+}
+
+[[noreturn]] void unknown_key(const std::string& name, const std::string& src) {
+    fail("{}", unknown_key_message(name, src));
+}
+
+const Key* lookup_key(const std::string& name) {
+    for (const auto& k : registry())
+        if (k.name == name) return &k;
+    return nullptr;
 }
 
 const Key& find_key(const std::string& name, const std::string& src) {
@@ -395,6 +479,9 @@ const Key& find_key(const std::string& name, const std::string& src) {
 // `set` receives the names of the keys the table set.
 void apply_table(RunConfig& cfg, const toml::table& root, const std::string& src,
                  std::vector<std::string>* set = nullptr) {
+    // Every unknown key of the file at once, one line each (a user fixing a converted config
+    // should not meet them one run at a time).
+    std::vector<std::string> unknown;
     for (const auto& [sec_key, sec_node] : root) {
         std::string sec(sec_key.str());
         if (!sec_node.is_table()) {
@@ -408,7 +495,8 @@ void apply_table(RunConfig& cfg, const toml::table& root, const std::string& src
                         "{}: \"{}\" is quoted as one key name at the top level; write {} = ... "
                         "without the quotes, or {} = ... under [{}]",
                         src, sec, sec, leaf_of(sec), section_of(sec));
-            unknown_key(sec, src);
+            unknown.push_back(unknown_key_message(sec, src));
+            continue;
         }
         const toml::table& table = *sec_node.as_table();
         // An unknown section holding no keys would otherwise pass unnoticed.
@@ -420,10 +508,19 @@ void apply_table(RunConfig& cfg, const toml::table& root, const std::string& src
         }
         for (const auto& [key, node] : table) {
             std::string name = sec + "." + std::string(key.str());
-            find_key(name, src).from_toml(cfg, node, src);
+            const Key* k = lookup_key(name);
+            if (!k) {
+                unknown.push_back(unknown_key_message(name, src));
+                continue;
+            }
+            k->from_toml(cfg, node, src);
             if (set) set->push_back(name);
         }
     }
+    if (unknown.size() == 1) fail("{}", unknown[0]);
+    if (!unknown.empty())
+        fail("{} unknown config keys (see `memtrain train --help-keys` for the list):\n  {}",
+             unknown.size(), fmt::join(unknown, "\n  "));
 }
 
 // Paths in a config file are relative to that file, so a config works from any directory.

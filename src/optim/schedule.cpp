@@ -20,8 +20,10 @@ void OptimConfig::validate() const {
     if (!(eps > 0)) fail("optim.eps must be positive, got {}", eps);
     if (momentum < 0 || momentum >= 1) fail("optim.momentum must be in [0, 1), got {}", momentum);
     if (grad_clip < 0) fail("optim.grad_clip must be >= 0 (0 disables), got {}", grad_clip);
-    if (schedule != "constant" && schedule != "cosine" && schedule != "wsd")
-        fail("optim.schedule = \"{}\": expected \"constant\", \"cosine\" or \"wsd\"", schedule);
+    if (schedule != "constant" && schedule != "cosine" && schedule != "linear" &&
+        schedule != "wsd")
+        fail("optim.schedule = \"{}\": expected \"constant\", \"cosine\", \"linear\" or \"wsd\"",
+             schedule);
     if (warmup_steps < 0) fail("optim.warmup_steps must be >= 0, got {}", warmup_steps);
     if (decay_fraction < 0 || decay_fraction > 1)
         fail("optim.decay_fraction must be in [0, 1], got {}", decay_fraction);
@@ -46,9 +48,11 @@ double lr_at(const OptimConfig& cfg, double peak, int64_t step, int64_t total) {
     if (step < cfg.warmup_steps) return peak * (double)(step + 1) / (double)cfg.warmup_steps;
     const double min_lr = cfg.min_lr_ratio * peak;
     if (cfg.schedule == "constant") return peak;
-    if (cfg.schedule == "cosine") {
+    if (cfg.schedule == "cosine" || cfg.schedule == "linear") {
         int64_t span = std::max<int64_t>(1, total - cfg.warmup_steps);
         double progress = std::min(1.0, (double)(step - cfg.warmup_steps) / (double)span);
+        if (cfg.schedule == "linear")  // Hugging Face's "linear" (to 0 with min_lr_ratio = 0)
+            return min_lr + (peak - min_lr) * (1.0 - progress);
         return min_lr + 0.5 * (peak - min_lr) * (1.0 + std::cos(M_PI * progress));
     }
     // warmup-stable-decay

@@ -54,10 +54,12 @@ GpuSpec gpu_preset(const std::string& name) {
     for (const auto& g : gpu_presets())
         if (g.name == name) return g;
     fail(
-        "unknown GPU \"{}\"; did you mean \"{}\"? (presets: {}; or --gpu custom with "
+        "unknown GPU \"{}\"; did you mean {}? (presets: {}; or --gpu custom with "
         "--gpu-mem-gb, --gpu-tflops, --hbm-bw-gbs and, as the run needs them, --intra-bw-gbs, "
         "--inter-bw-gbs, --pcie-bw-gbs, --gpu-fp32-tflops)",
-        name, nearest_name(name, gpu_preset_names()),
+        name,
+        did_you_mean(name, gpu_preset_names(),
+                     {{"h100", "h100-80gb"}, {"h100-sxm", "h100-80gb"}, {"h200-141gb", "h200"}}),
         fmt::format("{}", fmt::join(gpu_preset_names(), ", ")));
 }
 

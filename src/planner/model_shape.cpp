@@ -485,9 +485,28 @@ ModelSpec load_model(const std::string& name_or_path) {
         return model_from_hf_json(text, name_or_path);
     }
     fail(
-        "unknown model \"{}\"; did you mean \"{}\"? (presets: {}; or give a config.json or "
+        "unknown model \"{}\"; did you mean {}? (presets: {}; or give a config.json or "
         "memtrain .toml path)",
-        name_or_path, nearest_name(name_or_path, model_preset_names()),
+        name_or_path,
+        did_you_mean(name_or_path, model_preset_names(),
+                     {{"gpt2-small", "gpt2"},
+                      {"gpt2-124m", "gpt2"},
+                      {"gpt2-355m", "gpt2-medium"},
+                      {"gpt2-350m", "gpt2-medium"},
+                      {"gpt2-774m", "gpt2-large"},
+                      {"gpt2-1.5b", "gpt2-xl"},
+                      {"gpt2-1558m", "gpt2-xl"},
+                      {"gpt3", "gpt3-175b"},
+                      {"llama-2-7b", "llama2-7b"},
+                      {"llama-2-13b", "llama2-13b"},
+                      {"llama-2-70b", "llama2-70b"},
+                      {"llama-3-8b", "llama3-8b"},
+                      {"llama3.1-8b", "llama3-8b"},
+                      {"llama-3.1-8b", "llama3-8b"},
+                      {"llama-3-70b", "llama3-70b"},
+                      {"llama3.1-70b", "llama3-70b"},
+                      {"llama-3.1-405b", "llama3-405b"},
+                      {"llama3.1-405b", "llama3-405b"}}),
         fmt::format("{}", fmt::join(model_preset_names(), ", ")));
 }
 

@@ -33,4 +33,28 @@ std::string nearest_name(const std::string& name, const std::vector<std::string>
     return best;
 }
 
+std::string did_you_mean(const std::string& name, const std::vector<std::string>& candidates,
+                         const std::vector<std::pair<std::string, std::string>>& aliases) {
+    auto lower = [](std::string s) {
+        for (char& c : s) c = (char)std::tolower((unsigned char)c);
+        return s;
+    };
+    const std::string n = lower(name);
+    for (const auto& [alias, target] : aliases)
+        if (lower(alias) == n) return "\"" + target + "\"";
+    // A family named without its variant ("a100" of "a100-40gb"): every variant.
+    std::vector<std::string> begun;
+    if (n.size() >= 2)
+        for (const auto& c : candidates)
+            if (lower(c).rfind(n + "-", 0) == 0) begun.push_back("\"" + c + "\"");
+    if (begun.size() == 1) return begun[0];
+    if (begun.size() > 1) {
+        std::string out;
+        for (std::size_t i = 0; i < begun.size(); i++)
+            out += (i == 0 ? "" : i + 1 == begun.size() ? " or " : ", ") + begun[i];
+        return out;
+    }
+    return "\"" + nearest_name(name, candidates) + "\"";
+}
+
 }  // namespace memtrain::plan

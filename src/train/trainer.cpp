@@ -155,6 +155,9 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
     }
     if (!resume_note.empty() && root())
         std::fprintf(stderr, "memtrain: warning: %s\n", resume_note.c_str());
+    if (root() && !opts_.quiet)
+        for (const std::string& w : config_warnings(cfg_))
+            std::fprintf(stderr, "memtrain: warning: %s\n", w.c_str());
     std::optional<RunConfig> saved;
     TrainState saved_state;
     if (!resume_dir.empty()) {
@@ -264,8 +267,16 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
     if (!resume_dir.empty()) {
         state_ = load_checkpoint(resume_dir, engine_->checkpoint_model(), engine_->optimizer());
         engine_->restore_loss_scaler(state_.loss_scale, state_.loss_scale_clean);
+        if (opts_.reset_data) {
+            state_.data_epoch = 0;
+            state_.data_cursor = 0;
+        }
         train_loader_->set_position({state_.data_epoch, state_.data_cursor});
-        print(fmt::format("resumed from {} at step {}\n", resume_dir, state_.step));
+        print(fmt::format(
+            "resumed from {} at step {}{}\n", resume_dir, state_.step,
+            opts_.reset_data
+                ? fmt::format(", reading {} from its start (--reset-data)", cfg_.data.train)
+                : std::string()));
     }
 
     peak_lr_ = scaled_peak_lr(cfg_.optim, cfg_.tokens_per_step());
@@ -339,8 +350,9 @@ std::string Trainer::resume_changes(const std::string& dir, const RunConfig& sav
         const std::string was = config_value(saved, key), now = config_value(cfg_, key);
         if (was != now) changes.push_back(fmt::format("{} {} (was {})", key, now, was));
     }
-    // The same path may hold other tokens now, or the tokenizer another vocabulary.
-    if (st.data_tokens && st.data_tokens != train_loader_->shard().size())
+    // The same path may hold other tokens now, or the tokenizer another vocabulary. (New data
+    // read from its start, opts_.reset_data, is what the user asked for.)
+    if (st.data_tokens && st.data_tokens != train_loader_->shard().size() && !opts_.reset_data)
         changes.push_back(fmt::format("a data.train of {} tokens (was {})",
                                       train_loader_->shard().size(), st.data_tokens));
     const uint64_t shard_fp = train_loader_->shard().tokenizer_fingerprint().value_or(0);
@@ -419,8 +431,22 @@ float Trainer::evaluate() {
     return (float)mean_over_ranks(total / n);
 }
 
+namespace {
+
+// "45s", "3m05s", "2h03m": a step line's elapsed time and ETA.
+std::string short_duration(double seconds) {
+    const int64_t s = (int64_t)std::llround(std::max(0.0, seconds));
+    if (s < 60) return fmt::format("{}s", s);
+    if (s < 3600) return fmt::format("{}m{:02d}s", s / 60, s % 60);
+    return fmt::format("{}h{:02d}m", s / 3600, s % 3600 / 60);
+}
+
+}  // namespace
+
 TrainSummary Trainer::run() {
     TrainSummary sum;
+    const auto run_start = std::chrono::steady_clock::now();
+    const int64_t first_step = state_.step;
     const int B = cfg_.micro_batch(), T = cfg_.train.seq_len, K = cfg_.accum_steps();
     const std::size_t rows = (std::size_t)dp_rank() * B * T;
     const int64_t total = cfg_.train.max_steps;
@@ -487,18 +513,26 @@ TrainSummary Trainer::run() {
                        " | scale {:g}{}", step.loss_scale,
                        step.skipped ? " (overflow: update skipped; " + step.overflow + ")" : "")
                  : std::string();
+        // Elapsed in this process, and the rest at its mean step time so far.
+        const double elapsed =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
+        const double eta =
+            elapsed / (double)(state_.step - first_step) * (double)(total - state_.step);
         if (state_.step % cfg_.train.log_every == 0 || state_.step == total || step.skipped)
-            print(
-                fmt::format("step {:>5}/{} | loss {:.4f} | lr {:.2e} | norm {:.3f} | {:>8.0f} "
-                            "tok/s | {:>7.1f} ms | mem {} / peak {}{}\n",
-                            state_.step, total, loss, lr, norm, tps, secs * 1000,
-                            mib(mem.total_used), mib(mem.peak_total_used), scale));
+            print(fmt::format(
+                "step {:>5}/{} | loss {:.4f} | lr {:.2e} | norm {:.3f} | {:>8.0f} tok/s | {:>7.1f} "
+                "ms | mem {} / peak {} | {}{}{}\n",
+                state_.step, total, loss, lr, norm, tps, secs * 1000, mib(mem.total_used),
+                mib(mem.peak_total_used), short_duration(elapsed),
+                state_.step < total ? ", eta " + short_duration(eta) : std::string(), scale));
         if (metrics_)
             log_metrics(fmt::format(
                 "{{\"step\": {}, \"loss\": {:.6f}, \"lr\": {:.6e}, \"grad_norm\": {:.6f}, "
                 "\"tokens_per_s\": {:.1f}, \"ms_per_step\": {:.3f}, \"mem_bytes\": {}, "
-                "\"peak_mem_bytes\": {}{}{}}}",
+                "\"peak_mem_bytes\": {}, \"time\": {:.3f}{}{}}}",
                 state_.step, loss, lr, norm, tps, secs * 1000, mem.total_used, mem.peak_total_used,
+                std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+                    .count(),
                 io::metrics_memory_field(mem),
                 fp16 ? fmt::format(
                            ", \"loss_scale\": {:g}, \"skipped\": {}{}", step.loss_scale,
@@ -594,7 +628,10 @@ void Trainer::print_sample() {
         [&](const int32_t* x, int T, float* logits) { engine_->forward_logits(x, 1, T, logits); },
         prompt, so, rng);
     std::vector<uint32_t> ids(out.begin(), out.end());
-    print(fmt::format("\nsample (temperature {}, top-k {}):\n{}{}\n", so.temperature, so.top_k,
+    print(fmt::format("\nsample ({}):\n{}{}\n",
+                      so.temperature == 0
+                          ? std::string("greedy")
+                          : fmt::format("temperature {}, top-k {}", so.temperature, so.top_k),
                       cfg_.sample.prompt, tok.decode(ids)));
 }
 

@@ -44,6 +44,10 @@ struct TrainOptions {
     // A resume on other data, another tokenizer, seq_len, batch size or seed is refused unless
     // this is set; either way the run prints what changed.
     bool accept_changes = false;
+    // With `resume`: start data.train from its beginning (epoch 0), keeping the weights,
+    // optimizer state, step and schedule: the way to go on with new data. The data may then hold
+    // other tokens (a new shard of the same tokenizer) without accept_changes.
+    bool reset_data = false;
 };
 
 struct TrainSummary {

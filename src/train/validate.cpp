@@ -36,6 +36,31 @@ RunConfig load_run_config(const std::string& path, const std::vector<std::string
     return cfg;
 }
 
+std::vector<std::string> config_warnings(const RunConfig& cfg) {
+    std::vector<std::string> out;
+    if (cfg.train.max_steps > 0 && cfg.optim.warmup_steps >= cfg.train.max_steps)
+        out.push_back(fmt::format(
+            "optim.warmup_steps = {} is not below train.max_steps = {}: the learning rate warms up "
+            "for the whole run and never reaches optim.lr = {}",
+            cfg.optim.warmup_steps, cfg.train.max_steps, cfg.optim.lr));
+    const int64_t mb = (int64_t)cfg.micro_batch() * cfg.dp();
+    if (cfg.train.pp > 1 && mb > 0 && cfg.train.batch_size / mb < cfg.train.pp) {
+        const int64_t m = cfg.train.batch_size / mb;
+        out.push_back(fmt::format(
+            "train.pp = {} stages with {} micro-batch{} per step: the pipeline never fills and "
+            "idles at least {:.0f}% of the step ((p - 1) / (m + p - 1)); raise train.batch_size "
+            "or lower train.micro_batch_size to give it at least {} micro-batches",
+            cfg.train.pp, m, m == 1 ? "" : "es",
+            100.0 * (cfg.train.pp - 1) / (double)(m + cfg.train.pp - 1), cfg.train.pp));
+    }
+    if (cfg.lora.enabled() && cfg.model.init_from.empty())
+        out.push_back(fmt::format(
+            "LoRA (lora.rank = {}) without model.init_from: the adapters train over a randomly "
+            "initialised base model; set model.init_from to the pretrained weights",
+            cfg.lora.rank));
+    return out;
+}
+
 void resolve_config(RunConfig& cfg) {
     if (cfg.train.device == "auto") cfg.train.device = cuda_available() ? "cuda" : "cpu";
     if (cfg.train.precision == "auto")
@@ -340,8 +365,11 @@ void validate_config(const RunConfig& cfg) {
     validate_metrics_name(cfg.io.metrics);
     if (cfg.sample.max_tokens < 0)
         fail("sample.max_tokens must be >= 0, got {}", cfg.sample.max_tokens);
-    if (!(cfg.sample.temperature > 0))
-        fail("sample.temperature must be positive, got {}", cfg.sample.temperature);
+    if (!(cfg.sample.temperature >= 0))
+        fail(
+            "sample.temperature must be >= 0 (0 = greedy, as `memtrain sample --temperature 0`), "
+            "got {}",
+            cfg.sample.temperature);
     if (cfg.sample.top_k < 0) fail("sample.top_k must be >= 0, got {}", cfg.sample.top_k);
 }
 

@@ -24,6 +24,10 @@ RunConfig load_run_config(const std::string& path, const std::vector<std::string
 void resolve_config(RunConfig& cfg);
 // Every check below, and the model's, optimizer's and sampling keys'.
 void validate_config(const RunConfig& cfg);
+// What a valid config probably did not mean, one line each (the Trainer prints them as
+// warnings): a warmup as long as the run, a pipeline with fewer micro-batches than stages, LoRA
+// adapters over a random base.
+std::vector<std::string> config_warnings(const RunConfig& cfg);
 // train.pp and train.pp_schedule against the world size and the model.
 void validate_pipeline(const RunConfig& cfg);
 // train.tp against the model, the world size and what it does not combine with yet.

@@ -10,6 +10,9 @@
 #include <fstream>
 
 #include "cli/cli_util.h"
+#include "data/tokenizer.h"
+#include "io/checkpoint.h"
+#include "io/hf_weights.h"
 #include "test_util.h"
 
 namespace fs = std::filesystem;
@@ -57,6 +60,48 @@ TEST(Cli, EndToEndTokenizeTrainSample) {
     ASSERT_EQ(r.code, 0) << r.output;
     EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
     EXPECT_NE(r.output.find("step     8/8"), std::string::npos) << r.output;
+    // sample.temperature = 0 in a config is greedy, as --temperature 0 is on the command line.
+    r = run_memtrain("train " + dir + "/run.toml --set io.out_dir=" + dir +
+                     "/greedy train.max_steps=1 sample.temperature=0");
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("\nsample (greedy):\n"), std::string::npos) << r.output;
+}
+
+// A model whose every next token is end-of-text: greedy sampling stops at once and says why on
+// stderr, apart from the text. (Zero weights but the final norm's bias b, and b as the
+// embedding row of <|endoftext|>: its logit b.b is the only non-zero one.)
+TEST(Cli, SamplingThatStopsAtEndOfTextSaysSo) {
+    auto dir = memtrain::test::temp_dir("cli_eot");
+    auto r = memtrain::test::tokenize_corpus(dir, small_corpus(), 300);
+    ASSERT_EQ(r.code, 0) << r.output;
+    const auto tok = memtrain::data::Tokenizer::load(dir + "/tok.json");
+    ASSERT_TRUE(tok.eot_token());
+    memtrain::ModelConfig cfg = memtrain::test::tiny_model(1);
+    cfg.vocab_size = tok.vocab_size();
+    memtrain::GPT model(cfg);
+    std::fill(model.params(), model.params() + model.num_params(), 0.0f);
+    const memtrain::ParamSpec& bias = model.layout().get("ln_f.bias");
+    const memtrain::ParamSpec& wte = model.layout().get("wte.weight");
+    for (int c = 0; c < cfg.n_embd; c++) {
+        model.params()[bias.offset + c] = 1.0f;
+        model.params()[wte.offset + (std::size_t)*tok.eot_token() * cfg.n_embd + c] = 1.0f;
+    }
+    const std::string hf = dir + "/hf";
+    fs::create_directories(hf);
+    memtrain::save_hf_weights(model, hf + "/model.safetensors");
+    write_file(hf + "/config.json", memtrain::hf_config_json(cfg));
+    fs::copy_file(dir + "/tok.json", hf + "/tokenizer.json");
+    r = memtrain::test::run_command("timeout -k 5 120 " + std::string(MT_BINARY_DIR) +
+                                        "/memtrain sample " + hf +
+                                        " --prompt Hello --temperature 0 --max-tokens 5",
+                                    /*merge_stderr=*/false);
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_EQ(r.output, "Hello\n") << "stdout holds the text alone";
+    r = run_memtrain("sample " + hf + " --prompt Hello --temperature 0 --max-tokens 5");
+    EXPECT_NE(r.output.find("memtrain: the model ended the text (end-of-text token) after 0 of "
+                            "--max-tokens 5 tokens (greedy: every run of this prompt stops there)"),
+              std::string::npos)
+        << r.output;
 }
 
 TEST(Cli, BadInputGivesOneClearLineAndNonZeroExit) {
@@ -68,6 +113,13 @@ TEST(Cli, BadInputGivesOneClearLineAndNonZeroExit) {
     r = run_memtrain("train --set modle.n_layer=2");
     EXPECT_EQ(r.code, 1);
     EXPECT_NE(r.output.find("did you mean 'model.n_layer'"), std::string::npos) << r.output;
+
+    // A misspelt command: the one meant, a usage error's exit code.
+    r = run_memtrain("trian " + dir + "/missing.toml");
+    EXPECT_EQ(r.code, 2);
+    EXPECT_NE(r.output.find("memtrain: error: unknown command 'trian'; did you mean \"train\"?"),
+              std::string::npos)
+        << r.output;
 
     write_file(dir + "/bad.toml", "[train]\nbatch_size = \"eight\"\n");
     r = run_memtrain("train " + dir + "/bad.toml");

@@ -71,6 +71,14 @@ TEST(LlamaCli, TrainSampleEvalAndFineTuneFromTheHfDirectory) {
     EXPECT_NEAR(j1["perplexity"].get<double>(), std::exp(j1["loss"].get<double>()), 1e-2);
     r = run_memtrain("eval " + hf + " --data " + dir + "/val.bin");
     EXPECT_NE(r.output.find("perplexity"), std::string::npos) << r.output;
+    // A shard of fewer windows than --batch: one partial batch of all of them.
+    auto e3 = run_memtrain("eval " + hf + " --data " + dir +
+                           "/val.bin --seq-len 16 --batch 100000 --json");
+    ASSERT_EQ(e3.code, 0) << e3.output;
+    auto j3 = nlohmann::json::parse(e3.output);
+    EXPECT_GE(j3["tokens"].get<int>(), j1["tokens"].get<int>());
+    EXPECT_EQ(j3["tokens"].get<int>() % 16, 0);
+    EXPECT_TRUE(std::isfinite(j3["loss"].get<double>()));
 
     // Fine-tuning starts from the Hugging Face directory.
     r = run_memtrain("train " + dir + "/llama.toml --set io.out_dir=" + dir +

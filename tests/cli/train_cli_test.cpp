@@ -19,6 +19,7 @@
 #include <thread>
 
 #include "cli/cli_util.h"
+#include "io/checkpoint.h"
 #include "test_util.h"
 
 namespace fs = std::filesystem;
@@ -149,8 +150,13 @@ TEST(TrainCli, KeepLastRemovesOlderCheckpointsButTheMarkedOnes) {
     ASSERT_EQ(r.code, 0) << r.output;
     write_file(dir + "/out/ckpt_000001/keep", "");
     r = run_in_dir("train --resume " + dir +
-                   "/out --set train.max_steps=7 io.keep_last=2 io.keep_every=3");
+                   "/out --set train.max_steps=7 io.keep_last=2 io.keep_every=3 train.log_every=1");
     ASSERT_EQ(r.code, 0) << r.output;
+    // (Step lines say how long this process has trained and the rest at its mean step; the
+    // metrics lines carry the time.)
+    EXPECT_NE(r.output.find("step     4/7 |"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("s, eta "), std::string::npos) << r.output;
+    EXPECT_NE(read_file(dir + "/out/metrics.jsonl").find(", \"time\": 1"), std::string::npos);
     EXPECT_NE(r.output.find("checkpoint: removed ckpt_000002 (io.keep_last = 2)"),
               std::string::npos)
         << r.output;
@@ -189,12 +195,58 @@ TEST(TrainCli, DeviceAutoStaysAutoInPrintedAndSavedConfigs) {
     EXPECT_NE(r.output.find("precision = 'auto'\n"), std::string::npos) << r.output;
     r = run_in_dir("train " + cfg + " --set train.device=auto");
     ASSERT_EQ(r.code, 0) << r.output;
+    // (One step after two of warmup: said at the start.)
+    EXPECT_NE(r.output.find("memtrain: warning: optim.warmup_steps = 2 is not below "
+                            "train.max_steps = 1"),
+              std::string::npos)
+        << r.output;
     EXPECT_TRUE(r.output.find("device=cpu ") != std::string::npos ||
                 r.output.find("device=cuda ") != std::string::npos)
         << r.output;
     const std::string saved = read_file(dir + "/out/ckpt_000001/memtrain.toml");
     EXPECT_NE(saved.find("device = 'auto'\n"), std::string::npos) << saved;
     EXPECT_NE(saved.find("precision = 'auto'\n"), std::string::npos) << saved;
+    // --print-config makes training's checks with "auto" resolved: on a machine whose device is
+    // the CPU (no GPU visible), bf16 is refused there as training would refuse it.
+    r = memtrain::test::run_command("CUDA_VISIBLE_DEVICES= timeout -k 5 120 " +
+                                    std::string(MT_BINARY_DIR) + "/memtrain train " + cfg +
+                                    " --set train.device=auto train.precision=bf16 --print-config");
+    EXPECT_EQ(r.code, 1) << r.output;
+    EXPECT_NE(r.output.find("train.precision = \"bf16\" needs train.device = \"cuda\""),
+              std::string::npos)
+        << r.output;
+}
+
+// --reset-data: a resume on new data reads it from its start, keeping the weights, optimizer
+// state and step (without it another shard is refused as another run).
+TEST(TrainCli, ResetDataResumesOnNewDataFromItsStart) {
+    auto dir = memtrain::test::temp_dir("train_cli_reset_data");
+    const std::string cfg = slow_config(dir, 2, 16);
+    auto r = run_in_dir("train " + cfg);
+    ASSERT_EQ(r.code, 0) << r.output;
+    memtrain::data::write_shard(dir + "/new.bin", memtrain::test::patterned_tokens(1 << 15, 50, 7),
+                                50);
+    const std::string more = " --set train.max_steps=4 data.train=" + dir + "/new.bin";
+    r = run_in_dir("train --resume " + dir + "/out" + more);
+    EXPECT_EQ(r.code, 1) << r.output;
+    EXPECT_NE(r.output.find("a data.train of 32768 tokens (was 65536)"), std::string::npos)
+        << r.output;
+    r = run_in_dir("train --resume " + dir + "/out --reset-data" + more);
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("resumed from " + dir + "/out/ckpt_000002 at step 2, reading " + dir +
+                            "/new.bin from its start (--reset-data)"),
+              std::string::npos)
+        << r.output;
+    // Two steps into new.bin: where two steps into the first shard were.
+    const auto first = memtrain::checkpoint_state(dir + "/out/ckpt_000002");
+    const auto now = memtrain::checkpoint_state(dir + "/out/ckpt_000004");
+    EXPECT_EQ(now.step, 4);
+    EXPECT_EQ(now.data_epoch, first.data_epoch);
+    EXPECT_EQ(now.data_cursor, first.data_cursor);
+    EXPECT_EQ(now.data_tokens, 32768u);
+    r = run_in_dir("train " + cfg + " --reset-data --set io.out_dir=" + dir + "/x");
+    EXPECT_EQ(r.code, 1) << r.output;
+    EXPECT_NE(r.output.find("--reset-data needs --resume"), std::string::npos) << r.output;
 }
 
 TEST(TrainCli, SigtermStopsWithACheckpointAndResumesExactly) {
@@ -308,7 +360,14 @@ TEST(TrainCli, VersionAndShortConfigPrintout) {
             R"(^memtrain \d+\.\d+\.\d+ \(git ([0-9a-f]{4,}|unknown), \w+, CUDA (on|off)\)\n$)")))
         << r.output;
     auto dir = memtrain::test::temp_dir("train_cli_table");
-    r = run_in_dir("train " + slow_config(dir, 1, 16));
+    slow_config(dir, 1, 16);
+    // The table prints the run's paths whole, so the run reads them through a short link: the
+    // checkout's own path (a CI clone 150 characters deep) must not decide the table's width.
+    const std::string link = "/tmp/memtrain-table-" + std::to_string(::getpid());
+    fs::remove(link);
+    fs::create_directory_symlink(dir, link);
+    r = run_in_dir("train " + link + "/run.toml --set io.out_dir=" + link + "/out");
+    fs::remove(link);
     ASSERT_EQ(r.code, 0) << r.output;
     // The config printout: a few lines per section, at most 100 columns, every key there.
     const auto begin = r.output.find("config (");

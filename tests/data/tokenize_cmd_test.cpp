@@ -1,6 +1,7 @@
 // End-to-end test of `memtrain tokenizer train` and `memtrain tokenize` through CLI11: document
 // splitting, binary and symlink skipping, the train/val split, and reproducible output.
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -84,6 +85,31 @@ TEST(TokenizerCli, TrainAndTokenizeCorpus) {
     EXPECT_THROW(run_cli(fmt::format("tokenize --tokenizer {} --out {} {}", tok_path.string(),
                                      out.string(), (dir / "missing.txt").string())),
                  Error);
+    fs::remove_all(dir);
+}
+
+// One text file without separators (nanoGPT's input.txt): its tokens are split, the last
+// --val-fraction of them to val.bin, train.bin + val.bin being the whole document.
+TEST(TokenizerCli, OneDocumentIsSplitByTokens) {
+    const fs::path dir = testing::scratch_dir();
+    std::string text;
+    for (int i = 0; i < 200; i++) text += "First Citizen: we are accounted poor citizens.\n";
+    testing::write_file(dir / "input.txt", text);
+    const auto tok_path = dir / "tok.json";
+    run_cli(fmt::format("tokenizer train --vocab-size 280 --out {} {}", tok_path.string(),
+                        (dir / "input.txt").string()));
+    const Tokenizer tok = Tokenizer::load(tok_path.string());
+    run_cli(fmt::format("tokenize --tokenizer {} --out {} --val-fraction 0.1 {}", tok_path.string(),
+                        (dir / "out").string(), (dir / "input.txt").string()));
+    const auto train = all_tokens(dir / "out" / "train.bin"),
+               val = all_tokens(dir / "out" / "val.bin");
+    std::vector<uint32_t> whole = train;
+    whole.insert(whole.end(), val.begin(), val.end());
+    std::vector<uint32_t> want{*tok.eot_token()};
+    const auto encoded = tok.encode(text);
+    want.insert(want.end(), encoded.begin(), encoded.end());
+    EXPECT_EQ(whole, want);
+    EXPECT_EQ(val.size(), (std::size_t)std::llround(0.1 * (double)want.size()));
     fs::remove_all(dir);
 }
 

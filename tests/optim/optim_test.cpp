@@ -133,6 +133,24 @@ TEST(Schedule, WarmupCosine) {
     EXPECT_NEAR(lr_at(c, 1.0, 5, 5), 0.1, 1e-12);
 }
 
+// Hugging Face's "linear": warmup, then a straight line from the peak to the floor at the end.
+TEST(Schedule, WarmupLinear) {
+    OptimConfig c;
+    c.schedule = "linear";
+    c.warmup_steps = 2;
+    c.min_lr_ratio = 0.0;
+    c.validate();
+    EXPECT_NEAR(lr_at(c, 1.0, 0, 6), 0.5, 1e-12);
+    EXPECT_NEAR(lr_at(c, 1.0, 2, 6), 1.0, 1e-12);
+    EXPECT_NEAR(lr_at(c, 1.0, 3, 6), 0.75, 1e-12);
+    EXPECT_NEAR(lr_at(c, 1.0, 4, 6), 0.5, 1e-12);
+    EXPECT_NEAR(lr_at(c, 1.0, 6, 6), 0.0, 1e-12);
+    c.min_lr_ratio = 0.1;
+    EXPECT_NEAR(lr_at(c, 2.0, 4, 6), 0.2 + 1.8 * 0.5, 1e-12);
+    c.schedule = "linearr";
+    EXPECT_THROW(c.validate(), Error);
+}
+
 TEST(Schedule, ConstantAndWsd) {
     OptimConfig c;
     c.schedule = "constant";

@@ -6,6 +6,7 @@
 #include "core/error.h"
 #include "io/checkpoint.h"
 #include "model/param_layout.h"
+#include "planner/hardware.h"
 #include "planner/model_shape.h"
 #include "test_util.h"
 
@@ -19,6 +20,23 @@ TEST(PlanModel, UnknownPresetSuggestsNearest) {
         EXPECT_NE(std::string(e.what()).find("did you mean \"llama2-7b\""), std::string::npos)
             << e.what();
     }
+}
+
+// Other tools' names for the same presets, and a GPU family without its memory size.
+TEST(PlanModel, OtherToolsNamesAndGpuFamiliesSuggestThePreset) {
+    std::string m = test::error_of([] { load_model("gpt2-1.5b"); });
+    EXPECT_NE(m.find("unknown model \"gpt2-1.5b\"; did you mean \"gpt2-xl\"?"), std::string::npos)
+        << m;
+    m = test::error_of([] { load_model("Llama-3.1-8B"); });
+    EXPECT_NE(m.find("did you mean \"llama3-8b\"?"), std::string::npos) << m;
+    m = test::error_of([] { gpu_preset("a100"); });
+    EXPECT_NE(m.find("unknown GPU \"a100\"; did you mean \"a100-40gb\" or \"a100-80gb\"?"),
+              std::string::npos)
+        << m;
+    m = test::error_of([] { gpu_preset("h100"); });
+    EXPECT_NE(m.find("did you mean \"h100-80gb\"?"), std::string::npos) << m;
+    m = test::error_of([] { gpu_preset("a10O-80gb"); });  // a typo: the nearest
+    EXPECT_NE(m.find("did you mean \"a100-80gb\"?"), std::string::npos) << m;
 }
 
 TEST(PlanModel, Gpt2HfConfig) {

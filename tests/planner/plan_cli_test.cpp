@@ -195,11 +195,26 @@ TEST(PlanCli, ThirtyBillionOnOneGpuProposesLora) {
         EXPECT_EQ(p["lora_targets"], "attn");
         EXPECT_LE(p["memory"]["total_bytes"].get<double>(), 80e9);
     }
-    // --no-lora: nothing fits, and the command still explains why (exit 0, as before).
+    // --no-lora: nothing fits; the command still explains why, and exits 1 so a script knows.
     o = memtrain_cli("plan llama-30b --gpus 1 --host-mem-gb 128 --global-batch 64 --no-lora");
-    ASSERT_EQ(o.code, 0) << o.output;
+    EXPECT_EQ(o.code, 1) << o.output;
     EXPECT_NE(o.output.find("no layout fits in 80.00 GB per GPU"), std::string::npos) << o.output;
+    EXPECT_NE(o.output.find("memtrain: no layout of llama-30b fits 1 x h100-80gb (exit 1)"),
+              std::string::npos)
+        << o.output;
     EXPECT_EQ(o.output.find("LoRA"), std::string::npos) << o.output;
+    o = memtrain_cli(
+        "plan llama-30b --gpus 1 --host-mem-gb 128 --global-batch 64 --no-lora --json");
+    EXPECT_EQ(o.code, 1) << o.output;
+    EXPECT_TRUE(nlohmann::json::parse(o.output)["plans"].empty());
+}
+
+// `scale` takes the budget as FLOPs or as GPU-days, not both.
+TEST(PlanCli, ScaleRefusesTwoBudgets) {
+    expect_refusal("scale --flops 1e23 --gpus 8 --days 3",
+                   {"--flops 1e+23 and --days 3 both set the compute budget"});
+    const Outcome o = memtrain_cli("scale --flops 1e21");
+    EXPECT_EQ(o.code, 0) << o.output;
 }
 
 // `memtrain plan --emit-config` on two GPUs small enough that the best plan shards with ZeRO: the

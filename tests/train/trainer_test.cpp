@@ -224,6 +224,71 @@ TEST(Config, UnknownKeysSuggestAcrossSections) {
     EXPECT_NE(m.find("--help-keys"), std::string::npos) << m;
 }
 
+// What users of Hugging Face, DeepSpeed and nanoGPT type is answered with memtrain's key, and
+// every unknown key of a file is reported at once (not one per run).
+TEST(Config, PeersKeysNameMemtrainsAndEveryUnknownKeyIsReportedAtOnce) {
+    const std::string m = test::error_of([] {
+        parse_run_config(
+            "[train]\ngradient_accumulation_steps = 4\nlearning_rate = 3e-4\nmax_steps = 10\n"
+            "[model]\ndropout = 0.1\nn_layer = 2\n[optim]\nlrr = 1e-3\n",
+            "hf.toml", {});
+    });
+    EXPECT_NE(m.find("4 unknown config keys"), std::string::npos) << m;
+    EXPECT_NE(m.find("hf.toml: unknown config key 'train.gradient_accumulation_steps'; memtrain's "
+                     "is 'train.micro_batch_size' (memtrain derives accumulation: "
+                     "train.batch_size / (train.micro_batch_size x data-parallel ranks))"),
+              std::string::npos)
+        << m;
+    EXPECT_NE(m.find("unknown config key 'train.learning_rate'; memtrain's is 'optim.lr'"),
+              std::string::npos)
+        << m;
+    EXPECT_NE(m.find("unknown config key 'model.dropout' (memtrain trains without dropout"),
+              std::string::npos)
+        << m;
+    EXPECT_NE(m.find("unknown config key 'optim.lrr'; did you mean 'optim.lr'?"), std::string::npos)
+        << m;
+    // One unknown key: its line alone, as before.
+    const std::string one =
+        test::error_of([] { parse_run_config("[io]\nsave_total_limit = 3\n", "one.toml", {}); });
+    EXPECT_EQ(one,
+              "one.toml: unknown config key 'io.save_total_limit'; memtrain's is "
+              "'io.keep_last'");
+}
+
+// Valid configs a user probably did not mean are warned about, each in one line.
+TEST(Config, WarningsForAWarmupAsLongAsTheRunAShortPipelineAndLoraOverARandomBase) {
+    RunConfig c;
+    c.train.max_steps = 100;
+    c.optim.warmup_steps = 10;
+    c.train.batch_size = 8;
+    c.train.micro_batch_size = 2;
+    EXPECT_TRUE(config_warnings(c).empty());
+    c.optim.warmup_steps = 100;
+    auto w = config_warnings(c);
+    ASSERT_EQ(w.size(), 1u);
+    EXPECT_NE(w[0].find("optim.warmup_steps = 100 is not below train.max_steps = 100"),
+              std::string::npos)
+        << w[0];
+    c.optim.warmup_steps = 10;
+    c.train.pp = 8;  // 4 micro-batches for 8 stages
+    c.world = 8;
+    w = config_warnings(c);
+    ASSERT_EQ(w.size(), 1u);
+    EXPECT_NE(w[0].find("train.pp = 8 stages with 4 micro-batches per step: the pipeline never "
+                        "fills and idles at least 64%"),
+              std::string::npos)
+        << w[0];
+    c.train.pp = 4;
+    c.world = 4;
+    EXPECT_TRUE(config_warnings(c).empty());
+    c.lora.rank = 8;
+    w = config_warnings(c);
+    ASSERT_EQ(w.size(), 1u);
+    EXPECT_NE(w[0].find("LoRA (lora.rank = 8) without model.init_from"), std::string::npos) << w[0];
+    c.model.init_from = "base";
+    EXPECT_TRUE(config_warnings(c).empty());
+}
+
 // --resume's layering: the checkpoint's config, then the file's keys, then --set.
 TEST(Config, LayersOverABase) {
     RunConfig base;
