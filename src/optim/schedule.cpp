@@ -20,8 +20,7 @@ void OptimConfig::validate() const {
     if (!(eps > 0)) fail("optim.eps must be positive, got {}", eps);
     if (momentum < 0 || momentum >= 1) fail("optim.momentum must be in [0, 1), got {}", momentum);
     if (grad_clip < 0) fail("optim.grad_clip must be >= 0 (0 disables), got {}", grad_clip);
-    if (schedule != "constant" && schedule != "cosine" && schedule != "linear" &&
-        schedule != "wsd")
+    if (schedule != "constant" && schedule != "cosine" && schedule != "linear" && schedule != "wsd")
         fail("optim.schedule = \"{}\": expected \"constant\", \"cosine\", \"linear\" or \"wsd\"",
              schedule);
     if (warmup_steps < 0) fail("optim.warmup_steps must be >= 0, got {}", warmup_steps);
