@@ -103,9 +103,7 @@ std::optional<std::string> nothing_to_train(const RunConfig& cfg, const std::str
     if (!resume.empty()) {
         const std::string dir = resolve_checkpoint_dir(resume);
         at = checkpoint_state(dir).step;
-        const std::filesystem::path parent = std::filesystem::path(dir).parent_path();
-        std::error_code ec;
-        continuing = std::filesystem::equivalent(parent.empty() ? "." : parent, cfg.io.out_dir, ec);
+        continuing = resumes_in_place(dir, cfg.io.out_dir);
     }
     const std::string cmd =
         resume.empty() ? "memtrain train CONFIG" : "memtrain train --resume " + resume;
@@ -265,7 +263,6 @@ void register_train(CLI::App& app) {
             fail("--reset-data needs --resume: a new run reads its data from the start anyway");
         if (!dist::launched_by_mpi()) {
             RunConfig cfg = make_config(args->config, args->sets, args->resume);
-            validate_config(cfg);
             if (auto nothing = nothing_to_train(cfg, args->resume, args->stop_after)) {
                 std::printf("memtrain: %s\n", nothing->c_str());
                 return;

@@ -471,8 +471,7 @@ const Key* lookup_key(const std::string& name) {
 }
 
 const Key& find_key(const std::string& name, const std::string& src) {
-    for (const auto& k : registry())
-        if (k.name == name) return k;
+    if (const Key* k = lookup_key(name)) return *k;
     unknown_key(name, src);
 }
 

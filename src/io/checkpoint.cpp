@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <utility>
 #include <vector>
@@ -277,6 +278,13 @@ std::string save_checkpoint(const std::string& out_dir, const RunConfig& cfg,
     return final_dir.string();
 }
 
+bool resumes_in_place(const std::string& ckpt_dir, const std::string& out_dir) {
+    if (ckpt_dir.empty()) return false;
+    const fs::path parent = fs::path(ckpt_dir).parent_path();
+    std::error_code ec;
+    return fs::equivalent(parent.empty() ? fs::path(".") : parent, out_dir, ec);
+}
+
 std::vector<std::string> prune_checkpoints(const std::string& out_dir, int keep_last,
                                            int keep_every, int64_t saved) {
     if (keep_last <= 0) return {};
@@ -289,15 +297,12 @@ std::vector<std::string> prune_checkpoints(const std::string& out_dir, int keep_
         const int64_t step = std::stoll(name.substr(5));
         if (step <= saved) ckpts.push_back({step, name});
     }
+    // Newest first: the one just saved, which `latest` names, is first and always kept.
     std::sort(ckpts.begin(), ckpts.end(), std::greater<>());
-    // (Just written by this process: the name and a newline.)
-    std::string latest = io::read_text_file(out / "latest", 4096);
-    while (!latest.empty() && std::isspace((unsigned char)latest.back())) latest.pop_back();
     std::vector<std::string> removed;
     for (std::size_t i = (std::size_t)keep_last; i < ckpts.size(); i++) {
         const auto& [step, name] = ckpts[i];
-        if (name == latest || (keep_every > 0 && step % keep_every == 0) ||
-            fs::exists(out / name / "keep", ec))
+        if ((keep_every > 0 && step % keep_every == 0) || fs::exists(out / name / "keep", ec))
             continue;
         // (The stale-temporary sweep at start-up finishes a removal a crash interrupted.)
         const fs::path doomed = out / fmt::format(".{}.old.{}", name, (long long)::getpid());
@@ -374,7 +379,10 @@ void write_checkpoint_files(const fs::path& tmp_dir, const RunConfig& cfg,
     }
 
     if (root) {
-        io::write_text_file(tmp_dir / "config.json", hf_config_json(cfg.model, cfg.data.tokenizer));
+        std::optional<data::Tokenizer> tok;
+        if (!cfg.data.tokenizer.empty()) tok = data::Tokenizer::load(cfg.data.tokenizer);
+        io::write_text_file(tmp_dir / "config.json",
+                            tok ? hf_config_json(cfg.model, *tok) : hf_config_json(cfg.model));
         io::write_text_file(tmp_dir / "memtrain.toml", to_toml(cfg));
         io::SafetensorsWriter w;
         w.set_metadata("format", "memtrain-training-state");
@@ -400,10 +408,7 @@ void write_checkpoint_files(const fs::path& tmp_dir, const RunConfig& cfg,
             w.set_metadata("loss_scale_clean", std::to_string(state.loss_scale_clean));
         }
         w.write((tmp_dir / "training_state.safetensors").string());
-        if (!cfg.data.tokenizer.empty()) {
-            auto tok = data::Tokenizer::load(cfg.data.tokenizer);
-            tok.save((tmp_dir / "tokenizer.json").string());
-        }
+        if (tok) tok->save((tmp_dir / "tokenizer.json").string());
     }
 }
 

@@ -77,13 +77,16 @@ std::string save_checkpoint(const std::string& out_dir, const RunConfig& cfg, GP
                             Optimizer& opt, const TrainState& state);
 // Checkpoint retention (io.keep_last, io.keep_every), by the one process that writes `latest`,
 // after a save of step `saved`: of the ckpt_* directories up to that step, all but the newest
-// `keep_last` go, except the one `latest` names, those at multiples of `keep_every` steps and
-// those holding a file named `keep`. Checkpoints after `saved` (an older branch's, when a run
-// resumed an earlier checkpoint) are not this run's to judge. Each is renamed to a temporary
-// name before it is removed, so a crash never leaves a half-removed checkpoint under a
-// checkpoint's name. Returns the names removed; nothing with keep_last = 0.
+// `keep_last` go (the newest is the one just saved, which `latest` names), except those at
+// multiples of `keep_every` steps and those holding a file named `keep`. Checkpoints after `saved`
+// (an older branch's, when a run resumed an earlier checkpoint) are not this run's to judge. Each
+// is renamed to a temporary name before it is removed, so a crash never leaves a half-removed
+// checkpoint under a checkpoint's name. Returns the names removed; nothing with keep_last = 0.
 std::vector<std::string> prune_checkpoints(const std::string& out_dir, int keep_last,
                                            int keep_every, int64_t saved);
+// Whether resuming checkpoint directory `ckpt_dir` (as resolve_checkpoint_dir gives it) into
+// `out_dir` continues that checkpoint's own run: its parent is out_dir (a fork goes elsewhere).
+bool resumes_in_place(const std::string& ckpt_dir, const std::string& out_dir);
 // Accepts a checkpoint directory or an out_dir holding `latest`. `latest` must name a direct
 // ckpt_* child of the out_dir (anything else, "../other/ckpt_000002" for one, is refused);
 // when it is empty or names a checkpoint that is missing or incomplete (a power cut between

@@ -549,9 +549,12 @@ ModelConfig model_config_from_hf(const std::string& path) {
 }
 
 std::string hf_config_json(const ModelConfig& cfg, const std::string& tokenizer) {
+    if (tokenizer.empty()) return hf_config_json(cfg);
+    return hf_config_json(cfg, data::Tokenizer::load(tokenizer));
+}
+
+std::string hf_config_json(const ModelConfig& cfg, const data::Tokenizer& tok) {
     std::string json = hf_config_json(cfg);
-    if (tokenizer.empty()) return json;
-    const data::Tokenizer tok = data::Tokenizer::load(tokenizer);
     const std::optional<uint32_t> eos = tok.eot_token();
     const std::optional<uint32_t> bos = tok.bos_token() ? tok.bos_token() : eos;
     std::string ids;

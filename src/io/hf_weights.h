@@ -15,6 +15,10 @@
 #include "model/config.h"
 #include "model/weights.h"
 
+namespace memtrain::data {
+class Tokenizer;
+}
+
 namespace memtrain {
 
 // The safetensors files of one model: a single file, or the shards of an index.
@@ -80,6 +84,7 @@ std::string hf_config_json(const ModelConfig& cfg);
 // as GPT-2's config has it, the end of text. `tokenizer` as data::Tokenizer::load takes it; empty:
 // no ids.
 std::string hf_config_json(const ModelConfig& cfg, const std::string& tokenizer);
+std::string hf_config_json(const ModelConfig& cfg, const data::Tokenizer& tokenizer);
 // The model a config.json describes: model_type "gpt2", "llama" or memtrain's
 // "memtrain-llama-style". Anything else (mixtures of experts, other families, RoPE scaling) is
 // refused with a message naming the key.

@@ -46,23 +46,18 @@ ModelSource open_model_source(const std::string& path) {
     return src;
 }
 
-void load_source_weights(const ModelSource& src, const ModelWeights& weights) {
+void load_source_weights(const ModelSource& src, const ModelWeights& weights, bool refuse_unused) {
     if (src.lora)
         load_merged_lora_model(src.dir, *src.run, weights);
     else
-        load_hf_weights(weights, src.weights);
+        load_hf_weights(weights, src.weights, refuse_unused);
 }
 
 void load_init_weights(const ModelWeights& weights, const std::string& path, bool partial) {
-    if (!fs::is_directory(path)) {  // a .safetensors file or an index (or a missing path)
+    if (fs::is_directory(path))
+        load_source_weights(open_model_source(path), weights, !partial);
+    else  // a .safetensors file or an index (or a missing path, which it names)
         load_hf_weights(weights, path, !partial);
-        return;
-    }
-    const ModelSource src = open_model_source(path);
-    if (src.lora)
-        load_merged_lora_model(src.dir, *src.run, weights);
-    else
-        load_hf_weights(weights, src.weights, !partial);
 }
 
 ModelConfig init_source_model(const ModelConfig& cfg) {

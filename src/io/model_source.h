@@ -24,8 +24,9 @@ struct ModelSource {
 
 ModelSource open_model_source(const std::string& path);
 // The source's weights into a whole model of src.model; a LoRA checkpoint's adapters are merged
-// into its base (io/lora_files.h).
-void load_source_weights(const ModelSource& src, const ModelWeights& weights);
+// into its base (io/lora_files.h). `refuse_unused` as load_hf_weights takes it.
+void load_source_weights(const ModelSource& src, const ModelWeights& weights,
+                         bool refuse_unused = false);
 
 // model.init_from's weights into a model of weights.cfg: a directory as open_model_source reads
 // it (a memtrain checkpoint, an out_dir with `latest`, a Hugging Face model directory; a LoRA

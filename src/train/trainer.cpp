@@ -126,12 +126,8 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
             check_out_dir(cfg_.io.out_dir);
             lock_ = io::OutDirLock(cfg_.io.out_dir);
             io::remove_stale_temporaries(cfg_.io.out_dir);  // dead saves' (we hold the lock)
-            std::error_code ec;
             // Resuming a checkpoint of this out_dir continues its run; anything else is new here.
-            const fs::path parent = fs::path(resume_dir).parent_path();
-            const bool continuing =
-                !resume_dir.empty() &&
-                fs::equivalent(parent.empty() ? fs::path(".") : parent, cfg_.io.out_dir, ec);
+            const bool continuing = resumes_in_place(resume_dir, cfg_.io.out_dir);
             const std::string evidence = io::run_evidence(cfg_.io.out_dir, cfg_.io.metrics);
             if (opts_.refuse_existing_run && !continuing && !evidence.empty()) {
                 if (!opts_.overwrite)
