@@ -78,6 +78,23 @@ struct SampleConfig {
     int top_k = 40;
 };
 
+// The divergence guard (train/guard.h, docs/training.md "The divergence guard"): a step whose
+// loss or gradient norm is not finite, whose loss is a spike (a robust z-score over the last
+// `window` clean steps) or whose gradient norm explodes (a multiple of their median) is undone:
+// the run goes back to a snapshot and skips that step's batch; a second one within `window`
+// steps also lowers the learning rate for `cooldown` steps; after `max_rollbacks` it gives up.
+struct GuardConfig {
+    bool enabled = true;
+    int window = 50;          // clean steps the median and spread are taken over
+    int min_history = 20;     // clean steps before spikes and explosions are judged
+    double spike_z = 6;       // a loss this many robust deviations above the median is a spike
+    double norm_factor = 10;  // a gradient norm above this multiple of the median explodes
+    int snapshot_every = 50;  // steps between rollback snapshots (out_dir/guard_snapshots)
+    double lr_factor = 0.5;   // a repeat lowers the learning rate by this factor ...
+    int cooldown = 100;       // ... for this many steps
+    int max_rollbacks = 5;    // rollbacks in one run before the guard gives up
+};
+
 struct RunConfig {
     ModelConfig model;
     TrainConfig train;
@@ -85,6 +102,7 @@ struct RunConfig {
     DataConfig data;
     IoConfig io;
     SampleConfig sample;
+    GuardConfig guard;
     LoraConfig lora;  // model/lora.h: rank 0 = full-parameter training
 
     // Ranks of this run: set at start-up from the launcher (mpirun), not a TOML key. They form

@@ -81,6 +81,7 @@ RunMetrics parse_metrics(const std::string& text, const std::string& origin) {
     std::map<int64_t, StepRecord> steps;
     std::map<int64_t, double> val;
     std::vector<int64_t> resumes;
+    std::vector<RunMetrics::GuardMark> guard;
     std::string note;
     std::istringstream in(text);
     std::string line;
@@ -112,6 +113,20 @@ RunMetrics parse_metrics(const std::string& text, const std::string& origin) {
         if (!j.contains("step") || !j["step"].is_number_integer())
             fail("{}:{}: expected an integer \"step\", got {}", origin, line_no, line);
         const int64_t step = j["step"].get<int64_t>();
+        if (j.contains("event") && j["event"] == "guard") {
+            RunMetrics::GuardMark g;
+            g.step = step;
+            g.to_step = j.contains("to_step") && j["to_step"].is_number_integer()
+                            ? j["to_step"].get<int64_t>()
+                            : step - 1;
+            g.action = j.value("action", std::string("skip"));
+            g.reason = j.value("reason", std::string());
+            // The steps after to_step run again: their earlier lines are dropped.
+            steps.erase(steps.upper_bound(g.to_step), steps.end());
+            val.erase(val.upper_bound(g.to_step), val.end());
+            guard.push_back(std::move(g));
+            continue;
+        }
         if (j.contains("event") && j["event"] == "resume") {
             // A run resumed from step `step`: what was logged for later steps is re-run now.
             steps.erase(steps.upper_bound(step), steps.end());
@@ -162,6 +177,7 @@ RunMetrics parse_metrics(const std::string& text, const std::string& origin) {
     for (auto& [s, r] : steps) m.steps.push_back(std::move(r));
     for (auto& [s, v] : val) m.val_loss.emplace_back(s, v);
     m.resumes = std::move(resumes);
+    m.guard = std::move(guard);
     m.note = std::move(note);
     return m;
 }
@@ -326,6 +342,13 @@ struct Series {
     bool dashed = false;
 };
 
+// A vertical line on a chart at step x (the guard's actions), with what happened there.
+struct Mark {
+    double x;
+    std::string label;
+};
+constexpr const char* kMarkColor = "#d62728";
+
 constexpr int kWidth = 760, kHeight = 260;
 constexpr int kLeft = 80, kRight = 20, kTop = 16, kBottom = 44;
 
@@ -426,7 +449,7 @@ std::vector<Point> thin(const std::vector<Point>& p) {
 
 std::string line_chart(const std::string& id, const std::string& title, const std::string& y_label,
                        const std::vector<Series>& all, Units units, bool from_zero,
-                       const std::string& missing_why) {
+                       const std::string& missing_why, const std::vector<Mark>& marks = {}) {
     std::vector<Series> series;
     for (const auto& s : all)
         if (!s.points.empty()) series.push_back(s);
@@ -464,6 +487,14 @@ std::string line_chart(const std::string& id, const std::string& title, const st
                 s += fmt::format(
                     "<circle class=\"marker\" cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"2.5\" fill=\"{}\"/>",
                     f.px(p.x), f.py(p.y), se.color);
+    }
+    for (const Mark& m : marks) {  // a vertical line where something happened, named on hover
+        if (m.x < f.x0 || m.x > f.x1) continue;
+        s += fmt::format(
+            "<line class=\"mark\" data-step=\"{:g}\" x1=\"{:.1f}\" x2=\"{:.1f}\" y1=\"{:.1f}\" "
+            "y2=\"{:.1f}\" stroke=\"{}\" stroke-width=\"1\" stroke-dasharray=\"3 3\"><title>{}"
+            "</title></line>\n",
+            m.x, f.px(m.x), f.px(m.x), f.py(f.y1), f.py(f.y0), kMarkColor, escape(m.label));
     }
     s += "</svg>\n" + legend(series) + "</figure>\n";
     return s;
@@ -767,12 +798,25 @@ std::string render_report_html(const ReportInput& in) {
              " (steps logged after it by the run that stopped were replaced by the resumed "
              "run's)</p>\n";
     }
+    if (!m.guard.empty()) {
+        h += "<div class=\"note\" id=\"guard-events\">divergence guard (dashed lines on the loss "
+             "chart):<ul>\n";
+        for (const auto& g : m.guard)
+            h += fmt::format("<li>step {}: {}; back to step {}, the step's batch skipped{}</li>\n",
+                             g.step, escape(g.reason), g.to_step,
+                             g.action == "rollback" ? ", learning rate lowered" : "");
+        h += "</ul></div>\n";
+    }
     h += "<section id=\"training\"><h2>Training</h2>\n";
     Series val{"validation loss", kPalette[1], {}};
     for (const auto& [step, v] : m.val_loss) val.points.push_back({(double)step, v});
+    std::vector<Mark> guard_marks;
+    for (const auto& g : m.guard)
+        guard_marks.push_back({(double)g.step, fmt::format("guard at step {}: {}; back to step {}",
+                                                           g.step, g.reason, g.to_step)});
     h += line_chart("chart-loss", "Loss", "loss",
                     {step_series(m, "training loss", kPalette[0], &StepRecord::loss), val},
-                    Units::number, false, "no loss in metrics.jsonl");
+                    Units::number, false, "no loss in metrics.jsonl", guard_marks);
     h += line_chart("chart-lr", "Learning rate", "lr",
                     {step_series(m, "learning rate", kPalette[2], &StepRecord::lr)}, Units::number,
                     true, "no lr in metrics.jsonl");

@@ -29,6 +29,14 @@ struct RunMetrics {
     std::vector<StepRecord> steps;                     // ascending step
     std::vector<std::pair<int64_t, double>> val_loss;  // (step, loss), ascending step
     std::vector<int64_t> resumes;                      // the steps runs resumed from
+    // The divergence guard's actions ({"step": S, "event": "guard", ...} lines): at step S it went
+    // back to the state after to_step ("skip": the batch skipped; "rollback": the learning rate
+    // lowered too). The lines logged for the steps it undid are dropped, as for a resume.
+    struct GuardMark {
+        int64_t step = 0, to_step = 0;
+        std::string action, reason;
+    };
+    std::vector<GuardMark> guard;
     // What the parser passed over: a torn last line ("" when none).
     std::string note;
 };

@@ -285,6 +285,17 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
         psi, cfg_.train.batch_size, T, cfg_.tokens_per_step(), B, cfg_.accum_steps(),
         layout_line()));
     print("plan: " + plan_.summary() + " (--print-plan)\n");
+    if (cfg_.guard.enabled) {
+        // A parameter server's workers and PipeDream's stages update out of step with the run's
+        // step count, so there is no one state to go back to.
+        const bool weight_versions =
+            cfg_.train.pp > 1 && cfg_.train.pp_schedule.rfind("pipedream", 0) == 0;
+        if (cfg_.ps() || weight_versions)
+            print(fmt::format("guard: off ({} has no single state to roll back to)\n",
+                              cfg_.ps() ? "a parameter server" : "PipeDream"));
+        else
+            guard_ = std::make_unique<DivergenceGuard>(cfg_.guard);
+    }
     if (cfg_.optim.lr_scaling != "none")
         print(fmt::format("lr scaling ({}): peak lr {} x ({} / {} tokens){} = {:.3e}\n",
                           cfg_.optim.lr_scaling, cfg_.optim.lr, cfg_.tokens_per_step(),
@@ -301,6 +312,9 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
             io::clear_run(cfg_.io.out_dir, cfg_.io.metrics);
             print(fmt::format("--overwrite: removed the run that was in {}\n", cfg_.io.out_dir));
         }
+        // The guard's snapshots of a run that died: scratch, never resumed from.
+        std::error_code ec;
+        fs::remove_all(guard_dir(), ec);
         // io.metrics is a plain file name (validate_config), so this stays in out_dir.
         const std::string mpath = (fs::path(cfg_.io.out_dir) / cfg_.io.metrics).string();
         metrics_ = std::make_unique<io::MetricsLog>(mpath, !resume_dir.empty());
@@ -454,18 +468,40 @@ TrainSummary Trainer::run() {
     int ran = 0;
     engine_->memory().reset_peak();
     const bool fp16 = cfg_.train.precision == "fp16";
+    // The guard's snapshots are scratch: removed however run() ends (the run's own checkpoints
+    // are what it leaves).
+    struct RemoveOnExit {
+        std::string dir;
+        ~RemoveOnExit() {
+            std::error_code ec;
+            if (!dir.empty()) fs::remove_all(dir, ec);
+        }
+    } guard_scratch{guard_ && root() ? guard_dir() : std::string()};
+    if (guard_ && state_.step < total) guard_snapshot();  // the state to go back to at first
 
     while (state_.step < total) {
         if (opts_.stop_after >= 0 && ran >= opts_.stop_after) break;
         if (opts_.before_step) opts_.before_step(state_.step + 1, *engine_);
+        // A batch the guard found bad is read past, on every pass over it (a replay included).
+        while (std::find(skipped_batches_.begin(), skipped_batches_.end(),
+                         train_loader_->position()) != skipped_batches_.end()) {
+            const data::DataLoader::Position p = train_loader_->position();
+            for (int k = 0; k < K; k++) next_rows(*train_loader_);
+            print(fmt::format("guard: step {} reads past the batch at epoch {}, window {}\n",
+                              state_.step + 1, p.epoch, p.cursor));
+        }
+        const data::DataLoader::Position batch_at = train_loader_->position();
         auto t0 = std::chrono::steady_clock::now();
         engine_->begin_step();
         for (int k = 0; k < K; k++) {
             next_rows(*train_loader_);
+            if (opts_.on_batch) opts_.on_batch(state_.step + 1, xg_.data(), yg_.data(), xg_.size());
             engine_->forward_backward(xg_.data() + rows, yg_.data() + rows, B, T, grad_scale,
                                       k == K - 1);
         }
         double lr = lr_at(cfg_.optim, peak_lr_, state_.step, total);
+        if (guard_) lr *= guard_->lr_scale(state_.step + 1);
+        if (opts_.on_lr) lr = opts_.on_lr(state_.step + 1, lr);
         if (!std::isfinite(lr))  // (validate_config refuses non-finite keys; a product may not be)
             fail(
                 "the learning rate at step {} is {} (optim.lr = {}, scaled peak {}): refusing "
@@ -474,9 +510,17 @@ TrainSummary Trainer::run() {
         const StepResult step = engine_->finish_step(lr, cfg_.optim.grad_clip);
         const double loss = mean_over_ranks(step.loss);
         const double norm = step.grad_norm;
-        // A non-finite loss or gradient norm (not an fp16 overflow, which the engine skipped):
-        // the run stops here, before this step is logged or saved, so no checkpoint ever holds
-        // its update; `latest` names the last good one.
+        if (guard_ && !step.skipped) {
+            const std::string why = guard_->judge(loss, norm);
+            if (!why.empty()) {
+                guard_rollback(state_.step + 1, why, batch_at, sum);
+                continue;
+            }
+            guard_->accept(state_.step + 1, loss, norm);
+        }
+        // Without the guard, a non-finite loss or gradient norm (not an fp16 overflow, which the
+        // engine skipped): the run stops here, before this step is logged or saved, so no
+        // checkpoint ever holds its update; `latest` names the last good one.
         if (!step.skipped && (!std::isfinite(loss) || !std::isfinite(norm))) {
             const bool first = ran == 0 && opts_.resume.empty();
             fail("{} at step {}: loss {}, gradient norm {}; stopping before this step is saved{}",
@@ -565,6 +609,7 @@ TrainSummary Trainer::run() {
             }
         }
         if (stop_sig != 0) break;
+        if (guard_ && !last && state_.step % cfg_.guard.snapshot_every == 0) guard_snapshot();
     }
     sum.steps_done = state_.step;
     sum.tokens_per_s =
@@ -592,6 +637,78 @@ TrainSummary Trainer::run() {
         print_sample();
     }
     return sum;
+}
+
+std::string Trainer::guard_dir() const {
+    return (fs::path(cfg_.io.out_dir) / "guard_snapshots").string();
+}
+
+void Trainer::guard_snapshot() {
+    std::tie(state_.loss_scale, state_.loss_scale_clean) = engine_->loss_scaler_state();
+    std::string dir;
+    try {
+        dir = save_checkpoint(guard_dir(), config_as_written(), engine_->checkpoint_model(),
+                              engine_->optimizer(), state_, *comm_);
+    } catch (const Error& e) {
+        // Weights that are not finite after a clean step's update (every rank refuses alike):
+        // the next step's loss shows it, and the guard goes back to an older snapshot.
+        print(fmt::format("guard: no snapshot at step {}: {}\n", state_.step, e.what()));
+        return;
+    }
+    while (!snapshots_.empty() && snapshots_.back().first >= state_.step) snapshots_.pop_back();
+    snapshots_.push_back({state_.step, dir});
+    // Two are enough: a rollback from step t goes to the newest snapshot taken at step t - 2 or
+    // before (the update of step t - 1 may be the bad one), and snapshots are >= 2 steps apart.
+    while (snapshots_.size() > 2) {
+        std::error_code ec;
+        if (root()) fs::remove_all(snapshots_.front().second, ec);
+        snapshots_.erase(snapshots_.begin());
+    }
+}
+
+void Trainer::guard_rollback(int64_t bad, const std::string& reason,
+                             data::DataLoader::Position batch_at, TrainSummary& sum) {
+    if (snapshots_.empty())
+        fail("training diverged at step {}: {}; the guard holds no snapshot to go back to", bad,
+             reason);
+    // The newest snapshot from before the step ahead of the bad one, else the oldest.
+    auto target = snapshots_.front();
+    for (const auto& sn : snapshots_)
+        if (sn.first <= bad - 2) target = sn;
+    const DivergenceGuard::Action a = guard_->on_anomaly(bad, target.first, reason);
+    skipped_batches_.push_back(batch_at);
+    state_ = load_checkpoint(target.second, engine_->checkpoint_model(), engine_->optimizer());
+    engine_->restore_loss_scaler(state_.loss_scale, state_.loss_scale_clean);
+    train_loader_->set_position({state_.data_epoch, state_.data_cursor});
+    while (snapshots_.back().first > target.first) {
+        std::error_code ec;
+        if (root()) fs::remove_all(snapshots_.back().second, ec);
+        snapshots_.pop_back();
+    }
+    // What this process trained after the snapshot (steps target + 1 .. bad - 1, the last ones
+    // of sum.losses) is run again.
+    const int64_t undone = bad - 1 - target.first;
+    sum.losses.resize((std::size_t)std::max<int64_t>(0, (int64_t)sum.losses.size() - undone));
+    std::erase_if(sum.val_losses, [&](const auto& v) { return v.first > target.first; });
+    sum.guard_actions.push_back({bad, target.first, a.lower_lr, reason});
+    const std::string lr_note =
+        a.lower_lr ? fmt::format(
+                         "; a repeat within guard.window = {} steps: learning rate x{:g} "
+                         "up to step {}",
+                         cfg_.guard.window, a.lr_scale, a.lr_until)
+                   : std::string();
+    print(fmt::format(
+        "guard: step {}: {}. Back to step {} (rollback {} of at most {}), skipping the step's "
+        "batch (epoch {}, window {}){}\n",
+        bad, reason, target.first, a.rollback, cfg_.guard.max_rollbacks, batch_at.epoch,
+        batch_at.cursor, lr_note));
+    // `memtrain report` drops the lines logged for steps after to_step (they run again) and
+    // marks the loss chart at `step`.
+    log_metrics(fmt::format(
+        "{{\"step\": {}, \"event\": \"guard\", \"action\": \"{}\", \"to_step\": {}, "
+        "\"data_epoch\": {}, \"data_cursor\": {}, \"lr_scale\": {:g}, \"reason\": \"{}\"}}",
+        bad, a.lower_lr ? "rollback" : "skip", target.first, batch_at.epoch, batch_at.cursor,
+        a.lr_scale, reason));
 }
 
 void Trainer::print_memory_report() {

@@ -20,6 +20,7 @@
 #include "io/checkpoint.h"
 #include "io/metrics_log.h"
 #include "io/out_dir.h"
+#include "train/guard.h"
 
 namespace memtrain {
 
@@ -30,6 +31,11 @@ struct TrainOptions {
     // Called before each step with the (1-based) number of the step about to run: a hook for
     // tests (fault injection, inspecting the engine between steps).
     std::function<void(int64_t step, Engine& engine)> before_step;
+    // Hooks for tests of the divergence guard: each global micro-batch as read for a step (to
+    // corrupt it), and each step's learning rate (to change it). A rolled-back step runs again
+    // through them.
+    std::function<void(int64_t step, int32_t* inputs, int32_t* targets, std::size_t n)> on_batch;
+    std::function<double(int64_t step, double lr)> on_lr;
     // Set (to the signal's number) by a signal handler to stop the run: the step in progress
     // finishes, a checkpoint is written and run() returns. Under data parallelism the ranks agree
     // on it every step (the max over ranks), so all stop after the same step.
@@ -58,6 +64,14 @@ struct TrainSummary {
     double tokens_per_s = 0;    // mean over the steps after the first
     std::string last_checkpoint;
     int stopped_by_signal = 0;  // the signal that stopped the run before train.max_steps; 0 = none
+    // The divergence guard's actions, in order: at `step` it went back to the state after
+    // `to_step`, skipping the step's batch, and (`lower_lr`) lowered the learning rate.
+    struct GuardAction {
+        int64_t step = 0, to_step = 0;
+        bool lower_lr = false;
+        std::string reason;
+    };
+    std::vector<GuardAction> guard_actions;
 };
 
 // Creates io.out_dir and writes a file in it, so a path that cannot hold checkpoints (under a
@@ -98,6 +112,12 @@ class Trainer {
     // The start-up line's layout: " | tensor parallel over 2 ranks ... | pipeline of 2 stages ...".
     std::string layout_line() const;
     void print_memory_report();
+    // The divergence guard (train/guard.h): the snapshot of the state after this step, and the
+    // answer to an anomaly at step `bad` whose batch started at `batch_at`.
+    void guard_snapshot();
+    void guard_rollback(int64_t bad, const std::string& reason, data::DataLoader::Position batch_at,
+                        TrainSummary& sum);
+    std::string guard_dir() const;
     void print_sample();
 
     RunConfig cfg_;  // train.device and train.precision resolved ("auto" -> what runs here)
@@ -124,7 +144,10 @@ class Trainer {
     TrainState state_;
     double peak_lr_ = 0;
     std::unique_ptr<io::MetricsLog> metrics_;
-    int64_t metrics_failed_at_ = 0;  // the step whose line could not be written; 0: none
+    int64_t metrics_failed_at_ = 0;           // the step whose line could not be written; 0: none
+    std::unique_ptr<DivergenceGuard> guard_;  // null: guard.enabled = false, or not available
+    std::vector<std::pair<int64_t, std::string>> snapshots_;   // (step, dir), oldest first
+    std::vector<data::DataLoader::Position> skipped_batches_;  // the guard's, for every replay
 };
 
 }  // namespace memtrain

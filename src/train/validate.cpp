@@ -371,6 +371,24 @@ void validate_config(const RunConfig& cfg) {
             "got {}",
             cfg.sample.temperature);
     if (cfg.sample.top_k < 0) fail("sample.top_k must be >= 0, got {}", cfg.sample.top_k);
+    const GuardConfig& g = cfg.guard;
+    if (g.window < 3) fail("guard.window must be >= 3 steps, got {}", g.window);
+    if (g.min_history < 3 || g.min_history > g.window)
+        fail("guard.min_history must be between 3 and guard.window ({}), got {}", g.window,
+             g.min_history);
+    if (!(g.spike_z > 0)) fail("guard.spike_z must be > 0, got {}", g.spike_z);
+    if (!(g.norm_factor > 1)) fail("guard.norm_factor must be > 1, got {}", g.norm_factor);
+    if (g.snapshot_every < 2)
+        fail(
+            "guard.snapshot_every must be >= 2 steps (a rollback goes to a snapshot older than "
+            "the step before the bad one), got {}",
+            g.snapshot_every);
+    if (!(g.lr_factor > 0 && g.lr_factor <= 1))
+        fail("guard.lr_factor must be in (0, 1], got {}", g.lr_factor);
+    if (g.cooldown < 0) fail("guard.cooldown must be >= 0, got {}", g.cooldown);
+    if (g.max_rollbacks < 1)
+        fail("guard.max_rollbacks must be >= 1 (guard.enabled = false turns the guard off), got {}",
+             g.max_rollbacks);
 }
 
 }  // namespace memtrain

@@ -62,6 +62,31 @@ TEST(RunReport, ResumedRunKeepsTheLaterLineOfARepeatedStep) {
     EXPECT_DOUBLE_EQ(*m.steps[1].loss, 1.5);
 }
 
+// A guard event undoes the steps after its to_step (they run again) and is drawn on the loss
+// chart and listed above it.
+TEST(RunReport, GuardEventsDropUndoneStepsAndMarkTheLossChart) {
+    io::ReportInput in;
+    in.run_dir = "run";
+    in.metrics = io::parse_metrics(
+        "{\"step\": 1, \"loss\": 3}\n{\"step\": 2, \"loss\": 2.9}\n{\"step\": 3, \"loss\": 2.8}\n"
+        "{\"step\": 4, \"event\": \"guard\", \"action\": \"skip\", \"to_step\": 1, "
+        "\"reason\": \"loss 9 is 40 robust deviations above the median\"}\n"
+        "{\"step\": 2, \"loss\": 2.95}\n{\"step\": 3, \"loss\": 2.85}\n{\"step\": 4, \"loss\": "
+        "2.7}\n",
+        "m.jsonl");
+    const io::RunMetrics& m = in.metrics;
+    ASSERT_EQ(m.steps.size(), 4u);
+    EXPECT_DOUBLE_EQ(*m.steps[1].loss, 2.95);
+    ASSERT_EQ(m.guard.size(), 1u);
+    EXPECT_EQ(m.guard[0].step, 4);
+    EXPECT_EQ(m.guard[0].to_step, 1);
+    EXPECT_EQ(m.guard[0].action, "skip");
+    const std::string html = io::render_report_html(in);
+    EXPECT_NE(html.find("id=\"guard-events\""), std::string::npos);
+    EXPECT_NE(html.find("<line class=\"mark\" data-step=\"4\""), std::string::npos);
+    EXPECT_NE(html.find("40 robust deviations"), std::string::npos);
+}
+
 TEST(RunReport, MalformedLinesNameFileAndLine) {
     auto err = [](const std::string& text) {
         return error_of([&] { io::parse_metrics(text, "run/metrics.jsonl"); });
