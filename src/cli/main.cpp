@@ -37,6 +37,7 @@ int main(int argc, char** argv) {
     memtrain::cli::register_report(app);
     memtrain::cli::register_quantize(app);
     memtrain::cli::register_lora(app);
+    memtrain::cli::register_sweep(app);
     // `memtrain trian`: name the command meant (CLI11 says only that the word was not expected).
     if (argc > 1 && argv[1][0] != '-') {
         std::vector<std::string> names;

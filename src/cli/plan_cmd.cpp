@@ -390,9 +390,15 @@ void register_scale(CLI::App& app) {
         double flops = 0, days = 0, assumed_mfu = 0.4;
         int gpus = 0, seq = 2048, global_batch = 0;
         GpuArgs gpu;
+        std::vector<std::string> fit;
+        bool json = false;
     };
     auto a = std::make_shared<Args>();
     cmd->add_option("--flops", a->flops, "compute budget C in FLOPs (e.g. 1e23)");
+    cmd->add_option("--fit", a->fit,
+                    "fit L(N, D) to these finished run directories (memtrain sweep makes them) "
+                    "and give the optimum at --flops (default: their largest budget)");
+    cmd->add_flag("--json", a->json, "with --fit: print the fit as JSON");
     cmd->add_option("--gpus", a->gpus, "cluster size (with --days: derives C; times the run)");
     cmd->add_option("--days", a->days, "wall-clock budget in days");
     cmd->add_option("--mfu", a->assumed_mfu, "MFU assumed to turn GPU-days into FLOPs");
@@ -407,6 +413,13 @@ void register_scale(CLI::App& app) {
         check.fraction("--mfu", a->assumed_mfu);
         check.positive("--seq", a->seq);
         check.positive("--global-batch", a->global_batch);
+        if (!a->fit.empty()) {
+            if (a->gpus > 0 || a->days > 0)
+                fail("--fit fits your runs' law: give it --flops C (or nothing), not --gpus/--days");
+            scale_fit(a->fit, a->flops, a->json);
+            return;
+        }
+        if (a->json) fail("--json goes with --fit RUN_DIR...");
         if (a->flops > 0 && a->days > 0)
             fail(
                 "--flops {:g} and --days {:g} both set the compute budget: give --flops C, or "

@@ -24,13 +24,11 @@
 
 namespace memtrain::cli {
 
-namespace {
-
 // Async-signal-safe state: the first signal's number, and the line the handler writes (formatted
 // before the handler is installed; only rank 0 writes it, so a job-wide signal prints once).
-volatile std::sig_atomic_t g_stop_signal = 0;
-char g_notice[160];
-std::size_t g_notice_len = 0;
+volatile std::sig_atomic_t g_stop_signal = 0;  // (commands.h)
+static char g_notice[160];
+static std::size_t g_notice_len = 0;
 
 extern "C" void on_stop_signal(int sig) {
     if (g_stop_signal != 0) {
@@ -74,6 +72,8 @@ const char* signal_name(int sig) {
             return "a signal";
     }
 }
+
+namespace {
 
 // The config: the defaults, or with --resume the checkpoint's own saved config (its io.out_dir
 // the directory the checkpoint is in); then CONFIG; then each --set.
