@@ -415,7 +415,8 @@ void register_scale(CLI::App& app) {
         check.positive("--global-batch", a->global_batch);
         if (!a->fit.empty()) {
             if (a->gpus > 0 || a->days > 0)
-                fail("--fit fits your runs' law: give it --flops C (or nothing), not --gpus/--days");
+                fail(
+                    "--fit fits your runs' law: give it --flops C (or nothing), not --gpus/--days");
             scale_fit(a->fit, a->flops, a->json);
             return;
         }

@@ -73,8 +73,8 @@ void print_fit(const std::vector<plan::LossPoint>& pts, double flops, bool json)
     }
     if (json) {
         nlohmann::json j;
-        j["law"] = {{"E", law.E}, {"A", law.A}, {"B", law.B}, {"alpha", law.alpha},
-                    {"beta", law.beta}};
+        j["law"] = {
+            {"E", law.E}, {"A", law.A}, {"B", law.B}, {"alpha", law.alpha}, {"beta", law.beta}};
         auto ci = [](const plan::Interval& i) { return nlohmann::json::array({i.lo, i.hi}); };
         j["interval_95"] = {{"E", ci(f.E)},
                             {"A", ci(f.A)},
@@ -91,8 +91,10 @@ void print_fit(const std::vector<plan::LossPoint>& pts, double flops, bool json)
                                  {"fitted", plan::chinchilla_loss(p.params, p.tokens, law)}});
         j["flops"] = flops;
         if (has_optimum)
-            j["optimum"] = {{"params", opt.params},       {"tokens", opt.tokens},
-                            {"loss", opt.loss},           {"params_95", ci(n_ci)},
+            j["optimum"] = {{"params", opt.params},
+                            {"tokens", opt.tokens},
+                            {"loss", opt.loss},
+                            {"params_95", ci(n_ci)},
                             {"tokens_95", ci(d_ci)}};
         std::printf("%s\n", j.dump(2).c_str());
         return;
@@ -115,8 +117,8 @@ void print_fit(const std::vector<plan::LossPoint>& pts, double flops, bool json)
         std::string name = fs::path(p.origin).filename().string();
         if (name.empty()) name = p.origin;
         std::printf("%-40s %9s %9s %8.4f %8.4f %10.3g\n", name.c_str(), count(p.params).c_str(),
-                    count(p.tokens).c_str(), p.loss,
-                    plan::chinchilla_loss(p.params, p.tokens, law), 6 * p.params * p.tokens);
+                    count(p.tokens).c_str(), p.loss, plan::chinchilla_loss(p.params, p.tokens, law),
+                    6 * p.params * p.tokens);
     }
     if (!has_optimum) {
         std::printf(
@@ -159,8 +161,7 @@ void register_sweep(CLI::App& app) {
                     "model shapes LAYERSxWIDTH, comma-separated (2x128,4x256); heads of 64")
         ->required();
     cmd->add_option("--out", a->out, "directory of the runs (default: io.out_dir/sweep)");
-    cmd->add_option("--set", a->sets, "override a key of every run: section.key=value")
-        ->take_all();
+    cmd->add_option("--set", a->sets, "override a key of every run: section.key=value")->take_all();
     cmd->add_option("--min-steps", a->min_steps, "leave out runs shorter than this many steps")
         ->check(CLI::PositiveNumber);
     cmd->callback([a]() {
@@ -172,16 +173,16 @@ void register_sweep(CLI::App& app) {
         const std::string dir =
             a->out.empty() ? (fs::path(base.io.out_dir) / "sweep").string() : a->out;
         std::vector<std::string> skipped;
-        const std::vector<SweepRun> runs = plan_sweep(base, parse_flops(a->flops),
-                                                      parse_sweep_sizes(a->sizes), dir,
-                                                      a->min_steps, &skipped);
+        const std::vector<SweepRun> runs = plan_sweep(
+            base, parse_flops(a->flops), parse_sweep_sizes(a->sizes), dir, a->min_steps, &skipped);
         for (const SweepRun& r : runs) {  // every run's config is checked before any trains
             RunConfig c = r.config;
             validate_config(c);
         }
-        std::printf("sweep: %zu runs in %s (C = 6 N D, N non-embedding parameters, %lld tokens "
-                    "per step)\n",
-                    runs.size(), dir.c_str(), (long long)base.tokens_per_step());
+        std::printf(
+            "sweep: %zu runs in %s (C = 6 N D, N non-embedding parameters, %lld tokens "
+            "per step)\n",
+            runs.size(), dir.c_str(), (long long)base.tokens_per_step());
         for (const std::string& s : skipped) std::printf("  left out: %s\n", s.c_str());
         install_stop_handlers(true);
         std::vector<plan::LossPoint> pts;
@@ -198,10 +199,10 @@ void register_sweep(CLI::App& app) {
                 at = checkpoint_state(resolve_checkpoint_dir(r.out_dir)).step;
                 o.resume = r.out_dir;
             }
-            const std::string what = fmt::format(
-                "run {}/{} {}: C = {:.3g}, {} x {} (N = {}), {} steps = {} tokens",
-                i + 1, runs.size(), fs::path(r.out_dir).filename().string(), r.flops, r.n_layer,
-                r.n_embd, count(r.params), r.steps, count(r.tokens));
+            const std::string what =
+                fmt::format("run {}/{} {}: C = {:.3g}, {} x {} (N = {}), {} steps = {} tokens",
+                            i + 1, runs.size(), fs::path(r.out_dir).filename().string(), r.flops,
+                            r.n_layer, r.n_embd, count(r.params), r.steps, count(r.tokens));
             if (at < r.steps) {
                 std::printf("%s%s ...\n", what.c_str(),
                             at > 0 ? fmt::format(" (resuming at step {})", at).c_str() : "");
@@ -217,13 +218,12 @@ void register_sweep(CLI::App& app) {
                                  sum.last_checkpoint.c_str());
                     throw ExitCode{128 + sum.stopped_by_signal};
                 }
-                std::printf("  done in %.0f s%s\n",
-                            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
-                                .count(),
-                            sum.guard_actions.empty()
-                                ? ""
-                                : fmt::format(" ({} guard actions)", sum.guard_actions.size())
-                                      .c_str());
+                std::printf(
+                    "  done in %.0f s%s\n",
+                    std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
+                    sum.guard_actions.empty()
+                        ? ""
+                        : fmt::format(" ({} guard actions)", sum.guard_actions.size()).c_str());
             }
             const plan::LossPoint p = run_loss_point(r.out_dir);
             if (at >= r.steps) std::printf("%s: done before\n", what.c_str());

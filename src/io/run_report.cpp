@@ -20,6 +20,7 @@
 #include "core/regular_file.h"
 #include "io/out_dir.h"
 #include "io/text_file.h"
+#include "planner/scaling_fit.h"
 
 namespace fs = std::filesystem;
 
@@ -845,6 +846,94 @@ std::string render_report_html(const ReportInput& in) {
     return h;
 }
 
+std::string render_sweep_html(const std::string& dir, const std::string& sweep_json) {
+    nlohmann::json j;
+    try {
+        j = nlohmann::json::parse(sweep_json);
+    } catch (const nlohmann::json::exception& e) {
+        fail("{}/sweep.json is not JSON: {}", dir, e.what());
+    }
+    if (!j.contains("runs") || !j["runs"].is_array())
+        fail("{}/sweep.json has no \"runs\" array (memtrain sweep writes it)", dir);
+    std::vector<plan::LossPoint> pts;
+    std::map<double, Series> curves;  // per budget
+    for (const auto& r : j["runs"]) {
+        plan::LossPoint p;
+        try {
+            p = {r.at("params").get<double>(), r.at("tokens").get<double>(),
+                 r.at("val_loss").get<double>(), r.value("dir", std::string())};
+            const double c = r.at("flops").get<double>();
+            Series& s = curves[c];
+            if (s.name.empty()) {
+                s.name = fmt::format("C = {:.3g}", c);
+                s.color = kPalette[(curves.size() - 1) % 8];
+            }
+            s.points.push_back({std::log10(p.params), p.loss});
+        } catch (const nlohmann::json::exception& e) {
+            fail("{}/sweep.json: a run lacks params, tokens, val_loss or flops: {}", dir, e.what());
+        }
+        pts.push_back(p);
+    }
+    std::string h = "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\n";
+    h += "<title>memtrain sweep: " + escape(dir) + "</title>\n<style>" + std::string(kStyle) +
+         "</style></head><body>\n<h1>memtrain sweep</h1>\n<p class=\"path\" id=\"run-dir\">" +
+         escape(dir) + "</p>\n";
+    std::vector<Series> series;
+    std::vector<Mark> marks;
+    std::string law_text;
+    for (auto& [c, s] : curves)
+        std::sort(s.points.begin(), s.points.end(), [](auto& a, auto& b) { return a.x < b.x; });
+    try {
+        plan::FitOptions o;
+        o.bootstrap = 0;
+        const plan::ChinchillaFit law = plan::fit_scaling_law(pts, o).law;
+        law_text = fmt::format(
+            "L(N, D) = {:.4g} + {:.4g} / N^{:.4f} + {:.4g} / D^{:.4f} (N non-embedding "
+            "parameters; the fit of memtrain scale --fit, docs/scaling.md)",
+            law.E, law.A, law.alpha, law.B, law.beta);
+        for (auto& [c, s] : curves) {
+            series.push_back(s);
+            Series fit{s.name + " fitted", s.color, {}, true};
+            double lo = s.points.front().x - 0.3, hi = s.points.back().x + 0.3;
+            if (law.alpha > 0 && law.beta > 0) {  // the fitted curve reaches its optimum
+                const double at = std::log10(plan::chinchilla_optimal(c, law).params);
+                if (std::isfinite(at) && at > lo - 3 && at < hi + 3) {
+                    lo = std::min(lo, at - 0.3);
+                    hi = std::max(hi, at + 0.3);
+                }
+            }
+            for (int i = 0; i <= 40; i++) {
+                const double x = lo + (hi - lo) * i / 40.0, n = std::pow(10.0, x);
+                fit.points.push_back({x, plan::chinchilla_loss(n, c / (6 * n), law)});
+            }
+            series.push_back(fit);
+            if (law.alpha > 0 && law.beta > 0) {
+                const plan::Allocation a = plan::chinchilla_optimal(c, law);
+                marks.push_back({std::log10(a.params),
+                                 fmt::format("optimum at C = {:.3g}: N = {:.3g}, D = {:.3g}, "
+                                             "loss {:.4f}",
+                                             c, a.params, a.tokens, a.loss)});
+            }
+        }
+    } catch (const Error& e) {
+        law_text = std::string("no fit: ") + e.what();
+        for (auto& [c, s] : curves) series.push_back(s);
+    }
+    h += "<p class=\"note\" id=\"law\">" + escape(law_text) + "</p>\n";
+    h += line_chart("chart-isoflop", "isoFLOP curves: validation loss against log10 N", "loss",
+                    series, Units::number, false, "no runs in sweep.json", marks);
+    h +=
+        "<table id=\"runs\"><tr><th>run</th><th>C</th><th>N</th><th>D</th><th>val loss</th></tr>\n";
+    for (const auto& r : j["runs"])
+        h += fmt::format(
+            "<tr><td>{}</td><td>{:.3g}</td><td>{:.3g}</td><td>{:.3g}</td><td>{:.4f}"
+            "</td></tr>\n",
+            escape(r.value("dir", std::string())), r["flops"].get<double>(),
+            r["params"].get<double>(), r["tokens"].get<double>(), r["val_loss"].get<double>());
+    h += "</table>\n</body></html>\n";
+    return h;
+}
+
 ReportInput read_run(const std::string& run_dir) {
     const fs::path dir(run_dir);
     if (!fs::exists(dir)) fail("run directory {} does not exist", run_dir);
@@ -902,6 +991,13 @@ std::string write_run_report(const std::string& run_dir, const std::string& out_
                              std::string* note) {
     const std::string out =
         out_path.empty() ? (fs::path(run_dir) / "report.html").string() : out_path;
+    std::error_code ec;
+    if (!fs::exists(fs::path(run_dir) / "metrics.jsonl", ec) &&
+        fs::is_regular_file(fs::path(run_dir) / "sweep.json", ec)) {
+        write_text_file_atomically(
+            out, render_sweep_html(run_dir, read_text_file(fs::path(run_dir) / "sweep.json")));
+        return out;
+    }
     const ReportInput input = read_run(run_dir);
     if (note) *note = input.metrics.note;
     const std::string html = render_report_html(input);

@@ -90,6 +90,10 @@ struct ReportInput {
 // names), RUN_DIR/memory.json and the latest checkpoint's memtrain.toml (both optional).
 ReportInput read_run(const std::string& run_dir);
 std::string render_report_html(const ReportInput& input);
+// The page of a sweep (`memtrain sweep` writes DIR/sweep.json; `memtrain report DIR` renders
+// it): the isoFLOP curves, validation loss against log10 N, one per budget, with the fitted
+// law's curves dashed beside them and its optimum at each budget marked; the law and the runs.
+std::string render_sweep_html(const std::string& dir, const std::string& sweep_json);
 // read_run + render, written to `out_path` (default RUN_DIR/report.html) through a temporary
 // file, so a failure never leaves a partial page. Returns the path written; `note` receives
 // what the metrics parser passed over (RunMetrics::note).

@@ -151,7 +151,6 @@ Vec best_of(const std::vector<Vec>& starts, const std::vector<Sample>& s, double
     return best;
 }
 
-
 }  // namespace
 
 Interval percentile_interval(std::vector<double> v) {

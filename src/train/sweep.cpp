@@ -28,10 +28,8 @@ plan::LossPoint run_loss_point(const std::string& run_dir) {
     const fs::path metrics = fs::path(run_dir) / cfg.io.metrics;
     std::error_code ec;
     if (!fs::is_regular_file(metrics, ec))
-        fail("{}: no {} (the run's validation losses are read from it)", run_dir,
-             metrics.string());
-    const io::RunMetrics m =
-        io::parse_metrics(io::read_text_file(metrics), metrics.string());
+        fail("{}: no {} (the run's validation losses are read from it)", run_dir, metrics.string());
+    const io::RunMetrics m = io::parse_metrics(io::read_text_file(metrics), metrics.string());
     double loss = NAN;
     for (const auto& [step, v] : m.val_loss)
         if (step == st.step) loss = v;
@@ -95,9 +93,9 @@ std::vector<SweepRun> plan_sweep(const RunConfig& base, const std::vector<double
             r.out_dir = (fs::path(dir) / fmt::format("C{}_L{}_W{}", c_name, l, w)).string();
             if (r.steps < min_steps) {
                 if (skipped)
-                    skipped->push_back(fmt::format(
-                        "{} x {} at C = {:.3g}: {} steps (fewer than {})", l, w, c, r.steps,
-                        min_steps));
+                    skipped->push_back(
+                        fmt::format("{} x {} at C = {:.3g}: {} steps (fewer than {})", l, w, c,
+                                    r.steps, min_steps));
                 continue;
             }
             r.config.train.max_steps = (int)r.steps;

@@ -8,9 +8,12 @@
 #include <functional>
 #include <sstream>
 
+#include <nlohmann/json.hpp>
+
 #include "cli/cli_util.h"
 #include "core/error.h"
 #include "io/run_report.h"
+#include "planner/scaling_fit.h"
 #include "test_util.h"
 
 namespace fs = std::filesystem;
@@ -85,6 +88,33 @@ TEST(RunReport, GuardEventsDropUndoneStepsAndMarkTheLossChart) {
     EXPECT_NE(html.find("id=\"guard-events\""), std::string::npos);
     EXPECT_NE(html.find("<line class=\"mark\" data-step=\"4\""), std::string::npos);
     EXPECT_NE(html.find("40 robust deviations"), std::string::npos);
+}
+
+// A sweep's page: one isoFLOP curve per budget, the fitted law's beside it, the optimum marked.
+TEST(RunReport, SweepPageDrawsIsoflopCurvesAndTheFit) {
+    nlohmann::json j;
+    j["runs"] = nlohmann::json::array();
+    const plan::ChinchillaFit law{1.5, 300.0, 500.0, 0.3, 0.35};
+    for (double c : {1e16, 1e17})
+        for (double n : {2e6, 8e6, 3e7}) {
+            const double d = c / (6 * n);
+            j["runs"].push_back({{"dir", "grid/run"},
+                                 {"flops", c},
+                                 {"params", n},
+                                 {"tokens", d},
+                                 {"val_loss", plan::chinchilla_loss(n, d, law)}});
+        }
+    const std::string html = io::render_sweep_html("grid", j.dump());
+    EXPECT_NE(html.find("id=\"chart-isoflop\""), std::string::npos);
+    EXPECT_EQ(test::count_occurrences(html, "<polyline"), 4) << "two budgets, measured and fitted";
+    EXPECT_EQ(test::count_occurrences(html, "class=\"mark\""), 2) << "an optimum per budget";
+    EXPECT_NE(html.find("L(N, D) = 1.5"), std::string::npos) << "the law the points lie on";
+    EXPECT_NE(error_of([] {
+                  io::render_sweep_html("grid", "{\"runs\": [{\"flops\": 1}]}");
+              }).find("grid/sweep.json: a run lacks"),
+              std::string::npos);
+    EXPECT_NE(error_of([] { io::render_sweep_html("grid", "nope"); }).find("is not JSON"),
+              std::string::npos);
 }
 
 TEST(RunReport, MalformedLinesNameFileAndLine) {

@@ -77,8 +77,9 @@ TEST(ScalingFit, TooFewOrBadPointsAreRefusedByName) {
     pts = isoflop_points(ChinchillaFit{}, 0, 1);
     pts[3].loss = NAN;
     pts[3].origin = "runs/c1e19_n2";
-    EXPECT_NE(test::error_of([&] { fit_scaling_law(pts); })
-                  .find("runs/c1e19_n2: the loss nan is not a positive number"),
+    EXPECT_NE(test::error_of([&] {
+                  fit_scaling_law(pts);
+              }).find("runs/c1e19_n2: the loss nan is not a positive number"),
               std::string::npos);
 }
 
