@@ -51,6 +51,10 @@ struct TrainConfig {
     int ps_staleness = 0;
     bool cuda_graphs = false;        // cuda: replay each micro-batch as one captured CUDA graph
     bool offload_optimizer = false;  // cuda: optimizer states and update on the CPU (ZeRO-Offload)
+    // "amp": every diagnostics_every steps (and at the run's first), histograms of log2|g| of
+    // every parameter tensor's gradient and what fp16 and bf16 would make of them.
+    std::string diagnostics = "none";
+    int diagnostics_every = 50;
 };
 
 struct DataConfig {

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/allocator.h"
+#include "core/log2_histogram.h"
 #include "io/checkpoint.h"
 #include "model/activation_layout.h"
 #include "model/weights.h"
@@ -73,6 +74,17 @@ class Engine {
     // At the end of a run, on the printing rank: files the engine adds to the output directory
     // (the pipeline's measured timeline); returns a line for the console, or "".
     virtual std::string write_run_files(const std::string& /*out_dir*/) { return ""; }
+
+    // train.diagnostics = amp: log2|g| histograms of every parameter tensor's gradient, the
+    // step's reduced gradient before clipping (as the optimizer would see it, loss scale
+    // included), counted over every rank; called between the last forward_backward and
+    // finish_step. An engine that cannot says so at start-up: has_gradient_histograms() false.
+    struct TensorHistogram {
+        std::string name;
+        Log2Histogram hist;
+    };
+    virtual bool has_gradient_histograms() const { return false; }
+    virtual std::vector<TensorHistogram> gradient_histograms() { return {}; }
 
     // fp16: the loss scaler's scale and clean-step count, for checkpoints ({0, 0}: none).
     virtual std::pair<double, int64_t> loss_scaler_state() const { return {0.0, 0}; }

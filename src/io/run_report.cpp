@@ -83,6 +83,7 @@ RunMetrics parse_metrics(const std::string& text, const std::string& origin) {
     std::map<int64_t, double> val;
     std::vector<int64_t> resumes;
     std::vector<RunMetrics::GuardMark> guard;
+    std::vector<RunMetrics::AmpRecord> amp;
     std::string note;
     std::istringstream in(text);
     std::string line;
@@ -126,6 +127,22 @@ RunMetrics parse_metrics(const std::string& text, const std::string& origin) {
             steps.erase(steps.upper_bound(g.to_step), steps.end());
             val.erase(val.upper_bound(g.to_step), val.end());
             guard.push_back(std::move(g));
+            continue;
+        }
+        if (j.contains("event") && j["event"] == "amp") {
+            RunMetrics::AmpRecord a;
+            a.step = step;
+            try {
+                a.log2_lo = j.at("log2_lo").get<int>();
+                a.loss_scale_log2 = j.value("loss_scale_log2", 0);
+                a.counts = j.at("log2_counts").get<std::vector<double>>();
+                a.values = j.value("values", (int64_t)0);
+                a.zeros = j.value("zeros", (int64_t)0);
+            } catch (const nlohmann::json::exception& e) {
+                fail("{}:{}: an amp line without log2_lo and log2_counts: {}", origin, line_no,
+                     e.what());
+            }
+            amp.push_back(std::move(a));
             continue;
         }
         if (j.contains("event") && j["event"] == "resume") {
@@ -179,6 +196,7 @@ RunMetrics parse_metrics(const std::string& text, const std::string& origin) {
     for (auto& [s, v] : val) m.val_loss.emplace_back(s, v);
     m.resumes = std::move(resumes);
     m.guard = std::move(guard);
+    m.amp = std::move(amp);
     m.note = std::move(note);
     return m;
 }
@@ -461,6 +479,7 @@ std::string line_chart(const std::string& id, const std::string& title, const st
             x0 = std::min(x0, p.x), x1 = std::max(x1, p.x);
             y0 = std::min(y0, p.y), y1 = std::max(y1, p.y);
         }
+    for (const Mark& m : marks) x0 = std::min(x0, m.x), x1 = std::max(x1, m.x);  // all shown
     if (from_zero) {
         y0 = std::min(y0, 0.0);
     } else {  // keep the extremes off the frame's edges
@@ -818,6 +837,30 @@ std::string render_report_html(const ReportInput& in) {
     h += line_chart("chart-loss", "Loss", "loss",
                     {step_series(m, "training loss", kPalette[0], &StepRecord::loss), val},
                     Units::number, false, "no loss in metrics.jsonl", guard_marks);
+    if (!m.amp.empty()) {
+        // The lecture's figure: the share of gradient values at each power of two, the first and
+        // the last diagnosed step, with where fp16 flushes to zero unscaled and overflows at the
+        // loss scale.
+        std::vector<Series> hs;
+        for (const auto* a : {&m.amp.front(), &m.amp.back()}) {
+            if (a == &m.amp.back() && m.amp.size() == 1) break;
+            Series s{fmt::format("step {}", a->step), kPalette[hs.size() * 2], {}};
+            const double n = a->values > 0 ? (double)a->values : 1.0;
+            for (std::size_t i = 0; i < a->counts.size(); i++)
+                s.points.push_back({(double)(a->log2_lo + (int)i), a->counts[i] / n});
+            hs.push_back(s);
+        }
+        const int sc = m.amp.back().loss_scale_log2;
+        h += line_chart("chart-amp", "Gradient magnitudes: share of values per log2|g| (amp)",
+                        "share", hs, Units::number, true, "",
+                        {{-24.0, "fp16 flushes to zero below 2^-24 (unscaled)"},
+                         {(double)(-24 - sc), fmt::format("fp16 flushes below 2^{} at loss scale "
+                                                          "2^{}",
+                                                          -24 - sc, sc)},
+                         {(double)(16 - sc), fmt::format("fp16 overflows from 2^{} at loss scale "
+                                                         "2^{}",
+                                                         16 - sc, sc)}});
+    }
     h += line_chart("chart-lr", "Learning rate", "lr",
                     {step_series(m, "learning rate", kPalette[2], &StepRecord::lr)}, Units::number,
                     true, "no lr in metrics.jsonl");

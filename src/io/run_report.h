@@ -37,6 +37,16 @@ struct RunMetrics {
         std::string action, reason;
     };
     std::vector<GuardMark> guard;
+    // train.diagnostics = amp ({"step": S, "event": "amp", ...} lines): the gradients' log2|g|
+    // histogram of each diagnosed step, from exponent log2_lo up, and the loss scale it was
+    // judged at.
+    struct AmpRecord {
+        int64_t step = 0;
+        int log2_lo = 0, loss_scale_log2 = 0;
+        std::vector<double> counts;
+        int64_t values = 0, zeros = 0;
+    };
+    std::vector<AmpRecord> amp;
     // What the parser passed over: a torn last line ("" when none).
     std::string note;
 };

@@ -175,6 +175,12 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
     if (!(engine_->arena_format() == plan_.format))
         fail("internal: the {} engine lays out its arenas unlike its plan", engine_->describe());
     engine_->set_remat(schedule->plan);
+    if (cfg_.train.diagnostics == "amp" && !engine_->has_gradient_histograms())
+        fail(
+            "train.diagnostics = \"amp\" reads the gradients of the CPU engine with data "
+            "parallelism and ZeRO 0-3; {} cannot give them yet (train.tp, train.pp, a parameter "
+            "server and the CUDA engine are not covered)",
+            engine_->describe());
     if (!opts_.engine) {
         // The engine allocated what its plan predicted, row for row: the report prints the plan.
         const auto built = engine_->predicted_memory(cfg_.micro_batch(), cfg_.train.seq_len);
@@ -499,6 +505,9 @@ TrainSummary Trainer::run() {
             engine_->forward_backward(xg_.data() + rows, yg_.data() + rows, B, T, grad_scale,
                                       k == K - 1);
         }
+        if (cfg_.train.diagnostics == "amp" &&
+            ((state_.step + 1) % cfg_.train.diagnostics_every == 0 || state_.step == first_step))
+            amp_diagnose(state_.step + 1);
         double lr = lr_at(cfg_.optim, peak_lr_, state_.step, total);
         if (guard_) lr *= guard_->lr_scale(state_.step + 1);
         if (opts_.on_lr) lr = opts_.on_lr(state_.step + 1, lr);
@@ -632,6 +641,7 @@ TrainSummary Trainer::run() {
             std::fprintf(stderr, "memtrain: warning: %s\n", e.what());
         }
     }
+    if (amp_last_step_ > 0) amp_summary();
     if (!opts_.quiet && !sum.stopped_by_signal) {
         print_memory_report();
         print_sample();
@@ -709,6 +719,82 @@ void Trainer::guard_rollback(int64_t bad, const std::string& reason,
         "\"data_epoch\": {}, \"data_cursor\": {}, \"lr_scale\": {:g}, \"reason\": \"{}\"}}",
         bad, a.lower_lr ? "rollback" : "skip", target.first, batch_at.epoch, batch_at.cursor,
         a.lr_scale, reason));
+}
+
+namespace {
+
+std::string pct(double f) {
+    return fmt::format("{:.3g}%", 100 * f);
+}
+
+}  // namespace
+
+void Trainer::amp_diagnose(int64_t step) {
+    const std::vector<Engine::TensorHistogram> hists = engine_->gradient_histograms();
+    Log2Histogram all;
+    for (const auto& t : hists) all.merge(t.hist);
+    // The gradients here are unscaled (fp32 or bf16 on the CPU): fp16 would hold them x 2^s.
+    const int s = (int)std::lround(std::log2(cfg_.optim.loss_scale));
+    const PrecisionLoss raw = precision_loss(all, 0), scaled = precision_loss(all, s);
+    const int safe = largest_safe_scale_log2(all);
+    print(fmt::format(
+        "amp step {}: {} gradient values, {} zero; fp16 would flush {} to zero unscaled, {} at "
+        "loss scale 2^{} (overflowing {}); bf16 flushes {}; the largest scale without overflow is "
+        "2^{}\n",
+        step, all.total, pct(raw.zero), pct(raw.fp16_underflow), pct(scaled.fp16_underflow), s,
+        pct(scaled.fp16_overflow), pct(raw.bf16_underflow), safe));
+    std::string tensors;
+    for (const auto& t : hists) {
+        const PrecisionLoss p = precision_loss(t.hist, s);
+        tensors += fmt::format(
+            "{}{{\"name\": \"{}\", \"values\": {}, \"zero\": {:.6g}, \"fp16_underflow\": "
+            "{:.6g}, \"fp16_overflow\": {:.6g}, \"max_log2\": {}}}",
+            tensors.empty() ? "" : ", ", t.name, t.hist.total, p.zero, p.fp16_underflow,
+            p.fp16_overflow, t.hist.max_exp());
+    }
+    // The whole histogram from its lowest to its highest non-empty exponent.
+    int lo = Log2Histogram::kMaxExp + 1, hi = Log2Histogram::kMinExp - 1;
+    for (int e = Log2Histogram::kMinExp; e <= Log2Histogram::kMaxExp; e++)
+        if (all.at(e)) {
+            lo = std::min(lo, e);
+            hi = std::max(hi, e);
+        }
+    std::vector<int64_t> counts;
+    for (int e = lo; e <= hi; e++) counts.push_back(all.at(e));
+    log_metrics(fmt::format(
+        "{{\"step\": {}, \"event\": \"amp\", \"values\": {}, \"zeros\": {}, \"nonfinite\": {}, "
+        "\"loss_scale_log2\": {}, \"fp16_underflow_unscaled\": {:.6g}, \"fp16_underflow\": {:.6g}, "
+        "\"fp16_overflow\": {:.6g}, \"bf16_underflow\": {:.6g}, \"safe_scale_log2\": {}, "
+        "\"log2_lo\": {}, \"log2_counts\": [{}], \"tensors\": [{}]}}",
+        step, all.total, all.zeros, all.nonfinite, s, raw.fp16_underflow, scaled.fp16_underflow,
+        scaled.fp16_overflow, raw.bf16_underflow, safe, lo, fmt::join(counts, ", "), tensors));
+    amp_last_ = all;
+    amp_last_step_ = step;
+}
+
+void Trainer::amp_summary() {
+    const int s = (int)std::lround(std::log2(cfg_.optim.loss_scale));
+    const int safe = largest_safe_scale_log2(amp_last_);
+    const PrecisionLoss at_s = precision_loss(amp_last_, s),
+                        at_safe = precision_loss(amp_last_, safe);
+    std::string advice;
+    if (at_s.fp16_overflow > 0)
+        advice = fmt::format(
+            "fp16 at optim.loss_scale = 2^{} would overflow {} of them (the dynamic scaler would "
+            "halve it down to 2^{} at least, flushing {} to zero)",
+            s, pct(at_s.fp16_overflow), safe, pct(at_safe.fp16_underflow));
+    else
+        advice = fmt::format(
+            "fp16 at optim.loss_scale = 2^{} would flush {} of them to zero; at 2^{}, the "
+            "largest scale without overflow, {}",
+            s, pct(at_s.fp16_underflow), safe, pct(at_safe.fp16_underflow));
+    const bool prefer_bf16 = at_safe.fp16_underflow > 0.01;
+    print(fmt::format("amp (gradients at step {}): {}; bf16 would flush {}. {}\n", amp_last_step_,
+                      advice, pct(precision_loss(amp_last_, 0).bf16_underflow),
+                      prefer_bf16 ? "fp16 loses over 1% of the gradients even at its best scale: "
+                                    "train in bf16 (train.precision = \"bf16\")"
+                                  : fmt::format("fp16 with a loss scale of 2^{} keeps all but {}",
+                                                safe, pct(at_safe.fp16_underflow))));
 }
 
 void Trainer::print_memory_report() {

@@ -118,6 +118,10 @@ class Trainer {
     void guard_rollback(int64_t bad, const std::string& reason, data::DataLoader::Position batch_at,
                         TrainSummary& sum);
     std::string guard_dir() const;
+    // train.diagnostics = amp: the gradients' histograms of step `step` (before its update),
+    // printed and logged; and at the end of the run, what they suggest.
+    void amp_diagnose(int64_t step);
+    void amp_summary();
     void print_sample();
 
     RunConfig cfg_;  // train.device and train.precision resolved ("auto" -> what runs here)
@@ -148,6 +152,8 @@ class Trainer {
     std::unique_ptr<DivergenceGuard> guard_;  // null: guard.enabled = false, or not available
     std::vector<std::pair<int64_t, std::string>> snapshots_;   // (step, dir), oldest first
     std::vector<data::DataLoader::Position> skipped_batches_;  // the guard's, for every replay
+    Log2Histogram amp_last_;  // every gradient value of the last diagnosed step
+    int64_t amp_last_step_ = 0;
 };
 
 }  // namespace memtrain

@@ -371,6 +371,10 @@ void validate_config(const RunConfig& cfg) {
             "got {}",
             cfg.sample.temperature);
     if (cfg.sample.top_k < 0) fail("sample.top_k must be >= 0, got {}", cfg.sample.top_k);
+    if (cfg.train.diagnostics != "none" && cfg.train.diagnostics != "amp")
+        fail("train.diagnostics = \"{}\" must be \"none\" or \"amp\"", cfg.train.diagnostics);
+    if (cfg.train.diagnostics_every <= 0)
+        fail("train.diagnostics_every must be positive, got {}", cfg.train.diagnostics_every);
     const GuardConfig& g = cfg.guard;
     if (g.window < 3) fail("guard.window must be >= 3 steps, got {}", g.window);
     if (g.min_history < 3 || g.min_history > g.window)

@@ -75,3 +75,30 @@ TEST(GuardDist, CorruptedBatchAndLearningRateSpikeAreUndoneOnEveryRank) {
 }
 
 }  // namespace memtrain::dist
+
+namespace memtrain::dist {
+
+// Under ZeRO-2 each rank counts its shard of the gradients; the counts gathered cover every
+// parameter once. Tensor parallelism cannot give them yet, and says so before training.
+TEST(AmpDist, HistogramsCoverEveryParameterOnceAndTensorParallelismIsRefused) {
+    RunConfig c = shared_tiny_run_config("amp_dist", 4);
+    c.train.zero_stage = 2;
+    c.train.micro_batch_size = 1;
+    c.train.diagnostics = "amp";
+    Trainer t(c, test::quiet(), &comm());
+    const std::size_t params = t.params().size();
+    t.engine().begin_step();
+    std::vector<int32_t> x(64, 1), y(64, 2);
+    t.engine().forward_backward(x.data(), y.data(), 1, 8, 1.0f / 64, true);
+    int64_t total = 0;
+    for (const auto& th : t.engine().gradient_histograms()) total += th.hist.total;
+    EXPECT_EQ(total, (int64_t)params);
+    if (comm().size() % 2 == 0) {
+        RunConfig tp = shared_tiny_run_config("amp_dist_tp", 2);
+        tp.train.tp = 2;
+        tp.train.diagnostics = "amp";
+        expect_refused(tp, "train.diagnostics = \"amp\" reads the gradients of the CPU engine");
+    }
+}
+
+}  // namespace memtrain::dist

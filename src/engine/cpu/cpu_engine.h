@@ -83,6 +83,9 @@ class CpuEngine final : public Engine {
     void forward_backward(const int32_t* inputs, const int32_t* targets, int B, int T,
                           float grad_scale, bool last) override;
     StepResult finish_step(double lr, double max_norm) override;
+    // Over the ZeroStore (one process, DDP, ZeRO 1-3): each rank counts its owned range.
+    bool has_gradient_histograms() const override { return zero_ && !pipelined() && !tp_; }
+    std::vector<TensorHistogram> gradient_histograms() override;
     double forward_loss(const int32_t* inputs, const int32_t* targets, int B, int T) override;
     void forward_logits(const int32_t* inputs, int B, int T, float* out) override;
     MemoryTracker& memory() override { return host_memory(); }

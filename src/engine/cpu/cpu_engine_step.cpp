@@ -26,6 +26,29 @@ StepResult CpuEngine::finish_zero_step(double lr, double max_norm) {
     return r;
 }
 
+std::vector<Engine::TensorHistogram> CpuEngine::gradient_histograms() {
+    if (!has_gradient_histograms()) fail("internal: gradient histograms asked of {}", describe());
+    // This rank's piece of every tensor, then every rank's counts added in rank order.
+    const dist::ShardRange own = zero_->owned();
+    const float* g = zero_->owned_grads();
+    const std::size_t lo = (std::size_t)own.offset, hi = lo + (std::size_t)own.count;
+    std::vector<Log2Histogram> mine(layout_.tensors.size());
+    for (std::size_t i = 0; i < layout_.tensors.size(); i++) {
+        const ParamSpec& t = layout_.tensors[i];
+        const std::size_t a = std::max(lo, t.offset), b = std::min(hi, t.offset + t.numel);
+        if (a < b) mine[i].add(g + (a - lo), b - a);
+    }
+    std::vector<Log2Histogram> all(mine.size() * (std::size_t)world_.size());
+    world_.all_gather_bytes(mine.data(), all.data(), mine.size() * sizeof(Log2Histogram));
+    std::vector<TensorHistogram> out(mine.size());
+    for (std::size_t i = 0; i < mine.size(); i++) {
+        out[i].name = layout_.tensors[i].name;
+        for (int r = 0; r < world_.size(); r++)
+            out[i].hist.merge(all[(std::size_t)r * mine.size() + i]);
+    }
+    return out;
+}
+
 void CpuEngine::sum_sequence_partial_grads() {
     // Sequence parallelism: each shard's norm gradients cover its token rows only; summed over
     // the tensor-parallel group (one packed all-reduce), once per step, they are the whole

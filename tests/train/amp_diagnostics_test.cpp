@@ -1,0 +1,98 @@
+// train.diagnostics = amp: the log2 histograms count exactly, their fp16/bf16 fractions follow,
+// and a run logs them (every value of every gradient counted) and says what they suggest.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <nlohmann/json.hpp>
+
+#include "core/log2_histogram.h"
+#include "io/run_report.h"
+#include "io/text_file.h"
+#include "test_util.h"
+#include "train/trainer.h"
+
+namespace memtrain {
+
+TEST(Log2Histogram, CountsEveryExponentExactly) {
+    const float sub = std::numeric_limits<float>::denorm_min();  // 2^-149
+    const std::vector<float> x{0.0f,     -0.0f,    1.0f,     1.5f,     1.999f,  2.0f,
+                               -3.0f,    0.25f,    0x1p-30f, sub,      3 * sub, 0x1p-127f,
+                               65504.0f, 65536.0f, 0x1p100f, INFINITY, NAN};
+    Log2Histogram h;
+    h.add(x.data(), x.size());
+    EXPECT_EQ(h.total, 17);
+    EXPECT_EQ(h.zeros, 2);
+    EXPECT_EQ(h.nonfinite, 2);
+    EXPECT_EQ(h.at(0), 3) << "1, 1.5, 1.999";
+    EXPECT_EQ(h.at(1), 2) << "2, -3";
+    EXPECT_EQ(h.at(-2), 1);
+    EXPECT_EQ(h.at(-30), 1);
+    EXPECT_EQ(h.at(-149), 1) << "the smallest subnormal";
+    EXPECT_EQ(h.at(-148), 1) << "3 x 2^-149";
+    EXPECT_EQ(h.at(-127), 1) << "a subnormal's exponent from its top bit";
+    EXPECT_EQ(h.at(15), 1) << "65504";
+    EXPECT_EQ(h.at(16), 1);
+    EXPECT_EQ(h.at(100), 1);
+    EXPECT_EQ(h.max_exp(), 100);
+    EXPECT_EQ(h.below(-24), 4);
+    EXPECT_EQ(h.at_or_above(16), 2);
+
+    const PrecisionLoss p = precision_loss(h, 0);
+    EXPECT_DOUBLE_EQ(p.zero, 2.0 / 17);
+    EXPECT_DOUBLE_EQ(p.fp16_underflow, 4.0 / 17) << "2^-30 and the subnormals";
+    EXPECT_DOUBLE_EQ(p.fp16_overflow, 2.0 / 17) << "2^16 and 2^100 (65504 fits)";
+    EXPECT_DOUBLE_EQ(p.bf16_underflow, 2.0 / 17)
+        << "below 2^-133: 2^-149 and 3 x 2^-149 (2^-127 is a bf16 subnormal too)";
+    // Scaled by 2^10: 2^-30 becomes 2^-20 (kept), 2^15 and 2^16 overflow ... and 2^100.
+    const PrecisionLoss q = precision_loss(h, 10);
+    EXPECT_DOUBLE_EQ(q.fp16_underflow, 3.0 / 17);
+    EXPECT_DOUBLE_EQ(q.fp16_overflow, 3.0 / 17);
+    EXPECT_EQ(largest_safe_scale_log2(h), -85) << "2^100 x 2^-85 = 2^15 fits";
+    Log2Histogram small;
+    const float v[] = {0.5f, 0.01f};
+    small.add(v, 2);
+    EXPECT_EQ(largest_safe_scale_log2(small), 16) << "2^-1 x 2^16 = 2^15";
+    Log2Histogram m = small;
+    m.merge(h);
+    EXPECT_EQ(m.total, 19);
+    EXPECT_EQ(m.at(-1), 1);
+}
+
+// A run with diagnostics logs an amp line at its first step and every diagnostics_every steps;
+// each counts every gradient value of the model, and the report draws them.
+TEST(AmpDiagnostics, ARunLogsEveryGradientValueAndTheReportDrawsThem) {
+    RunConfig c = test::tiny_run(test::temp_dir("amp_diag"), 10);
+    c.train.diagnostics = "amp";
+    c.train.diagnostics_every = 5;
+    Trainer t(c, test::quiet());
+    const std::size_t params = t.params().size();
+    t.run();
+    const std::string log = io::read_text_file(c.io.out_dir + "/metrics.jsonl");
+    std::vector<int64_t> steps;
+    std::istringstream in(log);
+    for (std::string line; std::getline(in, line);) {
+        const auto j = nlohmann::json::parse(line);
+        if (j.value("event", "") != "amp") continue;
+        steps.push_back(j["step"].get<int64_t>());
+        EXPECT_EQ(j["values"].get<int64_t>(), (int64_t)params);
+        int64_t sum = j["zeros"].get<int64_t>() + j["nonfinite"].get<int64_t>();
+        for (const auto& n : j["log2_counts"]) sum += n.get<int64_t>();
+        EXPECT_EQ(sum, (int64_t)params) << "every value in one bin";
+        int64_t per_tensor = 0;
+        for (const auto& tj : j["tensors"]) per_tensor += tj["values"].get<int64_t>();
+        EXPECT_EQ(per_tensor, (int64_t)params);
+        EXPECT_EQ(j["loss_scale_log2"].get<int>(), 16);
+    }
+    EXPECT_EQ(steps, (std::vector<int64_t>{1, 5, 10}));
+    const io::RunMetrics m = io::parse_metrics(log, "metrics.jsonl");
+    ASSERT_EQ(m.amp.size(), 3u);
+    io::ReportInput in_report;
+    in_report.run_dir = c.io.out_dir;
+    in_report.metrics = m;
+    const std::string html = io::render_report_html(in_report);
+    EXPECT_NE(html.find("id=\"chart-amp\""), std::string::npos);
+    EXPECT_NE(html.find("fp16 overflows from 2^0 at loss scale 2^16"), std::string::npos);
+}
+
+}  // namespace memtrain
