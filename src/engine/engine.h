@@ -86,6 +86,11 @@ class Engine {
     virtual bool has_gradient_histograms() const { return false; }
     virtual std::vector<TensorHistogram> gradient_histograms() { return {}; }
 
+    // The divergence guard (train/guard.h) answers a step whose gradient is not finite: an
+    // engine that would stop the run for one (the CUDA engines in fp32 and bf16, which have no
+    // loss scale to lower) skips the update and reports the step as skipped instead.
+    virtual void set_guarded(bool /*guarded*/) {}
+
     // fp16: the loss scaler's scale and clean-step count, for checkpoints ({0, 0}: none).
     virtual std::pair<double, int64_t> loss_scaler_state() const { return {0.0, 0}; }
     virtual void restore_loss_scaler(double /*scale*/, int64_t /*clean_steps*/) {}

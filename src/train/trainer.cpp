@@ -301,6 +301,7 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
                               cfg_.ps() ? "a parameter server" : "PipeDream"));
         else
             guard_ = std::make_unique<DivergenceGuard>(cfg_.guard);
+        if (guard_) engine_->set_guarded(true);
     }
     if (cfg_.optim.lr_scaling != "none")
         print(fmt::format("lr scaling ({}): peak lr {} x ({} / {} tokens){} = {:.3e}\n",
@@ -519,7 +520,9 @@ TrainSummary Trainer::run() {
         const StepResult step = engine_->finish_step(lr, cfg_.optim.grad_clip);
         const double loss = mean_over_ranks(step.loss);
         const double norm = step.grad_norm;
-        if (guard_ && !step.skipped) {
+        // (An fp16 step the loss scaler skipped is the scaler's; a step skipped without one is a
+        // non-finite gradient the engine left to the guard.)
+        if (guard_ && !(step.skipped && fp16)) {
             const std::string why = guard_->judge(loss, norm);
             if (!why.empty()) {
                 guard_rollback(state_.step + 1, why, batch_at, sum);

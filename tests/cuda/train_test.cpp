@@ -104,6 +104,37 @@ TEST(CudaTrain, Bf16AndFp16TrackFp32) {
     }
 }
 
+// In fp32 (no loss scaler) a non-finite gradient is the divergence guard's: the engine skips the
+// update, the guard goes back to its snapshot from the start and reads past the batch, and the
+// run completes (without the guard it would end: DeviceStep's "no loss scale to lower").
+TEST(CudaTrain, TheGuardUndoesANonFiniteFp32Step) {
+    REQUIRE_GPU();
+    RunConfig c = cuda_run(test::temp_dir("cuda_guard_fp32"), 4, "fp32");
+    c.train.eval_every = 0;
+    TrainOptions o = quiet();
+    bool done = false;
+    o.before_step = [&](int64_t step, Engine& e) {
+        if (step != 3 || done) return;
+        done = true;
+        inject_overflow_for_test(e);  // a gradient becomes inf
+    };
+    const TrainSummary s = Trainer(c, o).run();
+    ASSERT_EQ(s.guard_actions.size(), 1u);
+    EXPECT_EQ(s.guard_actions[0].step, 3);
+    EXPECT_EQ(s.guard_actions[0].to_step, 0);
+    EXPECT_NE(s.guard_actions[0].reason.find("not both finite"), std::string::npos)
+        << s.guard_actions[0].reason;
+    EXPECT_EQ(s.steps_done, 4);
+    ASSERT_EQ(s.losses.size(), 4u);
+    for (float l : s.losses) EXPECT_TRUE(std::isfinite(l));
+
+    c.guard.enabled = false;  // the same fault without the guard ends the run, naming it
+    c.io.out_dir += "_off";
+    done = false;
+    Trainer off(c, o);
+    EXPECT_NE(test::error_of([&] { off.run(); }).find("no loss scale to lower"), std::string::npos);
+}
+
 TEST(CudaTrain, Fp16OverflowSkipsTheStepAndHalvesTheScale) {
     REQUIRE_GPU();
     auto d = test::temp_dir("cuda_fp16_overflow");

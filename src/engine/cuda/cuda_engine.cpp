@@ -76,6 +76,7 @@ class CudaEngine final : public Engine {
     StepResult finish_step(double lr, double max_norm) override {
         return step_.finish(lr, max_norm, *states_);
     }
+    void set_guarded(bool guarded) override { step_.set_guarded(guarded); }
     double forward_loss(const int32_t* inputs, const int32_t* targets, int B, int T_) override {
         states_->before_eval();
         model().forward_loss(inputs, targets, B, T_, step_.eval_sum());

@@ -191,6 +191,7 @@ class CudaPipelineEngine final : public Engine, private StepCollectives<T> {
     StepResult finish_step(double lr, double max_norm) override {
         return step_->finish(lr, max_norm, *this);
     }
+    void set_guarded(bool guarded) override { step_->set_guarded(guarded); }
     double forward_loss(const int32_t* inputs, const int32_t* targets, int B, int T_) override;
     void forward_logits(const int32_t* inputs, int B, int T_, float* out) override;
     MemoryTracker& memory() override { return device_memory(); }

@@ -105,7 +105,7 @@ StepResult DeviceStep<T>::finish(double lr, double max_norm, StepCollectives<T>&
         } catch (const Error& e) {  // the scale collapsed: say where the overflow is
             fail("{} ({})", e.what(), r.overflow);
         }
-    } else if (r.skipped) {
+    } else if (r.skipped && !guarded_) {
         fail(
             "the gradient norm is not finite at step {} ({} training has no loss scale to "
             "lower; {}): lower optim.lr or check the data",

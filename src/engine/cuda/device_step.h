@@ -85,6 +85,9 @@ class DeviceStep {
 
     // Test hook: the next finish finds a non-finite gradient, as an fp16 overflow would leave it.
     void inject_overflow() { inject_overflow_ = true; }
+    // Engine::set_guarded: a non-finite gradient without a loss scaler skips the step and
+    // reports it (the guard rolls back) instead of ending the run.
+    void set_guarded(bool guarded) { guarded_ = guarded; }
 
   private:
     cuda::StepScalars* scalars() { return reinterpret_cast<cuda::StepScalars*>(stats_.data()); }
@@ -102,6 +105,7 @@ class DeviceStep {
     int micro_ = 0;
     int64_t tokens_ = 0;
     bool inject_overflow_ = false;
+    bool guarded_ = false;
 };
 
 }  // namespace memtrain
