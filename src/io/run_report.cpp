@@ -945,8 +945,9 @@ std::string render_sweep_html(const std::string& dir, const std::string& sweep_j
                     hi = std::max(hi, at + 0.3);
                 }
             }
-            for (int i = 0; i <= 40; i++) {
-                const double x = lo + (hi - lo) * i / 40.0, n = std::pow(10.0, x);
+            // (More than line_chart's 60 points: a curve, without a marker at each point.)
+            for (int i = 0; i <= 80; i++) {
+                const double x = lo + (hi - lo) * i / 80.0, n = std::pow(10.0, x);
                 fit.points.push_back({x, plan::chinchilla_loss(n, c / (6 * n), law)});
             }
             series.push_back(fit);
