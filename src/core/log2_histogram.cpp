@@ -46,6 +46,12 @@ int64_t Log2Histogram::at_or_above(int e) const {
     return s;
 }
 
+int Log2Histogram::min_exp() const {
+    for (int k = kMinExp; k <= kMaxExp; k++)
+        if (at(k)) return k;
+    return kMaxExp + 1;
+}
+
 int Log2Histogram::max_exp() const {
     for (int k = kMaxExp; k >= kMinExp; k--)
         if (at(k)) return k;

@@ -25,7 +25,9 @@ struct Log2Histogram {
     int64_t at(int e) const {
         return e < kMinExp || e > kMaxExp ? 0 : bins[(std::size_t)(e - kMinExp)];
     }
-    // The exponent of the largest finite value (kMinExp - 1 when there is none).
+    // The exponents of the smallest and the largest finite non-zero value (with none: kMaxExp + 1
+    // and kMinExp - 1).
+    int min_exp() const;
     int max_exp() const;
 };
 

@@ -31,9 +31,9 @@ double huber(double r, double delta) {
 }
 
 // The objective and its gradient.
-double objective(const Vec& x, const std::vector<Sample>& s, double delta, Vec* grad) {
+double objective(const Vec& x, const std::vector<Sample>& s, double delta, Vec& grad) {
     double f = 0;
-    if (grad) grad->fill(0.0);
+    grad.fill(0.0);
     for (const Sample& p : s) {
         const double t1 = x[0] - x[3] * p.log_n, t2 = x[1] - x[4] * p.log_d, t3 = x[2];
         const double m = std::max({t1, t2, t3});
@@ -41,15 +41,13 @@ double objective(const Vec& x, const std::vector<Sample>& s, double delta, Vec* 
         const double sum = e1 + e2 + e3;
         const double r = m + std::log(sum) - p.log_l;
         f += huber(r, delta);
-        if (grad) {
-            const double dr = std::fabs(r) <= delta ? r : (r > 0 ? delta : -delta);
-            const double w1 = e1 / sum, w2 = e2 / sum, w3 = e3 / sum;
-            (*grad)[0] += dr * w1;
-            (*grad)[1] += dr * w2;
-            (*grad)[2] += dr * w3;
-            (*grad)[3] -= dr * w1 * p.log_n;
-            (*grad)[4] -= dr * w2 * p.log_d;
-        }
+        const double dr = std::fabs(r) <= delta ? r : (r > 0 ? delta : -delta);
+        const double w1 = e1 / sum, w2 = e2 / sum, w3 = e3 / sum;
+        grad[0] += dr * w1;
+        grad[1] += dr * w2;
+        grad[2] += dr * w3;
+        grad[3] -= dr * w1 * p.log_n;
+        grad[4] -= dr * w2 * p.log_d;
     }
     return f;
 }
@@ -64,7 +62,7 @@ double dot(const Vec& a, const Vec& b) {
 double minimise(Vec& x, const std::vector<Sample>& s, double delta) {
     constexpr int kMemory = 10, kIterations = 1000;
     Vec g;
-    double f = objective(x, s, delta, &g);
+    double f = objective(x, s, delta, g);
     std::deque<std::pair<Vec, Vec>> history;  // (step, gradient change)
     for (int it = 0; it < kIterations; it++) {
         if (std::sqrt(dot(g, g)) < 1e-14) break;
@@ -100,7 +98,7 @@ double minimise(Vec& x, const std::vector<Sample>& s, double delta) {
         bool moved = false;
         for (int k = 0; k < 60; k++, step *= 0.5) {
             for (int j = 0; j < 5; j++) xn[j] = x[j] + step * d[j];
-            fn = objective(xn, s, delta, &gn);
+            fn = objective(xn, s, delta, gn);
             if (std::isfinite(fn) && fn <= f + 1e-4 * step * slope) {
                 moved = true;
                 break;
@@ -162,15 +160,6 @@ Interval percentile_interval(std::vector<double> v) {
         return i + 1 < v.size() ? v[i] * (1 - frac) + v[i + 1] * frac : v[i];
     };
     return {at(0.025), at(0.975)};
-}
-
-double scaling_law_objective(const ChinchillaFit& law, const std::vector<LossPoint>& points,
-                             double huber_delta) {
-    std::vector<Sample> s;
-    for (const LossPoint& p : points)
-        s.push_back({std::log(p.params), std::log(p.tokens), std::log(p.loss)});
-    const Vec x{std::log(law.A), std::log(law.B), std::log(law.E), law.alpha, law.beta};
-    return objective(x, s, huber_delta, nullptr);
 }
 
 ScalingLawFit fit_scaling_law(const std::vector<LossPoint>& points, const FitOptions& opts) {

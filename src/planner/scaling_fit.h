@@ -46,8 +46,5 @@ Interval percentile_interval(std::vector<double> v);
 // Fits the law to `points` (at least 5, with at least 2 distinct N and 2 distinct D, all
 // positive and finite: an Error names the first that is not).
 ScalingLawFit fit_scaling_law(const std::vector<LossPoint>& points, const FitOptions& opts = {});
-// The Huber objective of `law` on `points` (what the fit minimises).
-double scaling_law_objective(const ChinchillaFit& law, const std::vector<LossPoint>& points,
-                             double huber_delta = 1e-3);
 
 }  // namespace memtrain::plan

@@ -102,7 +102,6 @@ std::vector<SweepRun> plan_sweep(const RunConfig& base, const std::vector<double
             r.config.optim.warmup_steps =
                 std::min<int>(base.optim.warmup_steps, (int)std::max<int64_t>(1, r.steps / 10));
             r.config.io.out_dir = r.out_dir;
-            r.config.io.checkpoint_every = base.io.checkpoint_every;
             r.config.io.save_final = true;
             r.config.sample.max_tokens = 0;
             out.push_back(std::move(r));

@@ -672,11 +672,9 @@ void Trainer::guard_snapshot() {
     snapshots_.push_back({state_.step, dir});
     // Two are enough: a rollback from step t goes to the newest snapshot taken at step t - 2 or
     // before (the update of step t - 1 may be the bad one), and snapshots are >= 2 steps apart.
-    while (snapshots_.size() > 2) {
-        std::error_code ec;
-        if (root()) fs::remove_all(snapshots_.front().second, ec);
-        snapshots_.erase(snapshots_.begin());
-    }
+    // The checkpoints' own retention removes the older ones from the disk.
+    if (snapshots_.size() > 2) snapshots_.erase(snapshots_.begin(), snapshots_.end() - 2);
+    if (root()) prune_checkpoints(guard_dir(), 2, 0, state_.step);
 }
 
 void Trainer::guard_rollback(int64_t bad, const std::string& reason,
@@ -737,7 +735,7 @@ void Trainer::amp_diagnose(int64_t step) {
     Log2Histogram all;
     for (const auto& t : hists) all.merge(t.hist);
     // The gradients here are unscaled (fp32 or bf16 on the CPU): fp16 would hold them x 2^s.
-    const int s = (int)std::lround(std::log2(cfg_.optim.loss_scale));
+    const int s = fp16_scale_log2();
     const PrecisionLoss raw = precision_loss(all, 0), scaled = precision_loss(all, s);
     const int safe = largest_safe_scale_log2(all);
     print(fmt::format(
@@ -756,14 +754,9 @@ void Trainer::amp_diagnose(int64_t step) {
             p.fp16_overflow, t.hist.max_exp());
     }
     // The whole histogram from its lowest to its highest non-empty exponent.
-    int lo = Log2Histogram::kMaxExp + 1, hi = Log2Histogram::kMinExp - 1;
-    for (int e = Log2Histogram::kMinExp; e <= Log2Histogram::kMaxExp; e++)
-        if (all.at(e)) {
-            lo = std::min(lo, e);
-            hi = std::max(hi, e);
-        }
+    const int lo = all.min_exp();
     std::vector<int64_t> counts;
-    for (int e = lo; e <= hi; e++) counts.push_back(all.at(e));
+    for (int e = lo; e <= all.max_exp(); e++) counts.push_back(all.at(e));
     log_metrics(fmt::format(
         "{{\"step\": {}, \"event\": \"amp\", \"values\": {}, \"zeros\": {}, \"nonfinite\": {}, "
         "\"loss_scale_log2\": {}, \"fp16_underflow_unscaled\": {:.6g}, \"fp16_underflow\": {:.6g}, "
@@ -775,8 +768,12 @@ void Trainer::amp_diagnose(int64_t step) {
     amp_last_step_ = step;
 }
 
+int Trainer::fp16_scale_log2() const {
+    return (int)std::lround(std::log2(cfg_.optim.loss_scale));
+}
+
 void Trainer::amp_summary() {
-    const int s = (int)std::lround(std::log2(cfg_.optim.loss_scale));
+    const int s = fp16_scale_log2();
     const int safe = largest_safe_scale_log2(amp_last_);
     const PrecisionLoss at_s = precision_loss(amp_last_, s),
                         at_safe = precision_loss(amp_last_, safe);

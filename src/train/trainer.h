@@ -122,6 +122,7 @@ class Trainer {
     // printed and logged; and at the end of the run, what they suggest.
     void amp_diagnose(int64_t step);
     void amp_summary();
+    int fp16_scale_log2() const;  // optim.loss_scale, the scale fp16 would start at, as 2^k
     void print_sample();
 
     RunConfig cfg_;  // train.device and train.precision resolved ("auto" -> what runs here)

@@ -35,6 +35,8 @@ TEST(Log2Histogram, CountsEveryExponentExactly) {
     EXPECT_EQ(h.at(16), 1);
     EXPECT_EQ(h.at(100), 1);
     EXPECT_EQ(h.max_exp(), 100);
+    EXPECT_EQ(h.min_exp(), -149);
+    EXPECT_EQ(Log2Histogram{}.min_exp(), Log2Histogram::kMaxExp + 1) << "none";
     EXPECT_EQ(h.below(-24), 4);
     EXPECT_EQ(h.at_or_above(16), 2);
 
