@@ -164,6 +164,7 @@ void register_estimate(CLI::App& app) {
     struct Args {
         std::string model, precision = "bf16", optimizer = "adamw", recompute = "none";
         std::string offload = "none", schedule = "1f1b", lora_targets = "attn";
+        std::string state_format = "fp32";
         RunSpec run;
         GpuArgs gpu;
         int global_batch = 0;
@@ -182,6 +183,8 @@ void register_estimate(CLI::App& app) {
     cmd->add_option("--recompute", a->recompute, "none | selective | full");
     cmd->add_option("--precision", a->precision, "bf16 | fp16 | fp32 | bf16-only");
     cmd->add_option("--optimizer", a->optimizer, "adamw | sgd | adamw8bit");
+    cmd->add_option("--state-format", a->state_format,
+                    "optimizer moments: fp32 | bf16 | int8 | int4 (optim.state_format)");
     cmd->add_option("--offload", a->offload, "none | optimizer | params");
     cmd->add_option("--schedule", a->schedule, "1f1b | gpipe | interleaved | zb-h1");
     cmd->add_option("--virtual-stages", a->run.virtual_stages, "interleaved model chunks");
@@ -224,6 +227,7 @@ void register_estimate(CLI::App& app) {
         RunSpec r = a->run;
         r.precision = parse_precision(a->precision, &r.fp32_master);
         r.optimizer = parse_optimizer(a->optimizer);
+        r.state_format = parse_state_format(a->state_format);
         r.recompute = parse_recompute(a->recompute);
         r.offload = parse_offload(a->offload);
         r.schedule = parse_schedule(a->schedule);
@@ -271,7 +275,7 @@ void register_plan_cmd(CLI::App& app) {
     auto* cmd = app.add_subcommand("plan", "rank parallel layouts for a model on a cluster");
     struct Args {
         std::string model, precision = "bf16", optimizer = "adamw", emit, svg;
-        std::string lora_targets = "attn";
+        std::string lora_targets = "attn", state_format = "fp32";
         GpuArgs gpu;
         int gpus = 0, nodes = 0, top = 5, reasons = 12;
         SearchSpec spec;
@@ -286,6 +290,9 @@ void register_plan_cmd(CLI::App& app) {
     cmd->add_option("--seq", a->spec.seq, "sequence length (default: model context)");
     cmd->add_option("--precision", a->precision, "bf16 | fp16 | fp32 | bf16-only");
     cmd->add_option("--optimizer", a->optimizer, "adamw | sgd | adamw8bit");
+    cmd->add_option("--state-format", a->state_format,
+                    "optimizer moments: fp32 | bf16 | int8 | int4 (default: fp32, then int8 and "
+                    "int4 when nothing fits)");
     cmd->add_option("--top", a->top, "plans to show");
     cmd->add_option("--reasons", a->reasons, "rejected families to show");
     cmd->add_option("--reserve-gb", a->reserve_gb, "CUDA context + workspaces (GB)");
@@ -344,6 +351,8 @@ void register_plan_cmd(CLI::App& app) {
         const ClusterSpec c =
             make_cluster(a->gpu, cmd, gpus, {s.precision == Precision::fp32, !a->no_offload});
         s.optimizer = parse_optimizer(a->optimizer);
+        s.state_format = parse_state_format(a->state_format);
+        s.state_fallback = !check.given("--state-format");
         s.flash_attention = !a->no_flash;
         s.allow_offload = !a->no_offload;
         s.reserve_bytes = static_cast<int64_t>(a->reserve_gb * 1e9);

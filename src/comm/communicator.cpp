@@ -30,6 +30,26 @@ std::vector<ShardRange> shard_ranges(int64_t total, int world) {
     return ranges;
 }
 
+std::vector<ShardRange> grain_shard_ranges(int64_t begin, int64_t end, int world, int64_t grain) {
+    if (grain < 1) fail("grain_shard_ranges: grain must be >= 1, got {}", grain);
+    if (begin < 0 || end < begin) fail("grain_shard_ranges: [{}, {}) is not a range", begin, end);
+    if (grain == 1) return shard_ranges(end - begin, world);
+    const int64_t first = begin / grain, cells = (end + grain - 1) / grain - first;
+    std::vector<ShardRange> ranges = shard_ranges(cells, world);
+    for (ShardRange& r : ranges) {
+        const int64_t lo = std::clamp((first + r.offset) * grain, begin, end);
+        const int64_t hi = std::clamp((first + r.offset + r.count) * grain, begin, end);
+        r = {lo - begin, hi - lo};
+    }
+    return ranges;
+}
+
+std::vector<int64_t> counts_of(std::span<const ShardRange> ranges) {
+    std::vector<int64_t> counts;
+    for (const ShardRange& r : ranges) counts.push_back(r.count);
+    return counts;
+}
+
 std::vector<int64_t> shard_counts(int64_t total, int world) {
     std::vector<int64_t> counts;
     for (const ShardRange& r : shard_ranges(total, world)) counts.push_back(r.count);

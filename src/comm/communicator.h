@@ -22,6 +22,12 @@ struct ShardRange {
 // The balanced layout: the first total % world ranks get one element more, so counts differ
 // by at most one and a rank gets an empty shard only when total < world.
 std::vector<ShardRange> shard_ranges(int64_t total, int world);
+// shard_ranges of [begin, end) cut only on multiples of `grain` counted from 0 (not from begin),
+// offsets counted from begin: balanced in cells of the grain, so counts differ by at most one
+// cell. Block-quantized optimizer state (optim/state_format.h) keeps each block on one rank this
+// way. grain 1 gives shard_ranges(end - begin, world).
+std::vector<ShardRange> grain_shard_ranges(int64_t begin, int64_t end, int world, int64_t grain);
+std::vector<int64_t> counts_of(std::span<const ShardRange> ranges);
 // Just the counts of shard_ranges, the form the collectives take.
 std::vector<int64_t> shard_counts(int64_t total, int world);
 // Prefix sums of `counts`: the offset of each rank's shard.

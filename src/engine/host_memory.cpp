@@ -33,28 +33,34 @@ std::string host_rss_line() {
         "process peak RSS", fmt::format("{:.1f} MiB", process_peak_rss() / 1048576.0));
 }
 
-std::vector<MemoryPrediction> zero_state_rows(const RunConfig& cfg, std::size_t shard,
-                                              std::size_t psi, int world, const std::string& what) {
+std::vector<MemoryPrediction> zero_state_rows(const RunConfig& cfg, const ParamLayout& layout,
+                                              int world, int rank, const std::string& what) {
     // Model states per rank under ZeRO (parallel/placement.h, as ZeroStore allocates them): a shard
-    // (this rank's count of the balanced layout, Ψ/N rounded) where the stage shards that state, Ψ
-    // otherwise.
+    // (this rank's count of the balanced layout, Ψ/N rounded to the state format's grain) where
+    // the stage shards that state, Ψ otherwise.
     const dist::ShardSpec spec = dist::shard_spec(cfg.train.zero_stage);
+    const std::size_t psi = layout.total;
+    const dist::ShardRange mine =
+        dist::grain_shard_ranges(0, (int64_t)psi, world,
+                                 (int64_t)shard_grain(parse_state_format(cfg.optim.state_format)))
+            .at(rank);
+    const std::size_t shard = (std::size_t)mine.count;
     auto n = [&](dist::Placement p) {
         return (std::size_t)dist::held(p, (int64_t)psi, (int64_t)shard);
     };
     auto per = [&](dist::Placement p) {
         return world > 1 && dist::sharded(p) ? fmt::format(" / {} ranks", world) : std::string();
     };
-    const int k = cfg.optim.name == "adamw" ? 8 : 4;
+    const bool sharded_state = dist::sharded(spec.optimizer);
     return {
         {MemCategory::Parameters, fmt::format("4 x {}{} (fp32)", what, per(spec.params)),
          4 * n(spec.params)},
         {MemCategory::Gradients, fmt::format("4 x {}{} (fp32)", what, per(spec.grads)),
          4 * n(spec.grads)},
         {MemCategory::OptimizerState,
-         fmt::format("{} x {}{} ({})", k, what, per(spec.optimizer),
-                     k == 8 ? "Adam m, v" : "momentum"),
-         (std::size_t)k * n(spec.optimizer)},
+         fmt::format("{}{} ({})", what, per(spec.optimizer), describe_optimizer_state(cfg.optim)),
+         optimizer_state_bytes(cfg.optim, layout, sharded_state ? (std::size_t)mine.offset : 0,
+                               n(spec.optimizer))},
     };
 }
 
@@ -94,7 +100,7 @@ static std::vector<MemoryPrediction> predict_tp_memory(const RunConfig& cfg, con
     const ModelConfig shard = dist::tp_shard_config(cfg.model, tp, cfg.train.sequence_parallel);
     const std::size_t psi = tl.local.total, whole = tl.replicated_floats();
     auto rows = zero_state_rows(
-        cfg, psi, psi, 1,
+        cfg, tl.local, 1, 0,
         fmt::format("(whole {} + cut {} / {}) params", whole, tl.full.total - whole, tp));
     const auto arena = activation_layout(shard, B, T, plan, GPT::arena_format());
     rows.push_back({MemCategory::Activations,
@@ -130,19 +136,15 @@ std::vector<MemoryPrediction> predict_cpu_memory(const RunConfig& cfg, const Rem
     }
     const ParamLayout layout = make_param_layout(cfg.model);
     const auto arena = activation_layout(cfg.model, B, T, plan, GPT::arena_format());
-    auto shard = [&](std::size_t psi) {
-        return (std::size_t)dist::shard_ranges((int64_t)psi, cfg.world).at(rank).count;
-    };
     std::vector<MemoryPrediction> rows;
     std::string ws_formula = "activation_layout(B, T)";
     std::size_t ws_extra = 0;
     if (!cfg.lora.enabled()) {
-        rows = zero_state_rows(cfg, shard(layout.total), layout.total, cfg.world, "params");
+        rows = zero_state_rows(cfg, layout, cfg.world, rank, "params");
     } else {
         // The adapters' states as any ZeroStore's; the frozen base beside their parameters.
         const LoraLayout ll = make_lora_layout(cfg.model, cfg.lora);
-        const std::size_t psi = ll.params.total;
-        rows = zero_state_rows(cfg, shard(psi), psi, cfg.world, "adapters");
+        rows = zero_state_rows(cfg, ll.params, cfg.world, rank, "adapters");
         std::size_t base = sizeof(float) * layout.total;
         std::string base_formula = fmt::format("4 x {} (fp32)", layout.total);
         if (cfg.lora.base != "fp32") {
@@ -167,7 +169,7 @@ std::vector<MemoryPrediction> predict_cpu_memory(const RunConfig& cfg, const Rem
 }
 
 std::vector<MemoryPrediction> stage_memory_rows(const RunPlan& plan, const StageFootprint& f) {
-    const int k = plan.cfg.optim.name == "adamw" ? 8 : 4;
+    const std::string what = describe_optimizer_state(plan.cfg.optim);
     const std::size_t stage = f.params + f.mirror;
     return {
         {MemCategory::Parameters, fmt::format("4 x stage params ({}){}", f.units, f.versions),
@@ -178,11 +180,10 @@ std::vector<MemoryPrediction> stage_memory_rows(const RunPlan& plan, const Stage
              : std::string("4 x stage params"),
          4 * stage + 4 * f.reduce_buffer},
         {MemCategory::OptimizerState,
-         f.piece ? fmt::format("{} x 1/{} of the stage params ({}, ZeRO-1 across pipelines)", k,
-                               f.replicas, k == 8 ? "Adam m, v" : "momentum")
-                 : fmt::format("{} x stage params, own units ({})", k,
-                               k == 8 ? "Adam m, v" : "momentum"),
-         (std::size_t)k * f.updated},
+         f.piece ? fmt::format("1/{} of the stage params ({}, ZeRO-1 across pipelines)", f.replicas,
+                               what)
+                 : fmt::format("stage params, own units ({})", what),
+         f.state_bytes},
         {MemCategory::Activations,
          fmt::format("micro-batches in flight: {}, remat={}{}", f.slots, plan.remat_policy,
                      f.split_backward ? " + output gradients kept for W" : ""),
@@ -212,12 +213,14 @@ StageFootprint stage_footprint(const RunPlan& plan, const RematPlan& remat, int 
     f.chunks = v;
     f.split_backward = plan.schedule == pp::Kind::ZbH1;
     bool embedding = false;
+    std::vector<std::pair<std::size_t, std::size_t>> ranges;  // each chunk's [begin, end)
     for (int c = 0; c < v; c++) {
         const int vs = c * p + s, b0 = split.first_block[vs], b1 = b0 + split.blocks[vs];
         const int first = b0 == 0 ? ParamLayout::embedding_unit() : layout.block_unit(b0);
         const int last = b1 == whole.n_layer ? layout.head_unit() : layout.block_unit(b1 - 1);
         embedding = embedding || b0 == 0;
         f.params += layout.units[last].end - layout.units[first].begin;
+        ranges.emplace_back(layout.units[first].begin, layout.units[last].end);
         f.units += fmt::format("{}{}..{}", f.units.empty() ? "" : ", ", layout.units[first].name,
                                layout.units[last].name);
         const RematPlan keep =
@@ -239,10 +242,18 @@ StageFootprint stage_footprint(const RunPlan& plan, const RematPlan& remat, int 
     f.versions = pp::weight_version_formula(plan.schedule, p, s);
     f.replicas = plan.mesh.dp;
     f.piece = f.replicas > 1 && dist::sharded(plan.states.optimizer);
-    f.updated = f.piece ? (std::size_t)dist::shard_ranges((int64_t)f.params, f.replicas)
-                              .at(plan.mesh.replica_of(plan.rank))
-                              .count
-                        : f.params;
+    // ZeRO-1 across pipelines: this replica's piece of the (one) chunk, as ReplicaSync cuts it.
+    const int64_t grain = (int64_t)shard_grain(parse_state_format(plan.cfg.optim.state_format));
+    f.updated = 0;
+    for (const auto& [b, e] : ranges) {
+        dist::ShardRange own{0, (int64_t)(e - b)};
+        if (f.piece)
+            own = dist::grain_shard_ranges((int64_t)b, (int64_t)e, f.replicas, grain)
+                      .at(plan.mesh.replica_of(plan.rank));
+        f.updated += (std::size_t)own.count;
+        f.state_bytes += optimizer_state_bytes(plan.cfg.optim, layout, b + (std::size_t)own.offset,
+                                               (std::size_t)own.count);
+    }
     f.reduce_buffer = f.piece ? f.updated : 0;
     return f;
 }
@@ -304,6 +315,7 @@ plan::RunSpec planner_run_spec(const RunConfig& cfg, const ActFormat& format) {
     plan::RunSpec rs;
     rs.precision = plan::parse_precision(cfg.train.precision, &rs.fp32_master);
     rs.optimizer = cfg.optim.name == "sgd" ? plan::Optimizer::sgd : plan::Optimizer::adamw;
+    rs.state_format = parse_state_format(cfg.optim.state_format);
     rs.micro_batch = cfg.micro_batch();
     rs.seq = cfg.train.seq_len;
     rs.micro_batches = cfg.accum_steps();

@@ -24,11 +24,12 @@ namespace memtrain {
 // The footer line every host engine's memory report starts with: the process's peak RSS.
 std::string host_rss_line();
 
-// The model-state rows of the memory report for `psi` floats in a ZeroStore at
-// cfg.train.zero_stage over `world` ranks: Ψ per state, or the rank's `shard` where the stage
-// shards that state. `what` names the floats ("params", "adapters").
-std::vector<MemoryPrediction> zero_state_rows(const RunConfig& cfg, std::size_t shard,
-                                              std::size_t psi, int world, const std::string& what);
+// The model-state rows of the memory report for the Ψ floats of `layout` in a ZeroStore at
+// cfg.train.zero_stage over `world` ranks, on `rank`: Ψ per state, or the rank's shard (cut on
+// the state format's grain) where the stage shards that state; the optimizer state in
+// cfg.optim.state_format. `what` names the floats ("params", "adapters").
+std::vector<MemoryPrediction> zero_state_rows(const RunConfig& cfg, const ParamLayout& layout,
+                                              int world, int rank, const std::string& what);
 
 // The rows one rank of a CPU run over a whole model (data parallel or not, full or LoRA, or one
 // tensor-parallel group) allocates for micro-batches of B x T with `plan`; empty for the other
@@ -47,6 +48,7 @@ struct StageFootprint {
     int replicas = 1;               // pipelines side by side
     bool piece = false;             // ZeRO-1: the optimizer updates a piece of the range
     std::size_t updated = 0;        // floats the optimizer updates (the range, or the piece)
+    std::size_t state_bytes = 0;    // its optimizer state, in optim.state_format
     std::size_t reduce_buffer = 0;  // floats of the reduce-scattered piece (ZeRO-1)
     std::size_t activations = 0;    // bytes: every chunk's slots of its arena
     std::size_t workspace = 0;      // bytes: every chunk's workspace

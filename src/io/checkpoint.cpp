@@ -587,6 +587,7 @@ TrainState load_checkpoint(const std::string& dir, const CheckpointModel& weight
             at += ranges[j].count;
         }
     }
+    opt.finish_writes();
     for (std::size_t j = 0; j < ranges.size(); j++) {
         const std::size_t lo = ranges[j].offset, hi = lo + ranges[j].count;
         std::sort(pieces[j].begin(), pieces[j].end());

@@ -18,7 +18,8 @@ std::vector<TensorChunk> tensor_chunks(const ParamLayout& layout, std::size_t of
     std::vector<TensorChunk> chunks;
     const std::size_t end = offset + count;
     for (const ParamSpec& t : layout.tensors) {
-        // The same intersection as Optimizer::for_each_piece, cut into max_n pieces.
+        // The same intersection as the CPU optimizer's segments (MomentBuffer), cut into max_n
+        // pieces.
         const std::size_t lo = std::max(t.offset, offset);
         const std::size_t hi = std::min(t.offset + t.numel, end);
         for (std::size_t at = lo; at < hi; at += (std::size_t)max_n) {

@@ -27,6 +27,9 @@ struct OptimConfig {
     // skipped) when a gradient overflows, doubles after loss_scale_window clean steps.
     double loss_scale = 65536.0;
     int loss_scale_window = 2000;
+    // How the moments are stored (optim/state_format.h): "fp32" | "bf16" | "int8" | "int4"
+    // (block-quantized with one fp32 scale per block; int4 for AdamW only).
+    std::string state_format = "fp32";
 
     void validate() const;
 };

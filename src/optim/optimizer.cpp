@@ -4,32 +4,61 @@
 #include <algorithm>
 #include <cmath>
 
+#include <fmt/format.h>
+
 #include "core/error.h"
 #include "kernels/cpu/ops.h"
 
 namespace memtrain {
 
-Optimizer::Optimizer(const ParamLayout& layout, std::size_t offset, std::size_t count)
-    : layout_(layout), offset_(offset), count_(count) {
+Optimizer::Optimizer(const ParamLayout& layout, std::size_t offset, std::size_t count,
+                     StateFormat format)
+    : layout_(layout), offset_(offset), count_(count), format_(format) {
     if (offset > layout.total || count > layout.total - offset)
         fail("optimizer range [{}, {} + {}) is outside the {} parameters", offset, offset, count,
              layout.total);
+    // Blocks are whole inside the range: it starts and ends on the grid or on a tensor boundary
+    // (ZeRO shards and pipeline pieces are cut on shard_grain, stages on units).
+    const std::size_t B = block_size(format);
+    if (B) {
+        auto on_cut = [&](std::size_t at) {
+            if (at % B == 0 || at == layout.total) return true;
+            for (const ParamSpec& t : layout.tensors)
+                if (t.offset == at || t.offset + t.numel == at) return true;
+            return false;
+        };
+        if (!on_cut(offset) || !on_cut(offset + count))
+            fail(
+                "internal: optimizer range [{}, {}) splits an optim.state_format = {} block of "
+                "{} (shards must be cut on multiples of {})",
+                offset, offset + count, state_format_name(format), B, shard_grain(format));
+    }
+}
+
+std::size_t Optimizer::state_bytes() {
+    std::size_t b = 0;
+    for (auto& [name, m] : moments()) b += m->bytes();
+    return b;
 }
 
 std::vector<std::string> Optimizer::state_names() {
     std::vector<std::string> names;
-    for (auto& [name, buf] : state()) names.push_back(name);
+    for (auto& [name, m] : moments()) names.push_back(name);
     return names;
 }
 
-const float* Optimizer::host_state(const std::string& name) {
-    for (auto& [n, buf] : state())
-        if (n == name) return buf->data();
+MomentBuffer& Optimizer::moment(const std::string& name) {
+    for (auto& [n, m] : moments())
+        if (n == name) return *m;
     fail("internal: optimizer has no state tensor '{}'", name);
 }
 
+const float* Optimizer::host_state(const std::string& name) {
+    return moment(name).whole_fp32();
+}
+
 void Optimizer::read_state(const std::string& name, float* dst) {
-    std::copy(host_state(name), host_state(name) + count_, dst);
+    moment(name).read(dst);
 }
 
 void Optimizer::write_state(const std::string& name, std::size_t begin, std::size_t n,
@@ -37,19 +66,63 @@ void Optimizer::write_state(const std::string& name, std::size_t begin, std::siz
     if (begin > count_ || n > count_ - begin)
         fail("internal: optimizer state write [{}, {}) outside its {} floats", begin, begin + n,
              count_);
-    float* dst = const_cast<float*>(host_state(name));
-    std::copy(src, src + n, dst + begin);
+    MomentBuffer& m = moment(name);
+    if (const float* whole = m.whole_fp32()) {
+        std::copy(src, src + n, const_cast<float*>(whole) + begin);
+        return;
+    }
+    auto it = std::find_if(staged_.begin(), staged_.end(),
+                           [&](const auto& p) { return p.first == name; });
+    if (it == staged_.end()) {
+        staged_.emplace_back(name, std::vector<float>(count_));
+        it = staged_.end() - 1;
+        m.read(it->second.data());  // what no write covers keeps its value
+    }
+    std::copy(src, src + n, it->second.data() + begin);
+}
+
+void Optimizer::finish_writes() {
+    for (auto& [name, floats] : staged_) moment(name).write(floats.data());
+    staged_.clear();
 }
 
 namespace {
 
+// Calls f(segment, lo, hi) for the part [lo, hi) (segment-relative) of each segment of `m`
+// inside [begin, begin + n) of the range.
+template <typename F>
+void for_each_segment(const MomentBuffer& m, std::size_t begin, std::size_t n, F&& f) {
+    for (const MomentBuffer::Segment& s : m.segments()) {
+        const std::size_t lo = std::max(s.begin, begin), hi = std::min(s.begin + s.n, begin + n);
+        if (lo < hi) f(s, lo - s.begin, hi - s.begin);
+    }
+}
+
+// The blocks of a stored segment inside [lo, hi), which must not cut one.
+std::pair<std::size_t, std::size_t> whole_blocks(const MomentBuffer& m,
+                                                 const MomentBuffer::Segment& s, std::size_t lo,
+                                                 std::size_t hi) {
+    std::size_t k0 = s.blocks, k1 = 0;
+    for (std::size_t k = 0; k < s.blocks; k++) {
+        const auto [start, len] = m.block_span(s, k);
+        const bool in = start >= lo && start + len <= hi;
+        if (!in && start < hi && start + len > lo)
+            fail("internal: an optimizer update of [{}, {}) cuts a state block", lo, hi);
+        if (in) k0 = std::min(k0, k), k1 = k + 1;
+    }
+    return {k0, std::max(k0, k1)};
+}
+
+// The largest block a MomentBuffer hands load()/store() (int8's 256, bf16's loop chunk).
+constexpr std::size_t kMaxBlock = 256;
+
 class AdamW final : public Optimizer {
   public:
     AdamW(const OptimConfig& cfg, const ParamLayout& layout, std::size_t offset, std::size_t count)
-        : Optimizer(layout, offset, count),
+        : Optimizer(layout, offset, count, parse_state_format(cfg.state_format)),
           cfg_(cfg),
-          m_(count, MemCategory::OptimizerState),
-          v_(count, MemCategory::OptimizerState) {}
+          m_(format_, true, layout, offset, count),
+          v_(format_, false, layout, offset, count) {}
 
     void step_part(float* params, const float* grads, double lr, std::size_t begin,
                    std::size_t count) override {
@@ -59,13 +132,9 @@ class AdamW final : public Optimizer {
         const double bc2 = 1.0 - std::pow(cfg_.beta2, (double)step);
         const float step_size = (float)(lr / bc1);
         const float bc2_sqrt = (float)std::sqrt(bc2);
-        for_each_piece(begin, count, [&](const ParamSpec& t, std::size_t at, int64_t n) {
-            const float decay = t.decay ? (float)(1.0 - lr * cfg_.weight_decay) : 1.0f;
-            float* p = params + at;
-            const float* g = grads + at;
-            float* m = m_.data() + at;
-            float* v = v_.data() + at;
-#pragma omp parallel for simd schedule(static)
+        // One update of n floats; every format runs this arithmetic on fp32 moments.
+        auto update = [=](float* p, const float* g, float* m, float* v, int64_t n, float decay) {
+#pragma omp simd
             for (int64_t i = 0; i < n; i++) {
                 float gi = g[i];
                 float mi = b1 * m[i] + (1.0f - b1) * gi;
@@ -75,50 +144,102 @@ class AdamW final : public Optimizer {
                 float denom = std::sqrt(vi) / bc2_sqrt + eps;
                 p[i] = p[i] * decay - step_size * mi / denom;
             }
+        };
+        auto decay_of = [&](const MomentBuffer::Segment& s) {
+            return layout_.tensors[s.tensor].decay ? (float)(1.0 - lr * cfg_.weight_decay) : 1.0f;
+        };
+        for_each_segment(m_, begin, count, [&](const auto& s, std::size_t lo, std::size_t hi) {
+            const float decay = decay_of(s);
+            float* p = params + s.begin;
+            const float* g = grads + s.begin;
+            if (s.direct) {
+                float* m = m_.direct(s);
+                float* v = v_.direct(s);
+                const int64_t chunk = 4096, n = (int64_t)(hi - lo);
+#pragma omp parallel for schedule(static)
+                for (int64_t c = 0; c < n; c += chunk) {
+                    const int64_t i = (int64_t)lo + c;
+                    update(p + i, g + i, m + i, v + i, std::min(chunk, n - c), decay);
+                }
+                return;
+            }
+            const auto [k0, k1] = whole_blocks(m_, s, lo, hi);
+#pragma omp parallel for schedule(static)
+            for (std::size_t k = k0; k < k1; k++) {
+                float m[kMaxBlock], v[kMaxBlock];
+                const auto [start, len] = m_.block_span(s, k);
+                m_.load(s, k, m);
+                v_.load(s, k, v);
+                update(p + start, g + start, m, v, (int64_t)len, decay);
+                m_.store(s, k, m);
+                v_.store(s, k, v);
+            }
         });
     }
 
-    std::vector<std::pair<std::string, Buffer<float>*>> state() override {
+    std::vector<std::pair<std::string, MomentBuffer*>> moments() override {
         return {{"exp_avg", &m_}, {"exp_avg_sq", &v_}};
     }
 
   private:
     OptimConfig cfg_;
-    Buffer<float> m_, v_;
+    MomentBuffer m_, v_;
 };
 
 class Sgd final : public Optimizer {
   public:
     Sgd(const OptimConfig& cfg, const ParamLayout& layout, std::size_t offset, std::size_t count)
-        : Optimizer(layout, offset, count), cfg_(cfg), buf_(count, MemCategory::OptimizerState) {}
+        : Optimizer(layout, offset, count, parse_state_format(cfg.state_format)),
+          cfg_(cfg),
+          buf_(format_, true, layout, offset, count) {}
 
     void step_part(float* params, const float* grads, double lr, std::size_t begin,
                    std::size_t count) override {
         const float mu = (float)cfg_.momentum, flr = (float)lr;
-        const bool first = t_ == 0;
-        for_each_piece(begin, count, [&](const ParamSpec& t, std::size_t at, int64_t n) {
-            const float wd = t.decay ? (float)cfg_.weight_decay : 0.0f;
-            float* p = params + at;
-            const float* g = grads + at;
-            float* b = buf_.data() + at;
-#pragma omp parallel for simd schedule(static)
+        const bool first = t_ == 0, nesterov = cfg_.nesterov;
+        auto update = [=](float* p, const float* g, float* b, int64_t n, float wd) {
+#pragma omp simd
             for (int64_t i = 0; i < n; i++) {
                 float gi = g[i] + wd * p[i];
                 float bi = first ? gi : mu * b[i] + gi;
                 b[i] = bi;
-                float d = cfg_.nesterov ? gi + mu * bi : bi;
+                float d = nesterov ? gi + mu * bi : bi;
                 p[i] -= flr * d;
+            }
+        };
+        for_each_segment(buf_, begin, count, [&](const auto& s, std::size_t lo, std::size_t hi) {
+            const float wd = layout_.tensors[s.tensor].decay ? (float)cfg_.weight_decay : 0.0f;
+            float* p = params + s.begin;
+            const float* g = grads + s.begin;
+            if (s.direct) {
+                float* b = buf_.direct(s);
+                const int64_t chunk = 4096, n = (int64_t)(hi - lo);
+#pragma omp parallel for schedule(static)
+                for (int64_t c = 0; c < n; c += chunk) {
+                    const int64_t i = (int64_t)lo + c;
+                    update(p + i, g + i, b + i, std::min(chunk, n - c), wd);
+                }
+                return;
+            }
+            const auto [k0, k1] = whole_blocks(buf_, s, lo, hi);
+#pragma omp parallel for schedule(static)
+            for (std::size_t k = k0; k < k1; k++) {
+                float b[kMaxBlock];
+                const auto [start, len] = buf_.block_span(s, k);
+                buf_.load(s, k, b);
+                update(p + start, g + start, b, (int64_t)len, wd);
+                buf_.store(s, k, b);
             }
         });
     }
 
-    std::vector<std::pair<std::string, Buffer<float>*>> state() override {
+    std::vector<std::pair<std::string, MomentBuffer*>> moments() override {
         return {{"momentum_buffer", &buf_}};
     }
 
   private:
     OptimConfig cfg_;
-    Buffer<float> buf_;
+    MomentBuffer buf_;
 };
 
 }  // namespace
@@ -131,6 +252,23 @@ std::unique_ptr<Optimizer> make_optimizer(const OptimConfig& cfg, const ParamLay
     count = std::min(count, layout.total - offset);
     if (cfg.name == "sgd") return std::make_unique<Sgd>(cfg, layout, offset, count);
     return std::make_unique<AdamW>(cfg, layout, offset, count);
+}
+
+std::size_t optimizer_state_bytes(const OptimConfig& cfg, const ParamLayout& layout,
+                                  std::size_t offset, std::size_t count) {
+    const std::size_t moments = cfg.name == "sgd" ? 1 : 2;
+    return moments * MomentBuffer::predicted_bytes(parse_state_format(cfg.state_format), layout,
+                                                   offset, count);
+}
+
+std::string describe_optimizer_state(const OptimConfig& cfg) {
+    const StateFormat f = parse_state_format(cfg.state_format);
+    const char* what = cfg.name == "sgd" ? "momentum" : "Adam m, v";
+    if (f == StateFormat::Fp32) return what;
+    if (f == StateFormat::Bf16)
+        return fmt::format("{} in bf16; tensors < {} in fp32", what, kKeepFp32Below);
+    return fmt::format("{} in {} (blocks of {}, fp32 scales); tensors < {} in fp32", what,
+                       state_format_name(f), block_size(f), kKeepFp32Below);
 }
 
 RangeOptimizers::RangeOptimizers(std::vector<std::unique_ptr<Optimizer>> parts)
@@ -162,6 +300,10 @@ void RangeOptimizers::read_state(const std::string& name, float* dst) {
         p->read_state(name, dst);
         dst += p->count();
     }
+}
+
+void RangeOptimizers::finish_writes() {
+    for (auto& p : parts_) p->finish_writes();
 }
 
 void RangeOptimizers::write_state(const std::string& name, std::size_t begin, std::size_t n,

@@ -1,6 +1,9 @@
 // Optimizers over the flat parameter buffer: AdamW (decoupled weight decay, bias correction,
 // exactly torch.optim.AdamW's arithmetic) and SGD with momentum (torch.optim.SGD's), plus
 // global-norm gradient clipping. Weight decay applies to the tensors the layout marks `decay`.
+// The moments are stored in optim.state_format (optim/state_format.h); every format computes the
+// update in fp32 with the same arithmetic, and differs only in what the moments round to between
+// steps.
 #pragma once
 
 #include <algorithm>
@@ -12,6 +15,7 @@
 #include "core/allocator.h"
 #include "model/param_layout.h"
 #include "optim/optim_config.h"
+#include "optim/state_format.h"
 
 namespace memtrain {
 
@@ -44,6 +48,10 @@ class OptimizerState {
     // Writes floats [begin, begin + n) of the tensor.
     virtual void write_state(const std::string& name, std::size_t begin, std::size_t n,
                              const float* src) = 0;
+    // After the last write_state of a load: a state stored in blocks (optim.state_format int8,
+    // int4, bf16) is encoded from the written floats here, since a load may write a block in
+    // pieces from several files.
+    virtual void finish_writes() {}
 };
 
 // An optimizer updates the floats [offset, offset + count) of the flat parameter buffer: all
@@ -63,39 +71,42 @@ class Optimizer : public OptimizerState {
     virtual void step_part(float* params, const float* grads, double lr, std::size_t begin,
                            std::size_t n) = 0;
     void advance() { t_++; }
-    // Named state buffers of count floats, laid out like the range (for checkpoints).
-    virtual std::vector<std::pair<std::string, Buffer<float>*>> state() = 0;
+    // Named moments over the range, in their storage format (for checkpoints).
+    virtual std::vector<std::pair<std::string, MomentBuffer*>> moments() = 0;
+    // The format the moments are stored in, and their bytes in all.
+    StateFormat state_format() const { return format_; }
+    std::size_t state_bytes();
     int64_t steps_taken() const override { return t_; }
     void set_steps_taken(int64_t t) override { t_ = t; }
     std::size_t offset() const override { return offset_; }
     std::size_t count() const override { return count_; }
 
-    // OptimizerState over state().
+    // OptimizerState over moments(): fp32 states are read and written in place; the others are
+    // decoded on read and staged as floats until finish_writes() encodes them.
     std::vector<std::string> state_names() override;
     const float* host_state(const std::string& name) override;
     void read_state(const std::string& name, float* dst) override;
     void write_state(const std::string& name, std::size_t begin, std::size_t n,
                      const float* src) override;
+    void finish_writes() override;
 
   protected:
-    Optimizer(const ParamLayout& layout, std::size_t offset, std::size_t count);
-    // Calls f(tensor, begin, n) for each piece of a tensor inside the range: `begin` indexes the
-    // range (params[begin] is the piece's first float), n its length.
-    // Only the pieces inside [begin, begin + n) of the range.
-    template <typename F>
-    void for_each_piece(std::size_t begin, std::size_t n, F&& f) const {
-        const std::size_t first = offset_ + begin, last = offset_ + std::min(count_, begin + n);
-        for (const auto& t : layout_.tensors) {
-            const std::size_t lo = std::max(t.offset, first);
-            const std::size_t hi = std::min(t.offset + t.numel, last);
-            if (lo < hi) f(t, lo - offset_, (int64_t)(hi - lo));
-        }
-    }
-
+    Optimizer(const ParamLayout& layout, std::size_t offset, std::size_t count, StateFormat format);
+    MomentBuffer& moment(const std::string& name);
     ParamLayout layout_;
     std::size_t offset_, count_;
+    StateFormat format_;
     int64_t t_ = 0;
+    // write_state's floats of a state stored in blocks, until finish_writes().
+    std::vector<std::pair<std::string, std::vector<float>>> staged_;
 };
+
+// Bytes of the optimizer state make_optimizer allocates over [offset, offset + count) of the
+// layout (every moment in cfg.state_format), and what they are, for the memory table:
+// "Adam m, v", "Adam m, v in int8 (blocks of 256, fp32 scales; tensors < 4096 in fp32)".
+std::size_t optimizer_state_bytes(const OptimConfig& cfg, const ParamLayout& layout,
+                                  std::size_t offset, std::size_t count);
+std::string describe_optimizer_state(const OptimConfig& cfg);
 
 // count = SIZE_MAX: to the end of the buffer.
 std::unique_ptr<Optimizer> make_optimizer(const OptimConfig& cfg, const ParamLayout& layout,
@@ -122,6 +133,7 @@ class RangeOptimizers final : public OptimizerState {
     void read_state(const std::string& name, float* dst) override;
     void write_state(const std::string& name, std::size_t begin, std::size_t n,
                      const float* src) override;
+    void finish_writes() override;
 
   private:
     std::vector<std::unique_ptr<Optimizer>> parts_;

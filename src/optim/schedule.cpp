@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "optim/state_format.h"
 
 namespace memtrain {
 
@@ -30,6 +31,11 @@ void OptimConfig::validate() const {
         fail("optim.cooldown = \"{}\": expected \"linear\" or \"1-sqrt\"", cooldown);
     if (lr_scaling != "none" && lr_scaling != "linear" && lr_scaling != "sqrt")
         fail("optim.lr_scaling = \"{}\": expected \"none\", \"linear\" or \"sqrt\"", lr_scaling);
+    if (parse_state_format(state_format) == StateFormat::Int4 && name != "adamw")
+        fail(
+            "optim.state_format = \"int4\" needs optim.name = \"adamw\": SGD's momentum is its "
+            "whole update, and 4-bit codes would move it by up to a sixth of its block's largest "
+            "value each step (use \"int8\" or \"bf16\")");
     if (lr_scaling != "none" && lr_reference_batch <= 0)
         fail(
             "optim.lr_scaling = \"{}\" needs optim.lr_reference_batch (tokens per step the lr "

@@ -154,7 +154,7 @@ MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, RankCoord at,
     const int64_t t = r.tp, d = r.dp;
     const int64_t s = r.seq_len(m), b = r.micro_batch;
     const int64_t e = activation_bytes(r.precision);
-    const StateBytes k = state_bytes(r.precision, r.fp32_master, r.optimizer);
+    const StateBytes k = state_bytes(r);
     const dist::ShardSpec spec = dist::shard_spec(r.zero, r.offload != Offload::none,
                                                   r.offload == Offload::optimizer_and_params);
 
@@ -229,9 +229,13 @@ MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, RankCoord at,
         "{:.3f}B x {} B{}{}", trainable / 1e9, k.grad, zero_note(spec.grads),
         rs_buffer ? " + the reduce-scattered piece (ZeRO-1 in the pipeline engine)" : "");
     double opt_bytes = opt_n * k.optim;
-    std::string opt_detail = fmt::format("{:.3f}B x {} B ({} {}){}", trainable / 1e9, k.optim,
-                                         precision_label(r.precision, r.fp32_master),
-                                         to_string(r.optimizer), zero_note(spec.optimizer));
+    std::string opt_detail =
+        fmt::format("{:.3f}B x {:.4g} B ({} {}{}){}", trainable / 1e9, k.optim,
+                    precision_label(r.precision, r.fp32_master), to_string(r.optimizer),
+                    r.state_format == StateFormat::Fp32
+                        ? std::string()
+                        : fmt::format(", {} moments", state_format_name(r.state_format)),
+                    zero_note(spec.optimizer));
     if (dist::offloaded(spec.optimizer)) {
         // ZeRO-Offload as memtrain's engine runs it (src/engine/cuda/cuda_engine.cpp): the
         // gradients stay on the GPU, where the backward writes and accumulates them (their ZeRO

@@ -91,6 +91,17 @@ std::string format_plans(const SearchResult& r, int top, int reasons, const Clus
                 ? " (--frozen-bits 8 or 4 searches QLoRA instead)"
                 : "");
     }
+    if (r.moments_instead_of_plain) {
+        const RunSpec& p = r.plans[0].run;
+        out += fmt::format(
+            "training every weight with {} moments does not fit (see rejected), so these plans "
+            "store Adam's moments in {} ({} B per parameter instead of {}; optim.state_format = "
+            "\"{}\"): the same model and training, with the moments rounded to {} bits between "
+            "steps\n\n",
+            state_format_name(r.asked_moments), state_format_name(p.state_format),
+            2 * moment_bytes_per_param(p.state_format), 2 * moment_bytes_per_param(r.asked_moments),
+            state_format_name(p.state_format), p.state_format == StateFormat::Int8 ? 8 : 4);
+    }
     if (n > 0) {
         const std::string method_head = lora ? fmt::format("{:<17} ", "method") : "";
         out += fmt::format(
@@ -151,6 +162,7 @@ nlohmann::json to_json(const SearchResult& r, int top) {
     j["evaluated"] = r.evaluated;
     j["fitting"] = r.plans.size();
     j["lora_instead_of_full"] = r.lora_instead_of_full;
+    j["moments_instead_of_plain"] = r.moments_instead_of_plain;
     j["methods"] = nlohmann::json::array();
     for (const auto& m : r.methods)
         j["methods"].push_back({{"method", m.name},
@@ -253,10 +265,11 @@ std::string emit_config_toml(const ModelSpec& m, const Plan& p) {
         gaps +=
             "# bf16-only (no fp32 master weights) has no trainer setting: train.precision = "
             "\"bf16\" below keeps fp32 master weights, more optimizer memory than planned.\n";
-    if (r.optimizer == Optimizer::adamw8bit)
+    if (r.optimizer == Optimizer::adamw8bit || r.state_format != StateFormat::Fp32)
         gaps +=
-            "# 8-bit AdamW has no trainer setting: optim.name = \"adamw\" below keeps fp32 "
-            "moments, more optimizer memory than planned.\n";
+            "# Compressed moments (optim.state_format below) run on the CPU engine so far: on a "
+            "GPU the trainer refuses them; optim.state_format = \"fp32\" there takes more "
+            "optimizer memory than planned.\n";
     if (r.offload == Offload::optimizer_and_params)
         gaps +=
             "# Parameter offload has no trainer setting: train.offload_optimizer = true below "
@@ -300,6 +313,10 @@ std::string emit_config_toml(const ModelSpec& m, const Plan& p) {
     }
     out +=
         fmt::format("\n[optim]\nname = \"{}\"\n", r.optimizer == Optimizer::sgd ? "sgd" : "adamw");
+    const StateFormat moments =
+        r.optimizer == Optimizer::adamw8bit ? StateFormat::Int8 : r.state_format;
+    if (moments != StateFormat::Fp32)
+        out += fmt::format("state_format = \"{}\"\n", state_format_name(moments));
     if (r.lora_rank > 0)
         // Frozen weights at 16 bits are the unquantized base (fp32 on the CPU engine); 8 and 4
         // bits are QLoRA's int8 and NF4.

@@ -117,20 +117,32 @@ const char* to_string(LoraTargets t) {
 }
 
 std::string describe_method(const RunSpec& r) {
-    if (r.lora_rank <= 0) return "full-parameter training";
+    if (r.lora_rank <= 0)
+        return r.state_format == StateFormat::Fp32
+                   ? std::string("full-parameter training")
+                   : fmt::format("full-parameter training, {} moments",
+                                 state_format_name(r.state_format));
     if (r.frozen_bits == 16) return fmt::format("LoRA r={}", r.lora_rank);
     return fmt::format("QLoRA {}-bit r={}", r.frozen_bits, r.lora_rank);
 }
 
-StateBytes state_bytes(Precision precision, bool fp32_master, Optimizer optimizer) {
-    // Optimizer bytes: Adam keeps two moments, SGD one; 8-bit Adam stores both moments in one
-    // byte each. Mixed precision adds a 4-byte fp32 master copy of the weights; without it
-    // (bf16-only) the moments are bf16 too.
-    double moments = optimizer == Optimizer::adamw ? 2 : optimizer == Optimizer::sgd ? 1 : 0;
-    const double eight_bit = optimizer == Optimizer::adamw8bit ? 2.0 : -1;
-    if (precision == Precision::fp32) return {4, 4, eight_bit >= 0 ? eight_bit : 4 * moments};
-    if (!fp32_master) return {2, 2, eight_bit >= 0 ? eight_bit : 2 * moments};
-    return {2, 2, 4 + (eight_bit >= 0 ? eight_bit : 4 * moments), 4};
+StateBytes state_bytes(Precision precision, bool fp32_master, Optimizer optimizer,
+                       StateFormat format) {
+    // Optimizer bytes: Adam keeps two moments, SGD one, each in its storage format (8-bit Adam:
+    // int8 with a scale per 256). Mixed precision adds a 4-byte fp32 master copy of the weights;
+    // without it (bf16-only) fp32 moments become bf16 too.
+    const double moments = optimizer == Optimizer::sgd ? 1 : 2;
+    if (optimizer == Optimizer::adamw8bit) format = StateFormat::Int8;
+    if (format == StateFormat::Fp32 && precision != Precision::fp32 && !fp32_master)
+        format = StateFormat::Bf16;
+    const double states = moments * moment_bytes_per_param(format);
+    if (precision == Precision::fp32) return {4, 4, states};
+    if (!fp32_master) return {2, 2, states};
+    return {2, 2, 4 + states, 4};
+}
+
+StateBytes state_bytes(const RunSpec& r) {
+    return state_bytes(r.precision, r.fp32_master, r.optimizer, r.state_format);
 }
 
 int activation_bytes(Precision precision) {

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "core/dtype.h"
+#include "optim/state_format.h"
 #include "parallel/pipeline/schedule.h"
 #include "planner/model_shape.h"
 
@@ -41,6 +42,8 @@ struct RunSpec {
     Precision precision = Precision::bf16;
     bool fp32_master = true;
     Optimizer optimizer = Optimizer::adamw;
+    // How the moments are stored (optim.state_format); adamw8bit is adamw with int8 moments.
+    StateFormat state_format = StateFormat::Fp32;
     Offload offload = Offload::none;
     pp::Kind schedule = pp::Kind::OneFOneB;  // the ones parse_schedule accepts
     int virtual_stages = 1;  // model chunks per pipeline stage (interleaved schedule)
@@ -85,7 +88,12 @@ struct StateBytes {
     double param, grad, optim;
     double master = 0;  // of optim: the fp32 master copy of mixed precision
 };
-StateBytes state_bytes(Precision precision, bool fp32_master, Optimizer optimizer);
+// Each moment at moment_bytes_per_param(format) (optim/optimizer.h: the trainer's blocks and
+// scales, without the fp32 rule for small tensors); adamw8bit is int8. fp32 moments without an
+// fp32 master ("bf16-only") are bf16.
+StateBytes state_bytes(Precision precision, bool fp32_master, Optimizer optimizer,
+                       StateFormat format = StateFormat::Fp32);
+StateBytes state_bytes(const RunSpec& r);
 // Bytes of one saved activation element: 4 for fp32 training, else 2.
 int activation_bytes(Precision precision);
 // Bytes of one frozen weight-matrix element under LoRA: 16 bits keeps the run's parameter dtype

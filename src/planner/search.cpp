@@ -253,6 +253,7 @@ SearchResult search_plans(const ModelSpec& m, const ClusterSpec& c, const Search
     RunSpec base;
     base.flash_attention = spec.flash_attention;
     base.precision = spec.precision, base.optimizer = spec.optimizer;
+    base.state_format = spec.state_format;
     base.fp32_master = spec.fp32_master;
     base.fragmentation = spec.fragmentation;
     base.reserve_bytes = spec.reserve_bytes;
@@ -265,6 +266,14 @@ SearchResult search_plans(const ModelSpec& m, const ClusterSpec& c, const Search
         ladder.push_back(r);
     } else {
         ladder.push_back(base);
+        // Compressed moments keep training every weight: tried before adapters.
+        if (spec.state_fallback && spec.optimizer == Optimizer::adamw)
+            for (StateFormat f : {StateFormat::Int8, StateFormat::Int4})
+                if (moment_bytes_per_param(f) < moment_bytes_per_param(spec.state_format)) {
+                    RunSpec r = base;
+                    r.state_format = f;
+                    ladder.push_back(r);
+                }
         if (spec.lora_fallback) {
             std::vector<int> bits = {16, 8, 4};
             if (spec.frozen_bits > 0) bits = {spec.frozen_bits};
@@ -293,7 +302,10 @@ SearchResult search_plans(const ModelSpec& m, const ClusterSpec& c, const Search
     }
     result.plans = tried.back().plans;
     result.lora_instead_of_full =
-        !result.plans.empty() && ladder.front().lora_rank == 0 && tried.size() > 1;
+        !result.plans.empty() && ladder.front().lora_rank == 0 && result.plans[0].run.lora_rank > 0;
+    result.asked_moments = spec.state_format;
+    result.moments_instead_of_plain = !result.plans.empty() && result.plans[0].run.lora_rank == 0 &&
+                                      result.plans[0].run.state_format != spec.state_format;
     for (size_t i = 0; i < tried.size(); ++i) {
         if (!tried[i].plans.empty()) continue;
         std::string reason = why_nothing_fits(tried[i], c);

@@ -21,6 +21,10 @@ struct SearchSpec {
     Precision precision = Precision::bf16;
     bool fp32_master = true;  // false: "bf16-only"
     Optimizer optimizer = Optimizer::adamw;
+    // The moments' storage; with state_fallback, full-parameter training that does not fit is
+    // tried again with int8 and then int4 moments (those below the given format) before LoRA.
+    StateFormat state_format = StateFormat::Fp32;
+    bool state_fallback = false;
     bool flash_attention = true;
     bool allow_offload = true;
     int max_micro_batch = 64;
@@ -72,6 +76,9 @@ struct SearchResult {
     // Full-parameter training was tried and did not fit, so the plans are LoRA fine-tuning: a
     // different job (only the adapters learn), which the output must say.
     bool lora_instead_of_full = false;
+    // The plans store the moments in a smaller format than asked (SearchSpec::state_fallback).
+    bool moments_instead_of_plain = false;
+    StateFormat asked_moments = StateFormat::Fp32;  // SearchSpec::state_format
 };
 
 // Fails (memtrain::Error) on impossible input: zero GPUs, a GPU count the node size does not

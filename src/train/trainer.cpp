@@ -162,6 +162,13 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
         if (saved->optim.name != cfg_.optim.name)
             fail("checkpoint {} was trained with optim.name = \"{}\", the config says \"{}\"",
                  resume_dir, saved->optim.name, cfg_.optim.name);
+        // The checkpoint holds the moments decoded, so any format loads from any other.
+        if (saved->optim.state_format != cfg_.optim.state_format && root() && !opts_.quiet)
+            std::fprintf(stderr,
+                         "memtrain: resume: the optimizer state of %s (optim.state_format = "
+                         "\"%s\") is converted to \"%s\"\n",
+                         resume_dir.c_str(), saved->optim.state_format.c_str(),
+                         cfg_.optim.state_format.c_str());
     }
     print("config (all of it as TOML: memtrain train ... --print-config)\n" + format_table(cfg_));
 

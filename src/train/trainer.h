@@ -98,6 +98,8 @@ class Trainer {
     GPT& model();
     dist::ZeroStore& store();
     const RunConfig& config() const { return cfg_; }
+    // The run as planned before anything was allocated (its memory rows among it).
+    const RunPlan& plan() const { return plan_; }
 
   private:
     float evaluate();

@@ -12,6 +12,7 @@
 #include "core/error.h"
 #include "io/model_source.h"
 #include "model/lora.h"
+#include "optim/state_format.h"
 #include "parallel/pipeline/schedule.h"
 #include "remat/policy.h"
 
@@ -219,6 +220,29 @@ void validate_ps(const RunConfig& cfg) {
              cfg.train.precision);
 }
 
+// optim.state_format other than fp32: what is built (the CPU engine's whole-model and LoRA
+// optimizers under DDP and ZeRO 0-3, and pipeline stages) and, by name, what is not yet.
+void validate_state_format(const RunConfig& cfg) {
+    const StateFormat f = parse_state_format(cfg.optim.state_format);
+    if (f == StateFormat::Fp32) return;
+    auto refuse = [&](const std::string& keys, const char* why) {
+        fail("optim.state_format = \"{}\" does not run with {} yet: {}", cfg.optim.state_format,
+             keys, why);
+    };
+    if (cfg.train.device == "cuda")
+        refuse("train.device = \"cuda\"",
+               "the compressed moments are built on the CPU engine so far (set "
+               "optim.state_format = \"fp32\" on the GPU)");
+    if (cfg.train.tp > 1)
+        refuse(fmt::format("train.tp = {}", cfg.train.tp),
+               "a tensor-parallel shard holds slices of each matrix, and the moments' rule (which "
+               "tensors keep fp32, where blocks fall) is written on the whole tensor");
+    if (cfg.ps())
+        refuse("train.dp_mode = \"ps\"",
+               "the parameter server's optimizer keeps fp32 moments (use train.dp_mode = "
+               "\"allreduce\" with train.zero_stage for sharded state)");
+}
+
 void validate_lora(const RunConfig& cfg) {
     cfg.lora.validate();
     if (!cfg.lora.enabled()) {
@@ -332,6 +356,7 @@ void validate_config(const RunConfig& cfg) {
     validate_pipeline(cfg);
     validate_tp(cfg);
     validate_ps(cfg);
+    validate_state_format(cfg);
     if (cfg.train.micro_batch_size < 0 ||
         (int64_t)cfg.train.micro_batch_size * cfg.dp() > cfg.train.batch_size)
         fail(

@@ -210,10 +210,11 @@ void optimizer_case(const OptCase& c, bool cpu_fuses) {
         EXPECT_NEAR(back.grad_norm, want_norm, 1e-6 * want_norm);
     }
 
-    auto state = opt->state();
+    const std::vector<std::string> names = opt->state_names();
     auto cpu_state = [&](int i) {
-        const float* p = state[i].second->data();
-        return std::vector<float>(p, p + n);
+        std::vector<float> s(n);
+        opt->read_state(names[i], s.data());
+        return s;
     };
     if (kFp32) {
         expect_match("params", download_float(d_params), cpu_params, cpu_fuses);

@@ -69,7 +69,17 @@ TEST(PlanMemory, Fp32AdamWIs4Plus4Plus8) {
 TEST(PlanMemory, OptimizerAndPrecisionVariants) {
     EXPECT_DOUBLE_EQ(state_bytes(memtrain::Precision::bf16, true, Optimizer::sgd).optim,
                      8);  // master + momentum
-    EXPECT_DOUBLE_EQ(state_bytes(memtrain::Precision::bf16, true, Optimizer::adamw8bit).optim, 6);
+    // 8-bit Adam is the trainer's int8 moments: a byte each plus an fp32 scale per 256.
+    EXPECT_DOUBLE_EQ(state_bytes(memtrain::Precision::bf16, true, Optimizer::adamw8bit).optim,
+                     4 + 2 * (1 + 4.0 / 256));
+    for (auto [f, moment] : {std::pair{StateFormat::Fp32, 4.0}, std::pair{StateFormat::Bf16, 2.0},
+                             std::pair{StateFormat::Int8, 1 + 4.0 / 256},
+                             std::pair{StateFormat::Int4, 0.5 + 4.0 / 128}}) {
+        EXPECT_DOUBLE_EQ(state_bytes(memtrain::Precision::bf16, true, Optimizer::adamw, f).optim,
+                         4 + 2 * moment);
+        EXPECT_DOUBLE_EQ(state_bytes(memtrain::Precision::fp32, true, Optimizer::sgd, f).optim,
+                         moment);
+    }
     EXPECT_DOUBLE_EQ(state_bytes(memtrain::Precision::bf16, false, Optimizer::adamw).optim, 4);
     EXPECT_DOUBLE_EQ(state_bytes(memtrain::Precision::fp32, true, Optimizer::sgd).optim, 4);
 }

@@ -160,3 +160,47 @@ TEST(PlanSearch, BadInput) {
 }
 
 }  // namespace memtrain::plan
+
+namespace memtrain::plan {
+
+// Llama-2-7B fine-tuned in full on one 80 GB GPU without offload: fp32 Adam moments (16 B per
+// parameter with the master copy) do not fit, int8 moments (about 10 B) do. The search says so,
+// keeps training every weight, and the emitted config asks for optim.state_format = "int8".
+TEST(PlanSearch, CompressedMomentsComeBeforeLora) {
+    const ModelSpec m = load_model("llama2-7b");
+    ClusterSpec c;
+    c.gpu = gpu_preset("a100-80gb");
+    c.gpus = 1;
+    SearchSpec s;
+    s.global_batch = 16;
+    s.seq = 4096;
+    s.allow_offload = false;
+    s.lora_fallback = true;
+    s.state_fallback = true;
+    const SearchResult r = search_plans(m, c, s);
+    ASSERT_FALSE(r.plans.empty());
+    EXPECT_TRUE(r.moments_instead_of_plain);
+    EXPECT_FALSE(r.lora_instead_of_full);
+    EXPECT_EQ(r.plans[0].run.lora_rank, 0);
+    EXPECT_EQ(r.plans[0].run.state_format, StateFormat::Int8);  // int8 before int4
+    ASSERT_GE(r.methods.size(), 2u);
+    EXPECT_EQ(r.methods[1].name, "full-parameter training, int8 moments");
+    ASSERT_FALSE(r.rejected.empty());
+    EXPECT_NE(r.rejected[0].reason.find("int8 moments fits"), std::string::npos)
+        << r.rejected[0].reason;
+    const std::string text = format_plans(r, 3, 4, c);
+    EXPECT_NE(text.find("store Adam's moments in int8"), std::string::npos) << text;
+    const std::string toml = emit_config_toml(m, r.plans[0]);
+    EXPECT_NE(toml.find("state_format = \"int8\""), std::string::npos) << toml;
+    const memtrain::RunConfig rc = memtrain::parse_run_config(toml, "emitted.toml", {});
+    EXPECT_EQ(rc.optim.state_format, "int8");
+    // The optimizer row prices two int8 moments and the fp32 master copy.
+    EXPECT_NEAR(state_bytes(r.plans[0].run).optim, 4 + 2 * (1 + 4.0 / 256), 1e-12);
+    // Without the fallback nothing full-parameter fits, and LoRA is next.
+    s.state_fallback = false;
+    const SearchResult lora = search_plans(m, c, s);
+    ASSERT_FALSE(lora.plans.empty());
+    EXPECT_TRUE(lora.lora_instead_of_full);
+}
+
+}  // namespace memtrain::plan

@@ -128,8 +128,9 @@ void CpuEngine::apply_data_parallel() {
         // across them, all-reduced or, where the placement shards the optimizer state (ZeRO-1),
         // reduce-scattered so this replica updates its piece of the range (one chunk per rank,
         // the config's checks).
-        replicas_ =
-            std::make_unique<dist::ReplicaSync>(groups_.data.get(), plan_.states, stages_->count());
+        replicas_ = std::make_unique<dist::ReplicaSync>(
+            groups_.data.get(), plan_.states, stages_->count(), stages_->ranges()[0].begin,
+            (int64_t)shard_grain(parse_state_format(cfg.optim.state_format)));
         if (replicas_->sharded() && plan_.virtual_stages > 1)
             fail("internal: ZeRO-1 across pipelines with {} chunks per rank", plan_.virtual_stages);
         const dist::ShardRange own = replicas_->owned();
@@ -167,7 +168,9 @@ void CpuEngine::apply_data_parallel() {
     // A whole model's states, or LoRA's adapters', in a ZeroStore over the job's ranks: DDP and
     // ZeRO stages 0-3 (parallel/data/zero_store.h; a single process is a world of one).
     const ParamLayout& trained = plan_.lora ? lora_layout_.params : layout_;
-    zero_ = std::make_unique<dist::ZeroStore>(trained, world_, plan_.zero_stage);
+    zero_ = std::make_unique<dist::ZeroStore>(
+        trained, world_, plan_.zero_stage,
+        (int64_t)shard_grain(parse_state_format(cfg.optim.state_format)));
     if (plan_.lora) {
         // Dropout masks differ per rank (each has its own rows), as torch's do under DDP.
         lora_ = std::make_unique<LoraAdapters>(cfg.lora, lora_layout_, *zero_,

@@ -98,6 +98,7 @@ std::vector<MemoryPrediction> CpuEngine::stage_memory(int B, int T) const {
     f.replicas = replicas();
     f.piece = replicas_->sharded();
     f.updated = (std::size_t)replicas_->owned().count;
+    for (int c = 0; c < opt_->parts(); c++) f.state_bytes += opt_->part(c).state_bytes();
     f.reduce_buffer = replicas_->buffer_floats();
     for (const auto& g : chunks_) {
         const ArenaPlan a = g->stage_arena(B, T);

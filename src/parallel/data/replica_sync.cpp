@@ -7,14 +7,21 @@
 
 namespace memtrain::dist {
 
-ReplicaSync::ReplicaSync(Communicator* data, const ShardSpec& spec, std::size_t count)
+ReplicaSync::ReplicaSync(Communicator* data, const ShardSpec& spec, std::size_t count,
+                         std::size_t begin, int64_t grain)
     : data_(data && data->size() > 1 ? data : nullptr), count_(count) {
     if (data_ && (dist::sharded(spec.grads) || dist::sharded(spec.params)))
         fail("internal: {} across {} replicas of a range: only the optimizer state is sharded",
              describe(spec), data_->size());
     sharded_ = data_ && dist::sharded(spec.optimizer);
-    owned_ = sharded_ ? shard_ranges((int64_t)count_, data_->size())[data_->rank()]
-                      : ShardRange{0, (int64_t)count_};
+    if (sharded_) {
+        const auto pieces =
+            grain_shard_ranges((int64_t)begin, (int64_t)(begin + count), data_->size(), grain);
+        owned_ = pieces[data_->rank()];
+        counts_ = counts_of(pieces);
+    } else {
+        owned_ = ShardRange{0, (int64_t)count_};
+    }
     if (sharded_) piece_ = Buffer<float>((std::size_t)owned_.count, MemCategory::Gradients);
 }
 
@@ -24,13 +31,13 @@ float* ReplicaSync::reduce(float* grads) {
         data_->all_reduce_sum(grads, (int64_t)count_);
         return grads;
     }
-    data_->reduce_scatter_sum(grads, piece_.data(), shard_counts((int64_t)count_, data_->size()));
+    data_->reduce_scatter_sum(grads, piece_.data(), counts_);
     return piece_.data();
 }
 
 void ReplicaSync::gather(float* params) {
     if (!sharded_) return;
-    data_->all_gather(params + owned_.offset, params, shard_counts((int64_t)count_, data_->size()));
+    data_->all_gather(params + owned_.offset, params, counts_);
 }
 
 double ReplicaSync::mean(double x) {

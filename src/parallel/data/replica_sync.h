@@ -8,7 +8,8 @@
 //   Replicated       all-reduced, whole on every replica  nothing (every replica updated all)
 //   Sharded          reduce-scattered into the piece      all-gather of the updated pieces
 //
-// The pieces are dist::shard_ranges of the range, as a ZeroStore's shards of a whole model are.
+// The pieces are dist::grain_shard_ranges of the range, as a ZeroStore's shards of a whole model
+// are.
 // Gradients and parameters stay whole on every replica (ZeRO-2 and 3 across pipelines are not
 // built). The reduce-scattered piece lives in a buffer of its own (Gradients).
 #pragma once
@@ -25,8 +26,11 @@ namespace memtrain::dist {
 class ReplicaSync {
   public:
     // `data`: the replicas of the range (its rank: this replica), or null for one replica;
-    // `spec`: where the model states live; `count`: floats of the range.
-    ReplicaSync(Communicator* data, const ShardSpec& spec, std::size_t count);
+    // `spec`: where the model states live; `count`: floats of the range, which starts at float
+    // `begin` of the flat buffer; pieces are cut on multiples of `grain` of the flat buffer
+    // (grain_shard_ranges).
+    ReplicaSync(Communicator* data, const ShardSpec& spec, std::size_t count, std::size_t begin = 0,
+                int64_t grain = 1);
 
     int replicas() const { return data_ ? data_->size() : 1; }
     int replica() const { return data_ ? data_->rank() : 0; }
@@ -54,6 +58,7 @@ class ReplicaSync {
     std::size_t count_;
     bool sharded_ = false;
     ShardRange owned_;
+    std::vector<int64_t> counts_;  // every replica's piece
     Buffer<float> piece_;
 };
 

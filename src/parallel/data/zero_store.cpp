@@ -12,15 +12,16 @@
 
 namespace memtrain::dist {
 
-ZeroStore::ZeroStore(const ParamLayout& layout, Communicator& comm, int stage)
+ZeroStore::ZeroStore(const ParamLayout& layout, Communicator& comm, int stage, int64_t grain)
     : layout_(&layout), comm_(&comm), stage_(stage) {
     if (stage < 0 || stage > 3) fail("dist.zero_stage must be 0, 1, 2 or 3, got {}", stage);
     const int N = comm.size(), r = comm.rank();
-    const auto shards = shard_ranges((int64_t)layout.total, N);
+    const auto shards = grain_shard_ranges(0, (int64_t)layout.total, N, grain);
     // Which states this stage shards: the placement table the planner prices with.
     const ShardSpec spec = shard_spec(stage);
     const int64_t total = (int64_t)layout.total;
     owned_ = sharded(spec.optimizer) ? shards[r] : ShardRange{0, total};
+    shard_counts_ = counts_of(shards);
     for (const auto& unit : layout.units) {
         UnitPieces p = unit_pieces(shards, (int64_t)unit.begin, (int64_t)unit.end);
         UnitShards us;
@@ -242,8 +243,7 @@ double ZeroStore::clip_grad_norm(double max_norm) {
 
 void ZeroStore::finish_step() {
     if (stage_ == 1 || stage_ == 2) {
-        const auto counts = shard_counts((int64_t)layout_->total, comm_->size());
-        comm_->all_gather(params_.data() + owned_.offset, params_.data(), counts);
+        comm_->all_gather(params_.data() + owned_.offset, params_.data(), shard_counts_);
     }
 }
 

@@ -10,7 +10,7 @@
 //   3      shard         this rank's shard      this rank's shard all-gather per unit use +
 //                                                                 reduce-scatter as stage 2
 //
-// A rank's shard is its balanced piece of the flat parameter buffer (dist::shard_ranges), the
+// A rank's shard is its balanced piece of the flat parameter buffer (dist::grain_shard_ranges), the
 // same for parameters, gradients and optimizer state, so the optimizer of rank r updates the
 // floats [offset_r, offset_r + count_r) and nothing else.
 //
@@ -78,7 +78,9 @@ class ZeroStore final : public UnitStore {
     // at most this many gradient buckets wait on the network besides the one backward fills.
     static constexpr std::size_t kMaxReducing = 2;
 
-    ZeroStore(const ParamLayout& layout, Communicator& comm, int stage);
+    // `grain`: shards are cut on its multiples (grain_shard_ranges), so that block-quantized
+    // optimizer state keeps every block on one rank (optim/state_format.h: shard_grain).
+    ZeroStore(const ParamLayout& layout, Communicator& comm, int stage, int64_t grain = 1);
     // Completes whatever is still in flight: MPI writes into the unit buffers until then.
     ~ZeroStore() override;
     ZeroStore(const ZeroStore&) = delete;
@@ -156,6 +158,7 @@ class ZeroStore final : public UnitStore {
     bool in_flight_ = false;  // stage 0: all-reduces started since the last sync
     int stage_;
     ShardRange owned_;
+    std::vector<int64_t> shard_counts_;  // every rank's shard
     std::vector<UnitShards> unit_shards_;
     bool reduce_ = true;
 

@@ -94,6 +94,7 @@ class TpRangeOptimizer final : public OptimizerState {
     void read_state(const std::string& name, float* dst) override;
     void write_state(const std::string& name, std::size_t begin, std::size_t n,
                      const float* src) override;
+    void finish_writes() override { local_->finish_writes(); }
 
   private:
     const dist::TpLayout* l_;

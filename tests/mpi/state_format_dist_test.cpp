@@ -1,0 +1,141 @@
+// Compressed optimizer states (optim.state_format bf16, int8, int4) under mpirun (2 and 4 ranks):
+// ZeRO 1, 2 and 3 train as one process does, each rank holds exactly the state bytes its shard
+// (cut on the 256 grain) prices, the plan's memory rows are the engine's, a checkpoint resumes
+// bitwise at the same world size and in one process, and pipelines side by side with ZeRO-1
+// across them keep the same promises.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "mpi/dist_runs.h"
+#include "optim/optimizer.h"
+#include "test_util.h"
+
+namespace memtrain::dist {
+namespace {
+
+// The shared tiny run widened to 64 so its matrices and embedding (>= 4096 elements) are
+// stored compressed, while gains, biases and the position embedding keep fp32.
+RunConfig wide_run(const std::string& name, int steps, const std::string& format) {
+    RunConfig c = shared_tiny_run_config(name, steps);
+    c.model.n_embd = 64;
+    c.model.n_head = 4;
+    c.io.save_final = false;
+    c.train.eval_every = 5;
+    c.optim.state_format = format;
+    return c;
+}
+
+std::vector<float> run_losses(const RunConfig& c, Communicator* on, int stop_after = -1,
+                              const std::string& resume = "") {
+    TrainOptions o;
+    o.quiet = true;
+    o.stop_after = stop_after;
+    o.resume = resume;
+    Trainer t(c, o, on);
+    return t.run().losses;
+}
+
+TEST(StateFormatDist, ZeroStagesTrainAsOneProcessWithTheirShardsBytes) {
+    const int N = comm().size(), b = 2, steps = 8;
+    for (const char* format : {"bf16", "int8", "int4"}) {
+        for (int stage : {1, 2, 3}) {
+            const std::string what = std::string(format) + " zero" + std::to_string(stage);
+            RunConfig c =
+                wide_run(std::string("sfd_") + format + std::to_string(stage), steps, format);
+            c.train.batch_size = N * b;
+            RunConfig one = c;
+            one.train.micro_batch_size = N * b;
+            one.io.out_dir = c.io.out_dir + "_one" + std::to_string(comm().rank());
+            const std::vector<float> ref = run_losses(one, nullptr);
+
+            c.train.micro_batch_size = b;
+            c.train.zero_stage = stage;
+            TrainOptions quiet;
+            quiet.quiet = true;
+            Trainer t(c, quiet, &comm());
+            const std::vector<float> losses = t.run().losses;
+            ASSERT_EQ(losses.size(), ref.size()) << what;
+            // The tolerance the fp32 state meets (zero_test): the sums' order differs, and a
+            // moment that lands on a code boundary may round the other way.
+            for (std::size_t i = 0; i < ref.size(); i++)
+                EXPECT_NEAR(losses[i], ref[i], 1e-5 * std::abs(ref[i])) << what << " step " << i;
+
+            // This rank's optimizer state, in bytes, is its grain-cut shard's price.
+            const ParamLayout& layout = t.model().layout();
+            const StateFormat f = parse_state_format(format);
+            const ShardRange mine = grain_shard_ranges(0, (int64_t)layout.total, N,
+                                                       (int64_t)shard_grain(f))[comm().rank()];
+            if (f != StateFormat::Bf16) {
+                EXPECT_EQ(mine.offset % 256, 0) << what;
+            }
+            const MemoryStats m = host_memory().snapshot();
+            EXPECT_EQ(m[MemCategory::OptimizerState],
+                      optimizer_state_bytes(c.optim, layout, (std::size_t)mine.offset,
+                                            (std::size_t)mine.count))
+                << what;
+            EXPECT_LT(m[MemCategory::OptimizerState], 8 * (std::size_t)mine.count) << what;
+            expect_planned_rows_are_the_engines(t, what);
+        }
+    }
+}
+
+TEST(StateFormatDist, ACheckpointResumesBitwiseAndInOneProcess) {
+    const int N = comm().size(), steps = 10, cut = 5;
+    RunConfig c = wide_run("sfd_resume", steps, "int8");
+    c.train.batch_size = 2 * N;
+    c.train.micro_batch_size = 2;
+    c.train.zero_stage = 2;
+    const std::string base = c.io.out_dir;
+    c.io.out_dir = base + "_whole";
+    const std::vector<float> whole = run_losses(c, &comm());
+    c.io.out_dir = base + "_split";
+    run_losses(c, &comm(), cut);
+    const std::vector<float> rest = run_losses(c, &comm(), -1, c.io.out_dir);
+    ASSERT_EQ(rest.size(), (std::size_t)(steps - cut));
+    for (int i = 0; i < steps - cut; i++)
+        EXPECT_EQ(rest[i], whole[cut + i]) << "resumed at world " << N << ", step " << cut + i + 1;
+
+    // One process picks up the same checkpoint (the shards' files, read as one range).
+    RunConfig one = c;
+    one.train.zero_stage = 0;
+    one.train.micro_batch_size = 2 * N;
+    one.io.out_dir = base + "_one" + std::to_string(comm().rank());
+    const std::vector<float> single = run_losses(one, nullptr, -1, c.io.out_dir + "/ckpt_000005");
+    ASSERT_EQ(single.size(), (std::size_t)(steps - cut));
+    for (int i = 0; i < steps - cut; i++)
+        EXPECT_NEAR(single[i], whole[cut + i], 1e-5 * std::abs(whole[cut + i]))
+            << "one process from the world-" << N << " checkpoint, step " << cut + i + 1;
+    comm().barrier();
+}
+
+TEST(StateFormatDist, PipelinesSideBySideShardTheirStagesOnTheGrain) {
+    const int N = comm().size();
+    if (N % 2 != 0) GTEST_SKIP() << "two pipeline stages need an even world";
+    RunConfig c = wide_run("sfd_pipe", 6, "int8");
+    c.model.n_layer = 4;
+    c.train.pp = 2;
+    c.train.micro_batch_size = 2;
+    c.train.batch_size = 2 * (N / 2) * 3;
+    c.train.zero_stage = N / 2 > 1 ? 1 : 0;
+    TrainOptions quiet;
+    quiet.quiet = true;
+    Trainer t(c, quiet, &comm());
+    const std::vector<float> losses = t.run().losses;
+    expect_planned_rows_are_the_engines(t, "int8 pp 2");
+
+    RunConfig one = c;
+    one.train.pp = 1;
+    one.train.zero_stage = 0;
+    one.train.micro_batch_size = 2 * (N / 2);
+    one.io.out_dir = c.io.out_dir + "_one" + std::to_string(comm().rank());
+    const std::vector<float> ref = run_losses(one, nullptr);
+    ASSERT_EQ(losses.size(), ref.size());
+    for (std::size_t i = 0; i < ref.size(); i++)
+        EXPECT_NEAR(losses[i], ref[i], 1e-5 * std::abs(ref[i])) << "int8 pp 2, step " << i + 1;
+}
+
+}  // namespace
+}  // namespace memtrain::dist
