@@ -1,6 +1,8 @@
 // AdamW and SGD-with-momentum updates, parallel over each tensor of the layout.
 #include "optim/optimizer.h"
 
+#include <cblas.h>
+
 #include <algorithm>
 #include <cmath>
 
@@ -116,40 +118,36 @@ std::pair<std::size_t, std::size_t> whole_blocks(const MomentBuffer& m,
 // The largest block a MomentBuffer hands load()/store() (int8's 256, bf16's loop chunk).
 constexpr std::size_t kMaxBlock = 256;
 
-class AdamW final : public Optimizer {
-  public:
-    AdamW(const OptimConfig& cfg, const ParamLayout& layout, std::size_t offset, std::size_t count)
-        : Optimizer(layout, offset, count, parse_state_format(cfg.state_format)),
-          cfg_(cfg),
-          m_(format_, true, layout, offset, count),
-          v_(format_, false, layout, offset, count) {}
-
-    void step_part(float* params, const float* grads, double lr, std::size_t begin,
-                   std::size_t count) override {
-        const int64_t step = t_ + 1;
-        const float b1 = (float)cfg_.beta1, b2 = (float)cfg_.beta2, eps = (float)cfg_.eps;
-        const double bc1 = 1.0 - std::pow(cfg_.beta1, (double)step);
-        const double bc2 = 1.0 - std::pow(cfg_.beta2, (double)step);
-        const float step_size = (float)(lr / bc1);
-        const float bc2_sqrt = (float)std::sqrt(bc2);
-        // One update of n floats; every format runs this arithmetic on fp32 moments.
-        auto update = [=](float* p, const float* g, float* m, float* v, int64_t n, float decay) {
+// AdamW's step over moments in any format: the constants of step t (t_ + 1) and learning rate
+// lr, and the update of a range's segments, fp32 arrays in place or blocks decoded and encoded.
+struct AdamStep {
+    float b1, b2, eps, step_size, bc2_sqrt, decay_on;
+    AdamStep(const OptimConfig& cfg, double lr, int64_t step)
+        : b1((float)cfg.beta1),
+          b2((float)cfg.beta2),
+          eps((float)cfg.eps),
+          step_size((float)(lr / (1.0 - std::pow(cfg.beta1, (double)step)))),
+          bc2_sqrt((float)std::sqrt(1.0 - std::pow(cfg.beta2, (double)step))),
+          decay_on((float)(1.0 - lr * cfg.weight_decay)) {}
+    // One update of n floats; every format runs this arithmetic on fp32 moments.
+    void update(float* p, const float* g, float* m, float* v, int64_t n, float decay) const {
+        const float b1_ = b1, b2_ = b2, eps_ = eps, ss = step_size, bc = bc2_sqrt;
 #pragma omp simd
-            for (int64_t i = 0; i < n; i++) {
-                float gi = g[i];
-                float mi = b1 * m[i] + (1.0f - b1) * gi;
-                float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
-                m[i] = mi;
-                v[i] = vi;
-                float denom = std::sqrt(vi) / bc2_sqrt + eps;
-                p[i] = p[i] * decay - step_size * mi / denom;
-            }
-        };
-        auto decay_of = [&](const MomentBuffer::Segment& s) {
-            return layout_.tensors[s.tensor].decay ? (float)(1.0 - lr * cfg_.weight_decay) : 1.0f;
-        };
+        for (int64_t i = 0; i < n; i++) {
+            float gi = g[i];
+            float mi = b1_ * m[i] + (1.0f - b1_) * gi;
+            float vi = b2_ * v[i] + (1.0f - b2_) * gi * gi;
+            m[i] = mi;
+            v[i] = vi;
+            float denom = std::sqrt(vi) / bc + eps_;
+            p[i] = p[i] * decay - ss * mi / denom;
+        }
+    }
+    // The segments of m (and v, laid out alike) inside [begin, begin + count) of the range.
+    void run(const ParamLayout& layout, MomentBuffer& m_, MomentBuffer& v_, float* params,
+             const float* grads, std::size_t begin, std::size_t count) const {
         for_each_segment(m_, begin, count, [&](const auto& s, std::size_t lo, std::size_t hi) {
-            const float decay = decay_of(s);
+            const float decay = layout.tensors[s.tensor].decay ? decay_on : 1.0f;
             float* p = params + s.begin;
             const float* g = grads + s.begin;
             if (s.direct) {
@@ -175,6 +173,20 @@ class AdamW final : public Optimizer {
                 v_.store(s, k, v);
             }
         });
+    }
+};
+
+class AdamW final : public Optimizer {
+  public:
+    AdamW(const OptimConfig& cfg, const ParamLayout& layout, std::size_t offset, std::size_t count)
+        : Optimizer(layout, offset, count, parse_state_format(cfg.state_format)),
+          cfg_(cfg),
+          m_(format_, true, layout, offset, count),
+          v_(format_, false, layout, offset, count) {}
+
+    void step_part(float* params, const float* grads, double lr, std::size_t begin,
+                   std::size_t count) override {
+        AdamStep(cfg_, lr, t_ + 1).run(layout_, m_, v_, params, grads, begin, count);
     }
 
     std::vector<std::pair<std::string, MomentBuffer*>> moments() override {
@@ -242,7 +254,136 @@ class Sgd final : public Optimizer {
     MomentBuffer buf_;
 };
 
+// Muon (Jordan et al. 2024, as modded-nanogpt and nanochat run it) for the blocks' matrices: a
+// momentum buffer, updated as buf = lerp(buf, g, 1 - mu); the Nesterov direction
+// u = lerp(g, buf, mu); u orthogonalized by five quintic Newton-Schulz steps (newton_schulz5);
+// decoupled weight decay and a step of lr_muon x sqrt(max(1, fan_out / fan_in)). Every other
+// tensor (embeddings, gains, biases, an untied head) takes AdamW's step at the schedule's lr.
+// lr_muon follows the schedule too: optim.muon_lr x (lr / optim.lr).
+class Muon final : public Optimizer {
+  public:
+    Muon(const OptimConfig& cfg, const ParamLayout& layout, std::size_t offset, std::size_t count)
+        : Optimizer(layout, offset, count, parse_state_format(cfg.state_format)),
+          cfg_(cfg),
+          matrix_(muon_matrices(layout)),
+          rest_(complement(matrix_)),
+          m_(format_, true, layout, offset, count, rest_),
+          v_(format_, false, layout, offset, count, rest_),
+          buf_(format_, true, layout, offset, count, matrix_) {
+        for (std::size_t i = 0; i < layout.tensors.size(); i++) {
+            const ParamSpec& t = layout.tensors[i];
+            const bool in = t.offset >= offset && t.offset + t.numel <= offset + count;
+            const bool out = t.offset + t.numel <= offset || t.offset >= offset + count;
+            if (matrix_[i] && !in && !out)
+                fail(
+                    "optim.name = \"muon\" orthogonalizes whole matrices, and this optimizer's "
+                    "range [{}, {}) holds part of {} (ZeRO stages 1-3 shard matrices between "
+                    "ranks: set train.zero_stage = 0)",
+                    offset, offset + count, t.name);
+        }
+    }
+
+    void step_part(float* params, const float* grads, double lr, std::size_t begin,
+                   std::size_t count) override {
+        AdamStep(cfg_, lr, t_ + 1).run(layout_, m_, v_, params, grads, begin, count);
+        const float mu = (float)cfg_.muon_momentum;
+        const double lr_muon = cfg_.muon_lr * (lr / cfg_.lr);
+        for_each_segment(buf_, begin, count, [&](const auto& s, std::size_t lo, std::size_t hi) {
+            const ParamSpec& t = layout_.tensors[s.tensor];
+            if (lo != 0 || hi != s.n)
+                fail("internal: a Muon update of part of {} ([{}, {}) of {})", t.name, lo, hi, s.n);
+            float* p = params + s.begin;
+            const float* g = grads + s.begin;
+            // The momentum buffer, whole and in fp32 for the step.
+            std::vector<float> stored;
+            float* buf = s.direct ? buf_.direct(s) : nullptr;
+            if (!buf) {
+                stored.resize(s.n);
+                buf = stored.data();
+                for (std::size_t k = 0; k < s.blocks; k++)
+                    buf_.load(s, k, buf + buf_.block_span(s, k).first);
+            }
+            std::vector<float> u(s.n);
+            const int64_t n = (int64_t)s.n;
+#pragma omp parallel for simd schedule(static)
+            for (int64_t i = 0; i < n; i++) {
+                const float b = buf[i] + (1.0f - mu) * (g[i] - buf[i]);
+                buf[i] = b;
+                u[i] = g[i] + mu * (b - g[i]);
+            }
+            if (!s.direct)
+                for (std::size_t k = 0; k < s.blocks; k++)
+                    buf_.store(s, k, buf + buf_.block_span(s, k).first);
+            const int rows = (int)t.shape[0], cols = (int)t.shape[1];
+            newton_schulz5(u.data(), rows, cols);
+            const float decay = t.decay ? (float)(1.0 - lr_muon * cfg_.weight_decay) : 1.0f;
+            const float step =
+                (float)(lr_muon * std::sqrt(std::max(1.0, (double)cols / (double)rows)));
+#pragma omp parallel for simd schedule(static)
+            for (int64_t i = 0; i < n; i++) p[i] = p[i] * decay - step * u[i];
+        });
+    }
+
+    std::vector<std::pair<std::string, MomentBuffer*>> moments() override {
+        return {{"exp_avg", &m_}, {"exp_avg_sq", &v_}, {"momentum_buffer", &buf_}};
+    }
+
+  private:
+    static std::vector<char> complement(const std::vector<char>& m) {
+        std::vector<char> c(m.size());
+        for (std::size_t i = 0; i < m.size(); i++) c[i] = !m[i];
+        return c;
+    }
+    OptimConfig cfg_;
+    std::vector<char> matrix_, rest_;
+    MomentBuffer m_, v_, buf_;
+};
+
 }  // namespace
+
+std::vector<char> muon_matrices(const ParamLayout& layout) {
+    std::vector<char> m(layout.tensors.size());
+    for (std::size_t i = 0; i < m.size(); i++) {
+        const ParamSpec& t = layout.tensors[i];
+        m[i] = t.shape.size() == 2 && t.name.rfind("h.", 0) == 0;
+    }
+    return m;
+}
+
+void newton_schulz5(float* x, int rows, int cols) {
+    // Orthogonalize the wide orientation (r <= c): the result of the tall one is its transpose.
+    const bool tall = rows > cols;
+    const int r = tall ? cols : rows, c = tall ? rows : cols;
+    const std::size_t n = (std::size_t)r * c;
+    std::vector<float> X(n), Y(n), A((std::size_t)r * r), B((std::size_t)r * r);
+    if (tall) {
+        for (int i = 0; i < rows; i++)
+            for (int j = 0; j < cols; j++) X[(std::size_t)j * c + i] = x[(std::size_t)i * cols + j];
+    } else {
+        std::copy(x, x + n, X.data());
+    }
+    const float inv = (float)(1.0 / (std::sqrt(cpu::sum_squares(X.data(), (int64_t)n)) + 1e-7));
+    cpu::scale_inplace(X.data(), inv, (int64_t)n);
+    const float a = 3.4445f, b = -4.7750f, cq = 2.0315f;
+    for (int k = 0; k < 5; k++) {
+        // A = X X^T; B = b A + c A A; X = a X + B X.
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, r, r, c, 1.0f, X.data(), c, X.data(),
+                    c, 0.0f, A.data(), r);
+        B = A;
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, r, r, r, cq, A.data(), r, A.data(),
+                    r, b, B.data(), r);
+        Y = X;
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, r, c, r, 1.0f, B.data(), r, X.data(),
+                    c, a, Y.data(), c);
+        std::swap(X, Y);
+    }
+    if (tall) {
+        for (int i = 0; i < rows; i++)
+            for (int j = 0; j < cols; j++) x[(std::size_t)i * cols + j] = X[(std::size_t)j * c + i];
+    } else {
+        std::copy(X.begin(), X.end(), x);
+    }
+}
 
 std::unique_ptr<Optimizer> make_optimizer(const OptimConfig& cfg, const ParamLayout& layout,
                                           std::size_t offset, std::size_t count) {
@@ -251,19 +392,28 @@ std::unique_ptr<Optimizer> make_optimizer(const OptimConfig& cfg, const ParamLay
         fail("optimizer range starts at {}, past the {} parameters", offset, layout.total);
     count = std::min(count, layout.total - offset);
     if (cfg.name == "sgd") return std::make_unique<Sgd>(cfg, layout, offset, count);
+    if (cfg.name == "muon") return std::make_unique<Muon>(cfg, layout, offset, count);
     return std::make_unique<AdamW>(cfg, layout, offset, count);
 }
 
 std::size_t optimizer_state_bytes(const OptimConfig& cfg, const ParamLayout& layout,
                                   std::size_t offset, std::size_t count) {
+    const StateFormat f = parse_state_format(cfg.state_format);
+    if (cfg.name == "muon") {
+        std::vector<char> matrices = muon_matrices(layout), rest(matrices.size());
+        for (std::size_t i = 0; i < rest.size(); i++) rest[i] = !matrices[i];
+        return MomentBuffer::predicted_bytes(f, layout, offset, count, matrices) +
+               2 * MomentBuffer::predicted_bytes(f, layout, offset, count, rest);
+    }
     const std::size_t moments = cfg.name == "sgd" ? 1 : 2;
-    return moments * MomentBuffer::predicted_bytes(parse_state_format(cfg.state_format), layout,
-                                                   offset, count);
+    return moments * MomentBuffer::predicted_bytes(f, layout, offset, count);
 }
 
 std::string describe_optimizer_state(const OptimConfig& cfg) {
     const StateFormat f = parse_state_format(cfg.state_format);
-    const char* what = cfg.name == "sgd" ? "momentum" : "Adam m, v";
+    const char* what = cfg.name == "sgd"    ? "momentum"
+                       : cfg.name == "muon" ? "Muon momentum on block matrices, Adam m, v else"
+                                            : "Adam m, v";
     if (f == StateFormat::Fp32) return what;
     if (f == StateFormat::Bf16)
         return fmt::format("{} in bf16; tensors < {} in fp32", what, kKeepFp32Below);

@@ -108,6 +108,14 @@ std::size_t optimizer_state_bytes(const OptimConfig& cfg, const ParamLayout& lay
                                   std::size_t offset, std::size_t count);
 std::string describe_optimizer_state(const OptimConfig& cfg);
 
+// The tensors optim.name = "muon" orthogonalizes: the blocks' 2-D matrices ("h.*" with two
+// dimensions), per tensor of the layout; the others take AdamW's step.
+std::vector<char> muon_matrices(const ParamLayout& layout);
+// Five quintic Newton-Schulz steps (coefficients 3.4445, -4.7750, 2.0315) on the rows x cols
+// row-major matrix x, in place: x / ||x||_F moved toward the nearest semi-orthogonal matrix
+// (Muon's orthogonalization, in fp32). The tall orientation is orthogonalized as its transpose.
+void newton_schulz5(float* x, int rows, int cols);
+
 // count = SIZE_MAX: to the end of the buffer.
 std::unique_ptr<Optimizer> make_optimizer(const OptimConfig& cfg, const ParamLayout& layout,
                                           std::size_t offset = 0, std::size_t count = SIZE_MAX);

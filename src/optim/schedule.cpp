@@ -10,8 +10,11 @@
 namespace memtrain {
 
 void OptimConfig::validate() const {
-    if (name != "adamw" && name != "sgd")
-        fail("optim.name = \"{}\": expected \"adamw\" or \"sgd\"", name);
+    if (name != "adamw" && name != "sgd" && name != "muon")
+        fail("optim.name = \"{}\": expected \"adamw\", \"sgd\" or \"muon\"", name);
+    if (!(muon_lr > 0)) fail("optim.muon_lr must be positive, got {}", muon_lr);
+    if (muon_momentum < 0 || muon_momentum >= 1)
+        fail("optim.muon_momentum must be in [0, 1), got {}", muon_momentum);
     if (!(lr > 0)) fail("optim.lr must be positive, got {}", lr);
     if (min_lr_ratio < 0 || min_lr_ratio > 1)
         fail("optim.min_lr_ratio must be in [0, 1], got {}", min_lr_ratio);
@@ -31,11 +34,11 @@ void OptimConfig::validate() const {
         fail("optim.cooldown = \"{}\": expected \"linear\" or \"1-sqrt\"", cooldown);
     if (lr_scaling != "none" && lr_scaling != "linear" && lr_scaling != "sqrt")
         fail("optim.lr_scaling = \"{}\": expected \"none\", \"linear\" or \"sqrt\"", lr_scaling);
-    if (parse_state_format(state_format) == StateFormat::Int4 && name != "adamw")
+    if (parse_state_format(state_format) == StateFormat::Int4 && name == "sgd")
         fail(
-            "optim.state_format = \"int4\" needs optim.name = \"adamw\": SGD's momentum is its "
+            "optim.state_format = \"int4\" with optim.name = \"sgd\": SGD's momentum is its "
             "whole update, and 4-bit codes would move it by up to a sixth of its block's largest "
-            "value each step (use \"int8\" or \"bf16\")");
+            "value each step (use \"int8\" or \"bf16\", or optim.name = \"adamw\")");
     if (lr_scaling != "none" && lr_reference_batch <= 0)
         fail(
             "optim.lr_scaling = \"{}\" needs optim.lr_reference_batch (tokens per step the lr "

@@ -190,15 +190,21 @@ std::size_t int4_bytes(std::size_t n, std::size_t first_len, std::size_t B) {
 }
 
 SegmentPlan plan_segments(StateFormat f, const ParamLayout& layout, std::size_t offset,
-                          std::size_t count) {
+                          std::size_t count, const std::vector<char>& only) {
+    if (!only.empty() && only.size() != layout.tensors.size())
+        fail("internal: a moment's tensor mask has {} entries for {} tensors", only.size(),
+             layout.tensors.size());
     if (offset > layout.total || count > layout.total - offset)
         fail("internal: moment range [{}, {} + {}) is outside the {} parameters", offset, offset,
              count, layout.total);
     SegmentPlan p;
-    if (f == StateFormat::Fp32) p.fp32 = count;  // one array over the range, gaps included
+    // fp32 over every tensor: one array over the range, gaps included.
+    const bool whole = f == StateFormat::Fp32 && only.empty();
+    if (whole) p.fp32 = count;
     const std::size_t B = grid(f);
     for (std::size_t ti = 0; ti < layout.tensors.size(); ti++) {
         const ParamSpec& t = layout.tensors[ti];
+        if (!only.empty() && !only[ti]) continue;
         const std::size_t lo = std::max(t.offset, offset);
         const std::size_t hi = std::min(t.offset + t.numel, offset + count);
         if (lo >= hi) continue;
@@ -208,8 +214,8 @@ SegmentPlan plan_segments(StateFormat f, const ParamLayout& layout, std::size_t 
         s.n = hi - lo;
         s.direct = keeps_fp32(f, t);
         if (s.direct) {
-            s.at = f == StateFormat::Fp32 ? s.begin : p.fp32;
-            if (f != StateFormat::Fp32) p.fp32 += s.n;
+            s.at = whole ? s.begin : p.fp32;
+            if (!whole) p.fp32 += s.n;
         } else {
             s.first_len = std::min(s.n, B - lo % B);
             s.blocks = 1 + (s.n - s.first_len + B - 1) / B;
@@ -231,9 +237,12 @@ SegmentPlan plan_segments(StateFormat f, const ParamLayout& layout, std::size_t 
 }  // namespace
 
 MomentBuffer::MomentBuffer(StateFormat f, bool is_signed, const ParamLayout& layout,
-                           std::size_t offset, std::size_t count)
-    : format_(f), signed_(is_signed) {
-    SegmentPlan p = plan_segments(f, layout, offset, count);
+                           std::size_t offset, std::size_t count, const std::vector<char>& only)
+    : format_(f),
+      signed_(is_signed),
+      whole_(f == StateFormat::Fp32 && only.empty()),
+      count_(count) {
+    SegmentPlan p = plan_segments(f, layout, offset, count, only);
     segs_ = std::move(p.segs);
     if (p.fp32) fp32_ = Buffer<float>(p.fp32, MemCategory::OptimizerState);
     if (p.bf16) bf16_ = Buffer<uint16_t>(p.bf16, MemCategory::OptimizerState);
@@ -243,8 +252,9 @@ MomentBuffer::MomentBuffer(StateFormat f, bool is_signed, const ParamLayout& lay
 }
 
 std::size_t MomentBuffer::predicted_bytes(StateFormat f, const ParamLayout& layout,
-                                          std::size_t offset, std::size_t count) {
-    const SegmentPlan p = plan_segments(f, layout, offset, count);
+                                          std::size_t offset, std::size_t count,
+                                          const std::vector<char>& only) {
+    const SegmentPlan p = plan_segments(f, layout, offset, count, only);
     return 4 * p.fp32 + 2 * p.bf16 + p.code_bytes + 4 * p.scales;
 }
 
@@ -253,7 +263,7 @@ std::size_t MomentBuffer::bytes() const {
 }
 
 const float* MomentBuffer::whole_fp32() const {
-    return format_ == StateFormat::Fp32 ? fp32_.data() : nullptr;
+    return whole_ ? fp32_.data() : nullptr;
 }
 
 std::pair<std::size_t, std::size_t> MomentBuffer::block_span(const Segment& s,
@@ -322,6 +332,7 @@ void MomentBuffer::read(float* dst) const {
         std::copy(p, p + fp32_.size(), dst);
         return;
     }
+    std::fill(dst, dst + count_, 0.0f);  // what no segment covers reads as zero
     for (const Segment& s : segs_) {
         if (s.direct) {
             std::copy(fp32_.data() + s.at, fp32_.data() + s.at + s.n, dst + s.begin);
@@ -334,7 +345,7 @@ void MomentBuffer::read(float* dst) const {
 }
 
 void MomentBuffer::write(const float* src) {
-    if (format_ == StateFormat::Fp32) {
+    if (whole_) {
         std::copy(src, src + fp32_.size(), fp32_.data());
         return;
     }

@@ -80,8 +80,11 @@ class MomentBuffer {
     };
 
     MomentBuffer() = default;
+    // `only`: per tensor of the layout, whether the moment covers it (empty: every tensor). An
+    // optimizer that keeps different state for different tensors (Muon) holds masked moments;
+    // what a moment does not cover reads as zero and takes no bytes.
     MomentBuffer(StateFormat f, bool is_signed, const ParamLayout& layout, std::size_t offset,
-                 std::size_t count);
+                 std::size_t count, const std::vector<char>& only = {});
 
     StateFormat format() const { return format_; }
     const std::vector<Segment>& segments() const { return segs_; }
@@ -102,11 +105,13 @@ class MomentBuffer {
     // Bytes a moment of this format takes over [offset, offset + count), as the constructor
     // allocates them (the memory plan prices optimizer state with it).
     static std::size_t predicted_bytes(StateFormat f, const ParamLayout& layout, std::size_t offset,
-                                       std::size_t count);
+                                       std::size_t count, const std::vector<char>& only = {});
 
   private:
     StateFormat format_ = StateFormat::Fp32;
     bool signed_ = true;
+    bool whole_ = false;  // one fp32 array over the whole range (fp32, every tensor)
+    std::size_t count_ = 0;
     std::vector<Segment> segs_;
     Buffer<float> fp32_;     // direct segments
     Buffer<uint16_t> bf16_;  // bf16 segments

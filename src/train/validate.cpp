@@ -223,6 +223,23 @@ void validate_ps(const RunConfig& cfg) {
 // optim.state_format other than fp32: what is built (the CPU engine's whole-model and LoRA
 // optimizers under DDP and ZeRO 0-3, and pipeline stages) and, by name, what is not yet.
 void validate_state_format(const RunConfig& cfg) {
+    if (cfg.optim.name == "muon") {
+        // Muon orthogonalizes each block matrix whole: every layout where one rank's optimizer
+        // holds whole matrices (one process, DDP, pipeline stages, a parameter server's units).
+        auto refuse = [&](const std::string& keys, const char* why) {
+            fail("optim.name = \"muon\" does not run with {} yet: {}", keys, why);
+        };
+        if (cfg.train.device == "cuda")
+            refuse("train.device = \"cuda\"", "its step is built on the CPU engine so far");
+        if (cfg.train.tp > 1)
+            refuse(fmt::format("train.tp = {}", cfg.train.tp),
+                   "each rank holds slices of the matrices, and Newton-Schulz needs them whole");
+        if (cfg.train.zero_stage > 0 && cfg.world > 1)
+            refuse(fmt::format("train.zero_stage = {}", cfg.train.zero_stage),
+                   "ZeRO shards cut the matrices between ranks, and Newton-Schulz needs each one "
+                   "whole on one rank (set train.zero_stage = 0: every rank then steps every "
+                   "matrix, as DDP does)");
+    }
     const StateFormat f = parse_state_format(cfg.optim.state_format);
     if (f == StateFormat::Fp32) return;
     auto refuse = [&](const std::string& keys, const char* why) {

@@ -137,5 +137,26 @@ TEST(StateFormatDist, PipelinesSideBySideShardTheirStagesOnTheGrain) {
         EXPECT_NEAR(losses[i], ref[i], 1e-5 * std::abs(ref[i])) << "int8 pp 2, step " << i + 1;
 }
 
+// Muon's whole-matrix step under DDP: every rank steps every matrix on the all-reduced
+// gradients, as one process does; under ZeRO 1-3 it is refused on every rank.
+TEST(StateFormatDist, MuonUnderDdpTrainsAsOneProcess) {
+    const int N = comm().size(), b = 2;
+    RunConfig c = wide_run("sfd_muon", 6, "int8");
+    c.optim.name = "muon";
+    c.train.batch_size = N * b;
+    RunConfig one = c;
+    one.train.micro_batch_size = N * b;
+    one.io.out_dir = c.io.out_dir + "_one" + std::to_string(comm().rank());
+    const std::vector<float> ref = run_losses(one, nullptr);
+    c.train.micro_batch_size = b;
+    const std::vector<float> losses = run_losses(c, &comm());
+    ASSERT_EQ(losses.size(), ref.size());
+    for (std::size_t i = 0; i < ref.size(); i++)
+        EXPECT_NEAR(losses[i], ref[i], 1e-5 * std::abs(ref[i])) << "muon ddp, step " << i + 1;
+    RunConfig zero = c;
+    zero.train.zero_stage = 2;
+    expect_refused(zero, "train.zero_stage = 2");
+}
+
 }  // namespace
 }  // namespace memtrain::dist

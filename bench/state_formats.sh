@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Compressed optimizer states and Muon against fp32 AdamW on the CPU engine (issue 30): the same
+# run with optim.state_format = fp32, bf16, int8 and int4, and with optim.name = muon (fp32
+# state), on the fortunes corpus. For each it prints the
+# validation loss at every eval (the curve), the final validation loss and its ratio to fp32's,
+# tokens/s, and the model-state bytes per parameter measured by the allocator (parameters +
+# gradients + optimizer state, over the model's parameters), with the optimizer state measured
+# against predicted.
+# Usage: bench/state_formats.sh [BUILD] [STEPS] [MODEL]   (OPTIONS="fp32 int8" to run fewer;
+#        fp32 always runs first, as the reference)
+#   MODEL demo (default): configs/demo.toml, 6 x 384, batch 8 x 128
+#   MODEL 124m: GPT-2 124M's blocks (12 x 768) over the corpus' 4096-token vocabulary (88M
+#               parameters), batch 4 x 128, a learning rate of 6e-4
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUILD=${1:-build}
+STEPS=${2:-300}
+MODEL=${3:-demo}
+BIN=$BUILD/memtrain
+[ -f data/fortunes/train.bin ] || make BUILD="$BUILD" data/fortunes/train.bin >/dev/null
+OUT=out/state_formats_$MODEL
+mkdir -p "$OUT"
+EVERY=$((STEPS / 6 > 0 ? STEPS / 6 : 1))
+case $MODEL in
+    demo) SHAPE=() ;;
+    124m) SHAPE=(model.n_layer=12 model.n_head=12 model.n_embd=768 train.batch_size=4
+                 optim.lr=6e-4) ;;
+    *) echo "MODEL must be demo or 124m, got $MODEL" >&2; exit 2 ;;
+esac
+OPTIONS=${OPTIONS:-fp32 bf16 int8 int4 muon}
+OPTIONS="fp32 $(echo $OPTIONS | tr ' ' '\n' | grep -v '^fp32$' | tr '\n' ' ')"
+for f in $OPTIONS; do
+    case $f in
+        muon) opt=(optim.name=muon) ;;
+        *) opt=(optim.state_format=$f) ;;
+    esac
+    if [ "${REUSE:-0}" = 1 ] && [ -f "$OUT/$f/memory.json" ]; then continue; fi
+    echo "training $MODEL with ${opt[*]} ($STEPS steps) ..." >&2
+    "$BIN" train configs/demo.toml --overwrite --set io.out_dir=$OUT/$f train.device=cpu \
+        train.max_steps=$STEPS train.eval_every=$EVERY train.eval_batches=16 \
+        io.checkpoint_every=0 io.save_final=false sample.max_tokens=0 "${opt[@]}" \
+        "${SHAPE[@]}" >"$OUT/$f.log" 2>&1 || { tail -20 "$OUT/$f.log"; exit 1; }
+done
+python3 - "$OUT" "$MODEL" "$STEPS" $OPTIONS <<'PY'
+import json, sys
+out, model, steps, options = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+rows = {}
+for f in options:
+    lines = [json.loads(l) for l in open("%s/%s/metrics.jsonl" % (out, f))]
+    steps_ = [l for l in lines if "loss" in l]
+    vals = [(l["step"], l["val_loss"]) for l in lines if "val_loss" in l]
+    mem = {c["name"]: c for c in json.load(open("%s/%s/memory.json" % (out, f)))["categories"]}
+    params = mem["parameters"]["peak"] / 4  # fp32 parameters on the CPU engine
+    state = sum(mem[k]["peak"] for k in ("parameters", "gradients", "optimizer_state"))
+    tok = sorted(l["tokens_per_s"] for l in steps_[len(steps_) // 5:])
+    rows[f] = dict(vals=vals, tok=tok[len(tok) // 2], bpp=state / params,
+                   opt=mem["optimizer_state"]["peak"], pred=mem["optimizer_state"]["predicted"],
+                   params=params)
+ref = rows["fp32"]
+print("%s model (%.1fM parameters), %s steps on the fortunes corpus, 2 CPU cores" %
+      (model, ref["params"] / 1e6, steps))
+print()
+print("| option | val loss by step | final val | vs fp32 | tokens/s (median) | vs fp32 "
+      "| optimizer state MiB (predicted) | model state B/param | vs fp32 |")
+print("|---|---|---|---|---|---|---|---|---|")
+for f, r in rows.items():
+    curve = " ".join("%d:%.3f" % v for v in r["vals"])
+    final = r["vals"][-1][1]
+    print("| %s | %s | %.4f | %+.2f%% | %.0f | %.2fx | %.2f (%.2f) | %.2f | %.2fx less |" % (
+        f, curve, final, 100 * (final / ref["vals"][-1][1] - 1), r["tok"], r["tok"] / ref["tok"],
+        r["opt"] / 1048576, r["pred"] / 1048576, r["bpp"], ref["bpp"] / r["bpp"]))
+PY
