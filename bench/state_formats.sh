@@ -7,7 +7,7 @@
 # gradients + optimizer state, over the model's parameters), with the optimizer state measured
 # against predicted.
 # Usage: bench/state_formats.sh [BUILD] [STEPS] [MODEL]   (OPTIONS="fp32 int8" to run fewer;
-#        fp32 always runs first, as the reference)
+#        fp32 always runs first, as the reference; REUSE=1 keeps the runs already in out/)
 #   MODEL demo (default): configs/demo.toml, 6 x 384, batch 8 x 128
 #   MODEL 124m: GPT-2 124M's blocks (12 x 768) over the corpus' 4096-token vocabulary (88M
 #               parameters), batch 4 x 128, a learning rate of 6e-4
