@@ -34,7 +34,10 @@ for f in $OPTIONS; do
         muon) opt=(optim.name=muon) ;;
         *) opt=(optim.state_format=$f) ;;
     esac
-    if [ "${REUSE:-0}" = 1 ] && [ -f "$OUT/$f/memory.json" ]; then continue; fi
+    # REUSE=1: a run that finished (its log has the last step's line) is kept.
+    if [ "${REUSE:-0}" = 1 ] && grep -q "step *$STEPS/$STEPS" "$OUT/$f.log" 2>/dev/null; then
+        continue
+    fi
     echo "training $MODEL with ${opt[*]} ($STEPS steps) ..." >&2
     "$BIN" train configs/demo.toml --overwrite --set io.out_dir=$OUT/$f train.device=cpu \
         train.max_steps=$STEPS train.eval_every=$EVERY train.eval_batches=16 \
