@@ -10,6 +10,7 @@
 
 #include "core/allocator.h"
 #include "core/error.h"
+#include "model/lora.h"
 #include "optim/optimizer.h"
 #include "test_util.h"
 #include "train/trainer.h"
@@ -146,4 +147,37 @@ TEST(StateFormatTrain, LayoutsNotBuiltYetAreRefusedByName) {
     sgd.optim.name = "sgd";
     sgd.optim.state_format = "int4";
     refused(sgd, "optim.name");
+}
+
+// LoRA's adapters under compressed moments: rank 16 over a 256-wide model makes each adapter
+// 4096 elements or more, so they are stored in int8; the rows are the plan's, and a resume is
+// bitwise.
+TEST(StateFormatTrain, LoraAdaptersInInt8ResumeBitwise) {
+    auto lora_cfg = [](const std::string& name) {
+        RunConfig c = test::tiny_run(test::temp_dir(name), 10);
+        c.model.n_embd = 256;
+        c.model.n_head = 4;
+        c.lora.rank = 16;
+        c.lora.alpha = 32;
+        c.lora.targets = "all";
+        c.optim.lr = 1e-2;
+        c.optim.state_format = "int8";
+        c.io.save_final = false;
+        return c;
+    };
+    RunConfig c = lora_cfg("sft_lora_whole");
+    Trainer a(c, test::quiet());
+    const TrainSummary sa = a.run();
+    std::size_t predicted = 0;
+    for (const MemoryPrediction& p : a.plan().memory)
+        if (p.category == MemCategory::OptimizerState) predicted = p.bytes;
+    EXPECT_EQ(host_memory().snapshot()[MemCategory::OptimizerState], predicted);
+    RunConfig fp32 = c;
+    fp32.optim.state_format = "fp32";
+    const ParamLayout adapters = make_lora_layout(c.model, c.lora).params;
+    EXPECT_LT(predicted, optimizer_state_bytes(fp32.optim, adapters, 0, adapters.total) / 3);
+    TrainSummary sb;
+    auto b = test::train_stop_and_resume(lora_cfg("sft_lora_split"), 5, sb);
+    ASSERT_EQ(sb.losses.size(), 5u);
+    for (int i = 0; i < 5; i++) EXPECT_EQ(sb.losses[i], sa.losses[5 + i]) << i;
 }
