@@ -159,6 +159,13 @@ void write_file(const std::string& path, const std::string& text) {
     if (!out) fail("error writing {}", path);
 }
 
+// --state-format's value, refused naming the flag.
+StateFormat state_format_flag(const std::string& v) {
+    if (v != "fp32" && v != "bf16" && v != "int8" && v != "int4")
+        fail("--state-format {}: expected fp32, bf16, int8 or int4", v);
+    return parse_state_format(v);
+}
+
 void register_estimate(CLI::App& app) {
     auto* cmd = app.add_subcommand("estimate", "per-GPU memory (and step time) of one layout");
     struct Args {
@@ -227,7 +234,7 @@ void register_estimate(CLI::App& app) {
         RunSpec r = a->run;
         r.precision = parse_precision(a->precision, &r.fp32_master);
         r.optimizer = parse_optimizer(a->optimizer);
-        r.state_format = parse_state_format(a->state_format);
+        r.state_format = state_format_flag(a->state_format);
         r.recompute = parse_recompute(a->recompute);
         r.offload = parse_offload(a->offload);
         r.schedule = parse_schedule(a->schedule);
@@ -351,7 +358,7 @@ void register_plan_cmd(CLI::App& app) {
         const ClusterSpec c =
             make_cluster(a->gpu, cmd, gpus, {s.precision == Precision::fp32, !a->no_offload});
         s.optimizer = parse_optimizer(a->optimizer);
-        s.state_format = parse_state_format(a->state_format);
+        s.state_format = state_format_flag(a->state_format);
         s.state_fallback = !check.given("--state-format");
         s.flash_attention = !a->no_flash;
         s.allow_offload = !a->no_offload;

@@ -85,6 +85,8 @@ TEST(PlanCli, RefusesImpossibleNumbersNamingTheFlag) {
         {"estimate gpt2 --frozen-bits 4", {"--frozen-bits 4", "--lora-rank"}},
         {"estimate gpt2 --lora-rank -1", {"--lora-rank", "-1"}},
         {"estimate gpt2 --lora-targets all", {"--lora-targets", "--lora-rank"}},
+        {"estimate gpt2 --state-format int9", {"--state-format", "int9", "int8"}},
+        {"plan gpt2 --gpus 1 --state-format fp8", {"--state-format", "fp8"}},
     };
     for (const auto& c : cases) expect_refusal(c.args, c.expect);
 }
