@@ -51,9 +51,7 @@ std::vector<int64_t> counts_of(std::span<const ShardRange> ranges) {
 }
 
 std::vector<int64_t> shard_counts(int64_t total, int world) {
-    std::vector<int64_t> counts;
-    for (const ShardRange& r : shard_ranges(total, world)) counts.push_back(r.count);
-    return counts;
+    return counts_of(shard_ranges(total, world));
 }
 
 std::vector<ShardRange> padded_shard_ranges(int64_t total, int world) {

@@ -41,9 +41,7 @@ std::vector<MemoryPrediction> zero_state_rows(const RunConfig& cfg, const ParamL
     const dist::ShardSpec spec = dist::shard_spec(cfg.train.zero_stage);
     const std::size_t psi = layout.total;
     const dist::ShardRange mine =
-        dist::grain_shard_ranges(0, (int64_t)psi, world,
-                                 (int64_t)shard_grain(parse_state_format(cfg.optim.state_format)))
-            .at(rank);
+        dist::grain_shard_ranges(0, (int64_t)psi, world, (int64_t)shard_grain(cfg.optim)).at(rank);
     const std::size_t shard = (std::size_t)mine.count;
     auto n = [&](dist::Placement p) {
         return (std::size_t)dist::held(p, (int64_t)psi, (int64_t)shard);
@@ -243,7 +241,7 @@ StageFootprint stage_footprint(const RunPlan& plan, const RematPlan& remat, int 
     f.replicas = plan.mesh.dp;
     f.piece = f.replicas > 1 && dist::sharded(plan.states.optimizer);
     // ZeRO-1 across pipelines: this replica's piece of the (one) chunk, as ReplicaSync cuts it.
-    const int64_t grain = (int64_t)shard_grain(parse_state_format(plan.cfg.optim.state_format));
+    const int64_t grain = (int64_t)shard_grain(plan.cfg.optim);
     f.updated = 0;
     for (const auto& [b, e] : ranges) {
         dist::ShardRange own{0, (int64_t)(e - b)};

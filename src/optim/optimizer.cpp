@@ -4,6 +4,7 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 
 #include <fmt/format.h>
@@ -118,6 +119,48 @@ std::pair<std::size_t, std::size_t> whole_blocks(const MomentBuffer& m,
 // The largest block a MomentBuffer hands load()/store() (int8's 256, bf16's loop chunk).
 constexpr std::size_t kMaxBlock = 256;
 
+// An element-wise update over the segments of K moments laid out alike (ms[0]'s segmentation)
+// inside [begin, begin + count) of the range: update(s, p, g, state, n) on fp32 segments in place,
+// in parallel chunks of 4096, and on stored ones a block at a time, decoded and encoded again.
+template <std::size_t K, typename F>
+void update_segments(const std::array<MomentBuffer*, K>& ms, float* params, const float* grads,
+                     std::size_t begin, std::size_t count, F&& update) {
+    for_each_segment(*ms[0], begin, count, [&](const auto& s, std::size_t lo, std::size_t hi) {
+        float* p = params + s.begin;
+        const float* g = grads + s.begin;
+        if (s.direct) {
+            const int64_t chunk = 4096, n = (int64_t)(hi - lo);
+#pragma omp parallel for schedule(static)
+            for (int64_t c = 0; c < n; c += chunk) {
+                const int64_t i = (int64_t)lo + c;
+                std::array<float*, K> st;
+                for (std::size_t j = 0; j < K; j++) st[j] = ms[j]->direct(s) + i;
+                update(s, p + i, g + i, st, std::min(chunk, n - c));
+            }
+            return;
+        }
+        const auto [k0, k1] = whole_blocks(*ms[0], s, lo, hi);
+#pragma omp parallel for schedule(static)
+        for (std::size_t k = k0; k < k1; k++) {
+            float blocks[K][kMaxBlock];
+            std::array<float*, K> st;
+            const auto [start, len] = ms[0]->block_span(s, k);
+            for (std::size_t j = 0; j < K; j++) {
+                st[j] = blocks[j];
+                ms[j]->load(s, k, st[j]);
+            }
+            update(s, p + start, g + start, st, (int64_t)len);
+            for (std::size_t j = 0; j < K; j++) ms[j]->store(s, k, st[j]);
+        }
+    });
+}
+
+std::vector<char> complement(const std::vector<char>& mask) {
+    std::vector<char> c(mask.size());
+    for (std::size_t i = 0; i < mask.size(); i++) c[i] = !mask[i];
+    return c;
+}
+
 // AdamW's step over moments in any format: the constants of step t (t_ + 1) and learning rate
 // lr, and the update of a range's segments, fp32 arrays in place or blocks decoded and encoded.
 struct AdamStep {
@@ -144,35 +187,14 @@ struct AdamStep {
         }
     }
     // The segments of m (and v, laid out alike) inside [begin, begin + count) of the range.
-    void run(const ParamLayout& layout, MomentBuffer& m_, MomentBuffer& v_, float* params,
+    void run(const ParamLayout& layout, MomentBuffer& m, MomentBuffer& v, float* params,
              const float* grads, std::size_t begin, std::size_t count) const {
-        for_each_segment(m_, begin, count, [&](const auto& s, std::size_t lo, std::size_t hi) {
-            const float decay = layout.tensors[s.tensor].decay ? decay_on : 1.0f;
-            float* p = params + s.begin;
-            const float* g = grads + s.begin;
-            if (s.direct) {
-                float* m = m_.direct(s);
-                float* v = v_.direct(s);
-                const int64_t chunk = 4096, n = (int64_t)(hi - lo);
-#pragma omp parallel for schedule(static)
-                for (int64_t c = 0; c < n; c += chunk) {
-                    const int64_t i = (int64_t)lo + c;
-                    update(p + i, g + i, m + i, v + i, std::min(chunk, n - c), decay);
-                }
-                return;
-            }
-            const auto [k0, k1] = whole_blocks(m_, s, lo, hi);
-#pragma omp parallel for schedule(static)
-            for (std::size_t k = k0; k < k1; k++) {
-                float m[kMaxBlock], v[kMaxBlock];
-                const auto [start, len] = m_.block_span(s, k);
-                m_.load(s, k, m);
-                v_.load(s, k, v);
-                update(p + start, g + start, m, v, (int64_t)len, decay);
-                m_.store(s, k, m);
-                v_.store(s, k, v);
-            }
-        });
+        update_segments<2>({&m, &v}, params, grads, begin, count,
+                           [&](const MomentBuffer::Segment& s, float* p, const float* g,
+                               const std::array<float*, 2>& st, int64_t n) {
+                               const float decay = layout.tensors[s.tensor].decay ? decay_on : 1.0f;
+                               update(p, g, st[0], st[1], n, decay);
+                           });
     }
 };
 
@@ -219,30 +241,12 @@ class Sgd final : public Optimizer {
                 p[i] -= flr * d;
             }
         };
-        for_each_segment(buf_, begin, count, [&](const auto& s, std::size_t lo, std::size_t hi) {
-            const float wd = layout_.tensors[s.tensor].decay ? (float)cfg_.weight_decay : 0.0f;
-            float* p = params + s.begin;
-            const float* g = grads + s.begin;
-            if (s.direct) {
-                float* b = buf_.direct(s);
-                const int64_t chunk = 4096, n = (int64_t)(hi - lo);
-#pragma omp parallel for schedule(static)
-                for (int64_t c = 0; c < n; c += chunk) {
-                    const int64_t i = (int64_t)lo + c;
-                    update(p + i, g + i, b + i, std::min(chunk, n - c), wd);
-                }
-                return;
-            }
-            const auto [k0, k1] = whole_blocks(buf_, s, lo, hi);
-#pragma omp parallel for schedule(static)
-            for (std::size_t k = k0; k < k1; k++) {
-                float b[kMaxBlock];
-                const auto [start, len] = buf_.block_span(s, k);
-                buf_.load(s, k, b);
-                update(p + start, g + start, b, (int64_t)len, wd);
-                buf_.store(s, k, b);
-            }
-        });
+        update_segments<1>({&buf_}, params, grads, begin, count,
+                           [&](const MomentBuffer::Segment& s, float* p, const float* g,
+                               const std::array<float*, 1>& st, int64_t n) {
+                               const bool decays = layout_.tensors[s.tensor].decay;
+                               update(p, g, st[0], n, decays ? (float)cfg_.weight_decay : 0.0f);
+                           });
     }
 
     std::vector<std::pair<std::string, MomentBuffer*>> moments() override {
@@ -300,8 +304,7 @@ class Muon final : public Optimizer {
             if (!buf) {
                 stored.resize(s.n);
                 buf = stored.data();
-                for (std::size_t k = 0; k < s.blocks; k++)
-                    buf_.load(s, k, buf + buf_.block_span(s, k).first);
+                buf_.load_segment(s, buf);
             }
             std::vector<float> u(s.n);
             const int64_t n = (int64_t)s.n;
@@ -311,9 +314,7 @@ class Muon final : public Optimizer {
                 buf[i] = b;
                 u[i] = g[i] + mu * (b - g[i]);
             }
-            if (!s.direct)
-                for (std::size_t k = 0; k < s.blocks; k++)
-                    buf_.store(s, k, buf + buf_.block_span(s, k).first);
+            if (!s.direct) buf_.store_segment(s, buf);
             const int rows = (int)t.shape[0], cols = (int)t.shape[1];
             newton_schulz5(u.data(), rows, cols);
             const float decay = t.decay ? (float)(1.0 - lr_muon * cfg_.weight_decay) : 1.0f;
@@ -329,11 +330,6 @@ class Muon final : public Optimizer {
     }
 
   private:
-    static std::vector<char> complement(const std::vector<char>& m) {
-        std::vector<char> c(m.size());
-        for (std::size_t i = 0; i < m.size(); i++) c[i] = !m[i];
-        return c;
-    }
     OptimConfig cfg_;
     std::vector<char> matrix_, rest_;
     MomentBuffer m_, v_, buf_;
@@ -400,10 +396,9 @@ std::size_t optimizer_state_bytes(const OptimConfig& cfg, const ParamLayout& lay
                                   std::size_t offset, std::size_t count) {
     const StateFormat f = parse_state_format(cfg.state_format);
     if (cfg.name == "muon") {
-        std::vector<char> matrices = muon_matrices(layout), rest(matrices.size());
-        for (std::size_t i = 0; i < rest.size(); i++) rest[i] = !matrices[i];
+        const std::vector<char> matrices = muon_matrices(layout);
         return MomentBuffer::predicted_bytes(f, layout, offset, count, matrices) +
-               2 * MomentBuffer::predicted_bytes(f, layout, offset, count, rest);
+               2 * MomentBuffer::predicted_bytes(f, layout, offset, count, complement(matrices));
     }
     const std::size_t moments = cfg.name == "sgd" ? 1 : 2;
     return moments * MomentBuffer::predicted_bytes(f, layout, offset, count);

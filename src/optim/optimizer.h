@@ -73,8 +73,7 @@ class Optimizer : public OptimizerState {
     void advance() { t_++; }
     // Named moments over the range, in their storage format (for checkpoints).
     virtual std::vector<std::pair<std::string, MomentBuffer*>> moments() = 0;
-    // The format the moments are stored in, and their bytes in all.
-    StateFormat state_format() const { return format_; }
+    // The moments' bytes in all.
     std::size_t state_bytes();
     int64_t steps_taken() const override { return t_; }
     void set_steps_taken(int64_t t) override { t_ = t; }

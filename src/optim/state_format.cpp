@@ -56,6 +56,10 @@ double moment_bytes_per_param(StateFormat f) {
     return 4;
 }
 
+std::size_t shard_grain(const OptimConfig& cfg) {
+    return shard_grain(parse_state_format(cfg.state_format));
+}
+
 bool keeps_fp32(StateFormat f, const ParamSpec& t) {
     return f == StateFormat::Fp32 || t.numel < kKeepFp32Below;
 }
@@ -288,7 +292,7 @@ void MomentBuffer::load(const Segment& s, std::size_t k, float* out) const {
         for (std::size_t i = 0; i < len; i++) out[i] = table[c[i]] * scale;
         return;
     }
-    const uint8_t* c = codes_.data() + s.at + (k == 0 ? 0 : (s.first_len + 1) / 2 + (k - 1) * 64);
+    const uint8_t* c = int4_codes(s, k);
     for (std::size_t i = 0; i < len; i++) {
         out[i] = table[(c[i / 2] >> (4 * (i % 2))) & 0xf] * scale;
     }
@@ -319,12 +323,27 @@ void MomentBuffer::store(const Segment& s, std::size_t k, const float* in) {
         for (std::size_t i = 0; i < len; i++) c[i] = code(in[i]);
         return;
     }
-    uint8_t* c = codes_.data() + s.at + (k == 0 ? 0 : (s.first_len + 1) / 2 + (k - 1) * 64);
+    uint8_t* c = const_cast<uint8_t*>(int4_codes(s, k));
     for (std::size_t i = 0; i < len; i += 2) {
         const uint8_t lo = code(in[i]);
         const uint8_t hi = i + 1 < len ? code(in[i + 1]) : 0;
         c[i / 2] = (uint8_t)(lo | (hi << 4));
     }
+}
+
+const uint8_t* MomentBuffer::int4_codes(const Segment& s, std::size_t k) const {
+    const std::size_t full = block_size(StateFormat::Int4) / 2;  // bytes of a whole block
+    return codes_.data() + s.at + (k == 0 ? 0 : (s.first_len + 1) / 2 + (k - 1) * full);
+}
+
+void MomentBuffer::load_segment(const Segment& s, float* out) const {
+#pragma omp parallel for schedule(static)
+    for (std::size_t k = 0; k < s.blocks; k++) load(s, k, out + block_span(s, k).first);
+}
+
+void MomentBuffer::store_segment(const Segment& s, const float* in) {
+#pragma omp parallel for schedule(static)
+    for (std::size_t k = 0; k < s.blocks; k++) store(s, k, in + block_span(s, k).first);
 }
 
 void MomentBuffer::read(float* dst) const {
@@ -338,9 +357,7 @@ void MomentBuffer::read(float* dst) const {
             std::copy(fp32_.data() + s.at, fp32_.data() + s.at + s.n, dst + s.begin);
             continue;
         }
-#pragma omp parallel for schedule(static)
-        for (std::size_t k = 0; k < s.blocks; k++)
-            load(s, k, dst + s.begin + block_span(s, k).first);
+        load_segment(s, dst + s.begin);
     }
 }
 
@@ -354,9 +371,7 @@ void MomentBuffer::write(const float* src) {
             std::copy(src + s.begin, src + s.begin + s.n, fp32_.data() + s.at);
             continue;
         }
-#pragma omp parallel for schedule(static)
-        for (std::size_t k = 0; k < s.blocks; k++)
-            store(s, k, src + s.begin + block_span(s, k).first);
+        store_segment(s, src + s.begin);
     }
 }
 

@@ -34,6 +34,7 @@
 
 #include "core/allocator.h"
 #include "model/param_layout.h"
+#include "optim/optim_config.h"
 
 namespace memtrain {
 
@@ -47,8 +48,10 @@ const char* state_format_name(StateFormat f);
 inline constexpr std::size_t kKeepFp32Below = 4096;
 // Elements per scale: 256 (int8), 128 (int4); 0 for fp32 and bf16, which have no blocks.
 std::size_t block_size(StateFormat f);
-// What a rank's shard boundaries must be multiples of: 256 for int8 and int4, else 1.
+// What a rank's shard boundaries must be multiples of: 256 for int8 and int4, else 1; the
+// second form reads cfg.state_format.
 std::size_t shard_grain(StateFormat f);
+std::size_t shard_grain(const OptimConfig& cfg);
 bool keeps_fp32(StateFormat f, const ParamSpec& t);
 // Bytes per moment per parameter before the fp32 rule for small tensors: 4, 2, 1 + 4/256,
 // 0.5 + 4/128 (the planner's per-parameter price).
@@ -94,6 +97,9 @@ class MomentBuffer {
     // Decodes / encodes block k of a non-direct segment (at most 256 floats).
     void load(const Segment& s, std::size_t k, float* out) const;
     void store(const Segment& s, std::size_t k, const float* in);
+    // The same for every block of a non-direct segment (s.n floats), in parallel.
+    void load_segment(const Segment& s, float* out) const;
+    void store_segment(const Segment& s, const float* in);
 
     // The whole range decoded, in order (count floats); and written back from floats.
     void read(float* dst) const;
@@ -108,6 +114,8 @@ class MomentBuffer {
                                        std::size_t count, const std::vector<char>& only = {});
 
   private:
+    // The first byte of block k's int4 codes (each block starts on a byte of its own).
+    const uint8_t* int4_codes(const Segment& s, std::size_t k) const;
     StateFormat format_ = StateFormat::Fp32;
     bool signed_ = true;
     bool whole_ = false;  // one fp32 array over the whole range (fp32, every tensor)

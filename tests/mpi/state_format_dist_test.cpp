@@ -28,6 +28,16 @@ RunConfig wide_run(const std::string& name, int steps, const std::string& format
     return c;
 }
 
+// `c` as every rank runs it on its own, in its own out_dir: one process with micro-batches of
+// `micro` rows (the job's global batch), no pipeline and no ZeRO.
+RunConfig as_one_process(RunConfig c, int micro) {
+    c.train.pp = 1;
+    c.train.zero_stage = 0;
+    c.train.micro_batch_size = micro;
+    c.io.out_dir += "_one" + std::to_string(comm().rank());
+    return c;
+}
+
 std::vector<float> run_losses(const RunConfig& c, Communicator* on, int stop_after = -1,
                               const std::string& resume = "") {
     TrainOptions o;
@@ -46,10 +56,7 @@ TEST(StateFormatDist, ZeroStagesTrainAsOneProcessWithTheirShardsBytes) {
             RunConfig c =
                 wide_run(std::string("sfd_") + format + std::to_string(stage), steps, format);
             c.train.batch_size = N * b;
-            RunConfig one = c;
-            one.train.micro_batch_size = N * b;
-            one.io.out_dir = c.io.out_dir + "_one" + std::to_string(comm().rank());
-            const std::vector<float> ref = run_losses(one, nullptr);
+            const std::vector<float> ref = run_losses(as_one_process(c, N * b), nullptr);
 
             c.train.micro_batch_size = b;
             c.train.zero_stage = stage;
@@ -99,11 +106,8 @@ TEST(StateFormatDist, ACheckpointResumesBitwiseAndInOneProcess) {
         EXPECT_EQ(rest[i], whole[cut + i]) << "resumed at world " << N << ", step " << cut + i + 1;
 
     // One process picks up the same checkpoint (the shards' files, read as one range).
-    RunConfig one = c;
-    one.train.zero_stage = 0;
-    one.train.micro_batch_size = 2 * N;
-    one.io.out_dir = base + "_one" + std::to_string(comm().rank());
-    const std::vector<float> single = run_losses(one, nullptr, -1, c.io.out_dir + "/ckpt_000005");
+    const std::vector<float> single =
+        run_losses(as_one_process(c, 2 * N), nullptr, -1, c.io.out_dir + "/ckpt_000005");
     ASSERT_EQ(single.size(), (std::size_t)(steps - cut));
     for (int i = 0; i < steps - cut; i++)
         EXPECT_NEAR(single[i], whole[cut + i], 1e-5 * std::abs(whole[cut + i]))
@@ -126,12 +130,7 @@ TEST(StateFormatDist, PipelinesSideBySideShardTheirStagesOnTheGrain) {
     const std::vector<float> losses = t.run().losses;
     expect_planned_rows_are_the_engines(t, "int8 pp 2");
 
-    RunConfig one = c;
-    one.train.pp = 1;
-    one.train.zero_stage = 0;
-    one.train.micro_batch_size = 2 * (N / 2);
-    one.io.out_dir = c.io.out_dir + "_one" + std::to_string(comm().rank());
-    const std::vector<float> ref = run_losses(one, nullptr);
+    const std::vector<float> ref = run_losses(as_one_process(c, 2 * (N / 2)), nullptr);
     ASSERT_EQ(losses.size(), ref.size());
     for (std::size_t i = 0; i < ref.size(); i++)
         EXPECT_NEAR(losses[i], ref[i], 1e-5 * std::abs(ref[i])) << "int8 pp 2, step " << i + 1;
@@ -144,10 +143,7 @@ TEST(StateFormatDist, MuonUnderDdpTrainsAsOneProcess) {
     RunConfig c = wide_run("sfd_muon", 6, "int8");
     c.optim.name = "muon";
     c.train.batch_size = N * b;
-    RunConfig one = c;
-    one.train.micro_batch_size = N * b;
-    one.io.out_dir = c.io.out_dir + "_one" + std::to_string(comm().rank());
-    const std::vector<float> ref = run_losses(one, nullptr);
+    const std::vector<float> ref = run_losses(as_one_process(c, N * b), nullptr);
     c.train.micro_batch_size = b;
     const std::vector<float> losses = run_losses(c, &comm());
     ASSERT_EQ(losses.size(), ref.size());

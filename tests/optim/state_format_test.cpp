@@ -26,13 +26,10 @@ namespace {
 // A model whose matrices are quantized (>= 4096 elements) and whose gains, biases and position
 // embedding keep fp32, with tensors that do not start on the 256 grid (n_embd 80).
 ModelConfig formats_model() {
-    ModelConfig c;
-    c.n_layer = 2;
-    c.n_head = 2;
+    ModelConfig c = test::tiny_model();
     c.n_embd = 80;
     c.block_size = 16;
     c.vocab_size = 61;
-    c.vocab_pad = 16;
     return c;
 }
 

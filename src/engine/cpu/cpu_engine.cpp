@@ -130,7 +130,7 @@ void CpuEngine::apply_data_parallel() {
         // the config's checks).
         replicas_ = std::make_unique<dist::ReplicaSync>(
             groups_.data.get(), plan_.states, stages_->count(), stages_->ranges()[0].begin,
-            (int64_t)shard_grain(parse_state_format(cfg.optim.state_format)));
+            (int64_t)shard_grain(cfg.optim));
         if (replicas_->sharded() && plan_.virtual_stages > 1)
             fail("internal: ZeRO-1 across pipelines with {} chunks per rank", plan_.virtual_stages);
         const dist::ShardRange own = replicas_->owned();
@@ -168,9 +168,8 @@ void CpuEngine::apply_data_parallel() {
     // A whole model's states, or LoRA's adapters', in a ZeroStore over the job's ranks: DDP and
     // ZeRO stages 0-3 (parallel/data/zero_store.h; a single process is a world of one).
     const ParamLayout& trained = plan_.lora ? lora_layout_.params : layout_;
-    zero_ = std::make_unique<dist::ZeroStore>(
-        trained, world_, plan_.zero_stage,
-        (int64_t)shard_grain(parse_state_format(cfg.optim.state_format)));
+    zero_ = std::make_unique<dist::ZeroStore>(trained, world_, plan_.zero_stage,
+                                              (int64_t)shard_grain(cfg.optim));
     if (plan_.lora) {
         // Dropout masks differ per rank (each has its own rows), as torch's do under DDP.
         lora_ = std::make_unique<LoraAdapters>(cfg.lora, lora_layout_, *zero_,
