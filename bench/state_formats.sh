@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Compressed optimizer states and Muon against fp32 AdamW on the CPU engine (issue 30): the same
-# run with optim.state_format = fp32, bf16, int8 and int4, and with optim.name = muon (fp32
-# state), on the fortunes corpus. For each it prints the
+# Compressed optimizer states, the step inside the backward and Muon against fp32 AdamW on the
+# CPU engine (issue 30): the same run with optim.state_format = fp32, bf16, int8 and int4, with
+# optim.step_in_backward (sib, sib-int8, sib-int4: fp32, int8 or int4 moments), and with
+# optim.name = muon (fp32 state), on the fortunes corpus. For each it prints the
 # validation loss at every eval (the curve), the final validation loss and its ratio to fp32's,
 # tokens/s, and the model-state bytes per parameter measured by the allocator (parameters +
 # gradients + optimizer state, over the model's parameters), with the optimizer state measured
@@ -27,11 +28,15 @@ case $MODEL in
                  optim.lr=6e-4) ;;
     *) echo "MODEL must be demo or 124m, got $MODEL" >&2; exit 2 ;;
 esac
-OPTIONS=${OPTIONS:-fp32 bf16 int8 int4 muon}
+OPTIONS=${OPTIONS:-fp32 bf16 int8 int4 muon sib sib-int8 sib-int4}
 OPTIONS="fp32 $(echo $OPTIONS | tr ' ' '\n' | grep -v '^fp32$' | tr '\n' ' ')"
 for f in $OPTIONS; do
     case $f in
         muon) opt=(optim.name=muon) ;;
+        # sib, sib-int8, sib-int4: optim.step_in_backward (clipping kept: the norm pass), with
+        # fp32, int8 or int4 moments
+        sib) opt=(optim.step_in_backward=true) ;;
+        sib-*) opt=(optim.step_in_backward=true optim.state_format=${f#sib-}) ;;
         *) opt=(optim.state_format=$f) ;;
     esac
     # REUSE=1: a run that finished (its log has the last step's line) is kept.
@@ -58,18 +63,22 @@ for f in options:
     tok = sorted(l["tokens_per_s"] for l in steps_[len(steps_) // 5:])
     rows[f] = dict(vals=vals, tok=tok[len(tok) // 2], bpp=state / params,
                    opt=mem["optimizer_state"]["peak"], pred=mem["optimizer_state"]["predicted"],
+                   grad=mem["gradients"]["peak"], gpred=mem["gradients"]["predicted"],
                    params=params)
 ref = rows["fp32"]
 print("%s model (%.1fM parameters), %s steps on the fortunes corpus, 2 CPU cores" %
       (model, ref["params"] / 1e6, steps))
 print()
 print("| option | val loss by step | final val | vs fp32 | tokens/s (median) | vs fp32 "
-      "| optimizer state MiB (predicted) | model state B/param | vs fp32 |")
-print("|---|---|---|---|---|---|---|---|---|")
+      "| gradients MiB (predicted) | optimizer state MiB (predicted) | model state B/param "
+      "| vs fp32 |")
+print("|---|---|---|---|---|---|---|---|---|---|")
 for f, r in rows.items():
     curve = " ".join("%d:%.3f" % v for v in r["vals"])
     final = r["vals"][-1][1]
-    print("| %s | %s | %.4f | %+.2f%% | %.0f | %.2fx | %.2f (%.2f) | %.2f | %.2fx less |" % (
+    print("| %s | %s | %.4f | %+.2f%% | %.0f | %.2fx | %.2f (%.2f) | %.2f (%.2f) | %.2f "
+          "| %.2fx less |" % (
         f, curve, final, 100 * (final / ref["vals"][-1][1] - 1), r["tok"], r["tok"] / ref["tok"],
-        r["opt"] / 1048576, r["pred"] / 1048576, r["bpp"], ref["bpp"] / r["bpp"]))
+        r["grad"] / 1048576, r["gpred"] / 1048576, r["opt"] / 1048576, r["pred"] / 1048576,
+        r["bpp"], ref["bpp"] / r["bpp"]))
 PY

@@ -193,6 +193,9 @@ void register_estimate(CLI::App& app) {
     cmd->add_option("--state-format", a->state_format,
                     "optimizer moments: fp32 | bf16 | int8 | int4 (optim.state_format)");
     cmd->add_option("--offload", a->offload, "none | optimizer | params");
+    cmd->add_flag("--step-in-backward", a->run.step_in_backward,
+                  "update each unit in the backward: no gradient buffer with one micro-batch "
+                  "(optim.step_in_backward)");
     cmd->add_option("--schedule", a->schedule, "1f1b | gpipe | interleaved | zb-h1");
     cmd->add_option("--virtual-stages", a->run.virtual_stages, "interleaved model chunks");
     cmd->add_option("--lora-rank", a->run.lora_rank, "LoRA adapters of this rank");

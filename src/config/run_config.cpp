@@ -254,6 +254,8 @@ const std::vector<Key>& registry() {
         make_key("optim.grad_clip", &R::optim, &OptimConfig::grad_clip, "global norm (0 = off)"),
         make_key("optim.state_format", &R::optim, &OptimConfig::state_format,
                  "moments stored as fp32 | bf16 | int8 | int4 (blocks with fp32 scales)"),
+        make_key("optim.step_in_backward", &R::optim, &OptimConfig::step_in_backward,
+                 "update each unit in the last backward (no gradient buffer)"),
         make_key("optim.schedule", &R::optim, &OptimConfig::schedule,
                  "constant | cosine | linear | wsd"),
         make_key("optim.warmup_steps", &R::optim, &OptimConfig::warmup_steps, "linear warmup"),

@@ -53,6 +53,10 @@ class Engine {
 
     // One optimizer step: begin_step, forward_backward for each micro-batch (the last one with
     // last = true: data parallelism reduces the gradients once), finish_step.
+    // The step's update, announced before its micro-batches (the Trainer calls it before
+    // begin_step): an engine that updates inside the last backward (optim.step_in_backward) needs
+    // the learning rate and the clipping threshold then; finish_step gets the same values.
+    virtual void prepare_update(double /*lr*/, double /*max_norm*/) {}
     virtual void begin_step() = 0;
     // Every token's loss gradient is grad_scale (1 / tokens in the global batch).
     virtual void forward_backward(const int32_t* inputs, const int32_t* targets, int B, int T,

@@ -34,7 +34,8 @@ std::string host_rss_line() {
 }
 
 std::vector<MemoryPrediction> zero_state_rows(const RunConfig& cfg, const ParamLayout& layout,
-                                              int world, int rank, const std::string& what) {
+                                              int world, int rank, const std::string& what,
+                                              bool tied_grads) {
     // Model states per rank under ZeRO (parallel/placement.h, as ZeroStore allocates them): a shard
     // (this rank's count of the balanced layout, Ψ/N rounded to the state format's grain) where
     // the stage shards that state, Ψ otherwise.
@@ -50,11 +51,26 @@ std::vector<MemoryPrediction> zero_state_rows(const RunConfig& cfg, const ParamL
         return world > 1 && dist::sharded(p) ? fmt::format(" / {} ranks", world) : std::string();
     };
     const bool sharded_state = dist::sharded(spec.optimizer);
+    MemoryPrediction grads{MemCategory::Gradients,
+                           fmt::format("4 x {}{} (fp32)", what, per(spec.grads)),
+                           4 * n(spec.grads)};
+    if (cfg.optim.step_in_backward && cfg.accum_steps() == 1) {
+        // No gradient buffer: each unit's, while backward fills it (dist::ZeroStore); under
+        // ZeRO 2-3 those buckets are the communication ones the two-phase step also fills.
+        const bool tied = tied_grads && cfg.model.tied_embeddings;
+        if (cfg.train.zero_stage >= 2)
+            grads = {MemCategory::Gradients, "none: no shard, step in backward", 0};
+        else
+            grads = {MemCategory::Gradients,
+                     tied ? std::string("4 x (embedding unit + largest other unit), step in "
+                                        "backward")
+                          : std::string("4 x largest unit, step in backward"),
+                     4 * step_in_backward_grad_floats(layout, tied)};
+    }
     return {
         {MemCategory::Parameters, fmt::format("4 x {}{} (fp32)", what, per(spec.params)),
          4 * n(spec.params)},
-        {MemCategory::Gradients, fmt::format("4 x {}{} (fp32)", what, per(spec.grads)),
-         4 * n(spec.grads)},
+        grads,
         {MemCategory::OptimizerState,
          fmt::format("{}{} ({})", what, per(spec.optimizer), describe_optimizer_state(cfg.optim)),
          optimizer_state_bytes(cfg.optim, layout, sharded_state ? (std::size_t)mine.offset : 0,
@@ -142,7 +158,7 @@ std::vector<MemoryPrediction> predict_cpu_memory(const RunConfig& cfg, const Rem
     } else {
         // The adapters' states as any ZeroStore's; the frozen base beside their parameters.
         const LoraLayout ll = make_lora_layout(cfg.model, cfg.lora);
-        rows = zero_state_rows(cfg, ll.params, cfg.world, rank, "adapters");
+        rows = zero_state_rows(cfg, ll.params, cfg.world, rank, "adapters", false);
         std::size_t base = sizeof(float) * layout.total;
         std::string base_formula = fmt::format("4 x {} (fp32)", layout.total);
         if (cfg.lora.base != "fp32") {
@@ -314,6 +330,7 @@ plan::RunSpec planner_run_spec(const RunConfig& cfg, const ActFormat& format) {
     rs.precision = plan::parse_precision(cfg.train.precision, &rs.fp32_master);
     rs.optimizer = cfg.optim.name == "sgd" ? plan::Optimizer::sgd : plan::Optimizer::adamw;
     rs.state_format = parse_state_format(cfg.optim.state_format);
+    rs.step_in_backward = cfg.optim.step_in_backward;
     rs.micro_batch = cfg.micro_batch();
     rs.seq = cfg.train.seq_len;
     rs.micro_batches = cfg.accum_steps();

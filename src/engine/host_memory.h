@@ -27,9 +27,13 @@ std::string host_rss_line();
 // The model-state rows of the memory report for the Ψ floats of `layout` in a ZeroStore at
 // cfg.train.zero_stage over `world` ranks, on `rank`: Ψ per state, or the rank's shard (cut on
 // the state format's grain) where the stage shards that state; the optimizer state in
-// cfg.optim.state_format. `what` names the floats ("params", "adapters").
+// cfg.optim.state_format. `what` names the floats ("params", "adapters"). With
+// optim.step_in_backward and one micro-batch per step, the gradients are the units' buckets
+// (dist::in_backward_grad_floats; `tied_grads`: the layout is the model's, whose head opens the
+// tied embedding's).
 std::vector<MemoryPrediction> zero_state_rows(const RunConfig& cfg, const ParamLayout& layout,
-                                              int world, int rank, const std::string& what);
+                                              int world, int rank, const std::string& what,
+                                              bool tied_grads = true);
 
 // The rows one rank of a CPU run over a whole model (data parallel or not, full or LoRA, or one
 // tensor-parallel group) allocates for micro-batches of B x T with `plan`; empty for the other

@@ -131,4 +131,12 @@ HeadParams head_view(const ParamLayout& layout, float* base) {
             unit_tensor(layout, u, base, "lm_head.weight")};
 }
 
+std::size_t step_in_backward_grad_floats(const ParamLayout& layout, bool tied_embeddings) {
+    const std::size_t E = (std::size_t)ParamLayout::embedding_unit();
+    std::size_t most = 0;
+    for (std::size_t u = 0; u < layout.units.size(); u++)
+        if (!tied_embeddings || u != E) most = std::max(most, layout.units[u].size());
+    return tied_embeddings ? layout.units[E].size() + most : most;
+}
+
 }  // namespace memtrain

@@ -98,4 +98,10 @@ BasicBlockParams<T> block_at(const BlockOffsets& o, T* unit_base) {
 BlockParams block_view(const ParamLayout& layout, int l, float* unit_base);
 HeadParams head_view(const ParamLayout& layout, float* unit_base);
 
+// The most gradient floats alive at once when each unit's gradient lives only from its first
+// write in the backward to its update (optim.step_in_backward with one micro-batch per step,
+// parallel/data/zero_store.h): one unit at a time, except that with tied embeddings the head's
+// backward opens the embedding's, which stays open to the end.
+std::size_t step_in_backward_grad_floats(const ParamLayout& layout, bool tied_embeddings);
+
 }  // namespace memtrain

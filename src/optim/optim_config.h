@@ -32,6 +32,9 @@ struct OptimConfig {
     // How the moments are stored (optim/state_format.h): "fp32" | "bf16" | "int8" | "int4"
     // (block-quantized with one fp32 scale per block; int4 for AdamW only).
     std::string state_format = "fp32";
+    // The step's last backward updates each unit as soon as its gradient is reduced, so no whole
+    // gradient buffer lives (docs/training.md: clipping adds a norm-only pass).
+    bool step_in_backward = false;
 
     void validate() const;
 };

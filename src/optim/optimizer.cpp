@@ -126,8 +126,10 @@ template <std::size_t K, typename F>
 void update_segments(const std::array<MomentBuffer*, K>& ms, float* params, const float* grads,
                      std::size_t begin, std::size_t count, F&& update) {
     for_each_segment(*ms[0], begin, count, [&](const auto& s, std::size_t lo, std::size_t hi) {
-        float* p = params + s.begin;
-        const float* g = grads + s.begin;
+        // params and grads point at float `begin` of the range; the segment's float lo is at
+        // s.begin + lo - begin from there (never before it: lo is inside [begin, begin + count)).
+        float* p = params + (s.begin + lo - begin);
+        const float* g = grads + (s.begin + lo - begin);
         if (s.direct) {
             const int64_t chunk = 4096, n = (int64_t)(hi - lo);
 #pragma omp parallel for schedule(static)
@@ -135,7 +137,7 @@ void update_segments(const std::array<MomentBuffer*, K>& ms, float* params, cons
                 const int64_t i = (int64_t)lo + c;
                 std::array<float*, K> st;
                 for (std::size_t j = 0; j < K; j++) st[j] = ms[j]->direct(s) + i;
-                update(s, p + i, g + i, st, std::min(chunk, n - c));
+                update(s, p + c, g + c, st, std::min(chunk, n - c));
             }
             return;
         }
@@ -149,7 +151,7 @@ void update_segments(const std::array<MomentBuffer*, K>& ms, float* params, cons
                 st[j] = blocks[j];
                 ms[j]->load(s, k, st[j]);
             }
-            update(s, p + start, g + start, st, (int64_t)len);
+            update(s, p + (start - lo), g + (start - lo), st, (int64_t)len);
             for (std::size_t j = 0; j < K; j++) ms[j]->store(s, k, st[j]);
         }
     });
@@ -296,8 +298,8 @@ class Muon final : public Optimizer {
             const ParamSpec& t = layout_.tensors[s.tensor];
             if (lo != 0 || hi != s.n)
                 fail("internal: a Muon update of part of {} ([{}, {}) of {})", t.name, lo, hi, s.n);
-            float* p = params + s.begin;
-            const float* g = grads + s.begin;
+            float* p = params + (s.begin - begin);  // (lo == 0: s.begin >= begin)
+            const float* g = grads + (s.begin - begin);
             // The momentum buffer, whole and in fp32 for the step.
             std::vector<float> stored;
             float* buf = s.direct ? buf_.direct(s) : nullptr;

@@ -67,7 +67,9 @@ class Optimizer : public OptimizerState {
     }
     // The same update of floats [begin, begin + n) of the range only (the same bits as step()
     // gives them), so that an update can go piece by piece (ZeRO-Offload streams each unit to
-    // the GPU as soon as it is updated); advance() once after the parts cover the range.
+    // the GPU as soon as it is updated; optim.step_in_backward updates each unit as its gradient
+    // arrives); advance() once after the parts cover the range. `params` and `grads` point at
+    // float `begin` of the range (n floats each).
     virtual void step_part(float* params, const float* grads, double lr, std::size_t begin,
                            std::size_t n) = 0;
     void advance() { t_++; }

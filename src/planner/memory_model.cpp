@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "model/param_layout.h"
 #include "parallel/placement.h"
 #include "planner/rank_layout.h"
 #include "planner/stage_activations.h"
@@ -224,10 +225,32 @@ MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, RankCoord at,
         param_detail = fmt::format("{:.3f}B params x {} B{}", params / 1e9, k.param, count_detail);
     }
     param_detail += zero_note(spec.params);
-    double grad_bytes = grad_n * k.grad;
     std::string grad_detail = fmt::format(
         "{:.3f}B x {} B{}{}", trainable / 1e9, k.grad, zero_note(spec.grads),
         rs_buffer ? " + the reduce-scattered piece (ZeRO-1 in the pipeline engine)" : "");
+    if (r.step_in_backward && r.micro_batches == 1) {
+        // Each unit's gradient lives from its backward to its update (parallel/data/zero_store.h):
+        // the embedding's (tied: open from the head's backward) and the largest other unit's;
+        // LoRA's, one block's adapters. ZeRO 2-3 keep no shard (their buckets are priced as
+        // communication).
+        if (r.zero >= 2) {
+            grad_n = 0;
+            grad_detail = "none (step in backward, no shard)";
+        } else if (r.lora_rank > 0) {
+            grad_n = (double)ceil_div(trainable, layers);
+            grad_detail = fmt::format("one block's adapters, {:.1f}M x {} B (step in backward)",
+                                      grad_n / 1e6, k.grad);
+        } else {
+            const ModelConfig rc = rank_config(m, r);
+            grad_n =
+                (double)step_in_backward_grad_floats(make_param_layout(rc), rc.tied_embeddings);
+            grad_detail = fmt::format(
+                "{} unit, {:.1f}M x {} B (step in backward)",
+                rc.tied_embeddings ? "the embedding + the largest other" : "the largest",
+                grad_n / 1e6, k.grad);
+        }
+    }
+    double grad_bytes = grad_n * k.grad;
     double opt_bytes = opt_n * k.optim;
     std::string opt_detail =
         fmt::format("{:.3f}B x {:.4g} B ({} {}{}){}", trainable / 1e9, k.optim,

@@ -44,6 +44,9 @@ struct RunSpec {
     Optimizer optimizer = Optimizer::adamw;
     // How the moments are stored (optim.state_format); adamw8bit is adamw with int8 moments.
     StateFormat state_format = StateFormat::Fp32;
+    // optim.step_in_backward: with one micro-batch per step, no gradient buffer (each unit's
+    // gradient lives until its update; under ZeRO 2-3 not even the shard).
+    bool step_in_backward = false;
     Offload offload = Offload::none;
     pp::Kind schedule = pp::Kind::OneFOneB;  // the ones parse_schedule accepts
     int virtual_stages = 1;  // model chunks per pipeline stage (interleaved schedule)

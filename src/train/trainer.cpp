@@ -506,6 +506,15 @@ TrainSummary Trainer::run() {
         }
         const data::DataLoader::Position batch_at = train_loader_->position();
         auto t0 = std::chrono::steady_clock::now();
+        double lr = lr_at(cfg_.optim, peak_lr_, state_.step, total);
+        if (guard_) lr *= guard_->lr_scale(state_.step + 1);
+        if (opts_.on_lr) lr = opts_.on_lr(state_.step + 1, lr);
+        if (!std::isfinite(lr))  // (validate_config refuses non-finite keys; a product may not be)
+            fail(
+                "the learning rate at step {} is {} (optim.lr = {}, scaled peak {}): refusing "
+                "to update with it",
+                state_.step + 1, lr, cfg_.optim.lr, peak_lr_);
+        engine_->prepare_update(lr, cfg_.optim.grad_clip);
         engine_->begin_step();
         for (int k = 0; k < K; k++) {
             next_rows(*train_loader_);
@@ -516,14 +525,6 @@ TrainSummary Trainer::run() {
         if (cfg_.train.diagnostics == "amp" &&
             ((state_.step + 1) % cfg_.train.diagnostics_every == 0 || state_.step == first_step))
             amp_diagnose(state_.step + 1);
-        double lr = lr_at(cfg_.optim, peak_lr_, state_.step, total);
-        if (guard_) lr *= guard_->lr_scale(state_.step + 1);
-        if (opts_.on_lr) lr = opts_.on_lr(state_.step + 1, lr);
-        if (!std::isfinite(lr))  // (validate_config refuses non-finite keys; a product may not be)
-            fail(
-                "the learning rate at step {} is {} (optim.lr = {}, scaled peak {}): refusing "
-                "to update with it",
-                state_.step + 1, lr, cfg_.optim.lr, peak_lr_);
         const StepResult step = engine_->finish_step(lr, cfg_.optim.grad_clip);
         const double loss = mean_over_ranks(step.loss);
         const double norm = step.grad_norm;

@@ -220,9 +220,10 @@ void validate_ps(const RunConfig& cfg) {
              cfg.train.precision);
 }
 
-// optim.state_format other than fp32: what is built (the CPU engine's whole-model and LoRA
-// optimizers under DDP and ZeRO 0-3, and pipeline stages) and, by name, what is not yet.
-void validate_state_format(const RunConfig& cfg) {
+// Muon, optim.step_in_backward and optim.state_format other than fp32: what is built (for the
+// formats: the CPU engine's whole-model and LoRA optimizers under DDP and ZeRO 0-3, and pipeline
+// stages) and, by name, what is not yet.
+void validate_optimizer_layout(const RunConfig& cfg) {
     if (cfg.optim.name == "muon") {
         // Muon orthogonalizes each block matrix whole: every layout where one rank's optimizer
         // holds whole matrices (one process, DDP, pipeline stages, a parameter server's units).
@@ -239,6 +240,27 @@ void validate_state_format(const RunConfig& cfg) {
                    "ZeRO shards cut the matrices between ranks, and Newton-Schulz needs each one "
                    "whole on one rank (set train.zero_stage = 0: every rank then steps every "
                    "matrix, as DDP does)");
+    }
+    if (cfg.optim.step_in_backward) {
+        // Built on the ZeroStore (one process, DDP, ZeRO 0-3, LoRA's adapters on the CPU).
+        auto refuse = [&](const std::string& keys, const char* why) {
+            fail("optim.step_in_backward = true does not run with {} yet: {}", keys, why);
+        };
+        if (cfg.train.device == "cuda")
+            refuse("train.device = \"cuda\"", "it is built on the CPU engine so far");
+        if (cfg.train.tp > 1)
+            refuse(fmt::format("train.tp = {}", cfg.train.tp),
+                   "it is built on the data-parallel store (one process, DDP, ZeRO 0-3)");
+        if (cfg.train.pp > 1)
+            refuse(fmt::format("train.pp = {}", cfg.train.pp),
+                   "a pipeline's backward runs inside its schedule, which updates after the last "
+                   "micro-batch");
+        if (cfg.ps())
+            refuse("train.dp_mode = \"ps\"", "the parameter server updates on the server");
+        if (cfg.train.diagnostics == "amp")
+            refuse("train.diagnostics = \"amp\"",
+                   "the gradient histograms read the whole step's gradient, which no longer "
+                   "exists at once");
     }
     const StateFormat f = parse_state_format(cfg.optim.state_format);
     if (f == StateFormat::Fp32) return;
@@ -373,7 +395,7 @@ void validate_config(const RunConfig& cfg) {
     validate_pipeline(cfg);
     validate_tp(cfg);
     validate_ps(cfg);
-    validate_state_format(cfg);
+    validate_optimizer_layout(cfg);
     if (cfg.train.micro_batch_size < 0 ||
         (int64_t)cfg.train.micro_batch_size * cfg.dp() > cfg.train.batch_size)
         fail(

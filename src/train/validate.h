@@ -36,6 +36,9 @@ void validate_tp(const RunConfig& cfg);
 void validate_ps(const RunConfig& cfg);
 // io.metrics: a plain file name inside io.out_dir, not one of memtrain's own files there.
 void validate_metrics_name(const std::string& name);
+// optim.state_format, optim.name = "muon" and optim.step_in_backward against the layouts and
+// engines they are built for.
+void validate_optimizer_layout(const RunConfig& cfg);
 // The [lora] keys and what LoRA runs with.
 void validate_lora(const RunConfig& cfg);
 

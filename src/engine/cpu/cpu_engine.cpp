@@ -2,6 +2,8 @@
 // cpu_engine.h; the step's end in cpu_engine_step.cpp, the reports in cpu_engine_report.cpp).
 #include "engine/cpu/cpu_engine.h"
 
+#include <cmath>
+
 #include "core/error.h"
 #include "io/lora_files.h"
 #include "parallel/ps/param_server.h"
@@ -168,8 +170,10 @@ void CpuEngine::apply_data_parallel() {
     // A whole model's states, or LoRA's adapters', in a ZeroStore over the job's ranks: DDP and
     // ZeRO stages 0-3 (parallel/data/zero_store.h; a single process is a world of one).
     const ParamLayout& trained = plan_.lora ? lora_layout_.params : layout_;
+    // optim.step_in_backward with one micro-batch per step keeps no gradient buffer at all.
+    const bool hold_grads = !cfg.optim.step_in_backward || plan_.accum_steps > 1;
     zero_ = std::make_unique<dist::ZeroStore>(trained, world_, plan_.zero_stage,
-                                              (int64_t)shard_grain(cfg.optim));
+                                              (int64_t)shard_grain(cfg.optim), hold_grads);
     if (plan_.lora) {
         // Dropout masks differ per rank (each has its own rows), as torch's do under DDP.
         lora_ = std::make_unique<LoraAdapters>(cfg.lora, lora_layout_, *zero_,
@@ -303,6 +307,43 @@ void CpuEngine::set_remat(const RematPlan& plan) {
                          : plan);
 }
 
+void CpuEngine::prepare_update(double lr, double max_norm) {
+    update_lr_ = lr;
+    update_max_norm_ = max_norm;
+    update_prepared_ = true;
+}
+
+void CpuEngine::last_backward_with_update(const int32_t* inputs, const int32_t* targets, int B,
+                                          int T, float grad_scale) {
+    // Clipping scales every gradient by the global norm, known only once the last unit is
+    // reduced: a norm pass (the same forward and backward, measuring only) comes first, and the
+    // update pass clips each unit with it. Both passes see the same bits, which the update pass
+    // checks.
+    if (!update_prepared_)
+        fail("internal: optim.step_in_backward's last backward without prepare_update");
+    const double max_norm = update_max_norm_;
+    if (max_norm > 0) {
+        zero_->arm_norm();
+        model().forward_backward(inputs, targets, B, T, grad_scale);
+        update_norm_ = zero_->disarm();
+    }
+    Optimizer& opt = opt_->part(0);
+    const double lr = update_lr_, norm = update_norm_;
+    zero_->arm_update(
+        [&opt, lr, norm, max_norm](float* p, float* g, std::size_t at, std::size_t n) {
+            clip_to_norm(g, n, norm, max_norm);
+            opt.step_part(p, g, lr, at, n);
+        });
+    loss_sum_ += model().forward_backward(inputs, targets, B, T, grad_scale);
+    const double seen = zero_->disarm();
+    if (max_norm > 0 && std::isfinite(seen) && std::isfinite(update_norm_) && seen != update_norm_)
+        fail(
+            "internal: optim.step_in_backward's norm pass measured gradient norm {} and its "
+            "update pass {}: the backward is not deterministic",
+            update_norm_, seen);
+    update_norm_ = seen;
+}
+
 void CpuEngine::begin_step() {
     if (pipelined()) {
         stages_->zero_grads();
@@ -333,7 +374,10 @@ void CpuEngine::forward_backward(const int32_t* inputs, const int32_t* targets, 
         lora_->set_micro_batch(
             (uint64_t)(opt_->steps_taken() * plan_.accum_steps + micro_batches_));
     }
-    loss_sum_ += model().forward_backward(inputs, targets, B, T, grad_scale);
+    if (last && in_backward())
+        last_backward_with_update(inputs, targets, B, T, grad_scale);
+    else
+        loss_sum_ += model().forward_backward(inputs, targets, B, T, grad_scale);
     micro_batches_++;
 }
 

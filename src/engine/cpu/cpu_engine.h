@@ -79,12 +79,15 @@ class CpuEngine final : public Engine {
     CheckpointModel checkpoint_model() override;
     void set_remat(const RematPlan& plan) override;
     const RematPlan& remat_plan() const override { return remat_; }
+    void prepare_update(double lr, double max_norm) override;
     void begin_step() override;
     void forward_backward(const int32_t* inputs, const int32_t* targets, int B, int T,
                           float grad_scale, bool last) override;
     StepResult finish_step(double lr, double max_norm) override;
     // Over the ZeroStore (one process, DDP, ZeRO 1-3): each rank counts its owned range.
-    bool has_gradient_histograms() const override { return zero_ && !pipelined() && !tp_; }
+    bool has_gradient_histograms() const override {
+        return zero_ && !pipelined() && !tp_ && !in_backward();
+    }
     std::vector<TensorHistogram> gradient_histograms() override;
     double forward_loss(const int32_t* inputs, const int32_t* targets, int B, int T) override;
     void forward_logits(const int32_t* inputs, int B, int T, float* out) override;
@@ -156,6 +159,11 @@ class CpuEngine final : public Engine {
     // Sequence parallelism: the norm weights' gradients summed over the tensor-parallel group.
     void sum_sequence_partial_grads();
     bool pipelined() const { return exec_ != nullptr; }
+    // optim.step_in_backward: the last micro-batch's backward updates the ZeroStore's units
+    // (after a norm pass when clipping), and finish_step reports what it did.
+    bool in_backward() const { return plan_.cfg.optim.step_in_backward; }
+    void last_backward_with_update(const int32_t* inputs, const int32_t* targets, int B, int T,
+                                   float grad_scale);
     // LoRA's frozen base: fp32, or the packed QLoRA store.
     UnitStore& base();
     // The stage's memory rows (pipelines), from what it allocated.
@@ -198,6 +206,9 @@ class CpuEngine final : public Engine {
     std::unique_ptr<OptimizerState> opt_view_;
     std::unique_ptr<WeightWindow> window_;
     RematPlan remat_;
+    // optim.step_in_backward: the step's update (prepare_update) and the norm it measured.
+    double update_lr_ = 0, update_max_norm_ = 0, update_norm_ = 0;
+    bool update_prepared_ = false;
     double loss_sum_ = 0;
     int micro_batches_ = 0;
     int64_t steps_ = 0;

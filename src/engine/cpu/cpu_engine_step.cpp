@@ -20,8 +20,18 @@ StepResult CpuEngine::finish_zero_step(double lr, double max_norm) {
     // range, the stage's all-gather.
     StepResult r;
     r.loss = micro_batches_ ? loss_sum_ / micro_batches_ : 0.0;
-    r.grad_norm = zero_->clip_grad_norm(max_norm);
-    opt_->part(0).step(zero_->owned_params(), zero_->owned_grads(), lr);
+    if (in_backward()) {
+        // The last backward has updated every unit (last_backward_with_update).
+        if (lr != update_lr_ || max_norm != update_max_norm_)
+            fail("internal: finish_step({}, {}) after prepare_update({}, {})", lr, max_norm,
+                 update_lr_, update_max_norm_);
+        r.grad_norm = update_norm_;
+        opt_->part(0).advance();
+        update_prepared_ = false;
+    } else {
+        r.grad_norm = zero_->clip_grad_norm(max_norm);
+        opt_->part(0).step(zero_->owned_params(), zero_->owned_grads(), lr);
+    }
     zero_->finish_step();
     return r;
 }

@@ -84,7 +84,7 @@ void DeviceOffload<T>::update(double lr, float grad_scale, T* params) {
         const int64_t b = (int64_t)(lo - first), e = (int64_t)(hi - first);
 #pragma omp parallel for schedule(static)
         for (int64_t i = b; i < e; i++) g[i] = to_fp32(pin[i]) * grad_scale;
-        opt_->step_part(master, g, lr, (std::size_t)b, (std::size_t)(e - b));
+        opt_->step_part(master + b, g + b, lr, (std::size_t)b, (std::size_t)(e - b));
 #pragma omp parallel for schedule(static)
         for (int64_t i = b; i < e; i++) pin[i] = to_storage<T>(master[i]);
         MT_CUDA_CHECK(cudaMemcpyAsync(params + b, pin + b, (e - b) * sizeof(T),

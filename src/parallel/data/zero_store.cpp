@@ -12,7 +12,8 @@
 
 namespace memtrain::dist {
 
-ZeroStore::ZeroStore(const ParamLayout& layout, Communicator& comm, int stage, int64_t grain)
+ZeroStore::ZeroStore(const ParamLayout& layout, Communicator& comm, int stage, int64_t grain,
+                     bool hold_grads)
     : layout_(&layout), comm_(&comm), stage_(stage) {
     if (stage < 0 || stage > 3) fail("dist.zero_stage must be 0, 1, 2 or 3, got {}", stage);
     const int N = comm.size(), r = comm.rank();
@@ -37,8 +38,10 @@ ZeroStore::ZeroStore(const ParamLayout& layout, Communicator& comm, int stage, i
     buckets_.resize(U);
     params_ = Buffer<float>((std::size_t)held(spec.params, total, shards[r].count),
                             MemCategory::Parameters);
-    grads_ = Buffer<float>((std::size_t)held(spec.grads, total, shards[r].count),
-                           MemCategory::Gradients);
+    if (hold_grads)
+        grads_ = Buffer<float>((std::size_t)held(spec.grads, total, shards[r].count),
+                               MemCategory::Gradients);
+    armed_sq_.assign(U, 0.0);
 }
 
 ZeroStore::~ZeroStore() {
@@ -60,6 +63,7 @@ float* ZeroStore::owned_params() {
 
 float* ZeroStore::owned_grads() {
     sync();
+    if (grads_.size() == 0) fail("internal: ZeroStore::owned_grads without a gradient buffer");
     return stage_ >= 2 ? grads_.data() : grads_.data() + owned_.offset;
 }
 
@@ -68,7 +72,7 @@ float* ZeroStore::full_params() {
 }
 
 float* ZeroStore::full_grads() {
-    return stage_ >= 2 ? nullptr : grads_.data();
+    return stage_ >= 2 || grads_.size() == 0 ? nullptr : grads_.data();
 }
 
 void ZeroStore::poll() {
@@ -178,6 +182,24 @@ void ZeroStore::release(int u) {
 float* ZeroStore::unit_grads(int u) {
     const ParamUnit& unit = layout_->units.at(u);
     poll();
+    const bool held = grads_.size() > 0;
+    if (armed_ != Armed::No) {
+        // Stages 0-1 that hold the earlier micro-batches' sum add this one to it in place; the
+        // norm pass adds to a copy. The rest fill a bucket of the unit's own.
+        if (stage_ < 2 && held && armed_ == Armed::Update) return grads_.data() + unit.begin;
+        if (buckets_[u].size() == 0) {
+            // Without a gradient buffer, stages 0-1's buckets are the gradients; stages 2-3
+            // fill a bucket per unit either way (the reduce-scatter's input).
+            buckets_[u] =
+                Buffer<float>(unit.size(), held || stage_ >= 2 ? MemCategory::Communication
+                                                               : MemCategory::Gradients);
+            if (stage_ < 2 && held)
+                std::memcpy(buckets_[u].data(), grads_.data() + unit.begin,
+                            unit.size() * sizeof(float));
+        }
+        return buckets_[u].data();
+    }
+    if (!held) fail("internal: ZeroStore without a gradient buffer, outside an armed backward");
     if (stage_ < 2) return grads_.data() + unit.begin;
     // The previous micro-batch's bucket of this unit may still be on its way into the shard.
     finish_reduces_of(u);
@@ -190,6 +212,7 @@ void ZeroStore::grads_done(int u) {
     const ParamUnit& unit = layout_->units.at(u);
     const UnitShards& us = unit_shards_[u];
     poll();
+    if (armed_ != Armed::No) return reduce_armed(u);
     if (stage_ == 0) {
         // DDP: the unit's sum travels while backward computes the next units.
         if (reduce_) {
@@ -215,30 +238,109 @@ void ZeroStore::grads_done(int u) {
 
 void ZeroStore::zero_grads() {
     sync();
-    std::memset(grads_.data(), 0, grads_.bytes());
+    if (grads_.size() > 0) std::memset(grads_.data(), 0, grads_.bytes());
     for (auto& b : buckets_) b.reset();
 }
 
-double ZeroStore::clip_grad_norm(double max_norm) {
-    sync();
-    double sq;
+std::pair<std::size_t, std::size_t> ZeroStore::owned_piece(int u) const {
+    const ParamUnit& unit = layout_->units[u];
+    if (stage_ == 0) return {unit.begin, unit.size()};
+    const UnitShards& us = unit_shards_[u];
+    return {(std::size_t)((int64_t)unit.begin + us.mine_begin - owned_.offset),
+            (std::size_t)us.mine_count};
+}
+
+double ZeroStore::norm_of(const std::vector<double>& unit_sq) {
+    const std::size_t U = unit_sq.size();
+    double sq = 0;
     if (stage_ == 0) {
         // Whole and identical on every rank: each unit's sum in unit order, the same sum a
         // single process and a pipeline's stages (engine/cpu/cpu_engine.h) make.
-        sq = 0;
-        for (const ParamUnit& u : layout_->units)
-            sq += cpu::sum_squares(grads_.data() + u.begin, (int64_t)u.size());
+        for (double x : unit_sq) sq += x;
     } else {
-        // Each rank's partial sum, added in rank order on every rank (the same bits everywhere).
-        const double mine = cpu::sum_squares(owned_grads(), owned_.count);
-        std::vector<double> all((std::size_t)comm_->size());
-        comm_->all_gather_bytes(&mine, all.data(), sizeof(double));
-        sq = 0;
-        for (double x : all) sq += x;
+        // Each unit's pieces in rank order, units in order, the same bits on every rank (and the
+        // order a pipeline's ZeRO-1 pieces are summed in).
+        std::vector<double> all(U * (std::size_t)comm_->size());
+        comm_->all_gather_bytes(unit_sq.data(), all.data(), U * sizeof(double));
+        for (std::size_t u = 0; u < U; u++)
+            for (int r = 0; r < comm_->size(); r++) sq += all[(std::size_t)r * U + u];
     }
-    const double norm = std::sqrt(sq);
-    clip_to_norm(owned_grads(), (std::size_t)owned_.count, norm, max_norm);
+    return std::sqrt(sq);
+}
+
+double ZeroStore::clip_grad_norm(double max_norm) {
+    float* g = owned_grads();  // (completes every reduction)
+    std::vector<double> unit_sq(layout_->units.size());
+    for (std::size_t u = 0; u < unit_sq.size(); u++) {
+        const auto [at, n] = owned_piece((int)u);
+        unit_sq[u] = cpu::sum_squares(g + at, (int64_t)n);
+    }
+    const double norm = norm_of(unit_sq);
+    clip_to_norm(g, (std::size_t)owned_.count, norm, max_norm);
     return norm;
+}
+
+void ZeroStore::arm_update(UnitUpdate update) {
+    sync();  // the earlier micro-batches' reductions are in the shard
+    if (prefetched_.unit >= 0) drop_prefetch();
+    armed_ = Armed::Update;
+    update_ = std::move(update);
+    std::fill(armed_sq_.begin(), armed_sq_.end(), 0.0);
+}
+
+void ZeroStore::arm_norm() {
+    sync();
+    armed_ = Armed::Norm;
+    std::fill(armed_sq_.begin(), armed_sq_.end(), 0.0);
+}
+
+double ZeroStore::disarm() {
+    if (armed_ == Armed::No) fail("internal: ZeroStore::disarm without arm");
+    armed_ = Armed::No;
+    update_ = nullptr;
+    for (auto& b : buckets_) b.reset();
+    return norm_of(armed_sq_);
+}
+
+void ZeroStore::reduce_armed(int u) {
+    const ParamUnit& unit = layout_->units[u];
+    const UnitShards& us = unit_shards_[u];
+    const bool held = grads_.size() > 0;
+    const bool in_place = stage_ < 2 && held && armed_ == Armed::Update;
+    float* in = in_place ? grads_.data() + unit.begin : buckets_[u].data();
+    if (!in_place && buckets_[u].size() == 0) fail("internal: grads_done({}) without grads", u);
+    // The same operations as the two-phase step's reduction, started and waited for at once.
+    const auto [at, n] = owned_piece(u);
+    float* g = in;
+    Buffer<float> piece, sum;
+    if (stage_ == 0) {
+        comm_->start_all_reduce_sum(in, (int64_t)unit.size());
+        comm_->wait_all();
+    } else {
+        piece = Buffer<float>((std::size_t)us.mine_count, MemCategory::Communication);
+        comm_->wait(comm_->start_reduce_scatter_sum(in, piece.data(), us.counts));
+        g = piece.data();
+        if (stage_ >= 2 && held) {
+            // The shard holds the earlier micro-batches' sum: added as finish_oldest_reduce adds
+            // (the norm pass into a copy).
+            float* dst = grads_.data() + at;
+            if (armed_ == Armed::Norm) {
+                sum = Buffer<float>(n, MemCategory::Communication);
+                std::memcpy(sum.data(), dst, n * sizeof(float));
+                dst = sum.data();
+            }
+            cpu::add_inplace(dst, piece.data(), (int64_t)n);
+            g = dst;
+        }
+    }
+    armed_sq_[u] = cpu::sum_squares(g, (int64_t)n);
+    if (armed_ == Armed::Update && n > 0) {
+        // A prefetch of this unit reads the piece the update writes.
+        if (prefetched_.unit == u) drop_prefetch();
+        float* p = stage_ == 3 ? params_.data() + at : params_.data() + owned_.offset + at;
+        update_(p, g, at, n);
+    }
+    if (!in_place) buckets_[u].reset();
 }
 
 void ZeroStore::finish_step() {

@@ -39,6 +39,19 @@
 // dropped when the next one starts, and any prefetch is dropped before the optimizer writes the
 // shard (owned_params), so no gathered copy is ever stale.
 //
+// optim.step_in_backward (docs/training.md, "The optimizer step inside the backward"): the last
+// micro-batch's backward is armed (arm_update), and each unit's gradient is reduced as soon as
+// backward has finished it, synchronously, and handed to the update with its parameters; then its
+// bucket is freed. Built with hold_grads = false (one micro-batch per step) the store keeps no
+// gradient buffer at all: a unit's gradient lives in a bucket from its first unit_grads to its
+// grads_done, so at most the embedding's and one more unit's are alive
+// (step_in_backward_grad_floats; MemCategory::Gradients at stages 0-1, Communication at stages 2-3,
+// whose two-phase step fills the same buckets beside its gradient shard). With accumulation
+// (hold_grads) the earlier micro-batches' sum stays where the stage keeps it and the last one adds
+// to it, exactly as the two-phase step would. Clipping needs the global norm before the first
+// update: arm_norm runs a backward that only measures (each unit's reduced gradient, as the update
+// pass will see it, summed as clip_grad_norm sums it) and leaves every buffer as it was.
+//
 // Memory (floats, Ψ parameters, N ranks, fp32 on the CPU): parameters Ψ (stage 3: Ψ/N),
 // gradients Ψ (stages 2, 3: Ψ/N), optimizer state kΨ (stages 1-3: kΨ/N; AdamW k = 2). Unit
 // buffers (gathered and prefetched parameters, gradient buckets, reduce-scatter pieces) are
@@ -47,6 +60,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -80,7 +94,10 @@ class ZeroStore final : public UnitStore {
 
     // `grain`: shards are cut on its multiples (grain_shard_ranges), so that block-quantized
     // optimizer state keeps every block on one rank (optim/state_format.h: shard_grain).
-    ZeroStore(const ParamLayout& layout, Communicator& comm, int stage, int64_t grain = 1);
+    // `hold_grads` false: no gradient buffer (optim.step_in_backward with one micro-batch per
+    // step; every backward must then be armed).
+    ZeroStore(const ParamLayout& layout, Communicator& comm, int stage, int64_t grain = 1,
+              bool hold_grads = true);
     // Completes whatever is still in flight: MPI writes into the unit buffers until then.
     ~ZeroStore() override;
     ZeroStore(const ZeroStore&) = delete;
@@ -104,6 +121,22 @@ class ZeroStore final : public UnitStore {
     // After the optimizer has updated owned_params(): stages 1 and 2 all-gather the parameters so
     // every rank holds them whole again. A collective.
     void finish_step();
+
+    // optim.step_in_backward. The update of the floats [begin, begin + n) of owned(): `params`
+    // and `grads` point at them, the gradient reduced and summed over the step's micro-batches
+    // (the bits the two-phase step's owned_grads() would hold there). The update may scale
+    // `grads` (clipping).
+    using UnitUpdate =
+        std::function<void(float* params, float* grads, std::size_t begin, std::size_t n)>;
+    // The next backward (the step's last micro-batch) updates each unit through `update` as soon
+    // as its gradient is reduced.
+    void arm_update(UnitUpdate update);
+    // The next backward only measures each unit's reduced gradient (the norm pass clipping
+    // needs) and changes no buffer the step keeps.
+    void arm_norm();
+    // Ends an armed backward: the global L2 norm of the gradients it reduced, summed as
+    // clip_grad_norm sums them (the same bits). A collective.
+    double disarm();
 
     const PrefetchStats& prefetch_stats() const { return prefetch_stats_; }
     const ReduceStats& reduce_stats() const { return reduce_stats_; }
@@ -152,6 +185,18 @@ class ZeroStore final : public UnitStore {
     void sync();
     // Waits for the pending prefetch and frees its buffer.
     void drop_prefetch();
+    // An armed grads_done: unit u's gradient reduced now, measured, and updated (arm_update).
+    void reduce_armed(int u);
+    // The global norm from each unit's sum of squares over this rank's piece: unit by unit, and
+    // under stages 1-3 each unit's pieces in rank order (a collective).
+    double norm_of(const std::vector<double>& unit_sq);
+    // The floats of unit u this rank updates: where they start in owned() and how many.
+    std::pair<std::size_t, std::size_t> owned_piece(int u) const;
+
+    enum class Armed { No, Norm, Update };
+    Armed armed_ = Armed::No;
+    UnitUpdate update_;
+    std::vector<double> armed_sq_;  // per unit: the sum of squares of this rank's reduced piece
 
     const ParamLayout* layout_;
     Communicator* comm_;

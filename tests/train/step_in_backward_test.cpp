@@ -1,0 +1,176 @@
+// optim.step_in_backward: the last backward updates each unit as soon as its gradient is
+// reduced. Without clipping and with it (the norm pass), with and without accumulation, for every
+// optimizer and state format and under LoRA, the run is bitwise the two-phase step's; with one
+// micro-batch per step no gradient buffer exists (measured = predicted), and the layouts it does
+// not run with are refused by name.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "core/allocator.h"
+#include "core/error.h"
+#include "model/param_layout.h"
+#include "test_util.h"
+#include "train/trainer.h"
+#include "train/validate.h"
+
+using namespace memtrain;
+
+namespace {
+
+RunConfig sib_run(const std::string& name, int steps) {
+    RunConfig c = test::tiny_run(test::temp_dir(name), steps);
+    c.model.n_embd = 64;
+    c.model.n_head = 4;
+    c.io.save_final = false;
+    return c;
+}
+
+struct Outcome {
+    TrainSummary summary;
+    std::vector<float> params;
+    std::size_t grad_peak = 0, grad_predicted = 0;
+};
+
+Outcome train(RunConfig c, bool in_backward) {
+    c.optim.step_in_backward = in_backward;
+    c.io.out_dir += in_backward ? "_sib" : "_two";
+    host_memory().reset_peak();
+    Trainer t(c, test::quiet());
+    Outcome o;
+    o.summary = t.run();
+    o.params = t.params();
+    o.grad_peak = host_memory().snapshot().peak(MemCategory::Gradients);
+    for (const MemoryPrediction& p : t.plan().memory)
+        if (p.category == MemCategory::Gradients) o.grad_predicted = p.bytes;
+    return o;
+}
+
+void expect_same_run(const Outcome& a, const Outcome& b, const std::string& what) {
+    ASSERT_EQ(a.summary.losses.size(), b.summary.losses.size()) << what;
+    for (std::size_t i = 0; i < a.summary.losses.size(); i++)
+        EXPECT_EQ(a.summary.losses[i], b.summary.losses[i]) << what << " step " << i + 1;
+    ASSERT_EQ(a.params.size(), b.params.size()) << what;
+    EXPECT_EQ(0, std::memcmp(a.params.data(), b.params.data(), a.params.size() * sizeof(float)))
+        << what << ": the weights differ";
+}
+
+}  // namespace
+
+TEST(StepInBackward, BitwiseTheTwoPhaseStepWithAndWithoutClipping) {
+    struct Case {
+        const char* what;
+        const char* optim;
+        const char* format;
+        double clip;
+        int micro;  // of the global batch of 4 rows: 4 is one micro-batch per step
+    };
+    const Case cases[] = {
+        {"adamw, no clip, 1 micro-batch", "adamw", "fp32", 0.0, 4},
+        // A threshold every step's norm exceeds, so every step clips.
+        {"adamw, clip, 1 micro-batch", "adamw", "fp32", 0.05, 4},
+        {"adamw, clip, 2 micro-batches", "adamw", "fp32", 0.05, 2},
+        {"adamw int8, clip, 1 micro-batch", "adamw", "int8", 0.05, 4},
+        {"sgd, clip, 2 micro-batches", "sgd", "fp32", 0.05, 2},
+        {"muon, clip, 1 micro-batch", "muon", "fp32", 0.05, 4},
+    };
+    for (const Case& k : cases) {
+        RunConfig c = sib_run(std::string("sib_") + k.optim + k.format, 8);
+        c.optim.name = k.optim;
+        c.optim.state_format = k.format;
+        c.optim.grad_clip = k.clip;
+        c.train.micro_batch_size = k.micro;
+        const Outcome two = train(c, false), sib = train(c, true);
+        expect_same_run(two, sib, k.what);
+        if (std::string(k.optim) != "sgd") {  // (SGD at this lr barely moves in 8 steps)
+            EXPECT_LT(sib.summary.losses.back(), sib.summary.losses.front()) << k.what;
+        }
+        EXPECT_EQ(sib.grad_peak, sib.grad_predicted) << k.what;
+    }
+}
+
+TEST(StepInBackward, OneMicroBatchKeepsNoGradientBuffer) {
+    for (bool tied : {true, false}) {
+        RunConfig c = sib_run(tied ? "sib_mem_tied" : "sib_mem_untied", 3);
+        c.model.tied_embeddings = tied;
+        c.model.n_layer = 4;
+        c.train.micro_batch_size = 4;
+        const Outcome two = train(c, false), sib = train(c, true);
+        const ParamLayout layout = make_param_layout(c.model);
+        // Two-phase: every gradient at once. In the backward: the buckets, at most the
+        // embedding's and one more unit's (tied), or the largest unit's.
+        EXPECT_EQ(two.grad_peak, 4 * layout.total);
+        EXPECT_EQ(sib.grad_peak, sib.grad_predicted);
+        EXPECT_EQ(sib.grad_peak, 4 * step_in_backward_grad_floats(layout, tied));
+        EXPECT_LT(sib.grad_peak, two.grad_peak / 2) << (tied ? "tied" : "untied");
+        expect_same_run(two, sib, tied ? "tied" : "untied");
+    }
+    // With accumulation the earlier micro-batches' sum needs the buffer: the same bytes as the
+    // two-phase step.
+    RunConfig c = sib_run("sib_mem_accum", 2);
+    const Outcome sib = train(c, true);
+    EXPECT_EQ(sib.grad_peak, 4 * make_param_layout(c.model).total);
+    EXPECT_EQ(sib.grad_peak, sib.grad_predicted);
+}
+
+TEST(StepInBackward, LoraAdaptersUpdateInTheBackward) {
+    RunConfig c = sib_run("sib_lora", 6);
+    c.model.n_embd = 128;
+    c.lora.rank = 8;
+    c.lora.alpha = 16;
+    c.lora.dropout = 0.1;  // the norm pass draws the update pass's masks
+    c.lora.targets = "all";
+    c.optim.lr = 1e-2;
+    c.optim.grad_clip = 0.05;
+    c.train.micro_batch_size = 4;
+    const Outcome two = train(c, false), sib = train(c, true);
+    expect_same_run(two, sib, "lora");
+    EXPECT_EQ(sib.grad_peak, sib.grad_predicted);
+    EXPECT_LT(sib.grad_peak, two.grad_peak);
+}
+
+TEST(StepInBackward, ResumesBitwise) {
+    RunConfig c = sib_run("sib_resume_whole", 8);
+    c.optim.step_in_backward = true;
+    c.optim.state_format = "int8";
+    c.train.micro_batch_size = 4;
+    Trainer a(c, test::quiet());
+    const TrainSummary sa = a.run();
+    RunConfig s = sib_run("sib_resume_split", 8);
+    s.optim = c.optim;
+    s.train.micro_batch_size = 4;
+    TrainSummary sb;
+    auto b = test::train_stop_and_resume(s, 4, sb);
+    ASSERT_EQ(sb.losses.size(), 4u);
+    for (int i = 0; i < 4; i++) EXPECT_EQ(sb.losses[i], sa.losses[4 + i]) << i;
+    EXPECT_EQ(0, std::memcmp(a.model().params(), b->model().params(),
+                             a.model().num_params() * sizeof(float)));
+}
+
+TEST(StepInBackward, RefusesTheLayoutsItDoesNotRunWithByName) {
+    RunConfig base = test::tiny_run_config("/nonexistent/sib", 2);
+    base.optim.step_in_backward = true;
+    auto refused = [&](auto edit, const std::string& key) {
+        RunConfig c = base;
+        edit(c);
+        try {
+            validate_optimizer_layout(c);
+            ADD_FAILURE() << key << " was accepted";
+        } catch (const Error& e) {
+            const std::string msg = e.what();
+            EXPECT_NE(msg.find("optim.step_in_backward"), std::string::npos) << msg;
+            EXPECT_NE(msg.find(key), std::string::npos) << msg;
+        }
+    };
+    refused([](RunConfig& c) { c.train.device = "cuda"; }, "train.device");
+    refused([](RunConfig& c) { c.train.tp = 2; }, "train.tp = 2");
+    refused([](RunConfig& c) { c.train.pp = 2; }, "train.pp = 2");
+    refused([](RunConfig& c) { c.train.diagnostics = "amp"; }, "train.diagnostics");
+    refused([](RunConfig& c) { c.train.dp_mode = "ps"; }, "train.dp_mode");
+    // And the whole check names it too, where the layout is otherwise valid.
+    RunConfig amp = base;
+    amp.train.diagnostics = "amp";
+    EXPECT_THROW(validate_config(amp), Error);
+}
