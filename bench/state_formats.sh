@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Compressed optimizer states, the step inside the backward and Muon against fp32 AdamW on the
 # CPU engine (issue 30): the same run with optim.state_format = fp32, bf16, int8 and int4, with
-# optim.step_in_backward (sib, sib-int8, sib-int4: fp32, int8 or int4 moments), and with
-# optim.name = muon (fp32 state), on the fortunes corpus. For each it prints the
+# optim.step_in_backward (sib), with optim.master = none (bf16w), combinations of them
+# (bf16w-sib-int4), and with optim.name = muon (fp32 state), on the fortunes corpus. For each it
+# prints the
 # validation loss at every eval (the curve), the final validation loss and its ratio to fp32's,
 # tokens/s, and the model-state bytes per parameter measured by the allocator (parameters +
 # gradients + optimizer state, over the model's parameters), with the optimizer state measured
@@ -28,17 +29,23 @@ case $MODEL in
                  optim.lr=6e-4) ;;
     *) echo "MODEL must be demo or 124m, got $MODEL" >&2; exit 2 ;;
 esac
-OPTIONS=${OPTIONS:-fp32 bf16 int8 int4 muon sib sib-int8 sib-int4}
+OPTIONS=${OPTIONS:-fp32 bf16 int8 int4 muon sib sib-int8 sib-int4 bf16w bf16w-sib-int8 bf16w-sib-int4}
 OPTIONS="fp32 $(echo $OPTIONS | tr ' ' '\n' | grep -v '^fp32$' | tr '\n' ' ')"
 for f in $OPTIONS; do
-    case $f in
-        muon) opt=(optim.name=muon) ;;
-        # sib, sib-int8, sib-int4: optim.step_in_backward (clipping kept: the norm pass), with
-        # fp32, int8 or int4 moments
-        sib) opt=(optim.step_in_backward=true) ;;
-        sib-*) opt=(optim.step_in_backward=true optim.state_format=${f#sib-}) ;;
-        *) opt=(optim.state_format=$f) ;;
-    esac
+    # An option is parts joined by '-': fp32 | bf16 | int8 | int4 (optim.state_format), muon
+    # (optim.name), sib (optim.step_in_backward, clipping kept by the norm pass), bf16w
+    # (optim.master = none: bf16 weights, stochastic rounding). E.g. bf16w-sib-int8.
+    opt=()
+    for part in ${f//-/ }; do
+        case $part in
+            fp32) ;;
+            bf16 | int8 | int4) opt+=(optim.state_format=$part) ;;
+            muon) opt+=(optim.name=muon) ;;
+            sib) opt+=(optim.step_in_backward=true) ;;
+            bf16w) opt+=(optim.master=none) ;;
+            *) echo "unknown option part '$part' in '$f'" >&2; exit 2 ;;
+        esac
+    done
     # REUSE=1: a run that finished (its log has the last step's line) is kept.
     if [ "${REUSE:-0}" = 1 ] && grep -q "step *$STEPS/$STEPS" "$OUT/$f.log" 2>/dev/null; then
         continue
@@ -58,7 +65,8 @@ for f in options:
     steps_ = [l for l in lines if "loss" in l]
     vals = [(l["step"], l["val_loss"]) for l in lines if "val_loss" in l]
     mem = {c["name"]: c for c in json.load(open("%s/%s/memory.json" % (out, f)))["categories"]}
-    params = mem["parameters"]["peak"] / 4  # fp32 parameters on the CPU engine
+    # The model's parameters: fp32's parameter bytes / 4 (fp32 runs first; bf16w stores 2 B).
+    params = rows["fp32"]["params"] if rows else mem["parameters"]["peak"] / 4
     state = sum(mem[k]["peak"] for k in ("parameters", "gradients", "optimizer_state"))
     tok = sorted(l["tokens_per_s"] for l in steps_[len(steps_) // 5:])
     rows[f] = dict(vals=vals, tok=tok[len(tok) // 2], bpp=state / params,

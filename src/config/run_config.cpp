@@ -256,6 +256,8 @@ const std::vector<Key>& registry() {
                  "moments stored as fp32 | bf16 | int8 | int4 (blocks with fp32 scales)"),
         make_key("optim.step_in_backward", &R::optim, &OptimConfig::step_in_backward,
                  "update each unit in the last backward (no gradient buffer)"),
+        make_key("optim.master", &R::optim, &OptimConfig::master,
+                 "fp32 | none (bf16 weights, stochastic rounding)"),
         make_key("optim.schedule", &R::optim, &OptimConfig::schedule,
                  "constant | cosine | linear | wsd"),
         make_key("optim.warmup_steps", &R::optim, &OptimConfig::warmup_steps, "linear warmup"),

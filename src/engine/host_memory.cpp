@@ -13,6 +13,7 @@
 #include "engine/run_plan.h"
 #include "model/gpt.h"
 #include "model/lora.h"
+#include "parallel/data/zero_store.h"
 #include "parallel/mesh.h"
 #include "parallel/pipeline/schedule.h"
 #include "parallel/pipeline/stage_split.h"
@@ -67,9 +68,21 @@ std::vector<MemoryPrediction> zero_state_rows(const RunConfig& cfg, const ParamL
                           : std::string("4 x largest unit, step in backward"),
                      4 * step_in_backward_grad_floats(layout, tied)};
     }
+    MemoryPrediction params{MemCategory::Parameters,
+                            fmt::format("4 x {}{} (fp32)", what, per(spec.params)),
+                            4 * n(spec.params)};
+    if (cfg.optim.master == "none") {
+        // bf16 weights, each unit decoded while in use, and the update's scratch
+        // (dist::ZeroStore::Options::bf16_params).
+        params = {
+            MemCategory::Parameters,
+            fmt::format("2 x {} (bf16) + 4 x decoded units + 4 x {} update scratch", what,
+                        dist::ZeroStore::round_scratch_floats(layout)),
+            2 * psi + 4 * (decoded_unit_floats(layout, tied_grads && cfg.model.tied_embeddings) +
+                           dist::ZeroStore::round_scratch_floats(layout))};
+    }
     return {
-        {MemCategory::Parameters, fmt::format("4 x {}{} (fp32)", what, per(spec.params)),
-         4 * n(spec.params)},
+        params,
         grads,
         {MemCategory::OptimizerState,
          fmt::format("{}{} ({})", what, per(spec.optimizer), describe_optimizer_state(cfg.optim)),

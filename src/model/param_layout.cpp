@@ -139,4 +139,12 @@ std::size_t step_in_backward_grad_floats(const ParamLayout& layout, bool tied_em
     return tied_embeddings ? layout.units[E].size() + most : most;
 }
 
+std::size_t decoded_unit_floats(const ParamLayout& layout, bool tied_embeddings) {
+    std::size_t most = 0;
+    for (const ParamUnit& u : layout.units) most = std::max(most, u.size());
+    if (!tied_embeddings) return most;
+    const std::size_t E = (std::size_t)ParamLayout::embedding_unit();
+    return std::max(most, layout.units[E].size() + layout.units.back().size());
+}
+
 }  // namespace memtrain

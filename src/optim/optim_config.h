@@ -35,6 +35,9 @@ struct OptimConfig {
     // The step's last backward updates each unit as soon as its gradient is reduced, so no whole
     // gradient buffer lives (docs/training.md: clipping adds a norm-only pass).
     bool step_in_backward = false;
+    // "fp32": fp32 weights (the CPU engine's compute weights, the GPU's master copy); "none": the
+    // weights are stored in bf16 only and updated by seeded stochastic rounding (docs/training.md).
+    std::string master = "fp32";
 
     void validate() const;
 };

@@ -34,6 +34,8 @@ void OptimConfig::validate() const {
         fail("optim.cooldown = \"{}\": expected \"linear\" or \"1-sqrt\"", cooldown);
     if (lr_scaling != "none" && lr_scaling != "linear" && lr_scaling != "sqrt")
         fail("optim.lr_scaling = \"{}\": expected \"none\", \"linear\" or \"sqrt\"", lr_scaling);
+    if (master != "fp32" && master != "none")
+        fail("optim.master = \"{}\": expected \"fp32\" or \"none\"", master);
     if (parse_state_format(state_format) == StateFormat::Int4 && name == "sgd")
         fail(
             "optim.state_format = \"int4\" with optim.name = \"sgd\": SGD's momentum is its "

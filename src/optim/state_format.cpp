@@ -164,6 +164,23 @@ uint16_t f32_to_bf16(float x) {
     return (uint16_t)(u >> 16);
 }
 
+uint16_t f32_to_bf16_stochastic(float x, uint64_t seed, uint64_t step, uint64_t index) {
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    if ((u & 0x7f800000u) == 0x7f800000u) return f32_to_bf16(x);  // Inf, NaN
+    // A counter-based draw: splitmix64's finaliser over the three coordinates.
+    uint64_t z = seed ^ (step * 0xD1B54A32D192ED03ull) ^ (index * 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    // Adding a uniform 16-bit number to the magnitude's low bits carries into the kept bits with
+    // probability (low bits) / 2^16.
+    const uint32_t r = (uint32_t)(z >> 48);
+    const uint32_t up = (u + r) >> 16;
+    if ((up & 0x7f80u) == 0x7f80u) return (uint16_t)(u >> 16);  // would overflow: truncate
+    return (uint16_t)up;
+}
+
 float bf16_to_f32(uint16_t h) {
     const uint32_t u = (uint32_t)h << 16;
     float x;

@@ -64,6 +64,13 @@ float decode_code(int bits, bool is_signed, uint8_t c);
 uint8_t encode_code(int bits, bool is_signed, float x);
 uint16_t f32_to_bf16(float x);  // round to nearest even; NaN stays NaN
 float bf16_to_f32(uint16_t h);
+// optim.master = "none": bf16 by stochastic rounding. x rounds up (away from zero) to the next
+// bf16 with probability equal to its distance from the lower neighbour over their gap, so the
+// rounding is unbiased: E[bf16_to_f32(result)] = x. The draw is a hash of (seed, step, index)
+// (the element's index in the flat parameter buffer), so a run reproduces from its seed and the
+// rounding of an element is the same whichever rank or unit updates it. Not-finite values keep
+// their class; a finite value never rounds to infinity.
+uint16_t f32_to_bf16_stochastic(float x, uint64_t seed, uint64_t step, uint64_t index);
 
 // One moment (Adam's m or v, SGD's momentum) of the floats [offset, offset + count) of a
 // layout's flat buffer, stored in a format. The range is cut into segments, one per tensor piece

@@ -220,6 +220,15 @@ void validate_ps(const RunConfig& cfg) {
              cfg.train.precision);
 }
 
+// The one line every refusal of a key below prints: "<what> does not run with <keys> yet: <why>".
+namespace {
+auto refuser(std::string what) {
+    return [what = std::move(what)](const std::string& keys, const std::string& why) {
+        fail("{} does not run with {} yet: {}", what, keys, why);
+    };
+}
+}  // namespace
+
 // Muon, optim.step_in_backward and optim.state_format other than fp32: what is built (for the
 // formats: the CPU engine's whole-model and LoRA optimizers under DDP and ZeRO 0-3, and pipeline
 // stages) and, by name, what is not yet.
@@ -227,9 +236,7 @@ void validate_optimizer_layout(const RunConfig& cfg) {
     if (cfg.optim.name == "muon") {
         // Muon orthogonalizes each block matrix whole: every layout where one rank's optimizer
         // holds whole matrices (one process, DDP, pipeline stages, a parameter server's units).
-        auto refuse = [&](const std::string& keys, const char* why) {
-            fail("optim.name = \"muon\" does not run with {} yet: {}", keys, why);
-        };
+        const auto refuse = refuser("optim.name = \"muon\"");
         if (cfg.train.device == "cuda")
             refuse("train.device = \"cuda\"", "its step is built on the CPU engine so far");
         if (cfg.train.tp > 1)
@@ -243,9 +250,7 @@ void validate_optimizer_layout(const RunConfig& cfg) {
     }
     if (cfg.optim.step_in_backward) {
         // Built on the ZeroStore (one process, DDP, ZeRO 0-3, LoRA's adapters on the CPU).
-        auto refuse = [&](const std::string& keys, const char* why) {
-            fail("optim.step_in_backward = true does not run with {} yet: {}", keys, why);
-        };
+        const auto refuse = refuser("optim.step_in_backward = true");
         if (cfg.train.device == "cuda")
             refuse("train.device = \"cuda\"", "it is built on the CPU engine so far");
         if (cfg.train.tp > 1)
@@ -262,12 +267,29 @@ void validate_optimizer_layout(const RunConfig& cfg) {
                    "the gradient histograms read the whole step's gradient, which no longer "
                    "exists at once");
     }
+    if (cfg.optim.master == "none") {
+        // bf16 weights in the ZeroStore at stage 0 (one process, DDP) on the CPU engine.
+        const auto refuse = refuser("optim.master = \"none\"");
+        if (cfg.train.device == "cuda")
+            refuse("train.device = \"cuda\"", "it is built on the CPU engine so far");
+        if (cfg.train.zero_stage > 0)
+            refuse(fmt::format("train.zero_stage = {}", cfg.train.zero_stage),
+                   "the bf16 weights are kept whole on every rank (one process or DDP)");
+        const char* whole = "the bf16 weights are built for one process or DDP so far";
+        if (cfg.train.tp > 1) refuse(fmt::format("train.tp = {}", cfg.train.tp), whole);
+        if (cfg.train.pp > 1) refuse(fmt::format("train.pp = {}", cfg.train.pp), whole);
+        if (cfg.ps()) refuse("train.dp_mode = \"ps\"", "the server keeps fp32 weights");
+        if (cfg.lora.enabled())
+            refuse(fmt::format("lora.rank = {}", cfg.lora.rank),
+                   "LoRA's adapters are small; their base is frozen (lora.base quantizes it)");
+        if (cfg.optim.name == "muon")
+            refuse(
+                "optim.name = \"muon\"",
+                "its bf16 update goes a chunk at a time, and Newton-Schulz needs whole matrices");
+    }
     const StateFormat f = parse_state_format(cfg.optim.state_format);
     if (f == StateFormat::Fp32) return;
-    auto refuse = [&](const std::string& keys, const char* why) {
-        fail("optim.state_format = \"{}\" does not run with {} yet: {}", cfg.optim.state_format,
-             keys, why);
-    };
+    const auto refuse = refuser(fmt::format("optim.state_format = \"{}\"", cfg.optim.state_format));
     if (cfg.train.device == "cuda")
         refuse("train.device = \"cuda\"",
                "the compressed moments are built on the CPU engine so far (set "

@@ -4,6 +4,7 @@
 // per step (its buckets' peak is the plan's row), and the plan's rows are the engine's.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -71,6 +72,40 @@ TEST(StepInBackwardDist, EveryZeroStageIsBitwiseItsTwoPhaseStep) {
             comm().barrier();
         }
     }
+}
+
+// optim.master = "none" under DDP: every rank rounds every element with the same draw, so the
+// replicas' bf16 weights stay bitwise equal, and the run tracks one process over the global batch
+// (the gradient sums' order differs, so the rounding may go the other way somewhere).
+TEST(StepInBackwardDist, Bf16WeightsStayEqualOnEveryRank) {
+    const int N = comm().size();
+    RunConfig c = shared_tiny_run_config("sibd_bf16", 6);
+    c.model.n_embd = 64;
+    c.model.n_head = 4;
+    c.io.save_final = false;
+    c.train.micro_batch_size = 2;
+    c.train.batch_size = 2 * N;
+    c.optim.master = "none";
+    c.optim.step_in_backward = true;
+    const DistOutcome dist = run_stage(c, true);
+    // Every rank's weights, bitwise those of rank 0.
+    std::vector<float> all(dist.params.size() * (std::size_t)N);
+    comm().all_gather_bytes(dist.params.data(), all.data(), dist.params.size() * sizeof(float));
+    for (int r = 1; r < N; r++)
+        EXPECT_EQ(0, std::memcmp(all.data(), all.data() + r * dist.params.size(),
+                                 dist.params.size() * sizeof(float)))
+            << "rank " << r << "'s bf16 weights differ from rank 0's";
+    RunConfig one = c;
+    one.train.micro_batch_size = 2 * N;
+    one.io.out_dir += "_one" + std::to_string(comm().rank());
+    TrainOptions quiet;
+    quiet.quiet = true;
+    Trainer t(one, quiet);
+    const std::vector<float> ref = t.run().losses;
+    ASSERT_EQ(ref.size(), dist.losses.size());
+    for (std::size_t i = 0; i < ref.size(); i++)
+        EXPECT_NEAR(dist.losses[i], ref[i], 2e-3 * std::abs(ref[i])) << "step " << i + 1;
+    comm().barrier();
 }
 
 }  // namespace

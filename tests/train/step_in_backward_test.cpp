@@ -12,7 +12,7 @@
 #include "core/allocator.h"
 #include "core/error.h"
 #include "model/param_layout.h"
-#include "test_util.h"
+#include "train/measured_run.h"
 #include "train/trainer.h"
 #include "train/validate.h"
 
@@ -20,35 +20,16 @@ using namespace memtrain;
 
 namespace {
 
-RunConfig sib_run(const std::string& name, int steps) {
-    RunConfig c = test::tiny_run(test::temp_dir(name), steps);
-    c.model.n_embd = 64;
-    c.model.n_head = 4;
-    c.io.save_final = false;
-    return c;
-}
+constexpr int kGrads = static_cast<int>(MemCategory::Gradients);
 
-struct Outcome {
-    TrainSummary summary;
-    std::vector<float> params;
-    std::size_t grad_peak = 0, grad_predicted = 0;
-};
-
-Outcome train(RunConfig c, bool in_backward) {
+test::MeasuredRun train_sib(RunConfig c, bool in_backward) {
     c.optim.step_in_backward = in_backward;
     c.io.out_dir += in_backward ? "_sib" : "_two";
-    host_memory().reset_peak();
-    Trainer t(c, test::quiet());
-    Outcome o;
-    o.summary = t.run();
-    o.params = t.params();
-    o.grad_peak = host_memory().snapshot().peak(MemCategory::Gradients);
-    for (const MemoryPrediction& p : t.plan().memory)
-        if (p.category == MemCategory::Gradients) o.grad_predicted = p.bytes;
-    return o;
+    return test::measured_run(c);
 }
 
-void expect_same_run(const Outcome& a, const Outcome& b, const std::string& what) {
+void expect_same_run(const test::MeasuredRun& a, const test::MeasuredRun& b,
+                     const std::string& what) {
     ASSERT_EQ(a.summary.losses.size(), b.summary.losses.size()) << what;
     for (std::size_t i = 0; i < a.summary.losses.size(); i++)
         EXPECT_EQ(a.summary.losses[i], b.summary.losses[i]) << what << " step " << i + 1;
@@ -77,46 +58,46 @@ TEST(StepInBackward, BitwiseTheTwoPhaseStepWithAndWithoutClipping) {
         {"muon, clip, 1 micro-batch", "muon", "fp32", 0.05, 4},
     };
     for (const Case& k : cases) {
-        RunConfig c = sib_run(std::string("sib_") + k.optim + k.format, 8);
+        RunConfig c = test::wide_tiny_run(std::string("sib_") + k.optim + k.format, 8);
         c.optim.name = k.optim;
         c.optim.state_format = k.format;
         c.optim.grad_clip = k.clip;
         c.train.micro_batch_size = k.micro;
-        const Outcome two = train(c, false), sib = train(c, true);
+        const test::MeasuredRun two = train_sib(c, false), sib = train_sib(c, true);
         expect_same_run(two, sib, k.what);
         if (std::string(k.optim) != "sgd") {  // (SGD at this lr barely moves in 8 steps)
             EXPECT_LT(sib.summary.losses.back(), sib.summary.losses.front()) << k.what;
         }
-        EXPECT_EQ(sib.grad_peak, sib.grad_predicted) << k.what;
+        EXPECT_EQ(sib.peak[kGrads], sib.predicted[kGrads]) << k.what;
     }
 }
 
 TEST(StepInBackward, OneMicroBatchKeepsNoGradientBuffer) {
     for (bool tied : {true, false}) {
-        RunConfig c = sib_run(tied ? "sib_mem_tied" : "sib_mem_untied", 3);
+        RunConfig c = test::wide_tiny_run(tied ? "sib_mem_tied" : "sib_mem_untied", 3);
         c.model.tied_embeddings = tied;
         c.model.n_layer = 4;
         c.train.micro_batch_size = 4;
-        const Outcome two = train(c, false), sib = train(c, true);
+        const test::MeasuredRun two = train_sib(c, false), sib = train_sib(c, true);
         const ParamLayout layout = make_param_layout(c.model);
         // Two-phase: every gradient at once. In the backward: the buckets, at most the
         // embedding's and one more unit's (tied), or the largest unit's.
-        EXPECT_EQ(two.grad_peak, 4 * layout.total);
-        EXPECT_EQ(sib.grad_peak, sib.grad_predicted);
-        EXPECT_EQ(sib.grad_peak, 4 * step_in_backward_grad_floats(layout, tied));
-        EXPECT_LT(sib.grad_peak, two.grad_peak / 2) << (tied ? "tied" : "untied");
+        EXPECT_EQ(two.peak[kGrads], 4 * layout.total);
+        EXPECT_EQ(sib.peak[kGrads], sib.predicted[kGrads]);
+        EXPECT_EQ(sib.peak[kGrads], 4 * step_in_backward_grad_floats(layout, tied));
+        EXPECT_LT(sib.peak[kGrads], two.peak[kGrads] / 2) << (tied ? "tied" : "untied");
         expect_same_run(two, sib, tied ? "tied" : "untied");
     }
     // With accumulation the earlier micro-batches' sum needs the buffer: the same bytes as the
     // two-phase step.
-    RunConfig c = sib_run("sib_mem_accum", 2);
-    const Outcome sib = train(c, true);
-    EXPECT_EQ(sib.grad_peak, 4 * make_param_layout(c.model).total);
-    EXPECT_EQ(sib.grad_peak, sib.grad_predicted);
+    RunConfig c = test::wide_tiny_run("sib_mem_accum", 2);
+    const test::MeasuredRun sib = train_sib(c, true);
+    EXPECT_EQ(sib.peak[kGrads], 4 * make_param_layout(c.model).total);
+    EXPECT_EQ(sib.peak[kGrads], sib.predicted[kGrads]);
 }
 
 TEST(StepInBackward, LoraAdaptersUpdateInTheBackward) {
-    RunConfig c = sib_run("sib_lora", 6);
+    RunConfig c = test::wide_tiny_run("sib_lora", 6);
     c.model.n_embd = 128;
     c.lora.rank = 8;
     c.lora.alpha = 16;
@@ -125,20 +106,20 @@ TEST(StepInBackward, LoraAdaptersUpdateInTheBackward) {
     c.optim.lr = 1e-2;
     c.optim.grad_clip = 0.05;
     c.train.micro_batch_size = 4;
-    const Outcome two = train(c, false), sib = train(c, true);
+    const test::MeasuredRun two = train_sib(c, false), sib = train_sib(c, true);
     expect_same_run(two, sib, "lora");
-    EXPECT_EQ(sib.grad_peak, sib.grad_predicted);
-    EXPECT_LT(sib.grad_peak, two.grad_peak);
+    EXPECT_EQ(sib.peak[kGrads], sib.predicted[kGrads]);
+    EXPECT_LT(sib.peak[kGrads], two.peak[kGrads]);
 }
 
 TEST(StepInBackward, ResumesBitwise) {
-    RunConfig c = sib_run("sib_resume_whole", 8);
+    RunConfig c = test::wide_tiny_run("sib_resume_whole", 8);
     c.optim.step_in_backward = true;
     c.optim.state_format = "int8";
     c.train.micro_batch_size = 4;
     Trainer a(c, test::quiet());
     const TrainSummary sa = a.run();
-    RunConfig s = sib_run("sib_resume_split", 8);
+    RunConfig s = test::wide_tiny_run("sib_resume_split", 8);
     s.optim = c.optim;
     s.train.micro_batch_size = 4;
     TrainSummary sb;

@@ -171,9 +171,13 @@ void CpuEngine::apply_data_parallel() {
     // ZeRO stages 0-3 (parallel/data/zero_store.h; a single process is a world of one).
     const ParamLayout& trained = plan_.lora ? lora_layout_.params : layout_;
     // optim.step_in_backward with one micro-batch per step keeps no gradient buffer at all.
-    const bool hold_grads = !cfg.optim.step_in_backward || plan_.accum_steps > 1;
-    zero_ = std::make_unique<dist::ZeroStore>(trained, world_, plan_.zero_stage,
-                                              (int64_t)shard_grain(cfg.optim), hold_grads);
+    dist::ZeroStore::Options zo;
+    zo.grain = (int64_t)shard_grain(cfg.optim);
+    zo.hold_grads = !cfg.optim.step_in_backward || plan_.accum_steps > 1;
+    // optim.master = "none": bf16 weights, rounded stochastically from the run's seed.
+    zo.bf16_params = cfg.optim.master == "none";
+    zo.rounding_seed = cfg.train.seed ^ 0x5EEDB16F00Dull;
+    zero_ = std::make_unique<dist::ZeroStore>(trained, world_, plan_.zero_stage, zo);
     if (plan_.lora) {
         // Dropout masks differ per rank (each has its own rows), as torch's do under DDP.
         lora_ = std::make_unique<LoraAdapters>(cfg.lora, lora_layout_, *zero_,
@@ -333,7 +337,8 @@ void CpuEngine::last_backward_with_update(const int32_t* inputs, const int32_t* 
         [&opt, lr, norm, max_norm](float* p, float* g, std::size_t at, std::size_t n) {
             clip_to_norm(g, n, norm, max_norm);
             opt.step_part(p, g, lr, at, n);
-        });
+        },
+        opt.steps_taken() + 1);
     loss_sum_ += model().forward_backward(inputs, targets, B, T, grad_scale);
     const double seen = zero_->disarm();
     if (max_norm > 0 && std::isfinite(seen) && std::isfinite(update_norm_) && seen != update_norm_)

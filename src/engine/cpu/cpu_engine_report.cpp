@@ -50,6 +50,8 @@ std::string CpuEngine::describe() const {
                            plan_.cfg.lora.alpha, names, lora_layout_.params.total,
                            quant_base_ ? quant_base_->quant().name() : std::string("fp32"));
     }
+    if (zero_ && zero_->bf16_params())
+        return "cpu (fp32 compute, bf16 weights without a master copy: optim.master = none)";
     return "cpu (fp32)";
 }
 

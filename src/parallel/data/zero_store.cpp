@@ -8,16 +8,20 @@
 #include "core/error.h"
 #include "kernels/cpu/ops.h"
 #include "optim/optimizer.h"
+#include "optim/state_format.h"
 #include "parallel/placement.h"
 
 namespace memtrain::dist {
 
-ZeroStore::ZeroStore(const ParamLayout& layout, Communicator& comm, int stage, int64_t grain,
-                     bool hold_grads)
+ZeroStore::ZeroStore(const ParamLayout& layout, Communicator& comm, int stage, Options opts)
     : layout_(&layout), comm_(&comm), stage_(stage) {
     if (stage < 0 || stage > 3) fail("dist.zero_stage must be 0, 1, 2 or 3, got {}", stage);
+    if (opts.bf16_params && stage != 0)
+        fail("internal: bf16 parameters (optim.master = \"none\") in a ZeroStore at stage {}",
+             stage);
+    const bool hold_grads = opts.hold_grads;
     const int N = comm.size(), r = comm.rank();
-    const auto shards = grain_shard_ranges(0, (int64_t)layout.total, N, grain);
+    const auto shards = grain_shard_ranges(0, (int64_t)layout.total, N, opts.grain);
     // Which states this stage shards: the placement table the planner prices with.
     const ShardSpec spec = shard_spec(stage);
     const int64_t total = (int64_t)layout.total;
@@ -36,8 +40,14 @@ ZeroStore::ZeroStore(const ParamLayout& layout, Communicator& comm, int stage, i
     holds_.assign(U, 0);
     written_.assign(U, false);
     buckets_.resize(U);
-    params_ = Buffer<float>((std::size_t)held(spec.params, total, shards[r].count),
-                            MemCategory::Parameters);
+    if (opts.bf16_params) {
+        params16_ = Buffer<uint16_t>((std::size_t)total, MemCategory::Parameters);
+        round_ = Buffer<float>(round_scratch_floats(layout), MemCategory::Parameters);
+        rounding_seed_ = opts.rounding_seed;
+    } else {
+        params_ = Buffer<float>((std::size_t)held(spec.params, total, shards[r].count),
+                                MemCategory::Parameters);
+    }
     if (hold_grads)
         grads_ = Buffer<float>((std::size_t)held(spec.grads, total, shards[r].count),
                                MemCategory::Gradients);
@@ -57,6 +67,7 @@ ZeroStore::~ZeroStore() {
 }
 
 float* ZeroStore::owned_params() {
+    if (bf16_params()) fail("internal: ZeroStore::owned_params over bf16 parameters");
     if (prefetched_.unit >= 0) drop_prefetch();  // the optimizer is about to write the shard
     return stage_ == 3 ? params_.data() : params_.data() + owned_.offset;
 }
@@ -68,7 +79,7 @@ float* ZeroStore::owned_grads() {
 }
 
 float* ZeroStore::full_params() {
-    return stage_ == 3 ? nullptr : params_.data();
+    return stage_ == 3 || bf16_params() ? nullptr : params_.data();
 }
 
 float* ZeroStore::full_grads() {
@@ -135,9 +146,19 @@ const float* ZeroStore::my_piece(int u) {
 float* ZeroStore::acquire(int u, bool for_write) {
     const ParamUnit& unit = layout_->units.at(u);
     poll();
-    if (stage_ < 3) return params_.data() + unit.begin;
+    if (stage_ < 3 && !bf16_params()) return params_.data() + unit.begin;
     if (for_write) written_[u] = true;
     if (holds_[u]++ > 0) return gathered_[u].data();
+    if (bf16_params()) {
+        // Decoded into an fp32 copy of the unit (its working weights until release).
+        gathered_[u] = Buffer<float>(unit.size(), MemCategory::Parameters);
+        const uint16_t* src = params16_.data() + unit.begin;
+        float* dst = gathered_[u].data();
+        const int64_t n = (int64_t)unit.size();
+#pragma omp parallel for simd schedule(static)
+        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(src[i]);
+        return dst;
+    }
     if (prefetched_.unit == u) {
         comm_->wait(prefetched_.op);
         gathered_[u] = std::move(prefetched_.params);
@@ -166,11 +187,21 @@ void ZeroStore::prefetch(int u) {
 }
 
 void ZeroStore::release(int u) {
-    if (stage_ < 3) return;
+    if (stage_ < 3 && !bf16_params()) return;
     if (holds_[u] <= 0) fail("internal: ZeroStore::release({}) without acquire", u);
     if (--holds_[u] > 0) return;
     const UnitShards& us = unit_shards_[u];
-    if (written_[u] && us.mine_count > 0) {
+    if (bf16_params()) {
+        // Weights written from outside (initialisation, import, a checkpoint) round to nearest.
+        if (written_[u]) {
+            const ParamUnit& unit = layout_->units[u];
+            const float* src = gathered_[u].data();
+            uint16_t* dst = params16_.data() + unit.begin;
+            const int64_t n = (int64_t)unit.size();
+#pragma omp parallel for simd schedule(static)
+            for (int64_t i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
+        }
+    } else if (written_[u] && us.mine_count > 0) {
         const ParamUnit& unit = layout_->units[u];
         std::memcpy(params_.data() + ((int64_t)unit.begin + us.mine_begin - owned_.offset),
                     gathered_[u].data() + us.mine_begin, us.mine_count * sizeof(float));
@@ -280,11 +311,12 @@ double ZeroStore::clip_grad_norm(double max_norm) {
     return norm;
 }
 
-void ZeroStore::arm_update(UnitUpdate update) {
+void ZeroStore::arm_update(UnitUpdate update, int64_t step) {
     sync();  // the earlier micro-batches' reductions are in the shard
     if (prefetched_.unit >= 0) drop_prefetch();
     armed_ = Armed::Update;
     update_ = std::move(update);
+    update_step_ = step;
     std::fill(armed_sq_.begin(), armed_sq_.end(), 0.0);
 }
 
@@ -337,10 +369,47 @@ void ZeroStore::reduce_armed(int u) {
     if (armed_ == Armed::Update && n > 0) {
         // A prefetch of this unit reads the piece the update writes.
         if (prefetched_.unit == u) drop_prefetch();
-        float* p = stage_ == 3 ? params_.data() + at : params_.data() + owned_.offset + at;
-        update_(p, g, at, n);
+        apply_update(update_, g, at, n);
     }
     if (!in_place) buckets_[u].reset();
+}
+
+void ZeroStore::apply_update(const UnitUpdate& update, float* g, std::size_t at, std::size_t n) {
+    if (!bf16_params()) {
+        update(stage_ == 3 ? params_.data() + at : params_.data() + owned_.offset + at, g, at, n);
+        return;
+    }
+    // Stage 0: owned() is the whole buffer, `at` a flat index. A unit held decoded (backward)
+    // is released right after its update and was not written, so its copy is never read again.
+    for (std::size_t lo = at; lo < at + n;) {
+        const std::size_t hi = std::min(at + n, (lo / kRoundChunk + 1) * kRoundChunk);
+        const int64_t m = (int64_t)(hi - lo);
+        uint16_t* w16 = params16_.data() + lo;
+        float* w = round_.data();
+#pragma omp parallel for simd schedule(static)
+        for (int64_t i = 0; i < m; i++) w[i] = bf16_to_f32(w16[i]);
+        update(w, g + (lo - at), lo, hi - lo);
+        const uint64_t seed = rounding_seed_, step = (uint64_t)update_step_;
+#pragma omp parallel for schedule(static)
+        for (int64_t i = 0; i < m; i++)
+            w16[i] = f32_to_bf16_stochastic(w[i], seed, step, (uint64_t)lo + (uint64_t)i);
+        lo = hi;
+    }
+}
+
+std::size_t ZeroStore::round_scratch_floats(const ParamLayout& layout) {
+    std::size_t unit = 0;
+    for (const ParamUnit& u : layout.units) unit = std::max(unit, u.size());
+    return std::min(kRoundChunk, unit);
+}
+
+void ZeroStore::step_units(const UnitUpdate& update, int64_t step) {
+    float* g = owned_grads();
+    update_step_ = step;
+    for (std::size_t u = 0; u < layout_->units.size(); u++) {
+        const auto [at, n] = owned_piece((int)u);
+        if (n > 0) apply_update(update, g + at, at, n);
+    }
 }
 
 void ZeroStore::finish_step() {

@@ -92,12 +92,23 @@ class ZeroStore final : public UnitStore {
     // at most this many gradient buckets wait on the network besides the one backward fills.
     static constexpr std::size_t kMaxReducing = 2;
 
-    // `grain`: shards are cut on its multiples (grain_shard_ranges), so that block-quantized
-    // optimizer state keeps every block on one rank (optim/state_format.h: shard_grain).
-    // `hold_grads` false: no gradient buffer (optim.step_in_backward with one micro-batch per
-    // step; every backward must then be armed).
-    ZeroStore(const ParamLayout& layout, Communicator& comm, int stage, int64_t grain = 1,
-              bool hold_grads = true);
+    struct Options {
+        // Shards are cut on multiples of `grain` (grain_shard_ranges), so that block-quantized
+        // optimizer state keeps every block on one rank (optim/state_format.h: shard_grain).
+        int64_t grain = 1;
+        // false: no gradient buffer (optim.step_in_backward with one micro-batch per step; every
+        // backward must then be armed).
+        bool hold_grads = true;
+        // optim.master = "none" (stage 0): the parameters are stored in bf16 only. acquire()
+        // decodes a unit into an fp32 copy of its own, freed at release; the updates (step_units,
+        // arm_update) decode a chunk, update it in fp32 and store it by stochastic rounding drawn
+        // from (rounding_seed, the step, the element's index).
+        bool bf16_params = false;
+        uint64_t rounding_seed = 0;
+    };
+    ZeroStore(const ParamLayout& layout, Communicator& comm, int stage, Options opts);
+    ZeroStore(const ParamLayout& layout, Communicator& comm, int stage)
+        : ZeroStore(layout, comm, stage, Options{}) {}
     // Completes whatever is still in flight: MPI writes into the unit buffers until then.
     ~ZeroStore() override;
     ZeroStore(const ZeroStore&) = delete;
@@ -129,8 +140,18 @@ class ZeroStore final : public UnitStore {
     using UnitUpdate =
         std::function<void(float* params, float* grads, std::size_t begin, std::size_t n)>;
     // The next backward (the step's last micro-batch) updates each unit through `update` as soon
-    // as its gradient is reduced.
-    void arm_update(UnitUpdate update);
+    // as its gradient is reduced. `step`: the update's number (1 for the first), which bf16
+    // parameters' stochastic rounding draws from.
+    void arm_update(UnitUpdate update, int64_t step);
+    // The two-phase step over bf16 parameters: `update` on every unit's owned floats, with the
+    // reduced (and clipped) gradients of owned_grads().
+    void step_units(const UnitUpdate& update, int64_t step);
+    bool bf16_params() const { return params16_.size() > 0; }
+    // The bf16 updates decode, update and round a chunk at a time: at most kRoundChunk floats,
+    // cut at its multiples of the flat buffer, and never more than a unit (round_scratch_floats,
+    // the scratch's size).
+    static constexpr std::size_t kRoundChunk = std::size_t(1) << 18;
+    static std::size_t round_scratch_floats(const ParamLayout& layout);
     // The next backward only measures each unit's reduced gradient (the norm pass clipping
     // needs) and changes no buffer the step keeps.
     void arm_norm();
@@ -192,6 +213,14 @@ class ZeroStore final : public UnitStore {
     double norm_of(const std::vector<double>& unit_sq);
     // The floats of unit u this rank updates: where they start in owned() and how many.
     std::pair<std::size_t, std::size_t> owned_piece(int u) const;
+    // `update` on owned floats [at, at + n) with their gradients g: in place on fp32 parameters;
+    // on bf16 ones chunk by chunk (cut at multiples of kRoundChunk of the flat buffer, so no
+    // state block is cut), decoded into round_, updated, stored by stochastic rounding.
+    void apply_update(const UnitUpdate& update, float* g, std::size_t at, std::size_t n);
+    int64_t update_step_ = 0;
+    Buffer<uint16_t> params16_;  // optim.master = "none": the whole model in bf16
+    Buffer<float> round_;        // its update scratch (kRoundChunk floats)
+    uint64_t rounding_seed_ = 0;
 
     enum class Armed { No, Norm, Update };
     Armed armed_ = Armed::No;

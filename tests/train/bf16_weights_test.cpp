@@ -1,0 +1,160 @@
+// optim.master = "none": bf16 weights without an fp32 master copy, updated by seeded stochastic
+// rounding. The rounding is unbiased over many draws and reproducible from its seed; a run tracks
+// the fp32 one, holds the bytes its plan predicts (half the fp32 parameters, plus the decoded
+// units), repeats itself bitwise, resumes bitwise, and composes with the step in the backward and
+// int8 moments.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "core/allocator.h"
+#include "core/error.h"
+#include "optim/state_format.h"
+#include "train/measured_run.h"
+#include "train/trainer.h"
+#include "train/validate.h"
+
+using namespace memtrain;
+
+namespace {
+
+// The bf16 neighbours of x: the one toward zero (truncation) and the next away from zero.
+std::pair<float, float> neighbours(float x) {
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    const uint16_t lo = (uint16_t)(u >> 16);
+    return {bf16_to_f32(lo), bf16_to_f32((uint16_t)(lo + 1))};
+}
+
+}  // namespace
+
+TEST(StochasticRounding, IsUnbiasedOverManyDraws) {
+    const int n = 200000;
+    for (float x : {1.0f + 1.0f / 1024, -3.14159f, 0.1f, 1e-30f, -7.7e20f, 123.456f}) {
+        const auto [a, b] = neighbours(x);
+        double sum = 0;
+        for (int i = 0; i < n; i++) {
+            const float r = bf16_to_f32(f32_to_bf16_stochastic(x, 42, 7, (uint64_t)i));
+            ASSERT_TRUE(r == a || r == b) << x << " rounded to " << r;
+            sum += r;
+        }
+        // The mean of n Bernoulli draws between a and b: within 5 standard deviations of x.
+        const double gap = std::fabs((double)b - (double)a);
+        EXPECT_NEAR(sum / n, (double)x, 5 * gap / (2 * std::sqrt((double)n))) << x;
+    }
+    // bf16 values stay exactly themselves; not-finite values keep their class; the largest
+    // finite value never rounds to infinity.
+    for (uint64_t i = 0; i < 1000; i++) {
+        EXPECT_EQ(f32_to_bf16_stochastic(1.5f, 1, 1, i), f32_to_bf16(1.5f));
+        EXPECT_TRUE(std::isinf(
+            bf16_to_f32(f32_to_bf16_stochastic(std::numeric_limits<float>::infinity(), 1, 1, i))));
+        EXPECT_TRUE(std::isnan(
+            bf16_to_f32(f32_to_bf16_stochastic(std::numeric_limits<float>::quiet_NaN(), 1, 1, i))));
+        EXPECT_TRUE(std::isfinite(
+            bf16_to_f32(f32_to_bf16_stochastic(std::numeric_limits<float>::max(), 1, 1, i))));
+    }
+}
+
+TEST(StochasticRounding, IsReproducibleFromItsSeed) {
+    const float x = 0.3f;
+    std::vector<uint16_t> a, b, other_seed, other_step;
+    for (uint64_t i = 0; i < 4096; i++) {
+        a.push_back(f32_to_bf16_stochastic(x, 9, 3, i));
+        b.push_back(f32_to_bf16_stochastic(x, 9, 3, i));
+        other_seed.push_back(f32_to_bf16_stochastic(x, 10, 3, i));
+        other_step.push_back(f32_to_bf16_stochastic(x, 9, 4, i));
+    }
+    EXPECT_EQ(a, b);
+    EXPECT_NE(a, other_seed);
+    EXPECT_NE(a, other_step);
+}
+
+namespace {
+
+constexpr int kParams = static_cast<int>(MemCategory::Parameters);
+
+}  // namespace
+
+TEST(Bf16Weights, TrackFp32InTheirPredictedBytesAndRepeatBitwise) {
+    const int steps = 40;
+    RunConfig c = test::wide_tiny_run("bfw_fp32", steps);
+    c.model.n_layer = 8;  // so the decoded units and the scratch are a small share
+    const test::MeasuredRun fp32 = test::measured_run(c);
+    c.optim.master = "none";
+    c.io.out_dir += "_none";
+    const test::MeasuredRun none = test::measured_run(c);
+    EXPECT_EQ(none.peak[kParams], none.predicted[kParams]);
+    EXPECT_LT(none.peak[kParams], fp32.peak[kParams] * 3 / 4);
+    // Stated tolerance: the final training and validation losses within 2% of fp32's.
+    ASSERT_EQ(none.summary.losses.size(), fp32.summary.losses.size());
+    EXPECT_NEAR(none.summary.losses.back(), fp32.summary.losses.back(),
+                0.02 * fp32.summary.losses.back());
+    EXPECT_NEAR(none.summary.val_losses.back().second, fp32.summary.val_losses.back().second,
+                0.02 * fp32.summary.val_losses.back().second);
+    EXPECT_LT(none.summary.losses.back(), none.summary.losses.front() - 0.5);
+    // Every weight is a bf16 value.
+    for (float w : none.params) ASSERT_EQ(bf16_to_f32(f32_to_bf16(w)), w);
+    // The same seed, the same run.
+    c.io.out_dir += "_again";
+    const test::MeasuredRun again = test::measured_run(c);
+    EXPECT_EQ(again.summary.losses, none.summary.losses);
+    EXPECT_EQ(0, std::memcmp(again.params.data(), none.params.data(),
+                             none.params.size() * sizeof(float)));
+}
+
+TEST(Bf16Weights, ComposeWithTheStepInBackwardAndInt8Moments) {
+    RunConfig c = test::wide_tiny_run("bfw_sib", 6);
+    c.optim.master = "none";
+    c.optim.state_format = "int8";
+    c.train.micro_batch_size = 4;
+    const test::MeasuredRun two = test::measured_run(c);
+    c.optim.step_in_backward = true;
+    c.io.out_dir += "_sib";
+    const test::MeasuredRun sib = test::measured_run(c);
+    // The update inside the backward rounds each element with the same draw: bitwise the same.
+    EXPECT_EQ(two.summary.losses, sib.summary.losses);
+    EXPECT_EQ(0, std::memcmp(two.params.data(), sib.params.data(), two.params.size() * 4));
+    EXPECT_EQ(sib.peak[kParams], sib.predicted[kParams]);
+}
+
+TEST(Bf16Weights, ResumeIsBitwise) {
+    RunConfig c = test::wide_tiny_run("bfw_resume_whole", 8);
+    c.optim.master = "none";
+    Trainer a(c, test::quiet());
+    const TrainSummary sa = a.run();
+    RunConfig s = test::wide_tiny_run("bfw_resume_split", 8);
+    s.optim.master = "none";
+    TrainSummary sb;
+    auto b = test::train_stop_and_resume(s, 4, sb);
+    ASSERT_EQ(sb.losses.size(), 4u);
+    for (int i = 0; i < 4; i++) EXPECT_EQ(sb.losses[i], sa.losses[4 + i]) << i;
+    EXPECT_EQ(a.params(), b->params());
+}
+
+TEST(Bf16Weights, RefusesTheLayoutsItDoesNotRunWithByName) {
+    RunConfig base = test::tiny_run_config("/nonexistent/bfw", 2);
+    base.optim.master = "none";
+    auto refused = [&](auto edit, const std::string& key) {
+        RunConfig c = base;
+        edit(c);
+        try {
+            validate_optimizer_layout(c);
+            ADD_FAILURE() << key << " was accepted";
+        } catch (const Error& e) {
+            const std::string msg = e.what();
+            EXPECT_NE(msg.find("optim.master"), std::string::npos) << msg;
+            EXPECT_NE(msg.find(key), std::string::npos) << msg;
+        }
+    };
+    refused([](RunConfig& c) { c.train.device = "cuda"; }, "train.device");
+    refused([](RunConfig& c) { c.train.zero_stage = 2; }, "train.zero_stage = 2");
+    refused([](RunConfig& c) { c.optim.name = "muon"; }, "optim.name");
+    refused([](RunConfig& c) { c.lora.rank = 4; }, "lora.rank");
+    RunConfig bad = base;
+    bad.optim.master = "bf16";
+    EXPECT_THROW(bad.optim.validate(), Error);
+}
