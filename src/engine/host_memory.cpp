@@ -344,6 +344,7 @@ plan::RunSpec planner_run_spec(const RunConfig& cfg, const ActFormat& format) {
     rs.optimizer = cfg.optim.name == "sgd" ? plan::Optimizer::sgd : plan::Optimizer::adamw;
     rs.state_format = parse_state_format(cfg.optim.state_format);
     rs.step_in_backward = cfg.optim.step_in_backward;
+    if (cfg.optim.master == "none") rs.fp32_master = false;
     rs.micro_batch = cfg.micro_batch();
     rs.seq = cfg.train.seq_len;
     rs.micro_batches = cfg.accum_steps();

@@ -136,7 +136,8 @@ StateBytes state_bytes(Precision precision, bool fp32_master, Optimizer optimize
     if (format == StateFormat::Fp32 && precision != Precision::fp32 && !fp32_master)
         format = StateFormat::Bf16;
     const double states = moments * moment_bytes_per_param(format);
-    if (precision == Precision::fp32) return {4, 4, states};
+    // fp32 without a master: the CPU engine's optim.master = "none", bf16 weights computed in fp32.
+    if (precision == Precision::fp32) return {fp32_master ? 4.0 : 2.0, 4, states};
     if (!fp32_master) return {2, 2, states};
     return {2, 2, 4 + states, 4};
 }

@@ -82,6 +82,33 @@ TEST(PlanMemory, OptimizerAndPrecisionVariants) {
     }
     EXPECT_DOUBLE_EQ(state_bytes(memtrain::Precision::bf16, false, Optimizer::adamw).optim, 4);
     EXPECT_DOUBLE_EQ(state_bytes(memtrain::Precision::fp32, true, Optimizer::sgd).optim, 4);
+    // fp32 compute over bf16-stored weights (the CPU engine's optim.master = "none").
+    const auto bf16w = state_bytes(memtrain::Precision::fp32, false, Optimizer::adamw);
+    EXPECT_DOUBLE_EQ(bf16w.param, 2);
+    EXPECT_DOUBLE_EQ(bf16w.grad, 4);
+    EXPECT_DOUBLE_EQ(bf16w.optim, 8);
+}
+
+// optim.step_in_backward with one micro-batch: the gradients are the largest unit's (with a tied
+// embedding, the embedding's beside the largest other unit's), none under ZeRO 2-3; with
+// accumulation the two-phase step's.
+TEST(PlanMemory, StepInBackwardPricesTheOpenUnitsOnly) {
+    ModelSpec m = load_model("gpt2");
+    RunSpec r = base_run();
+    r.precision = memtrain::Precision::fp32;
+    const int64_t psi = m.total_params();
+    r.step_in_backward = true;
+    const MemoryEstimate e = estimate_memory(m, r);
+    // 4 B x (wte + wpe + one block): 186 MB, under half the two-phase step's 4 B x 124M.
+    EXPECT_LT(e.bytes("gradients"), 2 * psi);
+    EXPECT_GT(e.bytes("gradients"), 4 * (m.vocab_size * (int64_t)m.n_embd));
+    r.zero = 2;
+    r.dp = 2;
+    EXPECT_EQ(estimate_memory(m, r).bytes("gradients"), 0);
+    r.zero = 0;
+    r.dp = 1;
+    r.micro_batches = 2;
+    EXPECT_EQ(estimate_memory(m, r).bytes("gradients"), 4 * psi);
 }
 
 // ZeRO-Offload as the engine runs it: the bf16 parameters and gradients stay on the GPU (their
