@@ -1,12 +1,16 @@
-// A training run of the tests of the optimizer's memory options (optim.state_format,
+// Helpers of the tests of the optimizer's memory options (optim.state_format,
 // optim.step_in_backward, optim.master): the shared tiny run widened to 64 so its matrices and
-// embedding are large enough to store compressed, and what a run measured against its plan.
+// embedding are large enough to store compressed, what a run measured against its plan, and the
+// check that a layout an option does not run with is refused by name.
 #pragma once
 
 #include <string>
 #include <vector>
 
+#include <gtest/gtest.h>
+
 #include "core/allocator.h"
+#include "core/error.h"
 #include "test_util.h"
 #include "train/trainer.h"
 
@@ -39,6 +43,20 @@ inline MeasuredRun measured_run(const RunConfig& c) {
     for (const MemoryPrediction& p : t.plan().memory)
         r.predicted[static_cast<int>(p.category)] = p.bytes;
     return r;
+}
+
+// check(c) refuses c in one line naming both `option` (the key refused) and `key` (what it does
+// not run with).
+inline void expect_refused_naming(void (*check)(const RunConfig&), const RunConfig& c,
+                                  const std::string& option, const std::string& key) {
+    try {
+        check(c);
+        ADD_FAILURE() << option << " with " << key << " was accepted";
+    } catch (const Error& e) {
+        const std::string msg = e.what();
+        EXPECT_NE(msg.find(option), std::string::npos) << msg;
+        EXPECT_NE(msg.find(key), std::string::npos) << msg;
+    }
 }
 
 }  // namespace memtrain::test

@@ -19,7 +19,6 @@ ZeroStore::ZeroStore(const ParamLayout& layout, Communicator& comm, int stage, O
     if (opts.bf16_params && stage != 0)
         fail("internal: bf16 parameters (optim.master = \"none\") in a ZeroStore at stage {}",
              stage);
-    const bool hold_grads = opts.hold_grads;
     const int N = comm.size(), r = comm.rank();
     const auto shards = grain_shard_ranges(0, (int64_t)layout.total, N, opts.grain);
     // Which states this stage shards: the placement table the planner prices with.
@@ -48,7 +47,7 @@ ZeroStore::ZeroStore(const ParamLayout& layout, Communicator& comm, int stage, O
         params_ = Buffer<float>((std::size_t)held(spec.params, total, shards[r].count),
                                 MemCategory::Parameters);
     }
-    if (hold_grads)
+    if (opts.hold_grads)
         grads_ = Buffer<float>((std::size_t)held(spec.grads, total, shards[r].count),
                                MemCategory::Gradients);
     armed_sq_.assign(U, 0.0);
