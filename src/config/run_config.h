@@ -136,6 +136,9 @@ struct RunConfig {
         return train.micro_batch_size > 0 ? train.micro_batch_size : train.batch_size / dp();
     }
     int accum_steps() const { return train.batch_size / (micro_batch() * dp()); }
+    // optim.step_in_backward with one micro-batch per step: no gradient buffer at all (the
+    // engine's store and its memory rows both follow this).
+    bool no_grad_buffer() const { return optim.step_in_backward && accum_steps() == 1; }
     int64_t tokens_per_step() const { return (int64_t)train.batch_size * train.seq_len; }
     // (Checked across keys, and "auto" resolved, by train/validate.h.)
 };

@@ -55,7 +55,7 @@ std::vector<MemoryPrediction> zero_state_rows(const RunConfig& cfg, const ParamL
     MemoryPrediction grads{MemCategory::Gradients,
                            fmt::format("4 x {}{} (fp32)", what, per(spec.grads)),
                            4 * n(spec.grads)};
-    if (cfg.optim.step_in_backward && cfg.accum_steps() == 1) {
+    if (cfg.no_grad_buffer()) {
         // No gradient buffer: each unit's, while backward fills it (dist::ZeroStore); under
         // ZeRO 2-3 those buckets are the communication ones the two-phase step also fills.
         const bool tied = tied_grads && cfg.model.tied_embeddings;

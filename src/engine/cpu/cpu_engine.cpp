@@ -173,7 +173,7 @@ void CpuEngine::apply_data_parallel() {
     // optim.step_in_backward with one micro-batch per step keeps no gradient buffer at all.
     dist::ZeroStore::Options zo;
     zo.grain = (int64_t)shard_grain(cfg.optim);
-    zo.hold_grads = !cfg.optim.step_in_backward || plan_.accum_steps > 1;
+    zo.hold_grads = !cfg.no_grad_buffer();
     // optim.master = "none": bf16 weights, rounded stochastically from the run's seed.
     zo.bf16_params = cfg.optim.master == "none";
     zo.rounding_seed = cfg.train.seed ^ 0x5EEDB16F00Dull;

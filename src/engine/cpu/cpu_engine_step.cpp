@@ -28,17 +28,18 @@ StepResult CpuEngine::finish_zero_step(double lr, double max_norm) {
         r.grad_norm = update_norm_;
         opt_->part(0).advance();
         update_prepared_ = false;
-    } else if (zero_->bf16_params()) {
-        // optim.master = "none": each unit decoded, updated and rounded, a chunk at a time.
-        r.grad_norm = zero_->clip_grad_norm(max_norm);
-        Optimizer& opt = opt_->part(0);
-        zero_->step_units([&opt, lr](float* p, float* g, std::size_t at,
-                                     std::size_t n) { opt.step_part(p, g, lr, at, n); },
-                          opt.steps_taken() + 1);
-        opt.advance();
     } else {
         r.grad_norm = zero_->clip_grad_norm(max_norm);
-        opt_->part(0).step(zero_->owned_params(), zero_->owned_grads(), lr);
+        Optimizer& opt = opt_->part(0);
+        if (zero_->bf16_params()) {
+            // optim.master = "none": each unit decoded, updated and rounded, a chunk at a time.
+            zero_->step_units([&opt, lr](float* p, float* g, std::size_t at,
+                                         std::size_t n) { opt.step_part(p, g, lr, at, n); },
+                              opt.steps_taken() + 1);
+            opt.advance();
+        } else {
+            opt.step(zero_->owned_params(), zero_->owned_grads(), lr);
+        }
     }
     zero_->finish_step();
     return r;
