@@ -51,7 +51,8 @@ class FlagCheck {
 };
 
 void add_gpu_flags(CLI::App* cmd, GpuArgs& a) {
-    cmd->add_option("--gpu", a.gpu, "GPU preset: a100-40gb a100-80gb h100-80gb h200 custom");
+    cmd->add_option("--gpu", a.gpu,
+                    fmt::format("GPU preset: {} custom", fmt::join(gpu_preset_names(), " ")));
     cmd->add_option("--gpus-per-node", a.gpus_per_node, "GPUs per node (NVLink domain)");
     cmd->add_option("--gpu-mem-gb", a.mem_gb, "override GPU memory (GB)");
     cmd->add_option("--gpu-tflops", a.tflops, "override dense bf16 peak (TFLOP/s)");
@@ -123,6 +124,21 @@ ClusterSpec make_cluster(const GpuArgs& a, const CLI::App* cmd, int gpus, GpuNee
     c.gpus_per_node = a.gpus_per_node;
     c.gpus = gpus;
     return c;
+}
+
+// bf16 on a GPU without bf16 tensor cores (Volta): refused when --precision asked for it, fp16
+// when bf16 was only the default. Returns the line that says so, or "".
+std::string fit_precision_to_gpu(const GpuSpec& g, const CLI::App* cmd, Precision* p,
+                                 bool* fp32_master) {
+    if (g.bf16 || *p != Precision::bf16) return "";
+    if (FlagCheck(cmd).given("--precision"))
+        fail("--precision {}: {} has no bf16 tensor cores; use --precision fp16 (or fp32)",
+             precision_label(*p, *fp32_master), g.name);
+    *p = Precision::fp16;
+    *fp32_master = true;
+    return fmt::format(
+        "precision: fp16 with loss scaling ({} has no bf16 tensor cores; --precision to change)",
+        g.name);
 }
 
 // "host memory: 2048 GB per node (default for h100-80gb, as in a DGX H100: 2048 GB for 8 GPUs;
@@ -247,6 +263,8 @@ void register_estimate(CLI::App& app) {
         r.reserve_bytes = static_cast<int64_t>(a->reserve_gb * 1e9);
         const ClusterSpec c = make_cluster(
             a->gpu, cmd, r.gpus(), {r.precision == Precision::fp32, r.offload != Offload::none});
+        const std::string precision_note =
+            fit_precision_to_gpu(c.gpu, cmd, &r.precision, &r.fp32_master);
         if (a->global_batch > 0) {
             int64_t per = static_cast<int64_t>(r.dp) * r.micro_batch;
             if (a->global_batch % per != 0)
@@ -266,6 +284,7 @@ void register_estimate(CLI::App& app) {
             j["tokens_per_s"] = t.tokens_per_s;
             j["mfu"] = t.mfu;
             j["method"] = describe_method(r);
+            j["precision"] = precision_label(r.precision, r.fp32_master);
             j["host_memory_bytes"] = c.host_memory();
             std::printf("%s\n", j.dump(2).c_str());
             return;
@@ -275,6 +294,7 @@ void register_estimate(CLI::App& app) {
         std::printf("layout: %s, %s %s, GPU %s\n", describe(r).c_str(),
                     precision_label(r.precision, r.fp32_master), to_string(r.optimizer),
                     c.gpu.name.c_str());
+        if (!precision_note.empty()) std::printf("%s\n", precision_note.c_str());
         if (r.offload != Offload::none) std::printf("%s\n", host_memory_line(c, cmd).c_str());
         std::printf("\n");
         std::printf("%s\n%s", format_memory_table(est, &c).c_str(), format_time(t).c_str());
@@ -360,6 +380,8 @@ void register_plan_cmd(CLI::App& app) {
         s.precision = parse_precision(a->precision, &s.fp32_master);
         const ClusterSpec c =
             make_cluster(a->gpu, cmd, gpus, {s.precision == Precision::fp32, !a->no_offload});
+        const std::string precision_note =
+            fit_precision_to_gpu(c.gpu, cmd, &s.precision, &s.fp32_master);
         s.optimizer = parse_optimizer(a->optimizer);
         s.state_format = state_format_flag(a->state_format);
         s.state_fallback = !check.given("--state-format");
@@ -382,6 +404,7 @@ void register_plan_cmd(CLI::App& app) {
             nlohmann::json j = to_json(r, a->top);
             j["host_memory_bytes"] = c.host_memory();
             j["host_memory_default"] = !check.given("--host-mem-gb");
+            j["precision"] = precision_label(s.precision, s.fp32_master);
             std::printf("%s\n", j.dump(2).c_str());
             if (code) throw ExitCode{code};
             return;
@@ -390,6 +413,7 @@ void register_plan_cmd(CLI::App& app) {
                     m.name.c_str(), m.total_params() / 1e9, gpus, c.gpu.name.c_str(),
                     c.gpu.memory_bytes / 1e9, s.global_batch > 0 ? s.global_batch : 1024,
                     s.seq > 0 ? s.seq : m.block_size);
+        if (!precision_note.empty()) std::printf("%s\n", precision_note.c_str());
         std::printf("%s\n\n", host_memory_line(c, cmd).c_str());
         std::printf("%s", format_plans(r, a->top, a->reasons, c).c_str());
         if (!a->emit.empty()) std::printf("\nwrote %s\n", a->emit.c_str());

@@ -23,6 +23,7 @@ struct GpuSpec {
     // Host memory of a typical node per GPU (a DGX H100's 2 TB for 8 GPUs: 256 GB), bytes.
     double host_memory_per_gpu = 256e9;
     std::string host_memory_source;  // the node it comes from, for the output ("" for custom)
+    bool bf16 = true;                // bf16 tensor cores (Volta has fp16 only)
 };
 
 struct ClusterSpec {
@@ -40,7 +41,8 @@ struct ClusterSpec {
 };
 
 std::vector<std::string> gpu_preset_names();
-// a100-40gb, a100-80gb, h100-80gb, h200; unknown names fail with the nearest preset.
+// a100-40gb, a100-80gb, h100-80gb, h200, v100-16gb, v100-32gb, a10g, l4, l40s, rtx-4090,
+// mi300x; unknown names fail with the nearest preset.
 GpuSpec gpu_preset(const std::string& name);
 
 }  // namespace memtrain::plan

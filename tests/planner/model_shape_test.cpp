@@ -37,6 +37,32 @@ TEST(PlanModel, OtherToolsNamesAndGpuFamiliesSuggestThePreset) {
     EXPECT_NE(m.find("did you mean \"h100-80gb\"?"), std::string::npos) << m;
     m = test::error_of([] { gpu_preset("a10O-80gb"); });  // a typo: the nearest
     EXPECT_NE(m.find("did you mean \"a100-80gb\"?"), std::string::npos) << m;
+    m = test::error_of([] { gpu_preset("v100"); });
+    EXPECT_NE(m.find("did you mean \"v100-16gb\" or \"v100-32gb\"?"), std::string::npos) << m;
+    for (const char* name : {"4090", "RTX4090", "mi300"}) {
+        m = test::error_of([&] { gpu_preset(name); });
+        EXPECT_NE(m.find(std::string(name) == "mi300" ? "\"mi300x\"" : "\"rtx-4090\""),
+                  std::string::npos)
+            << m;
+    }
+}
+
+// Every preset is whole: the numbers the estimate divides by are positive, the host of its
+// typical node is named, and only Volta lacks bf16.
+TEST(PlanModel, GpuPresetsAreWhole) {
+    for (const std::string& name : gpu_preset_names()) {
+        const GpuSpec g = gpu_preset(name);
+        EXPECT_GT(g.memory_bytes, 0) << name;
+        EXPECT_GT(g.peak_flops, g.peak_flops_fp32 * 0.99) << name;
+        EXPECT_GT(g.hbm_bandwidth, 0) << name;
+        EXPECT_GT(g.intra_node_bw, 0) << name;
+        EXPECT_GT(g.inter_node_bw, 0) << name;
+        EXPECT_GT(g.pcie_bw, 0) << name;
+        EXPECT_GT(g.host_memory_per_gpu, 0) << name;
+        EXPECT_FALSE(g.host_memory_source.empty()) << name;
+        EXPECT_EQ(g.bf16, name.rfind("v100", 0) != 0) << name;
+    }
+    EXPECT_EQ(gpu_preset_names().size(), 11u);
 }
 
 TEST(PlanModel, Gpt2HfConfig) {

@@ -312,3 +312,41 @@ TEST(PlanCli, EstimateSaysWhereItsNumbersComeFrom) {
         EXPECT_NE(o.output.find(formulas), std::string::npos) << args << "\n" << o.output;
     }
 }
+
+// The presets a user outside DGX racks has (issue 26): every one plans, a card without NVLink
+// talks over PCIe, and Volta, which has no bf16, plans fp16 unless bf16 is asked for by name.
+TEST(PlanCli, EveryGpuPresetPlansAndVoltaHasNoBf16) {
+    for (const char* gpu : {"v100-16gb", "v100-32gb", "a10g", "l4", "l40s", "rtx-4090", "mi300x"}) {
+        const Outcome o = memtrain_cli(std::string("estimate gpt2 --dp 2 --json --gpu ") + gpu);
+        ASSERT_EQ(o.code, 0) << gpu << "\n" << o.output;
+        const auto j = nlohmann::json::parse(o.output);
+        EXPECT_GT(j["tokens_per_s"].get<double>(), 0) << gpu;
+    }
+    Outcome o = memtrain_cli("plan gpt2 --gpus 8 --global-batch 64 --top 1 --gpu v100-32gb");
+    ASSERT_EQ(o.code, 0) << o.output;
+    EXPECT_NE(o.output.find("precision: fp16 with loss scaling (v100-32gb has no bf16 tensor "
+                            "cores; --precision to change)"),
+              std::string::npos)
+        << o.output;
+    o = memtrain_cli("estimate gpt2 --gpu v100-16gb --json");
+    ASSERT_EQ(o.code, 0) << o.output;
+    EXPECT_EQ(nlohmann::json::parse(o.output)["precision"], "fp16");
+    expect_refusal("plan gpt2 --gpus 8 --gpu v100-32gb --precision bf16",
+                   {"--precision bf16", "v100-32gb has no bf16", "fp16"});
+    expect_refusal("estimate gpt2 --gpu v100-32gb --precision bf16-only",
+                   {"--precision bf16-only", "no bf16"});
+    o = memtrain_cli("estimate gpt2 --gpu v100-32gb --precision fp32");
+    EXPECT_EQ(o.code, 0) << o.output;
+    // A Volta host holds 512 GB for 8 GPUs, an AWS g6e (8 x L40S) 1536.
+    o = memtrain_cli("plan gpt2 --gpus 8 --global-batch 64 --top 1 --gpu l40s");
+    EXPECT_NE(o.output.find("1536 GB per node (default for l40s, as in a AWS g6e.48xlarge"),
+              std::string::npos)
+        << o.output;
+    // The same model is faster on an H100 than on an L4, and slower than on an MI300X.
+    auto tps = [](const char* gpu) {
+        const Outcome r = memtrain_cli(std::string("estimate gpt2 --json --gpu ") + gpu);
+        return nlohmann::json::parse(r.output)["tokens_per_s"].get<double>();
+    };
+    EXPECT_LT(tps("l4"), tps("h100-80gb"));
+    EXPECT_LT(tps("h100-80gb"), tps("mi300x"));
+}
