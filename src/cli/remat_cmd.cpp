@@ -9,6 +9,10 @@
 #include <fstream>
 #include <memory>
 #include <optional>
+#include <string>
+#include <vector>
+
+#include <fmt/ranges.h>
 
 #include "cli/commands.h"
 #include "config/run_config.h"
@@ -92,6 +96,69 @@ std::string frontier_svg(const std::vector<Point>& pts, double step_flops) {
     o += fmt::format("<polyline points=\"{}\" fill=\"none\" stroke=\"steelblue\"/>\n", line);
     o += "</svg>\n";
     return o;
+}
+
+// The no-recompute step timed before, between and after the others: how far apart its own
+// times lie is the noise every measured column carries.
+struct BaselineSpread {
+    std::vector<double> seconds;  // each timing of the baseline, in order
+    double lo() const { return *std::min_element(seconds.begin(), seconds.end()); }
+    double hi() const { return *std::max_element(seconds.begin(), seconds.end()); }
+    double pct() const { return 100.0 * (hi() / lo() - 1.0); }
+};
+
+// Real steps of every schedule (CPU): the measured side of the frontier, as % over the fastest
+// of the baseline's timings (pts[0] is `none`).
+BaselineSpread measure_frontier(const ModelConfig& m, int B, int T, std::vector<Point>& pts) {
+    BaselineSpread spread;
+    const std::size_t half = pts.size() / 2;
+    for (std::size_t i = 0; i < pts.size(); i++) {
+        if (i == 0 || i == half)
+            spread.seconds.push_back(measure_step(m, B, T, pts[0].s.plan).seconds);
+        if (i == 0) continue;
+        const MeasuredStep ms = measure_step(m, B, T, pts[i].s.plan);
+        pts[i].measured_bytes = ms.activation_bytes;
+        pts[i].measured_pct = ms.seconds;  // seconds for now; % below
+    }
+    const MeasuredStep last = measure_step(m, B, T, pts[0].s.plan);
+    spread.seconds.push_back(last.seconds);
+    pts[0].measured_bytes = last.activation_bytes;
+    const double base = spread.lo();
+    pts[0].measured_pct = 0;
+    for (std::size_t i = 1; i < pts.size(); i++)
+        pts[i].measured_pct = 100.0 * (pts[i].measured_pct / base - 1.0);
+    return spread;
+}
+
+// The baseline's spread, and a warning for every schedule measured faster than no recompute:
+// recompute never saves time, so that is noise (within the spread) or a machine whose speed
+// changed (beyond it).
+void print_spread(const BaselineSpread& spread, const std::vector<Point>& pts) {
+    std::string times;
+    for (double t : spread.seconds)
+        times += fmt::format("{}{:.2f}", times.empty() ? "" : ", ", t * 1e3);
+    std::printf(
+        "\nmeasured: %% over the fastest of %zu timings of the no-recompute step (%s ms, before, "
+        "between and after the others): spread %.2f%%; differences smaller than that are noise\n",
+        spread.seconds.size(), times.c_str(), spread.pct());
+    std::vector<std::string> faster;
+    double worst = 0;
+    for (const auto& p : pts)
+        if (p.measured_pct < 0) {
+            faster.push_back(p.name);
+            worst = std::min(worst, p.measured_pct);
+        }
+    if (faster.empty()) return;
+    const bool noise = -worst <= spread.pct();
+    std::fflush(stdout);
+    std::fprintf(stderr,
+                 "memtrain: warning: %zu schedule%s measured faster than no recompute (%s; at "
+                 "most %.2f%%), which recompute cannot be: %s\n",
+                 faster.size(), faster.size() == 1 ? "" : "s",
+                 fmt::format("{}", fmt::join(faster, ", ")).c_str(), worst,
+                 noise ? "within the baseline's spread, so noise"
+                       : "beyond the baseline's spread, so the machine's speed changed during the "
+                         "measurement; measure again on a quiet machine");
 }
 
 }  // namespace
@@ -196,16 +263,8 @@ void register_remat(CLI::App& app) {
                         {fmt::format("budget:{}+offload", b), *solve_budget(offload_chain, b)});
                 }
             }
-            if (a->measure) {
-                // Real steps of every schedule (CPU): the measured side of the frontier.
-                for (auto& p : pts) {
-                    MeasuredStep ms = measure_step(m, B, T, p.s.plan);
-                    p.measured_bytes = ms.activation_bytes;
-                    p.measured_pct = ms.seconds;  // seconds for now; % below
-                }
-                const double base = pts[0].measured_pct;
-                for (auto& p : pts) p.measured_pct = 100.0 * (p.measured_pct / base - 1.0);
-            }
+            BaselineSpread spread;
+            if (a->measure) spread = measure_frontier(m, B, T, pts);
             std::printf("\n%-28s %12s %14s %10s %10s %12s  %s\n", "schedule", "peak MiB",
                         "peak bytes", "recompute", "measured", "measured MiB",
                         "plan (A all, S selective, I input only, O input in host memory)");
@@ -221,6 +280,7 @@ void register_remat(CLI::App& app) {
                             100.0 * p.s.recompute_flops / step, mt.c_str(), mb.c_str(),
                             plan_letters(p.s.plan).c_str());
             }
+            if (a->measure) print_spread(spread, pts);
             if (!a->svg.empty()) {
                 std::ofstream out(a->svg, std::ios::binary);
                 out << frontier_svg(pts, step);

@@ -8,6 +8,8 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
+#include <string>
 
 #include "cli/cli_util.h"
 #include "data/tokenizer.h"
@@ -182,6 +184,40 @@ TEST(Cli, RematScheduleFrontierAndTooSmallBudget) {
     r = run_memtrain("train " + cfg + " --set train.remat=budget:lots");
     EXPECT_EQ(r.code, 1);
     EXPECT_NE(r.output.find("train.remat"), std::string::npos) << r.output;
+}
+
+// remat --frontier --measure times the no-recompute step three times (before, between and after
+// the others), prints their spread, and never shows a schedule faster than no recompute without
+// a warning naming it (issue 26).
+TEST(Cli, RematMeasureRepeatsItsBaselineAndWarnsOnNegativeCost) {
+    const std::string cfg = std::string(MT_SOURCE_DIR) + "/configs/demo.toml";
+    auto r = run_memtrain("remat " + cfg +
+                          " --frontier --measure --set model.n_layer=2 --set train.seq_len=32");
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("over the fastest of 3 timings of the no-recompute step"),
+              std::string::npos)
+        << r.output;
+    EXPECT_NE(r.output.find("spread "), std::string::npos) << r.output;
+    // Every row: name, peak MiB, peak bytes, recompute, measured, ...
+    std::istringstream rows(r.output.substr(r.output.find("\nnone ") + 1));
+    std::string line;
+    int table_rows = 0;
+    while (std::getline(rows, line) && !line.empty()) {
+        std::istringstream f(line);
+        std::string name, mib, bytes, recompute, measured;
+        f >> name >> mib >> bytes >> recompute >> measured;
+        table_rows++;
+        if (name == "none") {
+            EXPECT_EQ(measured, "+0.00%") << line;
+        }
+        if (!measured.empty() && measured[0] == '-') {
+            EXPECT_NE(r.output.find("warning: "), std::string::npos) << r.output;
+            const auto w = r.output.find("measured faster than no recompute (");
+            ASSERT_NE(w, std::string::npos) << r.output;
+            EXPECT_NE(r.output.find(name, w), std::string::npos) << name << "\n" << r.output;
+        }
+    }
+    EXPECT_GE(table_rows, 15) << r.output;
 }
 
 // The GPU engine's layout is priced without a GPU: bf16 activations and no attention
