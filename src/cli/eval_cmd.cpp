@@ -1,5 +1,7 @@
 // `memtrain eval MODEL --data SHARD [--seq-len T] [--batch B] [--max-batches N] [--json]`:
 // held-out loss and perplexity of a memtrain checkpoint or a Hugging Face model directory.
+#include <unistd.h>
+
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -9,6 +11,7 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "core/progress.h"
 #include "data/loader.h"
 #include "io/hf_weights.h"
 #include "io/model_source.h"
@@ -63,9 +66,13 @@ void register_eval(CLI::App& app) {
         load_source_weights(src, model.weights());
         std::vector<int32_t> x((std::size_t)batch * T), y(x.size());
         double total = 0;
+        // Progress on stderr; with --json only to a terminal, so a script that merges the
+        // streams still reads one JSON object.
+        Progress progress("eval", "batch", a->json && !isatty(STDERR_FILENO) ? 0 : batches);
         for (int64_t i = 0; i < batches; i++) {
             loader->next_batch(x.data(), y.data());
             total += model.forward_loss(x.data(), y.data(), batch, T);
+            progress.tick(i + 1);
         }
         const double loss = total / (double)batches;
         const int64_t tokens = batches * batch * T;

@@ -19,6 +19,7 @@
 #include <fmt/ranges.h>
 
 #include "core/error.h"
+#include "core/progress.h"
 #include "data/tokenizer.h"
 #include "engine/cpu/cpu_engine.h"
 #include "engine/host_memory.h"
@@ -454,18 +455,6 @@ float Trainer::evaluate() {
     }
     return (float)mean_over_ranks(total / n);
 }
-
-namespace {
-
-// "45s", "3m05s", "2h03m": a step line's elapsed time and ETA.
-std::string short_duration(double seconds) {
-    const int64_t s = (int64_t)std::llround(std::max(0.0, seconds));
-    if (s < 60) return fmt::format("{}s", s);
-    if (s < 3600) return fmt::format("{}m{:02d}s", s / 60, s % 60);
-    return fmt::format("{}h{:02d}m", s / 3600, s % 3600 / 60);
-}
-
-}  // namespace
 
 TrainSummary Trainer::run() {
     TrainSummary sum;

@@ -71,6 +71,11 @@ TEST(LlamaCli, TrainSampleEvalAndFineTuneFromTheHfDirectory) {
     EXPECT_NEAR(j1["perplexity"].get<double>(), std::exp(j1["loss"].get<double>()), 1e-2);
     r = run_memtrain("eval " + hf + " --data " + dir + "/val.bin");
     EXPECT_NE(r.output.find("perplexity"), std::string::npos) << r.output;
+    // Progress: a line after the first batch (pace and ETA at once), on stderr.
+    r = run_memtrain("eval " + hf + " --data " + dir + "/val.bin --seq-len 16 --batch 1");
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("eval: batch 1/"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find(", eta "), std::string::npos) << r.output;
     // A shard of fewer windows than --batch: one partial batch of all of them.
     auto e3 = run_memtrain("eval " + hf + " --data " + dir +
                            "/val.bin --seq-len 16 --batch 100000 --json");
