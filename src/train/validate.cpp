@@ -227,6 +227,48 @@ auto refuser(std::string what) {
         fail("{} does not run with {} yet: {}", what, keys, why);
     };
 }
+
+// The data-parallel rank count as the user can check it: given by mpirun, or derived from it.
+std::string dp_ranks(const RunConfig& cfg) {
+    if (cfg.ps())
+        return fmt::format("{} data-parallel workers (derived: {} processes - train.ps_servers {})",
+                           cfg.dp(), cfg.world, cfg.train.ps_servers);
+    if (cfg.train.tp > 1 || cfg.train.pp > 1)
+        return fmt::format(
+            "{} data-parallel ranks (derived: {} processes / (train.tp {} x train.pp {}))",
+            cfg.dp(), cfg.world, std::max(1, cfg.train.tp), std::max(1, cfg.train.pp));
+    if (cfg.world == 1) return "1 data-parallel rank (one process)";
+    return fmt::format("{} data-parallel ranks (the processes of mpirun -np {})", cfg.dp(),
+                       cfg.world);
+}
+
+// train.batch_size (the global batch) splits into micro-batches on each data-parallel rank. The
+// refusal names the keys the config holds and says which numbers memtrain derived: a
+// micro-batch the user never set is not shown as if they had.
+void check_batch_split(const RunConfig& cfg) {
+    const int B = cfg.train.batch_size, mb = cfg.train.micro_batch_size, dp = cfg.dp();
+    if (mb < 0) fail("train.micro_batch_size = {} must be >= 0 (0: derived)", mb);
+    if (mb == 0) {
+        if (B % dp != 0 || B < dp)
+            fail(
+                "train.batch_size = {} (the global batch) does not split evenly over {}: with "
+                "train.micro_batch_size not set each rank would take {} / {} sequences; give a "
+                "train.batch_size that is a multiple of {}, or set train.micro_batch_size",
+                B, dp_ranks(cfg), B, dp, dp);
+        return;
+    }
+    if ((int64_t)mb * dp > B)
+        fail(
+            "train.micro_batch_size = {} on each of {} is {} sequences, more than train.batch_size "
+            "= {} (the global batch)",
+            mb, dp_ranks(cfg), (int64_t)mb * dp, B);
+    if (B % (mb * dp) != 0)
+        fail(
+            "train.batch_size = {} (the global batch) must be a multiple of train.micro_batch_size "
+            "= {} x {} = {}, so that every step accumulates whole micro-batches",
+            B, mb, dp_ranks(cfg), mb * dp);
+}
+
 }  // namespace
 
 // Muon, optim.step_in_backward and optim.state_format other than fp32: what is built (for the
@@ -418,17 +460,7 @@ void validate_config(const RunConfig& cfg) {
     validate_tp(cfg);
     validate_ps(cfg);
     validate_optimizer_layout(cfg);
-    if (cfg.train.micro_batch_size < 0 ||
-        (int64_t)cfg.train.micro_batch_size * cfg.dp() > cfg.train.batch_size)
-        fail(
-            "train.micro_batch_size = {} must be in [0, train.batch_size / data-parallel ranks = "
-            "{} / {}] (train.batch_size is the global batch)",
-            cfg.train.micro_batch_size, cfg.train.batch_size, cfg.dp());
-    if (cfg.micro_batch() <= 0 || cfg.train.batch_size % (cfg.micro_batch() * cfg.dp()) != 0)
-        fail(
-            "train.batch_size = {} must be a multiple of train.micro_batch_size ({}) x "
-            "data-parallel ranks ({})",
-            cfg.train.batch_size, cfg.micro_batch(), cfg.dp());
+    check_batch_split(cfg);
     if (cfg.train.remat_costs != "analytic" && cfg.train.remat_costs != "measured")
         fail("train.remat_costs = \"{}\" must be \"analytic\" or \"measured\"",
              cfg.train.remat_costs);

@@ -111,6 +111,12 @@ TEST(CliMpi, StartupErrorEveryRankMeetsIsPrintedOnce) {
     r = run_mpi("train " + slow_config(dir, 2) + " --set train.batch_size=3");
     EXPECT_NE(r.code, 0) << r.output;
     EXPECT_EQ(count_occurrences(r.output, "train.batch_size = 3"), 1) << r.output;
+    // The micro-batch the user never set is said to be unset, and the rank count whence it came.
+    EXPECT_NE(r.output.find("2 data-parallel ranks (the processes of mpirun -np 2)"),
+              std::string::npos)
+        << r.output;
+    EXPECT_NE(r.output.find("train.micro_batch_size not set"), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("train.micro_batch_size ("), std::string::npos) << r.output;
 }
 
 TEST(CliMpi, SigtermOnOneRankStopsEveryRankAtTheSameStep) {

@@ -172,6 +172,37 @@ TEST(Config, WrongTypesAndValuesAreNamed) {
     EXPECT_EQ(d.optim.schedule, "wsd");
 }
 
+// A batch that does not split over the data-parallel ranks is refused naming what the config
+// holds and what memtrain derived (issue 26): an unset micro-batch is never shown as a value.
+TEST(Config, BatchSplitRefusalNamesGivenAndDerivedValues) {
+    auto refusal = [](const std::vector<std::string>& sets, int world) {
+        RunConfig c = parse_run_config("", "x", sets);
+        c.world = world;
+        return test::error_of([&] { validate_config(c); });
+    };
+    std::string m = refusal({"train.batch_size=7"}, 2);
+    EXPECT_NE(m.find("train.batch_size = 7 (the global batch) does not split evenly over 2 "
+                     "data-parallel ranks (the processes of mpirun -np 2)"),
+              std::string::npos)
+        << m;
+    EXPECT_NE(m.find("train.micro_batch_size not set"), std::string::npos) << m;
+    EXPECT_EQ(m.find("train.micro_batch_size ="), std::string::npos) << m;
+    m = refusal({"train.batch_size=8", "train.micro_batch_size=3"}, 2);
+    EXPECT_NE(m.find("must be a multiple of train.micro_batch_size = 3 x 2 data-parallel ranks "
+                     "(the processes of mpirun -np 2) = 6"),
+              std::string::npos)
+        << m;
+    m = refusal({"train.batch_size=12", "train.micro_batch_size=4", "train.pp=2"}, 4);
+    EXPECT_NE(m.find("2 data-parallel ranks (derived: 4 processes / (train.tp 1 x train.pp 2))"),
+              std::string::npos)
+        << m;
+    m = refusal({"train.batch_size=4", "train.micro_batch_size=5"}, 1);
+    EXPECT_NE(m.find("train.micro_batch_size = 5 on each of 1 data-parallel rank (one process) is "
+                     "5 sequences, more than train.batch_size = 4"),
+              std::string::npos)
+        << m;
+}
+
 TEST(Config, BatchInTokens) {
     RunConfig c = parse_run_config("[train]\nseq_len = 64\nbatch_tokens = 512\n", "x", {});
     EXPECT_EQ(c.train.batch_size, 8);
