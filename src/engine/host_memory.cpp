@@ -125,7 +125,7 @@ static std::vector<MemoryPrediction> predict_tp_memory(const RunConfig& cfg, con
     const int tp = cfg.train.tp;
     const dist::TpLayout tl = dist::make_tp_layout(cfg.model, tp, rank);
     const ModelConfig shard = dist::tp_shard_config(cfg.model, tp, cfg.train.sequence_parallel);
-    const std::size_t psi = tl.local.total, whole = tl.replicated_floats();
+    const std::size_t whole = tl.replicated_floats();
     auto rows = zero_state_rows(
         cfg, tl.local, 1, 0,
         fmt::format("(whole {} + cut {} / {}) params", whole, tl.full.total - whole, tp));
@@ -137,15 +137,11 @@ static std::vector<MemoryPrediction> predict_tp_memory(const RunConfig& cfg, con
                     arena_bytes(arena, MemCategory::Activations)});
     rows.push_back({MemCategory::Workspace, "activation_layout(shard, B, T)",
                     arena_bytes(arena, MemCategory::Workspace)});
-    // Checkpoints: the optimizer state of every rank (T x Ψ_shard), or a unit whole beside every
-    // rank's piece of it, whichever is larger.
-    std::size_t unit = 0;
-    for (std::size_t u = 0; u < tl.full.units.size(); u++)
-        unit = std::max(unit, tl.full.units[u].size() + tp * tl.local.units[u].size());
+    // Checkpoints (TpRangeOptimizer::read_state, TpWholeWeights) over the whole model's units.
     rows.push_back(
         {MemCategory::Communication,
-         fmt::format("checkpoint gathers: max({} x Ψ_shard, a unit + its {} pieces)", tp, tp),
-         sizeof(float) * std::max((std::size_t)tp * psi, unit)});
+         fmt::format("checkpoint gathers: max((1 + {}) x Ψ_shard, a unit + its {} pieces)", tp, tp),
+         tp_gather_bytes(tl.full, tl.local, {{0, (int)tl.local.units.size() - 1}}, tp)});
     return rows;
 }
 
@@ -195,10 +191,22 @@ std::vector<MemoryPrediction> predict_cpu_memory(const RunConfig& cfg, const Rem
     return rows;
 }
 
+std::size_t tp_gather_bytes(const ParamLayout& full, const ParamLayout& shard,
+                            const std::vector<std::pair<int, int>>& unit_ranges, int tp) {
+    std::size_t floats = 0;
+    for (const auto& [first, last] : unit_ranges) {
+        const std::size_t n = shard.units[last].end - shard.units[first].begin;
+        floats = std::max(floats, (std::size_t)(1 + tp) * n);
+        for (int u = first; u <= last; u++)
+            floats = std::max(floats, full.units[u].size() + tp * shard.units[u].size());
+    }
+    return sizeof(float) * floats;
+}
+
 std::vector<MemoryPrediction> stage_memory_rows(const RunPlan& plan, const StageFootprint& f) {
     const std::string what = describe_optimizer_state(plan.cfg.optim);
     const std::size_t stage = f.params + f.mirror;
-    return {
+    std::vector<MemoryPrediction> rows = {
         {MemCategory::Parameters, fmt::format("4 x stage params ({}){}", f.units, f.versions),
          4 * stage + f.version_bytes},
         {MemCategory::Gradients,
@@ -221,6 +229,13 @@ std::vector<MemoryPrediction> stage_memory_rows(const RunPlan& plan, const Stage
              : fmt::format("activation_layout(chunk blocks), one per chunk ({})", f.chunks),
          f.workspace},
     };
+    if (f.gathers > 0)
+        rows.push_back({MemCategory::Communication,
+                        fmt::format("checkpoint gathers: max((1 + {}) x a chunk's shard, a unit + "
+                                    "its {} pieces)",
+                                    f.tp, f.tp),
+                        f.gathers});
+    return rows;
 }
 
 StageFootprint stage_footprint(const RunPlan& plan, const RematPlan& remat, int B, int T) {
@@ -241,6 +256,7 @@ StageFootprint stage_footprint(const RunPlan& plan, const RematPlan& remat, int 
     f.split_backward = plan.schedule == pp::Kind::ZbH1;
     bool embedding = false;
     std::vector<std::pair<std::size_t, std::size_t>> ranges;  // each chunk's [begin, end)
+    std::vector<std::pair<int, int>> unit_ranges;             // and its [first, last] unit
     for (int c = 0; c < v; c++) {
         const int vs = c * p + s, b0 = split.first_block[vs], b1 = b0 + split.blocks[vs];
         const int first = b0 == 0 ? ParamLayout::embedding_unit() : layout.block_unit(b0);
@@ -248,6 +264,7 @@ StageFootprint stage_footprint(const RunPlan& plan, const RematPlan& remat, int 
         embedding = embedding || b0 == 0;
         f.params += layout.units[last].end - layout.units[first].begin;
         ranges.emplace_back(layout.units[first].begin, layout.units[last].end);
+        unit_ranges.emplace_back(first, last);
         f.units += fmt::format("{}{}..{}", f.units.empty() ? "" : ", ", layout.units[first].name,
                                layout.units[last].name);
         const RematPlan keep =
@@ -282,6 +299,8 @@ StageFootprint stage_footprint(const RunPlan& plan, const RematPlan& remat, int 
                                                (std::size_t)own.count);
     }
     f.reduce_buffer = f.piece ? f.updated : 0;
+    f.tp = tp;
+    if (tp > 1) f.gathers = tp_gather_bytes(make_param_layout(whole), layout, unit_ranges, tp);
     return f;
 }
 
@@ -370,6 +389,8 @@ plan::RunSpec planner_run_spec(const RunConfig& cfg, const ActFormat& format) {
     if (cfg.lora.enabled()) {
         rs.lora_rank = cfg.lora.rank;
         rs.frozen_bits = cfg.lora.base == "int8" ? 8 : cfg.lora.base == "fp32" ? 16 : 4;
+        rs.lora_targets =
+            cfg.lora.targets == "all" ? plan::LoraTargets::all : plan::LoraTargets::attn;
     }
     return rs;
 }

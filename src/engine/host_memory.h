@@ -59,7 +59,17 @@ struct StageFootprint {
     std::string slots;              // "2 x activation_layout(blocks 0..1) + ..."
     bool split_backward = false;    // zero bubble keeps output gradients for W
     int chunks = 1;
+    // Tensor-parallel stages: the checkpoint's gathers (a chunk's optimizer state of this shard
+    // beside every shard's, or a unit whole beside every shard's piece), bytes; 0 at tp = 1.
+    std::size_t gathers = 0;
+    int tp = 1;
 };
+// The checkpoint's gathers on a tensor-parallel rank (TpRangeOptimizer::read_state, the whole-
+// weight views): the largest of a range's optimizer state of this shard beside every shard's
+// ((1 + tp) x its floats) and of a unit whole beside every shard's piece of it, in bytes, over
+// the units [first, last] of each range (`full` the whole model's layout, `shard` this rank's).
+std::size_t tp_gather_bytes(const ParamLayout& full, const ParamLayout& shard,
+                            const std::vector<std::pair<int, int>>& unit_ranges, int tp);
 // The stage's rows from its footprint.
 std::vector<MemoryPrediction> stage_memory_rows(const RunPlan& plan, const StageFootprint& f);
 // Rank plan.rank's footprint, from the plan: the split of the blocks over the virtual stages,

@@ -127,10 +127,8 @@ std::string layout_detail(const PipelineActivations& pa, const RunSpec& r, int T
             : fmt::format("CPU arena: attention probabilities, {}-byte activations",
                           pa.format.elem_bytes);
     const std::string arena = fmt::format(
-        "plan_stage_arena (activation_layout) of blocks {}{}, {} x {} tokens, remat {} = "
-        "{} blocks, {}",
-        ra.block_ranges(), shard_note(r), r.micro_batch, T, to_string(r.recompute),
-        keep_name(block_keep(r.recompute)), format);
+        "plan_stage_arena (activation_layout) of blocks {}{}, {} x {} tokens, remat {}, {}",
+        ra.block_ranges(), shard_note(r), r.micro_batch, T, remat_label(r), format);
     if (ra.chunks.size() == 1)
         return fmt::format("{} micro-batches in flight ({}) x {:.1f} MB, {}", ra.slots[0],
                            pp::kind_name(pa.schedule.kind), ra.arena[0] / 1e6, arena);
@@ -298,9 +296,9 @@ MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, RankCoord at,
         act = static_cast<double>(arena_activation_bytes(m, r));
         const ActFormat f = arena_format(rank_config(m, r), r);
         act_detail = fmt::format(
-            "plan_arena (activation_layout){} of {} blocks, {} x {} tokens, remat {} = {} blocks, "
-            "{} arena, {}-byte activations",
-            shard_note(r), layers, b, s, to_string(r.recompute), keep_name(block_keep(r.recompute)),
+            "plan_arena (activation_layout){} of {} blocks, {} x {} tokens, remat {}, {} arena, "
+            "{}-byte activations",
+            shard_note(r), layers, b, s, remat_label(r),
             f.cuda ? "GPU (fused attention)" : "CPU (attention probabilities)", f.elem_bytes);
     } else {
         act = static_cast<double>(la.saved) * layers * est.in_flight;
@@ -352,7 +350,7 @@ MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, RankCoord at,
                         layers, est.in_flight));
     add("recompute working set", working,
         working ? "one layer rebuilt during its backward"
-        : (pa || arena) && r.recompute != Recompute::none
+        : (pa || arena) && (r.recompute != Recompute::none || !r.block_plan.empty())
             ? "in the activations: the arena's recompute scratch"
             : "no full recompute");
     add("logits and loss", logits,

@@ -101,7 +101,7 @@ RankStates rank_states(const ModelSpec& m, const RunSpec& r, RankCoord at,
 
 std::size_t arena_activation_bytes(const ModelSpec& m, const RunSpec& r) {
     const ModelConfig cfg = rank_config(m, r);
-    return plan_arena(cfg, r.micro_batch, r.seq_len(m), remat_plan(r.recompute, m.n_layer),
+    return plan_arena(cfg, r.micro_batch, r.seq_len(m), remat_plan(r, m.n_layer),
                       arena_format(cfg, r))
         .activation_bytes;
 }

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "core/dtype.h"
+#include "model/activation_layout.h"
 #include "optim/state_format.h"
 #include "parallel/pipeline/schedule.h"
 #include "planner/model_shape.h"
@@ -35,6 +36,9 @@ struct RunSpec {
     int seq = 0;            // tokens per sequence; 0 = model.block_size
     int micro_batches = 1;  // micro-batches per optimizer step (gradient accumulation)
     Recompute recompute = Recompute::none;
+    // The trainer's per-block plan (train.remat = budget:, every:K, sqrt), one entry per block of
+    // the whole model; empty: `recompute` for every block. Priced where the engines' layout is.
+    RematPlan block_plan;
     bool sequence_parallel = false;  // Megatron SP: shards the norm/dropout activations over tp
     bool flash_attention = true;     // no s^2 attention scores are kept
     // bf16/fp16: 16-bit parameters and gradients, with an fp32 master copy unless !fp32_master

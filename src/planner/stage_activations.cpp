@@ -26,6 +26,25 @@ RematPlan remat_plan(Recompute r, int blocks) {
     return RematPlan(static_cast<std::size_t>(blocks), block_keep(r));
 }
 
+RematPlan remat_plan(const RunSpec& r, int blocks) {
+    if (!r.block_plan.empty() && (int)r.block_plan.size() == blocks) return r.block_plan;
+    return remat_plan(r.recompute, blocks);
+}
+
+std::string remat_label(const RunSpec& r) {
+    if (r.block_plan.empty())
+        return fmt::format("{} = {} blocks", to_string(r.recompute),
+                           keep_name(block_keep(r.recompute)));
+    std::string out;
+    for (BlockKeep k :
+         {BlockKeep::All, BlockKeep::Selective, BlockKeep::Input, BlockKeep::Offload}) {
+        const auto n = std::count(r.block_plan.begin(), r.block_plan.end(), k);
+        if (n > 0)
+            out += fmt::format("{}{} {}", out.empty() ? "per block: " : ", ", n, keep_name(k));
+    }
+    return out;
+}
+
 ActFormat arena_format(const ModelConfig& cfg, const RunSpec& r) {
     const int e = activation_bytes(r.precision);
     const int T = r.seq > 0 ? r.seq : cfg.block_size;  // RunSpec::seq_len of the same model
@@ -64,7 +83,7 @@ PipelineActivations pipeline_activations(const ModelSpec& m, const RunSpec& r) {
     // whole model's at tp = 1.
     const ModelConfig shard = rank_config(m, r);
     out.format = arena_format(shard, r);
-    out.plan = remat_plan(r.recompute, m.n_layer);
+    out.plan = remat_plan(r, m.n_layer);
     out.split = pp::split_stages(out.config, p * v, B, T);
     out.schedule = pp::make_schedule(r.schedule, p, r.micro_batches, v);
     // Per virtual stage: one micro-batch's arena of its blocks under their slice of the plan,

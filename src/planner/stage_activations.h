@@ -29,6 +29,10 @@ namespace memtrain::plan {
 // recomputed. The layout paths, here and planner/rank_layout.h, use this mapping.)
 BlockKeep block_keep(Recompute r);
 RematPlan remat_plan(Recompute r, int blocks);
+// The run's plan: its block_plan when it has one for `blocks` blocks, else r.recompute's.
+RematPlan remat_plan(const RunSpec& r, int blocks);
+// "full = Input blocks", or for a per-block plan "per block: 2 All, 1 Selective, 3 Input".
+std::string remat_label(const RunSpec& r);
 
 // The arena format of the engine that would run `r` for `cfg`: with flash attention the CUDA
 // engine's (cuda_arena_format: fused attention keeping the log-sum-exp, 256-byte aligned regions,

@@ -10,17 +10,13 @@
 
 namespace memtrain {
 
-namespace {
-
 // The planner (`memtrain estimate`) for this run's rank 0, the rank that reports: the engines'
 // layout functions for every layout they run, the formulas for the rest (planner/memory_model.h).
-plan::MemoryEstimate planner_estimate(const RunConfig& cfg, Engine& engine) {
-    return plan::estimate_rank_memory(plan::model_from_config(cfg.model),
-                                      planner_run_spec(cfg, engine.arena_format()),
-                                      planner_rank(cfg, 0));
+plan::MemoryEstimate planner_estimate(const RunConfig& cfg, const Engine& engine) {
+    plan::RunSpec r = planner_run_spec(cfg, engine.arena_format());
+    r.block_plan = engine.remat_plan();  // budget:, every:K and sqrt solve a plan per block
+    return plan::estimate_rank_memory(plan::model_from_config(cfg.model), r, planner_rank(cfg, 0));
 }
-
-}  // namespace
 
 std::vector<MemoryPrediction> report_rows(const RunPlan& plan, const Engine& engine,
                                           bool plan_rows) {

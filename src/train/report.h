@@ -10,8 +10,14 @@
 #include "comm/communicator.h"
 #include "engine/engine.h"
 #include "engine/run_plan.h"
+#include "planner/memory_model.h"
 
 namespace memtrain {
+
+// The planner's estimate of the run's layout (plan::estimate_rank_memory for rank 0), with the
+// engine's per-block remat plan: the report's "planner estimate" line, equal to the predicted
+// rows for every layout the planner prices with the engines' layout functions.
+plan::MemoryEstimate planner_estimate(const RunConfig& cfg, const Engine& engine);
 
 // The predicted rows: the plan's, then what the engine sized once built; the engine's own where
 // the plan has none or `plan_rows` is false (a test's engine).

@@ -278,6 +278,30 @@ TEST(TpMesh, Zero1CheckpointsRoundTripWithOneProcess) {
 }
 
 // What the mesh does not compose with yet is refused before training, naming it.
+// The checkpoint's gathers on a tensor-parallel stage (its shard's optimizer state beside every
+// shard's, a unit whole beside its pieces) peak at the predicted communication row, on every
+// rank of every layout, with ZeRO-1 and sequence parallelism (issue 26).
+TEST(TpMesh, CommunicationPeakIsPredicted) {
+    for (const MeshDegrees& m : meshes())
+        for (int zero : {0, 1}) {
+            if (zero == 1 && m.dp == 1) continue;
+            RunConfig c = mesh_run("tp_mesh_comm_" + m.name(), m, true, 1);
+            c.train.zero_stage = zero;
+            c.train.sequence_parallel = zero == 1;
+            c.io.save_final = true;
+            c.io.out_dir += fmt::format("_z{}", zero);
+            Trainer t(c, test::quiet(), &comm());
+            t.run();
+            std::size_t predicted = 0;
+            for (const MemoryPrediction& p :
+                 t.engine().predicted_memory(c.micro_batch(), c.train.seq_len))
+                if (p.category == MemCategory::Communication) predicted += p.bytes;
+            EXPECT_GT(predicted, 0u) << m.name();
+            EXPECT_EQ(t.engine().memory().snapshot().peak(MemCategory::Communication), predicted)
+                << m.name() << " zero " << zero << " rank " << comm().rank();
+        }
+}
+
 TEST(TpMesh, RefusesWhatItDoesNotRun) {
     if (comm().size() != 4) return;
     RunConfig c = mesh_run("tp_mesh_refused", {2, 2, 1}, false, 1);

@@ -450,6 +450,26 @@ TEST(TpTrain, PerRankModelStatesAreTheShard) {
     }
 }
 
+// The communication buffers' peak (the checkpoint's gathers of the optimizer state and of each
+// unit, sequence parallelism's norm-gradient pack) is the predicted row, with and without SP
+// (issue 26).
+TEST(TpTrain, CommunicationPeakIsPredicted) {
+    for (bool sp : {false, true}) {
+        RunConfig c = tp_run(sp ? "tp_comm_sp" : "tp_comm", true, 1);
+        c = sp ? with_sp(c) : with_tp(c);
+        c.io.save_final = true;
+        Trainer t(c, test::quiet(), &comm());
+        t.run();
+        std::size_t predicted = 0;
+        for (const MemoryPrediction& m :
+             t.engine().predicted_memory(c.micro_batch(), c.train.seq_len))
+            if (m.category == MemCategory::Communication) predicted += m.bytes;
+        EXPECT_GT(predicted, 0u);
+        EXPECT_EQ(t.engine().memory().snapshot().peak(MemCategory::Communication), predicted)
+            << "sp " << sp;
+    }
+}
+
 // A tp = T checkpoint resumes in one process with exactly its weights and optimizer state, and
 // a one-process checkpoint at tp = T; a tp = T checkpoint resumed at tp = T continues bitwise.
 TEST(TpCheckpoint, ReshardsBetweenTpAndOneProcess) {

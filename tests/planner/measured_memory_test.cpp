@@ -5,6 +5,8 @@
 // several ranks: tests/mpi/plan_grid_test.cpp.)
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -18,6 +20,7 @@
 #include "planner/rank_layout.h"
 #include "planner/stage_activations.h"
 #include "test_util.h"
+#include "train/report.h"
 #include "train/trainer.h"
 
 using namespace memtrain;
@@ -112,4 +115,48 @@ TEST(PlanMeasured, LoraActivationsAreTheEnginesArena) {
                   (int64_t)t.engine().memory().snapshot().peak(MemCategory::Activations))
             << remat;
     }
+}
+
+// The report's "planner estimate" line equals the predicted rows for every remat policy the
+// trainer takes, per-block plans included (budget:, every:K, sqrt), and for LoRA on every linear
+// (lora.targets = all) (issue 26).
+TEST(PlanMeasured, TrainerEstimateLineEqualsPredictedForEveryPolicy) {
+    const std::string dir = test::temp_dir("plan_measured_policies");
+    struct Case {
+        std::string remat;
+        int lora_rank;
+        std::string targets;
+    };
+    const Case cases[] = {{"none", 0, ""},    {"selective", 0, ""},  {"full", 0, ""},
+                          {"every:2", 0, ""}, {"sqrt", 0, ""},       {"budget:60KiB", 0, ""},
+                          {"none", 4, "all"}, {"every:2", 4, "all"}, {"full", 4, "attn"}};
+    bool saw_mixed = false;
+    for (const Case& k : cases) {
+        RunConfig c = test::tiny_run(dir, 1);
+        c.model.n_layer = 4;
+        c.train.remat = k.remat;
+        c.lora.rank = k.lora_rank;
+        if (!k.targets.empty()) c.lora.targets = k.targets;
+        TrainOptions o;
+        o.quiet = true;
+        Trainer t(c, o);
+        t.run();
+        const std::string what = k.remat + (k.lora_rank ? " lora " + k.targets : "");
+        const RematPlan& bp = t.engine().remat_plan();
+        saw_mixed = saw_mixed || (bp.size() == 4 && std::count(bp.begin(), bp.end(), bp[0]) != 4);
+        std::map<MemCategory, int64_t> predicted;
+        for (const auto& row : t.engine().predicted_memory(c.micro_batch(), c.train.seq_len))
+            predicted[row.category] += (int64_t)row.bytes;
+        const plan::MemoryEstimate est = planner_estimate(t.config(), t.engine());
+        EXPECT_EQ(est.bytes("parameters"), predicted[MemCategory::Parameters]) << what;
+        EXPECT_EQ(est.bytes("gradients"), predicted[MemCategory::Gradients]) << what;
+        EXPECT_EQ(est.bytes("optimizer states"), predicted[MemCategory::OptimizerState]) << what;
+        EXPECT_EQ(est.bytes("activations") + est.bytes("recompute working set"),
+                  predicted[MemCategory::Activations])
+            << what;
+        EXPECT_EQ(predicted[MemCategory::Activations],
+                  (int64_t)t.engine().memory().snapshot().peak(MemCategory::Activations))
+            << what;
+    }
+    EXPECT_TRUE(saw_mixed) << "no policy solved a plan that differs between blocks";
 }

@@ -113,6 +113,13 @@ std::vector<MemoryPrediction> CpuEngine::stage_memory(int B, int T) const {
     }
     f.split_backward = chunks_.front()->split_backward();
     f.chunks = chunks();
+    f.tp = plan_.mesh.tp;
+    if (f.tp > 1) {
+        std::vector<std::pair<int, int>> units;
+        for (const pp::StageStore::Range& r : stages_->ranges())
+            units.emplace_back(r.first_unit, r.last_unit);
+        f.gathers = tp_gather_bytes(make_param_layout(plan_.cfg.model), layout_, units, f.tp);
+    }
     return stage_memory_rows(plan_, f);
 }
 
