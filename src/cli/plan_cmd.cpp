@@ -4,11 +4,13 @@
 #include <cstdio>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include <fmt/ranges.h>
 
 #include "cli/commands.h"
+#include "config/run_config.h"
 #include "core/error.h"
 #include "planner/report.h"
 #include "planner/scaling.h"
@@ -391,15 +393,22 @@ void register_plan_cmd(CLI::App& app) {
         s.lora_targets = parse_lora_targets(a->lora_targets);
         s.lora_fallback = !a->no_lora;
         SearchResult r = search_plans(m, c, s);
+        // Parameter offload ranks after every plan the trainer runs: first only when nothing
+        // the trainer runs fits.
+        const bool runnable = !r.plans.empty() && trainer_runs(r.plans[0].run);
         if (!a->svg.empty()) write_file(a->svg, memory_svg(r, a->top, c.gpu.memory_bytes));
         if (!a->emit.empty()) {
-            if (r.plans.empty())
-                fail("no plan fits, so there is no config to write to {}", a->emit);
-            write_file(a->emit, emit_config_toml(m, r.plans[0]));
+            if (!runnable)
+                fail("no plan the trainer runs fits, so there is no config to write to {}",
+                     a->emit);
+            // A memtrain TOML is the source of every key the plan does not decide.
+            std::optional<RunConfig> source;
+            if (a->model.ends_with(".toml")) source = read_run_config(a->model, {});
+            write_file(a->emit, emit_config_toml(m, r.plans[0], source ? &*source : nullptr));
         }
         // Nothing fits: the table still says why (and how close each layout came), and the exit
         // code says it to a script.
-        const int code = r.plans.empty() ? 1 : 0;
+        const int code = runnable ? 0 : 1;
         if (a->json) {
             nlohmann::json j = to_json(r, a->top);
             j["host_memory_bytes"] = c.host_memory();
@@ -420,7 +429,8 @@ void register_plan_cmd(CLI::App& app) {
         if (!a->svg.empty()) std::printf("wrote %s\n", a->svg.c_str());
         if (code) {
             std::fflush(stdout);
-            std::fprintf(stderr, "memtrain: no layout of %s fits %d x %s (exit 1)\n",
+            std::fprintf(stderr,
+                         "memtrain: no layout of %s that the trainer runs fits %d x %s (exit 1)\n",
                          m.name.c_str(), gpus, c.gpu.name.c_str());
             throw ExitCode{code};
         }

@@ -128,14 +128,20 @@ const std::map<std::string, ModelSpec>& model_presets() {
         g3.block_size = 2048;
         put(g3);
         // LLaMA 1 (Touvron et al. 2023, table 2): 32.5B and 65.2B parameters, 2048 context.
-        put(llama("llama-30b", 60, 52, 52, 6656, 17920, 32000, 2048));
-        put(llama("llama-65b", 80, 64, 64, 8192, 22016, 32000, 2048));
+        for (ModelSpec m : {llama("llama-30b", 60, 52, 52, 6656, 17920, 32000, 2048),
+                            llama("llama-65b", 80, 64, 64, 8192, 22016, 32000, 2048)}) {
+            m.norm_eps = 1e-6;  // LLaMA 1's rms_norm_eps
+            put(m);
+        }
         put(llama("llama2-7b", 32, 32, 32, 4096, 11008, 32000, 4096));
         put(llama("llama2-13b", 40, 40, 40, 5120, 13824, 32000, 4096));
         put(llama("llama2-70b", 80, 64, 8, 8192, 28672, 32000, 4096));
-        put(llama("llama3-8b", 32, 32, 8, 4096, 14336, 128256, 8192));
-        put(llama("llama3-70b", 80, 64, 8, 8192, 28672, 128256, 8192));
-        put(llama("llama3-405b", 126, 128, 8, 16384, 53248, 128256, 8192));
+        for (ModelSpec m : {llama("llama3-8b", 32, 32, 8, 4096, 14336, 128256, 8192),
+                            llama("llama3-70b", 80, 64, 8, 8192, 28672, 128256, 8192),
+                            llama("llama3-405b", 126, 128, 8, 16384, 53248, 128256, 8192)}) {
+            m.rope_theta = 500000;  // Llama 3's config.json
+            put(m);
+        }
         return t;
     }();
     return table;
@@ -270,6 +276,7 @@ ModelSpec read_gpt2(const JsonReader& r, const std::string& origin) {
     m.block_size = r.get_int("n_positions", r.get_int("n_ctx", 1024));
     m.ffn_hidden = r.get_int("n_inner", 0);
     m.tied_embeddings = r.get_bool("tie_word_embeddings", true);
+    m.norm_eps = r.get_number("layer_norm_epsilon", 1e-5);
     // Hugging Face's GPT-2 defaults to 0.1 dropout; memtrain's checkpoints say 0.0 (no masks).
     m.dropout = false;
     for (const char* k : {"resid_pdrop", "embd_pdrop", "attn_pdrop"})
@@ -290,6 +297,8 @@ ModelSpec read_llama(const JsonReader& r, const std::string& origin) {
     m.tied_embeddings = r.get_bool("tie_word_embeddings", false);
     m.attn_bias = r.get_bool("attention_bias", false);
     m.mlp_bias = r.get_bool("mlp_bias", false);
+    m.norm_eps = r.get_number("rms_norm_eps", 1e-6);
+    m.rope_theta = r.get_number("rope_theta", 10000.0);
     if (r.has("head_dim") && m.n_head > 0 && (int64_t)r.get_int("head_dim") * m.n_head != m.n_embd)
         fail(
             "{}: head_dim {} x num_attention_heads {} != hidden_size {}; the planner models "
@@ -417,11 +426,24 @@ ModelSpec model_from_toml(const std::string& toml_text, const std::string& origi
     c.norm = get_str("norm", c.norm, {"layernorm", "rmsnorm"});
     c.activation = get_str("activation", c.activation, {"gelu", "swiglu"});
     c.positions = get_str("positions", c.positions, {"learned", "rope"});
-    if (auto node = (*model)["tied_embeddings"]) {
-        auto v = node.value<bool>();
-        if (!v) fail("{}: model.tied_embeddings must be true or false", origin);
-        c.tied_embeddings = *v;
-    }
+    auto get_bool = [&](const char* key, bool& out) {
+        if (auto node = (*model)[key]) {
+            auto v = node.value<bool>();
+            if (!v) fail("{}: model.{} must be true or false", origin, key);
+            out = *v;
+        }
+    };
+    auto get_number = [&](const char* key, double& out) {
+        if (auto node = (*model)[key]) {
+            auto v = node.value<double>();
+            if (!v) fail("{}: model.{} must be a number", origin, key);
+            out = *v;
+        }
+    };
+    get_bool("tied_embeddings", c.tied_embeddings);
+    get_bool("bias", c.bias);  // which linear biases exist: the parameter count
+    get_number("norm_eps", c.norm_eps);
+    get_number("rope_theta", c.rope_theta);
     ModelSpec m = model_from_config(c);
     m.name = origin;
     m.validate();
@@ -452,6 +474,7 @@ ModelSpec model_from_config(const ModelConfig& c) {
     }
     m.attn_bias = attn_bias, m.mlp_bias = mlp_bias;
     m.dropout = false;  // memtrain's trainer has no dropout
+    m.norm_eps = c.norm_eps, m.rope_theta = c.rope_theta;
     return m;
 }
 
@@ -467,6 +490,7 @@ ModelConfig config_from_model(const ModelSpec& m) {
     c.tied_embeddings = m.tied_embeddings;
     c.ffn_hidden = static_cast<int>(m.ffn());
     c.bias = m.attn_bias || m.mlp_bias;
+    c.norm_eps = m.norm_eps, c.rope_theta = m.rope_theta;
     return c;
 }
 

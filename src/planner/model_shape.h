@@ -29,6 +29,9 @@ struct ModelSpec {
     bool attn_bias = true;  // biases on Q, K, V and the out-projection (GPT-2 has them)
     bool mlp_bias = true;   // biases on the MLP's linear layers (Llama has neither)
     bool dropout = true;    // dropout masks are saved activations (GPT-2/GPT-3 style)
+    // No byte depends on these; they travel to `plan --emit-config` so it writes the model.
+    double norm_eps = 1e-5;
+    double rope_theta = 10000.0;
 
     int kv_heads() const { return n_kv_head > 0 ? n_kv_head : n_head; }
     int head_dim() const { return n_embd / n_head; }

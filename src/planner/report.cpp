@@ -1,6 +1,9 @@
 // Text, JSON, SVG and TOML renderings of estimates and plans.
 #include "planner/report.h"
 
+#include "config/run_config.h"
+#include "core/error.h"
+
 #include <algorithm>
 
 #include <fmt/format.h>
@@ -102,6 +105,12 @@ std::string format_plans(const SearchResult& r, int top, int reasons, const Clus
             2 * moment_bytes_per_param(p.state_format), 2 * moment_bytes_per_param(r.asked_moments),
             state_format_name(p.state_format), p.state_format == StateFormat::Int8 ? 8 : 4);
     }
+    const bool runnable = !r.plans.empty() && trainer_runs(r.plans[0].run);
+    if (n > 0 && !runnable)
+        out += fmt::format(
+            "no layout memtrain's trainer runs fits in {} per GPU: the plans below offload the "
+            "parameters (--offload params), priced for comparison only\n\n",
+            format_bytes(capacity));
     if (n > 0) {
         const std::string method_head = lora ? fmt::format("{:<17} ", "method") : "";
         out += fmt::format(
@@ -114,13 +123,21 @@ std::string format_plans(const SearchResult& r, int top, int reasons, const Clus
             out += fmt::format(
                 "{:>3} {}{:>5} {:>4} {:>4} {:>4} {:>8} {:>9} {:>10} {:>10} {:>9.3f} {:>5.1f}% "
                 "{:>9.0f}\n",
-                i + 1, method, p.run.dp, p.run.tp, p.run.pp, p.run.zero, to_string(p.run.offload),
+                i + 1, method, p.run.dp, p.run.tp, p.run.pp, p.run.zero,
+                std::string(to_string(p.run.offload)) + (trainer_runs(p.run) ? "" : "*"),
                 to_string(p.run.recompute),
                 fmt::format("{}x{}", p.run.micro_batch, p.run.micro_batches),
                 format_bytes(p.memory.total), p.time.step_s, p.time.mfu * 100, p.time.tokens_per_s);
         }
+        for (int i = 0; i < n; ++i)
+            if (!trainer_runs(r.plans[i].run)) {
+                out +=
+                    "  * parameter offload: priced for comparison; memtrain's trainer does not "
+                    "run it yet, so it ranks after every plan it runs and is never emitted\n";
+                break;
+            }
         out +=
-            fmt::format("\nbest plan, per-GPU memory:\n{}\n{}",
+            fmt::format("\n{} plan, per-GPU memory:\n{}\n{}", runnable ? "best" : "closest",
                         format_memory_table(r.plans[0].memory, &c), format_time(r.plans[0].time));
     } else {
         out += fmt::format("no layout fits in {} per GPU ({} layouts tried)\n",
@@ -184,6 +201,7 @@ nlohmann::json to_json(const SearchResult& r, int top) {
                               {"pp", p.run.pp},
                               {"zero", p.run.zero},
                               {"offload", to_string(p.run.offload)},
+                              {"trainer_runs", trainer_runs(p.run)},
                               {"recompute", to_string(p.run.recompute)},
                               {"sequence_parallel", p.run.sequence_parallel},
                               {"micro_batch", p.run.micro_batch},
@@ -256,7 +274,7 @@ std::string memory_svg(const SearchResult& r, int top, double capacity) {
     return svg + "</svg>\n";
 }
 
-std::string emit_config_toml(const ModelSpec& m, const Plan& p) {
+std::string emit_config_toml(const ModelSpec& m, const Plan& p, const RunConfig* source) {
     const RunSpec& r = p.run;
     // What the plan asks for that the trainer has no key for: said in the header, never
     // silently dropped.
@@ -270,10 +288,11 @@ std::string emit_config_toml(const ModelSpec& m, const Plan& p) {
             "# Compressed moments (optim.state_format below) run on the CPU engine so far: on a "
             "GPU the trainer refuses them; optim.state_format = \"fp32\" there takes more "
             "optimizer memory than planned.\n";
-    if (r.offload == Offload::optimizer_and_params)
-        gaps +=
-            "# Parameter offload has no trainer setting: train.offload_optimizer = true below "
-            "offloads the optimizer only, and the parameters stay on the GPU.\n";
+    if (!trainer_runs(r))
+        fail(
+            "{}: memtrain's trainer does not run parameter offload yet, so there is no config "
+            "to write for it",
+            describe(r));
     std::string out = fmt::format(
         "# Written by `memtrain plan` for {}.\n"
         "# Layout: {}\n"
@@ -286,46 +305,46 @@ std::string emit_config_toml(const ModelSpec& m, const Plan& p) {
         format_bytes(p.memory.model_states()), format_bytes(p.memory.bytes("activations")),
         p.time.tokens_per_s, p.time.mfu * 100, r.dp, r.tp, r.pp, r.gpus(), r.gpus(), gaps,
         r.lora_rank > 0
-            ? fmt::format("# {}: the trainer runs LoRA on the CPU engine so far (docs/lora.md); "
-                          "set model.init_from to the base model.\n",
+            ? fmt::format("# {} (docs/lora.md): set model.init_from to the base model.\n",
                           describe_method(r))
             : "");
-    out += "[model]\n";
-    out += fmt::format("n_layer = {}\nn_head = {}\nn_embd = {}\nblock_size = {}\nvocab_size = {}\n",
-                       m.n_layer, m.n_head, m.n_embd, m.block_size, m.vocab_size);
-    if (m.n_kv_head > 0) out += fmt::format("n_kv_head = {}\n", m.n_kv_head);
-    out += fmt::format(
-        "norm = \"{}\"\nactivation = \"{}\"\npositions = \"{}\"\ntied_embeddings = {}\n",
-        m.rmsnorm ? "rmsnorm" : "layernorm", m.swiglu ? "swiglu" : "gelu",
-        m.rope ? "rope" : "learned", m.tied_embeddings);
-    // The layout as the trainer's keys: batch_size is the global batch, micro_batch_size per
-    // data-parallel rank, so accumulation is batch_size / (micro_batch_size x dp).
-    out += fmt::format(
-        "\n[train]\nseq_len = {}\nbatch_size = {}\nmicro_batch_size = {}\nremat = \"{}\"\n"
-        "precision = \"{}\"\nzero_stage = {}\noffload_optimizer = {}\ntp = {}\npp = {}\n",
-        r.seq_len(m), r.global_batch(), r.micro_batch, to_string(r.recompute),
-        precision_name(r.precision), r.zero, r.offload != Offload::none, r.tp, r.pp);
-    if (r.sequence_parallel && r.tp > 1) out += "sequence_parallel = true\n";
-    if (r.pp > 1) {
-        out += fmt::format("pp_schedule = \"{}\"\n", to_string(r.schedule));
-        if (r.schedule == pp::Kind::Interleaved)
-            out += fmt::format("pp_virtual = {}\n", r.virtual_stages);
+    // The whole trainer config: the source's (every model key, its optimizer, data, io, sample
+    // and guard sections, paths made absolute by read_run_config) or, for a preset or a
+    // config.json, the defaults around the planned model; then the plan's layout over it.
+    RunConfig cfg;
+    if (source) {
+        cfg = *source;
+    } else {
+        cfg.model = config_from_model(m);
     }
-    out +=
-        fmt::format("\n[optim]\nname = \"{}\"\n", r.optimizer == Optimizer::sgd ? "sgd" : "adamw");
-    const StateFormat moments =
-        r.optimizer == Optimizer::adamw8bit ? StateFormat::Int8 : r.state_format;
-    if (moments != StateFormat::Fp32)
-        out += fmt::format("state_format = \"{}\"\n", state_format_name(moments));
-    if (r.lora_rank > 0)
+    cfg.train.seq_len = r.seq_len(m);
+    cfg.train.batch_size = (int)r.global_batch();
+    cfg.train.batch_tokens = 0;
+    cfg.train.micro_batch_size = r.micro_batch;
+    cfg.train.remat = to_string(r.recompute);
+    cfg.train.precision = precision_name(r.precision);
+    cfg.train.zero_stage = r.zero;
+    cfg.train.offload_optimizer = r.offload != Offload::none;
+    cfg.train.tp = r.tp;
+    cfg.train.pp = r.pp;
+    cfg.train.sequence_parallel = r.sequence_parallel && r.tp > 1;
+    if (r.pp > 1) {
+        cfg.train.pp_schedule = to_string(r.schedule);
+        cfg.train.pp_virtual = r.schedule == pp::Kind::Interleaved ? r.virtual_stages : 1;
+    }
+    cfg.optim.name = r.optimizer == Optimizer::sgd ? "sgd" : "adamw";
+    cfg.optim.state_format =
+        state_format_name(r.optimizer == Optimizer::adamw8bit ? StateFormat::Int8 : r.state_format);
+    cfg.lora.rank = r.lora_rank;
+    if (r.lora_rank > 0) {
+        cfg.lora.targets = r.lora_targets == LoraTargets::all ? "all" : "attn";
         // Frozen weights at 16 bits are the unquantized base (fp32 on the CPU engine); 8 and 4
         // bits are QLoRA's int8 and NF4.
-        out += fmt::format("\n[lora]\nrank = {}\ntargets = \"{}\"\nbase = \"{}\"\n", r.lora_rank,
-                           r.lora_targets == LoraTargets::all ? "all" : "attn",
-                           r.frozen_bits == 8   ? "int8"
-                           : r.frozen_bits == 4 ? "nf4"
-                                                : "fp32");
-    return out;
+        cfg.lora.base = r.frozen_bits == 8 ? "int8" : r.frozen_bits == 4 ? "nf4" : "fp32";
+    }
+    std::string body = to_toml(cfg);
+    body.erase(0, body.find('\n') + 1);  // to_toml's own title line
+    return out + body;
 }
 
 }  // namespace memtrain::plan

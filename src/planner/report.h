@@ -8,6 +8,10 @@
 
 #include "planner/search.h"
 
+namespace memtrain {
+struct RunConfig;
+}
+
 namespace memtrain::plan {
 
 std::string format_bytes(double bytes);  // "24.00 GB"
@@ -21,7 +25,11 @@ nlohmann::json to_json(const MemoryEstimate& est);
 nlohmann::json to_json(const SearchResult& result, int top);
 // Stacked bars, one per plan, one colour per memory category, a line at the GPU capacity.
 std::string memory_svg(const SearchResult& result, int top, double capacity_bytes);
-// A memtrain config ([model], [train], [optim]) with the layout recorded in a comment block.
-std::string emit_config_toml(const ModelSpec& model, const Plan& plan);
+// A whole memtrain config for `plan`, its layout in the [train], [optim] and [lora] keys and
+// described in a comment block above: every other key is `source`'s (the TOML the model came
+// from: its exact model, optimizer, data and io sections), or the defaults around the planned
+// model (config_from_model) without one.
+std::string emit_config_toml(const ModelSpec& model, const Plan& plan,
+                             const RunConfig* source = nullptr);
 
 }  // namespace memtrain::plan

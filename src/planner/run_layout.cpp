@@ -72,6 +72,10 @@ LoraTargets parse_lora_targets(const std::string& s) {
                                    {{"attn", LoraTargets::attn}, {"all", LoraTargets::all}});
 }
 
+bool trainer_runs(const RunSpec& run) {
+    return run.offload != Offload::optimizer_and_params;
+}
+
 const char* precision_label(Precision p, bool fp32_master) {
     return p == Precision::bf16 && !fp32_master ? "bf16-only" : precision_name(p);
 }

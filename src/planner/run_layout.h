@@ -86,6 +86,11 @@ const char* to_string(LoraTargets t);
 // r=16", "QLoRA 4-bit r=16" (frozen weights at 16 bits are not quantized: plain LoRA).
 std::string describe_method(const RunSpec& run);
 
+// Whether memtrain's trainer runs this layout: not parameter offload (--offload params), which
+// the planner prices for comparison only. `plan` and `scale` rank such plans after every one the
+// trainer runs, mark them in the table, and never emit one.
+bool trainer_runs(const RunSpec& run);
+
 // Throws memtrain::Error with the reason and a fix when the layout cannot run at all
 // (tp does not divide the heads, more stages than layers, ZeRO stage out of range, ...).
 void validate_run(const ModelSpec& model, const RunSpec& run);

@@ -154,6 +154,7 @@ MethodSearch search_method(const ModelSpec& m, const ClusterSpec& c, const Searc
         }
     }
     std::sort(out.plans.begin(), out.plans.end(), [](const Plan& a, const Plan& b) {
+        if (trainer_runs(a.run) != trainer_runs(b.run)) return trainer_runs(a.run);
         if (a.time.tokens_per_s != b.time.tokens_per_s)
             return a.time.tokens_per_s > b.time.tokens_per_s;
         return a.memory.total < b.memory.total;
@@ -295,20 +296,35 @@ SearchResult search_plans(const ModelSpec& m, const ClusterSpec& c, const Search
             method.lora_rank > 0
                 ? m.n_layer * lora_params_per_layer(m, method.lora_rank, method.lora_targets)
                 : m.total_params();
+        const auto runs = std::count_if(s.plans.begin(), s.plans.end(),
+                                        [](const Plan& p) { return trainer_runs(p.run); });
         result.methods.push_back({describe_method(method), method.lora_rank, method.frozen_bits,
-                                  trainable, s.evaluated, static_cast<int>(s.plans.size())});
+                                  trainable, s.evaluated, static_cast<int>(runs)});
         result.evaluated += s.evaluated;
-        if (!s.plans.empty()) break;
+        // A method stops the ladder when a plan the trainer runs fits; parameter offload alone
+        // (priced for comparison) does not, so compressed moments or LoRA are tried next.
+        if (!s.plans.empty() && trainer_runs(s.plans.front().run)) break;
     }
-    result.plans = tried.back().plans;
+    // The plans shown: the method that stopped the ladder, or else the first with any plan.
+    std::size_t shown = tried.size() - 1;
+    if (tried.back().plans.empty() || !trainer_runs(tried.back().plans.front().run))
+        for (std::size_t i = 0; i < tried.size(); ++i)
+            if (!tried[i].plans.empty()) {
+                shown = i;
+                break;
+            }
+    result.plans = tried[shown].plans;
     result.lora_instead_of_full =
         !result.plans.empty() && ladder.front().lora_rank == 0 && result.plans[0].run.lora_rank > 0;
     result.asked_moments = spec.state_format;
     result.moments_instead_of_plain = !result.plans.empty() && result.plans[0].run.lora_rank == 0 &&
                                       result.plans[0].run.state_format != spec.state_format;
     for (size_t i = 0; i < tried.size(); ++i) {
-        if (!tried[i].plans.empty()) continue;
-        std::string reason = why_nothing_fits(tried[i], c);
+        if (i == shown && !tried[i].plans.empty()) continue;
+        std::string reason =
+            tried[i].plans.empty()
+                ? why_nothing_fits(tried[i], c)
+                : "only parameter offload fits, which memtrain's trainer does not run yet";
         if (i + 1 < tried.size())
             reason +=
                 fmt::format("; {} {}", result.methods[i + 1].name,

@@ -62,8 +62,8 @@ struct MethodTried {
     std::string
         name;  // describe_method: "full-parameter training", "LoRA r=16", "QLoRA 4-bit r=16"
     int lora_rank = 0, frozen_bits = 16;
-    int64_t trainable_params = 0;  // of the whole model: every weight, or the LoRA adapters
-    int evaluated = 0, fitting = 0;
+    int64_t trainable_params = 0;    // of the whole model: every weight, or the LoRA adapters
+    int evaluated = 0, fitting = 0;  // fitting: plans that fit and the trainer runs
 };
 
 struct SearchResult {

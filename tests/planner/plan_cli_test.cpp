@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <string>
@@ -17,6 +18,8 @@
 
 #include "cli/cli_util.h"
 #include "config/run_config.h"
+#include "model/param_layout.h"
+#include "planner/model_shape.h"
 #include "test_util.h"
 #include "train/validate.h"
 
@@ -201,8 +204,10 @@ TEST(PlanCli, ThirtyBillionOnOneGpuProposesLora) {
     o = memtrain_cli("plan llama-30b --gpus 1 --host-mem-gb 128 --global-batch 64 --no-lora");
     EXPECT_EQ(o.code, 1) << o.output;
     EXPECT_NE(o.output.find("no layout fits in 80.00 GB per GPU"), std::string::npos) << o.output;
-    EXPECT_NE(o.output.find("memtrain: no layout of llama-30b fits 1 x h100-80gb (exit 1)"),
-              std::string::npos)
+    EXPECT_NE(
+        o.output.find("memtrain: no layout of llama-30b that the trainer runs fits 1 x h100-80gb "
+                      "(exit 1)"),
+        std::string::npos)
         << o.output;
     EXPECT_EQ(o.output.find("LoRA"), std::string::npos) << o.output;
     o = memtrain_cli(
@@ -349,4 +354,117 @@ TEST(PlanCli, EveryGpuPresetPlansAndVoltaHasNoBf16) {
     };
     EXPECT_LT(tps("l4"), tps("h100-80gb"));
     EXPECT_LT(tps("h100-80gb"), tps("mi300x"));
+}
+
+// --emit-config writes exactly the planned model, every key of it, and the source config's
+// optimizer, data and io sections; a preset's model keys are its own (Llama 3's rope_theta and
+// GQA) (issue 26).
+TEST(PlanCli, EmittedConfigIsTheWholeSourceConfig) {
+    const auto dir = memtrain::test::temp_dir("plan_cli_emit_whole");
+    write_file(dir + "/m.toml",
+               "[model]\nn_layer = 4\nn_head = 4\nn_kv_head = 2\nn_embd = 32\nblock_size = 16\n"
+               "vocab_size = 50\nvocab_pad = 16\nffn_hidden = 96\nnorm = \"rmsnorm\"\n"
+               "activation = \"swiglu\"\npositions = \"rope\"\ntied_embeddings = false\n"
+               "bias = false\nnorm_eps = 1e-6\nrope_theta = 50000.0\ninit_std = 0.01\n"
+               "[optim]\nlr = 0.0042\nweight_decay = 0.03\nwarmup_steps = 7\n"
+               "[data]\ntrain = \"shards/train.bin\"\nval = \"shards/val.bin\"\n"
+               "[io]\nout_dir = \"runs/a\"\ncheckpoint_every = 9\nkeep_last = 3\n");
+    const std::string out = dir + "/plan.toml";
+    const Outcome o = memtrain_cli("plan " + dir +
+                                   "/m.toml --gpus 2 --gpu-mem-gb 0.002 --reserve-gb 0 --precision "
+                                   "fp32 --no-flash --global-batch 8 --seq 16 --no-offload "
+                                   "--no-lora --emit-config " +
+                                   out);
+    ASSERT_EQ(o.code, 0) << o.output;
+    const memtrain::RunConfig src = memtrain::read_run_config(dir + "/m.toml", {});
+    const memtrain::RunConfig got = memtrain::read_run_config(out, {});
+    const memtrain::ModelConfig &a = src.model, &b = got.model;
+    EXPECT_EQ(b.n_layer, a.n_layer);
+    EXPECT_EQ(b.n_head, a.n_head);
+    EXPECT_EQ(b.n_kv_head, 2);
+    EXPECT_EQ(b.n_embd, a.n_embd);
+    EXPECT_EQ(b.block_size, a.block_size);
+    EXPECT_EQ(b.vocab_size, 50);
+    EXPECT_EQ(b.vocab_pad, 16);
+    EXPECT_EQ(b.ffn_hidden, 96);
+    EXPECT_EQ(b.norm, "rmsnorm");
+    EXPECT_EQ(b.activation, "swiglu");
+    EXPECT_EQ(b.positions, "rope");
+    EXPECT_FALSE(b.tied_embeddings);
+    EXPECT_FALSE(b.bias);
+    EXPECT_EQ(b.norm_eps, 1e-6);
+    EXPECT_EQ(b.rope_theta, 50000.0);
+    EXPECT_EQ(b.init_std, 0.01);
+    EXPECT_EQ(got.optim.lr, 0.0042);
+    EXPECT_EQ(got.optim.weight_decay, 0.03);
+    EXPECT_EQ(got.optim.warmup_steps, 7);
+    // Paths are the source's files, wherever the emitted config is read from.
+    EXPECT_EQ(got.data.train, src.data.train);
+    EXPECT_EQ(got.data.val, src.data.val);
+    EXPECT_EQ(got.io.out_dir, src.io.out_dir);
+    EXPECT_EQ(got.io.checkpoint_every, 9);
+    EXPECT_EQ(got.io.keep_last, 3);
+    // The planner priced the model the file holds (no biases, the SwiGLU width): the same
+    // parameters as the trainer allocates for it.
+    const auto e = memtrain_cli("estimate " + dir + "/m.toml --json");
+    ASSERT_EQ(e.code, 0) << e.output;
+    EXPECT_EQ(nlohmann::json::parse(e.output)["params"].get<int64_t>(),
+              (int64_t)memtrain::make_param_layout(a).total);
+
+    // A preset: Llama 3 8B's own keys.
+    const Outcome l =
+        memtrain_cli("plan llama3-8b --gpus 8 --top 1 --emit-config " + dir + "/llama.toml");
+    ASSERT_EQ(l.code, 0) << l.output;
+    const memtrain::RunConfig lc = memtrain::read_run_config(dir + "/llama.toml", {});
+    EXPECT_EQ(lc.model.rope_theta, 500000.0);
+    EXPECT_EQ(lc.model.n_kv_head, 8);
+    EXPECT_EQ(lc.model.ffn_hidden, 14336);
+    EXPECT_EQ(lc.model.vocab_size, 128256);
+    EXPECT_FALSE(lc.model.bias);
+    EXPECT_FALSE(lc.model.tied_embeddings);
+    EXPECT_EQ(lc.model.norm, "rmsnorm");
+    EXPECT_EQ(memtrain::plan::model_from_config(lc.model).total_params(),
+              memtrain::plan::load_model("llama3-8b").total_params());
+}
+
+// Parameter offload, which the trainer does not run, is marked in the table, ranks after every
+// plan the trainer runs, never stops the search's fallbacks and is never emitted (issue 26).
+TEST(PlanCli, ParameterOffloadIsMarkedAndNeverEmitted) {
+    const auto dir = memtrain::test::temp_dir("plan_cli_offload_params");
+    // gpt2-xl on one 6 GB GPU: of full-parameter training only the parameters' offload fits.
+    const std::string only = "plan gpt2-xl --gpus 1 --gpu-mem-gb 6 --global-batch 8 --no-lora";
+    Outcome o = memtrain_cli(only + " --top 20 --json");
+    EXPECT_EQ(o.code, 1) << o.output;  // nothing the trainer runs fits
+    const auto j = nlohmann::json::parse(o.output.substr(0, o.output.rfind("}") + 1));
+    ASSERT_FALSE(j["plans"].empty()) << o.output;
+    for (const auto& p : j["plans"]) {
+        EXPECT_FALSE(p["trainer_runs"].get<bool>()) << p.dump();
+        EXPECT_EQ(p["offload"], "params");
+    }
+    o = memtrain_cli(only + " --top 3");
+    EXPECT_EQ(o.code, 1) << o.output;
+    EXPECT_NE(o.output.find("no layout memtrain's trainer runs fits"), std::string::npos)
+        << o.output;
+    EXPECT_NE(o.output.find("params*"), std::string::npos) << o.output;
+    EXPECT_NE(o.output.find("* parameter offload: priced for comparison"), std::string::npos)
+        << o.output;
+    EXPECT_NE(o.output.find("closest plan, per-GPU memory"), std::string::npos) << o.output;
+    o = memtrain_cli(only + " --emit-config " + dir + "/x.toml");
+    EXPECT_EQ(o.code, 1) << o.output;
+    EXPECT_NE(o.output.find("no plan the trainer runs fits"), std::string::npos) << o.output;
+    EXPECT_FALSE(std::filesystem::exists(dir + "/x.toml"));
+    // With the fallbacks on, the search goes past offloaded parameters to what the trainer runs
+    // (here LoRA), and says why.
+    o = memtrain_cli(
+        "plan gpt2-xl --gpus 1 --gpu-mem-gb 6 --global-batch 8 --top 1 --reasons 3 "
+        "--emit-config " +
+        dir + "/y.toml");
+    ASSERT_EQ(o.code, 0) << o.output;
+    EXPECT_EQ(o.output.find("params*"), std::string::npos) << o.output;
+    EXPECT_NE(o.output.find("full-parameter training: only parameter offload fits, which "
+                            "memtrain's trainer does not run yet; full-parameter training, int8 "
+                            "moments does not fit either"),
+              std::string::npos)
+        << o.output;
+    EXPECT_GT(memtrain::read_run_config(dir + "/y.toml", {}).lora.rank, 0);
 }
