@@ -12,9 +12,12 @@
 #include "cli/commands.h"
 #include "config/run_config.h"
 #include "core/error.h"
+#include "engine/host_memory.h"
 #include "planner/report.h"
 #include "planner/scaling.h"
 #include "planner/search.h"
+#include "train/plan.h"
+#include "train/validate.h"
 
 namespace memtrain::cli {
 
@@ -184,18 +187,147 @@ StateFormat state_format_flag(const std::string& v) {
     return parse_state_format(v);
 }
 
+struct EstimateArgs {
+    std::string model, precision = "bf16", optimizer = "adamw", recompute = "none";
+    std::string offload = "none", schedule = "1f1b", lora_targets = "attn";
+    std::string state_format = "fp32", device = "gpu";
+    RunSpec run;
+    GpuArgs gpu;
+    int global_batch = 0;
+    double reserve_gb = 1.0;
+    bool no_flash = false, sp = false, json = false;
+};
+
+// `estimate --device cpu`: the trainer's config for the layout the flags describe, on the CPU
+// engine (fp32, any of the trainer's remat policies), from the source TOML or the preset.
+RunConfig cpu_estimate_config(const EstimateArgs& a, const CLI::App* cmd, const ModelSpec& m) {
+    const FlagCheck check(cmd);
+    for (const char* flag :
+         {"--offload", "--gpu", "--gpu-mem-gb", "--gpu-tflops", "--hbm-bw-gbs", "--gpu-fp32-tflops",
+          "--intra-bw-gbs", "--inter-bw-gbs", "--pcie-bw-gbs", "--efficiency", "--reserve-gb",
+          "--fragmentation", "--no-flash", "--gpus-per-node"})
+        if (check.given(flag))
+            fail("{} describes a GPU; --device cpu prices the CPU engine (drop the flag)", flag);
+    if (check.given("--precision") && a.precision != "fp32")
+        fail("--precision {}: the CPU engine trains in fp32 (--device cpu)", a.precision);
+    RunConfig cfg;
+    const bool toml = a.model.ends_with(".toml");
+    if (toml) {
+        cfg = read_run_config(a.model, {});
+    } else {
+        cfg.model = config_from_model(m);
+        cfg.train.seq_len = m.block_size;
+        cfg.train.micro_batch_size = 1;
+        cfg.train.batch_size = a.run.dp;
+    }
+    cfg.train.device = "cpu";
+    cfg.train.precision = "fp32";
+    cfg.train.tp = a.run.tp;
+    cfg.train.pp = a.run.pp;
+    cfg.train.zero_stage = a.run.zero;
+    cfg.world = a.run.gpus();
+    if (check.given("--seq")) cfg.train.seq_len = a.run.seq;
+    if (check.given("--micro-batch")) cfg.train.micro_batch_size = a.run.micro_batch;
+    if (check.given("--global-batch")) {
+        cfg.train.batch_size = a.global_batch;
+        cfg.train.batch_tokens = 0;
+    } else if (check.given("--micro-batch") || check.given("--dp") || !toml) {
+        // One micro-batch per step on every data-parallel rank (a pipeline: one per stage).
+        const int64_t per = (int64_t)a.run.dp * std::max(1, cfg.train.micro_batch_size);
+        cfg.train.batch_size = (int)(per * (a.run.pp > 1 ? a.run.pp : 1));
+        cfg.train.batch_tokens = 0;
+    }
+    if (check.given("--recompute")) cfg.train.remat = a.recompute;
+    if (check.given("--sequence-parallel")) cfg.train.sequence_parallel = a.sp;
+    if (check.given("--schedule")) cfg.train.pp_schedule = a.schedule;
+    if (check.given("--virtual-stages")) cfg.train.pp_virtual = a.run.virtual_stages;
+    if (check.given("--optimizer")) {
+        if (a.optimizer == "adamw8bit") {
+            cfg.optim.name = "adamw";
+            cfg.optim.state_format = "int8";
+        } else {
+            cfg.optim.name = a.optimizer;
+        }
+    }
+    if (check.given("--state-format")) cfg.optim.state_format = a.state_format;
+    if (check.given("--step-in-backward")) cfg.optim.step_in_backward = a.run.step_in_backward;
+    if (a.run.lora_rank > 0) {
+        cfg.lora.rank = a.run.lora_rank;
+        cfg.lora.targets = a.lora_targets;
+        cfg.lora.base = a.run.frozen_bits == 8 ? "int8" : a.run.frozen_bits == 4 ? "nf4" : "fp32";
+    }
+    validate_config(cfg);
+    return cfg;
+}
+
+// Every rank's rows (the engines' own predictions, as `train --print-plan` prints them), the most
+// loaded rank's table, and whether all ranks fit this host (or --host-mem-gb).
+void print_cpu_estimate(const EstimateArgs& a, const CLI::App* cmd, const ModelSpec& m) {
+    const RunConfig cfg = cpu_estimate_config(a, cmd, m);
+    std::vector<RunPlan> ranks;
+    std::size_t sum = 0, most = 0;
+    int worst = 0;
+    for (int r = 0; r < cfg.world; r++) {
+        ranks.push_back(plan_host_rank(cfg, r));
+        std::size_t total = 0;
+        for (const MemoryPrediction& row : ranks.back().memory) total += row.bytes;
+        sum += total;
+        if (total > most) most = total, worst = r;
+    }
+    const bool given = FlagCheck(cmd).given("--host-mem-gb");
+    const double host = given ? a.gpu.host_mem_gb * 1e9 : (double)host_available_bytes();
+    const bool fits = (double)sum <= host;
+    const RunPlan& p = ranks[worst];
+    if (a.json) {
+        nlohmann::json j;
+        j["model"] = m.name;
+        j["params"] = m.total_params();
+        j["device"] = "cpu";
+        j["plan"] = p.describe();
+        for (const RunPlan& rp : ranks) {
+            nlohmann::json rows = nlohmann::json::array();
+            std::size_t total = 0;
+            for (const MemoryPrediction& row : rp.memory) {
+                rows.push_back({{"category", std::string(category_name(row.category))},
+                                {"bytes", row.bytes},
+                                {"formula", row.formula}});
+                total += row.bytes;
+            }
+            j["ranks"].push_back({{"rank", rp.rank}, {"total_bytes", total}, {"rows", rows}});
+        }
+        j["host_bytes_needed"] = sum;
+        j["host_memory_bytes"] = host;
+        j["fits"] = fits;
+        std::printf("%s\n", j.dump(2).c_str());
+        return;
+    }
+    std::printf("%s: %.3fB parameters (%d layers, d=%d, %d heads), seq %d, the CPU engine\n",
+                m.name.c_str(), m.total_params() / 1e9, m.n_layer, m.n_embd, m.n_head,
+                cfg.train.seq_len);
+    std::printf("plan: %s\n", p.describe().c_str());
+    if (cfg.world > 1) {
+        std::string all;
+        for (const RunPlan& rp : ranks) {
+            std::size_t total = 0;
+            for (const MemoryPrediction& row : rp.memory) total += row.bytes;
+            all += fmt::format("{}rank {} {:.1f} MiB", all.empty() ? "" : " | ", rp.rank,
+                               total / 1048576.0);
+        }
+        std::printf("every rank: %s\nthe most loaded, rank %d:\n", all.c_str(), worst);
+    }
+    std::fputs(p.table().c_str(), stdout);
+    std::printf(
+        "host: %d rank%s %.1f MiB; %s %.1f MiB (%s): %s\n", cfg.world,
+        cfg.world == 1 ? " needs" : "s need", sum / 1048576.0, given ? "given" : "this machine has",
+        host / 1048576.0,
+        given ? "--host-mem-gb"
+              : "MemAvailable or the cgroup limit; MEMTRAIN_HOST_MEMORY or --host-mem-gb to change",
+        fits ? "fits" : "does NOT fit");
+}
+
 void register_estimate(CLI::App& app) {
     auto* cmd = app.add_subcommand("estimate", "per-GPU memory (and step time) of one layout");
-    struct Args {
-        std::string model, precision = "bf16", optimizer = "adamw", recompute = "none";
-        std::string offload = "none", schedule = "1f1b", lora_targets = "attn";
-        std::string state_format = "fp32";
-        RunSpec run;
-        GpuArgs gpu;
-        int global_batch = 0;
-        double reserve_gb = 1.0;
-        bool no_flash = false, sp = false, json = false;
-    };
+    using Args = EstimateArgs;
     auto a = std::make_shared<Args>();
     cmd->add_option("model", a->model, "preset, HF config.json or memtrain .toml")->required();
     cmd->add_option("--zero", a->run.zero, "ZeRO stage 0-3");
@@ -225,9 +357,14 @@ void register_estimate(CLI::App& app) {
     cmd->add_flag("--no-flash", a->no_flash, "attention without flash (keeps s^2 scores)");
     cmd->add_flag("--sequence-parallel", a->sp, "Megatron sequence parallelism");
     cmd->add_flag("--json", a->json, "print JSON");
+    cmd->add_option("--device", a->device,
+                    "gpu (default) or cpu: the CPU engine's own memory rows for every rank (fp32, "
+                    "--recompute takes the trainer's policies) and whether they fit this host");
     add_gpu_flags(cmd, a->gpu);
     cmd->callback([a, cmd]() {
         const FlagCheck check(cmd);
+        if (a->device != "gpu" && a->device != "cpu")
+            fail("--device {}: expected gpu or cpu", a->device);
         check.at_least("--dp", a->run.dp, 1);
         check.at_least("--tp", a->run.tp, 1);
         check.at_least("--pp", a->run.pp, 1);
@@ -252,6 +389,11 @@ void register_estimate(CLI::App& app) {
             !(a->run.fragmentation >= 0 && a->run.fragmentation < 1))
             fail("--fragmentation must be a fraction in [0, 1), got {}", a->run.fragmentation);
         ModelSpec m = load_model(a->model);
+        if (a->device == "cpu") {
+            check.positive("--host-mem-gb", a->gpu.host_mem_gb);
+            print_cpu_estimate(*a, cmd, m);
+            return;
+        }
         RunSpec r = a->run;
         r.precision = parse_precision(a->precision, &r.fp32_master);
         r.optimizer = parse_optimizer(a->optimizer);

@@ -19,13 +19,21 @@ namespace memtrain {
 
 RunPlan plan_layout(const RunConfig& config, const dist::Communicator& comm,
                     const remat::BlockFlops* measured) {
+    RunConfig resolved = config;
+    resolve_config(resolved);
+    const bool collective = resolved.train.device == "cuda" && cuda_data_parallel(resolved, comm);
+    return plan_layout(config, comm.rank(), comm.size(), collective, measured);
+}
+
+RunPlan plan_layout(const RunConfig& config, int rank, int world, bool collective,
+                    const remat::BlockFlops* measured) {
     RunPlan p;
     p.cfg = config;
     resolve_config(p.cfg);  // (a no-op for the Trainer's config, resolved already)
     const RunConfig& cfg = p.cfg;
     p.engine = engine_kind(cfg);
-    p.rank = comm.rank();
-    p.world = comm.size();
+    p.rank = rank;
+    p.world = world;
     const int tp = std::max(1, cfg.train.tp), pp = std::max(1, cfg.train.pp);
     p.mesh = dist::MeshLayout{pp, cfg.dp(), tp};
     if (cfg.ps()) {
@@ -33,7 +41,7 @@ RunPlan plan_layout(const RunConfig& config, const dist::Communicator& comm,
         p.ps_staleness = cfg.train.ps_staleness;
     }
     const bool gpu = p.gpu();
-    p.collective = gpu && cuda_data_parallel(cfg, comm);
+    p.collective = gpu && collective;
     p.cuda_graphs = gpu && cfg.train.cuda_graphs;
     // One GPU without mpirun holds everything (ZeRO needs NCCL between launched ranks).
     p.zero_stage = gpu && !p.collective ? 0 : cfg.train.zero_stage;
@@ -55,6 +63,14 @@ RunPlan plan_layout(const RunConfig& config, const dist::Communicator& comm,
     p.format = gpu ? device_arena_format(cfg, B, T) : GPT::arena_format();
     p.remat = remat::solve_policy(remat::parse_policy(cfg.train.remat), cfg.model, B, T, measured,
                                   p.format);
+    return p;
+}
+
+RunPlan plan_host_rank(const RunConfig& cfg, int rank) {
+    if (cfg.train.device != "cpu") fail("internal: plan_host_rank prices the CPU engines only");
+    RunPlan p = plan_layout(cfg, rank, cfg.world, false, nullptr);
+    p.memory = predict_host_memory(p, p.remat.plan, p.cfg.micro_batch(), p.cfg.train.seq_len);
+    p.memory_on = MemoryOn::Host;
     return p;
 }
 

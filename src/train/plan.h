@@ -15,6 +15,15 @@ namespace memtrain {
 RunPlan plan_layout(const RunConfig& cfg, const dist::Communicator& comm,
                     const remat::BlockFlops* measured = nullptr);
 
+// The same from a rank and a world size, no communicator (`collective`: a GPU job's data-parallel
+// ranks reach each other over NCCL).
+RunPlan plan_layout(const RunConfig& cfg, int rank, int world, bool collective,
+                    const remat::BlockFlops* measured = nullptr);
+
+// Rank `rank` of a CPU job of cfg.world ranks with its predicted memory rows, without launching
+// the job or checking this machine: `memtrain estimate --device cpu` prices every rank this way.
+RunPlan plan_host_rank(const RunConfig& cfg, int rank);
+
 // The plan of `cfg` on `comm`, with its memory checked: fails before anything is allocated,
 // naming what would fit, when this rank's predicted bytes exceed the host's or the device's free
 // memory. Under train.remat_costs = "measured" rank 0 profiles one block first and every rank

@@ -21,6 +21,7 @@
 #include "model/param_layout.h"
 #include "planner/model_shape.h"
 #include "test_util.h"
+#include "train/trainer.h"
 #include "train/validate.h"
 
 namespace {
@@ -467,4 +468,52 @@ TEST(PlanCli, ParameterOffloadIsMarkedAndNeverEmitted) {
               std::string::npos)
         << o.output;
     EXPECT_GT(memtrain::read_run_config(dir + "/y.toml", {}).lora.rank, 0);
+}
+
+// `estimate --device cpu` prices the CPU engine on any machine (issue 26): every rank's rows are
+// the engine's own, so a run of the same layout measures them, for the trainer's remat policies
+// (every:K here); GPU-only flags are refused by name, and the host check says whether it fits.
+TEST(PlanCli, CpuEstimateIsWhatTheTrainerAllocates) {
+    const std::string dir = memtrain::test::temp_dir("plan_cli_cpu");
+    memtrain::RunConfig c = memtrain::test::tiny_run(dir, 1);
+    c.model.n_layer = 4;
+    c.train.remat = "every:2";
+    c.optim.state_format = "int8";
+    c.io.save_final = false;
+    write_file(dir + "/run.toml", memtrain::to_toml(c));
+    const Outcome o = memtrain_cli("estimate " + dir + "/run.toml --device cpu --json");
+    ASSERT_EQ(o.code, 0) << o.output;
+    const auto j = nlohmann::json::parse(o.output);
+    ASSERT_EQ(j["ranks"].size(), 1u) << o.output;
+    memtrain::TrainOptions opts;
+    opts.quiet = true;
+    memtrain::Trainer t(c, opts);
+    t.run();
+    const memtrain::MemoryStats s = t.engine().memory().snapshot();
+    int compared = 0;
+    for (const auto& row : j["ranks"][0]["rows"]) {
+        const std::string cat = row["category"];
+        for (memtrain::MemCategory k :
+             {memtrain::MemCategory::Parameters, memtrain::MemCategory::Gradients,
+              memtrain::MemCategory::OptimizerState, memtrain::MemCategory::Activations,
+              memtrain::MemCategory::Workspace})
+            if (cat == memtrain::category_name(k)) {
+                EXPECT_EQ(row["bytes"].get<std::size_t>(), s.peak(k)) << cat;
+                compared++;
+            }
+    }
+    EXPECT_EQ(compared, 5) << o.output;
+    // Two ranks at ZeRO-2: each holds half the gradients and optimizer state.
+    const auto z = nlohmann::json::parse(
+        memtrain_cli("estimate " + dir + "/run.toml --device cpu --dp 2 --zero 2 --json").output);
+    ASSERT_EQ(z["ranks"].size(), 2u);
+    EXPECT_TRUE(z["fits"].get<bool>());
+    expect_refusal("estimate gpt2 --device cpu --offload optimizer", {"--offload", "--device cpu"});
+    expect_refusal("estimate gpt2 --device cpu --precision bf16", {"--precision bf16", "fp32"});
+    expect_refusal("estimate gpt2 --device tpu", {"--device tpu", "gpu or cpu"});
+    expect_refusal("estimate gpt2 --device cpu --recompute every:0", {"every:0"});
+    const Outcome small =
+        memtrain_cli("estimate " + dir + "/run.toml --device cpu --host-mem-gb 0.0001");
+    EXPECT_NE(small.output.find("(--host-mem-gb): does NOT fit"), std::string::npos)
+        << small.output;
 }
