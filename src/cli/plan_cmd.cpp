@@ -13,9 +13,12 @@
 #include "config/run_config.h"
 #include "core/error.h"
 #include "engine/host_memory.h"
+#include "planner/rank_layout.h"
 #include "planner/report.h"
 #include "planner/scaling.h"
 #include "planner/search.h"
+#include "planner/stage_activations.h"
+#include "remat/policy.h"
 #include "train/plan.h"
 #include "train/validate.h"
 
@@ -325,6 +328,27 @@ void print_cpu_estimate(const EstimateArgs& a, const CLI::App* cmd, const ModelS
         fits ? "fits" : "does NOT fit");
 }
 
+// --recompute with one of the trainer's per-block policies: the remat solver's plan on the
+// layout the engines would allocate (the planner prices it block by block, RunSpec::block_plan).
+void solve_block_plan(const std::string& policy, const ModelSpec& m, RunSpec& r) {
+    const remat::RematPolicy pol = remat::parse_policy(policy);  // names what is wrong
+    if (pol.may_offload())
+        fail(
+            "--recompute {}: block inputs in host memory are priced by `memtrain remat CONFIG "
+            "--device cuda`",
+            policy);
+    if (!uses_engine_arena(m, r) && !uses_stage_layout(m, r))
+        fail(
+            "--recompute {} is solved on the engines' activation layout, and this layout is "
+            "priced by the formulas (a model or layout no engine runs): use none, selective or "
+            "full",
+            policy);
+    const ModelConfig cfg = rank_config(m, r);
+    r.block_plan =
+        remat::solve_policy(pol, cfg, r.micro_batch, r.seq_len(m), nullptr, arena_format(cfg, r))
+            .plan;
+}
+
 void register_estimate(CLI::App& app) {
     auto* cmd = app.add_subcommand("estimate", "per-GPU memory (and step time) of one layout");
     using Args = EstimateArgs;
@@ -337,7 +361,9 @@ void register_estimate(CLI::App& app) {
     cmd->add_option("--micro-batch", a->run.micro_batch, "sequences per micro-batch");
     cmd->add_option("--global-batch", a->global_batch, "sequences per step (sets micro-batches)");
     cmd->add_option("--seq", a->run.seq, "sequence length (default: model context)");
-    cmd->add_option("--recompute", a->recompute, "none | selective | full");
+    cmd->add_option("--recompute", a->recompute,
+                    "none | selective | full, or the trainer's per-block policies every:K | sqrt | "
+                    "budget:BYTES (solved on the engines' layout)");
     cmd->add_option("--precision", a->precision, "bf16 | fp16 | fp32 | bf16-only");
     cmd->add_option("--optimizer", a->optimizer, "adamw | sgd | adamw8bit");
     cmd->add_option("--state-format", a->state_format,
@@ -398,7 +424,11 @@ void register_estimate(CLI::App& app) {
         r.precision = parse_precision(a->precision, &r.fp32_master);
         r.optimizer = parse_optimizer(a->optimizer);
         r.state_format = state_format_flag(a->state_format);
-        r.recompute = parse_recompute(a->recompute);
+        // The trainer's per-block policies (every:K, sqrt, budget:BYTES) are solved below, on
+        // the layout the run is priced with.
+        const bool uniform =
+            a->recompute == "none" || a->recompute == "selective" || a->recompute == "full";
+        if (uniform) r.recompute = parse_recompute(a->recompute);
         r.offload = parse_offload(a->offload);
         r.schedule = parse_schedule(a->schedule);
         r.lora_targets = parse_lora_targets(a->lora_targets);
@@ -409,6 +439,7 @@ void register_estimate(CLI::App& app) {
             a->gpu, cmd, r.gpus(), {r.precision == Precision::fp32, r.offload != Offload::none});
         const std::string precision_note =
             fit_precision_to_gpu(c.gpu, cmd, &r.precision, &r.fp32_master);
+        if (!uniform) solve_block_plan(a->recompute, m, r);
         if (a->global_batch > 0) {
             int64_t per = static_cast<int64_t>(r.dp) * r.micro_batch;
             if (a->global_batch % per != 0)

@@ -21,6 +21,15 @@ double hardware_flops_per_token(const ModelSpec& m, const RunSpec& r) {
     double f = model_flops_per_token(m, r);
     double attn_fwd = 4.0 * m.n_layer * m.n_embd * static_cast<double>(r.seq_len(m));
     double layers_fwd = 2.0 * m.n_layer * m.layer_matrix_params() + attn_fwd;
+    if (!r.block_plan.empty()) {  // a per-block plan: each block's share of its recompute
+        const double L = static_cast<double>(r.block_plan.size());
+        const auto count = [&](BlockKeep k) {
+            return static_cast<double>(std::count(r.block_plan.begin(), r.block_plan.end(), k));
+        };
+        f += layers_fwd * (count(BlockKeep::Input) + count(BlockKeep::Offload)) / L;
+        if (!r.flash_attention) f += attn_fwd * count(BlockKeep::Selective) / L;
+        return f;
+    }
     if (r.recompute == Recompute::full) f += layers_fwd;
     if (r.recompute == Recompute::selective && !r.flash_attention) f += attn_fwd;
     return f;

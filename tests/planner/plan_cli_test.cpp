@@ -517,3 +517,33 @@ TEST(PlanCli, CpuEstimateIsWhatTheTrainerAllocates) {
     EXPECT_NE(small.output.find("(--host-mem-gb): does NOT fit"), std::string::npos)
         << small.output;
 }
+
+// estimate's --recompute takes the trainer's per-block policies (issue 26), solved on the
+// engines' layout: every:2 and a budget lie between full and none in bytes and in speed, a budget
+// is met, and a model priced by the formulas (GPT-2's dropout) refuses them by name.
+TEST(PlanCli, EstimateTakesTheTrainersRematPolicies) {
+    const auto dir = memtrain::test::temp_dir("plan_cli_policies");
+    write_file(dir + "/m.toml",
+               "[model]\nn_layer = 8\nn_head = 8\nn_embd = 512\nblock_size = 512\n"
+               "vocab_size = 8000\n");
+    auto run = [&](const std::string& policy) {
+        const Outcome o = memtrain_cli("estimate " + dir + "/m.toml --micro-batch 8 --json " +
+                                       "--recompute " + policy);
+        EXPECT_EQ(o.code, 0) << policy << "\n" << o.output;
+        const auto j = nlohmann::json::parse(o.output);
+        double act = 0;
+        for (const auto& line : j["lines"])
+            if (line["name"] == "activations") act = line["bytes"].get<double>();
+        return std::make_pair(act, j["tokens_per_s"].get<double>());
+    };
+    const auto none = run("none"), full = run("full"), every = run("every:2");
+    EXPECT_LT(full.first, every.first);
+    EXPECT_LT(every.first, none.first);
+    EXPECT_LT(full.second, every.second);
+    EXPECT_LT(every.second, none.second);
+    const auto budget = run("budget:300MiB");
+    EXPECT_LE(budget.first, 300.0 * 1048576);
+    EXPECT_GT(budget.first, full.first);
+    expect_refusal("estimate gpt2 --recompute every:2", {"--recompute every:2", "formulas"});
+    expect_refusal("estimate " + dir + "/m.toml --recompute every:x", {"every:x"});
+}
