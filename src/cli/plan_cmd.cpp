@@ -75,6 +75,11 @@ void add_gpu_flags(CLI::App* cmd, GpuArgs& a) {
                     "typical node, 2048 for h100-80gb)");
 }
 
+constexpr const char* kRuntimeHelp =
+    "whose memory to price: memtrain (default: its planned buffers), pytorch (torch.amp + DDP), "
+    "deepspeed (ZeRO 1-3 at its default buckets), megatron (fp32 main grads, distributed "
+    "optimizer)";
+
 // What of the GPU's numbers a command uses, so that `--gpu custom` asks only for those.
 struct GpuNeeds {
     bool fp32 = false;     // precision fp32 runs at the plain fp32 peak
@@ -193,7 +198,7 @@ StateFormat state_format_flag(const std::string& v) {
 struct EstimateArgs {
     std::string model, precision = "bf16", optimizer = "adamw", recompute = "none";
     std::string offload = "none", schedule = "1f1b", lora_targets = "attn";
-    std::string state_format = "fp32", device = "gpu";
+    std::string state_format = "fp32", device = "gpu", runtime = "memtrain";
     RunSpec run;
     GpuArgs gpu;
     int global_batch = 0;
@@ -383,6 +388,7 @@ void register_estimate(CLI::App& app) {
     cmd->add_flag("--no-flash", a->no_flash, "attention without flash (keeps s^2 scores)");
     cmd->add_flag("--sequence-parallel", a->sp, "Megatron sequence parallelism");
     cmd->add_flag("--json", a->json, "print JSON");
+    cmd->add_option("--runtime", a->runtime, kRuntimeHelp);
     cmd->add_option("--device", a->device,
                     "gpu (default) or cpu: the CPU engine's own memory rows for every rank (fp32, "
                     "--recompute takes the trainer's policies) and whether they fit this host");
@@ -434,6 +440,7 @@ void register_estimate(CLI::App& app) {
         r.lora_targets = parse_lora_targets(a->lora_targets);
         r.flash_attention = !a->no_flash;
         r.sequence_parallel = a->sp;
+        r.runtime = parse_runtime(a->runtime);
         r.reserve_bytes = static_cast<int64_t>(a->reserve_gb * 1e9);
         const ClusterSpec c = make_cluster(
             a->gpu, cmd, r.gpus(), {r.precision == Precision::fp32, r.offload != Offload::none});
@@ -460,15 +467,19 @@ void register_estimate(CLI::App& app) {
             j["mfu"] = t.mfu;
             j["method"] = describe_method(r);
             j["precision"] = precision_label(r.precision, r.fp32_master);
+            j["runtime"] = to_string(r.runtime);
             j["host_memory_bytes"] = c.host_memory();
             std::printf("%s\n", j.dump(2).c_str());
             return;
         }
         std::printf("%s: %.3fB parameters (%d layers, d=%d, %d heads), seq %d\n", m.name.c_str(),
                     m.total_params() / 1e9, m.n_layer, m.n_embd, m.n_head, r.seq_len(m));
-        std::printf("layout: %s, %s %s, GPU %s\n", describe(r).c_str(),
+        std::printf("layout: %s, %s %s, GPU %s%s\n", describe(r).c_str(),
                     precision_label(r.precision, r.fp32_master), to_string(r.optimizer),
-                    c.gpu.name.c_str());
+                    c.gpu.name.c_str(),
+                    r.runtime == Runtime::memtrain
+                        ? ""
+                        : fmt::format(", priced as {} runs it", to_string(r.runtime)).c_str());
         if (!precision_note.empty()) std::printf("%s\n", precision_note.c_str());
         if (r.offload != Offload::none) std::printf("%s\n", host_memory_line(c, cmd).c_str());
         std::printf("\n");
@@ -480,7 +491,7 @@ void register_plan_cmd(CLI::App& app) {
     auto* cmd = app.add_subcommand("plan", "rank parallel layouts for a model on a cluster");
     struct Args {
         std::string model, precision = "bf16", optimizer = "adamw", emit, svg;
-        std::string lora_targets = "attn", state_format = "fp32";
+        std::string lora_targets = "attn", state_format = "fp32", runtime = "memtrain";
         GpuArgs gpu;
         int gpus = 0, nodes = 0, top = 5, reasons = 12;
         SearchSpec spec;
@@ -515,6 +526,7 @@ void register_plan_cmd(CLI::App& app) {
                     "when LoRA is the fallback");
     cmd->add_option("--lora-targets", a->lora_targets,
                     "attn (q, k, v, o; default) | all (and the MLP)");
+    cmd->add_option("--runtime", a->runtime, kRuntimeHelp);
     cmd->add_flag("--no-lora", a->no_lora, "full-parameter plans only, no LoRA fallback");
     add_gpu_flags(cmd, a->gpu);
     cmd->callback([a, cmd]() {
@@ -565,6 +577,12 @@ void register_plan_cmd(CLI::App& app) {
         s.reserve_bytes = static_cast<int64_t>(a->reserve_gb * 1e9);
         s.lora_targets = parse_lora_targets(a->lora_targets);
         s.lora_fallback = !a->no_lora;
+        s.runtime = parse_runtime(a->runtime);
+        if (s.runtime != Runtime::memtrain && !a->emit.empty())
+            fail(
+                "--emit-config writes memtrain's config; --runtime {} prices another runtime "
+                "(drop one of them)",
+                a->runtime);
         SearchResult r = search_plans(m, c, s);
         // Parameter offload ranks after every plan the trainer runs: first only when nothing
         // the trainer runs fits.

@@ -337,6 +337,67 @@ MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, RankCoord at,
         gather =
             to_bytes(2.0 * (layer_split + layer_repl) * (r.lora_rank > 0 ? frozen_bytes : k.param));
 
+    // A peer's runtime (--runtime): its own layout of the states and the buffers it keeps at
+    // its defaults, in place of memtrain's planned ones (docs/planner.md, "Runtime profiles").
+    double runtime_bytes = 0;
+    std::string runtime_detail = "none beyond the lines above (memtrain plans its buffers)";
+    std::string bucket_detail =
+        buckets ? fmt::format("2 x {:.0f} MB all-reduce buckets", r.bucket_bytes / 1e6)
+                : "no data-parallel all-reduce";
+    const bool mixed = r.precision != Precision::fp32;
+    const double kElem = 5e8;  // DeepSpeed's reduce_bucket_size and allgather_bucket_size
+    if (r.runtime == Runtime::pytorch) {
+        // torch.amp: the fp32 parameters are the master weights and their .grad is fp32; the
+        // optimizer holds the moments only. autocast's 16-bit casts of the weights are saved
+        // for the backward. DDP's buckets hold a copy of every gradient unless
+        // gradient_as_bucket_view=True (its default is False).
+        param_bytes = param_n * 4;
+        param_detail =
+            fmt::format("{:.3f}B params x 4 B (torch.amp: fp32 parameters)", params / 1e9);
+        grad_bytes = grad_n * 4;
+        grad_detail = fmt::format("{:.3f}B x 4 B (fp32 .grad)", trainable / 1e9);
+        opt_bytes = opt_n * (k.optim - k.master);
+        opt_detail = fmt::format("{:.3f}B x {:g} B ({} moments, no separate master)",
+                                 trainable / 1e9, k.optim - k.master, to_string(r.optimizer));
+        if (mixed) {
+            runtime_bytes = param_n * e;
+            runtime_detail =
+                fmt::format("autocast's {}-byte weight casts, saved for the backward", e);
+        }
+        if (d > 1) {
+            buckets = to_bytes(grad_n * 4);
+            bucket_detail = "DDP buckets: a copy of every gradient (gradient_as_bucket_view=False)";
+        }
+    } else if (r.runtime == Runtime::deepspeed) {
+        // ZeRO's 16-bit gradients reduce through a bucket of reduce_bucket_size elements; the
+        // shard's reduced gradients are copied to fp32 for the step; stages 1-2 all-gather the
+        // updated parameters in allgather_bucket_size pieces, stage 3 prefetches
+        // stage3_prefetch_bucket_size (5e7) elements ahead.
+        buckets = to_bytes(std::min(kElem, (double)trainable) * k.grad);
+        bucket_detail = "reduce_bucket_size 5e8 elements (DeepSpeed's default), or the model";
+        const double fp32_grads = mixed ? opt_n * 4 : 0;
+        const double gather_bucket = r.zero < 3 ? std::min(kElem, (double)params) * k.param
+                                                : std::min(5e7, (double)params) * k.param;
+        runtime_bytes = fp32_grads + gather_bucket;
+        runtime_detail = fmt::format(
+            "{}{}",
+            mixed ? fmt::format("fp32 copy of the gradient shard {}; ", gb(fp32_grads)) : "",
+            r.zero < 3
+                ? fmt::format("allgather_bucket_size 5e8 elements {}", gb(gather_bucket))
+                : fmt::format("stage3_prefetch_bucket_size 5e7 elements {}", gb(gather_bucket)));
+    } else if (r.runtime == Runtime::megatron) {
+        // Megatron-LM accumulates and all-reduces bf16 gradients in fp32 (main_grad; it sets
+        // accumulate_allreduce_grads_in_fp32 with --bf16), in one contiguous buffer that the
+        // collectives reduce in place.
+        if (r.precision == Precision::bf16) {
+            grad_bytes = grad_n * 4;
+            grad_detail = fmt::format("{:.3f}B x 4 B (fp32 main_grad, as Megatron-LM's --bf16)",
+                                      trainable / 1e9);
+        }
+        buckets = 0;
+        bucket_detail = "none: the gradient buffer is reduced in place";
+        runtime_detail = "none beyond its gradient buffer (the gradients line)";
+    }
     auto add = [&](std::string name, double bytes, std::string detail) {
         est.lines.push_back({std::move(name), to_bytes(bytes), std::move(detail)});
     };
@@ -356,10 +417,12 @@ MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, RankCoord at,
     add("logits and loss", logits,
         last ? fmt::format("{} tokens x {} vocab / tp {} x {} B", s * b, m.vocab_size, t, e + 8)
              : "not on this stage");
-    add("gradient buckets", buckets,
-        buckets ? fmt::format("2 x {:.0f} MB all-reduce buckets", r.bucket_bytes / 1e6)
-                : "no data-parallel all-reduce");
+    add("gradient buckets", buckets, bucket_detail);
     add("zero-3 gather buffer", gather, gather ? "current + prefetched layer" : "not ZeRO-3");
+    add("runtime buffers", runtime_bytes,
+        r.runtime == Runtime::memtrain
+            ? runtime_detail
+            : fmt::format("{}: {}", to_string(r.runtime), runtime_detail));
     add("runtime reserve", static_cast<double>(r.reserve_bytes),
         "CUDA context, cuBLAS/NCCL workspaces");
     int64_t subtotal = 0;

@@ -120,6 +120,28 @@ const char* to_string(LoraTargets t) {
     return t == LoraTargets::all ? "all" : "attn";
 }
 
+Runtime parse_runtime(const std::string& s) {
+    return parse_enum<Runtime>("runtime", s,
+                               {{"memtrain", Runtime::memtrain},
+                                {"pytorch", Runtime::pytorch},
+                                {"deepspeed", Runtime::deepspeed},
+                                {"megatron", Runtime::megatron}});
+}
+
+const char* to_string(Runtime r) {
+    switch (r) {
+        case Runtime::memtrain:
+            return "memtrain";
+        case Runtime::pytorch:
+            return "pytorch";
+        case Runtime::deepspeed:
+            return "deepspeed";
+        case Runtime::megatron:
+            return "megatron";
+    }
+    return "?";
+}
+
 std::string describe_method(const RunSpec& r) {
     if (r.lora_rank <= 0)
         return r.state_format == StateFormat::Fp32
@@ -191,6 +213,26 @@ void validate_run(const ModelSpec& m, const RunSpec& r) {
     if (!m.rope && r.seq_len(m) > m.block_size)
         fail("sequence length {} exceeds the {} learned positions of {}", r.seq_len(m),
              m.block_size, m.name);
+    // A peer's runtime prices the layouts it runs as documented (docs/planner.md).
+    if (r.runtime != Runtime::memtrain) {
+        const char* who = to_string(r.runtime);
+        if (r.offload != Offload::none || r.lora_rank > 0 || r.step_in_backward ||
+            r.state_format != StateFormat::Fp32 || r.optimizer == Optimizer::adamw8bit)
+            fail(
+                "--runtime {} prices plain full-parameter training (no offload, LoRA, compressed "
+                "moments or step in backward); those are memtrain's",
+                who);
+        if (r.runtime == Runtime::pytorch && (r.zero > 0 || r.tp > 1 || r.pp > 1))
+            fail(
+                "--runtime pytorch prices DDP (ZeRO-0, no tp or pp); use --runtime deepspeed for "
+                "ZeRO or megatron for tp and pp");
+        if (r.runtime == Runtime::deepspeed && r.zero == 0)
+            fail("--runtime deepspeed prices ZeRO 1-3; use --runtime pytorch for plain DDP");
+        if (r.runtime == Runtime::megatron && r.zero > 1)
+            fail(
+                "--runtime megatron shards the optimizer state at most (its distributed "
+                "optimizer, ZeRO-1); use --runtime deepspeed for ZeRO 2-3");
+    }
     if (r.offload == Offload::optimizer_and_params && r.zero != 3)
         fail(
             "offloading parameters needs ZeRO-3 (got ZeRO-{}); use --zero 3 or --offload "

@@ -28,6 +28,9 @@ enum class Offload { none, optimizer, optimizer_and_params };
 // and mlp.c_proj; Llama: q_proj, k_proj, v_proj, o_proj, then gate_proj, up_proj, down_proj, each
 // its own adapter.
 enum class LoraTargets { attn, all };
+// Whose runtime the memory is priced for (`--runtime`): memtrain's engines (planned buffers), or
+// a peer's buffers and state layout at their defaults (docs/planner.md, "Runtime profiles").
+enum class Runtime { memtrain, pytorch, deepspeed, megatron };
 
 struct RunSpec {
     int dp = 1, tp = 1, pp = 1;
@@ -57,6 +60,7 @@ struct RunSpec {
     int lora_rank = 0;       // > 0: base weights frozen, LoRA adapters on `lora_targets`
     int frozen_bits = 16;    // storage of frozen base weights under LoRA: 16, 8 or 4 (QLoRA)
     LoraTargets lora_targets = LoraTargets::attn;
+    Runtime runtime = Runtime::memtrain;
     int64_t bucket_bytes = 25 * 1024 * 1024;  // gradient all-reduce bucket (PyTorch DDP default)
     double fragmentation = 0.05;              // allocator slack as a fraction of the rest
     int64_t reserve_bytes = 0;                // CUDA context, cuBLAS/NCCL workspaces
@@ -74,6 +78,7 @@ Recompute parse_recompute(const std::string& s);  // none | selective | full
 pp::Kind parse_schedule(const std::string& s);
 Offload parse_offload(const std::string& s);           // none | optimizer | params
 LoraTargets parse_lora_targets(const std::string& s);  // attn | all
+Runtime parse_runtime(const std::string& s);           // memtrain | pytorch | deepspeed | megatron
 // "bf16", "fp16", "fp32" or "bf16-only".
 const char* precision_label(Precision p, bool fp32_master);
 const char* to_string(Optimizer o);
@@ -81,6 +86,7 @@ const char* to_string(Recompute r);
 std::string to_string(pp::Kind s);
 const char* to_string(Offload o);
 const char* to_string(LoraTargets t);
+const char* to_string(Runtime r);
 
 // How the weights are trained, for labels: "full-parameter training", "LoRA r=16", "QLoRA 8-bit
 // r=16", "QLoRA 4-bit r=16" (frozen weights at 16 bits are not quantized: plain LoRA).

@@ -15,6 +15,21 @@ namespace memtrain::plan {
 
 namespace {
 
+// The layouts a peer's runtime runs as --runtime prices them (validate_run says why not).
+bool runtime_runs(Runtime rt, int tp, int pp, int zero, Offload off) {
+    switch (rt) {
+        case Runtime::memtrain:
+            return true;
+        case Runtime::pytorch:
+            return zero == 0 && tp == 1 && pp == 1 && off == Offload::none;
+        case Runtime::deepspeed:
+            return zero >= 1 && off == Offload::none;
+        case Runtime::megatron:
+            return zero <= 1 && off == Offload::none;
+    }
+    return false;
+}
+
 std::string family_of(const RunSpec& r) {
     std::string shape = r.tp == 1 && r.pp == 1 ? "pure DP"
                         : r.pp == 1            ? "DP+TP"
@@ -108,6 +123,7 @@ MethodSearch search_method(const ModelSpec& m, const ClusterSpec& c, const Searc
                     // One GPU: sharding over one rank changes nothing (ZeRO-0 covers it), but
                     // ZeRO-3 is how parameters are offloaded.
                     if (dp == 1 && zero > 0 && off != Offload::optimizer_and_params) continue;
+                    if (!runtime_runs(method.runtime, tp, pp, zero, off)) continue;
                     for (Recompute rc : {Recompute::none, Recompute::selective, Recompute::full}) {
                         if (rc == Recompute::selective && spec.flash_attention)
                             continue;  // same as none
@@ -259,6 +275,9 @@ SearchResult search_plans(const ModelSpec& m, const ClusterSpec& c, const Search
     base.fragmentation = spec.fragmentation;
     base.reserve_bytes = spec.reserve_bytes;
     base.lora_targets = spec.lora_targets;
+    base.runtime = spec.runtime;
+    // Compressed moments and LoRA are memtrain's: a peer's runtime is priced as it trains.
+    const bool memtrain_runtime = spec.runtime == Runtime::memtrain;
     std::vector<RunSpec> ladder;
     if (spec.lora_rank > 0) {
         RunSpec r = base;
@@ -268,14 +287,14 @@ SearchResult search_plans(const ModelSpec& m, const ClusterSpec& c, const Search
     } else {
         ladder.push_back(base);
         // Compressed moments keep training every weight: tried before adapters.
-        if (spec.state_fallback && spec.optimizer == Optimizer::adamw)
+        if (memtrain_runtime && spec.state_fallback && spec.optimizer == Optimizer::adamw)
             for (StateFormat f : {StateFormat::Int8, StateFormat::Int4})
                 if (moment_bytes_per_param(f) < moment_bytes_per_param(spec.state_format)) {
                     RunSpec r = base;
                     r.state_format = f;
                     ladder.push_back(r);
                 }
-        if (spec.lora_fallback) {
+        if (memtrain_runtime && spec.lora_fallback) {
             std::vector<int> bits = {16, 8, 4};
             if (spec.frozen_bits > 0) bits = {spec.frozen_bits};
             for (int b : bits) {

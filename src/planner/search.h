@@ -37,6 +37,7 @@ struct SearchSpec {
     int lora_rank = 0;
     int frozen_bits = 0;
     LoraTargets lora_targets = LoraTargets::attn;
+    Runtime runtime = Runtime::memtrain;  // whose buffers and state layout (--runtime)
     bool lora_fallback = false;  // off for pre-training (scale); `memtrain plan` turns it on
     int fallback_rank = 16;
 };

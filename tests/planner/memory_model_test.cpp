@@ -2,6 +2,8 @@
 // 1.5B GPT-2 -> 24 GB, 16 Psi / N_d under ZeRO-3) and Korthikanti et al.'s activation terms.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+
 #include "core/error.h"
 #include "model/gpt.h"
 #include "parallel/pipeline/schedule.h"
@@ -40,6 +42,57 @@ TEST(PlanMemory, MixedPrecisionAdamIs16BytesPerParam) {
     EXPECT_EQ(e.bytes("optimizer states"), 12 * psi);
     EXPECT_EQ(e.model_states(), 16 * psi);  // 24.9 GB: the lecture's "1.5B -> 24 GB"
     EXPECT_NEAR(e.model_states() / 1e9, 24.9, 0.05);
+}
+
+// --runtime prices a peer's state layout and buffers at its defaults (issue 26): torch.amp's fp32
+// parameters and gradients, autocast's weight casts and DDP's bucket copy of the gradients;
+// DeepSpeed's reduce and all-gather buckets of 5e8 elements and its fp32 gradient shard;
+// Megatron's fp32 main_grad. The lecture's example follows: GPT-2 1.5B does not fit a 32 GB GPU
+// under PyTorch, and fits as memtrain prices it.
+TEST(PlanMemory, RuntimeProfilesPriceThePeersBuffers) {
+    const ModelSpec m = load_model("gpt2-xl");
+    const int64_t psi = m.total_params();
+    RunSpec r = base_run();
+    r.dp = 8;
+    const MemoryEstimate own = estimate_memory(m, r);
+    EXPECT_EQ(own.bytes("runtime buffers"), 0);
+    r.runtime = Runtime::pytorch;
+    const MemoryEstimate pt = estimate_memory(m, r);
+    EXPECT_EQ(pt.bytes("parameters"), 4 * psi);
+    EXPECT_EQ(pt.bytes("gradients"), 4 * psi);
+    EXPECT_EQ(pt.bytes("optimizer states"), 8 * psi);
+    EXPECT_EQ(pt.bytes("runtime buffers"), 2 * psi);   // bf16 weight casts
+    EXPECT_EQ(pt.bytes("gradient buckets"), 4 * psi);  // DDP's copy of every gradient
+    EXPECT_GT(pt.total, 32e9);
+    EXPECT_LT(own.total, 32e9);
+    r.runtime = Runtime::deepspeed;
+    r.zero = 2;
+    const MemoryEstimate ds = estimate_memory(m, r);
+    EXPECT_EQ(ds.bytes("gradient buckets"), 1'000'000'000);  // 5e8 bf16 elements
+    const int64_t shard = (psi + 7) / 8;
+    EXPECT_NEAR((double)ds.bytes("runtime buffers"), 4.0 * psi / 8 + 1e9, 4.0 * 8 + 1);
+    EXPECT_LE(std::abs(ds.bytes("gradients") - 2 * shard), 16);
+    r.runtime = Runtime::megatron;
+    r.zero = 1;
+    const MemoryEstimate mg = estimate_memory(m, r);
+    EXPECT_EQ(mg.bytes("gradients"), 4 * psi);
+    EXPECT_EQ(mg.bytes("gradient buckets"), 0);
+    // What each runtime does not run is refused by name.
+    auto refused = [&](Runtime rt, int zero, const char* what) {
+        RunSpec x = base_run();
+        x.dp = 8, x.zero = zero, x.runtime = rt;
+        try {
+            estimate_memory(m, x);
+            ADD_FAILURE() << what;
+        } catch (const Error& e) {
+            EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+        }
+    };
+    refused(Runtime::pytorch, 1, "--runtime pytorch prices DDP");
+    refused(Runtime::deepspeed, 0, "--runtime deepspeed prices ZeRO 1-3");
+    refused(Runtime::megatron, 2, "--runtime megatron shards the optimizer state at most");
+    EXPECT_EQ(parse_runtime("deepspeed"), Runtime::deepspeed);
+    EXPECT_THROW(parse_runtime("jax"), Error);
 }
 
 TEST(PlanMemory, ZeroStagesShardOverDp) {

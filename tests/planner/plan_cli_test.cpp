@@ -547,3 +547,24 @@ TEST(PlanCli, EstimateTakesTheTrainersRematPolicies) {
     expect_refusal("estimate gpt2 --recompute every:2", {"--recompute every:2", "formulas"});
     expect_refusal("estimate " + dir + "/m.toml --recompute every:x", {"every:x"});
 }
+
+// The lecture's example through the binary (issue 26): GPT-2 1.5B on 8 x V100 32 GB fits as
+// memtrain prices it and not as PyTorch's DDP with torch.amp holds it; plan searches only what
+// the runtime runs, and never emits memtrain's config for another runtime.
+TEST(PlanCli, RuntimeProfiles) {
+    Outcome o = memtrain_cli("estimate gpt2-xl --gpu v100-32gb --dp 8 --runtime pytorch");
+    ASSERT_EQ(o.code, 0) << o.output;
+    EXPECT_NE(o.output.find("priced as pytorch runs it"), std::string::npos) << o.output;
+    EXPECT_NE(o.output.find("does NOT fit in 32.00 GB"), std::string::npos) << o.output;
+    o = memtrain_cli("estimate gpt2-xl --gpu v100-32gb --dp 8");
+    EXPECT_NE(o.output.find("fits in 32.00 GB"), std::string::npos) << o.output;
+    o = memtrain_cli("plan gpt2-xl --gpus 8 --global-batch 64 --runtime deepspeed --top 50 --json");
+    ASSERT_EQ(o.code, 0) << o.output;
+    const auto j = nlohmann::json::parse(o.output);
+    ASSERT_FALSE(j["plans"].empty());
+    for (const auto& p : j["plans"]) EXPECT_GE(p["zero"].get<int>(), 1) << p.dump();
+    expect_refusal("plan gpt2 --gpus 8 --runtime megatron --emit-config x.toml",
+                   {"--emit-config", "--runtime megatron"});
+    expect_refusal("estimate gpt2 --runtime jax", {"runtime", "jax"});
+    expect_refusal("estimate gpt2 --dp 2 --zero 3 --runtime pytorch", {"--runtime pytorch"});
+}
