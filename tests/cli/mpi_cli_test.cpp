@@ -357,3 +357,30 @@ TEST(CliMpi, PlanEmittedConfigTrainsFromTheCommandLine) {
     EXPECT_EQ(count_occurrences(r.output, "x 2 ranks (ZeRO stage " + stage + ")"), 1) << r.output;
     EXPECT_EQ(count_occurrences(r.output, "planner estimate (per rank)"), 1) << r.output;
 }
+
+// A Llama preset's emitted config, scaled down (issue 26): plan llama3-8b on 2 GPUs picks tensor
+// parallelism; the file, with the model shrunk and the data given, trains under mpirun -np 2 at
+// the planned layout, the Llama architecture's keys as the preset has them.
+TEST(CliMpi, LlamaPresetEmittedConfigTrainsScaledDown) {
+    auto dir = memtrain::test::temp_dir("cli_mpi_llama_emit");
+    slow_config(dir, 2);  // the shard
+    auto p = memtrain::test::run_memtrain(
+        "plan llama3-8b --gpus 2 --gpu-mem-gb 200 --precision fp32 --no-flash --global-batch 8 "
+        "--seq 16 --no-offload --no-lora --emit-config " +
+        dir + "/plan.toml");
+    ASSERT_EQ(p.code, 0) << p.output;
+    const std::string emitted = read_file(dir + "/plan.toml");
+    EXPECT_EQ(count_occurrences(emitted, "tp = 2"), 1) << emitted;
+    EXPECT_EQ(count_occurrences(emitted, "rope_theta = 500000"), 1) << emitted;
+    auto r = run_mpi("train " + dir +
+                     "/plan.toml --set model.n_layer=2 model.n_embd=64 model.n_head=4 "
+                     "model.n_kv_head=2 model.ffn_hidden=128 model.vocab_size=50 "
+                     "model.block_size=16 data.train=" +
+                     dir +
+                     "/train.bin data.val= train.max_steps=2 train.eval_every=0 "
+                     "train.device=cpu sample.max_tokens=0 io.save_final=false io.out_dir=" +
+                     dir + "/out");
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_EQ(losses(dir + "/out/metrics.jsonl").size(), 2u) << r.output;
+    EXPECT_NE(r.output.find("tensor parallel"), std::string::npos) << r.output;
+}
