@@ -360,7 +360,9 @@ std::vector<MemoryPrediction> predict_host_memory(const RunPlan& plan, const Rem
 plan::RunSpec planner_run_spec(const RunConfig& cfg, const ActFormat& format) {
     plan::RunSpec rs;
     rs.precision = plan::parse_precision(cfg.train.precision, &rs.fp32_master);
-    rs.optimizer = cfg.optim.name == "sgd" ? plan::Optimizer::sgd : plan::Optimizer::adamw;
+    rs.optimizer = cfg.optim.name == "sgd"    ? plan::Optimizer::sgd
+                   : cfg.optim.name == "muon" ? plan::Optimizer::muon
+                                              : plan::Optimizer::adamw;
     rs.state_format = parse_state_format(cfg.optim.state_format);
     rs.step_in_backward = cfg.optim.step_in_backward;
     if (cfg.optim.master == "none") rs.fp32_master = false;

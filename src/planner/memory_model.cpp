@@ -153,7 +153,7 @@ MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, RankCoord at,
     const int64_t t = r.tp, d = r.dp;
     const int64_t s = r.seq_len(m), b = r.micro_batch;
     const int64_t e = activation_bytes(r.precision);
-    const StateBytes k = state_bytes(r);
+    const StateBytes k = state_bytes(m, r);
     const dist::ShardSpec spec = dist::shard_spec(r.zero, r.offload != Offload::none,
                                                   r.offload == Offload::optimizer_and_params);
 

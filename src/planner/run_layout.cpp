@@ -9,6 +9,7 @@
 #include <fmt/ranges.h>
 
 #include "core/error.h"
+#include "optim/optimizer.h"
 #include "planner/nearest.h"
 
 namespace memtrain::plan {
@@ -42,7 +43,8 @@ Optimizer parse_optimizer(const std::string& s) {
     return parse_enum<Optimizer>("optimizer", s,
                                  {{"adamw", Optimizer::adamw},
                                   {"sgd", Optimizer::sgd},
-                                  {"adamw8bit", Optimizer::adamw8bit}});
+                                  {"adamw8bit", Optimizer::adamw8bit},
+                                  {"muon", Optimizer::muon}});
 }
 
 Recompute parse_recompute(const std::string& s) {
@@ -87,6 +89,8 @@ const char* to_string(Optimizer o) {
             return "sgd";
         case Optimizer::adamw8bit:
             return "adamw8bit";
+        case Optimizer::muon:
+            return "muon";
     }
     return "?";
 }
@@ -170,6 +174,24 @@ StateBytes state_bytes(Precision precision, bool fp32_master, Optimizer optimize
 
 StateBytes state_bytes(const RunSpec& r) {
     return state_bytes(r.precision, r.fp32_master, r.optimizer, r.state_format);
+}
+
+double muon_matrix_fraction(const ModelSpec& m) {
+    const ParamLayout layout = make_param_layout(config_from_model(m));
+    const std::vector<char> matrix = muon_matrices(layout);
+    std::size_t n = 0;
+    for (std::size_t i = 0; i < matrix.size(); i++)
+        if (matrix[i]) n += layout.tensors[i].numel;
+    return layout.total ? (double)n / (double)layout.total : 0.0;
+}
+
+StateBytes state_bytes(const ModelSpec& m, const RunSpec& r) {
+    StateBytes k = state_bytes(r);
+    if (r.optimizer == Optimizer::muon) {
+        const double moments = k.optim - k.master;  // two, as AdamW's
+        k.optim = k.master + moments / 2 * (2 - muon_matrix_fraction(m));
+    }
+    return k;
 }
 
 int activation_bytes(Precision precision) {

@@ -14,7 +14,8 @@
 
 namespace memtrain::plan {
 
-enum class Optimizer { adamw, sgd, adamw8bit };  // sgd = SGD with momentum
+// sgd = SGD with momentum; muon = Muon's momentum on the blocks' 2-D matrices, AdamW elsewhere.
+enum class Optimizer { adamw, sgd, adamw8bit, muon };
 // For every layout priced by the engines' layout functions (planner/rank_layout.h,
 // planner/stage_activations.h) each name is the trainer's train.remat of that name (selective:
 // ln_1, ln_2 and the MLP activation recomputed), sequence parallelism and tp with pp included;
@@ -112,6 +113,10 @@ struct StateBytes {
 StateBytes state_bytes(Precision precision, bool fp32_master, Optimizer optimizer,
                        StateFormat format = StateFormat::Fp32);
 StateBytes state_bytes(const RunSpec& r);
+// The same for `model`: Muon keeps one moment on the blocks' 2-D matrices (the fraction
+// muon_matrix_fraction of the parameters) and AdamW's two on the rest.
+StateBytes state_bytes(const ModelSpec& model, const RunSpec& r);
+double muon_matrix_fraction(const ModelSpec& model);
 // Bytes of one saved activation element: 4 for fp32 training, else 2.
 int activation_bytes(Precision precision);
 // Bytes of one frozen weight-matrix element under LoRA: 16 bits keeps the run's parameter dtype

@@ -50,7 +50,7 @@ TimeEstimate estimate_time(const ModelSpec& m, const RunSpec& r, const ClusterSp
     const GpuSpec& g = c.gpu;
     const double s = r.seq_len(m), b = r.micro_batch, h = m.n_embd;
     const double e = activation_bytes(r.precision);
-    const StateBytes k = state_bytes(r);
+    const StateBytes k = state_bytes(m, r);
     const int mb = r.micro_batches;
     const double peak = r.precision == Precision::fp32 ? g.peak_flops_fp32 : g.peak_flops;
 

@@ -119,7 +119,7 @@ TEST(PlanMeasured, LoraActivationsAreTheEnginesArena) {
 
 // The report's "planner estimate" line equals the predicted rows for every remat policy the
 // trainer takes, per-block plans included (budget:, every:K, sqrt), and for LoRA on every linear
-// (lora.targets = all) (issue 26).
+// (lora.targets = all) (issue 26), and for Muon's optimizer state (issue 30).
 TEST(PlanMeasured, TrainerEstimateLineEqualsPredictedForEveryPolicy) {
     const std::string dir = test::temp_dir("plan_measured_policies");
     struct Case {
@@ -129,12 +129,17 @@ TEST(PlanMeasured, TrainerEstimateLineEqualsPredictedForEveryPolicy) {
     };
     const Case cases[] = {{"none", 0, ""},    {"selective", 0, ""},  {"full", 0, ""},
                           {"every:2", 0, ""}, {"sqrt", 0, ""},       {"budget:60KiB", 0, ""},
-                          {"none", 4, "all"}, {"every:2", 4, "all"}, {"full", 4, "attn"}};
+                          {"none", 4, "all"}, {"every:2", 4, "all"}, {"full", 4, "attn"},
+                          {"muon", 0, ""}};
     bool saw_mixed = false;
     for (const Case& k : cases) {
         RunConfig c = test::tiny_run(dir, 1);
         c.model.n_layer = 4;
-        c.train.remat = k.remat;
+        // "muon": optim.name = muon (one moment on the blocks' matrices), without remat.
+        if (k.remat == "muon")
+            c.optim.name = "muon";
+        else
+            c.train.remat = k.remat;
         c.lora.rank = k.lora_rank;
         if (!k.targets.empty()) c.lora.targets = k.targets;
         TrainOptions o;

@@ -95,6 +95,24 @@ TEST(PlanMemory, RuntimeProfilesPriceThePeersBuffers) {
     EXPECT_THROW(parse_runtime("jax"), Error);
 }
 
+// Muon keeps one moment on the blocks' 2-D matrices and AdamW's two elsewhere (issue 30): its
+// optimizer row sits between SGD's and AdamW's by the matrices' share of the parameters.
+TEST(PlanMemory, MuonKeepsOneMomentOnTheMatrices) {
+    const ModelSpec m = load_model("gpt2-xl");
+    const int64_t psi = m.total_params();
+    const double f = muon_matrix_fraction(m);
+    // The blocks' matrices: 12 h^2 per layer of 48, of 1.558B.
+    EXPECT_NEAR(f, 48.0 * 12 * 1600 * 1600 / (double)psi, 1e-9);
+    RunSpec r = base_run();
+    r.precision = Precision::fp32;
+    r.optimizer = Optimizer::muon;
+    const MemoryEstimate e = estimate_memory(m, r);
+    EXPECT_NEAR((double)e.bytes("optimizer states"), 4.0 * (2 - f) * psi, 2.0);
+    r.optimizer = Optimizer::adamw;
+    EXPECT_LT(e.bytes("optimizer states"), estimate_memory(m, r).bytes("optimizer states"));
+    EXPECT_EQ(parse_optimizer("muon"), Optimizer::muon);
+}
+
 TEST(PlanMemory, ZeroStagesShardOverDp) {
     ModelSpec m = load_model("gpt2-xl");
     const double psi = static_cast<double>(m.total_params());
