@@ -46,6 +46,15 @@ inline std::vector<std::vector<float>> optimizer_state(Trainer& t) {
 }
 
 // Building a Trainer for `bad` over comm() fails on every rank with an Error containing `what`.
+// The trainer's engine's predicted bytes of one category, all its rows together.
+inline std::size_t predicted_bytes(Trainer& t, MemCategory category) {
+    std::size_t n = 0;
+    const RunConfig& c = t.config();
+    for (const MemoryPrediction& m : t.engine().predicted_memory(c.micro_batch(), c.train.seq_len))
+        if (m.category == category) n += m.bytes;
+    return n;
+}
+
 inline void expect_refused(const RunConfig& bad, const std::string& what) {
     TrainOptions quiet;
     quiet.quiet = true;

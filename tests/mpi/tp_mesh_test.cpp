@@ -292,10 +292,7 @@ TEST(TpMesh, CommunicationPeakIsPredicted) {
             c.io.out_dir += fmt::format("_z{}", zero);
             Trainer t(c, test::quiet(), &comm());
             t.run();
-            std::size_t predicted = 0;
-            for (const MemoryPrediction& p :
-                 t.engine().predicted_memory(c.micro_batch(), c.train.seq_len))
-                if (p.category == MemCategory::Communication) predicted += p.bytes;
+            const std::size_t predicted = predicted_bytes(t, MemCategory::Communication);
             EXPECT_GT(predicted, 0u) << m.name();
             EXPECT_EQ(t.engine().memory().snapshot().peak(MemCategory::Communication), predicted)
                 << m.name() << " zero " << zero << " rank " << comm().rank();

@@ -460,10 +460,7 @@ TEST(TpTrain, CommunicationPeakIsPredicted) {
         c.io.save_final = true;
         Trainer t(c, test::quiet(), &comm());
         t.run();
-        std::size_t predicted = 0;
-        for (const MemoryPrediction& m :
-             t.engine().predicted_memory(c.micro_batch(), c.train.seq_len))
-            if (m.category == MemCategory::Communication) predicted += m.bytes;
+        const std::size_t predicted = predicted_bytes(t, MemCategory::Communication);
         EXPECT_GT(predicted, 0u);
         EXPECT_EQ(t.engine().memory().snapshot().peak(MemCategory::Communication), predicted)
             << "sp " << sp;
