@@ -3,6 +3,7 @@
 // reasons for the rejected ones; scale: compute-optimal size and the time it takes.
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -354,6 +355,170 @@ void solve_block_plan(const std::string& policy, const ModelSpec& m, RunSpec& r)
             .plan;
 }
 
+// Every rank's predicted host bytes of a CPU run, and their sum.
+struct HostNeed {
+    std::size_t most = 0, sum = 0;
+};
+HostNeed host_need(const RunConfig& cfg) {
+    HostNeed n;
+    for (int r = 0; r < cfg.world; r++) {
+        std::size_t total = 0;
+        for (const MemoryPrediction& row : plan_host_rank(cfg, r).memory) total += row.bytes;
+        n.most = std::max(n.most, total);
+        n.sum += total;
+    }
+    return n;
+}
+
+// `plan --device cpu`: the CPU engine's run of the model on `ranks` processes of this host, made
+// to fit the host by levers tried in a fixed order, each kept once taken: ZeRO stages, remat
+// policies, a smaller micro-batch (accumulation keeps the global batch), compressed moments,
+// bf16 weights. Every step is printed with its bytes, so the choice says why.
+struct CpuPlanArgs {
+    std::string model, emit;
+    int ranks = 1, global_batch = 0, seq = 0;
+    double host_gb = 0;  // 0: this host's available memory
+    bool json = false;
+};
+int run_cpu_plan(const CpuPlanArgs& a) {
+    const ModelSpec m = load_model(a.model);
+    RunConfig cfg;
+    if (a.model.ends_with(".toml")) {
+        cfg = read_run_config(a.model, {});
+    } else {
+        cfg.model = config_from_model(m);
+        cfg.train.seq_len = m.block_size;
+        cfg.train.micro_batch_size = 0;
+        cfg.train.batch_size = a.ranks;
+    }
+    cfg.train.device = "cpu";
+    cfg.train.precision = "fp32";
+    cfg.train.tp = cfg.train.pp = 1;
+    cfg.world = a.ranks;
+    if (a.seq > 0) cfg.train.seq_len = a.seq;
+    if (a.global_batch > 0) {
+        cfg.train.batch_size = a.global_batch;
+        cfg.train.batch_tokens = 0;
+    }
+    cfg.train.micro_batch_size = cfg.micro_batch();  // explicit: a lever halves it
+    validate_config(cfg);
+    const double host = a.host_gb > 0 ? a.host_gb * 1e9 : (double)host_available_bytes();
+    struct Step {
+        std::string lever;
+        std::string skipped;  // why the lever does not apply ("" when it was tried)
+        HostNeed need;
+        bool fits = false;
+    };
+    std::vector<Step> steps;
+    std::optional<RunConfig> chosen;
+    auto attempt = [&](const std::string& lever, const std::function<void(RunConfig&)>& apply) {
+        if (chosen) return;
+        RunConfig next = cfg;
+        apply(next);
+        Step s{lever, "", {}, false};
+        try {
+            validate_config(next);
+            s.need = host_need(next);
+        } catch (const Error& e) {
+            s.skipped = e.what();
+            steps.push_back(s);
+            return;
+        }
+        s.fits = (double)s.need.sum <= host;
+        steps.push_back(s);
+        cfg = next;  // kept: the levers add up
+        if (s.fits) chosen = cfg;
+    };
+    attempt("as configured", [](RunConfig&) {});
+    if (a.ranks > 1) {
+        attempt("ZeRO-1",
+                [](RunConfig& c) { c.train.zero_stage = std::max(c.train.zero_stage, 1); });
+        attempt("ZeRO-2",
+                [](RunConfig& c) { c.train.zero_stage = std::max(c.train.zero_stage, 2); });
+    }
+    for (const char* policy : {"selective", "sqrt", "full"})
+        attempt(fmt::format("train.remat = {}", policy),
+                [&](RunConfig& c) { c.train.remat = policy; });
+    while (!chosen && cfg.train.micro_batch_size > 1) {
+        const int half = cfg.train.micro_batch_size / 2;
+        if (cfg.train.batch_size % (half * cfg.dp()) != 0) break;
+        attempt(fmt::format("micro-batch {} (accumulation keeps the global batch)", half),
+                [&](RunConfig& c) { c.train.micro_batch_size = half; });
+        if (!steps.back().skipped.empty()) break;
+    }
+    attempt("optim.state_format = int8", [](RunConfig& c) { c.optim.state_format = "int8"; });
+    if (a.ranks > 1) attempt("ZeRO-3", [](RunConfig& c) { c.train.zero_stage = 3; });
+    attempt("optim.state_format = int4", [](RunConfig& c) { c.optim.state_format = "int4"; });
+    attempt("optim.master = none (bf16 weights)", [](RunConfig& c) { c.optim.master = "none"; });
+    // The step in the backward frees the gradient buffer only with one micro-batch per step (with
+    // accumulation the earlier micro-batches' sum stays).
+    if (!chosen && cfg.accum_steps() > 1)
+        steps.push_back({"optim.step_in_backward (no gradient buffer)",
+                         "no gain with gradient accumulation (the micro-batches' sum stays)",
+                         {},
+                         false});
+    else
+        attempt("optim.step_in_backward (no gradient buffer)",
+                [](RunConfig& c) { c.optim.step_in_backward = true; });
+
+    if (a.json) {
+        nlohmann::json j;
+        j["model"] = m.name;
+        j["ranks"] = a.ranks;
+        j["host_memory_bytes"] = host;
+        for (const Step& s : steps)
+            j["steps"].push_back({{"lever", s.lever},
+                                  {"skipped", s.skipped},
+                                  {"bytes_per_rank", s.need.most},
+                                  {"bytes_all_ranks", s.need.sum},
+                                  {"fits", s.fits}});
+        j["fits"] = chosen.has_value();
+        if (chosen) j["config"] = to_toml(*chosen);
+        std::printf("%s\n", j.dump(2).c_str());
+    } else {
+        std::printf(
+            "%s: %.3fB parameters on the CPU engine, %d rank%s on this host, global batch %d x %d "
+            "tokens; host memory %.2f GB (%s)\n\n",
+            m.name.c_str(), m.total_params() / 1e9, a.ranks, a.ranks == 1 ? "" : "s",
+            cfg.train.batch_size, cfg.train.seq_len, host / 1e9,
+            a.host_gb > 0
+                ? "--host-mem-gb"
+                : "MemAvailable or the cgroup limit; MEMTRAIN_HOST_MEMORY or --host-mem-gb");
+        std::printf("%-4s %-52s %14s %14s  %s\n", "step", "lever (each kept once taken)",
+                    "per rank", "all ranks", "fits");
+        for (std::size_t i = 0; i < steps.size(); i++) {
+            const Step& s = steps[i];
+            if (!s.skipped.empty()) {
+                std::printf("%-4zu %-52s skipped: %s\n", i, s.lever.c_str(), s.skipped.c_str());
+                continue;
+            }
+            std::printf("%-4zu %-52s %11.1f MiB %11.1f MiB  %s\n", i, s.lever.c_str(),
+                        s.need.most / 1048576.0, s.need.sum / 1048576.0, s.fits ? "yes" : "no");
+        }
+        if (chosen) {
+            const RunPlan p = plan_host_rank(*chosen, 0);
+            std::printf("\nchosen: step %zu, the first that fits; rank 0 of it:\n%s",
+                        steps.size() - 1, p.table().c_str());
+        } else {
+            std::size_t least = 0;
+            for (const Step& st : steps)
+                if (st.skipped.empty()) least = st.need.sum;
+            std::printf("\nnothing fits: the last step tried needs %.1f MiB of %.1f MiB\n",
+                        least / 1048576.0, host / 1048576.0);
+        }
+    }
+    if (!a.emit.empty()) {
+        std::fflush(stdout);  // the table (or JSON) before the error
+        if (!chosen) fail("no CPU plan fits, so there is no config to write to {}", a.emit);
+        write_file(a.emit, fmt::format("# Written by `memtrain plan --device cpu` for {}: {} "
+                                       "rank(s) of the CPU engine on a host of {:.2f} GB.\n",
+                                       m.name, a.ranks, host / 1e9) +
+                               to_toml(*chosen));
+        if (!a.json) std::printf("\nwrote %s\n", a.emit.c_str());
+    }
+    return chosen ? 0 : 1;
+}
+
 void register_estimate(CLI::App& app) {
     auto* cmd = app.add_subcommand("estimate", "per-GPU memory (and step time) of one layout");
     using Args = EstimateArgs;
@@ -492,8 +657,9 @@ void register_plan_cmd(CLI::App& app) {
     struct Args {
         std::string model, precision = "bf16", optimizer = "adamw", emit, svg;
         std::string lora_targets = "attn", state_format = "fp32", runtime = "memtrain";
+        std::string device = "gpu";
         GpuArgs gpu;
-        int gpus = 0, nodes = 0, top = 5, reasons = 12;
+        int gpus = 0, nodes = 0, top = 5, reasons = 12, ranks = 1;
         SearchSpec spec;
         double reserve_gb = 1.0;
         bool json = false, no_flash = false, no_offload = false, no_lora = false;
@@ -528,9 +694,42 @@ void register_plan_cmd(CLI::App& app) {
                     "attn (q, k, v, o; default) | all (and the MLP)");
     cmd->add_option("--runtime", a->runtime, kRuntimeHelp);
     cmd->add_flag("--no-lora", a->no_lora, "full-parameter plans only, no LoRA fallback");
+    cmd->add_option("--device", a->device,
+                    "gpu (default) or cpu: fit the CPU engine's run into this host, trying ZeRO, "
+                    "remat, a smaller micro-batch, compressed moments and bf16 weights in turn");
+    cmd->add_option("--ranks", a->ranks, "with --device cpu: processes on this host (mpirun -np)");
     add_gpu_flags(cmd, a->gpu);
     cmd->callback([a, cmd]() {
         const FlagCheck check(cmd);
+        if (a->device != "gpu" && a->device != "cpu")
+            fail("--device {}: expected gpu or cpu", a->device);
+        if (a->device == "cpu") {
+            for (const char* flag : {"--gpus",        "--nodes",        "--precision",
+                                     "--optimizer",   "--state-format", "--top",
+                                     "--reasons",     "--reserve-gb",   "--fragmentation",
+                                     "--svg",         "--no-flash",     "--no-offload",
+                                     "--lora-rank",   "--frozen-bits",  "--lora-targets",
+                                     "--runtime",     "--no-lora",      "--gpu",
+                                     "--gpu-mem-gb",  "--gpu-tflops",   "--gpu-fp32-tflops",
+                                     "--hbm-bw-gbs",  "--intra-bw-gbs", "--inter-bw-gbs",
+                                     "--pcie-bw-gbs", "--efficiency",   "--gpus-per-node"})
+                if (check.given(flag))
+                    fail(
+                        "{} is not a --device cpu flag (it takes --ranks, --global-batch, --seq, "
+                        "--host-mem-gb, --emit-config, --json)",
+                        flag);
+            check.positive("--ranks", a->ranks);
+            check.positive("--global-batch", a->spec.global_batch);
+            check.positive("--seq", a->spec.seq);
+            check.positive("--host-mem-gb", a->gpu.host_mem_gb);
+            CpuPlanArgs c;
+            c.model = a->model, c.emit = a->emit, c.ranks = a->ranks;
+            c.global_batch = a->spec.global_batch, c.seq = a->spec.seq;
+            c.host_gb = a->gpu.host_mem_gb, c.json = a->json;
+            if (const int code = run_cpu_plan(c)) throw ExitCode{code};
+            return;
+        }
+        if (check.given("--ranks")) fail("--ranks needs --device cpu (GPUs: --gpus)");
         check.at_least("--lora-rank", a->spec.lora_rank, 1);
         check_lora_flags(cmd, a->spec.frozen_bits, a->lora_targets);
         if (a->no_lora) {

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "cli/cli_util.h"
@@ -567,4 +568,51 @@ TEST(PlanCli, RuntimeProfiles) {
                    {"--emit-config", "--runtime megatron"});
     expect_refusal("estimate gpt2 --runtime jax", {"runtime", "jax"});
     expect_refusal("estimate gpt2 --dp 2 --zero 3 --runtime pytorch", {"--runtime pytorch"});
+}
+
+// `plan --device cpu` fits the CPU engine's run into the host lever by lever (issues 26 and 30):
+// each step is the last one's config with one more lever, the first that fits is chosen and
+// emitted, and a run of the emitted config allocates what the step said, within the budget.
+TEST(PlanCli, CpuPlanFitsTheHostLeverByLever) {
+    const std::string dir = memtrain::test::temp_dir("plan_cli_cpu_plan");
+    memtrain::RunConfig c = memtrain::test::tiny_run(dir, 1);
+    c.model.n_layer = 4;
+    c.io.save_final = false;
+    write_file(dir + "/run.toml", memtrain::to_toml(c));
+    const std::string plan = "plan " + dir + "/run.toml --device cpu --json";
+    auto steps_of = [&](const std::string& args) {
+        const Outcome o = memtrain_cli(plan + args);
+        const auto a = o.output.find('{'), b = o.output.rfind('}');
+        return std::make_pair(o.code, nlohmann::json::parse(o.output.substr(a, b - a + 1)));
+    };
+    auto [code, roomy] = steps_of(" --host-mem-gb 100");
+    ASSERT_EQ(code, 0);
+    ASSERT_EQ(roomy["steps"].size(), 1u);  // as configured
+    const double plain = roomy["steps"][0]["bytes_all_ranks"].get<double>();
+    // One byte less than the plain run: the levers start, and the first that fits is kept.
+    const std::string budget = fmt::format(" --host-mem-gb {:.9f}", (plain - 1) / 1e9);
+    auto [code2, tight] = steps_of(budget + " --emit-config " + dir + "/fit.toml");
+    ASSERT_EQ(code2, 0) << tight.dump();
+    const auto& steps = tight["steps"];
+    ASSERT_GE(steps.size(), 2u);
+    EXPECT_FALSE(steps[0]["fits"].get<bool>());
+    EXPECT_TRUE(steps.back()["fits"].get<bool>());
+    EXPECT_LE(steps.back()["bytes_all_ranks"].get<double>(), plain - 1);
+    // The emitted config trains, allocating the bytes the step predicted.
+    memtrain::RunConfig fit = memtrain::read_run_config(dir + "/fit.toml", {});
+    memtrain::TrainOptions opts;
+    opts.quiet = true;
+    memtrain::Trainer t(fit, opts);
+    t.run();
+    EXPECT_EQ((double)t.engine().memory().snapshot().peak_total_used,
+              steps.back()["bytes_per_rank"].get<double>());
+    // Two ranks: ZeRO is a lever; nothing fits a tiny host, which exits 1 and writes nothing.
+    auto [code3, two] =
+        steps_of(" --ranks 2 --host-mem-gb 0.000001 --emit-config " + dir + "/no.toml");
+    EXPECT_EQ(code3, 1);
+    EXPECT_FALSE(two["fits"].get<bool>());
+    EXPECT_EQ(two["steps"][1]["lever"], "ZeRO-1");
+    EXPECT_FALSE(std::filesystem::exists(dir + "/no.toml"));
+    expect_refusal("plan gpt2 --device cpu --gpus 8", {"--gpus", "--device cpu"});
+    expect_refusal("plan gpt2 --ranks 2", {"--ranks", "--device cpu"});
 }
