@@ -16,10 +16,11 @@ namespace memtrain::plan {
 
 namespace {
 
-GpuSpec make(std::string name, double mem_gb, double tflops, double fp32_tflops, double hbm_tbs,
-             double nvlink_gbs, double net_gbs, double pcie_gbs, double node_host_gb,
-             std::string node, bool bf16 = true) {
+GpuSpec make(std::string name, int sms, double mem_gb, double tflops, double fp32_tflops,
+             double hbm_tbs, double nvlink_gbs, double net_gbs, double pcie_gbs,
+             double node_host_gb, std::string node, bool bf16 = true) {
     GpuSpec g;
+    g.sms = sms;
     g.name = std::move(name);
     g.memory_bytes = mem_gb * 1e9;
     g.peak_flops = tflops * 1e12;
@@ -36,21 +37,21 @@ GpuSpec make(std::string name, double mem_gb, double tflops, double fp32_tflops,
 
 const std::vector<GpuSpec>& gpu_presets() {
     static const std::vector<GpuSpec> table = {
-        make("a100-40gb", 40, 312, 19.5, 1.555, 300, 25, 25, 1024, "DGX A100 320GB"),
-        make("a100-80gb", 80, 312, 19.5, 2.039, 300, 25, 25, 2048, "DGX A100 640GB"),
-        make("h100-80gb", 80, 989, 67, 3.35, 450, 50, 50, 2048, "DGX H100"),
-        make("h200", 141, 989, 67, 4.8, 450, 50, 50, 2048, "DGX H200"),
+        make("a100-40gb", 108, 40, 312, 19.5, 1.555, 300, 25, 25, 1024, "DGX A100 320GB"),
+        make("a100-80gb", 108, 80, 312, 19.5, 2.039, 300, 25, 25, 2048, "DGX A100 640GB"),
+        make("h100-80gb", 132, 80, 989, 67, 3.35, 450, 50, 50, 2048, "DGX H100"),
+        make("h200", 132, 141, 989, 67, 4.8, 450, 50, 50, 2048, "DGX H200"),
         // Volta has fp16 tensor cores and no bf16: plans default to fp16 there.
-        make("v100-16gb", 16, 125, 15.7, 0.9, 150, 6.25, 12.5, 512, "DGX-1 (V100)", false),
-        make("v100-32gb", 32, 125, 15.7, 0.9, 150, 6.25, 12.5, 512, "DGX-1 (V100)", false),
+        make("v100-16gb", 80, 16, 125, 15.7, 0.9, 150, 6.25, 12.5, 512, "DGX-1 (V100)", false),
+        make("v100-32gb", 80, 32, 125, 15.7, 0.9, 150, 6.25, 12.5, 512, "DGX-1 (V100)", false),
         // PCIe cards: GPU to GPU over PCIe 4.0 (25 GB/s each way, as the A100's host link).
-        make("a10g", 24, 70, 35, 0.6, 25, 1.5625, 25, 768, "AWS g5.48xlarge"),
-        make("l4", 24, 121, 30.3, 0.3, 25, 1.5625, 25, 768, "AWS g6.48xlarge"),
-        make("l40s", 48, 362, 91.6, 0.864, 25, 6.25, 25, 1536, "AWS g6e.48xlarge"),
+        make("a10g", 80, 24, 70, 35, 0.6, 25, 1.5625, 25, 768, "AWS g5.48xlarge"),
+        make("l4", 58, 24, 121, 30.3, 0.3, 25, 1.5625, 25, 768, "AWS g6.48xlarge"),
+        make("l40s", 142, 48, 362, 91.6, 0.864, 25, 6.25, 25, 1536, "AWS g6e.48xlarge"),
         // GeForce: bf16 with fp32 accumulation runs at half the fp16-accumulate rate.
-        make("rtx-4090", 24, 82.6, 82.6, 1.008, 25, 1.5625, 25, 512,
+        make("rtx-4090", 128, 24, 82.6, 82.6, 1.008, 25, 1.5625, 25, 512,
              "8-GPU RTX 4090 server with 100 Gb/s Ethernet"),
-        make("mi300x", 192, 1307, 163.4, 5.3, 448, 50, 50, 2048, "8-GPU MI300X platform"),
+        make("mi300x", 304, 192, 1307, 163.4, 5.3, 448, 50, 50, 2048, "8-GPU MI300X platform"),
     };
     return table;
 }

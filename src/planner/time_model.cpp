@@ -4,6 +4,9 @@
 #include "planner/time_model.h"
 
 #include <algorithm>
+#include <array>
+#include <cmath>
+#include <vector>
 
 #include "parallel/pipeline/schedule.h"
 #include "planner/memory_model.h"
@@ -45,6 +48,44 @@ double ring_gather_s(double bytes, int n, double bw) {
     return (n - 1.0) / n * bytes / bw;
 }
 
+double gemm_efficiency(double M, double N, double K, double elem_bytes, double peak,
+                       const GpuSpec& g) {
+    constexpr double kTile = 128;
+    const double tm = std::ceil(M / kTile), tn = std::ceil(N / kTile), tiles = tm * tn;
+    const double tile = M * N / (tm * kTile * tn * kTile);  // padding of the edge tiles
+    const double sms = std::max(1, g.sms);
+    const double wave = tiles / (std::ceil(tiles / sms) * sms);  // the last wave's idle SMs
+    const double k_loop = K / (K + kTile);  // each tile's fixed prologue and epilogue
+    const double intensity = 2 * M * N * K / (elem_bytes * (M * K + K * N + M * N));
+    const double memory = std::min(1.0, intensity / (peak / g.hbm_bandwidth));
+    return g.efficiency * tile * wave * k_loop * memory;
+}
+
+double block_gemm_efficiency(const ModelSpec& m, const RunSpec& r, double elem_bytes, double peak,
+                             const GpuSpec& g, bool last_stage) {
+    // One layer's GEMMs on a tp rank for a micro-batch of T tokens (the head's on the last
+    // stage), each forward (T x N x K), input gradient (T x K x N) and weight gradient
+    // (K x N x T): their FLOPs over their times.
+    const double T = static_cast<double>(r.micro_batch) * r.seq_len(m), t = r.tp;
+    const double h = m.n_embd, kv = static_cast<double>(m.kv_dim());
+    const double F = static_cast<double>(m.ffn()) * (m.swiglu ? 2 : 1);
+    std::vector<std::pair<double, double>> nk = {{(h + 2 * kv) / t, h},  // QKV
+                                                 {h, h / t},             // attention output
+                                                 {F / t, h},             // MLP in
+                                                 {h, static_cast<double>(m.ffn()) / t}};  // MLP out
+    if (last_stage) nk.push_back({m.vocab_size / t, h});  // the head
+    double flops = 0, time = 0;
+    for (const auto& [N, K] : nk)
+        for (const auto& [a, b, c] :
+             {std::array<double, 3>{T, N, K}, std::array<double, 3>{T, K, N},
+              std::array<double, 3>{K, N, T}}) {
+            const double f = 2 * a * b * c;
+            flops += f;
+            time += f / gemm_efficiency(a, b, c, elem_bytes, peak, g);
+        }
+    return flops / time;
+}
+
 TimeEstimate estimate_time(const ModelSpec& m, const RunSpec& r, const ClusterSpec& c) {
     TimeEstimate out;
     const GpuSpec& g = c.gpu;
@@ -54,9 +95,10 @@ TimeEstimate estimate_time(const ModelSpec& m, const RunSpec& r, const ClusterSp
     const int mb = r.micro_batches;
     const double peak = r.precision == Precision::fp32 ? g.peak_flops_fp32 : g.peak_flops;
 
-    // GEMM efficiency: saturates for wide matrices (h/tp) and long micro-batches (b s).
-    double width = h / r.tp, tokens = b * s;
-    out.gemm_efficiency = g.efficiency * width / (width + 256.0) * tokens / (tokens + 256.0);
+    // GEMM efficiency by shape (gemm_efficiency): the block's GEMMs on this tp rank, the head's
+    // on a single stage; attention and the rest of the step at the same rate.
+    const double tokens = b * s;
+    out.gemm_efficiency = block_gemm_efficiency(m, r, e, peak, g, r.pp == 1);
 
     // Placement: tp innermost, then dp, then pp (Megatron's rank order).
     const double tp_bw = r.tp <= c.gpus_per_node ? g.intra_node_bw : g.inter_node_bw;

@@ -37,6 +37,18 @@ struct TimeEstimate {
     double hfu = 0;  // hardware FLOPs (with recomputation) / (gpus x peak)
 };
 
+// The fraction of `peak` one GEMM of M x N x K (elements of elem_bytes) reaches on `g`: the
+// large-GEMM efficiency g.efficiency times the losses NVIDIA's "Matrix Multiplication
+// Background" guide names for a tiled GEMM: tile quantization (128 x 128 tiles pad the edges),
+// wave quantization (tiles run in waves of one per SM; the last wave leaves SMs idle), the fixed
+// cost of each tile's K loop, and the memory bound below the peak : bandwidth ridge.
+double gemm_efficiency(double M, double N, double K, double elem_bytes, double peak,
+                       const GpuSpec& g);
+// A layer's GEMMs (forward, input and weight gradients) on a tp rank for one micro-batch, the
+// head's too on the last stage: their FLOPs over their time at gemm_efficiency.
+double block_gemm_efficiency(const ModelSpec& m, const RunSpec& r, double elem_bytes, double peak,
+                             const GpuSpec& g, bool last_stage);
+
 TimeEstimate estimate_time(const ModelSpec& model, const RunSpec& run, const ClusterSpec& cluster);
 
 }  // namespace memtrain::plan

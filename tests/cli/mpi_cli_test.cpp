@@ -327,7 +327,8 @@ TEST(CliMpi, SequenceParallelTrainsFromTheCommandLine) {
     EXPECT_EQ(count_occurrences(r.output, "needs the micro-batch's tokens"), 1) << r.output;
 }
 
-// `memtrain plan --emit-config` for two GPUs small enough that the best plan shards with ZeRO,
+// `memtrain plan --emit-config` for two GPUs small enough that the best plan shards with ZeRO
+// (32 sequences of 16: micro-batches that fill the GEMM tiles, so no pipeline wins on shape),
 // then `mpirun -np 2 memtrain train` on the emitted file unchanged but for where the data is:
 // it trains, at the planned ZeRO stage, and reports the planner's per-rank estimate.
 TEST(CliMpi, PlanEmittedConfigTrainsFromTheCommandLine) {
@@ -338,7 +339,7 @@ TEST(CliMpi, PlanEmittedConfigTrainsFromTheCommandLine) {
                "vocab_pad = 16\n");
     auto p = memtrain::test::run_memtrain("plan " + dir +
                                           "/m.toml --gpus 2 --gpu-mem-gb 0.002 --reserve-gb 0 "
-                                          "--precision fp32 --no-flash --global-batch 8 --seq 16 "
+                                          "--precision fp32 --no-flash --global-batch 32 --seq 16 "
                                           "--no-offload --no-lora --emit-config " +
                                           dir + "/plan.toml");
     ASSERT_EQ(p.code, 0) << p.output;

@@ -153,7 +153,8 @@ TEST(PlanGrid, EmittedConfigTrainsAsPlanned) {
     const RunConfig base = grid_run(Layout{1, 1, N, 0, "none"});
     const plan::ModelSpec m = plan::model_from_config(base.model);
     int trained = 0, sequence_parallel = 0;
-    // GPU memory (decimal bytes): at 2 ranks 2 MB picks dp = 2 with ZeRO, 0.8 MB tp = 2.
+    // GPU memory (decimal bytes): at 2 ranks 2 MB picks a pipeline (its micro-batch of 128 tokens
+    // fills the GEMM tiles that dp = 2's 64 would not), 0.8 MB tp = 2.
     for (double gpu_bytes : {2e6, 0.8e6}) {
         plan::ClusterSpec cluster;
         cluster.gpu = plan::gpu_preset("h100-80gb");

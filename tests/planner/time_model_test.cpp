@@ -39,4 +39,38 @@ TEST(PlanTime, BubbleAndThroughput) {
     EXPECT_DOUBLE_EQ(estimate_time(m, r, c).bubble_fraction, 7.0 / 4 / 32);
 }
 
+// GEMM efficiency by shape (issue 26): a large square GEMM reaches the preset's efficiency but
+// for its K loop; one tile more than the SMs run at once costs a second, nearly empty wave;
+// padded edge tiles and a GEMV's memory bound cost their share; a small model split over 8 GPUs
+// runs its GEMMs at a fraction of the rate the same model reaches on one.
+TEST(PlanTime, GemmEfficiencyByShape) {
+    const GpuSpec h100 = gpu_preset("h100-80gb");
+    const double peak = h100.peak_flops;
+    // 64 x 64 tiles in 32 waves of 132 SMs, the last one not full.
+    const double big = gemm_efficiency(8192, 8192, 8192, 2, peak, h100);
+    EXPECT_NEAR(big, h100.efficiency * 8192 / (8192 + 128.0) * 4096 / (32 * 132), 1e-12);
+    // 132 tiles fill one wave of 132 SMs; 133 need two (the memory bound set aside: one row of
+    // tiles is a thin GEMM).
+    GpuSpec h100_fast_memory = h100;
+    h100_fast_memory.hbm_bandwidth = 1e18;
+    const double full = gemm_efficiency(128, 128 * 132, 8192, 2, peak, h100_fast_memory);
+    const double spill = gemm_efficiency(128, 128 * 133, 8192, 2, peak, h100_fast_memory);
+    EXPECT_NEAR(spill / full, 133.0 / 264, 1e-9);
+    // A 129-wide edge pads a second tile column: 129 / 256 of it is used.
+    EXPECT_NEAR(gemm_efficiency(128 * 132, 129, 8192, 2, peak, h100_fast_memory) /
+                    gemm_efficiency(128 * 132, 256, 8192, 2, peak, h100_fast_memory),
+                129.0 / 256, 1e-9);
+    // A matrix-vector product is memory bound: far below a GEMM's rate.
+    EXPECT_LT(gemm_efficiency(1, 8192, 8192, 2, peak, h100), 0.01);
+    // GPT-2 124M at tp = 8 against tp = 1.
+    const ModelSpec m = load_model("gpt2");
+    RunSpec r;
+    r.micro_batch = 1;
+    const double one = block_gemm_efficiency(m, r, 2, peak, h100, true);
+    r.tp = 8;
+    const double eight = block_gemm_efficiency(m, r, 2, peak, h100, true);
+    EXPECT_LT(eight, 0.5 * one);
+    EXPECT_GT(one, 0.3);
+}
+
 }  // namespace memtrain::plan
