@@ -246,6 +246,12 @@ void register_train(CLI::App& app) {
             RunConfig cfg = make_config(args->config, args->sets, args->resume);
             cfg.world = comm->size();
             validate_config(cfg);
+            RunConfig resolved = cfg;
+            resolve_config(resolved);
+            const std::string chosen = resolve_micro_batch(resolved, *comm);
+            if (!chosen.empty() && comm->rank() == 0) std::printf("%s\n", chosen.c_str());
+            if (resolved.train.micro_batch_size != TrainConfig::kAutoMicroBatch)
+                cfg.train.micro_batch_size = resolved.train.micro_batch_size;
             const RunPlan plan = plan_run(cfg, *comm);
             if (comm->rank() == 0)
                 std::fputs(("plan: " + plan.describe() + "\n" + plan.table()).c_str(), stdout);

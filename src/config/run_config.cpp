@@ -153,6 +153,32 @@ Key make_key(std::string name, S RunConfig::*sec, T S::*field, std::string doc) 
     return k;
 }
 
+// train.micro_batch_size also takes "auto" (TrainConfig::kAutoMicroBatch).
+Key auto_micro_batch_key(Key k) {
+    const auto int_toml = k.from_toml;
+    const auto int_text = k.from_text;
+    const auto int_to_text = k.to_text;
+    k.from_toml = [=](RunConfig& c, const toml::node& n, const std::string& src) {
+        if (n.is_string() && n.as_string()->get() == "auto") {
+            c.train.micro_batch_size = TrainConfig::kAutoMicroBatch;
+            return;
+        }
+        int_toml(c, n, src);
+    };
+    k.from_text = [=](RunConfig& c, const std::string& text) {
+        if (text == "auto" || text == "\"auto\"" || text == "'auto'") {
+            c.train.micro_batch_size = TrainConfig::kAutoMicroBatch;
+            return;
+        }
+        int_text(c, text);
+    };
+    k.to_text = [=](const RunConfig& c) -> std::string {
+        if (c.train.micro_batch_size == TrainConfig::kAutoMicroBatch) return "'auto'";
+        return int_to_text(c);
+    };
+    return k;
+}
+
 const std::vector<Key>& registry() {
     using R = RunConfig;
     static const std::vector<Key> keys = {
@@ -192,8 +218,10 @@ const std::vector<Key>& registry() {
                  "sequences per optimizer step"),
         make_key("train.batch_tokens", &R::train, &TrainConfig::batch_tokens,
                  "tokens per step; sets batch_size = batch_tokens / seq_len (0 = off)"),
-        make_key("train.micro_batch_size", &R::train, &TrainConfig::micro_batch_size,
-                 "sequences per forward/backward (0 = batch_size)"),
+        auto_micro_batch_key(make_key("train.micro_batch_size", &R::train,
+                                      &TrainConfig::micro_batch_size,
+                                      "sequences per forward/backward per rank (0 = batch_size / "
+                                      "ranks; \"auto\": the largest that fits)")),
         make_key("train.max_steps", &R::train, &TrainConfig::max_steps, "optimizer steps"),
         make_key("train.seed", &R::train, &TrainConfig::seed, "init and data order"),
         make_key("train.eval_every", &R::train, &TrainConfig::eval_every,

@@ -22,7 +22,10 @@ struct TrainConfig {
     int seq_len = 256;         // tokens per sequence (<= model.block_size)
     int batch_size = 8;        // sequences per optimizer step (global batch)
     int64_t batch_tokens = 0;  // alternatively, tokens per step (a multiple of seq_len); 0 = off
-    int micro_batch_size = 0;  // sequences per forward/backward; 0 = batch_size
+    // Sequences per forward/backward on each data-parallel rank; 0 = batch_size / ranks;
+    // kAutoMicroBatch ("auto"): the largest that fits, chosen before anything is allocated.
+    int micro_batch_size = 0;
+    static constexpr int kAutoMicroBatch = -1;
     int max_steps = 200;
     uint64_t seed = 1337;  // weights and data order
     int eval_every = 50;   // steps between validation losses; 0 = only at the end

@@ -3,6 +3,7 @@
 
 #include "train/validate.h"
 
+#include <cstdlib>
 #include <optional>
 
 #include <fmt/format.h>
@@ -72,6 +73,65 @@ RunPlan plan_host_rank(const RunConfig& cfg, int rank) {
     p.memory = predict_host_memory(p, p.remat.plan, p.cfg.micro_batch(), p.cfg.train.seq_len);
     p.memory_on = MemoryOn::Host;
     return p;
+}
+
+std::string resolve_micro_batch(RunConfig& cfg, dist::Communicator& comm) {
+    if (cfg.train.micro_batch_size != TrainConfig::kAutoMicroBatch) return "";
+    if (cfg.train.device != "cpu")
+        fail(
+            "train.micro_batch_size = \"auto\" chooses from the host's memory for the CPU engines; "
+            "on the GPU it is not built yet: give a number (memtrain estimate prices it)");
+    // Rank 0's reading, so that every rank chooses the same.
+    uint64_t avail = host_available_bytes();
+    comm.broadcast(&avail, sizeof(avail), 0);
+    const int dp = cfg.dp(), share = cfg.train.batch_size / dp, ranks = comm.local_size();
+    auto need = [&](int mb) -> std::optional<std::size_t> {
+        RunConfig c = cfg;
+        c.train.micro_batch_size = mb;
+        try {
+            validate_config(c);
+        } catch (const Error&) {
+            return std::nullopt;  // a layout constraint (sequence parallelism's token split)
+        }
+        std::size_t most = 0;
+        for (int r = 0; r < c.world; r++) {
+            std::size_t total = 0;
+            for (const MemoryPrediction& row : plan_host_rank(c, r).memory) total += row.bytes;
+            most = std::max(most, total);
+        }
+        return most * (std::size_t)ranks;
+    };
+    std::optional<std::size_t> larger;  // the next larger candidate's need
+    int last = 0, larger_mb = 0;
+    for (int mb = share; mb >= 1; mb--) {
+        if (share % mb != 0) continue;
+        const std::optional<std::size_t> n = need(mb);
+        if (!n) continue;
+        last = mb;
+        if (*n <= avail) {
+            cfg.train.micro_batch_size = mb;
+            const std::string node = ranks > 1
+                                         ? fmt::format("the {} ranks on this node need", ranks)
+                                         : std::string("the run needs");
+            return fmt::format(
+                "train.micro_batch_size = \"auto\": {} sequences per micro-batch, {} "
+                "micro-batch{} per step on each of {} rank{} ({} {:.1f} MiB of {:.1f} MiB "
+                "available{})",
+                mb, share / mb, share / mb == 1 ? "" : "es", dp, dp == 1 ? "" : "s", node,
+                *n / 1048576.0, avail / 1048576.0,
+                larger ? fmt::format("; {} would need {:.1f} MiB", larger_mb, *larger / 1048576.0)
+                       : std::string("; the global batch allows no larger"));
+        }
+        larger = n;
+        larger_mb = mb;
+    }
+    fail(
+        "train.micro_batch_size = \"auto\": no micro-batch fits the {:.1f} MiB of host memory "
+        "available{}: even {} sequence{} per micro-batch needs {:.1f} MiB. train.remat = "
+        "\"full\", ZeRO (train.zero_stage), compressed moments (optim.state_format) or more "
+        "ranks need less (memtrain plan CONFIG --device cpu tries them in turn)",
+        avail / 1048576.0, std::getenv("MEMTRAIN_HOST_MEMORY") ? " (MEMTRAIN_HOST_MEMORY)" : "",
+        last, last == 1 ? "" : "s", larger ? *larger / 1048576.0 : 0.0);
 }
 
 RunPlan plan_run(const RunConfig& cfg, dist::Communicator& comm) {

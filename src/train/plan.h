@@ -24,6 +24,13 @@ RunPlan plan_layout(const RunConfig& cfg, int rank, int world, bool collective,
 // the job or checking this machine: `memtrain estimate --device cpu` prices every rank this way.
 RunPlan plan_host_rank(const RunConfig& cfg, int rank);
 
+// train.micro_batch_size = "auto" (the CPU engines): the largest micro-batch dividing each
+// rank's share of the global batch whose run, every rank's predicted rows (plan_host_rank) times
+// the ranks on this node, fits rank 0's available host memory; the same on every rank. Sets it
+// in `cfg` and returns the line that says what was chosen and why ("" when cfg is not auto);
+// fails naming the smallest micro-batch's need when none fits.
+std::string resolve_micro_batch(RunConfig& cfg, dist::Communicator& comm);
+
 // The plan of `cfg` on `comm`, with its memory checked: fails before anything is allocated,
 // naming what would fit, when this rank's predicted bytes exceed the host's or the device's free
 // memory. Under train.remat_costs = "measured" rank 0 profiles one block first and every rank

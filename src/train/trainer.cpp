@@ -104,6 +104,11 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
     written_device_ = cfg_.train.device;
     written_precision_ = cfg_.train.precision;
     resolve_config(cfg_);
+    // "auto" micro-batch: chosen from the plan before anything is allocated, the same on every
+    // rank (and saved in checkpoints as chosen).
+    const std::string auto_micro_batch = resolve_micro_batch(cfg_, *comm_);
+    if (!auto_micro_batch.empty() && root() && !opts_.quiet)
+        std::fprintf(stderr, "memtrain: %s\n", auto_micro_batch.c_str());
     // Every rank must run the same configuration (and resume the same checkpoint).
     dist::check_same_config(*comm_, to_toml(cfg_) + "\nresume = " + opts_.resume);
     int threads = cfg_.train.threads;

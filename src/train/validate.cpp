@@ -247,14 +247,21 @@ std::string dp_ranks(const RunConfig& cfg) {
 // micro-batch the user never set is not shown as if they had.
 void check_batch_split(const RunConfig& cfg) {
     const int B = cfg.train.batch_size, mb = cfg.train.micro_batch_size, dp = cfg.dp();
-    if (mb < 0) fail("train.micro_batch_size = {} must be >= 0 (0: derived)", mb);
-    if (mb == 0) {
+    const bool automatic = mb == TrainConfig::kAutoMicroBatch;
+    if (mb < 0 && !automatic)
+        fail("train.micro_batch_size = {} must be >= 0 (0: derived) or \"auto\"", mb);
+    if (automatic && cfg.train.device == "cuda")
+        fail(
+            "train.micro_batch_size = \"auto\" chooses from the host's memory for the CPU engines; "
+            "on the GPU it is not built yet: give a number (memtrain estimate prices it)");
+    if (mb == 0 || automatic) {
         if (B % dp != 0 || B < dp)
             fail(
                 "train.batch_size = {} (the global batch) does not split evenly over {}: with "
-                "train.micro_batch_size not set each rank would take {} / {} sequences; give a "
-                "train.batch_size that is a multiple of {}, or set train.micro_batch_size",
-                B, dp_ranks(cfg), B, dp, dp);
+                "train.micro_batch_size {} each rank would take {} / {} sequences; give a "
+                "train.batch_size that is a multiple of {}{}",
+                B, dp_ranks(cfg), automatic ? "= \"auto\"" : "not set", B, dp, dp,
+                automatic ? "" : ", or set train.micro_batch_size");
         return;
     }
     if ((int64_t)mb * dp > B)

@@ -2,6 +2,7 @@
 // checkpoints are complete and atomic.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -11,6 +12,7 @@
 #include "io/checkpoint.h"
 #include "io/safetensors.h"
 #include "test_util.h"
+#include "train/plan.h"
 #include "train/trainer.h"
 #include "train/validate.h"
 
@@ -355,4 +357,60 @@ TEST(Config, TableIsShortAndHoldsEveryValue) {
         const std::string leaf = k.substr(k.find('.') + 1, k.find(' ') - k.find('.') - 1);
         EXPECT_NE(t.find(" " + leaf + "="), std::string::npos) << leaf << "\n" << t;
     }
+}
+
+// train.micro_batch_size = "auto" (issue 27): the largest micro-batch whose run fits the host is
+// chosen from the plan before anything is allocated; the run is the same as with that number
+// given, allocates what its plan said, and a host too small for one sequence is refused naming
+// the need. The key reads and prints as "auto".
+TEST(Config, AutoMicroBatchIsTheLargestThatFits) {
+    RunConfig parsed = parse_run_config("[train]\nmicro_batch_size = \"auto\"\n", "x.toml", {});
+    EXPECT_EQ(parsed.train.micro_batch_size, TrainConfig::kAutoMicroBatch);
+    EXPECT_NE(to_toml(parsed).find("micro_batch_size = 'auto'"), std::string::npos);
+    EXPECT_EQ(parse_run_config("", "x", {"train.micro_batch_size=auto"}).train.micro_batch_size,
+              TrainConfig::kAutoMicroBatch);
+    const std::string dir = test::temp_dir("auto_micro_batch");
+    RunConfig c = test::tiny_run(dir, 3);
+    c.train.batch_size = 8;
+    c.train.micro_batch_size = TrainConfig::kAutoMicroBatch;
+    c.io.save_final = false;
+    // What each micro-batch needs, as the plan prices it.
+    auto need = [&](int mb) {
+        RunConfig x = c;
+        x.train.micro_batch_size = mb;
+        x.world = 1;
+        std::size_t total = 0;
+        for (const MemoryPrediction& row : plan_host_rank(x, 0).memory) total += row.bytes;
+        return total;
+    };
+    const std::size_t budget = (need(4) + need(8)) / 2;  // 4 fits, 8 does not
+    ASSERT_LT(need(4), budget);
+    setenv("MEMTRAIN_HOST_MEMORY", std::to_string(budget).c_str(), 1);
+    TrainOptions o;
+    o.quiet = true;
+    Trainer automatic(c, o);
+    const TrainSummary a = automatic.run();
+    EXPECT_EQ(automatic.config().train.micro_batch_size, 4);
+    EXPECT_EQ(automatic.config().accum_steps(), 2);
+    EXPECT_EQ(automatic.engine().memory().snapshot().peak_total_used, need(4));
+    unsetenv("MEMTRAIN_HOST_MEMORY");
+    RunConfig given = c;
+    given.train.micro_batch_size = 4;
+    given.io.out_dir = dir + "/given";
+    Trainer explicit_run(given, o);
+    const TrainSummary g = explicit_run.run();
+    EXPECT_EQ(a.losses, g.losses);
+    // Nothing fits: one line naming the smallest micro-batch's need.
+    setenv("MEMTRAIN_HOST_MEMORY", "1KiB", 1);
+    RunConfig tiny_host = c;
+    tiny_host.io.out_dir = dir + "/none";
+    const std::string m = test::error_of([&] { Trainer t(tiny_host, o); });
+    unsetenv("MEMTRAIN_HOST_MEMORY");
+    EXPECT_NE(m.find("no micro-batch fits"), std::string::npos) << m;
+    EXPECT_NE(m.find("even 1 sequence per micro-batch needs"), std::string::npos) << m;
+    RunConfig gpu = c;
+    gpu.train.device = "cuda";
+    dist::LocalCommunicator one;
+    const std::string g2 = test::error_of([&] { resolve_micro_batch(gpu, one); });
+    EXPECT_NE(g2.find("on the GPU it is not built yet"), std::string::npos) << g2;
 }
