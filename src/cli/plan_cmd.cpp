@@ -240,7 +240,7 @@ RunConfig cpu_estimate_config(const EstimateArgs& a, const CLI::App* cmd, const 
     if (check.given("--global-batch")) {
         cfg.train.batch_size = a.global_batch;
         cfg.train.batch_tokens = 0;
-    } else if (check.given("--micro-batch") || check.given("--dp") || !toml) {
+    } else if (check.given("--micro-batch") || !toml) {
         // One micro-batch per step on every data-parallel rank (a pipeline: one per stage).
         const int64_t per = (int64_t)a.run.dp * std::max(1, cfg.train.micro_batch_size);
         cfg.train.batch_size = (int)(per * (a.run.pp > 1 ? a.run.pp : 1));
