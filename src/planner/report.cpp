@@ -288,6 +288,13 @@ std::string emit_config_toml(const ModelSpec& m, const Plan& p, const RunConfig*
             "# Compressed moments (optim.state_format below) run on the CPU engine so far: on a "
             "GPU the trainer refuses them; optim.state_format = \"fp32\" there takes more "
             "optimizer memory than planned.\n";
+    // The plan is for GPUs: a source that trains on the CPU gets "auto" (a 16-bit plan needs one).
+    const bool gpu_device =
+        source && source->train.device == "cpu" && r.precision != Precision::fp32;
+    if (gpu_device)
+        gaps +=
+            "# train.device: the source config's \"cpu\" is \"auto\" below, since this plan's "
+            "16-bit precision trains on a GPU.\n";
     if (!trainer_runs(r))
         fail(
             "{}: memtrain's trainer does not run parameter offload yet, so there is no config "
@@ -317,6 +324,7 @@ std::string emit_config_toml(const ModelSpec& m, const Plan& p, const RunConfig*
     } else {
         cfg.model = config_from_model(m);
     }
+    if (gpu_device) cfg.train.device = "auto";
     cfg.train.seq_len = r.seq_len(m);
     cfg.train.batch_size = (int)r.global_batch();
     cfg.train.batch_tokens = 0;

@@ -431,6 +431,16 @@ TEST(PlanCli, EmittedConfigIsTheWholeSourceConfig) {
     EXPECT_EQ(lc.model.norm, "rmsnorm");
     EXPECT_EQ(memtrain::plan::model_from_config(lc.model).total_params(),
               memtrain::plan::load_model("llama3-8b").total_params());
+    // A CPU source planned in bf16 for GPUs: the device becomes "auto", and the header says so.
+    write_file(dir + "/cpu.toml",
+               "[model]\nn_layer = 4\nn_head = 4\nn_embd = 64\nblock_size = 64\n"
+               "[train]\ndevice = \"cpu\"\n");
+    const Outcome g =
+        memtrain_cli("plan " + dir + "/cpu.toml --gpus 1 --emit-config " + dir + "/gpu.toml");
+    ASSERT_EQ(g.code, 0) << g.output;
+    const memtrain::RunConfig gc = memtrain::read_run_config(dir + "/gpu.toml", {});
+    EXPECT_EQ(gc.train.device, "auto");
+    EXPECT_EQ(gc.train.precision, "bf16");
 }
 
 // Parameter offload, which the trainer does not run, is marked in the table, ranks after every
