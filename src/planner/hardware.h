@@ -22,7 +22,7 @@ struct GpuSpec {
     // Fraction of peak a GEMM whose tiles fill whole waves reaches, before the K loop and
     // memory-bound losses (time_model.h gemm_efficiency); calibrated on published runs.
     double efficiency = 0.64;
-    int sms = 132;                   // streaming multiprocessors (CUs): a GEMM's tiles run in waves
+    int sms = 132;  // streaming multiprocessors (CUs): a GEMM's tiles run in waves
     // Host memory of a typical node per GPU (a DGX H100's 2 TB for 8 GPUs: 256 GB), bytes.
     double host_memory_per_gpu = 256e9;
     std::string host_memory_source;  // the node it comes from, for the output ("" for custom)
