@@ -207,6 +207,24 @@ struct EstimateArgs {
     bool no_flash = false, sp = false, json = false;
 };
 
+// The CPU engine's config of `model`: the TOML's whole config, or a preset's (or config.json's)
+// model at its context with a global batch of one sequence per each of `dp` ranks (the
+// micro-batch derived); fp32 on the CPU.
+RunConfig cpu_source_config(const std::string& model, const ModelSpec& m, int dp) {
+    RunConfig cfg;
+    if (model.ends_with(".toml")) {
+        cfg = read_run_config(model, {});
+    } else {
+        cfg.model = config_from_model(m);
+        cfg.train.seq_len = m.block_size;
+        cfg.train.micro_batch_size = 0;
+        cfg.train.batch_size = dp;
+    }
+    cfg.train.device = "cpu";
+    cfg.train.precision = "fp32";
+    return cfg;
+}
+
 // `estimate --device cpu`: the trainer's config for the layout the flags describe, on the CPU
 // engine (fp32, any of the trainer's remat policies), from the source TOML or the preset.
 RunConfig cpu_estimate_config(const EstimateArgs& a, const CLI::App* cmd, const ModelSpec& m) {
@@ -219,18 +237,9 @@ RunConfig cpu_estimate_config(const EstimateArgs& a, const CLI::App* cmd, const 
             fail("{} describes a GPU; --device cpu prices the CPU engine (drop the flag)", flag);
     if (check.given("--precision") && a.precision != "fp32")
         fail("--precision {}: the CPU engine trains in fp32 (--device cpu)", a.precision);
-    RunConfig cfg;
     const bool toml = a.model.ends_with(".toml");
-    if (toml) {
-        cfg = read_run_config(a.model, {});
-    } else {
-        cfg.model = config_from_model(m);
-        cfg.train.seq_len = m.block_size;
-        cfg.train.micro_batch_size = 1;
-        cfg.train.batch_size = a.run.dp;
-    }
-    cfg.train.device = "cpu";
-    cfg.train.precision = "fp32";
+    RunConfig cfg = cpu_source_config(a.model, m, a.run.dp);
+    if (!toml) cfg.train.micro_batch_size = 1;  // as the GPU estimate: one sequence per micro-batch
     cfg.train.tp = a.run.tp;
     cfg.train.pp = a.run.pp;
     cfg.train.zero_stage = a.run.zero;
@@ -278,8 +287,7 @@ void print_cpu_estimate(const EstimateArgs& a, const CLI::App* cmd, const ModelS
     int worst = 0;
     for (int r = 0; r < cfg.world; r++) {
         ranks.push_back(plan_host_rank(cfg, r));
-        std::size_t total = 0;
-        for (const MemoryPrediction& row : ranks.back().memory) total += row.bytes;
+        const std::size_t total = predicted_total(ranks.back().memory);
         sum += total;
         if (total > most) most = total, worst = r;
     }
@@ -295,14 +303,12 @@ void print_cpu_estimate(const EstimateArgs& a, const CLI::App* cmd, const ModelS
         j["plan"] = p.describe();
         for (const RunPlan& rp : ranks) {
             nlohmann::json rows = nlohmann::json::array();
-            std::size_t total = 0;
-            for (const MemoryPrediction& row : rp.memory) {
+            for (const MemoryPrediction& row : rp.memory)
                 rows.push_back({{"category", std::string(category_name(row.category))},
                                 {"bytes", row.bytes},
                                 {"formula", row.formula}});
-                total += row.bytes;
-            }
-            j["ranks"].push_back({{"rank", rp.rank}, {"total_bytes", total}, {"rows", rows}});
+            j["ranks"].push_back(
+                {{"rank", rp.rank}, {"total_bytes", predicted_total(rp.memory)}, {"rows", rows}});
         }
         j["host_bytes_needed"] = sum;
         j["host_memory_bytes"] = host;
@@ -316,12 +322,9 @@ void print_cpu_estimate(const EstimateArgs& a, const CLI::App* cmd, const ModelS
     std::printf("plan: %s\n", p.describe().c_str());
     if (cfg.world > 1) {
         std::string all;
-        for (const RunPlan& rp : ranks) {
-            std::size_t total = 0;
-            for (const MemoryPrediction& row : rp.memory) total += row.bytes;
+        for (const RunPlan& rp : ranks)
             all += fmt::format("{}rank {} {:.1f} MiB", all.empty() ? "" : " | ", rp.rank,
-                               total / 1048576.0);
-        }
+                               predicted_total(rp.memory) / 1048576.0);
         std::printf("every rank: %s\nthe most loaded, rank %d:\n", all.c_str(), worst);
     }
     std::fputs(p.table().c_str(), stdout);
@@ -355,21 +358,6 @@ void solve_block_plan(const std::string& policy, const ModelSpec& m, RunSpec& r)
             .plan;
 }
 
-// Every rank's predicted host bytes of a CPU run, and their sum.
-struct HostNeed {
-    std::size_t most = 0, sum = 0;
-};
-HostNeed host_need(const RunConfig& cfg) {
-    HostNeed n;
-    for (int r = 0; r < cfg.world; r++) {
-        std::size_t total = 0;
-        for (const MemoryPrediction& row : plan_host_rank(cfg, r).memory) total += row.bytes;
-        n.most = std::max(n.most, total);
-        n.sum += total;
-    }
-    return n;
-}
-
 // `plan --device cpu`: the CPU engine's run of the model on `ranks` processes of this host, made
 // to fit the host by levers tried in a fixed order, each kept once taken: ZeRO stages, remat
 // policies, a smaller micro-batch (accumulation keeps the global batch), compressed moments,
@@ -382,17 +370,7 @@ struct CpuPlanArgs {
 };
 int run_cpu_plan(const CpuPlanArgs& a) {
     const ModelSpec m = load_model(a.model);
-    RunConfig cfg;
-    if (a.model.ends_with(".toml")) {
-        cfg = read_run_config(a.model, {});
-    } else {
-        cfg.model = config_from_model(m);
-        cfg.train.seq_len = m.block_size;
-        cfg.train.micro_batch_size = 0;
-        cfg.train.batch_size = a.ranks;
-    }
-    cfg.train.device = "cpu";
-    cfg.train.precision = "fp32";
+    RunConfig cfg = cpu_source_config(a.model, m, a.ranks);
     cfg.train.tp = cfg.train.pp = 1;
     cfg.world = a.ranks;
     if (a.seq > 0) cfg.train.seq_len = a.seq;

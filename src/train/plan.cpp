@@ -3,6 +3,7 @@
 
 #include "train/validate.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <optional>
 
@@ -75,6 +76,16 @@ RunPlan plan_host_rank(const RunConfig& cfg, int rank) {
     return p;
 }
 
+HostNeed host_need(const RunConfig& cfg) {
+    HostNeed n;
+    for (int r = 0; r < cfg.world; r++) {
+        const std::size_t total = predicted_total(plan_host_rank(cfg, r).memory);
+        n.most = std::max(n.most, total);
+        n.sum += total;
+    }
+    return n;
+}
+
 std::string resolve_micro_batch(RunConfig& cfg, dist::Communicator& comm) {
     if (cfg.train.micro_batch_size != TrainConfig::kAutoMicroBatch) return "";
     if (cfg.train.device != "cpu")
@@ -93,13 +104,7 @@ std::string resolve_micro_batch(RunConfig& cfg, dist::Communicator& comm) {
         } catch (const Error&) {
             return std::nullopt;  // a layout constraint (sequence parallelism's token split)
         }
-        std::size_t most = 0;
-        for (int r = 0; r < c.world; r++) {
-            std::size_t total = 0;
-            for (const MemoryPrediction& row : plan_host_rank(c, r).memory) total += row.bytes;
-            most = std::max(most, total);
-        }
-        return most * (std::size_t)ranks;
+        return host_need(c).most * (std::size_t)ranks;
     };
     std::optional<std::size_t> larger;  // the next larger candidate's need
     int last = 0, larger_mb = 0;

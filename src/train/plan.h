@@ -31,6 +31,13 @@ RunPlan plan_host_rank(const RunConfig& cfg, int rank);
 // fails naming the smallest micro-batch's need when none fits.
 std::string resolve_micro_batch(RunConfig& cfg, dist::Communicator& comm);
 
+// Every rank's predicted host bytes of a CPU run (plan_host_rank): the most loaded rank's and
+// the sum over the cfg.world ranks.
+struct HostNeed {
+    std::size_t most = 0, sum = 0;
+};
+HostNeed host_need(const RunConfig& cfg);
+
 // The plan of `cfg` on `comm`, with its memory checked: fails before anything is allocated,
 // naming what would fit, when this rank's predicted bytes exceed the host's or the device's free
 // memory. Under train.remat_costs = "measured" rank 0 profiles one block first and every rank
