@@ -74,6 +74,29 @@ LoraTargets parse_lora_targets(const std::string& s) {
                                    {{"attn", LoraTargets::attn}, {"all", LoraTargets::all}});
 }
 
+namespace {
+std::string runtime_plain_only(const RunSpec& r) {
+    return fmt::format(
+        "--runtime {} prices plain full-parameter training (no offload, LoRA, compressed moments "
+        "or step in backward); those are memtrain's",
+        to_string(r.runtime));
+}
+}  // namespace
+
+std::string runtime_layout_refusal(const RunSpec& r) {
+    if (r.runtime == Runtime::memtrain) return "";
+    if (r.offload != Offload::none) return runtime_plain_only(r);
+    if (r.runtime == Runtime::pytorch && (r.zero > 0 || r.tp > 1 || r.pp > 1))
+        return "--runtime pytorch prices DDP (ZeRO-0, no tp or pp); use --runtime deepspeed for "
+               "ZeRO or megatron for tp and pp";
+    if (r.runtime == Runtime::deepspeed && r.zero == 0)
+        return "--runtime deepspeed prices ZeRO 1-3; use --runtime pytorch for plain DDP";
+    if (r.runtime == Runtime::megatron && r.zero > 1)
+        return "--runtime megatron shards the optimizer state at most (its distributed "
+               "optimizer, ZeRO-1); use --runtime deepspeed for ZeRO 2-3";
+    return "";
+}
+
 bool trainer_runs(const RunSpec& run) {
     return run.offload != Offload::optimizer_and_params;
 }
@@ -235,26 +258,11 @@ void validate_run(const ModelSpec& m, const RunSpec& r) {
     if (!m.rope && r.seq_len(m) > m.block_size)
         fail("sequence length {} exceeds the {} learned positions of {}", r.seq_len(m),
              m.block_size, m.name);
-    // A peer's runtime prices the layouts it runs as documented (docs/planner.md).
-    if (r.runtime != Runtime::memtrain) {
-        const char* who = to_string(r.runtime);
-        if (r.offload != Offload::none || r.lora_rank > 0 || r.step_in_backward ||
-            r.state_format != StateFormat::Fp32 || r.optimizer == Optimizer::adamw8bit)
-            fail(
-                "--runtime {} prices plain full-parameter training (no offload, LoRA, compressed "
-                "moments or step in backward); those are memtrain's",
-                who);
-        if (r.runtime == Runtime::pytorch && (r.zero > 0 || r.tp > 1 || r.pp > 1))
-            fail(
-                "--runtime pytorch prices DDP (ZeRO-0, no tp or pp); use --runtime deepspeed for "
-                "ZeRO or megatron for tp and pp");
-        if (r.runtime == Runtime::deepspeed && r.zero == 0)
-            fail("--runtime deepspeed prices ZeRO 1-3; use --runtime pytorch for plain DDP");
-        if (r.runtime == Runtime::megatron && r.zero > 1)
-            fail(
-                "--runtime megatron shards the optimizer state at most (its distributed "
-                "optimizer, ZeRO-1); use --runtime deepspeed for ZeRO 2-3");
-    }
+    if (r.runtime != Runtime::memtrain &&
+        (r.lora_rank > 0 || r.step_in_backward || r.state_format != StateFormat::Fp32 ||
+         r.optimizer == Optimizer::adamw8bit))
+        fail("{}", runtime_plain_only(r));
+    if (const std::string why = runtime_layout_refusal(r); !why.empty()) fail("{}", why);
     if (r.offload == Offload::optimizer_and_params && r.zero != 3)
         fail(
             "offloading parameters needs ZeRO-3 (got ZeRO-{}); use --zero 3 or --offload "

@@ -97,6 +97,10 @@ std::string describe_method(const RunSpec& run);
 // the planner prices for comparison only. `plan` and `scale` rank such plans after every one the
 // trainer runs, mark them in the table, and never emit one.
 bool trainer_runs(const RunSpec& run);
+// Why a peer's runtime (--runtime) does not run this layout (offload, ZeRO stage, tp, pp) as
+// priced, or "" when it does (and for memtrain's own): validate_run refuses with it, the search
+// skips such layouts.
+std::string runtime_layout_refusal(const RunSpec& run);
 
 // Throws memtrain::Error with the reason and a fix when the layout cannot run at all
 // (tp does not divide the heads, more stages than layers, ZeRO stage out of range, ...).

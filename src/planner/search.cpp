@@ -15,21 +15,6 @@ namespace memtrain::plan {
 
 namespace {
 
-// The layouts a peer's runtime runs as --runtime prices them (validate_run says why not).
-bool runtime_runs(Runtime rt, int tp, int pp, int zero, Offload off) {
-    switch (rt) {
-        case Runtime::memtrain:
-            return true;
-        case Runtime::pytorch:
-            return zero == 0 && tp == 1 && pp == 1 && off == Offload::none;
-        case Runtime::deepspeed:
-            return zero >= 1 && off == Offload::none;
-        case Runtime::megatron:
-            return zero <= 1 && off == Offload::none;
-    }
-    return false;
-}
-
 std::string family_of(const RunSpec& r) {
     std::string shape = r.tp == 1 && r.pp == 1 ? "pure DP"
                         : r.pp == 1            ? "DP+TP"
@@ -123,7 +108,6 @@ MethodSearch search_method(const ModelSpec& m, const ClusterSpec& c, const Searc
                     // One GPU: sharding over one rank changes nothing (ZeRO-0 covers it), but
                     // ZeRO-3 is how parameters are offloaded.
                     if (dp == 1 && zero > 0 && off != Offload::optimizer_and_params) continue;
-                    if (!runtime_runs(method.runtime, tp, pp, zero, off)) continue;
                     for (Recompute rc : {Recompute::none, Recompute::selective, Recompute::full}) {
                         if (rc == Recompute::selective && spec.flash_attention)
                             continue;  // same as none
@@ -136,6 +120,7 @@ MethodSearch search_method(const ModelSpec& m, const ClusterSpec& c, const Searc
                             r.seq = seq;
                             // Sequence parallelism with tp wherever the trainer runs it.
                             r.sequence_parallel = sequence_parallel_runs(m, r);
+                            if (!runtime_layout_refusal(r).empty()) continue;  // not this runtime's
                             Plan p;
                             p.run = r;
                             p.memory = estimate_memory(m, r);
