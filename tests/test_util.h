@@ -66,6 +66,22 @@ inline ModelConfig tiny_model(int layers = 2) {
     return c;
 }
 
+// A tiny Llama-style model: 4 heads of 4 over 2 kv heads, rmsnorm, swiglu with a small explicit
+// MLP width, rope, an untied output embedding.
+inline ModelConfig tiny_llama(int layers = 2) {
+    ModelConfig c = tiny_model(layers);
+    c.n_head = 4;
+    c.n_kv_head = 2;
+    c.norm = "rmsnorm";
+    c.activation = "swiglu";
+    c.positions = "rope";
+    c.tied_embeddings = false;
+    c.ffn_hidden = 24;
+    c.norm_eps = 1e-6;
+    c.rope_theta = 1000.0;
+    return c;
+}
+
 // The GPT-2 that tests/parity/make_fixture.py writes (vocabulary, context, layers, heads, width)
 // and its token batch: kFixtureBatch rows of kFixtureSeq + 1 tokens.
 inline constexpr int kFixtureVocab = 96, kFixtureBlock = 32, kFixtureLayers = 2, kFixtureHeads = 4,

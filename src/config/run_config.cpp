@@ -202,6 +202,9 @@ const std::vector<Key>& registry() {
         make_key("model.norm_eps", &R::model, &ModelConfig::norm_eps, "layernorm/rmsnorm eps"),
         make_key("model.rope_theta", &R::model, &ModelConfig::rope_theta, "rope base"),
         make_key("model.init_std", &R::model, &ModelConfig::init_std, "weight init std"),
+        make_key("model.dropout", &R::model, &ModelConfig::dropout,
+                 "dropout probability in training on the embedding, attention probabilities and "
+                 "residual branches (0 = off; CPU engine)"),
         make_key("model.init_from", &R::model, &ModelConfig::init_from,
                  "weights to start from: a Hugging Face model directory, a memtrain checkpoint "
                  "or out_dir, or a .safetensors file (no other model.* key: the architecture is "
@@ -468,12 +471,12 @@ constexpr PeerKey kPeerKeys[] = {
     {"max_position_embeddings", "model.block_size", ""},
     {"seq_length", "train.seq_len", ""},
     {"max_seq_length", "train.seq_len", ""},
-    {"dropout", "", "memtrain trains without dropout (no key for it yet; lora.dropout is LoRA's)"},
-    {"attn_pdrop", "", "memtrain trains without dropout (no key for it yet)"},
-    {"resid_pdrop", "", "memtrain trains without dropout (no key for it yet)"},
-    {"embd_pdrop", "", "memtrain trains without dropout (no key for it yet)"},
-    {"hidden_dropout", "", "memtrain trains without dropout (no key for it yet)"},
-    {"attention_dropout", "", "memtrain trains without dropout (no key for it yet)"},
+    {"dropout", "model.dropout", "one probability for every site (lora.dropout is LoRA's)"},
+    {"attn_pdrop", "model.dropout", "one probability for attention, residual and embedding"},
+    {"resid_pdrop", "model.dropout", "one probability for attention, residual and embedding"},
+    {"embd_pdrop", "model.dropout", "one probability for attention, residual and embedding"},
+    {"hidden_dropout", "model.dropout", ""},
+    {"attention_dropout", "model.dropout", ""},
 };
 
 std::string unknown_key_message(const std::string& name, const std::string& src) {

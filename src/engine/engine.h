@@ -61,6 +61,11 @@ class Engine {
     // Every token's loss gradient is grad_scale (1 / tokens in the global batch).
     virtual void forward_backward(const int32_t* inputs, const int32_t* targets, int B, int T,
                                   float grad_scale, bool last) = 0;
+    // model.dropout: the ordinal in the run of the next forward_backward's first sequence (the
+    // Trainer's count: step, micro-batch, data-parallel rank), which keys the masks
+    // (kernels/dropout_mask.h). An engine without dropout ignores it (the config refuses
+    // model.dropout there).
+    virtual void set_dropout_rows(uint64_t /*first*/) {}
     // Clips to max_norm (<= 0: no clipping), updates with learning rate lr.
     virtual StepResult finish_step(double lr, double max_norm) = 0;
 

@@ -70,6 +70,7 @@ ModelConfig init_source_model(const ModelConfig& cfg) {
     ModelConfig m = open_model_source(cfg.init_from).model;
     m.init_from = cfg.init_from;
     m.init_partial = cfg.init_partial;
+    m.dropout = cfg.dropout;
     return m;
 }
 

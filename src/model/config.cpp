@@ -56,6 +56,9 @@ void ModelConfig::validate() const {
     if (!(norm_eps > 0.0)) fail("model.norm_eps must be positive, got {}", norm_eps);
     if (!(rope_theta > 0.0)) fail("model.rope_theta must be positive, got {}", rope_theta);
     if (init_std <= 0.0) fail("model.init_std must be positive, got {}", init_std);
+    if (!(dropout >= 0.0 && dropout < 1.0))
+        fail("model.dropout = {} must be in [0, 1) (the probability of dropping an element)",
+             dropout);
     if (tp != 1) validate_tp(tp);
     if (sequence_parallel && tp == 1)
         fail("train.sequence_parallel = true needs train.tp > 1 (it shards the norms over them)");

@@ -36,6 +36,10 @@ struct ModelConfig {
     double norm_eps = 1e-5;
     double rope_theta = 10000.0;
     double init_std = 0.02;
+    // Dropout in training (GPT-2's embd/attn/resid_pdrop as one probability, as nanoGPT has it):
+    // on the embedding output, the attention probabilities and both residual branches. The masks
+    // are hashes (kernels/dropout_mask.h), so they take no memory. 0 = off; never in evaluation.
+    double dropout = 0;
     // Tensor parallelism (parallel/tensor/tp.h): this config describes one of `tp` ranks' shards,
     // whose local_* sizes below are the whole model's divided by tp (heads, kv heads, MLP hidden,
     // padded vocabulary rows). Set by the tensor-parallel engine from train.tp, never read from a

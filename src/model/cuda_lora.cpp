@@ -11,7 +11,7 @@
 #include "core/error.h"
 #include "kernels/cuda/host_convert.h"
 #include "kernels/cuda/ops.h"
-#include "kernels/lora_mask.h"
+#include "kernels/dropout_mask.h"
 
 namespace memtrain {
 
@@ -48,7 +48,7 @@ void CudaLora<T>::prepare(int N) {
 
 template <typename T>
 uint64_t CudaLora<T>::key(const LoraSite& s) const {
-    return lora_mask::site_key(seed_, micro_batch_, (uint64_t)(&s - layout_->sites.data()));
+    return dropout_mask::site_key(seed_, micro_batch_, (uint64_t)(&s - layout_->sites.data()));
 }
 
 template <typename T>

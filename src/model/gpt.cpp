@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 #include <iterator>
+#include <utility>
 
 #include "core/error.h"
 #include "kernels/cpu/ops.h"
@@ -247,7 +248,7 @@ void GPT::lora_backward(int l, BlockLinear linear, const float* adapter, float* 
 }
 
 void GPT::block_forward(const BlockParams& p, int l, const float* adapter, const float* x,
-                        float* out, BlockSaved& s, int B, int T) {
+                        float* out, BlockSaved& s, int B, int T, const Slot& sl) {
     // A tensor-parallel shard's sizes (parallel/tensor/tp.h; the whole model's without TP): A is
     // the width of this rank's attention heads. Under sequence parallelism x, out and the norm
     // fields hold this rank's n of the N token rows; the GEMMs and attention see all N, gathered
@@ -272,7 +273,8 @@ void GPT::block_forward(const BlockParams& p, int l, const float* adapter, const
     // the micro-batch is here, so row b*T + t is rotated by its position t in its sequence.
     if (cfg_.rope())
         cpu::rope_forward(s.qkv, B, T, NH, NKV, cfg_.head_dim(), (float)cfg_.rope_theta);
-    cpu::attention_forward(s.atty, s.att, s.qkv, B, T, A, NH, NKV);
+    DropoutMask m;
+    cpu::attention_forward(s.atty, s.att, s.qkv, B, T, A, NH, NKV, dropout_at(sl, m, 1 + 3 * l));
     // Row-parallel c_proj: this rank's heads' share, summed over the group (g: an all-reduce, or
     // a reduce-scatter to this rank's rows), then the residual and the bias once.
     auto row_parallel_sum = [&](float* partial_or_out, float* out_rows) {
@@ -281,16 +283,23 @@ void GPT::block_forward(const BlockParams& p, int l, const float* adapter, const
         else
             tp_->all_reduce(TpSite::RowForward, partial_or_out, (int64_t)N * C);
     };
+    // Under dropout (never with TP) each branch is formed alone, LoRA's share included, and then
+    // dropped and added to the residual.
     if (tp_) {
         float* partial = seq ? sp_ : s.resid_mid;
         cpu::matmul_forward(partial, s.atty, p.proj_w, nullptr, N, A, C);
         row_parallel_sum(partial, s.resid_mid);
         add_residual_bias(s.resid_mid, x, p.proj_b, n);
+        lora_forward(l, BlockLinear::Proj, adapter, s.atty, s.resid_mid, N);
+    } else if (dropout_at(sl, m, 2 + 3 * l)) {
+        cpu::matmul_forward(s.resid_mid, s.atty, p.proj_w, p.proj_b, N, C, C);
+        lora_forward(l, BlockLinear::Proj, adapter, s.atty, s.resid_mid, N);
+        cpu::dropout_residual(s.resid_mid, x, m, B, T, C);
     } else {
         std::memcpy(s.resid_mid, x, sizeof(float) * N * C);
         cpu::matmul_forward(s.resid_mid, s.atty, p.proj_w, p.proj_b, N, C, C, 1.0f);
+        lora_forward(l, BlockLinear::Proj, adapter, s.atty, s.resid_mid, N);
     }
-    lora_forward(l, BlockLinear::Proj, adapter, s.atty, s.resid_mid, N);
     norm_forward(s.ln2, s.ln2_mean, s.ln2_rstd, s.resid_mid, p.ln2_w, p.ln2_b, n);
     const float* ln2 = gathered(s.ln2);
     cpu::matmul_forward(s.fch, ln2, p.fc_w, p.fc_b, N, C, F);
@@ -301,11 +310,16 @@ void GPT::block_forward(const BlockParams& p, int l, const float* adapter, const
         cpu::matmul_forward(partial, s.fch_act, p.fcp_w, nullptr, N, H, C);
         row_parallel_sum(partial, out);
         add_residual_bias(out, s.resid_mid, p.fcp_b, n);
+        lora_forward(l, BlockLinear::FcProj, adapter, s.fch_act, out, N);
+    } else if (dropout_at(sl, m, 3 + 3 * l)) {
+        cpu::matmul_forward(out, s.fch_act, p.fcp_w, p.fcp_b, N, H, C);
+        lora_forward(l, BlockLinear::FcProj, adapter, s.fch_act, out, N);
+        cpu::dropout_residual(out, s.resid_mid, m, B, T, C);
     } else {
         std::memcpy(out, s.resid_mid, sizeof(float) * N * C);
         cpu::matmul_forward(out, s.fch_act, p.fcp_w, p.fcp_b, N, H, C, 1.0f);
+        lora_forward(l, BlockLinear::FcProj, adapter, s.fch_act, out, N);
     }
-    lora_forward(l, BlockLinear::FcProj, adapter, s.fch_act, out, N);
 }
 
 // Recomputes what Selective dropped (ln1, ln2, fch_act) with the same kernel calls, on the same
@@ -329,8 +343,9 @@ static DeferredGrads deferred_grads(float* base, int N, int C, int F) {
 }
 
 void GPT::block_backward(const BlockParams& p, BlockParams& g, int l, const float* adapter,
-                         float* adapter_grads, float* dres, const float* x, const BlockSaved& s,
-                         int B, int T, float* defer) {
+                         float* adapter_grads, float* dres, const float* x, const Slot& sl, int B,
+                         int T, float* defer) {
+    const BlockSaved& s = sl.saved[l - b0_];
     // A tensor-parallel shard's sizes (parallel/tensor/tp.h; the whole model's without TP): A is
     // the width of this rank's attention heads.
     const int N = B * T, C = cfg_.n_embd, QKV = cfg_.local_qkv_dim(), F = cfg_.local_fc_dim(),
@@ -370,6 +385,13 @@ void GPT::block_backward(const BlockParams& p, BlockParams& g, int l, const floa
     auto w = [&](float* grad) { return defer ? nullptr : grad; };
     float* dfch = dbig_;
     const float* dout = gather(TpSite::SpRowGather, dres);
+    // Dropout (never with TP): d(branch) = drop(d(output)), in dln_ (free until c_fc's input
+    // gradient) for the MLP and in dbig_ (free until attention's) for attention.
+    DropoutMask m;
+    if (dropout_at(sl, m, 3 + 3 * l)) {
+        cpu::dropout(dln_, dres, m, B, T, C);
+        dout = dln_;
+    }
     keep(d.fcp, dout, (std::size_t)N * C);
     if (cfg_.swiglu()) {
         // d(product) (N,H) and d(fch) (N,2H) cannot share rows, so the product's gradient has
@@ -391,11 +413,16 @@ void GPT::block_backward(const BlockParams& p, BlockParams& g, int l, const floa
                   s.ln2_rstd, n);
     float* datty = dln_;
     dout = gather(TpSite::SpRowGather, dres);
+    if (dropout_at(sl, m, 2 + 3 * l)) {
+        cpu::dropout(dbig_, dres, m, B, T, C);
+        dout = dbig_;
+    }
     keep(d.proj, dout, (std::size_t)N * C);
     cpu::matmul_backward(datty, w(g.proj_w), w(g.proj_b), dout, s.atty, p.proj_w, N, A, C);
     lora(BlockLinear::Proj, s.atty, dout, datty);
     float* dqkv = dbig_;
-    cpu::attention_backward(dqkv, datty, s.qkv, s.att, B, T, A, NH, NKV);
+    cpu::attention_backward(dqkv, datty, s.qkv, s.att, B, T, A, NH, NKV,
+                            dropout_at(sl, m, 1 + 3 * l));
     if (cfg_.rope())
         cpu::rope_backward(dqkv, B, T, NH, NKV, cfg_.head_dim(), (float)cfg_.rope_theta);
     keep(d.qkv, dqkv, (std::size_t)N * QKV);
@@ -437,6 +464,12 @@ void GPT::stage_forward(int slot, const int32_t* inputs, int B, int T) {
     Slot& sl = slots_.at(slot);
     const int N = B * T, C = cfg_.n_embd;
     if (has_embedding()) check_tokens(inputs, B, T, cfg_.vocab_size, "input");
+    sl.drop = DropoutMask{};
+    const bool training = std::exchange(train_pass_, false);
+    if (training && cfg_.dropout > 0) {
+        if (tp_) fail("internal: model.dropout with tensor parallelism");
+        sl.drop = DropoutMask{cfg_.dropout, drop_seed_, drop_first_, 0};
+    }
     // The shared schedule (model/unit_walk.h): each part acquires its unit, announces the next
     // (UnitStore::prefetch, so ZeRO-3 gathers it meanwhile) and runs.
     for (const UnitVisit& v : walk_.forward) {
@@ -451,13 +484,15 @@ void GPT::stage_forward(int slot, const int32_t* inputs, int B, int T) {
                                              sp(N) ? sp_ : nullptr);
                 else
                     cpu::embedding_forward(sl.resid[0], inputs, e.wte, e.wpe, B, T, C);
+                DropoutMask m;
+                if (dropout_at(sl, m, 0)) cpu::dropout(sl.resid[0], sl.resid[0], m, B, T, C);
                 break;
             }
             case UnitVisit::Part::Block: {
                 const int l = v.block, i = l - b0_;
                 const float* ad = lora_ ? lora_->store().acquire(l) : nullptr;
                 block_forward(block_view(layout_, l, w), l, ad, sl.resid[i], sl.resid[i + 1],
-                              sl.saved[i], B, T);
+                              sl.saved[i], B, T, sl);
                 if (lora_) lora_->store().release(l);
                 break;
             }
@@ -531,7 +566,7 @@ void GPT::redo(const UnitVisit& v, const BlockParams& p, const float* adapter, S
             // The block's output rewrites resid[i + 1] with the same bits, which nothing reads
             // any more.
             return block_forward(p, v.block, adapter, sl.resid[i], sl.resid[i + 1], sl.saved[i], B,
-                                 T);
+                                 T, sl);
         case Redo::BlockFromHost:
             break;
     }
@@ -553,7 +588,7 @@ float GPT::backward_pass(int slot, const int32_t* inputs, const int32_t* targets
                 block_backward_part(v, sl, B, T, split);
                 break;
             case UnitVisit::Part::Embedding:
-                embedding_backward(v, inputs, B, T);
+                embedding_backward(v, sl, inputs, B, T);
                 break;
         }
     }
@@ -606,7 +641,7 @@ void GPT::block_backward_part(const UnitVisit& v, Slot& sl, int B, int T, bool s
     const float* ad = lora_ ? lora_->store().acquire(l) : nullptr;
     float* adg = lora_ ? lora_->store().unit_grads(l) : nullptr;
     redo(v, p, ad, sl, B, T);
-    block_backward(p, g, l, ad, adg, dres_, sl.resid[i], sl.saved[i], B, T,
+    block_backward(p, g, l, ad, adg, dres_, sl.resid[i], sl, B, T,
                    split ? sl.wgrad.data() + i * wgrad_floats(B, T) : nullptr);
     if (lora_) {
         lora_->store().grads_done(l);
@@ -616,9 +651,12 @@ void GPT::block_backward_part(const UnitVisit& v, Slot& sl, int B, int T, bool s
     store_->release(u);
 }
 
-void GPT::embedding_backward(const UnitVisit& v, const int32_t* inputs, int B, int T) {
+void GPT::embedding_backward(const UnitVisit& v, const Slot& sl, const int32_t* inputs, int B,
+                             int T) {
     if (frozen_base()) return;
     const int N = B * T, C = cfg_.n_embd;
+    DropoutMask m;
+    if (dropout_at(sl, m, 0)) cpu::dropout(dres_, dres_, m, B, T, C);
     EmbeddingParams eg = embedding_view(layout_, store_->unit_grads(v.unit));
     if (tp_) {
         // Sequence parallelism: every rank's rows of d(embedding output), for the vocabulary
@@ -679,6 +717,7 @@ float GPT::forward_backward(const int32_t* inputs, const int32_t* targets, int B
                             float grad_scale) {
     require_whole("forward_backward");
     if (has_head()) check_tokens(targets, B, T, cfg_.vocab_size, "target");
+    train_pass_ = true;  // stage_forward takes it into the slot, for the backward and recomputes
     stage_forward(0, inputs, B, T);
     return stage_backward(0, inputs, targets, B, T, grad_scale);
 }

@@ -14,6 +14,7 @@
 
 #include "core/allocator.h"
 #include "core/rng.h"
+#include "kernels/dropout_mask.h"
 #include "model/activation_layout.h"
 #include "model/config.h"
 #include "model/lora.h"
@@ -82,6 +83,15 @@ class GPT {
     float forward_loss(const int32_t* inputs, const int32_t* targets, int B, int T);
     // Logits over the real vocabulary: out (B,T,V).
     void forward_logits(const int32_t* inputs, int B, int T, float* out);
+
+    // model.dropout (config().dropout > 0) in forward_backward only, never in forward_loss,
+    // forward_logits or a pipeline's stage_ calls. The masks are hashes (kernels/dropout_mask.h)
+    // of the seed, each sequence's ordinal in the run and the site (the embedding output, and per
+    // block the attention probabilities and the two residual branches), so nothing is stored and
+    // a recompute or a second pass draws the same. set_dropout_rows gives the ordinal of the next
+    // forward_backward's first sequence (its row b is that + b).
+    void set_dropout_seed(uint64_t seed) { drop_seed_ = seed; }
+    void set_dropout_rows(uint64_t first) { drop_first_ = first; }
 
     // Activation checkpointing: what each block keeps (size n_layer, or empty = keep all).
     // Takes effect at the next forward; the arena is re-sized to activation_layout(plan).
@@ -170,7 +180,17 @@ class GPT {
         std::vector<float*> resid;  // blocks() + 1 residual streams (B,T,C)
         std::vector<BlockSaved> saved;  // dropped fields point into the recompute scratch
         float *lnf = nullptr, *lnf_mean = nullptr, *lnf_rstd = nullptr;
+        // The micro-batch's dropout (p = 0: none), its site left to each use (dropout_at).
+        DropoutMask drop;
     };
+    // The slot's mask at `site`: 0 the embedding, 1 + 3l + k block l's attention probabilities
+    // (k = 0), attention branch (1) and MLP branch (2). Null when the slot drops nothing.
+    static const DropoutMask* dropout_at(const Slot& sl, DropoutMask& m, uint64_t site) {
+        if (!sl.drop.on()) return nullptr;
+        m = sl.drop;
+        m.site = site;
+        return &m;
+    }
     int blocks() const { return b1_ - b0_; }
     void ensure_arena(int B, int T);
     // ln_f's output for the classifier: the slot's, or under sequence parallelism every rank's
@@ -181,13 +201,14 @@ class GPT {
     const float* acquire_output_embedding(const HeadParams& head);
     void release_output_embedding();
     // `l` is the block's number in the model; `adapter` its LoRA unit (null without LoRA).
+    // `sl` is the slot whose block this is (for its dropout).
     void block_forward(const BlockParams& p, int l, const float* adapter, const float* x,
-                       float* out, BlockSaved& s, int B, int T);
+                       float* out, BlockSaved& s, int B, int T, const Slot& sl);
     // With `defer` (room for the block's four output gradients, split backward), the
     // weight-gradient halves are skipped and their inputs copied there for block_weight_grads.
     void block_backward(const BlockParams& p, BlockParams& g, int l, const float* adapter,
-                        float* adapter_grads, float* dres, const float* x, const BlockSaved& s,
-                        int B, int T, float* defer = nullptr);
+                        float* adapter_grads, float* dres, const float* x, const Slot& sl, int B,
+                        int T, float* defer = nullptr);
     // The adapters of block l on `linear`: y += their output; dx += their input gradient (and
     // their own gradients into `grads`).
     void lora_forward(int l, BlockLinear linear, const float* adapter, const float* x, float* y,
@@ -203,7 +224,8 @@ class GPT {
     double head_backward(const UnitVisit& v, Slot& sl, const int32_t* targets, int B, int T,
                          float grad_scale);
     void block_backward_part(const UnitVisit& v, Slot& sl, int B, int T, bool split);
-    void embedding_backward(const UnitVisit& v, const int32_t* inputs, int B, int T);
+    void embedding_backward(const UnitVisit& v, const Slot& sl, const int32_t* inputs, int B,
+                            int T);
     // What block v.block re-runs before its backward (v.redo), into its saved fields.
     void redo(const UnitVisit& v, const BlockParams& p, const float* adapter, Slot& sl, int B,
               int T);
@@ -240,6 +262,8 @@ class GPT {
     UnitWalk walk_;       // the step's schedule over the units (model/unit_walk.h)
     LoraAdapters* lora_ = nullptr;
     TpComm* tp_ = nullptr;
+    uint64_t drop_seed_ = 0, drop_first_ = 0;
+    bool train_pass_ = false;  // inside forward_backward: its slot drops (model.dropout)
     float *dres_, *dln_, *dbig_, *dact_, *logits_;
     float* sp_ = nullptr;  // sequence parallelism: all N token rows (ArenaPlan::sp_gather)
     // Sequence parallelism on a micro-batch of N rows (ModelConfig::sp_rows < N).

@@ -11,7 +11,7 @@
 
 #include "core/error.h"
 #include "core/rng.h"
-#include "kernels/lora_mask.h"
+#include "kernels/dropout_mask.h"
 
 namespace memtrain {
 
@@ -212,8 +212,8 @@ void LoraAdapters::prepare(int N) {
 
 float LoraAdapters::keep_scale(const LoraSite& s, std::size_t i) const {
     const uint64_t site = (uint64_t)(&s - layout_->sites.data());
-    return lora_mask::factor(lora_mask::site_key(seed_, micro_batch_, site), i, cfg_.dropout,
-                             (float)(1.0 / (1.0 - cfg_.dropout)));
+    return dropout_mask::factor(dropout_mask::site_key(seed_, micro_batch_, site), i, cfg_.dropout,
+                                (float)(1.0 / (1.0 - cfg_.dropout)));
 }
 
 const float* LoraAdapters::dropped(const LoraSite& s, const float* x, int N) {

@@ -281,7 +281,7 @@ MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, RankCoord at,
 
     // Activations: per layer per micro-batch, times layers and micro-batches in flight; or the
     // engine's arena of the stage's blocks times the micro-batches its schedule holds (the
-    // layout has no dropout masks: memtrain's blocks have none).
+    // layout has no dropout masks: model.dropout hashes them).
     LayerActivations la = layer_activation_bytes(m, r);
     est.in_flight = in_flight(r, stage);
     double act;

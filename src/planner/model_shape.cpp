@@ -473,7 +473,7 @@ ModelSpec model_from_config(const ModelConfig& c) {
         }
     }
     m.attn_bias = attn_bias, m.mlp_bias = mlp_bias;
-    m.dropout = false;  // memtrain's trainer has no dropout
+    m.dropout = false;  // model.dropout stores no masks (kernels/dropout_mask.h hashes them)
     m.norm_eps = c.norm_eps, m.rope_theta = c.rope_theta;
     return m;
 }

@@ -77,7 +77,8 @@ ModelSpec model_from_config(const ModelConfig& config);
 // The vocabulary is taken as already padded (vocab_pad 1: padded_vocab() == vocab_size) and
 // ffn_hidden is written out; model_from_config(config_from_model(m)) gives back m's shape.
 // Lossy where ModelConfig has one switch for two of ModelSpec's: linear biases (bias = attn_bias
-// || mlp_bias) and dropout (memtrain's blocks have none). Neither changes an activation byte.
+// || mlp_bias) and dropout masks (model.dropout hashes its masks and stores none). Neither
+// changes an activation byte.
 ModelConfig config_from_model(const ModelSpec& model);
 
 }  // namespace memtrain::plan

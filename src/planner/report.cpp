@@ -288,6 +288,12 @@ std::string emit_config_toml(const ModelSpec& m, const Plan& p, const RunConfig*
             "# Compressed moments (optim.state_format below) run on the CPU engine so far: on a "
             "GPU the trainer refuses them; optim.state_format = \"fp32\" there takes more "
             "optimizer memory than planned.\n";
+    if (source && source->model.dropout > 0)
+        gaps += fmt::format(
+            "# model.dropout = {} runs on the CPU engine without train.tp or train.pp so far: on "
+            "a GPU, or with tp or pp above 1, the trainer refuses it (set model.dropout = 0 "
+            "there).\n",
+            source->model.dropout);
     // The plan is for GPUs: a source that trains on the CPU gets "auto" (a 16-bit plan needs one).
     const bool gpu_device =
         source && source->train.device == "cpu" && r.precision != Precision::fp32;

@@ -513,6 +513,10 @@ TrainSummary Trainer::run() {
         for (int k = 0; k < K; k++) {
             next_rows(*train_loader_);
             if (opts_.on_batch) opts_.on_batch(state_.step + 1, xg_.data(), yg_.data(), xg_.size());
+            // Dropout masks follow the sequence: its ordinal over the run's global micro-batches
+            // (a replayed step draws the same, and so does any world size).
+            engine_->set_dropout_rows(((uint64_t)state_.step * K + k) * (uint64_t)cfg_.dp() * B +
+                                      (uint64_t)dp_rank() * B);
             engine_->forward_backward(xg_.data() + rows, yg_.data() + rows, B, T, grad_scale,
                                       k == K - 1);
         }

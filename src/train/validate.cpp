@@ -23,9 +23,10 @@ RunConfig load_run_config(const std::string& path, const std::vector<std::string
     std::vector<std::string> given;
     RunConfig cfg = read_run_config(path, overrides, base, &given);
     // A new run from model.init_from that describes no model takes the source's architecture
-    // (a resume has its checkpoint's).
+    // (a resume has its checkpoint's); model.dropout is a training choice, not architecture.
     const bool model_given = std::any_of(given.begin(), given.end(), [](const std::string& k) {
-        return k.rfind("model.", 0) == 0 && k != "model.init_from" && k != "model.init_partial";
+        return k.rfind("model.", 0) == 0 && k != "model.init_from" && k != "model.init_partial" &&
+               k != "model.dropout";
     });
     if (!base && !cfg.model.init_from.empty() && !model_given)
         cfg.model = init_source_model(cfg.model);
@@ -353,6 +354,26 @@ void validate_optimizer_layout(const RunConfig& cfg) {
                "\"allreduce\" with train.zero_stage for sharded state)");
 }
 
+// model.dropout: built in the CPU engine's whole model (one process, DDP, ZeRO 0-3, LoRA, every
+// remat policy, optim.step_in_backward).
+void validate_dropout(const RunConfig& cfg) {
+    if (!(cfg.model.dropout > 0)) return;
+    const auto refuse = refuser(fmt::format("model.dropout = {}", cfg.model.dropout));
+    if (cfg.train.device == "cuda")
+        refuse("train.device = \"cuda\"",
+               "its masks are built into the CPU engine's kernels so far (set train.device = "
+               "\"cpu\", or model.dropout = 0 on the GPU)");
+    if (cfg.train.tp > 1)
+        refuse(fmt::format("train.tp = {}", cfg.train.tp),
+               "a shard's heads and rows would need the whole model's mask indices");
+    if (cfg.train.pp > 1)
+        refuse(fmt::format("train.pp = {}", cfg.train.pp),
+               "a pipeline's stages run their micro-batches inside its schedule, which does not "
+               "carry each one's sequence ordinal yet");
+    if (cfg.ps())
+        refuse("train.dp_mode = \"ps\"", "the parameter server's workers run the model alone");
+}
+
 void validate_lora(const RunConfig& cfg) {
     cfg.lora.validate();
     if (!cfg.lora.enabled()) {
@@ -467,6 +488,7 @@ void validate_config(const RunConfig& cfg) {
     validate_tp(cfg);
     validate_ps(cfg);
     validate_optimizer_layout(cfg);
+    validate_dropout(cfg);
     check_batch_split(cfg);
     if (cfg.train.remat_costs != "analytic" && cfg.train.remat_costs != "measured")
         fail("train.remat_costs = \"{}\" must be \"analytic\" or \"measured\"",

@@ -39,6 +39,8 @@ void validate_metrics_name(const std::string& name);
 // optim.state_format, optim.name = "muon" and optim.step_in_backward against the layouts and
 // engines they are built for.
 void validate_optimizer_layout(const RunConfig& cfg);
+// model.dropout against the engines and layouts it is built for.
+void validate_dropout(const RunConfig& cfg);
 // The [lora] keys and what LoRA runs with.
 void validate_lora(const RunConfig& cfg);
 

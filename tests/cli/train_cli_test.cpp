@@ -104,6 +104,38 @@ TEST(TrainCli, ResumeWithTheCheckpointsOwnConfig) {
     EXPECT_NE(r.output.find("log_every = 3\n"), std::string::npos) << r.output;
 }
 
+// model.dropout from the command line: the run trains with it, a stopped run resumed from its
+// checkpoint alone (which keeps the key) logs the uninterrupted run's losses, the masks change the
+// losses, and a bad probability or an engine without dropout is one clear line.
+TEST(TrainCli, DropoutTrainsAndResumesExactly) {
+    auto dir = memtrain::test::temp_dir("train_cli_dropout");
+    const std::string cfg = slow_config(dir, 6, 16);
+    auto r = run_in_dir("train " + cfg + " --set model.dropout=0.1 io.out_dir=" + dir + "/full");
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("dropout=0.1"), std::string::npos) << "config printed: " << r.output;
+    r = run_in_dir("train " + cfg + " --set io.out_dir=" + dir + "/plain");
+    ASSERT_EQ(r.code, 0) << r.output;
+    r = run_in_dir("train " + cfg + " --set model.dropout=0.1 --stop-after 3");
+    ASSERT_EQ(r.code, 0) << r.output;
+    r = run_in_dir("train --resume " + dir + "/out");
+    ASSERT_EQ(r.code, 0) << r.output;
+    auto want = losses_logged_once(dir + "/full/metrics.jsonl");
+    ASSERT_EQ(want.size(), 6u);
+    EXPECT_EQ(losses_logged_once(dir + "/out/metrics.jsonl"), want);
+    EXPECT_NE(losses_logged_once(dir + "/plain/metrics.jsonl"), want);
+    r = run_in_dir("train " + cfg + " --set model.dropout=1.5 io.out_dir=" + dir + "/bad");
+    EXPECT_NE(r.code, 0);
+    EXPECT_NE(r.output.find("model.dropout = 1.5 must be in [0, 1)"), std::string::npos)
+        << r.output;
+    EXPECT_FALSE(fs::exists(dir + "/bad"));
+    r = run_in_dir("train " + cfg + " --set model.dropout=0.1 train.pp=2 io.out_dir=" + dir +
+                   "/pp");
+    EXPECT_NE(r.code, 0);
+    EXPECT_NE(r.output.find("model.dropout = 0.1 does not run with train.pp = 2 yet"),
+              std::string::npos)
+        << r.output;
+}
+
 // Nothing to train (a finished run resumed, --stop-after 0, train.max_steps = 0): one line that
 // says so and how to train longer, exit 0, and no file written (a finished run's memory.json
 // once came back with zero activations).

@@ -17,20 +17,7 @@ using namespace memtrain;
 
 namespace {
 
-// 4 heads of 4 over 2 kv heads, a small explicit MLP width, untied output embedding.
-ModelConfig tiny_llama(int layers = 2) {
-    ModelConfig c = test::tiny_model(layers);
-    c.n_head = 4;
-    c.n_kv_head = 2;
-    c.norm = "rmsnorm";
-    c.activation = "swiglu";
-    c.positions = "rope";
-    c.tied_embeddings = false;
-    c.ffn_hidden = 24;
-    c.norm_eps = 1e-6;
-    c.rope_theta = 1000.0;
-    return c;
-}
+using test::tiny_llama;
 
 void expect_error_naming(const ModelConfig& c, const std::string& key) {
     try {

@@ -69,6 +69,8 @@ struct LoraModel {
     float* a() { return adapters.full_params(); }
     std::size_t n() const { return lay.params.total; }
     double loss() { return model.forward_loss(x.data(), y.data(), kBatch, kSeq); }
+    // The training pass's loss (model.dropout drops there only).
+    double train_loss() { return model.forward_backward(x.data(), y.data(), kBatch, kSeq, 0.0f); }
     std::vector<float> grads() {
         adapters.zero_grads();
         model.forward_backward(x.data(), y.data(), kBatch, kSeq, 1.0f / (kBatch * kSeq));
@@ -85,20 +87,23 @@ LoraConfig lora_cfg(const std::string& targets, double dropout = 0) {
     return c;
 }
 
-// Central differences of the (training-mode) loss at a few coordinates of every adapter tensor.
+// Central differences of the (training-mode) loss at a few coordinates of every adapter tensor;
+// under model.dropout of the training pass's loss, with a smaller step (its 1 / (1 - p) raises
+// the curvature).
 void check_fd(LoraModel& s) {
     s.lora.set_training(true);
     const std::vector<float> g = s.grads();
-    const float h = 1e-2f;
+    const bool dropout = s.model.config().dropout > 0;
+    const float h = dropout ? 3e-3f : 1e-2f;
     int checked = 0;
     for (const ParamSpec& t : s.lay.params.tensors)
         for (std::size_t k = 0; k < t.numel; k += std::max<std::size_t>(1, t.numel / 5)) {
             float* p = s.a() + t.offset + k;
             const float v = *p;
             *p = v + h;
-            const double lp = s.loss();
+            const double lp = dropout ? s.train_loss() : s.loss();
             *p = v - h;
-            const double lm = s.loss();
+            const double lm = dropout ? s.train_loss() : s.loss();
             *p = v;
             const double num = (lp - lm) / (2 * h);
             EXPECT_NEAR(g[t.offset + k], num, 2e-3 + 2e-2 * std::abs(num))
@@ -167,6 +172,15 @@ TEST(Lora, GradientsMatchFiniteDifferences) {
     LoraModel d(tiny_exact_llama(), lora_cfg("attn", 0.3),
                 true);  // one dropout mask per micro-batch
     check_fd(d);
+    // model.dropout with adapters on every linear: each adapter's output is inside the branch
+    // that is dropped (as PEFT's LoRA sits inside GPT-2's attention and MLP).
+    ModelConfig dropped = test::tiny_model();
+    dropped.dropout = 0.2;
+    LoraModel m(dropped, lora_cfg("all", 0.1), true);
+    m.model.set_dropout_seed(3);
+    m.model.set_dropout_rows(8);
+    check_fd(m);
+    EXPECT_NE(m.train_loss(), m.loss());
 }
 
 TEST(Lora, BaseGetsNoGradientsAndRematKeepsTheBits) {

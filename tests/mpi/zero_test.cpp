@@ -35,11 +35,12 @@ struct Case {
     int stage;
     std::string remat;
     bool llama;  // untied lm_head (a head unit with its own output embedding), rmsnorm, rope
+    double dropout = 0;  // model.dropout: masks keyed by sequence, the same at every world size
 };
 
 std::string name(const Case& k) {
     return "zero" + std::to_string(k.stage) + "_" + k.remat.substr(0, k.remat.find(':')) +
-           (k.llama ? "_llama" : "");
+           (k.llama ? "_llama" : "") + (k.dropout > 0 ? "_dropout" : "");
 }
 
 // N ranks x micro-batch 2 x 2 accumulation steps against one process with micro-batch 2N.
@@ -47,6 +48,7 @@ void check_matches_single_process(const Case& k) {
     const int N = comm().size(), b = 2, K = 2, steps = 10;
     RunConfig c = shared_tiny_run(name(k), steps);
     c.train.remat = k.remat;
+    c.model.dropout = k.dropout;
     if (k.llama) {
         c.model.norm = "rmsnorm";
         c.model.activation = "swiglu";
@@ -155,6 +157,9 @@ void check_matches_single_process(const Case& k) {
 
 TEST(Zero, Stage0DdpMatchesSingleProcess) {
     check_matches_single_process({0, "none", false});
+}
+TEST(Zero, Stage2WithDropoutMatchesSingleProcess) {
+    check_matches_single_process({2, "selective", false, 0.1});
 }
 TEST(Zero, Stage1MatchesSingleProcess) {
     check_matches_single_process({1, "none", false});

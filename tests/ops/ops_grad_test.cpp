@@ -3,6 +3,7 @@
 // compares the analytic gradient of every input and parameter to (L(x+h) - L(x-h)) / 2h.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <vector>
@@ -123,6 +124,79 @@ TEST(OpsGrad, Attention) {
         }
         cpu::attention_backward(dqkv.data(), dout.data(), qkv.data(), att.data(), B, T, C, NH, NH);
         check_grad("dqkv", qkv, dqkv, f, 2e-2, 200);
+    }
+}
+
+// Attention dropout (model.dropout): the probabilities that weight v are dropped by the hash
+// mask, the saved ones are not, and the backward through the same mask is the gradient. GQA too.
+TEST(OpsGrad, AttentionWithDropout) {
+    for (int NKV : {2, 1}) {
+        const int B = 2, T = 6, C = 8, NH = 2, QKV = C + 2 * NKV * (C / NH);
+        DropoutMask m{0.3, 77, 5, 1};
+        auto qkv = randn(B * T * QKV, 33), dout = randn(B * T * C, 34);
+        std::vector<float> out(B * T * C), plain(B * T * C), att(B * NH * T * T),
+            att0(B * NH * T * T), dqkv(B * T * QKV);
+        auto f = [&]() {
+            cpu::attention_forward(out.data(), att.data(), qkv.data(), B, T, C, NH, NKV, &m);
+            return dot(out, dout);
+        };
+        f();
+        cpu::attention_forward(plain.data(), att0.data(), qkv.data(), B, T, C, NH, NKV);
+        EXPECT_EQ(att, att0) << "the saved probabilities are the undropped ones";
+        EXPECT_NE(out, plain) << "nothing was dropped";
+        // Output row (b, i) of head h is sum_j drop(a_ij) v_j: check one against the mask.
+        const int b = 1, h = 1, i = T - 1, hs = C / NH;
+        for (int d = 0; d < hs; d++) {
+            double want = 0;
+            for (int j = 0; j <= i; j++)
+                want += (double)att[((b * NH + h) * T + i) * T + j] *
+                        m.factor(m.key(b), ((uint64_t)h * T + i) * T + j) *
+                        qkv[(b * T + j) * QKV + C + NKV * hs + (h / (NH / NKV)) * hs + d];
+            EXPECT_NEAR(out[(b * T + i) * C + h * hs + d], want, 1e-5);
+        }
+        cpu::attention_backward(dqkv.data(), dout.data(), qkv.data(), att.data(), B, T, C, NH, NKV,
+                                &m);
+        check_grad("dqkv with dropout", qkv, dqkv, f, 2e-2, 200);
+    }
+}
+
+// The residual and in-place dropout: a fraction near p dropped, the rest scaled by 1 / (1 - p),
+// each sequence's mask its own (keyed by first + b) and the same at any batch split.
+TEST(OpsGrad, DropoutMaskIsKeyedBySequence) {
+    const int B = 4, T = 16, C = 32, n = B * T * C;
+    DropoutMask m{0.25, 9, 100, 2};
+    auto x = randn(n, 51), r = randn(n, 52);
+    std::vector<float> y(n), z = x;
+    cpu::dropout(y.data(), x.data(), m, B, T, C);
+    int dropped = 0;
+    for (int i = 0; i < n; i++) {
+        if (y[i] == 0.0f)
+            dropped++;
+        else
+            EXPECT_FLOAT_EQ(y[i], x[i] / 0.75f);
+    }
+    EXPECT_NEAR((double)dropped / n, 0.25, 0.02);
+    // Sequences 2 and 3 alone (first = 102) drop what they dropped in the batch of 4.
+    DropoutMask tail = m;
+    tail.first = 102;
+    std::vector<float> y2(n / 2);
+    cpu::dropout(y2.data(), x.data() + n / 2, tail, 2, T, C);
+    EXPECT_TRUE(std::equal(y2.begin(), y2.end(), y.begin() + n / 2));
+    // out = resid + drop(branch) (to rounding: the compiler may fuse the multiply-add); in
+    // place equals out of place.
+    cpu::dropout_residual(z.data(), r.data(), m, B, T, C);
+    for (int i = 0; i < n; i++)
+        ASSERT_NEAR(z[i], r[i] + y[i], 1e-6f * (std::abs(r[i]) + std::abs(y[i])));
+    cpu::dropout(x.data(), x.data(), m, B, T, C);
+    EXPECT_EQ(x, y);
+    // Another site, seed or first sequence draws another mask.
+    for (DropoutMask o : {DropoutMask{0.25, 9, 100, 3}, DropoutMask{0.25, 10, 100, 2},
+                          DropoutMask{0.25, 9, 101, 2}}) {
+        std::vector<float> w(n);
+        cpu::dropout(w.data(), z.data(), o, B, T, C);
+        std::vector<float> v(n);
+        cpu::dropout(v.data(), z.data(), m, B, T, C);
+        EXPECT_NE(w, v);
     }
 }
 

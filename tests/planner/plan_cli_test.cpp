@@ -28,6 +28,7 @@
 namespace {
 
 using Outcome = memtrain::test::CliResult;
+using memtrain::test::read_file;
 using memtrain::test::write_file;
 
 Outcome memtrain_cli(const std::string& args) {
@@ -441,6 +442,15 @@ TEST(PlanCli, EmittedConfigIsTheWholeSourceConfig) {
     const memtrain::RunConfig gc = memtrain::read_run_config(dir + "/gpu.toml", {});
     EXPECT_EQ(gc.train.device, "auto");
     EXPECT_EQ(gc.train.precision, "bf16");
+    // model.dropout is kept, and the header says where the trainer does not run it yet.
+    write_file(dir + "/drop.toml",
+               "[model]\nn_layer = 4\nn_head = 4\nn_embd = 64\nblock_size = 64\ndropout = 0.1\n");
+    const Outcome d =
+        memtrain_cli("plan " + dir + "/drop.toml --gpus 1 --emit-config " + dir + "/dgpu.toml");
+    ASSERT_EQ(d.code, 0) << d.output;
+    EXPECT_EQ(memtrain::read_run_config(dir + "/dgpu.toml", {}).model.dropout, 0.1);
+    EXPECT_NE(read_file(dir + "/dgpu.toml").find("# model.dropout = 0.1 runs on the CPU engine"),
+              std::string::npos);
 }
 
 // Parameter offload, which the trainer does not run, is marked in the table, ranks after every

@@ -35,7 +35,10 @@ LossAndGrads two_micro_batches(const ModelConfig& c, const RematPlan& plan) {
     const int B = 2, T = 8;
     auto x = test::random_tokens(2 * B * T, c.vocab_size, 5),
          y = test::random_tokens(2 * B * T, c.vocab_size, 6);
+    m.set_dropout_seed(21);  // (model.dropout > 0 only)
+    m.set_dropout_rows(0);
     float loss = m.forward_backward(x.data(), y.data(), B, T, 1.0f / 32);
+    m.set_dropout_rows(B);
     loss += m.forward_backward(x.data() + B * T, y.data() + B * T, B, T, 1.0f / 32);
     return {loss, std::vector<float>(m.grads(), m.grads() + m.num_params())};
 }
@@ -91,6 +94,27 @@ TEST(Remat, EveryPolicyGivesBitwiseIdenticalLossAndGradients) {
             mixed[L - 1] = BlockKeep::All;
             LossAndGrads r = two_micro_batches(c, mixed);
             EXPECT_EQ(0, std::memcmp(r.grads.data(), ref.grads.data(), ref.grads.size() * 4));
+        }
+    }
+}
+
+// model.dropout's masks are hashes asked again by every recompute: each policy still gives the
+// bits of keeping everything, and the bytes the layout (which has no masks) predicts.
+TEST(Remat, DropoutKeepsEveryPolicyBitwiseAndItsPredictedBytes) {
+    for (bool llama : {false, true}) {
+        ModelConfig c = llama ? test::tiny_llama(3) : test::tiny_model(3);
+        c.dropout = 0.25;
+        LossAndGrads ref = two_micro_batches(c, {});
+        ModelConfig plain = c;
+        plain.dropout = 0;
+        EXPECT_NE(ref.loss, two_micro_batches(plain, {}).loss) << "dropout changed nothing";
+        for (const auto& text : policies_for(c)) {
+            Solution s = solve_policy(parse_policy(text), c, 2, 8);
+            LossAndGrads r = two_micro_batches(c, s.plan);
+            EXPECT_EQ(r.loss, ref.loss) << text << " llama=" << llama;
+            EXPECT_EQ(0, std::memcmp(r.grads.data(), ref.grads.data(), ref.grads.size() * 4))
+                << text << " llama=" << llama;
+            expect_measured_bytes(c, s, text + " with dropout");
         }
     }
 }

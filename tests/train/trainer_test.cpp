@@ -75,6 +75,65 @@ TEST(Trainer, ResumeReproducesUninterruptedRunBitwise) {
         << "parameters after 10 + resume + 10 steps differ from 20 uninterrupted steps";
 }
 
+// model.dropout end to end: a run resumes bitwise (the masks are keyed by the step, not by the
+// process), a sequence draws the same mask at any micro-batch split (so accumulation and
+// data-parallel ranks see the same masks), the checkpoint keeps the key, and it changes training.
+TEST(Trainer, DropoutResumesBitwiseAndFollowsTheSequence) {
+    auto d1 = test::temp_dir("dropout_full"), d2 = test::temp_dir("dropout_split"),
+         d3 = test::temp_dir("dropout_micro"), d4 = test::temp_dir("dropout_none");
+    RunConfig full = test::tiny_run(d1, 8);
+    full.model.dropout = 0.1;
+    Trainer a(full, opts());
+    auto sa = a.run();
+
+    RunConfig split = test::tiny_run(d2, 8);
+    split.model.dropout = 0.1;
+    TrainSummary s2;
+    auto second = test::train_stop_and_resume(split, 4, s2);
+    ASSERT_EQ(s2.losses.size(), 4u);
+    for (int i = 0; i < 4; i++) EXPECT_EQ(s2.losses[i], sa.losses[4 + i]) << "step " << 5 + i;
+    EXPECT_EQ(
+        0, std::memcmp(a.model().params(), second->model().params(), a.model().num_params() * 4));
+    EXPECT_EQ(load_run_config(d2 + "/out/ckpt_000004/memtrain.toml", {}).model.dropout, 0.1);
+
+    RunConfig micro = test::tiny_run(d3, 8);
+    micro.model.dropout = 0.1;
+    micro.train.micro_batch_size = 1;  // 4 micro-batches of one sequence instead of 2 of two
+    auto sm = Trainer(micro, opts()).run();
+    for (int i = 0; i < 8; i++) EXPECT_NEAR(sm.losses[i], sa.losses[i], 1e-5) << "step " << i + 1;
+
+    auto sn = Trainer(test::tiny_run(d4, 8), opts()).run();
+    EXPECT_GT(std::abs(sn.losses[7] - sa.losses[7]), 1e-4) << "dropout changed nothing";
+}
+
+// Where model.dropout is not built yet, the config is refused by name.
+TEST(Config, DropoutIsRefusedWhereItIsNotBuilt) {
+    auto refused = [](auto&& edit, const std::string& key) {
+        RunConfig c = test::tiny_run_config("/nonexistent", 4);
+        c.model.dropout = 0.1;
+        c.world = 4;
+        edit(c);
+        const std::string m = test::error_of([&] { validate_config(c); });
+        EXPECT_NE(m.find("model.dropout = 0.1 does not run with " + key), std::string::npos) << m;
+    };
+    refused([](RunConfig& c) { c.train.tp = 2; }, "train.tp = 2");
+    refused([](RunConfig& c) { c.train.pp = 2; }, "train.pp = 2");
+    refused(
+        [](RunConfig& c) {
+            c.train.dp_mode = "ps";
+            c.train.ps_servers = 1;
+        },
+        "train.dp_mode = \"ps\"");
+    RunConfig bad = test::tiny_run_config("/nonexistent", 4);
+    bad.model.dropout = 1.0;
+    EXPECT_NE(
+        test::error_of([&] { validate_config(bad); }).find("model.dropout = 1 must be in [0, 1)"),
+        std::string::npos);
+    bad.model.dropout = 0.1;
+    bad.world = 2;
+    validate_config(bad);  // DDP and ZeRO run it
+}
+
 TEST(Trainer, SgdRunsAndResumes) {
     auto dir = test::temp_dir("trainer_sgd");
     RunConfig c = test::tiny_run(dir, 4);
@@ -263,7 +322,7 @@ TEST(Config, PeersKeysNameMemtrainsAndEveryUnknownKeyIsReportedAtOnce) {
     const std::string m = test::error_of([] {
         parse_run_config(
             "[train]\ngradient_accumulation_steps = 4\nlearning_rate = 3e-4\nmax_steps = 10\n"
-            "[model]\ndropout = 0.1\nn_layer = 2\n[optim]\nlrr = 1e-3\n",
+            "resid_pdrop = 0.1\n[model]\ndropout = 0.1\nn_layer = 2\n[optim]\nlrr = 1e-3\n",
             "hf.toml", {});
     });
     EXPECT_NE(m.find("4 unknown config keys"), std::string::npos) << m;
@@ -275,7 +334,8 @@ TEST(Config, PeersKeysNameMemtrainsAndEveryUnknownKeyIsReportedAtOnce) {
     EXPECT_NE(m.find("unknown config key 'train.learning_rate'; memtrain's is 'optim.lr'"),
               std::string::npos)
         << m;
-    EXPECT_NE(m.find("unknown config key 'model.dropout' (memtrain trains without dropout"),
+    EXPECT_NE(m.find("unknown config key 'train.resid_pdrop'; memtrain's is 'model.dropout' (one "
+                     "probability for attention, residual and embedding)"),
               std::string::npos)
         << m;
     EXPECT_NE(m.find("unknown config key 'optim.lrr'; did you mean 'optim.lr'?"), std::string::npos)

@@ -379,6 +379,10 @@ void CpuEngine::forward_backward(const int32_t* inputs, const int32_t* targets, 
         lora_->set_micro_batch(
             (uint64_t)(opt_->steps_taken() * plan_.accum_steps + micro_batches_));
     }
+    if (plan_.cfg.model.dropout > 0) {  // every rank's masks from one seed, keyed by sequence
+        model().set_dropout_seed(plan_.cfg.train.seed ^ 0xD80F0D7ull);
+        model().set_dropout_rows(dropout_rows_);
+    }
     if (last && in_backward())
         last_backward_with_update(inputs, targets, B, T, grad_scale);
     else

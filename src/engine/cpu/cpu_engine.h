@@ -84,6 +84,7 @@ class CpuEngine final : public Engine {
     void forward_backward(const int32_t* inputs, const int32_t* targets, int B, int T,
                           float grad_scale, bool last) override;
     StepResult finish_step(double lr, double max_norm) override;
+    void set_dropout_rows(uint64_t first) override { dropout_rows_ = first; }
     // Over the ZeroStore (one process, DDP, ZeRO 1-3): each rank counts its owned range.
     bool has_gradient_histograms() const override {
         return zero_ && !pipelined() && !tp_ && !in_backward();
@@ -200,6 +201,7 @@ class CpuEngine final : public Engine {
     // Pipelines: the stage's gradients across its replicas.
     std::unique_ptr<dist::ReplicaSync> replicas_;
     std::vector<std::unique_ptr<GPT>> chunks_;
+    uint64_t dropout_rows_ = 0;  // set_dropout_rows, for the next forward_backward
     // The optimizer over what this rank updates (one part per pipeline chunk), and the views of
     // the whole model a stage or shard shows (null where the model's own store is the view).
     std::unique_ptr<RangeOptimizers> opt_;

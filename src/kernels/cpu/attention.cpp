@@ -1,7 +1,9 @@
 // Causal grouped-query self-attention on the CPU (multi-head when NKV == NH). The (B,NH,T,T)
 // probabilities are kept for the backward pass. Forward parallelises over (batch, query head);
 // backward over (batch, kv head), walking that kv head's query heads in order, so the d(k) and
-// d(v) sums shared by a group never race and are summed in a fixed order.
+// d(v) sums shared by a group never race and are summed in a fixed order. Attention dropout
+// (model.dropout) drops the probabilities that weight v, by the hash mask of
+// kernels/dropout_mask.h: nothing more is stored.
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -18,7 +20,8 @@ static inline float dot(const float* a, const float* b, int n) {
 }
 
 void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH,
-                       int NKV) {
+                       int NKV, const DropoutMask* drop) {
+    const bool dropping = drop && drop->on();
     const int hs = C / NH;
     const int QKV = C + 2 * NKV * hs;
     const int group = NH / NKV;
@@ -30,6 +33,7 @@ void attention_forward(float* out, float* att, const float* qkv, int B, int T, i
             const float* kbase = qkv + (int64_t)b * T * QKV + C + (h / group) * hs;
             const float* vbase = kbase + NKV * hs;
             float* a = att + ((int64_t)b * NH + h) * T * T;
+            const uint64_t key = dropping ? drop->key(b) : 0;
             for (int i = 0; i < T; i++) {
                 const float* q = qbase + (int64_t)i * QKV;
                 float* row = a + (int64_t)i * T;
@@ -53,6 +57,7 @@ void attention_forward(float* out, float* att, const float* qkv, int B, int T, i
                 for (int j = 0; j <= i; j++) {
                     const float* v = vbase + (int64_t)j * QKV;
                     float w = row[j];
+                    if (dropping) w *= drop->factor(key, ((uint64_t)h * T + i) * T + j);
 #pragma omp simd
                     for (int d = 0; d < hs; d++) o[d] += w * v[d];
                 }
@@ -62,7 +67,8 @@ void attention_forward(float* out, float* att, const float* qkv, int B, int T, i
 }
 
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att, int B,
-                        int T, int C, int NH, int NKV) {
+                        int T, int C, int NH, int NKV, const DropoutMask* drop) {
+    const bool dropping = drop && drop->on();
     const int hs = C / NH;
     const int QKV = C + 2 * NKV * hs;
     const int group = NH / NKV;
@@ -75,6 +81,7 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
             float* dkbase = dqkv + (int64_t)b * T * QKV + C + kvh * hs;
             float* dvbase = dkbase + NKV * hs;
             std::vector<float> darow(T);  // one row of d(att) at a time: no (T,T) scratch
+            const uint64_t key = dropping ? drop->key(b) : 0;
             for (int t = 0; t < T; t++) {
                 std::memset(dkbase + (int64_t)t * QKV, 0, hs * sizeof(float));
                 std::memset(dvbase + (int64_t)t * QKV, 0, hs * sizeof(float));
@@ -88,12 +95,18 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
                 for (int i = 0; i < T; i++) {
                     const float* d = dout + ((int64_t)b * T + i) * C + h * hs;
                     const float* arow = a + (int64_t)i * T;
-                    // d(att) and d(v)
+                    // d(att) and d(v); under dropout v was weighted by the dropped
+                    // probabilities, and d(att) is d(dropped) through the same mask.
                     for (int j = 0; j <= i; j++) {
                         const float* v = vbase + (int64_t)j * QKV;
                         float* dv = dvbase + (int64_t)j * QKV;
                         darow[j] = dot(d, v, hs);
                         float w = arow[j];
+                        if (dropping) {
+                            const float f = drop->factor(key, ((uint64_t)h * T + i) * T + j);
+                            darow[j] *= f;
+                            w *= f;
+                        }
 #pragma omp simd
                         for (int k = 0; k < hs; k++) dv[k] += w * d[k];
                     }

@@ -9,6 +9,8 @@
 
 #include <cstdint>
 
+#include "kernels/dropout_mask.h"
+
 namespace memtrain::cpu {
 
 // ---- embedding -------------------------------------------------------------------------------
@@ -20,6 +22,15 @@ void embedding_forward(float* out /*(B,T,C)*/, const int32_t* inp /*(B,T)*/,
 void embedding_backward(float* dwte /*(V,C)*/, float* dwpe /*(maxT,C)*/,
                         const float* dout /*(B,T,C)*/, const int32_t* inp /*(B,T)*/, int B, int T,
                         int C);
+
+// ---- dropout (model.dropout; the mask of kernels/dropout_mask.h) -----------------------------
+// out = drop(inp), element t * C + c of sequence b kept with probability 1 - m.p and scaled by
+// 1 / (1 - m.p). Its own backward (d(inp) = drop(d(out))). out may be inp.
+void dropout(float* out /*(B,T,C)*/, const float* inp /*(B,T,C)*/, const DropoutMask& m, int B,
+             int T, int C);
+// A residual branch's dropout and add: on entry out holds the branch, on exit resid + drop(out).
+void dropout_residual(float* out /*(B,T,C)*/, const float* resid /*(B,T,C)*/, const DropoutMask& m,
+                      int B, int T, int C);
 
 // ---- layernorm -------------------------------------------------------------------------------
 void layernorm_forward(float* out /*(N,C)*/, float* mean /*(N)*/, float* rstd /*(N)*/,
@@ -80,12 +91,15 @@ void rope_backward(float* dqkv /*(B,T,QKV)*/, int B, int T, int NH, int NKV, int
 // q has NH heads, k and v NKV heads each (NH % NKV == 0), all of size hs = C / NH, so a row of
 // qkv is QKV = C + 2 * NKV * hs wide; query head h attends with kv head h / (NH / NKV).
 // NKV == NH is plain multi-head attention (GPT-2: QKV = 3C).
+// With a mask (model.dropout) the probabilities are dropped before they weight v: element
+// (h * T + i) * T + j of sequence b. att keeps them undropped; the backward asks the mask again.
 void attention_forward(float* out /*(B,T,C)*/, float* att /*(B,NH,T,T) softmax probabilities*/,
-                       const float* qkv /*(B,T,QKV)*/, int B, int T, int C, int NH, int NKV);
+                       const float* qkv /*(B,T,QKV)*/, int B, int T, int C, int NH, int NKV,
+                       const DropoutMask* drop = nullptr);
 // dqkv is overwritten; d(att) is formed one row at a time, so no (T,T) scratch is needed.
 void attention_backward(float* dqkv /*(B,T,QKV)*/, const float* dout /*(B,T,C)*/,
                         const float* qkv /*(B,T,QKV)*/, const float* att /*(B,NH,T,T)*/, int B,
-                        int T, int C, int NH, int NKV);
+                        int T, int C, int NH, int NKV, const DropoutMask* drop = nullptr);
 
 // ---- classifier + cross-entropy, chunked so at most `chunk` rows of logits exist ---------------
 // `wte` is the output embedding: the token embedding when tied, lm_head.weight when not.

@@ -3,7 +3,7 @@
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops.h"
-#include "kernels/lora_mask.h"
+#include "kernels/dropout_mask.h"
 
 namespace memtrain::cuda {
 
@@ -15,7 +15,7 @@ template <typename T>
 __global__ void lora_dropout_kernel(T* out, const T* x, int64_t n, uint64_t key, double p,
                                     float keep) {
     MT_GRID_STRIDE(i, n) {
-        out[i] = from_float<T>(to_float(x[i]) * lora_mask::factor(key, (uint64_t)i, p, keep));
+        out[i] = from_float<T>(to_float(x[i]) * dropout_mask::factor(key, (uint64_t)i, p, keep));
     }
 }
 
@@ -23,7 +23,7 @@ template <typename T>
 __global__ void lora_masked_add_kernel(T* dx, const T* t, int64_t n, uint64_t key, double p,
                                        float keep) {
     MT_GRID_STRIDE(i, n) {
-        const float f = lora_mask::factor(key, (uint64_t)i, p, keep);
+        const float f = dropout_mask::factor(key, (uint64_t)i, p, keep);
         dx[i] = from_float<T>(to_float(dx[i]) + to_float(t[i]) * f);
     }
 }

@@ -1,6 +1,6 @@
-// LoRA on the GPU: the adapters' dropout (the mask of kernels/lora_mask.h, the CPU's bit for bit)
-// and the frozen QLoRA base's dequantization (quant/quantized_store.h's formats, decoded to T).
-// Included through kernels/cuda/ops.h.
+// LoRA on the GPU: the adapters' dropout (the mask of kernels/dropout_mask.h, the CPU's bit for
+// bit) and the frozen QLoRA base's dequantization (quant/quantized_store.h's formats, decoded to
+// T). Included through kernels/cuda/ops.h.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -12,7 +12,7 @@
 namespace memtrain::cuda {
 
 // ---- dropout on an adapter's input -------------------------------------------------------------
-// out[i] = x[i] * factor(key, i): 0 with probability p, else 1 / (1 - p) (lora_mask::factor).
+// out[i] = x[i] * factor(key, i): 0 with probability p, else 1 / (1 - p) (dropout_mask::factor).
 template <typename T>
 void lora_dropout(T* out /*(n)*/, const T* x /*(n)*/, int64_t n, uint64_t key, double p,
                   cudaStream_t stream = 0);
