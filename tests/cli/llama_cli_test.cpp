@@ -122,11 +122,13 @@ TEST(LlamaCli, InitFromAnOutDirTakesItsArchitectureAndRefusesAPartialLoad) {
     r = run_memtrain("train " + dir + "/deep.toml --set io.out_dir=" + dir + "/deep");
     ASSERT_EQ(r.code, 0) << r.output;
 
-    // No [model]: the out_dir (its `latest`) gives both the architecture and the weights.
+    // No [model]: the out_dir (its `latest`) gives both the architecture and the weights
+    // (model.dropout beside init_from is a training choice, not a [model] description).
     write_file(dir + "/ft.toml", run_keys);
     r = run_memtrain("train " + dir + "/ft.toml --set io.out_dir=" + dir +
-                     "/ft model.init_from=" + dir + "/deep");
+                     "/ft model.dropout=0.1 model.init_from=" + dir + "/deep");
     ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("dropout=0.1"), std::string::npos) << r.output;
     EXPECT_NE(r.output.find("initialised weights from " + dir + "/deep"), std::string::npos)
         << r.output;
     EXPECT_NE(r.output.find("n_layer=3 "), std::string::npos) << r.output;
