@@ -206,7 +206,7 @@ void register_remat(CLI::App& app) {
             fail("--precision {}: expected fp32, bf16 or fp16", precision);
         const ActFormat fmt = device == "cuda"
                                   ? cuda_arena_format(m, precision == "fp32" ? 4 : 2, B, T)
-                                  : ActFormat::cpu();
+                                  : cpu_arena_format(m);
         const bool measured = a->measure || cfg.train.remat_costs == "measured";
         if (measured && device == "cuda")
             fail("--measure profiles the CPU kernels; price the cuda layout with analytic costs");

@@ -35,6 +35,9 @@ struct TrainConfig {
     std::string remat = "none";  // activation checkpointing policy (remat/policy.h)
     std::string remat_costs =
         "analytic";  // recompute priced by "analytic" FLOPs or "measured" time
+    // What the CPU engine keeps for attention's backward: "probs" (B,NH,T,T) or "lse" (B,NH,T),
+    // recomputing the probabilities (ModelConfig::lse_attention).
+    std::string cpu_attention = "probs";
     int zero_stage =
         0;       // data-parallel sharding (parallel/data/zero_store.h): 0 DDP .. 3 parameters
     int pp = 1;  // pipeline stages (ranks per pipeline; engine/cpu/cpu_engine.h)

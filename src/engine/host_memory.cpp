@@ -129,7 +129,7 @@ static std::vector<MemoryPrediction> predict_tp_memory(const RunConfig& cfg, con
     auto rows = zero_state_rows(
         cfg, tl.local, 1, 0,
         fmt::format("(whole {} + cut {} / {}) params", whole, tl.full.total - whole, tp));
-    const auto arena = activation_layout(shard, B, T, plan, GPT::arena_format());
+    const auto arena = activation_layout(shard, B, T, plan, cpu_arena_format(shard));
     rows.push_back({MemCategory::Activations,
                     fmt::format("activation_layout(shard{}, B, T, remat={})",
                                 cfg.train.sequence_parallel ? " with sequence parallelism" : "",
@@ -158,7 +158,7 @@ std::vector<MemoryPrediction> predict_cpu_memory(const RunConfig& cfg, const Rem
             return {};
     }
     const ParamLayout layout = make_param_layout(cfg.model);
-    const auto arena = activation_layout(cfg.model, B, T, plan, GPT::arena_format());
+    const auto arena = activation_layout(cfg.model, B, T, plan, cpu_arena_format(cfg.model));
     std::vector<MemoryPrediction> rows;
     std::string ws_formula = "activation_layout(B, T)";
     std::size_t ws_extra = 0;
@@ -269,7 +269,7 @@ StageFootprint stage_footprint(const RunPlan& plan, const RematPlan& remat, int 
                                layout.units[last].name);
         const RematPlan keep =
             remat.empty() ? RematPlan{} : RematPlan(remat.begin() + b0, remat.begin() + b1);
-        const ArenaPlan a = plan_stage_arena(cfg, b1 - b0, B, T, keep, GPT::arena_format());
+        const ArenaPlan a = plan_stage_arena(cfg, b1 - b0, B, T, keep, cpu_arena_format(cfg));
         const int slots = std::max(1, sim.peak_stage_in_flight[vs]);
         const std::size_t wgrad = f.split_backward ? split_backward_bytes(cfg, b1 - b0, B, T) : 0;
         f.activations += (std::size_t)slots * (a.activation_bytes + wgrad);
@@ -322,7 +322,8 @@ std::vector<MemoryPrediction> ps_memory_rows(const RunPlan& plan, const RematPla
         };
     }
     const std::size_t psi = make_param_layout(plan.cfg.model).total;
-    const auto lay = activation_layout(plan.cfg.model, B, T, remat, GPT::arena_format());
+    const auto lay =
+        activation_layout(plan.cfg.model, B, T, remat, cpu_arena_format(plan.cfg.model));
     return {
         {MemCategory::Parameters, "4 x params (a whole replica)", 4 * psi},
         {MemCategory::Gradients, "4 x params", 4 * psi},
@@ -383,7 +384,8 @@ plan::RunSpec planner_run_spec(const RunConfig& cfg, const ActFormat& format) {
     }
     rs.zero = cfg.train.zero_stage;
     rs.offload = cfg.train.offload_optimizer ? plan::Offload::optimizer : plan::Offload::none;
-    rs.flash_attention = format.fused_attention;
+    rs.flash_attention = format.cuda;
+    rs.lse_attention = format.fused_attention && !format.cuda;
     rs.fragmentation = 0;
     rs.reserve_bytes = 0;
     const std::string& rp = cfg.train.remat;
@@ -431,7 +433,7 @@ std::vector<MemoryPrediction> predict_pipeline_memory(const RunConfig& cfg, int 
         return {};
     if (remat != "none" && remat != "selective" && remat != "full") return {};
     const plan::MemoryEstimate est = plan::estimate_rank_memory(
-        plan::model_from_config(cfg.model), planner_run_spec(cfg, GPT::arena_format()),
+        plan::model_from_config(cfg.model), planner_run_spec(cfg, cpu_arena_format(cfg.model)),
         planner_rank(cfg, rank));
     if (!est.engine_layout) return {};
     std::vector<MemoryPrediction> rows;
@@ -475,7 +477,7 @@ void check_host_fit(const RunPlan& plan, int ranks_on_node) {
     // the model states sharded over more ranks or left to adapters.
     const int T = plan.seq_len;
     const RematPlan full = remat::solve_policy(remat::parse_policy("full"), plan.cfg.model, 1, T,
-                                               nullptr, GPT::arena_format())
+                                               nullptr, cpu_arena_format(plan.cfg.model))
                                .plan;
     const std::size_t smallest = predicted_total(predict_host_memory(plan, full, 1, T));
     std::string would = fmt::format(

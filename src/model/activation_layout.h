@@ -65,7 +65,12 @@ struct ActFormat {
     int loss_chunk = 256;          // rows of logits alive at once
     std::size_t align = 4;         // every region starts at a multiple of this many bytes
 
-    static ActFormat cpu() { return ActFormat{}; }
+    // The CPU model: fp32, the probabilities or (lse_attention) their log-sum-exp.
+    static ActFormat cpu(bool lse_attention = false) {
+        ActFormat f;
+        f.fused_attention = lse_attention;
+        return f;
+    }
     bool operator==(const ActFormat&) const = default;
     // The CUDA model: fused attention, regions 256-byte aligned (cuBLASLt and vector loads).
     static ActFormat cuda_model(int elem_bytes, int loss_chunk) {
@@ -78,6 +83,11 @@ struct ActFormat {
 // rows). No GPU is needed to ask (the planner and `memtrain remat` price the GPU layout
 // anywhere).
 ActFormat cuda_arena_format(const ModelConfig& cfg, int elem_bytes, int B, int T);
+
+// The CPU model's format for a config (ModelConfig::lse_attention).
+inline ActFormat cpu_arena_format(const ModelConfig& cfg) {
+    return ActFormat::cpu(cfg.lse_attention);
+}
 
 // One named region of the activation or workspace arena.
 struct ArenaEntry {

@@ -50,6 +50,10 @@ struct ModelConfig {
     // micro-batch's B x T token rows. Set by the tensor-parallel engine from
     // train.sequence_parallel, never read from a file.
     bool sequence_parallel = false;
+    // The CPU model keeps each attention row's log-sum-exp, not its T probabilities, and
+    // recomputes them in the backward (train.cpu_attention = "lse"). Set from that key by
+    // resolve_config, never read from a file; the CUDA model always does.
+    bool lse_attention = false;
     // Weights to start from: a Hugging Face model directory, a memtrain checkpoint or an out_dir
     // with `latest`, a .safetensors file, or a sharded model.safetensors.index.json, with GPT-2 or
     // Llama tensor names (io/hf_weights.h, io/model_source.h).

@@ -274,7 +274,10 @@ void GPT::block_forward(const BlockParams& p, int l, const float* adapter, const
     if (cfg_.rope())
         cpu::rope_forward(s.qkv, B, T, NH, NKV, cfg_.head_dim(), (float)cfg_.rope_theta);
     DropoutMask m;
-    cpu::attention_forward(s.atty, s.att, s.qkv, B, T, A, NH, NKV, dropout_at(sl, m, 1 + 3 * l));
+    // s.att holds the probabilities, or under lse_attention their log-sum-exp.
+    const bool lse = cfg_.lse_attention;
+    cpu::attention_forward(s.atty, lse ? nullptr : s.att, s.qkv, B, T, A, NH, NKV,
+                           dropout_at(sl, m, 1 + 3 * l), lse ? s.att : nullptr);
     // Row-parallel c_proj: this rank's heads' share, summed over the group (g: an all-reduce, or
     // a reduce-scatter to this rank's rows), then the residual and the bias once.
     auto row_parallel_sum = [&](float* partial_or_out, float* out_rows) {
@@ -421,8 +424,9 @@ void GPT::block_backward(const BlockParams& p, BlockParams& g, int l, const floa
     cpu::matmul_backward(datty, w(g.proj_w), w(g.proj_b), dout, s.atty, p.proj_w, N, A, C);
     lora(BlockLinear::Proj, s.atty, dout, datty);
     float* dqkv = dbig_;
-    cpu::attention_backward(dqkv, datty, s.qkv, s.att, B, T, A, NH, NKV,
-                            dropout_at(sl, m, 1 + 3 * l));
+    const bool lse = cfg_.lse_attention;
+    cpu::attention_backward(dqkv, datty, s.qkv, lse ? nullptr : s.att, B, T, A, NH, NKV,
+                            dropout_at(sl, m, 1 + 3 * l), lse ? s.att : nullptr);
     if (cfg_.rope())
         cpu::rope_backward(dqkv, B, T, NH, NKV, cfg_.head_dim(), (float)cfg_.rope_theta);
     keep(d.qkv, dqkv, (std::size_t)N * QKV);

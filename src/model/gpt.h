@@ -167,8 +167,9 @@ class GPT {
     ArenaPlan stage_arena(int B, int T) const;
 
     static constexpr int kLossChunk = 256;  // rows of logits alive at once
-    // How this model lays out its arenas (fp32, attention probabilities kept, kLossChunk).
-    static ActFormat arena_format() { return ActFormat::cpu(); }
+    // How this model lays out its arenas (fp32, the attention probabilities or their
+    // log-sum-exp, kLossChunk).
+    ActFormat arena_format() const { return cpu_arena_format(cfg_); }
 
   private:
     // What one in-flight micro-batch keeps: its residual streams (the stage's blocks + 1),

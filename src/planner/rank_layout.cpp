@@ -52,6 +52,7 @@ ModelConfig rank_config(const ModelSpec& m, const RunSpec& r) {
     // ModelConfig::sp_rows then shards the arena's sequence regions as the engines' shard
     // configs do (dist::tp_shard_config).
     c.sequence_parallel = r.sequence_parallel && r.tp > 1;
+    c.lse_attention = r.lse_attention && !r.flash_attention;
     return c;
 }
 

@@ -44,7 +44,10 @@ struct RunSpec {
     // the whole model; empty: `recompute` for every block. Priced where the engines' layout is.
     RematPlan block_plan;
     bool sequence_parallel = false;  // Megatron SP: shards the norm/dropout activations over tp
-    bool flash_attention = true;     // no s^2 attention scores are kept
+    bool flash_attention = true;     // no s^2 attention scores are kept (the GPU's fused kernel)
+    // The CPU engine without flash_attention, under train.cpu_attention = "lse": it keeps each
+    // row's log-sum-exp instead of the s^2 probabilities (ModelConfig::lse_attention).
+    bool lse_attention = false;
     // bf16/fp16: 16-bit parameters and gradients, with an fp32 master copy unless !fp32_master
     // ("bf16-only"); fp32: everything in fp32 (core/dtype.h's Precision).
     Precision precision = Precision::bf16;

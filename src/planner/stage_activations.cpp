@@ -49,7 +49,7 @@ ActFormat arena_format(const ModelConfig& cfg, const RunSpec& r) {
     const int e = activation_bytes(r.precision);
     const int T = r.seq > 0 ? r.seq : cfg.block_size;  // RunSpec::seq_len of the same model
     if (r.flash_attention) return cuda_arena_format(cfg, e, r.micro_batch, T);
-    ActFormat f = ActFormat::cpu();
+    ActFormat f = cpu_arena_format(cfg);
     f.elem_bytes = e;
     return f;
 }

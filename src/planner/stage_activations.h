@@ -37,8 +37,8 @@ std::string remat_label(const RunSpec& r);
 // The arena format of the engine that would run `r` for `cfg`: with flash attention the CUDA
 // engine's (cuda_arena_format: fused attention keeping the log-sum-exp, 256-byte aligned regions,
 // activations of activation_bytes(precision)); without it the CPU engine's layout (attention
-// probabilities, 4-byte alignment) at activation_bytes(precision), which for fp32 is exactly
-// GPT::arena_format().
+// probabilities, or their log-sum-exp under lse_attention; 4-byte alignment) at
+// activation_bytes(precision), which for fp32 is exactly cpu_arena_format(cfg).
 ActFormat arena_format(const ModelConfig& cfg, const RunSpec& r);
 
 // Whether estimate_memory prices activations with the engine's layout: pipeline layouts

@@ -62,7 +62,7 @@ RunPlan plan_layout(const RunConfig& config, int rank, int world, bool collectiv
     p.step_cost = measured ? remat::estimated_step_ns(cfg.model, B, T, *measured)
                            : (double)remat::step_flops(cfg.model, B, T);
     p.costs_measured = measured != nullptr;
-    p.format = gpu ? device_arena_format(cfg, B, T) : GPT::arena_format();
+    p.format = gpu ? device_arena_format(cfg, B, T) : cpu_arena_format(cfg.model);
     p.remat = remat::solve_policy(remat::parse_policy(cfg.train.remat), cfg.model, B, T, measured,
                                   p.format);
     return p;

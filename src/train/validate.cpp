@@ -67,6 +67,7 @@ void resolve_config(RunConfig& cfg) {
     if (cfg.train.device == "auto") cfg.train.device = cuda_available() ? "cuda" : "cpu";
     if (cfg.train.precision == "auto")
         cfg.train.precision = cfg.train.device == "cuda" ? "bf16" : "fp32";
+    cfg.model.lse_attention = cfg.train.cpu_attention == "lse";
 }
 
 void validate_pipeline(const RunConfig& cfg) {
@@ -463,6 +464,11 @@ void validate_config(const RunConfig& cfg) {
     }
     if (cfg.train.cuda_graphs && cfg.train.device == "cpu")
         fail("train.cuda_graphs = true needs train.device = \"cuda\" (or \"auto\" on a GPU)");
+    if (cfg.train.cpu_attention != "probs" && cfg.train.cpu_attention != "lse")
+        fail(
+            "train.cpu_attention = \"{}\" must be \"probs\" (keep the attention probabilities) "
+            "or \"lse\" (keep their log-sum-exp and recompute them in the backward)",
+            cfg.train.cpu_attention);
     if (cfg.train.device == "cuda" && cfg.train.remat_costs == "measured")
         fail(
             "train.remat_costs = \"measured\" profiles the CPU kernels; on device = \"cuda\" use "

@@ -189,7 +189,7 @@ TEST(Lora, BaseGetsNoGradientsAndRematKeepsTheBits) {
     const std::vector<float> want = s.grads();
     for (const char* policy : {"full", "selective", "every:2"}) {
         s.model.set_remat(remat::solve_policy(remat::parse_policy(policy), s.model.config(), kBatch,
-                                              kSeq, nullptr, GPT::arena_format())
+                                              kSeq, nullptr, ActFormat::cpu())
                               .plan);
         EXPECT_EQ(s.grads(), want) << policy;
     }

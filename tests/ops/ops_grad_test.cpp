@@ -200,6 +200,47 @@ TEST(OpsGrad, DropoutMaskIsKeyedBySequence) {
     }
 }
 
+// train.cpu_attention = "lse": the forward keeps each row's log-sum-exp instead of its
+// probabilities (the same output bits), and the backward recomputes them: the gradient of the
+// probabilities' kernel to rounding, and the finite difference; with GQA and dropout too.
+TEST(OpsGrad, AttentionKeepingTheLogSumExp) {
+    for (int NKV : {2, 1}) {
+        for (bool drop : {false, true}) {
+            const int B = 2, T = 7, C = 8, NH = 2, QKV = C + 2 * NKV * (C / NH);
+            DropoutMask m{drop ? 0.25 : 0.0, 3, 11, 4};
+            auto qkv = randn(B * T * QKV, 35), dout = randn(B * T * C, 36);
+            std::vector<float> out(B * T * C), ref(B * T * C), att(B * NH * T * T), lse(B * NH * T),
+                dqkv(B * T * QKV), dref(B * T * QKV);
+            cpu::attention_forward(ref.data(), att.data(), qkv.data(), B, T, C, NH, NKV, &m);
+            auto f = [&]() {
+                cpu::attention_forward(out.data(), nullptr, qkv.data(), B, T, C, NH, NKV, &m,
+                                       lse.data());
+                return dot(out, dout);
+            };
+            f();
+            EXPECT_EQ(out, ref);
+            // One row: its probabilities are exp(s_j - lse) for the scaled scores s_j.
+            const int b = 1, h = 1, i = T - 2, hs = C / NH, kvh = h / (NH / NKV);
+            for (int j = 0; j <= i; j++) {
+                double sc = 0;
+                for (int d = 0; d < hs; d++)
+                    sc += (double)qkv[(b * T + i) * QKV + h * hs + d] *
+                          qkv[(b * T + j) * QKV + C + kvh * hs + d];
+                sc /= std::sqrt((double)hs);
+                EXPECT_NEAR(std::exp(sc - lse[(b * NH + h) * T + i]),
+                            att[((b * NH + h) * T + i) * T + j], 1e-6);
+            }
+            cpu::attention_backward(dref.data(), dout.data(), qkv.data(), att.data(), B, T, C, NH,
+                                    NKV, &m);
+            cpu::attention_backward(dqkv.data(), dout.data(), qkv.data(), nullptr, B, T, C, NH, NKV,
+                                    &m, lse.data());
+            for (std::size_t i = 0; i < dqkv.size(); i++)
+                ASSERT_NEAR(dqkv[i], dref[i], 1e-5f * (1 + std::abs(dref[i]))) << i;
+            check_grad("dqkv keeping the log-sum-exp", qkv, dqkv, f, 2e-2, 200);
+        }
+    }
+}
+
 TEST(OpsGrad, Embedding) {
     const int B = 2, T = 3, C = 4, V = 5;
     std::vector<int32_t> tok = {0, 3, 3, 1, 4, 3};

@@ -126,11 +126,21 @@ TEST(PlanMeasured, TrainerEstimateLineEqualsPredictedForEveryPolicy) {
         std::string remat;
         int lora_rank;
         std::string targets;
+        bool lse = false;  // train.cpu_attention = "lse"
     };
-    const Case cases[] = {{"none", 0, ""},    {"selective", 0, ""},  {"full", 0, ""},
-                          {"every:2", 0, ""}, {"sqrt", 0, ""},       {"budget:60KiB", 0, ""},
-                          {"none", 4, "all"}, {"every:2", 4, "all"}, {"full", 4, "attn"},
-                          {"muon", 0, ""}};
+    const Case cases[] = {{"none", 0, ""},
+                          {"selective", 0, ""},
+                          {"full", 0, ""},
+                          {"every:2", 0, ""},
+                          {"sqrt", 0, ""},
+                          {"budget:60KiB", 0, ""},
+                          {"none", 4, "all"},
+                          {"every:2", 4, "all"},
+                          {"full", 4, "attn"},
+                          {"muon", 0, ""},
+                          {"none", 0, "", true},
+                          {"selective", 0, "", true},
+                          {"budget:40KiB", 0, "", true}};
     bool saw_mixed = false;
     for (const Case& k : cases) {
         RunConfig c = test::tiny_run(dir, 1);
@@ -142,11 +152,13 @@ TEST(PlanMeasured, TrainerEstimateLineEqualsPredictedForEveryPolicy) {
             c.train.remat = k.remat;
         c.lora.rank = k.lora_rank;
         if (!k.targets.empty()) c.lora.targets = k.targets;
+        if (k.lse) c.train.cpu_attention = "lse";
         TrainOptions o;
         o.quiet = true;
         Trainer t(c, o);
         t.run();
-        const std::string what = k.remat + (k.lora_rank ? " lora " + k.targets : "");
+        const std::string what =
+            k.remat + (k.lora_rank ? " lora " + k.targets : "") + (k.lse ? " lse" : "");
         const RematPlan& bp = t.engine().remat_plan();
         saw_mixed = saw_mixed || (bp.size() == 4 && std::count(bp.begin(), bp.end(), bp[0]) != 4);
         std::map<MemCategory, int64_t> predicted;

@@ -108,7 +108,7 @@ plan::RunSpec planner_run(const RunConfig& c, pp::Kind schedule) {
     r.virtual_stages = c.train.pp_virtual;
     r.recompute = plan::parse_recompute(c.train.remat);
     r.precision = Precision::fp32;
-    r.flash_attention = GPT::arena_format().fused_attention;
+    r.flash_attention = false;  // the CPU engine's layout
     r.optimizer = plan::Optimizer::adamw;
     return r;
 }

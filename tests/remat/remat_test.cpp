@@ -45,7 +45,7 @@ LossAndGrads two_micro_batches(const ModelConfig& c, const RematPlan& plan) {
 
 std::vector<std::string> policies_for(const ModelConfig& c) {
     std::vector<std::string> p = {"none", "full", "sqrt", "selective", "every:2", "every:3"};
-    Chain ch = make_chain(c, 2, 8);
+    Chain ch = make_chain(c, 2, 8, cpu_arena_format(c));
     std::size_t lo = min_feasible_bytes(ch),
                 hi = peak_bytes(ch, RematPlan(c.n_layer, BlockKeep::All));
     for (int i = 0; i <= 4; i++) p.push_back(fmt::format("budget:{}", lo + (hi - lo) * i / 4));
@@ -115,6 +115,49 @@ TEST(Remat, DropoutKeepsEveryPolicyBitwiseAndItsPredictedBytes) {
             EXPECT_EQ(0, std::memcmp(r.grads.data(), ref.grads.data(), ref.grads.size() * 4))
                 << text << " llama=" << llama;
             expect_measured_bytes(c, s, text + " with dropout");
+        }
+    }
+}
+
+// train.cpu_attention = "lse": every policy still gives the bits of keeping everything (the
+// recompute and the backward recompute the probabilities alike), the bytes the layout predicts
+// are those allocated, and the layout holds (B,NH,T) log-sum-exps where it held (B,NH,T,T).
+TEST(Remat, LogSumExpAttentionKeepsEveryPolicyBitwiseAndItsPredictedBytes) {
+    for (bool llama : {false, true}) {
+        ModelConfig c = llama ? test::tiny_llama(3) : test::tiny_model(3);
+        c.lse_attention = true;
+        const ActFormat f = cpu_arena_format(c);
+        EXPECT_TRUE(f.fused_attention);
+        LossAndGrads ref = two_micro_batches(c, {});
+        ModelConfig probs = c;
+        probs.lse_attention = false;
+        LossAndGrads p = two_micro_batches(probs, {});
+        EXPECT_NEAR(ref.loss, p.loss, 1e-6);
+        for (std::size_t i = 0; i < ref.grads.size(); i++)
+            ASSERT_NEAR(ref.grads[i], p.grads[i], 1e-6 + 1e-4 * std::abs(p.grads[i])) << i;
+        const std::size_t heads = (std::size_t)c.n_head, B = 2, T = 8;
+        EXPECT_EQ(
+            plan_arena(probs, 2, 8).activation_bytes - plan_arena(c, 2, 8, {}, f).activation_bytes,
+            3 * B * heads * T * (T - 1) * sizeof(float));
+        for (const auto& text : policies_for(c)) {
+            Solution s = solve_policy(parse_policy(text), c, 2, 8, nullptr, f);
+            LossAndGrads r = two_micro_batches(c, s.plan);
+            EXPECT_EQ(r.loss, ref.loss) << text << " llama=" << llama;
+            EXPECT_EQ(0, std::memcmp(r.grads.data(), ref.grads.data(), ref.grads.size() * 4))
+                << text << " llama=" << llama;
+            auto lay = activation_layout(c, 2, 8, s.plan, f);
+            EXPECT_EQ(s.peak_bytes, arena_bytes(lay, MemCategory::Activations)) << text;
+            auto before = host_memory().snapshot();
+            GPT m(c);
+            m.init_weights(1);
+            m.set_remat(s.plan);
+            auto x = test::random_tokens(16, c.vocab_size, 3),
+                 y = test::random_tokens(16, c.vocab_size, 4);
+            m.forward_backward(x.data(), y.data(), 2, 8, 1.0f / 16);
+            EXPECT_EQ(host_memory().snapshot()[MemCategory::Activations] -
+                          before[MemCategory::Activations],
+                      s.peak_bytes)
+                << text << " lse";
         }
     }
 }

@@ -66,7 +66,7 @@ TEST(RunPlan, HoldsTheLayoutScheduleAndMemoryBeforeAllocation) {
     EXPECT_EQ(p.engine, EngineKind::Cpu);
     EXPECT_EQ(p.mesh.size(), 1);
     EXPECT_EQ(p.precision, Precision::fp32);
-    EXPECT_EQ(p.format, GPT::arena_format());
+    EXPECT_EQ(p.format, ActFormat::cpu());
     ASSERT_EQ(p.remat.plan.size(), (std::size_t)c.model.n_layer);
     for (BlockKeep k : p.remat.plan) EXPECT_EQ(k, BlockKeep::Input);
     EXPECT_EQ(p.memory_on, MemoryOn::Host);

@@ -106,6 +106,42 @@ TEST(Trainer, DropoutResumesBitwiseAndFollowsTheSequence) {
     EXPECT_GT(std::abs(sn.losses[7] - sa.losses[7]), 1e-4) << "dropout changed nothing";
 }
 
+// train.cpu_attention = "lse": the run tracks the probabilities' run to rounding, with fewer
+// activation bytes (the (B,NH,T,T) probabilities become (B,NH,T) log-sum-exps), measured =
+// predicted; a value that is neither is refused by name.
+TEST(Trainer, LogSumExpAttentionTracksTheProbabilitiesWithLessMemory) {
+    auto d1 = test::temp_dir("cpu_attention_probs"), d2 = test::temp_dir("cpu_attention_lse");
+    RunConfig probs = test::tiny_run(d1, 6), lse = test::tiny_run(d2, 6);
+    lse.train.cpu_attention = "lse";
+    const std::size_t before = host_memory().snapshot()[MemCategory::Activations];
+    TrainSummary sa;
+    std::size_t probs_peak = 0;
+    {
+        host_memory().reset_peak();
+        Trainer a(probs, opts());
+        sa = a.run();
+        probs_peak = host_memory().snapshot().peak(MemCategory::Activations) - before;
+    }
+    host_memory().reset_peak();
+    Trainer b(lse, opts());
+    auto sb = b.run();
+    ASSERT_EQ(sa.losses.size(), sb.losses.size());
+    for (std::size_t i = 0; i < sa.losses.size(); i++)
+        EXPECT_NEAR(sb.losses[i], sa.losses[i], 1e-4) << "step " << i + 1;
+    std::size_t predicted = 0;
+    for (const auto& row : b.engine().predicted_memory(lse.micro_batch(), lse.train.seq_len))
+        if (row.category == MemCategory::Activations) predicted += row.bytes;
+    EXPECT_EQ(b.engine().memory().snapshot().peak(MemCategory::Activations) - before, predicted);
+    const std::size_t B = lse.micro_batch(), T = lse.train.seq_len, NH = lse.model.n_head;
+    EXPECT_EQ(probs_peak - predicted, lse.model.n_layer * B * NH * T * (T - 1) * sizeof(float));
+    RunConfig bad = test::tiny_run_config("/nonexistent", 4);
+    bad.train.cpu_attention = "flash";
+    EXPECT_NE(test::error_of([&] {
+                  validate_config(bad);
+              }).find("train.cpu_attention = \"flash\" must be \"probs\""),
+              std::string::npos);
+}
+
 // Where model.dropout is not built yet, the config is refused by name.
 TEST(Config, DropoutIsRefusedWhereItIsNotBuilt) {
     auto refused = [](auto&& edit, const std::string& key) {

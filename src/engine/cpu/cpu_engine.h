@@ -72,7 +72,7 @@ class CpuEngine final : public Engine {
     // written before weights_loaded()).
     ModelWeights weights() override;
     OptimizerState& optimizer() override;
-    ActFormat arena_format() const override { return GPT::arena_format(); }
+    ActFormat arena_format() const override { return cpu_arena_format(model_); }
     // LoRA: a QLoRA base is complete, the model is built over it. 2BW: the shadow starts again
     // from the new weights.
     void weights_loaded() override;

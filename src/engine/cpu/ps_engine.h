@@ -64,7 +64,7 @@ class PsEngine final : public Engine {
     std::string describe() const override;
     ModelWeights weights() override { return ModelWeights{*weights_, layout_, plan_.cfg.model}; }
     OptimizerState& optimizer() override { return *opt_; }
-    ActFormat arena_format() const override { return GPT::arena_format(); }
+    ActFormat arena_format() const override { return cpu_arena_format(plan_.cfg.model); }
     void set_remat(const RematPlan& plan) override;
     const RematPlan& remat_plan() const override { return remat_; }
     void begin_step() override;

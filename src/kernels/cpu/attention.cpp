@@ -20,7 +20,7 @@ static inline float dot(const float* a, const float* b, int n) {
 }
 
 void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH,
-                       int NKV, const DropoutMask* drop) {
+                       int NKV, const DropoutMask* drop, float* lse) {
     const bool dropping = drop && drop->on();
     const int hs = C / NH;
     const int QKV = C + 2 * NKV * hs;
@@ -32,11 +32,14 @@ void attention_forward(float* out, float* att, const float* qkv, int B, int T, i
             const float* qbase = qkv + (int64_t)b * T * QKV + h * hs;
             const float* kbase = qkv + (int64_t)b * T * QKV + C + (h / group) * hs;
             const float* vbase = kbase + NKV * hs;
-            float* a = att + ((int64_t)b * NH + h) * T * T;
+            // Without att, each row's probabilities live in a row of scratch and only their
+            // log-sum-exp is kept: the same arithmetic, so the same output bits.
+            std::vector<float> scratch(att ? 0 : T);
+            float* a = att ? att + ((int64_t)b * NH + h) * T * T : nullptr;
             const uint64_t key = dropping ? drop->key(b) : 0;
             for (int i = 0; i < T; i++) {
                 const float* q = qbase + (int64_t)i * QKV;
-                float* row = a + (int64_t)i * T;
+                float* row = a ? a + (int64_t)i * T : scratch.data();
                 float maxv = -INFINITY;
                 for (int j = 0; j <= i; j++) {
                     float s = dot(q, kbase + (int64_t)j * QKV, hs) * scale;
@@ -51,7 +54,10 @@ void attention_forward(float* out, float* att, const float* qkv, int B, int T, i
                 }
                 float inv = 1.0f / sum;
                 for (int j = 0; j <= i; j++) row[j] *= inv;
-                for (int j = i + 1; j < T; j++) row[j] = 0.0f;
+                if (a)
+                    for (int j = i + 1; j < T; j++) row[j] = 0.0f;
+                else
+                    lse[((int64_t)b * NH + h) * T + i] = maxv + std::log(sum);
                 float* o = out + ((int64_t)b * T + i) * C + h * hs;
                 for (int d = 0; d < hs; d++) o[d] = 0.0f;
                 for (int j = 0; j <= i; j++) {
@@ -67,7 +73,7 @@ void attention_forward(float* out, float* att, const float* qkv, int B, int T, i
 }
 
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att, int B,
-                        int T, int C, int NH, int NKV, const DropoutMask* drop) {
+                        int T, int C, int NH, int NKV, const DropoutMask* drop, const float* lse) {
     const bool dropping = drop && drop->on();
     const int hs = C / NH;
     const int QKV = C + 2 * NKV * hs;
@@ -80,7 +86,8 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
             const float* vbase = kbase + NKV * hs;
             float* dkbase = dqkv + (int64_t)b * T * QKV + C + kvh * hs;
             float* dvbase = dkbase + NKV * hs;
-            std::vector<float> darow(T);  // one row of d(att) at a time: no (T,T) scratch
+            std::vector<float> darow(T);           // one row of d(att) at a time: no (T,T) scratch
+            std::vector<float> prow(att ? 0 : T);  // without att: one row recomputed from lse
             const uint64_t key = dropping ? drop->key(b) : 0;
             for (int t = 0; t < T; t++) {
                 std::memset(dkbase + (int64_t)t * QKV, 0, hs * sizeof(float));
@@ -89,12 +96,18 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
             for (int h = kvh * group; h < (kvh + 1) * group; h++) {
                 const float* qbase = qkv + (int64_t)b * T * QKV + h * hs;
                 float* dqbase = dqkv + (int64_t)b * T * QKV + h * hs;
-                const float* a = att + ((int64_t)b * NH + h) * T * T;
+                const float* a = att ? att + ((int64_t)b * NH + h) * T * T : nullptr;
                 for (int t = 0; t < T; t++)
                     std::memset(dqbase + (int64_t)t * QKV, 0, hs * sizeof(float));
                 for (int i = 0; i < T; i++) {
                     const float* d = dout + ((int64_t)b * T + i) * C + h * hs;
-                    const float* arow = a + (int64_t)i * T;
+                    const float* q = qbase + (int64_t)i * QKV;
+                    const float* arow = a ? a + (int64_t)i * T : prow.data();
+                    if (!a) {  // p_j = exp(s_j - lse_i), s_j the forward's scaled score
+                        const float l = lse[((int64_t)b * NH + h) * T + i];
+                        for (int j = 0; j <= i; j++)
+                            prow[j] = std::exp(dot(q, kbase + (int64_t)j * QKV, hs) * scale - l);
+                    }
                     // d(att) and d(v); under dropout v was weighted by the dropped
                     // probabilities, and d(att) is d(dropped) through the same mask.
                     for (int j = 0; j <= i; j++) {
@@ -113,7 +126,6 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
                     // softmax backward: dpre_j = a_j * (da_j - sum_k a_k da_k)
                     float s = 0.0f;
                     for (int j = 0; j <= i; j++) s += arow[j] * darow[j];
-                    const float* q = qbase + (int64_t)i * QKV;
                     float* dq = dqbase + (int64_t)i * QKV;
                     for (int j = 0; j <= i; j++) {
                         float dpre = arow[j] * (darow[j] - s) * scale;
