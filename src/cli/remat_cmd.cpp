@@ -34,7 +34,9 @@ std::string plan_letters(const RematPlan& plan) {
         s += k == BlockKeep::All         ? 'A'
              : k == BlockKeep::Selective ? 'S'
              : k == BlockKeep::Input     ? 'I'
-                                         : 'O';
+             : k == BlockKeep::Offload   ? 'O'
+             : k == BlockKeep::Segment   ? 'G'
+                                         : 'D';
     return s;
 }
 
@@ -230,7 +232,8 @@ void register_remat(CLI::App& app) {
                                            "attention probabilities)",
                                            precision)
                                    .c_str()
-                             : "cpu, fp32 (attention probabilities kept)");
+            : fmt.fused_attention ? "cpu, fp32 (train.cpu_attention = lse: a log-sum-exp per row)"
+                                  : "cpu, fp32 (attention probabilities kept)");
         std::printf("smallest feasible peak activation memory: %s\n",
                     format_bytes(min_feasible_bytes(chain)).c_str());
         Chain offload_chain = chain;  // budget:BYTES+offload (cuda): inputs may leave the GPU
@@ -242,8 +245,16 @@ void register_remat(CLI::App& app) {
         if (a->frontier) {
             if (!a->budget.empty()) fail("give either --budget or --frontier, not both");
             std::vector<Point> pts;
-            for (const char* p : {"none", "selective", "sqrt", "full", "offload"}) {
-                if (std::string(p) == "offload" && device != "cuda") continue;
+            // The named policies, and on the CPU those that rebuild block inputs: chen:K with
+            // K = ceil(sqrt(n_layer)) and memory-poor (the floor).
+            const std::string chen =
+                fmt::format("chen:{}", (int)std::ceil(std::sqrt((double)m.n_layer)));
+            for (const std::string& p :
+                 {std::string("none"), std::string("selective"), std::string("sqrt"),
+                  std::string("full"), std::string("offload"), chen, std::string("memory-poor")}) {
+                if (p == "offload" && device != "cuda") continue;
+                if (parse_policy(p).rebuilds_inputs() && (device == "cuda" || m.n_layer < 2))
+                    continue;
                 pts.push_back({p, solve_policy(parse_policy(p), m, B, T, cost_ptr, fmt)});
             }
             const std::size_t lo = min_feasible_bytes(chain), hi = pts[0].s.peak_bytes;
@@ -267,7 +278,8 @@ void register_remat(CLI::App& app) {
             if (a->measure) spread = measure_frontier(m, B, T, pts);
             std::printf("\n%-28s %12s %14s %10s %10s %12s  %s\n", "schedule", "peak MiB",
                         "peak bytes", "recompute", "measured", "measured MiB",
-                        "plan (A all, S selective, I input only, O input in host memory)");
+                        "plan (A all, S selective, I input only, O input in host memory, G "
+                        "segment, D dropped input)");
             for (const auto& p : pts) {
                 std::string mt = std::isnan(p.measured_pct)
                                      ? std::string("-")

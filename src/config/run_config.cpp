@@ -234,7 +234,8 @@ const std::vector<Key>& registry() {
         make_key("train.log_every", &R::train, &TrainConfig::log_every, "steps between lines"),
         make_key("train.threads", &R::train, &TrainConfig::threads, "0 = all cores"),
         make_key("train.remat", &R::train, &TrainConfig::remat,
-                 "none | full | every:K | sqrt | selective | budget:BYTES[+offload] | offload"),
+                 "none | full | every:K | sqrt | selective | budget:BYTES[+offload] | offload | "
+                 "chen:K | memory-poor"),
         make_key(
             "train.remat_costs", &R::train, &TrainConfig::remat_costs,
             "price recompute by analytic FLOPs or a measured profiling pass: analytic | measured"),

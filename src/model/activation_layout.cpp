@@ -76,8 +76,54 @@ const char* keep_name(BlockKeep k) {
             return "input";
         case BlockKeep::Offload:
             return "offload";
+        case BlockKeep::Segment:
+            return "segment";
+        case BlockKeep::Dropped:
+            return "dropped";
     }
     return "?";
+}
+
+InputRebuild input_rebuild(const RematPlan& plan) {
+    const int n = (int)plan.size();
+    InputRebuild r;
+    r.from.assign(n, -1);
+    r.slot.assign(n, -1);
+    std::vector<bool> held(n, false), busy;
+    int in_use = 0;
+    for (int i = n - 1; i >= 0; i--) {
+        const auto available = [&](int l) { return !rebuilds_input(plan[l]) || held[l]; };
+        if (!available(i)) {
+            r.any = true;
+            int j = i - 1;
+            while (j > 0 && !available(j)) j--;
+            if (j < 0 || !available(j))
+                fail(
+                    "remat plan: block {} rebuilds its input, but no block below keeps one (the "
+                    "first block keeps its input)",
+                    i);
+            r.from[i] = j;
+            r.forwards += i - j;
+            for (int m = j + 1; m <= i; m++) {
+                if (plan[m] != BlockKeep::Segment) continue;
+                int s = 0;
+                while (s < (int)busy.size() && busy[s]) s++;
+                if (s == (int)busy.size()) busy.push_back(false);
+                busy[s] = true;
+                held[m] = true;
+                r.slot[m] = s;
+                in_use++;
+            }
+            r.slots = std::max(r.slots, in_use);
+        }
+        if (held[i]) {  // released after the block's backward
+            busy[r.slot[i]] = false;
+            held[i] = false;
+            in_use--;
+        }
+    }
+    r.any = r.any || std::any_of(plan.begin(), plan.end(), rebuilds_input);
+    return r;
 }
 
 bool keeps(BlockKeep k, SavedField f) {
@@ -210,6 +256,9 @@ ArenaPlan plan_arena(const ModelConfig& cfg, int B, int T, const RematPlan& plan
     if (plan.size() != L)
         fail("remat plan has {} entries but model.n_layer is {}", plan.size(), cfg.n_layer);
     const std::size_t offloaded = std::count(plan.begin(), plan.end(), BlockKeep::Offload);
+    const InputRebuild rebuild = input_rebuild(plan);
+    if (offloaded > 0 && rebuild.any)
+        fail("internal: a remat plan that both offloads and rebuilds block inputs");
     ArenaPlan p;
     std::size_t act = 0, work = 0;
     auto take_act = [&](std::size_t bytes) {
@@ -225,7 +274,22 @@ ArenaPlan plan_arena(const ModelConfig& cfg, int B, int T, const RematPlan& plan
 
     // Activation arena, in the order the CPU model has always carved it: residual streams, each
     // field for every block that keeps it, ln_f, then the shared recompute scratch.
-    if (offloaded == 0) {
+    if (rebuild.any) {
+        // Kept inputs and the last stream their own; rebuilt inputs two temporaries (by parity,
+        // so a block's input and output never share one) and the hold slots.
+        const std::size_t temp[2] = {take_act(NS * C * e), take_act(NS * C * e)};
+        std::size_t kept = 1;
+        for (std::size_t l = 0; l < L; l++) {
+            kept += !rebuilds_input(plan[l]);
+            p.resid.push_back(rebuilds_input(plan[l]) ? temp[l % 2] : take_act(NS * C * e));
+        }
+        p.resid.push_back(take_act(NS * C * e));
+        for (int s = 0; s < rebuild.slots; s++) p.held.push_back(take_act(NS * C * e));
+        p.entries.push_back(
+            {fmt::format("residual stream: {} kept + 2 temporaries + {} held for {} rebuilt inputs",
+                         kept, rebuild.slots, L + 1 - kept),
+             act, A});
+    } else if (offloaded == 0) {
         for (std::size_t l = 0; l <= L; l++) p.resid.push_back(take_act(NS * C * e));
         p.entries.push_back({"residual stream x n_layer+1", act, A});
     } else {

@@ -36,7 +36,20 @@ namespace memtrain {
 //              block's backward (the CUDA engine). The inputs of a plan's Offload blocks share a
 //              ring of min(count, kOffloadSlots) device slots, so each Offload block beyond the
 //              first kOffloadSlots saves one residual stream of device memory.
-enum class BlockKeep : uint8_t { All, Selective, Input, Offload };
+//   Segment:   as Input, and the residual-stream input is not kept either (Chen et al.'s
+//              segments, train.remat = chen:K): at the first backward that needs it, the
+//              forward re-runs from the nearest input below that is kept (or held), and the
+//              inputs of the Segment blocks it passes are held until each one's backward.
+//   Dropped:   as Segment, but the rebuilt input is never held: each Dropped block's backward
+//              re-runs the forward from the nearest available input below it (the lecture's
+//              memory-poor strategy, train.remat = memory-poor: O(n^2) block forwards, O(1)
+//              residual streams). The CPU engine's whole model and data parallelism; the first
+//              block always keeps its input.
+enum class BlockKeep : uint8_t { All, Selective, Input, Offload, Segment, Dropped };
+// Whether a block's residual-stream input is rebuilt in the backward instead of kept.
+inline bool rebuilds_input(BlockKeep k) {
+    return k == BlockKeep::Segment || k == BlockKeep::Dropped;
+}
 constexpr int kOffloadSlots = 3;
 const char* keep_name(BlockKeep k);
 using RematPlan = std::vector<BlockKeep>;  // one per block; empty = every block keeps All
@@ -89,6 +102,20 @@ inline ActFormat cpu_arena_format(const ModelConfig& cfg) {
     return ActFormat::cpu(cfg.lse_attention);
 }
 
+// How a plan's backward rebuilds the inputs it did not keep (Segment and Dropped blocks), the one
+// schedule the CPU model runs, plan_arena sizes and the solver prices. Walking the blocks from
+// the last: a block whose input is neither kept nor held re-runs the forward of blocks
+// [from, block) first, from the nearest block below whose input is kept or held, and holds the
+// inputs of the Segment blocks in (from, block], each in a slot until its own backward.
+struct InputRebuild {
+    std::vector<int> from;  // per block: the first block re-run before its backward; -1: none
+    std::vector<int> slot;  // per block: the hold slot of a Segment block's input; -1: none
+    int slots = 0;          // hold slots alive at once (residual streams)
+    int64_t forwards = 0;   // block forwards all the rebuilds of a step run
+    bool any = false;       // some block rebuilds its input (two stream temporaries then)
+};
+InputRebuild input_rebuild(const RematPlan& plan);
+
 // One named region of the activation or workspace arena.
 struct ArenaEntry {
     std::string name;
@@ -109,6 +136,10 @@ struct ArenaPlan {
     // pinned host memory (the inputs of all but the last ring-full of Offload blocks).
     std::vector<std::size_t> resid;
     std::size_t offloaded_bytes = 0;
+    // Segment and Dropped blocks (InputRebuild): their inputs live in two stream temporaries
+    // during the forward (resid[l] of such a block is temporary l % 2), and `held` are the hold
+    // slots their rebuilt inputs wait in.
+    std::vector<std::size_t> held;
     std::vector<std::array<std::size_t, kSavedFields>> block;
     std::size_t lnf = 0, lnf_mean = kNoOffset, lnf_rstd = 0;
     // Workspace arena: gradients flowing backward, and the backend's temporaries.

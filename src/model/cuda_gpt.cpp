@@ -86,6 +86,9 @@ template <typename T>
 void CudaGPT<T>::set_remat(const RematPlan& plan) {
     if (!plan.empty() && plan.size() != (std::size_t)cfg_.n_layer)
         fail("remat plan has {} entries but model.n_layer is {}", plan.size(), cfg_.n_layer);
+    for (BlockKeep k : plan)
+        if (rebuilds_input(k))
+            fail("internal: the GPU model does not rebuild block inputs (memory-poor, chen:K)");
     if (staged_)
         for (BlockKeep k : plan)
             if (k == BlockKeep::Offload)

@@ -86,7 +86,12 @@ void GPT::set_remat(const RematPlan& plan) {
             fail(
                 "train.remat = offload keeps block inputs in pinned host memory beside a GPU: "
                 "use train.device = \"cuda\" (on the CPU, `full` keeps the same)");
+    const InputRebuild rebuild = input_rebuild(plan);  // (a plan no block can rebuild from fails)
+    if (rebuild.any && split_)
+        fail("train.remat = {} rebuilds block inputs, which a split backward (zb-h1) does not yet",
+             "memory-poor or chen:K");
     plan_ = plan;
+    rebuild_ = rebuild;
     walk_ = make_unit_walk(layout_, cfg_.n_layer, cfg_.tied_embeddings, b0_, b1_, plan_);
     arena_B_ = arena_T_ = 0;  // re-carve (and re-size) at the next forward
 }
@@ -101,6 +106,7 @@ void GPT::set_slots(int k) {
 void GPT::set_split_backward(bool on) {
     if (on && lora_) fail("LoRA does not run with a split backward (zb-h1) yet");
     if (on && tp_) fail("internal: tensor parallelism runs without a split backward");
+    if (on && rebuild_.any) fail("a split backward (zb-h1) with a plan that rebuilds block inputs");
     if (on == split_) return;
     split_ = on;
     arena_B_ = arena_T_ = 0;
@@ -159,6 +165,8 @@ void GPT::ensure_arena(int B, int T) {
         auto act = [&](std::size_t at) { return s.acts.data() + at / sizeof(float); };
         s.resid.resize(nb + 1);
         for (int l = 0; l <= nb; l++) s.resid[l] = act(p.resid[l]);
+        s.held.clear();
+        for (std::size_t at : p.held) s.held.push_back(act(at));
         s.saved.assign(nb, BlockSaved{});
         for (int l = 0; l < nb; l++)
             for (int i = 0; i < kSavedFields; i++)
@@ -549,7 +557,8 @@ void GPT::stage_backward_weight(int slot, int B, int T) {
         if (v.part != UnitVisit::Part::Block) continue;
         const int i = v.block - b0_;
         if (v.redo != Redo::Nothing) {
-            redo(v, block_view(layout_, v.block, store_->acquire(v.unit)), nullptr, sl, B, T);
+            redo(v, block_view(layout_, v.block, store_->acquire(v.unit)), nullptr, sl.resid[i], sl,
+                 B, T);
             store_->release(v.unit);
         }
         BlockParams g = block_view(layout_, v.block, store_->unit_grads(v.unit));
@@ -558,19 +567,18 @@ void GPT::stage_backward_weight(int slot, int B, int T) {
     }
 }
 
-void GPT::redo(const UnitVisit& v, const BlockParams& p, const float* adapter, Slot& sl, int B,
-               int T) {
+void GPT::redo(const UnitVisit& v, const BlockParams& p, const float* adapter, const float* x,
+               Slot& sl, int B, int T) {
     const int i = v.block - b0_;
     switch (v.redo) {
         case Redo::Nothing:
             return;
         case Redo::Selective:
-            return recompute_selective(p, sl.resid[i], sl.saved[i], B, T);
+            return recompute_selective(p, x, sl.saved[i], B, T);
         case Redo::Block:
             // The block's output rewrites resid[i + 1] with the same bits, which nothing reads
-            // any more.
-            return block_forward(p, v.block, adapter, sl.resid[i], sl.resid[i + 1], sl.saved[i], B,
-                                 T, sl);
+            // any more (for a rebuilt input, the temporary of the other parity: never x).
+            return block_forward(p, v.block, adapter, x, sl.resid[i + 1], sl.saved[i], B, T, sl);
         case Redo::BlockFromHost:
             break;
     }
@@ -644,8 +652,9 @@ void GPT::block_backward_part(const UnitVisit& v, Slot& sl, int B, int T, bool s
     if (!frozen_base()) g = block_view(layout_, l, store_->unit_grads(u));
     const float* ad = lora_ ? lora_->store().acquire(l) : nullptr;
     float* adg = lora_ ? lora_->store().unit_grads(l) : nullptr;
-    redo(v, p, ad, sl, B, T);
-    block_backward(p, g, l, ad, adg, dres_, sl.resid[i], sl, B, T,
+    const float* x = block_input(l, sl, B, T);
+    redo(v, p, ad, x, sl, B, T);
+    block_backward(p, g, l, ad, adg, dres_, x, sl, B, T,
                    split ? sl.wgrad.data() + i * wgrad_floats(B, T) : nullptr);
     if (lora_) {
         lora_->store().grads_done(l);
@@ -653,6 +662,33 @@ void GPT::block_backward_part(const UnitVisit& v, Slot& sl, int B, int T, bool s
     }
     if (!split && !frozen_base()) store_->grads_done(u);
     store_->release(u);
+}
+
+const float* GPT::block_input(int l, Slot& sl, int B, int T) {
+    const int i = l - b0_;
+    if (!rebuilds_input(plan_.empty() ? BlockKeep::All : plan_[i])) return sl.resid[i];
+    // Where block k's input is during the backward: a hold slot (Segment, once rebuilt) or its
+    // forward stream (kept, or a temporary of its parity).
+    auto at = [&](int k) {
+        return rebuild_.slot[k] >= 0 ? sl.held[rebuild_.slot[k]] : sl.resid[k];
+    };
+    const int from = rebuild_.from[i];
+    if (from < 0) return at(i);  // held since an earlier rebuild
+    // Re-run the forward of blocks [from, i): each output into the next block's place, with the
+    // same kernels and inputs as the step's forward (so the same bits). Their units (and LoRA
+    // adapters) are acquired again; a kept block rewrites its kept fields with the same bits.
+    const float* cur = at(from);
+    for (int k = from; k < i; k++) {
+        const int m = b0_ + k, u = layout_.block_unit(m);
+        const BlockParams p = block_view(layout_, m, store_->acquire(u));
+        const float* ad = lora_ ? lora_->store().acquire(m) : nullptr;
+        float* out = at(k + 1);
+        block_forward(p, m, ad, cur, out, sl.saved[k], B, T, sl);
+        if (lora_) lora_->store().release(m);
+        store_->release(u);
+        cur = out;
+    }
+    return cur;
 }
 
 void GPT::embedding_backward(const UnitVisit& v, const Slot& sl, const int32_t* inputs, int B,

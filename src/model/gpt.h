@@ -179,6 +179,7 @@ class GPT {
         Buffer<float> wgrad;        // split backward: each block's d(mlp c_proj out), d(c_fc out),
                                     // d(attn c_proj out), d(qkv) until W (Activations)
         std::vector<float*> resid;  // blocks() + 1 residual streams (B,T,C)
+        std::vector<float*> held;   // hold slots of rebuilt Segment inputs (ArenaPlan::held)
         std::vector<BlockSaved> saved;  // dropped fields point into the recompute scratch
         float *lnf = nullptr, *lnf_mean = nullptr, *lnf_rstd = nullptr;
         // The micro-batch's dropout (p = 0: none), its site left to each use (dropout_at).
@@ -227,9 +228,13 @@ class GPT {
     void block_backward_part(const UnitVisit& v, Slot& sl, int B, int T, bool split);
     void embedding_backward(const UnitVisit& v, const Slot& sl, const int32_t* inputs, int B,
                             int T);
-    // What block v.block re-runs before its backward (v.redo), into its saved fields.
-    void redo(const UnitVisit& v, const BlockParams& p, const float* adapter, Slot& sl, int B,
-              int T);
+    // What block v.block re-runs before its backward (v.redo), into its saved fields, from its
+    // input x.
+    void redo(const UnitVisit& v, const BlockParams& p, const float* adapter, const float* x,
+              Slot& sl, int B, int T);
+    // Block l's input for its backward: its kept stream, or (Segment, Dropped) the one
+    // rebuild_ says, re-running the forward of the blocks below it first where needed.
+    const float* block_input(int l, Slot& sl, int B, int T);
     // UnitStore::prefetch of the walk's next unit (-1: none).
     void announce(int u) {
         if (u >= 0) store_->prefetch(u);
@@ -258,9 +263,10 @@ class GPT {
     bool split_ = false;
     int arena_B_ = 0, arena_T_ = 0;
     std::vector<Slot> slots_;
-    Buffer<float> work_;  // MemCategory::Workspace, shared by the slots
-    RematPlan plan_;      // one entry per block of the stage
-    UnitWalk walk_;       // the step's schedule over the units (model/unit_walk.h)
+    Buffer<float> work_;    // MemCategory::Workspace, shared by the slots
+    RematPlan plan_;        // one entry per block of the stage
+    InputRebuild rebuild_;  // how the backward rebuilds the inputs plan_ drops
+    UnitWalk walk_;         // the step's schedule over the units (model/unit_walk.h)
     LoraAdapters* lora_ = nullptr;
     TpComm* tp_ = nullptr;
     uint64_t drop_seed_ = 0, drop_first_ = 0;

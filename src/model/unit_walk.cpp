@@ -15,6 +15,9 @@ Redo redo_for(BlockKeep k) {
             return Redo::Block;
         case BlockKeep::Offload:
             return Redo::BlockFromHost;
+        case BlockKeep::Segment:  // the input first rebuilt (InputRebuild), then as Input
+        case BlockKeep::Dropped:
+            return Redo::Block;
     }
     fail("internal: BlockKeep {}", (int)k);
 }

@@ -36,8 +36,8 @@ std::string remat_label(const RunSpec& r) {
         return fmt::format("{} = {} blocks", to_string(r.recompute),
                            keep_name(block_keep(r.recompute)));
     std::string out;
-    for (BlockKeep k :
-         {BlockKeep::All, BlockKeep::Selective, BlockKeep::Input, BlockKeep::Offload}) {
+    for (BlockKeep k : {BlockKeep::All, BlockKeep::Selective, BlockKeep::Input, BlockKeep::Offload,
+                        BlockKeep::Segment, BlockKeep::Dropped}) {
         const auto n = std::count(r.block_plan.begin(), r.block_plan.end(), k);
         if (n > 0)
             out += fmt::format("{}{} {}", out.empty() ? "per block: " : ", ", n, keep_name(k));

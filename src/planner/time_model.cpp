@@ -29,7 +29,11 @@ double hardware_flops_per_token(const ModelSpec& m, const RunSpec& r) {
         const auto count = [&](BlockKeep k) {
             return static_cast<double>(std::count(r.block_plan.begin(), r.block_plan.end(), k));
         };
-        f += layers_fwd * (count(BlockKeep::Input) + count(BlockKeep::Offload)) / L;
+        // Every block that re-runs whole, and the forwards that rebuild dropped inputs.
+        const double whole = count(BlockKeep::Input) + count(BlockKeep::Offload) +
+                             count(BlockKeep::Segment) + count(BlockKeep::Dropped) +
+                             static_cast<double>(input_rebuild(r.block_plan).forwards);
+        f += layers_fwd * whole / L;
         if (!r.flash_attention) f += attn_fwd * count(BlockKeep::Selective) / L;
         return f;
     }

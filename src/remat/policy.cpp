@@ -43,7 +43,17 @@ RematPolicy parse_policy(const std::string& text) {
         p.kind = RematPolicy::Kind::Selective;
     else if (text == "offload")
         p.kind = RematPolicy::Kind::Offload;
-    else if (text.starts_with("every:")) {
+    else if (text == "memory-poor")
+        p.kind = RematPolicy::Kind::MemoryPoor;
+    else if (text.starts_with("chen:")) {
+        std::string k = text.substr(5);
+        char* end = nullptr;
+        long v = std::strtol(k.c_str(), &end, 10);
+        if (k.empty() || *end != '\0' || v < 1 || v > 1000000)
+            return bad("has a bad K (a positive integer: a segment of K blocks)");
+        p.kind = RematPolicy::Kind::Chen;
+        p.every = (int)v;
+    } else if (text.starts_with("every:")) {
         std::string k = text.substr(6);
         char* end = nullptr;
         long v = std::strtol(k.c_str(), &end, 10);
@@ -100,6 +110,14 @@ Solution solve_policy(const RematPolicy& policy, const ModelConfig& cfg, int B, 
             break;
         case K::Offload:  // every block recomputes, and the inputs leave the device
             plan.assign(L, BlockKeep::Offload);
+            break;
+        case K::MemoryPoor:  // only the first block's input is kept
+            plan.assign(L, BlockKeep::Dropped);
+            plan[0] = BlockKeep::Input;
+            break;
+        case K::Chen:  // the inputs of blocks 0, K, 2K, ... kept; segments rebuilt once
+            for (int l = 0; l < L; l++)
+                plan[l] = l % every == 0 ? BlockKeep::Input : BlockKeep::Segment;
             break;
         case K::Budget: {
             auto s = solve_budget(chain, policy.budget);

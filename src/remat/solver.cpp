@@ -8,7 +8,8 @@
 namespace memtrain::remat {
 
 const Option& option(const Chain& c, std::size_t l, BlockKeep k) {
-    return c.blocks[l][static_cast<int>(k == BlockKeep::Offload ? BlockKeep::Input : k)];
+    const bool as_input = k == BlockKeep::Offload || rebuilds_input(k);
+    return c.blocks[l][static_cast<int>(as_input ? BlockKeep::Input : k)];
 }
 
 namespace {
@@ -30,13 +31,26 @@ std::size_t peak_bytes(const Chain& chain, const RematPlan& plan) {
         scratch = std::max(scratch, option(chain, l, plan[l]).scratch_bytes);
         offloaded += plan[l] == BlockKeep::Offload;
     }
-    return sum + scratch - offload_saving(chain, offloaded);
+    sum += scratch;
+    // Rebuilt inputs (Segment, Dropped): their streams are not kept; two temporaries and the
+    // hold slots are (plan_arena's layout).
+    const InputRebuild r = input_rebuild(plan);
+    if (r.any) {
+        const std::size_t rebuilt = std::count_if(plan.begin(), plan.end(), rebuilds_input);
+        sum = sum - rebuilt * chain.resid_bytes + (2 + r.slots) * chain.resid_bytes;
+    }
+    return sum - offload_saving(chain, offloaded);
 }
 
 int64_t recompute_flops(const Chain& chain, const RematPlan& plan) {
     int64_t f = 0;
     for (std::size_t l = 0; l < plan.size(); l++)
         f += option(chain, l, plan[l]).recompute_flops + (plan[l] == BlockKeep::Offload ? 1 : 0);
+    // Rebuilding an input re-runs the forwards of blocks [from, block).
+    const InputRebuild r = input_rebuild(plan);
+    for (std::size_t l = 0; l < plan.size(); l++)
+        for (int m = r.from[l]; m >= 0 && m < (int)l; m++)
+            f += option(chain, m, BlockKeep::Input).recompute_flops;
     return f;
 }
 

@@ -43,8 +43,9 @@ struct Solution {
     int64_t recompute_flops = 0;
 };
 
-// Block l's option for `keep`; Offload prices as Input (its bytes beyond that are the ring's
-// business, in peak_bytes).
+// Block l's option for `keep`; Offload, Segment and Dropped price as Input (their streams beyond
+// that are the ring's or the rebuild's business, in peak_bytes; the rebuild's forwards in
+// recompute_flops).
 const Option& option(const Chain& chain, std::size_t l, BlockKeep keep);
 std::size_t peak_bytes(const Chain& chain, const RematPlan& plan);
 int64_t recompute_flops(const Chain& chain, const RematPlan& plan);

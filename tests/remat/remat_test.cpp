@@ -44,7 +44,8 @@ LossAndGrads two_micro_batches(const ModelConfig& c, const RematPlan& plan) {
 }
 
 std::vector<std::string> policies_for(const ModelConfig& c) {
-    std::vector<std::string> p = {"none", "full", "sqrt", "selective", "every:2", "every:3"};
+    std::vector<std::string> p = {"none",    "full",   "sqrt",   "selective",  "every:2",
+                                  "every:3", "chen:2", "chen:3", "memory-poor"};
     Chain ch = make_chain(c, 2, 8, cpu_arena_format(c));
     std::size_t lo = min_feasible_bytes(ch),
                 hi = peak_bytes(ch, RematPlan(c.n_layer, BlockKeep::All));
@@ -160,6 +161,44 @@ TEST(Remat, LogSumExpAttentionKeepsEveryPolicyBitwiseAndItsPredictedBytes) {
                 << text << " lse";
         }
     }
+}
+
+// memory-poor and chen:K drop block inputs too: below `full` by the residual streams they do not
+// keep (less two temporaries and chen's hold slots), at the rebuild's forwards (memory-poor
+// O(n^2), chen one per segment block), and bitwise (EveryPolicyGivesBitwiseIdentical...).
+TEST(Remat, RebuiltInputsGoBelowFullToTheMemoryPoorFloor) {
+    const ModelConfig c = test::tiny_model(8);
+    const std::size_t stream = resid_bytes(c, 2, 8, ActFormat::cpu());
+    const Solution full = solve_policy(parse_policy("full"), c, 2, 8);
+    const Solution poor = solve_policy(parse_policy("memory-poor"), c, 2, 8);
+    const Solution chen = solve_policy(parse_policy("chen:3"), c, 2, 8);
+    EXPECT_EQ(poor.plan[0], BlockKeep::Input);
+    EXPECT_EQ(std::count(poor.plan.begin(), poor.plan.end(), BlockKeep::Dropped), 7);
+    EXPECT_EQ(chen.plan, RematPlan({BlockKeep::Input, BlockKeep::Segment, BlockKeep::Segment,
+                                    BlockKeep::Input, BlockKeep::Segment, BlockKeep::Segment,
+                                    BlockKeep::Input, BlockKeep::Segment}));
+    // 7 streams not kept, 2 temporaries; 5 not kept, 2 temporaries and 2 held.
+    EXPECT_EQ(full.peak_bytes - poor.peak_bytes, 5 * stream);
+    EXPECT_EQ(full.peak_bytes - chen.peak_bytes, 1 * stream);
+    const InputRebuild rp = input_rebuild(poor.plan), rc = input_rebuild(chen.plan);
+    EXPECT_EQ(rp.forwards, 1 + 2 + 3 + 4 + 5 + 6 + 7);
+    EXPECT_EQ(rp.slots, 0);
+    EXPECT_EQ(rc.forwards, 2 + 2 + 1);
+    EXPECT_EQ(rc.slots, 2);
+    const int64_t block = block_flops(c, 2, 8).forward();
+    EXPECT_EQ(poor.recompute_flops - full.recompute_flops, 28 * block);
+    EXPECT_EQ(chen.recompute_flops - full.recompute_flops, 5 * block);
+    // At 32 blocks: full keeps 33 streams, chen:6 6 + 1 + 2 + 5 = 14, memory-poor 4.
+    const ModelConfig deep = test::tiny_model(32);
+    const std::size_t f32 = solve_policy(parse_policy("full"), deep, 2, 8).peak_bytes;
+    EXPECT_EQ(f32 - solve_policy(parse_policy("chen:6"), deep, 2, 8).peak_bytes, 19 * stream);
+    EXPECT_EQ(f32 - solve_policy(parse_policy("memory-poor"), deep, 2, 8).peak_bytes, 29 * stream);
+    // The first block keeps its input: a plan that drops it is refused.
+    RematPlan bad(3, BlockKeep::Dropped);
+    EXPECT_NE(test::error_of([&] { input_rebuild(bad); }).find("no block below keeps one"),
+              std::string::npos);
+    for (const char* k : {"chen:0", "chen:x", "chen:"})
+        EXPECT_NE(test::error_of([&] { parse_policy(k); }).find("has a bad K"), std::string::npos);
 }
 
 TEST(Remat, PredictedBytesAreMeasuredBytes) {

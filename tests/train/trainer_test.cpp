@@ -142,6 +142,47 @@ TEST(Trainer, LogSumExpAttentionTracksTheProbabilitiesWithLessMemory) {
               std::string::npos);
 }
 
+// train.remat = memory-poor and chen:K through the trainer: the losses and weights of keeping
+// everything, bitwise, measured = predicted activations below full's, and refused by name where
+// they are not built.
+TEST(Trainer, MemoryPoorAndChenTrainBitwiseBelowFull) {
+    std::vector<float> ref_params;
+    std::vector<float> ref_losses;
+    std::size_t full_bytes = 0;
+    for (const char* policy : {"none", "full", "chen:3", "memory-poor"}) {
+        auto d = test::temp_dir(std::string("rebuild_") + (policy[0] == 'c' ? "chen" : policy));
+        RunConfig c = test::tiny_run(d, 4);
+        c.model.n_layer = 8;  // chen:3 keeps 3 inputs, rebuilds 5 and holds 2 (plus 2 temporaries)
+        c.train.remat = policy;
+        Trainer t(c, opts());
+        auto s = t.run();
+        std::size_t predicted = 0;
+        for (const auto& row : t.engine().predicted_memory(c.micro_batch(), c.train.seq_len))
+            if (row.category == MemCategory::Activations) predicted += row.bytes;
+        const std::string what = policy;
+        if (ref_losses.empty()) {
+            ref_losses = s.losses;
+            ref_params.assign(t.model().params(), t.model().params() + t.model().num_params());
+            continue;
+        }
+        EXPECT_EQ(s.losses, ref_losses) << what;
+        EXPECT_EQ(0, std::memcmp(t.model().params(), ref_params.data(), ref_params.size() * 4))
+            << what;
+        if (what == "full")
+            full_bytes = predicted;
+        else
+            EXPECT_LT(predicted, full_bytes) << what;
+    }
+    RunConfig bad = test::tiny_run_config("/nonexistent", 4);
+    bad.train.remat = "memory-poor";
+    bad.world = 2;
+    bad.train.pp = 2;
+    EXPECT_NE(test::error_of([&] {
+                  validate_config(bad);
+              }).find("train.remat = memory-poor does not run with train.pp = 2 yet"),
+              std::string::npos);
+}
+
 // Where model.dropout is not built yet, the config is refused by name.
 TEST(Config, DropoutIsRefusedWhereItIsNotBuilt) {
     auto refused = [](auto&& edit, const std::string& key) {
