@@ -187,7 +187,7 @@ TEST(Lora, BaseGetsNoGradientsAndRematKeepsTheBits) {
     LoraModel s(test::tiny_model(), lora_cfg("all"), true);
     s.lora.set_training(true);
     const std::vector<float> want = s.grads();
-    for (const char* policy : {"full", "selective", "every:2"}) {
+    for (const char* policy : {"full", "selective", "every:2", "memory-poor", "chen:2"}) {
         s.model.set_remat(remat::solve_policy(remat::parse_policy(policy), s.model.config(), kBatch,
                                               kSeq, nullptr, ActFormat::cpu())
                               .plan);
