@@ -20,6 +20,7 @@
 #include "remat/cost.h"
 #include "remat/policy.h"
 #include "remat/profile.h"
+#include "remat/trace.h"
 #include "train/validate.h"
 
 namespace memtrain::cli {
@@ -169,7 +170,7 @@ void register_remat(CLI::App& app) {
     auto* cmd = app.add_subcommand(
         "remat", "activation-checkpointing schedule: per-block plan, peak memory, recompute");
     struct Args {
-        std::string config, budget, svg, device, precision;
+        std::string config, budget, svg, device, precision, animate;
         std::vector<std::string> sets;
         bool frontier = false;
         bool measure = false;
@@ -180,6 +181,10 @@ void register_remat(CLI::App& app) {
     cmd->add_option("--budget", a->budget, "peak activation bytes, e.g. 200MiB (else train.remat)");
     cmd->add_flag("--frontier", a->frontier, "table of policies and budget-optimal schedules");
     cmd->add_option("--svg", a->svg, "with --frontier: write the chart to this SVG file");
+    cmd->add_option("--animate", a->animate,
+                    "write the schedule (train.remat or --budget) as an animated SVG: every "
+                    "forward, rebuild, recompute and backward, what each block holds, the live "
+                    "bytes");
     cmd->add_option("--device", a->device,
                     "price this device's activation layout: cpu or cuda (default: train.device; "
                     "no GPU is needed to price cuda)");
@@ -242,6 +247,8 @@ void register_remat(CLI::App& app) {
             std::printf("  with block inputs in host memory (budget:BYTES+offload): %s\n",
                         format_bytes(min_feasible_bytes(offload_chain)).c_str());
         if (!a->svg.empty() && !a->frontier) fail("--svg needs --frontier");
+        if (!a->animate.empty() && a->frontier)
+            fail("--animate draws one schedule: drop --frontier (or --animate)");
         if (a->frontier) {
             if (!a->budget.empty()) fail("give either --budget or --frontier, not both");
             std::vector<Point> pts;
@@ -319,6 +326,19 @@ void register_remat(CLI::App& app) {
         std::printf("predicted peak activation memory: %s\n", format_bytes(s.peak_bytes).c_str());
         std::printf("predicted recompute overhead: %.3f %s = %.2f%% of a step\n",
                     s.recompute_flops / unit, unit_name, 100.0 * s.recompute_flops / step);
+        if (!a->animate.empty()) {
+            const std::vector<TraceEvent> events = trace_step(chain, s.plan);
+            std::size_t live = 0;
+            for (const TraceEvent& e : events) live = std::max(live, e.live_bytes);
+            std::ofstream out(a->animate, std::ios::binary);
+            out << trace_svg(events, chain, s.plan,
+                             fmt::format("train.remat = {}: {} blocks, micro-batch {} x {}", policy,
+                                         m.n_layer, B, T));
+            if (!out) fail("cannot write {}", a->animate);
+            std::printf("wrote %s: %zu events, at most %s alive of the %s arena\n",
+                        a->animate.c_str(), events.size(), format_bytes(live).c_str(),
+                        format_bytes(s.peak_bytes).c_str());
+        }
     });
 }
 

@@ -171,12 +171,22 @@ TEST(Cli, RematScheduleFrontierAndTooSmallBudget) {
     EXPECT_NE(r.output.find("predicted recompute overhead"), std::string::npos) << r.output;
     r = run_memtrain("remat " + cfg + " --frontier --svg " + dir + "/frontier.svg");
     ASSERT_EQ(r.code, 0) << r.output;
-    for (const char* row : {"none", "selective", "sqrt", "full", "budget:"})
+    for (const char* row :
+         {"none", "selective", "sqrt", "full", "budget:", "chen:3 ", "memory-poor ", "IDDDDD"})
         EXPECT_NE(r.output.find(row), std::string::npos) << row;
     std::ifstream svg(dir + "/frontier.svg");
     std::string head(5, '\0');
     svg.read(head.data(), 5);
     EXPECT_EQ(head, "<svg ");
+    // The schedule animated: every event of the step, the live bytes within the arena.
+    r = run_memtrain("remat " + cfg + " --set train.remat=memory-poor --animate " + dir +
+                     "/poor.svg");
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("poor.svg: 33 events, at most"), std::string::npos) << r.output;
+    EXPECT_NE(memtrain::test::read_file(dir + "/poor.svg").find("rebuild 4"), std::string::npos);
+    r = run_memtrain("remat " + cfg + " --frontier --animate " + dir + "/x.svg");
+    EXPECT_EQ(r.code, 1);
+    EXPECT_NE(r.output.find("--animate draws one schedule"), std::string::npos) << r.output;
     r = run_memtrain("remat " + cfg + " --budget 1KiB");
     EXPECT_EQ(r.code, 1);
     EXPECT_NE(r.output.find("smallest feasible peak activation memory"), std::string::npos)

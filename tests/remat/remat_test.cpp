@@ -14,6 +14,7 @@
 #include "remat/policy.h"
 #include "remat/profile.h"
 #include "remat/solver.h"
+#include "remat/trace.h"
 #include "test_util.h"
 #include "train/trainer.h"
 #include "train/validate.h"
@@ -199,6 +200,53 @@ TEST(Remat, RebuiltInputsGoBelowFullToTheMemoryPoorFloor) {
               std::string::npos);
     for (const char* k : {"chen:0", "chen:x", "chen:"})
         EXPECT_NE(test::error_of([&] { parse_policy(k); }).find("has a bad K"), std::string::npos);
+}
+
+// The step's schedule event by event (memtrain remat --animate): one forward and one backward
+// per block, a recompute per block that drops fields, every rebuild forward the plan's
+// input_rebuild counts; the live bytes never above the arena, equal to it when everything is
+// kept, and nothing held at the end.
+TEST(Remat, TraceFollowsThePlanAndStaysInsideTheArena) {
+    const ModelConfig c = test::tiny_model(6);
+    const Chain chain = make_chain(c, 2, 8);
+    for (const auto& text : policies_for(c)) {
+        const Solution s = solve_policy(parse_policy(text), c, 2, 8);
+        const std::vector<TraceEvent> ev = trace_step(chain, s.plan);
+        const auto count = [&](TraceEvent::Kind k) {
+            return std::count_if(ev.begin(), ev.end(),
+                                 [&](const TraceEvent& e) { return e.kind == k; });
+        };
+        EXPECT_EQ(count(TraceEvent::Kind::Forward), 6) << text;
+        EXPECT_EQ(count(TraceEvent::Kind::Backward), 6) << text;
+        EXPECT_EQ(count(TraceEvent::Kind::Recompute),
+                  6 - std::count(s.plan.begin(), s.plan.end(), BlockKeep::All))
+            << text;
+        EXPECT_EQ(count(TraceEvent::Kind::Rebuild), input_rebuild(s.plan).forwards) << text;
+        std::size_t most = 0;
+        for (const TraceEvent& e : ev) most = std::max(most, e.live_bytes);
+        EXPECT_LE(most, s.peak_bytes) << text;
+        if (text == "none") {
+            EXPECT_EQ(most, s.peak_bytes);
+            EXPECT_EQ(ev[5].state, "AAAAAA");
+        }
+        EXPECT_EQ(ev.back().state, "......") << text;
+        const std::string svg = trace_svg(ev, chain, s.plan, text);
+        EXPECT_EQ(svg.rfind("<svg", 0), 0u);
+        EXPECT_NE(svg.find("</svg>"), std::string::npos);
+        EXPECT_NE(svg.find("backward 0"), std::string::npos);
+    }
+    // memory-poor: block i's backward re-runs blocks 0 .. i-1, so 15 rebuilds at 6 blocks, and
+    // a held input never appears; chen:3 holds the inputs of its segments.
+    const auto poor = trace_step(chain, solve_policy(parse_policy("memory-poor"), c, 2, 8).plan);
+    EXPECT_EQ(
+        std::count_if(poor.begin(), poor.end(),
+                      [](const TraceEvent& e) { return e.kind == TraceEvent::Kind::Rebuild; }),
+        15);
+    for (const TraceEvent& e : poor) EXPECT_EQ(e.state.find('h'), std::string::npos);
+    const auto chen = trace_step(chain, solve_policy(parse_policy("chen:3"), c, 2, 8).plan);
+    EXPECT_TRUE(std::any_of(chen.begin(), chen.end(), [](const TraceEvent& e) {
+        return e.state.find('h') != std::string::npos;
+    }));
 }
 
 TEST(Remat, PredictedBytesAreMeasuredBytes) {
