@@ -241,6 +241,13 @@ void register_remat(CLI::App& app) {
                                   : "cpu, fp32 (attention probabilities kept)");
         std::printf("smallest feasible peak activation memory: %s\n",
                     format_bytes(min_feasible_bytes(chain)).c_str());
+        // The CPU model also rebuilds block inputs (chen:K, memory-poor), below that.
+        const bool rebuilds = device == "cpu" && m.n_layer > 1;
+        if (rebuilds)
+            std::printf(
+                "  rebuilding block inputs (chen:K, memory-poor; budget:BYTES below the "
+                "above): %s\n",
+                format_bytes(rebuild_floor(chain)).c_str());
         Chain offload_chain = chain;  // budget:BYTES+offload (cuda): inputs may leave the GPU
         offload_chain.allow_offload = true;
         if (device == "cuda")
@@ -264,12 +271,16 @@ void register_remat(CLI::App& app) {
                     continue;
                 pts.push_back({p, solve_policy(parse_policy(p), m, B, T, cost_ptr, fmt)});
             }
-            const std::size_t lo = min_feasible_bytes(chain), hi = pts[0].s.peak_bytes;
-            // The budget sweep, after the named policies (none is pts[0]).
+            std::size_t lo = min_feasible_bytes(chain);
+            if (rebuilds) lo = std::min(lo, rebuild_floor(chain));
+            const std::size_t hi = pts[0].s.peak_bytes;
+            // The budget sweep, after the named policies (none is pts[0]), solved as train.remat
+            // = budget:BYTES would be (below the knapsack's floor, the plans that rebuild).
             const int n = 10;
             for (int i = 0; i <= n; i++) {
                 std::size_t b = lo + (hi - lo) * i / n;
-                pts.push_back({fmt::format("budget:{}", b), *solve_budget(chain, b)});
+                const std::string name = fmt::format("budget:{}", b);
+                pts.push_back({name, solve_policy(parse_policy(name), m, B, T, cost_ptr, fmt)});
             }
             if (device == "cuda" && m.n_layer > kOffloadSlots) {
                 // Recompute and offload together: below `lo` only offloading gets there, above

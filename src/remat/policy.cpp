@@ -121,8 +121,13 @@ Solution solve_policy(const RematPolicy& policy, const ModelConfig& cfg, int B, 
             break;
         case K::Budget: {
             auto s = solve_budget(chain, policy.budget);
+            // Below every plan that keeps the block inputs, on the CPU model: those that rebuild
+            // them (chen:K, memory-poor).
+            const bool rebuild = !fmt.cuda && !policy.budget_offload && L > 1;
+            if (!s && rebuild) s = solve_rebuild(chain, policy.budget);
             if (!s) {
                 std::size_t need = min_feasible_bytes(chain);
+                if (rebuild) need = std::min(need, rebuild_floor(chain));
                 fail(
                     "remat budget {} is below the smallest feasible peak activation memory {} "
                     "for this model at micro-batch {} x {}; use budget:{}{} or more{}",

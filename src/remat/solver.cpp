@@ -86,6 +86,39 @@ std::size_t min_feasible_bytes(const Chain& chain) {
     return best;
 }
 
+std::vector<RematPlan> rebuild_plans(std::size_t n) {
+    std::vector<RematPlan> out;
+    if (n < 2) return out;
+    for (std::size_t K = 2; K <= n; K++) {
+        RematPlan p(n, BlockKeep::Segment);
+        for (std::size_t l = 0; l < n; l += K) p[l] = BlockKeep::Input;
+        out.push_back(std::move(p));
+    }
+    RematPlan poor(n, BlockKeep::Dropped);
+    poor[0] = BlockKeep::Input;
+    out.push_back(std::move(poor));
+    return out;
+}
+
+std::optional<Solution> solve_rebuild(const Chain& chain, std::size_t budget) {
+    std::optional<Solution> best;
+    for (const RematPlan& p : rebuild_plans(chain.blocks.size())) {
+        const Solution s = evaluate(chain, p);
+        if (s.peak_bytes > budget) continue;
+        if (!best || s.recompute_flops < best->recompute_flops ||
+            (s.recompute_flops == best->recompute_flops && s.peak_bytes < best->peak_bytes))
+            best = s;
+    }
+    return best;
+}
+
+std::size_t rebuild_floor(const Chain& chain) {
+    std::size_t best = std::numeric_limits<std::size_t>::max();
+    for (const RematPlan& p : rebuild_plans(chain.blocks.size()))
+        best = std::min(best, peak_bytes(chain, p));
+    return best;
+}
+
 std::optional<Solution> solve_budget(const Chain& chain, std::size_t budget) {
     const std::size_t n = chain.blocks.size();
     if (n == 0) {

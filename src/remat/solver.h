@@ -58,4 +58,14 @@ std::size_t min_feasible_bytes(const Chain& chain);
 std::optional<Solution> solve_budget(const Chain& chain, std::size_t budget);
 inline constexpr std::size_t kMaxUnits = std::size_t{1} << 16;
 
+// Below what solve_budget reaches (every block keeps its input): the plans that rebuild inputs,
+// chen:K for every K (blocks l % K == 0 `input`, the others `segment`) and memory-poor (block 0
+// `input`, the others `dropped`); the least recompute whose peak <= budget (ties: the smaller
+// peak), nullopt when even memory-poor does not fit. Not a joint optimum with the knapsack's
+// options (docs/checkpointing.md): the structured schedules of Chen and the lecture.
+std::optional<Solution> solve_rebuild(const Chain& chain, std::size_t budget);
+// The plans solve_rebuild tries, and the least peak among them (memory-poor's, for n > 1).
+std::vector<RematPlan> rebuild_plans(std::size_t blocks);
+std::size_t rebuild_floor(const Chain& chain);
+
 }  // namespace memtrain::remat

@@ -65,6 +65,20 @@ RunPlan plan_layout(const RunConfig& config, int rank, int world, bool collectiv
     p.format = gpu ? device_arena_format(cfg, B, T) : cpu_arena_format(cfg.model);
     p.remat = remat::solve_policy(remat::parse_policy(cfg.train.remat), cfg.model, B, T, measured,
                                   p.format);
+    // A budget below every plan that keeps the block inputs solves to one that rebuilds them
+    // (chen:K, memory-poor), which only the whole model on one process or DDP runs yet.
+    if (std::any_of(p.remat.plan.begin(), p.remat.plan.end(), rebuilds_input) &&
+        (cfg.train.tp > 1 || cfg.train.pp > 1 || cfg.ps()))
+        fail(
+            "train.remat = {} solves to a plan that rebuilds block inputs ({} MiB of "
+            "activations), which {} does not run yet: raise the budget to at least {} MiB, the "
+            "least without rebuilding",
+            cfg.train.remat, p.remat.peak_bytes / 1048576.0,
+            cfg.train.tp > 1   ? fmt::format("train.tp = {}", cfg.train.tp)
+            : cfg.train.pp > 1 ? fmt::format("train.pp = {}", cfg.train.pp)
+                               : std::string("train.dp_mode = \"ps\""),
+            (double)remat::min_feasible_bytes(remat::make_chain(cfg.model, B, T, p.format)) /
+                1048576.0);
     return p;
 }
 

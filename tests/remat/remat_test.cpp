@@ -194,6 +194,34 @@ TEST(Remat, RebuiltInputsGoBelowFullToTheMemoryPoorFloor) {
     const std::size_t f32 = solve_policy(parse_policy("full"), deep, 2, 8).peak_bytes;
     EXPECT_EQ(f32 - solve_policy(parse_policy("chen:6"), deep, 2, 8).peak_bytes, 19 * stream);
     EXPECT_EQ(f32 - solve_policy(parse_policy("memory-poor"), deep, 2, 8).peak_bytes, 29 * stream);
+    // budget:BYTES below `full` (the knapsack's floor) solves to the least-recompute plan that
+    // rebuilds inputs and fits, down to memory-poor's floor; below that it names the floor. The
+    // GPU layout never rebuilds.
+    const Chain ch = make_chain(deep, 2, 8);
+    const std::size_t lo = min_feasible_bytes(ch), floor = rebuild_floor(ch);
+    EXPECT_EQ(floor, solve_policy(parse_policy("memory-poor"), deep, 2, 8).peak_bytes);
+    const Solution mid =
+        solve_policy(parse_policy(fmt::format("budget:{}", (lo + floor) / 2)), deep, 2, 8);
+    EXPECT_LE(mid.peak_bytes, (lo + floor) / 2);
+    EXPECT_TRUE(std::any_of(mid.plan.begin(), mid.plan.end(), rebuilds_input));
+    for (const RematPlan& p : rebuild_plans(32)) {
+        const Solution s = evaluate(ch, p);
+        if (s.peak_bytes <= (lo + floor) / 2) {
+            EXPECT_GE(s.recompute_flops, mid.recompute_flops);
+        }
+    }
+    EXPECT_EQ(solve_policy(parse_policy(fmt::format("budget:{}", floor)), deep, 2, 8).plan,
+              solve_policy(parse_policy("memory-poor"), deep, 2, 8).plan);
+    EXPECT_NE(
+        test::error_of([&] {
+            solve_policy(parse_policy(fmt::format("budget:{}", floor - 1)), deep, 2, 8);
+        }).find(fmt::format("smallest feasible peak activation memory {}", format_bytes(floor))),
+        std::string::npos);
+    const ActFormat gpu = cuda_arena_format(deep, 2, 2, 8);
+    const std::size_t gpu_lo = min_feasible_bytes(make_chain(deep, 2, 8, gpu));
+    EXPECT_THROW(
+        solve_policy(parse_policy(fmt::format("budget:{}", gpu_lo - 1)), deep, 2, 8, nullptr, gpu),
+        Error);
     // The first block keeps its input: a plan that drops it is refused.
     RematPlan bad(3, BlockKeep::Dropped);
     EXPECT_NE(test::error_of([&] { input_rebuild(bad); }).find("no block below keeps one"),

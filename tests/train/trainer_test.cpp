@@ -11,6 +11,8 @@
 #include "core/error.h"
 #include "io/checkpoint.h"
 #include "io/safetensors.h"
+#include "remat/cost.h"
+#include "remat/solver.h"
 #include "test_util.h"
 #include "train/plan.h"
 #include "train/trainer.h"
@@ -172,6 +174,26 @@ TEST(Trainer, MemoryPoorAndChenTrainBitwiseBelowFull) {
             full_bytes = predicted;
         else
             EXPECT_LT(predicted, full_bytes) << what;
+    }
+    // A budget below full's floor trains too (it solves to a plan that rebuilds inputs).
+    {
+        auto d = test::temp_dir("rebuild_budget");
+        RunConfig c = test::tiny_run(d, 4);
+        c.model.n_layer = 8;
+        const std::size_t lo =
+            remat::min_feasible_bytes(remat::make_chain(c.model, c.micro_batch(), c.train.seq_len));
+        c.train.remat = fmt::format("budget:{}", lo - 1);
+        Trainer t(c, opts());
+        auto s = t.run();
+        const RematPlan& plan = t.engine().remat_plan();
+        EXPECT_TRUE(std::any_of(plan.begin(), plan.end(), rebuilds_input));
+        EXPECT_EQ(s.losses, ref_losses);
+        c.train.pp = 2;
+        c.world = 2;
+        EXPECT_NE(test::error_of([&] {
+                      plan_layout(c, 0, 2, false, nullptr);
+                  }).find("solves to a plan that rebuilds block inputs"),
+                  std::string::npos);
     }
     RunConfig bad = test::tiny_run_config("/nonexistent", 4);
     bad.train.remat = "memory-poor";
