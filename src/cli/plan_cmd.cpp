@@ -1,6 +1,7 @@
 // `memtrain estimate`, `memtrain plan`, `memtrain scale`: parse flags, call planner/, print.
 // estimate: per-GPU memory table (and step time) of one layout; plan: ranked layouts with
 // reasons for the rejected ones; scale: compute-optimal size and the time it takes.
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <functional>
@@ -417,6 +418,8 @@ int run_cpu_plan(const CpuPlanArgs& a) {
     for (const char* policy : {"selective", "sqrt", "full"})
         attempt(fmt::format("train.remat = {}", policy),
                 [&](RunConfig& c) { c.train.remat = policy; });
+    attempt("train.cpu_attention = lse (no attention probabilities)",
+            [](RunConfig& c) { c.train.cpu_attention = "lse"; });
     while (!chosen && cfg.train.micro_batch_size > 1) {
         const int half = cfg.train.micro_batch_size / 2;
         if (cfg.train.batch_size % (half * cfg.dp()) != 0) break;
@@ -438,6 +441,16 @@ int run_cpu_plan(const CpuPlanArgs& a) {
     else
         attempt("optim.step_in_backward (no gradient buffer)",
                 [](RunConfig& c) { c.optim.step_in_backward = true; });
+    // Last, for their recompute: dropping the block inputs too (one extra forward per block for
+    // chen's segments, O(n^2) for memory-poor).
+    // Chen's only when it keeps fewer streams than full's n + 1: ceil(n / K) inputs, the last,
+    // two temporaries and K - 1 held.
+    const int n = cfg.model.n_layer, K = (int)std::ceil(std::sqrt((double)n));
+    const std::string chen = fmt::format("chen:{}", K);
+    if ((n + K - 1) / K + K + 2 < n + 1)
+        attempt("train.remat = " + chen, [&](RunConfig& c) { c.train.remat = chen; });
+    if (n > 3)  // 4 streams against n + 1
+        attempt("train.remat = memory-poor", [](RunConfig& c) { c.train.remat = "memory-poor"; });
 
     if (a.json) {
         nlohmann::json j;

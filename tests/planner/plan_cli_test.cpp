@@ -636,6 +636,23 @@ TEST(PlanCli, CpuPlanFitsTheHostLeverByLever) {
     EXPECT_EQ(code3, 1);
     EXPECT_FALSE(two["fits"].get<bool>());
     EXPECT_EQ(two["steps"][1]["lever"], "ZeRO-1");
+    // The levers drop attention probabilities, and last block inputs: memory-poor (4 streams
+    // against full's 5); chen:2 would keep 6, so it is not tried at 4 blocks.
+    const auto& ts = two["steps"];
+    const std::size_t k = ts.size();
+    ASSERT_GE(k, 3u);
+    EXPECT_EQ(ts[k - 1]["lever"], "train.remat = memory-poor");
+    double before = 0;  // the last lever tried before it (skipped ones have no bytes)
+    for (std::size_t i = 0; i + 1 < k; i++)
+        if (ts[i]["skipped"].get<std::string>().empty())
+            before = ts[i]["bytes_per_rank"].get<double>();
+    EXPECT_LT(ts[k - 1]["bytes_per_rank"].get<double>(), before);
+    for (const auto& s : ts)
+        EXPECT_FALSE(s["lever"].get<std::string>().starts_with("train.remat = chen"));
+    bool lse = false;
+    for (const auto& s : ts)
+        lse = lse || s["lever"].get<std::string>().starts_with("train.cpu_attention");
+    EXPECT_TRUE(lse);
     EXPECT_FALSE(std::filesystem::exists(dir + "/no.toml"));
     expect_refusal("plan gpt2 --device cpu --gpus 8", {"--gpus", "--device cpu"});
     expect_refusal("plan gpt2 --ranks 2", {"--ranks", "--device cpu"});
