@@ -45,21 +45,15 @@ RematPolicy parse_policy(const std::string& text) {
         p.kind = RematPolicy::Kind::Offload;
     else if (text == "memory-poor")
         p.kind = RematPolicy::Kind::MemoryPoor;
-    else if (text.starts_with("chen:")) {
-        std::string k = text.substr(5);
+    else if (text.starts_with("chen:") || text.starts_with("every:")) {
+        const bool chen = text.starts_with("chen:");
+        const std::string k = text.substr(text.find(':') + 1);
         char* end = nullptr;
-        long v = std::strtol(k.c_str(), &end, 10);
+        const long v = std::strtol(k.c_str(), &end, 10);
         if (k.empty() || *end != '\0' || v < 1 || v > 1000000)
-            return bad("has a bad K (a positive integer: a segment of K blocks)");
-        p.kind = RematPolicy::Kind::Chen;
-        p.every = (int)v;
-    } else if (text.starts_with("every:")) {
-        std::string k = text.substr(6);
-        char* end = nullptr;
-        long v = std::strtol(k.c_str(), &end, 10);
-        if (k.empty() || *end != '\0' || v < 1 || v > 1000000)
-            return bad("has a bad K (a positive integer)");
-        p.kind = RematPolicy::Kind::Every;
+            return bad(chen ? "has a bad K (a positive integer: a segment of K blocks)"
+                            : "has a bad K (a positive integer)");
+        p.kind = chen ? RematPolicy::Kind::Chen : RematPolicy::Kind::Every;
         p.every = (int)v;
     } else if (text.starts_with("budget:")) {
         std::string bytes = text.substr(7);

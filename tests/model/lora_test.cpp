@@ -27,15 +27,8 @@ constexpr int kBatch = 2, kSeq = 8;
 
 // An exact Llama (rmsnorm, swiglu, rope, no bias, untied, GQA): its adapters are per projection.
 ModelConfig tiny_exact_llama() {
-    ModelConfig c = test::tiny_model();
-    c.n_head = 4;
-    c.n_kv_head = 2;
-    c.norm = "rmsnorm";
-    c.activation = "swiglu";
-    c.positions = "rope";
+    ModelConfig c = test::tiny_llama();
     c.bias = false;
-    c.tied_embeddings = false;
-    c.ffn_hidden = 24;
     return c;
 }
 

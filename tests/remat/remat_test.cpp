@@ -564,14 +564,7 @@ TEST(Remat, TrainerWithFullRecomputeMatchesNoneAndResumesBitwise) {
 // pre-activation and an H product, rope rotates qkv in place, 2 kv heads, untied lm_head).
 TEST(Remat, LlamaStyleEveryPolicyIsBitwiseAndPredictedBytesAreMeasured) {
     for (int L : {1, 3}) {
-        ModelConfig c = test::tiny_model(L);
-        c.n_head = 4;
-        c.n_kv_head = 2;
-        c.norm = "rmsnorm";
-        c.activation = "swiglu";
-        c.positions = "rope";
-        c.tied_embeddings = false;
-        c.ffn_hidden = 24;
+        const ModelConfig c = test::tiny_llama(L);
         LossAndGrads ref = two_micro_batches(c, {});
         for (const auto& text : policies_for(c)) {
             Solution s = solve_policy(parse_policy(text), c, 2, 8);
