@@ -4,6 +4,7 @@
 // --measure prices recompute by a profiling pass on this machine (remat/profile.h) and, with
 // --frontier, also times real training steps of every schedule beside the prediction.
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -31,13 +32,7 @@ using namespace memtrain::remat;
 
 std::string plan_letters(const RematPlan& plan) {
     std::string s;
-    for (BlockKeep k : plan)
-        s += k == BlockKeep::All         ? 'A'
-             : k == BlockKeep::Selective ? 'S'
-             : k == BlockKeep::Input     ? 'I'
-             : k == BlockKeep::Offload   ? 'O'
-             : k == BlockKeep::Segment   ? 'G'
-                                         : 'D';
+    for (BlockKeep k : plan) s += (char)std::toupper(keep_letter(k));
     return s;
 }
 

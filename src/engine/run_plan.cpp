@@ -142,7 +142,7 @@ std::string RunPlan::table() const {
         row("lora", fmt::format("rank {}, base {}", cfg.lora.rank,
                                 lora_base ? lora_base->name() : std::string("fp32")));
     std::string keeps;
-    for (BlockKeep k : remat.plan) keeps += keep_name(k)[0];
+    for (BlockKeep k : remat.plan) keeps += keep_letter(k);
     row("remat", fmt::format("{}: blocks keep [{}], peak {:.1f} MiB", cfg.train.remat, keeps,
                              remat.peak_bytes / 1048576.0));
     std::size_t total = 0;

@@ -84,6 +84,10 @@ const char* keep_name(BlockKeep k) {
     return "?";
 }
 
+char keep_letter(BlockKeep k) {
+    return k == BlockKeep::Segment ? 'g' : keep_name(k)[0];
+}
+
 InputRebuild input_rebuild(const RematPlan& plan) {
     const int n = (int)plan.size();
     InputRebuild r;

@@ -52,6 +52,10 @@ inline bool rebuilds_input(BlockKeep k) {
 }
 constexpr int kOffloadSlots = 3;
 const char* keep_name(BlockKeep k);
+// One letter per keep, for plans printed as a row: a s i o g (segment) d (dropped).
+char keep_letter(BlockKeep k);
+inline constexpr const char* kKeepLetters =
+    "a all, s selective, i input only, o input in host memory, g segment, d dropped input";
 using RematPlan = std::vector<BlockKeep>;  // one per block; empty = every block keeps All
 
 enum class SavedField : uint8_t {

@@ -211,12 +211,11 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
     }
     if (cfg_.train.remat != "none") {
         std::string letters;
-        for (BlockKeep k : schedule->plan) letters += keep_name(k)[0];
+        for (BlockKeep k : schedule->plan) letters += keep_letter(k);
         print(
-            fmt::format("remat {}: blocks keep [{}] (a all, s selective, i input only, o input in "
-                        "host memory) | "
-                        "activations {} | recompute {:.1f}% of a step ({})\n",
-                        cfg_.train.remat, letters, mib(schedule->peak_bytes),
+            fmt::format("remat {}: blocks keep [{}] ({}) | activations {} | recompute {:.1f}% of a "
+                        "step ({})\n",
+                        cfg_.train.remat, letters, kKeepLetters, mib(schedule->peak_bytes),
                         100.0 * schedule->recompute_flops / plan_.step_cost,
                         plan_.costs_measured ? "measured time" : "analytic FLOPs"));
     }
