@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <optional>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -102,13 +103,20 @@ HostNeed host_need(const RunConfig& cfg) {
 
 std::string resolve_micro_batch(RunConfig& cfg, dist::Communicator& comm) {
     if (cfg.train.micro_batch_size != TrainConfig::kAutoMicroBatch) return "";
-    if (cfg.train.device != "cpu")
-        fail(
-            "train.micro_batch_size = \"auto\" chooses from the host's memory for the CPU engines; "
-            "on the GPU it is not built yet: give a number (memtrain estimate prices it)");
-    // Rank 0's reading, so that every rank chooses the same.
-    uint64_t avail = host_available_bytes();
-    comm.broadcast(&avail, sizeof(avail), 0);
+    // The CPU engines fit the node's host memory (every rank on it, rank 0's reading so that
+    // every rank chooses the same); the GPU engine each rank's own device (its free bytes), and
+    // a micro-batch is taken only when it fits every rank's.
+    const bool gpu = cfg.train.device == "cuda";
+    uint64_t avail = 0;
+    if (gpu) {
+        if (!cuda_available())
+            fail("train.micro_batch_size = \"auto\" on train.device = \"cuda\": no device answers");
+        select_device(comm.local_rank());  // this rank's GPU, as the engine takes it
+        avail = device_memory_info().first;
+    } else {
+        avail = host_available_bytes();
+        comm.broadcast(&avail, sizeof(avail), 0);
+    }
     const int dp = cfg.dp(), share = cfg.train.batch_size / dp, ranks = comm.local_size();
     auto need = [&](int mb) -> std::optional<std::size_t> {
         RunConfig c = cfg;
@@ -118,8 +126,18 @@ std::string resolve_micro_batch(RunConfig& cfg, dist::Communicator& comm) {
         } catch (const Error&) {
             return std::nullopt;  // a layout constraint (sequence parallelism's token split)
         }
-        return host_need(c).most * (std::size_t)ranks;
+        if (!gpu) return host_need(c).most * (std::size_t)ranks;
+        const RunPlan p = plan_layout(c, comm);  // this rank's GPU engine (whole model or stage)
+        return predicted_total(predict_device_memory(p, p.remat.plan, mb, c.train.seq_len));
     };
+    auto fits = [&](std::size_t n) {  // on every rank (one gather per candidate on the GPU)
+        if (!gpu) return n <= avail;
+        const uint8_t mine = n <= avail;
+        std::vector<uint8_t> all(comm.size());
+        comm.all_gather_bytes(&mine, all.data(), 1);
+        return std::all_of(all.begin(), all.end(), [](uint8_t v) { return v == 1; });
+    };
+    const char* where = gpu ? "device memory free on this rank's GPU" : "host memory available";
     std::optional<std::size_t> larger;  // the next larger candidate's need
     int last = 0, larger_mb = 0;
     for (int mb = share; mb >= 1; mb--) {
@@ -127,17 +145,19 @@ std::string resolve_micro_batch(RunConfig& cfg, dist::Communicator& comm) {
         const std::optional<std::size_t> n = need(mb);
         if (!n) continue;
         last = mb;
-        if (*n <= avail) {
+        if (fits(*n)) {
             cfg.train.micro_batch_size = mb;
-            const std::string node = ranks > 1
+            const std::string node = gpu ? std::string("each GPU needs")
+                                     : ranks > 1
                                          ? fmt::format("the {} ranks on this node need", ranks)
                                          : std::string("the run needs");
             return fmt::format(
-                "train.micro_batch_size = \"auto\": {} sequences per micro-batch, {} "
+                "train.micro_batch_size = \"auto\": {} sequence{} per micro-batch, {} "
                 "micro-batch{} per step on each of {} rank{} ({} {:.1f} MiB of {:.1f} MiB "
-                "available{})",
-                mb, share / mb, share / mb == 1 ? "" : "es", dp, dp == 1 ? "" : "s", node,
-                *n / 1048576.0, avail / 1048576.0,
+                "{}{})",
+                mb, mb == 1 ? "" : "s", share / mb, share / mb == 1 ? "" : "es", dp,
+                dp == 1 ? "" : "s", node, *n / 1048576.0, avail / 1048576.0,
+                gpu ? "free" : "available",
                 larger ? fmt::format("; {} would need {:.1f} MiB", larger_mb, *larger / 1048576.0)
                        : std::string("; the global batch allows no larger"));
         }
@@ -145,12 +165,15 @@ std::string resolve_micro_batch(RunConfig& cfg, dist::Communicator& comm) {
         larger_mb = mb;
     }
     fail(
-        "train.micro_batch_size = \"auto\": no micro-batch fits the {:.1f} MiB of host memory "
-        "available{}: even {} sequence{} per micro-batch needs {:.1f} MiB. train.remat = "
-        "\"full\", ZeRO (train.zero_stage), compressed moments (optim.state_format) or more "
-        "ranks need less (memtrain plan CONFIG --device cpu tries them in turn)",
-        avail / 1048576.0, std::getenv("MEMTRAIN_HOST_MEMORY") ? " (MEMTRAIN_HOST_MEMORY)" : "",
-        last, last == 1 ? "" : "s", larger ? *larger / 1048576.0 : 0.0);
+        "train.micro_batch_size = \"auto\": no micro-batch fits the {:.1f} MiB of {}{}: even {} "
+        "sequence{} per micro-batch needs {:.1f} MiB. train.remat = \"full\", ZeRO "
+        "(train.zero_stage), {} or more ranks need less (memtrain plan CONFIG {}tries them in "
+        "turn)",
+        avail / 1048576.0, where,
+        !gpu && std::getenv("MEMTRAIN_HOST_MEMORY") ? " (MEMTRAIN_HOST_MEMORY)" : "", last,
+        last == 1 ? "" : "s", larger ? *larger / 1048576.0 : 0.0,
+        gpu ? "train.offload_optimizer" : "compressed moments (optim.state_format)",
+        gpu ? "" : "--device cpu ");
 }
 
 RunPlan plan_run(const RunConfig& cfg, dist::Communicator& comm) {

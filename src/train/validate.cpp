@@ -252,10 +252,6 @@ void check_batch_split(const RunConfig& cfg) {
     const bool automatic = mb == TrainConfig::kAutoMicroBatch;
     if (mb < 0 && !automatic)
         fail("train.micro_batch_size = {} must be >= 0 (0: derived) or \"auto\"", mb);
-    if (automatic && cfg.train.device == "cuda")
-        fail(
-            "train.micro_batch_size = \"auto\" chooses from the host's memory for the CPU engines; "
-            "on the GPU it is not built yet: give a number (memtrain estimate prices it)");
     if (mb == 0 || automatic) {
         if (B % dp != 0 || B < dp)
             fail(

@@ -215,6 +215,22 @@ TEST(CudaCli, ErrorsNameTheKeyAndExitNonZero) {
     EXPECT_EQ(r.code, 1) << r.output;
     EXPECT_NE(r.output.find("for activations"), std::string::npos) << r.output;
     EXPECT_NE(r.output.find("train.remat"), std::string::npos) << r.output;
+    // The same run with train.micro_batch_size = "auto" on a 70 MiB device: the largest
+    // micro-batch whose predicted device memory fits the free bytes (2: 64.5 MiB; 4 would need
+    // 82.7), accumulation keeping the global batch of 4.
+    r = run_sim("train " + cfg +
+                    " --set train.device=cuda train.micro_batch_size=auto train.batch_size=4 "
+                    "model.block_size=512 train.seq_len=512 model.n_embd=128 model.n_layer=4 "
+                    "train.max_steps=1 io.out_dir=" +
+                    dir + "/auto",
+                "MEMTRAIN_SIM_DEVICE_MIB=70");
+    EXPECT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("train.micro_batch_size = \"auto\": 2 sequences per micro-batch, 2 "
+                            "micro-batches per step"),
+              std::string::npos)
+        << r.output;
+    EXPECT_NE(r.output.find("MiB free; 4 would need"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("step     1/1"), std::string::npos) << r.output;
 }
 
 #endif  // MT_CUDA_SIM_TESTS
