@@ -84,14 +84,21 @@ class GPT {
     // Logits over the real vocabulary: out (B,T,V).
     void forward_logits(const int32_t* inputs, int B, int T, float* out);
 
-    // model.dropout (config().dropout > 0) in forward_backward only, never in forward_loss,
-    // forward_logits or a pipeline's stage_ calls. The masks are hashes (kernels/dropout_mask.h)
-    // of the seed, each sequence's ordinal in the run and the site (the embedding output, and per
-    // block the attention probabilities and the two residual branches), so nothing is stored and
-    // a recompute or a second pass draws the same. set_dropout_rows gives the ordinal of the next
-    // forward_backward's first sequence (its row b is that + b).
+    // model.dropout (config().dropout > 0) in forward_backward and a pipeline's training
+    // forwards (train_next_forward) only, never in forward_loss, forward_logits or evaluation. The
+    // masks are hashes (kernels/dropout_mask.h) of the seed, each sequence's ordinal in the run and
+    // the site (the embedding output, and per block the attention probabilities and the two
+    // residual branches), so nothing is stored and a recompute or a second pass draws the same.
+    // set_dropout_rows gives the ordinal of the next forward_backward's first sequence (its row b
+    // is that + b).
     void set_dropout_seed(uint64_t seed) { drop_seed_ = seed; }
     void set_dropout_rows(uint64_t first) { drop_first_ = first; }
+    // A pipeline stage's training forward (parallel/pipeline/executor.cpp): the next
+    // stage_forward drops, keyed by `first`, and its slot keeps that for the backward.
+    void train_next_forward(uint64_t first) {
+        drop_first_ = first;
+        train_pass_ = true;
+    }
 
     // Activation checkpointing: what each block keeps (size n_layer, or empty = keep all).
     // Takes effect at the next forward; the arena is re-sized to activation_layout(plan).

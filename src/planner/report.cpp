@@ -290,9 +290,8 @@ std::string emit_config_toml(const ModelSpec& m, const Plan& p, const RunConfig*
             "optimizer memory than planned.\n";
     if (source && source->model.dropout > 0)
         gaps += fmt::format(
-            "# model.dropout = {} runs on the CPU engine without train.tp or train.pp so far: on "
-            "a GPU, or with tp or pp above 1, the trainer refuses it (set model.dropout = 0 "
-            "there).\n",
+            "# model.dropout = {} runs on the CPU engine without train.tp so far: on a GPU, or "
+            "with tp above 1, the trainer refuses it (set model.dropout = 0 there).\n",
             source->model.dropout);
     // The plan is for GPUs: a source that trains on the CPU gets "auto" (a 16-bit plan needs one).
     const bool gpu_device =

@@ -352,7 +352,7 @@ void validate_optimizer_layout(const RunConfig& cfg) {
 }
 
 // model.dropout: built in the CPU engine's whole model (one process, DDP, ZeRO 0-3, LoRA, every
-// remat policy, optim.step_in_backward).
+// remat policy, optim.step_in_backward) and its pipeline stages (every schedule).
 void validate_dropout(const RunConfig& cfg) {
     if (!(cfg.model.dropout > 0)) return;
     const auto refuse = refuser(fmt::format("model.dropout = {}", cfg.model.dropout));
@@ -363,10 +363,6 @@ void validate_dropout(const RunConfig& cfg) {
     if (cfg.train.tp > 1)
         refuse(fmt::format("train.tp = {}", cfg.train.tp),
                "a shard's heads and rows would need the whole model's mask indices");
-    if (cfg.train.pp > 1)
-        refuse(fmt::format("train.pp = {}", cfg.train.pp),
-               "a pipeline's stages run their micro-batches inside its schedule, which does not "
-               "carry each one's sequence ordinal yet");
     if (cfg.ps())
         refuse("train.dp_mode = \"ps\"", "the parameter server's workers run the model alone");
 }

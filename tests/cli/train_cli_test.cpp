@@ -128,10 +128,10 @@ TEST(TrainCli, DropoutTrainsAndResumesExactly) {
     EXPECT_NE(r.output.find("model.dropout = 1.5 must be in [0, 1)"), std::string::npos)
         << r.output;
     EXPECT_FALSE(fs::exists(dir + "/bad"));
-    r = run_in_dir("train " + cfg + " --set model.dropout=0.1 train.pp=2 io.out_dir=" + dir +
-                   "/pp");
+    r = run_in_dir("train " + cfg + " --set model.dropout=0.1 train.tp=2 io.out_dir=" + dir +
+                   "/tp");
     EXPECT_NE(r.code, 0);
-    EXPECT_NE(r.output.find("model.dropout = 0.1 does not run with train.pp = 2 yet"),
+    EXPECT_NE(r.output.find("model.dropout = 0.1 does not run with train.tp = 2 yet"),
               std::string::npos)
         << r.output;
 }

@@ -30,12 +30,13 @@ struct PpCase {
     std::string schedule;
     bool llama;  // untied head, rmsnorm, swiglu, rope
     std::string remat = "none";
-    int virt = 1;  // train.pp_virtual (interleaved)
+    int virt = 1;        // train.pp_virtual (interleaved)
+    double dropout = 0;  // model.dropout: each micro-batch's masks keyed by its sequences
 };
 
 std::string case_name(const PpCase& k) {
     return "pp_" + k.schedule + (k.virt > 1 ? "_v" + std::to_string(k.virt) : "") +
-           (k.llama ? "_llama" : "_gpt2") + "_" + k.remat;
+           (k.llama ? "_llama" : "_gpt2") + "_" + k.remat + (k.dropout > 0 ? "_dropout" : "");
 }
 
 RunConfig pipeline_run(const PpCase& k, int steps) {
@@ -44,6 +45,7 @@ RunConfig pipeline_run(const PpCase& k, int steps) {
     c.io.save_final = false;
     c.train.eval_every = 5;
     c.train.remat = k.remat;
+    c.model.dropout = k.dropout;
     c.train.micro_batch_size = 2;
     c.train.batch_size = 2 * 5;  // 5 micro-batches: more than p, and not a multiple of it
     if (k.schedule == "interleaved") {
@@ -253,6 +255,15 @@ void check_pipeline_matches_single_process(const PpCase& k, int steps = 10, bool
     }
     // Parameters: only this stage's units (and the tied embedding's copy on the last stage).
     EXPECT_LT(ms[MemCategory::Parameters], 4 * layout.total);
+}
+
+// model.dropout through the stages: the same masks as one process (keyed by sequence, the
+// site by the global block), so still bitwise, under 1F1B with recompute, zero-bubble's split
+// backward and interleaved chunks.
+TEST(Pipeline, DropoutMatchesSingleProcessBitwise) {
+    check_pipeline_matches_single_process({"1f1b", true, "full", 1, 0.1});
+    check_pipeline_matches_single_process({"zb-h1", true, "none", 1, 0.1});
+    check_pipeline_matches_single_process({"interleaved", true, "none", 2, 0.1});
 }
 
 TEST(Pipeline, GpipeMatchesSingleProcess) {

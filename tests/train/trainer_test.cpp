@@ -216,7 +216,6 @@ TEST(Config, DropoutIsRefusedWhereItIsNotBuilt) {
         EXPECT_NE(m.find("model.dropout = 0.1 does not run with " + key), std::string::npos) << m;
     };
     refused([](RunConfig& c) { c.train.tp = 2; }, "train.tp = 2");
-    refused([](RunConfig& c) { c.train.pp = 2; }, "train.pp = 2");
     refused(
         [](RunConfig& c) {
             c.train.dp_mode = "ps";
@@ -230,7 +229,9 @@ TEST(Config, DropoutIsRefusedWhereItIsNotBuilt) {
         std::string::npos);
     bad.model.dropout = 0.1;
     bad.world = 2;
-    validate_config(bad);  // DDP and ZeRO run it
+    validate_config(bad);  // DDP and ZeRO run it, and pipelines
+    bad.train.pp = 2;
+    validate_config(bad);
 }
 
 TEST(Trainer, SgdRunsAndResumes) {

@@ -367,7 +367,10 @@ void CpuEngine::begin_step() {
 void CpuEngine::forward_backward(const int32_t* inputs, const int32_t* targets, int B, int T,
                                  float grad_scale, bool last) {
     if (pipelined()) {
-        exec_->push(inputs, targets, B, T, grad_scale);
+        if (plan_.cfg.model.dropout > 0)
+            for (int c = 0; c < (int)chunks_.size(); c++)
+                model(c).set_dropout_seed(plan_.cfg.train.seed ^ 0xD80F0D7ull);
+        exec_->push(inputs, targets, B, T, grad_scale, dropout_rows_);
         // PipeDream updates inside the schedule, with the step's learning rate: finish_step
         // runs it.
         if (last && !versions_->update_per_micro_batch()) exec_->run();

@@ -59,10 +59,11 @@ void Executor::begin_step() {
     loss_sum_ = 0;
 }
 
-void Executor::push(const int32_t* inputs, const int32_t* targets, int B, int T, float grad_scale) {
+void Executor::push(const int32_t* inputs, const int32_t* targets, int B, int T, float grad_scale,
+                    uint64_t dropout_rows) {
     const std::size_t n = (std::size_t)B * T;
     mbs_.push_back(Micro{std::vector<int32_t>(inputs, inputs + n),
-                         std::vector<int32_t>(targets, targets + n)});
+                         std::vector<int32_t>(targets, targets + n), dropout_rows});
     B_ = B;
     T_ = T;
     grad_scale_ = grad_scale;
@@ -110,6 +111,7 @@ void Executor::run(const std::function<void()>& update) {
             comm_->wait(out_send[c][slot]);
             if (s > 0) comm_->recv(g.stage_input(slot), n, rank_of(s - 1), tag_forward(c, m, i));
             versions_->forward(i);
+            g.train_next_forward(mb.dropout_rows);  // its slot keeps the micro-batch's masks
             timeline_->time(c, a.op, [&] { g.stage_forward(slot, mb.x.data(), B, T); });
             if (s < S - 1) {
                 out_send[c][slot] = comm_->start_send(g.stage_output(slot), n, rank_of(s + 1),

@@ -67,7 +67,9 @@ class Executor {
 
     // A step: its micro-batches queued (copied) as the Trainer hands them over, then run.
     void begin_step();
-    void push(const int32_t* inputs, const int32_t* targets, int B, int T, float grad_scale);
+    // `dropout_rows`: the ordinal of the micro-batch's first sequence (model.dropout's masks).
+    void push(const int32_t* inputs, const int32_t* targets, int B, int T, float grad_scale,
+              uint64_t dropout_rows = 0);
     int queued() const { return (int)mbs_.size(); }
     // Walks this rank's list over the queued micro-batches. When the weight versions update per
     // micro-batch (PipeDream), `update` runs after each backward has sent d(input) on, its time
@@ -91,6 +93,7 @@ class Executor {
   private:
     struct Micro {
         std::vector<int32_t> x, y;
+        uint64_t dropout_rows = 0;
     };
     int rank_of(int stage) const { return stage % p_; }
     bool tied() const;
