@@ -256,7 +256,8 @@ void GPT::lora_backward(int l, BlockLinear linear, const float* adapter, float* 
 }
 
 void GPT::block_forward(const BlockParams& p, int l, const float* adapter, const float* x,
-                        float* out, BlockSaved& s, int B, int T, const Slot& sl) {
+                        float* out, Slot& sl, int B, int T) {
+    BlockSaved& s = sl.saved[l - b0_];
     // A tensor-parallel shard's sizes (parallel/tensor/tp.h; the whole model's without TP): A is
     // the width of this rank's attention heads. Under sequence parallelism x, out and the norm
     // fields hold this rank's n of the N token rows; the GEMMs and attention see all N, gathered
@@ -503,8 +504,8 @@ void GPT::stage_forward(int slot, const int32_t* inputs, int B, int T) {
             case UnitVisit::Part::Block: {
                 const int l = v.block, i = l - b0_;
                 const float* ad = lora_ ? lora_->store().acquire(l) : nullptr;
-                block_forward(block_view(layout_, l, w), l, ad, sl.resid[i], sl.resid[i + 1],
-                              sl.saved[i], B, T, sl);
+                block_forward(block_view(layout_, l, w), l, ad, sl.resid[i], sl.resid[i + 1], sl, B,
+                              T);
                 if (lora_) lora_->store().release(l);
                 break;
             }
@@ -578,7 +579,7 @@ void GPT::redo(const UnitVisit& v, const BlockParams& p, const float* adapter, c
         case Redo::Block:
             // The block's output rewrites resid[i + 1] with the same bits, which nothing reads
             // any more (for a rebuilt input, the temporary of the other parity: never x).
-            return block_forward(p, v.block, adapter, x, sl.resid[i + 1], sl.saved[i], B, T, sl);
+            return block_forward(p, v.block, adapter, x, sl.resid[i + 1], sl, B, T);
         case Redo::BlockFromHost:
             break;
     }
@@ -683,7 +684,7 @@ const float* GPT::block_input(int l, Slot& sl, int B, int T) {
         const BlockParams p = block_view(layout_, m, store_->acquire(u));
         const float* ad = lora_ ? lora_->store().acquire(m) : nullptr;
         float* out = at(k + 1);
-        block_forward(p, m, ad, cur, out, sl.saved[k], B, T, sl);
+        block_forward(p, m, ad, cur, out, sl, B, T);
         if (lora_) lora_->store().release(m);
         store_->release(u);
         cur = out;

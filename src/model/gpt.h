@@ -96,7 +96,7 @@ class GPT {
     // A pipeline stage's training forward (parallel/pipeline/executor.cpp): the next
     // stage_forward drops, keyed by `first`, and its slot keeps that for the backward.
     void train_next_forward(uint64_t first) {
-        drop_first_ = first;
+        set_dropout_rows(first);
         train_pass_ = true;
     }
 
@@ -209,10 +209,10 @@ class GPT {
     // The output embedding's weights (lm_head, or wte when tied), acquired; and its release.
     const float* acquire_output_embedding(const HeadParams& head);
     void release_output_embedding();
-    // `l` is the block's number in the model; `adapter` its LoRA unit (null without LoRA).
-    // `sl` is the slot whose block this is (for its dropout).
+    // `l` is the block's number in the model; `adapter` its LoRA unit (null without LoRA); `sl`
+    // the slot whose block this is (its saved fields and its dropout).
     void block_forward(const BlockParams& p, int l, const float* adapter, const float* x,
-                       float* out, BlockSaved& s, int B, int T, const Slot& sl);
+                       float* out, Slot& sl, int B, int T);
     // With `defer` (room for the block's four output gradients, split backward), the
     // weight-gradient halves are skipped and their inputs copied there for block_weight_grads.
     void block_backward(const BlockParams& p, BlockParams& g, int l, const float* adapter,

@@ -24,6 +24,12 @@ CpuEngine::CpuEngine(const RunPlan& plan, dist::Communicator& comm)
     apply_pipeline();
     apply_lora();
     apply_data_parallel();
+    seed_dropout();
+}
+
+void CpuEngine::seed_dropout() {
+    // model.dropout: every rank's and stage's masks from one seed, keyed by sequence.
+    for (const auto& chunk : chunks_) chunk->set_dropout_seed(plan_.cfg.train.seed ^ 0xD80F0D7ull);
 }
 
 CpuEngine::~CpuEngine() {
@@ -286,6 +292,7 @@ void CpuEngine::weights_loaded() {
     chunks_.push_back(std::make_unique<GPT>(plan_.cfg.model, &base()));
     chunks_.back()->set_lora(lora_.get());
     if (!remat_.empty()) chunks_.back()->set_remat(remat_);
+    seed_dropout();
 }
 
 CheckpointModel CpuEngine::checkpoint_model() {
@@ -367,9 +374,6 @@ void CpuEngine::begin_step() {
 void CpuEngine::forward_backward(const int32_t* inputs, const int32_t* targets, int B, int T,
                                  float grad_scale, bool last) {
     if (pipelined()) {
-        if (plan_.cfg.model.dropout > 0)
-            for (int c = 0; c < (int)chunks_.size(); c++)
-                model(c).set_dropout_seed(plan_.cfg.train.seed ^ 0xD80F0D7ull);
         exec_->push(inputs, targets, B, T, grad_scale, dropout_rows_);
         // PipeDream updates inside the schedule, with the step's learning rate: finish_step
         // runs it.
@@ -382,10 +386,7 @@ void CpuEngine::forward_backward(const int32_t* inputs, const int32_t* targets, 
         lora_->set_micro_batch(
             (uint64_t)(opt_->steps_taken() * plan_.accum_steps + micro_batches_));
     }
-    if (plan_.cfg.model.dropout > 0) {  // every rank's masks from one seed, keyed by sequence
-        model().set_dropout_seed(plan_.cfg.train.seed ^ 0xD80F0D7ull);
-        model().set_dropout_rows(dropout_rows_);
-    }
+    model().set_dropout_rows(dropout_rows_);
     if (last && in_backward())
         last_backward_with_update(inputs, targets, B, T, grad_scale);
     else

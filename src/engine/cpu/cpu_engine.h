@@ -146,6 +146,9 @@ class CpuEngine final : public Engine {
     void apply_pipeline();
     void apply_lora();
     void apply_data_parallel();
+    // Gives every chunk model.dropout's seed (once the chunks exist, and again when LoRA
+    // rebuilds them).
+    void seed_dropout();
     // The ends of a step: over a ZeroStore (DDP, ZeRO, LoRA's adapters); over one
     // tensor-parallel shard; over pipeline stages (PipeDream: its update per micro-batch).
     StepResult finish_zero_step(double lr, double max_norm);
