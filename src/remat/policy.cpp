@@ -106,12 +106,10 @@ Solution solve_policy(const RematPolicy& policy, const ModelConfig& cfg, int B, 
             plan.assign(L, BlockKeep::Offload);
             break;
         case K::MemoryPoor:  // only the first block's input is kept
-            plan.assign(L, BlockKeep::Dropped);
-            plan[0] = BlockKeep::Input;
+            plan = memory_poor_plan(L);
             break;
         case K::Chen:  // the inputs of blocks 0, K, 2K, ... kept; segments rebuilt once
-            for (int l = 0; l < L; l++)
-                plan[l] = l % every == 0 ? BlockKeep::Input : BlockKeep::Segment;
+            plan = chen_plan(L, every);
             break;
         case K::Budget: {
             auto s = solve_budget(chain, policy.budget);

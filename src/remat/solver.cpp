@@ -86,17 +86,23 @@ std::size_t min_feasible_bytes(const Chain& chain) {
     return best;
 }
 
+RematPlan chen_plan(std::size_t n, std::size_t K) {
+    RematPlan p(n, BlockKeep::Segment);
+    for (std::size_t l = 0; l < n; l += K) p[l] = BlockKeep::Input;
+    return p;
+}
+
+RematPlan memory_poor_plan(std::size_t n) {
+    RematPlan p(n, BlockKeep::Dropped);
+    if (n > 0) p[0] = BlockKeep::Input;
+    return p;
+}
+
 std::vector<RematPlan> rebuild_plans(std::size_t n) {
     std::vector<RematPlan> out;
     if (n < 2) return out;
-    for (std::size_t K = 2; K <= n; K++) {
-        RematPlan p(n, BlockKeep::Segment);
-        for (std::size_t l = 0; l < n; l += K) p[l] = BlockKeep::Input;
-        out.push_back(std::move(p));
-    }
-    RematPlan poor(n, BlockKeep::Dropped);
-    poor[0] = BlockKeep::Input;
-    out.push_back(std::move(poor));
+    for (std::size_t K = 2; K <= n; K++) out.push_back(chen_plan(n, K));
+    out.push_back(memory_poor_plan(n));
     return out;
 }
 

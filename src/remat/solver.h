@@ -64,6 +64,10 @@ inline constexpr std::size_t kMaxUnits = std::size_t{1} << 16;
 // peak), nullopt when even memory-poor does not fit. Not a joint optimum with the knapsack's
 // options (docs/checkpointing.md): the structured schedules of Chen and the lecture.
 std::optional<Solution> solve_rebuild(const Chain& chain, std::size_t budget);
+// The two structured schedules over n blocks: chen:K (blocks l % K == 0 `input`, the others
+// `segment`) and memory-poor (block 0 `input`, the others `dropped`).
+RematPlan chen_plan(std::size_t n, std::size_t K);
+RematPlan memory_poor_plan(std::size_t n);
 // The plans solve_rebuild tries, and the least peak among them (memory-poor's, for n > 1).
 std::vector<RematPlan> rebuild_plans(std::size_t blocks);
 std::size_t rebuild_floor(const Chain& chain);
