@@ -3,7 +3,7 @@
 tanh GELU, AdamW, clipping at norm 1.0) on random tokens and prints throughput and peak memory.
 
     /usr/bin/python3 bench/torch_gpt2.py --n-layer 6 --n-head 6 --n-embd 384 --vocab 4096 \
-        --seq 128 --batch 8 --steps 20 --warmup-steps 3 --threads 2 [--json]
+        --seq 128 --batch 8 --steps 20 --warmup-steps 3 --threads 2 [--json] [--autocast]
 """
 import argparse
 import json
@@ -104,6 +104,8 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--json", action="store_true", help="print one JSON line only")
+    ap.add_argument("--autocast", action="store_true",
+                    help="forward under torch.autocast('cpu', bfloat16): bf16 matmuls, fp32 weights")
     a = ap.parse_args()
     if a.n_embd % a.n_head:
         ap.error("--n-embd %d is not a multiple of --n-head %d" % (a.n_embd, a.n_head))
@@ -124,7 +126,8 @@ def main():
             t0 = time.perf_counter()
         x, y = data[step, :, :-1], data[step, :, 1:]
         opt.zero_grad(set_to_none=True)
-        loss = model(x, y)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.autocast):
+            loss = model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -140,6 +143,7 @@ def main():
         "torch_version": torch.__version__,
         "optimizer": "AdamW (%s)" % opt_impl,
         "final_loss": losses[-1],
+        "autocast": a.autocast,
     }
     if not a.json:
         print("PyTorch %s GPT-2: %d layers x %d wide, %d heads, vocab %d, batch %d x %d, %d "

@@ -19,7 +19,7 @@ esac
 # loops); the pthread build is what PyTorch's libblas.so.3 resolves to for the parity tests and
 # the benchmark peer.
 pkgs=(build-essential cmake pkg-config libopenblas-openmp-dev libopenblas0-openmp
-      libtomlplusplus-dev nlohmann-json3-dev libcli11-dev libfmt-dev libgtest-dev
+      libdnnl-dev libtomlplusplus-dev nlohmann-json3-dev libcli11-dev libfmt-dev libgtest-dev
       libopenmpi-dev openmpi-bin fortunes python3)
 if [ "$set_name" = all ]; then
     pkgs+=(libopenblas0-pthread python3-torch python3-numpy python3-regex chromium)

@@ -210,7 +210,7 @@ struct EstimateArgs {
 
 // The CPU engine's config of `model`: the TOML's whole config, or a preset's (or config.json's)
 // model at its context with a global batch of one sequence per each of `dp` ranks (the
-// micro-batch derived); fp32 on the CPU.
+// micro-batch derived); the TOML's bf16 GEMMs, else fp32 ("auto" and fp16 train fp32 on the CPU).
 RunConfig cpu_source_config(const std::string& model, const ModelSpec& m, int dp) {
     RunConfig cfg;
     if (model.ends_with(".toml")) {
@@ -222,12 +222,14 @@ RunConfig cpu_source_config(const std::string& model, const ModelSpec& m, int dp
         cfg.train.batch_size = dp;
     }
     cfg.train.device = "cpu";
-    cfg.train.precision = "fp32";
+    if (cfg.train.precision != "bf16") cfg.train.precision = "fp32";
+    cfg.model.bf16_gemm = cfg.train.precision == "bf16";  // as resolve_config
     return cfg;
 }
 
 // `estimate --device cpu`: the trainer's config for the layout the flags describe, on the CPU
-// engine (fp32, any of the trainer's remat policies), from the source TOML or the preset.
+// engine (fp32, or bf16 GEMMs with --precision bf16; any of the trainer's remat policies), from
+// the source TOML or the preset.
 RunConfig cpu_estimate_config(const EstimateArgs& a, const CLI::App* cmd, const ModelSpec& m) {
     const FlagCheck check(cmd);
     for (const char* flag :
@@ -236,8 +238,8 @@ RunConfig cpu_estimate_config(const EstimateArgs& a, const CLI::App* cmd, const 
           "--fragmentation", "--no-flash", "--gpus-per-node"})
         if (check.given(flag))
             fail("{} describes a GPU; --device cpu prices the CPU engine (drop the flag)", flag);
-    if (check.given("--precision") && a.precision != "fp32")
-        fail("--precision {}: the CPU engine trains in fp32 (--device cpu)", a.precision);
+    if (check.given("--precision") && a.precision != "fp32" && a.precision != "bf16")
+        fail("--precision {}: the CPU engine computes in fp32 or bf16 (--device cpu)", a.precision);
     const bool toml = a.model.ends_with(".toml");
     RunConfig cfg = cpu_source_config(a.model, m, a.run.dp);
     if (!toml) cfg.train.micro_batch_size = 1;  // as the GPU estimate: one sequence per micro-batch
@@ -270,6 +272,8 @@ RunConfig cpu_estimate_config(const EstimateArgs& a, const CLI::App* cmd, const 
     }
     if (check.given("--state-format")) cfg.optim.state_format = a.state_format;
     if (check.given("--step-in-backward")) cfg.optim.step_in_backward = a.run.step_in_backward;
+    if (check.given("--precision")) cfg.train.precision = a.precision;
+    cfg.model.bf16_gemm = cfg.train.precision == "bf16";  // as resolve_config for the CPU
     if (a.run.lora_rank > 0) {
         cfg.lora.rank = a.run.lora_rank;
         cfg.lora.targets = a.lora_targets;

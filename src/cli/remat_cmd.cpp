@@ -184,8 +184,8 @@ void register_remat(CLI::App& app) {
                     "price this device's activation layout: cpu or cuda (default: train.device; "
                     "no GPU is needed to price cuda)");
     cmd->add_option("--precision", a->precision,
-                    "with --device cuda: fp32, bf16 or fp16 activations (default: "
-                    "train.precision, bf16 for auto)");
+                    "fp32, bf16 or fp16 (cuda: the activations' type; cpu: fp32 or bf16 GEMMs "
+                    "over fp32 activations) (default: train.precision on its device)");
     cmd->add_flag("--measure", a->measure,
                   "price recompute by a profiling pass on this machine; with --frontier also "
                   "time real steps of every schedule");
@@ -197,18 +197,20 @@ void register_remat(CLI::App& app) {
         // Whose layout to price: the run's device and precision, or those named here.
         const std::string device = a->device.empty() ? cfg.train.device : a->device;
         if (device != "cpu" && device != "cuda") fail("--device {}: expected cpu or cuda", device);
-        std::string precision = a->precision.empty() ? cfg.train.precision : a->precision;
-        if (device == "cpu" && !a->precision.empty() && precision != "fp32")
-            fail("--precision {} needs --device cuda: the CPU engine stores fp32 activations",
-                 precision);
-        if (precision == "auto" ||
-            (device == "cuda" && a->precision.empty() && cfg.train.device != "cuda"))
-            precision = device == "cuda" ? "bf16" : "fp32";
+        // The run's precision where it runs on this device; otherwise the device's default.
+        std::string precision = !a->precision.empty()        ? a->precision
+                                : device == cfg.train.device ? cfg.train.precision
+                                : device == "cuda"           ? "bf16"
+                                                             : "fp32";
         if (precision != "fp32" && precision != "bf16" && precision != "fp16")
             fail("--precision {}: expected fp32, bf16 or fp16", precision);
-        const ActFormat fmt = device == "cuda"
-                                  ? cuda_arena_format(m, precision == "fp32" ? 4 : 2, B, T)
-                                  : cpu_arena_format(m);
+        if (device == "cpu" && precision == "fp16")
+            fail("--precision fp16 needs --device cuda: the CPU engine computes in fp32 or bf16");
+        // The CPU engine stores fp32 activations at either precision; bf16 adds its GEMMs'
+        // operand scratch to the workspace.
+        ActFormat fmt = device == "cuda" ? cuda_arena_format(m, precision == "fp32" ? 4 : 2, B, T)
+                                         : cpu_arena_format(m);
+        if (device == "cpu") fmt.bf16_gemm = precision == "bf16";
         const bool measured = a->measure || cfg.train.remat_costs == "measured";
         if (measured && device == "cuda")
             fail("--measure profiles the CPU kernels; price the cuda layout with analytic costs");

@@ -361,6 +361,10 @@ std::vector<MemoryPrediction> predict_host_memory(const RunPlan& plan, const Rem
 plan::RunSpec planner_run_spec(const RunConfig& cfg, const ActFormat& format) {
     plan::RunSpec rs;
     rs.precision = plan::parse_precision(cfg.train.precision, &rs.fp32_master);
+    // The CPU engine stores everything in fp32 at either precision; bf16 rounds GEMM operands
+    // only, in a workspace region of the arena (ActFormat::bf16_gemm).
+    if (!format.cuda) rs.precision = Precision::fp32;
+    rs.bf16_gemm = format.bf16_gemm;
     rs.optimizer = cfg.optim.name == "sgd"    ? plan::Optimizer::sgd
                    : cfg.optim.name == "muon" ? plan::Optimizer::muon
                                               : plan::Optimizer::adamw;

@@ -18,6 +18,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "core/dtype.h"
 #include "core/error.h"
 #include "core/regular_file.h"
 
@@ -30,13 +31,6 @@ constexpr uint64_t max_header_bytes = 100'000'000;
 
 std::string sys_error(const std::string& what, const std::string& path) {
     return fmt::format("{} {}: {}", what, path, std::strerror(errno));
-}
-
-float bf16_to_f32(uint16_t h) {
-    uint32_t bits = static_cast<uint32_t>(h) << 16;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
 }
 
 float f16_to_f32(uint16_t h) {

@@ -226,6 +226,22 @@ std::size_t fixed_bytes(const ModelConfig& cfg, int B, int T, const ActFormat& f
         layout_mul(cfg.rmsnorm() ? 1 : 2, aligned(layout_mul(BT, sizeof(float)), fmt)));
 }
 
+std::size_t bf16_gemm_elems(const ModelConfig& cfg, int64_t BT, int chunk) {
+    const std::size_t N = (std::size_t)BT, C = cfg.n_embd;
+    // (in, out) of c_attn, attn.c_proj, c_fc and mlp.c_proj on this rank.
+    const std::size_t linears[4][2] = {{C, (std::size_t)cfg.local_qkv_dim()},
+                                       {(std::size_t)cfg.attn_dim(), C},
+                                       {C, (std::size_t)cfg.local_fc_dim()},
+                                       {(std::size_t)cfg.local_hidden(), C}};
+    std::size_t most = 0;
+    for (const auto& io : linears) {
+        const std::size_t in = io[0], out = io[1];
+        most = std::max({most, N * in + in * out, N * out + std::max(in * out, N * in)});
+    }
+    const std::size_t rows = std::min<std::size_t>(chunk, N), V = cfg.local_vocab();
+    return std::max(most, V * C + rows * (C + V));
+}
+
 std::size_t cuda_kernel_scratch_bytes(const ModelConfig& cfg, int B, int T) {
     // The fixed-order reductions keep fp32 partial sums per 64-row chunk and column (the norm
     // backward two such tables, the bias gradients one), and double partial sums per 2^16
@@ -372,6 +388,11 @@ ArenaPlan plan_arena(const ModelConfig& cfg, int B, int T, const RematPlan& plan
     const std::size_t logits = std::min<std::size_t>(fmt.loss_chunk, BT) * cfg.local_vocab() * e;
     p.logits = take_work(logits);
     p.entries.push_back({"logits chunk", logits, W});
+    if (fmt.bf16_gemm) {
+        const std::size_t b = bf16_gemm_elems(cfg, (int64_t)BT, fmt.loss_chunk) * 2;
+        p.gemm_bf16 = take_work(b);
+        p.entries.push_back({"bf16 GEMM operands (one GEMM's)", b, W});
+    }
     if (NS != BT) {
         // Sequence parallelism: the all-gathered norm output (or d(output)) a tensor-parallel
         // GEMM reads, and a row-parallel GEMM's partial output before its reduce-scatter.

@@ -81,11 +81,15 @@ struct ActFormat {
     bool cuda = false;             // the CUDA model's workspace (kernel scratch, cuBLASLt)
     int loss_chunk = 256;          // rows of logits alive at once
     std::size_t align = 4;         // every region starts at a multiple of this many bytes
+    // The CPU model's bf16 GEMMs (ModelConfig::bf16_gemm): the workspace holds the bf16 copies
+    // of one GEMM's operands at a time (bf16_gemm_elems).
+    bool bf16_gemm = false;
 
     // The CPU model: fp32, the probabilities or (lse_attention) their log-sum-exp.
-    static ActFormat cpu(bool lse_attention = false) {
+    static ActFormat cpu(bool lse_attention = false, bool bf16_gemm = false) {
         ActFormat f;
         f.fused_attention = lse_attention;
+        f.bf16_gemm = bf16_gemm;
         return f;
     }
     bool operator==(const ActFormat&) const = default;
@@ -101,10 +105,16 @@ struct ActFormat {
 // anywhere).
 ActFormat cuda_arena_format(const ModelConfig& cfg, int elem_bytes, int B, int T);
 
-// The CPU model's format for a config (ModelConfig::lse_attention).
+// The CPU model's format for a config (ModelConfig::lse_attention, ModelConfig::bf16_gemm).
 inline ActFormat cpu_arena_format(const ModelConfig& cfg) {
-    return ActFormat::cpu(cfg.lse_attention);
+    return ActFormat::cpu(cfg.lse_attention, cfg.bf16_gemm);
 }
+
+// The bf16 elements the CPU model's largest GEMM needs for its rounded operands, a micro-batch
+// of BT token rows: over the block linears, a forward's input and weight, a backward's d(output)
+// beside the larger of weight and input (cpu::matmul_backward); and the classifier's whole
+// output embedding beside a chunk of inputs and of d(logits) (cpu::classifier_loss).
+std::size_t bf16_gemm_elems(const ModelConfig& cfg, int64_t BT, int chunk);
 
 // How a plan's backward rebuilds the inputs it did not keep (Segment and Dropped blocks), the one
 // schedule the CPU model runs, plan_arena sizes and the solver prices. Walking the blocks from
@@ -147,11 +157,12 @@ struct ArenaPlan {
     std::vector<std::array<std::size_t, kSavedFields>> block;
     std::size_t lnf = 0, lnf_mean = kNoOffset, lnf_rstd = 0;
     // Workspace arena: gradients flowing backward, and the backend's temporaries.
-    std::size_t dres = 0;          // d(residual stream) (B,T,C)
-    std::size_t dln = 0;           // d(norm output) / d(attention out) (B,T,C)
-    std::size_t dbig = 0;          // d(qkv) or d(mlp fc) (B,T,max(QKV,F))
-    std::size_t dact = kNoOffset;  // swiglu: d(mlp activation) (B,T,H)
-    std::size_t logits = 0;        // a chunk of logits (chunk,Vp)
+    std::size_t dres = 0;               // d(residual stream) (B,T,C)
+    std::size_t dln = 0;                // d(norm output) / d(attention out) (B,T,C)
+    std::size_t dbig = 0;               // d(qkv) or d(mlp fc) (B,T,max(QKV,F))
+    std::size_t dact = kNoOffset;       // swiglu: d(mlp activation) (B,T,H)
+    std::size_t logits = 0;             // a chunk of logits (chunk,Vp)
+    std::size_t gemm_bf16 = kNoOffset;  // ActFormat::bf16_gemm: bf16_gemm_elems operands
     // Sequence parallelism (ModelConfig::sp_rows < B*T): every token row of a tensor-parallel
     // GEMM's input or output, (B,T,C). The residual streams, the norm fields and dres then hold
     // only sp_rows rows.

@@ -181,6 +181,10 @@ void GPT::ensure_arena(int B, int T) {
     dbig_ = wrk(p.dbig);
     dact_ = p.dact == kNoOffset ? nullptr : wrk(p.dact);
     logits_ = wrk(p.logits);
+    gemm_ = {};
+    if (p.gemm_bf16 != kNoOffset)
+        gemm_ = {reinterpret_cast<uint16_t*>(wrk(p.gemm_bf16)),
+                 bf16_gemm_elems(cfg_, (int64_t)B * T, kLossChunk)};
     sp_ = p.sp_gather == kNoOffset ? nullptr : wrk(p.sp_gather);
 }
 
@@ -275,7 +279,7 @@ void GPT::block_forward(const BlockParams& p, int l, const float* adapter, const
     };
     norm_forward(s.ln1, s.ln1_mean, s.ln1_rstd, x, p.ln1_w, p.ln1_b, n);
     const float* ln1 = gathered(s.ln1);
-    cpu::matmul_forward(s.qkv, ln1, p.qkv_w, p.qkv_b, N, C, QKV);
+    cpu::matmul_forward(s.qkv, ln1, p.qkv_w, p.qkv_b, N, C, QKV, 0.0f, bf16());
     lora_forward(l, BlockLinear::Qkv, adapter, ln1, s.qkv, N);
     // Rotating in place means qkv holds what attention reads (and backward needs); c_attn's
     // backward reads ln1, not qkv, so the unrotated values are never needed again. Every row of
@@ -299,37 +303,37 @@ void GPT::block_forward(const BlockParams& p, int l, const float* adapter, const
     // dropped and added to the residual.
     if (tp_) {
         float* partial = seq ? sp_ : s.resid_mid;
-        cpu::matmul_forward(partial, s.atty, p.proj_w, nullptr, N, A, C);
+        cpu::matmul_forward(partial, s.atty, p.proj_w, nullptr, N, A, C, 0.0f, bf16());
         row_parallel_sum(partial, s.resid_mid);
         add_residual_bias(s.resid_mid, x, p.proj_b, n);
         lora_forward(l, BlockLinear::Proj, adapter, s.atty, s.resid_mid, N);
     } else if (dropout_at(sl, m, 2 + 3 * l)) {
-        cpu::matmul_forward(s.resid_mid, s.atty, p.proj_w, p.proj_b, N, C, C);
+        cpu::matmul_forward(s.resid_mid, s.atty, p.proj_w, p.proj_b, N, C, C, 0.0f, bf16());
         lora_forward(l, BlockLinear::Proj, adapter, s.atty, s.resid_mid, N);
         cpu::dropout_residual(s.resid_mid, x, m, B, T, C);
     } else {
         std::memcpy(s.resid_mid, x, sizeof(float) * N * C);
-        cpu::matmul_forward(s.resid_mid, s.atty, p.proj_w, p.proj_b, N, C, C, 1.0f);
+        cpu::matmul_forward(s.resid_mid, s.atty, p.proj_w, p.proj_b, N, C, C, 1.0f, bf16());
         lora_forward(l, BlockLinear::Proj, adapter, s.atty, s.resid_mid, N);
     }
     norm_forward(s.ln2, s.ln2_mean, s.ln2_rstd, s.resid_mid, p.ln2_w, p.ln2_b, n);
     const float* ln2 = gathered(s.ln2);
-    cpu::matmul_forward(s.fch, ln2, p.fc_w, p.fc_b, N, C, F);
+    cpu::matmul_forward(s.fch, ln2, p.fc_w, p.fc_b, N, C, F, 0.0f, bf16());
     lora_forward(l, BlockLinear::Fc, adapter, ln2, s.fch, N);
     act_forward(s.fch_act, s.fch, N);
     if (tp_) {  // row-parallel mlp.c_proj, as c_proj above
         float* partial = seq ? sp_ : out;
-        cpu::matmul_forward(partial, s.fch_act, p.fcp_w, nullptr, N, H, C);
+        cpu::matmul_forward(partial, s.fch_act, p.fcp_w, nullptr, N, H, C, 0.0f, bf16());
         row_parallel_sum(partial, out);
         add_residual_bias(out, s.resid_mid, p.fcp_b, n);
         lora_forward(l, BlockLinear::FcProj, adapter, s.fch_act, out, N);
     } else if (dropout_at(sl, m, 3 + 3 * l)) {
-        cpu::matmul_forward(out, s.fch_act, p.fcp_w, p.fcp_b, N, H, C);
+        cpu::matmul_forward(out, s.fch_act, p.fcp_w, p.fcp_b, N, H, C, 0.0f, bf16());
         lora_forward(l, BlockLinear::FcProj, adapter, s.fch_act, out, N);
         cpu::dropout_residual(out, s.resid_mid, m, B, T, C);
     } else {
         std::memcpy(out, s.resid_mid, sizeof(float) * N * C);
-        cpu::matmul_forward(out, s.fch_act, p.fcp_w, p.fcp_b, N, H, C, 1.0f);
+        cpu::matmul_forward(out, s.fch_act, p.fcp_w, p.fcp_b, N, H, C, 1.0f, bf16());
         lora_forward(l, BlockLinear::FcProj, adapter, s.fch_act, out, N);
     }
 }
@@ -408,17 +412,19 @@ void GPT::block_backward(const BlockParams& p, BlockParams& g, int l, const floa
     if (cfg_.swiglu()) {
         // d(product) (N,H) and d(fch) (N,2H) cannot share rows, so the product's gradient has
         // its own workspace.
-        cpu::matmul_backward(dact_, w(g.fcp_w), w(g.fcp_b), dout, s.fch_act, p.fcp_w, N, H, C);
+        cpu::matmul_backward(dact_, w(g.fcp_w), w(g.fcp_b), dout, s.fch_act, p.fcp_w, N, H, C, 0.0f,
+                             bf16());
         lora(BlockLinear::FcProj, s.fch_act, dout, dact_);
         cpu::swiglu_backward(dfch, s.fch, dact_, N, H);
     } else {
-        cpu::matmul_backward(dfch, w(g.fcp_w), w(g.fcp_b), dout, s.fch_act, p.fcp_w, N, H, C);
+        cpu::matmul_backward(dfch, w(g.fcp_w), w(g.fcp_b), dout, s.fch_act, p.fcp_w, N, H, C, 0.0f,
+                             bf16());
         lora(BlockLinear::FcProj, s.fch_act, dout, dfch);
         cpu::gelu_backward(dfch, s.fch, dfch, (int64_t)N * H);
     }
     keep(d.fc, dfch, (std::size_t)N * F);
     const float* ln2 = gather(TpSite::SpRegather, s.ln2);
-    cpu::matmul_backward(dln_, w(g.fc_w), w(g.fc_b), dfch, ln2, p.fc_w, N, C, F);
+    cpu::matmul_backward(dln_, w(g.fc_w), w(g.fc_b), dfch, ln2, p.fc_w, N, C, F, 0.0f, bf16());
     lora(BlockLinear::Fc, ln2, dfch, dln_);
     // Column-parallel c_fc: each rank has its columns' share of d(ln_2 output); summed (f).
     norm_backward(dres, g.ln2_w, g.ln2_b, column_input_grad(), s.resid_mid, p.ln2_w, s.ln2_mean,
@@ -430,7 +436,8 @@ void GPT::block_backward(const BlockParams& p, BlockParams& g, int l, const floa
         dout = dbig_;
     }
     keep(d.proj, dout, (std::size_t)N * C);
-    cpu::matmul_backward(datty, w(g.proj_w), w(g.proj_b), dout, s.atty, p.proj_w, N, A, C);
+    cpu::matmul_backward(datty, w(g.proj_w), w(g.proj_b), dout, s.atty, p.proj_w, N, A, C, 0.0f,
+                         bf16());
     lora(BlockLinear::Proj, s.atty, dout, datty);
     float* dqkv = dbig_;
     const bool lse = cfg_.lse_attention;
@@ -440,7 +447,7 @@ void GPT::block_backward(const BlockParams& p, BlockParams& g, int l, const floa
         cpu::rope_backward(dqkv, B, T, NH, NKV, cfg_.head_dim(), (float)cfg_.rope_theta);
     keep(d.qkv, dqkv, (std::size_t)N * QKV);
     const float* ln1 = gather(TpSite::SpRegather, s.ln1);
-    cpu::matmul_backward(dln_, w(g.qkv_w), w(g.qkv_b), dqkv, ln1, p.qkv_w, N, C, QKV);
+    cpu::matmul_backward(dln_, w(g.qkv_w), w(g.qkv_b), dqkv, ln1, p.qkv_w, N, C, QKV, 0.0f, bf16());
     lora(BlockLinear::Qkv, ln1, dqkv, dln_);
     // c_attn's f, as c_fc's
     norm_backward(dres, g.ln1_w, g.ln1_b, column_input_grad(), x, p.ln1_w, s.ln1_mean, s.ln1_rstd,
@@ -455,10 +462,12 @@ void GPT::block_weight_grads(BlockParams& g, const BlockSaved& s, const float* d
     const int N = B * T, C = cfg_.n_embd, QKV = cfg_.local_qkv_dim(), F = cfg_.local_fc_dim(),
               H = cfg_.local_hidden(), A = cfg_.attn_dim();
     const DeferredGrads d = deferred_grads(const_cast<float*>(deferred), N, C, F);
-    cpu::matmul_backward(nullptr, g.fcp_w, g.fcp_b, d.fcp, s.fch_act, nullptr, N, H, C);
-    cpu::matmul_backward(nullptr, g.fc_w, g.fc_b, d.fc, s.ln2, nullptr, N, C, F);
-    cpu::matmul_backward(nullptr, g.proj_w, g.proj_b, d.proj, s.atty, nullptr, N, A, C);
-    cpu::matmul_backward(nullptr, g.qkv_w, g.qkv_b, d.qkv, s.ln1, nullptr, N, C, QKV);
+    cpu::matmul_backward(nullptr, g.fcp_w, g.fcp_b, d.fcp, s.fch_act, nullptr, N, H, C, 0.0f,
+                         bf16());
+    cpu::matmul_backward(nullptr, g.fc_w, g.fc_b, d.fc, s.ln2, nullptr, N, C, F, 0.0f, bf16());
+    cpu::matmul_backward(nullptr, g.proj_w, g.proj_b, d.proj, s.atty, nullptr, N, A, C, 0.0f,
+                         bf16());
+    cpu::matmul_backward(nullptr, g.qkv_w, g.qkv_b, d.qkv, s.ln1, nullptr, N, C, QKV, 0.0f, bf16());
 }
 
 static void check_tokens(const int32_t* tokens, int B, int T, int vocab, const char* what) {
@@ -633,9 +642,10 @@ double GPT::head_backward(const UnitVisit& v, Slot& sl, const int32_t* targets, 
     const double loss =
         tp_ ? vocab_parallel_loss(*tp_, dln_, dwout, logits_, head_input(sl, N), wout, targets, N,
                                   C, cfg_.vocab_size, vocab_begin(), cfg_.local_vocab(), kLossChunk,
-                                  grad_scale, seq ? sp_ : nullptr)
+                                  grad_scale, seq ? sp_ : nullptr, bf16())
             : cpu::classifier_loss(dln_, dwout, logits_, sl.lnf, wout, targets, N, C,
-                                   cfg_.vocab_size, cfg_.padded_vocab(), kLossChunk, grad_scale);
+                                   cfg_.vocab_size, cfg_.padded_vocab(), kLossChunk, grad_scale,
+                                   bf16());
     release_output_embedding();
     std::memset(dres_, 0, sizeof(float) * n * C);
     norm_backward(dres_, hg.lnf_w, hg.lnf_b, seq ? sp_ : dln_, sl.resid.back(), h.lnf_w,
@@ -725,9 +735,9 @@ float GPT::stage_loss(int slot, const int32_t* targets, int B, int T) {
     double loss =
         tp_ ? vocab_parallel_loss(*tp_, nullptr, nullptr, logits_, head_input(sl, N), wout, targets,
                                   N, cfg_.n_embd, cfg_.vocab_size, vocab_begin(),
-                                  cfg_.local_vocab(), kLossChunk, 0.0f)
+                                  cfg_.local_vocab(), kLossChunk, 0.0f, nullptr, bf16())
             : cpu::classifier_loss(nullptr, nullptr, logits_, sl.lnf, wout, targets, N, cfg_.n_embd,
-                                   cfg_.vocab_size, cfg_.padded_vocab(), kLossChunk, 0.0f);
+                                   cfg_.vocab_size, cfg_.padded_vocab(), kLossChunk, 0.0f, bf16());
     release_output_embedding();
     store_->release(H);
     return (float)(loss / N);

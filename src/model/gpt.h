@@ -14,6 +14,7 @@
 
 #include "core/allocator.h"
 #include "core/rng.h"
+#include "kernels/cpu/gemm.h"
 #include "kernels/dropout_mask.h"
 #include "model/activation_layout.h"
 #include "model/config.h"
@@ -279,6 +280,9 @@ class GPT {
     uint64_t drop_seed_ = 0, drop_first_ = 0;
     bool train_pass_ = false;  // inside forward_backward: its slot drops (model.dropout)
     float *dres_, *dln_, *dbig_, *dact_, *logits_;
+    // ModelConfig::bf16_gemm: where the GEMMs round their operands (in the workspace arena).
+    cpu::Bf16Gemm gemm_{};
+    const cpu::Bf16Gemm* bf16() const { return cfg_.bf16_gemm ? &gemm_ : nullptr; }
     float* sp_ = nullptr;  // sequence parallelism: all N token rows (ArenaPlan::sp_gather)
     // Sequence parallelism on a micro-batch of N rows (ModelConfig::sp_rows < N).
     bool sp(int N) const { return tp_ && cfg_.sp_rows(N) != N; }

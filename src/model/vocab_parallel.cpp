@@ -1,8 +1,6 @@
 // The vocabulary-parallel embedding and cross-entropy (model/vocab_parallel.h).
 #include "model/vocab_parallel.h"
 
-#include <cblas.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -73,7 +71,7 @@ void vocab_parallel_embedding_backward(float* dwte_local, float* dwpe, const flo
 double vocab_parallel_loss(TpComm& tp, float* dx, float* dwte_local, float* logits_buf,
                            const float* x, const float* wte_local, const int32_t* targets, int N,
                            int C, int V, int v0, int Vl, int chunk, float grad_scale,
-                           float* dx_rows) {
+                           float* dx_rows, const cpu::Bf16Gemm* g) {
     // Columns of this slice inside the real vocabulary (the rest are padding rows).
     const int real = std::clamp(V - v0, 0, Vl);
     double total = 0.0;
@@ -82,8 +80,7 @@ double vocab_parallel_loss(TpComm& tp, float* dx, float* dwte_local, float* logi
     for (int r0 = 0; r0 < N; r0 += chunk) {
         const int R = std::min(chunk, N - r0);
         const float* xr = x + (int64_t)r0 * C;
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, R, Vl, C, 1.0f, xr, C, wte_local, C,
-                    0.0f, logits_buf, Vl);
+        cpu::gemm(g, false, true, R, Vl, C, xr, C, wte_local, C, 0.0f, logits_buf, Vl);
 #pragma omp parallel for schedule(static)
         for (int r = 0; r < R; r++) {
             const float* l = logits_buf + (int64_t)r * Vl;
@@ -115,11 +112,10 @@ double vocab_parallel_loss(TpComm& tp, float* dx, float* dwte_local, float* logi
             if (y >= 0 && y < real) l[y] -= grad_scale;
         }
         if (dx) {
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, R, C, Vl, 1.0f, logits_buf, Vl,
-                        wte_local, C, 0.0f, dx + (int64_t)r0 * C, C);
+            cpu::gemm(g, false, false, R, C, Vl, logits_buf, Vl, wte_local, C, 0.0f,
+                      dx + (int64_t)r0 * C, C);
             if (dwte_local)
-                cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, Vl, C, R, 1.0f, logits_buf, Vl,
-                            xr, C, 1.0f, dwte_local, C);
+                cpu::gemm(g, true, false, Vl, C, R, logits_buf, Vl, xr, C, 1.0f, dwte_local, C);
         }
     }
     if (dx && dx_rows)
@@ -132,8 +128,7 @@ double vocab_parallel_loss(TpComm& tp, float* dx, float* dwte_local, float* logi
 void vocab_parallel_logits(TpComm& tp, float* out, const float* x, const float* wte_local, int N,
                            int C, int V, int Vl) {
     std::vector<float> mine((std::size_t)N * Vl), all((std::size_t)N * Vl * tp.size());
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, Vl, C, 1.0f, x, C, wte_local, C, 0.0f,
-                mine.data(), Vl);
+    cpu::gemm(nullptr, false, true, N, Vl, C, x, C, wte_local, C, 0.0f, mine.data(), Vl);
     tp.all_gather(TpSite::Gather, mine.data(), all.data(), (int64_t)N * Vl);
     for (int64_t n = 0; n < N; n++)
         for (int v = 0; v < V; v++) out[n * V + v] = all[((int64_t)(v / Vl) * N + n) * Vl + v % Vl];

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "kernels/cpu/gemm.h"
 #include "model/tp_comm.h"
 
 namespace memtrain {
@@ -25,11 +26,12 @@ void vocab_parallel_embedding_backward(float* dwte_local, float* dwpe, const flo
 // group. Returns the sum of the rows' losses (the same on every rank). With dx, also the
 // backward: dx (N,C) overwritten with the all-reduced input gradient, dwte_local accumulated;
 // with `dx_rows` too (sequence parallelism), dx is reduce-scattered instead: dx_rows receives
-// this rank's N / size() rows of the sum (it may alias x, which is read before).
+// this rank's N / size() rows of the sum (it may alias x, which is read before). With g the
+// GEMMs take bf16 operands (cpu::gemm).
 double vocab_parallel_loss(TpComm& tp, float* dx, float* dwte_local, float* logits_buf,
                            const float* x, const float* wte_local, const int32_t* targets, int N,
                            int C, int V, int v0, int Vl, int chunk, float grad_scale,
-                           float* dx_rows = nullptr);
+                           float* dx_rows = nullptr, const cpu::Bf16Gemm* g = nullptr);
 // The full logits (N,V) for sampling: each rank's slice (rank r's from r x Vl), all-gathered.
 void vocab_parallel_logits(TpComm& tp, float* out, const float* x, const float* wte_local, int N,
                            int C, int V, int Vl);

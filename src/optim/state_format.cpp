@@ -156,14 +156,6 @@ uint8_t encode_code(int bits, bool is_signed, float x) {
     return encode_scaled(encoder(bits, is_signed), bits, is_signed, x, 1.0f);
 }
 
-uint16_t f32_to_bf16(float x) {
-    uint32_t u;
-    std::memcpy(&u, &x, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  // quiet NaN
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
 uint16_t f32_to_bf16_stochastic(float x, uint64_t seed, uint64_t step, uint64_t index) {
     uint32_t u;
     std::memcpy(&u, &x, 4);
@@ -179,13 +171,6 @@ uint16_t f32_to_bf16_stochastic(float x, uint64_t seed, uint64_t step, uint64_t 
     const uint32_t up = (u + r) >> 16;
     if ((up & 0x7f80u) == 0x7f80u) return (uint16_t)(u >> 16);  // would overflow: truncate
     return (uint16_t)up;
-}
-
-float bf16_to_f32(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float x;
-    std::memcpy(&x, &u, 4);
-    return x;
 }
 
 namespace {

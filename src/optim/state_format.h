@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "core/allocator.h"
+#include "core/dtype.h"
 #include "model/param_layout.h"
 #include "optim/optim_config.h"
 
@@ -62,8 +63,7 @@ double moment_bytes_per_param(StateFormat f);
 float decode_code(int bits, bool is_signed, uint8_t c);
 // The nearest code to x, with |x| <= 1 (unsigned maps: x >= 0) as the block scaling gives.
 uint8_t encode_code(int bits, bool is_signed, float x);
-uint16_t f32_to_bf16(float x);  // round to nearest even; NaN stays NaN
-float bf16_to_f32(uint16_t h);
+// f32_to_bf16 (round to nearest even) and bf16_to_f32 are core/dtype.h's.
 // optim.master = "none": bf16 by stochastic rounding. x rounds up (away from zero) to the next
 // bf16 with probability equal to its distance from the lower neighbour over their gap, so the
 // rounding is unbiased: E[bf16_to_f32(result)] = x. The draw is a hash of (seed, step, index)

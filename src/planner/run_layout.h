@@ -48,6 +48,9 @@ struct RunSpec {
     // The CPU engine without flash_attention, under train.cpu_attention = "lse": it keeps each
     // row's log-sum-exp instead of the s^2 probabilities (ModelConfig::lse_attention).
     bool lse_attention = false;
+    // The CPU engine under train.precision = "bf16": fp32 storage, GEMM operands rounded to bf16
+    // in a workspace region (ModelConfig::bf16_gemm); `precision` stays fp32.
+    bool bf16_gemm = false;
     // bf16/fp16: 16-bit parameters and gradients, with an fp32 master copy unless !fp32_master
     // ("bf16-only"); fp32: everything in fp32 (core/dtype.h's Precision).
     Precision precision = Precision::bf16;

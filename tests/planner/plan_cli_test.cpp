@@ -505,36 +505,42 @@ TEST(PlanCli, CpuEstimateIsWhatTheTrainerAllocates) {
     c.train.remat = "every:2";
     c.optim.state_format = "int8";
     c.io.save_final = false;
-    write_file(dir + "/run.toml", memtrain::to_toml(c));
-    const Outcome o = memtrain_cli("estimate " + dir + "/run.toml --device cpu --json");
-    ASSERT_EQ(o.code, 0) << o.output;
-    const auto j = nlohmann::json::parse(o.output);
-    ASSERT_EQ(j["ranks"].size(), 1u) << o.output;
-    memtrain::TrainOptions opts;
-    opts.quiet = true;
-    memtrain::Trainer t(c, opts);
-    t.run();
-    const memtrain::MemoryStats s = t.engine().memory().snapshot();
-    int compared = 0;
-    for (const auto& row : j["ranks"][0]["rows"]) {
-        const std::string cat = row["category"];
-        for (memtrain::MemCategory k :
-             {memtrain::MemCategory::Parameters, memtrain::MemCategory::Gradients,
-              memtrain::MemCategory::OptimizerState, memtrain::MemCategory::Activations,
-              memtrain::MemCategory::Workspace})
-            if (cat == memtrain::category_name(k)) {
-                EXPECT_EQ(row["bytes"].get<std::size_t>(), s.peak(k)) << cat;
-                compared++;
-            }
+    // fp32, and bf16 GEMMs (their operand scratch in the workspace) from the TOML's precision.
+    for (const char* precision : {"fp32", "bf16"}) {
+        c.train.precision = precision;
+        write_file(dir + "/run.toml", memtrain::to_toml(c));
+        const Outcome o = memtrain_cli("estimate " + dir + "/run.toml --device cpu --json");
+        ASSERT_EQ(o.code, 0) << o.output;
+        const auto j = nlohmann::json::parse(o.output);
+        ASSERT_EQ(j["ranks"].size(), 1u) << o.output;
+        memtrain::TrainOptions opts;
+        opts.quiet = true;
+        memtrain::Trainer t(c, opts);
+        t.run();
+        const memtrain::MemoryStats s = t.engine().memory().snapshot();
+        int compared = 0;
+        for (const auto& row : j["ranks"][0]["rows"]) {
+            const std::string cat = row["category"];
+            for (memtrain::MemCategory k :
+                 {memtrain::MemCategory::Parameters, memtrain::MemCategory::Gradients,
+                  memtrain::MemCategory::OptimizerState, memtrain::MemCategory::Activations,
+                  memtrain::MemCategory::Workspace})
+                if (cat == memtrain::category_name(k)) {
+                    EXPECT_EQ(row["bytes"].get<std::size_t>(), s.peak(k)) << precision << cat;
+                    compared++;
+                }
+        }
+        EXPECT_EQ(compared, 5) << o.output;
     }
-    EXPECT_EQ(compared, 5) << o.output;
+    c.train.precision = "fp32";
+    write_file(dir + "/run.toml", memtrain::to_toml(c));
     // Two ranks at ZeRO-2: each holds half the gradients and optimizer state.
     const auto z = nlohmann::json::parse(
         memtrain_cli("estimate " + dir + "/run.toml --device cpu --dp 2 --zero 2 --json").output);
     ASSERT_EQ(z["ranks"].size(), 2u);
     EXPECT_TRUE(z["fits"].get<bool>());
     expect_refusal("estimate gpt2 --device cpu --offload optimizer", {"--offload", "--device cpu"});
-    expect_refusal("estimate gpt2 --device cpu --precision bf16", {"--precision bf16", "fp32"});
+    expect_refusal("estimate gpt2 --device cpu --precision fp16", {"--precision fp16", "bf16"});
     expect_refusal("estimate gpt2 --device tpu", {"--device tpu", "gpu or cpu"});
     expect_refusal("estimate gpt2 --device cpu --recompute every:0", {"every:0"});
     const Outcome small =

@@ -62,6 +62,10 @@
 
 namespace memtrain {
 
+// What the CPU model computes in, for the start-up line: "fp32", or under
+// ModelConfig::bf16_gemm the path of its bf16 GEMMs (kernels/cpu/gemm.h).
+std::string cpu_compute_label(const ModelConfig& m);
+
 class CpuEngine final : public Engine {
   public:
     CpuEngine(const RunPlan& plan, dist::Communicator& comm);

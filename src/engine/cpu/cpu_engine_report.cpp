@@ -7,6 +7,7 @@
 #include "engine/cpu/cpu_engine.h"
 #include "engine/host_memory.h"
 #include "io/text_file.h"
+#include "kernels/cpu/gemm.h"
 
 namespace memtrain {
 
@@ -16,6 +17,11 @@ std::string CpuEngine::chunk_blocks() const {
         out +=
             fmt::format("{}{}..{}", out.empty() ? "" : ", ", g->first_block(), g->end_block() - 1);
     return out;
+}
+
+std::string cpu_compute_label(const ModelConfig& m) {
+    return m.bf16_gemm ? fmt::format("bf16 GEMMs on {}, fp32 elsewhere", cpu::bf16_gemm_path())
+                       : std::string("fp32");
 }
 
 std::string CpuEngine::describe() const {
@@ -32,27 +38,30 @@ std::string CpuEngine::describe() const {
         if (tp_)
             side = fmt::format(", tensor-parallel shard {} of {}", tp_->rank(), tp_->size()) + side;
         if (v == 1)
-            return fmt::format("cpu (fp32), pipeline stage {} of {} (blocks {}, {} schedule){}",
-                               rank, p, chunk_blocks(), kind, side);
+            return fmt::format("cpu ({}), pipeline stage {} of {} (blocks {}, {} schedule){}",
+                               cpu_compute_label(model_), rank, p, chunk_blocks(), kind, side);
         return fmt::format(
-            "cpu (fp32), pipeline rank {} of {}, {} chunks (virtual stages of {}: blocks {}, {} "
+            "cpu ({}), pipeline rank {} of {}, {} chunks (virtual stages of {}: blocks {}, {} "
             "schedule){}",
-            rank, p, v, p * v, chunk_blocks(), kind, side);
+            cpu_compute_label(model_), rank, p, v, p * v, chunk_blocks(), kind, side);
     }
     if (tp_)
-        return fmt::format("cpu (fp32), tensor-parallel rank {} of {}{}", tp_->rank(), tp_->size(),
-                           sp ? ", sequence-parallel" : "");
+        return fmt::format("cpu ({}), tensor-parallel rank {} of {}{}", cpu_compute_label(model_),
+                           tp_->rank(), tp_->size(), sp ? ", sequence-parallel" : "");
     if (plan_.lora) {
         std::string names;
         for (const auto& n : lora_layout_.names) names += (names.empty() ? "" : ", ") + n;
-        return fmt::format("cpu (fp32), {} r={} alpha={} on {} ({} trainable), base {} frozen",
-                           quant_base_ ? "QLoRA" : "LoRA", plan_.cfg.lora.rank,
-                           plan_.cfg.lora.alpha, names, lora_layout_.params.total,
+        return fmt::format("cpu ({}), {} r={} alpha={} on {} ({} trainable), base {} frozen",
+                           cpu_compute_label(model_), quant_base_ ? "QLoRA" : "LoRA",
+                           plan_.cfg.lora.rank, plan_.cfg.lora.alpha, names,
+                           lora_layout_.params.total,
                            quant_base_ ? quant_base_->quant().name() : std::string("fp32"));
     }
     if (zero_ && zero_->bf16_params())
-        return "cpu (fp32 compute, bf16 weights without a master copy: optim.master = none)";
-    return "cpu (fp32)";
+        return fmt::format(
+            "cpu ({} compute, bf16 weights without a master copy: optim.master = none)",
+            cpu_compute_label(model_));
+    return fmt::format("cpu ({})", cpu_compute_label(model_));
 }
 
 std::string CpuEngine::memory_title() const {

@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "engine/cpu/cpu_engine.h"
 #include "engine/host_memory.h"
 #include "kernels/cpu/ops.h"
 
@@ -99,8 +100,8 @@ std::string PsEngine::describe() const {
                                                servers(), layout_.units[store_->first_unit()].name,
                                                layout_.units[store_->last_unit()].name)
                                  : fmt::format("worker {} of {}", rank_, workers_);
-    return fmt::format("cpu (fp32), parameter server: {}, {} servers, staleness {}", role,
-                       servers(), staleness_);
+    return fmt::format("cpu ({}), parameter server: {}, {} servers, staleness {}",
+                       cpu_compute_label(plan_.cfg.model), role, servers(), staleness_);
 }
 
 void PsEngine::set_remat(const RematPlan& plan) {

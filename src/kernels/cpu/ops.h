@@ -13,6 +13,8 @@
 
 namespace memtrain::cpu {
 
+struct Bf16Gemm;  // kernels/cpu/gemm.h: where bf16 GEMM operands are rounded (null: fp32)
+
 // ---- embedding -------------------------------------------------------------------------------
 // out[b,t,:] = wte[inp[b,t],:] + wpe[t,:]. wpe (and dwpe) may be null: models with rotary
 // positions have no position table, so the token row is copied as is.
@@ -54,16 +56,19 @@ void rmsnorm_backward(float* dinp /*(N,C)*/, float* dweight /*(C)*/, const float
 
 // ---- matmul (Hugging Face Conv1D layout: weight is (IC, OC), out = inp @ weight + bias) --------
 // beta = 0 overwrites out, beta = 1 adds the product to what out holds (fused residual add).
+// With g (train.precision = bf16 on the CPU) the GEMM's operands are rounded to bf16 in g's
+// scratch and multiplied with fp32 accumulation (kernels/cpu/gemm.h); out stays fp32.
 void matmul_forward(float* out /*(N,OC)*/, const float* inp /*(N,IC)*/,
                     const float* weight /*(IC,OC)*/, const float* bias /*(OC) or null*/, int N,
-                    int IC, int OC, float beta = 0.0f);
+                    int IC, int OC, float beta = 0.0f, const Bf16Gemm* g = nullptr);
 // dinp = dout @ weight^T (+ beta * dinp); dweight += inp^T @ dout; dbias += sum_rows(dout).
 // A null dinp or dweight skips that half (a zero-bubble pipeline runs them apart, with the same
-// bits as together).
+// bits as together). With g both products take bf16 operands; the scratch holds d(out) and
+// one of weight / inp at a time: N*OC + max(IC*OC, N*IC) elements.
 void matmul_backward(float* dinp /*(N,IC)*/, float* dweight /*(IC,OC)*/,
                      float* dbias /*(OC) or null*/, const float* dout /*(N,OC)*/,
                      const float* inp /*(N,IC)*/, const float* weight /*(IC,OC)*/, int N, int IC,
-                     int OC, float beta = 0.0f);
+                     int OC, float beta = 0.0f, const Bf16Gemm* g = nullptr);
 
 // ---- activation ------------------------------------------------------------------------------
 // GELU, tanh approximation (as GPT-2).
@@ -110,14 +115,15 @@ void attention_backward(float* dqkv /*(B,T,QKV)*/, const float* dout /*(B,T,C)*/
 // For rows r of x (N,C): logits = x @ wte^T over the first V of Vp rows; loss_r = lse - logit[y_r].
 // Returns the sum of per-row losses (double, fixed order). When dx is not null it also runs the
 // backward with dloss_r = grad_scale for every row: dx (overwritten) and dwte (accumulated).
-// logits_buf holds chunk * Vp floats.
+// logits_buf holds chunk * Vp floats. With g the three GEMMs take bf16 operands: wte is rounded
+// once per call, x and d(logits) a chunk at a time (Vp*C + min(chunk,N)*(C + Vp) elements).
 double classifier_loss(float* dx /*(N,C) or null*/, float* dwte /*(Vp,C) or null*/,
                        float* logits_buf /*(chunk,Vp)*/, const float* x /*(N,C)*/,
                        const float* wte /*(Vp,C)*/, const int32_t* targets /*(N)*/, int N, int C,
-                       int V, int Vp, int chunk, float grad_scale);
+                       int V, int Vp, int chunk, float grad_scale, const Bf16Gemm* g = nullptr);
 // Full logits for the given rows (used for sampling and tests): out (N,V).
 void classifier_logits(float* out /*(N,V)*/, const float* x /*(N,C)*/, const float* wte /*(Vp,C)*/,
-                       int N, int C, int V);
+                       int N, int C, int V, const Bf16Gemm* g = nullptr);
 
 // ---- small helpers -----------------------------------------------------------------------------
 void add_inplace(float* a, const float* b, int64_t n);  // a += b

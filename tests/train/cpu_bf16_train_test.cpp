@@ -1,0 +1,87 @@
+// train.precision = "bf16" on the CPU engine (ModelConfig::bf16_gemm): the run tracks the fp32
+// run's loss over 50 steps, holds exactly the bytes its plan predicts (the GEMM operand scratch
+// in the workspace), keeps remat bitwise and resumes bitwise; the checkpoints it writes are fp32
+// weights that an fp32 run resumes from.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+
+#include "core/allocator.h"
+#include "test_util.h"
+#include "train/measured_run.h"
+#include "train/trainer.h"
+#include "train/validate.h"
+
+using namespace memtrain;
+
+namespace {
+
+RunConfig bf16_run(const std::string& name, int steps, const std::string& precision = "bf16") {
+    RunConfig c = test::wide_tiny_run(name, steps);
+    c.train.precision = precision;
+    c.train.eval_every = 10;
+    return c;
+}
+
+std::size_t at(const std::array<std::size_t, kNumMemCategories>& a, MemCategory k) {
+    return a[static_cast<int>(k)];
+}
+
+}  // namespace
+
+TEST(CpuBf16Train, TracksTheFp32RunOver50StepsInItsPredictedBytes) {
+    const int steps = 50;
+    const test::MeasuredRun fp32 = test::measured_run(bf16_run("cpubf16_fp32", steps, "fp32"));
+    const test::MeasuredRun bf16 = test::measured_run(bf16_run("cpubf16_bf16", steps));
+    // Stated tolerance: the final training loss and the last validation loss within 2% of fp32's.
+    const double a = bf16.summary.losses.back(), b = fp32.summary.losses.back();
+    EXPECT_NEAR(a, b, 0.02 * b);
+    ASSERT_FALSE(bf16.summary.val_losses.empty());
+    const double va = bf16.summary.val_losses.back().second;
+    const double vb = fp32.summary.val_losses.back().second;
+    EXPECT_NEAR(va, vb, 0.02 * vb);
+    EXPECT_LT(a, bf16.summary.losses.front() - 0.5) << "it learned";
+    // Not the fp32 run under another name: rounding the operands changes the bits.
+    EXPECT_NE(bf16.summary.losses[1], fp32.summary.losses[1]);
+    // Measured == predicted in every category; the operand scratch is the workspace's growth.
+    for (int k = 0; k < kNumMemCategories; k++)
+        EXPECT_EQ(bf16.peak[k], bf16.predicted[k]) << category_name(MemCategory(k));
+    EXPECT_GT(at(bf16.peak, MemCategory::Workspace), at(fp32.peak, MemCategory::Workspace));
+    EXPECT_EQ(at(bf16.peak, MemCategory::Activations), at(fp32.peak, MemCategory::Activations));
+    EXPECT_EQ(at(bf16.peak, MemCategory::Parameters), at(fp32.peak, MemCategory::Parameters));
+}
+
+TEST(CpuBf16Train, RematIsBitwiseAndResumeIsBitwise) {
+    RunConfig none = bf16_run("cpubf16_remat_none", 6);
+    RunConfig full = bf16_run("cpubf16_remat_full", 6);
+    full.train.remat = "full";
+    const test::MeasuredRun a = test::measured_run(none), b = test::measured_run(full);
+    EXPECT_EQ(a.summary.losses, b.summary.losses);
+    EXPECT_EQ(0, std::memcmp(a.params.data(), b.params.data(), a.params.size() * sizeof(float)))
+        << "full remat changed the bf16 run's weights";
+
+    RunConfig whole = bf16_run("cpubf16_resume_whole", 8);
+    Trainer w(whole, test::quiet());
+    const TrainSummary sw = w.run();
+    RunConfig split = bf16_run("cpubf16_resume_split", 8);
+    TrainSummary sr;
+    auto r = test::train_stop_and_resume(split, 4, sr);
+    ASSERT_EQ(sr.losses.size(), 4u);
+    for (int i = 0; i < 4; i++) EXPECT_EQ(sr.losses[i], sw.losses[4 + i]) << i;
+    EXPECT_EQ(0, std::memcmp(w.model().params(), r->model().params(),
+                             w.model().num_params() * sizeof(float)));
+}
+
+TEST(CpuBf16Train, Fp16IsRefusedOnTheCpuByName) {
+    RunConfig c = bf16_run("cpubf16_fp16", 1, "fp16");
+    try {
+        validate_config(c);
+        ADD_FAILURE() << "fp16 on the CPU was accepted";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("train.precision = \"fp16\" on the CPU"),
+                  std::string::npos)
+            << e.what();
+    }
+}
