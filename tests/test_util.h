@@ -192,6 +192,8 @@ inline RunConfig tiny_run_config(const std::string& dir, int steps = 10) {
     c.train.batch_size = 4;
     c.train.micro_batch_size = 2;
     c.train.device = "cpu";  // the CPU reference, also where a GPU answers
+    // fp32 on every machine: "auto" would multiply in bf16 where the CPU has bf16 instructions.
+    c.train.precision = "fp32";
     c.train.max_steps = steps;
     c.train.eval_every = 5;
     c.train.eval_batches = 2;

@@ -210,7 +210,8 @@ struct EstimateArgs {
 
 // The CPU engine's config of `model`: the TOML's whole config, or a preset's (or config.json's)
 // model at its context with a global batch of one sequence per each of `dp` ranks (the
-// micro-batch derived); the TOML's bf16 GEMMs, else fp32 ("auto" and fp16 train fp32 on the CPU).
+// micro-batch derived); the TOML's precision as training resolves it on this CPU (bf16 GEMMs
+// or fp32; a GPU's fp16 is fp32 here).
 RunConfig cpu_source_config(const std::string& model, const ModelSpec& m, int dp) {
     RunConfig cfg;
     if (model.ends_with(".toml")) {
@@ -222,6 +223,7 @@ RunConfig cpu_source_config(const std::string& model, const ModelSpec& m, int dp
         cfg.train.batch_size = dp;
     }
     cfg.train.device = "cpu";
+    if (cfg.train.precision == "auto") resolve_config(cfg);  // what training would run here
     if (cfg.train.precision != "bf16") cfg.train.precision = "fp32";
     cfg.model.bf16_gemm = cfg.train.precision == "bf16";  // as resolve_config
     return cfg;

@@ -17,8 +17,9 @@ namespace memtrain {
 
 struct TrainConfig {
     std::string device = "auto";  // "cpu" | "cuda" | "auto" (cuda where a GPU answers)
-    std::string precision =
-        "auto";                // "fp32" | "bf16" | "fp16" | "auto" (bf16 on cuda, fp32 on cpu)
+    // "fp32" | "bf16" | "fp16" | "auto": bf16 on cuda and on a CPU with bf16 instructions
+    // (AVX512-BF16 or AMX, kernels/cpu/gemm.h), fp32 on other CPUs.
+    std::string precision = "auto";
     int seq_len = 256;         // tokens per sequence (<= model.block_size)
     int batch_size = 8;        // sequences per optimizer step (global batch)
     int64_t batch_tokens = 0;  // alternatively, tokens per step (a multiple of seq_len); 0 = off

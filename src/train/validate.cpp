@@ -11,6 +11,7 @@
 #include "core/device.h"
 #include "core/error.h"
 #include "io/model_source.h"
+#include "kernels/cpu/gemm.h"
 #include "model/lora.h"
 #include "optim/state_format.h"
 #include "parallel/pipeline/schedule.h"
@@ -66,7 +67,7 @@ std::vector<std::string> config_warnings(const RunConfig& cfg) {
 void resolve_config(RunConfig& cfg) {
     if (cfg.train.device == "auto") cfg.train.device = cuda_available() ? "cuda" : "cpu";
     if (cfg.train.precision == "auto")
-        cfg.train.precision = cfg.train.device == "cuda" ? "bf16" : "fp32";
+        cfg.train.precision = cfg.train.device == "cuda" || cpu::cpu_has_bf16() ? "bf16" : "fp32";
     cfg.model.lse_attention = cfg.train.cpu_attention == "lse";
     cfg.model.bf16_gemm = cfg.train.device == "cpu" && cfg.train.precision == "bf16";
 }
@@ -218,9 +219,6 @@ void validate_ps(const RunConfig& cfg) {
         fail(
             "train.dp_mode = \"ps\" runs on the CPU engine only so far: set train.device = "
             "\"cpu\"");
-    if (cfg.train.precision != "fp32" && cfg.train.precision != "auto")
-        fail("train.dp_mode = \"ps\" trains in fp32 only so far, not train.precision = \"{}\"",
-             cfg.train.precision);
 }
 
 // The one line every refusal of a key below prints: "<what> does not run with <keys> yet: <why>".

@@ -133,12 +133,14 @@ inline int count_occurrences(const std::string& text, const std::string& what) {
 
 // A run a few milliseconds a step, long enough to be signalled in the middle; no validation.
 // Writes dir/train.bin and dir/run.toml (out_dir dir/out) and returns the TOML's path.
+// fp32 on every machine (the data-parallel comparisons hold fp32 tolerances).
 inline std::string slow_config(const std::string& dir, int steps, int width = 64) {
     data::write_shard(dir + "/train.bin", patterned_tokens(1 << 16, 50, 1), 50);
     write_file(dir + "/run.toml",
                "[model]\nn_layer = 2\nn_head = 2\nn_embd = " + std::to_string(width) +
                    "\nblock_size = 32\nvocab_size = 50\nvocab_pad = 16\n"
-                   "[train]\ndevice = \"cpu\"\nseq_len = 32\nbatch_size = 8\nmax_steps = " +
+                   "[train]\ndevice = \"cpu\"\nprecision = \"fp32\"\nseq_len = 32\nbatch_size = "
+                   "8\nmax_steps = " +
                    std::to_string(steps) +
                    "\neval_every = 0\n[optim]\nlr = 3e-3\nwarmup_steps = 2\n"
                    "[data]\ntrain = \"train.bin\"\n[io]\nout_dir = \"" +

@@ -221,11 +221,12 @@ TEST(TrainCli, KeepLastRemovesOlderCheckpointsButTheMarkedOnes) {
 TEST(TrainCli, DeviceAutoStaysAutoInPrintedAndSavedConfigs) {
     auto dir = memtrain::test::temp_dir("train_cli_auto");
     const std::string cfg = slow_config(dir, 1, 16);
-    auto r = run_in_dir("train " + cfg + " --set train.device=auto --print-config");
+    auto r =
+        run_in_dir("train " + cfg + " --set train.device=auto train.precision=auto --print-config");
     ASSERT_EQ(r.code, 0) << r.output;
     EXPECT_NE(r.output.find("device = 'auto'\n"), std::string::npos) << r.output;
     EXPECT_NE(r.output.find("precision = 'auto'\n"), std::string::npos) << r.output;
-    r = run_in_dir("train " + cfg + " --set train.device=auto");
+    r = run_in_dir("train " + cfg + " --set train.device=auto train.precision=auto");
     ASSERT_EQ(r.code, 0) << r.output;
     // (One step after two of warmup: said at the start.)
     EXPECT_NE(r.output.find("memtrain: warning: optim.warmup_steps = 2 is not below "
@@ -244,8 +245,7 @@ TEST(TrainCli, DeviceAutoStaysAutoInPrintedAndSavedConfigs) {
                                     std::string(MT_BINARY_DIR) + "/memtrain train " + cfg +
                                     " --set train.device=auto train.precision=fp16 --print-config");
     EXPECT_EQ(r.code, 1) << r.output;
-    EXPECT_NE(r.output.find("train.precision = \"fp16\" on the CPU"),
-              std::string::npos)
+    EXPECT_NE(r.output.find("train.precision = \"fp16\" on the CPU"), std::string::npos)
         << r.output;
 }
 
