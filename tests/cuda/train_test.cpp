@@ -104,6 +104,33 @@ TEST(CudaTrain, Bf16AndFp16TrackFp32) {
     }
 }
 
+// The CPU engine's bf16 (bf16 GEMM operands, fp32 storage) against the CUDA engine's bf16 (bf16
+// storage of weights, activations and gradients, fp32 master): the same rules in two designs.
+// Stated tolerance: the first step's loss within 0.5% (one forward on the same weights), every
+// step's within 0.05 (as bf16 tracks fp32 above), and the weights after 10 steps within 1% in
+// relative L2 (one element may differ by a few AdamW steps of lr: a near-zero gradient's sign).
+TEST(CudaTrain, CpuBf16TracksTheCudaBf16Step) {
+    REQUIRE_GPU();
+    const int steps = 10;
+    auto d1 = test::temp_dir("cuda_bf16_cpu"), d2 = test::temp_dir("cuda_bf16_gpu");
+    RunConfig c = wide_heads(test::tiny_run(d1, steps));
+    c.train.precision = "bf16";
+    Trainer cpu(c, quiet());
+    Trainer gpu(wide_heads(cuda_run(d2, steps, "bf16")), quiet());
+    auto a = cpu.run(), b = gpu.run();
+    ASSERT_EQ(a.losses.size(), (std::size_t)steps);
+    ASSERT_EQ(b.losses.size(), (std::size_t)steps);
+    EXPECT_NEAR(b.losses[0], a.losses[0], 5e-3 * a.losses[0]);
+    for (int i = 0; i < steps; i++) EXPECT_NEAR(b.losses[i], a.losses[i], 0.05) << "step " << i;
+    const std::vector<float> pc = cpu.params(), pg = gpu.params();
+    double num = 0, den = 0;
+    for (std::size_t i = 0; i < pc.size(); i++) {
+        num += ((double)pg[i] - pc[i]) * ((double)pg[i] - pc[i]);
+        den += (double)pc[i] * pc[i];
+    }
+    EXPECT_LT(std::sqrt(num / den), 1e-2);
+}
+
 // In fp32 (no loss scaler) a non-finite gradient is the divergence guard's: the engine skips the
 // update, the guard goes back to its snapshot from the start and reads past the batch, and the
 // run completes (without the guard it would end: DeviceStep's "no loss scale to lower").

@@ -14,9 +14,11 @@ holds the weights, tokens, logits, loss and every gradient (no optimizer steps).
 A minimal GPT-2 (Hugging Face names and Conv1D layouts, tied embeddings, tanh GELU) is built in
 PyTorch and run in float64, so the reference is as exact as we can make it; the float32 initial
 weights and every result are stored as float32. The file holds the weights, the tokens, logits,
-loss, every gradient, and five AdamW steps (warmup + cosine LR, clipping at norm 1.0).
+loss, every gradient, and five AdamW steps (warmup + cosine LR, clipping at norm 1.0); and the loss
+and gradients of the float32 model under PyTorch's CPU autocast to bf16 ("autocast.*").
 Needs only Debian's python3-torch and python3-numpy; safetensors is written by hand.
 """
+import copy
 import json
 import math
 import os
@@ -366,12 +368,21 @@ def main():
     init_weights(model)
     tokens = torch.randint(0, V, (B, T + 1), dtype=torch.int64)
     init = [(n, f32(p)) for n, p in model.named_parameters()]
-    model = model.double()  # the float32 weights, exactly, computed on in float64
     x, y = tokens[:, :T], tokens[:, 1:]
+    # PyTorch's CPU autocast to bf16 on the float32 weights (the reference of memtrain's bf16
+    # CPU engine): loss and every gradient, stored as "autocast.*".
+    amp = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, amp_loss = amp(x, y)
+    amp_loss.float().backward()
+    model = model.double()  # the float32 weights, exactly, computed on in float64
 
     logits, loss = model(x, y)
     loss.backward()
+    ref_loss = float(loss)
     out = list(init)
+    out.append(("autocast.loss", f32(amp_loss.reshape(1))))
+    out += [("autocast.grad." + n, f32(p.grad)) for n, p in amp.named_parameters()]
     out.append(("tokens", tokens.to(torch.int32).numpy()))
     out.append(("logits", f32(logits)))
     out.append(("loss", f32(loss.reshape(1))))
@@ -420,7 +431,7 @@ def main():
     }
     write_safetensors(out_path, out, metadata)
     print("wrote %s: %d tensors, loss %.6f, adam losses %s" %
-          (out_path, len(out), float(out[len(init) + 2][1][0]), ["%.6f" % l for l in losses]))
+          (out_path, len(out), ref_loss, ["%.6f" % l for l in losses]))
 
 
 if __name__ == "__main__":

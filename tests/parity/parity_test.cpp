@@ -187,6 +187,44 @@ TEST(Parity, LogitsLossAndGradientsMatchPyTorch) {
     }
 }
 
+// train.precision = "bf16" on the CPU against PyTorch's CPU autocast to bf16, both on the
+// fixture's float32 weights: memtrain rounds every GEMM's operands to bf16 (fp32 outputs),
+// autocast also rounds the matmul outputs and runs attention's products in bf16, so the two
+// differ by bf16 rounding. Stated tolerances: the loss within 0.5% of autocast's, every
+// gradient within 3% (relative L2) of autocast's; and memtrain's bf16 is at least as close to the
+// float64 reference as autocast is (within 1.5x of autocast's own error, per tensor).
+TEST(Parity, CpuBf16MatchesPyTorchCpuAutocast) {
+    const std::string& path = fixture_path();
+    ASSERT_FALSE(path.empty());
+    auto f = io::SafetensorsFile::open(path);
+    ModelConfig cfg = fixture_model();
+    cfg.bf16_gemm = true;
+    GPT m(cfg);
+    std::vector<int32_t> x, y;
+    load_fixture(f, m, x, y);
+    m.zero_grads();
+    const float loss = m.forward_backward(x.data(), y.data(), kFixtureBatch, kFixtureSeq,
+                                          1.0f / (kFixtureBatch * kFixtureSeq));
+    const float amp_loss = read_f32_tensor(f, "autocast.loss", {1})[0];
+    const float ref_loss = read_f32_tensor(f, "loss", {1})[0];
+    EXPECT_LT(std::abs(loss - amp_loss) / amp_loss, 5e-3) << loss << " vs autocast " << amp_loss;
+    EXPECT_NE(loss, ref_loss) << "the bf16 path computed in fp32";
+    int tensors = 0;
+    for (const auto& t : m.layout().tensors) {
+        const auto shape = hf_shape(t);
+        const auto amp = read_f32_tensor(f, "autocast.grad." + t.name, shape);
+        const auto ref = read_f32_tensor(f, "grad." + t.name, shape);
+        const double vs_amp = rel_err(m.grads() + t.offset, amp.data(), amp.size());
+        const double ours = rel_err(m.grads() + t.offset, ref.data(), ref.size());
+        const double theirs = rel_err(amp.data(), ref.data(), ref.size());
+        EXPECT_LT(vs_amp, 3e-2) << "gradient of " << t.name << " against autocast";
+        EXPECT_LT(ours, 1.5 * theirs + 1e-4)
+            << t.name << ": memtrain bf16 " << ours << " from float64, autocast " << theirs;
+        tensors++;
+    }
+    EXPECT_EQ(tensors, (int)m.layout().tensors.size());
+}
+
 TEST(Parity, FiveAdamWStepsWithWarmupCosineMatchPyTorch) {
     const std::string& path = fixture_path();
     ASSERT_FALSE(path.empty());
