@@ -290,7 +290,7 @@ void GPT::block_forward(const BlockParams& p, int l, const float* adapter, const
     // s.att holds the probabilities, or under lse_attention their log-sum-exp.
     const bool lse = cfg_.lse_attention;
     cpu::attention_forward(s.atty, lse ? nullptr : s.att, s.qkv, B, T, A, NH, NKV,
-                           dropout_at(sl, m, 1 + 3 * l), lse ? s.att : nullptr);
+                           dropout_at(sl, m, 1 + 3 * l), lse ? s.att : nullptr, cfg_.bf16_gemm);
     // Row-parallel c_proj: this rank's heads' share, summed over the group (g: an all-reduce, or
     // a reduce-scatter to this rank's rows), then the residual and the bias once.
     auto row_parallel_sum = [&](float* partial_or_out, float* out_rows) {
@@ -442,7 +442,7 @@ void GPT::block_backward(const BlockParams& p, BlockParams& g, int l, const floa
     float* dqkv = dbig_;
     const bool lse = cfg_.lse_attention;
     cpu::attention_backward(dqkv, datty, s.qkv, lse ? nullptr : s.att, B, T, A, NH, NKV,
-                            dropout_at(sl, m, 1 + 3 * l), lse ? s.att : nullptr);
+                            dropout_at(sl, m, 1 + 3 * l), lse ? s.att : nullptr, cfg_.bf16_gemm);
     if (cfg_.rope())
         cpu::rope_backward(dqkv, B, T, NH, NKV, cfg_.head_dim(), (float)cfg_.rope_theta);
     keep(d.qkv, dqkv, (std::size_t)N * QKV);

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "kernels/cpu/vec_math.h"
 
 namespace memtrain {
 
@@ -94,7 +95,8 @@ double vocab_parallel_loss(TpComm& tp, float* dx, float* dwte_local, float* logi
             const float* l = logits_buf + (int64_t)r * Vl;
             const float m = (float)maxv[r];
             double s = 0.0;
-            for (int v = 0; v < real; v++) s += std::exp((double)(l[v] - m));
+#pragma omp simd reduction(+ : s)
+            for (int v = 0; v < real; v++) s += cpu::exp_vec(l[v] - m);
             const int y = targets[r0 + r] - v0;
             sums[r] = (float)s;
             sums[R + r] = y >= 0 && y < real ? l[y] : 0.0f;
@@ -106,7 +108,9 @@ double vocab_parallel_loss(TpComm& tp, float* dx, float* dwte_local, float* logi
             if (!dx) continue;
             // dlogits = (softmax - onehot) * grad_scale; padded columns get no gradient.
             float* l = logits_buf + (int64_t)r * Vl;
-            for (int v = 0; v < real; v++) l[v] = (float)(std::exp(l[v] - lse) * grad_scale);
+            const float m = (float)maxv[r], norm = (float)(grad_scale / (double)sums[r]);
+#pragma omp simd
+            for (int v = 0; v < real; v++) l[v] = cpu::exp_vec(l[v] - m) * norm;
             for (int v = real; v < Vl; v++) l[v] = 0.0f;
             const int y = targets[r0 + r] - v0;
             if (y >= 0 && y < real) l[y] -= grad_scale;

@@ -87,8 +87,10 @@ TEST(FixtureRead, EveryTensorHasItsNameDTypeAndShape) {
     ASSERT_FALSE(path.empty());
     auto f = io::SafetensorsFile::open(path);
     auto params = hf_params();
-    EXPECT_EQ(f.names().size(), 3 * params.size() + 6);
-    for (const std::string prefix : {"", "grad.", "adam.final."}) {
+    // The weights, their gradients, the weights after five AdamW steps and the gradients under
+    // PyTorch's CPU autocast, plus tokens, logits, loss, autocast.loss and three adam.* series.
+    EXPECT_EQ(f.names().size(), 4 * params.size() + 7);
+    for (const std::string prefix : {"", "grad.", "adam.final.", "autocast.grad."}) {
         for (const auto& [name, shape] : params) {
             const io::TensorInfo* t = f.find(prefix + name);
             ASSERT_NE(t, nullptr) << prefix + name << " missing from " << path;

@@ -6,6 +6,7 @@
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <vector>
 
 #include <fmt/format.h>
 #include <oneapi/dnnl/dnnl.hpp>
@@ -33,7 +34,7 @@ struct MatmulKey {
     bool operator<(const MatmulKey& o) const { return tie() < o.tie(); }
 };
 struct Matmul {
-    dnnl::memory::desc a, b, c;
+    dnnl::memory::desc a, b, c, scratch;
     dnnl::matmul prim;
 };
 
@@ -49,12 +50,16 @@ const Matmul& matmul_for(const MatmulKey& k) {
     m.b = dnnl::memory::desc(dims{k.K, k.N}, dt::bf16, k.tb ? dims{1, k.K} : dims{k.N, 1});
     m.c = dnnl::memory::desc(dims{k.M, k.N}, dt::f32, dims{k.ldc, 1});
     dnnl::primitive_attr attr;
+    // The caller's scratchpad, not the library's: the library's is shared by every thread unless
+    // oneDNN was built for concurrent execution, and the attention runs GEMMs on several threads.
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
     if (k.accumulate) {
         dnnl::post_ops ops;
         ops.append_sum(1.0f);
         attr.set_post_ops(ops);
     }
     const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(m.a, m.b, m.c), attr, dnnl_engine());
+    m.scratch = pd.scratchpad_desc();
     m.prim = dnnl::matmul(pd);
     return cache.emplace(k, std::move(m)).first->second;
 }
@@ -80,7 +85,13 @@ void gemm_bf16(bool ta, bool tb, int M, int N, int K, const uint16_t* A, const u
     dnnl::memory b(m.b, eng, const_cast<uint16_t*>(B));
     dnnl::memory c(m.c, eng, C);
     thread_local dnnl::stream stream(eng);
-    m.prim.execute(stream, {{DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, b}, {DNNL_ARG_DST, c}});
+    thread_local std::vector<uint8_t> pad;  // this thread's scratchpad, grown as shapes need
+    if (pad.size() < m.scratch.get_size()) pad.resize(m.scratch.get_size());
+    dnnl::memory scratch(m.scratch, eng, pad.data());
+    m.prim.execute(stream, {{DNNL_ARG_SRC, a},
+                            {DNNL_ARG_WEIGHTS, b},
+                            {DNNL_ARG_DST, c},
+                            {DNNL_ARG_SCRATCHPAD, scratch}});
     stream.wait();
 }
 

@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/ops.h"
+#include "kernels/cpu/vec_math.h"
 
 namespace memtrain::cpu {
 
@@ -47,13 +48,16 @@ double classifier_loss(float* dx, float* dwte, float* logits_buf, const float* x
             float maxv = -INFINITY;
             for (int v = 0; v < V; v++) maxv = std::max(maxv, l[v]);
             double sum = 0.0;
-            for (int v = 0; v < V; v++) sum += std::exp((double)(l[v] - maxv));
+#pragma omp simd reduction(+ : sum)
+            for (int v = 0; v < V; v++) sum += exp_vec(l[v] - maxv);
             double lse = maxv + std::log(sum);
             int y = targets[r0 + r];
             row_loss[r] = lse - l[y];
             if (dx) {
                 // dlogits = (softmax - onehot) * grad_scale; padded columns get no gradient.
-                for (int v = 0; v < V; v++) l[v] = (float)(std::exp(l[v] - lse) * grad_scale);
+                const float norm = (float)(grad_scale / sum);
+#pragma omp simd
+                for (int v = 0; v < V; v++) l[v] = exp_vec(l[v] - maxv) * norm;
                 l[y] -= grad_scale;
                 for (int v = V; v < Vp; v++) l[v] = 0.0f;
             }

@@ -101,14 +101,17 @@ void rope_backward(float* dqkv /*(B,T,QKV)*/, int B, int T, int NH, int NKV, int
 // With att null (train.cpu_attention = "lse") only each row's log-sum-exp is kept, in lse
 // (B,NH,T), and the backward recomputes the probabilities from it a row at a time; the output
 // is the same bits either way.
+// bf16: the score and output GEMMs take bf16 operands (fp32 accumulation, fp32 softmax).
 void attention_forward(float* out /*(B,T,C)*/, float* att /*(B,NH,T,T) softmax probabilities*/,
                        const float* qkv /*(B,T,QKV)*/, int B, int T, int C, int NH, int NKV,
-                       const DropoutMask* drop = nullptr, float* lse /*(B,NH,T)*/ = nullptr);
-// dqkv is overwritten; d(att) is formed one row at a time, so no (T,T) scratch is needed.
+                       const DropoutMask* drop = nullptr, float* lse /*(B,NH,T)*/ = nullptr,
+                       bool bf16 = false);
+// dqkv is overwritten; d(att) is formed a block of rows at a time, so no (T,T) scratch is needed.
 void attention_backward(float* dqkv /*(B,T,QKV)*/, const float* dout /*(B,T,C)*/,
                         const float* qkv /*(B,T,QKV)*/, const float* att /*(B,NH,T,T)*/, int B,
                         int T, int C, int NH, int NKV, const DropoutMask* drop = nullptr,
-                        const float* lse /*(B,NH,T), when att is null*/ = nullptr);
+                        const float* lse /*(B,NH,T), when att is null*/ = nullptr,
+                        bool bf16 = false);
 
 // ---- classifier + cross-entropy, chunked so at most `chunk` rows of logits exist ---------------
 // `wte` is the output embedding: the token embedding when tied, lm_head.weight when not.
