@@ -206,11 +206,11 @@ void register_remat(CLI::App& app) {
             fail("--precision {}: expected fp32, bf16 or fp16", precision);
         if (device == "cpu" && precision == "fp16")
             fail("--precision fp16 needs --device cuda: the CPU engine computes in fp32 or bf16");
-        // The CPU engine stores fp32 activations at either precision; bf16 adds its GEMMs'
-        // operand scratch to the workspace.
-        ActFormat fmt = device == "cuda" ? cuda_arena_format(m, precision == "fp32" ? 4 : 2, B, T)
-                                         : cpu_arena_format(m);
-        if (device == "cpu") fmt.bf16_gemm = precision == "bf16";
+        // The CPU engine's bf16: bf16 saved fields beside an fp32 working block, and its GEMMs'
+        // operand scratch in the workspace.
+        const ActFormat fmt = device == "cuda"
+                                  ? cuda_arena_format(m, precision == "fp32" ? 4 : 2, B, T)
+                                  : ActFormat::cpu(m.lse_attention, precision == "bf16");
         const bool measured = a->measure || cfg.train.remat_costs == "measured";
         if (measured && device == "cuda")
             fail("--measure profiles the CPU kernels; price the cuda layout with analytic costs");
@@ -230,12 +230,17 @@ void register_remat(CLI::App& app) {
             "no recompute)\nactivation layout: %s\n",
             m.n_layer, m.n_embd, m.n_head, B, T, step / unit, unit_name,
             measured ? "estimated from a profiled block" : "analytic",
-            device == "cuda" ? fmt::format("cuda, {} (fused attention: a log-sum-exp per row, no "
-                                           "attention probabilities)",
-                                           precision)
-                                   .c_str()
-            : fmt.fused_attention ? "cpu, fp32 (train.cpu_attention = lse: a log-sum-exp per row)"
-                                  : "cpu, fp32 (attention probabilities kept)");
+            device == "cuda"
+                ? fmt::format("cuda, {} (fused attention: a log-sum-exp per row, no "
+                              "attention probabilities)",
+                              precision)
+                      .c_str()
+                : fmt::format("cpu, {} ({})",
+                              fmt.bf16_saved ? "bf16 saved fields, an fp32 working block" : "fp32",
+                              fmt.fused_attention
+                                  ? "train.cpu_attention = lse: a log-sum-exp per row"
+                                  : "attention probabilities kept")
+                      .c_str());
         std::printf("smallest feasible peak activation memory: %s\n",
                     format_bytes(min_feasible_bytes(chain)).c_str());
         // The CPU model also rebuilds block inputs (chen:K, memory-poor), below that.

@@ -364,7 +364,7 @@ plan::RunSpec planner_run_spec(const RunConfig& cfg, const ActFormat& format) {
     // The CPU engine stores everything in fp32 at either precision; bf16 rounds GEMM operands
     // only, in a workspace region of the arena (ActFormat::bf16_gemm).
     if (!format.cuda) rs.precision = Precision::fp32;
-    rs.bf16_gemm = format.bf16_gemm;
+    rs.cpu_bf16 = format.bf16_gemm;
     rs.optimizer = cfg.optim.name == "sgd"    ? plan::Optimizer::sgd
                    : cfg.optim.name == "muon" ? plan::Optimizer::muon
                                               : plan::Optimizer::adamw;

@@ -56,9 +56,11 @@ std::size_t aligned(std::size_t bytes, const ActFormat& fmt) {
     return (bytes + fmt.align - 1) / fmt.align * fmt.align;
 }
 
-// The scratch holds a field when some block drops it (and it has any bytes).
+// The scratch holds a field when some block drops it (and it has any bytes); the working block
+// of bf16 saved fields holds every field.
 bool in_scratch(const RematPlan& plan, SavedField f, const ModelConfig& cfg, const ActFormat& fmt) {
     if (saved_field_bytes(f, cfg, 1, 1, fmt) == 0) return false;
+    if (fmt.bf16_saved) return true;
     for (BlockKeep k : plan)
         if (!keeps(k, f)) return true;
     return false;
@@ -194,7 +196,11 @@ std::size_t saved_field_bytes(SavedField f, const ModelConfig& cfg, int B, int T
             n = layout_mul(BT, cfg.local_hidden());
             break;
     }
-    return layout_mul(n, stat ? sizeof(float) : (std::size_t)fmt.elem_bytes);
+    return layout_mul(n, stat ? sizeof(float) : fmt.bf16_saved ? 2 : (std::size_t)fmt.elem_bytes);
+}
+
+bool is_statistic(SavedField f, const ActFormat& fmt) {
+    return info(f).statistic || (info(f).dim == Dim::Att && fmt.fused_attention);
 }
 
 std::size_t kept_bytes(const ModelConfig& cfg, int B, int T, BlockKeep k, const ActFormat& fmt) {
@@ -206,10 +212,13 @@ std::size_t kept_bytes(const ModelConfig& cfg, int B, int T, BlockKeep k, const 
 }
 
 std::size_t scratch_bytes(const ModelConfig& cfg, int B, int T, BlockKeep k, const ActFormat& fmt) {
+    // bf16 saved fields: the fp32 working block holds every field, whatever the block keeps.
+    ActFormat work = fmt;
+    work.bf16_saved = false;
     std::size_t n = 0;
     for (int i = 0; i < kSavedFields; i++)
-        if (!keeps(k, field(i)))
-            n = layout_add(n, aligned(saved_field_bytes(field(i), cfg, B, T, fmt), fmt));
+        if (fmt.bf16_saved || !keeps(k, field(i)))
+            n = layout_add(n, aligned(saved_field_bytes(field(i), cfg, B, T, work), fmt));
     return n;
 }
 
@@ -359,16 +368,24 @@ ArenaPlan plan_arena(const ModelConfig& cfg, int B, int T, const RematPlan& plan
     {
         std::string names;
         const std::size_t start = act;
+        ActFormat work = fmt;  // the scratch (or working block) is fp32
+        work.bf16_saved = false;
+        p.work.fill(kNoOffset);
         for (int i = 0; i < kSavedFields; i++) {
             if (!in_scratch(plan, field(i), cfg, fmt)) continue;
-            const std::size_t at = take_act(saved_field_bytes(field(i), cfg, B, T, fmt));
-            for (std::size_t l = 0; l < L; l++)
-                if (!keeps(plan[l], field(i))) p.block[l][i] = at;
+            const std::size_t at = take_act(saved_field_bytes(field(i), cfg, B, T, work));
+            if (fmt.bf16_saved)
+                p.work[i] = at;
+            else
+                for (std::size_t l = 0; l < L; l++)
+                    if (!keeps(plan[l], field(i))) p.block[l][i] = at;
             names += (names.empty() ? "" : ", ") + saved_field_name(field(i), cfg, fmt);
         }
         if (act > start)
-            p.entries.push_back(
-                {fmt::format("recompute scratch, one block ({})", names), act - start, A});
+            p.entries.push_back({(fmt.bf16_saved ? "working block, fp32, one block ("
+                                                 : "recompute scratch, one block (") +
+                                     names + ")",
+                                 act - start, A});
     }
     p.activation_bytes = act;
 

@@ -81,15 +81,20 @@ struct ActFormat {
     bool cuda = false;             // the CUDA model's workspace (kernel scratch, cuBLASLt)
     int loss_chunk = 256;          // rows of logits alive at once
     std::size_t align = 4;         // every region starts at a multiple of this many bytes
-    // The CPU model's bf16 GEMMs (ModelConfig::bf16_gemm): the workspace holds the bf16 copies
+    // The CPU model's bf16 GEMMs (ModelConfig::cpu_bf16): the workspace holds the bf16 copies
     // of one GEMM's operands at a time (bf16_gemm_elems).
     bool bf16_gemm = false;
+    // The CPU model's bf16 saved fields (ModelConfig::cpu_bf16): each block keeps its saved
+    // activations in bf16 (statistics in fp32), and one fp32 working block, where the recompute
+    // scratch would be, holds the block the forward or backward is in (ArenaPlan::work).
+    bool bf16_saved = false;
 
-    // The CPU model: fp32, the probabilities or (lse_attention) their log-sum-exp.
-    static ActFormat cpu(bool lse_attention = false, bool bf16_gemm = false) {
+    // The CPU model: fp32, the probabilities or (lse_attention) their log-sum-exp; under bf16,
+    // bf16 GEMMs and saved fields.
+    static ActFormat cpu(bool lse_attention = false, bool bf16 = false) {
         ActFormat f;
         f.fused_attention = lse_attention;
-        f.bf16_gemm = bf16_gemm;
+        f.bf16_gemm = f.bf16_saved = bf16;
         return f;
     }
     bool operator==(const ActFormat&) const = default;
@@ -105,9 +110,9 @@ struct ActFormat {
 // anywhere).
 ActFormat cuda_arena_format(const ModelConfig& cfg, int elem_bytes, int B, int T);
 
-// The CPU model's format for a config (ModelConfig::lse_attention, ModelConfig::bf16_gemm).
+// The CPU model's format for a config (ModelConfig::lse_attention, ModelConfig::cpu_bf16).
 inline ActFormat cpu_arena_format(const ModelConfig& cfg) {
-    return ActFormat::cpu(cfg.lse_attention, cfg.bf16_gemm);
+    return ActFormat::cpu(cfg.lse_attention, cfg.cpu_bf16);
 }
 
 // The bf16 elements the CPU model's largest GEMM needs for its rounded operands, a micro-batch
@@ -155,6 +160,10 @@ struct ArenaPlan {
     // slots their rebuilt inputs wait in.
     std::vector<std::size_t> held;
     std::vector<std::array<std::size_t, kSavedFields>> block;
+    // ActFormat::bf16_saved: the fp32 working block, one offset per field (kNoOffset where the
+    // field has no bytes). block[l][i] is then field i's bf16 storage (fp32 for statistics)
+    // where block l keeps it, kNoOffset where it drops it.
+    std::array<std::size_t, kSavedFields> work{};
     std::size_t lnf = 0, lnf_mean = kNoOffset, lnf_rstd = 0;
     // Workspace arena: gradients flowing backward, and the backend's temporaries.
     std::size_t dres = 0;               // d(residual stream) (B,T,C)
@@ -218,5 +227,8 @@ std::string saved_field_name(SavedField f, const ModelConfig& cfg, const ActForm
 std::size_t saved_field_bytes(SavedField f, const ModelConfig& cfg, int B, int T,
                               const ActFormat& fmt);
 bool keeps(BlockKeep k, SavedField f);
+// Whether the field is a statistic (norm mean, rstd, the attention's log-sum-exp under fused
+// or lse attention): always fp32, never rounded.
+bool is_statistic(SavedField f, const ActFormat& fmt);
 
 }  // namespace memtrain

@@ -161,6 +161,11 @@ void GPT::ensure_arena(int B, int T) {
     arena_T_ = T;
 
     const int nb = blocks();
+    const ActFormat fmt = arena_format();
+    ActFormat fp32 = fmt;
+    fp32.bf16_saved = false;
+    for (int i = 0; i < kSavedFields; i++)
+        field_elems_[i] = saved_field_bytes(SavedField(i), cfg_, B, T, fp32) / sizeof(float);
     for (Slot& s : slots_) {
         auto act = [&](std::size_t at) { return s.acts.data() + at / sizeof(float); };
         s.resid.resize(nb + 1);
@@ -168,9 +173,21 @@ void GPT::ensure_arena(int B, int T) {
         s.held.clear();
         for (std::size_t at : p.held) s.held.push_back(act(at));
         s.saved.assign(nb, BlockSaved{});
+        s.stored.assign(fmt.bf16_saved ? nb : 0, {});
         for (int l = 0; l < nb; l++)
-            for (int i = 0; i < kSavedFields; i++)
-                if (p.block[l][i] != kNoOffset) s.saved[l].*kMembers[i] = act(p.block[l][i]);
+            for (int i = 0; i < kSavedFields; i++) {
+                const std::size_t at = p.block[l][i];
+                if (!fmt.bf16_saved) {
+                    if (at != kNoOffset) s.saved[l].*kMembers[i] = act(at);
+                } else if (is_statistic(SavedField(i), fmt) && at != kNoOffset) {
+                    s.saved[l].*kMembers[i] = act(at);  // a kept statistic: fp32, its own
+                } else if (p.work[i] != kNoOffset) {
+                    s.saved[l].*kMembers[i] = act(p.work[i]);
+                    if (at != kNoOffset && !is_statistic(SavedField(i), fmt))
+                        s.stored[l][i] = reinterpret_cast<uint16_t*>(
+                            reinterpret_cast<char*>(s.acts.data()) + at);
+                }
+            }
         s.lnf = act(p.lnf);
         s.lnf_mean = p.lnf_mean == kNoOffset ? nullptr : act(p.lnf_mean);
         s.lnf_rstd = act(p.lnf_rstd);
@@ -278,6 +295,7 @@ void GPT::block_forward(const BlockParams& p, int l, const float* adapter, const
         return (const float*)sp_;
     };
     norm_forward(s.ln1, s.ln1_mean, s.ln1_rstd, x, p.ln1_w, p.ln1_b, n);
+    round_saved(s, SavedField::Ln1);
     const float* ln1 = gathered(s.ln1);
     cpu::matmul_forward(s.qkv, ln1, p.qkv_w, p.qkv_b, N, C, QKV, 0.0f, bf16());
     lora_forward(l, BlockLinear::Qkv, adapter, ln1, s.qkv, N);
@@ -286,11 +304,14 @@ void GPT::block_forward(const BlockParams& p, int l, const float* adapter, const
     // the micro-batch is here, so row b*T + t is rotated by its position t in its sequence.
     if (cfg_.rope())
         cpu::rope_forward(s.qkv, B, T, NH, NKV, cfg_.head_dim(), (float)cfg_.rope_theta);
+    round_saved(s, SavedField::Qkv);
     DropoutMask m;
     // s.att holds the probabilities, or under lse_attention their log-sum-exp.
     const bool lse = cfg_.lse_attention;
     cpu::attention_forward(s.atty, lse ? nullptr : s.att, s.qkv, B, T, A, NH, NKV,
-                           dropout_at(sl, m, 1 + 3 * l), lse ? s.att : nullptr, cfg_.bf16_gemm);
+                           dropout_at(sl, m, 1 + 3 * l), lse ? s.att : nullptr, cfg_.cpu_bf16);
+    round_saved(s, SavedField::Att);
+    round_saved(s, SavedField::Atty);
     // Row-parallel c_proj: this rank's heads' share, summed over the group (g: an all-reduce, or
     // a reduce-scatter to this rank's rows), then the residual and the bias once.
     auto row_parallel_sum = [&](float* partial_or_out, float* out_rows) {
@@ -316,11 +337,15 @@ void GPT::block_forward(const BlockParams& p, int l, const float* adapter, const
         cpu::matmul_forward(s.resid_mid, s.atty, p.proj_w, p.proj_b, N, C, C, 1.0f, bf16());
         lora_forward(l, BlockLinear::Proj, adapter, s.atty, s.resid_mid, N);
     }
+    round_saved(s, SavedField::ResidMid);
     norm_forward(s.ln2, s.ln2_mean, s.ln2_rstd, s.resid_mid, p.ln2_w, p.ln2_b, n);
+    round_saved(s, SavedField::Ln2);
     const float* ln2 = gathered(s.ln2);
     cpu::matmul_forward(s.fch, ln2, p.fc_w, p.fc_b, N, C, F, 0.0f, bf16());
     lora_forward(l, BlockLinear::Fc, adapter, ln2, s.fch, N);
+    round_saved(s, SavedField::Fch);
     act_forward(s.fch_act, s.fch, N);
+    round_saved(s, SavedField::FchAct);
     if (tp_) {  // row-parallel mlp.c_proj, as c_proj above
         float* partial = seq ? sp_ : out;
         cpu::matmul_forward(partial, s.fch_act, p.fcp_w, nullptr, N, H, C, 0.0f, bf16());
@@ -336,6 +361,7 @@ void GPT::block_forward(const BlockParams& p, int l, const float* adapter, const
         cpu::matmul_forward(out, s.fch_act, p.fcp_w, p.fcp_b, N, H, C, 1.0f, bf16());
         lora_forward(l, BlockLinear::FcProj, adapter, s.fch_act, out, N);
     }
+    stash(sl, l - b0_);
 }
 
 // Recomputes what Selective dropped (ln1, ln2, fch_act) with the same kernel calls, on the same
@@ -344,8 +370,32 @@ void GPT::block_forward(const BlockParams& p, int l, const float* adapter, const
 void GPT::recompute_selective(const BlockParams& p, const float* x, BlockSaved& s, int B, int T) {
     const int N = B * T, n = (int)cfg_.sp_rows(N);  // the norms' rows (sequence parallelism)
     norm_forward(s.ln1, s.ln1_mean, s.ln1_rstd, x, p.ln1_w, p.ln1_b, n);
+    round_saved(s, SavedField::Ln1);
     norm_forward(s.ln2, s.ln2_mean, s.ln2_rstd, s.resid_mid, p.ln2_w, p.ln2_b, n);
+    round_saved(s, SavedField::Ln2);
     act_forward(s.fch_act, s.fch, N);
+    round_saved(s, SavedField::FchAct);
+}
+
+void GPT::round_saved(const BlockSaved& s, SavedField f) const {
+    if (!cfg_.cpu_bf16 || is_statistic(f, arena_format())) return;
+    cpu::round_to_bf16(s.*kMembers[static_cast<int>(f)],
+                       (int64_t)field_elems_[static_cast<int>(f)]);
+}
+
+void GPT::stash(Slot& sl, int i) const {
+    if (sl.stored.empty()) return;
+    for (int f = 0; f < kSavedFields; f++)
+        if (sl.stored[i][f])
+            cpu::to_bf16(sl.stored[i][f], sl.saved[i].*kMembers[f], 1, (int64_t)field_elems_[f],
+                         (int64_t)field_elems_[f]);
+}
+
+void GPT::unstash(Slot& sl, int i) const {
+    if (sl.stored.empty()) return;
+    for (int f = 0; f < kSavedFields; f++)
+        if (sl.stored[i][f])
+            cpu::from_bf16(sl.saved[i].*kMembers[f], sl.stored[i][f], (int64_t)field_elems_[f]);
 }
 
 // On entry dres holds d(block output); on exit d(block input).
@@ -442,7 +492,9 @@ void GPT::block_backward(const BlockParams& p, BlockParams& g, int l, const floa
     float* dqkv = dbig_;
     const bool lse = cfg_.lse_attention;
     cpu::attention_backward(dqkv, datty, s.qkv, lse ? nullptr : s.att, B, T, A, NH, NKV,
-                            dropout_at(sl, m, 1 + 3 * l), lse ? s.att : nullptr, cfg_.bf16_gemm);
+                            dropout_at(sl, m, 1 + 3 * l), lse ? s.att : nullptr, cfg_.cpu_bf16);
+    round_saved(s, SavedField::Att);
+    round_saved(s, SavedField::Atty);
     if (cfg_.rope())
         cpu::rope_backward(dqkv, B, T, NH, NKV, cfg_.head_dim(), (float)cfg_.rope_theta);
     keep(d.qkv, dqkv, (std::size_t)N * QKV);
@@ -566,6 +618,7 @@ void GPT::stage_backward_weight(int slot, int B, int T) {
     for (const UnitVisit& v : walk_.backward) {
         if (v.part != UnitVisit::Part::Block) continue;
         const int i = v.block - b0_;
+        unstash(sl, i);  // the working block holds another block's fields by now
         if (v.redo != Redo::Nothing) {
             redo(v, block_view(layout_, v.block, store_->acquire(v.unit)), nullptr, sl.resid[i], sl,
                  B, T);
@@ -664,6 +717,7 @@ void GPT::block_backward_part(const UnitVisit& v, Slot& sl, int B, int T, bool s
     const float* ad = lora_ ? lora_->store().acquire(l) : nullptr;
     float* adg = lora_ ? lora_->store().unit_grads(l) : nullptr;
     const float* x = block_input(l, sl, B, T);
+    unstash(sl, i);  // after block_input: a rebuild re-runs blocks below through the working block
     redo(v, p, ad, x, sl, B, T);
     block_backward(p, g, l, ad, adg, dres_, x, sl, B, T,
                    split ? sl.wgrad.data() + i * wgrad_floats(B, T) : nullptr);

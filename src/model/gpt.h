@@ -6,6 +6,7 @@
 // checkpointing is a per-block `BlockKeep` plan (chosen in remat/) that this file obeys.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -189,6 +190,10 @@ class GPT {
         std::vector<float*> resid;  // blocks() + 1 residual streams (B,T,C)
         std::vector<float*> held;   // hold slots of rebuilt Segment inputs (ArenaPlan::held)
         std::vector<BlockSaved> saved;  // dropped fields point into the recompute scratch
+        // ModelConfig::cpu_bf16: every block's BlockSaved points into the fp32 working block
+        // (statistics it keeps excepted), and its kept activations wait here in bf16 (null:
+        // dropped) between its forward (stash) and its backward (unstash).
+        std::vector<std::array<uint16_t*, kSavedFields>> stored;
         float *lnf = nullptr, *lnf_mean = nullptr, *lnf_rstd = nullptr;
         // The micro-batch's dropout (p = 0: none), its site left to each use (dropout_at).
         DropoutMask drop;
@@ -248,6 +253,13 @@ class GPT {
         if (u >= 0) store_->prefetch(u);
     }
     void recompute_selective(const BlockParams& p, const float* x, BlockSaved& s, int B, int T);
+    // ModelConfig::cpu_bf16: a saved field rounded to bf16 in place where it is made, so the
+    // forward's own later reads, the backward and any recompute see the same values (no-op in
+    // fp32); block i's kept activations stored as bf16 after its forward (stash) and decoded
+    // into the working block before its backward (unstash).
+    void round_saved(const BlockSaved& s, SavedField f) const;
+    void stash(Slot& sl, int i) const;
+    void unstash(Slot& sl, int i) const;
     // LayerNorm or RMSNorm per the config (mean and bias unused by RMSNorm).
     void norm_forward(float* out, float* mean, float* rstd, const float* inp, const float* w,
                       const float* b, int N) const;
@@ -280,10 +292,12 @@ class GPT {
     uint64_t drop_seed_ = 0, drop_first_ = 0;
     bool train_pass_ = false;  // inside forward_backward: its slot drops (model.dropout)
     float *dres_, *dln_, *dbig_, *dact_, *logits_;
-    // ModelConfig::bf16_gemm: where the GEMMs round their operands (in the workspace arena).
+    // ModelConfig::cpu_bf16: where the GEMMs round their operands (in the workspace arena).
     cpu::Bf16Gemm gemm_{};
-    const cpu::Bf16Gemm* bf16() const { return cfg_.bf16_gemm ? &gemm_ : nullptr; }
+    const cpu::Bf16Gemm* bf16() const { return cfg_.cpu_bf16 ? &gemm_ : nullptr; }
     float* sp_ = nullptr;  // sequence parallelism: all N token rows (ArenaPlan::sp_gather)
+    // Elements of each saved field at the arena's B x T (cpu_bf16's rounding, stash, unstash).
+    std::array<std::size_t, kSavedFields> field_elems_{};
     // Sequence parallelism on a micro-batch of N rows (ModelConfig::sp_rows < N).
     bool sp(int N) const { return tp_ && cfg_.sp_rows(N) != N; }
 };

@@ -49,8 +49,8 @@ struct RunSpec {
     // row's log-sum-exp instead of the s^2 probabilities (ModelConfig::lse_attention).
     bool lse_attention = false;
     // The CPU engine under train.precision = "bf16": fp32 storage, GEMM operands rounded to bf16
-    // in a workspace region (ModelConfig::bf16_gemm); `precision` stays fp32.
-    bool bf16_gemm = false;
+    // in a workspace region (ModelConfig::cpu_bf16); `precision` stays fp32.
+    bool cpu_bf16 = false;
     // bf16/fp16: 16-bit parameters and gradients, with an fp32 master copy unless !fp32_master
     // ("bf16-only"); fp32: everything in fp32 (core/dtype.h's Precision).
     Precision precision = Precision::bf16;

@@ -69,7 +69,7 @@ void resolve_config(RunConfig& cfg) {
     if (cfg.train.precision == "auto")
         cfg.train.precision = cfg.train.device == "cuda" || cpu::cpu_has_bf16() ? "bf16" : "fp32";
     cfg.model.lse_attention = cfg.train.cpu_attention == "lse";
-    cfg.model.bf16_gemm = cfg.train.device == "cpu" && cfg.train.precision == "bf16";
+    cfg.model.cpu_bf16 = cfg.train.device == "cpu" && cfg.train.precision == "bf16";
 }
 
 void validate_pipeline(const RunConfig& cfg) {

@@ -239,7 +239,7 @@ TEST(Cli, RematPricesTheGpuLayoutAnywhere) {
         EXPECT_NE(at, std::string::npos) << row << "\n" << out;
         return at == std::string::npos ? 0.0 : std::stod(out.substr(at + row.size() + 2));
     };
-    auto cpu = run_memtrain("remat " + cfg + " --frontier --device cpu");
+    auto cpu = run_memtrain("remat " + cfg + " --frontier --device cpu --precision fp32");
     auto gpu = run_memtrain("remat " + cfg + " --frontier --device cuda --precision bf16");
     ASSERT_EQ(cpu.code, 0) << cpu.output;
     ASSERT_EQ(gpu.code, 0) << gpu.output;

@@ -198,7 +198,7 @@ TEST(Parity, CpuBf16MatchesPyTorchCpuAutocast) {
     ASSERT_FALSE(path.empty());
     auto f = io::SafetensorsFile::open(path);
     ModelConfig cfg = fixture_model();
-    cfg.bf16_gemm = true;
+    cfg.cpu_bf16 = true;
     GPT m(cfg);
     std::vector<int32_t> x, y;
     load_fixture(f, m, x, y);

@@ -94,6 +94,8 @@ RunConfig tiny_pipeline(int pp, const std::string& schedule, const std::string& 
         c.train.batch_size = 2 * 4;
     }
     c.world = pp;
+    c.train.precision =
+        "fp32";  // the fp32 layout on every machine ("auto": bf16 where the CPU has it)
     return c;
 }
 

@@ -63,7 +63,7 @@
 namespace memtrain {
 
 // What the CPU model computes in, for the start-up line: "fp32", or under
-// ModelConfig::bf16_gemm the path of its bf16 GEMMs (kernels/cpu/gemm.h).
+// ModelConfig::cpu_bf16 the path of its bf16 GEMMs (kernels/cpu/gemm.h).
 std::string cpu_compute_label(const ModelConfig& m);
 
 class CpuEngine final : public Engine {

@@ -20,7 +20,7 @@ std::string CpuEngine::chunk_blocks() const {
 }
 
 std::string cpu_compute_label(const ModelConfig& m) {
-    return m.bf16_gemm ? fmt::format("bf16 GEMMs on {}, fp32 elsewhere", cpu::bf16_gemm_path())
+    return m.cpu_bf16 ? fmt::format("bf16 GEMMs on {}, fp32 elsewhere", cpu::bf16_gemm_path())
                        : std::string("fp32");
 }
 

@@ -75,6 +75,16 @@ void to_bf16(uint16_t* out, const float* in, int64_t rows, int64_t cols, int64_t
     }
 }
 
+void from_bf16(float* out, const uint16_t* in, int64_t n) {
+#pragma omp parallel for simd schedule(static)
+    for (int64_t i = 0; i < n; i++) out[i] = bf16_to_f32(in[i]);
+}
+
+void round_to_bf16(float* x, int64_t n) {
+#pragma omp parallel for simd schedule(static)
+    for (int64_t i = 0; i < n; i++) x[i] = bf16_to_f32(f32_to_bf16(x[i]));
+}
+
 void gemm_bf16(bool ta, bool tb, int M, int N, int K, const uint16_t* A, const uint16_t* B,
                float beta, float* C, int ldc) {
     if (beta != 0.0f && beta != 1.0f) fail("gemm_bf16: beta = {} (0 or 1 only)", beta);
