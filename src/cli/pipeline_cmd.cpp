@@ -36,7 +36,8 @@ void register_pipeline(CLI::App& app) {
     cmd->add_option("--svg", a->svg, "write the timeline, one row per rank");
     cmd->add_flag("--lists", a->lists, "print every rank's action list");
     cmd->callback([a]() {
-        const RunConfig cfg = load_run_config(a->config, a->sets);
+        RunConfig cfg = load_run_config(a->config, a->sets);
+        resolve_config(cfg);  // "auto": the device and precision (its activation layout) here
         if (!(a->tflops > 0)) fail("--tflops must be positive, got {}", a->tflops);
         const pp::Kind kind = pp::parse_kind(a->schedule);
         const int B = cfg.micro_batch(), T = cfg.train.seq_len;

@@ -32,11 +32,13 @@ struct PpCase {
     std::string remat = "none";
     int virt = 1;        // train.pp_virtual (interleaved)
     double dropout = 0;  // model.dropout: each micro-batch's masks keyed by its sequences
+    std::string precision = "fp32";  // bf16: the CPU engine's bf16 GEMMs and saved fields
 };
 
 std::string case_name(const PpCase& k) {
     return "pp_" + k.schedule + (k.virt > 1 ? "_v" + std::to_string(k.virt) : "") +
-           (k.llama ? "_llama" : "_gpt2") + "_" + k.remat + (k.dropout > 0 ? "_dropout" : "");
+           (k.llama ? "_llama" : "_gpt2") + "_" + k.remat + (k.dropout > 0 ? "_dropout" : "") +
+           (k.precision == "fp32" ? "" : "_" + k.precision);
 }
 
 RunConfig pipeline_run(const PpCase& k, int steps) {
@@ -46,6 +48,7 @@ RunConfig pipeline_run(const PpCase& k, int steps) {
     c.train.eval_every = 5;
     c.train.remat = k.remat;
     c.model.dropout = k.dropout;
+    c.train.precision = k.precision;
     c.train.micro_batch_size = 2;
     c.train.batch_size = 2 * 5;  // 5 micro-batches: more than p, and not a multiple of it
     if (k.schedule == "interleaved") {
@@ -264,6 +267,14 @@ TEST(Pipeline, DropoutMatchesSingleProcessBitwise) {
     check_pipeline_matches_single_process({"1f1b", true, "full", 1, 0.1});
     check_pipeline_matches_single_process({"zb-h1", true, "none", 1, 0.1});
     check_pipeline_matches_single_process({"interleaved", true, "none", 2, 0.1});
+}
+
+// bf16 on the CPU: each stage stashes its blocks' bf16 fields and unstashes them (again for a
+// zero-bubble W), so every schedule keeps one process's bits.
+TEST(Pipeline, CpuBf16MatchesSingleProcessBitwise) {
+    check_pipeline_matches_single_process({"1f1b", true, "full", 1, 0, "bf16"});
+    check_pipeline_matches_single_process({"zb-h1", true, "selective", 1, 0, "bf16"});
+    check_pipeline_matches_single_process({"interleaved", true, "none", 2, 0, "bf16"});
 }
 
 TEST(Pipeline, GpipeMatchesSingleProcess) {

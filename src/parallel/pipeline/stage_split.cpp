@@ -51,7 +51,8 @@ StageSplit split_stages(const ModelConfig& cfg, int stages, int B, int T) {
         split.blocks.push_back(b - a);
         split.forward_flops.push_back(cost(s, a, b));
         // What the executor allocates per micro-batch in flight (GPT::stage_arena), no remat.
-        split.act_bytes.push_back(plan_stage_arena(cfg, b - a, B, T).activation_bytes);
+        split.act_bytes.push_back(
+            plan_stage_arena(cfg, b - a, B, T, {}, cpu_arena_format(cfg)).activation_bytes);
     }
     return split;
 }
