@@ -7,6 +7,8 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "core/allocator.h"
 #include "test_util.h"
@@ -82,6 +84,31 @@ TEST(CpuBf16Train, RematIsBitwiseAndResumeIsBitwise) {
     for (int i = 0; i < 4; i++) EXPECT_EQ(sr.losses[i], sw.losses[4 + i]) << i;
     EXPECT_EQ(0, std::memcmp(w.model().params(), r->model().params(),
                              w.model().num_params() * sizeof(float)));
+}
+
+// A checkpoint holds fp32 weights and moments at either precision: a bf16 run resumes as fp32 and
+// an fp32 run as bf16, each from the other's exact state, and tracks the uninterrupted run.
+TEST(CpuBf16Train, CheckpointsMoveBetweenBf16AndFp32) {
+    for (const auto& [first, second] :
+         std::vector<std::pair<std::string, std::string>>{{"bf16", "fp32"}, {"fp32", "bf16"}}) {
+        RunConfig c = bf16_run("cpubf16_switch_" + first, 12, first);
+        TrainOptions o = test::quiet();
+        o.stop_after = 6;
+        Trainer a(c, o);
+        a.run();
+        const std::vector<float> saved = a.params();
+        c.train.precision = second;
+        o.stop_after = -1;
+        o.resume = c.io.out_dir;
+        Trainer b(c, o);
+        EXPECT_EQ(b.params(), saved) << first << " -> " << second << ": the loaded weights";
+        const TrainSummary sb = b.run();
+        ASSERT_EQ(sb.losses.size(), 6u);
+        const TrainSummary whole =
+            Trainer(bf16_run("cpubf16_switch_ref_" + first, 12, first), test::quiet()).run();
+        EXPECT_NEAR(sb.losses.back(), whole.losses.back(), 0.02 * whole.losses.back())
+            << first << " -> " << second;
+    }
 }
 
 TEST(CpuBf16Train, Fp16IsRefusedOnTheCpuByName) {
