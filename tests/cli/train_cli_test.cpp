@@ -418,3 +418,22 @@ TEST(TrainCli, VersionAndShortConfigPrintout) {
     EXPECT_NE(r.output.find("[model]\nn_layer = 2\n"), std::string::npos) << r.output;
     EXPECT_EQ(r.output.find("step "), std::string::npos) << "--print-config does not train";
 }
+
+// On a CPU without bf16 instructions (oneDNN told so by DNNL_MAX_CPU_ISA, as on an AVX2 machine):
+// "auto" trains in fp32, and an explicit bf16 still runs, its GEMMs on fp32 FMAs over widened
+// operands, and says so.
+TEST(TrainCli, CpuBf16WithoutBf16InstructionsSaysSoAndAutoIsFp32) {
+    auto dir = memtrain::test::temp_dir("train_cli_no_bf16");
+    const std::string cfg = slow_config(dir, 1, 16);
+    const std::string bin = "DNNL_MAX_CPU_ISA=AVX2 timeout -k 5 120 " + std::string(MT_BINARY_DIR) +
+                            "/memtrain train " + cfg;
+    auto r = memtrain::test::run_command(bin + " --set train.precision=auto io.out_dir=" + dir +
+                                         "/auto");
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("device: cpu (fp32)"), std::string::npos) << r.output;
+    r = memtrain::test::run_command(bin + " --set train.precision=bf16 io.out_dir=" + dir +
+                                    "/bf16");
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("fp32 FMAs: no bf16 instructions on this CPU"), std::string::npos)
+        << r.output;
+}

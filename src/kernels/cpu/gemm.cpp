@@ -36,6 +36,7 @@ struct MatmulKey {
 struct Matmul {
     dnnl::memory::desc a, b, c, scratch;
     dnnl::matmul prim;
+    bool ok = false;  // false: oneDNN has no bf16 matmul for this CPU (no AVX-512): widen instead
 };
 
 const Matmul& matmul_for(const MatmulKey& k) {
@@ -58,9 +59,15 @@ const Matmul& matmul_for(const MatmulKey& k) {
         ops.append_sum(1.0f);
         attr.set_post_ops(ops);
     }
-    const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(m.a, m.b, m.c), attr, dnnl_engine());
-    m.scratch = pd.scratchpad_desc();
-    m.prim = dnnl::matmul(pd);
+    try {
+        const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(m.a, m.b, m.c), attr,
+                                              dnnl_engine());
+        m.scratch = pd.scratchpad_desc();
+        m.prim = dnnl::matmul(pd);
+        m.ok = true;
+    } catch (const dnnl::error&) {
+        // oneDNN 2.6 builds bf16 matmuls from AVX-512 up; below that the caller widens.
+    }
     return cache.emplace(k, std::move(m)).first->second;
 }
 
@@ -90,6 +97,17 @@ void gemm_bf16(bool ta, bool tb, int M, int N, int K, const uint16_t* A, const u
     if (beta != 0.0f && beta != 1.0f) fail("gemm_bf16: beta = {} (0 or 1 only)", beta);
     if (M == 0 || N == 0) return;
     const Matmul& m = matmul_for({M, N, K, ldc, ta, tb, beta != 0.0f});
+    if (!m.ok) {
+        // The same product on fp32 FMAs: the operands widened exactly, then OpenBLAS.
+        thread_local std::vector<float> wa, wb;
+        wa.resize((std::size_t)M * K);
+        wb.resize((std::size_t)K * N);
+        from_bf16(wa.data(), A, (int64_t)wa.size());
+        from_bf16(wb.data(), B, (int64_t)wb.size());
+        cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
+                    M, N, K, 1.0f, wa.data(), ta ? M : K, wb.data(), tb ? K : N, beta, C, ldc);
+        return;
+    }
     dnnl::engine& eng = dnnl_engine();
     dnnl::memory a(m.a, eng, const_cast<uint16_t*>(A));
     dnnl::memory b(m.b, eng, const_cast<uint16_t*>(B));

@@ -1,7 +1,9 @@
 // The CPU engine's GEMMs: fp32 through OpenBLAS, or (train.precision = bf16 on the CPU) bf16
 // operands with fp32 accumulation through oneDNN, which runs them on AMX tiles where the CPU has
 // them, on AVX512-BF16 dot products where it does not, and on fp32 FMAs (operands widened) on a
-// CPU with neither. The result is fp32 either way: only the operands are rounded.
+// CPU with neither (oneDNN's emulation on AVX-512; below AVX-512, where oneDNN 2.6 has no bf16
+// matmul, the widened operands go through OpenBLAS). The result is fp32 either way: only the
+// operands are rounded.
 //
 // Row-major throughout. op(A) is (M,K): A itself is stored (M,K) with leading dimension lda, or
 // (K,M) when ta; op(B) is (K,N): B is stored (K,N), or (N,K) when tb. C is (M,N) with ldc.
