@@ -226,6 +226,8 @@ RunConfig cpu_source_config(const std::string& model, const ModelSpec& m, int dp
     if (cfg.train.precision == "auto") resolve_config(cfg);  // what training would run here
     if (cfg.train.precision != "bf16") cfg.train.precision = "fp32";
     cfg.model.cpu_bf16 = cfg.train.precision == "bf16";  // as resolve_config
+    cfg.model.bf16_activations = cfg.train.cpu_activations == "bf16" ||
+                                 (cfg.train.cpu_activations == "auto" && cfg.model.cpu_bf16);
     return cfg;
 }
 
@@ -276,6 +278,8 @@ RunConfig cpu_estimate_config(const EstimateArgs& a, const CLI::App* cmd, const 
     if (check.given("--step-in-backward")) cfg.optim.step_in_backward = a.run.step_in_backward;
     if (check.given("--precision")) cfg.train.precision = a.precision;
     cfg.model.cpu_bf16 = cfg.train.precision == "bf16";  // as resolve_config for the CPU
+    cfg.model.bf16_activations = cfg.train.cpu_activations == "bf16" ||
+                                 (cfg.train.cpu_activations == "auto" && cfg.model.cpu_bf16);
     if (a.run.lora_rank > 0) {
         cfg.lora.rank = a.run.lora_rank;
         cfg.lora.targets = a.lora_targets;

@@ -39,6 +39,10 @@ struct TrainConfig {
     // What the CPU engine keeps for attention's backward: "probs" (B,NH,T,T) or "lse" (B,NH,T),
     // recomputing the probabilities (ModelConfig::lse_attention).
     std::string cpu_attention = "probs";
+    // How the CPU engine stores each block's saved activations: "bf16" (rounded where made,
+    // half the bytes; ModelConfig::bf16_activations), "fp32", or "auto": bf16 under
+    // precision = "bf16", else fp32.
+    std::string cpu_activations = "auto";
     int zero_stage =
         0;       // data-parallel sharding (parallel/data/zero_store.h): 0 DDP .. 3 parameters
     int pp = 1;  // pipeline stages (ranks per pipeline; engine/cpu/cpu_engine.h)

@@ -89,12 +89,14 @@ struct ActFormat {
     // scratch would be, holds the block the forward or backward is in (ArenaPlan::work).
     bool bf16_saved = false;
 
-    // The CPU model: fp32, the probabilities or (lse_attention) their log-sum-exp; under bf16,
-    // bf16 GEMMs and saved fields.
-    static ActFormat cpu(bool lse_attention = false, bool bf16 = false) {
+    // The CPU model: fp32, the probabilities or (lse_attention) their log-sum-exp; bf16 GEMMs
+    // and bf16 saved fields as asked.
+    static ActFormat cpu(bool lse_attention = false, bool bf16_gemm = false,
+                         bool bf16_saved = false) {
         ActFormat f;
         f.fused_attention = lse_attention;
-        f.bf16_gemm = f.bf16_saved = bf16;
+        f.bf16_gemm = bf16_gemm;
+        f.bf16_saved = bf16_saved;
         return f;
     }
     bool operator==(const ActFormat&) const = default;
@@ -110,9 +112,9 @@ struct ActFormat {
 // anywhere).
 ActFormat cuda_arena_format(const ModelConfig& cfg, int elem_bytes, int B, int T);
 
-// The CPU model's format for a config (ModelConfig::lse_attention, ModelConfig::cpu_bf16).
+// The CPU model's format for a config (ModelConfig::lse_attention, cpu_bf16, bf16_activations).
 inline ActFormat cpu_arena_format(const ModelConfig& cfg) {
-    return ActFormat::cpu(cfg.lse_attention, cfg.cpu_bf16);
+    return ActFormat::cpu(cfg.lse_attention, cfg.cpu_bf16, cfg.bf16_activations);
 }
 
 // The bf16 elements the CPU model's largest GEMM needs for its rounded operands, a micro-batch

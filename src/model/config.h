@@ -55,12 +55,14 @@ struct ModelConfig {
     // resolve_config, never read from a file; the CUDA model always does.
     bool lse_attention = false;
     // The CPU model in bf16 (train.precision = "bf16" on the CPU): every GEMM's operands are
-    // rounded to bf16 and multiplied with fp32 accumulation (kernels/cpu/gemm.h), and a block's
-    // saved activations are stored in bf16 (rounded where the forward makes them, so the
-    // backward and any recompute read the same values). Weights, gradients, the residual
-    // streams, norms' statistics, softmax and the loss stay fp32. Set by resolve_config, never
-    // read from a file; the CUDA model's precision is its storage type.
+    // rounded to bf16 and multiplied with fp32 accumulation (kernels/cpu/gemm.h). Weights,
+    // gradients, the residual streams, norms' statistics, softmax and the loss stay fp32. Set by
+    // resolve_config, never read from a file; the CUDA model's precision is its storage type.
     bool cpu_bf16 = false;
+    // The CPU model stores each block's saved activations in bf16 (train.cpu_activations; by
+    // default with cpu_bf16): each field rounded where the forward makes it, so the backward and
+    // any recompute read the same values. Set by resolve_config, never read from a file.
+    bool bf16_activations = false;
     // Weights to start from: a Hugging Face model directory, a memtrain checkpoint or an out_dir
     // with `latest`, a .safetensors file, or a sharded model.safetensors.index.json, with GPT-2 or
     // Llama tensor names (io/hf_weights.h, io/model_source.h).

@@ -378,7 +378,7 @@ void GPT::recompute_selective(const BlockParams& p, const float* x, BlockSaved& 
 }
 
 void GPT::round_saved(const BlockSaved& s, SavedField f) const {
-    if (!cfg_.cpu_bf16 || is_statistic(f, arena_format())) return;
+    if (!cfg_.bf16_activations || is_statistic(f, arena_format())) return;
     cpu::round_to_bf16(s.*kMembers[static_cast<int>(f)],
                        (int64_t)field_elems_[static_cast<int>(f)]);
 }

@@ -70,6 +70,10 @@ void resolve_config(RunConfig& cfg) {
         cfg.train.precision = cfg.train.device == "cuda" || cpu::cpu_has_bf16() ? "bf16" : "fp32";
     cfg.model.lse_attention = cfg.train.cpu_attention == "lse";
     cfg.model.cpu_bf16 = cfg.train.device == "cpu" && cfg.train.precision == "bf16";
+    cfg.model.bf16_activations =
+        cfg.train.device == "cpu" &&
+        (cfg.train.cpu_activations == "bf16" ||
+         (cfg.train.cpu_activations == "auto" && cfg.train.precision == "bf16"));
 }
 
 void validate_pipeline(const RunConfig& cfg) {
@@ -476,6 +480,15 @@ void validate_config(const RunConfig& cfg) {
             "train.cpu_attention = \"{}\" must be \"probs\" (keep the attention probabilities) "
             "or \"lse\" (keep their log-sum-exp and recompute them in the backward)",
             cfg.train.cpu_attention);
+    if (cfg.train.cpu_activations != "auto" && cfg.train.cpu_activations != "fp32" &&
+        cfg.train.cpu_activations != "bf16")
+        fail("train.cpu_activations = \"{}\" must be \"auto\", \"fp32\" or \"bf16\"",
+             cfg.train.cpu_activations);
+    if (cfg.train.device == "cuda" && cfg.train.cpu_activations != "auto")
+        fail(
+            "train.cpu_activations = \"{}\" is the CPU engine's; on device = \"cuda\" the "
+            "activations are stored in train.precision (set cpu_activations = \"auto\")",
+            cfg.train.cpu_activations);
     if (cfg.train.device == "cuda" && cfg.train.remat_costs == "measured")
         fail(
             "train.remat_costs = \"measured\" profiles the CPU kernels; on device = \"cuda\" use "

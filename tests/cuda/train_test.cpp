@@ -530,6 +530,17 @@ TEST(CudaTrain, ConfigErrorsNameTheKey) {
     c.train.device = "tpu";
     EXPECT_THROW(Trainer(c, quiet()), Error);
     if (!cuda_available()) return;
+    // The CPU engine's activation storage is not the GPU's to choose.
+    RunConfig a = test::tiny_run(test::temp_dir("cuda_cfg_cpu_act"), 1);
+    a.train.device = "cuda";
+    a.train.cpu_activations = "bf16";
+    try {
+        validate_config(a);
+        FAIL() << "train.cpu_activations on cuda was accepted";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("train.cpu_activations = \"bf16\""), std::string::npos)
+            << e.what();
+    }
     // ZeRO-Offload over several ranks needs a sharded optimizer (stage >= 1).
     RunConfig o = test::tiny_run(test::temp_dir("cuda_cfg_offload"), 1);
     o.world = 2;

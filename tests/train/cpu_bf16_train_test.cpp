@@ -111,6 +111,38 @@ TEST(CpuBf16Train, CheckpointsMoveBetweenBf16AndFp32) {
     }
 }
 
+// train.cpu_activations = "bf16" under fp32 precision: fp32 GEMMs, bf16 saved fields. Fewer
+// activation bytes, as predicted, every remat policy bitwise, and the loss within 2% of fp32's.
+TEST(CpuBf16Train, Bf16ActivationsUnderFp32Compute) {
+    const test::MeasuredRun fp32 = test::measured_run(bf16_run("cpuact_fp32", 20, "fp32"));
+    RunConfig c = bf16_run("cpuact_bf16", 20, "fp32");
+    c.train.cpu_activations = "bf16";
+    const test::MeasuredRun act = test::measured_run(c);
+    for (int k = 0; k < kNumMemCategories; k++)
+        EXPECT_EQ(act.peak[k], act.predicted[k]) << category_name(MemCategory(k));
+    EXPECT_LT(at(act.peak, MemCategory::Activations), at(fp32.peak, MemCategory::Activations));
+    EXPECT_EQ(at(act.peak, MemCategory::Workspace), at(fp32.peak, MemCategory::Workspace))
+        << "no GEMM operand scratch: the GEMMs are fp32";
+    EXPECT_NE(act.summary.losses[1], fp32.summary.losses[1]) << "the fields were not rounded";
+    EXPECT_NEAR(act.summary.losses.back(), fp32.summary.losses.back(),
+                0.02 * fp32.summary.losses.back());
+    c = bf16_run("cpuact_bf16_full", 20, "fp32");
+    c.train.cpu_activations = "bf16";
+    c.train.remat = "full";
+    const test::MeasuredRun full = test::measured_run(c);
+    EXPECT_EQ(
+        0, std::memcmp(act.params.data(), full.params.data(), act.params.size() * sizeof(float)));
+    // And "fp32" keeps a bf16 run's saved fields in fp32.
+    c = bf16_run("cpuact_fp32_under_bf16", 2);
+    c.train.cpu_activations = "fp32";
+    const test::MeasuredRun wide = test::measured_run(c);
+    const test::MeasuredRun narrow = test::measured_run(bf16_run("cpuact_bf16_under_bf16", 2));
+    EXPECT_GT(at(wide.peak, MemCategory::Activations), at(narrow.peak, MemCategory::Activations));
+    // A bad value is refused by name.
+    c.train.cpu_activations = "fp8";
+    test::expect_refused_naming(validate_config, c, "train.cpu_activations", "fp8");
+}
+
 TEST(CpuBf16Train, Fp16IsRefusedOnTheCpuByName) {
     RunConfig c = bf16_run("cpubf16_fp16", 1, "fp16");
     try {
