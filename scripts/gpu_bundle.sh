@@ -8,7 +8,7 @@
 #   bin/memtrain_cuda_tests         tests/cuda on the GPU (every kernel against the CPU reference)
 #   bin/memtrain_cuda_dist_tests    tests/mpi/cuda_*: the GPU engines' DDP, ZeRO and pipelines
 # stripped, and beside them in lib/ the Debian runtime libraries they need that the GPU machine
-# lacks (OpenBLAS with its Fortran runtime, fmt, toml++, GoogleTest, libgomp; OpenMPI's as a
+# lacks (OpenBLAS with its Fortran runtime, oneDNN, fmt, toml++, GoogleTest, libgomp; OpenMPI's as a
 # fallback in lib/mpi/, used only where the machine has no libmpi.so.40). The CUDA runtime,
 # cuBLASLt and NCCL are the machine's own (CUDA 13). All of it goes into OUT_DIR/bundle.tar.xz
 # (OpenBLAS alone is 35 MiB unpacked, a third of that packed), beside OUT_DIR/manifest. Prints
