@@ -225,9 +225,7 @@ RunConfig cpu_source_config(const std::string& model, const ModelSpec& m, int dp
     cfg.train.device = "cpu";
     if (cfg.train.precision == "auto") resolve_config(cfg);  // what training would run here
     if (cfg.train.precision != "bf16") cfg.train.precision = "fp32";
-    cfg.model.cpu_bf16 = cfg.train.precision == "bf16";  // as resolve_config
-    cfg.model.bf16_activations = cfg.train.cpu_activations == "bf16" ||
-                                 (cfg.train.cpu_activations == "auto" && cfg.model.cpu_bf16);
+    set_cpu_bf16(cfg);
     return cfg;
 }
 
@@ -276,10 +274,10 @@ RunConfig cpu_estimate_config(const EstimateArgs& a, const CLI::App* cmd, const 
     }
     if (check.given("--state-format")) cfg.optim.state_format = a.state_format;
     if (check.given("--step-in-backward")) cfg.optim.step_in_backward = a.run.step_in_backward;
-    if (check.given("--precision")) cfg.train.precision = a.precision;
-    cfg.model.cpu_bf16 = cfg.train.precision == "bf16";  // as resolve_config for the CPU
-    cfg.model.bf16_activations = cfg.train.cpu_activations == "bf16" ||
-                                 (cfg.train.cpu_activations == "auto" && cfg.model.cpu_bf16);
+    if (check.given("--precision")) {
+        cfg.train.precision = a.precision;
+        set_cpu_bf16(cfg);
+    }
     if (a.run.lora_rank > 0) {
         cfg.lora.rank = a.run.lora_rank;
         cfg.lora.targets = a.lora_targets;

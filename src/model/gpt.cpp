@@ -183,7 +183,7 @@ void GPT::ensure_arena(int B, int T) {
                     s.saved[l].*kMembers[i] = act(at);  // a kept statistic: fp32, its own
                 } else if (p.work[i] != kNoOffset) {
                     s.saved[l].*kMembers[i] = act(p.work[i]);
-                    if (at != kNoOffset && !is_statistic(SavedField(i), fmt))
+                    if (at != kNoOffset)  // a kept activation (kept statistics are above)
                         s.stored[l][i] = reinterpret_cast<uint16_t*>(
                             reinterpret_cast<char*>(s.acts.data()) + at);
                 }

@@ -69,11 +69,18 @@ void resolve_config(RunConfig& cfg) {
     if (cfg.train.precision == "auto")
         cfg.train.precision = cfg.train.device == "cuda" || cpu::cpu_has_bf16() ? "bf16" : "fp32";
     cfg.model.lse_attention = cfg.train.cpu_attention == "lse";
-    cfg.model.cpu_bf16 = cfg.train.device == "cpu" && cfg.train.precision == "bf16";
-    cfg.model.bf16_activations =
-        cfg.train.device == "cpu" &&
-        (cfg.train.cpu_activations == "bf16" ||
-         (cfg.train.cpu_activations == "auto" && cfg.train.precision == "bf16"));
+    set_cpu_bf16(cfg);
+}
+
+bool cpu_bf16_activations(const TrainConfig& train, const std::string& precision) {
+    return train.cpu_activations == "bf16" ||
+           (train.cpu_activations == "auto" && precision == "bf16");
+}
+
+void set_cpu_bf16(RunConfig& cfg) {
+    const bool cpu = cfg.train.device == "cpu";
+    cfg.model.cpu_bf16 = cpu && cfg.train.precision == "bf16";
+    cfg.model.bf16_activations = cpu && cpu_bf16_activations(cfg.train, cfg.train.precision);
 }
 
 void validate_pipeline(const RunConfig& cfg) {

@@ -20,8 +20,15 @@ RunConfig load_run_config(const std::string& path, const std::vector<std::string
                           const RunConfig* base = nullptr);
 
 // Replaces "auto" in train.device and train.precision by what this machine runs: cuda and bf16
-// where a GPU answers, else cpu and fp32.
+// where a GPU answers, else cpu, in bf16 where the CPU has bf16 instructions, fp32 elsewhere; and
+// sets the model's flags that follow from train (lse_attention, set_cpu_bf16).
 void resolve_config(RunConfig& cfg);
+// Whether the CPU engine at `precision` stores its saved activations in bf16
+// (train.cpu_activations: "auto" follows the precision).
+bool cpu_bf16_activations(const TrainConfig& train, const std::string& precision);
+// The CPU model's bf16 flags (ModelConfig::cpu_bf16, bf16_activations) from cfg.train's device,
+// precision and cpu_activations, as resolve_config sets them; both false off the CPU.
+void set_cpu_bf16(RunConfig& cfg);
 // Every check below, and the model's, optimizer's and sampling keys'.
 void validate_config(const RunConfig& cfg);
 // What a valid config probably did not mean, one line each (the Trainer prints them as

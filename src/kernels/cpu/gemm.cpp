@@ -104,8 +104,7 @@ void gemm_bf16(bool ta, bool tb, int M, int N, int K, const uint16_t* A, const u
         wb.resize((std::size_t)K * N);
         from_bf16(wa.data(), A, (int64_t)wa.size());
         from_bf16(wb.data(), B, (int64_t)wb.size());
-        cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
-                    M, N, K, 1.0f, wa.data(), ta ? M : K, wb.data(), tb ? K : N, beta, C, ldc);
+        gemm(nullptr, ta, tb, M, N, K, wa.data(), ta ? M : K, wb.data(), tb ? K : N, beta, C, ldc);
         return;
     }
     dnnl::engine& eng = dnnl_engine();
