@@ -23,6 +23,7 @@ void register_plan(CLI::App& app);      // memtrain estimate | plan | scale
 void register_pipeline(CLI::App& app);  // memtrain pipeline CONFIG --pp P --micro-batches M
 void register_remat(CLI::App& app);     // memtrain remat CONFIG [--budget X | --frontier]
 void register_report(CLI::App& app);    // memtrain report RUN_DIR [--out FILE]
+void register_diagnose(CLI::App& app);  // memtrain diagnose RUN_DIR [--baseline DIR] [--json]
 void register_quantize(CLI::App& app);  // memtrain quantize MODEL --method M --bits B --out DIR
 void register_lora(CLI::App& app);      // memtrain lora merge CKPT --out DIR
 void register_sweep(CLI::App& app);     // memtrain sweep CONFIG --flops C1,... --sizes LxW,...

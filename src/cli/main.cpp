@@ -35,6 +35,7 @@ int main(int argc, char** argv) {
     memtrain::cli::register_remat(app);
     memtrain::cli::register_pipeline(app);
     memtrain::cli::register_report(app);
+    memtrain::cli::register_diagnose(app);
     memtrain::cli::register_quantize(app);
     memtrain::cli::register_lora(app);
     memtrain::cli::register_sweep(app);

@@ -9,12 +9,14 @@
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
 #include "core/error.h"
+#include "core/phase_clock.h"
 
 namespace memtrain::dist {
 
@@ -223,6 +225,9 @@ void wait_request(MpiCommunicator::State& s, MPI_Request& request, const char* o
                   const char* unit, int peer, MPI_Status* status, uint64_t seq = 0) {
     using clock = std::chrono::steady_clock;
     const bool collective = peer < 0;
+    // A send started for later (a pipeline's) waits here as a collective's number would.
+    const bool p2p = !collective || std::strncmp(op, "send", 4) == 0;
+    const ScopedPhase phase(p2p ? Phase::p2p : Phase::comm);
     if (seq == 0) seq = collective ? ++s.collective_seq : ++s.p2p_seq;
     const auto start = clock::now();
     for (;;) {

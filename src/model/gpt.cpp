@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "core/error.h"
+#include "core/phase_clock.h"
 #include "kernels/cpu/ops.h"
 #include "model/tp_comm.h"
 #include "model/vocab_parallel.h"
@@ -620,6 +621,7 @@ void GPT::stage_backward_weight(int slot, int B, int T) {
         const int i = v.block - b0_;
         unstash(sl, i);  // the working block holds another block's fields by now
         if (v.redo != Redo::Nothing) {
+            const ScopedPhase recompute(Phase::recompute);
             redo(v, block_view(layout_, v.block, store_->acquire(v.unit)), nullptr, sl.resid[i], sl,
                  B, T);
             store_->release(v.unit);
@@ -716,9 +718,16 @@ void GPT::block_backward_part(const UnitVisit& v, Slot& sl, int B, int T, bool s
     if (!frozen_base()) g = block_view(layout_, l, store_->unit_grads(u));
     const float* ad = lora_ ? lora_->store().acquire(l) : nullptr;
     float* adg = lora_ ? lora_->store().unit_grads(l) : nullptr;
-    const float* x = block_input(l, sl, B, T);
+    const float* x = nullptr;
+    {
+        const ScopedPhase recompute(Phase::recompute);  // (a rebuilt input; nothing when kept)
+        x = block_input(l, sl, B, T);
+    }
     unstash(sl, i);  // after block_input: a rebuild re-runs blocks below through the working block
-    redo(v, p, ad, x, sl, B, T);
+    if (v.redo != Redo::Nothing) {
+        const ScopedPhase recompute(Phase::recompute);
+        redo(v, p, ad, x, sl, B, T);
+    }
     block_backward(p, g, l, ad, adg, dres_, x, sl, B, T,
                    split ? sl.wgrad.data() + i * wgrad_floats(B, T) : nullptr);
     if (lora_) {

@@ -13,12 +13,14 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <thread>
 #include <tuple>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include "core/error.h"
+#include "core/phase_clock.h"
 #include "core/progress.h"
 #include "data/tokenizer.h"
 #include "engine/cpu/cpu_engine.h"
@@ -27,12 +29,14 @@
 #include "io/model_source.h"
 #include "io/run_report.h"
 #include "optim/schedule.h"
+#include "parallel/pipeline/schedule.h"
 #include "planner/memory_model.h"
 #include "planner/model_shape.h"
 #include "remat/cost.h"
 #include "remat/policy.h"
 #include "remat/profile.h"
 #include "train/build.h"
+#include "train/diagnose.h"
 #include "train/plan.h"
 #include "train/report.h"
 #include "train/sample.h"
@@ -430,6 +434,87 @@ std::string Trainer::layout_line() const {
     return out;
 }
 
+namespace {
+
+struct SlowdownForTest {
+    int data_ms = 0;
+    int rank = -1, rank_ms = 0;
+};
+
+// Test hooks of `memtrain diagnose`'s tests (docs/diagnose.md): MEMTRAIN_TEST_SLOW_DATA_MS=N
+// sleeps N ms in each batch's load, MEMTRAIN_TEST_SLOW_RANK=R:N N ms in each micro-batch's
+// compute on rank R. Unset in every real run.
+SlowdownForTest slowdown_for_test() {
+    SlowdownForTest s;
+    if (const char* v = std::getenv("MEMTRAIN_TEST_SLOW_DATA_MS"); v && *v)
+        s.data_ms = std::atoi(v);
+    if (const char* v = std::getenv("MEMTRAIN_TEST_SLOW_RANK"); v && *v) {
+        const char* colon = std::strchr(v, ':');
+        if (colon == nullptr) fail("MEMTRAIN_TEST_SLOW_RANK = {}: expected RANK:MILLISECONDS", v);
+        s.rank = std::atoi(v);
+        s.rank_ms = std::atoi(colon + 1);
+    }
+    return s;
+}
+
+// A metrics line's "phases_ms" object: this rank's milliseconds in each phase of the step.
+std::string phases_field(const PhaseTimes& t) {
+    std::string out;
+    for (std::size_t i = 0; i < kPhases; i++)
+        out += fmt::format("{}\"{}\": {:.3f}", i ? ", " : "", phase_key((Phase)i), 1e3 * t.s[i]);
+    return out;
+}
+
+}  // namespace
+
+void Trainer::write_timings(int64_t steps, double seconds, const PhaseTimes& phases) {
+    // Every rank's sums to rank 0 (a collective: every rank ends the loop at the same step).
+    std::array<double, 2 + kPhases> mine{};
+    mine[0] = (double)steps;
+    mine[1] = seconds;
+    std::copy(phases.s.begin(), phases.s.end(), mine.begin() + 2);
+    std::vector<double> all(mine.size() * (std::size_t)comm_->size());
+    comm_->all_gather_bytes(mine.data(), all.data(), (int64_t)sizeof(mine));
+    if (!root()) return;
+    RunTimings t;
+    t.steps = (int)steps;
+    t.engine = engine_name(plan_.engine);
+    t.gpu = plan_.gpu();
+    t.dp = plan_.mesh.dp;
+    t.tp = plan_.mesh.tp;
+    t.pp = plan_.mesh.pp;
+    t.ps_servers = plan_.ps_servers;
+    t.micro_batches = plan_.accum_steps;
+    t.virtual_stages = plan_.virtual_stages;
+    if (t.pp > 1) {
+        t.schedule = pp::kind_name(plan_.schedule);
+        const double fill =
+            pp::uniform_fill(plan_.schedule, t.pp, t.micro_batches, t.virtual_stages);
+        t.bubble_fraction = fill / (t.micro_batches + fill);
+    }
+    t.remat = plan_.remat_policy;
+    t.tokens_per_step = cfg_.tokens_per_step();
+    t.recompute_fraction =
+        plan_.step_cost > 0 ? (double)plan_.remat.recompute_flops / plan_.step_cost : 0;
+    const double per = steps > 0 ? 1.0 / (double)steps : 0;
+    for (int r = 0; r < comm_->size(); r++) {
+        const double* v = all.data() + (std::size_t)r * mine.size();
+        RankTimes rt;
+        rt.rank = r;
+        rt.stage = plan_.mesh.stage_of(r);
+        rt.replica = plan_.mesh.replica_of(r);
+        rt.shard = plan_.mesh.shard_of(r);
+        rt.step_s = v[1] * per;
+        for (std::size_t i = 0; i < kPhases; i++) rt.phases.s[i] = v[2 + i] * per;
+        t.ranks.push_back(rt);
+    }
+    try {
+        write_timings_json((fs::path(cfg_.io.out_dir) / "timings.json").string(), t);
+    } catch (const Error& e) {  // the run itself succeeded; say what diagnose will lack
+        std::fprintf(stderr, "memtrain: warning: timings.json not written: %s\n", e.what());
+    }
+}
+
 double Trainer::mean_over_ranks(double x) {
     // A pipeline's stages report the same loss (the last stage's, averaged over the pipelines
     // when there are several), a parameter server's ranks the mean over its workers,
@@ -472,6 +557,8 @@ TrainSummary Trainer::run() {
     const float grad_scale = 1.0f / (float)((int64_t)B * T * K * cfg_.dp());
     double timed_seconds = 0;
     int64_t timed_steps = 0;
+    PhaseTimes timed_phases;  // this rank's, over the timed steps (core/phase_clock.h)
+    const SlowdownForTest slow = slowdown_for_test();
     int ran = 0;
     engine_->memory().reset_peak();
     const bool fp16 = cfg_.train.precision == "fp16";
@@ -499,6 +586,7 @@ TrainSummary Trainer::run() {
         }
         const data::DataLoader::Position batch_at = train_loader_->position();
         auto t0 = std::chrono::steady_clock::now();
+        const PhaseTimes phases_at_t0 = phase_clock().totals();
         double lr = lr_at(cfg_.optim, peak_lr_, state_.step, total);
         if (guard_) lr *= guard_->lr_scale(state_.step + 1);
         if (opts_.on_lr) lr = opts_.on_lr(state_.step + 1, lr);
@@ -510,19 +598,30 @@ TrainSummary Trainer::run() {
         engine_->prepare_update(lr, cfg_.optim.grad_clip);
         engine_->begin_step();
         for (int k = 0; k < K; k++) {
-            next_rows(*train_loader_);
+            {
+                const ScopedPhase data(Phase::data);
+                next_rows(*train_loader_);
+                if (slow.data_ms > 0)
+                    std::this_thread::sleep_for(std::chrono::milliseconds(slow.data_ms));
+            }
             if (opts_.on_batch) opts_.on_batch(state_.step + 1, xg_.data(), yg_.data(), xg_.size());
             // Dropout masks follow the sequence: its ordinal over the run's global micro-batches
             // (a replayed step draws the same, and so does any world size).
             engine_->set_dropout_rows(((uint64_t)state_.step * K + k) * (uint64_t)cfg_.dp() * B +
                                       (uint64_t)dp_rank() * B);
+            const ScopedPhase compute(Phase::compute);
+            if (slow.rank == comm_->rank())
+                std::this_thread::sleep_for(std::chrono::milliseconds(slow.rank_ms));
             engine_->forward_backward(xg_.data() + rows, yg_.data() + rows, B, T, grad_scale,
                                       k == K - 1);
         }
         if (cfg_.train.diagnostics == "amp" &&
             ((state_.step + 1) % cfg_.train.diagnostics_every == 0 || state_.step == first_step))
             amp_diagnose(state_.step + 1);
-        const StepResult step = engine_->finish_step(lr, cfg_.optim.grad_clip);
+        const StepResult step = [&] {
+            const ScopedPhase optimizer(Phase::optimizer);
+            return engine_->finish_step(lr, cfg_.optim.grad_clip);
+        }();
         const double loss = mean_over_ranks(step.loss);
         const double norm = step.grad_norm;
         // (An fp16 step the loss scaler skipped is the scaler's; a step skipped without one is a
@@ -557,9 +656,11 @@ TrainSummary Trainer::run() {
         state_.data_epoch = pos.epoch;
         state_.data_cursor = pos.cursor;
         double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        const PhaseTimes step_phases = phase_clock().totals() - phases_at_t0;
         if (ran > 1) {
             timed_seconds += secs;
             timed_steps++;
+            timed_phases += step_phases;
         }
         double tps = (double)cfg_.tokens_per_step() / secs;
         auto mem = engine_->memory().snapshot();
@@ -586,11 +687,11 @@ TrainSummary Trainer::run() {
             log_metrics(fmt::format(
                 "{{\"step\": {}, \"loss\": {:.6f}, \"lr\": {:.6e}, \"grad_norm\": {:.6f}, "
                 "\"tokens_per_s\": {:.1f}, \"ms_per_step\": {:.3f}, \"mem_bytes\": {}, "
-                "\"peak_mem_bytes\": {}, \"time\": {:.3f}{}{}}}",
+                "\"peak_mem_bytes\": {}, \"time\": {:.3f}{}, \"phases_ms\": {{{}}}{}}}",
                 state_.step, loss, lr, norm, tps, secs * 1000, mem.total_used, mem.peak_total_used,
                 std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
                     .count(),
-                io::metrics_memory_field(mem),
+                io::metrics_memory_field(mem), phases_field(step_phases),
                 fp16 ? fmt::format(
                            ", \"loss_scale\": {:g}, \"skipped\": {}{}", step.loss_scale,
                            step.skipped,
@@ -628,6 +729,7 @@ TrainSummary Trainer::run() {
         if (stop_sig != 0) break;
         if (guard_ && !last && state_.step % cfg_.guard.snapshot_every == 0) guard_snapshot();
     }
+    write_timings(timed_steps, timed_seconds, timed_phases);
     sum.steps_done = state_.step;
     sum.tokens_per_s =
         timed_steps ? (double)cfg_.tokens_per_step() * timed_steps / timed_seconds : 0;

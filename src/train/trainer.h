@@ -13,6 +13,7 @@
 
 #include "comm/communicator.h"
 #include "config/run_config.h"
+#include "core/phase_clock.h"
 #include "data/loader.h"
 #include "engine/cpu/cpu_engine.h"
 #include "engine/engine.h"
@@ -105,6 +106,9 @@ class Trainer {
     float evaluate();
     // The mean of one value per rank, summed in rank order (the same bits on every rank).
     double mean_over_ranks(double x);
+    // timings.json in io.out_dir (train/diagnose.h): every rank's timed steps, their seconds and
+    // their phases, gathered to rank 0 (a collective).
+    void write_timings(int64_t steps, double seconds, const PhaseTimes& phases);
     // This rank's rows of the next global micro-batch from `loader`, into x_, y_.
     void next_rows(data::DataLoader& loader);
     bool root() const { return comm_->rank() == 0; }

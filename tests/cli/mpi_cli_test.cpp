@@ -18,6 +18,8 @@
 #include <sstream>
 #include <thread>
 
+#include <nlohmann/json.hpp>
+
 #include "cli/cli_util.h"
 #include "test_util.h"
 
@@ -384,4 +386,42 @@ TEST(CliMpi, LlamaPresetEmittedConfigTrainsScaledDown) {
     ASSERT_EQ(r.code, 0) << r.output;
     EXPECT_EQ(losses(dir + "/out/metrics.jsonl").size(), 2u) << r.output;
     EXPECT_NE(r.output.find("tensor parallel"), std::string::npos) << r.output;
+}
+
+namespace {
+
+// `memtrain diagnose DIR [--baseline B] --json`, parsed.
+nlohmann::json diagnose_json(const std::string& args) {
+    auto r = memtrain::test::run_command(
+        "timeout -k 5 60 " + std::string(MT_BINARY_DIR) + "/memtrain diagnose " + args + " --json",
+        false);
+    EXPECT_EQ(r.code, 0) << r.output;
+    return nlohmann::json::parse(r.output);
+}
+
+}  // namespace
+
+// `memtrain diagnose` on runs built to have the cause: a pipeline of 2 stages with one
+// micro-batch per step idles half of it (the bubble), and a data-parallel rank slowed by a sleep
+// in its compute keeps the other waiting in every all-reduce, which a single-process baseline
+// names as the scaling regression.
+TEST(CliMpi, DiagnoseNamesThePipelineBubbleAndASlowRank) {
+    auto dir = memtrain::test::temp_dir("cli_mpi_diagnose");
+    const std::string cfg = slow_config(dir, 5, 128);
+    const std::string sets = " --set train.batch_size=32 model.tied_embeddings=false io.out_dir=";
+    auto r = run_mpi("train " + cfg + sets + dir + "/pp train.pp=2");
+    ASSERT_EQ(r.code, 0) << r.output;
+    nlohmann::json d = diagnose_json(dir + "/pp");
+    EXPECT_EQ(d.at("largest_loss"), "bubble") << d.dump(1);
+
+    auto one = memtrain::test::run_memtrain("train " + cfg + sets + dir + "/one");
+    ASSERT_EQ(one.code, 0) << one.output;
+    r = memtrain::test::run_command("MEMTRAIN_TEST_SLOW_RANK=1:150 " + kEnv + "timeout -k 5 120 " +
+                                    kMpirun + "train " + cfg + sets + dir + "/dp");
+    ASSERT_EQ(r.code, 0) << r.output;
+    d = diagnose_json(dir + "/dp --baseline " + dir + "/one");
+    EXPECT_EQ(d.at("largest_loss"), "wait") << d.dump(1);
+    EXPECT_EQ(d.at("slowest_rank"), 1) << d.dump(1);
+    EXPECT_EQ(d.at("largest_growth"), "wait") << d.dump(1);
+    ASSERT_EQ(d.at("ranks").size(), 2u);
 }

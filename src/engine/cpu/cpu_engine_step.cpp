@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "core/phase_clock.h"
 #include "engine/cpu/cpu_engine.h"
 #include "kernels/cpu/ops.h"
 
@@ -169,7 +170,9 @@ StepResult CpuEngine::finish_stage_step(double lr, double max_norm) {
         // micro-batch's gradient first: every pipeline runs the same list, so they meet at the
         // same backward.
         if (exec_->queued() == 0) fail("internal: PipeDream finish_step without micro-batches");
+        const ScopedPhase compute(Phase::compute);  // the schedule runs here, updates inside
         exec_->run([&] {
+            const ScopedPhase update(Phase::optimizer);
             update_stage(replicas_->reduce(stages_->owned_grads()), lr);
             stages_->zero_grads();
         });

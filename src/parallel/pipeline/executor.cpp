@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "core/phase_clock.h"
 
 namespace memtrain::pp {
 
@@ -153,7 +154,10 @@ void Executor::run(const std::function<void()>& update) {
             free_slots[c].push_back(slot);
         }
     }
-    comm_->wait_all();
+    {
+        const ScopedPhase sync(Phase::p2p);  // the sends still in flight: the pipeline's drain
+        comm_->wait_all();
+    }
     versions_->end_step();
     timeline_->end_step(sched_);
 }
@@ -161,6 +165,7 @@ void Executor::run(const std::function<void()>& update) {
 double Executor::step_loss() {
     // The loss lives on the last stage: every rank reports it.
     double loss = mbs_.empty() ? 0.0 : loss_sum_ / (double)mbs_.size();
+    const ScopedPhase sync(Phase::p2p);  // the first stages wait here for the last one's loss
     comm_->broadcast(&loss, sizeof(loss), p_ - 1);
     return loss;
 }

@@ -5,6 +5,8 @@
 
 #include <fmt/format.h>
 
+#include "core/phase_clock.h"
+
 namespace memtrain::pp {
 
 namespace {
@@ -31,6 +33,7 @@ double Timeline::now() const {
 void Timeline::begin_step(int chunks) {
     spent_.assign((std::size_t)chunks, std::vector<double>(4, 0.0));
     when_.clear();
+    const ScopedPhase sync(Phase::p2p);  // the pipeline's own synchronisation (core/phase_clock.h)
     comm_->barrier();
     start_ = now();
 }
@@ -59,6 +62,7 @@ void Timeline::end_step(const Schedule& s) {
             mine.push_back(spent_[c][op] / m);
         }
     std::vector<double> all(kF * (std::size_t)p);
+    const ScopedPhase sync(Phase::p2p);  // the pipeline's own synchronisation
     comm_->all_gather_bytes(mine.data(), all.data(), kF * (int64_t)sizeof(double));
     double step_start = all[0];
     for (int r = 0; r < p; r++) step_start = std::min(step_start, all[kF * r]);
