@@ -94,6 +94,12 @@ class Engine {
     };
     virtual bool has_gradient_histograms() const { return false; }
     virtual std::vector<TensorHistogram> gradient_histograms() { return {}; }
+    // The same engines count a step's activations while asked to: record_activation_histograms
+    // before the step's first forward_backward, activation_histograms after its last (which
+    // stops counting): each block's output and the gradient of each block's input, every rank's
+    // micro-batches added up (a collective).
+    virtual void record_activation_histograms() {}
+    virtual std::vector<TensorHistogram> activation_histograms() { return {}; }
 
     // The divergence guard (train/guard.h) answers a step whose gradient is not finite: an
     // engine that would stop the run for one (the CUDA engines in fp32 and bf16, which have no

@@ -83,7 +83,7 @@ RunMetrics parse_metrics(const std::string& text, const std::string& origin) {
     std::map<int64_t, double> val;
     std::vector<int64_t> resumes;
     std::vector<RunMetrics::GuardMark> guard;
-    std::vector<RunMetrics::AmpRecord> amp;
+    std::vector<RunMetrics::AmpRecord> amp, amp_act;
     std::string note;
     std::istringstream in(text);
     std::string line;
@@ -129,20 +129,22 @@ RunMetrics parse_metrics(const std::string& text, const std::string& origin) {
             guard.push_back(std::move(g));
             continue;
         }
-        if (j.contains("event") && j["event"] == "amp") {
+        if (j.contains("event") && (j["event"] == "amp" || j["event"] == "amp_activations")) {
+            const bool act = j["event"] == "amp_activations";
             RunMetrics::AmpRecord a;
             a.step = step;
             try {
-                a.log2_lo = j.at("log2_lo").get<int>();
+                const nlohmann::json& hj = act ? j.at("activation_grads") : j;
+                a.log2_lo = hj.at("log2_lo").get<int>();
                 a.loss_scale_log2 = j.value("loss_scale_log2", 0);
-                a.counts = j.at("log2_counts").get<std::vector<double>>();
-                a.values = j.value("values", (int64_t)0);
-                a.zeros = j.value("zeros", (int64_t)0);
+                a.counts = hj.at("log2_counts").get<std::vector<double>>();
+                a.values = hj.value("values", (int64_t)0);
+                a.zeros = hj.value("zeros", (int64_t)0);
             } catch (const nlohmann::json::exception& e) {
-                fail("{}:{}: an amp line without log2_lo and log2_counts: {}", origin, line_no,
-                     e.what());
+                fail("{}:{}: an {} line without log2_lo and log2_counts: {}", origin, line_no,
+                     act ? "amp_activations" : "amp", e.what());
             }
-            amp.push_back(std::move(a));
+            (act ? amp_act : amp).push_back(std::move(a));
             continue;
         }
         if (j.contains("event") && j["event"] == "resume") {
@@ -197,6 +199,7 @@ RunMetrics parse_metrics(const std::string& text, const std::string& origin) {
     m.resumes = std::move(resumes);
     m.guard = std::move(guard);
     m.amp = std::move(amp);
+    m.amp_activation_grads = std::move(amp_act);
     m.note = std::move(note);
     return m;
 }
@@ -837,22 +840,23 @@ std::string render_report_html(const ReportInput& in) {
     h += line_chart("chart-loss", "Loss", "loss",
                     {step_series(m, "training loss", kPalette[0], &StepRecord::loss), val},
                     Units::number, false, "no loss in metrics.jsonl", guard_marks);
-    if (!m.amp.empty()) {
-        // The lecture's figure: the share of gradient values at each power of two, the first and
-        // the last diagnosed step, with where fp16 flushes to zero unscaled and overflows at the
-        // loss scale.
+    // The lecture's figures: the share of gradient values at each power of two, the first and
+    // the last diagnosed step, with where fp16 flushes to zero unscaled and overflows at the
+    // loss scale; the weight gradients, then the activation gradients.
+    auto amp_chart = [&](const std::vector<RunMetrics::AmpRecord>& recs, const char* id,
+                         const char* title) {
+        if (recs.empty()) return;
         std::vector<Series> hs;
-        for (const auto* a : {&m.amp.front(), &m.amp.back()}) {
-            if (a == &m.amp.back() && m.amp.size() == 1) break;
+        for (const auto* a : {&recs.front(), &recs.back()}) {
+            if (a == &recs.back() && recs.size() == 1) break;
             Series s{fmt::format("step {}", a->step), kPalette[hs.size() * 2], {}};
             const double n = a->values > 0 ? (double)a->values : 1.0;
             for (std::size_t i = 0; i < a->counts.size(); i++)
                 s.points.push_back({(double)(a->log2_lo + (int)i), a->counts[i] / n});
             hs.push_back(s);
         }
-        const int sc = m.amp.back().loss_scale_log2;
-        h += line_chart("chart-amp", "Gradient magnitudes: share of values per log2|g| (amp)",
-                        "share", hs, Units::number, true, "",
+        const int sc = recs.back().loss_scale_log2;
+        h += line_chart(id, title, "share", hs, Units::number, true, "",
                         {{-24.0, "fp16 flushes to zero below 2^-24 (unscaled)"},
                          {(double)(-24 - sc), fmt::format("fp16 flushes below 2^{} at loss scale "
                                                           "2^{}",
@@ -860,7 +864,11 @@ std::string render_report_html(const ReportInput& in) {
                          {(double)(16 - sc), fmt::format("fp16 overflows from 2^{} at loss scale "
                                                          "2^{}",
                                                          16 - sc, sc)}});
-    }
+    };
+    amp_chart(m.amp, "chart-amp", "Gradient magnitudes: share of values per log2|g| (amp)");
+    amp_chart(m.amp_activation_grads, "chart-amp-activation-grads",
+              "Activation gradient magnitudes (of block inputs): share of values per log2|g| "
+              "(amp)");
     h += line_chart("chart-lr", "Learning rate", "lr",
                     {step_series(m, "learning rate", kPalette[2], &StepRecord::lr)}, Units::number,
                     true, "no lr in metrics.jsonl");

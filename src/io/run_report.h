@@ -47,6 +47,9 @@ struct RunMetrics {
         int64_t values = 0, zeros = 0;
     };
     std::vector<AmpRecord> amp;
+    // The same steps' activation gradients ({"event": "amp_activations"} lines, their
+    // "activation_grads"): the lecture's Figure 5.
+    std::vector<AmpRecord> amp_activation_grads;
     // What the parser passed over: a torn last line ("" when none).
     std::string note;
 };

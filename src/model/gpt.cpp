@@ -533,6 +533,14 @@ static void check_tokens(const int32_t* tokens, int B, int T, int vocab, const c
     }
 }
 
+void GPT::set_activation_histograms(ActivationHistograms* h) {
+    act_hist_ = h;
+    if (h) {
+        h->outputs.assign((std::size_t)cfg_.n_layer, Log2Histogram{});
+        h->input_grads.assign((std::size_t)cfg_.n_layer, Log2Histogram{});
+    }
+}
+
 void GPT::stage_forward(int slot, const int32_t* inputs, int B, int T) {
     if (cfg_.tp != 1 && !tp_) fail("internal: a tensor-parallel shard runs with set_tp");
     ensure_arena(B, T);
@@ -568,6 +576,9 @@ void GPT::stage_forward(int slot, const int32_t* inputs, int B, int T) {
                 const float* ad = lora_ ? lora_->store().acquire(l) : nullptr;
                 block_forward(block_view(layout_, l, w), l, ad, sl.resid[i], sl.resid[i + 1], sl, B,
                               T);
+                if (act_hist_ && training)
+                    act_hist_->outputs[(std::size_t)l].add(sl.resid[i + 1],
+                                                           (std::size_t)cfg_.sp_rows(N) * C);
                 if (lora_) lora_->store().release(l);
                 break;
             }
@@ -730,6 +741,9 @@ void GPT::block_backward_part(const UnitVisit& v, Slot& sl, int B, int T, bool s
     }
     block_backward(p, g, l, ad, adg, dres_, x, sl, B, T,
                    split ? sl.wgrad.data() + i * wgrad_floats(B, T) : nullptr);
+    if (act_hist_)
+        act_hist_->input_grads[(std::size_t)l].add(dres_,
+                                                   (std::size_t)cfg_.sp_rows(B * T) * cfg_.n_embd);
     if (lora_) {
         lora_->store().grads_done(l);
         lora_->store().release(l);

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "core/allocator.h"
+#include "core/log2_histogram.h"
 #include "core/rng.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/dropout_mask.h"
@@ -45,6 +46,13 @@ struct BlockSaved {
     float* ln2_rstd;   // (B,T)
     float* fch;        // (B,T,F)   c_fc output (pre-activation; [gate | up] for swiglu)
     float* fch_act;    // (B,T,H)   GELU(fch), or silu(gate) * up
+};
+
+// train.diagnostics = amp: a training step's activations, counted by power of two per block
+// while a GPT holds a pointer to it: each block's output (the residual stream it hands on) and
+// the gradient of each block's input (what its backward hands down).
+struct ActivationHistograms {
+    std::vector<Log2Histogram> outputs, input_grads;  // one per block of the model
 };
 
 class GPT {
@@ -168,6 +176,9 @@ class GPT {
     // Floats one block keeps for its pending weight gradients, and bytes per slot (0 without the
     // split).
     std::size_t wgrad_floats(int B, int T) const;
+    // Counts the training passes' block outputs and input gradients into `h` (sized here) until
+    // set again to null; evaluation passes are not counted.
+    void set_activation_histograms(ActivationHistograms* h);
     std::size_t split_backward_bytes(int B, int T) const;
     // The last stage, after stage_forward, without backward: the mean loss, or the logits.
     float stage_loss(int slot, const int32_t* targets, int B, int T);
@@ -291,6 +302,7 @@ class GPT {
     TpComm* tp_ = nullptr;
     uint64_t drop_seed_ = 0, drop_first_ = 0;
     bool train_pass_ = false;  // inside forward_backward: its slot drops (model.dropout)
+    ActivationHistograms* act_hist_ = nullptr;
     float *dres_, *dln_, *dbig_, *dact_, *logits_;
     // ModelConfig::cpu_bf16: where the GEMMs round their operands (in the workspace arena).
     cpu::Bf16Gemm gemm_{};

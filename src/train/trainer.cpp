@@ -194,9 +194,10 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
     engine_->set_remat(schedule->plan);
     if (cfg_.train.diagnostics == "amp" && !engine_->has_gradient_histograms())
         fail(
-            "train.diagnostics = \"amp\" reads the gradients of the CPU engine with data "
-            "parallelism and ZeRO 0-3; {} cannot give them yet (train.tp, train.pp, a parameter "
-            "server and the CUDA engine are not covered)",
+            "train.diagnostics = \"amp\" reads the gradients of the CPU engine (one process, "
+            "DDP, ZeRO 0-3) and of the CUDA engine on one GPU; {} cannot give them yet (train.tp, "
+            "train.pp, a parameter server, GPUs under NCCL, optimizer offload and LoRA are not "
+            "covered)",
             engine_->describe());
     if (!opts_.engine) {
         // The engine allocated what its plan predicted, row for row: the report prints the plan.
@@ -597,6 +598,10 @@ TrainSummary Trainer::run() {
                 state_.step + 1, lr, cfg_.optim.lr, peak_lr_);
         engine_->prepare_update(lr, cfg_.optim.grad_clip);
         engine_->begin_step();
+        const bool amp_step =
+            cfg_.train.diagnostics == "amp" &&
+            ((state_.step + 1) % cfg_.train.diagnostics_every == 0 || state_.step == first_step);
+        if (amp_step) engine_->record_activation_histograms();
         for (int k = 0; k < K; k++) {
             {
                 const ScopedPhase data(Phase::data);
@@ -615,9 +620,7 @@ TrainSummary Trainer::run() {
             engine_->forward_backward(xg_.data() + rows, yg_.data() + rows, B, T, grad_scale,
                                       k == K - 1);
         }
-        if (cfg_.train.diagnostics == "amp" &&
-            ((state_.step + 1) % cfg_.train.diagnostics_every == 0 || state_.step == first_step))
-            amp_diagnose(state_.step + 1);
+        if (amp_step) amp_diagnose(state_.step + 1);
         const StepResult step = [&] {
             const ScopedPhase optimizer(Phase::optimizer);
             return engine_->finish_step(lr, cfg_.optim.grad_clip);
@@ -873,6 +876,50 @@ void Trainer::amp_diagnose(int64_t step) {
         scaled.fp16_overflow, raw.bf16_underflow, safe, lo, fmt::join(counts, ", "), tensors));
     amp_last_ = all;
     amp_last_step_ = step;
+    amp_activations(step, s);
+}
+
+void Trainer::amp_activations(int64_t step, int s) {
+    // The lecture's Figure 5 is of these: the activation gradients, whose fp16 copies carry the
+    // loss scale as the weight gradients do; the activations themselves carry none.
+    const std::vector<Engine::TensorHistogram> hists = engine_->activation_histograms();
+    if (hists.empty()) return;  // (the CUDA engine counts gradients only)
+    Log2Histogram out, grad;
+    for (const auto& t : hists) (t.name.ends_with(".grad") ? grad : out).merge(t.hist);
+    const PrecisionLoss a = precision_loss(out, 0), g = precision_loss(grad, 0),
+                        gs = precision_loss(grad, s);
+    print(fmt::format(
+        "amp step {}: {} activation values (block outputs), {} zero, largest 2^{}; fp16 would "
+        "overflow {}. {} activation gradients (of block inputs), {} zero; fp16 would flush {} to "
+        "zero unscaled, {} at loss scale 2^{} (overflowing {}); bf16 flushes {}\n",
+        step, out.total, pct(a.zero), out.max_exp(), pct(a.fp16_overflow), grad.total, pct(g.zero),
+        pct(g.fp16_underflow), pct(gs.fp16_underflow), s, pct(gs.fp16_overflow),
+        pct(g.bf16_underflow)));
+    auto histogram = [](const Log2Histogram& h) {
+        const int lo = h.min_exp();
+        std::vector<int64_t> counts;
+        for (int e = lo; e <= h.max_exp(); e++) counts.push_back(h.at(e));
+        return fmt::format(
+            "\"values\": {}, \"zeros\": {}, \"nonfinite\": {}, \"log2_lo\": {}, "
+            "\"log2_counts\": [{}]",
+            h.total, h.zeros, h.nonfinite, lo, fmt::join(counts, ", "));
+    };
+    std::string tensors;
+    for (const auto& t : hists) {
+        const PrecisionLoss p = precision_loss(t.hist, t.name.ends_with(".grad") ? s : 0);
+        tensors += fmt::format(
+            "{}{{\"name\": \"{}\", \"values\": {}, \"zero\": {:.6g}, \"fp16_underflow\": "
+            "{:.6g}, \"fp16_overflow\": {:.6g}, \"max_log2\": {}}}",
+            tensors.empty() ? "" : ", ", t.name, t.hist.total, p.zero, p.fp16_underflow,
+            p.fp16_overflow, t.hist.max_exp());
+    }
+    log_metrics(fmt::format(
+        "{{\"step\": {}, \"event\": \"amp_activations\", \"loss_scale_log2\": {}, "
+        "\"activations\": {{{}, \"fp16_overflow\": {:.6g}}}, \"activation_grads\": {{{}, "
+        "\"fp16_underflow_unscaled\": {:.6g}, \"fp16_underflow\": {:.6g}, \"fp16_overflow\": "
+        "{:.6g}, \"bf16_underflow\": {:.6g}}}, \"tensors\": [{}]}}",
+        step, s, histogram(out), a.fp16_overflow, histogram(grad), g.fp16_underflow,
+        gs.fp16_underflow, gs.fp16_overflow, g.bf16_underflow, tensors));
 }
 
 int Trainer::fp16_scale_log2() const {

@@ -128,6 +128,9 @@ class Trainer {
     // printed and logged; and at the end of the run, what they suggest.
     void amp_diagnose(int64_t step);
     void amp_summary();
+    // The same step's activations and activation gradients (Engine::activation_histograms),
+    // printed and logged; `s` is the loss scale fp16 would start at, as 2^s.
+    void amp_activations(int64_t step, int s);
     int fp16_scale_log2() const;  // optim.loss_scale, the scale fp16 would start at, as 2^k
     void print_sample();
 

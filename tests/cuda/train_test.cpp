@@ -9,8 +9,11 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <string>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "core/device.h"
 #include "core/error.h"
@@ -129,6 +132,69 @@ TEST(CudaTrain, CpuBf16TracksTheCudaBf16Step) {
         den += (double)pc[i] * pc[i];
     }
     EXPECT_LT(std::sqrt(num / den), 1e-2);
+}
+
+// The first amp line of a run (train.diagnostics = amp): its total and its histogram.
+struct AmpLine {
+    int64_t values = 0;
+    std::map<int, int64_t> bins;  // log2 exponent -> count
+};
+AmpLine first_amp_line(const std::string& out_dir) {
+    std::ifstream in(out_dir + "/metrics.jsonl");
+    for (std::string line; std::getline(in, line);) {
+        const auto j = nlohmann::json::parse(line);
+        if (j.value("event", "") != "amp") continue;
+        AmpLine a;
+        a.values = j["values"].get<int64_t>();
+        int e = j["log2_lo"].get<int>();
+        for (const auto& n : j["log2_counts"]) a.bins[e++] = n.get<int64_t>();
+        return a;
+    }
+    ADD_FAILURE() << "no amp line in " << out_dir;
+    return {};
+}
+
+// train.diagnostics = amp on one GPU: the step's gradients brought down and counted. In fp32
+// the first step's histogram is the CPU engine's but for values on a power-of-two edge; in fp16
+// the gradients carry the loss scale and are counted unscaled, so their histogram is fp32's but
+// for fp16's rounding.
+TEST(CudaTrain, AmpDiagnosticsCountTheGpuGradients) {
+    REQUIRE_GPU();
+    auto dc = test::temp_dir("cuda_amp_cpu"), d32 = test::temp_dir("cuda_amp_fp32"),
+         d16 = test::temp_dir("cuda_amp_fp16");
+    auto with_amp = [](RunConfig c) {
+        c.train.diagnostics = "amp";
+        c.train.diagnostics_every = 100;
+        return c;
+    };
+    const RunConfig rc = with_amp(wide_heads(test::tiny_run(dc, 1))),
+                    r32 = with_amp(wide_heads(cuda_run(d32, 1, "fp32"))),
+                    r16 = with_amp(wide_heads(cuda_run(d16, 1, "fp16")));
+    Trainer cpu(rc, quiet());
+    const int64_t params = (int64_t)cpu.params().size();
+    cpu.run();
+    Trainer(r32, quiet()).run();
+    Trainer(r16, quiet()).run();
+    const AmpLine c = first_amp_line(rc.io.out_dir), g32 = first_amp_line(r32.io.out_dir),
+                  g16 = first_amp_line(r16.io.out_dir);
+    EXPECT_EQ(c.values, params);
+    EXPECT_EQ(g32.values, params);
+    EXPECT_EQ(g16.values, params);
+    auto moved = [](const AmpLine& a, const AmpLine& b) {  // values in another bin, counted twice
+        int64_t d = 0;
+        std::map<int, int64_t> all = a.bins;
+        for (const auto& [e, n] : b.bins) all[e] += 0;
+        for (const auto& [e, n] : all) {
+            const auto ia = a.bins.find(e), ib = b.bins.find(e);
+            d += std::llabs((ia == a.bins.end() ? 0 : ia->second) -
+                            (ib == b.bins.end() ? 0 : ib->second));
+        }
+        return d;
+    };
+    EXPECT_LT(moved(c, g32), params / 100) << "fp32 GPU against the CPU";
+    EXPECT_LT(moved(g32, g16), params / 20) << "fp16 (unscaled) against fp32";
+    // Unscaled: fp16's gradients sit where fp32's do, not 2^16 higher.
+    EXPECT_EQ(g16.bins.rbegin()->first, g32.bins.rbegin()->first);
 }
 
 // In fp32 (no loss scaler) a non-finite gradient is the divergence guard's: the engine skips the

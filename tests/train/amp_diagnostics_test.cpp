@@ -9,6 +9,7 @@
 #include "core/log2_histogram.h"
 #include "io/run_report.h"
 #include "io/text_file.h"
+#include "model/gpt.h"
 #include "test_util.h"
 #include "train/trainer.h"
 
@@ -95,6 +96,79 @@ TEST(AmpDiagnostics, ARunLogsEveryGradientValueAndTheReportDrawsThem) {
     const std::string html = io::render_report_html(in_report);
     EXPECT_NE(html.find("id=\"chart-amp\""), std::string::npos);
     EXPECT_NE(html.find("fp16 overflows from 2^0 at loss scale 2^16"), std::string::npos);
+}
+
+// The activation histograms count exactly what the step made: the last block's output (the
+// stage output) and the first block's input gradient (left in stage_grad), value for value, and
+// B x T x C values per block; an evaluation pass counts nothing.
+TEST(AmpDiagnostics, ActivationsAndTheirGradientsAreCountedExactly) {
+    const ModelConfig cfg = test::tiny_model(2);
+    GPT m(cfg);
+    m.init_weights(5);
+    const int B = 2, T = 8;
+    std::vector<int32_t> x(B * T), y(B * T);
+    for (int i = 0; i < B * T; i++) {
+        x[i] = (7 * i + 3) % cfg.vocab_size;
+        y[i] = (5 * i + 1) % cfg.vocab_size;
+    }
+    ActivationHistograms h;
+    m.set_activation_histograms(&h);
+    m.forward_loss(x.data(), y.data(), B, T);  // evaluation: not counted
+    for (const auto& v : h.outputs) EXPECT_EQ(v.total, 0);
+    m.forward_backward(x.data(), y.data(), B, T, 1.0f / (B * T));
+    m.set_activation_histograms(nullptr);
+    const std::size_t n = (std::size_t)B * T * cfg.n_embd;
+    ASSERT_EQ(h.outputs.size(), 2u);
+    ASSERT_EQ(h.input_grads.size(), 2u);
+    for (int l = 0; l < 2; l++) {
+        EXPECT_EQ(h.outputs[l].total, (int64_t)n);
+        EXPECT_EQ(h.input_grads[l].total, (int64_t)n);
+    }
+    Log2Histogram out, grad;
+    out.add(m.stage_output(0), n);
+    grad.add(m.stage_grad(), n);
+    EXPECT_EQ(h.outputs[1].bins, out.bins);
+    EXPECT_EQ(h.outputs[1].zeros, out.zeros);
+    EXPECT_EQ(h.input_grads[0].bins, grad.bins);
+    EXPECT_EQ(h.input_grads[0].zeros, grad.zeros);
+    EXPECT_GT(grad.total - grad.zeros, 0);
+}
+
+// A run logs the activation histograms beside the gradients' at the same steps, and the report
+// draws the activation gradients (the lecture's Figure 5).
+TEST(AmpDiagnostics, ARunLogsActivationHistogramsAndTheReportDrawsThem) {
+    RunConfig c = test::tiny_run(test::temp_dir("amp_diag_act"), 6);
+    c.train.diagnostics = "amp";
+    c.train.diagnostics_every = 5;
+    Trainer t(c, test::quiet());
+    t.run();
+    const std::string log = io::read_text_file(c.io.out_dir + "/metrics.jsonl");
+    const int64_t per_block =
+        (int64_t)c.micro_batch() * c.train.seq_len * c.model.n_embd * c.accum_steps();
+    std::vector<int64_t> steps;
+    std::istringstream in(log);
+    for (std::string line; std::getline(in, line);) {
+        const auto j = nlohmann::json::parse(line);
+        if (j.value("event", "") != "amp_activations") continue;
+        steps.push_back(j["step"].get<int64_t>());
+        for (const char* kind : {"activations", "activation_grads"}) {
+            const auto& a = j[kind];
+            EXPECT_EQ(a["values"].get<int64_t>(), per_block * c.model.n_layer) << kind;
+            int64_t sum = a["zeros"].get<int64_t>() + a["nonfinite"].get<int64_t>();
+            for (const auto& v : a["log2_counts"]) sum += v.get<int64_t>();
+            EXPECT_EQ(sum, a["values"].get<int64_t>()) << kind;
+        }
+        EXPECT_EQ(j["tensors"].size(), 2u * c.model.n_layer);
+    }
+    EXPECT_EQ(steps, (std::vector<int64_t>{1, 5}));
+    const io::RunMetrics m = io::parse_metrics(log, "metrics.jsonl");
+    ASSERT_EQ(m.amp_activation_grads.size(), 2u);
+    EXPECT_EQ(m.steps.size(), 6u);  // the amp lines are not steps
+    io::ReportInput in_report;
+    in_report.run_dir = c.io.out_dir;
+    in_report.metrics = m;
+    const std::string html = io::render_report_html(in_report);
+    EXPECT_NE(html.find("id=\"chart-amp-activation-grads\""), std::string::npos);
 }
 
 }  // namespace memtrain

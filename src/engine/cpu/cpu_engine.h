@@ -94,6 +94,8 @@ class CpuEngine final : public Engine {
         return zero_ && !pipelined() && !tp_ && !in_backward();
     }
     std::vector<TensorHistogram> gradient_histograms() override;
+    void record_activation_histograms() override;
+    std::vector<TensorHistogram> activation_histograms() override;
     double forward_loss(const int32_t* inputs, const int32_t* targets, int B, int T) override;
     void forward_logits(const int32_t* inputs, int B, int T, float* out) override;
     MemoryTracker& memory() override { return host_memory(); }
@@ -221,6 +223,7 @@ class CpuEngine final : public Engine {
     double loss_sum_ = 0;
     int micro_batches_ = 0;
     int64_t steps_ = 0;
+    ActivationHistograms act_hist_;  // train.diagnostics = amp, while recording
     dist::TpGroup::Counts step_counts_;
 };
 

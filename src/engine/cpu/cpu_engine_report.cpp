@@ -21,7 +21,7 @@ std::string CpuEngine::chunk_blocks() const {
 
 std::string cpu_compute_label(const ModelConfig& m) {
     return m.cpu_bf16 ? fmt::format("bf16 GEMMs on {}, fp32 elsewhere", cpu::bf16_gemm_path())
-                       : std::string("fp32");
+                      : std::string("fp32");
 }
 
 std::string CpuEngine::describe() const {

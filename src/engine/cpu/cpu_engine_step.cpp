@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include <fmt/format.h>
+
 #include "core/error.h"
 #include "core/phase_clock.h"
 #include "engine/cpu/cpu_engine.h"
@@ -63,6 +65,30 @@ std::vector<Engine::TensorHistogram> CpuEngine::gradient_histograms() {
     std::vector<TensorHistogram> out(mine.size());
     for (std::size_t i = 0; i < mine.size(); i++) {
         out[i].name = layout_.tensors[i].name;
+        for (int r = 0; r < world_.size(); r++)
+            out[i].hist.merge(all[(std::size_t)r * mine.size() + i]);
+    }
+    return out;
+}
+
+void CpuEngine::record_activation_histograms() {
+    if (!has_gradient_histograms()) fail("internal: activation histograms asked of {}", describe());
+    model().set_activation_histograms(&act_hist_);
+}
+
+std::vector<Engine::TensorHistogram> CpuEngine::activation_histograms() {
+    if (!has_gradient_histograms()) fail("internal: activation histograms asked of {}", describe());
+    model().set_activation_histograms(nullptr);
+    // Per block its output, then its input gradient; every rank's counts added in rank order.
+    std::vector<Log2Histogram> mine;
+    for (const Log2Histogram& h : act_hist_.outputs) mine.push_back(h);
+    for (const Log2Histogram& h : act_hist_.input_grads) mine.push_back(h);
+    std::vector<Log2Histogram> all(mine.size() * (std::size_t)world_.size());
+    world_.all_gather_bytes(mine.data(), all.data(), mine.size() * sizeof(Log2Histogram));
+    const std::size_t L = act_hist_.outputs.size();
+    std::vector<TensorHistogram> out(mine.size());
+    for (std::size_t i = 0; i < mine.size(); i++) {
+        out[i].name = i < L ? fmt::format("h.{}.output", i) : fmt::format("h.{}.input.grad", i - L);
         for (int r = 0; r < world_.size(); r++)
             out[i].hist.merge(all[(std::size_t)r * mine.size() + i]);
     }

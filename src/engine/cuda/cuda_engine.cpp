@@ -77,6 +77,32 @@ class CudaEngine final : public Engine {
         return step_.finish(lr, max_norm, *states_);
     }
     void set_guarded(bool guarded) override { step_.set_guarded(guarded); }
+    // train.diagnostics = amp on one GPU (no NCCL ranks, no offload, not LoRA), where the step's
+    // whole gradient is one buffer: brought down once, unscaled by fp16's loss scale (a power of
+    // two: exact), counted per tensor on the host.
+    bool has_gradient_histograms() const override {
+        return !plan_.lora && !plan_.collective && !plan_.cfg.train.offload_optimizer;
+    }
+    std::vector<TensorHistogram> gradient_histograms() override {
+        if (!has_gradient_histograms())
+            fail("internal: gradient histograms asked of {}", describe());
+        const ParamLayout& layout = model().layout();
+        std::vector<T> host(layout.total);
+        MT_CUDA_CHECK(cudaMemcpyAsync(host.data(), states_->gradients(), sizeof(T) * host.size(),
+                                      cudaMemcpyDeviceToHost, stream_.get()));
+        MT_CUDA_CHECK(cudaStreamSynchronize(stream_.get()));
+        const float unscale = 1.0f / step_.loss_scale();
+        std::vector<TensorHistogram> out;
+        std::vector<float> f;
+        for (const ParamSpec& t : layout.tensors) {
+            f.resize(t.numel);
+            for (std::size_t i = 0; i < t.numel; i++)
+                f[i] = cuda::to_fp32(host[t.offset + i]) * unscale;
+            out.push_back({t.name, {}});
+            out.back().hist.add(f.data(), f.size());
+        }
+        return out;
+    }
     double forward_loss(const int32_t* inputs, const int32_t* targets, int B, int T_) override {
         states_->before_eval();
         model().forward_loss(inputs, targets, B, T_, step_.eval_sum());
