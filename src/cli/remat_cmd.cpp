@@ -211,7 +211,7 @@ void register_remat(CLI::App& app) {
         const ActFormat fmt = device == "cuda"
                                   ? cuda_arena_format(m, precision == "fp32" ? 4 : 2, B, T)
                                   : ActFormat::cpu(m.lse_attention, precision == "bf16",
-                                                   cpu_bf16_activations(cfg.train, precision));
+                                                   cpu_saved_activations(cfg.train, precision));
         const bool measured = a->measure || cfg.train.remat_costs == "measured";
         if (measured && device == "cuda")
             fail("--measure profiles the CPU kernels; price the cuda layout with analytic costs");
@@ -236,11 +236,13 @@ void register_remat(CLI::App& app) {
                               "attention probabilities)",
                               precision)
                       .c_str()
-                : fmt::format("cpu, {} ({})",
-                              fmt.bf16_saved ? "bf16 saved fields, an fp32 working block" : "fp32",
-                              fmt.fused_attention
-                                  ? "train.cpu_attention = lse: a log-sum-exp per row"
-                                  : "attention probabilities kept")
+                : fmt::format(
+                      "cpu, {} ({})",
+                      fmt.compressed() ? fmt::format("{} saved fields, an fp32 working block",
+                                                     saved_store_name(fmt.saved))
+                                       : std::string("fp32"),
+                      fmt.fused_attention ? "train.cpu_attention = lse: a log-sum-exp per row"
+                                          : "attention probabilities kept")
                       .c_str());
         std::printf("smallest feasible peak activation memory: %s\n",
                     format_bytes(min_feasible_bytes(chain)).c_str());

@@ -244,7 +244,8 @@ const std::vector<Key>& registry() {
                  "| lse (B x heads x T log-sum-exps; the backward recomputes the probabilities)"),
         make_key("train.cpu_activations", &R::train, &TrainConfig::cpu_activations,
                  "how the CPU engine stores saved activations: auto (bf16 under bf16 precision) "
-                 "| fp32 | bf16 (rounded where made, half the bytes)"),
+                 "| fp32 | bf16 (rounded where made, half the bytes) | int8 (blocks of 256 with a "
+                 "power-of-two scale, about a quarter)"),
         make_key("train.cuda_graphs", &R::train, &TrainConfig::cuda_graphs,
                  "cuda: replay each micro-batch's forward and backward as one CUDA graph"),
         make_key("train.diagnostics", &R::train, &TrainConfig::diagnostics,

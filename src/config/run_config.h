@@ -40,8 +40,9 @@ struct TrainConfig {
     // recomputing the probabilities (ModelConfig::lse_attention).
     std::string cpu_attention = "probs";
     // How the CPU engine stores each block's saved activations: "bf16" (rounded where made,
-    // half the bytes; ModelConfig::bf16_activations), "fp32", or "auto": bf16 under
-    // precision = "bf16", else fp32.
+    // half the bytes), "int8" (blocks of 256 with a power-of-two scale, about a quarter),
+    // "fp32", or "auto": bf16 under precision = "bf16", else fp32
+    // (ModelConfig::saved_activations).
     std::string cpu_activations = "auto";
     int zero_stage =
         0;       // data-parallel sharding (parallel/data/zero_store.h): 0 DDP .. 3 parameters

@@ -365,7 +365,7 @@ plan::RunSpec planner_run_spec(const RunConfig& cfg, const ActFormat& format) {
     // only, in a workspace region of the arena (ActFormat::bf16_gemm).
     if (!format.cuda) rs.precision = Precision::fp32;
     rs.cpu_bf16 = format.bf16_gemm;
-    rs.cpu_bf16_saved = format.bf16_saved;
+    rs.cpu_saved = format.saved;
     rs.optimizer = cfg.optim.name == "sgd"    ? plan::Optimizer::sgd
                    : cfg.optim.name == "muon" ? plan::Optimizer::muon
                                               : plan::Optimizer::adamw;

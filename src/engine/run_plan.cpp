@@ -132,6 +132,7 @@ std::string RunPlan::table() const {
     row("model states", fmt::format("ZeRO stage {}: {}", zero_stage, dist::describe(states)));
     if (gpu()) row("collectives", collective ? "NCCL between the launched ranks" : "none");
     row("precision", precision_name(precision));
+    if (!gpu()) row("saved activations", saved_store_name(format.saved));
     if (mesh.pp > 1)
         row("pipeline",
             fmt::format("{}{}", pp::kind_name(schedule),

@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "kernels/cpu/act_int8.h"
 #include "model/param_layout.h"
 
 namespace memtrain {
@@ -60,7 +61,7 @@ std::size_t aligned(std::size_t bytes, const ActFormat& fmt) {
 // of bf16 saved fields holds every field.
 bool in_scratch(const RematPlan& plan, SavedField f, const ModelConfig& cfg, const ActFormat& fmt) {
     if (saved_field_bytes(f, cfg, 1, 1, fmt) == 0) return false;
-    if (fmt.bf16_saved) return true;
+    if (fmt.compressed()) return true;
     for (BlockKeep k : plan)
         if (!keeps(k, f)) return true;
     return false;
@@ -196,7 +197,10 @@ std::size_t saved_field_bytes(SavedField f, const ModelConfig& cfg, int B, int T
             n = layout_mul(BT, cfg.local_hidden());
             break;
     }
-    return layout_mul(n, stat ? sizeof(float) : fmt.bf16_saved ? 2 : (std::size_t)fmt.elem_bytes);
+    if (!stat && fmt.saved == SavedStore::int8) return cpu::int8_store_bytes(n);
+    return layout_mul(n, stat                            ? sizeof(float)
+                         : fmt.saved == SavedStore::bf16 ? 2
+                                                         : (std::size_t)fmt.elem_bytes);
 }
 
 bool is_statistic(SavedField f, const ActFormat& fmt) {
@@ -214,10 +218,10 @@ std::size_t kept_bytes(const ModelConfig& cfg, int B, int T, BlockKeep k, const 
 std::size_t scratch_bytes(const ModelConfig& cfg, int B, int T, BlockKeep k, const ActFormat& fmt) {
     // bf16 saved fields: the fp32 working block holds every field, whatever the block keeps.
     ActFormat work = fmt;
-    work.bf16_saved = false;
+    work.saved = SavedStore::fp32;
     std::size_t n = 0;
     for (int i = 0; i < kSavedFields; i++)
-        if (fmt.bf16_saved || !keeps(k, field(i)))
+        if (fmt.compressed() || !keeps(k, field(i)))
             n = layout_add(n, aligned(saved_field_bytes(field(i), cfg, B, T, work), fmt));
     return n;
 }
@@ -369,12 +373,12 @@ ArenaPlan plan_arena(const ModelConfig& cfg, int B, int T, const RematPlan& plan
         std::string names;
         const std::size_t start = act;
         ActFormat work = fmt;  // the scratch (or working block) is fp32
-        work.bf16_saved = false;
+        work.saved = SavedStore::fp32;
         p.work.fill(kNoOffset);
         for (int i = 0; i < kSavedFields; i++) {
             if (!in_scratch(plan, field(i), cfg, fmt)) continue;
             const std::size_t at = take_act(saved_field_bytes(field(i), cfg, B, T, work));
-            if (fmt.bf16_saved)
+            if (fmt.compressed())
                 p.work[i] = at;
             else
                 for (std::size_t l = 0; l < L; l++)
@@ -382,8 +386,8 @@ ArenaPlan plan_arena(const ModelConfig& cfg, int B, int T, const RematPlan& plan
             names += (names.empty() ? "" : ", ") + saved_field_name(field(i), cfg, fmt);
         }
         if (act > start)
-            p.entries.push_back({(fmt.bf16_saved ? "working block, fp32, one block ("
-                                                 : "recompute scratch, one block (") +
+            p.entries.push_back({(fmt.compressed() ? "working block, fp32, one block ("
+                                                   : "recompute scratch, one block (") +
                                      names + ")",
                                  act - start, A});
     }

@@ -84,19 +84,21 @@ struct ActFormat {
     // The CPU model's bf16 GEMMs (ModelConfig::cpu_bf16): the workspace holds the bf16 copies
     // of one GEMM's operands at a time (bf16_gemm_elems).
     bool bf16_gemm = false;
-    // The CPU model's bf16 saved fields (ModelConfig::cpu_bf16): each block keeps its saved
-    // activations in bf16 (statistics in fp32), and one fp32 working block, where the recompute
-    // scratch would be, holds the block the forward or backward is in (ArenaPlan::work).
-    bool bf16_saved = false;
+    // The CPU model's compressed saved fields (ModelConfig::saved_activations, bf16 or int8):
+    // each block keeps its saved activations in that form (statistics in fp32), and one fp32
+    // working block, where the recompute scratch would be, holds the block the forward or
+    // backward is in (ArenaPlan::work).
+    SavedStore saved = SavedStore::fp32;
+    bool compressed() const { return saved != SavedStore::fp32; }
 
     // The CPU model: fp32, the probabilities or (lse_attention) their log-sum-exp; bf16 GEMMs
-    // and bf16 saved fields as asked.
+    // and compressed saved fields as asked.
     static ActFormat cpu(bool lse_attention = false, bool bf16_gemm = false,
-                         bool bf16_saved = false) {
+                         SavedStore saved = SavedStore::fp32) {
         ActFormat f;
         f.fused_attention = lse_attention;
         f.bf16_gemm = bf16_gemm;
-        f.bf16_saved = bf16_saved;
+        f.saved = saved;
         return f;
     }
     bool operator==(const ActFormat&) const = default;
@@ -112,9 +114,9 @@ struct ActFormat {
 // anywhere).
 ActFormat cuda_arena_format(const ModelConfig& cfg, int elem_bytes, int B, int T);
 
-// The CPU model's format for a config (ModelConfig::lse_attention, cpu_bf16, bf16_activations).
+// The CPU model's format for a config (ModelConfig::lse_attention, cpu_bf16, saved_activations).
 inline ActFormat cpu_arena_format(const ModelConfig& cfg) {
-    return ActFormat::cpu(cfg.lse_attention, cfg.cpu_bf16, cfg.bf16_activations);
+    return ActFormat::cpu(cfg.lse_attention, cfg.cpu_bf16, cfg.saved_activations);
 }
 
 // The bf16 elements the CPU model's largest GEMM needs for its rounded operands, a micro-batch
@@ -162,8 +164,8 @@ struct ArenaPlan {
     // slots their rebuilt inputs wait in.
     std::vector<std::size_t> held;
     std::vector<std::array<std::size_t, kSavedFields>> block;
-    // ActFormat::bf16_saved: the fp32 working block, one offset per field (kNoOffset where the
-    // field has no bytes). block[l][i] is then field i's bf16 storage (fp32 for statistics)
+    // ActFormat::compressed(): the fp32 working block, one offset per field (kNoOffset where the
+    // field has no bytes). block[l][i] is then field i's bf16 or int8 storage (fp32 for statistics)
     // where block l keeps it, kNoOffset where it drops it.
     std::array<std::size_t, kSavedFields> work{};
     std::size_t lnf = 0, lnf_mean = kNoOffset, lnf_rstd = 0;

@@ -5,6 +5,18 @@
 
 namespace memtrain {
 
+const char* saved_store_name(SavedStore s) {
+    switch (s) {
+        case SavedStore::fp32:
+            return "fp32";
+        case SavedStore::bf16:
+            return "bf16";
+        case SavedStore::int8:
+            return "int8";
+    }
+    return "?";
+}
+
 void ModelConfig::check_bounds() const {
     // Upper bounds, far above any real model (Llama 3 405B: 126 blocks, width 16384, MLP 53248,
     // 128256 tokens), so that every size derived from the config (fc_dim() is 2 ffn_hidden as

@@ -19,6 +19,10 @@ constexpr int kMaxContext = 1 << 20;   // block_size
 constexpr int kMaxVocab = 1 << 24;     // vocab_size
 constexpr int kMaxVocabPad = 1 << 16;  // vocab_pad
 
+// How saved activations are stored (ModelConfig::saved_activations, ActFormat::saved).
+enum class SavedStore { fp32, bf16, int8 };
+const char* saved_store_name(SavedStore s);  // "fp32", "bf16", "int8"
+
 struct ModelConfig {
     int n_layer = 6;
     int n_head = 6;
@@ -59,10 +63,11 @@ struct ModelConfig {
     // gradients, the residual streams, norms' statistics, softmax and the loss stay fp32. Set by
     // resolve_config, never read from a file; the CUDA model's precision is its storage type.
     bool cpu_bf16 = false;
-    // The CPU model stores each block's saved activations in bf16 (train.cpu_activations; by
-    // default with cpu_bf16): each field rounded where the forward makes it, so the backward and
-    // any recompute read the same values. Set by resolve_config, never read from a file.
-    bool bf16_activations = false;
+    // How the CPU model stores each block's saved activations (train.cpu_activations; bf16 by
+    // default with cpu_bf16): fp32, bf16, or block-scaled int8 (kernels/cpu/act_int8.h), each
+    // field rounded where the forward makes it, so the backward and any recompute read the same
+    // values. Set by resolve_config, never read from a file.
+    SavedStore saved_activations = SavedStore::fp32;
     // Weights to start from: a Hugging Face model directory, a memtrain checkpoint or an out_dir
     // with `latest`, a .safetensors file, or a sharded model.safetensors.index.json, with GPT-2 or
     // Llama tensor names (io/hf_weights.h, io/model_source.h).

@@ -10,6 +10,7 @@
 
 #include "core/error.h"
 #include "core/phase_clock.h"
+#include "kernels/cpu/act_int8.h"
 #include "kernels/cpu/ops.h"
 #include "model/tp_comm.h"
 #include "model/vocab_parallel.h"
@@ -164,7 +165,7 @@ void GPT::ensure_arena(int B, int T) {
     const int nb = blocks();
     const ActFormat fmt = arena_format();
     ActFormat fp32 = fmt;
-    fp32.bf16_saved = false;
+    fp32.saved = SavedStore::fp32;
     for (int i = 0; i < kSavedFields; i++)
         field_elems_[i] = saved_field_bytes(SavedField(i), cfg_, B, T, fp32) / sizeof(float);
     for (Slot& s : slots_) {
@@ -174,19 +175,18 @@ void GPT::ensure_arena(int B, int T) {
         s.held.clear();
         for (std::size_t at : p.held) s.held.push_back(act(at));
         s.saved.assign(nb, BlockSaved{});
-        s.stored.assign(fmt.bf16_saved ? nb : 0, {});
+        s.stored.assign(fmt.compressed() ? nb : 0, {});
         for (int l = 0; l < nb; l++)
             for (int i = 0; i < kSavedFields; i++) {
                 const std::size_t at = p.block[l][i];
-                if (!fmt.bf16_saved) {
+                if (!fmt.compressed()) {
                     if (at != kNoOffset) s.saved[l].*kMembers[i] = act(at);
                 } else if (is_statistic(SavedField(i), fmt) && at != kNoOffset) {
                     s.saved[l].*kMembers[i] = act(at);  // a kept statistic: fp32, its own
                 } else if (p.work[i] != kNoOffset) {
                     s.saved[l].*kMembers[i] = act(p.work[i]);
                     if (at != kNoOffset)  // a kept activation (kept statistics are above)
-                        s.stored[l][i] = reinterpret_cast<uint16_t*>(
-                            reinterpret_cast<char*>(s.acts.data()) + at);
+                        s.stored[l][i] = reinterpret_cast<char*>(s.acts.data()) + at;
                 }
             }
         s.lnf = act(p.lnf);
@@ -379,24 +379,41 @@ void GPT::recompute_selective(const BlockParams& p, const float* x, BlockSaved& 
 }
 
 void GPT::round_saved(const BlockSaved& s, SavedField f) const {
-    if (!cfg_.bf16_activations || is_statistic(f, arena_format())) return;
-    cpu::round_to_bf16(s.*kMembers[static_cast<int>(f)],
-                       (int64_t)field_elems_[static_cast<int>(f)]);
+    const SavedStore store = cfg_.saved_activations;
+    if (store == SavedStore::fp32 || is_statistic(f, arena_format())) return;
+    float* x = s.*kMembers[static_cast<int>(f)];
+    const std::size_t n = field_elems_[static_cast<int>(f)];
+    if (store == SavedStore::bf16)
+        cpu::round_to_bf16(x, (int64_t)n);
+    else
+        cpu::qdq_int8(x, n);
 }
 
 void GPT::stash(Slot& sl, int i) const {
     if (sl.stored.empty()) return;
-    for (int f = 0; f < kSavedFields; f++)
-        if (sl.stored[i][f])
-            cpu::to_bf16(sl.stored[i][f], sl.saved[i].*kMembers[f], 1, (int64_t)field_elems_[f],
-                         (int64_t)field_elems_[f]);
+    const bool bf16 = cfg_.saved_activations == SavedStore::bf16;
+    for (int f = 0; f < kSavedFields; f++) {
+        if (!sl.stored[i][f]) continue;
+        const std::size_t n = field_elems_[f];
+        if (bf16)
+            cpu::to_bf16(static_cast<uint16_t*>(sl.stored[i][f]), sl.saved[i].*kMembers[f], 1,
+                         (int64_t)n, (int64_t)n);
+        else
+            cpu::to_int8(sl.stored[i][f], sl.saved[i].*kMembers[f], n);
+    }
 }
 
 void GPT::unstash(Slot& sl, int i) const {
     if (sl.stored.empty()) return;
-    for (int f = 0; f < kSavedFields; f++)
-        if (sl.stored[i][f])
-            cpu::from_bf16(sl.saved[i].*kMembers[f], sl.stored[i][f], (int64_t)field_elems_[f]);
+    const bool bf16 = cfg_.saved_activations == SavedStore::bf16;
+    for (int f = 0; f < kSavedFields; f++) {
+        if (!sl.stored[i][f]) continue;
+        if (bf16)
+            cpu::from_bf16(sl.saved[i].*kMembers[f], static_cast<const uint16_t*>(sl.stored[i][f]),
+                           (int64_t)field_elems_[f]);
+        else
+            cpu::from_int8(sl.saved[i].*kMembers[f], sl.stored[i][f], field_elems_[f]);
+    }
 }
 
 // On entry dres holds d(block output); on exit d(block input).

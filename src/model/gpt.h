@@ -204,7 +204,7 @@ class GPT {
         // ModelConfig::cpu_bf16: every block's BlockSaved points into the fp32 working block
         // (statistics it keeps excepted), and its kept activations wait here in bf16 (null:
         // dropped) between its forward (stash) and its backward (unstash).
-        std::vector<std::array<uint16_t*, kSavedFields>> stored;
+        std::vector<std::array<void*, kSavedFields>> stored;
         float *lnf = nullptr, *lnf_mean = nullptr, *lnf_rstd = nullptr;
         // The micro-batch's dropout (p = 0: none), its site left to each use (dropout_at).
         DropoutMask drop;

@@ -54,7 +54,7 @@ ModelConfig rank_config(const ModelSpec& m, const RunSpec& r) {
     c.sequence_parallel = r.sequence_parallel && r.tp > 1;
     c.lse_attention = r.lse_attention && !r.flash_attention;
     c.cpu_bf16 = r.cpu_bf16 && !r.flash_attention;
-    c.bf16_activations = r.cpu_bf16_saved && !r.flash_attention;
+    c.saved_activations = r.flash_attention ? SavedStore::fp32 : r.cpu_saved;
     return c;
 }
 

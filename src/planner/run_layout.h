@@ -51,8 +51,8 @@ struct RunSpec {
     // The CPU engine under train.precision = "bf16": fp32 storage, GEMM operands rounded to bf16
     // in a workspace region (ModelConfig::cpu_bf16); `precision` stays fp32.
     bool cpu_bf16 = false;
-    // The CPU engine's bf16 saved fields (ModelConfig::bf16_activations).
-    bool cpu_bf16_saved = false;
+    // How the CPU engine stores its saved fields (ModelConfig::saved_activations).
+    SavedStore cpu_saved = SavedStore::fp32;
     // bf16/fp16: 16-bit parameters and gradients, with an fp32 master copy unless !fp32_master
     // ("bf16-only"); fp32: everything in fp32 (core/dtype.h's Precision).
     Precision precision = Precision::bf16;

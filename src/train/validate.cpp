@@ -72,15 +72,18 @@ void resolve_config(RunConfig& cfg) {
     set_cpu_bf16(cfg);
 }
 
-bool cpu_bf16_activations(const TrainConfig& train, const std::string& precision) {
-    return train.cpu_activations == "bf16" ||
-           (train.cpu_activations == "auto" && precision == "bf16");
+SavedStore cpu_saved_activations(const TrainConfig& train, const std::string& precision) {
+    if (train.cpu_activations == "int8") return SavedStore::int8;
+    if (train.cpu_activations == "bf16" || (train.cpu_activations == "auto" && precision == "bf16"))
+        return SavedStore::bf16;
+    return SavedStore::fp32;
 }
 
 void set_cpu_bf16(RunConfig& cfg) {
     const bool cpu = cfg.train.device == "cpu";
     cfg.model.cpu_bf16 = cpu && cfg.train.precision == "bf16";
-    cfg.model.bf16_activations = cpu && cpu_bf16_activations(cfg.train, cfg.train.precision);
+    cfg.model.saved_activations =
+        cpu ? cpu_saved_activations(cfg.train, cfg.train.precision) : SavedStore::fp32;
 }
 
 void validate_pipeline(const RunConfig& cfg) {
@@ -488,8 +491,8 @@ void validate_config(const RunConfig& cfg) {
             "or \"lse\" (keep their log-sum-exp and recompute them in the backward)",
             cfg.train.cpu_attention);
     if (cfg.train.cpu_activations != "auto" && cfg.train.cpu_activations != "fp32" &&
-        cfg.train.cpu_activations != "bf16")
-        fail("train.cpu_activations = \"{}\" must be \"auto\", \"fp32\" or \"bf16\"",
+        cfg.train.cpu_activations != "bf16" && cfg.train.cpu_activations != "int8")
+        fail("train.cpu_activations = \"{}\" must be \"auto\", \"fp32\", \"bf16\" or \"int8\"",
              cfg.train.cpu_activations);
     if (cfg.train.device == "cuda" && cfg.train.cpu_activations != "auto")
         fail(

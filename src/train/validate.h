@@ -25,8 +25,8 @@ RunConfig load_run_config(const std::string& path, const std::vector<std::string
 void resolve_config(RunConfig& cfg);
 // Whether the CPU engine at `precision` stores its saved activations in bf16
 // (train.cpu_activations: "auto" follows the precision).
-bool cpu_bf16_activations(const TrainConfig& train, const std::string& precision);
-// The CPU model's bf16 flags (ModelConfig::cpu_bf16, bf16_activations) from cfg.train's device,
+SavedStore cpu_saved_activations(const TrainConfig& train, const std::string& precision);
+// The CPU model's bf16 flags (ModelConfig::cpu_bf16, saved_activations) from cfg.train's device,
 // precision and cpu_activations, as resolve_config sets them; both false off the CPU.
 void set_cpu_bf16(RunConfig& cfg);
 // Every check below, and the model's, optimizer's and sampling keys'.

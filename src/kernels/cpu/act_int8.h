@@ -1,0 +1,27 @@
+// Block-scaled int8 storage for the CPU model's saved activations (train.cpu_activations =
+// "int8"): blocks of kInt8Block values share one fp32 scale, a power of two, so that a value
+// quantizes the same way twice. qdq_int8 rounds a field in place where the forward makes it (the
+// forward, the backward and any recompute then read the same values); to_int8 stores the rounded
+// field without a further loss and from_int8 gives it back bit for bit.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace memtrain::cpu {
+
+inline constexpr std::size_t kInt8Block = 256;
+
+// Bytes of n values stored: the blocks' fp32 scales first, then one signed byte per value.
+inline std::size_t int8_store_bytes(std::size_t n) {
+    return n + sizeof(float) * ((n + kInt8Block - 1) / kInt8Block);
+}
+
+// Each block's scale is the least power of two s with max|x| <= 127 s; x becomes round(x / s) s
+// (to nearest, ties to even). A block holding a non-finite value becomes NaN throughout.
+void qdq_int8(float* x, std::size_t n);
+// x (already through qdq_int8) into `out` (int8_store_bytes(n), 4-byte aligned), and back.
+void to_int8(void* out, const float* x, std::size_t n);
+void from_int8(float* x, const void* in, std::size_t n);
+
+}  // namespace memtrain::cpu
