@@ -840,6 +840,34 @@ std::string pct(double f) {
 
 }  // namespace
 
+namespace {
+
+// A histogram's counts from its lowest to its highest non-empty exponent.
+std::vector<int64_t> histogram_counts(const Log2Histogram& h) {
+    std::vector<int64_t> counts;
+    for (int e = h.min_exp(); e <= h.max_exp(); e++) counts.push_back(h.at(e));
+    return counts;
+}
+
+// An amp line's "tensors": each tensor's values, fractions (fp16 at the scale 2^scale_of(name))
+// and largest exponent.
+template <class ScaleOf>
+std::string amp_tensors_json(const std::vector<Engine::TensorHistogram>& hists,
+                             ScaleOf&& scale_of) {
+    std::string out;
+    for (const auto& t : hists) {
+        const PrecisionLoss p = precision_loss(t.hist, scale_of(t.name));
+        out += fmt::format(
+            "{}{{\"name\": \"{}\", \"values\": {}, \"zero\": {:.6g}, \"fp16_underflow\": "
+            "{:.6g}, \"fp16_overflow\": {:.6g}, \"max_log2\": {}}}",
+            out.empty() ? "" : ", ", t.name, t.hist.total, p.zero, p.fp16_underflow,
+            p.fp16_overflow, t.hist.max_exp());
+    }
+    return out;
+}
+
+}  // namespace
+
 void Trainer::amp_diagnose(int64_t step) {
     const std::vector<Engine::TensorHistogram> hists = engine_->gradient_histograms();
     Log2Histogram all;
@@ -854,19 +882,10 @@ void Trainer::amp_diagnose(int64_t step) {
         "2^{}\n",
         step, all.total, pct(raw.zero), pct(raw.fp16_underflow), pct(scaled.fp16_underflow), s,
         pct(scaled.fp16_overflow), pct(raw.bf16_underflow), safe));
-    std::string tensors;
-    for (const auto& t : hists) {
-        const PrecisionLoss p = precision_loss(t.hist, s);
-        tensors += fmt::format(
-            "{}{{\"name\": \"{}\", \"values\": {}, \"zero\": {:.6g}, \"fp16_underflow\": "
-            "{:.6g}, \"fp16_overflow\": {:.6g}, \"max_log2\": {}}}",
-            tensors.empty() ? "" : ", ", t.name, t.hist.total, p.zero, p.fp16_underflow,
-            p.fp16_overflow, t.hist.max_exp());
-    }
+    const std::string tensors = amp_tensors_json(hists, [&](const std::string&) { return s; });
     // The whole histogram from its lowest to its highest non-empty exponent.
     const int lo = all.min_exp();
-    std::vector<int64_t> counts;
-    for (int e = lo; e <= all.max_exp(); e++) counts.push_back(all.at(e));
+    const std::vector<int64_t> counts = histogram_counts(all);
     log_metrics(fmt::format(
         "{{\"step\": {}, \"event\": \"amp\", \"values\": {}, \"zeros\": {}, \"nonfinite\": {}, "
         "\"loss_scale_log2\": {}, \"fp16_underflow_unscaled\": {:.6g}, \"fp16_underflow\": {:.6g}, "
@@ -896,23 +915,14 @@ void Trainer::amp_activations(int64_t step, int s) {
         pct(g.fp16_underflow), pct(gs.fp16_underflow), s, pct(gs.fp16_overflow),
         pct(g.bf16_underflow)));
     auto histogram = [](const Log2Histogram& h) {
-        const int lo = h.min_exp();
-        std::vector<int64_t> counts;
-        for (int e = lo; e <= h.max_exp(); e++) counts.push_back(h.at(e));
         return fmt::format(
             "\"values\": {}, \"zeros\": {}, \"nonfinite\": {}, \"log2_lo\": {}, "
             "\"log2_counts\": [{}]",
-            h.total, h.zeros, h.nonfinite, lo, fmt::join(counts, ", "));
+            h.total, h.zeros, h.nonfinite, h.min_exp(), fmt::join(histogram_counts(h), ", "));
     };
-    std::string tensors;
-    for (const auto& t : hists) {
-        const PrecisionLoss p = precision_loss(t.hist, t.name.ends_with(".grad") ? s : 0);
-        tensors += fmt::format(
-            "{}{{\"name\": \"{}\", \"values\": {}, \"zero\": {:.6g}, \"fp16_underflow\": "
-            "{:.6g}, \"fp16_overflow\": {:.6g}, \"max_log2\": {}}}",
-            tensors.empty() ? "" : ", ", t.name, t.hist.total, p.zero, p.fp16_underflow,
-            p.fp16_overflow, t.hist.max_exp());
-    }
+    // An activation carries no loss scale; its gradient carries the one fp16 would start at.
+    const std::string tensors = amp_tensors_json(
+        hists, [&](const std::string& name) { return name.ends_with(".grad") ? s : 0; });
     log_metrics(fmt::format(
         "{{\"step\": {}, \"event\": \"amp_activations\", \"loss_scale_log2\": {}, "
         "\"activations\": {{{}, \"fp16_overflow\": {:.6g}}}, \"activation_grads\": {{{}, "
