@@ -180,6 +180,17 @@ RunMetrics parse_metrics(const std::string& text, const std::string& origin) {
                      j["skipped"].dump());
             r.skipped = j["skipped"].get<bool>();
         }
+        if (j.contains("phases_ms") && !j["phases_ms"].is_null()) {
+            if (!j["phases_ms"].is_object())
+                fail("{}:{}: \"phases_ms\" must be an object of ms per phase, got {}", origin,
+                     line_no, j["phases_ms"].dump());
+            for (const auto& [k, v] : j["phases_ms"].items()) {
+                if (!v.is_number())
+                    fail("{}:{}: \"phases_ms\".\"{}\" must be a number, got {}", origin, line_no, k,
+                         v.dump());
+                r.phases.emplace_back(k, v.get<double>());
+            }
+        }
         if (j.contains("mem") && !j["mem"].is_null()) {
             if (!j["mem"].is_object())
                 fail("{}:{}: \"mem\" must be an object of bytes per category, got {}", origin,
@@ -878,6 +889,31 @@ std::string render_report_html(const ReportInput& in) {
     h += line_chart("chart-tokens-per-s", "Throughput", "tokens/s",
                     {step_series(m, "tokens/s", kPalette[4], &StepRecord::tokens_per_s)},
                     Units::number, true, "no tokens_per_s in metrics.jsonl");
+    {
+        // Where each step's time went on rank 0 (docs/diagnose.md): one line per phase that
+        // took any time, and the whole step dashed.
+        std::vector<std::string> names;
+        for (const auto& r : m.steps)
+            for (const auto& [k, v] : r.phases)
+                if (v > 0 && std::find(names.begin(), names.end(), k) == names.end())
+                    names.push_back(k);
+        std::vector<Series> ps;
+        for (std::size_t i = 0; i < names.size(); i++) {
+            Series s{names[i], kPalette[i % std::size(kPalette)], {}};
+            for (const auto& r : m.steps)
+                for (const auto& [k, v] : r.phases)
+                    if (k == names[i]) s.points.push_back({(double)r.step, v});
+            ps.push_back(s);
+        }
+        if (!ps.empty()) {
+            Series step = step_series(m, "whole step", "#000", &StepRecord::ms_per_step);
+            step.dashed = true;
+            ps.push_back(step);
+        }
+        h += line_chart("chart-phases", "Step time by phase (rank 0, ms; memtrain diagnose)", "ms",
+                        ps, Units::number, true,
+                        "no phases_ms in metrics.jsonl (a run of an older memtrain)");
+    }
     Series scale = step_series(m, "loss scale", kPalette[5], &StepRecord::loss_scale);
     if (!scale.points.empty())  // fp16 runs only
         h += line_chart("chart-loss-scale", "Loss scale (fp16)", "scale", {scale}, Units::number,

@@ -22,7 +22,8 @@ struct StepRecord {
     std::optional<double> loss, lr, grad_norm, tokens_per_s, ms_per_step, mem_bytes, peak_mem_bytes,
         loss_scale;
     bool skipped = false;
-    std::vector<std::pair<std::string, double>> mem;  // current bytes by category name
+    std::vector<std::pair<std::string, double>> mem;     // current bytes by category name
+    std::vector<std::pair<std::string, double>> phases;  // rank 0's ms per phase (phases_ms)
 };
 
 struct RunMetrics {

@@ -174,6 +174,8 @@ TEST(ReportCli, TrainingRunRendersInHeadlessChromium) {
                            Chart{"chart-lr", "learning rate", steps.size()},
                            Chart{"chart-grad-norm", "gradient norm", steps.size()},
                            Chart{"chart-tokens-per-s", "tokens/s", steps.size()},
+                           Chart{"chart-phases", "compute", steps.size()},
+                           Chart{"chart-phases", "whole step", steps.size()},
                            Chart{"chart-memory", "peak", steps.size()}}) {
         const std::string svg = element(dom, c.id);
         ASSERT_FALSE(svg.empty()) << c.id << " missing from the rendered page";

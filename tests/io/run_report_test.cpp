@@ -217,8 +217,8 @@ TEST(RunReport, OldMetricsRenderWithNotRecorded) {
     // Nothing but step numbers: every chart says not recorded.
     write_file(dir + "/metrics.jsonl", "{\"step\": 1}\n");
     const std::string bare = io::render_report_html(io::read_run(dir));
-    for (const char* id :
-         {"chart-loss", "chart-lr", "chart-grad-norm", "chart-tokens-per-s", "chart-memory"})
+    for (const char* id : {"chart-loss", "chart-lr", "chart-grad-norm", "chart-tokens-per-s",
+                           "chart-memory", "chart-phases"})
         EXPECT_NE(bare.find(std::string("id=\"") + id + "-not-recorded\""), std::string::npos)
             << id;
 }
