@@ -180,28 +180,22 @@ RunMetrics parse_metrics(const std::string& text, const std::string& origin) {
                      j["skipped"].dump());
             r.skipped = j["skipped"].get<bool>();
         }
-        if (j.contains("phases_ms") && !j["phases_ms"].is_null()) {
-            if (!j["phases_ms"].is_object())
-                fail("{}:{}: \"phases_ms\" must be an object of ms per phase, got {}", origin,
-                     line_no, j["phases_ms"].dump());
-            for (const auto& [k, v] : j["phases_ms"].items()) {
+        // An object of numbers, by name ("mem": bytes per category; "phases_ms": ms per phase).
+        auto named_numbers = [&](const char* key, const char* what,
+                                 std::vector<std::pair<std::string, double>>& out) {
+            if (!j.contains(key) || j[key].is_null()) return;
+            if (!j[key].is_object())
+                fail("{}:{}: \"{}\" must be an object of {}, got {}", origin, line_no, key, what,
+                     j[key].dump());
+            for (const auto& [k, v] : j[key].items()) {
                 if (!v.is_number())
-                    fail("{}:{}: \"phases_ms\".\"{}\" must be a number, got {}", origin, line_no, k,
+                    fail("{}:{}: \"{}\".\"{}\" must be a number, got {}", origin, line_no, key, k,
                          v.dump());
-                r.phases.emplace_back(k, v.get<double>());
+                out.emplace_back(k, v.get<double>());
             }
-        }
-        if (j.contains("mem") && !j["mem"].is_null()) {
-            if (!j["mem"].is_object())
-                fail("{}:{}: \"mem\" must be an object of bytes per category, got {}", origin,
-                     line_no, j["mem"].dump());
-            for (const auto& [k, v] : j["mem"].items()) {
-                if (!v.is_number())
-                    fail("{}:{}: \"mem\".\"{}\" must be a number, got {}", origin, line_no, k,
-                         v.dump());
-                r.mem.emplace_back(k, v.get<double>());
-            }
-        }
+        };
+        named_numbers("phases_ms", "ms per phase", r.phases);
+        named_numbers("mem", "bytes per category", r.mem);
         steps[step] = std::move(r);
     }
     RunMetrics m;
