@@ -9,7 +9,6 @@
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <string>
 #include <thread>
 #include <utility>
@@ -75,6 +74,7 @@ struct MpiCommunicator::State {
         const char* op = "";  // for the timeout line, with n and seq
         int64_t n = 0;
         uint64_t seq = 0;
+        bool p2p = false;  // a started send (a pipeline's): its wait is point-to-point time
         std::vector<int> counts, displs;
     };
     std::vector<Started> pending;
@@ -222,12 +222,12 @@ namespace {
 // `seq` is the operation's number for the timeout line: 0 takes the next one, a started
 // collective passes the number it got when it started.
 void wait_request(MpiCommunicator::State& s, MPI_Request& request, const char* op, int64_t n,
-                  const char* unit, int peer, MPI_Status* status, uint64_t seq = 0) {
+                  const char* unit, int peer, MPI_Status* status, uint64_t seq = 0,
+                  bool started_p2p = false) {
     using clock = std::chrono::steady_clock;
     const bool collective = peer < 0;
-    // A send started for later (a pipeline's) waits here as a collective's number would.
-    const bool p2p = !collective || std::strncmp(op, "send", 4) == 0;
-    const ScopedPhase phase(p2p ? Phase::p2p : Phase::comm);
+    // (A started send waits here under a collective's number, but as point-to-point time.)
+    const ScopedPhase phase(!collective || started_p2p ? Phase::p2p : Phase::comm);
     if (seq == 0) seq = collective ? ++s.collective_seq : ++s.p2p_seq;
     const auto start = clock::now();
     for (;;) {
@@ -283,7 +283,7 @@ uint64_t add_started(MpiCommunicator::State& s, MPI_Request request, const char*
 void finish_started(MpiCommunicator::State& s, std::size_t i) {
     auto& st = s.pending[i];
     if (st.request != MPI_REQUEST_NULL)
-        wait_request(s, st.request, st.op, st.n, "floats", -1, nullptr, st.seq);
+        wait_request(s, st.request, st.op, st.n, "floats", -1, nullptr, st.seq, st.p2p);
     s.pending.erase(s.pending.begin() + static_cast<std::ptrdiff_t>(i));
 }
 
@@ -480,7 +480,9 @@ void MpiCommunicator::send(const float* data, int64_t n, int peer, int tag) {
 uint64_t MpiCommunicator::start_send(const float* data, int64_t n, int peer, int tag) {
     State& s = *state_;
     MPI_Request req = post_send(s, data, n, peer, tag, "send (started)");
-    return add_started(s, req, "send (started)", n);
+    const uint64_t id = add_started(s, req, "send (started)", n);
+    s.pending.back().p2p = true;
+    return id;
 }
 
 void MpiCommunicator::recv(float* data, int64_t n, int peer, int tag) {

@@ -174,8 +174,7 @@ std::string pct(double part, double whole) {
 // The pipeline's fill share at m micro-batches.
 double bubble_at(const RunTimings& t, int m) {
     if (t.pp <= 1 || t.schedule.empty()) return 0;
-    const double fill = pp::uniform_fill(pp::parse_kind(t.schedule), t.pp, m, t.virtual_stages);
-    return fill / (m + fill);
+    return pp::uniform_bubble(pp::parse_kind(t.schedule), t.pp, m, t.virtual_stages);
 }
 
 std::string bubble_remedy(const RunTimings& t) {
@@ -195,10 +194,7 @@ std::string bubble_remedy(const RunTimings& t) {
         out += fmt::format(
             "; train.pp_schedule = \"interleaved\" with train.pp_virtual = 2 "
             "halves the fill ({:.0f}%)",
-            100 * [&] {
-                const double f = pp::uniform_fill(pp::Kind::Interleaved, t.pp, m, 2);
-                return f / (m + f);
-            }());
+            100 * pp::uniform_bubble(pp::Kind::Interleaved, t.pp, m, 2));
     else if (t.schedule != "zb-h1" && t.schedule != "interleaved")
         out += "; train.pp_schedule = \"zb-h1\" fills part of it with weight gradients";
     // Unequal stages idle the others at the slowest one's pace, whatever the schedule.

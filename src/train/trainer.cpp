@@ -489,9 +489,8 @@ void Trainer::write_timings(int64_t steps, double seconds, const PhaseTimes& pha
     t.virtual_stages = plan_.virtual_stages;
     if (t.pp > 1) {
         t.schedule = pp::kind_name(plan_.schedule);
-        const double fill =
-            pp::uniform_fill(plan_.schedule, t.pp, t.micro_batches, t.virtual_stages);
-        t.bubble_fraction = fill / (t.micro_batches + fill);
+        t.bubble_fraction =
+            pp::uniform_bubble(plan_.schedule, t.pp, t.micro_batches, t.virtual_stages);
     }
     t.remat = plan_.remat_policy;
     t.tokens_per_step = cfg_.tokens_per_step();

@@ -48,6 +48,23 @@ StepResult CpuEngine::finish_zero_step(double lr, double max_norm) {
     return r;
 }
 
+namespace {
+
+// Every rank's histograms (one per tensor, the same tensors on every rank) added up in rank
+// order (a collective); the names are the caller's.
+std::vector<Engine::TensorHistogram> merged_over_ranks(dist::Communicator& world,
+                                                       const std::vector<Log2Histogram>& mine) {
+    std::vector<Log2Histogram> all(mine.size() * (std::size_t)world.size());
+    world.all_gather_bytes(mine.data(), all.data(), mine.size() * sizeof(Log2Histogram));
+    std::vector<Engine::TensorHistogram> out(mine.size());
+    for (std::size_t i = 0; i < mine.size(); i++)
+        for (int r = 0; r < world.size(); r++)
+            out[i].hist.merge(all[(std::size_t)r * mine.size() + i]);
+    return out;
+}
+
+}  // namespace
+
 std::vector<Engine::TensorHistogram> CpuEngine::gradient_histograms() {
     if (!has_gradient_histograms()) fail("internal: gradient histograms asked of {}", describe());
     // This rank's piece of every tensor, then every rank's counts added in rank order.
@@ -60,14 +77,8 @@ std::vector<Engine::TensorHistogram> CpuEngine::gradient_histograms() {
         const std::size_t a = std::max(lo, t.offset), b = std::min(hi, t.offset + t.numel);
         if (a < b) mine[i].add(g + (a - lo), b - a);
     }
-    std::vector<Log2Histogram> all(mine.size() * (std::size_t)world_.size());
-    world_.all_gather_bytes(mine.data(), all.data(), mine.size() * sizeof(Log2Histogram));
-    std::vector<TensorHistogram> out(mine.size());
-    for (std::size_t i = 0; i < mine.size(); i++) {
-        out[i].name = layout_.tensors[i].name;
-        for (int r = 0; r < world_.size(); r++)
-            out[i].hist.merge(all[(std::size_t)r * mine.size() + i]);
-    }
+    std::vector<TensorHistogram> out = merged_over_ranks(world_, mine);
+    for (std::size_t i = 0; i < out.size(); i++) out[i].name = layout_.tensors[i].name;
     return out;
 }
 
@@ -83,15 +94,10 @@ std::vector<Engine::TensorHistogram> CpuEngine::activation_histograms() {
     std::vector<Log2Histogram> mine;
     for (const Log2Histogram& h : act_hist_.outputs) mine.push_back(h);
     for (const Log2Histogram& h : act_hist_.input_grads) mine.push_back(h);
-    std::vector<Log2Histogram> all(mine.size() * (std::size_t)world_.size());
-    world_.all_gather_bytes(mine.data(), all.data(), mine.size() * sizeof(Log2Histogram));
+    std::vector<TensorHistogram> out = merged_over_ranks(world_, mine);
     const std::size_t L = act_hist_.outputs.size();
-    std::vector<TensorHistogram> out(mine.size());
-    for (std::size_t i = 0; i < mine.size(); i++) {
+    for (std::size_t i = 0; i < out.size(); i++)
         out[i].name = i < L ? fmt::format("h.{}.output", i) : fmt::format("h.{}.input.grad", i - L);
-        for (int r = 0; r < world_.size(); r++)
-            out[i].hist.merge(all[(std::size_t)r * mine.size() + i]);
-    }
     return out;
 }
 

@@ -412,6 +412,11 @@ double uniform_fill(Kind kind, int p, int m, int v) {
     return uniform_run(kind, p, m, v).fill;
 }
 
+double uniform_bubble(Kind kind, int p, int m, int v) {
+    const double fill = uniform_fill(kind, p, m, v);
+    return fill / (m + fill);
+}
+
 std::vector<double> uniform_in_flight(Kind kind, int p, int m, int v) {
     return uniform_run(kind, p, m, v).in_flight;
 }

@@ -89,6 +89,9 @@ SimResult simulate(const Schedule& s, const StageCosts& costs);
 // and 1F1B give p - 1, interleaved (p - 1) / v). Remembered per (kind, p, m, v): the planner asks
 // for thousands of layouts.
 double uniform_fill(Kind kind, int p, int m, int v = 1);
+// The idle share of such a step, fill / (m + fill): what the run plan predicts for the bubble
+// (`memtrain diagnose`).
+double uniform_bubble(Kind kind, int p, int m, int v = 1);
 // The most micro-batches each rank holds between forward and backward under `kind`, in whole
 // stage micro-batches (an interleaved chunk's count as 1/v).
 std::vector<double> uniform_in_flight(Kind kind, int p, int m, int v = 1);
