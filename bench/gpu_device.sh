@@ -9,11 +9,12 @@
 #                                     MEMTRAIN_REQUIRE_GPU=1, then the engines' DDP, ZeRO and
 #                                     pipeline code over NCCL at one rank), GPT-2 124M against
 #                                     PyTorch eager and torch.compile (tokens/s, peak memory),
-#                                     then GPT-2 1.5B quick (against eager)
-#   bash bench/gpu_device.sh second   when time is left: activation checkpointing on 1.5B
-#                                     (remat=budget vs PyTorch's checkpointing), the largest
-#                                     GPT under ZeRO-Offload, then 1.5B in full (with
-#                                     torch.compile)
+#                                     GPT-2 1.5B quick (against eager), then activation
+#                                     checkpointing on 1.5B (remat=budget vs PyTorch's
+#                                     checkpointing, ZeRO-Offload at 8 micro-batches a step)
+#   bash bench/gpu_device.sh second   when time is left: the longest sequence of a Llama-3-8B
+#                                     shape on the GPU (issue 27), the largest GPT under
+#                                     ZeRO-Offload, then 1.5B in full (with torch.compile)
 #   options: --bundle DIR (default .gpu-bundle), --out DIR (default $OUT, else bench-out),
 #            --budget SECONDS (default 530), --dry-run BUILD_DIR (the CI smoke test: a stand-in
 #            bundle of BUILD_DIR's CPU and cudasim programs, tiny CPU benchmarks, no GPU)
@@ -22,8 +23,8 @@
 # Results in the output folder (at most 8 files, as the device tool brings back): gpu.log
 # (everything printed), summary.txt (one line per stage), progress.jsonl (each benchmark process
 # as it finishes), cuda-tests.xml and dist-tests.xml (GoogleTest reports), and one JSON per
-# benchmark (gpu-124m.json, gpu-1.5b.json; second: gpu-remat.json, gpu-offload.json,
-# gpu-1.5b-full.json). The exit status is non-zero if a stage failed; later stages still run.
+# benchmark (gpu-124m.json, gpu-1.5b.json, gpu-remat.json; second: gpu-longest.json,
+# gpu-offload.json, gpu-1.5b-full.json). The exit status is non-zero if a stage failed; later stages still run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -207,32 +208,45 @@ offload() {
         bench gpu-offload.json bench/offload_gpu.py --quick
     fi
 }
+longest() {
+    if [ -n "$DRY_BUILD" ]; then
+        bench gpu-longest.json bench/longest_seq_gpu.py --device cpu-smoke --progress "$RESULTS/progress.jsonl"
+    else
+        bench gpu-longest.json bench/longest_seq_gpu.py --progress "$RESULTS/progress.jsonl"
+    fi
+}
 
 # ---- the stages ---------------------------------------------------------------------------------
-# `need` is what a stage must have to say anything; `want` what it takes on an H100 with margin;
-# `reserve` what the stages after it need.
+# `need` is what a stage must have to say anything; `want` the most it may take; `reserve` what
+# the stages after it need. Sized from the H200 run of 2026-11-27 (docs/benchmarks.md): the CUDA
+# tests took 6 s, the NCCL tests 20, 124M 75, 1.5B quick 63, the checkpointing comparison about
+# 200 without its ZeRO-Offload row; the 6.7B offload attempt 142 s (2026-11-26), torch.compile's
+# compilation of 1.5B 93 s.
 if [ -n "$DRY_BUILD" ]; then
     # The same stages, sized for the dry run's tiny stand-ins (within --budget 300).
     if [ "$WHICH" = first ]; then
         stage "CUDA tests on the GPU" 10 90 150 cuda_tests
         stage "DDP, ZeRO and pipelines over NCCL (mpirun -np 1)" 10 40 120 dist_tests
-        stage "GPT-2 124M vs PyTorch eager and torch.compile" 20 60 40 compare gpu-124m.json
-        stage "GPT-2 1.5B quick vs PyTorch eager" 20 60 0 compare gpu-1.5b.json
+        stage "GPT-2 124M vs PyTorch eager and torch.compile" 20 60 80 compare gpu-124m.json
+        stage "GPT-2 1.5B quick vs PyTorch eager" 20 60 40 compare gpu-1.5b.json
+        stage "activation checkpointing on 1.5B" 20 100 0 compare gpu-remat.json --remat-compare
     else
-        stage "activation checkpointing on 1.5B" 20 100 80 compare gpu-remat.json --remat-compare
+        stage "the longest sequence of a Llama-3-8B shape" 20 60 120 longest
         stage "ZeRO-Offload: the largest GPT" 20 60 30 offload
         stage "GPT-2 1.5B in full (eager and torch.compile)" 20 80 0 compare gpu-1.5b-full.json
     fi
 elif [ "$WHICH" = first ]; then
-    stage "CUDA tests on the GPU" 30 150 330 cuda_tests
-    stage "DDP, ZeRO and pipelines over NCCL (mpirun -np 1)" 20 70 300 dist_tests
-    stage "GPT-2 124M vs PyTorch eager and torch.compile" 90 210 110 \
+    stage "CUDA tests on the GPU" 30 90 420 cuda_tests
+    stage "DDP, ZeRO and pipelines over NCCL (mpirun -np 1)" 20 60 390 dist_tests
+    stage "GPT-2 124M vs PyTorch eager and torch.compile" 90 120 300 \
         compare gpu-124m.json --preset 124m --quick
-    stage "GPT-2 1.5B quick vs PyTorch eager" 60 180 0 compare gpu-1.5b.json --preset 1.5b --quick
+    stage "GPT-2 1.5B quick vs PyTorch eager" 60 90 230 compare gpu-1.5b.json --preset 1.5b --quick
+    stage "activation checkpointing on 1.5B" 150 300 0 \
+        compare gpu-remat.json --remat-compare --quick --offload-accum 8
 else
-    stage "activation checkpointing on 1.5B" 120 230 240 compare gpu-remat.json --remat-compare --quick
-    stage "ZeRO-Offload: the largest GPT" 60 130 110 offload
-    stage "GPT-2 1.5B in full (eager and torch.compile)" 100 240 0 \
+    stage "the longest sequence of a Llama-3-8B shape" 120 300 160 longest
+    stage "ZeRO-Offload: the largest GPT" 150 200 0 offload
+    stage "GPT-2 1.5B in full (eager and torch.compile)" 150 240 0 \
         compare gpu-1.5b-full.json --preset 1.5b
 fi
 
