@@ -2,7 +2,8 @@
 # Compressed optimizer states, the step inside the backward and Muon against fp32 AdamW on the
 # CPU engine (issue 30): the same run with optim.state_format = fp32, bf16, int8 and int4, with
 # optim.step_in_backward (sib), with optim.master = none (bf16w), combinations of them
-# (bf16w-sib-int4), and with optim.name = muon (fp32 state), on the fortunes corpus. For each it
+# (bf16w-sib-int4), with optim.name = muon (fp32 state) and with optim.name = adafactor, on the
+# fortunes corpus. For each it
 # prints the
 # validation loss at every eval (the curve), the final validation loss and its ratio to fp32's,
 # tokens/s, and the model-state bytes per parameter measured by the allocator (parameters +
@@ -29,11 +30,11 @@ case $MODEL in
                  optim.lr=6e-4) ;;
     *) echo "MODEL must be demo or 124m, got $MODEL" >&2; exit 2 ;;
 esac
-OPTIONS=${OPTIONS:-fp32 bf16 int8 int4 muon sib sib-int8 sib-int4 bf16w bf16w-sib-int8 bf16w-sib-int4}
+OPTIONS=${OPTIONS:-fp32 bf16 int8 int4 muon adafactor sib sib-int8 sib-int4 bf16w bf16w-sib-int8 bf16w-sib-int4}
 OPTIONS="fp32 $(echo $OPTIONS | tr ' ' '\n' | grep -v '^fp32$' | tr '\n' ' ')"
 for f in $OPTIONS; do
-    # An option is parts joined by '-': fp32 | bf16 | int8 | int4 (optim.state_format), muon
-    # (optim.name), sib (optim.step_in_backward, clipping kept by the norm pass), bf16w
+    # An option is parts joined by '-': fp32 | bf16 | int8 | int4 (optim.state_format), muon or
+    # adafactor (optim.name), sib (optim.step_in_backward, clipping kept by the norm pass), bf16w
     # (optim.master = none: bf16 weights, stochastic rounding). E.g. bf16w-sib-int8.
     opt=()
     for part in ${f//-/ }; do
@@ -41,6 +42,9 @@ for f in $OPTIONS; do
             fp32) ;;
             bf16 | int8 | int4) opt+=(optim.state_format=$part) ;;
             muon) opt+=(optim.name=muon) ;;
+            # Adafactor's relative step (docs/training.md): lr caps min(lr, 1/sqrt(t)) x the
+            # weights' RMS; 3e-2 and no weight decay (PyTorch's default) on the demo.
+            adafactor) opt+=(optim.name=adafactor optim.lr=3e-2 optim.weight_decay=0) ;;
             sib) opt+=(optim.step_in_backward=true) ;;
             bf16w) opt+=(optim.master=none) ;;
             *) echo "unknown option part '$part' in '$f'" >&2; exit 2 ;;
@@ -53,8 +57,8 @@ for f in $OPTIONS; do
     echo "training $MODEL with ${opt[*]} ($STEPS steps) ..." >&2
     "$BIN" train configs/demo.toml --overwrite --set io.out_dir=$OUT/$f train.device=cpu \
         train.max_steps=$STEPS train.eval_every=$EVERY train.eval_batches=16 \
-        io.checkpoint_every=0 io.save_final=false sample.max_tokens=0 "${opt[@]}" \
-        "${SHAPE[@]}" >"$OUT/$f.log" 2>&1 || { tail -20 "$OUT/$f.log"; exit 1; }
+        io.checkpoint_every=0 io.save_final=false sample.max_tokens=0 "${SHAPE[@]}" \
+        "${opt[@]}" >"$OUT/$f.log" 2>&1 || { tail -20 "$OUT/$f.log"; exit 1; }
 done
 python3 - "$OUT" "$MODEL" "$STEPS" $OPTIONS <<'PY'
 import json, sys

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "config/run_config.h"
+#include "core/allocator.h"
 #include "core/device.h"
 #include "core/error.h"
 #include "core/rng.h"
@@ -21,6 +23,12 @@
 #include "train/trainer.h"
 
 namespace memtrain::test {
+
+// One category's bytes of a per-category array (MemoryStats' used, peak_used, reserved).
+inline std::size_t category_bytes(const std::array<std::size_t, kNumMemCategories>& a,
+                                  MemCategory k) {
+    return a[static_cast<int>(k)];
+}
 
 // The message of the Error `f` throws ("" if it throws none).
 template <typename F>

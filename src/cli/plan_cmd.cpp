@@ -534,7 +534,7 @@ void register_estimate(CLI::App& app) {
                     "none | selective | full, or the trainer's per-block policies every:K | sqrt | "
                     "budget:BYTES (solved on the engines' layout)");
     cmd->add_option("--precision", a->precision, "bf16 | fp16 | fp32 | bf16-only");
-    cmd->add_option("--optimizer", a->optimizer, "adamw | sgd | adamw8bit | muon");
+    cmd->add_option("--optimizer", a->optimizer, "adamw | sgd | adamw8bit | muon | adafactor");
     cmd->add_option("--state-format", a->state_format,
                     "optimizer moments: fp32 | bf16 | int8 | int4 (optim.state_format)");
     cmd->add_option("--offload", a->offload, "none | optimizer | params");
@@ -670,7 +670,7 @@ void register_plan_cmd(CLI::App& app) {
     cmd->add_option("--global-batch", a->spec.global_batch, "sequences per step (default 1024)");
     cmd->add_option("--seq", a->spec.seq, "sequence length (default: model context)");
     cmd->add_option("--precision", a->precision, "bf16 | fp16 | fp32 | bf16-only");
-    cmd->add_option("--optimizer", a->optimizer, "adamw | sgd | adamw8bit | muon");
+    cmd->add_option("--optimizer", a->optimizer, "adamw | sgd | adamw8bit | muon | adafactor");
     cmd->add_option("--state-format", a->state_format,
                     "optimizer moments: fp32 | bf16 | int8 | int4 (default: fp32, then int8 and "
                     "int4 when nothing fits)");

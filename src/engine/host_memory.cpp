@@ -366,9 +366,10 @@ plan::RunSpec planner_run_spec(const RunConfig& cfg, const ActFormat& format) {
     if (!format.cuda) rs.precision = Precision::fp32;
     rs.cpu_bf16 = format.bf16_gemm;
     rs.cpu_saved = format.saved;
-    rs.optimizer = cfg.optim.name == "sgd"    ? plan::Optimizer::sgd
-                   : cfg.optim.name == "muon" ? plan::Optimizer::muon
-                                              : plan::Optimizer::adamw;
+    rs.optimizer = cfg.optim.name == "sgd"         ? plan::Optimizer::sgd
+                   : cfg.optim.name == "muon"      ? plan::Optimizer::muon
+                   : cfg.optim.name == "adafactor" ? plan::Optimizer::adafactor
+                                                   : plan::Optimizer::adamw;
     rs.state_format = parse_state_format(cfg.optim.state_format);
     rs.step_in_backward = cfg.optim.step_in_backward;
     if (cfg.optim.master == "none") rs.fp32_master = false;

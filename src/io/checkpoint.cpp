@@ -362,6 +362,7 @@ void write_checkpoint_files(const fs::path& tmp_dir, const RunConfig& cfg,
             return staging.data();
         };
         std::size_t at = 0;  // the range's place in the state's concatenation
+        std::vector<uint8_t> stored_bytes;
         for (std::size_t k = 0; k < ranges.size(); k++) {
             const OptimizerState::Range& rg = ranges[k];
             io::SafetensorsWriter w;
@@ -370,10 +371,28 @@ void write_checkpoint_files(const fs::path& tmp_dir, const RunConfig& cfg,
             w.set_metadata("offset", std::to_string(rg.offset));
             w.set_metadata("count", std::to_string(rg.count));
             w.set_metadata("total", std::to_string(total));
-            for (const auto& sname : names) w.declare(sname, io::DType::F32, {(int64_t)rg.count});
+            // A state whose stored form is smaller than floats (compressed moments, Adafactor's
+            // factors, Muon's masked moments) is written as those bytes, with its format.
+            Optimizer* part = opt.stored_part(k);
+            const bool stored = part != nullptr && part->compact();
+            if (stored) {
+                w.set_metadata("state_form", "stored");
+                w.set_metadata("state_format", state_format_name(part->state_format()));
+            }
+            for (const auto& sname : names) {
+                if (stored)
+                    w.declare(sname, io::DType::U8, {(int64_t)part->stored_bytes(sname)});
+                else
+                    w.declare(sname, io::DType::F32, {(int64_t)rg.count});
+            }
             const int index = sharded ? first_file + (int)k : 0;
             w.write((tmp_dir / optimizer_file(index, files)).string(),
-                    [&](std::size_t i) -> const void* { return tensor(names[i]) + at; });
+                    [&](std::size_t i) -> const void* {
+                        if (!stored) return tensor(names[i]) + at;
+                        stored_bytes.resize(part->stored_bytes(names[i]));
+                        part->save_stored(names[i], stored_bytes.data());
+                        return stored_bytes.data();
+                    });
             at += rg.count;
         }
     }
@@ -568,18 +587,63 @@ TrainState load_checkpoint(const std::string& dir, const CheckpointModel& weight
         if (meta_u64(of, "total", opath) != total || off + cnt > total)
             fail("{}: slice [{}, {}) does not fit the model's {} parameters", opath, off, off + cnt,
                  total);
+        // A file in the stored form: its bytes go straight into the optimizer of the same range
+        // and format, else are decoded as floats by a scratch optimizer of the file's range and
+        // format (another world size, ZeRO stage or optim.state_format).
+        const bool stored = of.metadata().count("state_form") != 0;
+        if (stored && meta(of, "state_form", opath) != "stored")
+            fail("{}: state_form = '{}' is not known (this build writes 'stored')", opath,
+                 meta(of, "state_form", opath));
+        const StateFormat file_format =
+            stored ? parse_state_format(meta(of, "state_format", opath)) : StateFormat::Fp32;
+        auto stored_tensor = [&](const std::string& sname, std::size_t bytes) {
+            const io::TensorInfo& info = of.get(sname);
+            if (info.dtype != io::DType::U8 || info.shape != std::vector<int64_t>{(int64_t)bytes})
+                fail(
+                    "{}: tensor '{}' must be U8 of shape [{}] (its {} state over [{}, {})), it is "
+                    "{} {}",
+                    opath, sname, bytes, state_format_name(file_format), off, off + cnt,
+                    io::dtype_name(info.dtype), io::shape_string(info.shape));
+            return static_cast<const uint8_t*>(of.data(info));
+        };
+        std::unique_ptr<Optimizer> decoder;  // the file's range and format, made when needed
+        std::vector<float> decoded;
         std::size_t at = 0;  // the range's place in the state's concatenation
         for (std::size_t j = 0; j < ranges.size(); j++) {
             const std::size_t lo = ranges[j].offset, hi = lo + ranges[j].count;
             const std::size_t a = std::max(lo, off), b = std::min(hi, off + cnt);
             if (a < b) {
+                Optimizer* part = opt.stored_part(j);
+                if (stored && part && off == lo && cnt == hi - lo &&
+                    part->state_format() == file_format) {
+                    for (const auto& sname : names)
+                        part->load_stored(sname, stored_tensor(sname, part->stored_bytes(sname)));
+                    pieces[j].emplace_back(a, b);
+                    at += ranges[j].count;
+                    continue;
+                }
+                if (stored && !decoder) {
+                    OptimConfig oc = saved.optim;
+                    oc.state_format = state_format_name(file_format);
+                    decoder = make_optimizer(oc, weights.layout, off, cnt, MemCategory::Other);
+                    decoded.resize(cnt);
+                }
                 for (const auto& sname : names) {
-                    const io::TensorInfo& info = of.get(sname);
-                    if (info.dtype != io::DType::F32 ||
-                        info.shape != std::vector<int64_t>{(int64_t)cnt})
-                        fail("{}: tensor '{}' must be F32 of shape [{}], it is {} {}", opath, sname,
-                             cnt, io::dtype_name(info.dtype), io::shape_string(info.shape));
-                    const float* src = static_cast<const float*>(of.data(info));
+                    const float* src;
+                    if (stored) {
+                        decoder->load_stored(sname,
+                                             stored_tensor(sname, decoder->stored_bytes(sname)));
+                        decoder->read_state(sname, decoded.data());
+                        src = decoded.data();
+                    } else {
+                        const io::TensorInfo& info = of.get(sname);
+                        if (info.dtype != io::DType::F32 ||
+                            info.shape != std::vector<int64_t>{(int64_t)cnt})
+                            fail("{}: tensor '{}' must be F32 of shape [{}], it is {} {}", opath,
+                                 sname, cnt, io::dtype_name(info.dtype),
+                                 io::shape_string(info.shape));
+                        src = static_cast<const float*>(of.data(info));
+                    }
                     opt.write_state(sname, at + (a - lo), b - a, src + (a - off));
                 }
                 pieces[j].emplace_back(a, b);

@@ -7,19 +7,23 @@
 namespace memtrain {
 
 struct OptimConfig {
-    std::string name = "adamw";  // "adamw" | "sgd" | "muon" (Muon on block matrices, AdamW else)
-    double lr = 6e-4;            // peak learning rate (before batch-size scaling)
-    double min_lr_ratio = 0.1;   // floor of the decay, as a fraction of the peak
-    double weight_decay = 0.1;   // AdamW: decoupled; SGD: L2 added to the gradient
+    // "adamw" | "sgd" | "muon" (Muon on block matrices, AdamW else) | "adafactor" (factored
+    // second moment, relative step: optim/optimizer.h)
+    std::string name = "adamw";
+    double lr = 6e-4;           // peak learning rate (before batch-size scaling)
+    double min_lr_ratio = 0.1;  // floor of the decay, as a fraction of the peak
+    double weight_decay = 0.1;  // AdamW: decoupled; SGD: L2 added to the gradient
     double beta1 = 0.9;
     double beta2 = 0.95;
     double eps = 1e-8;
-    double momentum = 0.9;            // SGD
-    bool nesterov = false;            // SGD
-    double muon_lr = 0.02;            // Muon: peak lr of the block matrices (scheduled as lr)
-    double muon_momentum = 0.95;      // Muon: its momentum (Nesterov)
-    double grad_clip = 1.0;           // global-norm clipping; 0 disables
-    std::string schedule = "cosine";  // "constant" | "cosine" | "wsd"
+    double momentum = 0.9;                // SGD
+    bool nesterov = false;                // SGD
+    double muon_lr = 0.02;                // Muon: peak lr of the block matrices (scheduled as lr)
+    double muon_momentum = 0.95;          // Muon: its momentum (Nesterov)
+    double adafactor_beta2_decay = -0.8;  // Adafactor: 1 - beta2_t = t^decay
+    double adafactor_clip = 1.0;          // Adafactor: the update's RMS threshold d
+    double grad_clip = 1.0;               // global-norm clipping; 0 disables
+    std::string schedule = "cosine";      // "constant" | "cosine" | "wsd"
     int warmup_steps = 100;
     double decay_fraction = 0.2;      // wsd: the last fraction of steps that cools down
     std::string cooldown = "linear";  // wsd: "linear" | "1-sqrt"

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstring>
+#include <limits>
 
 #include <fmt/format.h>
 
@@ -87,6 +89,24 @@ void Optimizer::write_state(const std::string& name, std::size_t begin, std::siz
 void Optimizer::finish_writes() {
     for (auto& [name, floats] : staged_) moment(name).write(floats.data());
     staged_.clear();
+}
+
+std::size_t Optimizer::stored_bytes(const std::string& name) {
+    return moment(name).bytes();
+}
+
+void Optimizer::save_stored(const std::string& name, uint8_t* dst) {
+    moment(name).save_stored(dst);
+}
+
+void Optimizer::load_stored(const std::string& name, const uint8_t* src) {
+    moment(name).load_stored(src);
+}
+
+bool Optimizer::compact() {
+    for (const std::string& name : state_names())
+        if (stored_bytes(name) < count_ * sizeof(float)) return true;
+    return false;
 }
 
 namespace {
@@ -202,11 +222,12 @@ struct AdamStep {
 
 class AdamW final : public Optimizer {
   public:
-    AdamW(const OptimConfig& cfg, const ParamLayout& layout, std::size_t offset, std::size_t count)
+    AdamW(const OptimConfig& cfg, const ParamLayout& layout, std::size_t offset, std::size_t count,
+          MemCategory category)
         : Optimizer(layout, offset, count, parse_state_format(cfg.state_format)),
           cfg_(cfg),
-          m_(format_, true, layout, offset, count),
-          v_(format_, false, layout, offset, count) {}
+          m_(format_, true, layout, offset, count, {}, category),
+          v_(format_, false, layout, offset, count, {}, category) {}
 
     void step_part(float* params, const float* grads, double lr, std::size_t begin,
                    std::size_t count) override {
@@ -224,10 +245,11 @@ class AdamW final : public Optimizer {
 
 class Sgd final : public Optimizer {
   public:
-    Sgd(const OptimConfig& cfg, const ParamLayout& layout, std::size_t offset, std::size_t count)
+    Sgd(const OptimConfig& cfg, const ParamLayout& layout, std::size_t offset, std::size_t count,
+        MemCategory category)
         : Optimizer(layout, offset, count, parse_state_format(cfg.state_format)),
           cfg_(cfg),
-          buf_(format_, true, layout, offset, count) {}
+          buf_(format_, true, layout, offset, count, {}, category) {}
 
     void step_part(float* params, const float* grads, double lr, std::size_t begin,
                    std::size_t count) override {
@@ -268,14 +290,15 @@ class Sgd final : public Optimizer {
 // lr_muon follows the schedule too: optim.muon_lr x (lr / optim.lr).
 class Muon final : public Optimizer {
   public:
-    Muon(const OptimConfig& cfg, const ParamLayout& layout, std::size_t offset, std::size_t count)
+    Muon(const OptimConfig& cfg, const ParamLayout& layout, std::size_t offset, std::size_t count,
+         MemCategory category)
         : Optimizer(layout, offset, count, parse_state_format(cfg.state_format)),
           cfg_(cfg),
           matrix_(muon_matrices(layout)),
           rest_(complement(matrix_)),
-          m_(format_, true, layout, offset, count, rest_),
-          v_(format_, false, layout, offset, count, rest_),
-          buf_(format_, true, layout, offset, count, matrix_) {
+          m_(format_, true, layout, offset, count, rest_, category),
+          v_(format_, false, layout, offset, count, rest_, category),
+          buf_(format_, true, layout, offset, count, matrix_, category) {
         for (std::size_t i = 0; i < layout.tensors.size(); i++) {
             const ParamSpec& t = layout.tensors[i];
             const bool in = t.offset >= offset && t.offset + t.numel <= offset + count;
@@ -337,7 +360,216 @@ class Muon final : public Optimizer {
     MomentBuffer m_, v_, buf_;
 };
 
+// Whether Adafactor factors tensor t's second moment: a matrix of at least 2 x 2 (the factors
+// then fit inside the tensor's own floats, which is how the state is laid out for checkpoints).
+bool adafactor_factors(const ParamSpec& t) {
+    return t.shape.size() == 2 && t.shape[0] >= 2 && t.shape[1] >= 2;
+}
+
+// torch.lerp's arithmetic: a + w (b - a) for |w| < 0.5, else b - (b - a)(1 - w).
+inline float lerp_torch(float a, float b, float w) {
+    return std::abs(w) < 0.5f ? a + w * (b - a) : b - (b - a) * (1.0f - w);
+}
+
+class Adafactor final : public Optimizer {
+  public:
+    Adafactor(const OptimConfig& cfg, const ParamLayout& layout, std::size_t offset,
+              std::size_t count, MemCategory category)
+        : Optimizer(layout, offset, count, StateFormat::Fp32), cfg_(cfg) {
+        std::size_t at = 0;
+        for (std::size_t i = 0; i < layout.tensors.size(); i++) {
+            const ParamSpec& t = layout.tensors[i];
+            const bool in = t.offset >= offset && t.offset + t.numel <= offset + count;
+            const bool out = t.offset + t.numel <= offset || t.offset >= offset + count;
+            if (!in && !out)
+                fail(
+                    "optim.name = \"adafactor\" steps whole tensors (their RMS and their "
+                    "factored second moment), and this optimizer's range [{}, {}) holds part of "
+                    "{} (ZeRO stages 1-3 shard tensors between ranks: set train.zero_stage = 0)",
+                    offset, offset + count, t.name);
+            if (!in) continue;
+            pieces_.push_back({i, at});
+            at += adafactor_factors(t) ? (std::size_t)(t.shape[0] + t.shape[1]) : t.numel;
+        }
+        if (at) {
+            state_ = Buffer<float>(at, category);
+            std::fill(state_.data(), state_.data() + at, 0.0f);
+        }
+    }
+
+    void step_part(float* params, const float* grads, double lr, std::size_t begin,
+                   std::size_t n) override {
+        const double t = (double)(t_ + 1);
+        const float w = (float)std::pow(t, cfg_.adafactor_beta2_decay);  // 1 - beta2_t
+        const double rho = std::min(lr, 1.0 / std::sqrt(t));
+        const std::size_t lo = offset_ + begin, hi = lo + n;
+        for (const Piece& pc : pieces_) {
+            const ParamSpec& ts = layout_.tensors[pc.tensor];
+            if (ts.offset + ts.numel <= lo || ts.offset >= hi) continue;
+            if (ts.offset < lo || ts.offset + ts.numel > hi)
+                fail("internal: an Adafactor update of part of {}", ts.name);
+            float* p = params + (ts.offset - lo);
+            const float* g = grads + (ts.offset - lo);
+            const bool factored = adafactor_factors(ts);
+            const int64_t rows = factored ? ts.shape[0] : 1;
+            const int64_t cols = factored ? ts.shape[1] : (int64_t)ts.numel;
+            step_tensor(p, g, state_.data() + pc.at, rows, cols, factored, ts.decay, lr, rho, w);
+        }
+    }
+
+    std::vector<std::pair<std::string, MomentBuffer*>> moments() override { return {}; }
+    std::size_t state_bytes() override { return state_.bytes(); }
+    // Its stored form: the pieces' factors and vectors back to back.
+    std::size_t stored_bytes(const std::string& name) override {
+        check_name(name);
+        return state_.bytes();
+    }
+    void save_stored(const std::string& name, uint8_t* dst) override {
+        check_name(name);
+        if (state_.bytes()) std::memcpy(dst, state_.data(), state_.bytes());
+    }
+    void load_stored(const std::string& name, const uint8_t* src) override {
+        check_name(name);
+        if (state_.bytes()) std::memcpy(state_.data(), src, state_.bytes());
+    }
+
+    // For checkpoints the state is laid out like the range: each tensor's floats hold its
+    // second moment whole, or its row factors then its column factors followed by zeros.
+    std::vector<std::string> state_names() override { return {"variance"}; }
+    const float* host_state(const std::string&) override { return nullptr; }
+    void read_state(const std::string& name, float* dst) override {
+        check_name(name);
+        std::fill(dst, dst + count_, 0.0f);
+        for (const Piece& pc : pieces_) {
+            const ParamSpec& t = layout_.tensors[pc.tensor];
+            const std::size_t k = stored_floats(t);
+            std::copy(state_.data() + pc.at, state_.data() + pc.at + k, dst + (t.offset - offset_));
+        }
+    }
+    void write_state(const std::string& name, std::size_t begin, std::size_t n,
+                     const float* src) override {
+        check_name(name);
+        if (begin > count_ || n > count_ - begin)
+            fail("internal: optimizer state write [{}, {}) outside its {} floats", begin, begin + n,
+                 count_);
+        if (staged_whole_.empty()) {
+            staged_whole_.resize(count_);
+            read_state(name, staged_whole_.data());  // what no write covers keeps its value
+        }
+        std::copy(src, src + n, staged_whole_.data() + begin);
+    }
+    void finish_writes() override {
+        if (staged_whole_.empty()) return;
+        for (const Piece& pc : pieces_) {
+            const ParamSpec& t = layout_.tensors[pc.tensor];
+            const float* from = staged_whole_.data() + (t.offset - offset_);
+            std::copy(from, from + stored_floats(t), state_.data() + pc.at);
+        }
+        staged_whole_.clear();
+        staged_whole_.shrink_to_fit();
+    }
+
+  private:
+    struct Piece {
+        std::size_t tensor, at;  // the layout's tensor; where its state starts in state_
+    };
+    static std::size_t stored_floats(const ParamSpec& t) {
+        return adafactor_factors(t) ? (std::size_t)(t.shape[0] + t.shape[1]) : t.numel;
+    }
+    static void check_name(const std::string& name) {
+        if (name != "variance") fail("internal: Adafactor has no state tensor '{}'", name);
+    }
+
+    // One tensor: rows x cols (a whole tensor is 1 x numel, unfactored), its state at s (rows
+    // then cols floats when factored, else numel). Every sum goes row by row in double, each
+    // row's by one thread and the rows' in order: the same bits at any thread count.
+    void step_tensor(float* p, const float* g, float* s, int64_t rows, int64_t cols, bool factored,
+                     bool decays, double lr, double rho, float w) const {
+        const float eps1 = std::numeric_limits<float>::epsilon(), eps1_sq = eps1 * eps1;
+        const int64_t n = rows * cols;
+        std::vector<double> part((std::size_t)rows);
+        auto ordered_sum = [&]() {
+            double sum = 0;
+            for (double v : part) sum += v;
+            return sum;
+        };
+        // alpha from the weights before the decay.
+#pragma omp parallel for schedule(static) if (rows > 1)
+        for (int64_t i = 0; i < rows; i++) {
+            double a = 0;
+            for (int64_t j = 0; j < cols; j++) a += (double)p[i * cols + j] * p[i * cols + j];
+            part[(std::size_t)i] = a;
+        }
+        const double alpha = std::max(1e-3, std::sqrt(ordered_sum() / (double)n)) * rho;
+        if (decays && cfg_.weight_decay != 0) {
+            const float keep = (float)(1.0 - lr * cfg_.weight_decay);
+#pragma omp parallel for simd schedule(static)
+            for (int64_t i = 0; i < n; i++) p[i] *= keep;
+        }
+        float* R = s;
+        float* C = s + rows;
+        float inv_mean_r = 0;
+        if (factored) {
+#pragma omp parallel for schedule(static)
+            for (int64_t i = 0; i < rows; i++) {
+                double a = 0;
+                for (int64_t j = 0; j < cols; j++) a += (double)g[i * cols + j] * g[i * cols + j];
+                R[i] = lerp_torch(R[i], (float)(a / (double)cols), w);
+            }
+            constexpr int64_t kCols = 256;
+#pragma omp parallel for schedule(static)
+            for (int64_t j0 = 0; j0 < cols; j0 += kCols) {
+                const int64_t j1 = std::min(cols, j0 + kCols);
+                double acc[kCols] = {};
+                for (int64_t i = 0; i < rows; i++)
+                    for (int64_t j = j0; j < j1; j++)
+                        acc[j - j0] += (double)g[i * cols + j] * g[i * cols + j];
+                for (int64_t j = j0; j < j1; j++)
+                    C[j] = lerp_torch(C[j], (float)(acc[j - j0] / (double)rows), w);
+            }
+            double sum_r = 0;
+            for (int64_t i = 0; i < rows; i++) sum_r += R[i];
+            inv_mean_r = 1.0f / std::max((float)(sum_r / (double)rows), eps1);
+        } else {
+            for (int64_t j = 0; j < cols; j++) s[j] = lerp_torch(s[j], g[j] * g[j], w);
+        }
+        // U = G / sqrt(max(V, eps1^2)), computed twice: once for its RMS, once to step.
+        auto u = [&](int64_t i, int64_t j) {
+            const float v = factored ? (R[i] * C[j]) * inv_mean_r : s[j];
+            return g[i * cols + j] * (1.0f / std::sqrt(std::max(v, eps1_sq)));
+        };
+#pragma omp parallel for schedule(static) if (rows > 1)
+        for (int64_t i = 0; i < rows; i++) {
+            double a = 0;
+            for (int64_t j = 0; j < cols; j++) {
+                const float x = u(i, j);
+                a += (double)x * x;
+            }
+            part[(std::size_t)i] = a;
+        }
+        const double rms_u = std::sqrt(ordered_sum() / (double)n);
+        const float step = (float)(-alpha / std::max(1.0, rms_u / cfg_.adafactor_clip));
+#pragma omp parallel for schedule(static) if (rows > 1)
+        for (int64_t i = 0; i < rows; i++)
+            for (int64_t j = 0; j < cols; j++) p[i * cols + j] += step * u(i, j);
+    }
+
+    OptimConfig cfg_;
+    std::vector<Piece> pieces_;
+    Buffer<float> state_;              // the pieces' state, back to back
+    std::vector<float> staged_whole_;  // write_state's floats until finish_writes()
+};
+
 }  // namespace
+
+std::size_t adafactor_state_floats(const ParamLayout& layout, std::size_t offset,
+                                   std::size_t count) {
+    std::size_t n = 0;
+    for (const ParamSpec& t : layout.tensors)
+        if (t.offset >= offset && t.offset + t.numel <= offset + count)
+            n += adafactor_factors(t) ? (std::size_t)(t.shape[0] + t.shape[1]) : t.numel;
+    return n;
+}
 
 std::vector<char> muon_matrices(const ParamLayout& layout) {
     std::vector<char> m(layout.tensors.size());
@@ -384,18 +616,23 @@ void newton_schulz5(float* x, int rows, int cols) {
 }
 
 std::unique_ptr<Optimizer> make_optimizer(const OptimConfig& cfg, const ParamLayout& layout,
-                                          std::size_t offset, std::size_t count) {
+                                          std::size_t offset, std::size_t count,
+                                          MemCategory category) {
     cfg.validate();
     if (offset > layout.total)
         fail("optimizer range starts at {}, past the {} parameters", offset, layout.total);
     count = std::min(count, layout.total - offset);
-    if (cfg.name == "sgd") return std::make_unique<Sgd>(cfg, layout, offset, count);
-    if (cfg.name == "muon") return std::make_unique<Muon>(cfg, layout, offset, count);
-    return std::make_unique<AdamW>(cfg, layout, offset, count);
+    if (cfg.name == "sgd") return std::make_unique<Sgd>(cfg, layout, offset, count, category);
+    if (cfg.name == "muon") return std::make_unique<Muon>(cfg, layout, offset, count, category);
+    if (cfg.name == "adafactor")
+        return std::make_unique<Adafactor>(cfg, layout, offset, count, category);
+    return std::make_unique<AdamW>(cfg, layout, offset, count, category);
 }
 
 std::size_t optimizer_state_bytes(const OptimConfig& cfg, const ParamLayout& layout,
                                   std::size_t offset, std::size_t count) {
+    if (cfg.name == "adafactor")
+        return sizeof(float) * adafactor_state_floats(layout, offset, count);
     const StateFormat f = parse_state_format(cfg.state_format);
     if (cfg.name == "muon") {
         const std::vector<char> matrices = muon_matrices(layout);
@@ -407,6 +644,8 @@ std::size_t optimizer_state_bytes(const OptimConfig& cfg, const ParamLayout& lay
 }
 
 std::string describe_optimizer_state(const OptimConfig& cfg) {
+    if (cfg.name == "adafactor")
+        return "Adafactor second moment: row and column factors of matrices, whole else (fp32)";
     const StateFormat f = parse_state_format(cfg.state_format);
     const char* what = cfg.name == "sgd"    ? "momentum"
                        : cfg.name == "muon" ? "Muon momentum on block matrices, Adam m, v else"

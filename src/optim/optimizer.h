@@ -19,6 +19,8 @@
 
 namespace memtrain {
 
+class Optimizer;
+
 // What a checkpoint needs of an optimizer, wherever its state lives (host memory here, device
 // memory in the CUDA engine): the range of the flat parameter buffer it covers, its step count,
 // and its named state tensors of count floats each, laid out like the range.
@@ -52,6 +54,10 @@ class OptimizerState {
     // int4, bf16) is encoded from the written floats here, since a load may write a block in
     // pieces from several files.
     virtual void finish_writes() {}
+    // The host optimizer of range k of ranges(), whose state a checkpoint can keep in its stored
+    // form (Optimizer::save_stored); null where the state lives elsewhere or in views (the CUDA
+    // engine's, tensor parallelism's): checkpoints then hold floats.
+    virtual Optimizer* stored_part(std::size_t /*k*/) { return nullptr; }
 };
 
 // An optimizer updates the floats [offset, offset + count) of the flat parameter buffer: all
@@ -75,8 +81,8 @@ class Optimizer : public OptimizerState {
     void advance() { t_++; }
     // Named moments over the range, in their storage format (for checkpoints).
     virtual std::vector<std::pair<std::string, MomentBuffer*>> moments() = 0;
-    // The moments' bytes in all.
-    std::size_t state_bytes();
+    // The state's bytes in all (the moments', or Adafactor's factored rows and columns).
+    virtual std::size_t state_bytes();
     int64_t steps_taken() const override { return t_; }
     void set_steps_taken(int64_t t) override { t_ = t; }
     std::size_t offset() const override { return offset_; }
@@ -90,8 +96,19 @@ class Optimizer : public OptimizerState {
     void write_state(const std::string& name, std::size_t begin, std::size_t n,
                      const float* src) override;
     void finish_writes() override;
+    Optimizer* stored_part(std::size_t k) override { return k == 0 ? this : nullptr; }
+
+    // The stored form of a state tensor, as checkpoints keep it: its own bytes over the range
+    // (compressed moments' codes and scales, Adafactor's factors, a masked moment's covered
+    // floats), read and set whole. compact(): whether that is less than count floats a tensor.
+    StateFormat state_format() const { return format_; }
+    virtual std::size_t stored_bytes(const std::string& name);
+    virtual void save_stored(const std::string& name, uint8_t* dst);
+    virtual void load_stored(const std::string& name, const uint8_t* src);
+    bool compact();
 
   protected:
+    // (`category` is the subclass's to give its state: make_optimizer's.)
     Optimizer(const ParamLayout& layout, std::size_t offset, std::size_t count, StateFormat format);
     MomentBuffer& moment(const std::string& name);
     ParamLayout layout_;
@@ -117,9 +134,26 @@ std::vector<char> muon_matrices(const ParamLayout& layout);
 // (Muon's orthogonalization, in fp32). The tall orientation is orthogonalized as its transpose.
 void newton_schulz5(float* x, int rows, int cols);
 
-// count = SIZE_MAX: to the end of the buffer.
+// Adafactor (optim.name = "adafactor"; Shazeer and Stern 2018, step for step as
+// torch.optim.Adafactor computes it): no first moment; the second moment of a matrix (a 2-D
+// tensor of at least 2 x 2) factored into its row and column means of g^2, of any other tensor
+// kept whole. At step t, with 1 - beta2_t = t^optim.adafactor_beta2_decay:
+//   R = lerp(R, mean_j g^2, 1 - beta2_t); C = lerp(C, mean_i g^2, 1 - beta2_t);
+//   V = R C^T / max(mean(R), eps1)            (whole tensors: V = lerp(V, g^2, 1 - beta2_t))
+//   U = G / sqrt(max(V, eps1^2));  U /= max(1, RMS(U) / optim.adafactor_clip)
+//   W = W (1 - lr wd) - max(eps2, RMS(W_before)) min(lr, 1 / sqrt(t)) U
+// with eps1 = FLT_EPSILON, eps2 = 1e-3 and lr the schedule's (a relative step: lr scales the
+// weights' RMS, so it wants a larger optim.lr than AdamW, PyTorch's default being 1e-2). Its
+// state: rows + cols floats per matrix, numel per other tensor. Every tensor is stepped whole.
+// The floats of the state over [offset, offset + count) of `layout` (its tensors whole).
+std::size_t adafactor_state_floats(const ParamLayout& layout, std::size_t offset,
+                                   std::size_t count);
+
+// count = SIZE_MAX: to the end of the buffer. `category`: what the memory table counts its state
+// under (a checkpoint's scratch decoder of another range or format: MemCategory::Other).
 std::unique_ptr<Optimizer> make_optimizer(const OptimConfig& cfg, const ParamLayout& layout,
-                                          std::size_t offset = 0, std::size_t count = SIZE_MAX);
+                                          std::size_t offset = 0, std::size_t count = SIZE_MAX,
+                                          MemCategory category = MemCategory::OptimizerState);
 
 // Several optimizers over disjoint increasing ranges of the same layout, seen by checkpoints as
 // one state: the concatenation of the parts' (an interleaved pipeline rank holds a chunk of the
@@ -143,6 +177,9 @@ class RangeOptimizers final : public OptimizerState {
     void write_state(const std::string& name, std::size_t begin, std::size_t n,
                      const float* src) override;
     void finish_writes() override;
+    Optimizer* stored_part(std::size_t k) override {
+        return k < parts_.size() ? parts_[k].get() : nullptr;
+    }
 
   private:
     std::vector<std::unique_ptr<Optimizer>> parts_;

@@ -10,8 +10,19 @@
 namespace memtrain {
 
 void OptimConfig::validate() const {
-    if (name != "adamw" && name != "sgd" && name != "muon")
-        fail("optim.name = \"{}\": expected \"adamw\", \"sgd\" or \"muon\"", name);
+    if (name != "adamw" && name != "sgd" && name != "muon" && name != "adafactor")
+        fail("optim.name = \"{}\": expected \"adamw\", \"sgd\", \"muon\" or \"adafactor\"", name);
+    if (!(adafactor_beta2_decay >= -1 && adafactor_beta2_decay <= 0))
+        fail("optim.adafactor_beta2_decay must be in [-1, 0] (1 - beta2_t = t^decay), got {}",
+             adafactor_beta2_decay);
+    if (!(adafactor_clip > 0))
+        fail("optim.adafactor_clip must be positive, got {}", adafactor_clip);
+    if (name == "adafactor" && state_format != "fp32")
+        fail(
+            "optim.name = \"adafactor\" with optim.state_format = \"{}\": Adafactor's factored "
+            "second moment is already rows + cols floats per matrix (set optim.state_format = "
+            "\"fp32\")",
+            state_format);
     if (!(muon_lr > 0)) fail("optim.muon_lr must be positive, got {}", muon_lr);
     if (muon_momentum < 0 || muon_momentum >= 1)
         fail("optim.muon_momentum must be in [0, 1), got {}", muon_momentum);

@@ -243,17 +243,18 @@ SegmentPlan plan_segments(StateFormat f, const ParamLayout& layout, std::size_t 
 }  // namespace
 
 MomentBuffer::MomentBuffer(StateFormat f, bool is_signed, const ParamLayout& layout,
-                           std::size_t offset, std::size_t count, const std::vector<char>& only)
+                           std::size_t offset, std::size_t count, const std::vector<char>& only,
+                           MemCategory category)
     : format_(f),
       signed_(is_signed),
       whole_(f == StateFormat::Fp32 && only.empty()),
       count_(count) {
     SegmentPlan p = plan_segments(f, layout, offset, count, only);
     segs_ = std::move(p.segs);
-    if (p.fp32) fp32_ = Buffer<float>(p.fp32, MemCategory::OptimizerState);
-    if (p.bf16) bf16_ = Buffer<uint16_t>(p.bf16, MemCategory::OptimizerState);
-    if (p.code_bytes) codes_ = Buffer<uint8_t>(p.code_bytes, MemCategory::OptimizerState);
-    if (p.scales) scales_ = Buffer<float>(p.scales, MemCategory::OptimizerState);
+    if (p.fp32) fp32_ = Buffer<float>(p.fp32, category);
+    if (p.bf16) bf16_ = Buffer<uint16_t>(p.bf16, category);
+    if (p.code_bytes) codes_ = Buffer<uint8_t>(p.code_bytes, category);
+    if (p.scales) scales_ = Buffer<float>(p.scales, category);
     // Zero codes decode to zero in every map with a zero scale, as a fresh fp32 state is zero.
 }
 
@@ -266,6 +267,26 @@ std::size_t MomentBuffer::predicted_bytes(StateFormat f, const ParamLayout& layo
 
 std::size_t MomentBuffer::bytes() const {
     return fp32_.bytes() + bf16_.bytes() + codes_.bytes() + scales_.bytes();
+}
+
+void MomentBuffer::save_stored(uint8_t* dst) const {
+    for (auto [data, n] : {std::pair{(const void*)fp32_.data(), fp32_.bytes()},
+                           std::pair{(const void*)bf16_.data(), bf16_.bytes()},
+                           std::pair{(const void*)codes_.data(), codes_.bytes()},
+                           std::pair{(const void*)scales_.data(), scales_.bytes()}}) {
+        if (n) std::memcpy(dst, data, n);
+        dst += n;
+    }
+}
+
+void MomentBuffer::load_stored(const uint8_t* src) {
+    for (auto [data, n] : {std::pair{(void*)fp32_.data(), fp32_.bytes()},
+                           std::pair{(void*)bf16_.data(), bf16_.bytes()},
+                           std::pair{(void*)codes_.data(), codes_.bytes()},
+                           std::pair{(void*)scales_.data(), scales_.bytes()}}) {
+        if (n) std::memcpy(data, src, n);
+        src += n;
+    }
 }
 
 const float* MomentBuffer::whole_fp32() const {

@@ -93,8 +93,11 @@ class MomentBuffer {
     // `only`: per tensor of the layout, whether the moment covers it (empty: every tensor). An
     // optimizer that keeps different state for different tensors (Muon) holds masked moments;
     // what a moment does not cover reads as zero and takes no bytes.
+    // `category`: what the memory table counts the bytes under (a checkpoint's scratch decoder
+    // is not optimizer state).
     MomentBuffer(StateFormat f, bool is_signed, const ParamLayout& layout, std::size_t offset,
-                 std::size_t count, const std::vector<char>& only = {});
+                 std::size_t count, const std::vector<char>& only = {},
+                 MemCategory category = MemCategory::OptimizerState);
 
     StateFormat format() const { return format_; }
     const std::vector<Segment>& segments() const { return segs_; }
@@ -114,6 +117,10 @@ class MomentBuffer {
     // The single fp32 array holding the whole range, or null when it is stored otherwise.
     const float* whole_fp32() const;
     std::size_t bytes() const;
+    // The stored bytes themselves (bytes() of them: the fp32, bf16, code and scale stores in that
+    // order), as checkpoints keep them; and the state set from such bytes.
+    void save_stored(uint8_t* dst) const;
+    void load_stored(const uint8_t* src);
 
     // Bytes a moment of this format takes over [offset, offset + count), as the constructor
     // allocates them (the memory plan prices optimizer state with it).

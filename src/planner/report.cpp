@@ -345,9 +345,10 @@ std::string emit_config_toml(const ModelSpec& m, const Plan& p, const RunConfig*
         cfg.train.pp_schedule = to_string(r.schedule);
         cfg.train.pp_virtual = r.schedule == pp::Kind::Interleaved ? r.virtual_stages : 1;
     }
-    cfg.optim.name = r.optimizer == Optimizer::sgd    ? "sgd"
-                     : r.optimizer == Optimizer::muon ? "muon"
-                                                      : "adamw";
+    cfg.optim.name = r.optimizer == Optimizer::sgd         ? "sgd"
+                     : r.optimizer == Optimizer::muon      ? "muon"
+                     : r.optimizer == Optimizer::adafactor ? "adafactor"
+                                                           : "adamw";
     cfg.optim.state_format =
         state_format_name(r.optimizer == Optimizer::adamw8bit ? StateFormat::Int8 : r.state_format);
     cfg.lora.rank = r.lora_rank;

@@ -44,7 +44,8 @@ Optimizer parse_optimizer(const std::string& s) {
                                  {{"adamw", Optimizer::adamw},
                                   {"sgd", Optimizer::sgd},
                                   {"adamw8bit", Optimizer::adamw8bit},
-                                  {"muon", Optimizer::muon}});
+                                  {"muon", Optimizer::muon},
+                                  {"adafactor", Optimizer::adafactor}});
 }
 
 Recompute parse_recompute(const std::string& s) {
@@ -114,6 +115,8 @@ const char* to_string(Optimizer o) {
             return "adamw8bit";
         case Optimizer::muon:
             return "muon";
+        case Optimizer::adafactor:
+            return "adafactor";
     }
     return "?";
 }
@@ -184,7 +187,9 @@ StateBytes state_bytes(Precision precision, bool fp32_master, Optimizer optimize
     // Optimizer bytes: Adam keeps two moments, SGD one, each in its storage format (8-bit Adam:
     // int8 with a scale per 256). Mixed precision adds a 4-byte fp32 master copy of the weights;
     // without it (bf16-only) fp32 moments become bf16 too.
-    const double moments = optimizer == Optimizer::sgd ? 1 : 2;
+    const double moments = optimizer == Optimizer::sgd         ? 1
+                           : optimizer == Optimizer::adafactor ? 0
+                                                               : 2;
     if (optimizer == Optimizer::adamw8bit) format = StateFormat::Int8;
     if (format == StateFormat::Fp32 && precision != Precision::fp32 && !fp32_master)
         format = StateFormat::Bf16;
@@ -208,8 +213,16 @@ double muon_matrix_fraction(const ModelSpec& m) {
     return layout.total ? (double)n / (double)layout.total : 0.0;
 }
 
+double adafactor_bytes_per_param(const ModelSpec& m) {
+    const ParamLayout layout = make_param_layout(config_from_model(m));
+    return layout.total ? 4.0 * (double)adafactor_state_floats(layout, 0, layout.total) /
+                              (double)layout.total
+                        : 0.0;
+}
+
 StateBytes state_bytes(const ModelSpec& m, const RunSpec& r) {
     StateBytes k = state_bytes(r);
+    if (r.optimizer == Optimizer::adafactor) k.optim += adafactor_bytes_per_param(m);
     if (r.optimizer == Optimizer::muon) {
         const double moments = k.optim - k.master;  // two, as AdamW's
         k.optim = k.master + moments / 2 * (2 - muon_matrix_fraction(m));

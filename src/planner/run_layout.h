@@ -14,8 +14,9 @@
 
 namespace memtrain::plan {
 
-// sgd = SGD with momentum; muon = Muon's momentum on the blocks' 2-D matrices, AdamW elsewhere.
-enum class Optimizer { adamw, sgd, adamw8bit, muon };
+// sgd = SGD with momentum; muon = Muon's momentum on the blocks' 2-D matrices, AdamW elsewhere;
+// adafactor = a factored second moment (rows + cols floats per matrix, whole for the rest).
+enum class Optimizer { adamw, sgd, adamw8bit, muon, adafactor };
 // For every layout priced by the engines' layout functions (planner/rank_layout.h,
 // planner/stage_activations.h) each name is the trainer's train.remat of that name (selective:
 // ln_1, ln_2 and the MLP activation recomputed), sequence parallelism and tp with pp included;
@@ -126,8 +127,10 @@ StateBytes state_bytes(Precision precision, bool fp32_master, Optimizer optimize
                        StateFormat format = StateFormat::Fp32);
 StateBytes state_bytes(const RunSpec& r);
 // The same for `model`: Muon keeps one moment on the blocks' 2-D matrices (the fraction
-// muon_matrix_fraction of the parameters) and AdamW's two on the rest.
+// muon_matrix_fraction of the parameters) and AdamW's two on the rest; Adafactor
+// adafactor_bytes_per_param (without a model, state_bytes prices Adafactor's factors as 0).
 StateBytes state_bytes(const ModelSpec& model, const RunSpec& r);
+double adafactor_bytes_per_param(const ModelSpec& model);
 double muon_matrix_fraction(const ModelSpec& model);
 // Bytes of one saved activation element: 4 for fp32 training, else 2.
 int activation_bytes(Precision precision);

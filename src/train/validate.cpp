@@ -293,20 +293,25 @@ void check_batch_split(const RunConfig& cfg) {
 // formats: the CPU engine's whole-model and LoRA optimizers under DDP and ZeRO 0-3, and pipeline
 // stages) and, by name, what is not yet.
 void validate_optimizer_layout(const RunConfig& cfg) {
-    if (cfg.optim.name == "muon") {
-        // Muon orthogonalizes each block matrix whole: every layout where one rank's optimizer
-        // holds whole matrices (one process, DDP, pipeline stages, a parameter server's units).
-        const auto refuse = refuser("optim.name = \"muon\"");
+    if (cfg.optim.name == "muon" || cfg.optim.name == "adafactor") {
+        // Muon orthogonalizes each block matrix whole, Adafactor factors each matrix's second
+        // moment and scales each tensor by its RMS: every layout where one rank's optimizer holds
+        // whole tensors (one process, DDP, pipeline stages, a parameter server's units).
+        const bool muon = cfg.optim.name == "muon";
+        const auto refuse = refuser(fmt::format("optim.name = \"{}\"", cfg.optim.name));
+        const char* needs = muon ? "Newton-Schulz needs each matrix whole"
+                                 : "its row and column factors and its RMS need each tensor whole";
         if (cfg.train.device == "cuda")
             refuse("train.device = \"cuda\"", "its step is built on the CPU engine so far");
         if (cfg.train.tp > 1)
             refuse(fmt::format("train.tp = {}", cfg.train.tp),
-                   "each rank holds slices of the matrices, and Newton-Schulz needs them whole");
+                   fmt::format("each rank holds slices of the matrices, and {}", needs));
         if (cfg.train.zero_stage > 0 && cfg.world > 1)
             refuse(fmt::format("train.zero_stage = {}", cfg.train.zero_stage),
-                   "ZeRO shards cut the matrices between ranks, and Newton-Schulz needs each one "
-                   "whole on one rank (set train.zero_stage = 0: every rank then steps every "
-                   "matrix, as DDP does)");
+                   fmt::format("ZeRO shards cut tensors between ranks, and {} on one rank (set "
+                               "train.zero_stage = 0: every rank then steps every tensor, as DDP "
+                               "does)",
+                               needs));
     }
     if (cfg.optim.step_in_backward) {
         // Built on the ZeroStore (one process, DDP, ZeRO 0-3, LoRA's adapters on the CPU).
@@ -342,10 +347,10 @@ void validate_optimizer_layout(const RunConfig& cfg) {
         if (cfg.lora.enabled())
             refuse(fmt::format("lora.rank = {}", cfg.lora.rank),
                    "LoRA's adapters are small; their base is frozen (lora.base quantizes it)");
-        if (cfg.optim.name == "muon")
-            refuse(
-                "optim.name = \"muon\"",
-                "its bf16 update goes a chunk at a time, and Newton-Schulz needs whole matrices");
+        if (cfg.optim.name == "muon" || cfg.optim.name == "adafactor")
+            refuse(fmt::format("optim.name = \"{}\"", cfg.optim.name),
+                   "its bf16 update goes a chunk at a time, and this optimizer steps whole "
+                   "tensors");
     }
     const StateFormat f = parse_state_format(cfg.optim.state_format);
     if (f == StateFormat::Fp32) return;

@@ -157,5 +157,25 @@ TEST(StateFormatDist, MuonUnderDdpTrainsAsOneProcess) {
     expect_refused(zero, "train.zero_stage = 2");
 }
 
+// Adafactor steps whole tensors: under DDP every rank steps all of them on the all-reduced
+// gradients and trains the one-process model; ZeRO, which cuts tensors, is refused by name.
+TEST(StateFormatDist, AdafactorUnderDdpTrainsAsOneProcess) {
+    const int N = comm().size(), b = 2;
+    RunConfig c = wide_run("sfd_adafactor", 6, "fp32");
+    c.optim.name = "adafactor";
+    c.optim.lr = 0.1;
+    c.train.batch_size = N * b;
+    const std::vector<float> ref = run_losses(as_one_process(c, N * b), nullptr);
+    c.train.micro_batch_size = b;
+    const std::vector<float> losses = run_losses(c, &comm());
+    ASSERT_EQ(losses.size(), ref.size());
+    for (std::size_t i = 0; i < ref.size(); i++)
+        EXPECT_NEAR(losses[i], ref[i], 1e-5 * std::abs(ref[i])) << "adafactor ddp, step " << i + 1;
+    EXPECT_LT(losses.back(), losses.front());
+    RunConfig zero = c;
+    zero.train.zero_stage = 1;
+    expect_refused(zero, "train.zero_stage = 1");
+}
+
 }  // namespace
 }  // namespace memtrain::dist

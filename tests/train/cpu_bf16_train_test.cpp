@@ -28,10 +28,6 @@ RunConfig bf16_run(const std::string& name, int steps, const std::string& precis
     return c;
 }
 
-std::size_t at(const std::array<std::size_t, kNumMemCategories>& a, MemCategory k) {
-    return a[static_cast<int>(k)];
-}
-
 }  // namespace
 
 TEST(CpuBf16Train, TracksTheFp32RunOver50StepsInItsPredictedBytes) {
@@ -51,10 +47,13 @@ TEST(CpuBf16Train, TracksTheFp32RunOver50StepsInItsPredictedBytes) {
     // Measured == predicted in every category; the operand scratch is the workspace's growth.
     for (int k = 0; k < kNumMemCategories; k++)
         EXPECT_EQ(bf16.peak[k], bf16.predicted[k]) << category_name(MemCategory(k));
-    EXPECT_GT(at(bf16.peak, MemCategory::Workspace), at(fp32.peak, MemCategory::Workspace));
+    EXPECT_GT(test::category_bytes(bf16.peak, MemCategory::Workspace),
+              test::category_bytes(fp32.peak, MemCategory::Workspace));
     // Saved fields in bf16 beside one fp32 working block: about (4 / 2 + 1) / 4 of fp32's.
-    EXPECT_LT(at(bf16.peak, MemCategory::Activations), at(fp32.peak, MemCategory::Activations));
-    EXPECT_EQ(at(bf16.peak, MemCategory::Parameters), at(fp32.peak, MemCategory::Parameters));
+    EXPECT_LT(test::category_bytes(bf16.peak, MemCategory::Activations),
+              test::category_bytes(fp32.peak, MemCategory::Activations));
+    EXPECT_EQ(test::category_bytes(bf16.peak, MemCategory::Parameters),
+              test::category_bytes(fp32.peak, MemCategory::Parameters));
 }
 
 TEST(CpuBf16Train, RematIsBitwiseAndResumeIsBitwise) {
@@ -70,7 +69,8 @@ TEST(CpuBf16Train, RematIsBitwiseAndResumeIsBitwise) {
             << policy << " changed the bf16 run's weights";
         for (int k = 0; k < kNumMemCategories; k++)
             EXPECT_EQ(b.peak[k], b.predicted[k]) << policy << " " << category_name(MemCategory(k));
-        EXPECT_LT(at(b.peak, MemCategory::Activations), at(a.peak, MemCategory::Activations))
+        EXPECT_LT(test::category_bytes(b.peak, MemCategory::Activations),
+                  test::category_bytes(a.peak, MemCategory::Activations))
             << policy;
     }
 
@@ -120,8 +120,10 @@ TEST(CpuBf16Train, Bf16ActivationsUnderFp32Compute) {
     const test::MeasuredRun act = test::measured_run(c);
     for (int k = 0; k < kNumMemCategories; k++)
         EXPECT_EQ(act.peak[k], act.predicted[k]) << category_name(MemCategory(k));
-    EXPECT_LT(at(act.peak, MemCategory::Activations), at(fp32.peak, MemCategory::Activations));
-    EXPECT_EQ(at(act.peak, MemCategory::Workspace), at(fp32.peak, MemCategory::Workspace))
+    EXPECT_LT(test::category_bytes(act.peak, MemCategory::Activations),
+              test::category_bytes(fp32.peak, MemCategory::Activations));
+    EXPECT_EQ(test::category_bytes(act.peak, MemCategory::Workspace),
+              test::category_bytes(fp32.peak, MemCategory::Workspace))
         << "no GEMM operand scratch: the GEMMs are fp32";
     EXPECT_NE(act.summary.losses[1], fp32.summary.losses[1]) << "the fields were not rounded";
     EXPECT_NEAR(act.summary.losses.back(), fp32.summary.losses.back(),
@@ -137,7 +139,8 @@ TEST(CpuBf16Train, Bf16ActivationsUnderFp32Compute) {
     c.train.cpu_activations = "fp32";
     const test::MeasuredRun wide = test::measured_run(c);
     const test::MeasuredRun narrow = test::measured_run(bf16_run("cpuact_bf16_under_bf16", 2));
-    EXPECT_GT(at(wide.peak, MemCategory::Activations), at(narrow.peak, MemCategory::Activations));
+    EXPECT_GT(test::category_bytes(wide.peak, MemCategory::Activations),
+              test::category_bytes(narrow.peak, MemCategory::Activations));
     // A bad value is refused by name.
     c.train.cpu_activations = "fp8";
     test::expect_refused_naming(validate_config, c, "train.cpu_activations", "fp8");

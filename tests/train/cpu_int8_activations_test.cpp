@@ -29,10 +29,6 @@ std::vector<float> ramp(std::size_t n, float scale) {
     return x;
 }
 
-std::size_t at(const std::array<std::size_t, kNumMemCategories>& a, MemCategory k) {
-    return a[static_cast<int>(k)];
-}
-
 RunConfig int8_run(const std::string& name, int steps, const std::string& precision = "fp32") {
     RunConfig c = test::wide_tiny_run(name, steps);
     c.model.n_layer = 4;
@@ -105,8 +101,10 @@ TEST(Int8Activations, TracksFp32InItsPredictedBytesAndRematIsBitwise) {
     for (int k = 0; k < kNumMemCategories; k++)
         EXPECT_EQ(q.peak[k], q.predicted[k]) << category_name(MemCategory(k));
     // Every block's fields in int8 beside one fp32 working block (and the fp32 residual streams).
-    EXPECT_LT(at(q.peak, MemCategory::Activations), at(bf16.peak, MemCategory::Activations));
-    EXPECT_LT(at(bf16.peak, MemCategory::Activations), at(ref.peak, MemCategory::Activations));
+    EXPECT_LT(test::category_bytes(q.peak, MemCategory::Activations),
+              test::category_bytes(bf16.peak, MemCategory::Activations));
+    EXPECT_LT(test::category_bytes(bf16.peak, MemCategory::Activations),
+              test::category_bytes(ref.peak, MemCategory::Activations));
 
     for (const char* policy : {"full", "memory-poor"}) {
         RunConfig c = int8_run(std::string("int8act_") + policy, steps);

@@ -10,6 +10,8 @@
 
 #include "core/allocator.h"
 #include "core/error.h"
+#include "io/checkpoint.h"
+#include "io/safetensors.h"
 #include "model/lora.h"
 #include "optim/optimizer.h"
 #include "test_util.h"
@@ -174,4 +176,49 @@ TEST(StateFormatTrain, LoraAdaptersInInt8ResumeBitwise) {
     auto b = test::train_stop_and_resume(lora_cfg("sft_lora_split"), 5, sb);
     ASSERT_EQ(sb.losses.size(), 5u);
     for (int i = 0; i < 5; i++) EXPECT_EQ(sb.losses[i], sa.losses[5 + i]) << i;
+}
+
+TEST(StateFormatTrain, CheckpointsKeepEachStateInItsStoredForm) {
+    // An int8 run's checkpoint holds its moments as their codes and scales (U8), a quarter of
+    // the floats; they load back bitwise into int8, and decoded into fp32 and into int4.
+    RunConfig c = wide_tiny_run(test::temp_dir("sft_stored"), 8, "int8");
+    TrainOptions o = test::quiet();
+    o.stop_after = 4;
+    Trainer first(c, o);
+    first.run();
+    Optimizer* opt = first.engine().optimizer().stored_part(0);
+    ASSERT_NE(opt, nullptr);
+    const std::string file =
+        resolve_checkpoint_dir(c.io.out_dir) + "/optimizer.00000-of-00001.safetensors";
+    const io::SafetensorsFile f = io::SafetensorsFile::open(file);
+    EXPECT_EQ(f.metadata().at("state_form"), "stored");
+    EXPECT_EQ(f.metadata().at("state_format"), "int8");
+    std::vector<std::vector<float>> saved;
+    for (const std::string& n : opt->state_names()) {
+        const io::TensorInfo& t = f.get(n);
+        EXPECT_EQ(t.dtype, DType::U8) << n;
+        EXPECT_EQ((std::size_t)t.numel, opt->stored_bytes(n)) << n;
+        EXPECT_LT((std::size_t)t.numel, opt->count() * sizeof(float) / 3) << n;
+        saved.emplace_back(opt->count());
+        opt->read_state(n, saved.back().data());
+    }
+    for (const char* format : {"int8", "fp32", "int4"}) {
+        RunConfig again = c;
+        again.optim.state_format = format;
+        Trainer second(again, test::quiet(c.io.out_dir));
+        OptimizerState& st = second.engine().optimizer();
+        const ParamLayout layout = make_param_layout(c.model);
+        const std::vector<std::string> names = st.state_names();
+        for (std::size_t i = 0; i < names.size(); i++) {
+            std::vector<float> got(st.count()), want = saved[i];
+            st.read_state(names[i], got.data());
+            if (std::string(format) == "int4") {  // the int8 state, rounded to int4
+                MomentBuffer m(StateFormat::Int4, i == 0, layout, 0, layout.total);
+                m.write(saved[i].data());
+                m.read(want.data());
+            }
+            EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float)))
+                << format << " " << names[i];
+        }
+    }
 }
