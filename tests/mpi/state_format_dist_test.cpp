@@ -141,40 +141,34 @@ TEST(StateFormatDist, PipelinesSideBySideShardTheirStagesOnTheGrain) {
 
 // Muon's whole-matrix step under DDP: every rank steps every matrix on the all-reduced
 // gradients, as one process does; under ZeRO 1-3 it is refused on every rank.
-TEST(StateFormatDist, MuonUnderDdpTrainsAsOneProcess) {
+// An optimizer that steps whole tensors (Muon's Newton-Schulz, Adafactor's factors and RMS) under
+// DDP: every rank steps all of them on the all-reduced gradients and trains the one-process
+// model; a ZeRO stage, which cuts tensors between ranks, is refused by name.
+void expect_whole_tensor_optimizer_under_ddp(const std::string& name, const std::string& format,
+                                             double lr = 0) {
     const int N = comm().size(), b = 2;
-    RunConfig c = wide_run("sfd_muon", 6, "int8");
-    c.optim.name = "muon";
+    RunConfig c = wide_run("sfd_" + name, 6, format);
+    c.optim.name = name;
+    if (lr > 0) c.optim.lr = lr;  // (Adafactor's relative step wants a larger one)
     c.train.batch_size = N * b;
     const std::vector<float> ref = run_losses(as_one_process(c, N * b), nullptr);
     c.train.micro_batch_size = b;
     const std::vector<float> losses = run_losses(c, &comm());
     ASSERT_EQ(losses.size(), ref.size());
     for (std::size_t i = 0; i < ref.size(); i++)
-        EXPECT_NEAR(losses[i], ref[i], 1e-5 * std::abs(ref[i])) << "muon ddp, step " << i + 1;
+        EXPECT_NEAR(losses[i], ref[i], 1e-5 * std::abs(ref[i])) << name << " ddp, step " << i + 1;
+    EXPECT_LT(losses.back(), losses.front()) << name;
     RunConfig zero = c;
     zero.train.zero_stage = 2;
     expect_refused(zero, "train.zero_stage = 2");
 }
 
-// Adafactor steps whole tensors: under DDP every rank steps all of them on the all-reduced
-// gradients and trains the one-process model; ZeRO, which cuts tensors, is refused by name.
+TEST(StateFormatDist, MuonUnderDdpTrainsAsOneProcess) {
+    expect_whole_tensor_optimizer_under_ddp("muon", "int8");
+}
+
 TEST(StateFormatDist, AdafactorUnderDdpTrainsAsOneProcess) {
-    const int N = comm().size(), b = 2;
-    RunConfig c = wide_run("sfd_adafactor", 6, "fp32");
-    c.optim.name = "adafactor";
-    c.optim.lr = 0.1;
-    c.train.batch_size = N * b;
-    const std::vector<float> ref = run_losses(as_one_process(c, N * b), nullptr);
-    c.train.micro_batch_size = b;
-    const std::vector<float> losses = run_losses(c, &comm());
-    ASSERT_EQ(losses.size(), ref.size());
-    for (std::size_t i = 0; i < ref.size(); i++)
-        EXPECT_NEAR(losses[i], ref[i], 1e-5 * std::abs(ref[i])) << "adafactor ddp, step " << i + 1;
-    EXPECT_LT(losses.back(), losses.front());
-    RunConfig zero = c;
-    zero.train.zero_stage = 1;
-    expect_refused(zero, "train.zero_stage = 1");
+    expect_whole_tensor_optimizer_under_ddp("adafactor", "fp32", 0.1);
 }
 
 }  // namespace

@@ -19,6 +19,7 @@
 #include "io/checkpoint.h"
 #include "io/safetensors.h"
 #include "optim/optimizer.h"
+#include "optim/reference_files.h"
 #include "planner/run_layout.h"
 #include "test_util.h"
 #include "train/trainer.h"
@@ -27,29 +28,6 @@
 using namespace memtrain;
 
 namespace {
-
-void write_floats(const std::string& path, const std::vector<float>& v) {
-    std::ofstream f(path, std::ios::binary);
-    f.write(reinterpret_cast<const char*>(v.data()), (std::streamsize)(v.size() * 4));
-}
-
-std::vector<float> read_floats(const std::string& path, std::size_t n) {
-    std::vector<float> v(n);
-    std::ifstream f(path, std::ios::binary);
-    f.read(reinterpret_cast<char*>(v.data()), (std::streamsize)(n * 4));
-    EXPECT_TRUE(f.good()) << path;
-    return v;
-}
-
-// A matrix that decays (rows x cols) and a gain of `rows` that does not.
-ParamLayout matrix_then_gain(int rows, int cols) {
-    ParamLayout l;
-    const std::size_t n = (std::size_t)rows * cols;
-    l.tensors.push_back({"h.0.mlp.c_fc.weight", {rows, cols}, 0, n, true});
-    l.tensors.push_back({"h.0.ln_1.weight", {rows}, n, (std::size_t)rows, false});
-    l.total = n + rows;
-    return l;
-}
 
 OptimConfig adafactor(double lr = 1e-2) {
     OptimConfig cfg;
@@ -65,14 +43,14 @@ TEST(Adafactor, StepsMatchPyTorchReference) {
     const std::string dir = test::temp_dir("adafactor_parity");
     // clip 1.0 (PyTorch's default) and 0.25, which scales every update down.
     for (auto [rows, cols, clip] : {std::tuple{48, 80, 1.0}, std::tuple{80, 48, 0.25}}) {
-        const ParamLayout l = matrix_then_gain(rows, cols);
+        const ParamLayout l = test::matrix_and_gain(rows, cols);
         const int steps = 4;
         OptimConfig cfg = adafactor();
         cfg.adafactor_clip = clip;
         std::vector<float> p = test::gaussian((int64_t)l.total, 11, 0.05f);
         for (int i = 0; i < rows; i++) p[(std::size_t)rows * cols + i] = 1.0f + 0.01f * i;
-        write_floats(dir + "/w.f32", std::vector<float>(p.begin(), p.begin() + rows * cols));
-        write_floats(dir + "/gain.f32", std::vector<float>(p.begin() + rows * cols, p.end()));
+        test::write_f32(dir + "/w.f32", std::vector<float>(p.begin(), p.begin() + rows * cols));
+        test::write_f32(dir + "/gain.f32", std::vector<float>(p.begin() + rows * cols, p.end()));
         auto opt = make_optimizer(cfg, l);
         for (int k = 1; k <= steps; k++) {
             // Gradients whose scale differs by row and column, so the factors matter.
@@ -80,7 +58,7 @@ TEST(Adafactor, StepsMatchPyTorchReference) {
             for (int i = 0; i < rows; i++)
                 for (int j = 0; j < cols; j++)
                     g[(std::size_t)i * cols + j] *= (1.0f + 3.0f * i / rows) * (1.0f + j % 5);
-            write_floats(dir + "/g" + std::to_string(k) + ".f32", g);
+            test::write_f32(dir + "/g" + std::to_string(k) + ".f32", g);
             opt->step(p.data(), g.data(), cfg.lr);
         }
         const std::string cmd = "/usr/bin/python3 " + std::string(MT_SOURCE_DIR) +
@@ -90,7 +68,7 @@ TEST(Adafactor, StepsMatchPyTorchReference) {
                                 " > " + dir + "/ref.log 2>&1";
         ASSERT_EQ(std::system(cmd.c_str()), 0)
             << cmd << " failed; install python3-torch (scripts/deps.sh does)";
-        const std::vector<float> ref = read_floats(dir + "/out.f32", l.total);
+        const std::vector<float> ref = test::read_f32(dir + "/out.f32", l.total);
         const std::vector<float> start = test::gaussian((int64_t)l.total, 11, 0.05f);
         double worst = 0, moved = 0;
         for (std::size_t i = 0; i < (std::size_t)rows * cols; i++) {
@@ -135,7 +113,7 @@ TEST(Adafactor, StateIsRowsPlusColumnsPerMatrixAsPlanned) {
 }
 
 TEST(Adafactor, SameBitsAtAnyThreadCount) {
-    const ParamLayout l = matrix_then_gain(300, 700);
+    const ParamLayout l = test::matrix_and_gain(300, 700);
     const OptimConfig cfg = adafactor();
     std::vector<std::vector<float>> out;
     const int saved = omp_get_max_threads();

@@ -16,38 +16,12 @@
 #include "core/allocator.h"
 #include "core/error.h"
 #include "optim/optimizer.h"
+#include "optim/reference_files.h"
 #include "test_util.h"
 #include "train/trainer.h"
 #include "train/validate.h"
 
 using namespace memtrain;
-
-namespace {
-
-void write_f32(const std::string& path, const std::vector<float>& v) {
-    std::ofstream f(path, std::ios::binary);
-    f.write(reinterpret_cast<const char*>(v.data()), (std::streamsize)(v.size() * 4));
-}
-
-std::vector<float> read_f32(const std::string& path, std::size_t n) {
-    std::vector<float> v(n);
-    std::ifstream f(path, std::ios::binary);
-    f.read(reinterpret_cast<char*>(v.data()), (std::streamsize)(n * 4));
-    EXPECT_TRUE(f.good()) << path;
-    return v;
-}
-
-// A block matrix (rows x cols, memtrain's (in, out)) and a gain of `rows`.
-ParamLayout matrix_and_gain(int rows, int cols) {
-    ParamLayout l;
-    const std::size_t n = (std::size_t)rows * cols;
-    l.tensors.push_back({"h.0.mlp.c_fc.weight", {rows, cols}, 0, n, true});
-    l.tensors.push_back({"h.0.ln_1.weight", {rows}, n, (std::size_t)rows, false});
-    l.total = n + rows;
-    return l;
-}
-
-}  // namespace
 
 TEST(Muon, NewtonSchulzMovesSingularValuesTowardOne) {
     for (auto [rows, cols] : {std::pair{24, 40}, std::pair{40, 24}, std::pair{32, 32}}) {
@@ -88,7 +62,7 @@ TEST(Muon, NewtonSchulzMovesSingularValuesTowardOne) {
 TEST(Muon, StepsMatchPyTorchReference) {
     const std::string dir = test::temp_dir("muon_parity");
     for (auto [rows, cols] : {std::pair{32, 96}, std::pair{96, 32}}) {
-        const ParamLayout l = matrix_and_gain(rows, cols);
+        const ParamLayout l = test::matrix_and_gain(rows, cols);
         const int steps = 3;
         OptimConfig cfg;
         cfg.name = "muon";
@@ -98,12 +72,12 @@ TEST(Muon, StepsMatchPyTorchReference) {
         cfg.weight_decay = 0.1;
         std::vector<float> p = test::gaussian((int64_t)l.total, 7, 0.05f);
         for (int i = 0; i < rows; i++) p[(std::size_t)rows * cols + i] = 1.0f + 0.01f * i;
-        write_f32(dir + "/w.f32", std::vector<float>(p.begin(), p.begin() + rows * cols));
-        write_f32(dir + "/gain.f32", std::vector<float>(p.begin() + rows * cols, p.end()));
+        test::write_f32(dir + "/w.f32", std::vector<float>(p.begin(), p.begin() + rows * cols));
+        test::write_f32(dir + "/gain.f32", std::vector<float>(p.begin() + rows * cols, p.end()));
         auto opt = make_optimizer(cfg, l);
         for (int k = 1; k <= steps; k++) {
             const std::vector<float> g = test::gaussian((int64_t)l.total, 100 + k, 0.01f);
-            write_f32(dir + "/g" + std::to_string(k) + ".f32", g);
+            test::write_f32(dir + "/g" + std::to_string(k) + ".f32", g);
             opt->step(p.data(), g.data(), cfg.lr);
         }
         const std::string cmd = "/usr/bin/python3 " + std::string(MT_SOURCE_DIR) +
@@ -112,7 +86,7 @@ TEST(Muon, StepsMatchPyTorchReference) {
                                 "0.02 0.95 0.1 > " + dir + "/ref.log 2>&1";
         ASSERT_EQ(std::system(cmd.c_str()), 0)
             << cmd << " failed; install python3-torch (scripts/deps.sh does)";
-        const std::vector<float> ref = read_f32(dir + "/out.f32", l.total);
+        const std::vector<float> ref = test::read_f32(dir + "/out.f32", l.total);
         double worst = 0, scale = 0;
         for (std::size_t i = 0; i < l.total; i++) {
             worst = std::max(worst, (double)std::abs(p[i] - ref[i]));
