@@ -34,7 +34,8 @@ OPTIONS=${OPTIONS:-fp32 bf16 int8 int4 muon adafactor sib sib-int8 sib-int4 bf16
 OPTIONS="fp32 $(echo $OPTIONS | tr ' ' '\n' | grep -v '^fp32$' | tr '\n' ' ')"
 for f in $OPTIONS; do
     # An option is parts joined by '-': fp32 | bf16 | int8 | int4 (optim.state_format), muon or
-    # adafactor (optim.name), sib (optim.step_in_backward, clipping kept by the norm pass), bf16w
+    # adafactor (optim.name), sib (optim.step_in_backward, clipping kept by the norm pass), lag
+    # (with sib: clipping by the previous step's norm, no norm pass), bf16w
     # (optim.master = none: bf16 weights, stochastic rounding). E.g. bf16w-sib-int8.
     opt=()
     for part in ${f//-/ }; do
@@ -46,6 +47,7 @@ for f in $OPTIONS; do
             # weights' RMS; 3e-2 and no weight decay (PyTorch's default) on the demo.
             adafactor) opt+=(optim.name=adafactor optim.lr=3e-2 optim.weight_decay=0) ;;
             sib) opt+=(optim.step_in_backward=true) ;;
+            lag) opt+=(optim.step_in_backward_clip=previous-norm) ;;  # with sib: no norm pass
             bf16w) opt+=(optim.master=none) ;;
             *) echo "unknown option part '$part' in '$f'" >&2; exit 2 ;;
         esac

@@ -300,6 +300,9 @@ const std::vector<Key>& registry() {
                  "moments stored as fp32 | bf16 | int8 | int4 (blocks with fp32 scales)"),
         make_key("optim.step_in_backward", &R::optim, &OptimConfig::step_in_backward,
                  "update each unit in the last backward (no gradient buffer)"),
+        make_key("optim.step_in_backward_clip", &R::optim, &OptimConfig::step_in_backward_clip,
+                 "its clipping: norm-pass (exact, one more forward and backward) | previous-norm "
+                 "(the previous step's norm, no pass)"),
         make_key("optim.master", &R::optim, &OptimConfig::master,
                  "fp32 | none (bf16 weights, stochastic rounding)"),
         make_key("optim.schedule", &R::optim, &OptimConfig::schedule,

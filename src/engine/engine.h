@@ -109,6 +109,10 @@ class Engine {
     // fp16: the loss scaler's scale and clean-step count, for checkpoints ({0, 0}: none).
     virtual std::pair<double, int64_t> loss_scaler_state() const { return {0.0, 0}; }
     virtual void restore_loss_scaler(double /*scale*/, int64_t /*clean_steps*/) {}
+    // optim.step_in_backward_clip = "previous-norm": the global norm the next step clips with
+    // (TrainState::clip_norm), carried by checkpoints so a resume is bitwise.
+    virtual double clip_norm_state() const { return 0; }
+    virtual void restore_clip_norm(double /*norm*/) {}
 };
 
 }  // namespace memtrain

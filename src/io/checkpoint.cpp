@@ -422,6 +422,7 @@ void write_checkpoint_files(const fs::path& tmp_dir, const RunConfig& cfg,
             w.set_metadata("data_fingerprint", std::to_string(state.data_fingerprint));
         if (state.tokenizer_fingerprint)
             w.set_metadata("tokenizer_fingerprint", std::to_string(state.tokenizer_fingerprint));
+        if (state.clip_norm > 0) w.set_metadata("clip_norm", fmt::format("{}", state.clip_norm));
         if (state.loss_scale > 0) {
             w.set_metadata("loss_scale", fmt::format("{}", state.loss_scale));
             w.set_metadata("loss_scale_clean", std::to_string(state.loss_scale_clean));
@@ -529,6 +530,16 @@ TrainState read_state_metadata(const io::SafetensorsFile& f, const std::string& 
         if (!std::isfinite(st.loss_scale) || st.loss_scale <= 0)
             fail("{}: metadata 'loss_scale' = '{}' is not a positive number", spath, v);
         st.loss_scale_clean = (int64_t)meta_u64(f, "loss_scale_clean", spath);
+    }
+    if (f.metadata().count("clip_norm")) {
+        const std::string& v = meta(f, "clip_norm", spath);
+        try {
+            st.clip_norm = std::stod(v);
+        } catch (const std::exception&) {
+            fail("{}: metadata 'clip_norm' = '{}' is not a number", spath, v);
+        }
+        if (!std::isfinite(st.clip_norm) || st.clip_norm < 0)
+            fail("{}: metadata 'clip_norm' = '{}' is not a non-negative number", spath, v);
     }
     for (auto [key, field] : {std::pair{"data_tokens", &st.data_tokens},
                               std::pair{"data_fingerprint", &st.data_fingerprint},

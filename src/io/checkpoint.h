@@ -38,6 +38,9 @@ struct TrainState {
     // fp16's dynamic loss scale and its clean-step count (0: the run has none).
     double loss_scale = 0;
     int64_t loss_scale_clean = 0;
+    // optim.step_in_backward_clip = "previous-norm": the last step's global gradient norm, which
+    // the next step clips with (0: none, the next step takes the norm pass).
+    double clip_norm = 0;
     // What the run trained on, so a resume can tell when it changed (0: not recorded, as in
     // checkpoints of older versions): the training shard's token count and its tokenizer's
     // fingerprint, and the fingerprint of data.tokenizer.

@@ -39,6 +39,10 @@ struct OptimConfig {
     // The step's last backward updates each unit as soon as its gradient is reduced, so no whole
     // gradient buffer lives (docs/training.md: clipping adds a norm-only pass).
     bool step_in_backward = false;
+    // Its clipping: "norm-pass" (exact: a forward and backward measuring only, then the update
+    // pass) or "previous-norm" (no pass: each unit is clipped with the previous step's global
+    // norm; the first step, and a step after a non-finite norm, take the norm pass).
+    std::string step_in_backward_clip = "norm-pass";
     // "fp32": fp32 weights (the CPU engine's compute weights, the GPU's master copy); "none": the
     // weights are stored in bf16 only and updated by seeded stochastic rounding (docs/training.md).
     std::string master = "fp32";

@@ -23,6 +23,14 @@ void OptimConfig::validate() const {
             "second moment is already rows + cols floats per matrix (set optim.state_format = "
             "\"fp32\")",
             state_format);
+    if (step_in_backward_clip != "norm-pass" && step_in_backward_clip != "previous-norm")
+        fail("optim.step_in_backward_clip = \"{}\": expected \"norm-pass\" or \"previous-norm\"",
+             step_in_backward_clip);
+    if (step_in_backward_clip == "previous-norm" && !step_in_backward)
+        fail(
+            "optim.step_in_backward_clip = \"previous-norm\" is the clipping of "
+            "optim.step_in_backward, which is false (set optim.step_in_backward = true, or drop "
+            "the key)");
     if (!(muon_lr > 0)) fail("optim.muon_lr must be positive, got {}", muon_lr);
     if (muon_momentum < 0 || muon_momentum >= 1)
         fail("optim.muon_momentum must be in [0, 1), got {}", muon_momentum);

@@ -286,6 +286,7 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
     if (!resume_dir.empty()) {
         state_ = load_checkpoint(resume_dir, engine_->checkpoint_model(), engine_->optimizer());
         engine_->restore_loss_scaler(state_.loss_scale, state_.loss_scale_clean);
+        engine_->restore_clip_norm(state_.clip_norm);
         if (opts_.reset_data) {
             state_.data_epoch = 0;
             state_.data_cursor = 0;
@@ -716,6 +717,7 @@ TrainSummary Trainer::run() {
         if ((cfg_.io.checkpoint_every > 0 && state_.step % cfg_.io.checkpoint_every == 0) ||
             (last && cfg_.io.save_final) || stopping) {
             std::tie(state_.loss_scale, state_.loss_scale_clean) = engine_->loss_scaler_state();
+            state_.clip_norm = engine_->clip_norm_state();
             sum.last_checkpoint =
                 save_checkpoint(cfg_.io.out_dir, config_as_written(), engine_->checkpoint_model(),
                                 engine_->optimizer(), state_, *comm_);
@@ -767,6 +769,7 @@ std::string Trainer::guard_dir() const {
 
 void Trainer::guard_snapshot() {
     std::tie(state_.loss_scale, state_.loss_scale_clean) = engine_->loss_scaler_state();
+    state_.clip_norm = engine_->clip_norm_state();
     std::string dir;
     try {
         dir = save_checkpoint(guard_dir(), config_as_written(), engine_->checkpoint_model(),
@@ -799,6 +802,7 @@ void Trainer::guard_rollback(int64_t bad, const std::string& reason,
     skipped_batches_.push_back(batch_at);
     state_ = load_checkpoint(target.second, engine_->checkpoint_model(), engine_->optimizer());
     engine_->restore_loss_scaler(state_.loss_scale, state_.loss_scale_clean);
+    engine_->restore_clip_norm(state_.clip_norm);
     train_loader_->set_position({state_.data_epoch, state_.data_cursor});
     while (snapshots_.back().first > target.first) {
         std::error_code ec;

@@ -327,6 +327,10 @@ void validate_optimizer_layout(const RunConfig& cfg) {
                    "micro-batch");
         if (cfg.ps())
             refuse("train.dp_mode = \"ps\"", "the parameter server updates on the server");
+        if (cfg.optim.step_in_backward_clip == "previous-norm" && cfg.train.precision == "fp16")
+            refuse("optim.step_in_backward_clip = \"previous-norm\" and train.precision = \"fp16\"",
+                   "fp16's overflow skip must see this step's norm before any unit is updated, "
+                   "which the norm pass gives (optim.step_in_backward_clip = \"norm-pass\")");
         if (cfg.train.diagnostics == "amp")
             refuse("train.diagnostics = \"amp\"",
                    "the gradient histograms read the whole step's gradient, which no longer "

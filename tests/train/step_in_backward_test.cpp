@@ -150,3 +150,53 @@ TEST(StepInBackward, RefusesTheLayoutsItDoesNotRunWithByName) {
     amp.train.diagnostics = "amp";
     EXPECT_THROW(validate_config(amp), Error);
 }
+
+// optim.step_in_backward_clip = "previous-norm": no norm pass; each step clips with the last
+// step's norm. Where no step clips it is bitwise the two-phase run; where every step clips, the
+// first step (which has no previous norm and takes the norm pass) is bitwise the exact one and
+// the run stays close to it; it resumes bitwise (the norm rides in the checkpoint); it is
+// refused with fp16 and without the step in the backward.
+TEST(StepInBackward, PreviousNormClippingSkipsTheNormPass) {
+    RunConfig c = test::wide_tiny_run("sib_prev", 8);
+    c.train.micro_batch_size = 4;
+    c.optim.grad_clip = 1e6;  // never clips
+    const test::MeasuredRun two = train_sib(c, false);
+    RunConfig lag = c;
+    lag.io.out_dir += "_lag";
+    lag.optim.step_in_backward_clip = "previous-norm";
+    expect_same_run(two, train_sib(lag, true), "previous-norm, no clipping");
+
+    c.optim.grad_clip = 0.05;  // every step clips
+    lag.optim.grad_clip = 0.05;
+    const test::MeasuredRun exact = train_sib(c, true), lagged = train_sib(lag, true);
+    const auto& le = exact.summary.losses;
+    const auto& ll = lagged.summary.losses;
+    ASSERT_EQ(le.size(), ll.size());
+    EXPECT_EQ(le[0], ll[0]);
+    EXPECT_EQ(le[1], ll[1]) << "the first update took the norm pass";
+    EXPECT_NE(le.back(), ll.back()) << "later steps clip with the previous norm";
+    EXPECT_NEAR(ll.back(), le.back(), 0.02 * le.back());
+    EXPECT_LT(ll.back(), ll.front());
+
+    RunConfig s = test::wide_tiny_run("sib_prev_split", 8);
+    s.optim = lag.optim;
+    s.optim.step_in_backward = true;
+    s.train.micro_batch_size = 4;
+    TrainSummary sb;
+    auto b = test::train_stop_and_resume(s, 4, sb);
+    ASSERT_EQ(sb.losses.size(), 4u);
+    for (int i = 0; i < 4; i++) EXPECT_EQ(sb.losses[i], ll[4 + i]) << i;
+    EXPECT_EQ(0, std::memcmp(lagged.params.data(), b->model().params(),
+                             lagged.params.size() * sizeof(float)));
+
+    RunConfig fp16 = test::tiny_run_config("/nonexistent/sib_prev", 2);
+    fp16.optim.step_in_backward = true;
+    fp16.optim.step_in_backward_clip = "previous-norm";
+    fp16.train.precision = "fp16";
+    test::expect_refused_naming(validate_optimizer_layout, fp16, "optim.step_in_backward_clip",
+                                "train.precision");
+    RunConfig without = lag;  // (train_sib set step_in_backward on its own copy)
+    const std::string why = test::error_of([&] { without.optim.validate(); });
+    EXPECT_NE(why.find("optim.step_in_backward_clip"), std::string::npos) << why;
+    EXPECT_NE(why.find("optim.step_in_backward = true"), std::string::npos) << why;
+}

@@ -329,17 +329,20 @@ void CpuEngine::last_backward_with_update(const int32_t* inputs, const int32_t* 
     // Clipping scales every gradient by the global norm, known only once the last unit is
     // reduced: a norm pass (the same forward and backward, measuring only) comes first, and the
     // update pass clips each unit with it. Both passes see the same bits, which the update pass
-    // checks.
+    // checks. With step_in_backward_clip = "previous-norm" the update pass clips with the last
+    // step's norm instead, when there is a finite one.
     if (!update_prepared_)
         fail("internal: optim.step_in_backward's last backward without prepare_update");
     const double max_norm = update_max_norm_;
-    if (max_norm > 0) {
+    const bool lagged = plan_.cfg.optim.step_in_backward_clip == "previous-norm" &&
+                        previous_norm_ > 0 && std::isfinite(previous_norm_);
+    if (max_norm > 0 && !lagged) {
         zero_->arm_norm();
         model().forward_backward(inputs, targets, B, T, grad_scale);
         update_norm_ = zero_->disarm();
     }
     Optimizer& opt = opt_->part(0);
-    const double lr = update_lr_, norm = update_norm_;
+    const double lr = update_lr_, norm = lagged ? previous_norm_ : update_norm_;
     zero_->arm_update(
         [&opt, lr, norm, max_norm](float* p, float* g, std::size_t at, std::size_t n) {
             clip_to_norm(g, n, norm, max_norm);
@@ -348,12 +351,14 @@ void CpuEngine::last_backward_with_update(const int32_t* inputs, const int32_t* 
         opt.steps_taken() + 1);
     loss_sum_ += model().forward_backward(inputs, targets, B, T, grad_scale);
     const double seen = zero_->disarm();
-    if (max_norm > 0 && std::isfinite(seen) && std::isfinite(update_norm_) && seen != update_norm_)
+    if (max_norm > 0 && !lagged && std::isfinite(seen) && std::isfinite(update_norm_) &&
+        seen != update_norm_)
         fail(
             "internal: optim.step_in_backward's norm pass measured gradient norm {} and its "
             "update pass {}: the backward is not deterministic",
             update_norm_, seen);
     update_norm_ = seen;
+    previous_norm_ = seen;
 }
 
 void CpuEngine::begin_step() {

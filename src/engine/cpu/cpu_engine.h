@@ -172,6 +172,8 @@ class CpuEngine final : public Engine {
     // optim.step_in_backward: the last micro-batch's backward updates the ZeroStore's units
     // (after a norm pass when clipping), and finish_step reports what it did.
     bool in_backward() const { return plan_.cfg.optim.step_in_backward; }
+    double clip_norm_state() const override { return previous_norm_; }
+    void restore_clip_norm(double norm) override { previous_norm_ = norm; }
     void last_backward_with_update(const int32_t* inputs, const int32_t* targets, int B, int T,
                                    float grad_scale);
     // LoRA's frozen base: fp32, or the packed QLoRA store.
@@ -219,6 +221,7 @@ class CpuEngine final : public Engine {
     RematPlan remat_;
     // optim.step_in_backward: the step's update (prepare_update) and the norm it measured.
     double update_lr_ = 0, update_max_norm_ = 0, update_norm_ = 0;
+    double previous_norm_ = 0;  // the last step's global gradient norm (previous-norm clipping)
     bool update_prepared_ = false;
     double loss_sum_ = 0;
     int micro_batches_ = 0;
