@@ -186,8 +186,7 @@ def main():
             mem = json.load(open(os.path.join(out_dir, "memory.json")))
             step_line = [json.loads(l) for l in open(os.path.join(out_dir, "metrics.jsonl"))
                          if '"ms_per_step"' in l][-1]
-            key = "process_peak_rss" if smoke else None
-            measured = mem[key] if key else mem["total"]["peak"]
+            measured = mem["process_peak_rss"] if smoke else mem["total"]["peak"]
             row["confirm"].update(measured_peak_MiB=measured / 2**20,
                                   predicted_MiB=mem["total"]["predicted"] / 2**20,
                                   activations_MiB=next(c["peak"] for c in mem["categories"]

@@ -50,6 +50,21 @@ uint64_t meta_u64(const io::SafetensorsFile& f, const std::string& key, const st
     }
 }
 
+// A finite number, or a failure naming the key; `what` says what else it must be ("positive").
+double meta_number(const io::SafetensorsFile& f, const std::string& key, const std::string& path,
+                   const char* what, bool (*ok)(double)) {
+    const std::string& v = meta(f, key, path);
+    double x = 0;
+    try {
+        x = std::stod(v);
+    } catch (const std::exception&) {
+        fail("{}: metadata '{}' = '{}' is not a number", path, key, v);
+    }
+    if (!std::isfinite(x) || !ok(x))
+        fail("{}: metadata '{}' = '{}' is not a {} number", path, key, v, what);
+    return x;
+}
+
 }  // namespace
 
 namespace {
@@ -521,26 +536,13 @@ TrainState read_state_metadata(const io::SafetensorsFile& f, const std::string& 
     st.data_epoch = meta_u64(f, "data_epoch", spath);
     st.data_cursor = meta_u64(f, "data_cursor", spath);
     if (f.metadata().count("loss_scale")) {  // fp16 runs only
-        const std::string& v = meta(f, "loss_scale", spath);
-        try {
-            st.loss_scale = std::stod(v);
-        } catch (const std::exception&) {
-            fail("{}: metadata 'loss_scale' = '{}' is not a number", spath, v);
-        }
-        if (!std::isfinite(st.loss_scale) || st.loss_scale <= 0)
-            fail("{}: metadata 'loss_scale' = '{}' is not a positive number", spath, v);
+        st.loss_scale =
+            meta_number(f, "loss_scale", spath, "positive", [](double x) { return x > 0; });
         st.loss_scale_clean = (int64_t)meta_u64(f, "loss_scale_clean", spath);
     }
-    if (f.metadata().count("clip_norm")) {
-        const std::string& v = meta(f, "clip_norm", spath);
-        try {
-            st.clip_norm = std::stod(v);
-        } catch (const std::exception&) {
-            fail("{}: metadata 'clip_norm' = '{}' is not a number", spath, v);
-        }
-        if (!std::isfinite(st.clip_norm) || st.clip_norm < 0)
-            fail("{}: metadata 'clip_norm' = '{}' is not a non-negative number", spath, v);
-    }
+    if (f.metadata().count("clip_norm"))
+        st.clip_norm =
+            meta_number(f, "clip_norm", spath, "non-negative", [](double x) { return x >= 0; });
     for (auto [key, field] : {std::pair{"data_tokens", &st.data_tokens},
                               std::pair{"data_fingerprint", &st.data_fingerprint},
                               std::pair{"tokenizer_fingerprint", &st.tokenizer_fingerprint}})
@@ -617,8 +619,12 @@ TrainState load_checkpoint(const std::string& dir, const CheckpointModel& weight
                     io::dtype_name(info.dtype), io::shape_string(info.shape));
             return static_cast<const uint8_t*>(of.data(info));
         };
-        std::unique_ptr<Optimizer> decoder;  // the file's range and format, made when needed
-        std::vector<float> decoded;
+        // This rank's ranges the file overlaps: each copied in as it is where the range and
+        // format are the file's, else written as floats below.
+        struct Overlap {
+            std::size_t a, b, at;  // [a, b) of the buffer; `at`: its place in the state
+        };
+        std::vector<Overlap> as_floats;
         std::size_t at = 0;  // the range's place in the state's concatenation
         for (std::size_t j = 0; j < ranges.size(); j++) {
             const std::size_t lo = ranges[j].offset, hi = lo + ranges[j].count;
@@ -629,37 +635,40 @@ TrainState load_checkpoint(const std::string& dir, const CheckpointModel& weight
                     part->state_format() == file_format) {
                     for (const auto& sname : names)
                         part->load_stored(sname, stored_tensor(sname, part->stored_bytes(sname)));
-                    pieces[j].emplace_back(a, b);
-                    at += ranges[j].count;
-                    continue;
-                }
-                if (stored && !decoder) {
-                    OptimConfig oc = saved.optim;
-                    oc.state_format = state_format_name(file_format);
-                    decoder = make_optimizer(oc, weights.layout, off, cnt, MemCategory::Other);
-                    decoded.resize(cnt);
-                }
-                for (const auto& sname : names) {
-                    const float* src;
-                    if (stored) {
-                        decoder->load_stored(sname,
-                                             stored_tensor(sname, decoder->stored_bytes(sname)));
-                        decoder->read_state(sname, decoded.data());
-                        src = decoded.data();
-                    } else {
-                        const io::TensorInfo& info = of.get(sname);
-                        if (info.dtype != io::DType::F32 ||
-                            info.shape != std::vector<int64_t>{(int64_t)cnt})
-                            fail("{}: tensor '{}' must be F32 of shape [{}], it is {} {}", opath,
-                                 sname, cnt, io::dtype_name(info.dtype),
-                                 io::shape_string(info.shape));
-                        src = static_cast<const float*>(of.data(info));
-                    }
-                    opt.write_state(sname, at + (a - lo), b - a, src + (a - off));
+                } else {
+                    as_floats.push_back({a, b, at + (a - lo)});
                 }
                 pieces[j].emplace_back(a, b);
             }
             at += ranges[j].count;
+        }
+        if (as_floats.empty()) continue;
+        // The file's floats of each state: read as they are, or decoded once by a scratch
+        // optimizer of the file's range and format.
+        std::unique_ptr<Optimizer> decoder;
+        std::vector<float> decoded;
+        if (stored) {
+            OptimConfig oc = saved.optim;
+            oc.state_format = state_format_name(file_format);
+            decoder = make_optimizer(oc, weights.layout, off, cnt, MemCategory::Other);
+            decoded.resize(cnt);
+        }
+        for (const auto& sname : names) {
+            const float* src;
+            if (stored) {
+                decoder->load_stored(sname, stored_tensor(sname, decoder->stored_bytes(sname)));
+                decoder->read_state(sname, decoded.data());
+                src = decoded.data();
+            } else {
+                const io::TensorInfo& info = of.get(sname);
+                if (info.dtype != io::DType::F32 ||
+                    info.shape != std::vector<int64_t>{(int64_t)cnt})
+                    fail("{}: tensor '{}' must be F32 of shape [{}], it is {} {}", opath, sname,
+                         cnt, io::dtype_name(info.dtype), io::shape_string(info.shape));
+                src = static_cast<const float*>(of.data(info));
+            }
+            for (const Overlap& o : as_floats)
+                opt.write_state(sname, o.at, o.b - o.a, src + (o.a - off));
         }
     }
     opt.finish_writes();

@@ -16,6 +16,27 @@
 
 namespace memtrain {
 
+namespace {
+
+// A state write of floats [begin, begin + n) of an optimizer's `count`.
+void check_state_write(std::size_t begin, std::size_t n, std::size_t count) {
+    if (begin > count || n > count - begin)
+        fail("internal: optimizer state write [{}, {}) outside its {} floats", begin, begin + n,
+             count);
+}
+
+// Whether tensor t lies wholly inside [offset, offset + count), and whether the range cuts it
+// (holds part of it): the optimizers that step whole tensors refuse a cut.
+bool inside_range(const ParamSpec& t, std::size_t offset, std::size_t count) {
+    return t.offset >= offset && t.offset + t.numel <= offset + count;
+}
+bool cut_by_range(const ParamSpec& t, std::size_t offset, std::size_t count) {
+    const bool out = t.offset + t.numel <= offset || t.offset >= offset + count;
+    return !inside_range(t, offset, count) && !out;
+}
+
+}  // namespace
+
 Optimizer::Optimizer(const ParamLayout& layout, std::size_t offset, std::size_t count,
                      StateFormat format)
     : layout_(layout), offset_(offset), count_(count), format_(format) {
@@ -68,9 +89,7 @@ void Optimizer::read_state(const std::string& name, float* dst) {
 
 void Optimizer::write_state(const std::string& name, std::size_t begin, std::size_t n,
                             const float* src) {
-    if (begin > count_ || n > count_ - begin)
-        fail("internal: optimizer state write [{}, {}) outside its {} floats", begin, begin + n,
-             count_);
+    check_state_write(begin, n, count_);
     MomentBuffer& m = moment(name);
     if (const float* whole = m.whole_fp32()) {
         std::copy(src, src + n, const_cast<float*>(whole) + begin);
@@ -301,9 +320,7 @@ class Muon final : public Optimizer {
           buf_(format_, true, layout, offset, count, matrix_, category) {
         for (std::size_t i = 0; i < layout.tensors.size(); i++) {
             const ParamSpec& t = layout.tensors[i];
-            const bool in = t.offset >= offset && t.offset + t.numel <= offset + count;
-            const bool out = t.offset + t.numel <= offset || t.offset >= offset + count;
-            if (matrix_[i] && !in && !out)
+            if (matrix_[i] && cut_by_range(t, offset, count))
                 fail(
                     "optim.name = \"muon\" orthogonalizes whole matrices, and this optimizer's "
                     "range [{}, {}) holds part of {} (ZeRO stages 1-3 shard matrices between "
@@ -365,6 +382,10 @@ class Muon final : public Optimizer {
 bool adafactor_factors(const ParamSpec& t) {
     return t.shape.size() == 2 && t.shape[0] >= 2 && t.shape[1] >= 2;
 }
+// The floats of t's state: rows + cols when factored, else numel.
+std::size_t adafactor_floats(const ParamSpec& t) {
+    return adafactor_factors(t) ? (std::size_t)(t.shape[0] + t.shape[1]) : t.numel;
+}
 
 // torch.lerp's arithmetic: a + w (b - a) for |w| < 0.5, else b - (b - a)(1 - w).
 inline float lerp_torch(float a, float b, float w) {
@@ -379,17 +400,15 @@ class Adafactor final : public Optimizer {
         std::size_t at = 0;
         for (std::size_t i = 0; i < layout.tensors.size(); i++) {
             const ParamSpec& t = layout.tensors[i];
-            const bool in = t.offset >= offset && t.offset + t.numel <= offset + count;
-            const bool out = t.offset + t.numel <= offset || t.offset >= offset + count;
-            if (!in && !out)
+            if (cut_by_range(t, offset, count))
                 fail(
                     "optim.name = \"adafactor\" steps whole tensors (their RMS and their "
                     "factored second moment), and this optimizer's range [{}, {}) holds part of "
                     "{} (ZeRO stages 1-3 shard tensors between ranks: set train.zero_stage = 0)",
                     offset, offset + count, t.name);
-            if (!in) continue;
+            if (!inside_range(t, offset, count)) continue;
             pieces_.push_back({i, at});
-            at += adafactor_factors(t) ? (std::size_t)(t.shape[0] + t.shape[1]) : t.numel;
+            at += adafactor_floats(t);
         }
         if (at) {
             state_ = Buffer<float>(at, category);
@@ -442,16 +461,14 @@ class Adafactor final : public Optimizer {
         std::fill(dst, dst + count_, 0.0f);
         for (const Piece& pc : pieces_) {
             const ParamSpec& t = layout_.tensors[pc.tensor];
-            const std::size_t k = stored_floats(t);
+            const std::size_t k = adafactor_floats(t);
             std::copy(state_.data() + pc.at, state_.data() + pc.at + k, dst + (t.offset - offset_));
         }
     }
     void write_state(const std::string& name, std::size_t begin, std::size_t n,
                      const float* src) override {
         check_name(name);
-        if (begin > count_ || n > count_ - begin)
-            fail("internal: optimizer state write [{}, {}) outside its {} floats", begin, begin + n,
-                 count_);
+        check_state_write(begin, n, count_);
         if (staged_whole_.empty()) {
             staged_whole_.resize(count_);
             read_state(name, staged_whole_.data());  // what no write covers keeps its value
@@ -463,7 +480,7 @@ class Adafactor final : public Optimizer {
         for (const Piece& pc : pieces_) {
             const ParamSpec& t = layout_.tensors[pc.tensor];
             const float* from = staged_whole_.data() + (t.offset - offset_);
-            std::copy(from, from + stored_floats(t), state_.data() + pc.at);
+            std::copy(from, from + adafactor_floats(t), state_.data() + pc.at);
         }
         staged_whole_.clear();
         staged_whole_.shrink_to_fit();
@@ -473,9 +490,6 @@ class Adafactor final : public Optimizer {
     struct Piece {
         std::size_t tensor, at;  // the layout's tensor; where its state starts in state_
     };
-    static std::size_t stored_floats(const ParamSpec& t) {
-        return adafactor_factors(t) ? (std::size_t)(t.shape[0] + t.shape[1]) : t.numel;
-    }
     static void check_name(const std::string& name) {
         if (name != "variance") fail("internal: Adafactor has no state tensor '{}'", name);
     }
@@ -566,8 +580,7 @@ std::size_t adafactor_state_floats(const ParamLayout& layout, std::size_t offset
                                    std::size_t count) {
     std::size_t n = 0;
     for (const ParamSpec& t : layout.tensors)
-        if (t.offset >= offset && t.offset + t.numel <= offset + count)
-            n += adafactor_factors(t) ? (std::size_t)(t.shape[0] + t.shape[1]) : t.numel;
+        if (inside_range(t, offset, count)) n += adafactor_floats(t);
     return n;
 }
 
@@ -694,9 +707,7 @@ void RangeOptimizers::finish_writes() {
 
 void RangeOptimizers::write_state(const std::string& name, std::size_t begin, std::size_t n,
                                   const float* src) {
-    if (begin > count_ || n > count_ - begin)
-        fail("internal: optimizer state write [{}, {}) outside its {} floats", begin, begin + n,
-             count_);
+    check_state_write(begin, n, count_);
     std::size_t at = 0;  // where the part starts in the concatenation
     for (auto& p : parts_) {
         const std::size_t lo = std::max(begin, at), hi = std::min(begin + n, at + p->count());

@@ -284,9 +284,7 @@ Trainer::Trainer(RunConfig cfg, TrainOptions opts, dist::Communicator* comm)
     }
     engine_->weights_loaded();
     if (!resume_dir.empty()) {
-        state_ = load_checkpoint(resume_dir, engine_->checkpoint_model(), engine_->optimizer());
-        engine_->restore_loss_scaler(state_.loss_scale, state_.loss_scale_clean);
-        engine_->restore_clip_norm(state_.clip_norm);
+        load_state(resume_dir);
         if (opts_.reset_data) {
             state_.data_epoch = 0;
             state_.data_cursor = 0;
@@ -716,11 +714,7 @@ TrainSummary Trainer::run() {
         bool stopping = (opts_.stop_after >= 0 && ran >= opts_.stop_after) || stop_sig != 0;
         if ((cfg_.io.checkpoint_every > 0 && state_.step % cfg_.io.checkpoint_every == 0) ||
             (last && cfg_.io.save_final) || stopping) {
-            std::tie(state_.loss_scale, state_.loss_scale_clean) = engine_->loss_scaler_state();
-            state_.clip_norm = engine_->clip_norm_state();
-            sum.last_checkpoint =
-                save_checkpoint(cfg_.io.out_dir, config_as_written(), engine_->checkpoint_model(),
-                                engine_->optimizer(), state_, *comm_);
+            sum.last_checkpoint = save_state(cfg_.io.out_dir);
             print(fmt::format("checkpoint: {}\n", sum.last_checkpoint));
             if (root()) {
                 const std::vector<std::string> removed = prune_checkpoints(
@@ -767,13 +761,23 @@ std::string Trainer::guard_dir() const {
     return (fs::path(cfg_.io.out_dir) / "guard_snapshots").string();
 }
 
-void Trainer::guard_snapshot() {
+std::string Trainer::save_state(const std::string& out_dir) {
     std::tie(state_.loss_scale, state_.loss_scale_clean) = engine_->loss_scaler_state();
     state_.clip_norm = engine_->clip_norm_state();
+    return save_checkpoint(out_dir, config_as_written(), engine_->checkpoint_model(),
+                           engine_->optimizer(), state_, *comm_);
+}
+
+void Trainer::load_state(const std::string& dir) {
+    state_ = load_checkpoint(dir, engine_->checkpoint_model(), engine_->optimizer());
+    engine_->restore_loss_scaler(state_.loss_scale, state_.loss_scale_clean);
+    engine_->restore_clip_norm(state_.clip_norm);
+}
+
+void Trainer::guard_snapshot() {
     std::string dir;
     try {
-        dir = save_checkpoint(guard_dir(), config_as_written(), engine_->checkpoint_model(),
-                              engine_->optimizer(), state_, *comm_);
+        dir = save_state(guard_dir());
     } catch (const Error& e) {
         // Weights that are not finite after a clean step's update (every rank refuses alike):
         // the next step's loss shows it, and the guard goes back to an older snapshot.
@@ -800,9 +804,7 @@ void Trainer::guard_rollback(int64_t bad, const std::string& reason,
         if (sn.first <= bad - 2) target = sn;
     const DivergenceGuard::Action a = guard_->on_anomaly(bad, target.first, reason);
     skipped_batches_.push_back(batch_at);
-    state_ = load_checkpoint(target.second, engine_->checkpoint_model(), engine_->optimizer());
-    engine_->restore_loss_scaler(state_.loss_scale, state_.loss_scale_clean);
-    engine_->restore_clip_norm(state_.clip_norm);
+    load_state(target.second);
     train_loader_->set_position({state_.data_epoch, state_.data_cursor});
     while (snapshots_.back().first > target.first) {
         std::error_code ec;

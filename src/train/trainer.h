@@ -118,6 +118,10 @@ class Trainer {
     // The start-up line's layout: " | tensor parallel over 2 ranks ... | pipeline of 2 stages ...".
     std::string layout_line() const;
     void print_memory_report();
+    // A checkpoint of the run into `out_dir` (the engine's carried state, fp16's loss scale and
+    // previous-norm clipping's norm, taken into state_ first), and the run set from one.
+    std::string save_state(const std::string& out_dir);
+    void load_state(const std::string& dir);
     // The divergence guard (train/guard.h): the snapshot of the state after this step, and the
     // answer to an anomaly at step `bad` whose batch started at `batch_at`.
     void guard_snapshot();
