@@ -74,12 +74,13 @@ std::vector<MemoryPrediction> zero_state_rows(const RunConfig& cfg, const ParamL
     if (cfg.optim.master == "none") {
         // bf16 weights, each unit decoded while in use, and the update's scratch
         // (dist::ZeroStore::Options::bf16_params).
+        const std::size_t scratch =
+            dist::ZeroStore::round_scratch_floats(layout, whole_step_tensors(cfg.optim, layout));
         params = {
             MemCategory::Parameters,
-            fmt::format("2 x {} (bf16) + 4 x decoded units + 4 x {} update scratch", what,
-                        dist::ZeroStore::round_scratch_floats(layout)),
+            fmt::format("2 x {} (bf16) + 4 x decoded units + 4 x {} update scratch", what, scratch),
             2 * psi + 4 * (decoded_unit_floats(layout, tied_grads && cfg.model.tied_embeddings) +
-                           dist::ZeroStore::round_scratch_floats(layout))};
+                           scratch)};
     }
     return {
         params,

@@ -307,27 +307,22 @@ class Sgd final : public Optimizer {
 // decoupled weight decay and a step of lr_muon x sqrt(max(1, fan_out / fan_in)). Every other
 // tensor (embeddings, gains, biases, an untied head) takes AdamW's step at the schedule's lr.
 // lr_muon follows the schedule too: optim.muon_lr x (lr / optim.lr).
+// A matrix the range holds only part of (a ZeRO shard's edge) is completed through the
+// TensorGather: every holder updates its piece of the buffer and of u, gathers u whole,
+// orthogonalizes it (the same bits on every holder: the same input and code) and keeps its piece
+// of the result, which is therefore bitwise what one process computes.
 class Muon final : public Optimizer {
   public:
     Muon(const OptimConfig& cfg, const ParamLayout& layout, std::size_t offset, std::size_t count,
-         MemCategory category)
+         MemCategory category, TensorGather* gather)
         : Optimizer(layout, offset, count, parse_state_format(cfg.state_format)),
           cfg_(cfg),
           matrix_(muon_matrices(layout)),
           rest_(complement(matrix_)),
           m_(format_, true, layout, offset, count, rest_, category),
           v_(format_, false, layout, offset, count, rest_, category),
-          buf_(format_, true, layout, offset, count, matrix_, category) {
-        for (std::size_t i = 0; i < layout.tensors.size(); i++) {
-            const ParamSpec& t = layout.tensors[i];
-            if (matrix_[i] && cut_by_range(t, offset, count))
-                fail(
-                    "optim.name = \"muon\" orthogonalizes whole matrices, and this optimizer's "
-                    "range [{}, {}) holds part of {} (ZeRO stages 1-3 shard matrices between "
-                    "ranks: set train.zero_stage = 0)",
-                    offset, offset + count, t.name);
-        }
-    }
+          buf_(format_, true, layout, offset, count, matrix_, category),
+          gather_(gather) {}
 
     void step_part(float* params, const float* grads, double lr, std::size_t begin,
                    std::size_t count) override {
@@ -338,6 +333,13 @@ class Muon final : public Optimizer {
             const ParamSpec& t = layout_.tensors[s.tensor];
             if (lo != 0 || hi != s.n)
                 fail("internal: a Muon update of part of {} ([{}, {}) of {})", t.name, lo, hi, s.n);
+            // The range's piece of the matrix: all of it, or (a shard's edge) part of it.
+            const bool cut = s.n != t.numel;
+            if (cut && !gather_)
+                fail(
+                    "optim.name = \"muon\" orthogonalizes whole matrices, and this optimizer's "
+                    "range [{}, {}) holds part of {} with no way to gather the rest",
+                    offset_, offset_ + count_, t.name);
             float* p = params + (s.begin - begin);  // (lo == 0: s.begin >= begin)
             const float* g = grads + (s.begin - begin);
             // The momentum buffer, whole and in fp32 for the step.
@@ -358,12 +360,20 @@ class Muon final : public Optimizer {
             }
             if (!s.direct) buf_.store_segment(s, buf);
             const int rows = (int)t.shape[0], cols = (int)t.shape[1];
-            newton_schulz5(u.data(), rows, cols);
+            std::vector<float> whole;
+            float* x = u.data();
+            if (cut) {
+                whole.resize(t.numel);
+                gather_->gather(s.tensor, u.data(), whole.data());
+                x = whole.data();
+            }
+            newton_schulz5(x, rows, cols);
+            const float* mine = cut ? x + (offset_ + s.begin - t.offset) : x;
             const float decay = t.decay ? (float)(1.0 - lr_muon * cfg_.weight_decay) : 1.0f;
             const float step =
                 (float)(lr_muon * std::sqrt(std::max(1.0, (double)cols / (double)rows)));
 #pragma omp parallel for simd schedule(static)
-            for (int64_t i = 0; i < n; i++) p[i] = p[i] * decay - step * u[i];
+            for (int64_t i = 0; i < n; i++) p[i] = p[i] * decay - step * mine[i];
         });
     }
 
@@ -375,6 +385,7 @@ class Muon final : public Optimizer {
     OptimConfig cfg_;
     std::vector<char> matrix_, rest_;
     MomentBuffer m_, v_, buf_;
+    TensorGather* gather_;
 };
 
 // Whether Adafactor factors tensor t's second moment: a matrix of at least 2 x 2 (the factors
@@ -593,6 +604,11 @@ std::vector<char> muon_matrices(const ParamLayout& layout) {
     return m;
 }
 
+std::vector<char> whole_step_tensors(const OptimConfig& cfg, const ParamLayout& layout) {
+    if (cfg.name == "muon") return muon_matrices(layout);
+    return std::vector<char>(layout.tensors.size(), cfg.name == "adafactor");
+}
+
 void newton_schulz5(float* x, int rows, int cols) {
     // Orthogonalize the wide orientation (r <= c): the result of the tall one is its transpose.
     const bool tall = rows > cols;
@@ -630,13 +646,14 @@ void newton_schulz5(float* x, int rows, int cols) {
 
 std::unique_ptr<Optimizer> make_optimizer(const OptimConfig& cfg, const ParamLayout& layout,
                                           std::size_t offset, std::size_t count,
-                                          MemCategory category) {
+                                          MemCategory category, TensorGather* gather) {
     cfg.validate();
     if (offset > layout.total)
         fail("optimizer range starts at {}, past the {} parameters", offset, layout.total);
     count = std::min(count, layout.total - offset);
     if (cfg.name == "sgd") return std::make_unique<Sgd>(cfg, layout, offset, count, category);
-    if (cfg.name == "muon") return std::make_unique<Muon>(cfg, layout, offset, count, category);
+    if (cfg.name == "muon")
+        return std::make_unique<Muon>(cfg, layout, offset, count, category, gather);
     if (cfg.name == "adafactor")
         return std::make_unique<Adafactor>(cfg, layout, offset, count, category);
     return std::make_unique<AdamW>(cfg, layout, offset, count, category);

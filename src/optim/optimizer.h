@@ -21,6 +21,17 @@ namespace memtrain {
 
 class Optimizer;
 
+// Whole tensors from pieces for an optimizer whose range cuts a tensor it steps whole (Muon's
+// matrices under ZeRO 1-3, where a shard boundary falls inside a matrix). gather(tensor, piece,
+// whole) is a collective of the ranks that hold part of layout tensor `tensor`: `piece` is this
+// rank's elements of it (in order), `whole` receives the tensor's numel floats, every holder's
+// piece at its place.
+class TensorGather {
+  public:
+    virtual ~TensorGather() = default;
+    virtual void gather(std::size_t tensor, const float* piece, float* whole) = 0;
+};
+
 // What a checkpoint needs of an optimizer, wherever its state lives (host memory here, device
 // memory in the CUDA engine): the range of the flat parameter buffer it covers, its step count,
 // and its named state tensors of count floats each, laid out like the range.
@@ -129,6 +140,11 @@ std::string describe_optimizer_state(const OptimConfig& cfg);
 // The tensors optim.name = "muon" orthogonalizes: the blocks' 2-D matrices ("h.*" with two
 // dimensions), per tensor of the layout; the others take AdamW's step.
 std::vector<char> muon_matrices(const ParamLayout& layout);
+// The tensors cfg.name's step reads whole (an element's update depends on the whole tensor):
+// Muon's matrices, every tensor for Adafactor (its RMS and factors), none for AdamW and SGD.
+// optim.master = "none" decodes and updates each of them as one piece
+// (dist::ZeroStore::Options::whole_tensors).
+std::vector<char> whole_step_tensors(const OptimConfig& cfg, const ParamLayout& layout);
 // Five quintic Newton-Schulz steps (coefficients 3.4445, -4.7750, 2.0315) on the rows x cols
 // row-major matrix x, in place: x / ||x||_F moved toward the nearest semi-orthogonal matrix
 // (Muon's orthogonalization, in fp32). The tall orientation is orthogonalized as its transpose.
@@ -151,9 +167,12 @@ std::size_t adafactor_state_floats(const ParamLayout& layout, std::size_t offset
 
 // count = SIZE_MAX: to the end of the buffer. `category`: what the memory table counts its state
 // under (a checkpoint's scratch decoder of another range or format: MemCategory::Other).
+// `gather`: how Muon completes a matrix the range cuts (it must outlive the optimizer); without
+// one, stepping such a matrix fails naming it (a decoder that never steps needs none).
 std::unique_ptr<Optimizer> make_optimizer(const OptimConfig& cfg, const ParamLayout& layout,
                                           std::size_t offset = 0, std::size_t count = SIZE_MAX,
-                                          MemCategory category = MemCategory::OptimizerState);
+                                          MemCategory category = MemCategory::OptimizerState,
+                                          TensorGather* gather = nullptr);
 
 // Several optimizers over disjoint increasing ranges of the same layout, seen by checkpoints as
 // one state: the concatenation of the parts' (an interleaved pipeline rank holds a chunk of the

@@ -296,7 +296,9 @@ void validate_optimizer_layout(const RunConfig& cfg) {
     if (cfg.optim.name == "muon" || cfg.optim.name == "adafactor") {
         // Muon orthogonalizes each block matrix whole, Adafactor factors each matrix's second
         // moment and scales each tensor by its RMS: every layout where one rank's optimizer holds
-        // whole tensors (one process, DDP, pipeline stages, a parameter server's units).
+        // whole tensors (one process, DDP, pipeline stages, a parameter server's units), and for
+        // Muon ZeRO 1-3 too, whose shards' edges gather the matrices they cut
+        // (dist::ShardTensorGather).
         const bool muon = cfg.optim.name == "muon";
         const auto refuse = refuser(fmt::format("optim.name = \"{}\"", cfg.optim.name));
         const char* needs = muon ? "Newton-Schulz needs each matrix whole"
@@ -306,8 +308,10 @@ void validate_optimizer_layout(const RunConfig& cfg) {
         if (cfg.train.tp > 1)
             refuse(fmt::format("train.tp = {}", cfg.train.tp),
                    fmt::format("each rank holds slices of the matrices, and {}", needs));
-        if (cfg.train.zero_stage > 0 && cfg.world > 1)
-            refuse(fmt::format("train.zero_stage = {}", cfg.train.zero_stage),
+        if (cfg.train.zero_stage > 0 && cfg.world > 1 && (!muon || cfg.train.pp > 1))
+            refuse(fmt::format("train.zero_stage = {}{}", cfg.train.zero_stage,
+                               cfg.train.pp > 1 ? fmt::format(" with train.pp = {}", cfg.train.pp)
+                                                : std::string()),
                    fmt::format("ZeRO shards cut tensors between ranks, and {} on one rank (set "
                                "train.zero_stage = 0: every rank then steps every tensor, as DDP "
                                "does)",
@@ -351,10 +355,6 @@ void validate_optimizer_layout(const RunConfig& cfg) {
         if (cfg.lora.enabled())
             refuse(fmt::format("lora.rank = {}", cfg.lora.rank),
                    "LoRA's adapters are small; their base is frozen (lora.base quantizes it)");
-        if (cfg.optim.name == "muon" || cfg.optim.name == "adafactor")
-            refuse(fmt::format("optim.name = \"{}\"", cfg.optim.name),
-                   "its bf16 update goes a chunk at a time, and this optimizer steps whole "
-                   "tensors");
     }
     const StateFormat f = parse_state_format(cfg.optim.state_format);
     if (f == StateFormat::Fp32) return;

@@ -6,11 +6,13 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
 #include "mpi/dist_runs.h"
 #include "optim/optimizer.h"
+#include "parallel/data/tensor_gather.h"
 #include "test_util.h"
 
 namespace memtrain::dist {
@@ -139,11 +141,10 @@ TEST(StateFormatDist, PipelinesSideBySideShardTheirStagesOnTheGrain) {
         EXPECT_NEAR(losses[i], ref[i], 1e-5 * std::abs(ref[i])) << "int8 pp 2, step " << i + 1;
 }
 
-// Muon's whole-matrix step under DDP: every rank steps every matrix on the all-reduced
-// gradients, as one process does; under ZeRO 1-3 it is refused on every rank.
 // An optimizer that steps whole tensors (Muon's Newton-Schulz, Adafactor's factors and RMS) under
 // DDP: every rank steps all of them on the all-reduced gradients and trains the one-process
-// model; a ZeRO stage, which cuts tensors between ranks, is refused by name.
+// model. Adafactor refuses a ZeRO stage, which cuts tensors between ranks, by name (Muon runs
+// under ZeRO: the tests below).
 void expect_whole_tensor_optimizer_under_ddp(const std::string& name, const std::string& format,
                                              double lr = 0) {
     const int N = comm().size(), b = 2;
@@ -158,6 +159,7 @@ void expect_whole_tensor_optimizer_under_ddp(const std::string& name, const std:
     for (std::size_t i = 0; i < ref.size(); i++)
         EXPECT_NEAR(losses[i], ref[i], 1e-5 * std::abs(ref[i])) << name << " ddp, step " << i + 1;
     EXPECT_LT(losses.back(), losses.front()) << name;
+    if (name == "muon") return;
     RunConfig zero = c;
     zero.train.zero_stage = 2;
     expect_refused(zero, "train.zero_stage = 2");
@@ -169,6 +171,87 @@ TEST(StateFormatDist, MuonUnderDdpTrainsAsOneProcess) {
 
 TEST(StateFormatDist, AdafactorUnderDdpTrainsAsOneProcess) {
     expect_whole_tensor_optimizer_under_ddp("adafactor", "fp32", 0.1);
+}
+
+}  // namespace
+}  // namespace memtrain::dist
+
+namespace memtrain::dist {
+namespace {
+
+// Muon under ZeRO: a rank's shard holds the matrices inside it whole and pieces of the (at most
+// two) matrices its edges cut; those are gathered whole among their holders, orthogonalized on
+// each, and each keeps its piece. From the same gradients, every rank's parameters and momentum
+// are bitwise one process's, in fp32 and int8 state.
+TEST(MuonZero, ShardsStepBitwiseAsOneProcessFromTheSameGradients) {
+    const int N = comm().size(), r = comm().rank();
+    ModelConfig mc = test::tiny_model();
+    mc.n_embd = 64;
+    mc.n_head = 4;
+    const ParamLayout l = make_param_layout(mc);
+    for (const char* format : {"fp32", "int8"}) {
+        SCOPED_TRACE(format);
+        OptimConfig cfg;
+        cfg.name = "muon";
+        cfg.state_format = format;
+        const std::vector<ShardRange> shards =
+            grain_shard_ranges(0, (int64_t)l.total, N, (int64_t)shard_grain(cfg));
+        ShardTensorGather gather(l, comm(), shards, whole_step_tensors(cfg, l));
+        // What makes this bite: some shard edge falls inside a matrix.
+        ASSERT_GT(gather.cut_tensors(), 0u);
+        const std::size_t off = (std::size_t)shards[r].offset, n = (std::size_t)shards[r].count;
+        auto one = make_optimizer(cfg, l);
+        auto mine = make_optimizer(cfg, l, off, n, MemCategory::OptimizerState, &gather);
+        std::vector<float> p(l.total), g(l.total);
+        for (std::size_t i = 0; i < l.total; i++) p[i] = 0.02f * std::sin(0.37f * (float)i);
+        std::vector<float> q(p.begin() + off, p.begin() + off + n);
+        for (int step = 1; step <= 3; step++) {
+            for (std::size_t i = 0; i < l.total; i++)
+                g[i] = 0.01f * std::cos(0.11f * (float)i * (float)step + (float)step);
+            one->step(p.data(), g.data(), 1e-3);
+            mine->step(q.data(), g.data() + off, 1e-3);
+        }
+        EXPECT_EQ(0, std::memcmp(q.data(), p.data() + off, n * sizeof(float)));
+        std::vector<float> all(l.total), part(n);
+        one->read_state("momentum_buffer", all.data());
+        mine->read_state("momentum_buffer", part.data());
+        EXPECT_EQ(0, std::memcmp(part.data(), all.data() + off, n * sizeof(float)));
+    }
+}
+
+// ZeRO 1-3 with Muon train as one process does (the fp32 state's tolerance: the gradient sums'
+// order differs), the step inside the backward is bitwise the two-phase step at the same stage,
+// and a checkpoint resumes bitwise at the same world size.
+TEST(MuonZero, StagesTrainAsOneProcessAndResumeBitwise) {
+    const int N = comm().size(), b = 2, steps = 6;
+    RunConfig c = wide_run("muon_zero", steps, "int8");
+    c.optim.name = "muon";
+    c.train.batch_size = N * b;
+    const std::vector<float> ref = run_losses(as_one_process(c, N * b), nullptr);
+    c.train.micro_batch_size = b;
+    for (int stage : {1, 2, 3}) {
+        const std::string what = "muon zero" + std::to_string(stage);
+        RunConfig z = c;
+        z.train.zero_stage = stage;
+        z.io.out_dir += std::to_string(stage);
+        const std::vector<float> losses = run_losses(z, &comm());
+        ASSERT_EQ(losses.size(), ref.size()) << what;
+        for (std::size_t i = 0; i < ref.size(); i++)
+            EXPECT_NEAR(losses[i], ref[i], 1e-5 * std::abs(ref[i])) << what << " step " << i;
+        EXPECT_LT(losses.back(), losses.front()) << what;
+        if (stage != 3) continue;
+        RunConfig sib = z;
+        sib.optim.step_in_backward = true;
+        sib.io.out_dir += "_sib";
+        EXPECT_EQ(run_losses(sib, &comm()), losses) << what << " step in backward";
+        RunConfig split = z;
+        split.io.out_dir += "_split";
+        run_losses(split, &comm(), 3);
+        const std::vector<float> rest = run_losses(split, &comm(), -1, split.io.out_dir);
+        ASSERT_EQ(rest.size(), (std::size_t)(steps - 3));
+        for (int i = 0; i < steps - 3; i++) EXPECT_EQ(rest[i], losses[3 + i]) << what << i;
+    }
+    comm().barrier();
 }
 
 }  // namespace

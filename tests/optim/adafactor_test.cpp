@@ -185,9 +185,6 @@ TEST(Adafactor, TrainsResumesBitwiseAndRefusesWhatItDoesNotRun) {
     RunConfig int8 = whole;
     int8.optim.state_format = "int8";
     refused(int8, "optim.state_format");
-    RunConfig bf16_weights = whole;
-    bf16_weights.optim.master = "none";
-    refused(bf16_weights, "optim.master");
     // (Without a GPU, validate_config names the missing device first: the layout check alone.)
     RunConfig gpu = whole;
     gpu.train.device = "cuda";

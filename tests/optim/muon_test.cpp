@@ -1,7 +1,7 @@
 // optim.name = "muon": Newton-Schulz orthogonalizes, the step matches a PyTorch reference written
 // from Muon's definition (tests/optim/muon_reference.py), only the blocks' matrices take it, its
 // state is one buffer for them, a run learns, resumes bitwise, and the layouts that cut matrices
-// are refused.
+// with no gather for them are refused (ZeRO 1-3 gather: tests/mpi/state_format_dist_test.cpp).
 #include <gtest/gtest.h>
 
 #include <unistd.h>
@@ -18,6 +18,7 @@
 #include "optim/optimizer.h"
 #include "optim/reference_files.h"
 #include "test_util.h"
+#include "train/measured_run.h"
 #include "train/trainer.h"
 #include "train/validate.h"
 
@@ -120,18 +121,21 @@ TEST(Muon, OnlyBlockMatricesTakeItAndTheirStateIsOneBuffer) {
     auto q = make_optimizer(cfg, l);
     EXPECT_EQ(q->state_bytes(), optimizer_state_bytes(cfg, l, 0, l.total));
     EXPECT_LT(q->state_bytes(), opt->state_bytes() / 2);
-    // A range that cuts a matrix (a ZeRO shard) is refused, naming it.
+    // A range that cuts a matrix (a ZeRO shard's edge) steps it only through a TensorGather
+    // (tests/mpi/state_format_dist_test.cpp): without one the step fails, naming it.
     const ParamSpec& fc = l.get("h.0.mlp.c_fc.weight");
     cfg.state_format = "fp32";
+    auto cut = make_optimizer(cfg, l, fc.offset + 10, l.total - fc.offset - 10);
+    std::vector<float> p(cut->count(), 0.5f), g(cut->count(), 0.01f);
     try {
-        make_optimizer(cfg, l, fc.offset + 10, l.total - fc.offset - 10);
-        FAIL() << "accepted a range that cuts " << fc.name;
+        cut->step(p.data(), g.data(), 1e-3);
+        FAIL() << "stepped part of " << fc.name;
     } catch (const Error& e) {
         EXPECT_NE(std::string(e.what()).find(fc.name), std::string::npos) << e.what();
     }
 }
 
-TEST(Muon, TrainsResumesBitwiseAndRefusesCutMatrices) {
+TEST(Muon, TrainsResumesBitwiseAndRefusesLayoutsThatCutMatricesUngathered) {
     auto run_cfg = [](const std::string& name, int steps) {
         RunConfig c = test::tiny_run(test::temp_dir(name), steps);
         c.model.n_embd = 64;
@@ -151,11 +155,19 @@ TEST(Muon, TrainsResumesBitwiseAndRefusesCutMatrices) {
     for (int i = 0; i < 6; i++) EXPECT_EQ(sb.losses[i], sa.losses[6 + i]) << i;
     EXPECT_EQ(0, std::memcmp(a.model().params(), b->model().params(),
                              a.model().num_params() * sizeof(float)));
-    // Layouts whose ranks hold parts of a matrix are refused before training.
+    // Layouts whose ranks hold parts of a matrix without gathering it are refused before training:
+    // tensor parallelism, and ZeRO-1 across pipeline stages (ZeRO 1-3 over a whole model gather
+    // the matrices their shards cut).
     RunConfig zero = whole;
     zero.world = 2;
     zero.train.zero_stage = 1;
-    EXPECT_THROW(validate_config(zero), Error);
+    EXPECT_NO_THROW(validate_config(zero));
+    zero.world = 4;
+    zero.train.pp = 2;
+    zero.train.batch_size = 4;
+    zero.train.micro_batch_size = 1;
+    test::expect_refused_naming(validate_config, zero, "muon",
+                                "train.zero_stage = 1 with train.pp = 2");
     RunConfig tp = whole;
     tp.world = 2;
     tp.train.tp = 2;

@@ -183,6 +183,7 @@ void CpuEngine::apply_data_parallel() {
     // optim.master = "none": bf16 weights, rounded stochastically from the run's seed.
     zo.bf16_params = cfg.optim.master == "none";
     zo.rounding_seed = cfg.train.seed ^ 0x5EEDB16F00Dull;
+    if (zo.bf16_params) zo.whole_tensors = whole_step_tensors(cfg.optim, trained);
     zero_ = std::make_unique<dist::ZeroStore>(trained, world_, plan_.zero_stage, zo);
     if (plan_.lora) {
         // Dropout masks differ per rank (each has its own rows), as torch's do under DDP.
@@ -193,7 +194,14 @@ void CpuEngine::apply_data_parallel() {
         chunks_.push_back(std::make_unique<GPT>(cfg.model, zero_.get()));
     }
     const dist::ShardRange owned = zero_->owned();
-    parts.push_back(make_optimizer(cfg.optim, trained, owned.offset, owned.count));
+    // An optimizer that steps tensors whole (Muon) completes the ones a shard cuts by gathering.
+    const std::vector<char> whole = whole_step_tensors(cfg.optim, trained);
+    if (std::find(whole.begin(), whole.end(), 1) != whole.end() && plan_.zero_stage > 0 &&
+        world_.size() > 1)
+        gather_ = std::make_unique<dist::ShardTensorGather>(trained, world_, zero_->owned_by_rank(),
+                                                            whole);
+    parts.push_back(make_optimizer(cfg.optim, trained, owned.offset, owned.count,
+                                   MemCategory::OptimizerState, gather_.get()));
     opt_ = std::make_unique<RangeOptimizers>(std::move(parts));
 }
 

@@ -50,6 +50,7 @@
 #include "model/lora.h"
 #include "optim/optimizer.h"
 #include "parallel/data/replica_sync.h"
+#include "parallel/data/tensor_gather.h"
 #include "parallel/data/zero_store.h"
 #include "parallel/mesh.h"
 #include "parallel/pipeline/executor.h"
@@ -215,6 +216,9 @@ class CpuEngine final : public Engine {
     uint64_t dropout_rows_ = 0;  // set_dropout_rows, for the next forward_backward
     // The optimizer over what this rank updates (one part per pipeline chunk), and the views of
     // the whole model a stage or shard shows (null where the model's own store is the view).
+    // Muon under ZeRO 1-3: the matrices the shards cut, gathered whole (before opt_, which
+    // holds it).
+    std::unique_ptr<dist::ShardTensorGather> gather_;
     std::unique_ptr<RangeOptimizers> opt_;
     std::unique_ptr<OptimizerState> opt_view_;
     std::unique_ptr<WeightWindow> window_;

@@ -24,7 +24,9 @@ ZeroStore::ZeroStore(const ParamLayout& layout, Communicator& comm, int stage, O
     // Which states this stage shards: the placement table the planner prices with.
     const ShardSpec spec = shard_spec(stage);
     const int64_t total = (int64_t)layout.total;
-    owned_ = sharded(spec.optimizer) ? shards[r] : ShardRange{0, total};
+    for (int k = 0; k < N; k++)
+        owned_by_rank_.push_back(sharded(spec.optimizer) ? shards[k] : ShardRange{0, total});
+    owned_ = owned_by_rank_[r];
     shard_counts_ = counts_of(shards);
     for (const auto& unit : layout.units) {
         UnitPieces p = unit_pieces(shards, (int64_t)unit.begin, (int64_t)unit.end);
@@ -41,7 +43,14 @@ ZeroStore::ZeroStore(const ParamLayout& layout, Communicator& comm, int stage, O
     buckets_.resize(U);
     if (opts.bf16_params) {
         params16_ = Buffer<uint16_t>((std::size_t)total, MemCategory::Parameters);
-        round_ = Buffer<float>(round_scratch_floats(layout), MemCategory::Parameters);
+        round_ = Buffer<float>(round_scratch_floats(layout, opts.whole_tensors),
+                               MemCategory::Parameters);
+        for (std::size_t i = 0; i < opts.whole_tensors.size(); i++)
+            if (opts.whole_tensors[i]) {
+                const ParamSpec& t = layout.tensors.at(i);
+                whole_.push_back({t.offset, t.offset + t.numel});
+            }
+        std::sort(whole_.begin(), whole_.end());
         rounding_seed_ = opts.rounding_seed;
     } else {
         params_ = Buffer<float>((std::size_t)held(spec.params, total, shards[r].count),
@@ -381,7 +390,19 @@ void ZeroStore::apply_update(const UnitUpdate& update, float* g, std::size_t at,
     // Stage 0: owned() is the whole buffer, `at` a flat index. A unit held decoded (backward)
     // is released right after its update and was not written, so its copy is never read again.
     for (std::size_t lo = at; lo < at + n;) {
-        const std::size_t hi = std::min(at + n, (lo / kRoundChunk + 1) * kRoundChunk);
+        // A tensor stepped whole is one piece; the rest goes by kRoundChunk, stopping at the
+        // next whole tensor.
+        const auto next = std::lower_bound(whole_.begin(), whole_.end(), lo,
+                                           [](const std::pair<std::size_t, std::size_t>& w,
+                                              std::size_t x) { return w.second <= x; });
+        std::size_t hi = std::min(at + n, (lo / kRoundChunk + 1) * kRoundChunk);
+        if (next != whole_.end() && next->first <= lo) {
+            if (next->first != lo || next->second > at + n)
+                fail("internal: a bf16 update of [{}, {}) cuts a tensor stepped whole", at, at + n);
+            hi = next->second;
+        } else if (next != whole_.end()) {
+            hi = std::min(hi, next->first);
+        }
         const int64_t m = (int64_t)(hi - lo);
         uint16_t* w16 = params16_.data() + lo;
         float* w = round_.data();
@@ -396,10 +417,13 @@ void ZeroStore::apply_update(const UnitUpdate& update, float* g, std::size_t at,
     }
 }
 
-std::size_t ZeroStore::round_scratch_floats(const ParamLayout& layout) {
-    std::size_t unit = 0;
+std::size_t ZeroStore::round_scratch_floats(const ParamLayout& layout,
+                                            const std::vector<char>& whole_tensors) {
+    std::size_t unit = 0, whole = 0;
     for (const ParamUnit& u : layout.units) unit = std::max(unit, u.size());
-    return std::min(kRoundChunk, unit);
+    for (std::size_t i = 0; i < whole_tensors.size(); i++)
+        if (whole_tensors[i]) whole = std::max(whole, layout.tensors.at(i).numel);
+    return std::max(std::min(kRoundChunk, unit), whole);
 }
 
 void ZeroStore::step_units(const UnitUpdate& update, int64_t step) {

@@ -105,6 +105,10 @@ class ZeroStore final : public UnitStore {
         // from (rounding_seed, the step, the element's index).
         bool bf16_params = false;
         uint64_t rounding_seed = 0;
+        // With bf16_params: per tensor of the layout, whether the optimizer steps it whole
+        // (whole_step_tensors: Muon's matrices, Adafactor's tensors); each is then decoded and
+        // updated as one piece, the others a chunk at a time. Empty: none.
+        std::vector<char> whole_tensors;
     };
     ZeroStore(const ParamLayout& layout, Communicator& comm, int stage, Options opts);
     ZeroStore(const ParamLayout& layout, Communicator& comm, int stage)
@@ -117,6 +121,8 @@ class ZeroStore final : public UnitStore {
     int stage() const { return stage_; }
     // The floats of the flat buffer this rank updates: everything at stage 0, its shard else.
     ShardRange owned() const { return owned_; }
+    // Every rank's owned(), in rank order.
+    const std::vector<ShardRange>& owned_by_rank() const { return owned_by_rank_; }
     // Parameters and (reduced) gradients of owned(), valid after the last micro-batch's backward.
     // The optimizer writes through owned_params(), so it first drops a pending prefetch.
     float* owned_params();
@@ -148,10 +154,12 @@ class ZeroStore final : public UnitStore {
     void step_units(const UnitUpdate& update, int64_t step);
     bool bf16_params() const { return params16_.size() > 0; }
     // The bf16 updates decode, update and round a chunk at a time: at most kRoundChunk floats,
-    // cut at its multiples of the flat buffer, and never more than a unit (round_scratch_floats,
-    // the scratch's size).
+    // cut at its multiples of the flat buffer and at the tensors stepped whole, each of which is
+    // one piece. The scratch (round_scratch_floats) is the larger of kRoundChunk, or the largest
+    // unit if smaller, and the largest tensor stepped whole.
     static constexpr std::size_t kRoundChunk = std::size_t(1) << 18;
-    static std::size_t round_scratch_floats(const ParamLayout& layout);
+    static std::size_t round_scratch_floats(const ParamLayout& layout,
+                                            const std::vector<char>& whole_tensors);
     // The next backward only measures each unit's reduced gradient (the norm pass clipping
     // needs) and changes no buffer the step keeps.
     void arm_norm();
@@ -219,7 +227,9 @@ class ZeroStore final : public UnitStore {
     void apply_update(const UnitUpdate& update, float* g, std::size_t at, std::size_t n);
     int64_t update_step_ = 0;
     Buffer<uint16_t> params16_;  // optim.master = "none": the whole model in bf16
-    Buffer<float> round_;        // its update scratch (kRoundChunk floats)
+    Buffer<float> round_;        // its update scratch (round_scratch_floats)
+    // The tensors stepped whole, as [begin, end) of the flat buffer in increasing order.
+    std::vector<std::pair<std::size_t, std::size_t>> whole_;
     uint64_t rounding_seed_ = 0;
 
     enum class Armed { No, Norm, Update };
@@ -232,6 +242,7 @@ class ZeroStore final : public UnitStore {
     bool in_flight_ = false;  // stage 0: all-reduces started since the last sync
     int stage_;
     ShardRange owned_;
+    std::vector<ShardRange> owned_by_rank_;
     std::vector<int64_t> shard_counts_;  // every rank's shard
     std::vector<UnitShards> unit_shards_;
     bool reduce_ = true;
