@@ -403,22 +403,23 @@ inline float lerp_torch(float a, float b, float w) {
     return std::abs(w) < 0.5f ? a + w * (b - a) : b - (b - a) * (1.0f - w);
 }
 
+// A tensor the range holds only part of (a ZeRO shard's edge) is stepped whole through the
+// TensorGather: every holder gathers its gradient and weights, steps the whole tensor (the same
+// bits on each) and keeps its piece; each holder keeps the tensor's whole state (rows + cols
+// floats), so the step is bitwise one process's. Checkpoints see that state as the parameters'
+// layout does (R and C at the tensor's start), which gives the floats to the first holder only:
+// a load (finish_writes) gathers the pattern among the holders so each has it whole again.
 class Adafactor final : public Optimizer {
   public:
     Adafactor(const OptimConfig& cfg, const ParamLayout& layout, std::size_t offset,
-              std::size_t count, MemCategory category)
-        : Optimizer(layout, offset, count, StateFormat::Fp32), cfg_(cfg) {
+              std::size_t count, MemCategory category, TensorGather* gather)
+        : Optimizer(layout, offset, count, StateFormat::Fp32), cfg_(cfg), gather_(gather) {
         std::size_t at = 0;
         for (std::size_t i = 0; i < layout.tensors.size(); i++) {
             const ParamSpec& t = layout.tensors[i];
-            if (cut_by_range(t, offset, count))
-                fail(
-                    "optim.name = \"adafactor\" steps whole tensors (their RMS and their "
-                    "factored second moment), and this optimizer's range [{}, {}) holds part of "
-                    "{} (ZeRO stages 1-3 shard tensors between ranks: set train.zero_stage = 0)",
-                    offset, offset + count, t.name);
-            if (!inside_range(t, offset, count)) continue;
-            pieces_.push_back({i, at});
+            const bool cut = cut_by_range(t, offset, count);
+            if (!cut && !inside_range(t, offset, count)) continue;
+            pieces_.push_back({i, at, cut});
             at += adafactor_floats(t);
         }
         if (at) {
@@ -436,14 +437,31 @@ class Adafactor final : public Optimizer {
         for (const Piece& pc : pieces_) {
             const ParamSpec& ts = layout_.tensors[pc.tensor];
             if (ts.offset + ts.numel <= lo || ts.offset >= hi) continue;
-            if (ts.offset < lo || ts.offset + ts.numel > hi)
-                fail("internal: an Adafactor update of part of {}", ts.name);
-            float* p = params + (ts.offset - lo);
-            const float* g = grads + (ts.offset - lo);
+            // The range's piece of the tensor (all of it unless cut) must be inside the update.
+            const auto [a, b] = mine(ts);
+            if (a < lo || b > hi) fail("internal: an Adafactor update of part of {}", ts.name);
+            float* p = params + (a - lo);
+            const float* g = grads + (a - lo);
             const bool factored = adafactor_factors(ts);
             const int64_t rows = factored ? ts.shape[0] : 1;
             const int64_t cols = factored ? ts.shape[1] : (int64_t)ts.numel;
-            step_tensor(p, g, state_.data() + pc.at, rows, cols, factored, ts.decay, lr, rho, w);
+            if (!pc.cut) {
+                step_tensor(p, g, state_.data() + pc.at, rows, cols, factored, ts.decay, lr, rho,
+                            w);
+                continue;
+            }
+            if (!gather_)
+                fail(
+                    "optim.name = \"adafactor\" steps whole tensors (their RMS and their "
+                    "factored second moment), and this optimizer's range [{}, {}) holds part of "
+                    "{} with no way to gather the rest",
+                    offset_, offset_ + count_, ts.name);
+            std::vector<float> whole_p(ts.numel), whole_g(ts.numel);
+            gather_->gather(pc.tensor, g, whole_g.data());
+            gather_->gather(pc.tensor, p, whole_p.data());
+            step_tensor(whole_p.data(), whole_g.data(), state_.data() + pc.at, rows, cols, factored,
+                        ts.decay, lr, rho, w);
+            std::copy(whole_p.data() + (a - ts.offset), whole_p.data() + (b - ts.offset), p);
         }
     }
 
@@ -471,9 +489,13 @@ class Adafactor final : public Optimizer {
         check_name(name);
         std::fill(dst, dst + count_, 0.0f);
         for (const Piece& pc : pieces_) {
+            // The tensor's floats [t.offset, t.offset + k) inside the range.
             const ParamSpec& t = layout_.tensors[pc.tensor];
-            const std::size_t k = adafactor_floats(t);
-            std::copy(state_.data() + pc.at, state_.data() + pc.at + k, dst + (t.offset - offset_));
+            const std::size_t a = std::max(t.offset, offset_);
+            const std::size_t b = std::min(t.offset + adafactor_floats(t), offset_ + count_);
+            if (a < b)
+                std::copy(state_.data() + pc.at + (a - t.offset),
+                          state_.data() + pc.at + (b - t.offset), dst + (a - offset_));
         }
     }
     void write_state(const std::string& name, std::size_t begin, std::size_t n,
@@ -487,11 +509,28 @@ class Adafactor final : public Optimizer {
         std::copy(src, src + n, staged_whole_.data() + begin);
     }
     void finish_writes() override {
-        if (staged_whole_.empty()) return;
+        // A cut tensor's holders gather their pieces of its floats whole, staged or not (every
+        // holder calls each gather, in layout order); the others take their floats as staged.
+        if (staged_whole_.empty() && !gather_) return;
+        std::vector<float> floats;
+        if (staged_whole_.empty()) {
+            floats.resize(count_);
+            read_state("variance", floats.data());
+        }
+        const float* range = staged_whole_.empty() ? floats.data() : staged_whole_.data();
         for (const Piece& pc : pieces_) {
             const ParamSpec& t = layout_.tensors[pc.tensor];
-            const float* from = staged_whole_.data() + (t.offset - offset_);
-            std::copy(from, from + adafactor_floats(t), state_.data() + pc.at);
+            const std::size_t k = adafactor_floats(t);
+            if (!pc.cut) {
+                const float* from = range + (t.offset - offset_);
+                std::copy(from, from + k, state_.data() + pc.at);
+                continue;
+            }
+            if (!gather_) fail("internal: loading part of {}'s Adafactor state", t.name);
+            const auto [a, b] = mine(t);
+            std::vector<float> whole(t.numel);
+            gather_->gather(pc.tensor, range + (a - offset_), whole.data());
+            std::copy(whole.data(), whole.data() + k, state_.data() + pc.at);
         }
         staged_whole_.clear();
         staged_whole_.shrink_to_fit();
@@ -500,7 +539,12 @@ class Adafactor final : public Optimizer {
   private:
     struct Piece {
         std::size_t tensor, at;  // the layout's tensor; where its state starts in state_
+        bool cut;                // the range holds part of the tensor (a ZeRO shard's edge)
     };
+    // [a, b) of the flat buffer: the range's piece of tensor t.
+    std::pair<std::size_t, std::size_t> mine(const ParamSpec& t) const {
+        return {std::max(t.offset, offset_), std::min(t.offset + t.numel, offset_ + count_)};
+    }
     static void check_name(const std::string& name) {
         if (name != "variance") fail("internal: Adafactor has no state tensor '{}'", name);
     }
@@ -580,6 +624,7 @@ class Adafactor final : public Optimizer {
     }
 
     OptimConfig cfg_;
+    TensorGather* gather_;
     std::vector<Piece> pieces_;
     Buffer<float> state_;              // the pieces' state, back to back
     std::vector<float> staged_whole_;  // write_state's floats until finish_writes()
@@ -591,7 +636,8 @@ std::size_t adafactor_state_floats(const ParamLayout& layout, std::size_t offset
                                    std::size_t count) {
     std::size_t n = 0;
     for (const ParamSpec& t : layout.tensors)
-        if (inside_range(t, offset, count)) n += adafactor_floats(t);
+        if (inside_range(t, offset, count) || cut_by_range(t, offset, count))
+            n += adafactor_floats(t);
     return n;
 }
 
@@ -655,7 +701,7 @@ std::unique_ptr<Optimizer> make_optimizer(const OptimConfig& cfg, const ParamLay
     if (cfg.name == "muon")
         return std::make_unique<Muon>(cfg, layout, offset, count, category, gather);
     if (cfg.name == "adafactor")
-        return std::make_unique<Adafactor>(cfg, layout, offset, count, category);
+        return std::make_unique<Adafactor>(cfg, layout, offset, count, category, gather);
     return std::make_unique<AdamW>(cfg, layout, offset, count, category);
 }
 

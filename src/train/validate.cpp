@@ -296,8 +296,8 @@ void validate_optimizer_layout(const RunConfig& cfg) {
     if (cfg.optim.name == "muon" || cfg.optim.name == "adafactor") {
         // Muon orthogonalizes each block matrix whole, Adafactor factors each matrix's second
         // moment and scales each tensor by its RMS: every layout where one rank's optimizer holds
-        // whole tensors (one process, DDP, pipeline stages, a parameter server's units), and for
-        // Muon ZeRO 1-3 too, whose shards' edges gather the matrices they cut
+        // whole tensors (one process, DDP, pipeline stages, a parameter server's units), and
+        // ZeRO 1-3 too, whose shards' edges gather the tensors they cut
         // (dist::ShardTensorGather).
         const bool muon = cfg.optim.name == "muon";
         const auto refuse = refuser(fmt::format("optim.name = \"{}\"", cfg.optim.name));
@@ -308,13 +308,12 @@ void validate_optimizer_layout(const RunConfig& cfg) {
         if (cfg.train.tp > 1)
             refuse(fmt::format("train.tp = {}", cfg.train.tp),
                    fmt::format("each rank holds slices of the matrices, and {}", needs));
-        if (cfg.train.zero_stage > 0 && cfg.world > 1 && (!muon || cfg.train.pp > 1))
-            refuse(fmt::format("train.zero_stage = {}{}", cfg.train.zero_stage,
-                               cfg.train.pp > 1 ? fmt::format(" with train.pp = {}", cfg.train.pp)
-                                                : std::string()),
-                   fmt::format("ZeRO shards cut tensors between ranks, and {} on one rank (set "
-                               "train.zero_stage = 0: every rank then steps every tensor, as DDP "
-                               "does)",
+        if (cfg.train.zero_stage > 0 && cfg.world > 1 && cfg.train.pp > 1)
+            refuse(fmt::format("train.zero_stage = {} with train.pp = {}", cfg.train.zero_stage,
+                               cfg.train.pp),
+                   fmt::format("ZeRO-1 cuts each stage's tensors between its data-parallel "
+                               "ranks, and {} on one rank; the gather built for ZeRO over a "
+                               "whole model is not built for stages (set train.zero_stage = 0)",
                                needs));
     }
     if (cfg.optim.step_in_backward) {

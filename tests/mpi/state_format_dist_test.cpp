@@ -143,8 +143,7 @@ TEST(StateFormatDist, PipelinesSideBySideShardTheirStagesOnTheGrain) {
 
 // An optimizer that steps whole tensors (Muon's Newton-Schulz, Adafactor's factors and RMS) under
 // DDP: every rank steps all of them on the all-reduced gradients and trains the one-process
-// model. Adafactor refuses a ZeRO stage, which cuts tensors between ranks, by name (Muon runs
-// under ZeRO: the tests below).
+// model (under ZeRO: the tests below).
 void expect_whole_tensor_optimizer_under_ddp(const std::string& name, const std::string& format,
                                              double lr = 0) {
     const int N = comm().size(), b = 2;
@@ -159,10 +158,6 @@ void expect_whole_tensor_optimizer_under_ddp(const std::string& name, const std:
     for (std::size_t i = 0; i < ref.size(); i++)
         EXPECT_NEAR(losses[i], ref[i], 1e-5 * std::abs(ref[i])) << name << " ddp, step " << i + 1;
     EXPECT_LT(losses.back(), losses.front()) << name;
-    if (name == "muon") return;
-    RunConfig zero = c;
-    zero.train.zero_stage = 2;
-    expect_refused(zero, "train.zero_stage = 2");
 }
 
 TEST(StateFormatDist, MuonUnderDdpTrainsAsOneProcess) {
@@ -179,58 +174,76 @@ TEST(StateFormatDist, AdafactorUnderDdpTrainsAsOneProcess) {
 namespace memtrain::dist {
 namespace {
 
-// Muon under ZeRO: a rank's shard holds the matrices inside it whole and pieces of the (at most
-// two) matrices its edges cut; those are gathered whole among their holders, orthogonalized on
-// each, and each keeps its piece. From the same gradients, every rank's parameters and momentum
-// are bitwise one process's, in fp32 and int8 state.
-TEST(MuonZero, ShardsStepBitwiseAsOneProcessFromTheSameGradients) {
+// Muon and Adafactor under ZeRO: a rank's shard holds the tensors inside it whole and pieces of
+// the (at most two) tensors its edges cut; those are gathered whole among their holders, stepped
+// on each, and each keeps its piece. From the same gradients, every rank's parameters and state
+// are bitwise one process's (Muon in fp32 and int8 state); a state loaded as floats laid out like
+// the parameters (a checkpoint of another layout) is whole again on every holder.
+void expect_shards_step_as_one_process(const std::string& name, const std::string& format) {
+    SCOPED_TRACE(name + " " + format);
     const int N = comm().size(), r = comm().rank();
     ModelConfig mc = test::tiny_model();
     mc.n_embd = 64;
     mc.n_head = 4;
     const ParamLayout l = make_param_layout(mc);
-    for (const char* format : {"fp32", "int8"}) {
-        SCOPED_TRACE(format);
-        OptimConfig cfg;
-        cfg.name = "muon";
-        cfg.state_format = format;
-        const std::vector<ShardRange> shards =
-            grain_shard_ranges(0, (int64_t)l.total, N, (int64_t)shard_grain(cfg));
-        ShardTensorGather gather(l, comm(), shards, whole_step_tensors(cfg, l));
-        // What makes this bite: some shard edge falls inside a matrix.
-        ASSERT_GT(gather.cut_tensors(), 0u);
-        const std::size_t off = (std::size_t)shards[r].offset, n = (std::size_t)shards[r].count;
-        auto one = make_optimizer(cfg, l);
-        auto mine = make_optimizer(cfg, l, off, n, MemCategory::OptimizerState, &gather);
-        std::vector<float> p(l.total), g(l.total);
-        for (std::size_t i = 0; i < l.total; i++) p[i] = 0.02f * std::sin(0.37f * (float)i);
-        std::vector<float> q(p.begin() + off, p.begin() + off + n);
-        for (int step = 1; step <= 3; step++) {
-            for (std::size_t i = 0; i < l.total; i++)
-                g[i] = 0.01f * std::cos(0.11f * (float)i * (float)step + (float)step);
-            one->step(p.data(), g.data(), 1e-3);
-            mine->step(q.data(), g.data() + off, 1e-3);
-        }
-        EXPECT_EQ(0, std::memcmp(q.data(), p.data() + off, n * sizeof(float)));
+    OptimConfig cfg;
+    cfg.name = name;
+    cfg.state_format = format;
+    const std::vector<ShardRange> shards =
+        grain_shard_ranges(0, (int64_t)l.total, N, (int64_t)shard_grain(cfg));
+    ShardTensorGather gather(l, comm(), shards, whole_step_tensors(cfg, l));
+    // What makes this bite: some shard edge falls inside a tensor stepped whole.
+    ASSERT_GT(gather.cut_tensors(), 0u);
+    const std::size_t off = (std::size_t)shards[r].offset, n = (std::size_t)shards[r].count;
+    auto one = make_optimizer(cfg, l);
+    auto mine = make_optimizer(cfg, l, off, n, MemCategory::OptimizerState, &gather);
+    std::vector<float> p(l.total), g(l.total);
+    for (std::size_t i = 0; i < l.total; i++) p[i] = 0.02f * std::sin(0.37f * (float)i);
+    std::vector<float> q(p.begin() + off, p.begin() + off + n);
+    for (int step = 1; step <= 3; step++) {
+        for (std::size_t i = 0; i < l.total; i++)
+            g[i] = 0.01f * std::cos(0.11f * (float)i * (float)step + (float)step);
+        one->step(p.data(), g.data(), 1e-3);
+        mine->step(q.data(), g.data() + off, 1e-3);
+    }
+    EXPECT_EQ(0, std::memcmp(q.data(), p.data() + off, n * sizeof(float)));
+    auto fresh = make_optimizer(cfg, l, off, n, MemCategory::OptimizerState, &gather);
+    for (const std::string& s : one->state_names()) {
         std::vector<float> all(l.total), part(n);
-        one->read_state("momentum_buffer", all.data());
-        mine->read_state("momentum_buffer", part.data());
-        EXPECT_EQ(0, std::memcmp(part.data(), all.data() + off, n * sizeof(float)));
+        one->read_state(s, all.data());
+        mine->read_state(s, part.data());
+        EXPECT_EQ(0, std::memcmp(part.data(), all.data() + off, n * sizeof(float))) << s;
+        fresh->write_state(s, 0, n, all.data() + off);
+    }
+    fresh->finish_writes();
+    for (const std::string& s : one->state_names()) {
+        std::vector<uint8_t> a(mine->stored_bytes(s)), b(fresh->stored_bytes(s));
+        mine->save_stored(s, a.data());
+        fresh->save_stored(s, b.data());
+        EXPECT_EQ(a, b) << s << ": the state loaded as floats is not the stepped one";
     }
 }
 
-// ZeRO 1-3 with Muon train as one process does (the fp32 state's tolerance: the gradient sums'
-// order differs), the step inside the backward is bitwise the two-phase step at the same stage,
-// and a checkpoint resumes bitwise at the same world size.
-TEST(MuonZero, StagesTrainAsOneProcessAndResumeBitwise) {
-    const int N = comm().size(), b = 2, steps = 6;
-    RunConfig c = wide_run("muon_zero", steps, "int8");
-    c.optim.name = "muon";
+TEST(WholeTensorZero, ShardsStepBitwiseAsOneProcessFromTheSameGradients) {
+    expect_shards_step_as_one_process("muon", "fp32");
+    expect_shards_step_as_one_process("muon", "int8");
+    expect_shards_step_as_one_process("adafactor", "fp32");
+}
+
+// ZeRO 1-3 train as one process does (the fp32 state's tolerance: the gradient sums' order
+// differs), the step inside the backward is bitwise the two-phase step at the same stage, a
+// checkpoint resumes bitwise at the same world size and, read as floats, in one process.
+void expect_zero_stages_train_as_one_process(const std::string& name, const std::string& format,
+                                             double lr) {
+    const int N = comm().size(), b = 2, steps = 6, cut = 3;
+    RunConfig c = wide_run(name + "_zero", steps, format);
+    c.optim.name = name;
+    if (lr > 0) c.optim.lr = lr;
     c.train.batch_size = N * b;
     const std::vector<float> ref = run_losses(as_one_process(c, N * b), nullptr);
     c.train.micro_batch_size = b;
     for (int stage : {1, 2, 3}) {
-        const std::string what = "muon zero" + std::to_string(stage);
+        const std::string what = name + " zero" + std::to_string(stage);
         RunConfig z = c;
         z.train.zero_stage = stage;
         z.io.out_dir += std::to_string(stage);
@@ -246,12 +259,28 @@ TEST(MuonZero, StagesTrainAsOneProcessAndResumeBitwise) {
         EXPECT_EQ(run_losses(sib, &comm()), losses) << what << " step in backward";
         RunConfig split = z;
         split.io.out_dir += "_split";
-        run_losses(split, &comm(), 3);
+        run_losses(split, &comm(), cut);
         const std::vector<float> rest = run_losses(split, &comm(), -1, split.io.out_dir);
-        ASSERT_EQ(rest.size(), (std::size_t)(steps - 3));
-        for (int i = 0; i < steps - 3; i++) EXPECT_EQ(rest[i], losses[3 + i]) << what << i;
+        ASSERT_EQ(rest.size(), (std::size_t)(steps - cut));
+        for (int i = 0; i < steps - cut; i++)
+            EXPECT_EQ(rest[i], losses[cut + i]) << what << " resumed, step " << cut + i + 1;
+        const std::vector<float> single =
+            run_losses(as_one_process(split, N * b), nullptr, -1,
+                       split.io.out_dir + "/ckpt_00000" + std::to_string(cut));
+        ASSERT_EQ(single.size(), (std::size_t)(steps - cut));
+        for (int i = 0; i < steps - cut; i++)
+            EXPECT_NEAR(single[i], losses[cut + i], 1e-5 * std::abs(losses[cut + i]))
+                << what << " in one process from the world-" << N << " checkpoint";
     }
     comm().barrier();
+}
+
+TEST(WholeTensorZero, MuonStagesTrainAsOneProcessAndResume) {
+    expect_zero_stages_train_as_one_process("muon", "int8", 0);
+}
+
+TEST(WholeTensorZero, AdafactorStagesTrainAsOneProcessAndResume) {
+    expect_zero_stages_train_as_one_process("adafactor", "fp32", 0.1);
 }
 
 }  // namespace

@@ -2,8 +2,9 @@
 // torch.optim.Adafactor's algorithm (tests/optim/adafactor_reference.py), with and without its
 // update clipping; the state is rows + cols floats per matrix, as planned; the bits do not depend
 // on the thread count; a run learns and resumes bitwise through a checkpoint; the layouts that cut
-// tensors, and the formats and engines it does not run with, are refused by name; checkpoints
-// hold the factors themselves.
+// tensors with no gather for them (tensor parallelism, ZeRO-1 across pipeline stages), and the
+// formats and engines it does not run with, are refused by name; checkpoints hold the factors
+// themselves. (ZeRO 1-3: tests/mpi/state_format_dist_test.cpp.)
 #include <gtest/gtest.h>
 
 #include <omp.h>
@@ -177,7 +178,12 @@ TEST(Adafactor, TrainsResumesBitwiseAndRefusesWhatItDoesNotRun) {
     RunConfig zero = whole;
     zero.world = 2;
     zero.train.zero_stage = 1;
-    refused(zero, "train.zero_stage");
+    EXPECT_NO_THROW(validate_config(zero));
+    zero.world = 4;
+    zero.train.pp = 2;
+    zero.train.batch_size = 4;
+    zero.train.micro_batch_size = 1;
+    refused(zero, "train.zero_stage = 1 with train.pp = 2");
     RunConfig tp = whole;
     tp.world = 2;
     tp.train.tp = 2;
