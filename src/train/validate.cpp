@@ -340,7 +340,8 @@ void validate_optimizer_layout(const RunConfig& cfg) {
                    "exists at once");
     }
     if (cfg.optim.master == "none") {
-        // bf16 weights in the ZeroStore at stage 0 (one process, DDP) on the CPU engine.
+        // bf16 weights in the ZeroStore at stage 0 (one process, DDP; the whole model or LoRA's
+        // adapters) on the CPU engine.
         const auto refuse = refuser("optim.master = \"none\"");
         if (cfg.train.device == "cuda")
             refuse("train.device = \"cuda\"", "it is built on the CPU engine so far");
@@ -351,9 +352,6 @@ void validate_optimizer_layout(const RunConfig& cfg) {
         if (cfg.train.tp > 1) refuse(fmt::format("train.tp = {}", cfg.train.tp), whole);
         if (cfg.train.pp > 1) refuse(fmt::format("train.pp = {}", cfg.train.pp), whole);
         if (cfg.ps()) refuse("train.dp_mode = \"ps\"", "the server keeps fp32 weights");
-        if (cfg.lora.enabled())
-            refuse(fmt::format("lora.rank = {}", cfg.lora.rank),
-                   "LoRA's adapters are small; their base is frozen (lora.base quantizes it)");
     }
     const StateFormat f = parse_state_format(cfg.optim.state_format);
     if (f == StateFormat::Fp32) return;

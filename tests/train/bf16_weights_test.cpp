@@ -189,7 +189,6 @@ TEST(Bf16Weights, RefusesTheLayoutsItDoesNotRunWithByName) {
     };
     refused([](RunConfig& c) { c.train.device = "cuda"; }, "train.device");
     refused([](RunConfig& c) { c.train.zero_stage = 2; }, "train.zero_stage = 2");
-    refused([](RunConfig& c) { c.lora.rank = 4; }, "lora.rank");
     RunConfig bad = base;
     bad.optim.master = "bf16";
     EXPECT_THROW(bad.optim.validate(), Error);

@@ -111,6 +111,64 @@ TEST(LoraTrain, LearnsWithTheBaseFrozenAndResumesBitwise) {
                 a.engine().forward_loss(x.data(), y.data(), 2, 8), 1e-5);
 }
 
+TEST(LoraTrain, Bf16AdaptersTrackFp32InTheirPredictedBytesAndResumeBitwise) {
+    // optim.master = "none": the adapters in bf16, rounded stochastically; the base as ever.
+    constexpr int kSteps = 30, kStop = 5;
+    // The adapters' weights, unit by unit through the store (decoded when in bf16).
+    auto adapters = [](Trainer& t) {
+        auto& e = dynamic_cast<CpuEngine&>(t.engine());
+        std::vector<float> w;
+        for (int u = 0; u < (int)e.lora_layout().params.units.size(); u++) {
+            const ParamUnit& unit = e.lora_layout().params.units[u];
+            const float* p = e.zero_store().acquire(u);
+            w.insert(w.end(), p, p + unit.size());
+            e.zero_store().release(u);
+        }
+        return w;
+    };
+    std::vector<float> last;
+    for (const char* master : {"fp32", "none"}) {
+        RunConfig c = lora_run(test::temp_dir(std::string("lora_bf16_") + master), kSteps, "int8");
+        c.model.init_std = 0.1;
+        c.lora.dropout = 0.1;
+        c.optim.master = master;
+        // Peaks: bf16 adapters are decoded while in use (the plan's row is the peak).
+        host_memory().reset_peak();
+        const MemoryStats before = host_memory().snapshot();
+        Trainer t(c, quiet());
+        const TrainSummary s = t.run();
+        const MemoryStats after = host_memory().snapshot();
+        for (const MemoryPrediction& p :
+             t.engine().predicted_memory(c.micro_batch(), c.train.seq_len)) {
+            const int i = (int)p.category;
+            EXPECT_EQ(after.peak_used[i] - before.used[i], p.bytes)
+                << master << ": " << category_name(p.category) << " (" << p.formula << ")";
+        }
+        last.push_back(s.losses.back());
+        if (std::string(master) == "fp32") continue;
+        // Every adapter weight is a bf16 value; the losses track fp32 adapters' within 2%.
+        const std::vector<float> w = adapters(t);
+        ASSERT_FALSE(w.empty());
+        for (float x : w) ASSERT_EQ(bf16_to_f32(f32_to_bf16(x)), x);
+        EXPECT_NEAR(last[1], last[0], 0.02 * last[0]);
+        TrainSummary resumed;
+        RunConfig c2 = c;
+        c2.io.out_dir += "_split";
+        auto b = test::train_stop_and_resume(c2, kStop, resumed);
+        ASSERT_EQ(resumed.losses.size(), (std::size_t)(kSteps - kStop));
+        for (int i = 0; i < kSteps - kStop; i++)
+            EXPECT_EQ(resumed.losses[i], s.losses[kStop + i]) << i;
+        EXPECT_EQ(adapters(*b), w);
+        // Inside the backward the adapters take the same draws: bitwise the two-phase run.
+        RunConfig c3 = c;
+        c3.io.out_dir += "_sib";
+        c3.optim.step_in_backward = true;
+        Trainer sib(c3, quiet());
+        EXPECT_EQ(sib.run().losses, s.losses);
+        EXPECT_EQ(adapters(sib), w);
+    }
+}
+
 TEST(LoraTrain, QLoraTrainsOnTheDecodedBaseAndMergesIntoIt) {
     const std::string dir = test::temp_dir("qlora_nf4");
     RunConfig c = lora_run(dir, 8, "nf4");
