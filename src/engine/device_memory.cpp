@@ -81,16 +81,31 @@ std::string states_remedy(const RunConfig& cfg, EngineKind kind, bool packed_bas
 }
 
 // DeviceOptimizer's row over floats [begin, begin + n) of `layout` ("k x <what> (states) +
-// chunk table"): its state per parameter and its table of tensor chunks.
+// chunk table"): its state per parameter and its table of tensor chunks. With bf16 moments
+// (optim.state_format) the moments are priced as the CPU's MomentBuffer lays them out (the same
+// rule: small tensors keep fp32), plus the table of where each chunk's moments are.
 MemoryPrediction optimizer_row(const ParamLayout& layout, std::size_t begin, std::size_t n,
-                               const std::string& what, int elem_bytes, bool adamw) {
+                               const std::string& what, int elem_bytes, const OptimConfig& optim) {
+    const bool adamw = optim.name == "adamw";
     const std::size_t k = device_optimizer_bytes_per_param(elem_bytes, adamw);
-    const std::size_t table =
-        cuda::tensor_chunks(layout, begin, n).size() * sizeof(cuda::TensorChunk);
+    const auto chunks = cuda::tensor_chunks(layout, begin, n);
+    const std::size_t table = chunks.size() * sizeof(cuda::TensorChunk);
+    const StateFormat f = parse_state_format(optim.state_format);
+    if (f == StateFormat::Fp32)
+        return {MemCategory::OptimizerState,
+                fmt::format("{} x {} ({}) + chunk table {} B", k, what,
+                            device_optimizer_states(elem_bytes, adamw), table),
+                k * n + table};
+    const std::size_t master = elem_bytes == 4 ? 0 : 4 * n;
+    const std::size_t moments =
+        (adamw ? 2 : 1) * MomentBuffer::predicted_bytes(f, layout, begin, n);
+    const std::size_t at = chunks.size() * sizeof(cuda::StateChunk);
     return {MemCategory::OptimizerState,
-            fmt::format("{} x {} ({}) + chunk table {} B", k, what,
-                        device_optimizer_states(elem_bytes, adamw), table),
-            k * n + table};
+            fmt::format("{}{} {} in {} ({} B) + chunk tables {} B",
+                        elem_bytes == 4 ? "" : fmt::format("fp32 master 4 x {} + ", what),
+                        adamw ? "Adam m, v" : "momentum", what, state_format_name(f), moments,
+                        table + at),
+            master + moments + table + at};
 }
 
 }  // namespace
@@ -144,7 +159,7 @@ std::vector<MemoryPrediction> predict_cuda_memory(const RunConfig& cfg, const Re
     const std::size_t count = stage >= 1 ? (std::size_t)shards[where.rank].count : psi;
     const std::size_t e = (std::size_t)device_elem_bytes(cfg);
     const char* tn = cfg.train.precision.c_str();
-    const bool offload = cfg.train.offload_optimizer, adamw = cfg.optim.name == "adamw";
+    const bool offload = cfg.train.offload_optimizer;
     const auto lay = activation_layout(cfg.model, B, T, plan, device_arena_format(cfg, B, T));
     const std::size_t extra =
         device_token_bytes(B, T) + kDeviceGraphBytes + device_step_bytes(cfg.accum_steps());
@@ -157,10 +172,11 @@ std::vector<MemoryPrediction> predict_cuda_memory(const RunConfig& cfg, const Re
          fmt::format("{} x params{} ({})", e, stage >= 2 ? per_rank : "", tn),
          e * (stage >= 2 ? shard : padded)},
         // ZeRO-1: this rank's shard of the optimizer state.
-        offload ? MemoryPrediction{MemCategory::OptimizerState,
-                                   "none on the device (train.offload_optimizer: see below)", 0}
-                : optimizer_row(layout, begin, count,
-                                fmt::format("params{}", stage >= 1 ? per_rank : ""), (int)e, adamw),
+        offload
+            ? MemoryPrediction{MemCategory::OptimizerState,
+                               "none on the device (train.offload_optimizer: see below)", 0}
+            : optimizer_row(layout, begin, count,
+                            fmt::format("params{}", stage >= 1 ? per_rank : ""), (int)e, cfg.optim),
         {MemCategory::Activations,
          fmt::format("activation_layout(B, T, remat={}, {})", cfg.train.remat, tn),
          arena_bytes(lay, MemCategory::Activations)},
@@ -197,7 +213,7 @@ std::vector<MemoryPrediction> predict_cuda_lora_memory(const RunPlan& plan, cons
         {MemCategory::Parameters, fmt::format("{} + adapters {} x {}", base_text, e, n),
          base + e * n},
         {MemCategory::Gradients, fmt::format("adapters only: {} x {} ({})", e, n, tn), e * n},
-        optimizer_row(lora.params, 0, n, "adapters", eb, cfg.optim.name == "adamw"),
+        optimizer_row(lora.params, 0, n, "adapters", eb, cfg.optim),
         {MemCategory::Activations,
          fmt::format("activation_layout(B, T, remat={}, {})", cfg.train.remat, tn),
          arena_bytes(lay, MemCategory::Activations)},
@@ -242,7 +258,7 @@ std::vector<MemoryPrediction> predict_cuda_stage_memory(const RunPlan& plan, con
     return {
         {MemCategory::Parameters, fmt::format("{} x stage params{} ({})", e, mirrored, tn), e * n},
         {MemCategory::Gradients, fmt::format("{} x stage params{} ({})", e, mirrored, tn), e * n},
-        optimizer_row(layout, begin, count, "stage params", eb, cfg.optim.name == "adamw"),
+        optimizer_row(layout, begin, count, "stage params", eb, cfg.optim),
         {MemCategory::Activations,
          fmt::format("{} slots x plan_stage_arena({} blocks, B, T, remat={}, {})", slots, b1 - b0,
                      cfg.train.remat, tn),

@@ -30,6 +30,33 @@ std::vector<TensorChunk> tensor_chunks(const ParamLayout& layout, std::size_t of
     return chunks;
 }
 
+std::vector<StateChunk> state_chunks(const ParamLayout& layout, std::size_t offset,
+                                     std::size_t count, const std::vector<TensorChunk>& chunks,
+                                     StateFormat format, std::size_t* n32, std::size_t* n16) {
+    *n32 = count;
+    *n16 = 0;
+    if (format == StateFormat::Fp32) return {};
+    if (format != StateFormat::Bf16)
+        fail("optim.state_format = \"{}\" is not built on the GPU (fp32 and bf16 are)",
+             state_format_name(format));
+    *n32 = 0;
+    std::vector<StateChunk> out;
+    std::size_t t = 0;
+    for (const TensorChunk& c : chunks) {
+        const std::size_t at = offset + (std::size_t)c.begin;
+        while (t < layout.tensors.size() &&
+               layout.tensors[t].offset + layout.tensors[t].numel <= at)
+            t++;
+        if (t == layout.tensors.size() || layout.tensors[t].offset > at)
+            fail("internal: a chunk at {} lies in no tensor", at);
+        const bool fp32 = keeps_fp32(format, layout.tensors[t]);
+        std::size_t& n = fp32 ? *n32 : *n16;
+        out.push_back({(int64_t)n, fp32 ? 1 : 0, 0});
+        n += (std::size_t)c.n;
+    }
+    return out;
+}
+
 StepScalars make_step_scalars(const OptimConfig& cfg, double lr, int64_t step, float loss_scale) {
     if (step < 1) fail("cuda::make_step_scalars: step is {}, expected the 1-based count", step);
     StepScalars s{};

@@ -10,6 +10,7 @@
 #include "kernels/cuda/optimizer_types.h"
 #include "model/param_layout.h"
 #include "optim/optim_config.h"
+#include "optim/state_format.h"
 
 namespace memtrain::cuda {
 
@@ -19,6 +20,15 @@ namespace memtrain::cuda {
 // (memtrain::Error) when the range is outside the layout or max_n < 1.
 std::vector<TensorChunk> tensor_chunks(const ParamLayout& layout, std::size_t offset,
                                        std::size_t count, int max_n = 1 << 16);
+
+// Where each of `chunks` (tensor_chunks of [offset, offset + count)) keeps its moments under
+// `format`: for bf16, a chunk of a tensor that keeps fp32 (keeps_fp32, the CPU's rule on the
+// global tensor) in the fp32 store, the others in the bf16 store, each store filled in chunk
+// order; *n32 and *n16 receive the stores' lengths. For fp32: no table (the moments are indexed
+// like the parameters), *n32 = count, *n16 = 0. int8 and int4 are not built on the GPU (fails).
+std::vector<StateChunk> state_chunks(const ParamLayout& layout, std::size_t offset,
+                                     std::size_t count, const std::vector<TensorChunk>& chunks,
+                                     StateFormat format, std::size_t* n32, std::size_t* n16);
 
 // The host group of StepScalars for step `step` (1-based, counting this update) of the optimizer
 // cfg.name names, with the constants computed exactly as optim/optimizer.cpp computes them (double

@@ -356,10 +356,14 @@ void validate_optimizer_layout(const RunConfig& cfg) {
     const StateFormat f = parse_state_format(cfg.optim.state_format);
     if (f == StateFormat::Fp32) return;
     const auto refuse = refuser(fmt::format("optim.state_format = \"{}\"", cfg.optim.state_format));
-    if (cfg.train.device == "cuda")
+    if (cfg.train.device == "cuda" && f != StateFormat::Bf16)
         refuse("train.device = \"cuda\"",
-               "the compressed moments are built on the CPU engine so far (set "
-               "optim.state_format = \"fp32\" on the GPU)");
+               "the block-quantized moments are built on the CPU engine so far (on the GPU set "
+               "optim.state_format = \"fp32\" or \"bf16\")");
+    if (cfg.train.device == "cuda" && cfg.train.offload_optimizer)
+        refuse("train.offload_optimizer = true",
+               "the offloaded optimizer keeps fp32 moments on the host (bf16 moments are built "
+               "for the optimizer on the GPU)");
     if (cfg.train.tp > 1)
         refuse(fmt::format("train.tp = {}", cfg.train.tp),
                "a tensor-parallel shard holds slices of each matrix, and the moments' rule (which "

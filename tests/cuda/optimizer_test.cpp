@@ -1,7 +1,8 @@
 // The GPU optimizer: tensor_chunks (plain C++, runs everywhere), finish_grad_norm and the
 // multi-tensor AdamW / SGD kernels against the CPU optimizer (make_optimizer + clip_grad_norm) on a
 // tiny model's parameter layout, for fp32 parameters and bf16 / fp16 parameters with fp32 master
-// weights.
+// weights, with fp32 moments and with bf16 ones (optim.state_format = "bf16", the small tensors
+// keeping fp32).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -36,6 +37,19 @@ ParamLayout tiny_layout() {
     c.n_layer = 1;
     c.n_head = 2;
     c.n_embd = 16;
+    c.block_size = 8;
+    c.vocab_size = 40;
+    c.vocab_pad = 16;
+    return make_param_layout(c);
+}
+
+// Twice as wide, so its block matrices (32 x 128 = 4096 elements) store bf16 moments under
+// optim.state_format = "bf16" while the rest keep fp32.
+ParamLayout wide_layout() {
+    ModelConfig c;
+    c.n_layer = 1;
+    c.n_head = 2;
+    c.n_embd = 32;
     c.block_size = 8;
     c.vocab_size = 40;
     c.vocab_pad = 16;
@@ -148,32 +162,64 @@ struct OptCase {
     float loss_scale;
     std::size_t offset, count;  // count 0: to the end
     int max_n;
+    const char* format = "fp32";  // optim.state_format ("bf16": on wide_layout())
 };
+
+// A moment's floats over the range from its device stores (cuda::MomentStores' layout).
+std::vector<float> decode_moment(const std::vector<float>& f32, const std::vector<float>& b16,
+                                 const std::vector<cuda::TensorChunk>& chunks,
+                                 const std::vector<cuda::StateChunk>& at, std::size_t n) {
+    if (at.empty()) return f32;
+    std::vector<float> out(n, 0.0f);
+    for (std::size_t k = 0; k < chunks.size(); k++)
+        for (int32_t i = 0; i < chunks[k].n; i++)
+            out[chunks[k].begin + i] = at[k].fp32 ? f32[at[k].at + i] : b16[at[k].at + i];
+    return out;
+}
 
 // Runs the CPU optimizer and the GPU one side by side for c.steps steps, the GPU on gradients
 // stored in T (times the loss scale), the CPU on their true values.
 template <typename T>
 void optimizer_case(const OptCase& c, bool cpu_fuses) {
     constexpr bool kFp32 = std::is_same_v<T, float>;
-    SCOPED_TRACE(testing::Message()
-                 << type_name<T>() << " " << c.name << " clip " << c.grad_clip << " nesterov "
-                 << c.nesterov << " loss_scale " << c.loss_scale << " offset " << c.offset);
-    const ParamLayout layout = tiny_layout();
+    SCOPED_TRACE(testing::Message() << type_name<T>() << " " << c.name << " clip " << c.grad_clip
+                                    << " nesterov " << c.nesterov << " loss_scale " << c.loss_scale
+                                    << " offset " << c.offset << " state " << c.format);
+    const bool bf16_state = std::string(c.format) == "bf16";
+    const ParamLayout layout = bf16_state ? wide_layout() : tiny_layout();
     const std::size_t n = c.count ? c.count : layout.total - c.offset;
     OptimConfig cfg;
     cfg.name = c.name;
     cfg.grad_clip = c.grad_clip;
     cfg.nesterov = c.nesterov;
     cfg.weight_decay = 0.1;
+    cfg.state_format = c.format;
     auto opt = make_optimizer(cfg, layout, c.offset, n);
     const auto chunks = cuda::tensor_chunks(layout, c.offset, n, c.max_n);
+    std::size_t n32 = 0, n16 = 0;
+    const auto at =
+        cuda::state_chunks(layout, c.offset, n, chunks, parse_state_format(c.format), &n32, &n16);
+    if (bf16_state) {
+        EXPECT_GT(n16, 0u);  // what makes the case bite: some moments are bf16
+    }
 
     auto cpu_params = randn(n, 401, 0.5f);
     if (!kFp32) cpu_params = rounded<T>(cpu_params);  // T params start as T(master)
     auto d_params = upload_as<T>(cpu_params);
     DeviceBuffer<float> d_master;
     if (!kFp32) d_master = upload(cpu_params);
-    DeviceBuffer<float> d_m(n, MemCategory::OptimizerState), d_v(n, MemCategory::OptimizerState);
+    DeviceBuffer<float> d_m(n32, MemCategory::OptimizerState),
+        d_v(n32, MemCategory::OptimizerState);
+    DeviceBuffer<__nv_bfloat16> d_m16(n16, MemCategory::OptimizerState),
+        d_v16(n16, MemCategory::OptimizerState);
+    DeviceBuffer<cuda::StateChunk> d_at;
+    if (!at.empty()) d_at = upload(at);
+    cuda::MomentStores st;
+    st.m32 = n32 ? d_m.data() : nullptr;
+    st.v32 = n32 ? d_v.data() : nullptr;
+    st.m16 = n16 ? d_m16.data() : nullptr;
+    st.v16 = n16 ? d_v16.data() : nullptr;
+    st.at = at.empty() ? nullptr : d_at.data();
     auto d_chunks = upload(chunks);
     DeviceBuffer<cuda::StepScalars> d_s(1, MemCategory::Other);
     DeviceBuffer<double> d_sumsq(1, MemCategory::Other);
@@ -195,13 +241,19 @@ void optimizer_case(const OptCase& c, bool cpu_fuses) {
         cuda::StepScalars s = cuda::make_step_scalars(cfg, lr, step, c.loss_scale);
         copy_to_device(d_s.data(), &s, sizeof s);
         cuda::finish_grad_norm(d_s.data(), d_sumsq.data());
-        if (cfg.name == "sgd") {
+        if (cfg.name == "sgd" && !bf16_state) {
             cuda::sgd_step<T>(d_params.data(), kFp32 ? nullptr : d_master.data(), d_m.data(),
                               d_g.data(), d_chunks.data(), (int)chunks.size(), d_s.data());
-        } else {
+        } else if (cfg.name == "sgd") {
+            cuda::sgd_step<T>(d_params.data(), kFp32 ? nullptr : d_master.data(), st, d_g.data(),
+                              d_chunks.data(), (int)chunks.size(), d_s.data());
+        } else if (!bf16_state) {
             cuda::adamw_step<T>(d_params.data(), kFp32 ? nullptr : d_master.data(), d_m.data(),
                                 d_v.data(), d_g.data(), d_chunks.data(), (int)chunks.size(),
                                 d_s.data());
+        } else {
+            cuda::adamw_step<T>(d_params.data(), kFp32 ? nullptr : d_master.data(), st, d_g.data(),
+                                d_chunks.data(), (int)chunks.size(), d_s.data());
         }
         cuda::StepScalars back{};
         device_synchronize();
@@ -227,11 +279,15 @@ void optimizer_case(const OptCase& c, bool cpu_fuses) {
         expect_match("master", master, cpu_params, false);
         expect_bitwise("params = T(master)", download_float(d_params), rounded<T>(master));
     }
+    auto device_state = [&](DeviceBuffer<float>& f32, DeviceBuffer<__nv_bfloat16>& b16) {
+        return decode_moment(n32 ? download(f32) : std::vector<float>{},
+                             n16 ? download_float(b16) : std::vector<float>{}, chunks, at, n);
+    };
     if (cfg.name == "sgd") {
-        expect_match("momentum_buffer", download(d_m), cpu_state(0), kFp32 && cpu_fuses);
+        expect_match("momentum_buffer", device_state(d_m, d_m16), cpu_state(0), kFp32 && cpu_fuses);
     } else {
-        expect_match("exp_avg", download(d_m), cpu_state(0), kFp32 && cpu_fuses);
-        expect_match("exp_avg_sq", download(d_v), cpu_state(1), kFp32 && cpu_fuses);
+        expect_match("exp_avg", device_state(d_m, d_m16), cpu_state(0), kFp32 && cpu_fuses);
+        expect_match("exp_avg_sq", device_state(d_v, d_v16), cpu_state(1), kFp32 && cpu_fuses);
     }
 }
 
@@ -253,6 +309,12 @@ TEST(CudaOptimizer, AdamWMatchesCpu) {
     // fp16 gradients stored at 1024 x their value.
     optimizer_case<__half>({"adamw", 5, 1.0, false, 1024.0f, 0, 0, 300}, fuses);
     optimizer_case<__half>({"adamw", 5, 0.0, false, 1024.0f, 0, 0, 300}, fuses);
+    // bf16 moments (optim.state_format): the same fp32 arithmetic, each moment rounded to
+    // nearest even where its tensor does not keep fp32, as the CPU's MomentBuffer does.
+    const std::size_t wide = wide_layout().total;
+    optimizer_case<float>({"adamw", 5, 1.0, false, 1.0f, 0, 0, 300, "bf16"}, fuses);
+    optimizer_case<float>({"adamw", 5, 0.0, false, 1.0f, 100, wide - 250, 257, "bf16"}, fuses);
+    optimizer_case<__nv_bfloat16>({"adamw", 5, 1.0, false, 1.0f, 0, 0, 300, "bf16"}, fuses);
 }
 
 TEST(CudaOptimizer, SgdMatchesCpu) {
@@ -264,6 +326,7 @@ TEST(CudaOptimizer, SgdMatchesCpu) {
     optimizer_case<float>({"sgd", 3, 1.0, true, 1.0f, 100, layout.total - 250, 257}, fuses);
     optimizer_case<__nv_bfloat16>({"sgd", 3, 1.0, true, 1.0f, 0, 0, 300}, fuses);
     optimizer_case<__half>({"sgd", 3, 1.0, false, 1024.0f, 0, 0, 300}, fuses);
+    optimizer_case<float>({"sgd", 3, 1.0, true, 1.0f, 0, 0, 300, "bf16"}, fuses);
 }
 
 // A non-finite gradient norm sets skip, and then the step changes nothing at all.

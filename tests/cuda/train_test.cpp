@@ -538,6 +538,67 @@ TEST(CudaTrain, DeviceMemoryIsWhatTheModelPredicts) {
     }
 }
 
+// optim.state_format = "bf16" on the GPU: the moments of the tensors of 4096 elements or more
+// are stored in bf16 (the CPU format's rule and rounding), the optimizer row is what the plan
+// predicts and about half of fp32's, the run tracks the CPU engine with the same format, and a
+// resume through a checkpoint (the moments written out decoded, read back and rounded again) is
+// exact.
+TEST(CudaTrain, Bf16MomentsTrackTheCpuFormatInTheirPredictedBytes) {
+    REQUIRE_GPU();
+    auto wide = [](RunConfig c) {
+        c.model.n_embd = 64;  // block matrices of 64 x 256: bf16 moments
+        c.model.n_head = 4;
+        c.optim.state_format = "bf16";
+        return c;
+    };
+    std::size_t fp32_state = 0;
+    for (const char* p : {"fp32", "bf16"}) {
+        SCOPED_TRACE(p);
+        for (const char* format : {"fp32", "bf16"}) {
+            RunConfig c =
+                wide(cuda_run(test::temp_dir(std::string("cuda_sf_") + p + format), 6, p));
+            c.optim.state_format = format;
+            const MemoryStats before = device_memory().snapshot();
+            Trainer t(c, quiet());
+            const TrainSummary s = t.run();
+            const MemoryStats after = device_memory().snapshot();
+            const std::size_t grew =
+                after[MemCategory::OptimizerState] - before[MemCategory::OptimizerState];
+            for (const auto& row : t.engine().predicted_memory(c.micro_batch(), c.train.seq_len)) {
+                if (row.category == MemCategory::OptimizerState) {
+                    EXPECT_EQ(grew, row.bytes) << format << ": " << row.formula;
+                }
+            }
+            if (std::string(format) == "fp32") {
+                fp32_state = grew;
+                continue;
+            }
+            const std::size_t psi = t.engine().weights().layout.total;
+            const std::size_t master = std::string(p) == "fp32" ? 0 : 4 * psi;
+            // bf16 moments: under 5 bytes a parameter for the two (fp32's 8), plus the master.
+            EXPECT_LT(grew, master + 5 * psi) << fp32_state;
+            // The same format on the CPU engine: the curves agree as fp32's do.
+            if (std::string(p) == "fp32") {
+                RunConfig cpu = c;
+                cpu.train.device = "cpu";
+                cpu.io.out_dir += "_cpu";
+                const TrainSummary r = Trainer(cpu, quiet()).run();
+                ASSERT_EQ(r.losses.size(), s.losses.size());
+                for (std::size_t i = 0; i < s.losses.size(); i++)
+                    EXPECT_NEAR(s.losses[i], r.losses[i], 2e-4 * std::fabs(r.losses[i]) + 1e-5)
+                        << "step " << i;
+            }
+            TrainSummary resumed;
+            RunConfig split = c;
+            split.io.out_dir += "_split";
+            auto second = test::train_stop_and_resume(split, 3, resumed);
+            ASSERT_EQ(resumed.losses.size(), 3u);
+            for (int i = 0; i < 3; i++) EXPECT_EQ(resumed.losses[i], s.losses[3 + i]) << i;
+            EXPECT_EQ(second->params(), t.params());
+        }
+    }
+}
+
 // A model whose parameters alone exceed the device is refused by the plan before the engine
 // allocates anything, naming the categories and what would fit (the command line's version:
 // tests/cuda/cli_sim_test.cpp, with the simulated device made small).

@@ -143,6 +143,17 @@ TEST(StateFormatTrain, LayoutsNotBuiltYetAreRefusedByName) {
     sgd.optim.name = "sgd";
     sgd.optim.state_format = "int4";
     refused(sgd, "optim.name");
+    // On the GPU bf16 moments are built, the block-quantized ones and the offloaded optimizer's
+    // are not (validate_config names a missing GPU first: the layout check alone).
+    RunConfig gpu = c;
+    gpu.train.device = "cuda";
+    test::expect_refused_naming(validate_optimizer_layout, gpu, "optim.state_format",
+                                "train.device");
+    gpu.optim.state_format = "bf16";
+    EXPECT_NO_THROW(validate_optimizer_layout(gpu));
+    gpu.train.offload_optimizer = true;
+    test::expect_refused_naming(validate_optimizer_layout, gpu, "optim.state_format",
+                                "train.offload_optimizer");
 }
 
 // LoRA's adapters under compressed moments: rank 16 over a 256-wide model makes each adapter

@@ -1,7 +1,8 @@
 // The optimizer of the CUDA engines on the device: fp32 master weights (when the storage type is
-// not float), AdamW's m and v or SGD's momentum, the multi-tensor chunk table and the step count,
-// over one range of a parameter layout (the whole model, a ZeRO-1 shard, a pipeline stage, or
-// LoRA's adapters). It updates the T parameters from the T gradients with the kernels of
+// not float), AdamW's m and v or SGD's momentum (in optim.state_format fp32, or bf16 with the
+// CPU's rule for the small tensors that keep fp32), the multi-tensor chunk table and the step
+// count, over one range of a parameter layout (the whole model, a ZeRO-1 shard, a pipeline stage,
+// or LoRA's adapters). It updates the T parameters from the T gradients with the kernels of
 // kernels/cuda/optimizer.h, and is the engine's OptimizerState: checkpoints read and write its
 // tensors and its step count through it.
 #pragma once
@@ -23,6 +24,7 @@
 #include "core/error.h"
 #include "engine/engine.h"
 #include "engine/run_plan.h"
+#include "kernels/cuda/optimizer.h"
 #include "model/param_layout.h"
 #include "optim/device_update.h"
 #include "optim/optim_config.h"
@@ -47,10 +49,6 @@ class DeviceOptimizer final : public OptimizerState {
     // One update of the range: params (T) from grads (T) scaled by the device scalars'
     // grad_scale; nothing when they say skip.
     void step(T* params, const T* grads, const cuda::StepScalars* scalars, cudaStream_t stream);
-    // Bytes per parameter of the range (master 4 when mixed, + 8 AdamW or 4 SGD) and of the
-    // chunk table.
-    std::size_t bytes_per_param() const;
-    std::size_t table_bytes() const { return chunks_.bytes(); }
     std::string describe() const;  // "fp32 master, Adam m, v"
 
     // OptimizerState: the range, the step count (of updates taken: a skipped fp16 step is not
@@ -66,15 +64,23 @@ class DeviceOptimizer final : public OptimizerState {
                      const float* src) override;
 
   private:
-    DeviceBuffer<float>& state(const std::string& name);
+    // A moment's two stores: fp32 (every element in fp32 format; the small tensors' in bf16) and
+    // bf16 (empty in fp32 format).
+    std::pair<DeviceBuffer<float>*, DeviceBuffer<__nv_bfloat16>*> stores(const std::string& name);
+    cuda::MomentStores moment_stores();
     bool adamw_ = true;
+    StateFormat format_ = StateFormat::Fp32;
     std::size_t offset_ = 0, n_ = 0;
     int64_t t_ = 0;
     cudaStream_t stream_ = nullptr;
     Wait wait_;
-    DeviceBuffer<float> master_;  // absent when T is float
-    DeviceBuffer<float> m_, v_;   // AdamW moments, or m_ = SGD momentum
+    DeviceBuffer<float> master_;             // absent when T is float
+    DeviceBuffer<float> m_, v_;              // AdamW moments, or m_ = SGD momentum (the fp32 store)
+    DeviceBuffer<__nv_bfloat16> m16_, v16_;  // their bf16 store (state_format bf16)
     DeviceBuffer<cuda::TensorChunk> chunks_;
+    DeviceBuffer<cuda::StateChunk> at_;  // where each chunk's moments are (bf16 only)
+    std::vector<cuda::TensorChunk> host_chunks_;
+    std::vector<cuda::StateChunk> host_at_;
 };
 
 // The footer line with the driver's count of device memory in use against the device's size.

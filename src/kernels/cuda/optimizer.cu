@@ -88,14 +88,48 @@ void finish_grad_norm(StepScalars* s, const double* sumsq, cudaStream_t stream) 
     MT_LAUNCH(finish_grad_norm_kernel, 1, 32, 0, stream, s, sumsq);
 }
 
+// ---- moments in fp32 or bf16 ---------------------------------------------------------------
+// One chunk's moment: read as float, written back in its store's format.
+struct MomentRef {
+    float* f32;
+    __nv_bfloat16* b16;
+    __device__ __forceinline__ float load(int i) const { return f32 ? f32[i] : to_float(b16[i]); }
+    __device__ __forceinline__ void store(int i, float x) const {
+        if (f32)
+            f32[i] = x;
+        else
+            b16[i] = from_float<__nv_bfloat16>(x);
+    }
+};
+
+// Chunk c's (block b's) m and v: indexed like the parameters when st.at is null.
+__device__ __forceinline__ void chunk_moments(const MomentStores& st, const TensorChunk& c, int b,
+                                              MomentRef* m, MomentRef* v) {
+    if (!st.at) {
+        *m = {st.m32 + c.begin, nullptr};
+        *v = {st.v32 ? st.v32 + c.begin : nullptr, nullptr};
+        return;
+    }
+    const StateChunk a = st.at[b];
+    if (a.fp32) {
+        *m = {st.m32 + a.at, nullptr};
+        *v = {st.v32 ? st.v32 + a.at : nullptr, nullptr};
+    } else {
+        *m = {nullptr, st.m16 + a.at};
+        *v = {nullptr, st.v16 ? st.v16 + a.at : nullptr};
+    }
+}
+
 // ---- AdamW -------------------------------------------------------------------------------------
 // One block per chunk; threads stride over the chunk's floats (coalesced). params[j] is read from
 // the master copy when there is one.
 template <typename T>
-static __global__ void adamw_kernel(T* params, float* master, float* m, float* v, const T* grads,
+static __global__ void adamw_kernel(T* params, float* master, MomentStores st, const T* grads,
                                     const TensorChunk* chunks, const StepScalars* s) {
     if (s->skip) return;
     const TensorChunk c = chunks[blockIdx.x];
+    MomentRef m, v;
+    chunk_moments(st, c, (int)blockIdx.x, &m, &v);
     const float b1 = s->beta1, b2 = s->beta2, eps = s->eps, step_size = s->step_size,
                 bc2_sqrt = s->bc2_sqrt, scale = s->grad_scale;
     const float decay = c.decay ? s->decay_factor : 1.0f;
@@ -103,10 +137,10 @@ static __global__ void adamw_kernel(T* params, float* master, float* m, float* v
     for (int i = threadIdx.x; i < c.n; i += blockDim.x) {
         const int64_t j = c.begin + i;
         const float g = mul_rn(to_float(grads[j]), scale);
-        const float mi = fma_rn(b1, m[j], mul_rn(one_b1, g));
-        const float vi = fma_rn(b2, v[j], mul_rn(mul_rn(one_b2, g), g));
-        m[j] = mi;
-        v[j] = vi;
+        const float mi = fma_rn(b1, m.load(i), mul_rn(one_b1, g));
+        const float vi = fma_rn(b2, v.load(i), mul_rn(mul_rn(one_b2, g), g));
+        m.store(i, mi);
+        v.store(i, vi);
         const float denom = add_rn(div_rn(sqrt_rn(vi), bc2_sqrt), eps);
         const float p = master ? master[j] : to_float(params[j]);
         const float pn = fma_rn(p, decay, -div_rn(mul_rn(step_size, mi), denom));
@@ -117,10 +151,12 @@ static __global__ void adamw_kernel(T* params, float* master, float* m, float* v
 
 // ---- SGD with momentum -------------------------------------------------------------------------
 template <typename T>
-static __global__ void sgd_kernel(T* params, float* master, float* buf, const T* grads,
+static __global__ void sgd_kernel(T* params, float* master, MomentStores st, const T* grads,
                                   const TensorChunk* chunks, const StepScalars* s) {
     if (s->skip) return;
     const TensorChunk c = chunks[blockIdx.x];
+    MomentRef buf, unused;
+    chunk_moments(st, c, (int)blockIdx.x, &buf, &unused);
     const float mu = s->momentum, lr = s->lr, scale = s->grad_scale;
     const float wd = c.decay ? s->weight_decay : 0.0f;
     const bool first = s->first_step != 0, nesterov = s->nesterov != 0;
@@ -128,8 +164,8 @@ static __global__ void sgd_kernel(T* params, float* master, float* buf, const T*
         const int64_t j = c.begin + i;
         const float p = master ? master[j] : to_float(params[j]);
         const float g = fma_rn(wd, p, mul_rn(to_float(grads[j]), scale));
-        const float b = first ? g : fma_rn(mu, buf[j], g);
-        buf[j] = b;
+        const float b = first ? g : fma_rn(mu, buf.load(i), g);
+        buf.store(i, b);
         const float d = nesterov ? fma_rn(b, mu, g) : b;
         const float pn = fma_rn(-lr, d, p);
         if (master) master[j] = pn;
@@ -153,29 +189,51 @@ static void check_step(const char* op, const T* params, const float* master, con
 }
 
 template <typename T>
-void adamw_step(T* params, float* master, float* m, float* v, const T* grads,
+void adamw_step(T* params, float* master, const MomentStores& st, const T* grads,
                 const TensorChunk* chunks, int nchunks, const StepScalars* s, cudaStream_t stream) {
     check_step("adamw_step", params, master, grads, chunks, nchunks, s);
     if (nchunks == 0) return;
-    if (!m || !v) fail("cuda::adamw_step: null moment buffers");
-    MT_LAUNCH(adamw_kernel<T>, (unsigned)nchunks, kThreads, 0, stream, params, master, m, v, grads,
+    if (!st.at ? (!st.m32 || !st.v32) : !((st.m32 && st.v32) || (st.m16 && st.v16)))
+        fail("cuda::adamw_step: null moment buffers");
+    MT_LAUNCH(adamw_kernel<T>, (unsigned)nchunks, kThreads, 0, stream, params, master, st, grads,
+              chunks, s);
+}
+
+template <typename T>
+void adamw_step(T* params, float* master, float* m, float* v, const T* grads,
+                const TensorChunk* chunks, int nchunks, const StepScalars* s, cudaStream_t stream) {
+    MomentStores st;
+    st.m32 = m;
+    st.v32 = v;
+    adamw_step<T>(params, master, st, grads, chunks, nchunks, s, stream);
+}
+
+template <typename T>
+void sgd_step(T* params, float* master, const MomentStores& st, const T* grads,
+              const TensorChunk* chunks, int nchunks, const StepScalars* s, cudaStream_t stream) {
+    check_step("sgd_step", params, master, grads, chunks, nchunks, s);
+    if (nchunks == 0) return;
+    if (!st.at ? !st.m32 : !(st.m32 || st.m16)) fail("cuda::sgd_step: null momentum buffer");
+    MT_LAUNCH(sgd_kernel<T>, (unsigned)nchunks, kThreads, 0, stream, params, master, st, grads,
               chunks, s);
 }
 
 template <typename T>
 void sgd_step(T* params, float* master, float* momentum, const T* grads, const TensorChunk* chunks,
               int nchunks, const StepScalars* s, cudaStream_t stream) {
-    check_step("sgd_step", params, master, grads, chunks, nchunks, s);
-    if (nchunks == 0) return;
-    if (!momentum) fail("cuda::sgd_step: null momentum buffer");
-    MT_LAUNCH(sgd_kernel<T>, (unsigned)nchunks, kThreads, 0, stream, params, master, momentum,
-              grads, chunks, s);
+    MomentStores st;
+    st.m32 = momentum;
+    sgd_step<T>(params, master, st, grads, chunks, nchunks, s, stream);
 }
 
-#define MT_INSTANTIATE(T)                                                                      \
-    template void adamw_step<T>(T*, float*, float*, float*, const T*, const TensorChunk*, int, \
-                                const StepScalars*, cudaStream_t);                             \
-    template void sgd_step<T>(T*, float*, float*, const T*, const TensorChunk*, int,           \
+#define MT_INSTANTIATE(T)                                                                         \
+    template void adamw_step<T>(T*, float*, float*, float*, const T*, const TensorChunk*, int,    \
+                                const StepScalars*, cudaStream_t);                                \
+    template void adamw_step<T>(T*, float*, const MomentStores&, const T*, const TensorChunk*,    \
+                                int, const StepScalars*, cudaStream_t);                           \
+    template void sgd_step<T>(T*, float*, float*, const T*, const TensorChunk*, int,              \
+                              const StepScalars*, cudaStream_t);                                  \
+    template void sgd_step<T>(T*, float*, const MomentStores&, const T*, const TensorChunk*, int, \
                               const StepScalars*, cudaStream_t);
 MT_INSTANTIATE(float)
 MT_INSTANTIATE(__nv_bfloat16)

@@ -22,6 +22,20 @@ namespace memtrain::cuda {
 void finish_grad_norm(StepScalars* s /*device*/, const double* sumsq /*device*/,
                       cudaStream_t stream = 0);
 
+// The moments a step updates (device pointers). With `at` null: fp32 moments indexed like the
+// parameters (m32, v32; the stores of optim.state_format = "fp32"). Otherwise each chunk's moments
+// are at[chunk]: in m32 / v32 (a chunk whose tensor keeps fp32) or in m16 / v16, stored in bf16
+// (rounded to nearest even after each update, which is computed in fp32 exactly as with fp32
+// moments: optim.state_format = "bf16", the CPU's MomentBuffer bits). v32 and v16 are unused by
+// SGD.
+struct MomentStores {
+    float* m32 = nullptr;
+    float* v32 = nullptr;
+    __nv_bfloat16* m16 = nullptr;
+    __nv_bfloat16* v16 = nullptr;
+    const StateChunk* at = nullptr;
+};
+
 // AdamW with torch.optim.AdamW's arithmetic, exactly AdamW::step in src/optim/optimizer.cpp (the
 // same float operations in the same order, including the multiply-adds GCC fuses there at -O2
 // and above), so that for T = float with loss_scale 1 the result equals the CPU optimizer's bits
@@ -33,6 +47,11 @@ template <typename T>
 void adamw_step(T* params /*(n)*/, float* master /*(n) or null*/, float* m /*(n)*/,
                 float* v /*(n)*/, const T* grads /*(n)*/, const TensorChunk* chunks /*device*/,
                 int nchunks, const StepScalars* s /*device*/, cudaStream_t stream = 0);
+// The same with moments in any MomentStores.
+template <typename T>
+void adamw_step(T* params, float* master, const MomentStores& moments, const T* grads,
+                const TensorChunk* chunks, int nchunks, const StepScalars* s,
+                cudaStream_t stream = 0);
 
 // SGD with momentum (and Nesterov when s->nesterov), exactly Sgd::step in src/optim/optimizer.cpp;
 // same conventions as adamw_step.
@@ -40,5 +59,10 @@ template <typename T>
 void sgd_step(T* params /*(n)*/, float* master /*(n) or null*/, float* momentum /*(n)*/,
               const T* grads /*(n)*/, const TensorChunk* chunks /*device*/, int nchunks,
               const StepScalars* s /*device*/, cudaStream_t stream = 0);
+// The same with the momentum in any MomentStores (m32, m16).
+template <typename T>
+void sgd_step(T* params, float* master, const MomentStores& momentum, const T* grads,
+              const TensorChunk* chunks, int nchunks, const StepScalars* s,
+              cudaStream_t stream = 0);
 
 }  // namespace memtrain::cuda

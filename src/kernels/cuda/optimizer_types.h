@@ -20,6 +20,15 @@ struct TensorChunk {
     int32_t decay;
 };
 
+// Where a chunk's moments live when optim.state_format = "bf16" (a device array beside the
+// chunks, one per chunk): the index of its first element in the fp32 store (`fp32` = 1: a tensor
+// that keeps fp32 moments, optim/state_format.h's rule) or in the bf16 store.
+struct StateChunk {
+    int64_t at;
+    int32_t fp32;
+    int32_t pad;
+};
+
 // What one optimizer step reads on the device, so that a captured step replays with new values:
 // the host sets the first group each step (pinned copy), finish_grad_norm the second.
 struct StepScalars {
