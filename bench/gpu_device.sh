@@ -13,7 +13,9 @@
 #                                     checkpointing on 1.5B (remat=budget vs PyTorch's
 #                                     checkpointing, ZeRO-Offload at 8 micro-batches a step)
 #   bash bench/gpu_device.sh second   when time is left: the longest sequence of a Llama-3-8B
-#                                     shape on the GPU (issue 27), the largest GPT under
+#                                     shape on the GPU (issue 27), fp32 against bf16 optimizer
+#                                     moments on a 124M shape (issue 30; needs data/fortunes,
+#                                     carried beside the bundle), the largest GPT under
 #                                     ZeRO-Offload, then 1.5B in full (with torch.compile)
 #   options: --bundle DIR (default .gpu-bundle), --out DIR (default $OUT, else bench-out),
 #            --budget SECONDS (default 530), --dry-run BUILD_DIR (the CI smoke test: a stand-in
@@ -24,7 +26,7 @@
 # (everything printed), summary.txt (one line per stage), progress.jsonl (each benchmark process
 # as it finishes), cuda-tests.xml and dist-tests.xml (GoogleTest reports), and one JSON per
 # benchmark (gpu-124m.json, gpu-1.5b.json, gpu-remat.json; second: gpu-longest.json,
-# gpu-offload.json, gpu-1.5b-full.json). The exit status is non-zero if a stage failed; later stages still run.
+# gpu-state-formats.md, gpu-offload.json, gpu-1.5b-full.json). The exit status is non-zero if a stage failed; later stages still run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -41,7 +43,7 @@ while [ $# -gt 0 ]; do
         --out) RESULTS=$2; shift ;;
         --budget) BUDGET=$2; shift ;;
         --dry-run) DRY_BUILD=$2; shift ;;
-        -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
         *) echo "gpu_device: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
     shift
@@ -216,6 +218,29 @@ longest() {
     fi
 }
 
+# bench/state_formats.sh on the fortunes corpus (carried: data/fortunes is not in the tree), its
+# table into gpu-state-formats.md. The dry run trains a tiny shape on the CPU, where the corpus
+# has been made (`make demo`); without it there it says so and passes.
+state_formats() {
+    local runs
+    runs=$(mktemp -d /tmp/memtrain-state-formats.XXXXXX)
+    if [ ! -f data/fortunes/train.bin ]; then
+        echo "no data/fortunes/train.bin: carry data/fortunes beside the bundle"
+        [ -n "$DRY_BUILD" ] && return 0 || return 1
+    fi
+    if [ -n "$DRY_BUILD" ]; then
+        OPTIONS="fp32 bf16" DEVICE=cpu OUT=$runs timeout -k 5 "$STAGE_SECONDS" \
+            bash bench/state_formats.sh "$BIN" 12 tiny
+    else
+        OPTIONS="fp32 bf16" DEVICE=cuda OUT=$runs timeout -k 5 "$STAGE_SECONDS" \
+            bash bench/state_formats.sh "$BIN" 300 124m
+    fi > "$RESULTS/gpu-state-formats.md"
+    local rc=$?
+    cat "$RESULTS/gpu-state-formats.md"
+    rm -rf "$runs"
+    return $rc
+}
+
 # ---- the stages ---------------------------------------------------------------------------------
 # `need` is what a stage must have to say anything; `want` the most it may take; `reserve` what
 # the stages after it need. Sized from the H200 run of 2026-11-27 (docs/benchmarks.md): the CUDA
@@ -232,6 +257,7 @@ if [ -n "$DRY_BUILD" ]; then
         stage "activation checkpointing on 1.5B" 20 100 0 compare gpu-remat.json --remat-compare
     else
         stage "the longest sequence of a Llama-3-8B shape" 20 60 120 longest
+        stage "fp32 against bf16 optimizer moments" 10 40 90 state_formats
         stage "ZeRO-Offload: the largest GPT" 20 60 30 offload
         stage "GPT-2 1.5B in full (eager and torch.compile)" 20 80 0 compare gpu-1.5b-full.json
     fi
@@ -245,6 +271,7 @@ elif [ "$WHICH" = first ]; then
         compare gpu-remat.json --remat-compare --quick --offload-accum 8
 else
     stage "the longest sequence of a Llama-3-8B shape" 120 300 160 longest
+    stage "fp32 against bf16 optimizer moments" 40 90 150 state_formats
     stage "ZeRO-Offload: the largest GPT" 150 200 0 offload
     stage "GPT-2 1.5B in full (eager and torch.compile)" 150 240 0 \
         compare gpu-1.5b-full.json --preset 1.5b

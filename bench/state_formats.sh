@@ -10,25 +10,31 @@
 # gradients + optimizer state, over the model's parameters), with the optimizer state measured
 # against predicted.
 # Usage: bench/state_formats.sh [BUILD] [STEPS] [MODEL]   (OPTIONS="fp32 int8" to run fewer;
-#        fp32 always runs first, as the reference; REUSE=1 keeps the runs already in out/)
+#        fp32 always runs first, as the reference; REUSE=1 keeps the runs already in out/;
+#        DEVICE=cuda trains on the GPU in its default bf16 mixed precision, where the state
+#        formats built are fp32 and bf16; OUT=DIR writes the runs there instead of out/)
 #   MODEL demo (default): configs/demo.toml, 6 x 384, batch 8 x 128
 #   MODEL 124m: GPT-2 124M's blocks (12 x 768) over the corpus' 4096-token vocabulary (88M
 #               parameters), batch 4 x 128, a learning rate of 6e-4
+#   MODEL tiny: 2 x 64, batch 2 x 32 (the GPU command's dry run)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${1:-build}
 STEPS=${2:-300}
 MODEL=${3:-demo}
 BIN=$BUILD/memtrain
+DEVICE=${DEVICE:-cpu}
 [ -f data/fortunes/train.bin ] || make BUILD="$BUILD" data/fortunes/train.bin >/dev/null
-OUT=out/state_formats_$MODEL
+OUT=${OUT:-out}/state_formats_$MODEL
 mkdir -p "$OUT"
 EVERY=$((STEPS / 6 > 0 ? STEPS / 6 : 1))
 case $MODEL in
     demo) SHAPE=() ;;
     124m) SHAPE=(model.n_layer=12 model.n_head=12 model.n_embd=768 train.batch_size=4
                  optim.lr=6e-4) ;;
-    *) echo "MODEL must be demo or 124m, got $MODEL" >&2; exit 2 ;;
+    tiny) SHAPE=(model.n_layer=2 model.n_head=2 model.n_embd=64 model.block_size=32
+                 train.seq_len=32 train.batch_size=2 train.eval_batches=2) ;;
+    *) echo "MODEL must be demo, 124m or tiny, got $MODEL" >&2; exit 2 ;;
 esac
 OPTIONS=${OPTIONS:-fp32 bf16 int8 int4 muon adafactor sib sib-int8 sib-int4 bf16w bf16w-sib-int8 bf16w-sib-int4}
 OPTIONS="fp32 $(echo $OPTIONS | tr ' ' '\n' | grep -v '^fp32$' | tr '\n' ' ')"
@@ -57,14 +63,16 @@ for f in $OPTIONS; do
         continue
     fi
     echo "training $MODEL with ${opt[*]} ($STEPS steps) ..." >&2
-    "$BIN" train configs/demo.toml --overwrite --set io.out_dir=$OUT/$f train.device=cpu \
+    "$BIN" train configs/demo.toml --overwrite --set io.out_dir=$OUT/$f train.device=$DEVICE \
         train.max_steps=$STEPS train.eval_every=$EVERY train.eval_batches=16 \
         io.checkpoint_every=0 io.save_final=false sample.max_tokens=0 "${SHAPE[@]}" \
         "${opt[@]}" >"$OUT/$f.log" 2>&1 || { tail -20 "$OUT/$f.log"; exit 1; }
 done
-python3 - "$OUT" "$MODEL" "$STEPS" $OPTIONS <<'PY'
+python3 - "$OUT" "$MODEL" "$STEPS" "$DEVICE" $OPTIONS <<'PY'
 import json, sys
-out, model, steps, options = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+out, model, steps, device, options = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:]
+# Bytes per stored parameter of the fp32 reference run: 4 on the CPU engine, 2 on the GPU (bf16).
+param_bytes = 2 if device == "cuda" else 4
 rows = {}
 for f in options:
     lines = [json.loads(l) for l in open("%s/%s/metrics.jsonl" % (out, f))]
@@ -72,7 +80,7 @@ for f in options:
     vals = [(l["step"], l["val_loss"]) for l in lines if "val_loss" in l]
     mem = {c["name"]: c for c in json.load(open("%s/%s/memory.json" % (out, f)))["categories"]}
     # The model's parameters: fp32's parameter bytes / 4 (fp32 runs first; bf16w stores 2 B).
-    params = rows["fp32"]["params"] if rows else mem["parameters"]["peak"] / 4
+    params = rows["fp32"]["params"] if rows else mem["parameters"]["peak"] / param_bytes
     state = sum(mem[k]["peak"] for k in ("parameters", "gradients", "optimizer_state"))
     tok = sorted(l["tokens_per_s"] for l in steps_[len(steps_) // 5:])
     rows[f] = dict(vals=vals, tok=tok[len(tok) // 2], bpp=state / params,
@@ -80,8 +88,9 @@ for f in options:
                    grad=mem["gradients"]["peak"], gpred=mem["gradients"]["predicted"],
                    params=params)
 ref = rows["fp32"]
-print("%s model (%.1fM parameters), %s steps on the fortunes corpus, 2 CPU cores" %
-      (model, ref["params"] / 1e6, steps))
+print("%s model (%.1fM parameters), %s steps on the fortunes corpus, %s" %
+      (model, ref["params"] / 1e6, steps,
+       "the GPU, bf16 mixed precision" if device == "cuda" else "the CPU engine"))
 print()
 print("| option | val loss by step | final val | vs fp32 | tokens/s (median) | vs fp32 "
       "| gradients MiB (predicted) | optimizer state MiB (predicted) | model state B/param "
