@@ -81,9 +81,10 @@ std::string states_remedy(const RunConfig& cfg, EngineKind kind, bool packed_bas
 }
 
 // DeviceOptimizer's row over floats [begin, begin + n) of `layout` ("k x <what> (states) +
-// chunk table"): its state per parameter and its table of tensor chunks. With bf16 moments
-// (optim.state_format) the moments are priced as the CPU's MomentBuffer lays them out (the same
-// rule: small tensors keep fp32), plus the table of where each chunk's moments are.
+// chunk table"): its state per parameter and its table of tensor chunks. In another
+// optim.state_format the moments are priced as the CPU's MomentBuffer lays them out (the same
+// stores, cuda::moment_layout), plus the table of where each chunk's moments are and, for int8
+// and int4, the two 256-entry decode tables.
 MemoryPrediction optimizer_row(const ParamLayout& layout, std::size_t begin, std::size_t n,
                                const std::string& what, int elem_bytes, const OptimConfig& optim) {
     const bool adamw = optim.name == "adamw";
@@ -97,15 +98,18 @@ MemoryPrediction optimizer_row(const ParamLayout& layout, std::size_t begin, std
                             device_optimizer_states(elem_bytes, adamw), table),
                 k * n + table};
     const std::size_t master = elem_bytes == 4 ? 0 : 4 * n;
+    const cuda::MomentLayout lay = cuda::moment_layout(layout, begin, n, f);
     const std::size_t moments =
         (adamw ? 2 : 1) * MomentBuffer::predicted_bytes(f, layout, begin, n);
-    const std::size_t at = chunks.size() * sizeof(cuda::StateChunk);
-    return {MemCategory::OptimizerState,
-            fmt::format("{}{} {} in {} ({} B) + chunk tables {} B",
-                        elem_bytes == 4 ? "" : fmt::format("fp32 master 4 x {} + ", what),
-                        adamw ? "Adam m, v" : "momentum", what, state_format_name(f), moments,
-                        table + at),
-            master + moments + table + at};
+    const std::size_t tables = lay.chunks.size() * sizeof(cuda::TensorChunk) +
+                               lay.at.size() * sizeof(cuda::StateChunk) +
+                               (lay.plan.code_bytes ? 512 * sizeof(float) : 0);
+    return {
+        MemCategory::OptimizerState,
+        fmt::format("{}{} {} in {} ({} B) + chunk and decode tables {} B",
+                    elem_bytes == 4 ? "" : fmt::format("fp32 master 4 x {} + ", what),
+                    adamw ? "Adam m, v" : "momentum", what, state_format_name(f), moments, tables),
+        master + moments + tables};
 }
 
 }  // namespace

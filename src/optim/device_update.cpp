@@ -30,31 +30,43 @@ std::vector<TensorChunk> tensor_chunks(const ParamLayout& layout, std::size_t of
     return chunks;
 }
 
-std::vector<StateChunk> state_chunks(const ParamLayout& layout, std::size_t offset,
-                                     std::size_t count, const std::vector<TensorChunk>& chunks,
-                                     StateFormat format, std::size_t* n32, std::size_t* n16) {
-    *n32 = count;
-    *n16 = 0;
-    if (format == StateFormat::Fp32) return {};
-    if (format != StateFormat::Bf16)
-        fail("optim.state_format = \"{}\" is not built on the GPU (fp32 and bf16 are)",
-             state_format_name(format));
-    *n32 = 0;
-    std::vector<StateChunk> out;
-    std::size_t t = 0;
-    for (const TensorChunk& c : chunks) {
-        const std::size_t at = offset + (std::size_t)c.begin;
-        while (t < layout.tensors.size() &&
-               layout.tensors[t].offset + layout.tensors[t].numel <= at)
-            t++;
-        if (t == layout.tensors.size() || layout.tensors[t].offset > at)
-            fail("internal: a chunk at {} lies in no tensor", at);
-        const bool fp32 = keeps_fp32(format, layout.tensors[t]);
-        std::size_t& n = fp32 ? *n32 : *n16;
-        out.push_back({(int64_t)n, fp32 ? 1 : 0, 0});
-        n += (std::size_t)c.n;
+MomentLayout moment_layout(const ParamLayout& layout, std::size_t offset, std::size_t count,
+                           StateFormat format, int max_n) {
+    MomentLayout out;
+    out.plan = MomentBuffer::plan(format, layout, offset, count);
+    if (format == StateFormat::Fp32) {
+        out.chunks = tensor_chunks(layout, offset, count, max_n);
+        return out;
+    }
+    if (max_n < 1) fail("cuda::moment_layout: max_n is {}, expected >= 1", max_n);
+    for (const MomentBuffer::Segment& s : out.plan.segs) {
+        const int32_t decay = layout.tensors[s.tensor].decay ? 1 : 0;
+        const bool blocks = !s.direct && format != StateFormat::Bf16;
+        if (!blocks) {
+            // In pieces of at most max_n: the fp32 store, or the bf16 one.
+            for (std::size_t at = 0; at < s.n; at += (std::size_t)max_n) {
+                const std::size_t n = std::min(s.n - at, (std::size_t)max_n);
+                out.chunks.push_back({(int64_t)(s.begin + at), (int32_t)n, decay});
+                out.at.push_back({(int64_t)(s.at + at), s.direct ? 1 : 0, 0});
+            }
+            continue;
+        }
+        for (std::size_t k = 0; k < s.blocks; k++) {
+            const auto [start, len] = MomentBuffer::span(format, s, k);
+            out.chunks.push_back({(int64_t)(s.begin + start), (int32_t)len, decay});
+            out.at.push_back(
+                {(int64_t)MomentBuffer::code_offset(format, s, k), 0, (int32_t)(s.block0 + k)});
+        }
     }
     return out;
+}
+
+QuantMap quant_map(StateFormat format, bool is_signed) {
+    if (format != StateFormat::Int8 && format != StateFormat::Int4)
+        fail("internal: a code map of {}", state_format_name(format));
+    const int bits = format == StateFormat::Int8 ? 8 : 4;
+    const CodeMapConstants c = code_map_constants(bits, is_signed);
+    return {bits, is_signed ? 1 : 0, c.m, c.bias, c.to_map, c.min_normal, c.sub_scale};
 }
 
 StepScalars make_step_scalars(const OptimConfig& cfg, double lr, int64_t step, float loss_scale) {

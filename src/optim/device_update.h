@@ -21,14 +21,23 @@ namespace memtrain::cuda {
 std::vector<TensorChunk> tensor_chunks(const ParamLayout& layout, std::size_t offset,
                                        std::size_t count, int max_n = 1 << 16);
 
-// Where each of `chunks` (tensor_chunks of [offset, offset + count)) keeps its moments under
-// `format`: for bf16, a chunk of a tensor that keeps fp32 (keeps_fp32, the CPU's rule on the
-// global tensor) in the fp32 store, the others in the bf16 store, each store filled in chunk
-// order; *n32 and *n16 receive the stores' lengths. For fp32: no table (the moments are indexed
-// like the parameters), *n32 = count, *n16 = 0. int8 and int4 are not built on the GPU (fails).
-std::vector<StateChunk> state_chunks(const ParamLayout& layout, std::size_t offset,
-                                     std::size_t count, const std::vector<TensorChunk>& chunks,
-                                     StateFormat format, std::size_t* n32, std::size_t* n16);
+// The GPU optimizer's pieces of [offset, offset + count) under optim.state_format `format`, and
+// where each piece's moments are: the stores are the CPU's MomentBuffer stores byte for byte
+// (MomentBuffer::plan: an fp32 store for the tensors that keep fp32, a bf16 store, int8/int4
+// codes and their fp32 scales). fp32: tensor_chunks and no table (moments indexed like the
+// parameters). bf16: tensor_chunks, each with its place in the fp32 or bf16 store. int8, int4:
+// the fp32-kept tensors in pieces of at most max_n, and every quantization block a piece of its
+// own (at most 256 elements), with its first code byte and its scale.
+struct MomentLayout {
+    std::vector<TensorChunk> chunks;
+    std::vector<StateChunk> at;  // empty for fp32
+    MomentBuffer::Plan plan;     // the stores' sizes (one moment's)
+};
+MomentLayout moment_layout(const ParamLayout& layout, std::size_t offset, std::size_t count,
+                           StateFormat format, int max_n = 1 << 16);
+// The code map of a signed (Adam m, SGD momentum) or unsigned (Adam v) moment in `format`
+// (int8, int4), as the kernels take it.
+QuantMap quant_map(StateFormat format, bool is_signed);
 
 // The host group of StepScalars for step `step` (1-based, counting this update) of the optimizer
 // cfg.name names, with the constants computed exactly as optim/optimizer.cpp computes them (double

@@ -152,6 +152,11 @@ float decode_code(int bits, bool is_signed, uint8_t c) {
     return decode_table(bits, is_signed)[c];
 }
 
+CodeMapConstants code_map_constants(int bits, bool is_signed) {
+    const Encoder& e = encoder(bits, is_signed);
+    return {e.f.m, e.bias, e.to_map, e.min_normal, e.sub_scale};
+}
+
 uint8_t encode_code(int bits, bool is_signed, float x) {
     return encode_scaled(encoder(bits, is_signed), bits, is_signed, x, 1.0f);
 }
@@ -178,10 +183,7 @@ namespace {
 // Loop chunk of bf16 segments (they have no scales; blocks only split the work).
 constexpr std::size_t kBf16Chunk = 256;
 
-struct SegmentPlan {
-    std::vector<MomentBuffer::Segment> segs;
-    std::size_t fp32 = 0, bf16 = 0, code_bytes = 0, scales = 0;
-};
+using SegmentPlan = MomentBuffer::Plan;
 
 std::size_t grid(StateFormat f) {
     return f == StateFormat::Bf16 ? kBf16Chunk : block_size(f);
@@ -258,6 +260,25 @@ MomentBuffer::MomentBuffer(StateFormat f, bool is_signed, const ParamLayout& lay
     // Zero codes decode to zero in every map with a zero scale, as a fresh fp32 state is zero.
 }
 
+MomentBuffer::Plan MomentBuffer::plan(StateFormat f, const ParamLayout& layout, std::size_t offset,
+                                      std::size_t count, const std::vector<char>& only) {
+    return plan_segments(f, layout, offset, count, only);
+}
+
+std::pair<std::size_t, std::size_t> MomentBuffer::span(StateFormat f, const Segment& s,
+                                                       std::size_t k) {
+    if (k == 0) return {0, s.first_len};
+    const std::size_t B = grid(f);
+    const std::size_t start = s.first_len + (k - 1) * B;
+    return {start, std::min(B, s.n - start)};
+}
+
+std::size_t MomentBuffer::code_offset(StateFormat f, const Segment& s, std::size_t k) {
+    if (f == StateFormat::Int8) return s.at + span(f, s, k).first;
+    const std::size_t full = block_size(StateFormat::Int4) / 2;  // bytes of a whole block
+    return s.at + (k == 0 ? 0 : (s.first_len + 1) / 2 + (k - 1) * full);
+}
+
 std::size_t MomentBuffer::predicted_bytes(StateFormat f, const ParamLayout& layout,
                                           std::size_t offset, std::size_t count,
                                           const std::vector<char>& only) {
@@ -295,10 +316,7 @@ const float* MomentBuffer::whole_fp32() const {
 
 std::pair<std::size_t, std::size_t> MomentBuffer::block_span(const Segment& s,
                                                              std::size_t k) const {
-    if (k == 0) return {0, s.first_len};
-    const std::size_t B = grid(format_);
-    const std::size_t start = s.first_len + (k - 1) * B;
-    return {start, std::min(B, s.n - start)};
+    return span(format_, s, k);
 }
 
 void MomentBuffer::load(const Segment& s, std::size_t k, float* out) const {
@@ -355,8 +373,7 @@ void MomentBuffer::store(const Segment& s, std::size_t k, const float* in) {
 }
 
 const uint8_t* MomentBuffer::int4_codes(const Segment& s, std::size_t k) const {
-    const std::size_t full = block_size(StateFormat::Int4) / 2;  // bytes of a whole block
-    return codes_.data() + s.at + (k == 0 ? 0 : (s.first_len + 1) / 2 + (k - 1) * full);
+    return codes_.data() + code_offset(StateFormat::Int4, s, k);
 }
 
 void MomentBuffer::load_segment(const Segment& s, float* out) const {

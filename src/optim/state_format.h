@@ -63,6 +63,14 @@ double moment_bytes_per_param(StateFormat f);
 float decode_code(int bits, bool is_signed, uint8_t c);
 // The nearest code to x, with |x| <= 1 (unsigned maps: x >= 0) as the block scaling gives.
 uint8_t encode_code(int bits, bool is_signed, float x);
+// The constants encode_code rounds with for a map (for kernels that must give its codes): the
+// mantissa bits m, the exponent bias, and x in [0, 1] is mapped by x * to_map, normal from
+// min_normal, subnormal codes being nearbyint(y * sub_scale).
+struct CodeMapConstants {
+    int m, bias;
+    float to_map, min_normal, sub_scale;
+};
+CodeMapConstants code_map_constants(int bits, bool is_signed);
 // f32_to_bf16 (round to nearest even) and bf16_to_f32 are core/dtype.h's.
 // optim.master = "none": bf16 by stochastic rounding. x rounds up (away from zero) to the next
 // bf16 with probability equal to its distance from the lower neighbour over their gap, so the
@@ -126,6 +134,19 @@ class MomentBuffer {
     // allocates them (the memory plan prices optimizer state with it).
     static std::size_t predicted_bytes(StateFormat f, const ParamLayout& layout, std::size_t offset,
                                        std::size_t count, const std::vector<char>& only = {});
+    // The segments and store sizes the constructor lays out (nothing allocated): the GPU's
+    // optimizer keeps its moments in the same stores, byte for byte.
+    struct Plan {
+        std::vector<Segment> segs;
+        std::size_t fp32 = 0, bf16 = 0, code_bytes = 0, scales = 0;
+    };
+    static Plan plan(StateFormat f, const ParamLayout& layout, std::size_t offset,
+                     std::size_t count, const std::vector<char>& only = {});
+    // Block k of a segment of format f (block_span without a buffer), and where its codes start
+    // in the code store (int8: one byte a value; int4: two values a byte, each block on its own
+    // bytes).
+    static std::pair<std::size_t, std::size_t> span(StateFormat f, const Segment& s, std::size_t k);
+    static std::size_t code_offset(StateFormat f, const Segment& s, std::size_t k);
 
   private:
     // The first byte of block k's int4 codes (each block starts on a byte of its own).

@@ -1,8 +1,8 @@
 // The GPU optimizer: tensor_chunks (plain C++, runs everywhere), finish_grad_norm and the
 // multi-tensor AdamW / SGD kernels against the CPU optimizer (make_optimizer + clip_grad_norm) on a
 // tiny model's parameter layout, for fp32 parameters and bf16 / fp16 parameters with fp32 master
-// weights, with fp32 moments and with bf16 ones (optim.state_format = "bf16", the small tensors
-// keeping fp32).
+// weights, with the moments in every optim.state_format (fp32, bf16, int8, int4: the CPU's
+// MomentBuffer stores, the small tensors keeping fp32).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -22,6 +22,7 @@
 #include "optim/device_update.h"
 #include "optim/optim_config.h"
 #include "optim/optimizer.h"
+#include "optim/state_format.h"
 
 #if MEMTRAIN_HAVE_CUDA
 #include "kernels/cuda/ops.h"
@@ -162,20 +163,52 @@ struct OptCase {
     float loss_scale;
     std::size_t offset, count;  // count 0: to the end
     int max_n;
-    const char* format = "fp32";  // optim.state_format ("bf16": on wide_layout())
+    const char* format = "fp32";  // optim.state_format (other than fp32: on wide_layout())
 };
 
-// A moment's floats over the range from its device stores (cuda::MomentStores' layout).
-std::vector<float> decode_moment(const std::vector<float>& f32, const std::vector<float>& b16,
-                                 const std::vector<cuda::TensorChunk>& chunks,
-                                 const std::vector<cuda::StateChunk>& at, std::size_t n) {
-    if (at.empty()) return f32;
-    std::vector<float> out(n, 0.0f);
-    for (std::size_t k = 0; k < chunks.size(); k++)
-        for (int32_t i = 0; i < chunks[k].n; i++)
-            out[chunks[k].begin + i] = at[k].fp32 ? f32[at[k].at + i] : b16[at[k].at + i];
-    return out;
-}
+// One moment's device stores, laid out as the CPU's MomentBuffer (cuda::moment_layout).
+struct DeviceMoment {
+    DeviceBuffer<float> f32, scales;
+    DeviceBuffer<__nv_bfloat16> b16;
+    DeviceBuffer<uint8_t> codes;
+    explicit DeviceMoment(const MomentBuffer::Plan& p)
+        : f32(p.fp32, MemCategory::OptimizerState),
+          scales(p.scales, MemCategory::OptimizerState),
+          b16(p.bf16, MemCategory::OptimizerState),
+          codes(p.code_bytes, MemCategory::OptimizerState) {
+        // Zero codes and scales: a zero moment, as fp32's zeroed floats.
+        zero(codes);
+        zero(scales);
+        zero(f32);
+        zero(b16);
+    }
+    template <typename B>
+    static void zero(B& b) {
+        if (!b.size()) return;
+        const std::vector<uint8_t> z(b.bytes(), 0);
+        copy_to_device(b.data(), z.data(), b.bytes());
+    }
+    // Decoded by the CPU's codec: the stores' bytes into a MomentBuffer of the same layout.
+    std::vector<float> decode(StateFormat f, bool is_signed, const ParamLayout& layout,
+                              std::size_t offset, std::size_t n) {
+        MomentBuffer m(f, is_signed, layout, offset, n, {}, MemCategory::Other);
+        std::vector<uint8_t> bytes(m.bytes());
+        uint8_t* at = bytes.data();
+        device_synchronize();
+        for (auto [src, size] : {std::pair{(const void*)f32.data(), f32.bytes()},
+                                 std::pair{(const void*)b16.data(), b16.bytes()},
+                                 std::pair{(const void*)codes.data(), codes.bytes()},
+                                 std::pair{(const void*)scales.data(), scales.bytes()}}) {
+            if (size) copy_to_host(at, src, size);
+            at += size;
+        }
+        EXPECT_EQ(at, bytes.data() + bytes.size());
+        m.load_stored(bytes.data());
+        std::vector<float> out(n);
+        m.read(out.data());
+        return out;
+    }
+};
 
 // Runs the CPU optimizer and the GPU one side by side for c.steps steps, the GPU on gradients
 // stored in T (times the loss scale), the CPU on their true values.
@@ -185,8 +218,9 @@ void optimizer_case(const OptCase& c, bool cpu_fuses) {
     SCOPED_TRACE(testing::Message() << type_name<T>() << " " << c.name << " clip " << c.grad_clip
                                     << " nesterov " << c.nesterov << " loss_scale " << c.loss_scale
                                     << " offset " << c.offset << " state " << c.format);
-    const bool bf16_state = std::string(c.format) == "bf16";
-    const ParamLayout layout = bf16_state ? wide_layout() : tiny_layout();
+    const StateFormat format = parse_state_format(c.format);
+    const bool fp32_state = format == StateFormat::Fp32;
+    const ParamLayout layout = fp32_state ? tiny_layout() : wide_layout();
     const std::size_t n = c.count ? c.count : layout.total - c.offset;
     OptimConfig cfg;
     cfg.name = c.name;
@@ -195,12 +229,12 @@ void optimizer_case(const OptCase& c, bool cpu_fuses) {
     cfg.weight_decay = 0.1;
     cfg.state_format = c.format;
     auto opt = make_optimizer(cfg, layout, c.offset, n);
-    const auto chunks = cuda::tensor_chunks(layout, c.offset, n, c.max_n);
-    std::size_t n32 = 0, n16 = 0;
-    const auto at =
-        cuda::state_chunks(layout, c.offset, n, chunks, parse_state_format(c.format), &n32, &n16);
-    if (bf16_state) {
-        EXPECT_GT(n16, 0u);  // what makes the case bite: some moments are bf16
+    const cuda::MomentLayout ml = cuda::moment_layout(layout, c.offset, n, format, c.max_n);
+    const auto& chunks = ml.chunks;
+    if (!fp32_state) {
+        // What makes the case bite: some moments are stored in the format, some keep fp32.
+        EXPECT_GT(ml.plan.bf16 + ml.plan.code_bytes, 0u);
+        EXPECT_GT(ml.plan.fp32, 0u);
     }
 
     auto cpu_params = randn(n, 401, 0.5f);
@@ -208,18 +242,34 @@ void optimizer_case(const OptCase& c, bool cpu_fuses) {
     auto d_params = upload_as<T>(cpu_params);
     DeviceBuffer<float> d_master;
     if (!kFp32) d_master = upload(cpu_params);
-    DeviceBuffer<float> d_m(n32, MemCategory::OptimizerState),
-        d_v(n32, MemCategory::OptimizerState);
-    DeviceBuffer<__nv_bfloat16> d_m16(n16, MemCategory::OptimizerState),
-        d_v16(n16, MemCategory::OptimizerState);
+    DeviceMoment dm(ml.plan), dv(ml.plan);
+    DeviceBuffer<float> d_m = std::move(dm.f32), d_v = std::move(dv.f32);  // the fp32 kernels'
     DeviceBuffer<cuda::StateChunk> d_at;
-    if (!at.empty()) d_at = upload(at);
+    if (!ml.at.empty()) d_at = upload(ml.at);
+    std::vector<float> tables(512);
+    const int bits = format == StateFormat::Int8 ? 8 : 4;
+    for (int k = 0; k < 256 && ml.plan.code_bytes; k++) {
+        tables[(std::size_t)k] = decode_code(bits, true, (uint8_t)k);
+        tables[256 + (std::size_t)k] = decode_code(bits, false, (uint8_t)k);
+    }
+    auto d_tables = upload(tables);
     cuda::MomentStores st;
-    st.m32 = n32 ? d_m.data() : nullptr;
-    st.v32 = n32 ? d_v.data() : nullptr;
-    st.m16 = n16 ? d_m16.data() : nullptr;
-    st.v16 = n16 ? d_v16.data() : nullptr;
-    st.at = at.empty() ? nullptr : d_at.data();
+    st.m32 = d_m.size() ? d_m.data() : nullptr;
+    st.v32 = d_v.size() ? d_v.data() : nullptr;
+    st.m16 = dm.b16.size() ? dm.b16.data() : nullptr;
+    st.v16 = dv.b16.size() ? dv.b16.data() : nullptr;
+    st.at = ml.at.empty() ? nullptr : d_at.data();
+    if (ml.plan.code_bytes) {
+        st.bits = bits;
+        st.mq = dm.codes.data();
+        st.vq = dv.codes.data();
+        st.ms = dm.scales.data();
+        st.vs = dv.scales.data();
+        st.table_m = d_tables.data();
+        st.table_v = d_tables.data() + 256;
+        st.qm = cuda::quant_map(format, true);
+        st.qv = cuda::quant_map(format, false);
+    }
     auto d_chunks = upload(chunks);
     DeviceBuffer<cuda::StepScalars> d_s(1, MemCategory::Other);
     DeviceBuffer<double> d_sumsq(1, MemCategory::Other);
@@ -241,13 +291,13 @@ void optimizer_case(const OptCase& c, bool cpu_fuses) {
         cuda::StepScalars s = cuda::make_step_scalars(cfg, lr, step, c.loss_scale);
         copy_to_device(d_s.data(), &s, sizeof s);
         cuda::finish_grad_norm(d_s.data(), d_sumsq.data());
-        if (cfg.name == "sgd" && !bf16_state) {
+        if (cfg.name == "sgd" && fp32_state) {
             cuda::sgd_step<T>(d_params.data(), kFp32 ? nullptr : d_master.data(), d_m.data(),
                               d_g.data(), d_chunks.data(), (int)chunks.size(), d_s.data());
         } else if (cfg.name == "sgd") {
             cuda::sgd_step<T>(d_params.data(), kFp32 ? nullptr : d_master.data(), st, d_g.data(),
                               d_chunks.data(), (int)chunks.size(), d_s.data());
-        } else if (!bf16_state) {
+        } else if (fp32_state) {
             cuda::adamw_step<T>(d_params.data(), kFp32 ? nullptr : d_master.data(), d_m.data(),
                                 d_v.data(), d_g.data(), d_chunks.data(), (int)chunks.size(),
                                 d_s.data());
@@ -279,15 +329,16 @@ void optimizer_case(const OptCase& c, bool cpu_fuses) {
         expect_match("master", master, cpu_params, false);
         expect_bitwise("params = T(master)", download_float(d_params), rounded<T>(master));
     }
-    auto device_state = [&](DeviceBuffer<float>& f32, DeviceBuffer<__nv_bfloat16>& b16) {
-        return decode_moment(n32 ? download(f32) : std::vector<float>{},
-                             n16 ? download_float(b16) : std::vector<float>{}, chunks, at, n);
+    auto device_state = [&](DeviceBuffer<float>& f32, DeviceMoment& d, bool is_signed) {
+        d.f32 = std::move(f32);
+        return d.decode(format, is_signed, layout, c.offset, n);
     };
     if (cfg.name == "sgd") {
-        expect_match("momentum_buffer", device_state(d_m, d_m16), cpu_state(0), kFp32 && cpu_fuses);
+        expect_match("momentum_buffer", device_state(d_m, dm, true), cpu_state(0),
+                     kFp32 && cpu_fuses);
     } else {
-        expect_match("exp_avg", device_state(d_m, d_m16), cpu_state(0), kFp32 && cpu_fuses);
-        expect_match("exp_avg_sq", device_state(d_v, d_v16), cpu_state(1), kFp32 && cpu_fuses);
+        expect_match("exp_avg", device_state(d_m, dm, true), cpu_state(0), kFp32 && cpu_fuses);
+        expect_match("exp_avg_sq", device_state(d_v, dv, false), cpu_state(1), kFp32 && cpu_fuses);
     }
 }
 
@@ -315,6 +366,14 @@ TEST(CudaOptimizer, AdamWMatchesCpu) {
     optimizer_case<float>({"adamw", 5, 1.0, false, 1.0f, 0, 0, 300, "bf16"}, fuses);
     optimizer_case<float>({"adamw", 5, 0.0, false, 1.0f, 100, wide - 250, 257, "bf16"}, fuses);
     optimizer_case<__nv_bfloat16>({"adamw", 5, 1.0, false, 1.0f, 0, 0, 300, "bf16"}, fuses);
+    // int8 and int4 moments: each quantization block decoded, updated in fp32 and encoded with
+    // its new largest magnitude, the CPU's codes and scales (and a range from the second cell of
+    // the 256 grid, as a pipeline stage or a grain-cut shard starts).
+    for (const char* q : {"int8", "int4"}) {
+        optimizer_case<float>({"adamw", 5, 1.0, false, 1.0f, 0, 0, 300, q}, fuses);
+        optimizer_case<float>({"adamw", 5, 0.0, false, 1.0f, 256, 0, 257, q}, fuses);
+        optimizer_case<__nv_bfloat16>({"adamw", 5, 1.0, false, 1.0f, 0, 0, 300, q}, fuses);
+    }
 }
 
 TEST(CudaOptimizer, SgdMatchesCpu) {
@@ -327,6 +386,7 @@ TEST(CudaOptimizer, SgdMatchesCpu) {
     optimizer_case<__nv_bfloat16>({"sgd", 3, 1.0, true, 1.0f, 0, 0, 300}, fuses);
     optimizer_case<__half>({"sgd", 3, 1.0, false, 1024.0f, 0, 0, 300}, fuses);
     optimizer_case<float>({"sgd", 3, 1.0, true, 1.0f, 0, 0, 300, "bf16"}, fuses);
+    optimizer_case<float>({"sgd", 3, 1.0, true, 1.0f, 0, 0, 300, "int8"}, fuses);
 }
 
 // A non-finite gradient norm sets skip, and then the step changes nothing at all.

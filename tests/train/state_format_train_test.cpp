@@ -143,14 +143,19 @@ TEST(StateFormatTrain, LayoutsNotBuiltYetAreRefusedByName) {
     sgd.optim.name = "sgd";
     sgd.optim.state_format = "int4";
     refused(sgd, "optim.name");
-    // On the GPU bf16 moments are built, the block-quantized ones and the offloaded optimizer's
-    // are not (validate_config names a missing GPU first: the layout check alone).
+    // On the GPU every format runs on one GPU (validate_config names a missing GPU first: the
+    // layout check alone); the block-quantized ones not over NCCL's ZeRO shards, and none with
+    // the offloaded optimizer.
     RunConfig gpu = c;
     gpu.train.device = "cuda";
-    test::expect_refused_naming(validate_optimizer_layout, gpu, "optim.state_format",
-                                "train.device");
-    gpu.optim.state_format = "bf16";
     EXPECT_NO_THROW(validate_optimizer_layout(gpu));
+    RunConfig zero = gpu;
+    zero.world = 2;
+    zero.train.zero_stage = 1;
+    test::expect_refused_naming(validate_optimizer_layout, zero, "optim.state_format",
+                                "train.zero_stage = 1 on the GPU");
+    zero.optim.state_format = "bf16";
+    EXPECT_NO_THROW(validate_optimizer_layout(zero));
     gpu.train.offload_optimizer = true;
     test::expect_refused_naming(validate_optimizer_layout, gpu, "optim.state_format",
                                 "train.offload_optimizer");

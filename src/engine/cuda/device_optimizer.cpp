@@ -13,7 +13,6 @@
 
 #include <fmt/format.h>
 
-#include "core/dtype.h"
 #include "core/error.h"
 #include "engine/device_memory.h"
 #include "kernels/cuda/ops.h"
@@ -26,27 +25,47 @@ DeviceOptimizer<T>::DeviceOptimizer(const OptimConfig& cfg, const ParamLayout& l
                                     Wait wait)
     : adamw_(cfg.name == "adamw"),
       format_(parse_state_format(cfg.state_format)),
+      layout_(layout),
       offset_(offset),
       n_(n),
       stream_(stream),
       wait_(std::move(wait)) {
     if constexpr (!std::is_same_v<T, float>)
         master_ = DeviceBuffer<float>(n, MemCategory::OptimizerState);
-    host_chunks_ = cuda::tensor_chunks(layout, offset, n);
-    std::size_t n32 = 0, n16 = 0;
-    host_at_ = cuda::state_chunks(layout, offset, n, host_chunks_, format_, &n32, &n16);
-    m_ = DeviceBuffer<float>(n32, MemCategory::OptimizerState);
-    if (adamw_) v_ = DeviceBuffer<float>(n32, MemCategory::OptimizerState);
-    if (n16) {
-        m16_ = DeviceBuffer<__nv_bfloat16>(n16, MemCategory::OptimizerState);
-        if (adamw_) v16_ = DeviceBuffer<__nv_bfloat16>(n16, MemCategory::OptimizerState);
+    const cuda::MomentLayout lay = cuda::moment_layout(layout, offset, n, format_);
+    const MomentBuffer::Plan& p = lay.plan;
+    auto alloc = [&](auto& first, auto& second, std::size_t count) {
+        using B = std::decay_t<decltype(first)>;
+        if (!count) return;
+        first = B(count, MemCategory::OptimizerState);
+        if (adamw_) second = B(count, MemCategory::OptimizerState);
+    };
+    alloc(m_, v_, p.fp32);
+    alloc(m16_, v16_, p.bf16);
+    alloc(mq_, vq_, p.code_bytes);
+    alloc(ms_, vs_, p.scales);
+    if (p.code_bytes) {
+        // Zero codes with zero scales: every moment starts at zero, as in fp32.
+        for (DeviceBuffer<uint8_t>* b : {&mq_, &vq_})
+            if (b->size()) MT_CUDA_CHECK(cudaMemsetAsync(b->data(), 0, b->bytes(), stream_));
+        for (DeviceBuffer<float>* b : {&ms_, &vs_})
+            if (b->size()) MT_CUDA_CHECK(cudaMemsetAsync(b->data(), 0, b->bytes(), stream_));
+        const int bits = format_ == StateFormat::Int8 ? 8 : 4;
+        std::vector<float> t(512);
+        for (int c = 0; c < 256; c++) {
+            t[(std::size_t)c] = decode_code(bits, true, (uint8_t)c);
+            t[256 + (std::size_t)c] = decode_code(bits, false, (uint8_t)c);
+        }
+        tables_ = DeviceBuffer<float>(t.size(), MemCategory::OptimizerState);
+        copy_to_device(tables_.data(), t.data(), tables_.bytes());
     }
-    chunks_ = DeviceBuffer<cuda::TensorChunk>(host_chunks_.size(), MemCategory::OptimizerState);
-    copy_to_device(chunks_.data(), host_chunks_.data(), chunks_.bytes());
-    if (!host_at_.empty()) {
-        at_ = DeviceBuffer<cuda::StateChunk>(host_at_.size(), MemCategory::OptimizerState);
-        copy_to_device(at_.data(), host_at_.data(), at_.bytes());
+    chunks_ = DeviceBuffer<cuda::TensorChunk>(lay.chunks.size(), MemCategory::OptimizerState);
+    copy_to_device(chunks_.data(), lay.chunks.data(), chunks_.bytes());
+    if (!lay.at.empty()) {
+        at_ = DeviceBuffer<cuda::StateChunk>(lay.at.size(), MemCategory::OptimizerState);
+        copy_to_device(at_.data(), lay.at.data(), at_.bytes());
     }
+    wait_("the optimizer's state");
 }
 
 template <typename T>
@@ -57,6 +76,17 @@ cuda::MomentStores DeviceOptimizer<T>::moment_stores() {
     st.m16 = m16_.size() ? m16_.data() : nullptr;
     st.v16 = v16_.size() ? v16_.data() : nullptr;
     st.at = at_.size() ? at_.data() : nullptr;
+    if (tables_.size()) {
+        st.bits = format_ == StateFormat::Int8 ? 8 : 4;
+        st.mq = mq_.data();
+        st.vq = vq_.size() ? vq_.data() : nullptr;
+        st.ms = ms_.data();
+        st.vs = vs_.size() ? vs_.data() : nullptr;
+        st.table_m = tables_.data();
+        st.table_v = tables_.data() + 256;
+        st.qm = cuda::quant_map(format_, true);
+        st.qv = cuda::quant_map(format_, false);
+    }
     return st;
 }
 
@@ -80,11 +110,10 @@ std::string DeviceOptimizer<T>::describe() const {
 }
 
 template <typename T>
-std::pair<DeviceBuffer<float>*, DeviceBuffer<__nv_bfloat16>*> DeviceOptimizer<T>::stores(
-    const std::string& name) {
-    if (adamw_ && name == "exp_avg") return {&m_, &m16_};
-    if (adamw_ && name == "exp_avg_sq") return {&v_, &v16_};
-    if (!adamw_ && name == "momentum_buffer") return {&m_, &m16_};
+typename DeviceOptimizer<T>::Stores DeviceOptimizer<T>::stores(const std::string& name) {
+    if (adamw_ && name == "exp_avg") return {&m_, &m16_, &mq_, &ms_, true};
+    if (adamw_ && name == "exp_avg_sq") return {&v_, &v16_, &vq_, &vs_, false};
+    if (!adamw_ && name == "momentum_buffer") return {&m_, &m16_, &mq_, &ms_, true};
     fail("internal: the CUDA optimizer has no state tensor '{}'", name);
 }
 
@@ -95,71 +124,76 @@ std::vector<std::string> DeviceOptimizer<T>::state_names() {
 }
 
 template <typename T>
+MomentBuffer DeviceOptimizer<T>::to_host(const Stores& st) {
+    MomentBuffer b(format_, st.is_signed, layout_, offset_, n_, {}, MemCategory::Other);
+    std::vector<uint8_t> bytes(b.bytes());
+    uint8_t* at = bytes.data();
+    for (auto [src, size] : {std::pair{(const void*)st.f32->data(), st.f32->bytes()},
+                             std::pair{(const void*)st.b16->data(), st.b16->bytes()},
+                             std::pair{(const void*)st.codes->data(), st.codes->bytes()},
+                             std::pair{(const void*)st.scales->data(), st.scales->bytes()}}) {
+        if (at + size > bytes.data() + bytes.size())
+            fail("internal: the device optimizer's stores exceed the host layout's {} B",
+                 bytes.size());
+        if (size) MT_CUDA_CHECK(cudaMemcpyAsync(at, src, size, cudaMemcpyDeviceToHost, stream_));
+        at += size;
+    }
+    if (at != bytes.data() + bytes.size())
+        fail("internal: the device optimizer's stores ({} B) are not the host layout's ({} B)",
+             at - bytes.data(), bytes.size());
+    wait_("queued device work");
+    b.load_stored(bytes.data());
+    return b;
+}
+
+template <typename T>
+void DeviceOptimizer<T>::to_device(const MomentBuffer& b, const Stores& st) {
+    std::vector<uint8_t> bytes(b.bytes());
+    b.save_stored(bytes.data());
+    const uint8_t* at = bytes.data();
+    for (auto [dst, size] : {std::pair{(void*)st.f32->data(), st.f32->bytes()},
+                             std::pair{(void*)st.b16->data(), st.b16->bytes()},
+                             std::pair{(void*)st.codes->data(), st.codes->bytes()},
+                             std::pair{(void*)st.scales->data(), st.scales->bytes()}}) {
+        if (size) MT_CUDA_CHECK(cudaMemcpyAsync(dst, at, size, cudaMemcpyHostToDevice, stream_));
+        at += size;
+    }
+    wait_("queued device work");
+}
+
+template <typename T>
 void DeviceOptimizer<T>::read_state(const std::string& name, float* dst) {
-    auto [f32, b16] = stores(name);
+    const Stores st = stores(name);
     if (format_ == StateFormat::Fp32) {
         MT_CUDA_CHECK(
-            cudaMemcpyAsync(dst, f32->data(), f32->bytes(), cudaMemcpyDeviceToHost, stream_));
+            cudaMemcpyAsync(dst, st.f32->data(), st.f32->bytes(), cudaMemcpyDeviceToHost, stream_));
         wait_("queued device work");
         return;
     }
-    // Both stores to the host, then each chunk's floats to its place in the range.
-    std::vector<float> h32(f32->size());
-    std::vector<uint16_t> h16(b16->size());
-    if (f32->size())
-        MT_CUDA_CHECK(cudaMemcpyAsync(h32.data(), f32->data(), f32->bytes(), cudaMemcpyDeviceToHost,
-                                      stream_));
-    if (b16->size())
-        MT_CUDA_CHECK(cudaMemcpyAsync(h16.data(), b16->data(), b16->bytes(), cudaMemcpyDeviceToHost,
-                                      stream_));
-    wait_("queued device work");
-    std::fill(dst, dst + n_, 0.0f);
-    for (std::size_t k = 0; k < host_chunks_.size(); k++) {
-        const cuda::TensorChunk& c = host_chunks_[k];
-        const cuda::StateChunk& a = host_at_[k];
-        for (int32_t i = 0; i < c.n; i++)
-            dst[c.begin + i] = a.fp32 ? h32[a.at + i] : bf16_to_f32(h16[a.at + i]);
-    }
+    to_host(st).read(dst);  // decoded by the CPU's codec
 }
 
 template <typename T>
 void DeviceOptimizer<T>::write_state(const std::string& name, std::size_t begin, std::size_t n,
                                      const float* src) {
-    auto [f32, b16] = stores(name);
+    const Stores st = stores(name);
     if (begin > n_ || n > n_ - begin)
         fail("internal: optimizer state write [{}, {}) outside its {} floats", begin, begin + n,
              n_);
     if (format_ == StateFormat::Fp32) {
-        MT_CUDA_CHECK(cudaMemcpyAsync(f32->data() + begin, src, n * sizeof(float),
+        MT_CUDA_CHECK(cudaMemcpyAsync(st.f32->data() + begin, src, n * sizeof(float),
                                       cudaMemcpyHostToDevice, stream_));
         wait_("queued device work");
         return;
     }
-    // The whole range as floats, the write over it, every chunk stored again (bf16 to nearest
-    // even, as the CPU's MomentBuffer stores a written bf16 state).
+    // The whole range as floats, the write over it, encoded again by the CPU's codec (a block
+    // the write does not touch decodes and encodes to the same bytes).
+    MomentBuffer b = to_host(st);
     std::vector<float> all(n_);
-    read_state(name, all.data());
+    b.read(all.data());
     std::copy(src, src + n, all.data() + begin);
-    std::vector<float> h32(f32->size());
-    std::vector<uint16_t> h16(b16->size());
-    for (std::size_t k = 0; k < host_chunks_.size(); k++) {
-        const cuda::TensorChunk& c = host_chunks_[k];
-        const cuda::StateChunk& a = host_at_[k];
-        for (int32_t i = 0; i < c.n; i++) {
-            const float x = all[c.begin + i];
-            if (a.fp32)
-                h32[a.at + i] = x;
-            else
-                h16[a.at + i] = f32_to_bf16(x);
-        }
-    }
-    if (f32->size())
-        MT_CUDA_CHECK(cudaMemcpyAsync(f32->data(), h32.data(), f32->bytes(), cudaMemcpyHostToDevice,
-                                      stream_));
-    if (b16->size())
-        MT_CUDA_CHECK(cudaMemcpyAsync(b16->data(), h16.data(), b16->bytes(), cudaMemcpyHostToDevice,
-                                      stream_));
-    wait_("queued device work");
+    b.write(all.data());
+    to_device(b, st);
 }
 
 std::string device_in_use_line() {

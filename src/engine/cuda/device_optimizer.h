@@ -1,8 +1,8 @@
 // The optimizer of the CUDA engines on the device: fp32 master weights (when the storage type is
-// not float), AdamW's m and v or SGD's momentum (in optim.state_format fp32, or bf16 with the
-// CPU's rule for the small tensors that keep fp32), the multi-tensor chunk table and the step
-// count, over one range of a parameter layout (the whole model, a ZeRO-1 shard, a pipeline stage,
-// or LoRA's adapters). It updates the T parameters from the T gradients with the kernels of
+// not float), AdamW's m and v or SGD's momentum (in any optim.state_format: the CPU
+// MomentBuffer's stores byte for byte, cuda::moment_layout), the multi-tensor chunk table and the
+// step count, over one range of a parameter layout (the whole model, a ZeRO-1 shard, a pipeline
+// stage, or LoRA's adapters). It updates the T parameters from the T gradients with the kernels of
 // kernels/cuda/optimizer.h, and is the engine's OptimizerState: checkpoints read and write its
 // tensors and its step count through it.
 #pragma once
@@ -64,23 +64,36 @@ class DeviceOptimizer final : public OptimizerState {
                      const float* src) override;
 
   private:
-    // A moment's two stores: fp32 (every element in fp32 format; the small tensors' in bf16) and
-    // bf16 (empty in fp32 format).
-    std::pair<DeviceBuffer<float>*, DeviceBuffer<__nv_bfloat16>*> stores(const std::string& name);
+    // A moment's device stores (MomentBuffer's: fp32, bf16, codes, scales; empty where the format
+    // has none) and whether its codes are signed.
+    struct Stores {
+        DeviceBuffer<float>* f32;
+        DeviceBuffer<__nv_bfloat16>* b16;
+        DeviceBuffer<uint8_t>* codes;
+        DeviceBuffer<float>* scales;
+        bool is_signed;
+    };
+    Stores stores(const std::string& name);
     cuda::MomentStores moment_stores();
+    // The moment on the host as the CPU's MomentBuffer (its codec), from the device's bytes; and
+    // its bytes back to the device.
+    MomentBuffer to_host(const Stores& st);
+    void to_device(const MomentBuffer& b, const Stores& st);
     bool adamw_ = true;
     StateFormat format_ = StateFormat::Fp32;
+    ParamLayout layout_;
     std::size_t offset_ = 0, n_ = 0;
     int64_t t_ = 0;
     cudaStream_t stream_ = nullptr;
     Wait wait_;
     DeviceBuffer<float> master_;             // absent when T is float
     DeviceBuffer<float> m_, v_;              // AdamW moments, or m_ = SGD momentum (the fp32 store)
-    DeviceBuffer<__nv_bfloat16> m16_, v16_;  // their bf16 store (state_format bf16)
+    DeviceBuffer<__nv_bfloat16> m16_, v16_;  // their bf16 store
+    DeviceBuffer<uint8_t> mq_, vq_;          // int8 / int4 codes
+    DeviceBuffer<float> ms_, vs_;            // and the blocks' scales
+    DeviceBuffer<float> tables_;  // int8 / int4: m's decode table, then v's (256 floats each)
     DeviceBuffer<cuda::TensorChunk> chunks_;
-    DeviceBuffer<cuda::StateChunk> at_;  // where each chunk's moments are (bf16 only)
-    std::vector<cuda::TensorChunk> host_chunks_;
-    std::vector<cuda::StateChunk> host_at_;
+    DeviceBuffer<cuda::StateChunk> at_;  // where each chunk's moments are (not fp32)
 };
 
 // The footer line with the driver's count of device memory in use against the device's size.

@@ -49,6 +49,12 @@ static inline float sqrt_rn(float a) {
 static inline float fma_rn(float a, float b, float c) {
     return std::fma(a, b, c);
 }
+static inline float rint_rn(float a) {
+    return std::nearbyint(a);
+}
+static inline bool sign_bit(float a) {
+    return std::signbit(a);
+}
 #else
 static __device__ __forceinline__ float mul_rn(float a, float b) {
     return __fmul_rn(a, b);
@@ -64,6 +70,12 @@ static __device__ __forceinline__ float sqrt_rn(float a) {
 }
 static __device__ __forceinline__ float fma_rn(float a, float b, float c) {
     return __fmaf_rn(a, b, c);
+}
+static __device__ __forceinline__ float rint_rn(float a) {
+    return rintf(a);
+}
+static __device__ __forceinline__ bool sign_bit(float a) {
+    return signbit(a);
 }
 #endif
 
@@ -120,6 +132,65 @@ __device__ __forceinline__ void chunk_moments(const MomentStores& st, const Tens
     }
 }
 
+// ---- block-quantized moments (int8, int4) ----------------------------------------------------
+// The code of x / scale, exactly as optim/state_format.cpp's encode_scaled and Encoder give it.
+__device__ __forceinline__ uint32_t encode_code_dev(const QuantMap& q, float x, float scale) {
+    const float a = scale > 0 ? div_rn(fabsf(x), scale) : 0.0f;
+    const float y = mul_rn(a, q.to_map);
+    uint32_t c;
+    if (y < q.min_normal) {
+        c = (uint32_t)rint_rn(mul_rn(y, q.sub_scale));
+    } else {
+        uint32_t u = __float_as_uint(y);
+        const int shift = 23 - q.m;
+        u += (1u << (shift - 1)) - 1 + ((u >> shift) & 1u);
+        const int exp = (int)(u >> 23) - 127 + q.bias;
+        c = ((uint32_t)exp << q.m) | ((u >> shift) & ((1u << q.m) - 1));
+    }
+    if (!q.is_signed) return c == 0 && a > 0 ? 1u : c;
+    if (c == 0) return 0;
+    return sign_bit(x) ? c | (1u << (q.bits - 1)) : c;
+}
+
+// Element i's code of the block whose codes start at byte `at`.
+__device__ __forceinline__ uint32_t load_code(const uint8_t* codes, int64_t at, int i, int bits) {
+    if (bits == 8) return codes[at + i];
+    return (codes[at + i / 2] >> (4 * (i % 2))) & 0xfu;
+}
+
+// The block's scale for the values x of its n threads (the others pass in = false): its largest
+// magnitude, NaN when a value is not finite (MomentBuffer::store). A barrier-ending collective.
+__device__ float block_scale(float x, bool in, float* shared) {
+    const bool bad = in && !isfinite(x);
+    float v = in && !bad ? fabsf(x) : 0.0f;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
+    v = warp_max(v);
+    if (lane == 0) shared[warp] = v;
+    __syncthreads();
+    float r = lane < nwarps ? shared[lane] : 0.0f;
+    r = warp_max(r);
+    __syncthreads();
+    const float nbad = block_sum(bad ? 1.0f : 0.0f, shared);
+    return nbad > 0 ? __int_as_float(0x7fc00000) : r;
+}
+
+// Encodes the block's values x (thread i < n holds element i) with its scale into the codes at
+// byte `at` (int4: two a byte, low nibble first; `staged` holds a code per thread).
+__device__ void store_block(uint8_t* codes, int64_t at, int n, const QuantMap& q, float x,
+                            float scale, uint8_t* staged) {
+    const int i = threadIdx.x;
+    const uint32_t c = i < n ? encode_code_dev(q, x, scale) : 0u;
+    if (q.bits == 8) {
+        if (i < n) codes[at + i] = (uint8_t)c;
+        return;
+    }
+    staged[i] = (uint8_t)c;
+    __syncthreads();
+    if (i < n && i % 2 == 0)
+        codes[at + i / 2] = (uint8_t)(staged[i] | (i + 1 < n ? staged[i + 1] << 4 : 0));
+    __syncthreads();
+}
+
 // ---- AdamW -------------------------------------------------------------------------------------
 // One block per chunk; threads stride over the chunk's floats (coalesced). params[j] is read from
 // the master copy when there is one.
@@ -128,12 +199,43 @@ static __global__ void adamw_kernel(T* params, float* master, MomentStores st, c
                                     const TensorChunk* chunks, const StepScalars* s) {
     if (s->skip) return;
     const TensorChunk c = chunks[blockIdx.x];
-    MomentRef m, v;
-    chunk_moments(st, c, (int)blockIdx.x, &m, &v);
     const float b1 = s->beta1, b2 = s->beta2, eps = s->eps, step_size = s->step_size,
                 bc2_sqrt = s->bc2_sqrt, scale = s->grad_scale;
     const float decay = c.decay ? s->decay_factor : 1.0f;
     const float one_b1 = 1.0f - b1, one_b2 = 1.0f - b2;
+    if (st.bits && !st.at[blockIdx.x].fp32) {
+        // One quantization block, a thread per element: decode, the same update, re-encode.
+        __shared__ float shared[32];
+        __shared__ uint8_t staged[kThreads];
+        const StateChunk a = st.at[blockIdx.x];
+        const int i = threadIdx.x;
+        float mi = 0.0f, vi = 0.0f;
+        if (i < c.n) {
+            const int64_t j = c.begin + i;
+            const float g = mul_rn(to_float(grads[j]), scale);
+            const float m0 = mul_rn(st.table_m[load_code(st.mq, a.at, i, st.bits)], st.ms[a.scale]);
+            const float v0 = mul_rn(st.table_v[load_code(st.vq, a.at, i, st.bits)], st.vs[a.scale]);
+            mi = fma_rn(b1, m0, mul_rn(one_b1, g));
+            vi = fma_rn(b2, v0, mul_rn(mul_rn(one_b2, g), g));
+            const float denom = add_rn(div_rn(sqrt_rn(vi), bc2_sqrt), eps);
+            const float p = master ? master[j] : to_float(params[j]);
+            const float pn = fma_rn(p, decay, -div_rn(mul_rn(step_size, mi), denom));
+            if (master) master[j] = pn;
+            params[j] = from_float<T>(pn);
+        }
+        // Every thread has read its codes and scale before any is written.
+        const float ms = block_scale(mi, i < c.n, shared);
+        const float vs = block_scale(vi, i < c.n, shared);
+        store_block(st.mq, a.at, c.n, st.qm, mi, ms, staged);
+        store_block(st.vq, a.at, c.n, st.qv, vi, vs, staged);
+        if (i == 0) {
+            st.ms[a.scale] = ms;
+            st.vs[a.scale] = vs;
+        }
+        return;
+    }
+    MomentRef m, v;
+    chunk_moments(st, c, (int)blockIdx.x, &m, &v);
     for (int i = threadIdx.x; i < c.n; i += blockDim.x) {
         const int64_t j = c.begin + i;
         const float g = mul_rn(to_float(grads[j]), scale);
@@ -155,11 +257,34 @@ static __global__ void sgd_kernel(T* params, float* master, MomentStores st, con
                                   const TensorChunk* chunks, const StepScalars* s) {
     if (s->skip) return;
     const TensorChunk c = chunks[blockIdx.x];
-    MomentRef buf, unused;
-    chunk_moments(st, c, (int)blockIdx.x, &buf, &unused);
     const float mu = s->momentum, lr = s->lr, scale = s->grad_scale;
     const float wd = c.decay ? s->weight_decay : 0.0f;
     const bool first = s->first_step != 0, nesterov = s->nesterov != 0;
+    if (st.bits && !st.at[blockIdx.x].fp32) {
+        // One quantization block of the momentum (as AdamW's above).
+        __shared__ float shared[32];
+        __shared__ uint8_t staged[kThreads];
+        const StateChunk a = st.at[blockIdx.x];
+        const int i = threadIdx.x;
+        float b = 0.0f;
+        if (i < c.n) {
+            const int64_t j = c.begin + i;
+            const float p = master ? master[j] : to_float(params[j]);
+            const float g = fma_rn(wd, p, mul_rn(to_float(grads[j]), scale));
+            const float b0 = mul_rn(st.table_m[load_code(st.mq, a.at, i, st.bits)], st.ms[a.scale]);
+            b = first ? g : fma_rn(mu, b0, g);
+            const float d = nesterov ? fma_rn(b, mu, g) : b;
+            const float pn = fma_rn(-lr, d, p);
+            if (master) master[j] = pn;
+            params[j] = from_float<T>(pn);
+        }
+        const float bs = block_scale(b, i < c.n, shared);
+        store_block(st.mq, a.at, c.n, st.qm, b, bs, staged);
+        if (i == 0) st.ms[a.scale] = bs;
+        return;
+    }
+    MomentRef buf, unused;
+    chunk_moments(st, c, (int)blockIdx.x, &buf, &unused);
     for (int i = threadIdx.x; i < c.n; i += blockDim.x) {
         const int64_t j = c.begin + i;
         const float p = master ? master[j] : to_float(params[j]);
@@ -193,8 +318,11 @@ void adamw_step(T* params, float* master, const MomentStores& st, const T* grads
                 const TensorChunk* chunks, int nchunks, const StepScalars* s, cudaStream_t stream) {
     check_step("adamw_step", params, master, grads, chunks, nchunks, s);
     if (nchunks == 0) return;
-    if (!st.at ? (!st.m32 || !st.v32) : !((st.m32 && st.v32) || (st.m16 && st.v16)))
+    if (!st.at ? (!st.m32 || !st.v32)
+               : !((st.m32 && st.v32) || (st.m16 && st.v16) || (st.mq && st.vq && st.ms && st.vs)))
         fail("cuda::adamw_step: null moment buffers");
+    if (st.bits && (!st.at || !st.table_m || !st.table_v))
+        fail("cuda::adamw_step: block-quantized moments without their table or maps");
     MT_LAUNCH(adamw_kernel<T>, (unsigned)nchunks, kThreads, 0, stream, params, master, st, grads,
               chunks, s);
 }
@@ -213,7 +341,9 @@ void sgd_step(T* params, float* master, const MomentStores& st, const T* grads,
               const TensorChunk* chunks, int nchunks, const StepScalars* s, cudaStream_t stream) {
     check_step("sgd_step", params, master, grads, chunks, nchunks, s);
     if (nchunks == 0) return;
-    if (!st.at ? !st.m32 : !(st.m32 || st.m16)) fail("cuda::sgd_step: null momentum buffer");
+    if (!st.at ? !st.m32 : !(st.m32 || st.m16 || (st.mq && st.ms)))
+        fail("cuda::sgd_step: null momentum buffer");
+    if (st.bits && !st.table_m) fail("cuda::sgd_step: block-quantized momentum without its table");
     MT_LAUNCH(sgd_kernel<T>, (unsigned)nchunks, kThreads, 0, stream, params, master, st, grads,
               chunks, s);
 }

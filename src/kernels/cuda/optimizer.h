@@ -22,18 +22,28 @@ namespace memtrain::cuda {
 void finish_grad_norm(StepScalars* s /*device*/, const double* sumsq /*device*/,
                       cudaStream_t stream = 0);
 
-// The moments a step updates (device pointers). With `at` null: fp32 moments indexed like the
-// parameters (m32, v32; the stores of optim.state_format = "fp32"). Otherwise each chunk's moments
-// are at[chunk]: in m32 / v32 (a chunk whose tensor keeps fp32) or in m16 / v16, stored in bf16
-// (rounded to nearest even after each update, which is computed in fp32 exactly as with fp32
-// moments: optim.state_format = "bf16", the CPU's MomentBuffer bits). v32 and v16 are unused by
-// SGD.
+// The moments a step updates (device pointers): the stores of the CPU's MomentBuffer
+// (optim/state_format.h), laid out by cuda::moment_layout. With `at` null: fp32 moments indexed
+// like the parameters (m32, v32; optim.state_format = "fp32"). Otherwise each chunk's moments are
+// at[chunk]: in m32 / v32 (a chunk whose tensor keeps fp32), in m16 / v16 stored in bf16 (rounded
+// to nearest even), or (bits 8 or 4) one quantization block of codes in mq / vq with its scale in
+// ms / vs, decoded through the 256-entry tables and re-encoded with the block's new largest
+// magnitude as the CPU encodes (the maps qm, qv). The update is computed in fp32 exactly as with
+// fp32 moments in every format, so each stores the CPU's bits. v* are unused by SGD.
 struct MomentStores {
     float* m32 = nullptr;
     float* v32 = nullptr;
     __nv_bfloat16* m16 = nullptr;
     __nv_bfloat16* v16 = nullptr;
     const StateChunk* at = nullptr;
+    int bits = 0;  // 8 or 4 for the block-quantized formats
+    uint8_t* mq = nullptr;
+    uint8_t* vq = nullptr;
+    float* ms = nullptr;
+    float* vs = nullptr;
+    const float* table_m = nullptr;  // decode tables (256 floats: decode_code's values)
+    const float* table_v = nullptr;
+    QuantMap qm{}, qv{};
 };
 
 // AdamW with torch.optim.AdamW's arithmetic, exactly AdamW::step in src/optim/optimizer.cpp (the

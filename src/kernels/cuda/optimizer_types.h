@@ -20,13 +20,22 @@ struct TensorChunk {
     int32_t decay;
 };
 
-// Where a chunk's moments live when optim.state_format = "bf16" (a device array beside the
+// Where a chunk's moments live when optim.state_format is not fp32 (a device array beside the
 // chunks, one per chunk): the index of its first element in the fp32 store (`fp32` = 1: a tensor
-// that keeps fp32 moments, optim/state_format.h's rule) or in the bf16 store.
+// that keeps fp32 moments, optim/state_format.h's rule), else in the bf16 store, or (int8, int4:
+// the chunk is one quantization block) the byte of its first code and the index of its scale.
 struct StateChunk {
     int64_t at;
     int32_t fp32;
-    int32_t pad;
+    int32_t scale;
+};
+
+// The constants of one code map (optim/state_format.h's int8 and int4 maps), so that a kernel
+// rounds to the codes encode_code gives: `m` mantissa bits, exponent `bias`, and the Encoder's
+// to_map, min_normal and sub_scale.
+struct QuantMap {
+    int32_t bits, is_signed, m, bias;
+    float to_map, min_normal, sub_scale;
 };
 
 // What one optimizer step reads on the device, so that a captured step replays with new values:
