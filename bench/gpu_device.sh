@@ -13,8 +13,8 @@
 #                                     checkpointing on 1.5B (remat=budget vs PyTorch's
 #                                     checkpointing, ZeRO-Offload at 8 micro-batches a step)
 #   bash bench/gpu_device.sh second   when time is left: the longest sequence of a Llama-3-8B
-#                                     shape on the GPU (issue 27), fp32 against bf16 optimizer
-#                                     moments on a 124M shape (issue 30; needs data/fortunes,
+#                                     shape on the GPU (issue 27), the optimizer state formats
+#                                     (fp32, bf16, int8, int4) on a 124M shape (issue 30; needs data/fortunes,
 #                                     carried beside the bundle), the largest GPT under
 #                                     ZeRO-Offload, then 1.5B in full (with torch.compile)
 #   options: --bundle DIR (default .gpu-bundle), --out DIR (default $OUT, else bench-out),
@@ -229,10 +229,10 @@ state_formats() {
         [ -n "$DRY_BUILD" ] && return 0 || return 1
     fi
     if [ -n "$DRY_BUILD" ]; then
-        OPTIONS="fp32 bf16" DEVICE=cpu OUT=$runs timeout -k 5 "$STAGE_SECONDS" \
+        OPTIONS="fp32 bf16 int8 int4" DEVICE=cpu OUT=$runs timeout -k 5 "$STAGE_SECONDS" \
             bash bench/state_formats.sh "$BIN" 12 tiny
     else
-        OPTIONS="fp32 bf16" DEVICE=cuda OUT=$runs timeout -k 5 "$STAGE_SECONDS" \
+        OPTIONS="fp32 bf16 int8 int4" DEVICE=cuda OUT=$runs timeout -k 5 "$STAGE_SECONDS" \
             bash bench/state_formats.sh "$BIN" 300 124m
     fi > "$RESULTS/gpu-state-formats.md"
     local rc=$?
@@ -257,7 +257,7 @@ if [ -n "$DRY_BUILD" ]; then
         stage "activation checkpointing on 1.5B" 20 100 0 compare gpu-remat.json --remat-compare
     else
         stage "the longest sequence of a Llama-3-8B shape" 20 60 120 longest
-        stage "fp32 against bf16 optimizer moments" 10 40 90 state_formats
+        stage "optimizer state formats on 124M" 10 40 90 state_formats
         stage "ZeRO-Offload: the largest GPT" 20 60 30 offload
         stage "GPT-2 1.5B in full (eager and torch.compile)" 20 80 0 compare gpu-1.5b-full.json
     fi
@@ -271,7 +271,7 @@ elif [ "$WHICH" = first ]; then
         compare gpu-remat.json --remat-compare --quick --offload-accum 8
 else
     stage "the longest sequence of a Llama-3-8B shape" 120 300 160 longest
-    stage "fp32 against bf16 optimizer moments" 40 90 150 state_formats
+    stage "optimizer state formats on 124M" 40 120 150 state_formats
     stage "ZeRO-Offload: the largest GPT" 150 200 0 offload
     stage "GPT-2 1.5B in full (eager and torch.compile)" 150 240 0 \
         compare gpu-1.5b-full.json --preset 1.5b
