@@ -54,9 +54,19 @@ std::vector<int64_t> shard_counts(int64_t total, int world) {
     return counts_of(shard_ranges(total, world));
 }
 
-std::vector<ShardRange> padded_shard_ranges(int64_t total, int world) {
+int64_t padded_shard_size(int64_t total, int world, int64_t grain) {
     if (world < 1) fail("padded_shard_ranges: world size must be >= 1, got {}", world);
+    if (grain < 1) fail("padded_shard_ranges: grain must be >= 1, got {}", grain);
     const int64_t S = (total + world - 1) / world;
+    return (S + grain - 1) / grain * grain;
+}
+
+std::vector<ShardRange> padded_shard_ranges(int64_t total, int world, int64_t grain) {
+    return equal_shard_ranges(total, world, padded_shard_size(total, world, grain));
+}
+
+std::vector<ShardRange> equal_shard_ranges(int64_t total, int world, int64_t S) {
+    if (world < 1) fail("equal_shard_ranges: world size must be >= 1, got {}", world);
     std::vector<ShardRange> ranges(static_cast<size_t>(world));
     for (int r = 0; r < world; ++r) {
         const int64_t b = std::min(total, r * S);

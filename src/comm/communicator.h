@@ -32,10 +32,14 @@ std::vector<int64_t> counts_of(std::span<const ShardRange> ranges);
 std::vector<int64_t> shard_counts(int64_t total, int world);
 // Prefix sums of `counts`: the offset of each rank's shard.
 std::vector<int64_t> shard_offsets(std::span<const int64_t> counts);
-// The layout NCCL's collectives want (the GPU engine's ZeRO): every shard S = ceil(total / world)
-// long over a buffer padded to world x S; here clipped to [0, total), so the last shards may be
-// shorter or empty.
-std::vector<ShardRange> padded_shard_ranges(int64_t total, int world);
+// The layout NCCL's collectives want (the GPU engine's ZeRO): every shard S long over a buffer
+// padded to world x S, S = ceil(total / world) rounded up to a multiple of `grain` (so that
+// block-quantized optimizer state keeps each block on one rank: optim/state_format.h's
+// shard_grain); here clipped to [0, total), so the last shards may be shorter or empty.
+int64_t padded_shard_size(int64_t total, int world, int64_t grain = 1);
+std::vector<ShardRange> padded_shard_ranges(int64_t total, int world, int64_t grain = 1);
+// Shards of S elements each over [0, total), clipped (padded_shard_ranges for a given S).
+std::vector<ShardRange> equal_shard_ranges(int64_t total, int world, int64_t S);
 
 // A piece of the flat buffer, [begin, end) (a ZeRO unit), cut along the shards: rank r's part
 // of it is [offsets[r], offsets[r] + counts[r]) counted from `begin` (count 0, offset 0 where the

@@ -155,10 +155,14 @@ std::vector<MemoryPrediction> predict_cuda_memory(const RunConfig& cfg, const Re
     const ParamLayout layout = make_param_layout(cfg.model);
     const std::size_t psi = layout.total, world = (std::size_t)where.world;
     const int stage = where.data_parallel ? cfg.train.zero_stage : 0;
-    // NCCL shards are equal: the flat buffer is padded to world x ceil(psi / world).
-    const std::size_t shard = (psi + world - 1) / world, padded = shard * world;
+    // NCCL shards are equal: the flat buffer is padded to world x S, S = ceil(psi / world) on
+    // the state format's grain where the optimizer state is sharded (DeviceDataParallel).
+    const int64_t grain = stage >= 1 ? (int64_t)shard_grain(cfg.optim) : 1;
+    const std::size_t shard =
+                          (std::size_t)dist::padded_shard_size((int64_t)psi, where.world, grain),
+                      padded = shard * world;
     const std::vector<dist::ShardRange> shards =
-        dist::padded_shard_ranges((int64_t)psi, where.world);
+        dist::padded_shard_ranges((int64_t)psi, where.world, grain);
     const std::size_t begin = stage >= 1 ? (std::size_t)shards[where.rank].offset : 0;
     const std::size_t count = stage >= 1 ? (std::size_t)shards[where.rank].count : psi;
     const std::size_t e = (std::size_t)device_elem_bytes(cfg);

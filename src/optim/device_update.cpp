@@ -33,6 +33,7 @@ std::vector<TensorChunk> tensor_chunks(const ParamLayout& layout, std::size_t of
 MomentLayout moment_layout(const ParamLayout& layout, std::size_t offset, std::size_t count,
                            StateFormat format, int max_n) {
     MomentLayout out;
+    check_whole_blocks(format, layout, offset, count);
     out.plan = MomentBuffer::plan(format, layout, offset, count);
     if (format == StateFormat::Fp32) {
         out.chunks = tensor_chunks(layout, offset, count, max_n);

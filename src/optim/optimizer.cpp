@@ -43,22 +43,7 @@ Optimizer::Optimizer(const ParamLayout& layout, std::size_t offset, std::size_t 
     if (offset > layout.total || count > layout.total - offset)
         fail("optimizer range [{}, {} + {}) is outside the {} parameters", offset, offset, count,
              layout.total);
-    // Blocks are whole inside the range: it starts and ends on the grid or on a tensor boundary
-    // (ZeRO shards and pipeline pieces are cut on shard_grain, stages on units).
-    const std::size_t B = block_size(format);
-    if (B) {
-        auto on_cut = [&](std::size_t at) {
-            if (at % B == 0 || at == layout.total) return true;
-            for (const ParamSpec& t : layout.tensors)
-                if (t.offset == at || t.offset + t.numel == at) return true;
-            return false;
-        };
-        if (!on_cut(offset) || !on_cut(offset + count))
-            fail(
-                "internal: optimizer range [{}, {}) splits an optim.state_format = {} block of "
-                "{} (shards must be cut on multiples of {})",
-                offset, offset + count, state_format_name(format), B, shard_grain(format));
-    }
+    check_whole_blocks(format, layout, offset, count);
 }
 
 std::size_t Optimizer::state_bytes() {

@@ -60,6 +60,23 @@ std::size_t shard_grain(const OptimConfig& cfg) {
     return shard_grain(parse_state_format(cfg.state_format));
 }
 
+void check_whole_blocks(StateFormat format, const ParamLayout& layout, std::size_t offset,
+                        std::size_t count) {
+    const std::size_t B = block_size(format);
+    if (!B) return;
+    auto on_cut = [&](std::size_t at) {
+        if (at % B == 0 || at == layout.total) return true;
+        for (const ParamSpec& t : layout.tensors)
+            if (t.offset == at || t.offset + t.numel == at) return true;
+        return false;
+    };
+    if (!on_cut(offset) || !on_cut(offset + count))
+        fail(
+            "internal: optimizer range [{}, {}) splits an optim.state_format = {} block of {} "
+            "(shards must be cut on multiples of {})",
+            offset, offset + count, state_format_name(format), B, shard_grain(format));
+}
+
 bool keeps_fp32(StateFormat f, const ParamSpec& t) {
     return f == StateFormat::Fp32 || t.numel < kKeepFp32Below;
 }

@@ -54,6 +54,11 @@ std::size_t block_size(StateFormat f);
 std::size_t shard_grain(StateFormat f);
 std::size_t shard_grain(const OptimConfig& cfg);
 bool keeps_fp32(StateFormat f, const ParamSpec& t);
+// Fails (internal) unless [offset, offset + count) keeps every block of `format` whole: it starts
+// and ends on the grid or on a tensor boundary (ZeRO shards and pipeline pieces are cut on
+// shard_grain, stages on units), as every optimizer over a range needs.
+void check_whole_blocks(StateFormat format, const ParamLayout& layout, std::size_t offset,
+                        std::size_t count);
 // Bytes per moment per parameter before the fp32 rule for small tensors: 4, 2, 1 + 4/256,
 // 0.5 + 4/128 (the planner's per-parameter price).
 double moment_bytes_per_param(StateFormat f);

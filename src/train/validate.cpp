@@ -356,12 +356,6 @@ void validate_optimizer_layout(const RunConfig& cfg) {
     const StateFormat f = parse_state_format(cfg.optim.state_format);
     if (f == StateFormat::Fp32) return;
     const auto refuse = refuser(fmt::format("optim.state_format = \"{}\"", cfg.optim.state_format));
-    if (cfg.train.device == "cuda" && f != StateFormat::Bf16 && cfg.train.zero_stage > 0 &&
-        cfg.world > 1)
-        refuse(fmt::format("train.zero_stage = {} on the GPU", cfg.train.zero_stage),
-               "NCCL's equal padded shards are not cut on the 256-element grain, so a "
-               "quantization block could fall between two ranks (bf16 moments, which have no "
-               "blocks, run there)");
     if (cfg.train.device == "cuda" && cfg.train.offload_optimizer)
         refuse("train.offload_optimizer = true",
                "the offloaded optimizer keeps fp32 moments on the host (the formats are built "

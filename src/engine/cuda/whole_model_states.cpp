@@ -108,7 +108,8 @@ WholeModelStates<T>::WholeModelStates(const RunPlan& plan, dist::Communicator& c
                                       cudaStream_t stream)
     : plan_(plan),
       stream_(stream),
-      dp_(plan.collective, plan.states, make_param_layout(plan.cfg.model), comm, stream),
+      dp_(plan.collective, plan.states, make_param_layout(plan.cfg.model), comm, stream,
+          (int64_t)shard_grain(plan.cfg.optim)),
       store_(*this) {
     model_ = std::make_unique<CudaGPT<T>>(plan_.cfg.model, stream_, dp_.padded_total(),
                                           dp_.unit_store());

@@ -20,7 +20,7 @@ using dist::sharded;
 template <typename T>
 DeviceDataParallel<T>::DeviceDataParallel(bool collective, const dist::ShardSpec& spec,
                                           const ParamLayout& layout, dist::Communicator& comm,
-                                          cudaStream_t compute)
+                                          cudaStream_t compute, int64_t grain)
     : layout_(layout), comm_(comm), compute_(compute), spec_(spec) {
     // Launched by mpirun (an MPI communicator, even of one rank): NCCL, so `mpirun -np 1` runs
     // this path at world size 1 against the plain single process.
@@ -31,8 +31,10 @@ DeviceDataParallel<T>::DeviceDataParallel(bool collective, const dist::ShardSpec
     world_ = comm.size();
     rank_ = comm.rank();
     const std::size_t psi = layout_.total;
-    shard_ = (psi + world_ - 1) / world_;
-    shards_ = dist::padded_shard_ranges((int64_t)psi, world_);
+    // The grain only where the optimizer state is sharded between ranks.
+    const int64_t g = launched && sharded(spec_.optimizer) ? grain : 1;
+    shard_ = (std::size_t)dist::padded_shard_size((int64_t)psi, world_, g);
+    shards_ = dist::padded_shard_ranges((int64_t)psi, world_, g);
     first_ = sharded(spec_.optimizer) ? (std::size_t)shards_[rank_].offset : 0;
     count_ = sharded(spec_.optimizer) ? (std::size_t)shards_[rank_].count : psi;
     if (!launched) return;

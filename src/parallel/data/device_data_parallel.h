@@ -38,8 +38,10 @@ class DeviceDataParallel {
     // This rank of `comm`, with the engine's compute stream, holding the model states as `spec`
     // (the run plan's table) says. `collective` (the plan's decision: launched by mpirun, even at
     // world size 1): NCCL between the ranks; otherwise one process, everything replicated.
+    // `grain`: shards are padded to a multiple of it (dist::padded_shard_ranges; the optimizer
+    // state format's shard_grain).
     DeviceDataParallel(bool collective, const dist::ShardSpec& spec, const ParamLayout& layout,
-                       dist::Communicator& comm, cudaStream_t compute);
+                       dist::Communicator& comm, cudaStream_t compute, int64_t grain = 1);
     DeviceDataParallel(const DeviceDataParallel&) = delete;
     DeviceDataParallel& operator=(const DeviceDataParallel&) = delete;
 
@@ -49,8 +51,9 @@ class DeviceDataParallel {
     bool collective() const { return dcomm_ != nullptr; }  // NCCL between the ranks
     int rank() const { return rank_; }
     int world() const { return world_; }
-    // The model's flat buffers hold world x ceil(total / world) elements (NCCL shards are
-    // equal), and its units go through the ZeRO-2/3 store (null below stage 2).
+    // The model's flat buffers hold world x S elements (NCCL shards are equal: S is
+    // ceil(total / world) rounded up to the grain), and its units go through the ZeRO-2/3 store
+    // (null below stage 2).
     std::size_t padded_total() const { return shard_ * world_; }
     DeviceUnitStore<T>* unit_store() { return zero_.get(); }
     // Connects the model built over unit_store(): its waits fail fast on a dead peer, and DDP

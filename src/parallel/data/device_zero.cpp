@@ -29,7 +29,7 @@ DeviceZeroUnits<T>::DeviceZeroUnits(const ParamLayout& layout, int stage, Device
       comm_stream_(comm_stream),
       type_(device_type<T>()) {
     if (stage_ < 2 || stage_ > 3) fail("internal: DeviceZeroUnits is for ZeRO stages 2 and 3");
-    const auto shards = padded_shard_ranges((int64_t)layout_.total, world_);
+    const auto shards = equal_shard_ranges((int64_t)layout_.total, world_, (int64_t)shard_);
     for (const ParamUnit& unit : layout_.units)
         pieces_.push_back(unit_pieces(shards, (int64_t)unit.begin, (int64_t)unit.end));
     const std::size_t padded = shard_ * world_;
