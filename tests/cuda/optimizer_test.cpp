@@ -32,29 +32,22 @@ using namespace memtrain;
 
 namespace {
 
-// 4208 floats in 17 tensors, decayed matrices and embeddings next to undecayed biases and norms.
-ParamLayout tiny_layout() {
+// 4208 floats in 17 tensors, decayed matrices and embeddings next to undecayed biases and norms;
+// with n_embd 32 (wide_layout) the block matrices (32 x 128 = 4096 elements) store their moments in
+// the optim.state_format while the rest keep fp32.
+ParamLayout tiny_layout(int n_embd = 16) {
     ModelConfig c;
     c.n_layer = 1;
     c.n_head = 2;
-    c.n_embd = 16;
+    c.n_embd = n_embd;
     c.block_size = 8;
     c.vocab_size = 40;
     c.vocab_pad = 16;
     return make_param_layout(c);
 }
 
-// Twice as wide, so its block matrices (32 x 128 = 4096 elements) store bf16 moments under
-// optim.state_format = "bf16" while the rest keep fp32.
 ParamLayout wide_layout() {
-    ModelConfig c;
-    c.n_layer = 1;
-    c.n_head = 2;
-    c.n_embd = 32;
-    c.block_size = 8;
-    c.vocab_size = 40;
-    c.vocab_pad = 16;
-    return make_param_layout(c);
+    return tiny_layout(32);
 }
 
 }  // namespace

@@ -80,18 +80,26 @@ namespace {
 
 constexpr int kParams = static_cast<int>(MemCategory::Parameters);
 
+// c with fp32 weights, then with optim.master = "none" (in out_dir + "_none"): the bf16 run holds
+// its predicted parameter bytes, under 3/4 of fp32's, and every weight is a bf16 value.
+std::pair<test::MeasuredRun, test::MeasuredRun> fp32_and_bf16_weights(RunConfig& c) {
+    test::MeasuredRun fp32 = test::measured_run(c);
+    c.optim.master = "none";
+    c.io.out_dir += "_none";
+    test::MeasuredRun none = test::measured_run(c);
+    EXPECT_EQ(none.peak[kParams], none.predicted[kParams]);
+    EXPECT_LT(none.peak[kParams], fp32.peak[kParams] * 3 / 4);
+    for (float w : none.params) EXPECT_EQ(bf16_to_f32(f32_to_bf16(w)), w);
+    return {std::move(fp32), std::move(none)};
+}
+
 }  // namespace
 
 TEST(Bf16Weights, TrackFp32InTheirPredictedBytesAndRepeatBitwise) {
     const int steps = 40;
     RunConfig c = test::wide_tiny_run("bfw_fp32", steps);
     c.model.n_layer = 8;  // so the decoded units and the scratch are a small share
-    const test::MeasuredRun fp32 = test::measured_run(c);
-    c.optim.master = "none";
-    c.io.out_dir += "_none";
-    const test::MeasuredRun none = test::measured_run(c);
-    EXPECT_EQ(none.peak[kParams], none.predicted[kParams]);
-    EXPECT_LT(none.peak[kParams], fp32.peak[kParams] * 3 / 4);
+    const auto [fp32, none] = fp32_and_bf16_weights(c);
     // Stated tolerance: the final training and validation losses within 2% of fp32's.
     ASSERT_EQ(none.summary.losses.size(), fp32.summary.losses.size());
     EXPECT_NEAR(none.summary.losses.back(), fp32.summary.losses.back(),
@@ -99,8 +107,6 @@ TEST(Bf16Weights, TrackFp32InTheirPredictedBytesAndRepeatBitwise) {
     EXPECT_NEAR(none.summary.val_losses.back().second, fp32.summary.val_losses.back().second,
                 0.02 * fp32.summary.val_losses.back().second);
     EXPECT_LT(none.summary.losses.back(), none.summary.losses.front() - 0.5);
-    // Every weight is a bf16 value.
-    for (float w : none.params) ASSERT_EQ(bf16_to_f32(f32_to_bf16(w)), w);
     // The same seed, the same run.
     c.io.out_dir += "_again";
     const test::MeasuredRun again = test::measured_run(c);
@@ -158,13 +164,7 @@ TEST(Bf16Weights, StepMuonAndAdafactorTensorsWholeInTheirPredictedBytes) {
             crosses |= whole[i] && t.offset / k != (t.offset + t.numel - 1) / k;
         }
         ASSERT_TRUE(crosses);
-        const test::MeasuredRun fp32 = test::measured_run(c);
-        c.optim.master = "none";
-        c.io.out_dir += "_none";
-        const test::MeasuredRun none = test::measured_run(c);
-        EXPECT_EQ(none.peak[kParams], none.predicted[kParams]);
-        EXPECT_LT(none.peak[kParams], fp32.peak[kParams] * 3 / 4);
-        for (float w : none.params) ASSERT_EQ(bf16_to_f32(f32_to_bf16(w)), w);
+        const auto [fp32, none] = fp32_and_bf16_weights(c);
         // Stated tolerance: the final training loss within 3% of the fp32 master's.
         EXPECT_NEAR(none.summary.losses.back(), fp32.summary.losses.back(),
                     0.03 * fp32.summary.losses.back());
