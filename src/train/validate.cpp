@@ -61,6 +61,13 @@ std::vector<std::string> config_warnings(const RunConfig& cfg) {
             "LoRA (lora.rank = {}) without model.init_from: the adapters train over a randomly "
             "initialised base model; set model.init_from to the pretrained weights",
             cfg.lora.rank));
+    if (cfg.optim.name == "adafactor" && cfg.optim.lr < 5e-3)
+        out.push_back(fmt::format(
+            "optim.name = \"adafactor\" with optim.lr = {}: Adafactor's step is relative (min(lr, "
+            "1/sqrt(t)) times each tensor's RMS), so an AdamW-sized learning rate barely moves "
+            "the weights; PyTorch's default is 1e-2 and the demo trains at 3e-2 "
+            "(docs/training.md, \"Adafactor\")",
+            cfg.optim.lr));
     return out;
 }
 

@@ -449,7 +449,7 @@ TEST(Config, PeersKeysNameMemtrainsAndEveryUnknownKeyIsReportedAtOnce) {
 }
 
 // Valid configs a user probably did not mean are warned about, each in one line.
-TEST(Config, WarningsForAWarmupAsLongAsTheRunAShortPipelineAndLoraOverARandomBase) {
+TEST(Config, WarningsForAWarmupAsLongAsTheRunAShortPipelineLoraOverARandomBaseAndAdafactorsLr) {
     RunConfig c;
     c.train.max_steps = 100;
     c.optim.warmup_steps = 10;
@@ -479,6 +479,14 @@ TEST(Config, WarningsForAWarmupAsLongAsTheRunAShortPipelineAndLoraOverARandomBas
     ASSERT_EQ(w.size(), 1u);
     EXPECT_NE(w[0].find("LoRA (lora.rank = 8) without model.init_from"), std::string::npos) << w[0];
     c.model.init_from = "base";
+    EXPECT_TRUE(config_warnings(c).empty());
+    c.optim.name = "adafactor";
+    c.optim.lr = 6e-4;
+    w = config_warnings(c);
+    ASSERT_EQ(w.size(), 1u);
+    EXPECT_NE(w[0].find("optim.name = \"adafactor\" with optim.lr = 0.0006"), std::string::npos)
+        << w[0];
+    c.optim.lr = 3e-2;
     EXPECT_TRUE(config_warnings(c).empty());
 }
 
