@@ -89,21 +89,22 @@ MemoryPrediction optimizer_row(const ParamLayout& layout, std::size_t begin, std
                                const std::string& what, int elem_bytes, const OptimConfig& optim) {
     const bool adamw = optim.name == "adamw";
     const std::size_t k = device_optimizer_bytes_per_param(elem_bytes, adamw);
-    const auto chunks = cuda::tensor_chunks(layout, begin, n);
-    const std::size_t table = chunks.size() * sizeof(cuda::TensorChunk);
     const StateFormat f = parse_state_format(optim.state_format);
-    if (f == StateFormat::Fp32)
+    if (f == StateFormat::Fp32) {
+        const std::size_t table =
+            cuda::tensor_chunks(layout, begin, n).size() * sizeof(cuda::TensorChunk);
         return {MemCategory::OptimizerState,
                 fmt::format("{} x {} ({}) + chunk table {} B", k, what,
                             device_optimizer_states(elem_bytes, adamw), table),
                 k * n + table};
+    }
     const std::size_t master = elem_bytes == 4 ? 0 : 4 * n;
     const cuda::MomentLayout lay = cuda::moment_layout(layout, begin, n, f);
     const std::size_t moments =
         (adamw ? 2 : 1) * MomentBuffer::predicted_bytes(f, layout, begin, n);
     const std::size_t tables = lay.chunks.size() * sizeof(cuda::TensorChunk) +
                                lay.at.size() * sizeof(cuda::StateChunk) +
-                               (lay.plan.code_bytes ? 512 * sizeof(float) : 0);
+                               cuda::decode_tables(f).size() * sizeof(float);
     return {
         MemCategory::OptimizerState,
         fmt::format("{}{} {} in {} ({} B) + chunk and decode tables {} B",

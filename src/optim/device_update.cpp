@@ -62,6 +62,17 @@ MomentLayout moment_layout(const ParamLayout& layout, std::size_t offset, std::s
     return out;
 }
 
+std::vector<float> decode_tables(StateFormat format) {
+    if (format != StateFormat::Int8 && format != StateFormat::Int4) return {};
+    const int bits = format == StateFormat::Int8 ? 8 : 4;
+    std::vector<float> t(512);
+    for (int c = 0; c < 256; c++) {
+        t[(std::size_t)c] = decode_code(bits, true, (uint8_t)c);
+        t[256 + (std::size_t)c] = decode_code(bits, false, (uint8_t)c);
+    }
+    return t;
+}
+
 QuantMap quant_map(StateFormat format, bool is_signed) {
     if (format != StateFormat::Int8 && format != StateFormat::Int4)
         fail("internal: a code map of {}", state_format_name(format));

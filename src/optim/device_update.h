@@ -35,6 +35,9 @@ struct MomentLayout {
 };
 MomentLayout moment_layout(const ParamLayout& layout, std::size_t offset, std::size_t count,
                            StateFormat format, int max_n = 1 << 16);
+// The decode tables the kernels read for `format` (MomentStores::table_m, then table_v):
+// decode_code's 256 values of the signed map, then the unsigned map's; empty for fp32 and bf16.
+std::vector<float> decode_tables(StateFormat format);
 // The code map of a signed (Adam m, SGD momentum) or unsigned (Adam v) moment in `format`
 // (int8, int4), as the kernels take it.
 QuantMap quant_map(StateFormat format, bool is_signed);

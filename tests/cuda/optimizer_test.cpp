@@ -239,13 +239,9 @@ void optimizer_case(const OptCase& c, bool cpu_fuses) {
     DeviceBuffer<float> d_m = std::move(dm.f32), d_v = std::move(dv.f32);  // the fp32 kernels'
     DeviceBuffer<cuda::StateChunk> d_at;
     if (!ml.at.empty()) d_at = upload(ml.at);
-    std::vector<float> tables(512);
     const int bits = format == StateFormat::Int8 ? 8 : 4;
-    for (int k = 0; k < 256 && ml.plan.code_bytes; k++) {
-        tables[(std::size_t)k] = decode_code(bits, true, (uint8_t)k);
-        tables[256 + (std::size_t)k] = decode_code(bits, false, (uint8_t)k);
-    }
-    auto d_tables = upload(tables);
+    DeviceBuffer<float> d_tables;
+    if (ml.plan.code_bytes) d_tables = upload(cuda::decode_tables(format));
     cuda::MomentStores st;
     st.m32 = d_m.size() ? d_m.data() : nullptr;
     st.v32 = d_v.size() ? d_v.data() : nullptr;

@@ -50,12 +50,7 @@ DeviceOptimizer<T>::DeviceOptimizer(const OptimConfig& cfg, const ParamLayout& l
             if (b->size()) MT_CUDA_CHECK(cudaMemsetAsync(b->data(), 0, b->bytes(), stream_));
         for (DeviceBuffer<float>* b : {&ms_, &vs_})
             if (b->size()) MT_CUDA_CHECK(cudaMemsetAsync(b->data(), 0, b->bytes(), stream_));
-        const int bits = format_ == StateFormat::Int8 ? 8 : 4;
-        std::vector<float> t(512);
-        for (int c = 0; c < 256; c++) {
-            t[(std::size_t)c] = decode_code(bits, true, (uint8_t)c);
-            t[256 + (std::size_t)c] = decode_code(bits, false, (uint8_t)c);
-        }
+        const std::vector<float> t = cuda::decode_tables(format_);
         tables_ = DeviceBuffer<float>(t.size(), MemCategory::OptimizerState);
         copy_to_device(tables_.data(), t.data(), tables_.bytes());
     }
