@@ -250,8 +250,8 @@ void register_remat(CLI::App& app) {
         const bool rebuilds = device == "cpu" && m.n_layer > 1;
         if (rebuilds)
             std::printf(
-                "  rebuilding block inputs (chen:K, memory-poor; budget:BYTES below the "
-                "above): %s\n",
+                "  rebuilding block inputs (chen:K, revolve:S, memory-poor; budget:BYTES "
+                "below the above): %s\n",
                 format_bytes(rebuild_floor(chain)).c_str());
         Chain offload_chain = chain;  // budget:BYTES+offload (cuda): inputs may leave the GPU
         offload_chain.allow_offload = true;
@@ -265,12 +265,16 @@ void register_remat(CLI::App& app) {
             if (!a->budget.empty()) fail("give either --budget or --frontier, not both");
             std::vector<Point> pts;
             // The named policies, and on the CPU those that rebuild block inputs: chen:K with
-            // K = ceil(sqrt(n_layer)) and memory-poor (the floor).
+            // K = ceil(sqrt(n_layer)), revolve:S with S = ceil(log2(n_layer)) and memory-poor
+            // (the floor).
             const std::string chen =
                 fmt::format("chen:{}", (int)std::ceil(std::sqrt((double)m.n_layer)));
+            const std::string revolve =
+                fmt::format("revolve:{}", (int)std::ceil(std::log2((double)m.n_layer)));
             for (const std::string& p :
                  {std::string("none"), std::string("selective"), std::string("sqrt"),
-                  std::string("full"), std::string("offload"), chen, std::string("memory-poor")}) {
+                  std::string("full"), std::string("offload"), chen, revolve,
+                  std::string("memory-poor")}) {
                 if (p == "offload" && device != "cuda") continue;
                 if (parse_policy(p).rebuilds_inputs() && (device == "cuda" || m.n_layer < 2))
                     continue;
@@ -282,8 +286,16 @@ void register_remat(CLI::App& app) {
             // The budget sweep, after the named policies (none is pts[0]), solved as train.remat
             // = budget:BYTES would be (below the knapsack's floor, the plans that rebuild).
             const int n = 10;
-            for (int i = 0; i <= n; i++) {
-                std::size_t b = lo + (hi - lo) * i / n;
+            std::vector<std::size_t> budgets;
+            for (int i = 0; i <= n; i++) budgets.push_back(lo + (hi - lo) * i / n);
+            if (rebuilds) {
+                // Between memory-poor's floor and the knapsack's, where the joint solver chooses
+                // which inputs to keep and how to rebuild the rest, five more points.
+                const std::size_t top = min_feasible_bytes(chain);
+                for (int i = 1; i <= 5 && top > lo; i++) budgets.push_back(lo + (top - lo) * i / 6);
+                std::sort(budgets.begin(), budgets.end());
+            }
+            for (std::size_t b : budgets) {
                 const std::string name = fmt::format("budget:{}", b);
                 pts.push_back({name, solve_policy(parse_policy(name), m, B, T, cost_ptr, fmt)});
             }
@@ -302,7 +314,7 @@ void register_remat(CLI::App& app) {
             std::printf("\n%-28s %12s %14s %10s %10s %12s  %s\n", "schedule", "peak MiB",
                         "peak bytes", "recompute", "measured", "measured MiB",
                         "plan (A all, S selective, I input only, O input in host memory, G "
-                        "segment, D dropped input)");
+                        "rebuilt and held, D rebuilt, not held)");
             for (const auto& p : pts) {
                 std::string mt = std::isnan(p.measured_pct)
                                      ? std::string("-")
@@ -332,13 +344,24 @@ void register_remat(CLI::App& app) {
                 "(this is the {} layout)",
                 policy, device);
         Solution s = solve_policy(pol, m, B, T, cost_ptr, fmt);
-        std::printf("\nschedule for %s\n%-6s %-10s %14s %13s %s\n", policy.c_str(), "block",
-                    "keeps", "kept bytes", "recompute", unit_name);
+        std::printf("\nschedule for %s\n%-6s %-10s %14s %13s %s  %s\n", policy.c_str(), "block",
+                    "keeps", "kept bytes", "recompute", unit_name, "input in the backward");
+        const InputRebuild rb = input_rebuild(s.plan);
         for (std::size_t l = 0; l < s.plan.size(); l++) {
             const Option& o = option(chain, l, s.plan[l]);
-            std::printf("%-6zu %-10s %14zu %16.3f\n", l, keep_name(s.plan[l]), o.kept_bytes,
-                        o.recompute_flops / unit);
+            std::string input = "kept";
+            if (rb.holder[l] >= 0)
+                input =
+                    fmt::format("held by block {}'s rebuild (slot {})", rb.holder[l], rb.slot[l]);
+            if (rb.from[l] >= 0)
+                input = fmt::format("rebuilt from block {}'s ({} forwards)", rb.from[l],
+                                    (int)l - rb.from[l]);
+            std::printf("%-6zu %-10s %14zu %16.3f  %s\n", l, keep_name(s.plan[l]), o.kept_bytes,
+                        o.recompute_flops / unit, input.c_str());
         }
+        if (rb.any)
+            std::printf("block inputs rebuilt: %lld forwards, %d held at once\n",
+                        (long long)rb.forwards, rb.slots);
         std::printf("predicted peak activation memory: %s\n", format_bytes(s.peak_bytes).c_str());
         std::printf("predicted recompute overhead: %.3f %s = %.2f%% of a step\n",
                     s.recompute_flops / unit, unit_name, 100.0 * s.recompute_flops / step);

@@ -93,9 +93,13 @@ char keep_letter(BlockKeep k) {
 
 InputRebuild input_rebuild(const RematPlan& plan) {
     const int n = (int)plan.size();
+    const bool explicit_holds = !plan.hold_by.empty();
+    if (explicit_holds && (int)plan.hold_by.size() != n)
+        fail("internal: a remat plan of {} blocks with {} hold entries", n, plan.hold_by.size());
     InputRebuild r;
     r.from.assign(n, -1);
     r.slot.assign(n, -1);
+    r.holder.assign(n, -1);
     std::vector<bool> held(n, false), busy;
     int in_use = 0;
     for (int i = n - 1; i >= 0; i--) {
@@ -113,12 +117,14 @@ InputRebuild input_rebuild(const RematPlan& plan) {
             r.forwards += i - j;
             for (int m = j + 1; m <= i; m++) {
                 if (plan[m] != BlockKeep::Segment) continue;
+                if (explicit_holds ? plan.hold_by[m] != i : r.holder[m] >= 0) continue;
                 int s = 0;
                 while (s < (int)busy.size() && busy[s]) s++;
                 if (s == (int)busy.size()) busy.push_back(false);
                 busy[s] = true;
                 held[m] = true;
                 r.slot[m] = s;
+                r.holder[m] = i;
                 in_use++;
             }
             r.slots = std::max(r.slots, in_use);
@@ -128,6 +134,16 @@ InputRebuild input_rebuild(const RematPlan& plan) {
             held[i] = false;
             in_use--;
         }
+    }
+    for (int l = 0; l < n; l++) {
+        if (explicit_holds && plan[l] == BlockKeep::Segment && r.holder[l] != plan.hold_by[l])
+            fail(
+                "remat plan: block {}'s input is to be held by block {}'s rebuild, which does not "
+                "pass it",
+                l, plan.hold_by[l]);
+        if (explicit_holds && plan[l] != BlockKeep::Segment && plan.hold_by[l] >= 0)
+            fail("remat plan: block {} keeps '{}' but names a rebuild to hold its input", l,
+                 keep_name(plan[l]));
     }
     r.any = r.any || std::any_of(plan.begin(), plan.end(), rebuilds_input);
     return r;

@@ -56,7 +56,23 @@ const char* keep_name(BlockKeep k);
 char keep_letter(BlockKeep k);
 inline constexpr const char* kKeepLetters =
     "a all, s selective, i input only, o input in host memory, g segment, d dropped input";
-using RematPlan = std::vector<BlockKeep>;  // one per block; empty = every block keeps All
+// One BlockKeep per block (empty = every block keeps All), and for the blocks whose input is
+// rebuilt and held (Segment), which rebuild holds it.
+struct RematPlan : std::vector<BlockKeep> {
+    using std::vector<BlockKeep>::vector;
+    // Per block, empty or n entries: the block whose backward's rebuild holds this Segment
+    // block's input (that rebuild's forward writes it into a hold slot instead of a temporary,
+    // and it stays there until its own backward); -1 for the other blocks. Empty: each Segment
+    // input is held by the first rebuild that passes it (chen:K). The joint solver's schedules
+    // (remat::solve_rebuild) set it: a rebuild that passes an input another, later rebuild holds
+    // leaves it in a temporary, as Griewank's binomial schedules do.
+    std::vector<int> hold_by;
+    bool operator==(const RematPlan& o) const {
+        return static_cast<const std::vector<BlockKeep>&>(*this) ==
+                   static_cast<const std::vector<BlockKeep>&>(o) &&
+               hold_by == o.hold_by;
+    }
+};
 
 enum class SavedField : uint8_t {
     Ln1,
@@ -129,13 +145,18 @@ std::size_t bf16_gemm_elems(const ModelConfig& cfg, int64_t BT, int chunk);
 // schedule the CPU model runs, plan_arena sizes and the solver prices. Walking the blocks from
 // the last: a block whose input is neither kept nor held re-runs the forward of blocks
 // [from, block) first, from the nearest block below whose input is kept or held, and holds the
-// inputs of the Segment blocks in (from, block], each in a slot until its own backward.
+// inputs of the Segment blocks in (from, block] that it is the holder of (RematPlan::hold_by;
+// by default every Segment block it passes), each in a slot until its own backward. A hold_by
+// naming a rebuild that does not pass the block is an error.
 struct InputRebuild {
     std::vector<int> from;  // per block: the first block re-run before its backward; -1: none
     std::vector<int> slot;  // per block: the hold slot of a Segment block's input; -1: none
-    int slots = 0;          // hold slots alive at once (residual streams)
-    int64_t forwards = 0;   // block forwards all the rebuilds of a step run
-    bool any = false;       // some block rebuilds its input (two stream temporaries then)
+    // Per block: the block whose backward's rebuild holds this input (RematPlan::hold_by, or the
+    // first rebuild that passes a Segment block); -1: never held.
+    std::vector<int> holder;
+    int slots = 0;         // hold slots alive at once (residual streams)
+    int64_t forwards = 0;  // block forwards all the rebuilds of a step run
+    bool any = false;      // some block rebuilds its input (two stream temporaries then)
 };
 InputRebuild input_rebuild(const RematPlan& plan);
 

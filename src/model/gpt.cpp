@@ -772,22 +772,23 @@ void GPT::block_backward_part(const UnitVisit& v, Slot& sl, int B, int T, bool s
 const float* GPT::block_input(int l, Slot& sl, int B, int T) {
     const int i = l - b0_;
     if (!rebuilds_input(plan_.empty() ? BlockKeep::All : plan_[i])) return sl.resid[i];
-    // Where block k's input is during the backward: a hold slot (Segment, once rebuilt) or its
-    // forward stream (kept, or a temporary of its parity).
+    // Where block k's input is during the backward: a hold slot (Segment, once its holder's
+    // rebuild has run) or its forward stream (kept, or a temporary of its parity).
     auto at = [&](int k) {
         return rebuild_.slot[k] >= 0 ? sl.held[rebuild_.slot[k]] : sl.resid[k];
     };
     const int from = rebuild_.from[i];
     if (from < 0) return at(i);  // held since an earlier rebuild
-    // Re-run the forward of blocks [from, i): each output into the next block's place, with the
-    // same kernels and inputs as the step's forward (so the same bits). Their units (and LoRA
-    // adapters) are acquired again; a kept block rewrites its kept fields with the same bits.
+    // Re-run the forward of blocks [from, i): each output into the next block's place (the hold
+    // slot of an input this rebuild holds, else a temporary), with the same kernels and inputs
+    // as the step's forward (so the same bits). Their units (and LoRA adapters) are acquired
+    // again; a kept block rewrites its kept fields with the same bits.
     const float* cur = at(from);
     for (int k = from; k < i; k++) {
         const int m = b0_ + k, u = layout_.block_unit(m);
         const BlockParams p = block_view(layout_, m, store_->acquire(u));
         const float* ad = lora_ ? lora_->store().acquire(m) : nullptr;
-        float* out = at(k + 1);
+        float* out = rebuild_.holder[k + 1] == i ? at(k + 1) : sl.resid[k + 1];
         block_forward(p, m, ad, cur, out, sl, B, T);
         if (lora_) lora_->store().release(m);
         store_->release(u);

@@ -45,15 +45,20 @@ RematPolicy parse_policy(const std::string& text) {
         p.kind = RematPolicy::Kind::Offload;
     else if (text == "memory-poor")
         p.kind = RematPolicy::Kind::MemoryPoor;
-    else if (text.starts_with("chen:") || text.starts_with("every:")) {
-        const bool chen = text.starts_with("chen:");
+    else if (text.starts_with("chen:") || text.starts_with("every:") ||
+             text.starts_with("revolve:")) {
+        const bool chen = text.starts_with("chen:"), revolve = text.starts_with("revolve:");
         const std::string k = text.substr(text.find(':') + 1);
         char* end = nullptr;
         const long v = std::strtol(k.c_str(), &end, 10);
-        if (k.empty() || *end != '\0' || v < 1 || v > 1000000)
+        if (revolve && (k.empty() || *end != '\0' || v < 0 || v > 1000000))
+            return bad("has a bad S (a count of hold slots, 0 or more)");
+        if (!revolve && (k.empty() || *end != '\0' || v < 1 || v > 1000000))
             return bad(chen ? "has a bad K (a positive integer: a segment of K blocks)"
                             : "has a bad K (a positive integer)");
-        p.kind = chen ? RematPolicy::Kind::Chen : RematPolicy::Kind::Every;
+        p.kind = chen      ? RematPolicy::Kind::Chen
+                 : revolve ? RematPolicy::Kind::Revolve
+                           : RematPolicy::Kind::Every;
         p.every = (int)v;
     } else if (text.starts_with("budget:")) {
         std::string bytes = text.substr(7);
@@ -111,12 +116,15 @@ Solution solve_policy(const RematPolicy& policy, const ModelConfig& cfg, int B, 
         case K::Chen:  // the inputs of blocks 0, K, 2K, ... kept; segments rebuilt once
             plan = chen_plan(L, every);
             break;
+        case K::Revolve:  // the first input kept, the rest on the binomial schedule
+            plan = binomial_plan(chain, every);
+            break;
         case K::Budget: {
-            auto s = solve_budget(chain, policy.budget);
-            // Below every plan that keeps the block inputs, on the CPU model: those that rebuild
-            // them (chen:K, memory-poor).
+            // On the CPU model the plans that rebuild block inputs join the knapsack's (the joint
+            // solver); the GPU model keeps every block's input (or offloads it).
             const bool rebuild = !fmt.cuda && !policy.budget_offload && L > 1;
-            if (!s && rebuild) s = solve_rebuild(chain, policy.budget);
+            const auto s =
+                rebuild ? solve_joint(chain, policy.budget) : solve_budget(chain, policy.budget);
             if (!s) {
                 std::size_t need = min_feasible_bytes(chain);
                 if (rebuild) need = std::min(need, rebuild_floor(chain));

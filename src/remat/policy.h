@@ -15,28 +15,46 @@ namespace memtrain::remat {
 // budget:BYTES+offload (the solver may also move block inputs to host memory) | offload (the
 // CUDA engine: full recompute with the block inputs in pinned host memory) | memory-poor (only
 // the first block's input kept; every other input rebuilt from it, BlockKeep::Dropped) | chen:K
-// (the inputs of every K-th block kept, each segment's rebuilt once, BlockKeep::Segment).
+// (the inputs of every K-th block kept, each segment's rebuilt once, BlockKeep::Segment) |
+// revolve:S (only the first block's input kept, the others rebuilt on Griewank's binomial
+// schedule with at most S inputs held at once).
 struct RematPolicy {
-    enum class Kind { None, Full, Every, Sqrt, Selective, Budget, Offload, MemoryPoor, Chen };
+    enum class Kind {
+        None,
+        Full,
+        Every,
+        Sqrt,
+        Selective,
+        Budget,
+        Offload,
+        MemoryPoor,
+        Chen,
+        Revolve
+    };
     Kind kind = Kind::None;
     int every = 0;                // Every: blocks with index % every == 0 keep all, others input;
-                                  // Chen: the segment length K
+                                  // Chen: the segment length K; Revolve: the hold slots S
     std::size_t budget = 0;       // Budget: peak activation bytes (MemCategory::Activations)
     bool budget_offload = false;  // Budget: Offload is one of the solver's options
     std::string text = "none";    // as written
     // Whether the schedule may keep block inputs in host memory (offload, budget:...+offload):
     // the CUDA engine only, without CUDA graphs.
     bool may_offload() const { return kind == Kind::Offload || budget_offload; }
-    // Whether it rebuilds block inputs (memory-poor, chen:K): the CPU engine's whole model.
-    bool rebuilds_inputs() const { return kind == Kind::MemoryPoor || kind == Kind::Chen; }
+    // Whether it rebuilds block inputs (memory-poor, chen:K, revolve:S): the CPU engine's whole
+    // model.
+    bool rebuilds_inputs() const {
+        return kind == Kind::MemoryPoor || kind == Kind::Chen || kind == Kind::Revolve;
+    }
 };
 
 inline constexpr const char* kPolicyForms =
     "none, full, every:K (K >= 1), sqrt, selective, budget:BYTES (e.g. budget:200MiB; "
     "suffixes B KB MB GB KiB MiB GiB), budget:BYTES+offload (cuda: the budget solver may also "
     "keep block inputs in host memory), offload (cuda: full, with block inputs in host "
-    "memory), memory-poor (only the first block's input kept, the others rebuilt from it), or "
-    "chen:K (the inputs of every K-th block kept, each segment rebuilt once)";
+    "memory), memory-poor (only the first block's input kept, the others rebuilt from it), "
+    "chen:K (the inputs of every K-th block kept, each segment rebuilt once), or revolve:S (only "
+    "the first block's input kept, the others rebuilt on the binomial schedule holding at most S "
+    "at once; S >= 0)";
 
 RematPolicy parse_policy(const std::string& text);
 // Bytes with an optional suffix ("200MiB", "1.5GB", "4096").

@@ -58,17 +58,36 @@ std::size_t min_feasible_bytes(const Chain& chain);
 std::optional<Solution> solve_budget(const Chain& chain, std::size_t budget);
 inline constexpr std::size_t kMaxUnits = std::size_t{1} << 16;
 
-// Below what solve_budget reaches (every block keeps its input): the plans that rebuild inputs,
-// chen:K for every K (blocks l % K == 0 `input`, the others `segment`) and memory-poor (block 0
-// `input`, the others `dropped`); the least recompute whose peak <= budget (ties: the smaller
-// peak), nullopt when even memory-poor does not fit. Not a joint optimum with the knapsack's
-// options (docs/checkpointing.md): the structured schedules of Chen and the lecture.
+// The plans that rebuild block inputs (the CPU model): the least recompute whose peak <= budget
+// (ties: the smaller peak) over every plan in which some block's input is rebuilt, jointly
+// choosing which inputs stay from the forward, each such block's option (all, selective,
+// input), and the backward's rebuild schedule: which rebuild holds which input in a slot
+// (RematPlan::hold_by), the slots alive at once, and what is recomputed from where. A block
+// whose input is rebuilt keeps no fields (it recomputes them from the rebuilt input). nullopt
+// when no such plan fits (below memory-poor's floor, or a single block). Exact over that space
+// (tests compare it with exhaustive search): between two kept inputs the rebuilds follow the
+// recursion of Griewank and Walther's binomial schedules, generalised to blocks of unequal
+// cost and to a slot count the solver chooses against the budget, as in Beaumont et al.'s
+// dynamic program for heterogeneous chains (docs/checkpointing.md, "The joint solver").
 std::optional<Solution> solve_rebuild(const Chain& chain, std::size_t budget);
+// The least-recompute plan over every plan solve_budget and solve_rebuild consider: the
+// budget:BYTES schedule of the CPU model.
+std::optional<Solution> solve_joint(const Chain& chain, std::size_t budget);
+// The least-recompute schedule that keeps only the first block's input and rebuilds the others
+// with at most `slots` hold slots alive at once (train.remat = revolve:S): Griewank and Walther's
+// binomial schedule, priced by each block's forward (on a uniform chain it runs
+// binomial_forwards(n, slots) rebuild forwards). slots = 0 is memory-poor.
+RematPlan binomial_plan(const Chain& chain, int slots);
+// The least block forwards that reverse a uniform chain of `blocks` blocks from its first input
+// with `slots` hold slots and nothing else kept: Griewank's binomial bound, which the joint
+// solver's schedules meet (tests).
+int64_t binomial_forwards(int blocks, int slots);
 // The two structured schedules over n blocks: chen:K (blocks l % K == 0 `input`, the others
 // `segment`) and memory-poor (block 0 `input`, the others `dropped`).
 RematPlan chen_plan(std::size_t n, std::size_t K);
 RematPlan memory_poor_plan(std::size_t n);
-// The plans solve_rebuild tries, and the least peak among them (memory-poor's, for n > 1).
+// chen:K for every K and memory-poor, and the least peak of any plan that rebuilds inputs
+// (memory-poor's, for n > 1).
 std::vector<RematPlan> rebuild_plans(std::size_t blocks);
 std::size_t rebuild_floor(const Chain& chain);
 

@@ -76,7 +76,7 @@ std::vector<TraceEvent> trace_step(const Chain& c, const RematPlan& plan_in) {
     for (int i = n - 1; i >= 0; i--) {
         if (rb.from[i] >= 0) {
             for (int m = rb.from[i]; m < i; m++) {
-                input[m + 1] = plan[m + 1] == BlockKeep::Segment ? In::Held : In::Temp;
+                input[m + 1] = rb.holder[m + 1] == i ? In::Held : In::Temp;
                 emit(TraceEvent::Kind::Rebuild, m, full_scratch(m));
                 if (m > rb.from[i] && input[m] == In::Temp) input[m] = In::None;
             }

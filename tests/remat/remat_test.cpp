@@ -51,6 +51,13 @@ std::vector<std::string> policies_for(const ModelConfig& c) {
     std::size_t lo = min_feasible_bytes(ch),
                 hi = peak_bytes(ch, RematPlan(c.n_layer, BlockKeep::All));
     for (int i = 0; i <= 4; i++) p.push_back(fmt::format("budget:{}", lo + (hi - lo) * i / 4));
+    if (c.n_layer > 1) {
+        // Below the knapsack's floor: the joint solver's schedules, and the binomial ones.
+        const std::size_t floor = rebuild_floor(ch);
+        for (int i = 0; i < 3; i++)
+            p.push_back(fmt::format("budget:{}", floor + (lo - floor) * i / 3));
+        for (int s = 0; s <= 2; s++) p.push_back(fmt::format("revolve:{}", s));
+    }
     return p;
 }
 
@@ -228,6 +235,134 @@ TEST(Remat, RebuiltInputsGoBelowFullToTheMemoryPoorFloor) {
               std::string::npos);
     for (const char* k : {"chen:0", "chen:x", "chen:"})
         EXPECT_NE(test::error_of([&] { parse_policy(k); }).find("has a bad K"), std::string::npos);
+}
+
+// The joint solver (budget:BYTES on the CPU model): over random chains of 2..7 blocks, at every
+// budget of a grid, the least recompute (then the least peak) that exhaustive search finds over
+// every plan: each block keeps its input with one of its three options, or (past the first)
+// rebuilds it, held by the rebuild of any later block or never held.
+TEST(Remat, JointSolverMatchesExhaustiveSearch) {
+    Rng r(17);
+    for (int trial = 0; trial < 24; trial++) {
+        const int n = 2 + trial % 6;
+        const bool alike = trial % 4 == 3;  // every block the same (the solver's uniform path)
+        Chain ch;
+        ch.resid_bytes = 64 * (2 + r.next_u64() % 6);
+        ch.fixed_bytes = (n + 1) * ch.resid_bytes + 64 * (1 + r.next_u64() % 4);
+        std::array<Option, 3> o{};
+        for (int l = 0; l < n; l++) {
+            if (l == 0 || !alike) {
+                o[0] = {64 * (6 + r.next_u64() % 20), 0, 0};
+                o[1] = {64 * (2 + r.next_u64() % 8), 64 * (1 + r.next_u64() % 4),
+                        (int64_t)(1 + r.next_u64() % 30)};
+                o[2] = {0, 64 * (5 + r.next_u64() % 10), (int64_t)(20 + r.next_u64() % 100)};
+            }
+            ch.blocks.push_back(o);
+        }
+        // Every plan, its peak and recompute.
+        std::vector<std::pair<std::size_t, int64_t>> all;
+        std::vector<int> choice(n, 0);
+        const auto options = [&](int l) { return l == 0 ? 3 : 3 + 1 + (n - 1 - l); };
+        while (true) {
+            RematPlan plan(n);
+            plan.hold_by.assign(n, -1);
+            for (int l = 0; l < n; l++) {
+                const int k = choice[l];
+                plan[l] = k < 3    ? static_cast<BlockKeep>(k)
+                          : k == 3 ? BlockKeep::Dropped
+                                   : BlockKeep::Segment;
+                if (k > 3) plan.hold_by[l] = l + (k - 3);  // a later block's rebuild
+            }
+            bool valid = true;
+            try {
+                input_rebuild(plan);
+            } catch (const Error&) {
+                valid = false;  // the named rebuild does not pass the block
+            }
+            if (valid) all.push_back({peak_bytes(ch, plan), recompute_flops(ch, plan)});
+            int l = 0;
+            while (l < n && ++choice[l] == options(l)) choice[l++] = 0;
+            if (l == n) break;
+        }
+        std::sort(all.begin(), all.end());
+        const std::size_t lo = all.front().first, hi = all.back().first;
+        const std::size_t step = std::max<std::size_t>(1, (hi - lo) / 40);
+        std::optional<std::pair<int64_t, std::size_t>> best;  // (recompute, peak)
+        std::size_t i = 0;
+        for (std::size_t budget = lo - 1; budget <= hi + step; budget += step) {
+            for (; i < all.size() && all[i].first <= budget; i++)
+                if (!best || all[i].second < best->first) best = {{all[i].second, all[i].first}};
+            const auto got = solve_joint(ch, budget);
+            const std::string what = fmt::format("trial {} (n {}) budget {}", trial, n, budget);
+            ASSERT_EQ(best.has_value(), got.has_value()) << what;
+            if (!got) continue;
+            EXPECT_EQ(got->recompute_flops, best->first) << what;
+            EXPECT_EQ(got->peak_bytes, best->second) << what;
+            EXPECT_EQ(evaluate(ch, got->plan).peak_bytes, got->peak_bytes) << what;
+            EXPECT_EQ(evaluate(ch, got->plan).recompute_flops, got->recompute_flops) << what;
+        }
+    }
+}
+
+// revolve:S on a chain of blocks that cost alike: the rebuild forwards of Griewank's binomial
+// bound for n blocks and S + 1 snapshots (the kept first input and S slots), never more than S
+// inputs held at once; S = 0 is memory-poor, and S >= n - 2 rebuilds each input once.
+TEST(Remat, BinomialScheduleMeetsGriewanksBound) {
+    // Closed-form values: t(l, s) for s = 1 is l(l-1)/2; for s = 2 and l = 6, 3*6 - beta(3, 2).
+    EXPECT_EQ(binomial_forwards(6, 0), 15);
+    EXPECT_EQ(binomial_forwards(6, 1), 3 * 6 - 10);
+    EXPECT_EQ(binomial_forwards(10, 2), 3 * 10 - 15);
+    for (int n = 2; n <= 40; n++) {
+        const Chain ch = make_chain(test::tiny_model(n), 2, 8);
+        const int64_t forward = option(ch, 0, BlockKeep::Input).recompute_flops;
+        for (int S = 0; S <= 6; S++) {
+            const RematPlan plan = binomial_plan(ch, S);
+            const InputRebuild rb = input_rebuild(plan);
+            EXPECT_EQ(rb.forwards, binomial_forwards(n, S)) << n << " blocks, " << S << " slots";
+            EXPECT_LE(rb.slots, S);
+            EXPECT_EQ(recompute_flops(ch, plan), (n + rb.forwards) * forward);
+            if (S == 0) {
+                EXPECT_EQ(plan, memory_poor_plan(n));
+            }
+            if (S >= n - 2) {
+                EXPECT_EQ(rb.forwards, n - 1);
+            }
+        }
+    }
+    EXPECT_NE(test::error_of([] { parse_policy("revolve:-1"); }).find("has a bad S"),
+              std::string::npos);
+    EXPECT_NE(test::error_of([] { parse_policy("revolve:x"); }).find("has a bad S"),
+              std::string::npos);
+}
+
+// The joint solver's schedules on GPT-2 and Llama-style models of 7 blocks: bitwise the loss and
+// gradients of keeping everything, the arena the plan predicts, and among them schedules whose
+// rebuilds pass an input that a later rebuild holds (it waits in a temporary the first time).
+TEST(Remat, JointSchedulesAreBitwiseAndTheirPredictedBytes) {
+    for (bool llama : {false, true}) {
+        const ModelConfig c = llama ? test::tiny_llama(7) : test::tiny_model(7);
+        const LossAndGrads ref = two_micro_batches(c, {});
+        const Chain ch = make_chain(c, 2, 8, cpu_arena_format(c));
+        const std::size_t floor = rebuild_floor(ch), lo = min_feasible_bytes(ch);
+        std::vector<std::string> policies;
+        for (int s = 1; s <= 3; s++) policies.push_back(fmt::format("revolve:{}", s));
+        for (int i = 1; i < 6; i++)
+            policies.push_back(fmt::format("budget:{}", floor + (lo - floor) * i / 6));
+        bool held_later = false;
+        for (const auto& text : policies) {
+            const Solution s = solve_policy(parse_policy(text), c, 2, 8);
+            const InputRebuild rb = input_rebuild(s.plan);
+            for (int i = 0; i < 7; i++)
+                for (int m = rb.from[i] + 1; rb.from[i] >= 0 && m < i; m++)
+                    held_later = held_later || (rb.holder[m] >= 0 && rb.holder[m] < i);
+            const LossAndGrads got = two_micro_batches(c, s.plan);
+            EXPECT_EQ(got.loss, ref.loss) << text;
+            EXPECT_EQ(0, std::memcmp(got.grads.data(), ref.grads.data(), ref.grads.size() * 4))
+                << text;
+            expect_measured_bytes(c, s, text);
+        }
+        EXPECT_TRUE(held_later);
+    }
 }
 
 // The step's schedule event by event (memtrain remat --animate): one forward and one backward

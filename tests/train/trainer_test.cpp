@@ -144,15 +144,15 @@ TEST(Trainer, LogSumExpAttentionTracksTheProbabilitiesWithLessMemory) {
               std::string::npos);
 }
 
-// train.remat = memory-poor and chen:K through the trainer: the losses and weights of keeping
-// everything, bitwise, measured = predicted activations below full's, and refused by name where
-// they are not built.
+// train.remat = memory-poor, chen:K and revolve:S through the trainer: the losses and weights of
+// keeping everything, bitwise, measured = predicted activations below full's, and refused by name
+// where they are not built.
 TEST(Trainer, MemoryPoorAndChenTrainBitwiseBelowFull) {
     std::vector<float> ref_params;
     std::vector<float> ref_losses;
     std::size_t full_bytes = 0;
-    for (const char* policy : {"none", "full", "chen:3", "memory-poor"}) {
-        auto d = test::temp_dir(std::string("rebuild_") + (policy[0] == 'c' ? "chen" : policy));
+    for (const char* policy : {"none", "full", "chen:3", "revolve:2", "memory-poor"}) {
+        auto d = test::temp_dir(std::string("rebuild_") + std::string(policy).substr(0, 4));
         RunConfig c = test::tiny_run(d, 4);
         c.model.n_layer = 8;  // chen:3 keeps 3 inputs, rebuilds 5 and holds 2 (plus 2 temporaries)
         c.train.remat = policy;
