@@ -176,6 +176,14 @@ class Reversals {
     std::vector<int> split_;
 };
 
+// The most slots a reversal table of n blocks is built for: about 2^24 cells (a few hundred MiB
+// at 1000 blocks, nothing below 200). More slots than that are not tried: still feasible plans,
+// possibly short of the optimum on chains far deeper than any model's.
+int table_slots(int n) {
+    const std::size_t per_slot = (std::size_t)(n + 1) * (n + 1);
+    return (int)std::max<std::size_t>(1, (std::size_t{1} << 24) / per_slot) - 1;
+}
+
 // Whether every block of the chain prices its options alike (every model's chain: the blocks of
 // a transformer share one shape).
 bool uniform(const Chain& chain) {
@@ -420,7 +428,8 @@ std::optional<Solution> solve_rebuild(const Chain& chain, std::size_t budget) {
     // Slots beyond n - 2 never shorten a reversal, nor beyond what the budget holds.
     const std::size_t base = rebuild_base(chain, 0, 0);
     if (base > budget) return std::nullopt;
-    const int max_slots = (int)std::min<std::size_t>(n - 2, (budget - base) / chain.resid_bytes);
+    const int max_slots = (int)std::min<std::size_t>(
+        {(std::size_t)n - 2, (budget - base) / chain.resid_bytes, (std::size_t)table_slots(n)});
     return uniform(chain) ? solve_rebuild_uniform(chain, budget, max_slots)
                           : solve_rebuild_general(chain, budget, max_slots);
 }
@@ -429,7 +438,7 @@ RematPlan binomial_plan(const Chain& chain, int slots) {
     const int n = (int)chain.blocks.size();
     if (slots < 0) fail("internal: a binomial schedule with {} slots", slots);
     if (n < 2) return RematPlan(n, BlockKeep::Input);
-    const int c = std::min(slots, n - 2);
+    const int c = std::min({slots, n - 2, table_slots(n)});
     const Reversals rev(chain, c);
     return rebuild_plan(rev, n, c, {0}, {BlockKeep::Input});
 }
