@@ -117,7 +117,7 @@ InputRebuild input_rebuild(const RematPlan& plan) {
             r.forwards += i - j;
             for (int m = j + 1; m <= i; m++) {
                 if (plan[m] != BlockKeep::Segment) continue;
-                if (explicit_holds ? plan.hold_by[m] != i : r.holder[m] >= 0) continue;
+                if (explicit_holds && plan.hold_by[m] != i) continue;  // another rebuild holds it
                 int s = 0;
                 while (s < (int)busy.size() && busy[s]) s++;
                 if (s == (int)busy.size()) busy.push_back(false);

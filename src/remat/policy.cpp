@@ -51,11 +51,10 @@ RematPolicy parse_policy(const std::string& text) {
         const std::string k = text.substr(text.find(':') + 1);
         char* end = nullptr;
         const long v = std::strtol(k.c_str(), &end, 10);
-        if (revolve && (k.empty() || *end != '\0' || v < 0 || v > 1000000))
-            return bad("has a bad S (a count of hold slots, 0 or more)");
-        if (!revolve && (k.empty() || *end != '\0' || v < 1 || v > 1000000))
-            return bad(chen ? "has a bad K (a positive integer: a segment of K blocks)"
-                            : "has a bad K (a positive integer)");
+        if (k.empty() || *end != '\0' || v < (revolve ? 0 : 1) || v > 1000000)
+            return bad(revolve ? "has a bad S (a count of hold slots, 0 or more)"
+                       : chen  ? "has a bad K (a positive integer: a segment of K blocks)"
+                               : "has a bad K (a positive integer)");
         p.kind = chen      ? RematPolicy::Kind::Chen
                  : revolve ? RematPolicy::Kind::Revolve
                            : RematPolicy::Kind::Every;

@@ -19,6 +19,23 @@ namespace {
 constexpr BlockKeep kKeeps[] = {BlockKeep::All, BlockKeep::Selective, BlockKeep::Input,
                                 BlockKeep::Offload};
 
+// Whether s beats the best so far: less recompute, then the smaller peak.
+bool better(const Solution& s, const std::optional<Solution>& best) {
+    return !best || s.recompute_flops < best->recompute_flops ||
+           (s.recompute_flops == best->recompute_flops && s.peak_bytes < best->peak_bytes);
+}
+
+// The distinct scratch sizes of the chain's options, ascending: the levels the max-scratch term
+// of the peak can take, which the solvers fix one at a time.
+std::vector<std::size_t> scratch_levels(const Chain& chain) {
+    std::vector<std::size_t> levels;
+    for (const auto& b : chain.blocks)
+        for (const auto& o : b) levels.push_back(o.scratch_bytes);
+    std::sort(levels.begin(), levels.end());
+    levels.erase(std::unique(levels.begin(), levels.end()), levels.end());
+    return levels;
+}
+
 // Residual streams an Offload set of `n` blocks frees: all but the ring's.
 std::size_t offload_saving(const Chain& c, std::size_t n) {
     return (n - std::min<std::size_t>(n, kOffloadSlots)) * c.resid_bytes;
@@ -197,11 +214,6 @@ bool uniform(const Chain& chain) {
     return true;
 }
 
-bool better(const Solution& s, const std::optional<Solution>& best) {
-    return !best || s.recompute_flops < best->recompute_flops ||
-           (s.recompute_flops == best->recompute_flops && s.peak_bytes < best->peak_bytes);
-}
-
 // The plan of kept inputs `kept` (ascending, starting at 0) with options `keep`, and the
 // reversals between them at `slots`.
 RematPlan rebuild_plan(const Reversals& rev, int n, int slots, const std::vector<int>& kept,
@@ -310,11 +322,7 @@ std::optional<Solution> solve_rebuild_general(const Chain& chain, std::size_t bu
     for (int l = 0; l < n; l++)
         for (int k = 0; k < 4; k++) unit = std::gcd(unit, weight(l, k));
     if (unit == 0) unit = 1;
-    std::vector<std::size_t> levels;
-    for (const auto& b : chain.blocks)
-        for (const auto& o : b) levels.push_back(o.scratch_bytes);
-    std::sort(levels.begin(), levels.end());
-    levels.erase(std::unique(levels.begin(), levels.end()), levels.end());
+    const std::vector<std::size_t> levels = scratch_levels(chain);
     const Reversals rev(chain, max_slots);
     std::optional<Solution> best;
     for (std::size_t W : levels) {
@@ -482,11 +490,7 @@ std::optional<Solution> solve_budget(const Chain& chain, std::size_t budget) {
     }
     // The max-scratch term is not additive, so fix it: for each scratch level W allow only the
     // options whose working set fits in W, and knapsack the kept bytes into budget - fixed - W.
-    std::vector<std::size_t> levels;
-    for (const auto& b : chain.blocks)
-        for (const auto& o : b) levels.push_back(o.scratch_bytes);
-    std::sort(levels.begin(), levels.end());
-    levels.erase(std::unique(levels.begin(), levels.end()), levels.end());
+    const std::vector<std::size_t> levels = scratch_levels(chain);
 
     // With Offload allowed every block's residual stream joins its weight (an Offload block
     // weighs only its kept bytes, plus a ring slot while fewer than kOffloadSlots are taken), so
@@ -561,10 +565,7 @@ std::optional<Solution> solve_budget(const Chain& chain, std::size_t budget) {
                     cc = prev;
                 }
                 Solution s = evaluate(chain, plan);
-                if (s.peak_bytes <= budget && (!best || s.recompute_flops < best->recompute_flops ||
-                                               (s.recompute_flops == best->recompute_flops &&
-                                                s.peak_bytes < best->peak_bytes)))
-                    best = s;
+                if (s.peak_bytes <= budget && better(s, best)) best = s;
             }
         }
     }
