@@ -259,8 +259,7 @@ std::vector<MemoryPrediction> predict_cuda_stage_memory(const RunPlan& plan, con
     const char* tn = precision_name(plan.precision);
     const int slots =
         pipeline_stage_slots(pp::make_schedule(plan.schedule, p, cfg.accum_steps()), stage);
-    const RematPlan stage_remat =
-        remat.empty() ? RematPlan{} : RematPlan(remat.begin() + b0, remat.begin() + b1);
+    const RematPlan stage_remat = remat.empty() ? RematPlan{} : slice_plan(remat, b0, b1);
     const ArenaPlan a = plan_stage_arena(cfg.model, b1 - b0, B, T, stage_remat,
                                          cuda_arena_format(cfg.model, eb, B, T));
     const std::string mirrored = mirror ? " + the tied wte's mirror" : "";

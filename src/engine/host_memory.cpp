@@ -268,8 +268,7 @@ StageFootprint stage_footprint(const RunPlan& plan, const RematPlan& remat, int 
         unit_ranges.emplace_back(first, last);
         f.units += fmt::format("{}{}..{}", f.units.empty() ? "" : ", ", layout.units[first].name,
                                layout.units[last].name);
-        const RematPlan keep =
-            remat.empty() ? RematPlan{} : RematPlan(remat.begin() + b0, remat.begin() + b1);
+        const RematPlan keep = remat.empty() ? RematPlan{} : slice_plan(remat, b0, b1);
         const ArenaPlan a = plan_stage_arena(cfg, b1 - b0, B, T, keep, cpu_arena_format(cfg));
         const int slots = std::max(1, sim.peak_stage_in_flight[vs]);
         const std::size_t wgrad = f.split_backward ? split_backward_bytes(cfg, b1 - b0, B, T) : 0;

@@ -149,6 +149,36 @@ InputRebuild input_rebuild(const RematPlan& plan) {
     return r;
 }
 
+RematPlan slice_plan(const RematPlan& plan, int b0, int b1) {
+    if (b0 < 0 || b1 < b0 || b1 > (int)plan.size())
+        fail("internal: blocks [{}, {}) of a remat plan of {}", b0, b1, plan.size());
+    RematPlan out(plan.begin() + b0, plan.begin() + b1);
+    if (plan.hold_by.empty()) return out;
+    for (int l = b0; l < b1; l++) {
+        const int h = plan.hold_by[l];
+        if (h >= 0 && (h < b0 || h >= b1))
+            fail(
+                "internal: block {}'s input is held by block {}'s rebuild, outside blocks [{}, {})",
+                l, h, b0, b1);
+        out.hold_by.push_back(h < 0 ? -1 : h - b0);
+    }
+    return out;
+}
+
+void append_plan(RematPlan& whole, const RematPlan& chunk) {
+    const int at = (int)whole.size();
+    // A plan without hold_by holds by the default rule: input_rebuild's holders spell it out.
+    auto holds = [](const RematPlan& p) {
+        return p.hold_by.empty() ? input_rebuild(p).holder : p.hold_by;
+    };
+    if (!whole.hold_by.empty() || !chunk.hold_by.empty()) {
+        std::vector<int> h = holds(whole);
+        for (int k : holds(chunk)) h.push_back(k < 0 ? -1 : k + at);
+        whole.hold_by = std::move(h);
+    }
+    whole.insert(whole.end(), chunk.begin(), chunk.end());
+}
+
 bool keeps(BlockKeep k, SavedField f) {
     return k == BlockKeep::All || (k == BlockKeep::Selective && !info(f).selective_drops);
 }

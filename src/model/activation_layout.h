@@ -43,8 +43,8 @@ namespace memtrain {
 //   Dropped:   as Segment, but the rebuilt input is never held: each Dropped block's backward
 //              re-runs the forward from the nearest available input below it (the lecture's
 //              memory-poor strategy, train.remat = memory-poor: O(n^2) block forwards, O(1)
-//              residual streams). The CPU engine's whole model and data parallelism; the first
-//              block always keeps its input.
+//              residual streams). The CPU engine (one process, data and tensor parallelism,
+//              and each pipeline chunk on its own); the first block always keeps its input.
 enum class BlockKeep : uint8_t { All, Selective, Input, Offload, Segment, Dropped };
 // Whether a block's residual-stream input is rebuilt in the backward instead of kept.
 inline bool rebuilds_input(BlockKeep k) {
@@ -159,6 +159,12 @@ struct InputRebuild {
     bool any = false;      // some block rebuilds its input (two stream temporaries then)
 };
 InputRebuild input_rebuild(const RematPlan& plan);
+// Blocks [b0, b1) of a plan as a plan of their own (a pipeline chunk's), the rebuilds that hold
+// their inputs renumbered from b0; a hold by a rebuild outside the range is an error.
+RematPlan slice_plan(const RematPlan& plan, int b0, int b1);
+// `chunk`, a plan of the blocks after `whole`'s, appended to it: each rebuilds only within its own
+// blocks. Holds become explicit (RematPlan::hold_by) once either names them.
+void append_plan(RematPlan& whole, const RematPlan& chunk);
 
 // One named region of the activation or workspace arena.
 struct ArenaEntry {

@@ -183,7 +183,7 @@ class CudaGPT {
     void make_walk();
     // plan_'s entries for blocks [b0_, b1_) (empty: every block keeps All).
     RematPlan stage_plan() const {
-        return plan_.empty() ? RematPlan{} : RematPlan(plan_.begin() + b0_, plan_.begin() + b1_);
+        return plan_.empty() ? RematPlan{} : slice_plan(plan_, b0_, b1_);
     }
     void loss_only(int B, int T_, double* loss_sum);
     void logits_out(int B, int T_, float* out);

@@ -90,8 +90,8 @@ PipelineActivations pipeline_activations(const ModelSpec& m, const RunSpec& r) {
     // as CpuEngine::set_remat hands the stage's model its blocks' entries.
     std::vector<std::size_t> arena(p * v);
     for (int s = 0; s < p * v; s++) {
-        const auto first = out.plan.begin() + out.split.first_block[s];
-        const RematPlan slice(first, first + out.split.blocks[s]);
+        const int b0 = out.split.first_block[s];
+        const RematPlan slice = slice_plan(out.plan, b0, b0 + out.split.blocks[s]);
         arena[s] =
             plan_stage_arena(shard, out.split.blocks[s], B, T, slice, out.format).activation_bytes;
     }

@@ -40,8 +40,8 @@ struct RematPolicy {
     // Whether the schedule may keep block inputs in host memory (offload, budget:...+offload):
     // the CUDA engine only, without CUDA graphs.
     bool may_offload() const { return kind == Kind::Offload || budget_offload; }
-    // Whether it rebuilds block inputs (memory-poor, chen:K, revolve:S): the CPU engine's whole
-    // model.
+    // Whether it rebuilds block inputs (memory-poor, chen:K, revolve:S): the CPU engine (in a
+    // pipeline, each chunk of blocks on its own).
     bool rebuilds_inputs() const {
         return kind == Kind::MemoryPoor || kind == Kind::Chen || kind == Kind::Revolve;
     }

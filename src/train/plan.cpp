@@ -15,10 +15,68 @@
 #include "engine/device_memory.h"
 #include "engine/host_memory.h"
 #include "model/gpt.h"
+#include "parallel/pipeline/stage_split.h"
+#include "parallel/tensor/tp.h"
 #include "remat/policy.h"
 #include "remat/profile.h"
 
 namespace memtrain {
+
+namespace {
+
+// The model whose arenas a rank allocates: under tensor parallelism its shard's
+// (sequence-parallel when the run is), so that a schedule, its budget and its recompute are
+// priced in the rank's own bytes and FLOPs.
+ModelConfig rank_model(const ModelConfig& whole, const RunPlan& p) {
+    return p.mesh.tp > 1 ? dist::tp_shard_config(whole, p.mesh.tp, p.sequence_parallel) : whole;
+}
+
+// The run's remat schedule for the whole model. A pipeline's policies that rebuild block inputs
+// (memory-poor, chen:K, revolve:S) apply to each chunk of blocks on its own, as the chunk's
+// engine runs it: the chunk's first input arrives from the stage before and stays, and every
+// rebuild re-runs blocks of the chunk only. Its peak is the largest chunk's, its recompute the
+// chunks' sum.
+remat::Solution solve_remat(const RunConfig& cfg, const RunPlan& p,
+                            const remat::BlockFlops* measured) {
+    const remat::RematPolicy policy = remat::parse_policy(cfg.train.remat);
+    const int B = p.micro_batch, T = p.seq_len;
+    const ModelConfig model = rank_model(cfg.model, p);
+    const int chunks = p.mesh.pp * std::max(1, p.virtual_stages);
+    if (!policy.rebuilds_inputs() || chunks <= 1 || chunks > cfg.model.n_layer) {
+        remat::Solution s = remat::solve_policy(policy, model, B, T, measured, p.format);
+        // A budget below every plan that keeps the block inputs solves to one that rebuilds
+        // them over the whole model, which a pipeline's chunks and a parameter server's workers
+        // do not run.
+        if (std::any_of(s.plan.begin(), s.plan.end(), rebuilds_input) &&
+            (p.mesh.pp > 1 || cfg.ps()))
+            fail(
+                "train.remat = {} solves to a plan that rebuilds block inputs ({} MiB of "
+                "activations) across the whole model, which {} does not run: raise the budget "
+                "to at least {} MiB, the least without rebuilding{}",
+                cfg.train.remat, s.peak_bytes / 1048576.0,
+                p.mesh.pp > 1 ? fmt::format("train.pp = {}", p.mesh.pp)
+                              : std::string("train.dp_mode = \"ps\""),
+                (double)remat::min_feasible_bytes(remat::make_chain(model, B, T, p.format)) /
+                    1048576.0,
+                p.mesh.pp > 1 ? ", or use memory-poor, chen:K or revolve:S, which rebuild "
+                                "within each stage"
+                              : "");
+        return s;
+    }
+    const pp::StageSplit split = pp::split_stages(cfg.model, chunks, B, T);
+    remat::Solution whole;
+    for (int c = 0; c < chunks; c++) {
+        ModelConfig part = model;
+        part.n_layer = split.blocks[c];
+        const remat::Solution s = remat::solve_policy(policy, part, B, T, measured, p.format);
+        append_plan(whole.plan, s.plan);
+        whole.peak_bytes = std::max(whole.peak_bytes, s.peak_bytes);
+        whole.recompute_flops += s.recompute_flops;
+    }
+    return whole;
+}
+
+}  // namespace
 
 RunPlan plan_layout(const RunConfig& config, const dist::Communicator& comm,
                     const remat::BlockFlops* measured) {
@@ -60,26 +118,12 @@ RunPlan plan_layout(const RunConfig& config, int rank, int world, bool collectiv
     p.seq_len = T;
     p.accum_steps = cfg.accum_steps();
     p.remat_policy = cfg.train.remat;
-    p.step_cost = measured ? remat::estimated_step_ns(cfg.model, B, T, *measured)
-                           : (double)remat::step_flops(cfg.model, B, T);
+    const ModelConfig mine = rank_model(cfg.model, p);
+    p.step_cost = measured ? remat::estimated_step_ns(mine, B, T, *measured)
+                           : (double)remat::step_flops(mine, B, T);
     p.costs_measured = measured != nullptr;
     p.format = gpu ? device_arena_format(cfg, B, T) : cpu_arena_format(cfg.model);
-    p.remat = remat::solve_policy(remat::parse_policy(cfg.train.remat), cfg.model, B, T, measured,
-                                  p.format);
-    // A budget below every plan that keeps the block inputs solves to one that rebuilds them
-    // (chen:K, memory-poor), which only the whole model on one process or DDP runs yet.
-    if (std::any_of(p.remat.plan.begin(), p.remat.plan.end(), rebuilds_input) &&
-        (cfg.train.tp > 1 || cfg.train.pp > 1 || cfg.ps()))
-        fail(
-            "train.remat = {} solves to a plan that rebuilds block inputs ({} MiB of "
-            "activations), which {} does not run yet: raise the budget to at least {} MiB, the "
-            "least without rebuilding",
-            cfg.train.remat, p.remat.peak_bytes / 1048576.0,
-            cfg.train.tp > 1   ? fmt::format("train.tp = {}", cfg.train.tp)
-            : cfg.train.pp > 1 ? fmt::format("train.pp = {}", cfg.train.pp)
-                               : std::string("train.dp_mode = \"ps\""),
-            (double)remat::min_feasible_bytes(remat::make_chain(cfg.model, B, T, p.format)) /
-                1048576.0);
+    p.remat = solve_remat(cfg, p, measured);
     return p;
 }
 

@@ -452,18 +452,16 @@ void validate_config(const RunConfig& cfg) {
     }
     // offload and budget:BYTES+offload keep block inputs in host memory beside a GPU.
     if (remat_policy.rebuilds_inputs()) {
-        // The CPU engine's whole model: one process, DDP and ZeRO 0-3 (with LoRA and dropout).
+        // The CPU engine: one process, DDP, ZeRO 0-3, tensor parallelism and pipelines (each
+        // chunk of blocks rebuilds within itself), with LoRA and dropout.
         const auto refuse = refuser(fmt::format("train.remat = {}", cfg.train.remat));
         if (cfg.train.device == "cuda")
             refuse("train.device = \"cuda\"",
                    "the GPU model does not rebuild block inputs (use full, or budget:BYTES)");
-        if (cfg.train.tp > 1)
-            refuse(fmt::format("train.tp = {}", cfg.train.tp),
-                   "it is built for the whole model on one process or data-parallel ranks");
-        if (cfg.train.pp > 1)
-            refuse(fmt::format("train.pp = {}", cfg.train.pp),
-                   "each stage would need its first block's input kept (set train.remat per "
-                   "stage to full or a budget)");
+        if (cfg.train.pp > 1 && cfg.train.pp_schedule == "zb-h1")
+            refuse("train.pp_schedule = \"zb-h1\"",
+                   "its split backward recomputes for the weight halves from kept block inputs "
+                   "(use full, selective, or another schedule)");
         if (cfg.ps())
             refuse("train.dp_mode = \"ps\"",
                    "it is built for one process or all-reduce data parallelism");

@@ -20,6 +20,7 @@
 #include "engine/host_memory.h"
 #include "io/safetensors.h"
 #include "mpi/dist_runs.h"
+#include "remat/policy.h"
 #include "test_util.h"
 #include "train/validate.h"
 
@@ -33,12 +34,14 @@ struct PpCase {
     int virt = 1;        // train.pp_virtual (interleaved)
     double dropout = 0;  // model.dropout: each micro-batch's masks keyed by its sequences
     std::string precision = "fp32";  // bf16: the CPU engine's bf16 GEMMs and saved fields
+    int layers = 0;  // > 0: this many blocks per virtual stage (for remat that rebuilds inputs)
 };
 
 std::string case_name(const PpCase& k) {
     return "pp_" + k.schedule + (k.virt > 1 ? "_v" + std::to_string(k.virt) : "") +
            (k.llama ? "_llama" : "_gpt2") + "_" + k.remat + (k.dropout > 0 ? "_dropout" : "") +
-           (k.precision == "fp32" ? "" : "_" + k.precision);
+           (k.precision == "fp32" ? "" : "_" + k.precision) +
+           (k.layers > 0 ? "_l" + std::to_string(k.layers) : "");
 }
 
 RunConfig pipeline_run(const PpCase& k, int steps) {
@@ -58,6 +61,7 @@ RunConfig pipeline_run(const PpCase& k, int steps) {
         c.model.n_layer = P * k.virt + 1;
         c.train.batch_size = 2 * 2 * P;
     }
+    if (k.layers > 0) c.model.n_layer = k.layers * comm().size() * k.virt;
     if (k.llama) {
         c.model.norm = "rmsnorm";
         c.model.activation = "swiglu";
@@ -333,6 +337,46 @@ TEST(Pipeline, InterleavedTiedGpt2MatchesSingleProcess) {
     check_pipeline_matches_single_process({"interleaved", false, "none", 2});
 }
 
+// Remat that rebuilds block inputs runs per chunk of blocks: each chunk keeps its first input
+// (received from the stage before) and rebuilds the others from it within the chunk, so a
+// pipeline still trains bitwise as one process, each stage's activations measured as predicted
+// (below full's; `full` holds every block input of every micro-batch in flight).
+TEST(Pipeline, RebuiltBlockInputsMatchSingleProcessBitwise) {
+    check_pipeline_matches_single_process({"1f1b", true, "memory-poor", 1, 0, "fp32", 3});
+    check_pipeline_matches_single_process({"gpipe", true, "chen:2", 1, 0.1, "fp32", 3});
+    check_pipeline_matches_single_process({"interleaved", true, "revolve:1", 2, 0, "fp32", 2});
+    check_pipeline_matches_single_process({"1f1b", true, "chen:2", 1, 0, "bf16", 3});
+    check_pipeline_matches_single_process({"1f1b", false, "memory-poor", 1, 0, "fp32", 3}, 1,
+                                          false);
+}
+
+// Each stage's plan, sliced from the run's, is its chunk's own: memory-poor keeps the first input
+// of every chunk, and a stage of 5 blocks holds 4 residual streams to full's 6.
+TEST(Pipeline, RebuildPlansAreSolvedPerChunk) {
+    PpCase k{"1f1b", true, "memory-poor", 1, 0, "fp32", 5};
+    RunConfig c = pipeline_run(k, 1);
+    c.train.pp = comm().size();
+    c.train.pp_schedule = k.schedule;
+    Trainer t(c, test::quiet(), &comm());
+    const RematPlan& plan = t.engine().remat_plan();
+    ASSERT_EQ((int)plan.size(), c.model.n_layer);
+    for (int l = 0; l < c.model.n_layer; l++)
+        EXPECT_EQ(plan[l], l % 5 == 0 ? BlockKeep::Input : BlockKeep::Dropped) << "block " << l;
+    auto* pe = dynamic_cast<CpuEngine*>(&t.engine());
+    ASSERT_NE(pe, nullptr);
+    const RematPlan& mine = pe->model().remat_plan();
+    ASSERT_EQ(mine.size(), 5u);
+    EXPECT_EQ(mine[0], BlockKeep::Input);
+    RunConfig f = c;
+    f.train.remat = "full";
+    f.io.out_dir += "_full";
+    Trainer tf(f, test::quiet(), &comm());
+    auto* fe = dynamic_cast<CpuEngine*>(&tf.engine());
+    ASSERT_NE(fe, nullptr);
+    EXPECT_LT(pe->model().stage_arena(c.micro_batch(), c.train.seq_len).activation_bytes,
+              fe->model().stage_arena(c.micro_batch(), c.train.seq_len).activation_bytes);
+}
+
 // Checkpoints stay per tensor with Hugging Face names and per-range optimizer files: a pipeline's
 // checkpoint resumes in one process, and one process's at this many stages, each continuing
 // bitwise as the uninterrupted single process does.
@@ -472,6 +516,14 @@ TEST(Pipeline, EveryScheduleAndRematIsPlannedAsTheEngineAllocates) {
     }
 }
 
+// A budget one byte below the least plan that keeps every block input: the whole model's joint
+// solver meets it only by rebuilding inputs.
+std::size_t rebuild_budget(const RunConfig& c) {
+    const remat::Chain chain =
+        remat::make_chain(c.model, c.micro_batch(), c.train.seq_len, cpu_arena_format(c.model));
+    return remat::min_feasible_bytes(chain) - 1;
+}
+
 TEST(Pipeline, BadLayoutsAreRefusedBeforeTraining) {
     PpCase k{"1f1b", false};
     RunConfig c = pipeline_run(k, 1);
@@ -506,6 +558,19 @@ TEST(Pipeline, BadLayoutsAreRefusedBeforeTraining) {
     unknown.train.pp = comm().size();
     unknown.train.pp_schedule = "2f2b";
     refused(unknown, "unknown pipeline schedule");
+    // Rebuilding block inputs: not under zero-bubble's split backward, and not a budget that
+    // solves to it over the whole model (the structured policies rebuild within each stage).
+    RunConfig zbr = c;
+    zbr.train.pp = comm().size();
+    zbr.train.pp_schedule = "zb-h1";
+    zbr.train.remat = "memory-poor";
+    refused(zbr, "train.remat = memory-poor does not run with train.pp_schedule = \"zb-h1\"");
+    RunConfig low = c;
+    low.train.pp = comm().size();
+    low.train.remat = "budget:1KiB";
+    refused(low, "below the smallest feasible");
+    low.train.remat = "budget:" + std::to_string(rebuild_budget(low));
+    refused(low, "which rebuild within each stage");
 }
 
 }  // namespace

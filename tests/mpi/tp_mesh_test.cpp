@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "core/allocator.h"
 #include "core/error.h"
 #include "engine/cpu/cpu_engine.h"
 #include "io/checkpoint.h"
@@ -139,6 +140,42 @@ TEST(TpMesh, LayoutsTrainAsOneProcess) {
                     EXPECT_EQ(e.update_range().count,
                               zero ? piece.count : (int64_t)e.stage_store().count());
                 }
+}
+
+// Remat that rebuilds block inputs on the mesh: each pipeline chunk of tensor-parallel shards
+// rebuilds within itself, re-running the same collectives on every rank of its group, so the
+// mesh trains bitwise as the same mesh keeping everything, and each rank allocates what its plan
+// predicted.
+TEST(TpMesh, RebuiltBlockInputsTrainBitwise) {
+    for (const MeshDegrees& m : meshes()) {
+        SCOPED_TRACE(m.name());
+        RunConfig c = mesh_run("tp_mesh_rebuild_" + m.name(), m, true, 3);
+        c.model.n_layer = 6;  // 3 blocks per stage
+        c.train.sequence_parallel = true;
+        TrainSummary keep;
+        std::vector<float> keep_params;
+        {
+            Trainer t(c, test::quiet(), &comm());
+            keep = t.run();
+            keep_params = t.params();
+        }
+        for (const char* remat : {"memory-poor", "chen:2"}) {
+            RunConfig r = c;
+            r.train.remat = remat;
+            r.io.out_dir += std::string("_") + remat;
+            const MemoryStats before = host_memory().snapshot();
+            Trainer t(r, test::quiet(), &comm());
+            EXPECT_EQ(t.run().losses, keep.losses) << remat;
+            EXPECT_EQ(t.params(), keep_params) << remat;
+            const std::size_t act = host_memory().snapshot()[MemCategory::Activations] -
+                                    before[MemCategory::Activations];
+            for (const MemoryPrediction& p :
+                 t.engine().predicted_memory(r.micro_batch(), r.train.seq_len))
+                if (p.category == MemCategory::Activations) {
+                    EXPECT_EQ(p.bytes, act) << remat << ": " << p.formula;
+                }
+        }
+    }
 }
 
 // The checkpoint of a mesh, written after 5 of 10 steps, loads exactly in one process and in a

@@ -194,10 +194,13 @@ TEST(TpTrain, LlamaGqaMatchesSingleProcess) {
     check_tp_matches_single_process(true);
 }
 
-// Activation checkpointing under TP: a block recomputed in backward runs its forward's
-// all-reduces again, on the same inputs, so the run is bitwise the one that kept everything.
-TEST(TpTrain, RematRecomputesBitwise) {
-    RunConfig c = with_tp(tp_run("tp_remat", true, 2));
+// Activation checkpointing under TP (and SP): a block recomputed in backward runs its forward's
+// collectives again, on the same inputs, and so does every rebuild of a dropped block input
+// (memory-poor, chen:K, revolve:S: the same blocks re-run on every rank, in the same order), so
+// each run is bitwise the one that kept everything; each rank's activations are what its plan
+// predicted, and memory-poor holds less than `full`.
+void check_remat_recomputes_bitwise(RunConfig c) {
+    c.model.n_layer = 5;
     TrainSummary keep;
     std::vector<float> keep_params;
     {
@@ -205,14 +208,38 @@ TEST(TpTrain, RematRecomputesBitwise) {
         keep = t.run();
         keep_params = t.params();
     }
-    for (const char* remat : {"full", "selective"}) {
+    std::size_t full_bytes = 0;
+    std::vector<std::string> policies = {"full", "selective", "memory-poor", "chen:2", "revolve:1"};
+    for (std::size_t i = 0; i < policies.size(); i++) {
+        const std::string remat = policies[i];
         RunConfig r = c;
         r.train.remat = remat;
-        r.io.out_dir = c.io.out_dir + "_" + remat;
+        r.io.out_dir = c.io.out_dir + "_" + std::to_string(i);
+        const MemoryStats before = host_memory().snapshot();
         Trainer t(r, test::quiet(), &comm());
         EXPECT_EQ(t.run().losses, keep.losses) << remat;
         EXPECT_EQ(t.params(), keep_params) << remat;
+        const std::size_t act =
+            host_memory().snapshot()[MemCategory::Activations] - before[MemCategory::Activations];
+        for (const MemoryPrediction& m :
+             t.engine().predicted_memory(r.micro_batch(), r.train.seq_len))
+            if (m.category == MemCategory::Activations) {
+                EXPECT_EQ(m.bytes, act) << remat << ": " << m.formula;
+            }
+        EXPECT_EQ(t.plan().remat.peak_bytes, act) << remat << ": the schedule priced on the shard";
+        if (remat == "full") {
+            // A rank's budget one byte below full's own bytes: the joint solver rebuilds inputs.
+            full_bytes = act;
+            policies.push_back(fmt::format("budget:{}", act - 1));
+        }
+        if (remat == "memory-poor" || i + 1 == policies.size()) {
+            EXPECT_LT(act, full_bytes) << remat;
+        }
     }
+}
+
+TEST(TpTrain, RematRecomputesBitwise) {
+    check_remat_recomputes_bitwise(with_tp(tp_run("tp_remat", true, 2)));
 }
 
 // Per step of K micro-batches of N = B x T tokens through L blocks: 2 L K all-reduces of N x C
@@ -251,25 +278,10 @@ TEST(TpSequenceParallel, LlamaGqaMatchesSingleProcess) {
     check_tp_matches_single_process(true, true);
 }
 
-// Under sequence parallelism a block recomputed in backward runs its forward's all-gathers and
-// reduce-scatters again: the run is bitwise the one that kept everything.
+// Under sequence parallelism the recomputes and rebuilds run their all-gathers and
+// reduce-scatters again.
 TEST(TpSequenceParallel, RematRecomputesBitwise) {
-    RunConfig c = with_sp(tp_run("sp_remat", true, 2));
-    TrainSummary keep;
-    std::vector<float> keep_params;
-    {
-        Trainer t(c, test::quiet(), &comm());
-        keep = t.run();
-        keep_params = t.params();
-    }
-    for (const char* remat : {"full", "selective"}) {
-        RunConfig r = c;
-        r.train.remat = remat;
-        r.io.out_dir = c.io.out_dir + "_" + remat;
-        Trainer t(r, test::quiet(), &comm());
-        EXPECT_EQ(t.run().losses, keep.losses) << remat;
-        EXPECT_EQ(t.params(), keep_params) << remat;
-    }
+    check_remat_recomputes_bitwise(with_sp(tp_run("sp_remat", true, 2)));
 }
 
 // Per step of K micro-batches of N = B x T tokens through L blocks, each collective over a

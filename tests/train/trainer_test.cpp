@@ -198,11 +198,13 @@ TEST(Trainer, MemoryPoorAndChenTrainBitwiseBelowFull) {
     RunConfig bad = test::tiny_run_config("/nonexistent", 4);
     bad.train.remat = "memory-poor";
     bad.world = 2;
-    bad.train.pp = 2;
-    EXPECT_NE(test::error_of([&] {
-                  validate_config(bad);
-              }).find("train.remat = memory-poor does not run with train.pp = 2 yet"),
-              std::string::npos);
+    bad.train.pp = 2;  // a pipeline rebuilds within each stage, but not in a split backward
+    bad.train.pp_schedule = "zb-h1";
+    EXPECT_NE(
+        test::error_of([&] {
+            validate_config(bad);
+        }).find("train.remat = memory-poor does not run with train.pp_schedule = \"zb-h1\" yet"),
+        std::string::npos);
 }
 
 // Where model.dropout is not built yet, the config is refused by name.

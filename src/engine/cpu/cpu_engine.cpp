@@ -322,7 +322,7 @@ void CpuEngine::set_remat(const RematPlan& plan) {
         fail("remat plan has {} entries but model.n_layer is {}", plan.size(), L);
     for (auto& g : chunks_)
         g->set_remat(pipelined() && !plan.empty()
-                         ? RematPlan(plan.begin() + g->first_block(), plan.begin() + g->end_block())
+                         ? slice_plan(plan, g->first_block(), g->end_block())
                          : plan);
 }
 
