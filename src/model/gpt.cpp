@@ -740,17 +740,20 @@ double GPT::head_backward(const UnitVisit& v, Slot& sl, const int32_t* targets, 
 
 void GPT::block_backward_part(const UnitVisit& v, Slot& sl, int B, int T, bool split) {
     const int l = v.block, u = v.unit, i = l - b0_;
+    // A rebuilt input first, before this block's unit is acquired: the rebuild acquires and
+    // releases the units of the blocks below one at a time, so at most one block's weights are
+    // decoded (optim.master = none) or gathered (ZeRO-3) beside the head's, as without it.
+    const float* x = nullptr;
+    {
+        const ScopedPhase recompute(Phase::recompute);  // (a rebuilt input; nothing when kept)
+        x = block_input(l, sl, B, T);
+    }
     BlockParams p = block_view(layout_, l, store_->acquire(u));
     announce(v.prefetch);
     BlockParams g{};
     if (!frozen_base()) g = block_view(layout_, l, store_->unit_grads(u));
     const float* ad = lora_ ? lora_->store().acquire(l) : nullptr;
     float* adg = lora_ ? lora_->store().unit_grads(l) : nullptr;
-    const float* x = nullptr;
-    {
-        const ScopedPhase recompute(Phase::recompute);  // (a rebuilt input; nothing when kept)
-        x = block_input(l, sl, B, T);
-    }
     unstash(sl, i);  // after block_input: a rebuild re-runs blocks below through the working block
     if (v.redo != Redo::Nothing) {
         const ScopedPhase recompute(Phase::recompute);

@@ -130,6 +130,27 @@ TEST(Bf16Weights, ComposeWithTheStepInBackwardAndInt8Moments) {
     EXPECT_EQ(sib.peak[kParams], sib.predicted[kParams]);
 }
 
+// A remat plan that rebuilds block inputs re-runs blocks below the one in its backward: the
+// rebuild runs before that block's unit is acquired, so one block's weights are decoded at a
+// time, as the parameters' row predicts, and the run is bitwise the one that keeps everything.
+TEST(Bf16Weights, RebuiltBlockInputsDecodeOneBlockAtATime) {
+    RunConfig c = test::wide_tiny_run("bfw_rebuild", 3);
+    c.model.n_layer = 6;
+    c.optim.master = "none";
+    const test::MeasuredRun keep = test::measured_run(c);
+    for (const char* remat : {"memory-poor", "chen:2", "revolve:1"}) {
+        RunConfig r = c;
+        r.train.remat = remat;
+        r.io.out_dir += std::string("_") + remat;
+        const test::MeasuredRun run = test::measured_run(r);
+        EXPECT_EQ(run.peak[kParams], run.predicted[kParams]) << remat;
+        EXPECT_EQ(run.peak[kParams], keep.peak[kParams]) << remat;
+        EXPECT_EQ(run.summary.losses, keep.summary.losses) << remat;
+        EXPECT_EQ(0, std::memcmp(run.params.data(), keep.params.data(), keep.params.size() * 4))
+            << remat;
+    }
+}
+
 TEST(Bf16Weights, ResumeIsBitwise) {
     RunConfig c = test::wide_tiny_run("bfw_resume_whole", 8);
     c.optim.master = "none";
