@@ -449,16 +449,32 @@ int run_cpu_plan(const CpuPlanArgs& a) {
     else
         attempt("optim.step_in_backward (no gradient buffer)",
                 [](RunConfig& c) { c.optim.step_in_backward = true; });
-    // Last, for their recompute: dropping the block inputs too (one extra forward per block for
-    // chen's segments, O(n^2) for memory-poor).
-    // Chen's only when it keeps fewer streams than full's n + 1: ceil(n / K) inputs, the last,
-    // two temporaries and K - 1 held.
-    const int n = cfg.model.n_layer, K = (int)std::ceil(std::sqrt((double)n));
-    const std::string chen = fmt::format("chen:{}", K);
-    if ((n + K - 1) / K + K + 2 < n + 1)
-        attempt("train.remat = " + chen, [&](RunConfig& c) { c.train.remat = chen; });
-    if (n > 3)  // 4 streams against n + 1
-        attempt("train.remat = memory-poor", [](RunConfig& c) { c.train.remat = "memory-poor"; });
+    // Last, for their recompute: dropping the block inputs too. The joint remat solver
+    // (docs/checkpointing.md) gives the least recompute under a budget, so the lever is the
+    // largest budget the host leaves: a rank's activations are its plan's peak and nothing else
+    // depends on the plan, so raising every rank's budget by d from the rebuild floor (memory-
+    // poor's bytes) adds at most d x ranks. Where even the floor does not fit, memory-poor shows
+    // what it needs.
+    if (!chosen && cfg.model.n_layer > 3) {  // from 4 blocks the floor keeps fewer streams
+        RunConfig floor = cfg;
+        floor.train.remat = "memory-poor";
+        std::optional<HostNeed> at_floor;
+        try {
+            validate_config(floor);
+            at_floor = host_need(floor);
+        } catch (const Error&) {  // the lever's own attempt says why
+        }
+        const double headroom = at_floor ? host - (double)at_floor->sum : -1;
+        if (headroom >= 0) {
+            const std::size_t peak = plan_host_rank(floor, 0).remat.peak_bytes;
+            const std::size_t budget = peak + (std::size_t)(headroom / a.ranks);
+            attempt(fmt::format("train.remat = budget:{} (least recompute that fits)", budget),
+                    [&](RunConfig& c) { c.train.remat = fmt::format("budget:{}", budget); });
+        } else {
+            attempt("train.remat = memory-poor",
+                    [](RunConfig& c) { c.train.remat = "memory-poor"; });
+        }
+    }
 
     if (a.json) {
         nlohmann::json j;
