@@ -45,22 +45,16 @@ remat::Solution solve_remat(const RunConfig& cfg, const RunPlan& p,
     if (!policy.rebuilds_inputs() || chunks <= 1 || chunks > cfg.model.n_layer) {
         remat::Solution s = remat::solve_policy(policy, model, B, T, measured, p.format);
         // A budget below every plan that keeps the block inputs solves to one that rebuilds
-        // them over the whole model, which a pipeline's chunks and a parameter server's workers
-        // do not run.
-        if (std::any_of(s.plan.begin(), s.plan.end(), rebuilds_input) &&
-            (p.mesh.pp > 1 || cfg.ps()))
+        // them over the whole model, which a pipeline's chunks do not run.
+        if (std::any_of(s.plan.begin(), s.plan.end(), rebuilds_input) && p.mesh.pp > 1)
             fail(
                 "train.remat = {} solves to a plan that rebuilds block inputs ({} MiB of "
-                "activations) across the whole model, which {} does not run: raise the budget "
-                "to at least {} MiB, the least without rebuilding{}",
-                cfg.train.remat, s.peak_bytes / 1048576.0,
-                p.mesh.pp > 1 ? fmt::format("train.pp = {}", p.mesh.pp)
-                              : std::string("train.dp_mode = \"ps\""),
+                "activations) across the whole model, which train.pp = {} does not run: raise "
+                "the budget to at least {} MiB, the least without rebuilding, or use "
+                "memory-poor, chen:K or revolve:S, which rebuild within each stage",
+                cfg.train.remat, s.peak_bytes / 1048576.0, p.mesh.pp,
                 (double)remat::min_feasible_bytes(remat::make_chain(model, B, T, p.format)) /
-                    1048576.0,
-                p.mesh.pp > 1 ? ", or use memory-poor, chen:K or revolve:S, which rebuild "
-                                "within each stage"
-                              : "");
+                    1048576.0);
         return s;
     }
     const pp::StageSplit split = pp::split_stages(cfg.model, chunks, B, T);

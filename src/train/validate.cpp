@@ -452,8 +452,9 @@ void validate_config(const RunConfig& cfg) {
     }
     // offload and budget:BYTES+offload keep block inputs in host memory beside a GPU.
     if (remat_policy.rebuilds_inputs()) {
-        // The CPU engine: one process, DDP, ZeRO 0-3, tensor parallelism and pipelines (each
-        // chunk of blocks rebuilds within itself), with LoRA and dropout.
+        // The CPU engine: one process, DDP, ZeRO 0-3, a parameter server's workers, tensor
+        // parallelism and pipelines (each chunk of blocks rebuilds within itself), with LoRA and
+        // dropout.
         const auto refuse = refuser(fmt::format("train.remat = {}", cfg.train.remat));
         if (cfg.train.device == "cuda")
             refuse("train.device = \"cuda\"",
@@ -462,9 +463,6 @@ void validate_config(const RunConfig& cfg) {
             refuse("train.pp_schedule = \"zb-h1\"",
                    "its split backward recomputes for the weight halves from kept block inputs "
                    "(use full, selective, or another schedule)");
-        if (cfg.ps())
-            refuse("train.dp_mode = \"ps\"",
-                   "it is built for one process or all-reduce data parallelism");
     }
     const bool remat_offloads = remat_policy.may_offload();
     if (remat_offloads && cfg.train.device == "cpu")

@@ -56,10 +56,12 @@ RunConfig ps_as_one_process(const RunConfig& c, const std::string& tag) {
 // step without clipping (whose coefficient reads the embedding's gradient) checks everything
 // else bitwise; more steps follow the embedding to rounding. One worker is bitwise throughout.
 void check_ps_matches_one_process(const std::string& name, int servers, int per_worker, bool llama,
-                                  int steps = 6, bool clip = true) {
+                                  int steps = 6, bool clip = true,
+                                  const std::string& remat = "none") {
     if (comm().size() < servers + 1) GTEST_SKIP() << "needs " << servers + 1 << " ranks";
     RunConfig c = ps_run(name, servers, per_worker, llama, steps);
     if (!clip) c.optim.grad_clip = 0;
+    c.train.remat = remat;
     const int W = comm().size() - servers;
     const bool all_exact = W == 1 && per_worker == 1;
     const bool exact = all_exact || (per_worker == 1 && steps == 1 && !clip);
@@ -239,6 +241,19 @@ TEST(Ps, CheckpointsMoveBetweenPsAndOneProcess) {
 // server's units with their optimizer state, push buffer and published versions): the plan's
 // rows are what the built engine reports, and a run that does not fit the host is refused before
 // allocating, naming the categories.
+// A worker is a whole model: remat that rebuilds block inputs runs there as in one process (the
+// reference runs the same policy, which is bitwise no remat's), its rows planned as allocated.
+TEST(Ps, RebuiltBlockInputsMatchOneProcess) {
+    check_ps_matches_one_process("ps_llama_mp", 1, 1, true, 1, false, "memory-poor");
+    check_ps_matches_one_process("ps_llama_chen", 1, 1, true, 6, true, "chen:2");
+    if (comm().size() < 2) return;
+    RunConfig c = ps_run("ps_memory_mp", 1, 1, true, 1);
+    c.train.remat = "revolve:1";
+    Trainer t(c, test::quiet(), &comm());
+    expect_planned_rows_are_the_engines(t, "ps revolve:1");
+    t.run();
+}
+
 TEST(Ps, MemoryIsPlannedAndARunThatCannotFitIsRefusedBeforeAllocating) {
     if (comm().size() < 2) GTEST_SKIP() << "needs a worker and a server";
     RunConfig c = ps_run("ps_memory", 1, 1, true, 1);
