@@ -347,14 +347,21 @@ void validate_optimizer_layout(const RunConfig& cfg) {
                    "exists at once");
     }
     if (cfg.optim.master == "none") {
-        // bf16 weights in the ZeroStore at stage 0 (one process, DDP; the whole model or LoRA's
-        // adapters) on the CPU engine.
+        // bf16 weights in the ZeroStore at stages 0-2 (one process, DDP, ZeRO-1 and -2; the whole
+        // model or LoRA's adapters) on the CPU engine.
         const auto refuse = refuser("optim.master = \"none\"");
         if (cfg.train.device == "cuda")
             refuse("train.device = \"cuda\"", "it is built on the CPU engine so far");
-        if (cfg.train.zero_stage > 0)
-            refuse(fmt::format("train.zero_stage = {}", cfg.train.zero_stage),
-                   "the bf16 weights are kept whole on every rank (one process or DDP)");
+        if (cfg.train.zero_stage == 3)
+            refuse("train.zero_stage = 3",
+                   "the bf16 weights are kept whole on every rank (one process, DDP, ZeRO-1 and "
+                   "-2)");
+        if (cfg.train.zero_stage > 0 && cfg.world > 1 &&
+            (cfg.optim.name == "muon" || cfg.optim.name == "adafactor"))
+            refuse(fmt::format("train.zero_stage = {} and optim.name = \"{}\"",
+                               cfg.train.zero_stage, cfg.optim.name),
+                   "its tensors stepped whole would be cut by the shards the bf16 update rounds "
+                   "(use train.zero_stage = 0)");
         const char* whole = "the bf16 weights are built for one process or DDP so far";
         if (cfg.train.tp > 1) refuse(fmt::format("train.tp = {}", cfg.train.tp), whole);
         if (cfg.train.pp > 1) refuse(fmt::format("train.pp = {}", cfg.train.pp), whole);

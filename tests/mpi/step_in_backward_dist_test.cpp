@@ -1,7 +1,8 @@
 // optim.step_in_backward under mpirun (2 and 4 ranks): at DDP and ZeRO 1, 2 and 3, with clipping
 // (the norm pass) and with accumulation, every rank's weights after the run are bitwise those of
 // the two-phase step at the same stage, each rank holds no gradient buffer with one micro-batch
-// per step (its buckets' peak is the plan's row), and the plan's rows are the engine's.
+// per step (its buckets' peak is the plan's row), and the plan's rows are the engine's. Bf16
+// weights (optim.master = "none") under ZeRO-1 and -2 are DDP's bitwise and resume bitwise.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -9,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "core/dtype.h"
 #include "mpi/dist_runs.h"
 #include "test_util.h"
 
@@ -72,6 +74,90 @@ TEST(StepInBackwardDist, EveryZeroStageIsBitwiseItsTwoPhaseStep) {
             comm().barrier();
         }
     }
+}
+
+// optim.master = "none" under ZeRO-1 and -2: each rank updates and rounds its shard of the bf16
+// weights, drawing by each element's global index, and broadcasts it. So the weights after every
+// step are bitwise those of DDP (stage 0, every rank rounding everything), whose reduction sums
+// the same gradients; both phases of the step and the step in the backward alike; every rank's
+// rows measured as planned (the optimizer state the shard's, the bf16 weights whole).
+TEST(StepInBackwardDist, Bf16WeightsUnderZeroAreDdpsBitwise) {
+    const int N = comm().size();
+    if (N < 2) GTEST_SKIP() << "needs ranks to shard over";
+    for (bool in_backward : {false, true}) {
+        std::vector<float> ddp;
+        for (int stage : {0, 1, 2}) {
+            const std::string what =
+                "zero" + std::to_string(stage) + (in_backward ? " in backward" : " two-phase");
+            RunConfig c = shared_tiny_run_config(
+                "sibd_bf16z" + std::to_string(stage) + (in_backward ? "_sib" : ""), 6);
+            c.model.n_embd = 64;
+            c.model.n_head = 4;
+            c.io.save_final = false;
+            c.train.zero_stage = stage;
+            c.train.micro_batch_size = 2;
+            c.train.batch_size = 2 * N;
+            c.optim.master = "none";
+            c.optim.grad_clip = 0.05;  // every step clips
+            const DistOutcome o = run_stage(c, in_backward);
+            if (!in_backward) {
+                Trainer t(c, test::quiet(), &comm());
+                expect_planned_rows_are_the_engines(t, what);
+            }
+            if (stage == 0) {
+                ddp = o.params;
+                continue;
+            }
+            ASSERT_EQ(o.params.size(), ddp.size()) << what;
+            EXPECT_EQ(0, std::memcmp(o.params.data(), ddp.data(), ddp.size() * sizeof(float)))
+                << what << ": the weights differ from DDP's";
+            for (float w : o.params) ASSERT_EQ(bf16_to_f32(f32_to_bf16(w)), w) << what;
+            comm().barrier();
+        }
+    }
+}
+
+// A ZeRO-1 run with bf16 weights stopped after 3 of 6 steps resumes bitwise: the checkpoint holds
+// the weights decoded (exact in fp32) and each shard's moments.
+TEST(StepInBackwardDist, Bf16WeightsUnderZeroResumeBitwise) {
+    const int N = comm().size();
+    if (N < 2) GTEST_SKIP() << "needs ranks to shard over";
+    RunConfig c = shared_tiny_run_config("sibd_bf16z_resume", 6);
+    c.model.n_embd = 64;
+    c.model.n_head = 4;
+    c.io.save_final = false;
+    c.train.zero_stage = 1;
+    c.train.micro_batch_size = 2;
+    c.train.batch_size = 2 * N;
+    c.optim.master = "none";
+    TrainOptions o;
+    o.quiet = true;
+    std::vector<float> whole_params;
+    std::vector<float> whole;
+    {
+        Trainer t(c, o, &comm());
+        whole = t.run().losses;
+        whole_params = t.params();
+    }
+    RunConfig first = c;
+    first.io.out_dir += "_first";
+    {
+        TrainOptions stop = o;
+        stop.stop_after = 3;
+        Trainer t(first, stop, &comm());
+        t.run();
+    }
+    TrainOptions resume = o;
+    resume.resume = first.io.out_dir;
+    RunConfig second = c;
+    second.io.out_dir += "_second";
+    Trainer t(second, resume, &comm());
+    const std::vector<float> rest = t.run().losses;
+    ASSERT_EQ(rest.size(), 3u);
+    for (std::size_t i = 0; i < rest.size(); i++)
+        EXPECT_EQ(rest[i], whole[3 + i]) << "step " << 4 + i;
+    EXPECT_EQ(t.params(), whole_params);
+    comm().barrier();
 }
 
 // optim.master = "none" under DDP: every rank rounds every element with the same draw, so the

@@ -600,6 +600,18 @@ TEST(PlanCli, RuntimeProfiles) {
     expect_refusal("estimate gpt2 --dp 2 --zero 3 --runtime pytorch", {"--runtime pytorch"});
 }
 
+// `memtrain plan --device cpu --json` of run config `c` (written to dir/run.toml) with more
+// arguments: its exit code and its JSON.
+static auto cpu_plan_of(const std::string& dir, const memtrain::RunConfig& c) {
+    write_file(dir + "/run.toml", memtrain::to_toml(c));
+    const std::string plan = "plan " + dir + "/run.toml --device cpu --json";
+    return [plan](const std::string& args) {
+        const Outcome o = memtrain_cli(plan + args);
+        const auto a = o.output.find('{'), b = o.output.rfind('}');
+        return std::make_pair(o.code, nlohmann::json::parse(o.output.substr(a, b - a + 1)));
+    };
+}
+
 // Between memory-poor's floor and the last lever that keeps every block input, the plan's last
 // lever is the joint remat solver's budget: the largest the host leaves, so the least recompute
 // that fits, not memory-poor's O(n^2). Its emitted config trains and allocates what it said.
@@ -609,13 +621,7 @@ TEST(PlanCli, CpuPlanDropsBlockInputsOnlyAsFarAsTheHostNeeds) {
     c.model.n_layer = 8;
     c.model.block_size = c.train.seq_len = 64;  // streams that outweigh a block's weights
     c.io.save_final = false;
-    write_file(dir + "/run.toml", memtrain::to_toml(c));
-    const std::string plan = "plan " + dir + "/run.toml --device cpu --json";
-    auto steps_of = [&](const std::string& args) {
-        const Outcome o = memtrain_cli(plan + args);
-        const auto a = o.output.find('{'), b = o.output.rfind('}');
-        return std::make_pair(o.code, nlohmann::json::parse(o.output.substr(a, b - a + 1)));
-    };
+    const auto steps_of = cpu_plan_of(dir, c);
     auto [code, none] = steps_of(" --host-mem-gb 0.000001");
     ASSERT_EQ(code, 1);
     const auto& ts = none["steps"];
@@ -659,13 +665,7 @@ TEST(PlanCli, CpuPlanFitsTheHostLeverByLever) {
     memtrain::RunConfig c = memtrain::test::tiny_run(dir, 1);
     c.model.n_layer = 4;
     c.io.save_final = false;
-    write_file(dir + "/run.toml", memtrain::to_toml(c));
-    const std::string plan = "plan " + dir + "/run.toml --device cpu --json";
-    auto steps_of = [&](const std::string& args) {
-        const Outcome o = memtrain_cli(plan + args);
-        const auto a = o.output.find('{'), b = o.output.rfind('}');
-        return std::make_pair(o.code, nlohmann::json::parse(o.output.substr(a, b - a + 1)));
-    };
+    const auto steps_of = cpu_plan_of(dir, c);
     auto [code, roomy] = steps_of(" --host-mem-gb 100");
     ASSERT_EQ(code, 0);
     ASSERT_EQ(roomy["steps"].size(), 1u);  // as configured

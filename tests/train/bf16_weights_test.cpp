@@ -209,7 +209,14 @@ TEST(Bf16Weights, RefusesTheLayoutsItDoesNotRunWithByName) {
         test::expect_refused_naming(validate_optimizer_layout, c, "optim.master", key);
     };
     refused([](RunConfig& c) { c.train.device = "cuda"; }, "train.device");
-    refused([](RunConfig& c) { c.train.zero_stage = 2; }, "train.zero_stage = 2");
+    refused([](RunConfig& c) { c.train.zero_stage = 3; }, "train.zero_stage = 3");
+    refused(
+        [](RunConfig& c) {
+            c.world = 2;
+            c.train.zero_stage = 1;
+            c.optim.name = "muon";
+        },
+        "train.zero_stage = 1 and optim.name = \"muon\"");
     RunConfig bad = base;
     bad.optim.master = "bf16";
     EXPECT_THROW(bad.optim.validate(), Error);

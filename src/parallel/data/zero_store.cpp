@@ -16,9 +16,8 @@ namespace memtrain::dist {
 ZeroStore::ZeroStore(const ParamLayout& layout, Communicator& comm, int stage, Options opts)
     : layout_(&layout), comm_(&comm), stage_(stage) {
     if (stage < 0 || stage > 3) fail("dist.zero_stage must be 0, 1, 2 or 3, got {}", stage);
-    if (opts.bf16_params && stage != 0)
-        fail("internal: bf16 parameters (optim.master = \"none\") in a ZeroStore at stage {}",
-             stage);
+    if (opts.bf16_params && stage == 3)
+        fail("internal: bf16 parameters (optim.master = \"none\") in a ZeroStore at stage 3");
     const int N = comm.size(), r = comm.rank();
     const auto shards = grain_shard_ranges(0, (int64_t)layout.total, N, opts.grain);
     // Which states this stage shards: the placement table the planner prices with.
@@ -387,18 +386,22 @@ void ZeroStore::apply_update(const UnitUpdate& update, float* g, std::size_t at,
         update(stage_ == 3 ? params_.data() + at : params_.data() + owned_.offset + at, g, at, n);
         return;
     }
-    // Stage 0: owned() is the whole buffer, `at` a flat index. A unit held decoded (backward)
-    // is released right after its update and was not written, so its copy is never read again.
-    for (std::size_t lo = at; lo < at + n;) {
+    // `at` indexes owned() (the whole buffer at stage 0, this rank's shard at stages 1-2); the
+    // bf16 weights are whole on every rank, so an element's place and its rounding draw are its
+    // global index, the same at every world size and stage. A unit held decoded (backward) is
+    // released right after its update and was not written, so its copy is never read again.
+    const std::size_t base = (std::size_t)owned_.offset, end = base + at + n;
+    for (std::size_t lo = base + at; lo < end;) {
         // A tensor stepped whole is one piece; the rest goes by kRoundChunk, stopping at the
         // next whole tensor.
         const auto next = std::lower_bound(whole_.begin(), whole_.end(), lo,
                                            [](const std::pair<std::size_t, std::size_t>& w,
                                               std::size_t x) { return w.second <= x; });
-        std::size_t hi = std::min(at + n, (lo / kRoundChunk + 1) * kRoundChunk);
+        std::size_t hi = std::min(end, (lo / kRoundChunk + 1) * kRoundChunk);
         if (next != whole_.end() && next->first <= lo) {
-            if (next->first != lo || next->second > at + n)
-                fail("internal: a bf16 update of [{}, {}) cuts a tensor stepped whole", at, at + n);
+            if (next->first != lo || next->second > end)
+                fail("internal: a bf16 update of [{}, {}) cuts a tensor stepped whole", base + at,
+                     end);
             hi = next->second;
         } else if (next != whole_.end()) {
             hi = std::min(hi, next->first);
@@ -408,7 +411,7 @@ void ZeroStore::apply_update(const UnitUpdate& update, float* g, std::size_t at,
         float* w = round_.data();
 #pragma omp parallel for simd schedule(static)
         for (int64_t i = 0; i < m; i++) w[i] = bf16_to_f32(w16[i]);
-        update(w, g + (lo - at), lo, hi - lo);
+        update(w, g + (lo - base - at), lo - base, hi - lo);
         const uint64_t seed = rounding_seed_, step = (uint64_t)update_step_;
 #pragma omp parallel for schedule(static)
         for (int64_t i = 0; i < m; i++)
@@ -436,8 +439,18 @@ void ZeroStore::step_units(const UnitUpdate& update, int64_t step) {
 }
 
 void ZeroStore::finish_step() {
-    if (stage_ == 1 || stage_ == 2) {
+    if (stage_ != 1 && stage_ != 2) return;
+    if (!bf16_params()) {
         comm_->all_gather(params_.data() + owned_.offset, params_.data(), shard_counts_);
+        return;
+    }
+    // Each rank's updated piece of the bf16 weights, from its owner: the pieces differ in length,
+    // so one broadcast per rank (Ψ bf16 values in all, half the fp32 all-gather's bytes).
+    for (int k = 0; k < comm_->size(); k++) {
+        const ShardRange& piece = owned_by_rank_[(std::size_t)k];
+        if (piece.count > 0)
+            comm_->broadcast(params16_.data() + piece.offset,
+                             piece.count * (int64_t)sizeof(uint16_t), k);
     }
 }
 

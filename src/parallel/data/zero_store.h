@@ -99,10 +99,12 @@ class ZeroStore final : public UnitStore {
         // false: no gradient buffer (optim.step_in_backward with one micro-batch per step; every
         // backward must then be armed).
         bool hold_grads = true;
-        // optim.master = "none" (stage 0): the parameters are stored in bf16 only. acquire()
-        // decodes a unit into an fp32 copy of its own, freed at release; the updates (step_units,
-        // arm_update) decode a chunk, update it in fp32 and store it by stochastic rounding drawn
-        // from (rounding_seed, the step, the element's index).
+        // optim.master = "none" (stages 0-2): the parameters are stored in bf16 only, whole on
+        // every rank. acquire() decodes a unit into an fp32 copy of its own, freed at release; the
+        // updates (step_units, arm_update) decode a chunk of this rank's owned() range, update it
+        // in fp32 and store it by stochastic rounding drawn from (rounding_seed, the step, the
+        // element's global index), so every stage and world size draws the same; at stages 1-2
+        // finish_step then broadcasts each rank's piece from its owner.
         bool bf16_params = false;
         uint64_t rounding_seed = 0;
         // With bf16_params: per tensor of the layout, whether the optimizer steps it whole
