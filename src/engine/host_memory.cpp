@@ -248,7 +248,10 @@ StageFootprint stage_footprint(const RunPlan& plan, const RematPlan& remat, int 
     const int s = plan.mesh.stage_of(plan.rank);
     const ModelConfig cfg =
         tp > 1 ? dist::tp_shard_config(whole, tp, plan.sequence_parallel) : whole;
-    const ParamLayout layout = make_param_layout(cfg);
+    // (A shard's tensors know their whole tensors' sizes, which the moments' rule reads.)
+    const ParamLayout layout =
+        tp > 1 ? dist::make_tp_layout(whole, tp, plan.mesh.shard_of(plan.rank)).local
+               : make_param_layout(cfg);
     const pp::StageSplit split = pp::split_stages(whole, p * v, plan.micro_batch, plan.seq_len);
     const pp::SimResult sim = pp::simulate(pp::make_schedule(plan.schedule, p, plan.accum_steps, v),
                                            pp::StageCosts::uniform(p * v, 1, 2, 1, 1));

@@ -31,6 +31,10 @@ struct ParamSpec {
     std::size_t offset = 0;      // in floats, into the flat buffer
     std::size_t numel = 0;
     bool decay = false;  // weight decay applies (matrices and embeddings only)
+    // A tensor-parallel shard's tensor: the whole tensor's numel (dist::make_tp_layout), so that
+    // rules written on the whole tensor (the moments' fp32 rule) read it; 0: numel.
+    std::size_t whole_numel = 0;
+    std::size_t global_numel() const { return whole_numel ? whole_numel : numel; }
 };
 
 // A contiguous run of the flat buffer that is used (and, under ZeRO-3, gathered) as one piece:

@@ -78,7 +78,8 @@ void check_whole_blocks(StateFormat format, const ParamLayout& layout, std::size
 }
 
 bool keeps_fp32(StateFormat f, const ParamSpec& t) {
-    return f == StateFormat::Fp32 || t.numel < kKeepFp32Below;
+    // On the global tensor: a tensor-parallel shard's piece follows its whole tensor.
+    return f == StateFormat::Fp32 || t.global_numel() < kKeepFp32Below;
 }
 
 namespace {

@@ -374,10 +374,13 @@ void validate_optimizer_layout(const RunConfig& cfg) {
         refuse("train.offload_optimizer = true",
                "the offloaded optimizer keeps fp32 moments on the host (the formats are built "
                "for the optimizer on the GPU)");
-    if (cfg.train.tp > 1)
+    // bf16 moments round each element on its own, so a tensor-parallel shard's (the fp32 rule
+    // read on the whole tensor, ParamSpec::whole_numel) are one process's; int8 and int4 blocks
+    // lie over the whole tensor, across the slices.
+    if (cfg.train.tp > 1 && f != StateFormat::Bf16)
         refuse(fmt::format("train.tp = {}", cfg.train.tp),
-               "a tensor-parallel shard holds slices of each matrix, and the moments' rule (which "
-               "tensors keep fp32, where blocks fall) is written on the whole tensor");
+               "a tensor-parallel shard holds slices of each matrix, and the blocks lie over the "
+               "whole tensor (optim.state_format = \"bf16\" runs with it)");
     if (cfg.ps())
         refuse("train.dp_mode = \"ps\"",
                "the parameter server's optimizer keeps fp32 moments (use train.dp_mode = "

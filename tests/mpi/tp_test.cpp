@@ -18,6 +18,7 @@
 #include "core/error.h"
 #include "engine/cpu/cpu_engine.h"
 #include "mpi/dist_runs.h"
+#include "optim/state_format.h"
 #include "parallel/tensor/tp.h"
 #include "test_util.h"
 
@@ -459,6 +460,45 @@ TEST(TpTrain, PerRankModelStatesAreTheShard) {
         if (m.category == MemCategory::OptimizerState) {
             EXPECT_EQ(m.bytes, 8 * psi) << m.formula;
         }
+    }
+}
+
+// bf16 moments under tensor parallelism: each element rounds on its own, so a shard's moments
+// follow one process's, and the fp32 rule for small tensors reads the whole tensor (a cut matrix
+// whose piece is under 4096 elements keeps bf16 moments as its whole does). The rank's optimizer
+// bytes are the rule's, measured as predicted, and the run tracks one process with bf16 moments.
+TEST(TpTrain, Bf16MomentsFollowTheWholeTensorsRule) {
+    for (bool sp : {false, true}) {
+        RunConfig c = tp_run(sp ? "tp_bf16m_sp" : "tp_bf16m", true, 6);
+        c.optim.state_format = "bf16";
+        RunConfig ref_cfg = c;
+        ref_cfg.io.out_dir += "_ref" + std::to_string(comm().rank());
+        std::vector<float> ref;
+        {
+            Trainer t(ref_cfg, test::quiet());
+            ref = t.run().losses;
+        }
+        const MemoryStats before = host_memory().snapshot();
+        Trainer t(sp ? with_sp(c) : with_tp(c), test::quiet(), &comm());
+        const std::vector<float> losses = t.run().losses;
+        const std::size_t state = host_memory().snapshot()[MemCategory::OptimizerState] -
+                                  before[MemCategory::OptimizerState];
+        ASSERT_EQ(losses.size(), ref.size());
+        for (std::size_t i = 0; i < ref.size(); i++)
+            EXPECT_NEAR(losses[i], ref[i], 1e-4 * std::abs(ref[i])) << "step " << i + 1;
+        const TpLayout& l = tp_engine(t).tp_layout();
+        std::size_t expect = 0, cut_below = 0;
+        for (const ParamSpec& p : l.local.tensors) {
+            expect += 2 * p.numel * (p.whole_numel >= kKeepFp32Below ? 2 : 4);
+            cut_below += p.numel < kKeepFp32Below && p.whole_numel >= kKeepFp32Below;
+        }
+        EXPECT_GT(cut_below, 0u) << "a cut tensor whose piece alone would keep fp32 moments";
+        EXPECT_EQ(state, expect);
+        for (const MemoryPrediction& m :
+             t.engine().predicted_memory(c.micro_batch(), c.train.seq_len))
+            if (m.category == MemCategory::OptimizerState) {
+                EXPECT_EQ(m.bytes, expect) << m.formula;
+            }
     }
 }
 

@@ -53,6 +53,8 @@ void CpuEngine::apply_tensor_parallel() {
         tp_ = std::make_unique<dist::TpGroup>(*group);
         tpl_ = dist::make_tp_layout(plan_.cfg.model, tp, group->rank());
         model_ = dist::tp_shard_config(plan_.cfg.model, tp, plan_.sequence_parallel);
+        layout_ = tpl_.local;  // (its tensors know their whole tensors' sizes)
+        return;
     }
     layout_ = make_param_layout(model_);
 }

@@ -75,12 +75,14 @@ TpLayout make_tp_layout(const ModelConfig& cfg, int ranks, int rank) {
         fail("internal: the shard layout has {} tensors, the model {}", l.local.tensors.size(),
              l.full.tensors.size());
     for (std::size_t i = 0; i < l.full.tensors.size(); i++) {
-        const ParamSpec &f = l.full.tensors[i], &s = l.local.tensors[i];
+        const ParamSpec& f = l.full.tensors[i];
+        ParamSpec& s = l.local.tensors[i];
         l.shards.push_back(shard_of(cfg, f.name));
         const std::size_t want = l.shards.back().split() ? f.numel / ranks : f.numel;
         if (f.name != s.name || s.numel != want)
             fail("internal: shard tensor {} ({} floats) does not match {} ({} / {})", s.name,
                  s.numel, f.name, f.numel, ranks);
+        s.whole_numel = f.numel;
     }
     return l;
 }
