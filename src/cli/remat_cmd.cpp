@@ -208,10 +208,11 @@ void register_remat(CLI::App& app) {
             fail("--precision fp16 needs --device cuda: the CPU engine computes in fp32 or bf16");
         // The CPU engine's bf16: bf16 saved fields beside an fp32 working block, and its GEMMs'
         // operand scratch in the workspace.
-        const ActFormat fmt = device == "cuda"
-                                  ? cuda_arena_format(m, precision == "fp32" ? 4 : 2, B, T)
-                                  : ActFormat::cpu(m.lse_attention, precision == "bf16",
-                                                   cpu_saved_activations(cfg.train, precision));
+        const ActFormat fmt =
+            device == "cuda"
+                ? cuda_arena_format(m, precision == "fp32" ? 4 : 2, B, T)
+                : ActFormat::cpu(m.lse_attention, precision == "bf16",
+                                 cpu_saved_activations(cfg.train, precision), m.mlp_tile);
         const bool measured = a->measure || cfg.train.remat_costs == "measured";
         if (measured && device == "cuda")
             fail("--measure profiles the CPU kernels; price the cuda layout with analytic costs");

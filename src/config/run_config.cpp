@@ -242,6 +242,9 @@ const std::vector<Key>& registry() {
         make_key("train.cpu_attention", &R::train, &TrainConfig::cpu_attention,
                  "what the CPU engine keeps for attention's backward: probs (B x heads x T x T) "
                  "| lse (B x heads x T log-sum-exps; the backward recomputes the probabilities)"),
+        make_key("train.mlp_tile", &R::train, &TrainConfig::mlp_tile,
+                 "the CPU engine's MLP over row tiles of this many token rows (0 = all at once): "
+                 "a recomputed block holds one tile of its MLP activations"),
         make_key("train.cpu_activations", &R::train, &TrainConfig::cpu_activations,
                  "how the CPU engine stores saved activations: auto (bf16 under bf16 precision) "
                  "| fp32 | bf16 (rounded where made, half the bytes) | int8 (blocks of 256 with a "

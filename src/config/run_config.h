@@ -39,6 +39,10 @@ struct TrainConfig {
     // What the CPU engine keeps for attention's backward: "probs" (B,NH,T,T) or "lse" (B,NH,T),
     // recomputing the probabilities (ModelConfig::lse_attention).
     std::string cpu_attention = "probs";
+    // The CPU engine's MLP over row tiles of this many token rows, forward and backward, so a
+    // block whose MLP activations are recomputed needs only a tile of them (0: all rows at
+    // once; ModelConfig::mlp_tile).
+    int mlp_tile = 0;
     // How the CPU engine stores each block's saved activations: "bf16" (rounded where made,
     // half the bytes), "int8" (blocks of 256 with a power-of-two scale, about a quarter),
     // "fp32", or "auto": bf16 under precision = "bf16", else fp32

@@ -249,6 +249,18 @@ std::size_t saved_field_bytes(SavedField f, const ModelConfig& cfg, int B, int T
                                                          : (std::size_t)fmt.elem_bytes);
 }
 
+std::size_t scratch_field_bytes(SavedField f, const ModelConfig& cfg, int B, int T,
+                                const ActFormat& fmt) {
+    ActFormat work = fmt;  // the scratch (or working block) is fp32
+    work.saved = SavedStore::fp32;
+    // The tiled MLP (ActFormat::mlp_tile) recomputes c_fc's output and the activation one tile
+    // of token rows at a time: the scratch holds a tile of them.
+    const bool mlp = info(f).dim == Dim::Fc || info(f).dim == Dim::Hidden;
+    if (mlp && fmt.mlp_tile > 0 && (int64_t)fmt.mlp_tile < (int64_t)B * T)
+        return saved_field_bytes(f, cfg, 1, fmt.mlp_tile, work);
+    return saved_field_bytes(f, cfg, B, T, work);
+}
+
 bool is_statistic(SavedField f, const ActFormat& fmt) {
     return info(f).statistic || (info(f).dim == Dim::Att && fmt.fused_attention);
 }
@@ -263,12 +275,10 @@ std::size_t kept_bytes(const ModelConfig& cfg, int B, int T, BlockKeep k, const 
 
 std::size_t scratch_bytes(const ModelConfig& cfg, int B, int T, BlockKeep k, const ActFormat& fmt) {
     // bf16 saved fields: the fp32 working block holds every field, whatever the block keeps.
-    ActFormat work = fmt;
-    work.saved = SavedStore::fp32;
     std::size_t n = 0;
     for (int i = 0; i < kSavedFields; i++)
         if (fmt.compressed() || !keeps(k, field(i)))
-            n = layout_add(n, aligned(saved_field_bytes(field(i), cfg, B, T, work), fmt));
+            n = layout_add(n, aligned(scratch_field_bytes(field(i), cfg, B, T, fmt), fmt));
     return n;
 }
 
@@ -418,12 +428,10 @@ ArenaPlan plan_arena(const ModelConfig& cfg, int B, int T, const RematPlan& plan
     {
         std::string names;
         const std::size_t start = act;
-        ActFormat work = fmt;  // the scratch (or working block) is fp32
-        work.saved = SavedStore::fp32;
         p.work.fill(kNoOffset);
         for (int i = 0; i < kSavedFields; i++) {
             if (!in_scratch(plan, field(i), cfg, fmt)) continue;
-            const std::size_t at = take_act(saved_field_bytes(field(i), cfg, B, T, work));
+            const std::size_t at = take_act(scratch_field_bytes(field(i), cfg, B, T, fmt));
             if (fmt.compressed())
                 p.work[i] = at;
             else
@@ -432,10 +440,15 @@ ArenaPlan plan_arena(const ModelConfig& cfg, int B, int T, const RematPlan& plan
             names += (names.empty() ? "" : ", ") + saved_field_name(field(i), cfg, fmt);
         }
         if (act > start)
-            p.entries.push_back({(fmt.compressed() ? "working block, fp32, one block ("
-                                                   : "recompute scratch, one block (") +
-                                     names + ")",
-                                 act - start, A});
+            p.entries.push_back(
+                {(fmt.compressed() ? "working block, fp32, one block ("
+                                   : "recompute scratch, one block (") +
+                     names +
+                     (fmt.mlp_tile > 0 && (int64_t)fmt.mlp_tile < (int64_t)BT
+                          ? fmt::format("; the MLP's in tiles of {} rows", fmt.mlp_tile)
+                          : std::string()) +
+                     ")",
+                 act - start, A});
     }
     p.activation_bytes = act;
 

@@ -106,15 +106,19 @@ struct ActFormat {
     // backward is in (ArenaPlan::work).
     SavedStore saved = SavedStore::fp32;
     bool compressed() const { return saved != SavedStore::fp32; }
+    // The CPU model's MLP over row tiles (ModelConfig::mlp_tile; 0: all rows): the recompute
+    // scratch holds one tile of the MLP's activations (c_fc's output and the activation's).
+    int mlp_tile = 0;
 
     // The CPU model: fp32, the probabilities or (lse_attention) their log-sum-exp; bf16 GEMMs
     // and compressed saved fields as asked.
     static ActFormat cpu(bool lse_attention = false, bool bf16_gemm = false,
-                         SavedStore saved = SavedStore::fp32) {
+                         SavedStore saved = SavedStore::fp32, int mlp_tile = 0) {
         ActFormat f;
         f.fused_attention = lse_attention;
         f.bf16_gemm = bf16_gemm;
         f.saved = saved;
+        f.mlp_tile = mlp_tile;
         return f;
     }
     bool operator==(const ActFormat&) const = default;
@@ -132,7 +136,7 @@ ActFormat cuda_arena_format(const ModelConfig& cfg, int elem_bytes, int B, int T
 
 // The CPU model's format for a config (ModelConfig::lse_attention, cpu_bf16, saved_activations).
 inline ActFormat cpu_arena_format(const ModelConfig& cfg) {
-    return ActFormat::cpu(cfg.lse_attention, cfg.cpu_bf16, cfg.saved_activations);
+    return ActFormat::cpu(cfg.lse_attention, cfg.cpu_bf16, cfg.saved_activations, cfg.mlp_tile);
 }
 
 // The bf16 elements the CPU model's largest GEMM needs for its rounded operands, a micro-batch
@@ -257,6 +261,10 @@ std::size_t fixed_bytes(const ModelConfig& cfg, int B, int T,
 std::string saved_field_name(SavedField f, const ModelConfig& cfg, const ActFormat& fmt);
 std::size_t saved_field_bytes(SavedField f, const ModelConfig& cfg, int B, int T,
                               const ActFormat& fmt);
+// Its bytes in the fp32 recompute scratch (or working block): a tile of rows for the MLP's two
+// fields under ActFormat::mlp_tile, else all of them.
+std::size_t scratch_field_bytes(SavedField f, const ModelConfig& cfg, int B, int T,
+                                const ActFormat& fmt);
 bool keeps(BlockKeep k, SavedField f);
 // Whether the field is a statistic (norm mean, rstd, the attention's log-sum-exp under fused
 // or lse attention): always fp32, never rounded.

@@ -58,6 +58,12 @@ struct ModelConfig {
     // recomputes them in the backward (train.cpu_attention = "lse"). Set from that key by
     // resolve_config, never read from a file; the CUDA model always does.
     bool lse_attention = false;
+    // The CPU model runs each block's MLP (c_fc, the activation, mlp.c_proj) over row tiles of
+    // this many token rows, in the forward and the backward (the weight gradients summed tile by
+    // tile), so that a block whose MLP activations are not kept recomputes them one tile at a
+    // time into a tile-sized scratch (train.mlp_tile; 0: all rows at once). Set by
+    // resolve_config, never read from a file.
+    int mlp_tile = 0;
     // The CPU model in bf16 (train.precision = "bf16" on the CPU): every GEMM's operands are
     // rounded to bf16 and multiplied with fp32 accumulation (kernels/cpu/gemm.h). Weights,
     // gradients, the residual streams, norms' statistics, softmax and the loss stay fp32. Set by

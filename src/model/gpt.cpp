@@ -341,6 +341,11 @@ void GPT::block_forward(const BlockParams& p, int l, const float* adapter, const
     round_saved(s, SavedField::ResidMid);
     norm_forward(s.ln2, s.ln2_mean, s.ln2_rstd, s.resid_mid, p.ln2_w, p.ln2_b, n);
     round_saved(s, SavedField::Ln2);
+    if (cfg_.mlp_tile > 0) {
+        mlp_forward_tiled(p, l, s, out, sl, B, T);
+        stash(sl, l - b0_);
+        return;
+    }
     const float* ln2 = gathered(s.ln2);
     cpu::matmul_forward(s.fch, ln2, p.fc_w, p.fc_b, N, C, F, 0.0f, bf16());
     lora_forward(l, BlockLinear::Fc, adapter, ln2, s.fch, N);
@@ -374,8 +379,60 @@ void GPT::recompute_selective(const BlockParams& p, const float* x, BlockSaved& 
     round_saved(s, SavedField::Ln1);
     norm_forward(s.ln2, s.ln2_mean, s.ln2_rstd, s.resid_mid, p.ln2_w, p.ln2_b, n);
     round_saved(s, SavedField::Ln2);
+    if (cfg_.mlp_tile > 0) return;  // the tiled backward makes each tile's activation
     act_forward(s.fch_act, s.fch, N);
     round_saved(s, SavedField::FchAct);
+}
+
+void GPT::mlp_forward_tiled(const BlockParams& p, int l, BlockSaved& s, float* out, Slot& sl, int B,
+                            int T) {
+    const int N = B * T, C = cfg_.n_embd, F = cfg_.local_fc_dim(), H = cfg_.local_hidden();
+    const BlockKeep k = keep(l);
+    const bool fch_kept = keeps(k, SavedField::Fch), act_kept = keeps(k, SavedField::FchAct);
+    DropoutMask m;
+    const bool drop = dropout_at(sl, m, 3 + 3 * l);
+    for (int r0 = 0; r0 < N; r0 += cfg_.mlp_tile) {
+        const int rows = std::min(cfg_.mlp_tile, N - r0);
+        float* fch = fch_kept ? s.fch + (int64_t)r0 * F : s.fch;
+        float* act = act_kept ? s.fch_act + (int64_t)r0 * H : s.fch_act;
+        float* o = out + (int64_t)r0 * C;
+        cpu::matmul_forward(fch, s.ln2 + (int64_t)r0 * C, p.fc_w, p.fc_b, rows, C, F, 0.0f, bf16());
+        act_forward(act, fch, rows);
+        if (!drop) std::memcpy(o, s.resid_mid + (int64_t)r0 * C, sizeof(float) * rows * C);
+        cpu::matmul_forward(o, act, p.fcp_w, p.fcp_b, rows, H, C, drop ? 0.0f : 1.0f, bf16());
+    }
+    if (drop) cpu::dropout_residual(out, s.resid_mid, m, B, T, C);
+}
+
+void GPT::mlp_backward_tiled(const BlockParams& p, BlockParams& g, int l, const BlockSaved& s,
+                             const float* dout, int N) {
+    const int C = cfg_.n_embd, F = cfg_.local_fc_dim(), H = cfg_.local_hidden();
+    const BlockKeep k = keep(l);
+    const bool fch_kept = keeps(k, SavedField::Fch), act_kept = keeps(k, SavedField::FchAct);
+    float* dfch = dbig_;
+    for (int r0 = 0; r0 < N; r0 += cfg_.mlp_tile) {
+        const int rows = std::min(cfg_.mlp_tile, N - r0);
+        const float* ln2 = s.ln2 + (int64_t)r0 * C;
+        float* fch = fch_kept ? s.fch + (int64_t)r0 * F : s.fch;
+        float* act = act_kept ? s.fch_act + (int64_t)r0 * H : s.fch_act;
+        // The forward's calls on the same rows: the same bits.
+        if (!fch_kept) cpu::matmul_forward(fch, ln2, p.fc_w, p.fc_b, rows, C, F, 0.0f, bf16());
+        if (!act_kept) act_forward(act, fch, rows);
+        const float* dy = dout + (int64_t)r0 * C;
+        if (cfg_.swiglu()) {
+            cpu::matmul_backward(dact_, g.fcp_w, g.fcp_b, dy, act, p.fcp_w, rows, H, C, 0.0f,
+                                 bf16());
+            cpu::swiglu_backward(dfch, fch, dact_, rows, H);
+        } else {
+            cpu::matmul_backward(dfch, g.fcp_w, g.fcp_b, dy, act, p.fcp_w, rows, H, C, 0.0f,
+                                 bf16());
+            cpu::gelu_backward(dfch, fch, dfch, (int64_t)rows * H);
+        }
+        // d(ln_2) of these rows: dout's rows of this tile were read above (dropout's d(branch)
+        // may sit in dln_ itself).
+        cpu::matmul_backward(dln_ + (int64_t)r0 * C, g.fc_w, g.fc_b, dfch, ln2, p.fc_w, rows, C, F,
+                             0.0f, bf16());
+    }
 }
 
 void GPT::round_saved(const BlockSaved& s, SavedField f) const {
@@ -477,23 +534,27 @@ void GPT::block_backward(const BlockParams& p, BlockParams& g, int l, const floa
         dout = dln_;
     }
     keep(d.fcp, dout, (std::size_t)N * C);
-    if (cfg_.swiglu()) {
-        // d(product) (N,H) and d(fch) (N,2H) cannot share rows, so the product's gradient has
-        // its own workspace.
-        cpu::matmul_backward(dact_, w(g.fcp_w), w(g.fcp_b), dout, s.fch_act, p.fcp_w, N, H, C, 0.0f,
-                             bf16());
-        lora(BlockLinear::FcProj, s.fch_act, dout, dact_);
-        cpu::swiglu_backward(dfch, s.fch, dact_, N, H);
+    if (cfg_.mlp_tile > 0) {
+        mlp_backward_tiled(p, g, l, s, dout, N);  // (never with TP, LoRA or a split backward)
     } else {
-        cpu::matmul_backward(dfch, w(g.fcp_w), w(g.fcp_b), dout, s.fch_act, p.fcp_w, N, H, C, 0.0f,
-                             bf16());
-        lora(BlockLinear::FcProj, s.fch_act, dout, dfch);
-        cpu::gelu_backward(dfch, s.fch, dfch, (int64_t)N * H);
+        if (cfg_.swiglu()) {
+            // d(product) (N,H) and d(fch) (N,2H) cannot share rows, so the product's gradient
+            // has its own workspace.
+            cpu::matmul_backward(dact_, w(g.fcp_w), w(g.fcp_b), dout, s.fch_act, p.fcp_w, N, H, C,
+                                 0.0f, bf16());
+            lora(BlockLinear::FcProj, s.fch_act, dout, dact_);
+            cpu::swiglu_backward(dfch, s.fch, dact_, N, H);
+        } else {
+            cpu::matmul_backward(dfch, w(g.fcp_w), w(g.fcp_b), dout, s.fch_act, p.fcp_w, N, H, C,
+                                 0.0f, bf16());
+            lora(BlockLinear::FcProj, s.fch_act, dout, dfch);
+            cpu::gelu_backward(dfch, s.fch, dfch, (int64_t)N * H);
+        }
+        keep(d.fc, dfch, (std::size_t)N * F);
+        const float* ln2 = gather(TpSite::SpRegather, s.ln2);
+        cpu::matmul_backward(dln_, w(g.fc_w), w(g.fc_b), dfch, ln2, p.fc_w, N, C, F, 0.0f, bf16());
+        lora(BlockLinear::Fc, ln2, dfch, dln_);
     }
-    keep(d.fc, dfch, (std::size_t)N * F);
-    const float* ln2 = gather(TpSite::SpRegather, s.ln2);
-    cpu::matmul_backward(dln_, w(g.fc_w), w(g.fc_b), dfch, ln2, p.fc_w, N, C, F, 0.0f, bf16());
-    lora(BlockLinear::Fc, ln2, dfch, dln_);
     // Column-parallel c_fc: each rank has its columns' share of d(ln_2 output); summed (f).
     norm_backward(dres, g.ln2_w, g.ln2_b, column_input_grad(), s.resid_mid, p.ln2_w, s.ln2_mean,
                   s.ln2_rstd, n);

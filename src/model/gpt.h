@@ -264,6 +264,15 @@ class GPT {
         if (u >= 0) store_->prefetch(u);
     }
     void recompute_selective(const BlockParams& p, const float* x, BlockSaved& s, int B, int T);
+    // ModelConfig::mlp_tile: block l's MLP over row tiles, in the forward (c_fc, the activation,
+    // mlp.c_proj and the residual into `out`, then the branch's dropout) and the backward (each
+    // tile's c_fc output and activation read where the block keeps them, else recomputed into
+    // the tile-sized scratch from ln_2; d(ln_2) into dln_, the weight gradients summed tile by
+    // tile). The same tiles in every pass, so every remat policy gives the same bits.
+    void mlp_forward_tiled(const BlockParams& p, int l, BlockSaved& s, float* out, Slot& sl, int B,
+                           int T);
+    void mlp_backward_tiled(const BlockParams& p, BlockParams& g, int l, const BlockSaved& s,
+                            const float* dout, int N);
     // ModelConfig::cpu_bf16: a saved field rounded to bf16 in place where it is made, so the
     // forward's own later reads, the backward and any recompute see the same values (no-op in
     // fp32); block i's kept activations stored as bf16 after its forward (stash) and decoded

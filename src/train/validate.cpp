@@ -76,6 +76,7 @@ void resolve_config(RunConfig& cfg) {
     if (cfg.train.precision == "auto")
         cfg.train.precision = cfg.train.device == "cuda" || cpu::cpu_has_bf16() ? "bf16" : "fp32";
     cfg.model.lse_attention = cfg.train.cpu_attention == "lse";
+    cfg.model.mlp_tile = cfg.train.device == "cpu" ? cfg.train.mlp_tile : 0;
     set_cpu_bf16(cfg);
 }
 
@@ -509,6 +510,26 @@ void validate_config(const RunConfig& cfg) {
             "train.cpu_attention = \"{}\" must be \"probs\" (keep the attention probabilities) "
             "or \"lse\" (keep their log-sum-exp and recompute them in the backward)",
             cfg.train.cpu_attention);
+    if (cfg.train.mlp_tile != 0) {
+        if (cfg.train.mlp_tile < 0)
+            fail("train.mlp_tile = {} must be >= 0 (token rows per MLP tile; 0 = all at once)",
+                 cfg.train.mlp_tile);
+        const auto refuse = refuser(fmt::format("train.mlp_tile = {}", cfg.train.mlp_tile));
+        if (cfg.train.device == "cuda")
+            refuse("train.device = \"cuda\"", "the tiled MLP is the CPU engine's");
+        if (cfg.train.tp > 1)
+            refuse(fmt::format("train.tp = {}", cfg.train.tp),
+                   "its row-parallel mlp.c_proj sums whole micro-batches over the group");
+        if (cfg.lora.enabled()) refuse("lora.rank > 0", "the adapters run on whole micro-batches");
+        if (cfg.train.pp > 1 && cfg.train.pp_schedule == "zb-h1")
+            refuse("train.pp_schedule = \"zb-h1\"",
+                   "its split backward keeps the MLP's output gradients for whole micro-batches");
+        if (cfg.train.cpu_activations == "bf16" || cfg.train.cpu_activations == "int8" ||
+            (cfg.train.cpu_activations == "auto" && cfg.train.precision == "bf16"))
+            refuse(fmt::format("train.cpu_activations = \"{}\" under train.precision = \"{}\"",
+                               cfg.train.cpu_activations, cfg.train.precision),
+                   "the tiled MLP keeps fp32 activations (set train.cpu_activations = \"fp32\")");
+    }
     if (cfg.train.cpu_activations != "auto" && cfg.train.cpu_activations != "fp32" &&
         cfg.train.cpu_activations != "bf16" && cfg.train.cpu_activations != "int8")
         fail("train.cpu_activations = \"{}\" must be \"auto\", \"fp32\", \"bf16\" or \"int8\"",

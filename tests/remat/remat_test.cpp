@@ -171,6 +171,66 @@ TEST(Remat, LogSumExpAttentionKeepsEveryPolicyBitwiseAndItsPredictedBytes) {
     }
 }
 
+// train.mlp_tile: the MLP over row tiles (here 5 of the 16 rows: tiles of 5, 5, 5 and 1). Every
+// policy gives the bits of keeping everything in the same mode, with and without dropout (the
+// recompute makes each tile's c_fc output and activation with the forward's calls); a block
+// whose MLP activations are recomputed holds one tile of them, so the scratch shrinks by the
+// MLP's other rows, and the bytes predicted are those allocated. Against the untiled MLP the
+// weight gradients are summed tile by tile: the same to rounding.
+TEST(Remat, TiledMlpKeepsEveryPolicyBitwiseAndItsPredictedBytes) {
+    for (bool llama : {false, true})
+        for (double dropout : {0.0, 0.1}) {
+            const std::string what =
+                std::string(llama ? "llama" : "gpt2") + (dropout > 0 ? " dropout" : "");
+            ModelConfig c = llama ? test::tiny_llama(3) : test::tiny_model(3);
+            c.dropout = dropout;
+            ModelConfig whole = c;
+            c.mlp_tile = 5;
+            const ActFormat f = cpu_arena_format(c);
+            EXPECT_EQ(f.mlp_tile, 5);
+            LossAndGrads ref = two_micro_batches(c, {});
+            if (dropout == 0) {
+                const LossAndGrads w = two_micro_batches(whole, {});
+                EXPECT_NEAR(ref.loss, w.loss, 1e-6) << what;
+                for (std::size_t i = 0; i < ref.grads.size(); i++)
+                    ASSERT_NEAR(ref.grads[i], w.grads[i], 1e-6 + 1e-5 * std::abs(w.grads[i]))
+                        << what << " " << i;
+            }
+            // `full`'s scratch holds 5 of the 16 rows of c_fc's output and the activation.
+            const RematPlan full(3, BlockKeep::Input);
+            const std::size_t mlp_rows =
+                scratch_bytes(whole, 2, 8, BlockKeep::Input, cpu_arena_format(whole)) -
+                scratch_bytes(c, 2, 8, BlockKeep::Input, f);
+            EXPECT_EQ(mlp_rows,
+                      (std::size_t)(16 - 5) * (c.fc_dim() + c.mlp_hidden()) * sizeof(float))
+                << what;
+            EXPECT_EQ(plan_arena(whole, 2, 8, full).activation_bytes -
+                          plan_arena(c, 2, 8, full, f).activation_bytes,
+                      mlp_rows)
+                << what;
+            for (const auto& text : policies_for(c)) {
+                Solution s = solve_policy(parse_policy(text), c, 2, 8, nullptr, f);
+                LossAndGrads r = two_micro_batches(c, s.plan);
+                EXPECT_EQ(r.loss, ref.loss) << text << " " << what;
+                EXPECT_EQ(0, std::memcmp(r.grads.data(), ref.grads.data(), ref.grads.size() * 4))
+                    << text << " " << what;
+                auto lay = activation_layout(c, 2, 8, s.plan, f);
+                EXPECT_EQ(s.peak_bytes, arena_bytes(lay, MemCategory::Activations)) << text;
+                auto before = host_memory().snapshot();
+                GPT m(c);
+                m.init_weights(1);
+                m.set_remat(s.plan);
+                auto x = test::random_tokens(16, c.vocab_size, 3),
+                     y = test::random_tokens(16, c.vocab_size, 4);
+                m.forward_backward(x.data(), y.data(), 2, 8, 1.0f / 16);
+                EXPECT_EQ(host_memory().snapshot()[MemCategory::Activations] -
+                              before[MemCategory::Activations],
+                          s.peak_bytes)
+                    << text << " " << what;
+            }
+        }
+}
+
 // memory-poor and chen:K drop block inputs too: below `full` by the residual streams they do not
 // keep (less two temporaries and chen's hold slots), at the rebuild's forwards (memory-poor
 // O(n^2), chen one per segment block), and bitwise (EveryPolicyGivesBitwiseIdentical...).

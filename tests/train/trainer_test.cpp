@@ -12,6 +12,7 @@
 #include "io/checkpoint.h"
 #include "io/safetensors.h"
 #include "remat/cost.h"
+#include "remat/policy.h"
 #include "remat/solver.h"
 #include "test_util.h"
 #include "train/plan.h"
@@ -234,6 +235,60 @@ TEST(Config, DropoutIsRefusedWhereItIsNotBuilt) {
     validate_config(bad);  // DDP and ZeRO run it, and pipelines
     bad.train.pp = 2;
     validate_config(bad);
+}
+
+// train.mlp_tile from the trainer: the memory-poor floor with the MLP in tiles of 4 token rows
+// trains as the untiled full-memory run does (to rounding: the weight gradients are summed tile
+// by tile), below the untiled floor, its activations measured as predicted; what it does not
+// run with is refused by name.
+TEST(Trainer, TiledMlpTrainsBelowTheUntiledFloor) {
+    std::vector<float> ref;
+    std::size_t untiled = 0;
+    for (int tile : {0, 4}) {
+        auto d = test::temp_dir("tiled_mlp_" + std::to_string(tile));
+        RunConfig c = test::tiny_run(d, 4);
+        c.model.n_layer = 4;
+        c.train.precision = "fp32";
+        c.train.remat = tile ? "memory-poor" : "none";
+        c.train.mlp_tile = tile;
+        Trainer t(c, opts());
+        const auto s = t.run();
+        std::size_t predicted = 0;
+        for (const auto& row : t.engine().predicted_memory(c.micro_batch(), c.train.seq_len))
+            if (row.category == MemCategory::Activations) predicted += row.bytes;
+        EXPECT_EQ(t.engine().memory().snapshot()[MemCategory::Activations], predicted);
+        if (tile == 0) {
+            ref = s.losses;
+            const RunConfig& rc = t.config();
+            untiled =
+                remat::solve_policy(remat::parse_policy("memory-poor"), rc.model, rc.micro_batch(),
+                                    rc.train.seq_len, nullptr, cpu_arena_format(rc.model))
+                    .peak_bytes;
+            continue;
+        }
+        EXPECT_LT(predicted, untiled);
+        ASSERT_EQ(s.losses.size(), ref.size());
+        for (std::size_t i = 0; i < ref.size(); i++)
+            EXPECT_NEAR(s.losses[i], ref[i], 1e-5 * std::abs(ref[i])) << "step " << i + 1;
+    }
+    auto refused = [](auto&& edit, const std::string& key) {
+        RunConfig c = test::tiny_run_config("/nonexistent", 4);
+        c.train.mlp_tile = 64;
+        c.train.precision = "fp32";
+        edit(c);
+        const std::string m = test::error_of([&] { validate_config(c); });
+        EXPECT_NE(m.find(key), std::string::npos) << m;
+    };
+    refused([](RunConfig& c) { c.train.mlp_tile = -1; }, "train.mlp_tile = -1 must be >= 0");
+    refused(
+        [](RunConfig& c) {
+            c.world = 2;
+            c.train.tp = 2;
+        },
+        "train.mlp_tile = 64 does not run with train.tp = 2");
+    refused([](RunConfig& c) { c.lora.rank = 4; }, "does not run with lora.rank > 0");
+    refused([](RunConfig& c) { c.train.cpu_activations = "int8"; },
+            "does not run with train.cpu_activations = \"int8\"");
 }
 
 TEST(Trainer, SgdRunsAndResumes) {
