@@ -4,7 +4,8 @@
 # at B = 1, bf16 GEMMs where the CPU has them. Prints:
 #   1. at T = 4096, a measured step (the second) under each policy: no remat (fp32 saved fields, attention
 #      probabilities kept), full, no remat with int8 fields and log-sum-exp attention, and the
-#      lowest plan (memory-poor with log-sum-exp attention): activation bytes measured and
+#      lowest plan (memory-poor with log-sum-exp attention), and that plan with the MLP over
+#      tiles of 256 rows (train.mlp_tile; fp32 saved fields): activation bytes measured and
 #      predicted, the ratio to no remat, the step time and its overhead;
 #   2. the longest T (a multiple of 256) whose whole step fits a 4 GiB host under each, found
 #      from the run plan (`memtrain train --print-plan`'s host total) and, where a step there
@@ -12,6 +13,7 @@
 #   3. for the 48-layer GPT-2 1.5B shape at B = 1, T = 1024, the planned activation bytes at
 #      12, 24, 36 and 48 layers under none, full and memory-poor.
 # Usage: bench/activation_floor.sh [BUILD] [CONFIRM_MAX_T]   e.g. bench/activation_floor.sh build
+# ORDER="none lowest tiled" PARTS=1 bench/activation_floor.sh build: those policies, part 1 only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${1:-build}
@@ -27,8 +29,11 @@ declare -A POLICY=(
     [full]="train.remat=full train.cpu_activations=fp32 train.cpu_attention=probs"
     [int8_lse]="train.remat=none train.cpu_activations=int8 train.cpu_attention=lse"
     [lowest]="train.remat=memory-poor train.cpu_attention=lse"
+    [tiled]="train.remat=memory-poor train.cpu_attention=lse train.cpu_activations=fp32
+             train.mlp_tile=256"
 )
-ORDER="none full int8_lse lowest"
+ORDER=${ORDER:-"none full int8_lse lowest tiled"}
+PARTS=${PARTS:-123}
 
 # Two steps, the second measured (the first pays the first touch of every page): "act_MiB
 # predicted_MiB step_s peak_rss_MiB".
@@ -66,6 +71,7 @@ for p in $ORDER; do
         "$(/usr/bin/python3 -c "print(f'{100 * ($step / ${STEP[none]} - 1):+.0f}%')")"
 done
 
+[[ $PARTS == *2* ]] || exit 0
 echo
 echo "2. the longest T whose step fits 4 GiB of host memory (plan), confirmed where T <= $CONFIRM_MAX_T"
 printf '%-9s %8s %14s %16s\n' policy "T max" "plan MiB" "measured RSS MiB"
@@ -88,6 +94,7 @@ for p in $ORDER; do
     printf '%-9s %8d %14s %16s\n' "$p" "$lo" "$(planned "$p" "$lo")" "$rss"
 done
 
+[[ $PARTS == *3* ]] || exit 0
 echo
 echo "3. GPT-2 1.5B width (1600, 25 heads), B = 1, T = 1024: planned activation MiB by depth"
 printf '%-8s %10s %10s %12s\n' layers none full memory-poor

@@ -278,7 +278,7 @@ void GPT::lora_backward(int l, BlockLinear linear, const float* adapter, float* 
 }
 
 void GPT::block_forward(const BlockParams& p, int l, const float* adapter, const float* x,
-                        float* out, Slot& sl, int B, int T) {
+                        float* out, Slot& sl, int B, int T, bool mlp) {
     BlockSaved& s = sl.saved[l - b0_];
     // A tensor-parallel shard's sizes (parallel/tensor/tp.h; the whole model's without TP): A is
     // the width of this rank's attention heads. Under sequence parallelism x, out and the norm
@@ -342,7 +342,7 @@ void GPT::block_forward(const BlockParams& p, int l, const float* adapter, const
     norm_forward(s.ln2, s.ln2_mean, s.ln2_rstd, s.resid_mid, p.ln2_w, p.ln2_b, n);
     round_saved(s, SavedField::Ln2);
     if (cfg_.mlp_tile > 0) {
-        mlp_forward_tiled(p, l, s, out, sl, B, T);
+        if (mlp) mlp_forward_tiled(p, l, s, out, sl, B, T);
         stash(sl, l - b0_);
         return;
     }
@@ -731,8 +731,10 @@ void GPT::redo(const UnitVisit& v, const BlockParams& p, const float* adapter, c
             return recompute_selective(p, x, sl.saved[i], B, T);
         case Redo::Block:
             // The block's output rewrites resid[i + 1] with the same bits, which nothing reads
-            // any more (for a rebuilt input, the temporary of the other parity: never x).
-            return block_forward(p, v.block, adapter, x, sl.resid[i + 1], sl, B, T);
+            // any more (for a rebuilt input, the temporary of the other parity: never x). A tiled
+            // MLP is left to the backward, which recomputes it tile by tile anyway.
+            return block_forward(p, v.block, adapter, x, sl.resid[i + 1], sl, B, T,
+                                 cfg_.mlp_tile == 0);
         case Redo::BlockFromHost:
             break;
     }

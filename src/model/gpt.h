@@ -228,8 +228,10 @@ class GPT {
     void release_output_embedding();
     // `l` is the block's number in the model; `adapter` its LoRA unit (null without LoRA); `sl`
     // the slot whose block this is (its saved fields and its dropout).
+    // With mlp = false under ModelConfig::mlp_tile the MLP is skipped (and `out` not written): a
+    // recompute before the block's backward, which makes the MLP's tiles itself.
     void block_forward(const BlockParams& p, int l, const float* adapter, const float* x,
-                       float* out, Slot& sl, int B, int T);
+                       float* out, Slot& sl, int B, int T, bool mlp = true);
     // With `defer` (room for the block's four output gradients, split backward), the
     // weight-gradient halves are skipped and their inputs copied there for block_weight_grads.
     void block_backward(const BlockParams& p, BlockParams& g, int l, const float* adapter,
