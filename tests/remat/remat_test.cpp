@@ -128,6 +128,34 @@ TEST(Remat, DropoutKeepsEveryPolicyBitwiseAndItsPredictedBytes) {
     }
 }
 
+// Under a mode of the arenas (format f): every policy of policies_for gives `ref`'s loss and
+// gradients bitwise (two_micro_batches), its solution's peak is the layout's, and a model running
+// it allocates exactly that many activation bytes.
+static void expect_every_policy_bitwise_in_its_bytes(const ModelConfig& c, const ActFormat& f,
+                                                     const LossAndGrads& ref,
+                                                     const std::string& what) {
+    for (const auto& text : policies_for(c)) {
+        Solution s = solve_policy(parse_policy(text), c, 2, 8, nullptr, f);
+        LossAndGrads r = two_micro_batches(c, s.plan);
+        EXPECT_EQ(r.loss, ref.loss) << text << " " << what;
+        EXPECT_EQ(0, std::memcmp(r.grads.data(), ref.grads.data(), ref.grads.size() * 4))
+            << text << " " << what;
+        auto lay = activation_layout(c, 2, 8, s.plan, f);
+        EXPECT_EQ(s.peak_bytes, arena_bytes(lay, MemCategory::Activations)) << text;
+        auto before = host_memory().snapshot();
+        GPT m(c);
+        m.init_weights(1);
+        m.set_remat(s.plan);
+        auto x = test::random_tokens(16, c.vocab_size, 3),
+             y = test::random_tokens(16, c.vocab_size, 4);
+        m.forward_backward(x.data(), y.data(), 2, 8, 1.0f / 16);
+        EXPECT_EQ(
+            host_memory().snapshot()[MemCategory::Activations] - before[MemCategory::Activations],
+            s.peak_bytes)
+            << text << " " << what;
+    }
+}
+
 // train.cpu_attention = "lse": every policy still gives the bits of keeping everything (the
 // recompute and the backward recompute the probabilities alike), the bytes the layout predicts
 // are those allocated, and the layout holds (B,NH,T) log-sum-exps where it held (B,NH,T,T).
@@ -148,26 +176,7 @@ TEST(Remat, LogSumExpAttentionKeepsEveryPolicyBitwiseAndItsPredictedBytes) {
         EXPECT_EQ(
             plan_arena(probs, 2, 8).activation_bytes - plan_arena(c, 2, 8, {}, f).activation_bytes,
             3 * B * heads * T * (T - 1) * sizeof(float));
-        for (const auto& text : policies_for(c)) {
-            Solution s = solve_policy(parse_policy(text), c, 2, 8, nullptr, f);
-            LossAndGrads r = two_micro_batches(c, s.plan);
-            EXPECT_EQ(r.loss, ref.loss) << text << " llama=" << llama;
-            EXPECT_EQ(0, std::memcmp(r.grads.data(), ref.grads.data(), ref.grads.size() * 4))
-                << text << " llama=" << llama;
-            auto lay = activation_layout(c, 2, 8, s.plan, f);
-            EXPECT_EQ(s.peak_bytes, arena_bytes(lay, MemCategory::Activations)) << text;
-            auto before = host_memory().snapshot();
-            GPT m(c);
-            m.init_weights(1);
-            m.set_remat(s.plan);
-            auto x = test::random_tokens(16, c.vocab_size, 3),
-                 y = test::random_tokens(16, c.vocab_size, 4);
-            m.forward_backward(x.data(), y.data(), 2, 8, 1.0f / 16);
-            EXPECT_EQ(host_memory().snapshot()[MemCategory::Activations] -
-                          before[MemCategory::Activations],
-                      s.peak_bytes)
-                << text << " lse";
-        }
+        expect_every_policy_bitwise_in_its_bytes(c, f, ref, llama ? "lse llama" : "lse gpt2");
     }
 }
 
@@ -208,26 +217,7 @@ TEST(Remat, TiledMlpKeepsEveryPolicyBitwiseAndItsPredictedBytes) {
                           plan_arena(c, 2, 8, full, f).activation_bytes,
                       mlp_rows)
                 << what;
-            for (const auto& text : policies_for(c)) {
-                Solution s = solve_policy(parse_policy(text), c, 2, 8, nullptr, f);
-                LossAndGrads r = two_micro_batches(c, s.plan);
-                EXPECT_EQ(r.loss, ref.loss) << text << " " << what;
-                EXPECT_EQ(0, std::memcmp(r.grads.data(), ref.grads.data(), ref.grads.size() * 4))
-                    << text << " " << what;
-                auto lay = activation_layout(c, 2, 8, s.plan, f);
-                EXPECT_EQ(s.peak_bytes, arena_bytes(lay, MemCategory::Activations)) << text;
-                auto before = host_memory().snapshot();
-                GPT m(c);
-                m.init_weights(1);
-                m.set_remat(s.plan);
-                auto x = test::random_tokens(16, c.vocab_size, 3),
-                     y = test::random_tokens(16, c.vocab_size, 4);
-                m.forward_backward(x.data(), y.data(), 2, 8, 1.0f / 16);
-                EXPECT_EQ(host_memory().snapshot()[MemCategory::Activations] -
-                              before[MemCategory::Activations],
-                          s.peak_bytes)
-                    << text << " " << what;
-            }
+            expect_every_policy_bitwise_in_its_bytes(c, f, ref, what);
         }
 }
 
