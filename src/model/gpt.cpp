@@ -384,20 +384,29 @@ void GPT::recompute_selective(const BlockParams& p, const float* x, BlockSaved& 
     round_saved(s, SavedField::FchAct);
 }
 
-void GPT::mlp_forward_tiled(const BlockParams& p, int l, BlockSaved& s, float* out, Slot& sl, int B,
-                            int T) {
-    const int N = B * T, C = cfg_.n_embd, F = cfg_.local_fc_dim(), H = cfg_.local_hidden();
+GPT::MlpTile GPT::mlp_tile(const BlockParams& p, int l, const BlockSaved& s, int r0, int rows,
+                           bool forward) const {
+    const int C = cfg_.n_embd, F = cfg_.local_fc_dim(), H = cfg_.local_hidden();
     const BlockKeep k = keep(l);
     const bool fch_kept = keeps(k, SavedField::Fch), act_kept = keeps(k, SavedField::FchAct);
+    const MlpTile t{fch_kept ? s.fch + (int64_t)r0 * F : s.fch,
+                    act_kept ? s.fch_act + (int64_t)r0 * H : s.fch_act};
+    if (forward || !fch_kept)
+        cpu::matmul_forward(t.fch, s.ln2 + (int64_t)r0 * C, p.fc_w, p.fc_b, rows, C, F, 0.0f,
+                            bf16());
+    if (forward || !act_kept) act_forward(t.act, t.fch, rows);
+    return t;
+}
+
+void GPT::mlp_forward_tiled(const BlockParams& p, int l, BlockSaved& s, float* out, Slot& sl, int B,
+                            int T) {
+    const int N = B * T, C = cfg_.n_embd, H = cfg_.local_hidden();
     DropoutMask m;
     const bool drop = dropout_at(sl, m, 3 + 3 * l);
     for (int r0 = 0; r0 < N; r0 += cfg_.mlp_tile) {
         const int rows = std::min(cfg_.mlp_tile, N - r0);
-        float* fch = fch_kept ? s.fch + (int64_t)r0 * F : s.fch;
-        float* act = act_kept ? s.fch_act + (int64_t)r0 * H : s.fch_act;
+        const float* act = mlp_tile(p, l, s, r0, rows, true).act;
         float* o = out + (int64_t)r0 * C;
-        cpu::matmul_forward(fch, s.ln2 + (int64_t)r0 * C, p.fc_w, p.fc_b, rows, C, F, 0.0f, bf16());
-        act_forward(act, fch, rows);
         if (!drop) std::memcpy(o, s.resid_mid + (int64_t)r0 * C, sizeof(float) * rows * C);
         cpu::matmul_forward(o, act, p.fcp_w, p.fcp_b, rows, H, C, drop ? 0.0f : 1.0f, bf16());
     }
@@ -407,17 +416,13 @@ void GPT::mlp_forward_tiled(const BlockParams& p, int l, BlockSaved& s, float* o
 void GPT::mlp_backward_tiled(const BlockParams& p, BlockParams& g, int l, const BlockSaved& s,
                              const float* dout, int N) {
     const int C = cfg_.n_embd, F = cfg_.local_fc_dim(), H = cfg_.local_hidden();
-    const BlockKeep k = keep(l);
-    const bool fch_kept = keeps(k, SavedField::Fch), act_kept = keeps(k, SavedField::FchAct);
     float* dfch = dbig_;
     for (int r0 = 0; r0 < N; r0 += cfg_.mlp_tile) {
         const int rows = std::min(cfg_.mlp_tile, N - r0);
         const float* ln2 = s.ln2 + (int64_t)r0 * C;
-        float* fch = fch_kept ? s.fch + (int64_t)r0 * F : s.fch;
-        float* act = act_kept ? s.fch_act + (int64_t)r0 * H : s.fch_act;
-        // The forward's calls on the same rows: the same bits.
-        if (!fch_kept) cpu::matmul_forward(fch, ln2, p.fc_w, p.fc_b, rows, C, F, 0.0f, bf16());
-        if (!act_kept) act_forward(act, fch, rows);
+        // What the block dropped, made again by the forward's own function: the same bits.
+        const MlpTile t = mlp_tile(p, l, s, r0, rows, false);
+        const float *fch = t.fch, *act = t.act;
         const float* dy = dout + (int64_t)r0 * C;
         if (cfg_.swiglu()) {
             cpu::matmul_backward(dact_, g.fcp_w, g.fcp_b, dy, act, p.fcp_w, rows, H, C, 0.0f,

@@ -273,6 +273,14 @@ class GPT {
     // tile). The same tiles in every pass, so every remat policy gives the same bits.
     void mlp_forward_tiled(const BlockParams& p, int l, BlockSaved& s, float* out, Slot& sl, int B,
                            int T);
+    // Rows [r0, r0 + rows)'s c_fc output and activation: in block l's fields where it keeps
+    // them, else in the tile-sized scratch. The forward makes both, the backward (forward =
+    // false) the ones the block does not keep: one function, so the calls and the bits agree.
+    struct MlpTile {
+        float *fch, *act;
+    };
+    MlpTile mlp_tile(const BlockParams& p, int l, const BlockSaved& s, int r0, int rows,
+                     bool forward) const;
     void mlp_backward_tiled(const BlockParams& p, BlockParams& g, int l, const BlockSaved& s,
                             const float* dout, int N);
     // ModelConfig::cpu_bf16: a saved field rounded to bf16 in place where it is made, so the
