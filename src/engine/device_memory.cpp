@@ -88,17 +88,18 @@ std::string states_remedy(const RunConfig& cfg, EngineKind kind, bool packed_bas
 MemoryPrediction optimizer_row(const ParamLayout& layout, std::size_t begin, std::size_t n,
                                const std::string& what, int elem_bytes, const OptimConfig& optim) {
     const bool adamw = optim.name == "adamw";
-    const std::size_t k = device_optimizer_bytes_per_param(elem_bytes, adamw);
+    const bool has_master = device_master(elem_bytes, optim);
+    const std::size_t k = device_optimizer_bytes_per_param(has_master, adamw);
     const StateFormat f = parse_state_format(optim.state_format);
     if (f == StateFormat::Fp32) {
         const std::size_t table =
             cuda::tensor_chunks(layout, begin, n).size() * sizeof(cuda::TensorChunk);
         return {MemCategory::OptimizerState,
                 fmt::format("{} x {} ({}) + chunk table {} B", k, what,
-                            device_optimizer_states(elem_bytes, adamw), table),
+                            device_optimizer_states(has_master, adamw), table),
                 k * n + table};
     }
-    const std::size_t master = elem_bytes == 4 ? 0 : 4 * n;
+    const std::size_t master = has_master ? 4 * n : 0;
     const cuda::MomentLayout lay = cuda::moment_layout(layout, begin, n, f);
     const std::size_t moments =
         (adamw ? 2 : 1) * MomentBuffer::predicted_bytes(f, layout, begin, n);
@@ -108,7 +109,7 @@ MemoryPrediction optimizer_row(const ParamLayout& layout, std::size_t begin, std
     return {
         MemCategory::OptimizerState,
         fmt::format("{}{} {} in {} ({} B) + chunk and decode tables {} B",
-                    elem_bytes == 4 ? "" : fmt::format("fp32 master 4 x {} + ", what),
+                    has_master ? fmt::format("fp32 master 4 x {} + ", what) : "",
                     adamw ? "Adam m, v" : "momentum", what, state_format_name(f), moments, tables),
         master + moments + tables};
 }
@@ -128,13 +129,16 @@ bool cuda_data_parallel(const RunConfig& cfg, const dist::Communicator& comm) {
     return dynamic_cast<const dist::LocalCommunicator*>(&comm) == nullptr && !cfg.train.cuda_graphs;
 }
 
-std::size_t device_optimizer_bytes_per_param(int elem_bytes, bool adamw) {
-    return (elem_bytes == 4 ? 0 : 4) + (adamw ? 8 : 4);
+bool device_master(int elem_bytes, const OptimConfig& optim) {
+    return elem_bytes != 4 && optim.master != "none";
 }
 
-std::string device_optimizer_states(int elem_bytes, bool adamw) {
-    return fmt::format("{}{}", elem_bytes == 4 ? "" : "fp32 master, ",
-                       adamw ? "Adam m, v" : "momentum");
+std::size_t device_optimizer_bytes_per_param(bool master, bool adamw) {
+    return (master ? 4 : 0) + (adamw ? 8 : 4);
+}
+
+std::string device_optimizer_states(bool master, bool adamw) {
+    return fmt::format("{}{}", master ? "fp32 master, " : "", adamw ? "Adam m, v" : "momentum");
 }
 
 int device_elem_bytes(const RunConfig& cfg) {

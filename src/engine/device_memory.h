@@ -31,8 +31,11 @@ std::size_t device_token_bytes(int B, int T);
 inline constexpr std::size_t kDeviceGraphBytes = sizeof(double);
 // The device optimizer's state per parameter of its range (DeviceOptimizer): the fp32 master
 // weights when the storage is not fp32, then Adam's m and v or SGD's momentum; and its name.
-std::size_t device_optimizer_bytes_per_param(int elem_bytes, bool adamw);
-std::string device_optimizer_states(int elem_bytes, bool adamw);  // "fp32 master, Adam m, v"
+// Whether the GPU optimizer keeps fp32 master weights: in 16-bit precision unless optim.master =
+// "none" (the bf16 parameters are then the weights).
+bool device_master(int elem_bytes, const OptimConfig& optim);
+std::size_t device_optimizer_bytes_per_param(bool master, bool adamw);
+std::string device_optimizer_states(bool master, bool adamw);  // "fp32 master, Adam m, v"
 // The device bytes of the engines' shared step (DeviceStep): its scalars and the loss sums of
 // `accum_steps` micro-batches.
 std::size_t device_step_bytes(int accum_steps);

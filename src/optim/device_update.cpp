@@ -99,6 +99,7 @@ StepScalars make_step_scalars(const OptimConfig& cfg, double lr, int64_t step, f
     s.nesterov = cfg.nesterov ? 1 : 0;
     s.loss_scale = loss_scale;
     s.max_norm = (float)cfg.grad_clip;
+    s.step = step;
     return s;
 }
 

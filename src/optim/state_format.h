@@ -84,6 +84,11 @@ CodeMapConstants code_map_constants(int bits, bool is_signed);
 // rounding of an element is the same whichever rank or unit updates it. Not-finite values keep
 // their class; a finite value never rounds to infinity.
 uint16_t f32_to_bf16_stochastic(float x, uint64_t seed, uint64_t step, uint64_t index);
+// The seed of a run's stochastic rounding, from train.seed: the same on every engine, so the CPU
+// and the GPU round a run's weights with the same draws.
+inline uint64_t bf16_rounding_seed(uint64_t train_seed) {
+    return train_seed ^ 0x5EEDB16F00Dull;
+}
 
 // One moment (Adam's m or v, SGD's momentum) of the floats [offset, offset + count) of a
 // layout's flat buffer, stored in a format. The range is cut into segments, one per tensor piece

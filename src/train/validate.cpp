@@ -348,22 +348,34 @@ void validate_optimizer_layout(const RunConfig& cfg) {
                    "exists at once");
     }
     if (cfg.optim.master == "none") {
-        // bf16 weights in the ZeroStore at stages 0-2 (one process, DDP, ZeRO-1 and -2; the whole
-        // model or LoRA's adapters) on the CPU engine.
+        // bf16 weights: in the CPU engine's ZeroStore at stages 0-2 (one process, DDP, ZeRO-1 and
+        // -2; the whole model or LoRA's adapters); on the GPU the compute parameters themselves,
+        // the whole model's (one process, DDP, ZeRO 1-3).
         const auto refuse = refuser("optim.master = \"none\"");
-        if (cfg.train.device == "cuda")
-            refuse("train.device = \"cuda\"", "it is built on the CPU engine so far");
-        if (cfg.train.zero_stage == 3)
+        const bool cuda = cfg.train.device == "cuda";
+        if (cuda && cfg.train.precision != "bf16")
+            refuse(fmt::format("train.device = \"cuda\" and train.precision = \"{}\"",
+                               cfg.train.precision),
+                   "on the GPU the bf16 parameters are the weights (set train.precision = "
+                   "\"bf16\")");
+        if (cuda && cfg.train.offload_optimizer)
+            refuse("train.offload_optimizer = true",
+                   "the offloaded optimizer keeps fp32 master weights on the host");
+        if (cuda && cfg.lora.enabled())
+            refuse("train.device = \"cuda\" and lora.rank > 0",
+                   "the GPU's adapters keep an fp32 master so far (LoRA with bf16 adapters runs "
+                   "on the CPU engine)");
+        if (!cuda && cfg.train.zero_stage == 3)
             refuse("train.zero_stage = 3",
-                   "the bf16 weights are kept whole on every rank (one process, DDP, ZeRO-1 and "
-                   "-2)");
+                   "the CPU engine keeps the bf16 weights whole on every rank (one process, DDP, "
+                   "ZeRO-1 and -2; the GPU shards them at stage 3)");
         if (cfg.train.zero_stage > 0 && cfg.world > 1 &&
             (cfg.optim.name == "muon" || cfg.optim.name == "adafactor"))
             refuse(fmt::format("train.zero_stage = {} and optim.name = \"{}\"",
                                cfg.train.zero_stage, cfg.optim.name),
                    "its tensors stepped whole would be cut by the shards the bf16 update rounds "
                    "(use train.zero_stage = 0)");
-        const char* whole = "the bf16 weights are built for one process or DDP so far";
+        const char* whole = "the bf16 weights are built for one process, DDP and ZeRO so far";
         if (cfg.train.tp > 1) refuse(fmt::format("train.tp = {}", cfg.train.tp), whole);
         if (cfg.train.pp > 1) refuse(fmt::format("train.pp = {}", cfg.train.pp), whole);
         if (cfg.ps()) refuse("train.dp_mode = \"ps\"", "the server keeps fp32 weights");

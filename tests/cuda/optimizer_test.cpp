@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "core/device.h"
+#include "core/dtype.h"
 #include "core/error.h"
 #include "cuda/cuda_test_util.h"
 #include "model/config.h"
@@ -157,6 +158,9 @@ struct OptCase {
     std::size_t offset, count;  // count 0: to the end
     int max_n;
     const char* format = "fp32";  // optim.state_format (other than fp32: on wide_layout())
+    // optim.master = "none": bf16 parameters without a master copy, rounded stochastically
+    // (T = bf16; the CPU reference rounds its fp32 result with f32_to_bf16_stochastic).
+    bool bf16_weights = false;
 };
 
 // One moment's device stores, laid out as the CPU's MomentBuffer (cuda::moment_layout).
@@ -208,9 +212,10 @@ struct DeviceMoment {
 template <typename T>
 void optimizer_case(const OptCase& c, bool cpu_fuses) {
     constexpr bool kFp32 = std::is_same_v<T, float>;
-    SCOPED_TRACE(testing::Message() << type_name<T>() << " " << c.name << " clip " << c.grad_clip
-                                    << " nesterov " << c.nesterov << " loss_scale " << c.loss_scale
-                                    << " offset " << c.offset << " state " << c.format);
+    SCOPED_TRACE(testing::Message()
+                 << type_name<T>() << " " << c.name << " clip " << c.grad_clip << " nesterov "
+                 << c.nesterov << " loss_scale " << c.loss_scale << " offset " << c.offset
+                 << " state " << c.format << " bf16 weights " << c.bf16_weights);
     const StateFormat format = parse_state_format(c.format);
     const bool fp32_state = format == StateFormat::Fp32;
     const ParamLayout layout = fp32_state ? tiny_layout() : wide_layout();
@@ -233,8 +238,13 @@ void optimizer_case(const OptCase& c, bool cpu_fuses) {
     auto cpu_params = randn(n, 401, 0.5f);
     if (!kFp32) cpu_params = rounded<T>(cpu_params);  // T params start as T(master)
     auto d_params = upload_as<T>(cpu_params);
+    const bool has_master = !kFp32 && !c.bf16_weights;
     DeviceBuffer<float> d_master;
-    if (!kFp32) d_master = upload(cpu_params);
+    if (has_master) d_master = upload(cpu_params);
+    float* master = has_master ? d_master.data() : nullptr;
+    cuda::ParamRounding round;
+    const uint64_t seed = bf16_rounding_seed(1337);
+    if (c.bf16_weights) round = {1, seed, (int64_t)c.offset};
     DeviceMoment dm(ml.plan), dv(ml.plan);
     DeviceBuffer<float> d_m = std::move(dm.f32), d_v = std::move(dv.f32);  // the fp32 kernels'
     DeviceBuffer<cuda::StateChunk> d_at;
@@ -274,25 +284,28 @@ void optimizer_case(const OptCase& c, bool cpu_fuses) {
         for (std::size_t i = 0; i < n; i++) cpu_g[i] = stored[i] / c.loss_scale;
         const double want_norm = clip_grad_norm(cpu_g.data(), n, cfg.grad_clip);
         opt->step(cpu_params.data(), cpu_g.data(), lr);
+        if (c.bf16_weights)  // what the CPU engine's ZeroStore stores: the draws by global index
+            for (std::size_t i = 0; i < n; i++)
+                cpu_params[i] = bf16_to_f32(
+                    f32_to_bf16_stochastic(cpu_params[i], seed, (uint64_t)step, c.offset + i));
 
         auto d_g = upload_as<T>(stored);
         cuda::sum_squares<T>(d_sumsq.data(), d_g.data(), (int64_t)n);
         cuda::StepScalars s = cuda::make_step_scalars(cfg, lr, step, c.loss_scale);
         copy_to_device(d_s.data(), &s, sizeof s);
         cuda::finish_grad_norm(d_s.data(), d_sumsq.data());
-        if (cfg.name == "sgd" && fp32_state) {
-            cuda::sgd_step<T>(d_params.data(), kFp32 ? nullptr : d_master.data(), d_m.data(),
-                              d_g.data(), d_chunks.data(), (int)chunks.size(), d_s.data());
+        if (cfg.name == "sgd" && fp32_state && !c.bf16_weights) {
+            cuda::sgd_step<T>(d_params.data(), master, d_m.data(), d_g.data(), d_chunks.data(),
+                              (int)chunks.size(), d_s.data());
         } else if (cfg.name == "sgd") {
-            cuda::sgd_step<T>(d_params.data(), kFp32 ? nullptr : d_master.data(), st, d_g.data(),
-                              d_chunks.data(), (int)chunks.size(), d_s.data());
-        } else if (fp32_state) {
-            cuda::adamw_step<T>(d_params.data(), kFp32 ? nullptr : d_master.data(), d_m.data(),
-                                d_v.data(), d_g.data(), d_chunks.data(), (int)chunks.size(),
-                                d_s.data());
-        } else {
-            cuda::adamw_step<T>(d_params.data(), kFp32 ? nullptr : d_master.data(), st, d_g.data(),
+            cuda::sgd_step<T>(d_params.data(), master, st, d_g.data(), d_chunks.data(),
+                              (int)chunks.size(), d_s.data(), 0, round);
+        } else if (fp32_state && !c.bf16_weights) {
+            cuda::adamw_step<T>(d_params.data(), master, d_m.data(), d_v.data(), d_g.data(),
                                 d_chunks.data(), (int)chunks.size(), d_s.data());
+        } else {
+            cuda::adamw_step<T>(d_params.data(), master, st, d_g.data(), d_chunks.data(),
+                                (int)chunks.size(), d_s.data(), 0, round);
         }
         cuda::StepScalars back{};
         device_synchronize();
@@ -309,6 +322,21 @@ void optimizer_case(const OptCase& c, bool cpu_fuses) {
     };
     if (kFp32) {
         expect_match("params", download_float(d_params), cpu_params, cpu_fuses);
+    } else if (c.bf16_weights) {
+        // The same fp32 update rounded with the same draws: bitwise where the CPU fuses as the
+        // kernels do. Elsewhere an fp32 result an ulp apart crosses the draw's threshold about
+        // once in 2^16 elements, a bf16 ulp away.
+        const std::vector<float> got = download_float(d_params);
+        if (cpu_fuses) {
+            expect_bitwise("bf16 params", got, cpu_params);
+        } else {
+            std::size_t off = 0;
+            for (std::size_t i = 0; i < n; i++) {
+                off += got[i] != cpu_params[i];
+                EXPECT_NEAR(got[i], cpu_params[i], std::fabs(cpu_params[i]) / 64 + 1e-30) << i;
+            }
+            EXPECT_LE(off, 4u);
+        }
     } else {
         // The master weights see the same fp32 arithmetic as the CPU's parameters; only the clip
         // coefficient can differ, its norm being summed in another order (in practice the bits
@@ -363,6 +391,41 @@ TEST(CudaOptimizer, AdamWMatchesCpu) {
         optimizer_case<float>({"adamw", 5, 0.0, false, 1.0f, 256, 0, 257, q}, fuses);
         optimizer_case<__nv_bfloat16>({"adamw", 5, 1.0, false, 1.0f, 0, 0, 300, q}, fuses);
     }
+}
+
+// optim.master = "none": bf16 parameters updated in fp32 and rounded stochastically with the
+// CPU engine's draws, by each element's index in the whole buffer (a range starting at 37 or
+// 256 draws as the CPU's global index says), with the moments in every format.
+TEST(CudaOptimizer, Bf16WeightsRoundStochasticallyAsTheCpu) {
+    REQUIRE_GPU();
+    const bool fuses = cpu_optimizer_fuses();
+    const std::size_t wide = wide_layout().total;
+    using B = __nv_bfloat16;
+    optimizer_case<B>({"adamw", 5, 1.0, false, 1.0f, 0, 0, 300, "fp32", true}, fuses);
+    optimizer_case<B>({"adamw", 5, 0.0, false, 1.0f, 37, 0, 1 << 16, "fp32", true}, fuses);
+    optimizer_case<B>({"adamw", 5, 1.0, false, 1.0f, 100, wide - 250, 257, "bf16", true}, fuses);
+    optimizer_case<B>({"adamw", 5, 1.0, false, 1.0f, 256, 0, 257, "int8", true}, fuses);
+    optimizer_case<B>({"adamw", 5, 1.0, false, 1.0f, 0, 0, 300, "int4", true}, fuses);
+    optimizer_case<B>({"sgd", 3, 1.0, true, 1.0f, 0, 0, 300, "fp32", true}, fuses);
+    optimizer_case<B>({"sgd", 3, 1.0, false, 1.0f, 0, 0, 300, "int8", true}, fuses);
+    // Without the stochastic flag a null master is refused, and with it a master or another type.
+    const ParamLayout layout = tiny_layout();
+    DeviceBuffer<B> p(16, MemCategory::Other);
+    DeviceBuffer<float> f(16, MemCategory::Other);
+    DeviceBuffer<cuda::StepScalars> s(1, MemCategory::Other);
+    const auto ch = upload(cuda::tensor_chunks(layout, 0, 16));
+    cuda::MomentStores st;
+    st.m32 = f.data();
+    st.v32 = f.data();
+    const cuda::ParamRounding sr{1, 7, 0};
+    EXPECT_THROW(cuda::adamw_step<B>(p.data(), nullptr, st, p.data(), ch.data(), 1, s.data()),
+                 Error);
+    EXPECT_THROW(
+        cuda::adamw_step<B>(p.data(), f.data(), st, p.data(), ch.data(), 1, s.data(), 0, sr),
+        Error);
+    EXPECT_THROW(
+        cuda::adamw_step<float>(f.data(), nullptr, st, f.data(), ch.data(), 1, s.data(), 0, sr),
+        Error);
 }
 
 TEST(CudaOptimizer, SgdMatchesCpu) {

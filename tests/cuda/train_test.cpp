@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/device.h"
+#include "core/dtype.h"
 #include "core/error.h"
 #include "cuda/cuda_test_util.h"
 #include "cuda/device_fit_util.h"
@@ -594,6 +595,93 @@ TEST(CudaTrain, StateFormatsTrackTheCpuInTheirPredictedBytes) {
             ASSERT_EQ(resumed.losses.size(), 3u);
             for (int i = 0; i < 3; i++) EXPECT_EQ(resumed.losses[i], s.losses[3 + i]) << i;
             EXPECT_EQ(second->params(), t.params());
+        }
+    }
+}
+
+// optim.master = "none" on the GPU: the bf16 parameters are the only weights and each update
+// rounds into them stochastically (the CPU engine's draws, tests/cuda/optimizer_test.cpp). The
+// optimizer row loses exactly the 4-byte master per parameter and is what the plan predicts
+// (Adam in bf16 moments: 2 + 2 + 4 bytes per parameter in all, int8: about 2 + 2 + 2); the loss
+// curve tracks the fp32 master's; the weights stay bf16 values; a CUDA graph replays the same
+// steps (the step's draw is read on the device); a resume is bitwise.
+TEST(CudaTrain, Bf16WeightsWithoutAMasterTrackTheMasterInTheirPredictedBytes) {
+    REQUIRE_GPU();
+    auto wide = [](RunConfig c) {
+        c.model.n_embd = 64;  // block matrices of 64 x 256: moments in the state format
+        c.model.n_head = 4;
+        return c;
+    };
+    const int steps = 12;
+    for (const char* format : {"fp32", "bf16", "int8"}) {
+        SCOPED_TRACE(format);
+        RunConfig c =
+            wide(cuda_run(test::temp_dir(std::string("cuda_bw_m_") + format), steps, "bf16"));
+        c.optim.state_format = format;
+        auto optimizer_bytes = [&](const RunConfig& cfg, TrainSummary* out,
+                                   std::vector<float>* params) {
+            const MemoryStats before = device_memory().snapshot();
+            Trainer t(cfg, quiet());
+            *out = t.run();
+            const std::size_t grew = device_memory().snapshot()[MemCategory::OptimizerState] -
+                                     before[MemCategory::OptimizerState];
+            for (const auto& row :
+                 t.engine().predicted_memory(cfg.micro_batch(), cfg.train.seq_len))
+                if (row.category == MemCategory::OptimizerState) {
+                    EXPECT_EQ(grew, row.bytes) << row.formula;
+                }
+            *params = t.params();
+            return grew;
+        };
+        TrainSummary with_master, without;
+        std::vector<float> p_master, p_none;
+        const std::size_t b_master = optimizer_bytes(c, &with_master, &p_master);
+        RunConfig n = c;
+        n.io.out_dir = test::temp_dir(std::string("cuda_bw_n_") + format);
+        n.optim.master = "none";
+        const std::size_t b_none = optimizer_bytes(n, &without, &p_none);
+        EXPECT_EQ(b_master - b_none, 4 * p_none.size()) << "exactly the fp32 master";
+        ASSERT_EQ(without.losses.size(), (std::size_t)steps);
+        for (int i = 0; i < steps; i++)
+            EXPECT_NEAR(without.losses[i], with_master.losses[i], 0.02 * with_master.losses[i])
+                << "step " << i;
+        EXPECT_LT(without.losses.back(), without.losses.front() - 0.5) << "it learns";
+        std::size_t not_bf16 = 0;
+        for (float x : p_none) not_bf16 += bf16_to_f32(f32_to_bf16(x)) != x;
+        EXPECT_EQ(not_bf16, 0u);
+        EXPECT_NE(p_none, p_master);
+        // The same steps replayed from a CUDA graph, and resumed halfway through a checkpoint.
+        RunConfig g = n;
+        g.io.out_dir = test::temp_dir(std::string("cuda_bw_g_") + format);
+        g.train.cuda_graphs = true;
+        Trainer tg(g, quiet());
+        EXPECT_EQ(tg.run().losses, without.losses);
+        EXPECT_EQ(tg.params(), p_none);
+        RunConfig r = n;
+        r.io.out_dir = test::temp_dir(std::string("cuda_bw_r_") + format);
+        TrainSummary resumed;
+        auto second = test::train_stop_and_resume(r, steps / 2, resumed);
+        ASSERT_EQ(resumed.losses.size(), (std::size_t)steps / 2);
+        for (int i = 0; i < steps / 2; i++)
+            EXPECT_EQ(resumed.losses[i], without.losses[steps / 2 + i]) << i;
+        EXPECT_EQ(second->params(), p_none);
+    }
+    // What the GPU's bf16 weights do not run with, refused by name before training.
+    RunConfig c = cuda_run(test::temp_dir("cuda_bw_refused"), 1, "bf16");
+    c.optim.master = "none";
+    for (const auto& [key, set] : std::vector<std::pair<std::string, void (*)(RunConfig&)>>{
+             {"train.precision = \"fp32\"", [](RunConfig& x) { x.train.precision = "fp32"; }},
+             {"train.precision = \"fp16\"", [](RunConfig& x) { x.train.precision = "fp16"; }},
+             {"train.offload_optimizer", [](RunConfig& x) { x.train.offload_optimizer = true; }},
+             {"lora.rank", [](RunConfig& x) { x.lora.rank = 4; }}}) {
+        RunConfig bad = c;
+        set(bad);
+        try {
+            validate_config(bad);
+            ADD_FAILURE() << key << " was accepted";
+        } catch (const Error& e) {
+            EXPECT_NE(std::string(e.what()).find(key), std::string::npos) << e.what();
+            EXPECT_NE(std::string(e.what()).find("optim.master"), std::string::npos) << e.what();
         }
     }
 }

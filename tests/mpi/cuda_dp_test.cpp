@@ -275,6 +275,66 @@ TEST(CudaDp, OffloadedShardsResumeBitForBit) {
     }
 }
 
+// optim.master = "none" under NCCL's data parallelism: each rank updates its range of the bf16
+// parameters (everything under DDP, its shard from ZeRO-1, ZeRO-3's shard being all it keeps) and
+// rounds each element with the draw of its global index, so every stage ends on DDP's weights
+// (bitwise on cudasim, whose collectives sum in rank order; NCCL's reduce-scatter may sum in
+// another order than its all-reduce on a GPU). Each rank's optimizer row is its shard's moments
+// only, as predicted, and a ZeRO-3 run stopped halfway resumes bitwise.
+TEST(CudaDp, Bf16WeightsUnderZeroAreDdpsAndResumeBitwise) {
+    REQUIRE_GPU_DP();
+    const int N = comm().size(), steps = 6;
+    TrainSummary ddp;
+    std::vector<float> ddp_params;
+    for (int stage : {0, 1, 2, 3}) {
+        SCOPED_TRACE("zero stage " + std::to_string(stage));
+        RunConfig c = shared_cuda_run("cuda_dp_bw_" + std::to_string(stage), steps, "bf16");
+        c.optim.master = "none";
+        c.train.batch_size = N * 2;
+        c.train.micro_batch_size = 2;
+        c.train.zero_stage = stage;
+        const MemoryStats before = device_memory().snapshot();
+        Trainer t(c, quiet(), &comm());
+        const std::size_t grew = device_memory().snapshot()[MemCategory::OptimizerState] -
+                                 before[MemCategory::OptimizerState];
+        const TrainSummary sum = t.run();
+        const std::vector<float> params = t.params();
+        for (const MemoryPrediction& row :
+             t.engine().predicted_memory(c.micro_batch(), c.train.seq_len))
+            if (row.category == MemCategory::OptimizerState) {
+                EXPECT_EQ(grew, row.bytes) << row.formula;
+                EXPECT_EQ(row.formula.find("master"), std::string::npos) << row.formula;
+            }
+        EXPECT_LT(grew, 8 * t.engine().optimizer().count() + 64 * 1024);
+        if (stage == 0) {
+            ddp = sum;
+            ddp_params = params;
+            continue;
+        }
+        ASSERT_EQ(sum.losses.size(), ddp.losses.size());
+        if (test::on_cudasim()) {
+            EXPECT_EQ(sum.losses, ddp.losses);
+            EXPECT_EQ(params, ddp_params);
+        } else {
+            for (std::size_t i = 0; i < sum.losses.size(); i++)
+                EXPECT_NEAR(sum.losses[i], ddp.losses[i], 0.02 * ddp.losses[i]) << i;
+        }
+    }
+    RunConfig c = shared_cuda_run("cuda_dp_bw_resume", steps, "bf16");
+    c.optim.master = "none";
+    c.train.batch_size = N * 2;
+    c.train.micro_batch_size = 2;
+    c.train.zero_stage = 3;
+    const WholeAndCut w = train_whole_and_cut(c, 3);
+    TrainOptions o = quiet();
+    o.resume = w.split.io.out_dir;
+    Trainer t(w.split, o, &comm());
+    const TrainSummary rest = t.run();
+    ASSERT_EQ(rest.losses.size(), 3u);
+    for (int i = 0; i < 3; i++) EXPECT_EQ(rest.losses[i], w.full.losses[3 + i]) << "step " << 4 + i;
+    EXPECT_EQ(t.params(), w.full_params);
+}
+
 // A bf16 run of N ranks at `stage` stops after 3 of 6 steps; every rank resumes its checkpoint
 // alone with the whole global micro-batch: the shards come back together and the curve goes on.
 void check_bf16_resume(int stage) {

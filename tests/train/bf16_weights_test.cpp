@@ -208,7 +208,18 @@ TEST(Bf16Weights, RefusesTheLayoutsItDoesNotRunWithByName) {
         edit(c);
         test::expect_refused_naming(validate_optimizer_layout, c, "optim.master", key);
     };
-    refused([](RunConfig& c) { c.train.device = "cuda"; }, "train.device");
+    // On the GPU the bf16 parameters are the weights (tests/cuda/train_test.cpp): bf16 only.
+    refused(
+        [](RunConfig& c) {
+            c.train.device = "cuda";
+            c.train.precision = "fp32";
+        },
+        "train.device = \"cuda\" and train.precision = \"fp32\"");
+    RunConfig gpu = base;
+    gpu.train.device = "cuda";
+    gpu.train.precision = "bf16";
+    gpu.train.zero_stage = 3;
+    EXPECT_NO_THROW(validate_optimizer_layout(gpu));
     refused([](RunConfig& c) { c.train.zero_stage = 3; }, "train.zero_stage = 3");
     refused(
         [](RunConfig& c) {

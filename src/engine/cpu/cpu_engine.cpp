@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "io/lora_files.h"
+#include "optim/state_format.h"
 #include "parallel/ps/param_server.h"
 #include "parallel/tensor/tp_views.h"
 
@@ -184,7 +185,7 @@ void CpuEngine::apply_data_parallel() {
     zo.hold_grads = !cfg.no_grad_buffer();
     // optim.master = "none": bf16 weights, rounded stochastically from the run's seed.
     zo.bf16_params = cfg.optim.master == "none";
-    zo.rounding_seed = cfg.train.seed ^ 0x5EEDB16F00Dull;
+    zo.rounding_seed = bf16_rounding_seed(cfg.train.seed);
     if (zo.bf16_params) zo.whole_tensors = whole_step_tensors(cfg.optim, trained);
     zero_ = std::make_unique<dist::ZeroStore>(trained, world_, plan_.zero_stage, zo);
     if (plan_.lora) {

@@ -22,7 +22,7 @@ namespace memtrain {
 template <typename T>
 DeviceOptimizer<T>::DeviceOptimizer(const OptimConfig& cfg, const ParamLayout& layout,
                                     std::size_t offset, std::size_t n, cudaStream_t stream,
-                                    Wait wait)
+                                    Wait wait, uint64_t train_seed)
     : adamw_(cfg.name == "adamw"),
       format_(parse_state_format(cfg.state_format)),
       layout_(layout),
@@ -30,8 +30,13 @@ DeviceOptimizer<T>::DeviceOptimizer(const OptimConfig& cfg, const ParamLayout& l
       n_(n),
       stream_(stream),
       wait_(std::move(wait)) {
-    if constexpr (!std::is_same_v<T, float>)
+    if (cfg.master == "none") {
+        if (!std::is_same_v<T, __nv_bfloat16>)
+            fail("internal: optim.master = \"none\" on the GPU stores bf16 parameters only");
+        round_ = {1, bf16_rounding_seed(train_seed), (int64_t)offset};
+    } else if constexpr (!std::is_same_v<T, float>) {
         master_ = DeviceBuffer<float>(n, MemCategory::OptimizerState);
+    }
     const cuda::MomentLayout lay = cuda::moment_layout(layout, offset, n, format_);
     const MomentBuffer::Plan& p = lay.plan;
     auto alloc = [&](auto& first, auto& second, std::size_t count) {
@@ -91,15 +96,15 @@ void DeviceOptimizer<T>::step(T* params, const T* grads, const cuda::StepScalars
     const int nchunks = (int)chunks_.size();
     if (adamw_)
         cuda::adamw_step<T>(params, master(), moment_stores(), grads, chunks_.data(), nchunks,
-                            scalars, stream);
+                            scalars, stream, round_);
     else
         cuda::sgd_step<T>(params, master(), moment_stores(), grads, chunks_.data(), nchunks,
-                          scalars, stream);
+                          scalars, stream, round_);
 }
 
 template <typename T>
 std::string DeviceOptimizer<T>::describe() const {
-    std::string d = device_optimizer_states((int)sizeof(T), adamw_);
+    std::string d = device_optimizer_states(master_.size() > 0, adamw_);
     if (format_ != StateFormat::Fp32) d += fmt::format(" in {}", state_format_name(format_));
     return d;
 }

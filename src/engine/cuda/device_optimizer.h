@@ -1,10 +1,11 @@
 // The optimizer of the CUDA engines on the device: fp32 master weights (when the storage type is
-// not float), AdamW's m and v or SGD's momentum (in any optim.state_format: the CPU
-// MomentBuffer's stores byte for byte, cuda::moment_layout), the multi-tensor chunk table and the
-// step count, over one range of a parameter layout (the whole model, a ZeRO-1 shard, a pipeline
-// stage, or LoRA's adapters). It updates the T parameters from the T gradients with the kernels of
-// kernels/cuda/optimizer.h, and is the engine's OptimizerState: checkpoints read and write its
-// tensors and its step count through it.
+// not float, unless optim.master = "none": then the bf16 parameters are the only weights and each
+// update rounds into them stochastically), AdamW's m and v or SGD's momentum (in any
+// optim.state_format: the CPU MomentBuffer's stores byte for byte, cuda::moment_layout), the
+// multi-tensor chunk table and the step count, over one range of a parameter layout (the whole
+// model, a ZeRO-1 shard, a pipeline stage, or LoRA's adapters). It updates the T parameters from
+// the T gradients with the kernels of kernels/cuda/optimizer.h, and is the engine's OptimizerState:
+// checkpoints read and write its tensors and its step count through it.
 #pragma once
 
 #if MEMTRAIN_HAVE_CUDA
@@ -38,13 +39,14 @@ class DeviceOptimizer final : public OptimizerState {
     // Waits for the engine's compute stream (naming what for: with NCCL, a dead peer fails fast).
     using Wait = std::function<void(const char* what)>;
     // Floats [offset, offset + n) of `layout`, every tensor zero; checkpoint reads and writes are
-    // queued on `stream` and waited for with `wait`.
+    // queued on `stream` and waited for with `wait`. `train_seed` seeds the stochastic rounding of
+    // optim.master = "none" (T must be bf16 then).
     DeviceOptimizer(const OptimConfig& cfg, const ParamLayout& layout, std::size_t offset,
-                    std::size_t n, cudaStream_t stream, Wait wait);
+                    std::size_t n, cudaStream_t stream, Wait wait, uint64_t train_seed = 0);
     DeviceOptimizer(const DeviceOptimizer&) = delete;
     DeviceOptimizer& operator=(const DeviceOptimizer&) = delete;
     // The fp32 master weights of the range, or null when T is float (the parameters are the
-    // master).
+    // master) or under optim.master = "none" (the bf16 parameters are the weights).
     float* master() { return master_.size() ? master_.data() : nullptr; }
     // One update of the range: params (T) from grads (T) scaled by the device scalars'
     // grad_scale; nothing when they say skip.
@@ -80,13 +82,14 @@ class DeviceOptimizer final : public OptimizerState {
     MomentBuffer to_host(const Stores& st);
     void to_device(const MomentBuffer& b, const Stores& st);
     bool adamw_ = true;
+    cuda::ParamRounding round_;  // optim.master = "none": stochastic
     StateFormat format_ = StateFormat::Fp32;
     ParamLayout layout_;
     std::size_t offset_ = 0, n_ = 0;
     int64_t t_ = 0;
     cudaStream_t stream_ = nullptr;
     Wait wait_;
-    DeviceBuffer<float> master_;             // absent when T is float
+    DeviceBuffer<float> master_;             // absent when T is float or optim.master = "none"
     DeviceBuffer<float> m_, v_;              // AdamW moments, or m_ = SGD momentum (the fp32 store)
     DeviceBuffer<__nv_bfloat16> m16_, v16_;  // their bf16 store
     DeviceBuffer<uint8_t> mq_, vq_;          // int8 / int4 codes

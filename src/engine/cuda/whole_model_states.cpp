@@ -41,7 +41,15 @@ float* WeightsStore<T>::acquire(int u, bool for_write) {
     host_.resize(unit.size());
     if (sharded) piece_.resize(n);
     float* mine = sharded ? piece_.data() : host_.data();
-    if (master.on_host)
+    if (!master.data) {
+        // optim.master = "none": the bf16 parameters, decoded.
+        stored_.resize(n);
+        if (n > 0)
+            MT_CUDA_CHECK(cudaMemcpyAsync(stored_.data(), s_.dp_.param_shard() + (lo - first),
+                                          n * sizeof(T), cudaMemcpyDeviceToHost, s_.stream_));
+        s_.wait("a weight transfer");
+        for (std::size_t i = 0; i < n; i++) mine[i] = cuda::to_fp32(stored_[i]);
+    } else if (master.on_host)
         std::copy_n(master.data + (lo - first), n, mine);
     else if (n > 0)
         MT_CUDA_CHECK(cudaMemcpyAsync(mine, master.data + (lo - first), n * sizeof(float),
@@ -71,8 +79,9 @@ void WeightsStore<T>::write_back(const ParamUnit& unit, const float* src) {
     DeviceDataParallel<T>& dp = s_.dp_;
     const std::size_t first = dp.first();
     const auto [lo, n] = dp.piece(unit);
-    // This rank's piece of the master weights (a lent unit was written in place).
-    if (!lent_) {
+    // This rank's piece of the master weights (a lent unit was written in place; none under
+    // optim.master = "none").
+    if (!lent_ && master.data) {
         if (master.on_host)
             std::copy_n(src + (lo - unit.begin), n, master.data + (lo - first));
         else if (n > 0)
@@ -83,7 +92,7 @@ void WeightsStore<T>::write_back(const ParamUnit& unit, const float* src) {
     // weights (nothing to do in fp32, where they are the parameters); else rounded on the host
     // and copied up, the whole unit where every rank holds the parameters whole, or this rank's
     // piece (ZeRO-3).
-    if (!master.on_host && !dp.master_sharded()) {
+    if (master.data && !master.on_host && !dp.master_sharded()) {
         if constexpr (!std::is_same_v<T, float>)
             cuda::cast<T, float>(dp.whole_params() + unit.begin, master.data + (unit.begin - first),
                                  (int64_t)unit.size(), s_.stream_);
@@ -124,9 +133,9 @@ WholeModelStates<T>::WholeModelStates(const RunPlan& plan, dist::Communicator& c
                                                       dp_.count(), stream_, stream_grads);
         offload_->attach(*model_);
     } else {
-        opt_ = std::make_unique<DeviceOptimizer<T>>(plan_.cfg.optim, layout(), dp_.first(),
-                                                    dp_.count(), stream_,
-                                                    [this](const char* what) { wait(what); });
+        opt_ = std::make_unique<DeviceOptimizer<T>>(
+            plan_.cfg.optim, layout(), dp_.first(), dp_.count(), stream_,
+            [this](const char* what) { wait(what); }, plan_.cfg.train.seed);
     }
 }
 

@@ -12,6 +12,7 @@
 
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -28,7 +29,8 @@ template <typename T>
 class WholeModelStates;
 
 // The UnitStore for weight I/O: a unit's fp32 master weights copied to a host buffer and, when
-// written, back to the master and (rounded) to the compute copy. It asks the states where the
+// written, back to the master and (rounded) to the compute copy (under optim.master = "none" the
+// bf16 parameters decoded, and rounded to nearest back into them). It asks the states where the
 // master weights live (the device or, under ZeRO-Offload, the host) and which piece of them this
 // rank holds (all of each unit, or its shard's piece: then reading a unit gathers it from every
 // rank, a collective).
@@ -49,6 +51,7 @@ class WeightsStore final : public WeightWindow {
     bool written_ = false;
     bool lent_ = false;  // acquire returned the master weights themselves (host memory, whole)
     std::vector<float> host_, piece_;
+    std::vector<T> stored_;  // optim.master = "none": the piece's bf16 values
 };
 
 template <typename T>
@@ -110,15 +113,19 @@ class WholeModelStates final : public ModelStates<T> {
     friend class WeightsStore<T>;
     const ParamLayout& layout() const { return model_->layout(); }
     // This rank's fp32 master weights, its range [dp_.first(), + dp_.count()): in host memory
-    // under ZeRO-Offload, else on the device (the parameters themselves in fp32).
+    // under ZeRO-Offload, else on the device (the parameters themselves in fp32). Null under
+    // optim.master = "none": the bf16 parameters (dp_.param_shard()) are the weights.
     struct MasterWeights {
         float* data;
         bool on_host;
     };
     MasterWeights master_weights() {
         if (offload_) return {offload_->master(), true};
-        float* m = opt_->master();
-        return {m ? m : reinterpret_cast<float*>(dp_.param_shard()), false};
+        if (float* m = opt_->master()) return {m, false};
+        if constexpr (std::is_same_v<T, float>)
+            return {dp_.param_shard(), false};
+        else
+            return {nullptr, false};
     }
 
     RunPlan plan_;

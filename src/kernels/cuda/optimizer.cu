@@ -79,6 +79,36 @@ static __device__ __forceinline__ bool sign_bit(float a) {
 }
 #endif
 
+// ---- the parameters' rounding ------------------------------------------------------------------
+// f32_to_bf16_stochastic (optim/state_format.cpp) bit for bit: a splitmix64 finaliser over
+// (seed, step, index), its top 16 bits added to the magnitude's bits below bf16's.
+__device__ __forceinline__ uint16_t bf16_stochastic_bits(float x, uint64_t seed, uint64_t step,
+                                                        uint64_t index) {
+    const uint32_t u = __float_as_uint(x);
+    uint64_t z = seed ^ (step * 0xD1B54A32D192ED03ull) ^ (index * 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    const uint32_t up = (u + (uint32_t)(z >> 48)) >> 16;
+    if ((up & 0x7f80u) == 0x7f80u) return (uint16_t)(u >> 16);  // would overflow: truncate
+    return (uint16_t)up;
+}
+
+// The parameter's new value x (element j of the range) in its storage type: rounded to nearest
+// even, or (bf16 under ParamRounding::stochastic) stochastically.
+template <typename T>
+__device__ __forceinline__ T round_param(float x, const ParamRounding& r, int64_t step,
+                                         int64_t j) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+        if (r.stochastic && isfinite(x)) {
+            __nv_bfloat16_raw b;
+            b.x = bf16_stochastic_bits(x, r.seed, (uint64_t)step, (uint64_t)(r.base + j));
+            return __nv_bfloat16(b);
+        }
+    }
+    return from_float<T>(x);
+}
+
 // ---- gradient norm -> clip coefficient, skip flag ----------------------------------------------
 static __global__ void finish_grad_norm_kernel(StepScalars* s, const double* sumsq) {
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
@@ -196,7 +226,8 @@ __device__ void store_block(uint8_t* codes, int64_t at, int n, const QuantMap& q
 // the master copy when there is one.
 template <typename T>
 static __global__ void adamw_kernel(T* params, float* master, MomentStores st, const T* grads,
-                                    const TensorChunk* chunks, const StepScalars* s) {
+                                    const TensorChunk* chunks, const StepScalars* s,
+                                    ParamRounding round) {
     if (s->skip) return;
     const TensorChunk c = chunks[blockIdx.x];
     const float b1 = s->beta1, b2 = s->beta2, eps = s->eps, step_size = s->step_size,
@@ -221,7 +252,7 @@ static __global__ void adamw_kernel(T* params, float* master, MomentStores st, c
             const float p = master ? master[j] : to_float(params[j]);
             const float pn = fma_rn(p, decay, -div_rn(mul_rn(step_size, mi), denom));
             if (master) master[j] = pn;
-            params[j] = from_float<T>(pn);
+            params[j] = round_param<T>(pn, round, s->step, j);
         }
         // Every thread has read its codes and scale before any is written.
         const float ms = block_scale(mi, i < c.n, shared);
@@ -247,14 +278,15 @@ static __global__ void adamw_kernel(T* params, float* master, MomentStores st, c
         const float p = master ? master[j] : to_float(params[j]);
         const float pn = fma_rn(p, decay, -div_rn(mul_rn(step_size, mi), denom));
         if (master) master[j] = pn;
-        params[j] = from_float<T>(pn);
+        params[j] = round_param<T>(pn, round, s->step, j);
     }
 }
 
 // ---- SGD with momentum -------------------------------------------------------------------------
 template <typename T>
 static __global__ void sgd_kernel(T* params, float* master, MomentStores st, const T* grads,
-                                  const TensorChunk* chunks, const StepScalars* s) {
+                                  const TensorChunk* chunks, const StepScalars* s,
+                                  ParamRounding round) {
     if (s->skip) return;
     const TensorChunk c = chunks[blockIdx.x];
     const float mu = s->momentum, lr = s->lr, scale = s->grad_scale;
@@ -276,7 +308,7 @@ static __global__ void sgd_kernel(T* params, float* master, MomentStores st, con
             const float d = nesterov ? fma_rn(b, mu, g) : b;
             const float pn = fma_rn(-lr, d, p);
             if (master) master[j] = pn;
-            params[j] = from_float<T>(pn);
+            params[j] = round_param<T>(pn, round, s->step, j);
         }
         const float bs = block_scale(b, i < c.n, shared);
         store_block(st.mq, a.at, c.n, st.qm, b, bs, staged);
@@ -294,29 +326,40 @@ static __global__ void sgd_kernel(T* params, float* master, MomentStores st, con
         const float d = nesterov ? fma_rn(b, mu, g) : b;
         const float pn = fma_rn(-lr, d, p);
         if (master) master[j] = pn;
-        params[j] = from_float<T>(pn);
+        params[j] = round_param<T>(pn, round, s->step, j);
     }
 }
 
 // ---- entries -----------------------------------------------------------------------------------
 template <typename T>
 static void check_step(const char* op, const T* params, const float* master, const T* grads,
-                       const TensorChunk* chunks, int nchunks, const StepScalars* s) {
+                       const TensorChunk* chunks, int nchunks, const StepScalars* s,
+                       const ParamRounding& round) {
     if (nchunks < 0) fail("cuda::{}: nchunks is {}, expected >= 0", op, nchunks);
     if (nchunks > 0 && (!params || !grads || !chunks || !s))
         fail("cuda::{}: null params, grads, chunks or scalars", op);
+    if (round.stochastic) {
+        if (!std::is_same<T, __nv_bfloat16>::value || master)
+            fail("cuda::{}: stochastic rounding stores bf16 parameters without a master copy, "
+                 "expected T = bf16 and master = null",
+                 op);
+        return;
+    }
     if (std::is_same<T, float>::value) {
         if (master)
             fail("cuda::{}: fp32 parameters are their own master copy, expected master = null", op);
     } else if (nchunks > 0 && !master) {
-        fail("cuda::{}: bf16 / fp16 parameters need fp32 master weights, got master = null", op);
+        fail("cuda::{}: bf16 / fp16 parameters need fp32 master weights (or bf16 ones stochastic "
+             "rounding), got master = null",
+             op);
     }
 }
 
 template <typename T>
 void adamw_step(T* params, float* master, const MomentStores& st, const T* grads,
-                const TensorChunk* chunks, int nchunks, const StepScalars* s, cudaStream_t stream) {
-    check_step("adamw_step", params, master, grads, chunks, nchunks, s);
+                const TensorChunk* chunks, int nchunks, const StepScalars* s, cudaStream_t stream,
+                const ParamRounding& round) {
+    check_step("adamw_step", params, master, grads, chunks, nchunks, s, round);
     if (nchunks == 0) return;
     if (!st.at ? (!st.m32 || !st.v32)
                : !((st.m32 && st.v32) || (st.m16 && st.v16) || (st.mq && st.vq && st.ms && st.vs)))
@@ -324,7 +367,7 @@ void adamw_step(T* params, float* master, const MomentStores& st, const T* grads
     if (st.bits && (!st.at || !st.table_m || !st.table_v))
         fail("cuda::adamw_step: block-quantized moments without their table or maps");
     MT_LAUNCH(adamw_kernel<T>, (unsigned)nchunks, kThreads, 0, stream, params, master, st, grads,
-              chunks, s);
+              chunks, s, round);
 }
 
 template <typename T>
@@ -338,14 +381,15 @@ void adamw_step(T* params, float* master, float* m, float* v, const T* grads,
 
 template <typename T>
 void sgd_step(T* params, float* master, const MomentStores& st, const T* grads,
-              const TensorChunk* chunks, int nchunks, const StepScalars* s, cudaStream_t stream) {
-    check_step("sgd_step", params, master, grads, chunks, nchunks, s);
+              const TensorChunk* chunks, int nchunks, const StepScalars* s, cudaStream_t stream,
+              const ParamRounding& round) {
+    check_step("sgd_step", params, master, grads, chunks, nchunks, s, round);
     if (nchunks == 0) return;
     if (!st.at ? !st.m32 : !(st.m32 || st.m16 || (st.mq && st.ms)))
         fail("cuda::sgd_step: null momentum buffer");
     if (st.bits && !st.table_m) fail("cuda::sgd_step: block-quantized momentum without its table");
     MT_LAUNCH(sgd_kernel<T>, (unsigned)nchunks, kThreads, 0, stream, params, master, st, grads,
-              chunks, s);
+              chunks, s, round);
 }
 
 template <typename T>
@@ -360,11 +404,11 @@ void sgd_step(T* params, float* master, float* momentum, const T* grads, const T
     template void adamw_step<T>(T*, float*, float*, float*, const T*, const TensorChunk*, int,    \
                                 const StepScalars*, cudaStream_t);                                \
     template void adamw_step<T>(T*, float*, const MomentStores&, const T*, const TensorChunk*,    \
-                                int, const StepScalars*, cudaStream_t);                           \
+                                int, const StepScalars*, cudaStream_t, const ParamRounding&);     \
     template void sgd_step<T>(T*, float*, float*, const T*, const TensorChunk*, int,              \
                               const StepScalars*, cudaStream_t);                                  \
     template void sgd_step<T>(T*, float*, const MomentStores&, const T*, const TensorChunk*, int, \
-                              const StepScalars*, cudaStream_t);
+                              const StepScalars*, cudaStream_t, const ParamRounding&);
 MT_INSTANTIATE(float)
 MT_INSTANTIATE(__nv_bfloat16)
 MT_INSTANTIATE(__half)

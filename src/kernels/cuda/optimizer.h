@@ -57,11 +57,13 @@ template <typename T>
 void adamw_step(T* params /*(n)*/, float* master /*(n) or null*/, float* m /*(n)*/,
                 float* v /*(n)*/, const T* grads /*(n)*/, const TensorChunk* chunks /*device*/,
                 int nchunks, const StepScalars* s /*device*/, cudaStream_t stream = 0);
-// The same with moments in any MomentStores.
+// The same with moments in any MomentStores, and the parameters stored as `round` says (with
+// round.stochastic: T = bf16, master null, the parameters are the weights: optim.master =
+// "none").
 template <typename T>
 void adamw_step(T* params, float* master, const MomentStores& moments, const T* grads,
                 const TensorChunk* chunks, int nchunks, const StepScalars* s,
-                cudaStream_t stream = 0);
+                cudaStream_t stream = 0, const ParamRounding& round = {});
 
 // SGD with momentum (and Nesterov when s->nesterov), exactly Sgd::step in src/optim/optimizer.cpp;
 // same conventions as adamw_step.
@@ -69,10 +71,10 @@ template <typename T>
 void sgd_step(T* params /*(n)*/, float* master /*(n) or null*/, float* momentum /*(n)*/,
               const T* grads /*(n)*/, const TensorChunk* chunks /*device*/, int nchunks,
               const StepScalars* s /*device*/, cudaStream_t stream = 0);
-// The same with the momentum in any MomentStores (m32, m16).
+// The same with the momentum in any MomentStores (m32, m16, codes), and `round` as adamw_step's.
 template <typename T>
 void sgd_step(T* params, float* master, const MomentStores& momentum, const T* grads,
-              const TensorChunk* chunks, int nchunks, const StepScalars* s,
-              cudaStream_t stream = 0);
+              const TensorChunk* chunks, int nchunks, const StepScalars* s, cudaStream_t stream = 0,
+              const ParamRounding& round = {});
 
 }  // namespace memtrain::cuda

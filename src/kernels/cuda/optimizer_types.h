@@ -38,6 +38,18 @@ struct QuantMap {
     float to_map, min_normal, sub_scale;
 };
 
+// How the parameters are stored after an update. By default each is the new value rounded to
+// nearest even (T(master), or the fp32 value itself). optim.master = "none" (bf16 parameters and
+// no master copy): rounded stochastically with f32_to_bf16_stochastic's draws
+// (optim/state_format.h) of (seed, the step, base + the element's index in the range), `base`
+// being the range's first float in the flat parameter buffer, so an element draws as the CPU
+// engine's does at every world size and ZeRO stage.
+struct ParamRounding {
+    int32_t stochastic = 0;
+    uint64_t seed = 0;
+    int64_t base = 0;
+};
+
 // What one optimizer step reads on the device, so that a captured step replays with new values:
 // the host sets the first group each step (pinned copy), finish_grad_norm the second.
 struct StepScalars {
@@ -51,6 +63,7 @@ struct StepScalars {
     int nesterov;                  // SGD: torch's Nesterov variant (OptimConfig::nesterov)
     float loss_scale;  // the gradients hold loss_scale x the true gradient (1 unless fp16)
     float max_norm;    // clipping threshold; <= 0: no clipping
+    int64_t step;      // the update's 1-based count (optim.master = "none": the rounding's draw)
     // set on the device by finish_grad_norm
     float grad_norm;   // L2 norm of the true (unscaled) gradients
     float grad_scale;  // what the update multiplies stored gradients by: clip coefficient /
