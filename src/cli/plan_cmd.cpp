@@ -610,6 +610,7 @@ void register_estimate(CLI::App& app) {
         r.precision = parse_precision(a->precision, &r.fp32_master);
         r.optimizer = parse_optimizer(a->optimizer);
         r.state_format = state_format_flag(a->state_format);
+        if (!r.fp32_master && !check.given("--state-format")) r.state_format = StateFormat::Bf16;
         // The trainer's per-block policies (every:K, sqrt, budget:BYTES) are solved below, on
         // the layout the run is priced with.
         const bool uniform =
@@ -785,6 +786,7 @@ void register_plan_cmd(CLI::App& app) {
             fit_precision_to_gpu(c.gpu, cmd, &s.precision, &s.fp32_master);
         s.optimizer = parse_optimizer(a->optimizer);
         s.state_format = state_format_flag(a->state_format);
+        if (!s.fp32_master && !check.given("--state-format")) s.state_format = StateFormat::Bf16;
         s.state_fallback = !check.given("--state-format");
         s.flash_attention = !a->no_flash;
         s.allow_offload = !a->no_offload;

@@ -279,15 +279,20 @@ std::string emit_config_toml(const ModelSpec& m, const Plan& p, const RunConfig*
     // What the plan asks for that the trainer has no key for: said in the header, never
     // silently dropped.
     std::string gaps;
-    if (!r.fp32_master)
+    // bf16-only is optim.master = "none", which the GPU engine runs with one process, DDP and
+    // ZeRO 1-3; compressed moments run on the GPU but with the offloaded optimizer.
+    if (!r.fp32_master && (r.tp > 1 || r.pp > 1 || r.offload != Offload::none))
+        gaps += fmt::format(
+            "# bf16-only is optim.master = \"none\" below, which the GPU trainer runs with data "
+            "parallelism and ZeRO but not with {}: it refuses the config; optim.master = "
+            "\"fp32\" takes more optimizer memory than planned.\n",
+            r.tp > 1 ? "train.tp" : r.pp > 1 ? "train.pp" : "train.offload_optimizer");
+    if ((r.optimizer == Optimizer::adamw8bit || r.state_format != StateFormat::Fp32) &&
+        r.offload != Offload::none)
         gaps +=
-            "# bf16-only (no fp32 master weights) has no trainer setting: train.precision = "
-            "\"bf16\" below keeps fp32 master weights, more optimizer memory than planned.\n";
-    if (r.optimizer == Optimizer::adamw8bit || r.state_format != StateFormat::Fp32)
-        gaps +=
-            "# Compressed moments (optim.state_format below) run on the CPU engine so far: on a "
-            "GPU the trainer refuses them; optim.state_format = \"fp32\" there takes more "
-            "optimizer memory than planned.\n";
+            "# Compressed moments (optim.state_format below) are not built for the offloaded "
+            "optimizer: on a GPU the trainer refuses them; optim.state_format = \"fp32\" there "
+            "takes more optimizer memory than planned.\n";
     if (source && source->model.dropout > 0)
         gaps += fmt::format(
             "# model.dropout = {} runs on the CPU engine without train.tp so far: on a GPU, or "
@@ -351,6 +356,7 @@ std::string emit_config_toml(const ModelSpec& m, const Plan& p, const RunConfig*
                                                            : "adamw";
     cfg.optim.state_format =
         state_format_name(r.optimizer == Optimizer::adamw8bit ? StateFormat::Int8 : r.state_format);
+    cfg.optim.master = r.fp32_master ? "fp32" : "none";
     cfg.lora.rank = r.lora_rank;
     if (r.lora_rank > 0) {
         cfg.lora.targets = r.lora_targets == LoraTargets::all ? "all" : "attn";

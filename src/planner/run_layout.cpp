@@ -185,14 +185,13 @@ std::string describe_method(const RunSpec& r) {
 StateBytes state_bytes(Precision precision, bool fp32_master, Optimizer optimizer,
                        StateFormat format) {
     // Optimizer bytes: Adam keeps two moments, SGD one, each in its storage format (8-bit Adam:
-    // int8 with a scale per 256). Mixed precision adds a 4-byte fp32 master copy of the weights;
-    // without it (bf16-only) fp32 moments become bf16 too.
+    // int8 with a scale per 256). Mixed precision adds a 4-byte fp32 master copy of the weights
+    // unless !fp32_master (optim.master = "none"; `--precision bf16-only` also stores the moments
+    // in bf16 unless --state-format says otherwise, plan_cmd.cpp).
     const double moments = optimizer == Optimizer::sgd         ? 1
                            : optimizer == Optimizer::adafactor ? 0
                                                                : 2;
     if (optimizer == Optimizer::adamw8bit) format = StateFormat::Int8;
-    if (format == StateFormat::Fp32 && precision != Precision::fp32 && !fp32_master)
-        format = StateFormat::Bf16;
     const double states = moments * moment_bytes_per_param(format);
     // fp32 without a master: the CPU engine's optim.master = "none", bf16 weights computed in fp32.
     if (precision == Precision::fp32) return {fp32_master ? 4.0 : 2.0, 4, states};

@@ -151,7 +151,12 @@ TEST(PlanMemory, OptimizerAndPrecisionVariants) {
         EXPECT_DOUBLE_EQ(state_bytes(memtrain::Precision::fp32, true, Optimizer::sgd, f).optim,
                          moment);
     }
-    EXPECT_DOUBLE_EQ(state_bytes(memtrain::Precision::bf16, false, Optimizer::adamw).optim, 4);
+    // bf16 weights without a master (optim.master = "none"): the moments as their format says
+    // (`--precision bf16-only` asks for bf16 moments unless --state-format is given).
+    EXPECT_DOUBLE_EQ(state_bytes(memtrain::Precision::bf16, false, Optimizer::adamw).optim, 8);
+    EXPECT_DOUBLE_EQ(
+        state_bytes(memtrain::Precision::bf16, false, Optimizer::adamw, StateFormat::Bf16).optim,
+        4);
     EXPECT_DOUBLE_EQ(state_bytes(memtrain::Precision::fp32, true, Optimizer::sgd).optim, 4);
     // fp32 compute over bf16-stored weights (the CPU engine's optim.master = "none").
     const auto bf16w = state_bytes(memtrain::Precision::fp32, false, Optimizer::adamw);

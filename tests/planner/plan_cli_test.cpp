@@ -442,6 +442,18 @@ TEST(PlanCli, EmittedConfigIsTheWholeSourceConfig) {
     const memtrain::RunConfig gc = memtrain::read_run_config(dir + "/gpu.toml", {});
     EXPECT_EQ(gc.train.device, "auto");
     EXPECT_EQ(gc.train.precision, "bf16");
+    EXPECT_EQ(gc.optim.master, "fp32");
+    // bf16-only: bf16 weights without a master (optim.master = "none", which the GPU trainer runs
+    // as planned, so no header line) and bf16 moments, priced as the trainer allocates them.
+    const Outcome bw = memtrain_cli("plan " + dir + "/cpu.toml --gpus 1 --precision bf16-only " +
+                                    "--top 1 --emit-config " + dir + "/bw.toml");
+    ASSERT_EQ(bw.code, 0) << bw.output;
+    memtrain::RunConfig bc = memtrain::read_run_config(dir + "/bw.toml", {});
+    EXPECT_EQ(bc.optim.master, "none");
+    EXPECT_EQ(bc.optim.state_format, "bf16");
+    EXPECT_EQ(read_file(dir + "/bw.toml").find("has no trainer"), std::string::npos);
+    bc.train.device = "cuda";
+    EXPECT_NO_THROW(memtrain::validate_optimizer_layout(bc));
     // model.dropout is kept, and the header says where the trainer does not run it yet.
     write_file(dir + "/drop.toml",
                "[model]\nn_layer = 4\nn_head = 4\nn_embd = 64\nblock_size = 64\ndropout = 0.1\n");
