@@ -280,19 +280,16 @@ std::string emit_config_toml(const ModelSpec& m, const Plan& p, const RunConfig*
     // silently dropped.
     std::string gaps;
     // bf16-only is optim.master = "none", which the GPU engine runs with one process, DDP and
-    // ZeRO 1-3; compressed moments run on the GPU but with the offloaded optimizer.
+    // ZeRO 1-3 (compressed moments run everywhere on the GPU, the offloaded optimizer included).
     if (!r.fp32_master && (r.tp > 1 || r.pp > 1 || r.offload != Offload::none))
         gaps += fmt::format(
             "# bf16-only is optim.master = \"none\" below, which the GPU trainer runs with data "
             "parallelism and ZeRO but not with {}: it refuses the config; optim.master = "
             "\"fp32\" takes more optimizer memory than planned.\n",
-            r.tp > 1 ? "train.tp" : r.pp > 1 ? "train.pp" : "train.offload_optimizer");
-    if ((r.optimizer == Optimizer::adamw8bit || r.state_format != StateFormat::Fp32) &&
-        r.offload != Offload::none)
-        gaps +=
-            "# Compressed moments (optim.state_format below) are not built for the offloaded "
-            "optimizer: on a GPU the trainer refuses them; optim.state_format = \"fp32\" there "
-            "takes more optimizer memory than planned.\n";
+            r.tp > 1   ? "train.tp"
+            : r.pp > 1 ? "train.pp"
+                       : "train.offload_optimizer");
+
     if (source && source->model.dropout > 0)
         gaps += fmt::format(
             "# model.dropout = {} runs on the CPU engine without train.tp so far: on a GPU, or "

@@ -383,10 +383,6 @@ void validate_optimizer_layout(const RunConfig& cfg) {
     const StateFormat f = parse_state_format(cfg.optim.state_format);
     if (f == StateFormat::Fp32) return;
     const auto refuse = refuser(fmt::format("optim.state_format = \"{}\"", cfg.optim.state_format));
-    if (cfg.train.device == "cuda" && cfg.train.offload_optimizer)
-        refuse("train.offload_optimizer = true",
-               "the offloaded optimizer keeps fp32 moments on the host (the formats are built "
-               "for the optimizer on the GPU)");
     // bf16 moments round each element on its own, so a tensor-parallel shard's (the fp32 rule
     // read on the whole tensor, ParamSpec::whole_numel) are one process's; int8 and int4 blocks
     // lie over the whole tensor, across the slices.

@@ -21,6 +21,8 @@
 #include "cuda/cuda_test_util.h"
 #include "cuda/device_fit_util.h"
 #include "engine/cuda/cuda_engine.h"
+#include "optim/optimizer.h"
+#include "optim/state_format.h"
 #include "planner/memory_model.h"
 #include "planner/model_shape.h"
 #include "remat/policy.h"
@@ -422,6 +424,67 @@ TEST(CudaTrain, OffloadedOptimizerTrainsTheSameModel) {
     auto second = test::train_stop_and_resume(split, 4, resumed);
     for (int i = 0; i < 4; i++) EXPECT_EQ(resumed.losses[i], sf.losses[4 + i]) << i;
     EXPECT_EQ(second->params(), f.params());
+}
+
+// optim.state_format with the optimizer offloaded to the host (ZeRO-Offload): the host's CPU
+// optimizer keeps the moments in the format (the same codec and bits as the device's kernels), so
+// the run tracks the same format on the device; the host bytes are the fp32 master, the moments in
+// their format, the fp32 gradients and the pinned buffer, as the planner prices them; a resume
+// through a checkpoint is bitwise.
+TEST(CudaTrain, OffloadedOptimizerKeepsTheMomentsInTheirFormat) {
+    REQUIRE_GPU();
+    for (const char* format : {"bf16", "int8"}) {
+        SCOPED_TRACE(format);
+        RunConfig dev_cfg =
+            cuda_run(test::temp_dir(std::string("cuda_ofmt_dev_") + format), 8, "bf16");
+        dev_cfg.model.n_embd = 64;  // block matrices of 64 x 256: moments in the format
+        dev_cfg.model.n_head = 4;
+        dev_cfg.optim.state_format = format;
+        RunConfig h = dev_cfg;
+        h.io.out_dir = test::temp_dir(std::string("cuda_ofmt_host_") + format);
+        h.train.offload_optimizer = true;
+        Trainer dev(dev_cfg, quiet());
+        const TrainSummary a = dev.run();
+        const MemoryStats host_before = host_memory().snapshot();
+        Trainer host(h, quiet());
+        const MemoryStats host_after = host_memory().snapshot();
+        const TrainSummary b = host.run();
+        ASSERT_EQ(b.losses.size(), a.losses.size());
+        // The same arithmetic and the same codes on the host (as fp32 moments do above).
+        for (std::size_t i = 0; i < a.losses.size(); i++)
+            EXPECT_NEAR(b.losses[i], a.losses[i], 1e-3 * std::fabs(a.losses[i])) << "step " << i;
+        const ParamLayout layout = host.engine().weights().layout;
+        const std::size_t psi = layout.total;
+        const std::size_t moments = optimizer_state_bytes(h.optim, layout, 0, psi);
+        EXPECT_LT(moments, 8 * psi) << "smaller than fp32 moments";
+        EXPECT_EQ(
+            host_after[MemCategory::OptimizerState] - host_before[MemCategory::OptimizerState],
+            4 * psi + moments);
+        plan::RunSpec r;
+        r.precision = Precision::bf16;
+        r.offload = plan::Offload::optimizer;
+        r.state_format = parse_state_format(format);
+        r.micro_batch = h.micro_batch();
+        r.seq = h.train.seq_len;
+        const auto est = plan::estimate_memory(plan::model_from_config(h.model), r);
+        double host_states = 0;
+        for (MemCategory k :
+             {MemCategory::OptimizerState, MemCategory::Gradients, MemCategory::Communication})
+            host_states += (double)(host_after[k] - host_before[k]);
+        // (The planner prices the fp32 rule's small tensors at the format's bytes, and the host
+        // optimizer's per-tensor tables are not in the formula.)
+        EXPECT_NEAR((double)est.cpu_bytes, host_states, 0.02 * host_states) << format;
+        EXPECT_NE(host.engine().memory_footer().find(describe_optimizer_state(h.optim)),
+                  std::string::npos)
+            << host.engine().memory_footer();
+        RunConfig split = h;
+        split.io.out_dir = test::temp_dir(std::string("cuda_ofmt_split_") + format);
+        TrainSummary resumed;
+        auto second = test::train_stop_and_resume(split, 4, resumed);
+        ASSERT_EQ(resumed.losses.size(), 4u);
+        for (int i = 0; i < 4; i++) EXPECT_EQ(resumed.losses[i], b.losses[4 + i]) << i;
+        EXPECT_EQ(second->params(), host.params());
+    }
 }
 
 TEST(CudaTrain, CheckpointsMoveBetweenCpuAndGpu) {

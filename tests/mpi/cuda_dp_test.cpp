@@ -150,39 +150,50 @@ TEST(CudaDp, RanksTrainTheSameModelAsOneProcess) {
 TEST(CudaDp, StateFormatsUnderZeroTrainAsOneProcess) {
     REQUIRE_GPU_DP();
     const int N = comm().size(), b = 2, steps = 6;
-    for (const char* format : {"bf16", "int8", "int4"}) {
-        for (int stage : {1, 3}) {
-            const std::string what = std::string(format) + " zero" + std::to_string(stage);
-            SCOPED_TRACE(what);
-            RunConfig c = shared_cuda_run("cuda_sf_" + what.substr(0, 4) + std::to_string(stage),
-                                          steps, "fp32");
-            c.model.n_embd = 64;  // matrices of 4096 elements or more: stored in the format
-            c.model.n_head = 4;
-            c.optim.state_format = format;
-            c.train.batch_size = N * b;
-            RunConfig ref_cfg = c;
-            ref_cfg.train.micro_batch_size = N * b;
-            ref_cfg.io.out_dir = c.io.out_dir + "_ref" + std::to_string(comm().rank());
-            const TrainSummary ref = Trainer(ref_cfg, quiet()).run();
-            c.train.micro_batch_size = b;
-            c.train.zero_stage = stage;
-            const MemoryStats before = device_memory().snapshot();
-            Trainer t(c, quiet(), &comm());
-            const std::size_t grew = device_memory().snapshot()[MemCategory::OptimizerState] -
-                                     before[MemCategory::OptimizerState];
-            const TrainSummary sum = t.run();
-            ASSERT_EQ(sum.losses.size(), ref.losses.size());
-            for (std::size_t i = 0; i < sum.losses.size(); i++)
-                EXPECT_NEAR(sum.losses[i], ref.losses[i], 1e-4 * std::abs(ref.losses[i]))
-                    << "step " << i + 1;
-            const std::size_t grain = std::string(format) == "bf16" ? 1 : 256;
-            EXPECT_EQ(t.engine().optimizer().offset() % grain, 0u);
-            for (const MemoryPrediction& row :
-                 t.engine().predicted_memory(c.micro_batch(), c.train.seq_len))
-                if (row.category == MemCategory::OptimizerState) {
-                    EXPECT_EQ(grew, row.bytes) << row.formula;
-                }
-        }
+    struct Case {
+        const char* format;
+        int stage;
+        bool offload;  // the moments in the format on the host (ZeRO-Offload)
+    };
+    for (const Case k : {Case{"bf16", 1, false}, Case{"bf16", 3, false}, Case{"int8", 1, false},
+                         Case{"int8", 3, false}, Case{"int4", 1, false}, Case{"int4", 3, false},
+                         Case{"int8", 2, true}}) {
+        const char* format = k.format;
+        const int stage = k.stage;
+        const std::string what =
+            std::string(format) + " zero" + std::to_string(stage) + (k.offload ? " offload" : "");
+        SCOPED_TRACE(what);
+        RunConfig c = shared_cuda_run(
+            "cuda_sf_" + what.substr(0, 4) + std::to_string(stage) + (k.offload ? "o" : ""), steps,
+            "fp32");
+        c.train.offload_optimizer = k.offload;
+        c.model.n_embd = 64;  // matrices of 4096 elements or more: stored in the format
+        c.model.n_head = 4;
+        c.optim.state_format = format;
+        c.train.batch_size = N * b;
+        RunConfig ref_cfg = c;
+        ref_cfg.train.micro_batch_size = N * b;
+        ref_cfg.train.offload_optimizer = false;
+        ref_cfg.io.out_dir = c.io.out_dir + "_ref" + std::to_string(comm().rank());
+        const TrainSummary ref = Trainer(ref_cfg, quiet()).run();
+        c.train.micro_batch_size = b;
+        c.train.zero_stage = stage;
+        const MemoryStats before = device_memory().snapshot();
+        Trainer t(c, quiet(), &comm());
+        const std::size_t grew = device_memory().snapshot()[MemCategory::OptimizerState] -
+                                 before[MemCategory::OptimizerState];
+        const TrainSummary sum = t.run();
+        ASSERT_EQ(sum.losses.size(), ref.losses.size());
+        for (std::size_t i = 0; i < sum.losses.size(); i++)
+            EXPECT_NEAR(sum.losses[i], ref.losses[i], 1e-4 * std::abs(ref.losses[i]))
+                << "step " << i + 1;
+        const std::size_t grain = std::string(format) == "bf16" ? 1 : 256;
+        EXPECT_EQ(t.engine().optimizer().offset() % grain, 0u);
+        for (const MemoryPrediction& row :
+             t.engine().predicted_memory(c.micro_batch(), c.train.seq_len))
+            if (row.category == MemCategory::OptimizerState) {
+                EXPECT_EQ(grew, row.bytes) << row.formula;
+            }
     }
 }
 

@@ -27,7 +27,8 @@ DeviceOffload<T>::DeviceOffload(const OptimConfig& optim, const ParamLayout& lay
       first_(first),
       count_(count),
       compute_(compute),
-      adamw_(optim.name == "adamw") {
+      state_bytes_(optimizer_state_bytes(optim, layout, first, count)),
+      state_name_(describe_optimizer_state(optim)) {
     opt_ = make_optimizer(optim, layout_, first_, count_);
     master_ = Buffer<float>(count_, MemCategory::OptimizerState);
     grads_ = Buffer<float>(count_, MemCategory::Gradients);
@@ -95,15 +96,16 @@ void DeviceOffload<T>::update(double lr, float grad_scale, T* params) {
 
 template <typename T>
 std::string DeviceOffload<T>::memory_line() const {
-    const std::size_t n = count_;  // this rank's range
+    // This rank's range: the moments in their format.
+    const double moments = count_ ? (double)state_bytes_ / (double)count_ : 0.0;
     return fmt::format(
-        "{:<16} {:>12}  (train.offload_optimizer: fp32 master 4 + {} + fp32 gradients 4 + "
-        "pinned transfer buffer {} bytes per parameter, in host memory)\n",
+        "{:<16} {:>12}  (train.offload_optimizer, bytes per parameter in host memory: fp32 "
+        "master 4 + moments {:.3g} + fp32 gradients 4 + pinned transfer buffer {}; the moments: "
+        "{})\n",
         "optimizer (host)",
-        fmt::format(
-            "{:.1f} MiB",
-            (master_.bytes() + (adamw_ ? 8 : 4) * n + grads_.bytes() + pinned_bytes()) / 1048576.0),
-        adamw_ ? "Adam m, v 8" : "momentum 4", sizeof(T));
+        fmt::format("{:.1f} MiB",
+                    (master_.bytes() + state_bytes_ + grads_.bytes() + pinned_bytes()) / 1048576.0),
+        moments, sizeof(T), state_name_);
 }
 
 template class DeviceOffload<float>;

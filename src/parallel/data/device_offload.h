@@ -1,10 +1,10 @@
 // ZeRO-Offload for the CUDA engine (train.offload_optimizer; engine/cuda/cuda_engine.cpp): the fp32
-// master weights, the moments and the update of this rank's range on the host (the CPU optimizer
-// of optim/optimizer.h, multi-threaded), the gradients coming down and the rounded parameters
-// going up through one pinned buffer of the range's values of T. In one process the gradients
-// stream down unit by unit as the last backward finishes them; with several ranks (or CUDA
-// graphs) this rank's reduced shard comes down after the backward.
-// Part of splitting the CUDA engine along its plan (issue 15).
+// master weights, the moments (in any optim.state_format) and the update of this rank's range on
+// the host (the CPU optimizer of optim/optimizer.h, multi-threaded), the gradients coming down and
+// the rounded parameters going up through one pinned buffer of the range's values of T. In one
+// process the gradients stream down unit by unit as the last backward finishes them; with several
+// ranks (or CUDA graphs) this rank's reduced shard comes down after the backward. Part of splitting
+// the CUDA engine along its plan (issue 15).
 #pragma once
 
 #if MEMTRAIN_HAVE_CUDA
@@ -68,7 +68,8 @@ class DeviceOffload {
     const ParamLayout layout_;
     std::size_t first_, count_;
     cudaStream_t compute_;
-    bool adamw_;
+    std::size_t state_bytes_;  // the host optimizer's moments (optimizer_state_bytes)
+    std::string state_name_;   // and what they are ("Adam m, v in int8 (...)")
     std::unique_ptr<Optimizer> opt_;
     Buffer<float> master_, grads_;
     T* pinned_ = nullptr;
