@@ -15,6 +15,7 @@
 #include "model/lora.h"
 #include "optim/state_format.h"
 #include "parallel/pipeline/schedule.h"
+#include "parallel/tensor/tp.h"
 #include "remat/policy.h"
 
 namespace memtrain {
@@ -385,11 +386,17 @@ void validate_optimizer_layout(const RunConfig& cfg) {
     const auto refuse = refuser(fmt::format("optim.state_format = \"{}\"", cfg.optim.state_format));
     // bf16 moments round each element on its own, so a tensor-parallel shard's (the fp32 rule
     // read on the whole tensor, ParamSpec::whole_numel) are one process's; int8 and int4 blocks
-    // lie over the whole tensor, across the slices.
-    if (cfg.train.tp > 1 && f != StateFormat::Bf16)
-        refuse(fmt::format("train.tp = {}", cfg.train.tp),
-               "a tensor-parallel shard holds slices of each matrix, and the blocks lie over the "
-               "whole tensor (optim.state_format = \"bf16\" runs with it)");
+    // lie over the whole tensor, so each must fall whole in one rank's slice.
+    if (cfg.train.tp > 1) {
+        const std::string misfit = dist::tp_block_misfit(cfg.model, cfg.train.tp, f);
+        if (!misfit.empty())
+            refuse(fmt::format("train.tp = {}", cfg.train.tp),
+                   fmt::format("the {}-element blocks of {} lie across the ranks' slices (a "
+                               "row-parallel slice's rows and every tensor's offset must fall on "
+                               "the block grid: a wider model, a smaller train.tp, or "
+                               "optim.state_format = \"bf16\", which has no blocks)",
+                               block_size(f), misfit));
+    }
     if (cfg.ps())
         refuse("train.dp_mode = \"ps\"",
                "the parameter server's optimizer keeps fp32 moments (use train.dp_mode = "

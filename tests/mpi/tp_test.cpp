@@ -18,9 +18,12 @@
 #include "core/error.h"
 #include "engine/cpu/cpu_engine.h"
 #include "mpi/dist_runs.h"
+#include "optim/optimizer.h"
 #include "optim/state_format.h"
 #include "parallel/tensor/tp.h"
 #include "test_util.h"
+#include "train/measured_run.h"
+#include "train/validate.h"
 
 namespace memtrain::dist {
 namespace {
@@ -500,6 +503,157 @@ TEST(TpTrain, Bf16MomentsFollowTheWholeTensorsRule) {
                 EXPECT_EQ(m.bytes, expect) << m.formula;
             }
     }
+}
+
+// A model wide enough for int8 / int4 blocks under tp = 2 and 4: every slice's runs (C / T of
+// c_attn's columns, the vocabulary and c_proj rows) and every tensor's offset on the 128 and 256
+// grids (int8 at T = 4 would need C / T = 256: refused, the test below).
+RunConfig block_run(const std::string& name, int steps) {
+    RunConfig c = tp_run(name, false, steps);
+    c.model.n_embd = 512;
+    c.model.n_layer = 1;
+    return c;
+}
+
+// int8 and int4 moments under tensor parallelism: the blocks lie over the whole tensor, and where
+// each falls whole in one rank's slice as a whole cell of the shard's grid (dist::tp_block_misfit),
+// a rank quantizes exactly one process's blocks. From the same gradients (the whole model's,
+// sliced) every rank's moments and weights are bitwise the slice of one process's after 3 steps;
+// a model whose blocks would cross the slices is refused naming the tensor.
+// The cell-by-cell reading of tp_block_misfit: every block of every whole tensor, located on
+// each rank (TpLayout::local_index), held whole by one rank as one cell of its grid.
+bool blocks_fit_cell_by_cell(const ModelConfig& m, int P, StateFormat f) {
+    const std::size_t B = block_size(f);
+    for (int rank = 0; rank < P; rank++) {
+        const TpLayout l = make_tp_layout(m, P, rank);
+        for (std::size_t i = 0; i < l.full.tensors.size(); i++) {
+            const ParamSpec& w = l.full.tensors[i];
+            const ParamSpec& s = l.local.tensors[i];
+            if (keeps_fp32(f, s)) continue;
+            auto edge = [&](int64_t li) {
+                return li == 0 || li == (int64_t)s.numel || (s.offset + (std::size_t)li) % B == 0;
+            };
+            for (std::size_t e0 = 0; e0 < w.numel;) {
+                const std::size_t e1 = std::min(w.numel, e0 + B - (w.offset + e0) % B);
+                const int64_t a = l.local_index(i, (int64_t)e0);
+                const int64_t b = l.local_index(i, (int64_t)e1 - 1);
+                if (!((a < 0 && b < 0) ||
+                      (a >= 0 && b - a == (int64_t)(e1 - 1 - e0) && edge(a) && edge(b + 1))))
+                    return false;
+                e0 = e1;
+            }
+        }
+    }
+    return true;
+}
+
+TEST(TpLayout, BlockMisfitIsTheCellByCellCheck) {
+    const int P = comm().size();
+    std::vector<ModelConfig> models;
+    for (bool llama : {false, true}) {
+        RunConfig c = tp_run("tp_misfit", llama, 1);
+        models.push_back(c.model);
+        c.model.n_embd = 512;
+        models.push_back(c.model);
+        c.model.n_embd = 768;
+        c.model.n_head = 12;
+        if (llama) c.model.n_kv_head = 4;
+        models.push_back(c.model);
+    }
+    int fit = 0, misfit = 0;
+    for (const ModelConfig& m : models)
+        for (StateFormat f : {StateFormat::Int8, StateFormat::Int4}) {
+            const bool fast = tp_block_misfit(m, P, f).empty();
+            EXPECT_EQ(fast, blocks_fit_cell_by_cell(m, P, f))
+                << "n_embd " << m.n_embd << " " << m.norm << " " << state_format_name(f);
+            (fast ? fit : misfit)++;
+        }
+    EXPECT_GT(fit, 0);
+    EXPECT_GT(misfit, 0);
+    EXPECT_EQ(tp_block_misfit(models[0], P, StateFormat::Bf16), "");
+}
+
+TEST(TpTrain, QuantizedMomentsAreOneProcesssBlocks) {
+    const int P = comm().size();
+    for (const char* format : {"int8", "int4"}) {
+        SCOPED_TRACE(format);
+        const StateFormat f = parse_state_format(format);
+        RunConfig c = block_run("tp_qm", 1);
+        c.optim.state_format = format;
+        if (f == StateFormat::Int8 && P == 4) {
+            const std::string misfit = tp_block_misfit(c.model, P, f);
+            EXPECT_NE(misfit, "");
+            test::expect_refused_naming(validate_optimizer_layout, with_tp(c),
+                                        "optim.state_format = \"int8\"", misfit);
+            continue;
+        }
+        ASSERT_EQ(tp_block_misfit(c.model, P, f), "");
+        const TpLayout l = make_tp_layout(c.model, P, comm().rank());
+        auto whole = make_optimizer(c.optim, l.full);
+        auto mine = make_optimizer(c.optim, l.local);
+        std::vector<float> w(l.full.total), g(l.full.total);
+        std::vector<float> lw(l.local.total), lg(l.local.total);
+        for (std::size_t i = 0; i < w.size(); i++) w[i] = 0.02f * std::sin(0.37f * (float)i);
+        for (std::size_t t = 0; t < l.full.tensors.size(); t++)
+            tp_slice(l, t, w.data() + l.full.tensors[t].offset,
+                     lw.data() + l.local.tensors[t].offset);
+        for (int step = 1; step <= 3; step++) {
+            for (std::size_t i = 0; i < g.size(); i++)
+                g[i] = 0.01f * std::cos(0.11f * (float)i * (float)step) / (1.0f + (float)(i % 7));
+            for (std::size_t t = 0; t < l.full.tensors.size(); t++)
+                tp_slice(l, t, g.data() + l.full.tensors[t].offset,
+                         lg.data() + l.local.tensors[t].offset);
+            whole->step(w.data(), g.data(), 1e-3);
+            mine->step(lw.data(), lg.data(), 1e-3);
+        }
+        auto expect_slices = [&](const std::vector<float>& full, const std::vector<float>& local,
+                                 const std::string& what) {
+            std::vector<float> want(l.local.total);
+            for (std::size_t t = 0; t < l.full.tensors.size(); t++)
+                tp_slice(l, t, full.data() + l.full.tensors[t].offset,
+                         want.data() + l.local.tensors[t].offset);
+            std::size_t off = 0;
+            for (std::size_t i = 0; i < want.size(); i++) off += want[i] != local[i];
+            EXPECT_EQ(off, 0u) << what << " of rank " << comm().rank();
+        };
+        expect_slices(w, lw, "weights");
+        for (const std::string& name : whole->state_names()) {
+            std::vector<float> a(l.full.total), b(l.local.total);
+            whole->read_state(name, a.data());
+            mine->read_state(name, b.data());
+            expect_slices(a, b, name);
+        }
+        // A run: the rank's optimizer bytes are its shard's blocks, as predicted, and the curve
+        // follows one process with the same format.
+        RunConfig ref_cfg = block_run("tp_qm_run", 3);
+        ref_cfg.optim.state_format = format;
+        RunConfig run = with_tp(ref_cfg);
+        ref_cfg.io.out_dir += "_ref" + std::to_string(comm().rank());
+        std::vector<float> ref;
+        {
+            Trainer t(ref_cfg, test::quiet());
+            ref = t.run().losses;
+        }
+        const MemoryStats before = host_memory().snapshot();
+        Trainer t(run, test::quiet(), &comm());
+        const std::vector<float> losses = t.run().losses;
+        const std::size_t state = host_memory().snapshot()[MemCategory::OptimizerState] -
+                                  before[MemCategory::OptimizerState];
+        ASSERT_EQ(losses.size(), ref.size());
+        for (std::size_t i = 0; i < ref.size(); i++)
+            EXPECT_NEAR(losses[i], ref[i], 1e-4 * std::abs(ref[i])) << "step " << i + 1;
+        EXPECT_EQ(state, optimizer_state_bytes(run.optim, l.local, 0, l.local.total));
+        for (const MemoryPrediction& m :
+             t.engine().predicted_memory(run.micro_batch(), run.train.seq_len))
+            if (m.category == MemCategory::OptimizerState) {
+                EXPECT_EQ(m.bytes, state) << m.formula;
+            }
+    }
+    // The tiny model's 8-wide head slices cannot hold a block: refused by name.
+    RunConfig narrow = with_tp(tp_run("tp_qm_narrow", false, 1));
+    narrow.optim.state_format = "int4";
+    test::expect_refused_naming(validate_optimizer_layout, narrow, "optim.state_format = \"int4\"",
+                                "lie across the ranks' slices");
 }
 
 // The communication buffers' peak (the checkpoint's gathers of the optimizer state and of each

@@ -87,6 +87,52 @@ TpLayout make_tp_layout(const ModelConfig& cfg, int ranks, int rank) {
     return l;
 }
 
+std::string tp_block_misfit(const ModelConfig& cfg, int ranks, StateFormat format) {
+    const std::size_t B = block_size(format);
+    if (B == 0 || ranks <= 1) return "";
+    // Every rank's shard has the same layout; a cut tensor is a sequence of runs (a piece of one
+    // segment along the cut dimension, for one index of the dimensions before it), each contiguous
+    // in the whole tensor and in its rank's. The cells inside a run map one to one where the run
+    // starts and ends on both grids and the two grids agree inside it.
+    const TpLayout l = make_tp_layout(cfg, ranks, 0);
+    for (std::size_t i = 0; i < l.full.tensors.size(); i++) {
+        const ParamSpec& f = l.full.tensors[i];
+        const ParamSpec& s = l.local.tensors[i];
+        if (keeps_fp32(format, s)) continue;
+        auto fits = [&](std::size_t e, std::size_t le, std::size_t len) {
+            auto edge = [&](std::size_t off, std::size_t x, std::size_t n) {
+                return x == 0 || x == n || (off + x) % B == 0;
+            };
+            return edge(f.offset, e, f.numel) && edge(f.offset, e + len, f.numel) &&
+                   edge(s.offset, le, s.numel) && edge(s.offset, le + len, s.numel) &&
+                   (f.offset + e) % B == (s.offset + le) % B;
+        };
+        const TpShard& sh = l.shards[i];
+        if (!sh.split()) {
+            if (!fits(0, 0, f.numel)) return f.name;
+            continue;
+        }
+        const std::size_t along = (std::size_t)f.shape[(std::size_t)sh.dim];
+        std::size_t inner = 1;
+        for (std::size_t d = (std::size_t)sh.dim + 1; d < f.shape.size(); d++)
+            inner *= (std::size_t)f.shape[d];
+        const std::size_t outer = f.numel / (along * inner), T = (std::size_t)ranks;
+        for (std::size_t o = 0; o < outer; o++) {
+            std::size_t start = 0, local_start = 0;
+            for (int64_t seg : sh.segments) {
+                const std::size_t piece = (std::size_t)seg / T;
+                for (std::size_t r = 0; r < T; r++)
+                    if (!fits((o * along + start + r * piece) * inner,
+                              (o * (along / T) + local_start) * inner, piece * inner))
+                        return f.name;
+                start += (std::size_t)seg;
+                local_start += piece;
+            }
+        }
+    }
+    return "";
+}
+
 int64_t TpLayout::local_index(std::size_t i, int64_t e) const {
     const auto [r, li] = locate(full.tensors[i], shards[i], ranks, e);
     return r < 0 || r == rank ? li : -1;

@@ -54,6 +54,7 @@
 #include "model/param_layout.h"
 #include "model/tp_comm.h"
 #include "model/vocab_parallel.h"
+#include "optim/state_format.h"
 
 namespace memtrain::dist {
 
@@ -81,6 +82,14 @@ struct TpLayout {
     std::size_t replicated_floats() const;
     std::size_t sharded_floats() const;
 };
+// The first tensor (by name) whose int8 / int4 moment blocks (`format`'s cells of block_size
+// elements over the flat buffer, cut at tensor ends: optim/state_format.h) do not lie whole in
+// one rank's shard as whole cells of the shard's own grid, at some rank of `ranks`; "" when every
+// cell does (then each rank quantizes exactly one process's blocks: the same scales and codes).
+// A row-parallel matrix needs its slice's row length, and every tensor its offset, on the grid.
+// Always "" for fp32 and bf16, which have no blocks.
+std::string tp_block_misfit(const ModelConfig& cfg, int ranks, StateFormat format);
+
 // The config of one of `ranks` shards (cfg with tp = ranks and sequence_parallel), validated.
 ModelConfig tp_shard_config(const ModelConfig& cfg, int ranks, bool sequence_parallel = false);
 TpLayout make_tp_layout(const ModelConfig& cfg, int ranks, int rank);
