@@ -34,7 +34,13 @@ struct ParamSpec {
     // A tensor-parallel shard's tensor: the whole tensor's numel (dist::make_tp_layout), so that
     // rules written on the whole tensor (the moments' fp32 rule) read it; 0: numel.
     std::size_t whole_numel = 0;
+    std::vector<int64_t> whole_shape = {};  // and its shape (empty: shape)
     std::size_t global_numel() const { return whole_numel ? whole_numel : numel; }
+    const std::vector<int64_t>& global_shape() const {
+        return whole_shape.empty() ? shape : whole_shape;
+    }
+    // A tensor-parallel slice of a larger whole tensor.
+    bool sliced() const { return whole_numel != 0 && whole_numel != numel; }
 };
 
 // A contiguous run of the flat buffer that is used (and, under ZeRO-3, gathered) as one piece:

@@ -318,8 +318,9 @@ class Muon final : public Optimizer {
             const ParamSpec& t = layout_.tensors[s.tensor];
             if (lo != 0 || hi != s.n)
                 fail("internal: a Muon update of part of {} ([{}, {}) of {})", t.name, lo, hi, s.n);
-            // The range's piece of the matrix: all of it, or (a shard's edge) part of it.
-            const bool cut = s.n != t.numel;
+            // The range's piece of the matrix: all of it, or (a shard's edge) part of it, or
+            // (tensor parallelism) the rank's slice of a larger matrix.
+            const bool cut = s.n != t.numel || t.sliced();
             if (cut && !gather_)
                 fail(
                     "optim.name = \"muon\" orthogonalizes whole matrices, and this optimizer's "
@@ -344,16 +345,20 @@ class Muon final : public Optimizer {
                 u[i] = g[i] + mu * (b - g[i]);
             }
             if (!s.direct) buf_.store_segment(s, buf);
-            const int rows = (int)t.shape[0], cols = (int)t.shape[1];
+            const int rows = (int)t.global_shape()[0], cols = (int)t.global_shape()[1];
             std::vector<float> whole;
             float* x = u.data();
             if (cut) {
-                whole.resize(t.numel);
+                whole.resize(t.global_numel());
                 gather_->gather(s.tensor, u.data(), whole.data());
                 x = whole.data();
             }
             newton_schulz5(x, rows, cols);
             const float* mine = cut ? x + (offset_ + s.begin - t.offset) : x;
+            if (t.sliced()) {  // the rank's slice of the orthogonalized matrix
+                gather_->pick(s.tensor, x, u.data());
+                mine = u.data();
+            }
             const float decay = t.decay ? (float)(1.0 - lr_muon * cfg_.weight_decay) : 1.0f;
             const float step =
                 (float)(lr_muon * std::sqrt(std::max(1.0, (double)cols / (double)rows)));
@@ -376,11 +381,13 @@ class Muon final : public Optimizer {
 // Whether Adafactor factors tensor t's second moment: a matrix of at least 2 x 2 (the factors
 // then fit inside the tensor's own floats, which is how the state is laid out for checkpoints).
 bool adafactor_factors(const ParamSpec& t) {
-    return t.shape.size() == 2 && t.shape[0] >= 2 && t.shape[1] >= 2;
+    const std::vector<int64_t>& s = t.global_shape();
+    return s.size() == 2 && s[0] >= 2 && s[1] >= 2;
 }
 // The floats of t's state: rows + cols when factored, else numel.
 std::size_t adafactor_floats(const ParamSpec& t) {
-    return adafactor_factors(t) ? (std::size_t)(t.shape[0] + t.shape[1]) : t.numel;
+    const std::vector<int64_t>& s = t.global_shape();
+    return adafactor_factors(t) ? (std::size_t)(s[0] + s[1]) : t.global_numel();
 }
 
 // torch.lerp's arithmetic: a + w (b - a) for |w| < 0.5, else b - (b - a)(1 - w).
@@ -402,7 +409,8 @@ class Adafactor final : public Optimizer {
         std::size_t at = 0;
         for (std::size_t i = 0; i < layout.tensors.size(); i++) {
             const ParamSpec& t = layout.tensors[i];
-            const bool cut = cut_by_range(t, offset, count);
+            const bool cut =
+                cut_by_range(t, offset, count) || (t.sliced() && inside_range(t, offset, count));
             if (!cut && !inside_range(t, offset, count)) continue;
             pieces_.push_back({i, at, cut});
             at += adafactor_floats(t);
@@ -428,8 +436,8 @@ class Adafactor final : public Optimizer {
             float* p = params + (a - lo);
             const float* g = grads + (a - lo);
             const bool factored = adafactor_factors(ts);
-            const int64_t rows = factored ? ts.shape[0] : 1;
-            const int64_t cols = factored ? ts.shape[1] : (int64_t)ts.numel;
+            const int64_t rows = factored ? ts.global_shape()[0] : 1;
+            const int64_t cols = factored ? ts.global_shape()[1] : (int64_t)ts.global_numel();
             if (!pc.cut) {
                 step_tensor(p, g, state_.data() + pc.at, rows, cols, factored, ts.decay, lr, rho,
                             w);
@@ -441,12 +449,15 @@ class Adafactor final : public Optimizer {
                     "factored second moment), and this optimizer's range [{}, {}) holds part of "
                     "{} with no way to gather the rest",
                     offset_, offset_ + count_, ts.name);
-            std::vector<float> whole_p(ts.numel), whole_g(ts.numel);
+            std::vector<float> whole_p(ts.global_numel()), whole_g(ts.global_numel());
             gather_->gather(pc.tensor, g, whole_g.data());
             gather_->gather(pc.tensor, p, whole_p.data());
             step_tensor(whole_p.data(), whole_g.data(), state_.data() + pc.at, rows, cols, factored,
                         ts.decay, lr, rho, w);
-            std::copy(whole_p.data() + (a - ts.offset), whole_p.data() + (b - ts.offset), p);
+            if (ts.sliced())
+                gather_->pick(pc.tensor, whole_p.data(), p);
+            else
+                std::copy(whole_p.data() + (a - ts.offset), whole_p.data() + (b - ts.offset), p);
         }
     }
 
@@ -476,6 +487,13 @@ class Adafactor final : public Optimizer {
         for (const Piece& pc : pieces_) {
             // The tensor's floats [t.offset, t.offset + k) inside the range.
             const ParamSpec& t = layout_.tensors[pc.tensor];
+            if (t.sliced()) {
+                // The whole tensor's floats (its state at the start), this rank's slice of them.
+                std::vector<float> whole(t.global_numel(), 0.0f);
+                std::copy_n(state_.data() + pc.at, adafactor_floats(t), whole.data());
+                gather_->pick(pc.tensor, whole.data(), dst + (t.offset - offset_));
+                continue;
+            }
             const std::size_t a = std::max(t.offset, offset_);
             const std::size_t b = std::min(t.offset + adafactor_floats(t), offset_ + count_);
             if (a < b)
@@ -513,7 +531,7 @@ class Adafactor final : public Optimizer {
             }
             if (!gather_) fail("internal: loading part of {}'s Adafactor state", t.name);
             const auto [a, b] = mine(t);
-            std::vector<float> whole(t.numel);
+            std::vector<float> whole(t.global_numel());
             gather_->gather(pc.tensor, range + (a - offset_), whole.data());
             std::copy(whole.data(), whole.data() + k, state_.data() + pc.at);
         }
@@ -616,6 +634,10 @@ class Adafactor final : public Optimizer {
 };
 
 }  // namespace
+
+void TensorGather::pick(std::size_t tensor, const float*, float*) {
+    fail("internal: layout tensor {} is a slice, and this gather cannot pick it", tensor);
+}
 
 std::size_t adafactor_state_floats(const ParamLayout& layout, std::size_t offset,
                                    std::size_t count) {

@@ -26,10 +26,15 @@ class Optimizer;
 // whole) is a collective of the ranks that hold part of layout tensor `tensor`: `piece` is this
 // rank's elements of it (in order), `whole` receives the tensor's numel floats, every holder's
 // piece at its place.
+// Under tensor parallelism a layout tensor may itself be a slice of a whole tensor
+// (ParamSpec::sliced(): its elements not contiguous in the whole); gather then assembles the
+// whole from every rank's slice, and pick takes this rank's slice back out of it.
 class TensorGather {
   public:
     virtual ~TensorGather() = default;
     virtual void gather(std::size_t tensor, const float* piece, float* whole) = 0;
+    // This rank's elements of a sliced tensor, in its layout's order, from the whole tensor.
+    virtual void pick(std::size_t tensor, const float* whole, float* piece);
 };
 
 // What a checkpoint needs of an optimizer, wherever its state lives (host memory here, device

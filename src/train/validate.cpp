@@ -314,9 +314,14 @@ void validate_optimizer_layout(const RunConfig& cfg) {
                                  : "its row and column factors and its RMS need each tensor whole";
         if (cfg.train.device == "cuda")
             refuse("train.device = \"cuda\"", "its step is built on the CPU engine so far");
-        if (cfg.train.tp > 1)
-            refuse(fmt::format("train.tp = {}", cfg.train.tp),
-                   fmt::format("each rank holds slices of the matrices, and {}", needs));
+        // Under tp each sliced tensor is gathered over the tp group and stepped whole on every
+        // rank (dist::TpTensorGather); a ZeRO-1 shard of the slices would need a second gather.
+        if (cfg.train.tp > 1 && cfg.train.zero_stage > 0 && cfg.world > cfg.train.tp * cfg.train.pp)
+            refuse(fmt::format("train.tp = {} with train.zero_stage = {}", cfg.train.tp,
+                               cfg.train.zero_stage),
+                   fmt::format("each rank holds slices of the matrices, gathered over the tp "
+                               "group, and a ZeRO shard of them would cut them again (set "
+                               "train.zero_stage = 0)"));
         if (cfg.train.zero_stage > 0 && cfg.world > 1 && cfg.train.pp > 1)
             refuse(fmt::format("train.zero_stage = {} with train.pp = {}", cfg.train.zero_stage,
                                cfg.train.pp),

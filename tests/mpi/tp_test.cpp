@@ -656,6 +656,105 @@ TEST(TpTrain, QuantizedMomentsAreOneProcesssBlocks) {
                                 "lie across the ranks' slices");
 }
 
+// Muon and Adafactor under tensor parallelism: each sliced matrix is gathered over the tp group
+// and stepped whole on every rank (Newton-Schulz on the whole matrix, Adafactor's factors and RMS
+// of the whole tensor), then each keeps its slice. From the same gradients every rank's weights
+// and state are bitwise the slices of one process's; a run follows one process, its optimizer
+// bytes are as predicted (Adafactor's factors are the whole tensor's, on every rank), and a
+// checkpoint resumes bitwise.
+TEST(TpTrain, MuonAndAdafactorStepWholeMatrices) {
+    const int P = comm().size();
+    for (const char* name : {"muon", "adafactor"}) {
+        SCOPED_TRACE(name);
+        RunConfig c = tp_run(std::string("tp_whole_") + name, true, 4);
+        c.optim.name = name;
+        if (std::string(name) == "adafactor") c.optim.lr = 1e-2;
+        const TpLayout l = make_tp_layout(c.model, P, comm().rank());
+        TpTensorGather gather(l, comm());
+        auto whole = make_optimizer(c.optim, l.full);
+        auto mine =
+            make_optimizer(c.optim, l.local, 0, SIZE_MAX, MemCategory::OptimizerState, &gather);
+        std::vector<float> w(l.full.total), g(l.full.total), lw(l.local.total), lg(l.local.total);
+        for (std::size_t i = 0; i < w.size(); i++) w[i] = 0.05f * std::sin(0.37f * (float)i);
+        auto slice = [&](const std::vector<float>& full, std::vector<float>& local) {
+            for (std::size_t t = 0; t < l.full.tensors.size(); t++)
+                tp_slice(l, t, full.data() + l.full.tensors[t].offset,
+                         local.data() + l.local.tensors[t].offset);
+        };
+        slice(w, lw);
+        for (int step = 1; step <= 3; step++) {
+            for (std::size_t i = 0; i < g.size(); i++)
+                g[i] = 0.01f * std::cos(0.11f * (float)i * (float)step) / (1.0f + (float)(i % 7));
+            slice(g, lg);
+            whole->step(w.data(), g.data(), c.optim.lr);
+            mine->step(lw.data(), lg.data(), c.optim.lr);
+        }
+        std::vector<float> want(l.local.total);
+        slice(w, want);
+        EXPECT_EQ(want, lw) << "weights of rank " << comm().rank();
+        for (const std::string& s : whole->state_names()) {
+            std::vector<float> a(l.full.total), b(l.local.total);
+            whole->read_state(s, a.data());
+            mine->read_state(s, b.data());
+            slice(a, want);
+            EXPECT_EQ(want, b) << s << " of rank " << comm().rank();
+        }
+        // A run against one process, its optimizer bytes, and a resume.
+        RunConfig ref_cfg = c;
+        ref_cfg.io.out_dir += "_ref" + std::to_string(comm().rank());
+        std::vector<float> ref;
+        {
+            Trainer t(ref_cfg, test::quiet());
+            ref = t.run().losses;
+        }
+        RunConfig run = with_tp(c);
+        const MemoryStats before = host_memory().snapshot();
+        Trainer t(run, test::quiet(), &comm());
+        const std::vector<float> losses = t.run().losses;
+        const std::size_t state = host_memory().snapshot()[MemCategory::OptimizerState] -
+                                  before[MemCategory::OptimizerState];
+        ASSERT_EQ(losses.size(), ref.size());
+        for (std::size_t i = 0; i < ref.size(); i++)
+            EXPECT_NEAR(losses[i], ref[i], 1e-3 * std::abs(ref[i])) << "step " << i + 1;
+        EXPECT_EQ(state, optimizer_state_bytes(run.optim, l.local, 0, l.local.total));
+        for (const MemoryPrediction& m :
+             t.engine().predicted_memory(run.micro_batch(), run.train.seq_len))
+            if (m.category == MemCategory::OptimizerState) {
+                EXPECT_EQ(m.bytes, state) << m.formula;
+            }
+        RunConfig split = run;
+        split.io.out_dir += "_split";
+        TrainOptions stop = test::quiet();
+        stop.stop_after = 2;
+        Trainer(split, stop, &comm()).run();
+        comm().barrier();
+        TrainOptions resume = test::quiet();
+        resume.resume = split.io.out_dir;
+        Trainer again(split, resume, &comm());
+        const std::vector<float> rest = again.run().losses;
+        ASSERT_EQ(rest.size(), 2u);
+        EXPECT_EQ(rest[0], losses[2]);
+        EXPECT_EQ(rest[1], losses[3]);
+        EXPECT_EQ(again.params(), t.params());
+        // The tp checkpoint holds the whole model's state as one process lays it out (Adafactor's
+        // factors at each whole tensor's start): one process resumes it and follows the run.
+        RunConfig one = c;
+        one.io.out_dir = split.io.out_dir + "_one" + std::to_string(comm().rank());
+        Trainer alone(one, resume);
+        const std::vector<float> alone_rest = alone.run().losses;
+        ASSERT_EQ(alone_rest.size(), 2u);
+        for (int i = 0; i < 2; i++)
+            EXPECT_NEAR(alone_rest[i], losses[2 + i], 1e-3 * std::abs(losses[2 + i])) << i;
+    }
+    RunConfig z = with_tp(tp_run("tp_whole_zero", true, 1));
+    z.optim.name = "muon";
+    z.world = 2 * P;
+    z.train.zero_stage = 1;
+    z.train.batch_size = 2 * z.train.micro_batch_size * 2;
+    test::expect_refused_naming(validate_optimizer_layout, z, "optim.name = \"muon\"",
+                                "train.zero_stage = 1");
+}
+
 // The communication buffers' peak (the checkpoint's gathers of the optimizer state and of each
 // unit, sequence parallelism's norm-gradient pack) is the predicted row, with and without SP
 // (issue 26).

@@ -134,6 +134,11 @@ void CpuEngine::apply_lora() {
 void CpuEngine::apply_data_parallel() {
     const RunConfig& cfg = plan_.cfg;
     std::vector<std::unique_ptr<Optimizer>> parts;
+    // Muon and Adafactor under tensor parallelism step each sliced tensor whole, gathered over
+    // the tp group (every rank the same whole tensor, then its slice).
+    const std::vector<char> whole_step = whole_step_tensors(cfg.optim, layout_);
+    if (tp_ && std::find(whole_step.begin(), whole_step.end(), 1) != whole_step.end())
+        tp_gather_ = std::make_unique<dist::TpTensorGather>(tpl_, tp_->comm());
     if (pipelined()) {
         // The pipelines side by side (mesh.dp) hold the same stage: its gradients are summed
         // across them, all-reduced or, where the placement shards the optimizer state (ZeRO-1),
@@ -150,7 +155,8 @@ void CpuEngine::apply_data_parallel() {
                                 ? make_optimizer(cfg.optim, layout_,
                                                  r.begin + (std::size_t)own.offset,
                                                  (std::size_t)own.count)
-                                : make_optimizer(cfg.optim, layout_, r.begin, r.count()));
+                                : make_optimizer(cfg.optim, layout_, r.begin, r.count(),
+                                                 MemCategory::OptimizerState, tp_gather_.get()));
         opt_ = std::make_unique<RangeOptimizers>(std::move(parts));
         if (tp_) {
             // Under ZeRO-1 the view gathers the replicas' pieces of the shard's range too, so a
@@ -168,7 +174,8 @@ void CpuEngine::apply_data_parallel() {
         full_ = std::make_unique<FullUnitStore>(layout_);
         chunks_.push_back(std::make_unique<GPT>(model_, full_.get()));
         chunks_.back()->set_tp(tp_.get());
-        parts.push_back(make_optimizer(cfg.optim, layout_));
+        parts.push_back(make_optimizer(cfg.optim, layout_, 0, SIZE_MAX, MemCategory::OptimizerState,
+                                       tp_gather_.get()));
         opt_ = std::make_unique<RangeOptimizers>(std::move(parts));
         window_ = std::make_unique<TpWholeWeights>(tpl_, *full_, *tp_);
         // The optimizer state of the whole layout: every unit's, gathered from the shards.

@@ -83,6 +83,7 @@ TpLayout make_tp_layout(const ModelConfig& cfg, int ranks, int rank) {
             fail("internal: shard tensor {} ({} floats) does not match {} ({} / {})", s.name,
                  s.numel, f.name, f.numel, ranks);
         s.whole_numel = f.numel;
+        s.whole_shape = f.shape;
     }
     return l;
 }
@@ -172,6 +173,18 @@ void tp_assemble(const TpLayout& l, std::size_t i, const float* pieces, std::siz
         const auto [r, li] = locate(f, l.shards[i], l.ranks, e);
         whole[e] = pieces[r * stride + li];
     }
+}
+
+void TpTensorGather::gather(std::size_t tensor, const float* piece, float* whole) {
+    const std::size_t n = l_.local.tensors.at(tensor).numel;
+    pieces_.resize(n * (std::size_t)l_.ranks);
+    const std::vector<int64_t> counts((std::size_t)l_.ranks, (int64_t)n);
+    group_.all_gather(piece, pieces_.data(), counts);
+    tp_assemble(l_, tensor, pieces_.data(), n, whole);
+}
+
+void TpTensorGather::pick(std::size_t tensor, const float* whole, float* piece) {
+    tp_slice(l_, tensor, whole, piece);
 }
 
 bool sp_partial_grad(const std::string& name) {

@@ -54,6 +54,7 @@
 #include "model/param_layout.h"
 #include "model/tp_comm.h"
 #include "model/vocab_parallel.h"
+#include "optim/optimizer.h"
 #include "optim/state_format.h"
 
 namespace memtrain::dist {
@@ -100,6 +101,22 @@ TpLayout make_tp_layout(const ModelConfig& cfg, int ranks, int rank);
 void tp_slice(const TpLayout& l, std::size_t i, const float* whole, float* local);
 void tp_assemble(const TpLayout& l, std::size_t i, const float* pieces, std::size_t stride,
                  float* whole);
+
+// The TensorGather of a tensor-parallel rank's optimizer, for the optimizers that step whole
+// tensors (Muon's matrices, Adafactor's factors and RMS): a sliced tensor's whole from every
+// rank's slice (one all-gather over the tp group, then tp_assemble) and this rank's slice back out
+// of a whole (tp_slice). Every rank then steps the same whole tensor to the same bits.
+class TpTensorGather final : public TensorGather {
+  public:
+    TpTensorGather(const TpLayout& l, Communicator& group) : l_(l), group_(group) {}
+    void gather(std::size_t tensor, const float* piece, float* whole) override;
+    void pick(std::size_t tensor, const float* whole, float* piece) override;
+
+  private:
+    const TpLayout& l_;
+    Communicator& group_;
+    std::vector<float> pieces_;
+};
 
 // The tensors whose gradients each rank computes from its sequence shard only under sequence
 // parallelism (the norm weights and biases), summed over the group once per step.
