@@ -355,8 +355,8 @@ void validate_optimizer_layout(const RunConfig& cfg) {
     }
     if (cfg.optim.master == "none") {
         // bf16 weights: in the CPU engine's ZeroStore at stages 0-2 (one process, DDP, ZeRO-1 and
-        // -2; the whole model or LoRA's adapters); on the GPU the compute parameters themselves,
-        // the whole model's (one process, DDP, ZeRO 1-3).
+        // -2; the whole model or LoRA's adapters); on the GPU the compute parameters themselves
+        // (the whole model's under DDP and ZeRO 1-3, or LoRA's adapters).
         const auto refuse = refuser("optim.master = \"none\"");
         const bool cuda = cfg.train.device == "cuda";
         if (cuda && cfg.train.precision != "bf16")
@@ -367,10 +367,6 @@ void validate_optimizer_layout(const RunConfig& cfg) {
         if (cuda && cfg.train.offload_optimizer)
             refuse("train.offload_optimizer = true",
                    "the offloaded optimizer keeps fp32 master weights on the host");
-        if (cuda && cfg.lora.enabled())
-            refuse("train.device = \"cuda\" and lora.rank > 0",
-                   "the GPU's adapters keep an fp32 master so far (LoRA with bf16 adapters runs "
-                   "on the CPU engine)");
         if (!cuda && cfg.train.zero_stage == 3)
             refuse("train.zero_stage = 3",
                    "the CPU engine keeps the bf16 weights whole on every rank (one process, DDP, "

@@ -207,6 +207,45 @@ TEST(CudaLora, Bf16TracksFp32AndResumesBitwise) {
     EXPECT_TRUE(std::isfinite(sc.losses.back()));
 }
 
+// optim.master = "none" on the GPU's adapters: the bf16 adapters are the weights (no fp32
+// master: the optimizer row loses exactly 4 bytes per adapter parameter, as predicted), each
+// update rounds stochastically into them, the curve follows the fp32 master's, and a resume
+// through a checkpoint (the adapters decoded, rounded to nearest back) is bitwise.
+TEST(CudaLora, Bf16AdaptersWithoutAMasterTrackTheMasterAndResumeBitwise) {
+    REQUIRE_GPU();
+    auto run = [](const RunConfig& c, std::size_t* opt_bytes) {
+        const MemoryStats before = device_memory().snapshot();
+        Trainer t(c, quiet());
+        const TrainSummary s = t.run();
+        *opt_bytes = device_memory().snapshot()[MemCategory::OptimizerState] -
+                     before[MemCategory::OptimizerState];
+        for (const auto& row : t.engine().predicted_memory(c.micro_batch(), c.train.seq_len))
+            if (row.category == MemCategory::OptimizerState) {
+                EXPECT_EQ(*opt_bytes, row.bytes) << row.formula;
+            }
+        return s;
+    };
+    RunConfig c = lora_run(test::temp_dir("lora_gpu_bw_m"), 10, "cuda", "bf16", "nf4");
+    std::size_t with_master = 0, without = 0;
+    const TrainSummary a = run(c, &with_master);
+    RunConfig n = c;
+    n.io.out_dir = test::temp_dir("lora_gpu_bw_n");
+    n.optim.master = "none";
+    const TrainSummary b = run(n, &without);
+    const std::size_t adapters = make_lora_layout(c.model, c.lora).params.total;
+    EXPECT_EQ(with_master - without, 4 * adapters);
+    ASSERT_EQ(b.losses.size(), a.losses.size());
+    for (std::size_t i = 0; i < a.losses.size(); i++)
+        EXPECT_NEAR(b.losses[i], a.losses[i], 0.02 * std::fabs(a.losses[i])) << i;
+    EXPECT_NE(b.losses, a.losses);
+    RunConfig r = n;
+    r.io.out_dir = test::temp_dir("lora_gpu_bw_r");
+    TrainSummary resumed;
+    test::train_stop_and_resume(r, 4, resumed);
+    ASSERT_EQ(resumed.losses.size(), 6u);
+    for (int i = 0; i < 6; i++) EXPECT_EQ(resumed.losses[i], b.losses[4 + i]) << i;
+}
+
 TEST(CudaLora, DeviceMemoryIsWhatTheEnginePredicts) {
     REQUIRE_GPU();
     for (const char* base : {"fp32", "nf4", "int8"}) {

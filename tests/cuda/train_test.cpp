@@ -735,8 +735,7 @@ TEST(CudaTrain, Bf16WeightsWithoutAMasterTrackTheMasterInTheirPredictedBytes) {
     for (const auto& [key, set] : std::vector<std::pair<std::string, void (*)(RunConfig&)>>{
              {"train.precision = \"fp32\"", [](RunConfig& x) { x.train.precision = "fp32"; }},
              {"train.precision = \"fp16\"", [](RunConfig& x) { x.train.precision = "fp16"; }},
-             {"train.offload_optimizer", [](RunConfig& x) { x.train.offload_optimizer = true; }},
-             {"lora.rank", [](RunConfig& x) { x.lora.rank = 4; }}}) {
+             {"train.offload_optimizer", [](RunConfig& x) { x.train.offload_optimizer = true; }}}) {
         RunConfig bad = c;
         set(bad);
         try {

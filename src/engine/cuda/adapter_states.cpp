@@ -7,6 +7,7 @@
 #include <cuda_fp16.h>
 
 #include <functional>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -71,21 +72,42 @@ AdapterStates<T>::AdapterStates(const RunPlan& plan, dist::Communicator& comm, c
     n_ = lora_layout_.params.total;
     params_ = DeviceBuffer<T>(n_, MemCategory::Parameters);
     grads_ = DeviceBuffer<T>(n_, MemCategory::Gradients);
-    opt_ = std::make_unique<DeviceOptimizer<T>>(cfg().optim, lora_layout_.params, 0, n_, stream_,
-                                                [this](const char* what) { wait(what); });
+    opt_ = std::make_unique<DeviceOptimizer<T>>(
+        cfg().optim, lora_layout_.params, 0, n_, stream_, [this](const char* what) { wait(what); },
+        cfg().train.seed);
 
     // The adapters seen unit by unit in fp32: their master weights (read), written back to the
-    // master and rounded into the parameters.
+    // master and rounded into the parameters; under optim.master = "none" the bf16 adapters
+    // themselves, decoded, and rounded to nearest back into them.
     adapter_window_ = std::make_unique<HostWindow>(
         lora_layout_.params,
         [this](int u, float* dst) {
             const ParamUnit& unit = lora_layout_.params.units[(std::size_t)u];
+            if (!master()) {
+                std::vector<T> stored(unit.size());
+                MT_CUDA_CHECK(cudaMemcpyAsync(stored.data(), params_.data() + unit.begin,
+                                              unit.size() * sizeof(T), cudaMemcpyDeviceToHost,
+                                              stream_));
+                wait("an adapter transfer");
+                for (std::size_t i = 0; i < stored.size(); i++) dst[i] = cuda::to_fp32(stored[i]);
+                return;
+            }
             MT_CUDA_CHECK(cudaMemcpyAsync(dst, master() + unit.begin, unit.size() * sizeof(float),
                                           cudaMemcpyDeviceToHost, stream_));
             wait("an adapter transfer");
         },
         [this](int u, const float* src) {
             const ParamUnit& unit = lora_layout_.params.units[(std::size_t)u];
+            if (!master()) {
+                std::vector<T> stored(unit.size());
+                for (std::size_t i = 0; i < stored.size(); i++)
+                    stored[i] = cuda::to_storage<T>(src[i]);
+                MT_CUDA_CHECK(cudaMemcpyAsync(params_.data() + unit.begin, stored.data(),
+                                              unit.size() * sizeof(T), cudaMemcpyHostToDevice,
+                                              stream_));
+                wait("an adapter transfer");
+                return;
+            }
             MT_CUDA_CHECK(cudaMemcpyAsync(master() + unit.begin, src, unit.size() * sizeof(float),
                                           cudaMemcpyHostToDevice, stream_));
             if constexpr (!std::is_same_v<T, float>)

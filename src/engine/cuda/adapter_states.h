@@ -13,6 +13,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -95,9 +96,14 @@ class AdapterStates final : public ModelStates<T> {
   private:
     const RunConfig& cfg() const { return plan_.cfg; }
     bool quantized() const { return plan_.lora_base.has_value(); }
-    // The adapters' fp32 master weights (the parameters themselves in fp32).
+    // The adapters' fp32 master weights (the parameters themselves in fp32); null under
+    // optim.master = "none", where the bf16 adapters are the weights.
     float* master() {
-        return opt_->master() ? opt_->master() : reinterpret_cast<float*>(params_.data());
+        if (float* m = opt_->master()) return m;
+        if constexpr (std::is_same_v<T, float>)
+            return params_.data();
+        else
+            return nullptr;
     }
 
     RunPlan plan_;
