@@ -356,7 +356,7 @@ void validate_optimizer_layout(const RunConfig& cfg) {
     if (cfg.optim.master == "none") {
         // bf16 weights: in the CPU engine's ZeroStore at stages 0-2 (one process, DDP, ZeRO-1 and
         // -2; the whole model or LoRA's adapters); on the GPU the compute parameters themselves
-        // (the whole model's under DDP and ZeRO 1-3, or LoRA's adapters).
+        // (the whole model's under DDP and ZeRO 1-3, a pipeline stage's, or LoRA's adapters).
         const auto refuse = refuser("optim.master = \"none\"");
         const bool cuda = cfg.train.device == "cuda";
         if (cuda && cfg.train.precision != "bf16")
@@ -379,7 +379,9 @@ void validate_optimizer_layout(const RunConfig& cfg) {
                    "(use train.zero_stage = 0)");
         const char* whole = "the bf16 weights are built for one process, DDP and ZeRO so far";
         if (cfg.train.tp > 1) refuse(fmt::format("train.tp = {}", cfg.train.tp), whole);
-        if (cfg.train.pp > 1) refuse(fmt::format("train.pp = {}", cfg.train.pp), whole);
+        if (cfg.train.pp > 1 && !cuda)
+            refuse(fmt::format("train.pp = {}", cfg.train.pp),
+                   "the CPU engine's pipeline stages keep fp32 weights (the GPU's take bf16 ones)");
         if (cfg.ps()) refuse("train.dp_mode = \"ps\"", "the server keeps fp32 weights");
     }
     const StateFormat f = parse_state_format(cfg.optim.state_format);

@@ -49,6 +49,8 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <type_traits>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -245,9 +247,14 @@ class CudaPipelineEngine final : public Engine, private StepCollectives<T> {
     bool first() const { return rank_ == 0; }
     bool last() const { return rank_ == p_ - 1; }
     bool tied_across() const { return p_ > 1 && cfg().model.tied_embeddings; }
-    // The stage's fp32 master weights (its parameters when T is float).
+    // The stage's fp32 master weights (its parameters when T is float); null under optim.master
+    // = "none", where the bf16 parameters are the weights.
     float* master() {
-        return opt_->master() ? opt_->master() : reinterpret_cast<float*>(units_->params());
+        if (float* m = opt_->master()) return m;
+        if constexpr (std::is_same_v<T, float>)
+            return units_->params();
+        else
+            return nullptr;
     }
     void run_schedule();
     // A micro-batch through this stage's forward into `slot`: the input received, the output
@@ -311,7 +318,15 @@ float* StageWeights<T>::unit(int u) {
     const ParamUnit& unit = layout_.units[u];
     h.host.assign(unit.size(), 0.0f);
     // The mirror is never the owner's copy: its values arrive from the first stage.
-    if (su.owns(u)) {
+    if (su.owns(u) && !e_.master()) {
+        // optim.master = "none": the bf16 parameters, decoded.
+        std::vector<T> stored(unit.size());
+        MT_CUDA_CHECK(cudaMemcpyAsync(stored.data(), su.params() + (unit.begin - su.begin()),
+                                      unit.size() * sizeof(T), cudaMemcpyDeviceToHost,
+                                      e_.stream_.get()));
+        e_.wait("a weight transfer");
+        for (std::size_t i = 0; i < unit.size(); i++) h.host[i] = cuda::to_fp32(stored[i]);
+    } else if (su.owns(u)) {
         MT_CUDA_CHECK(cudaMemcpyAsync(h.host.data(), e_.master() + (unit.begin - su.begin()),
                                       unit.size() * sizeof(float), cudaMemcpyDeviceToHost,
                                       e_.stream_.get()));
@@ -327,7 +342,14 @@ void StageWeights<T>::release(int u) {
     if (--h.count > 0) return;
     StageUnits<T>& su = *e_.units_;
     const ParamUnit& unit = layout_.units[u];
-    if (h.written && su.owns(u)) {
+    if (h.written && su.owns(u) && !e_.master()) {
+        std::vector<T> rounded(unit.size());
+        for (std::size_t i = 0; i < unit.size(); i++) rounded[i] = cuda::to_storage<T>(h.host[i]);
+        MT_CUDA_CHECK(cudaMemcpyAsync(su.params() + (unit.begin - su.begin()), rounded.data(),
+                                      unit.size() * sizeof(T), cudaMemcpyHostToDevice,
+                                      e_.stream_.get()));
+        e_.wait("a weight transfer");
+    } else if (h.written && su.owns(u)) {
         float* dst = e_.master() + (unit.begin - su.begin());
         MT_CUDA_CHECK(cudaMemcpyAsync(dst, h.host.data(), unit.size() * sizeof(float),
                                       cudaMemcpyHostToDevice, e_.stream_.get()));
@@ -389,9 +411,9 @@ CudaPipelineEngine<T>::CudaPipelineEngine(const RunPlan& plan, dist::Communicato
     weights_ = std::make_unique<StageWeights<T>>(*this, layout_, std::move(owner), world_);
     model_ = std::make_unique<CudaGPT<T>>(cfg().model, stream_.get(), 0, units_.get());
     model_->set_waiter([this](const char* what) { wait(what); });
-    opt_ = std::make_unique<DeviceOptimizer<T>>(cfg().optim, layout_, units_->begin(),
-                                                units_->count(), stream_.get(),
-                                                [this](const char* what) { wait(what); });
+    opt_ = std::make_unique<DeviceOptimizer<T>>(
+        cfg().optim, layout_, units_->begin(), units_->count(), stream_.get(),
+        [this](const char* what) { wait(what); }, cfg().train.seed);
     if (first() && tied_across())
         tied_in_ = DeviceBuffer<T>(layout_.units[ParamLayout::embedding_unit()].size(),
                                    MemCategory::Workspace);
