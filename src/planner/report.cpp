@@ -279,16 +279,15 @@ std::string emit_config_toml(const ModelSpec& m, const Plan& p, const RunConfig*
     // What the plan asks for that the trainer has no key for: said in the header, never
     // silently dropped.
     std::string gaps;
-    // bf16-only is optim.master = "none", which the GPU engine runs with one process, DDP and
-    // ZeRO 1-3 (compressed moments run everywhere on the GPU, the offloaded optimizer included).
-    if (!r.fp32_master && (r.tp > 1 || r.pp > 1 || r.offload != Offload::none))
+    // bf16-only is optim.master = "none", which the GPU engines run with one process, DDP, ZeRO
+    // 1-3 and pipelines (compressed moments run everywhere on the GPU, the offloaded optimizer
+    // included).
+    if (!r.fp32_master && (r.tp > 1 || r.offload != Offload::none))
         gaps += fmt::format(
             "# bf16-only is optim.master = \"none\" below, which the GPU trainer runs with data "
-            "parallelism and ZeRO but not with {}: it refuses the config; optim.master = "
-            "\"fp32\" takes more optimizer memory than planned.\n",
-            r.tp > 1   ? "train.tp"
-            : r.pp > 1 ? "train.pp"
-                       : "train.offload_optimizer");
+            "parallelism, ZeRO and pipelines but not with {}: it refuses the config; "
+            "optim.master = \"fp32\" takes more optimizer memory than planned.\n",
+            r.tp > 1 ? "train.tp" : "train.offload_optimizer");
 
     if (source && source->model.dropout > 0)
         gaps += fmt::format(
