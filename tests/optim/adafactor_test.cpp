@@ -184,10 +184,17 @@ TEST(Adafactor, TrainsResumesBitwiseAndRefusesWhatItDoesNotRun) {
     zero.train.batch_size = 4;
     zero.train.micro_batch_size = 1;
     refused(zero, "train.zero_stage = 1 with train.pp = 2");
+    // Tensor parallelism gathers each sliced tensor over the tp group (tests/mpi/tp_test.cpp),
+    // but not with a ZeRO shard of the slices beside it.
     RunConfig tp = whole;
     tp.world = 2;
     tp.train.tp = 2;
-    refused(tp, "train.tp");
+    EXPECT_NO_THROW(validate_config(tp));
+    tp.world = 4;
+    tp.train.zero_stage = 1;
+    tp.train.batch_size = 4;
+    tp.train.micro_batch_size = 1;
+    refused(tp, "train.tp = 2 with train.zero_stage = 1");
     RunConfig int8 = whole;
     int8.optim.state_format = "int8";
     refused(int8, "optim.state_format");

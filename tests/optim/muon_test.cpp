@@ -168,8 +168,16 @@ TEST(Muon, TrainsResumesBitwiseAndRefusesLayoutsThatCutMatricesUngathered) {
     zero.train.micro_batch_size = 1;
     test::expect_refused_naming(validate_config, zero, "muon",
                                 "train.zero_stage = 1 with train.pp = 2");
+    // Tensor parallelism gathers each sliced matrix over the tp group (tests/mpi/tp_test.cpp),
+    // but not with a ZeRO shard of the slices beside it.
     RunConfig tp = whole;
     tp.world = 2;
     tp.train.tp = 2;
-    EXPECT_THROW(validate_config(tp), Error);
+    EXPECT_NO_THROW(validate_config(tp));
+    tp.world = 4;
+    tp.train.zero_stage = 1;
+    tp.train.batch_size = 4;
+    tp.train.micro_batch_size = 1;
+    test::expect_refused_naming(validate_config, tp, "muon",
+                                "train.tp = 2 with train.zero_stage = 1");
 }
