@@ -103,9 +103,9 @@ MemoryPrediction optimizer_row(const ParamLayout& layout, std::size_t begin, std
     const cuda::MomentLayout lay = cuda::moment_layout(layout, begin, n, f);
     const std::size_t moments =
         (adamw ? 2 : 1) * MomentBuffer::predicted_bytes(f, layout, begin, n);
-    const std::size_t tables = lay.chunks.size() * sizeof(cuda::TensorChunk) +
-                               lay.at.size() * sizeof(cuda::StateChunk) +
-                               cuda::decode_tables(f).size() * sizeof(float);
+    const std::size_t tables =
+        lay.chunks.size() * sizeof(cuda::TensorChunk) + lay.at.size() * sizeof(cuda::StateChunk) +
+        lay.grid.size() * sizeof(cuda::ChunkGrid) + cuda::decode_tables(f).size() * sizeof(float);
     return {
         MemCategory::OptimizerState,
         fmt::format("{}{} {} in {} ({} B) + chunk and decode tables {} B",

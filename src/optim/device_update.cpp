@@ -3,6 +3,7 @@
 #include "optim/device_update.h"
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 
 #include "core/error.h"
@@ -37,27 +38,34 @@ MomentLayout moment_layout(const ParamLayout& layout, std::size_t offset, std::s
     out.plan = MomentBuffer::plan(format, layout, offset, count);
     if (format == StateFormat::Fp32) {
         out.chunks = tensor_chunks(layout, offset, count, max_n);
+        out.blocks = (int64_t)out.chunks.size();
         return out;
     }
     if (max_n < 1) fail("cuda::moment_layout: max_n is {}, expected >= 1", max_n);
     for (const MomentBuffer::Segment& s : out.plan.segs) {
         const int32_t decay = layout.tensors[s.tensor].decay ? 1 : 0;
         const bool blocks = !s.direct && format != StateFormat::Bf16;
+        const bool quantized = format == StateFormat::Int8 || format == StateFormat::Int4;
         if (!blocks) {
             // In pieces of at most max_n: the fp32 store, or the bf16 one.
             for (std::size_t at = 0; at < s.n; at += (std::size_t)max_n) {
                 const std::size_t n = std::min(s.n - at, (std::size_t)max_n);
                 out.chunks.push_back({(int64_t)(s.begin + at), (int32_t)n, decay});
                 out.at.push_back({(int64_t)(s.at + at), s.direct ? 1 : 0, 0});
+                if (quantized) out.grid.push_back({(int32_t)out.blocks, 0});
+                out.blocks++;
             }
             continue;
         }
-        for (std::size_t k = 0; k < s.blocks; k++) {
-            const auto [start, len] = MomentBuffer::span(format, s, k);
-            out.chunks.push_back({(int64_t)(s.begin + start), (int32_t)len, decay});
-            out.at.push_back(
-                {(int64_t)MomentBuffer::code_offset(format, s, k), 0, (int32_t)(s.block0 + k)});
-        }
+        // The whole segment, a CUDA block per quantization block (span and code_offset of
+        // block k are computed on the device from the first block's).
+        if (s.n > (std::size_t)INT32_MAX || out.blocks + (int64_t)s.blocks > INT32_MAX)
+            fail("cuda::moment_layout: {} elements of {} exceed the kernels' 32-bit grid", s.n,
+                 layout.tensors[s.tensor].name);
+        out.chunks.push_back({(int64_t)s.begin, (int32_t)s.n, decay});
+        out.at.push_back({(int64_t)MomentBuffer::code_offset(format, s, 0), 0, (int32_t)s.block0});
+        out.grid.push_back({(int32_t)out.blocks, (int32_t)s.first_len});
+        out.blocks += (int64_t)s.blocks;
     }
     return out;
 }

@@ -26,12 +26,14 @@ std::vector<TensorChunk> tensor_chunks(const ParamLayout& layout, std::size_t of
 // (MomentBuffer::plan: an fp32 store for the tensors that keep fp32, a bf16 store, int8/int4
 // codes and their fp32 scales). fp32: tensor_chunks and no table (moments indexed like the
 // parameters). bf16: tensor_chunks, each with its place in the fp32 or bf16 store. int8, int4:
-// the fp32-kept tensors in pieces of at most max_n, and every quantization block a piece of its
-// own (at most 256 elements), with its first code byte and its scale.
+// the fp32-kept tensors in pieces of at most max_n, and every quantized segment one chunk (its
+// first code byte and first scale) laid over one CUDA block per quantization block by `grid`.
 struct MomentLayout {
     std::vector<TensorChunk> chunks;
-    std::vector<StateChunk> at;  // empty for fp32
-    MomentBuffer::Plan plan;     // the stores' sizes (one moment's)
+    std::vector<StateChunk> at;   // empty for fp32
+    std::vector<ChunkGrid> grid;  // int8 / int4 only: each chunk's CUDA blocks
+    int64_t blocks = 0;           // the CUDA blocks of a step (chunks.size() without a grid)
+    MomentBuffer::Plan plan;      // the stores' sizes (one moment's)
 };
 MomentLayout moment_layout(const ParamLayout& layout, std::size_t offset, std::size_t count,
                            StateFormat format, int max_n = 1 << 16);

@@ -249,6 +249,8 @@ void optimizer_case(const OptCase& c, bool cpu_fuses) {
     DeviceBuffer<float> d_m = std::move(dm.f32), d_v = std::move(dv.f32);  // the fp32 kernels'
     DeviceBuffer<cuda::StateChunk> d_at;
     if (!ml.at.empty()) d_at = upload(ml.at);
+    DeviceBuffer<cuda::ChunkGrid> d_grid;
+    if (!ml.grid.empty()) d_grid = upload(ml.grid);
     const int bits = format == StateFormat::Int8 ? 8 : 4;
     DeviceBuffer<float> d_tables;
     if (ml.plan.code_bytes) d_tables = upload(cuda::decode_tables(format));
@@ -268,6 +270,10 @@ void optimizer_case(const OptCase& c, bool cpu_fuses) {
         st.table_v = d_tables.data() + 256;
         st.qm = cuda::quant_map(format, true);
         st.qv = cuda::quant_map(format, false);
+        // Each quantized segment one chunk over a CUDA block per quantization block.
+        st.grid = d_grid.data();
+        st.blocks = ml.blocks;
+        EXPECT_LT(chunks.size(), (std::size_t)ml.blocks);
     }
     auto d_chunks = upload(chunks);
     DeviceBuffer<cuda::StepScalars> d_s(1, MemCategory::Other);

@@ -143,6 +143,34 @@ TEST(CudaDp, RanksTrainTheSameModelAsOneProcess) {
     }
 }
 
+// `c` trained over comm(): its summary, final parameters, this rank's optimizer range and the
+// device bytes its optimizer allocated, which must be the engine's predicted row (whose formula
+// is returned too).
+struct OptimizerRun {
+    TrainSummary sum;
+    std::vector<float> params;
+    std::size_t offset = 0, count = 0, bytes = 0;
+    std::string formula;
+};
+OptimizerRun run_measuring_optimizer(const RunConfig& c) {
+    OptimizerRun r;
+    const MemoryStats before = device_memory().snapshot();
+    Trainer t(c, quiet(), &comm());
+    r.bytes = device_memory().snapshot()[MemCategory::OptimizerState] -
+              before[MemCategory::OptimizerState];
+    r.sum = t.run();
+    r.params = t.params();
+    r.offset = t.engine().optimizer().offset();
+    r.count = t.engine().optimizer().count();
+    for (const MemoryPrediction& row :
+         t.engine().predicted_memory(c.micro_batch(), c.train.seq_len))
+        if (row.category == MemCategory::OptimizerState) {
+            EXPECT_EQ(r.bytes, row.bytes) << row.formula;
+            r.formula = row.formula;
+        }
+    return r;
+}
+
 // The optimizer state formats under NCCL's ZeRO: every rank's shard is padded to the format's
 // 256-element grain (so no quantization block falls between ranks), its rows are the plan's,
 // and the run tracks one process with the same format (int8's tolerance on the CPU engine: a
@@ -178,22 +206,13 @@ TEST(CudaDp, StateFormatsUnderZeroTrainAsOneProcess) {
         const TrainSummary ref = Trainer(ref_cfg, quiet()).run();
         c.train.micro_batch_size = b;
         c.train.zero_stage = stage;
-        const MemoryStats before = device_memory().snapshot();
-        Trainer t(c, quiet(), &comm());
-        const std::size_t grew = device_memory().snapshot()[MemCategory::OptimizerState] -
-                                 before[MemCategory::OptimizerState];
-        const TrainSummary sum = t.run();
-        ASSERT_EQ(sum.losses.size(), ref.losses.size());
-        for (std::size_t i = 0; i < sum.losses.size(); i++)
-            EXPECT_NEAR(sum.losses[i], ref.losses[i], 1e-4 * std::abs(ref.losses[i]))
+        const OptimizerRun r = run_measuring_optimizer(c);
+        ASSERT_EQ(r.sum.losses.size(), ref.losses.size());
+        for (std::size_t i = 0; i < r.sum.losses.size(); i++)
+            EXPECT_NEAR(r.sum.losses[i], ref.losses[i], 1e-4 * std::abs(ref.losses[i]))
                 << "step " << i + 1;
         const std::size_t grain = std::string(format) == "bf16" ? 1 : 256;
-        EXPECT_EQ(t.engine().optimizer().offset() % grain, 0u);
-        for (const MemoryPrediction& row :
-             t.engine().predicted_memory(c.micro_batch(), c.train.seq_len))
-            if (row.category == MemCategory::OptimizerState) {
-                EXPECT_EQ(grew, row.bytes) << row.formula;
-            }
+        EXPECT_EQ(r.offset % grain, 0u);
     }
 }
 
@@ -304,19 +323,11 @@ TEST(CudaDp, Bf16WeightsUnderZeroAreDdpsAndResumeBitwise) {
         c.train.batch_size = N * 2;
         c.train.micro_batch_size = 2;
         c.train.zero_stage = stage;
-        const MemoryStats before = device_memory().snapshot();
-        Trainer t(c, quiet(), &comm());
-        const std::size_t grew = device_memory().snapshot()[MemCategory::OptimizerState] -
-                                 before[MemCategory::OptimizerState];
-        const TrainSummary sum = t.run();
-        const std::vector<float> params = t.params();
-        for (const MemoryPrediction& row :
-             t.engine().predicted_memory(c.micro_batch(), c.train.seq_len))
-            if (row.category == MemCategory::OptimizerState) {
-                EXPECT_EQ(grew, row.bytes) << row.formula;
-                EXPECT_EQ(row.formula.find("master"), std::string::npos) << row.formula;
-            }
-        EXPECT_LT(grew, 8 * t.engine().optimizer().count() + 64 * 1024);
+        const OptimizerRun r = run_measuring_optimizer(c);
+        const TrainSummary& sum = r.sum;
+        const std::vector<float>& params = r.params;
+        EXPECT_EQ(r.formula.find("master"), std::string::npos) << r.formula;
+        EXPECT_LT(r.bytes, 8 * r.count + 64 * 1024);
         if (stage == 0) {
             ddp = sum;
             ddp_params = params;

@@ -573,12 +573,80 @@ TEST(TpLayout, BlockMisfitIsTheCellByCellCheck) {
     EXPECT_EQ(tp_block_misfit(models[0], P, StateFormat::Bf16), "");
 }
 
+// One process's optimizer over the whole layout and this rank's over its slices (with `gather`
+// where the optimizer steps sliced tensors whole), three steps from the same weights and
+// gradients (the whole model's, sliced): the rank's weights and every state tensor must be
+// bitwise the slices of one process's.
+void expect_steps_are_slices(const OptimConfig& cfg, const TpLayout& l,
+                             TensorGather* gather = nullptr) {
+    auto whole = make_optimizer(cfg, l.full);
+    auto mine = make_optimizer(cfg, l.local, 0, SIZE_MAX, MemCategory::OptimizerState, gather);
+    auto slice = [&](const std::vector<float>& full) {
+        std::vector<float> local(l.local.total);
+        for (std::size_t t = 0; t < l.full.tensors.size(); t++)
+            tp_slice(l, t, full.data() + l.full.tensors[t].offset,
+                     local.data() + l.local.tensors[t].offset);
+        return local;
+    };
+    std::vector<float> w(l.full.total), g(l.full.total);
+    for (std::size_t i = 0; i < w.size(); i++) w[i] = 0.05f * std::sin(0.37f * (float)i);
+    std::vector<float> lw = slice(w);
+    for (int step = 1; step <= 3; step++) {
+        for (std::size_t i = 0; i < g.size(); i++)
+            g[i] = 0.01f * std::cos(0.11f * (float)i * (float)step) / (1.0f + (float)(i % 7));
+        std::vector<float> lg = slice(g);
+        whole->step(w.data(), g.data(), cfg.lr);
+        mine->step(lw.data(), lg.data(), cfg.lr);
+    }
+    EXPECT_EQ(slice(w), lw) << "weights of rank " << comm().rank();
+    for (const std::string& name : whole->state_names()) {
+        std::vector<float> a(l.full.total), b(l.local.total);
+        whole->read_state(name, a.data());
+        mine->read_state(name, b.data());
+        EXPECT_EQ(slice(a), b) << name << " of rank " << comm().rank();
+    }
+}
+
+// `one` trained in one process and at tp = the world size: the curves within `tol` relative, and
+// the rank's optimizer bytes its shard's (optimizer_state_bytes over the local layout), measured
+// as predicted. Returns the tp trainer and its losses.
+struct TpRun {
+    std::unique_ptr<Trainer> trainer;
+    std::vector<float> losses;
+};
+TpRun expect_tp_follows_one_process(const RunConfig& one, const TpLayout& l, double tol) {
+    RunConfig ref_cfg = one;
+    ref_cfg.io.out_dir += "_ref" + std::to_string(comm().rank());
+    std::vector<float> ref;
+    {
+        Trainer t(ref_cfg, test::quiet());
+        ref = t.run().losses;
+    }
+    RunConfig run = with_tp(one);
+    TpRun r;
+    const MemoryStats before = host_memory().snapshot();
+    r.trainer = std::make_unique<Trainer>(run, test::quiet(), &comm());
+    r.losses = r.trainer->run().losses;
+    const std::size_t state =
+        host_memory().snapshot()[MemCategory::OptimizerState] - before[MemCategory::OptimizerState];
+    EXPECT_EQ(r.losses.size(), ref.size());
+    for (std::size_t i = 0; i < ref.size() && i < r.losses.size(); i++)
+        EXPECT_NEAR(r.losses[i], ref[i], tol * std::abs(ref[i])) << "step " << i + 1;
+    EXPECT_EQ(state, optimizer_state_bytes(run.optim, l.local, 0, l.local.total));
+    for (const MemoryPrediction& m :
+         r.trainer->engine().predicted_memory(run.micro_batch(), run.train.seq_len))
+        if (m.category == MemCategory::OptimizerState) {
+            EXPECT_EQ(m.bytes, state) << m.formula;
+        }
+    return r;
+}
+
 TEST(TpTrain, QuantizedMomentsAreOneProcesssBlocks) {
     const int P = comm().size();
     for (const char* format : {"int8", "int4"}) {
         SCOPED_TRACE(format);
         const StateFormat f = parse_state_format(format);
-        RunConfig c = block_run("tp_qm", 1);
+        RunConfig c = block_run("tp_qm", 3);
         c.optim.state_format = format;
         if (f == StateFormat::Int8 && P == 4) {
             const std::string misfit = tp_block_misfit(c.model, P, f);
@@ -589,65 +657,10 @@ TEST(TpTrain, QuantizedMomentsAreOneProcesssBlocks) {
         }
         ASSERT_EQ(tp_block_misfit(c.model, P, f), "");
         const TpLayout l = make_tp_layout(c.model, P, comm().rank());
-        auto whole = make_optimizer(c.optim, l.full);
-        auto mine = make_optimizer(c.optim, l.local);
-        std::vector<float> w(l.full.total), g(l.full.total);
-        std::vector<float> lw(l.local.total), lg(l.local.total);
-        for (std::size_t i = 0; i < w.size(); i++) w[i] = 0.02f * std::sin(0.37f * (float)i);
-        for (std::size_t t = 0; t < l.full.tensors.size(); t++)
-            tp_slice(l, t, w.data() + l.full.tensors[t].offset,
-                     lw.data() + l.local.tensors[t].offset);
-        for (int step = 1; step <= 3; step++) {
-            for (std::size_t i = 0; i < g.size(); i++)
-                g[i] = 0.01f * std::cos(0.11f * (float)i * (float)step) / (1.0f + (float)(i % 7));
-            for (std::size_t t = 0; t < l.full.tensors.size(); t++)
-                tp_slice(l, t, g.data() + l.full.tensors[t].offset,
-                         lg.data() + l.local.tensors[t].offset);
-            whole->step(w.data(), g.data(), 1e-3);
-            mine->step(lw.data(), lg.data(), 1e-3);
-        }
-        auto expect_slices = [&](const std::vector<float>& full, const std::vector<float>& local,
-                                 const std::string& what) {
-            std::vector<float> want(l.local.total);
-            for (std::size_t t = 0; t < l.full.tensors.size(); t++)
-                tp_slice(l, t, full.data() + l.full.tensors[t].offset,
-                         want.data() + l.local.tensors[t].offset);
-            std::size_t off = 0;
-            for (std::size_t i = 0; i < want.size(); i++) off += want[i] != local[i];
-            EXPECT_EQ(off, 0u) << what << " of rank " << comm().rank();
-        };
-        expect_slices(w, lw, "weights");
-        for (const std::string& name : whole->state_names()) {
-            std::vector<float> a(l.full.total), b(l.local.total);
-            whole->read_state(name, a.data());
-            mine->read_state(name, b.data());
-            expect_slices(a, b, name);
-        }
+        expect_steps_are_slices(c.optim, l);
         // A run: the rank's optimizer bytes are its shard's blocks, as predicted, and the curve
         // follows one process with the same format.
-        RunConfig ref_cfg = block_run("tp_qm_run", 3);
-        ref_cfg.optim.state_format = format;
-        RunConfig run = with_tp(ref_cfg);
-        ref_cfg.io.out_dir += "_ref" + std::to_string(comm().rank());
-        std::vector<float> ref;
-        {
-            Trainer t(ref_cfg, test::quiet());
-            ref = t.run().losses;
-        }
-        const MemoryStats before = host_memory().snapshot();
-        Trainer t(run, test::quiet(), &comm());
-        const std::vector<float> losses = t.run().losses;
-        const std::size_t state = host_memory().snapshot()[MemCategory::OptimizerState] -
-                                  before[MemCategory::OptimizerState];
-        ASSERT_EQ(losses.size(), ref.size());
-        for (std::size_t i = 0; i < ref.size(); i++)
-            EXPECT_NEAR(losses[i], ref[i], 1e-4 * std::abs(ref[i])) << "step " << i + 1;
-        EXPECT_EQ(state, optimizer_state_bytes(run.optim, l.local, 0, l.local.total));
-        for (const MemoryPrediction& m :
-             t.engine().predicted_memory(run.micro_batch(), run.train.seq_len))
-            if (m.category == MemCategory::OptimizerState) {
-                EXPECT_EQ(m.bytes, state) << m.formula;
-            }
+        expect_tp_follows_one_process(c, l, 1e-4);
     }
     // The tiny model's 8-wide head slices cannot hold a block: refused by name.
     RunConfig narrow = with_tp(tp_run("tp_qm_narrow", false, 1));
@@ -671,57 +684,11 @@ TEST(TpTrain, MuonAndAdafactorStepWholeMatrices) {
         if (std::string(name) == "adafactor") c.optim.lr = 1e-2;
         const TpLayout l = make_tp_layout(c.model, P, comm().rank());
         TpTensorGather gather(l, comm());
-        auto whole = make_optimizer(c.optim, l.full);
-        auto mine =
-            make_optimizer(c.optim, l.local, 0, SIZE_MAX, MemCategory::OptimizerState, &gather);
-        std::vector<float> w(l.full.total), g(l.full.total), lw(l.local.total), lg(l.local.total);
-        for (std::size_t i = 0; i < w.size(); i++) w[i] = 0.05f * std::sin(0.37f * (float)i);
-        auto slice = [&](const std::vector<float>& full, std::vector<float>& local) {
-            for (std::size_t t = 0; t < l.full.tensors.size(); t++)
-                tp_slice(l, t, full.data() + l.full.tensors[t].offset,
-                         local.data() + l.local.tensors[t].offset);
-        };
-        slice(w, lw);
-        for (int step = 1; step <= 3; step++) {
-            for (std::size_t i = 0; i < g.size(); i++)
-                g[i] = 0.01f * std::cos(0.11f * (float)i * (float)step) / (1.0f + (float)(i % 7));
-            slice(g, lg);
-            whole->step(w.data(), g.data(), c.optim.lr);
-            mine->step(lw.data(), lg.data(), c.optim.lr);
-        }
-        std::vector<float> want(l.local.total);
-        slice(w, want);
-        EXPECT_EQ(want, lw) << "weights of rank " << comm().rank();
-        for (const std::string& s : whole->state_names()) {
-            std::vector<float> a(l.full.total), b(l.local.total);
-            whole->read_state(s, a.data());
-            mine->read_state(s, b.data());
-            slice(a, want);
-            EXPECT_EQ(want, b) << s << " of rank " << comm().rank();
-        }
+        expect_steps_are_slices(c.optim, l, &gather);
         // A run against one process, its optimizer bytes, and a resume.
-        RunConfig ref_cfg = c;
-        ref_cfg.io.out_dir += "_ref" + std::to_string(comm().rank());
-        std::vector<float> ref;
-        {
-            Trainer t(ref_cfg, test::quiet());
-            ref = t.run().losses;
-        }
+        const TpRun r = expect_tp_follows_one_process(c, l, 1e-3);
+        const std::vector<float>& losses = r.losses;
         RunConfig run = with_tp(c);
-        const MemoryStats before = host_memory().snapshot();
-        Trainer t(run, test::quiet(), &comm());
-        const std::vector<float> losses = t.run().losses;
-        const std::size_t state = host_memory().snapshot()[MemCategory::OptimizerState] -
-                                  before[MemCategory::OptimizerState];
-        ASSERT_EQ(losses.size(), ref.size());
-        for (std::size_t i = 0; i < ref.size(); i++)
-            EXPECT_NEAR(losses[i], ref[i], 1e-3 * std::abs(ref[i])) << "step " << i + 1;
-        EXPECT_EQ(state, optimizer_state_bytes(run.optim, l.local, 0, l.local.total));
-        for (const MemoryPrediction& m :
-             t.engine().predicted_memory(run.micro_batch(), run.train.seq_len))
-            if (m.category == MemCategory::OptimizerState) {
-                EXPECT_EQ(m.bytes, state) << m.formula;
-            }
         RunConfig split = run;
         split.io.out_dir += "_split";
         TrainOptions stop = test::quiet();
@@ -735,7 +702,7 @@ TEST(TpTrain, MuonAndAdafactorStepWholeMatrices) {
         ASSERT_EQ(rest.size(), 2u);
         EXPECT_EQ(rest[0], losses[2]);
         EXPECT_EQ(rest[1], losses[3]);
-        EXPECT_EQ(again.params(), t.params());
+        EXPECT_EQ(again.params(), r.trainer->params());
         // The tp checkpoint holds the whole model's state as one process lays it out (Adafactor's
         // factors at each whole tensor's start): one process resumes it and follows the run.
         RunConfig one = c;

@@ -7,7 +7,6 @@
 #include <cuda_fp16.h>
 
 #include <functional>
-#include <vector>
 
 #include <fmt/format.h>
 
@@ -83,31 +82,18 @@ AdapterStates<T>::AdapterStates(const RunPlan& plan, dist::Communicator& comm, c
         lora_layout_.params,
         [this](int u, float* dst) {
             const ParamUnit& unit = lora_layout_.params.units[(std::size_t)u];
-            if (!master()) {
-                std::vector<T> stored(unit.size());
-                MT_CUDA_CHECK(cudaMemcpyAsync(stored.data(), params_.data() + unit.begin,
-                                              unit.size() * sizeof(T), cudaMemcpyDeviceToHost,
-                                              stream_));
-                wait("an adapter transfer");
-                for (std::size_t i = 0; i < stored.size(); i++) dst[i] = cuda::to_fp32(stored[i]);
-                return;
-            }
+            if (!master())
+                return download_decoded(dst, params_.data() + unit.begin, unit.size(), stream_,
+                                        [this](const char* what) { wait(what); });
             MT_CUDA_CHECK(cudaMemcpyAsync(dst, master() + unit.begin, unit.size() * sizeof(float),
                                           cudaMemcpyDeviceToHost, stream_));
             wait("an adapter transfer");
         },
         [this](int u, const float* src) {
             const ParamUnit& unit = lora_layout_.params.units[(std::size_t)u];
-            if (!master()) {
-                std::vector<T> stored(unit.size());
-                for (std::size_t i = 0; i < stored.size(); i++)
-                    stored[i] = cuda::to_storage<T>(src[i]);
-                MT_CUDA_CHECK(cudaMemcpyAsync(params_.data() + unit.begin, stored.data(),
-                                              unit.size() * sizeof(T), cudaMemcpyHostToDevice,
-                                              stream_));
-                wait("an adapter transfer");
-                return;
-            }
+            if (!master())
+                return upload_rounded(params_.data() + unit.begin, src, unit.size(), stream_,
+                                      [this](const char* what) { wait(what); });
             MT_CUDA_CHECK(cudaMemcpyAsync(master() + unit.begin, src, unit.size() * sizeof(float),
                                           cudaMemcpyHostToDevice, stream_));
             if constexpr (!std::is_same_v<T, float>)

@@ -318,14 +318,10 @@ float* StageWeights<T>::unit(int u) {
     const ParamUnit& unit = layout_.units[u];
     h.host.assign(unit.size(), 0.0f);
     // The mirror is never the owner's copy: its values arrive from the first stage.
-    if (su.owns(u) && !e_.master()) {
-        // optim.master = "none": the bf16 parameters, decoded.
-        std::vector<T> stored(unit.size());
-        MT_CUDA_CHECK(cudaMemcpyAsync(stored.data(), su.params() + (unit.begin - su.begin()),
-                                      unit.size() * sizeof(T), cudaMemcpyDeviceToHost,
-                                      e_.stream_.get()));
-        e_.wait("a weight transfer");
-        for (std::size_t i = 0; i < unit.size(); i++) h.host[i] = cuda::to_fp32(stored[i]);
+    const auto wait = [this](const char* what) { e_.wait(what); };
+    if (su.owns(u) && !e_.master()) {  // optim.master = "none": the bf16 parameters, decoded
+        download_decoded(h.host.data(), su.params() + (unit.begin - su.begin()), unit.size(),
+                         e_.stream_.get(), wait);
     } else if (su.owns(u)) {
         MT_CUDA_CHECK(cudaMemcpyAsync(h.host.data(), e_.master() + (unit.begin - su.begin()),
                                       unit.size() * sizeof(float), cudaMemcpyDeviceToHost,
@@ -342,13 +338,10 @@ void StageWeights<T>::release(int u) {
     if (--h.count > 0) return;
     StageUnits<T>& su = *e_.units_;
     const ParamUnit& unit = layout_.units[u];
+    const auto wait = [this](const char* what) { e_.wait(what); };
     if (h.written && su.owns(u) && !e_.master()) {
-        std::vector<T> rounded(unit.size());
-        for (std::size_t i = 0; i < unit.size(); i++) rounded[i] = cuda::to_storage<T>(h.host[i]);
-        MT_CUDA_CHECK(cudaMemcpyAsync(su.params() + (unit.begin - su.begin()), rounded.data(),
-                                      unit.size() * sizeof(T), cudaMemcpyHostToDevice,
-                                      e_.stream_.get()));
-        e_.wait("a weight transfer");
+        upload_rounded(su.params() + (unit.begin - su.begin()), h.host.data(), unit.size(),
+                       e_.stream_.get(), wait);
     } else if (h.written && su.owns(u)) {
         float* dst = e_.master() + (unit.begin - su.begin());
         MT_CUDA_CHECK(cudaMemcpyAsync(dst, h.host.data(), unit.size() * sizeof(float),
@@ -358,11 +351,7 @@ void StageWeights<T>::release(int u) {
                                  e_.stream_.get());
         e_.wait("a weight transfer");
     } else if (h.written && su.mirrors(u)) {
-        std::vector<T> rounded(unit.size());
-        for (std::size_t i = 0; i < unit.size(); i++) rounded[i] = cuda::to_storage<T>(h.host[i]);
-        MT_CUDA_CHECK(cudaMemcpyAsync(su.mirror_params(), rounded.data(), unit.size() * sizeof(T),
-                                      cudaMemcpyHostToDevice, e_.stream_.get()));
-        e_.wait("a weight transfer");
+        upload_rounded(su.mirror_params(), h.host.data(), unit.size(), e_.stream_.get(), wait);
     }
     held_.erase(u);
 }

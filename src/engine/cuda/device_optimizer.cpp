@@ -10,11 +10,13 @@
 #include <cstdint>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include <fmt/format.h>
 
 #include "core/error.h"
 #include "engine/device_memory.h"
+#include "kernels/cuda/host_convert.h"
 #include "kernels/cuda/ops.h"
 
 namespace memtrain {
@@ -65,6 +67,11 @@ DeviceOptimizer<T>::DeviceOptimizer(const OptimConfig& cfg, const ParamLayout& l
         at_ = DeviceBuffer<cuda::StateChunk>(lay.at.size(), MemCategory::OptimizerState);
         copy_to_device(at_.data(), lay.at.data(), at_.bytes());
     }
+    if (!lay.grid.empty()) {
+        grid_ = DeviceBuffer<cuda::ChunkGrid>(lay.grid.size(), MemCategory::OptimizerState);
+        copy_to_device(grid_.data(), lay.grid.data(), grid_.bytes());
+    }
+    blocks_ = lay.blocks;
     wait_("the optimizer's state");
 }
 
@@ -87,6 +94,8 @@ cuda::MomentStores DeviceOptimizer<T>::moment_stores() {
         st.qm = cuda::quant_map(format_, true);
         st.qv = cuda::quant_map(format_, false);
     }
+    st.grid = grid_.size() ? grid_.data() : nullptr;
+    st.blocks = blocks_;
     return st;
 }
 
@@ -195,6 +204,38 @@ void DeviceOptimizer<T>::write_state(const std::string& name, std::size_t begin,
     b.write(all.data());
     to_device(b, st);
 }
+
+template <typename T>
+void download_decoded(float* dst, const T* src, std::size_t n, cudaStream_t stream,
+                      const std::function<void(const char*)>& wait) {
+    std::vector<T> stored(n);
+    if (n)
+        MT_CUDA_CHECK(
+            cudaMemcpyAsync(stored.data(), src, n * sizeof(T), cudaMemcpyDeviceToHost, stream));
+    wait("a weight transfer");
+    for (std::size_t i = 0; i < n; i++) dst[i] = cuda::to_fp32(stored[i]);
+}
+
+template <typename T>
+void upload_rounded(T* dst, const float* src, std::size_t n, cudaStream_t stream,
+                    const std::function<void(const char*)>& wait) {
+    std::vector<T> rounded(n);
+    for (std::size_t i = 0; i < n; i++) rounded[i] = cuda::to_storage<T>(src[i]);
+    if (n)
+        MT_CUDA_CHECK(
+            cudaMemcpyAsync(dst, rounded.data(), n * sizeof(T), cudaMemcpyHostToDevice, stream));
+    wait("a weight transfer");
+}
+
+#define MT_INSTANTIATE(T)                                                          \
+    template void download_decoded<T>(float*, const T*, std::size_t, cudaStream_t, \
+                                      const std::function<void(const char*)>&);    \
+    template void upload_rounded<T>(T*, const float*, std::size_t, cudaStream_t,   \
+                                    const std::function<void(const char*)>&);
+MT_INSTANTIATE(float)
+MT_INSTANTIATE(__nv_bfloat16)
+MT_INSTANTIATE(__half)
+#undef MT_INSTANTIATE
 
 std::string device_in_use_line() {
     std::size_t free_b = 0, total_b = 0;

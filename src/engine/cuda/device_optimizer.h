@@ -96,8 +96,21 @@ class DeviceOptimizer final : public OptimizerState {
     DeviceBuffer<float> ms_, vs_;            // and the blocks' scales
     DeviceBuffer<float> tables_;  // int8 / int4: m's decode table, then v's (256 floats each)
     DeviceBuffer<cuda::TensorChunk> chunks_;
-    DeviceBuffer<cuda::StateChunk> at_;  // where each chunk's moments are (not fp32)
+    DeviceBuffer<cuda::StateChunk> at_;   // where each chunk's moments are (not fp32)
+    DeviceBuffer<cuda::ChunkGrid> grid_;  // int8 / int4: each chunk's CUDA blocks
+    int64_t blocks_ = 0;                  // and the step's grid
 };
+
+// Weight I/O of parameters that are their own weights (optim.master = "none", or fp32): n values
+// of T on the device at `src` decoded into the host floats `dst`, and n host floats rounded to
+// nearest into the device's `dst`; both queue on `stream` and wait with `wait` (the host buffers
+// are reused).
+template <typename T>
+void download_decoded(float* dst, const T* src, std::size_t n, cudaStream_t stream,
+                      const std::function<void(const char*)>& wait);
+template <typename T>
+void upload_rounded(T* dst, const float* src, std::size_t n, cudaStream_t stream,
+                    const std::function<void(const char*)>& wait);
 
 // The footer line with the driver's count of device memory in use against the device's size.
 std::string device_in_use_line();

@@ -41,14 +41,9 @@ float* WeightsStore<T>::acquire(int u, bool for_write) {
     host_.resize(unit.size());
     if (sharded) piece_.resize(n);
     float* mine = sharded ? piece_.data() : host_.data();
-    if (!master.data) {
-        // optim.master = "none": the bf16 parameters, decoded.
-        stored_.resize(n);
-        if (n > 0)
-            MT_CUDA_CHECK(cudaMemcpyAsync(stored_.data(), s_.dp_.param_shard() + (lo - first),
-                                          n * sizeof(T), cudaMemcpyDeviceToHost, s_.stream_));
-        s_.wait("a weight transfer");
-        for (std::size_t i = 0; i < n; i++) mine[i] = cuda::to_fp32(stored_[i]);
+    if (!master.data) {  // optim.master = "none": the bf16 parameters, decoded
+        download_decoded(mine, s_.dp_.param_shard() + (lo - first), n, s_.stream_,
+                         [this](const char* what) { s_.wait(what); });
     } else if (master.on_host)
         std::copy_n(master.data + (lo - first), n, mine);
     else if (n > 0)

@@ -51,7 +51,6 @@ class WeightsStore final : public WeightWindow {
     bool written_ = false;
     bool lent_ = false;  // acquire returned the master weights themselves (host memory, whole)
     std::vector<float> host_, piece_;
-    std::vector<T> stored_;  // optim.master = "none": the piece's bf16 values
 };
 
 template <typename T>

@@ -144,15 +144,46 @@ struct MomentRef {
     }
 };
 
-// Chunk c's (block b's) m and v: indexed like the parameters when st.at is null.
-__device__ __forceinline__ void chunk_moments(const MomentStores& st, const TensorChunk& c, int b,
-                                              MomentRef* m, MomentRef* v) {
+// The chunk this CUDA block updates and where its moments are: chunks[b] itself, or (st.grid:
+// int8 / int4) quantization block k of the chunk whose grid blocks hold b, its span, first code
+// byte and scale computed as MomentBuffer::span and code_offset give them.
+struct BlockChunk {
+    TensorChunk c;
+    StateChunk a;  // meaningful where st.at is given
+};
+__device__ __forceinline__ BlockChunk block_chunk(const MomentStores& st, const TensorChunk* chunks,
+                                                 int nchunks) {
+    const int b = (int)blockIdx.x;
+    if (!st.grid) return {chunks[b], st.at ? st.at[b] : StateChunk{0, 0, 0}};
+    int lo = 0, hi = nchunks - 1;  // the last chunk whose first grid block is at most b
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (st.grid[mid].first_block <= b)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    BlockChunk r{chunks[lo], st.at[lo]};
+    const int first_len = st.grid[lo].first_len;
+    if (first_len == 0) return r;  // one piece, one CUDA block
+    const int k = b - st.grid[lo].first_block, B = st.bits == 8 ? 256 : 128;
+    const int start = k == 0 ? 0 : first_len + (k - 1) * B;
+    const int rest = r.c.n - start;
+    r.c.begin += start;
+    r.c.n = k == 0 ? first_len : (rest < B ? rest : B);
+    r.a.at += st.bits == 8 ? start : (k == 0 ? 0 : (first_len + 1) / 2 + (int64_t)(k - 1) * (B / 2));
+    r.a.scale += k;
+    return r;
+}
+
+// Chunk c's m and v (a: where they are): indexed like the parameters when st.at is null.
+__device__ __forceinline__ void chunk_moments(const MomentStores& st, const TensorChunk& c,
+                                              const StateChunk& a, MomentRef* m, MomentRef* v) {
     if (!st.at) {
         *m = {st.m32 + c.begin, nullptr};
         *v = {st.v32 ? st.v32 + c.begin : nullptr, nullptr};
         return;
     }
-    const StateChunk a = st.at[b];
     if (a.fp32) {
         *m = {st.m32 + a.at, nullptr};
         *v = {st.v32 ? st.v32 + a.at : nullptr, nullptr};
@@ -226,19 +257,20 @@ __device__ void store_block(uint8_t* codes, int64_t at, int n, const QuantMap& q
 // the master copy when there is one.
 template <typename T>
 static __global__ void adamw_kernel(T* params, float* master, MomentStores st, const T* grads,
-                                    const TensorChunk* chunks, const StepScalars* s,
+                                    const TensorChunk* chunks, int nchunks, const StepScalars* s,
                                     ParamRounding round) {
     if (s->skip) return;
-    const TensorChunk c = chunks[blockIdx.x];
+    const BlockChunk bc = block_chunk(st, chunks, nchunks);
+    const TensorChunk c = bc.c;
     const float b1 = s->beta1, b2 = s->beta2, eps = s->eps, step_size = s->step_size,
                 bc2_sqrt = s->bc2_sqrt, scale = s->grad_scale;
     const float decay = c.decay ? s->decay_factor : 1.0f;
     const float one_b1 = 1.0f - b1, one_b2 = 1.0f - b2;
-    if (st.bits && !st.at[blockIdx.x].fp32) {
+    if (st.bits && !bc.a.fp32) {
         // One quantization block, a thread per element: decode, the same update, re-encode.
         __shared__ float shared[32];
         __shared__ uint8_t staged[kThreads];
-        const StateChunk a = st.at[blockIdx.x];
+        const StateChunk a = bc.a;
         const int i = threadIdx.x;
         float mi = 0.0f, vi = 0.0f;
         if (i < c.n) {
@@ -266,7 +298,7 @@ static __global__ void adamw_kernel(T* params, float* master, MomentStores st, c
         return;
     }
     MomentRef m, v;
-    chunk_moments(st, c, (int)blockIdx.x, &m, &v);
+    chunk_moments(st, c, bc.a, &m, &v);
     for (int i = threadIdx.x; i < c.n; i += blockDim.x) {
         const int64_t j = c.begin + i;
         const float g = mul_rn(to_float(grads[j]), scale);
@@ -285,18 +317,19 @@ static __global__ void adamw_kernel(T* params, float* master, MomentStores st, c
 // ---- SGD with momentum -------------------------------------------------------------------------
 template <typename T>
 static __global__ void sgd_kernel(T* params, float* master, MomentStores st, const T* grads,
-                                  const TensorChunk* chunks, const StepScalars* s,
+                                  const TensorChunk* chunks, int nchunks, const StepScalars* s,
                                   ParamRounding round) {
     if (s->skip) return;
-    const TensorChunk c = chunks[blockIdx.x];
+    const BlockChunk bc = block_chunk(st, chunks, nchunks);
+    const TensorChunk c = bc.c;
     const float mu = s->momentum, lr = s->lr, scale = s->grad_scale;
     const float wd = c.decay ? s->weight_decay : 0.0f;
     const bool first = s->first_step != 0, nesterov = s->nesterov != 0;
-    if (st.bits && !st.at[blockIdx.x].fp32) {
+    if (st.bits && !bc.a.fp32) {
         // One quantization block of the momentum (as AdamW's above).
         __shared__ float shared[32];
         __shared__ uint8_t staged[kThreads];
-        const StateChunk a = st.at[blockIdx.x];
+        const StateChunk a = bc.a;
         const int i = threadIdx.x;
         float b = 0.0f;
         if (i < c.n) {
@@ -316,7 +349,7 @@ static __global__ void sgd_kernel(T* params, float* master, MomentStores st, con
         return;
     }
     MomentRef buf, unused;
-    chunk_moments(st, c, (int)blockIdx.x, &buf, &unused);
+    chunk_moments(st, c, bc.a, &buf, &unused);
     for (int i = threadIdx.x; i < c.n; i += blockDim.x) {
         const int64_t j = c.begin + i;
         const float p = master ? master[j] : to_float(params[j]);
@@ -331,6 +364,14 @@ static __global__ void sgd_kernel(T* params, float* master, MomentStores st, con
 }
 
 // ---- entries -----------------------------------------------------------------------------------
+// The CUDA blocks of a step: one per chunk, or (int8 / int4) the grid's count.
+static unsigned grid_blocks(const MomentStores& st, int nchunks) {
+    if (!st.grid) return (unsigned)nchunks;
+    if (!st.bits || !st.at || st.blocks < nchunks)
+        fail("cuda: an optimizer grid of {} blocks for {} chunks without quantized moments",
+             st.blocks, nchunks);
+    return grid_x(st.blocks, "the optimizer's quantization blocks");
+}
 template <typename T>
 static void check_step(const char* op, const T* params, const float* master, const T* grads,
                        const TensorChunk* chunks, int nchunks, const StepScalars* s,
@@ -366,8 +407,8 @@ void adamw_step(T* params, float* master, const MomentStores& st, const T* grads
         fail("cuda::adamw_step: null moment buffers");
     if (st.bits && (!st.at || !st.table_m || !st.table_v))
         fail("cuda::adamw_step: block-quantized moments without their table or maps");
-    MT_LAUNCH(adamw_kernel<T>, (unsigned)nchunks, kThreads, 0, stream, params, master, st, grads,
-              chunks, s, round);
+    MT_LAUNCH(adamw_kernel<T>, grid_blocks(st, nchunks), kThreads, 0, stream, params, master, st,
+              grads, chunks, nchunks, s, round);
 }
 
 template <typename T>
@@ -388,8 +429,8 @@ void sgd_step(T* params, float* master, const MomentStores& st, const T* grads,
     if (!st.at ? !st.m32 : !(st.m32 || st.m16 || (st.mq && st.ms)))
         fail("cuda::sgd_step: null momentum buffer");
     if (st.bits && !st.table_m) fail("cuda::sgd_step: block-quantized momentum without its table");
-    MT_LAUNCH(sgd_kernel<T>, (unsigned)nchunks, kThreads, 0, stream, params, master, st, grads,
-              chunks, s, round);
+    MT_LAUNCH(sgd_kernel<T>, grid_blocks(st, nchunks), kThreads, 0, stream, params, master, st,
+              grads, chunks, nchunks, s, round);
 }
 
 template <typename T>

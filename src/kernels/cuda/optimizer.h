@@ -44,6 +44,10 @@ struct MomentStores {
     const float* table_m = nullptr;  // decode tables (256 floats: decode_code's values)
     const float* table_v = nullptr;
     QuantMap qm{}, qv{};
+    // int8 / int4: each chunk's CUDA blocks (cuda::moment_layout's grid) and their count, the
+    // step's grid size; null: a CUDA block per chunk.
+    const ChunkGrid* grid = nullptr;
+    int64_t blocks = 0;
 };
 
 // AdamW with torch.optim.AdamW's arithmetic, exactly AdamW::step in src/optim/optimizer.cpp (the

@@ -30,6 +30,17 @@ struct StateChunk {
     int32_t scale;
 };
 
+// int8 / int4: how the CUDA blocks of a step map onto its chunks. A chunk of a quantized tensor is
+// a whole segment (the tensor's piece in the range) and takes one CUDA block per quantization
+// block: its first grid block, and the length of its first quantization block (the grid of
+// block_size elements over the flat buffer cuts it: MomentBuffer::span); a chunk of a tensor that
+// keeps fp32 moments takes one CUDA block and has first_len 0. The kernels find their chunk by
+// binary search, so the tables cost a few bytes per tensor instead of 32 per quantization block.
+struct ChunkGrid {
+    int32_t first_block;
+    int32_t first_len;
+};
+
 // The constants of one code map (optim/state_format.h's int8 and int4 maps), so that a kernel
 // rounds to the codes encode_code gives: `m` mantissa bits, exponent `bias`, and the Encoder's
 // to_map, min_normal and sub_scale.
