@@ -104,6 +104,11 @@ std::string format_plans(const SearchResult& r, int top, int reasons, const Clus
             state_format_name(r.asked_moments), state_format_name(p.state_format),
             2 * moment_bytes_per_param(p.state_format), 2 * moment_bytes_per_param(r.asked_moments),
             state_format_name(p.state_format), p.state_format == StateFormat::Int8 ? 8 : 4);
+        if (r.weights_instead_of_master)
+            out +=
+                "and neither do compressed moments beside the fp32 master, so these plans also "
+                "keep the weights in bf16 only (optim.master = \"none\": each update rounded "
+                "stochastically into them, 4 B per parameter less)\n\n";
     }
     const bool runnable = !r.plans.empty() && trainer_runs(r.plans[0].run);
     if (n > 0 && !runnable)
@@ -180,6 +185,7 @@ nlohmann::json to_json(const SearchResult& r, int top) {
     j["fitting"] = r.plans.size();
     j["lora_instead_of_full"] = r.lora_instead_of_full;
     j["moments_instead_of_plain"] = r.moments_instead_of_plain;
+    j["weights_instead_of_master"] = r.weights_instead_of_master;
     j["methods"] = nlohmann::json::array();
     for (const auto& m : r.methods)
         j["methods"].push_back({{"method", m.name},

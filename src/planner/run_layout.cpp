@@ -173,11 +173,14 @@ const char* to_string(Runtime r) {
 }
 
 std::string describe_method(const RunSpec& r) {
-    if (r.lora_rank <= 0)
+    if (r.lora_rank <= 0) {
+        const std::string weights =
+            !r.fp32_master && r.precision != Precision::fp32 ? ", bf16 weights" : "";
         return r.state_format == StateFormat::Fp32
-                   ? std::string("full-parameter training")
-                   : fmt::format("full-parameter training, {} moments",
+                   ? "full-parameter training" + weights
+                   : fmt::format("full-parameter training{}, {} moments", weights,
                                  state_format_name(r.state_format));
+    }
     if (r.frozen_bits == 16) return fmt::format("LoRA r={}", r.lora_rank);
     return fmt::format("QLoRA {}-bit r={}", r.frozen_bits, r.lora_rank);
 }

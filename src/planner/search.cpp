@@ -272,13 +272,23 @@ SearchResult search_plans(const ModelSpec& m, const ClusterSpec& c, const Search
     } else {
         ladder.push_back(base);
         // Compressed moments keep training every weight: tried before adapters.
-        if (memtrain_runtime && spec.state_fallback && spec.optimizer == Optimizer::adamw)
+        if (memtrain_runtime && spec.state_fallback && spec.optimizer == Optimizer::adamw) {
             for (StateFormat f : {StateFormat::Int8, StateFormat::Int4})
                 if (moment_bytes_per_param(f) < moment_bytes_per_param(spec.state_format)) {
                     RunSpec r = base;
                     r.state_format = f;
                     ladder.push_back(r);
                 }
+            // Then bf16 weights without the fp32 master (optim.master = "none", which the GPU
+            // engines run with DDP, ZeRO and pipelines): 4 B per parameter less, int8 and int4.
+            if (base.precision == Precision::bf16 && base.fp32_master)
+                for (StateFormat f : {StateFormat::Int8, StateFormat::Int4}) {
+                    RunSpec r = base;
+                    r.fp32_master = false;
+                    r.state_format = f;
+                    ladder.push_back(r);
+                }
+        }
         if (memtrain_runtime && spec.lora_fallback) {
             std::vector<int> bits = {16, 8, 4};
             if (spec.frozen_bits > 0) bits = {spec.frozen_bits};
@@ -323,6 +333,8 @@ SearchResult search_plans(const ModelSpec& m, const ClusterSpec& c, const Search
     result.asked_moments = spec.state_format;
     result.moments_instead_of_plain = !result.plans.empty() && result.plans[0].run.lora_rank == 0 &&
                                       result.plans[0].run.state_format != spec.state_format;
+    result.weights_instead_of_master =
+        result.moments_instead_of_plain && spec.fp32_master && !result.plans[0].run.fp32_master;
     for (size_t i = 0; i < tried.size(); ++i) {
         if (i == shown && !tried[i].plans.empty()) continue;
         std::string reason =

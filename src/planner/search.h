@@ -79,6 +79,8 @@ struct SearchResult {
     bool lora_instead_of_full = false;
     // The plans store the moments in a smaller format than asked (SearchSpec::state_fallback).
     bool moments_instead_of_plain = false;
+    // ... and, beyond that, bf16 weights without the fp32 master (optim.master = "none").
+    bool weights_instead_of_master = false;
     StateFormat asked_moments = StateFormat::Fp32;  // SearchSpec::state_format
 };
 

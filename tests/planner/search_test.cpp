@@ -203,6 +203,25 @@ TEST(PlanSearch, CompressedMomentsComeBeforeLora) {
     EXPECT_EQ(rc.optim.state_format, "int8");
     // The optimizer row prices two int8 moments and the fp32 master copy.
     EXPECT_NEAR(state_bytes(r.plans[0].run).optim, 4 + 2 * (1 + 4.0 / 256), 1e-12);
+    EXPECT_FALSE(r.weights_instead_of_master);
+    // On a 40 GB GPU neither int8 nor int4 beside the master fits (10 and 9 B per parameter):
+    // bf16 weights without it do (6 B), written as optim.master = "none".
+    ClusterSpec small = c;
+    small.gpu = gpu_preset("a100-40gb");
+    const SearchResult w = search_plans(m, small, s);
+    ASSERT_FALSE(w.plans.empty());
+    EXPECT_TRUE(w.weights_instead_of_master);
+    EXPECT_EQ(w.plans[0].run.lora_rank, 0);
+    EXPECT_FALSE(w.plans[0].run.fp32_master);
+    EXPECT_EQ(w.methods.back().name.find("full-parameter training, bf16 weights"), 0u)
+        << w.methods.back().name;
+    const std::string wtext = format_plans(w, 3, 4, small);
+    EXPECT_NE(wtext.find("optim.master = \"none\""), std::string::npos) << wtext;
+    const memtrain::RunConfig wc =
+        memtrain::parse_run_config(emit_config_toml(m, w.plans[0]), "emitted.toml", {});
+    EXPECT_EQ(wc.optim.master, "none");
+    EXPECT_NEAR(state_bytes(w.plans[0].run).optim,
+                2 * moment_bytes_per_param(w.plans[0].run.state_format), 1e-12);
     // Without the fallback nothing full-parameter fits, and LoRA is next.
     s.state_fallback = false;
     const SearchResult lora = search_plans(m, c, s);
