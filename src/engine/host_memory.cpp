@@ -73,14 +73,20 @@ std::vector<MemoryPrediction> zero_state_rows(const RunConfig& cfg, const ParamL
                             4 * n(spec.params)};
     if (cfg.optim.master == "none") {
         // bf16 weights, each unit decoded while in use, and the update's scratch
-        // (dist::ZeroStore::Options::bf16_params).
+        // (dist::ZeroStore::Options::bf16_params); at stage 3 this rank's shard of them, the
+        // units decoded into their gathers (communication buffers, as fp32's).
         const std::size_t scratch =
             dist::ZeroStore::round_scratch_floats(layout, whole_step_tensors(cfg.optim, layout));
-        params = {
-            MemCategory::Parameters,
-            fmt::format("2 x {} (bf16) + 4 x decoded units + 4 x {} update scratch", what, scratch),
-            2 * psi + 4 * (decoded_unit_floats(layout, tied_grads && cfg.model.tied_embeddings) +
-                           scratch)};
+        const bool sharded = dist::sharded(spec.params);
+        params = {MemCategory::Parameters,
+                  sharded ? fmt::format("2 x {}{} (bf16) + 4 x {} update scratch", what,
+                                        per(spec.params), scratch)
+                          : fmt::format("2 x {} (bf16) + 4 x decoded units + 4 x {} update scratch",
+                                        what, scratch),
+                  sharded ? 2 * n(spec.params) + 4 * scratch
+                          : 2 * psi + 4 * (decoded_unit_floats(
+                                               layout, tied_grads && cfg.model.tied_embeddings) +
+                                           scratch)};
     }
     return {
         params,

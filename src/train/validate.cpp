@@ -354,8 +354,8 @@ void validate_optimizer_layout(const RunConfig& cfg) {
                    "exists at once");
     }
     if (cfg.optim.master == "none") {
-        // bf16 weights: in the CPU engine's ZeroStore at stages 0-2 (one process, DDP, ZeRO-1 and
-        // -2; the whole model or LoRA's adapters); on the GPU the compute parameters themselves
+        // bf16 weights: in the CPU engine's ZeroStore at every stage (one process, DDP, ZeRO 1-3;
+        // the whole model or LoRA's adapters); on the GPU the compute parameters themselves
         // (the whole model's under DDP and ZeRO 1-3, a pipeline stage's, or LoRA's adapters).
         const auto refuse = refuser("optim.master = \"none\"");
         const bool cuda = cfg.train.device == "cuda";
@@ -367,10 +367,6 @@ void validate_optimizer_layout(const RunConfig& cfg) {
         if (cuda && cfg.train.offload_optimizer)
             refuse("train.offload_optimizer = true",
                    "the offloaded optimizer keeps fp32 master weights on the host");
-        if (!cuda && cfg.train.zero_stage == 3)
-            refuse("train.zero_stage = 3",
-                   "the CPU engine keeps the bf16 weights whole on every rank (one process, DDP, "
-                   "ZeRO-1 and -2; the GPU shards them at stage 3)");
         if (cfg.train.zero_stage > 0 && cfg.world > 1 &&
             (cfg.optim.name == "muon" || cfg.optim.name == "adafactor"))
             refuse(fmt::format("train.zero_stage = {} and optim.name = \"{}\"",

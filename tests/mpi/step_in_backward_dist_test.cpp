@@ -76,17 +76,19 @@ TEST(StepInBackwardDist, EveryZeroStageIsBitwiseItsTwoPhaseStep) {
     }
 }
 
-// optim.master = "none" under ZeRO-1 and -2: each rank updates and rounds its shard of the bf16
-// weights, drawing by each element's global index, and broadcasts it. So the weights after every
-// step are bitwise those of DDP (stage 0, every rank rounding everything), whose reduction sums
-// the same gradients; both phases of the step and the step in the backward alike; every rank's
-// rows measured as planned (the optimizer state the shard's, the bf16 weights whole).
+// optim.master = "none" under ZeRO 1-3: each rank updates and rounds its shard of the bf16
+// weights, drawing by each element's global index, and broadcasts it (stages 1-2) or keeps it
+// (stage 3, where the units are gathered from the shards). So the weights after every step are
+// bitwise those of DDP (stage 0, every rank rounding everything), whose reduction sums the same
+// gradients; both phases of the step and the step in the backward alike; every rank's rows
+// measured as planned (the optimizer state the shard's, the bf16 weights whole or, at stage 3,
+// the shard).
 TEST(StepInBackwardDist, Bf16WeightsUnderZeroAreDdpsBitwise) {
     const int N = comm().size();
     if (N < 2) GTEST_SKIP() << "needs ranks to shard over";
     for (bool in_backward : {false, true}) {
         std::vector<float> ddp;
-        for (int stage : {0, 1, 2}) {
+        for (int stage : {0, 1, 2, 3}) {
             const std::string what =
                 "zero" + std::to_string(stage) + (in_backward ? " in backward" : " two-phase");
             RunConfig c = shared_tiny_run_config(
@@ -101,8 +103,16 @@ TEST(StepInBackwardDist, Bf16WeightsUnderZeroAreDdpsBitwise) {
             c.optim.grad_clip = 0.05;  // every step clips
             const DistOutcome o = run_stage(c, in_backward);
             if (!in_backward) {
+                // The parameters row measured: the bf16 weights (whole, or the stage-3 shard)
+                // and the decoded units and update scratch.
+                host_memory().reset_peak();
                 Trainer t(c, test::quiet(), &comm());
-                expect_planned_rows_are_the_engines(t, what);
+                t.run();
+                for (const MemoryPrediction& row : expect_planned_rows_are_the_engines(t, what))
+                    if (row.category == MemCategory::Parameters) {
+                        EXPECT_EQ(host_memory().snapshot().peak(MemCategory::Parameters), row.bytes)
+                            << what << ": " << row.formula;
+                    }
             }
             if (stage == 0) {
                 ddp = o.params;
@@ -117,8 +127,8 @@ TEST(StepInBackwardDist, Bf16WeightsUnderZeroAreDdpsBitwise) {
     }
 }
 
-// A ZeRO-1 run with bf16 weights stopped after 3 of 6 steps resumes bitwise: the checkpoint holds
-// the weights decoded (exact in fp32) and each shard's moments.
+// A ZeRO-1 or ZeRO-3 run with bf16 weights stopped after 3 of 6 steps resumes bitwise: the
+// checkpoint holds the weights decoded (exact in fp32) and each shard's moments.
 TEST(StepInBackwardDist, Bf16WeightsUnderZeroResumeBitwise) {
     const int N = comm().size();
     if (N < 2) GTEST_SKIP() << "needs ranks to shard over";
@@ -130,34 +140,40 @@ TEST(StepInBackwardDist, Bf16WeightsUnderZeroResumeBitwise) {
     c.train.micro_batch_size = 2;
     c.train.batch_size = 2 * N;
     c.optim.master = "none";
-    TrainOptions o;
-    o.quiet = true;
-    std::vector<float> whole_params;
-    std::vector<float> whole;
-    {
-        Trainer t(c, o, &comm());
-        whole = t.run().losses;
-        whole_params = t.params();
+    for (int stage : {1, 3}) {
+        SCOPED_TRACE("zero stage " + std::to_string(stage));
+        c.train.zero_stage = stage;
+        c.io.out_dir =
+            shared_tiny_run_config("sibd_bf16z_resume" + std::to_string(stage), 6).io.out_dir;
+        TrainOptions o;
+        o.quiet = true;
+        std::vector<float> whole_params;
+        std::vector<float> whole;
+        {
+            Trainer t(c, o, &comm());
+            whole = t.run().losses;
+            whole_params = t.params();
+        }
+        RunConfig first = c;
+        first.io.out_dir += "_first";
+        {
+            TrainOptions stop = o;
+            stop.stop_after = 3;
+            Trainer t(first, stop, &comm());
+            t.run();
+        }
+        TrainOptions resume = o;
+        resume.resume = first.io.out_dir;
+        RunConfig second = c;
+        second.io.out_dir += "_second";
+        Trainer t(second, resume, &comm());
+        const std::vector<float> rest = t.run().losses;
+        ASSERT_EQ(rest.size(), 3u);
+        for (std::size_t i = 0; i < rest.size(); i++)
+            EXPECT_EQ(rest[i], whole[3 + i]) << "step " << 4 + i;
+        EXPECT_EQ(t.params(), whole_params);
+        comm().barrier();
     }
-    RunConfig first = c;
-    first.io.out_dir += "_first";
-    {
-        TrainOptions stop = o;
-        stop.stop_after = 3;
-        Trainer t(first, stop, &comm());
-        t.run();
-    }
-    TrainOptions resume = o;
-    resume.resume = first.io.out_dir;
-    RunConfig second = c;
-    second.io.out_dir += "_second";
-    Trainer t(second, resume, &comm());
-    const std::vector<float> rest = t.run().losses;
-    ASSERT_EQ(rest.size(), 3u);
-    for (std::size_t i = 0; i < rest.size(); i++)
-        EXPECT_EQ(rest[i], whole[3 + i]) << "step " << 4 + i;
-    EXPECT_EQ(t.params(), whole_params);
-    comm().barrier();
 }
 
 // optim.master = "none" under DDP: every rank rounds every element with the same draw, so the

@@ -16,8 +16,6 @@ namespace memtrain::dist {
 ZeroStore::ZeroStore(const ParamLayout& layout, Communicator& comm, int stage, Options opts)
     : layout_(&layout), comm_(&comm), stage_(stage) {
     if (stage < 0 || stage > 3) fail("dist.zero_stage must be 0, 1, 2 or 3, got {}", stage);
-    if (opts.bf16_params && stage == 3)
-        fail("internal: bf16 parameters (optim.master = \"none\") in a ZeroStore at stage 3");
     const int N = comm.size(), r = comm.rank();
     const auto shards = grain_shard_ranges(0, (int64_t)layout.total, N, opts.grain);
     // Which states this stage shards: the placement table the planner prices with.
@@ -41,7 +39,9 @@ ZeroStore::ZeroStore(const ParamLayout& layout, Communicator& comm, int stage, O
     written_.assign(U, false);
     buckets_.resize(U);
     if (opts.bf16_params) {
-        params16_ = Buffer<uint16_t>((std::size_t)total, MemCategory::Parameters);
+        bf16_ = true;
+        params16_ = Buffer<uint16_t>((std::size_t)held(spec.params, total, shards[r].count),
+                                     MemCategory::Parameters);
         round_ = Buffer<float>(round_scratch_floats(layout, opts.whole_tensors),
                                MemCategory::Parameters);
         for (std::size_t i = 0; i < opts.whole_tensors.size(); i++)
@@ -144,6 +144,18 @@ void ZeroStore::drop_prefetch() {
     prefetch_stats_.dropped++;
 }
 
+const float* ZeroStore::send_piece(int u, float* unit_buf) {
+    if (!bf16_params()) return my_piece(u);
+    const UnitShards& us = unit_shards_[u];
+    float* dst = unit_buf + us.mine_begin;
+    const uint16_t* src =
+        us.mine_count ? bf16_at(layout_->units[u].begin + us.mine_begin) : nullptr;
+    const int64_t n = us.mine_count;
+#pragma omp parallel for simd schedule(static)
+    for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(src[i]);
+    return dst;
+}
+
 const float* ZeroStore::my_piece(int u) {
     const UnitShards& us = unit_shards_[u];
     if (us.mine_count == 0) return params_.data();  // sends nothing
@@ -156,7 +168,7 @@ float* ZeroStore::acquire(int u, bool for_write) {
     if (stage_ < 3 && !bf16_params()) return params_.data() + unit.begin;
     if (for_write) written_[u] = true;
     if (holds_[u]++ > 0) return gathered_[u].data();
-    if (bf16_params()) {
+    if (bf16_params() && stage_ < 3) {
         // Decoded into an fp32 copy of the unit (its working weights until release).
         gathered_[u] = Buffer<float>(unit.size(), MemCategory::Parameters);
         const uint16_t* src = params16_.data() + unit.begin;
@@ -176,7 +188,8 @@ float* ZeroStore::acquire(int u, bool for_write) {
     // Gather the unit from every rank's shard now.
     prefetch_stats_.misses++;
     gathered_[u] = Buffer<float>(unit.size(), MemCategory::Communication);
-    comm_->all_gather(my_piece(u), gathered_[u].data(), unit_shards_[u].counts);
+    comm_->all_gather(send_piece(u, gathered_[u].data()), gathered_[u].data(),
+                      unit_shards_[u].counts);
     return gathered_[u].data();
 }
 
@@ -188,8 +201,8 @@ void ZeroStore::prefetch(int u) {
     // Reads this rank's piece of params_ while in flight: only release of a written unit (another
     // unit: this one is not held) and the optimizer (owned_params drops it first) write there.
     prefetched_.params = Buffer<float>(unit.size(), MemCategory::Communication);
-    prefetched_.op =
-        comm_->start_all_gather(my_piece(u), prefetched_.params.data(), unit_shards_[u].counts);
+    prefetched_.op = comm_->start_all_gather(send_piece(u, prefetched_.params.data()),
+                                             prefetched_.params.data(), unit_shards_[u].counts);
     prefetched_.unit = u;
 }
 
@@ -199,12 +212,14 @@ void ZeroStore::release(int u) {
     if (--holds_[u] > 0) return;
     const UnitShards& us = unit_shards_[u];
     if (bf16_params()) {
-        // Weights written from outside (initialisation, import, a checkpoint) round to nearest.
+        // Weights written from outside (initialisation, import, a checkpoint) round to nearest:
+        // the whole unit, or at stage 3 this rank's piece of it.
         if (written_[u]) {
             const ParamUnit& unit = layout_->units[u];
-            const float* src = gathered_[u].data();
-            uint16_t* dst = params16_.data() + unit.begin;
-            const int64_t n = (int64_t)unit.size();
+            const int64_t first = stage_ == 3 ? us.mine_begin : 0;
+            const int64_t n = stage_ == 3 ? us.mine_count : (int64_t)unit.size();
+            const float* src = gathered_[u].data() + first;
+            uint16_t* dst = n ? bf16_at(unit.begin + (std::size_t)first) : nullptr;
 #pragma omp parallel for simd schedule(static)
             for (int64_t i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
         }
@@ -386,10 +401,11 @@ void ZeroStore::apply_update(const UnitUpdate& update, float* g, std::size_t at,
         update(stage_ == 3 ? params_.data() + at : params_.data() + owned_.offset + at, g, at, n);
         return;
     }
-    // `at` indexes owned() (the whole buffer at stage 0, this rank's shard at stages 1-2); the
-    // bf16 weights are whole on every rank, so an element's place and its rounding draw are its
-    // global index, the same at every world size and stage. A unit held decoded (backward) is
-    // released right after its update and was not written, so its copy is never read again.
+    // `at` indexes owned() (the whole buffer at stage 0, this rank's shard at stages 1-3); the
+    // bf16 weights are whole on every rank below stage 3 (bf16_at places the shard's at 3), and an
+    // element's rounding draw is its global index, the same at every world size and stage. A unit
+    // held decoded (backward) is released right after its update and was not written, so its copy
+    // is never read again.
     const std::size_t base = (std::size_t)owned_.offset, end = base + at + n;
     for (std::size_t lo = base + at; lo < end;) {
         // A tensor stepped whole is one piece; the rest goes by kRoundChunk, stopping at the
@@ -407,7 +423,7 @@ void ZeroStore::apply_update(const UnitUpdate& update, float* g, std::size_t at,
             hi = std::min(hi, next->first);
         }
         const int64_t m = (int64_t)(hi - lo);
-        uint16_t* w16 = params16_.data() + lo;
+        uint16_t* w16 = bf16_at(lo);
         float* w = round_.data();
 #pragma omp parallel for simd schedule(static)
         for (int64_t i = 0; i < m; i++) w[i] = bf16_to_f32(w16[i]);
@@ -431,6 +447,7 @@ std::size_t ZeroStore::round_scratch_floats(const ParamLayout& layout,
 
 void ZeroStore::step_units(const UnitUpdate& update, int64_t step) {
     float* g = owned_grads();
+    if (prefetched_.unit >= 0) drop_prefetch();  // it read the shard the update now writes
     update_step_ = step;
     for (std::size_t u = 0; u < layout_->units.size(); u++) {
         const auto [at, n] = owned_piece((int)u);

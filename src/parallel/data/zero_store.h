@@ -99,11 +99,13 @@ class ZeroStore final : public UnitStore {
         // false: no gradient buffer (optim.step_in_backward with one micro-batch per step; every
         // backward must then be armed).
         bool hold_grads = true;
-        // optim.master = "none" (stages 0-2): the parameters are stored in bf16 only, whole on
-        // every rank. acquire() decodes a unit into an fp32 copy of its own, freed at release; the
-        // updates (step_units, arm_update) decode a chunk of this rank's owned() range, update it
-        // in fp32 and store it by stochastic rounding drawn from (rounding_seed, the step, the
-        // element's global index), so every stage and world size draws the same; at stages 1-2
+        // optim.master = "none": the parameters are stored in bf16 only, whole on every rank at
+        // stages 0-2 and this rank's shard at stage 3. acquire() decodes a unit into an fp32 copy
+        // of its own, freed at release (stage 3: this rank's piece decoded into its place of the
+        // gathered unit, which the all-gather fills in place, as fp32's gathers do); the updates
+        // (step_units, arm_update) decode a chunk of this rank's owned() range, update it in fp32
+        // and store it by stochastic rounding drawn from (rounding_seed, the step, the element's
+        // global index), so every stage and world size draws the same; at stages 1-2
         // finish_step then broadcasts each rank's piece from its owner.
         bool bf16_params = false;
         uint64_t rounding_seed = 0;
@@ -154,7 +156,7 @@ class ZeroStore final : public UnitStore {
     // The two-phase step over bf16 parameters: `update` on every unit's owned floats, with the
     // reduced (and clipped) gradients of owned_grads().
     void step_units(const UnitUpdate& update, int64_t step);
-    bool bf16_params() const { return params16_.size() > 0; }
+    bool bf16_params() const { return bf16_; }
     // The bf16 updates decode, update and round a chunk at a time: at most kRoundChunk floats,
     // cut at its multiples of the flat buffer and at the tensors stepped whole, each of which is
     // one piece. The scratch (round_scratch_floats) is the larger of kRoundChunk, or the largest
@@ -228,8 +230,16 @@ class ZeroStore final : public UnitStore {
     // state block is cut), decoded into round_, updated, stored by stochastic rounding.
     void apply_update(const UnitUpdate& update, float* g, std::size_t at, std::size_t n);
     int64_t update_step_ = 0;
-    Buffer<uint16_t> params16_;  // optim.master = "none": the whole model in bf16
-    Buffer<float> round_;        // its update scratch (round_scratch_floats)
+    bool bf16_ = false;          // optim.master = "none"
+    Buffer<uint16_t> params16_;  // the model in bf16 (stage 3: this rank's shard)
+    // The bf16 weight of flat index i (stage 3: i inside this rank's shard).
+    uint16_t* bf16_at(std::size_t i) {
+        return params16_.data() + (stage_ == 3 ? i - (std::size_t)owned_.offset : i);
+    }
+    // What this rank sends of unit u in a stage-3 gather into `unit_buf`: its piece of the fp32
+    // shard, or (bf16) its piece decoded into its place in unit_buf (gathered in place).
+    const float* send_piece(int u, float* unit_buf);
+    Buffer<float> round_;  // its update scratch (round_scratch_floats)
     // The tensors stepped whole, as [begin, end) of the flat buffer in increasing order.
     std::vector<std::pair<std::size_t, std::size_t>> whole_;
     uint64_t rounding_seed_ = 0;
