@@ -263,14 +263,20 @@ MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, RankCoord at,
         // shard from stage 2), and stream down after the last micro-batch. The host holds, for this
         // GPU's shard of the optimizer: fp32 master weights, the moments, the fp32 gradients the
         // update reads and the pinned buffer the transfers go through (a parameter's bytes).
+        // Without the fp32 master (bf16-only) the host reads the device's bf16 weights through
+        // the pinned buffer and steps them a chunk of at most 2^18 floats at a time.
         const double moments = k.optim - k.master;
-        const double host_per_param = 4 + moments + 4 + k.param;
-        const double host = opt_n * host_per_param;
+        const double master = r.fp32_master || r.precision == Precision::fp32 ? 4 : 0;
+        const double host_per_param = master + moments + 4 + k.param;
+        const double scratch = master > 0 ? 0 : 4.0 * std::min(opt_n, 262144.0);
+        const double host = opt_n * host_per_param + scratch;
         est.cpu_bytes += to_bytes(host);
         opt_detail = fmt::format(
-            "offloaded: {} host = {:.3f}B x {:g} B (fp32 master 4 + moments {:g} + fp32 grads 4 + "
-            "pinned transfer {:g}){}",
-            gb(host), trainable / 1e9, host_per_param, moments, k.param, zero_note(spec.optimizer));
+            "offloaded: {} host = {:.3f}B x {:g} B ({} + moments {:g} + fp32 grads 4 + pinned "
+            "transfer {:g}){}",
+            gb(host), trainable / 1e9, host_per_param,
+            master > 0 ? "fp32 master 4" : "no master, a 1 MiB update scratch", moments, k.param,
+            zero_note(spec.optimizer));
         opt_bytes = 0;
     }
     if (dist::offloaded(spec.params)) {

@@ -288,12 +288,12 @@ std::string emit_config_toml(const ModelSpec& m, const Plan& p, const RunConfig*
     // bf16-only is optim.master = "none", which the GPU engines run with one process, DDP, ZeRO
     // 1-3 and pipelines (compressed moments run everywhere on the GPU, the offloaded optimizer
     // included).
-    if (!r.fp32_master && (r.tp > 1 || r.offload != Offload::none))
-        gaps += fmt::format(
+    if (!r.fp32_master && r.tp > 1)
+        gaps +=
             "# bf16-only is optim.master = \"none\" below, which the GPU trainer runs with data "
-            "parallelism, ZeRO and pipelines but not with {}: it refuses the config; "
-            "optim.master = \"fp32\" takes more optimizer memory than planned.\n",
-            r.tp > 1 ? "train.tp" : "train.offload_optimizer");
+            "parallelism, ZeRO, pipelines and the offloaded optimizer but not with train.tp: it "
+            "refuses the config; optim.master = \"fp32\" takes more optimizer memory than "
+            "planned.\n";
 
     if (source && source->model.dropout > 0)
         gaps += fmt::format(

@@ -364,9 +364,6 @@ void validate_optimizer_layout(const RunConfig& cfg) {
                                cfg.train.precision),
                    "on the GPU the bf16 parameters are the weights (set train.precision = "
                    "\"bf16\")");
-        if (cuda && cfg.train.offload_optimizer)
-            refuse("train.offload_optimizer = true",
-                   "the offloaded optimizer keeps fp32 master weights on the host");
         if (cfg.train.zero_stage > 0 && cfg.world > 1 &&
             (cfg.optim.name == "muon" || cfg.optim.name == "adafactor"))
             refuse(fmt::format("train.zero_stage = {} and optim.name = \"{}\"",

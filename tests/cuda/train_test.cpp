@@ -430,18 +430,25 @@ TEST(CudaTrain, OffloadedOptimizerTrainsTheSameModel) {
 // optimizer keeps the moments in the format (the same codec and bits as the device's kernels), so
 // the run tracks the same format on the device; the host bytes are the fp32 master, the moments in
 // their format, the fp32 gradients and the pinned buffer, as the planner prices them; a resume
-// through a checkpoint is bitwise.
+// through a checkpoint is bitwise. With optim.master = "none" the host keeps no master: it steps
+// the device's bf16 weights a chunk at a time and rounds them with the device optimizer's draws.
 TEST(CudaTrain, OffloadedOptimizerKeepsTheMomentsInTheirFormat) {
     REQUIRE_GPU();
-    for (const char* format : {"bf16", "int8"}) {
-        SCOPED_TRACE(format);
-        RunConfig dev_cfg =
-            cuda_run(test::temp_dir(std::string("cuda_ofmt_dev_") + format), 8, "bf16");
+    struct Case {
+        const char* format;
+        bool master;  // false: optim.master = "none", no host master
+    };
+    for (const Case k : {Case{"bf16", true}, Case{"int8", true}, Case{"int8", false}}) {
+        const char* format = k.format;
+        const std::string name = std::string(format) + (k.master ? "" : "_bw");
+        SCOPED_TRACE(name);
+        RunConfig dev_cfg = cuda_run(test::temp_dir("cuda_ofmt_dev_" + name), 8, "bf16");
         dev_cfg.model.n_embd = 64;  // block matrices of 64 x 256: moments in the format
         dev_cfg.model.n_head = 4;
         dev_cfg.optim.state_format = format;
+        if (!k.master) dev_cfg.optim.master = "none";
         RunConfig h = dev_cfg;
-        h.io.out_dir = test::temp_dir(std::string("cuda_ofmt_host_") + format);
+        h.io.out_dir = test::temp_dir("cuda_ofmt_host_" + name);
         h.train.offload_optimizer = true;
         Trainer dev(dev_cfg, quiet());
         const TrainSummary a = dev.run();
@@ -450,18 +457,22 @@ TEST(CudaTrain, OffloadedOptimizerKeepsTheMomentsInTheirFormat) {
         const MemoryStats host_after = host_memory().snapshot();
         const TrainSummary b = host.run();
         ASSERT_EQ(b.losses.size(), a.losses.size());
-        // The same arithmetic and the same codes on the host (as fp32 moments do above).
+        // The same arithmetic and the same codes on the host (as fp32 moments do above), and
+        // without the master the same stochastic rounding's draws.
         for (std::size_t i = 0; i < a.losses.size(); i++)
             EXPECT_NEAR(b.losses[i], a.losses[i], 1e-3 * std::fabs(a.losses[i])) << "step " << i;
         const ParamLayout layout = host.engine().weights().layout;
         const std::size_t psi = layout.total;
         const std::size_t moments = optimizer_state_bytes(h.optim, layout, 0, psi);
         EXPECT_LT(moments, 8 * psi) << "smaller than fp32 moments";
+        // The fp32 master, or without it a chunk of scratch.
+        const std::size_t master = k.master ? 4 * psi : 4 * std::min<std::size_t>(psi, 1 << 18);
         EXPECT_EQ(
             host_after[MemCategory::OptimizerState] - host_before[MemCategory::OptimizerState],
-            4 * psi + moments);
+            master + moments);
         plan::RunSpec r;
         r.precision = Precision::bf16;
+        r.fp32_master = k.master;
         r.offload = plan::Offload::optimizer;
         r.state_format = parse_state_format(format);
         r.micro_batch = h.micro_batch();
@@ -473,12 +484,12 @@ TEST(CudaTrain, OffloadedOptimizerKeepsTheMomentsInTheirFormat) {
             host_states += (double)(host_after[k] - host_before[k]);
         // (The planner prices the fp32 rule's small tensors at the format's bytes, and the host
         // optimizer's per-tensor tables are not in the formula.)
-        EXPECT_NEAR((double)est.cpu_bytes, host_states, 0.02 * host_states) << format;
+        EXPECT_NEAR((double)est.cpu_bytes, host_states, 0.02 * host_states) << name;
         EXPECT_NE(host.engine().memory_footer().find(describe_optimizer_state(h.optim)),
                   std::string::npos)
             << host.engine().memory_footer();
         RunConfig split = h;
-        split.io.out_dir = test::temp_dir(std::string("cuda_ofmt_split_") + format);
+        split.io.out_dir = test::temp_dir("cuda_ofmt_split_" + name);
         TrainSummary resumed;
         auto second = test::train_stop_and_resume(split, 4, resumed);
         ASSERT_EQ(resumed.losses.size(), 4u);
@@ -734,8 +745,7 @@ TEST(CudaTrain, Bf16WeightsWithoutAMasterTrackTheMasterInTheirPredictedBytes) {
     c.optim.master = "none";
     for (const auto& [key, set] : std::vector<std::pair<std::string, void (*)(RunConfig&)>>{
              {"train.precision = \"fp32\"", [](RunConfig& x) { x.train.precision = "fp32"; }},
-             {"train.precision = \"fp16\"", [](RunConfig& x) { x.train.precision = "fp16"; }},
-             {"train.offload_optimizer", [](RunConfig& x) { x.train.offload_optimizer = true; }}}) {
+             {"train.precision = \"fp16\"", [](RunConfig& x) { x.train.precision = "fp16"; }}}) {
         RunConfig bad = c;
         set(bad);
         try {

@@ -342,6 +342,29 @@ TEST(CudaDp, Bf16WeightsUnderZeroAreDdpsAndResumeBitwise) {
                 EXPECT_NEAR(sum.losses[i], ddp.losses[i], 0.02 * ddp.losses[i]) << i;
         }
     }
+    // The offloaded optimizer over ZeRO-2 shards (int8 moments, their blocks cut nowhere by the
+    // host's update chunks) follows DDP on the device.
+    {
+        RunConfig dev = shared_cuda_run("cuda_dp_bw_int8", steps, "bf16");
+        // Blocks of more than 2^18 floats (the host update's chunk) starting off the 256 grid:
+        // the chunks must still be cut on it.
+        dev.model.n_embd = 168;
+        dev.model.n_head = 4;
+        dev.model.n_layer = 2;
+        dev.optim.master = "none";
+        dev.optim.state_format = "int8";
+        dev.train.batch_size = N * 2;
+        dev.train.micro_batch_size = 2;
+        RunConfig off = dev;
+        off.io.out_dir = shared_cuda_run("cuda_dp_bw_int8_off", steps, "bf16").io.out_dir;
+        off.train.zero_stage = 2;
+        off.train.offload_optimizer = true;
+        const TrainSummary a = Trainer(dev, quiet(), &comm()).run();
+        const TrainSummary b = Trainer(off, quiet(), &comm()).run();
+        ASSERT_EQ(b.losses.size(), a.losses.size());
+        for (std::size_t i = 0; i < a.losses.size(); i++)
+            EXPECT_NEAR(b.losses[i], a.losses[i], 0.02 * a.losses[i]) << "offloaded, step " << i;
+    }
     RunConfig c = shared_cuda_run("cuda_dp_bw_resume", steps, "bf16");
     c.optim.master = "none";
     c.train.batch_size = N * 2;

@@ -124,8 +124,9 @@ WholeModelStates<T>::WholeModelStates(const RunPlan& plan, dist::Communicator& c
         // (not under CUDA graphs, whose capture would take the side stream in; with several
         // ranks the reduced shard comes down after the backward).
         const bool stream_grads = !plan_.cuda_graphs && !dp_.collective();
-        offload_ = std::make_unique<DeviceOffload<T>>(plan_.cfg.optim, layout(), dp_.first(),
-                                                      dp_.count(), stream_, stream_grads);
+        offload_ =
+            std::make_unique<DeviceOffload<T>>(plan_.cfg.optim, layout(), dp_.first(), dp_.count(),
+                                               stream_, stream_grads, plan_.cfg.train.seed);
         offload_->attach(*model_);
     } else {
         opt_ = std::make_unique<DeviceOptimizer<T>>(

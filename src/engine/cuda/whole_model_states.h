@@ -119,7 +119,10 @@ class WholeModelStates final : public ModelStates<T> {
         bool on_host;
     };
     MasterWeights master_weights() {
-        if (offload_) return {offload_->master(), true};
+        if (offload_) {
+            if (float* m = offload_->master()) return {m, true};
+            return {nullptr, false};  // optim.master = "none": the device's bf16 parameters
+        }
         if (float* m = opt_->master()) return {m, false};
         if constexpr (std::is_same_v<T, float>)
             return {dp_.param_shard(), false};

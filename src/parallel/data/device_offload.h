@@ -29,16 +29,22 @@ class DeviceOffload {
     // Floats [first, first + count) of `layout` (everything in one process, this rank's shard
     // under ZeRO), the update queued on the compute stream `compute`. `stream_grads`: the
     // gradients come down unit by unit during the last backward (attach installs the hook).
+    // optim.master = "none" (T bf16): no host master; each update reads the device's bf16
+    // weights, steps them in fp32 a chunk at a time and rounds them stochastically with the
+    // draws of (bf16_rounding_seed(train_seed), the step, the global index), as the device
+    // optimizer does.
     DeviceOffload(const OptimConfig& optim, const ParamLayout& layout, std::size_t first,
-                  std::size_t count, cudaStream_t compute, bool stream_grads);
+                  std::size_t count, cudaStream_t compute, bool stream_grads,
+                  uint64_t train_seed = 0);
     ~DeviceOffload();
     DeviceOffload(const DeviceOffload&) = delete;
     DeviceOffload& operator=(const DeviceOffload&) = delete;
 
     // The checkpoint's view of the host optimizer's state.
     OptimizerState& optimizer() { return *opt_; }
-    // The range's fp32 master weights, in host memory.
-    float* master() { return master_.data(); }
+    // The range's fp32 master weights, in host memory (null under optim.master = "none": the
+    // device's bf16 parameters are the weights).
+    float* master() { return master_.size() ? master_.data() : nullptr; }
     // Streams unit by unit: the model's grads-done hook.
     void attach(CudaGPT<T>& model);
 
@@ -72,6 +78,12 @@ class DeviceOffload {
     std::string state_name_;   // and what they are ("Adam m, v in int8 (...)")
     std::unique_ptr<Optimizer> opt_;
     Buffer<float> master_, grads_;
+    // optim.master = "none": the update's fp32 scratch (a chunk of at most kRoundChunk floats)
+    // and the rounding's seed.
+    static constexpr std::size_t kRoundChunk = std::size_t(1) << 18;
+    Buffer<float> round_;
+    bool bf16_weights_ = false;
+    uint64_t rounding_seed_ = 0;
     T* pinned_ = nullptr;
     std::unique_ptr<UnitGradStream> down_;  // the gradients' copies to the host
     CudaGPT<T>* model_ = nullptr;
