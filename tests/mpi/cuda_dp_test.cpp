@@ -277,6 +277,19 @@ WholeAndCut train_whole_and_cut(const RunConfig& c, int cut) {
     return w;
 }
 
+// `c` (6 steps) trained whole and stopped after 3, then resumed at the same world size: the
+// last 3 losses and the final parameters are the unbroken run's, bit for bit.
+void expect_resume_is_bitwise(const RunConfig& c) {
+    const WholeAndCut w = train_whole_and_cut(c, 3);
+    TrainOptions o = quiet();
+    o.resume = w.split.io.out_dir;
+    Trainer t(w.split, o, &comm());
+    const TrainSummary rest = t.run();
+    ASSERT_EQ(rest.losses.size(), 3u);
+    for (int i = 0; i < 3; i++) EXPECT_EQ(rest.losses[i], w.full.losses[3 + i]) << "step " << 4 + i;
+    EXPECT_EQ(t.params(), w.full_params);
+}
+
 // ZeRO-Offload over several ranks, bf16, stopped after 3 of 6 steps and resumed at the same
 // world size: the checkpoint's weights (each rank's piece of its host master weights, gathered
 // into whole units; on resume written back into the pieces and rounded into the device's
@@ -293,15 +306,7 @@ TEST(CudaDp, OffloadedShardsResumeBitForBit) {
         c.train.micro_batch_size = 2;
         c.train.zero_stage = stage;
         c.train.offload_optimizer = true;
-        const WholeAndCut w = train_whole_and_cut(c, 3);
-        TrainOptions o = quiet();
-        o.resume = w.split.io.out_dir;
-        Trainer t(w.split, o, &comm());
-        const TrainSummary rest = t.run();
-        ASSERT_EQ(rest.losses.size(), 3u);
-        for (int i = 0; i < 3; i++)
-            EXPECT_EQ(rest.losses[i], w.full.losses[3 + i]) << "step " << 4 + i;
-        EXPECT_EQ(t.params(), w.full_params);
+        expect_resume_is_bitwise(c);
     }
 }
 
@@ -370,14 +375,7 @@ TEST(CudaDp, Bf16WeightsUnderZeroAreDdpsAndResumeBitwise) {
     c.train.batch_size = N * 2;
     c.train.micro_batch_size = 2;
     c.train.zero_stage = 3;
-    const WholeAndCut w = train_whole_and_cut(c, 3);
-    TrainOptions o = quiet();
-    o.resume = w.split.io.out_dir;
-    Trainer t(w.split, o, &comm());
-    const TrainSummary rest = t.run();
-    ASSERT_EQ(rest.losses.size(), 3u);
-    for (int i = 0; i < 3; i++) EXPECT_EQ(rest.losses[i], w.full.losses[3 + i]) << "step " << 4 + i;
-    EXPECT_EQ(t.params(), w.full_params);
+    expect_resume_is_bitwise(c);
 }
 
 // A bf16 run of N ranks at `stage` stops after 3 of 6 steps; every rank resumes its checkpoint
