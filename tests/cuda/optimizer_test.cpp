@@ -149,6 +149,29 @@ void expect_match(const std::string& what, const std::vector<float>& got,
     expect_close(what, got, want, 1e-6 * std::sqrt(s / (double)want.size()), 1e-5);
 }
 
+// A moment stored in `format` against the CPU's. Where the CPU build does not fuse (the sanitizer
+// build), an fp32 result an ulp apart now and then rounds to the neighbouring stored value (a bf16
+// ulp, an int8 or int4 code): a few elements (at most 2 + 0.1%) may then differ by up to half
+// their value, far more than the rest's 1e-5; a wrong update moves nearly all of them.
+void expect_state_match(const std::string& what, const std::vector<float>& got,
+                        const std::vector<float>& want, bool bitwise, StateFormat format,
+                        bool cpu_fuses) {
+    if (bitwise || format == StateFormat::Fp32 || cpu_fuses)
+        return expect_match(what, got, want, bitwise);
+    ASSERT_EQ(got.size(), want.size()) << what;
+    double s = 0.0;
+    for (float x : want) s += (double)x * x;
+    const double atol = 1e-6 * std::sqrt(s / (double)want.size());
+    std::size_t flipped = 0;
+    for (std::size_t i = 0; i < got.size(); i++) {
+        const double d = std::fabs((double)got[i] - want[i]), w = std::fabs((double)want[i]);
+        if (d <= atol + 1e-5 * w) continue;
+        flipped++;
+        EXPECT_LE(d, 0.5 * w + atol) << what << " [" << i << "]";
+    }
+    EXPECT_LE(flipped, 2 + got.size() / 1000) << what << ": elements off by more than rounding";
+}
+
 struct OptCase {
     const char* name;  // "adamw" | "sgd"
     int steps;
@@ -356,12 +379,15 @@ void optimizer_case(const OptCase& c, bool cpu_fuses) {
         d.f32 = std::move(f32);
         return d.decode(format, is_signed, layout, c.offset, n);
     };
+    const bool bitwise = kFp32 && cpu_fuses;
     if (cfg.name == "sgd") {
-        expect_match("momentum_buffer", device_state(d_m, dm, true), cpu_state(0),
-                     kFp32 && cpu_fuses);
+        expect_state_match("momentum_buffer", device_state(d_m, dm, true), cpu_state(0), bitwise,
+                           format, cpu_fuses);
     } else {
-        expect_match("exp_avg", device_state(d_m, dm, true), cpu_state(0), kFp32 && cpu_fuses);
-        expect_match("exp_avg_sq", device_state(d_v, dv, false), cpu_state(1), kFp32 && cpu_fuses);
+        expect_state_match("exp_avg", device_state(d_m, dm, true), cpu_state(0), bitwise, format,
+                           cpu_fuses);
+        expect_state_match("exp_avg_sq", device_state(d_v, dv, false), cpu_state(1), bitwise,
+                           format, cpu_fuses);
     }
 }
 
