@@ -34,7 +34,11 @@ Chain make_chain(const ModelConfig& cfg, int B, int T, const BlockFlops& f, cons
     // Residual streams and ln_f, exactly as activation_layout lists them.
     Chain c;
     c.fixed_bytes = fixed_bytes(cfg, B, T, fmt);
-    const int64_t recompute[] = {0, f.selective(), f.forward()};
+    // Under a tiled MLP an Input block's redo stops at ln_2 (its backward makes each tile's
+    // c_fc output and activation itself), so mlp.c_proj's forward is never re-run; a rebuild of
+    // a later input still runs the whole forward.
+    const int64_t redo = fmt.mlp_tile > 0 ? f.forward() - f.fc_proj : f.forward();
+    const int64_t recompute[] = {0, f.selective(), redo};
     std::array<Option, 3> opts;
     for (BlockKeep k : {BlockKeep::All, BlockKeep::Selective, BlockKeep::Input}) {
         int i = static_cast<int>(k);
@@ -44,6 +48,7 @@ Chain make_chain(const ModelConfig& cfg, int B, int T, const BlockFlops& f, cons
     }
     c.blocks.assign(cfg.n_layer, opts);
     c.resid_bytes = resid_bytes(cfg, B, T, fmt);
+    if (redo != f.forward()) c.forward_flops.assign(cfg.n_layer, f.forward());
     return c;
 }
 

@@ -14,6 +14,11 @@ const Option& option(const Chain& c, std::size_t l, BlockKeep k) {
     return c.blocks[l][static_cast<int>(as_input ? BlockKeep::Input : k)];
 }
 
+int64_t rebuild_flops(const Chain& c, std::size_t l) {
+    return c.forward_flops.empty() ? option(c, l, BlockKeep::Input).recompute_flops
+                                   : c.forward_flops.at(l);
+}
+
 namespace {
 
 constexpr BlockKeep kKeeps[] = {BlockKeep::All, BlockKeep::Selective, BlockKeep::Input,
@@ -68,8 +73,7 @@ int64_t recompute_flops(const Chain& chain, const RematPlan& plan) {
     // Rebuilding an input re-runs the forwards of blocks [from, block).
     const InputRebuild r = input_rebuild(plan);
     for (std::size_t l = 0; l < plan.size(); l++)
-        for (int m = r.from[l]; m >= 0 && m < (int)l; m++)
-            f += option(chain, m, BlockKeep::Input).recompute_flops;
+        for (int m = r.from[l]; m >= 0 && m < (int)l; m++) f += rebuild_flops(chain, m);
     return f;
 }
 
@@ -141,8 +145,7 @@ class Reversals {
   public:
     Reversals(const Chain& chain, int slots) : n_((int)chain.blocks.size()), c_(slots) {
         prefix_.assign(n_ + 1, 0);
-        for (int l = 0; l < n_; l++)
-            prefix_[l + 1] = prefix_[l] + option(chain, l, BlockKeep::Input).recompute_flops;
+        for (int l = 0; l < n_; l++) prefix_[l + 1] = prefix_[l] + rebuild_flops(chain, l);
         const std::size_t cells = (std::size_t)(c_ + 1) * (n_ + 1) * (n_ + 1);
         cost_.assign(cells, 0);
         split_.assign(cells, -1);
@@ -204,6 +207,8 @@ int table_slots(int n) {
 // Whether every block of the chain prices its options alike (every model's chain: the blocks of
 // a transformer share one shape).
 bool uniform(const Chain& chain) {
+    for (std::size_t l = 0; l < chain.blocks.size(); l++)
+        if (rebuild_flops(chain, l) != rebuild_flops(chain, 0)) return false;
     for (const auto& b : chain.blocks)
         for (int k = 0; k < 3; k++) {
             const Option &o = b[k], &f = chain.blocks[0][k];

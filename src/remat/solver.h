@@ -35,7 +35,14 @@ struct Chain {
     std::vector<std::array<Option, 3>> blocks;
     std::size_t resid_bytes = 0;  // one residual stream: what an offloaded input frees
     bool allow_offload = false;   // the solver may choose Offload
+    // Each block's whole forward, which a rebuild of a later input re-runs; empty: the Input
+    // option's recompute (they differ where Input's redo skips work its backward does itself,
+    // as the tiled MLP's redo skips mlp.c_proj).
+    std::vector<int64_t> forward_flops;
 };
+
+// Block l's whole forward as a rebuild runs it (Chain::forward_flops).
+int64_t rebuild_flops(const Chain& chain, std::size_t l);
 
 struct Solution {
     RematPlan plan;

@@ -246,6 +246,20 @@ TEST(Remat, RebuiltInputsGoBelowFullToTheMemoryPoorFloor) {
     const int64_t block = block_flops(c, 2, 8).forward();
     EXPECT_EQ(poor.recompute_flops - full.recompute_flops, 28 * block);
     EXPECT_EQ(chen.recompute_flops - full.recompute_flops, 5 * block);
+    // Under a tiled MLP a block's own redo skips mlp.c_proj; a rebuild runs the whole forward.
+    {
+        ModelConfig t = c;
+        t.mlp_tile = 4;
+        const Chain ch = make_chain(t, 2, 8, cpu_arena_format(t));
+        const BlockFlops f = block_flops(t, 2, 8);
+        EXPECT_EQ(option(ch, 0, BlockKeep::Input).recompute_flops, f.forward() - f.fc_proj);
+        EXPECT_EQ(rebuild_flops(ch, 3), f.forward());
+        EXPECT_EQ(recompute_flops(ch, poor.plan), 8 * (f.forward() - f.fc_proj) + 28 * f.forward());
+        EXPECT_EQ(recompute_flops(ch, chen.plan), 8 * (f.forward() - f.fc_proj) + 5 * f.forward());
+        EXPECT_EQ(solve_policy(parse_policy("memory-poor"), t, 2, 8, nullptr, cpu_arena_format(t))
+                      .recompute_flops,
+                  recompute_flops(ch, poor.plan));
+    }
     // At 32 blocks: full keeps 33 streams, chen:6 6 + 1 + 2 + 5 = 14, memory-poor 4.
     const ModelConfig deep = test::tiny_model(32);
     const std::size_t f32 = solve_policy(parse_policy("full"), deep, 2, 8).peak_bytes;
@@ -299,15 +313,21 @@ TEST(Remat, JointSolverMatchesExhaustiveSearch) {
         Chain ch;
         ch.resid_bytes = 64 * (2 + r.next_u64() % 6);
         ch.fixed_bytes = (n + 1) * ch.resid_bytes + 64 * (1 + r.next_u64() % 4);
+        // Every other trial, a rebuild's whole forward costs more than Input's redo (as under
+        // the tiled MLP, whose redo skips mlp.c_proj).
+        const bool dearer = trial % 2 == 1;
         std::array<Option, 3> o{};
+        int64_t forward = 0;
         for (int l = 0; l < n; l++) {
             if (l == 0 || !alike) {
                 o[0] = {64 * (6 + r.next_u64() % 20), 0, 0};
                 o[1] = {64 * (2 + r.next_u64() % 8), 64 * (1 + r.next_u64() % 4),
                         (int64_t)(1 + r.next_u64() % 30)};
                 o[2] = {0, 64 * (5 + r.next_u64() % 10), (int64_t)(20 + r.next_u64() % 100)};
+                forward = o[2].recompute_flops + (int64_t)(r.next_u64() % 200);
             }
             ch.blocks.push_back(o);
+            if (dearer) ch.forward_flops.push_back(forward);
         }
         // Every plan, its peak and recompute.
         std::vector<std::pair<std::size_t, int64_t>> all;

@@ -98,13 +98,7 @@ class AdapterStates final : public ModelStates<T> {
     bool quantized() const { return plan_.lora_base.has_value(); }
     // The adapters' fp32 master weights (the parameters themselves in fp32); null under
     // optim.master = "none", where the bf16 adapters are the weights.
-    float* master() {
-        if (float* m = opt_->master()) return m;
-        if constexpr (std::is_same_v<T, float>)
-            return params_.data();
-        else
-            return nullptr;
-    }
+    float* master() { return opt_->master_or_params(params_.data()); }
 
     RunPlan plan_;
     cudaStream_t stream_;

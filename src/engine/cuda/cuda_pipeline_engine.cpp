@@ -249,13 +249,7 @@ class CudaPipelineEngine final : public Engine, private StepCollectives<T> {
     bool tied_across() const { return p_ > 1 && cfg().model.tied_embeddings; }
     // The stage's fp32 master weights (its parameters when T is float); null under optim.master
     // = "none", where the bf16 parameters are the weights.
-    float* master() {
-        if (float* m = opt_->master()) return m;
-        if constexpr (std::is_same_v<T, float>)
-            return units_->params();
-        else
-            return nullptr;
-    }
+    float* master() { return opt_->master_or_params(units_->params()); }
     void run_schedule();
     // A micro-batch through this stage's forward into `slot`: the input received, the output
     // sent on.

@@ -17,6 +17,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -48,6 +49,16 @@ class DeviceOptimizer final : public OptimizerState {
     // The fp32 master weights of the range, or null when T is float (the parameters are the
     // master) or under optim.master = "none" (the bf16 parameters are the weights).
     float* master() { return master_.size() ? master_.data() : nullptr; }
+    // The fp32 weights of the range whose parameters are `params`: the master, else the
+    // parameters themselves when T is float, else null (optim.master = "none": the bf16
+    // parameters are the weights).
+    float* master_or_params(T* params) {
+        if (float* m = master()) return m;
+        if constexpr (std::is_same_v<T, float>)
+            return params;
+        else
+            return nullptr;
+    }
     // One update of the range: params (T) from grads (T) scaled by the device scalars'
     // grad_scale; nothing when they say skip.
     void step(T* params, const T* grads, const cuda::StepScalars* scalars, cudaStream_t stream);

@@ -123,11 +123,7 @@ class WholeModelStates final : public ModelStates<T> {
             if (float* m = offload_->master()) return {m, true};
             return {nullptr, false};  // optim.master = "none": the device's bf16 parameters
         }
-        if (float* m = opt_->master()) return {m, false};
-        if constexpr (std::is_same_v<T, float>)
-            return {dp_.param_shard(), false};
-        else
-            return {nullptr, false};
+        return {opt_->master_or_params(dp_.param_shard()), false};
     }
 
     RunPlan plan_;
