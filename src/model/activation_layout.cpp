@@ -255,10 +255,13 @@ std::size_t scratch_field_bytes(SavedField f, const ModelConfig& cfg, int B, int
     work.saved = SavedStore::fp32;
     // The tiled MLP (ActFormat::mlp_tile) recomputes c_fc's output and the activation one tile
     // of token rows at a time: the scratch holds a tile of them.
-    const bool mlp = info(f).dim == Dim::Fc || info(f).dim == Dim::Hidden;
-    if (mlp && fmt.mlp_tile > 0 && (int64_t)fmt.mlp_tile < (int64_t)B * T)
+    if (is_mlp_field(f) && fmt.mlp_tile > 0 && (int64_t)fmt.mlp_tile < (int64_t)B * T)
         return saved_field_bytes(f, cfg, 1, fmt.mlp_tile, work);
     return saved_field_bytes(f, cfg, B, T, work);
+}
+
+bool is_mlp_field(SavedField f) {
+    return info(f).dim == Dim::Fc || info(f).dim == Dim::Hidden;
 }
 
 bool is_statistic(SavedField f, const ActFormat& fmt) {
@@ -457,13 +460,19 @@ ArenaPlan plan_arena(const ModelConfig& cfg, int B, int T, const RematPlan& plan
     p.entries.push_back({"d residual", NS * C * e, W});
     p.dln = take_work(BT * C * e);
     p.entries.push_back({"d layernorm input", BT * C * e, W});
-    // One buffer for d(qkv) and d(c_fc output); SwiGLU also needs d(product) beside d(fch).
-    const std::size_t big = BT * (std::size_t)std::max(cfg.local_qkv_dim(), cfg.local_fc_dim()) * e;
+    // One buffer for d(qkv) and d(c_fc output); SwiGLU also needs d(product) beside d(fch). The
+    // tiled MLP's backward holds a tile of rows of the MLP's.
+    const std::size_t mlp_rows =
+        fmt.mlp_tile > 0 ? std::min<std::size_t>(fmt.mlp_tile, BT) : (std::size_t)BT;
+    const std::size_t big = std::max(BT * (std::size_t)cfg.local_qkv_dim(),
+                                     mlp_rows * (std::size_t)cfg.local_fc_dim()) *
+                            e;
     p.dbig = take_work(big);
     p.entries.push_back({"d qkv / d mlp hidden", big, W});
     if (cfg.swiglu()) {
-        p.dact = take_work(BT * cfg.local_hidden() * e);
-        p.entries.push_back({"d mlp product", BT * cfg.local_hidden() * e, W});
+        const std::size_t dact = mlp_rows * cfg.local_hidden() * e;
+        p.dact = take_work(dact);
+        p.entries.push_back({"d mlp product", dact, W});
     }
     const std::size_t logits = std::min<std::size_t>(fmt.loss_chunk, BT) * cfg.local_vocab() * e;
     p.logits = take_work(logits);

@@ -384,17 +384,34 @@ void GPT::recompute_selective(const BlockParams& p, const float* x, BlockSaved& 
     round_saved(s, SavedField::FchAct);
 }
 
-GPT::MlpTile GPT::mlp_tile(const BlockParams& p, int l, const BlockSaved& s, int r0, int rows,
+GPT::MlpTile GPT::mlp_tile(const BlockParams& p, int l, const Slot& sl, int r0, int rows,
                            bool forward) const {
     const int C = cfg_.n_embd, F = cfg_.local_fc_dim(), H = cfg_.local_hidden();
+    const int i = l - b0_;
+    const BlockSaved& s = sl.saved[i];
     const BlockKeep k = keep(l);
-    const bool fch_kept = keeps(k, SavedField::Fch), act_kept = keeps(k, SavedField::FchAct);
-    const MlpTile t{fch_kept ? s.fch + (int64_t)r0 * F : s.fch,
-                    act_kept ? s.fch_act + (int64_t)r0 * H : s.fch_act};
-    if (forward || !fch_kept)
-        cpu::matmul_forward(t.fch, s.ln2 + (int64_t)r0 * C, p.fc_w, p.fc_b, rows, C, F, 0.0f,
-                            bf16());
-    if (forward || !act_kept) act_forward(t.act, t.fch, rows);
+    // A kept field in fp32 is written in place; a compressed one (its store) passes through the
+    // working block's tile: stored after the forward makes it, read back before the backward.
+    const auto tile = [&](SavedField f, float* field, int width, auto make) {
+        void* store = sl.stored.empty() ? nullptr : sl.stored[i][static_cast<int>(f)];
+        const bool kept = keeps(k, f);
+        float* t = kept && !store ? field + (int64_t)r0 * width : field;
+        const std::size_t begin = (std::size_t)r0 * width, n = (std::size_t)rows * width;
+        if (forward || !kept) {
+            make(t);
+            round_part(t, n);
+            if (forward && store) store_part(store, f, t, begin, n);
+        } else if (store) {
+            load_part(t, store, f, begin, n);
+        }
+        return t;
+    };
+    MlpTile t{};
+    t.fch = tile(SavedField::Fch, s.fch, F, [&](float* fch) {
+        cpu::matmul_forward(fch, s.ln2 + (int64_t)r0 * C, p.fc_w, p.fc_b, rows, C, F, 0.0f, bf16());
+    });
+    t.act =
+        tile(SavedField::FchAct, s.fch_act, H, [&](float* act) { act_forward(act, t.fch, rows); });
     return t;
 }
 
@@ -405,7 +422,7 @@ void GPT::mlp_forward_tiled(const BlockParams& p, int l, BlockSaved& s, float* o
     const bool drop = dropout_at(sl, m, 3 + 3 * l);
     for (int r0 = 0; r0 < N; r0 += cfg_.mlp_tile) {
         const int rows = std::min(cfg_.mlp_tile, N - r0);
-        const float* act = mlp_tile(p, l, s, r0, rows, true).act;
+        const float* act = mlp_tile(p, l, sl, r0, rows, true).act;
         float* o = out + (int64_t)r0 * C;
         if (!drop) std::memcpy(o, s.resid_mid + (int64_t)r0 * C, sizeof(float) * rows * C);
         cpu::matmul_forward(o, act, p.fcp_w, p.fcp_b, rows, H, C, drop ? 0.0f : 1.0f, bf16());
@@ -413,15 +430,16 @@ void GPT::mlp_forward_tiled(const BlockParams& p, int l, BlockSaved& s, float* o
     if (drop) cpu::dropout_residual(out, s.resid_mid, m, B, T, C);
 }
 
-void GPT::mlp_backward_tiled(const BlockParams& p, BlockParams& g, int l, const BlockSaved& s,
+void GPT::mlp_backward_tiled(const BlockParams& p, BlockParams& g, int l, const Slot& sl,
                              const float* dout, int N) {
+    const BlockSaved& s = sl.saved[l - b0_];
     const int C = cfg_.n_embd, F = cfg_.local_fc_dim(), H = cfg_.local_hidden();
     float* dfch = dbig_;
     for (int r0 = 0; r0 < N; r0 += cfg_.mlp_tile) {
         const int rows = std::min(cfg_.mlp_tile, N - r0);
         const float* ln2 = s.ln2 + (int64_t)r0 * C;
         // What the block dropped, made again by the forward's own function: the same bits.
-        const MlpTile t = mlp_tile(p, l, s, r0, rows, false);
+        const MlpTile t = mlp_tile(p, l, sl, r0, rows, false);
         const float *fch = t.fch, *act = t.act;
         const float* dy = dout + (int64_t)r0 * C;
         if (cfg_.swiglu()) {
@@ -441,41 +459,49 @@ void GPT::mlp_backward_tiled(const BlockParams& p, BlockParams& g, int l, const 
 }
 
 void GPT::round_saved(const BlockSaved& s, SavedField f) const {
+    if (is_statistic(f, arena_format())) return;
+    round_part(s.*kMembers[static_cast<int>(f)], field_elems_[static_cast<int>(f)]);
+}
+
+void GPT::round_part(float* x, std::size_t n) const {
     const SavedStore store = cfg_.saved_activations;
-    if (store == SavedStore::fp32 || is_statistic(f, arena_format())) return;
-    float* x = s.*kMembers[static_cast<int>(f)];
-    const std::size_t n = field_elems_[static_cast<int>(f)];
     if (store == SavedStore::bf16)
         cpu::round_to_bf16(x, (int64_t)n);
-    else
+    else if (store == SavedStore::int8)
         cpu::qdq_int8(x, n);
 }
 
+void GPT::store_part(void* dst, SavedField f, const float* x, std::size_t begin,
+                     std::size_t n) const {
+    if (cfg_.saved_activations == SavedStore::bf16)
+        cpu::to_bf16(static_cast<uint16_t*>(dst) + begin, x, 1, (int64_t)n, (int64_t)n);
+    else
+        cpu::to_int8_part(dst, field_elems_[static_cast<int>(f)], begin, x, n);
+}
+
+void GPT::load_part(float* x, const void* src, SavedField f, std::size_t begin,
+                    std::size_t n) const {
+    if (cfg_.saved_activations == SavedStore::bf16)
+        cpu::from_bf16(x, static_cast<const uint16_t*>(src) + begin, (int64_t)n);
+    else
+        cpu::from_int8_part(x, src, field_elems_[static_cast<int>(f)], begin, n);
+}
+
+// (Under ModelConfig::mlp_tile the MLP's fields are stored and read a tile at a time, by
+// mlp_tile: the working block holds one tile of them.)
 void GPT::stash(Slot& sl, int i) const {
     if (sl.stored.empty()) return;
-    const bool bf16 = cfg_.saved_activations == SavedStore::bf16;
-    for (int f = 0; f < kSavedFields; f++) {
-        if (!sl.stored[i][f]) continue;
-        const std::size_t n = field_elems_[f];
-        if (bf16)
-            cpu::to_bf16(static_cast<uint16_t*>(sl.stored[i][f]), sl.saved[i].*kMembers[f], 1,
-                         (int64_t)n, (int64_t)n);
-        else
-            cpu::to_int8(sl.stored[i][f], sl.saved[i].*kMembers[f], n);
-    }
+    for (int f = 0; f < kSavedFields; f++)
+        if (sl.stored[i][f] && !(cfg_.mlp_tile > 0 && is_mlp_field(SavedField(f))))
+            store_part(sl.stored[i][f], SavedField(f), sl.saved[i].*kMembers[f], 0,
+                       field_elems_[f]);
 }
 
 void GPT::unstash(Slot& sl, int i) const {
     if (sl.stored.empty()) return;
-    const bool bf16 = cfg_.saved_activations == SavedStore::bf16;
-    for (int f = 0; f < kSavedFields; f++) {
-        if (!sl.stored[i][f]) continue;
-        if (bf16)
-            cpu::from_bf16(sl.saved[i].*kMembers[f], static_cast<const uint16_t*>(sl.stored[i][f]),
-                           (int64_t)field_elems_[f]);
-        else
-            cpu::from_int8(sl.saved[i].*kMembers[f], sl.stored[i][f], field_elems_[f]);
-    }
+    for (int f = 0; f < kSavedFields; f++)
+        if (sl.stored[i][f] && !(cfg_.mlp_tile > 0 && is_mlp_field(SavedField(f))))
+            load_part(sl.saved[i].*kMembers[f], sl.stored[i][f], SavedField(f), 0, field_elems_[f]);
 }
 
 // On entry dres holds d(block output); on exit d(block input).
@@ -540,7 +566,7 @@ void GPT::block_backward(const BlockParams& p, BlockParams& g, int l, const floa
     }
     keep(d.fcp, dout, (std::size_t)N * C);
     if (cfg_.mlp_tile > 0) {
-        mlp_backward_tiled(p, g, l, s, dout, N);  // (never with TP, LoRA or a split backward)
+        mlp_backward_tiled(p, g, l, sl, dout, N);  // (never with TP, LoRA or a split backward)
     } else {
         if (cfg_.swiglu()) {
             // d(product) (N,H) and d(fch) (N,2H) cannot share rows, so the product's gradient

@@ -279,9 +279,9 @@ class GPT {
     struct MlpTile {
         float *fch, *act;
     };
-    MlpTile mlp_tile(const BlockParams& p, int l, const BlockSaved& s, int r0, int rows,
+    MlpTile mlp_tile(const BlockParams& p, int l, const Slot& sl, int r0, int rows,
                      bool forward) const;
-    void mlp_backward_tiled(const BlockParams& p, BlockParams& g, int l, const BlockSaved& s,
+    void mlp_backward_tiled(const BlockParams& p, BlockParams& g, int l, const Slot& sl,
                             const float* dout, int N);
     // ModelConfig::cpu_bf16: a saved field rounded to bf16 in place where it is made, so the
     // forward's own later reads, the backward and any recompute see the same values (no-op in
@@ -290,6 +290,12 @@ class GPT {
     void round_saved(const BlockSaved& s, SavedField f) const;
     void stash(Slot& sl, int i) const;
     void unstash(Slot& sl, int i) const;
+    // n values rounded as the store format rounds them; values [begin, begin + n) of field f
+    // into its store and back (a whole field, or a tile of the MLP's).
+    void round_part(float* x, std::size_t n) const;
+    void store_part(void* dst, SavedField f, const float* x, std::size_t begin,
+                    std::size_t n) const;
+    void load_part(float* x, const void* src, SavedField f, std::size_t begin, std::size_t n) const;
     // LayerNorm or RMSNorm per the config (mean and bias unused by RMSNorm).
     void norm_forward(float* out, float* mean, float* rstd, const float* inp, const float* w,
                       const float* b, int N) const;

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <numeric>
 #include <string>
 
 #include <fmt/format.h>
@@ -11,6 +12,7 @@
 #include "core/device.h"
 #include "core/error.h"
 #include "io/model_source.h"
+#include "kernels/cpu/act_int8.h"
 #include "kernels/cpu/gemm.h"
 #include "model/lora.h"
 #include "optim/state_format.h"
@@ -535,11 +537,21 @@ void validate_config(const RunConfig& cfg) {
         if (cfg.train.pp > 1 && cfg.train.pp_schedule == "zb-h1")
             refuse("train.pp_schedule = \"zb-h1\"",
                    "its split backward keeps the MLP's output gradients for whole micro-batches");
-        if (cfg.train.cpu_activations == "bf16" || cfg.train.cpu_activations == "int8" ||
-            (cfg.train.cpu_activations == "auto" && cfg.train.precision == "bf16"))
-            refuse(fmt::format("train.cpu_activations = \"{}\" under train.precision = \"{}\"",
-                               cfg.train.cpu_activations, cfg.train.precision),
-                   "the tiled MLP keeps fp32 activations (set train.cpu_activations = \"fp32\")");
+        // int8 saved fields: a tile's values are stored and read a block of 256 at a time, so
+        // every tile but the last must end on the field's block grid.
+        if (cfg.train.device == "cpu" &&
+            cpu_saved_activations(cfg.train, cfg.train.precision) == SavedStore::int8) {
+            const int64_t block = (int64_t)cpu::kInt8Block;
+            for (const int64_t width :
+                 {(int64_t)cfg.model.fc_dim(), (int64_t)cfg.model.mlp_hidden()})
+                if ((int64_t)cfg.train.mlp_tile * width % block != 0)
+                    fail(
+                        "train.mlp_tile = {} with train.cpu_activations = \"int8\": a tile of "
+                        "{} rows x {} values is not a whole number of the {}-value int8 blocks "
+                        "(use a multiple of {} rows)",
+                        cfg.train.mlp_tile, cfg.train.mlp_tile, width, block,
+                        block / std::gcd(block, width));
+        }
     }
     if (cfg.train.cpu_activations != "auto" && cfg.train.cpu_activations != "fp32" &&
         cfg.train.cpu_activations != "bf16" && cfg.train.cpu_activations != "int8")

@@ -185,40 +185,50 @@ TEST(Remat, LogSumExpAttentionKeepsEveryPolicyBitwiseAndItsPredictedBytes) {
 // recompute makes each tile's c_fc output and activation with the forward's calls); a block
 // whose MLP activations are recomputed holds one tile of them, so the scratch shrinks by the
 // MLP's other rows, and the bytes predicted are those allocated. Against the untiled MLP the
-// weight gradients are summed tile by tile: the same to rounding.
+// weight gradients are summed tile by tile: the same to rounding. Saved fields in bf16 or int8
+// too: a kept MLP field is stored and read back a tile at a time through the working block's
+// tile (int8 in tiles of 12 rows, whose values are whole 256-value blocks; the last tile short).
 TEST(Remat, TiledMlpKeepsEveryPolicyBitwiseAndItsPredictedBytes) {
-    for (bool llama : {false, true})
-        for (double dropout : {0.0, 0.1}) {
-            const std::string what =
-                std::string(llama ? "llama" : "gpt2") + (dropout > 0 ? " dropout" : "");
-            ModelConfig c = llama ? test::tiny_llama(3) : test::tiny_model(3);
-            c.dropout = dropout;
-            ModelConfig whole = c;
-            c.mlp_tile = 5;
-            const ActFormat f = cpu_arena_format(c);
-            EXPECT_EQ(f.mlp_tile, 5);
-            LossAndGrads ref = two_micro_batches(c, {});
-            if (dropout == 0) {
-                const LossAndGrads w = two_micro_batches(whole, {});
-                EXPECT_NEAR(ref.loss, w.loss, 1e-6) << what;
-                for (std::size_t i = 0; i < ref.grads.size(); i++)
-                    ASSERT_NEAR(ref.grads[i], w.grads[i], 1e-6 + 1e-5 * std::abs(w.grads[i]))
-                        << what << " " << i;
+    for (SavedStore store : {SavedStore::fp32, SavedStore::bf16, SavedStore::int8})
+        for (bool llama : {false, true})
+            for (double dropout : {0.0, 0.1}) {
+                const std::string what = std::string(llama ? "llama" : "gpt2") +
+                                         (dropout > 0 ? " dropout" : "") + " saved " +
+                                         (store == SavedStore::fp32   ? "fp32"
+                                          : store == SavedStore::bf16 ? "bf16"
+                                                                      : "int8");
+                ModelConfig c = llama ? test::tiny_llama(3) : test::tiny_model(3);
+                if (llama && store == SavedStore::int8) c.ffn_hidden = 64;
+                c.dropout = dropout;
+                c.saved_activations = store;
+                ModelConfig whole = c;
+                const int tile = store == SavedStore::int8 ? 12 : 5;
+                c.mlp_tile = tile;
+                const ActFormat f = cpu_arena_format(c);
+                EXPECT_EQ(f.mlp_tile, tile);
+                LossAndGrads ref = two_micro_batches(c, {});
+                if (dropout == 0) {
+                    const LossAndGrads w = two_micro_batches(whole, {});
+                    EXPECT_NEAR(ref.loss, w.loss, 1e-6) << what;
+                    for (std::size_t i = 0; i < ref.grads.size(); i++)
+                        ASSERT_NEAR(ref.grads[i], w.grads[i], 1e-6 + 1e-5 * std::abs(w.grads[i]))
+                            << what << " " << i;
+                }
+                // `full`'s scratch (or working block) holds a tile of the 16 rows of c_fc's
+                // output and the activation.
+                const RematPlan full(3, BlockKeep::Input);
+                const std::size_t mlp_rows =
+                    scratch_bytes(whole, 2, 8, BlockKeep::Input, cpu_arena_format(whole)) -
+                    scratch_bytes(c, 2, 8, BlockKeep::Input, f);
+                EXPECT_EQ(mlp_rows,
+                          (std::size_t)(16 - tile) * (c.fc_dim() + c.mlp_hidden()) * sizeof(float))
+                    << what;
+                EXPECT_EQ(plan_arena(whole, 2, 8, full).activation_bytes -
+                              plan_arena(c, 2, 8, full, f).activation_bytes,
+                          mlp_rows)
+                    << what;
+                expect_every_policy_bitwise_in_its_bytes(c, f, ref, what);
             }
-            // `full`'s scratch holds 5 of the 16 rows of c_fc's output and the activation.
-            const RematPlan full(3, BlockKeep::Input);
-            const std::size_t mlp_rows =
-                scratch_bytes(whole, 2, 8, BlockKeep::Input, cpu_arena_format(whole)) -
-                scratch_bytes(c, 2, 8, BlockKeep::Input, f);
-            EXPECT_EQ(mlp_rows,
-                      (std::size_t)(16 - 5) * (c.fc_dim() + c.mlp_hidden()) * sizeof(float))
-                << what;
-            EXPECT_EQ(plan_arena(whole, 2, 8, full).activation_bytes -
-                          plan_arena(c, 2, 8, full, f).activation_bytes,
-                      mlp_rows)
-                << what;
-            expect_every_policy_bitwise_in_its_bytes(c, f, ref, what);
-        }
 }
 
 // memory-poor and chen:K drop block inputs too: below `full` by the residual streams they do not

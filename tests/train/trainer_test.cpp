@@ -242,34 +242,38 @@ TEST(Config, DropoutIsRefusedWhereItIsNotBuilt) {
 // by tile), below the untiled floor, its activations measured as predicted; what it does not
 // run with is refused by name.
 TEST(Trainer, TiledMlpTrainsBelowTheUntiledFloor) {
-    std::vector<float> ref;
-    std::size_t untiled = 0;
-    for (int tile : {0, 4}) {
-        auto d = test::temp_dir("tiled_mlp_" + std::to_string(tile));
-        RunConfig c = test::tiny_run(d, 4);
-        c.model.n_layer = 4;
-        c.train.precision = "fp32";
-        c.train.remat = tile ? "memory-poor" : "none";
-        c.train.mlp_tile = tile;
-        Trainer t(c, opts());
-        const auto s = t.run();
-        std::size_t predicted = 0;
-        for (const auto& row : t.engine().predicted_memory(c.micro_batch(), c.train.seq_len))
-            if (row.category == MemCategory::Activations) predicted += row.bytes;
-        EXPECT_EQ(t.engine().memory().snapshot()[MemCategory::Activations], predicted);
-        if (tile == 0) {
-            ref = s.losses;
-            const RunConfig& rc = t.config();
-            untiled =
-                remat::solve_policy(remat::parse_policy("memory-poor"), rc.model, rc.micro_batch(),
-                                    rc.train.seq_len, nullptr, cpu_arena_format(rc.model))
-                    .peak_bytes;
-            continue;
+    for (const std::string saved : {"fp32", "bf16", "int8"}) {
+        SCOPED_TRACE("train.cpu_activations = " + saved);
+        std::vector<float> ref;
+        std::size_t untiled = 0;
+        for (int tile : {0, 4}) {
+            auto d = test::temp_dir("tiled_mlp_" + saved + std::to_string(tile));
+            RunConfig c = test::tiny_run(d, 4);
+            c.model.n_layer = 4;
+            c.train.precision = "fp32";
+            c.train.cpu_activations = saved;
+            c.train.remat = tile ? "memory-poor" : "none";
+            c.train.mlp_tile = tile;
+            Trainer t(c, opts());
+            const auto s = t.run();
+            std::size_t predicted = 0;
+            for (const auto& row : t.engine().predicted_memory(c.micro_batch(), c.train.seq_len))
+                if (row.category == MemCategory::Activations) predicted += row.bytes;
+            EXPECT_EQ(t.engine().memory().snapshot()[MemCategory::Activations], predicted);
+            if (tile == 0) {
+                ref = s.losses;
+                const RunConfig& rc = t.config();
+                untiled = remat::solve_policy(remat::parse_policy("memory-poor"), rc.model,
+                                              rc.micro_batch(), rc.train.seq_len, nullptr,
+                                              cpu_arena_format(rc.model))
+                              .peak_bytes;
+                continue;
+            }
+            EXPECT_LT(predicted, untiled);
+            ASSERT_EQ(s.losses.size(), ref.size());
+            for (std::size_t i = 0; i < ref.size(); i++)
+                EXPECT_NEAR(s.losses[i], ref[i], 1e-5 * std::abs(ref[i])) << "step " << i + 1;
         }
-        EXPECT_LT(predicted, untiled);
-        ASSERT_EQ(s.losses.size(), ref.size());
-        for (std::size_t i = 0; i < ref.size(); i++)
-            EXPECT_NEAR(s.losses[i], ref[i], 1e-5 * std::abs(ref[i])) << "step " << i + 1;
     }
     auto refused = [](auto&& edit, const std::string& key) {
         RunConfig c = test::tiny_run_config("/nonexistent", 4);
@@ -287,8 +291,15 @@ TEST(Trainer, TiledMlpTrainsBelowTheUntiledFloor) {
         },
         "train.mlp_tile = 64 does not run with train.tp = 2");
     refused([](RunConfig& c) { c.lora.rank = 4; }, "does not run with lora.rank > 0");
-    refused([](RunConfig& c) { c.train.cpu_activations = "int8"; },
-            "does not run with train.cpu_activations = \"int8\"");
+    // int8 fields: every tile a whole number of 256-value blocks (16 x 4 = 64 values a row).
+    refused(
+        [](RunConfig& c) {
+            c.train.cpu_activations = "int8";
+            c.train.mlp_tile = 6;
+        },
+        "train.mlp_tile = 6 with train.cpu_activations = \"int8\": a tile of 6 "
+        "rows x 64 values is not a whole number of the 256-value int8 blocks (use a multiple of 4 "
+        "rows)");
 }
 
 TEST(Trainer, SgdRunsAndResumes) {

@@ -5,6 +5,8 @@
 #include <cmath>
 #include <limits>
 
+#include "core/error.h"
+
 namespace memtrain::cpu {
 
 namespace {
@@ -63,13 +65,38 @@ void qdq_int8(float* x, std::size_t n) {
     }
 }
 
+namespace {
+
+// The blocks [first, last) of a part [begin, begin + count) of an n-value store; fails where a
+// block of the part would not be one of the store's.
+void part_blocks(std::size_t n, std::size_t begin, std::size_t count, std::size_t& first,
+                 std::size_t& last) {
+    const std::size_t end = begin + count;
+    if (begin % kInt8Block != 0 || end > n || (end % kInt8Block != 0 && end != n))
+        fail("internal: int8 part [{}, {}) of {} values is off the {}-value block grid", begin, end,
+             n, kInt8Block);
+    first = begin / kInt8Block;
+    last = (end + kInt8Block - 1) / kInt8Block;
+}
+
+}  // namespace
+
 void to_int8(void* out, const float* x, std::size_t n) {
-    const std::size_t nb = (n + kInt8Block - 1) / kInt8Block;
+    to_int8_part(out, n, 0, x, n);
+}
+
+void from_int8(float* x, const void* in, std::size_t n) {
+    from_int8_part(x, in, n, 0, n);
+}
+
+void to_int8_part(void* out, std::size_t n, std::size_t begin, const float* x, std::size_t count) {
+    std::size_t first = 0, last = 0;
+    part_blocks(n, begin, count, first, last);
     float* scales = static_cast<float*>(out);
-    int8_t* q = reinterpret_cast<int8_t*>(scales + nb);
+    int8_t* q = reinterpret_cast<int8_t*>(scales + (n + kInt8Block - 1) / kInt8Block);
 #pragma omp parallel for schedule(static)
-    for (std::size_t b = 0; b < nb; b++) {
-        const float* v = x + b * kInt8Block;
+    for (std::size_t b = first; b < last; b++) {
+        const float* v = x + (b * kInt8Block - begin);
         const std::size_t m = std::min(kInt8Block, n - b * kInt8Block);
         const float s = block_scale(v, m);
         scales[b] = s;
@@ -86,13 +113,14 @@ void to_int8(void* out, const float* x, std::size_t n) {
     }
 }
 
-void from_int8(float* x, const void* in, std::size_t n) {
-    const std::size_t nb = (n + kInt8Block - 1) / kInt8Block;
+void from_int8_part(float* x, const void* in, std::size_t n, std::size_t begin, std::size_t count) {
+    std::size_t first = 0, last = 0;
+    part_blocks(n, begin, count, first, last);
     const float* scales = static_cast<const float*>(in);
-    const int8_t* q = reinterpret_cast<const int8_t*>(scales + nb);
+    const int8_t* q = reinterpret_cast<const int8_t*>(scales + (n + kInt8Block - 1) / kInt8Block);
 #pragma omp parallel for schedule(static)
-    for (std::size_t b = 0; b < nb; b++) {
-        float* v = x + b * kInt8Block;
+    for (std::size_t b = first; b < last; b++) {
+        float* v = x + (b * kInt8Block - begin);
         const std::size_t m = std::min(kInt8Block, n - b * kInt8Block);
         const float s = scales[b];
         const int8_t* qb = q + b * kInt8Block;

@@ -23,5 +23,10 @@ void qdq_int8(float* x, std::size_t n);
 // x (already through qdq_int8) into `out` (int8_store_bytes(n), 4-byte aligned), and back.
 void to_int8(void* out, const float* x, std::size_t n);
 void from_int8(float* x, const void* in, std::size_t n);
+// The values [begin, begin + count) of an n-value store: begin on a block boundary, and the part
+// ending on one or at n, so each of its blocks is one of the whole field's (the tiled MLP stores
+// and reads a tile of rows at a time).
+void to_int8_part(void* out, std::size_t n, std::size_t begin, const float* x, std::size_t count);
+void from_int8_part(float* x, const void* in, std::size_t n, std::size_t begin, std::size_t count);
 
 }  // namespace memtrain::cpu
