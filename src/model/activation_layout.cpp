@@ -253,15 +253,16 @@ std::size_t scratch_field_bytes(SavedField f, const ModelConfig& cfg, int B, int
                                 const ActFormat& fmt) {
     ActFormat work = fmt;  // the scratch (or working block) is fp32
     work.saved = SavedStore::fp32;
-    // The tiled MLP (ActFormat::mlp_tile) recomputes c_fc's output and the activation one tile
-    // of token rows at a time: the scratch holds a tile of them.
-    if (is_mlp_field(f) && fmt.mlp_tile > 0 && (int64_t)fmt.mlp_tile < (int64_t)B * T)
+    // ActFormat::mlp_tile makes both norms' outputs, c_fc's output and the activation one tile of
+    // token rows at a time: the scratch holds a tile of them.
+    if (is_tiled_field(f) && fmt.mlp_tile > 0 && (int64_t)fmt.mlp_tile < (int64_t)B * T)
         return saved_field_bytes(f, cfg, 1, fmt.mlp_tile, work);
     return saved_field_bytes(f, cfg, B, T, work);
 }
 
-bool is_mlp_field(SavedField f) {
-    return info(f).dim == Dim::Fc || info(f).dim == Dim::Hidden;
+bool is_tiled_field(SavedField f) {
+    return f == SavedField::Ln1 || f == SavedField::Ln2 || info(f).dim == Dim::Fc ||
+           info(f).dim == Dim::Hidden;
 }
 
 bool is_statistic(SavedField f, const ActFormat& fmt) {
@@ -448,7 +449,8 @@ ArenaPlan plan_arena(const ModelConfig& cfg, int B, int T, const RematPlan& plan
                                    : "recompute scratch, one block (") +
                      names +
                      (fmt.mlp_tile > 0 && (int64_t)fmt.mlp_tile < (int64_t)BT
-                          ? fmt::format("; the MLP's in tiles of {} rows", fmt.mlp_tile)
+                          ? fmt::format("; the norms' and the MLP's in tiles of {} rows",
+                                        fmt.mlp_tile)
                           : std::string()) +
                      ")",
                  act - start, A});

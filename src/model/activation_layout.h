@@ -269,7 +269,8 @@ bool keeps(BlockKeep k, SavedField f);
 // Whether the field is a statistic (norm mean, rstd, the attention's log-sum-exp under fused
 // or lse attention): always fp32, never rounded.
 bool is_statistic(SavedField f, const ActFormat& fmt);
-// c_fc's output or the activation: the fields ActFormat::mlp_tile makes a tile at a time.
-bool is_mlp_field(SavedField f);
+// ln_1's or ln_2's output, c_fc's output or the activation: the fields ActFormat::mlp_tile makes
+// a tile of rows at a time (the norms' statistics stay whole: their backward reads every row's).
+bool is_tiled_field(SavedField f);
 
 }  // namespace memtrain

@@ -295,11 +295,19 @@ void GPT::block_forward(const BlockParams& p, int l, const float* adapter, const
         tp_->all_gather_shards(TpSite::SpColumnGather, shard, sp_, (int64_t)N * C);
         return (const float*)sp_;
     };
-    norm_forward(s.ln1, s.ln1_mean, s.ln1_rstd, x, p.ln1_w, p.ln1_b, n);
-    round_saved(s, SavedField::Ln1);
-    const float* ln1 = gathered(s.ln1);
-    cpu::matmul_forward(s.qkv, ln1, p.qkv_w, p.qkv_b, N, C, QKV, 0.0f, bf16());
-    lora_forward(l, BlockLinear::Qkv, adapter, ln1, s.qkv, N);
+    if (cfg_.mlp_tile > 0) {  // ln_1 and c_attn a tile of rows at a time (as the MLP below)
+        for (int r0 = 0; r0 < N; r0 += cfg_.mlp_tile) {
+            const int rows = std::min(cfg_.mlp_tile, N - r0);
+            cpu::matmul_forward(s.qkv + (int64_t)r0 * QKV, ln1_tile(p, l, sl, x, r0, rows, true),
+                                p.qkv_w, p.qkv_b, rows, C, QKV, 0.0f, bf16());
+        }
+    } else {
+        norm_forward(s.ln1, s.ln1_mean, s.ln1_rstd, x, p.ln1_w, p.ln1_b, n);
+        round_saved(s, SavedField::Ln1);
+        const float* ln1 = gathered(s.ln1);
+        cpu::matmul_forward(s.qkv, ln1, p.qkv_w, p.qkv_b, N, C, QKV, 0.0f, bf16());
+        lora_forward(l, BlockLinear::Qkv, adapter, ln1, s.qkv, N);
+    }
     // Rotating in place means qkv holds what attention reads (and backward needs); c_attn's
     // backward reads ln1, not qkv, so the unrotated values are never needed again. Every row of
     // the micro-batch is here, so row b*T + t is rotated by its position t in its sequence.
@@ -339,13 +347,13 @@ void GPT::block_forward(const BlockParams& p, int l, const float* adapter, const
         lora_forward(l, BlockLinear::Proj, adapter, s.atty, s.resid_mid, N);
     }
     round_saved(s, SavedField::ResidMid);
-    norm_forward(s.ln2, s.ln2_mean, s.ln2_rstd, s.resid_mid, p.ln2_w, p.ln2_b, n);
-    round_saved(s, SavedField::Ln2);
-    if (cfg_.mlp_tile > 0) {
+    if (cfg_.mlp_tile > 0) {  // ln_2 too goes tile by tile (a redo leaves it to the backward)
         if (mlp) mlp_forward_tiled(p, l, s, out, sl, B, T);
         stash(sl, l - b0_);
         return;
     }
+    norm_forward(s.ln2, s.ln2_mean, s.ln2_rstd, s.resid_mid, p.ln2_w, p.ln2_b, n);
+    round_saved(s, SavedField::Ln2);
     const float* ln2 = gathered(s.ln2);
     cpu::matmul_forward(s.fch, ln2, p.fc_w, p.fc_b, N, C, F, 0.0f, bf16());
     lora_forward(l, BlockLinear::Fc, adapter, ln2, s.fch, N);
@@ -374,44 +382,63 @@ void GPT::block_forward(const BlockParams& p, int l, const float* adapter, const
 // inputs, as block_forward: the kernels are deterministic, so the bits are those of the forward.
 // The norm kernels also rewrite the kept mean/rstd, with identical values.
 void GPT::recompute_selective(const BlockParams& p, const float* x, BlockSaved& s, int B, int T) {
+    if (cfg_.mlp_tile > 0) return;  // the tiled backward makes each tile's norms and activation
     const int N = B * T, n = (int)cfg_.sp_rows(N);  // the norms' rows (sequence parallelism)
     norm_forward(s.ln1, s.ln1_mean, s.ln1_rstd, x, p.ln1_w, p.ln1_b, n);
     round_saved(s, SavedField::Ln1);
     norm_forward(s.ln2, s.ln2_mean, s.ln2_rstd, s.resid_mid, p.ln2_w, p.ln2_b, n);
     round_saved(s, SavedField::Ln2);
-    if (cfg_.mlp_tile > 0) return;  // the tiled backward makes each tile's activation
     act_forward(s.fch_act, s.fch, N);
     round_saved(s, SavedField::FchAct);
+}
+
+template <class Make>
+float* GPT::tile_field(const Slot& sl, int l, SavedField f, float* field, int width, int r0,
+                       int rows, bool forward, Make make) const {
+    const int i = l - b0_;
+    void* store = sl.stored.empty() ? nullptr : sl.stored[i][static_cast<int>(f)];
+    const bool kept = keeps(keep(l), f);
+    // A kept field in fp32 is written in place; a compressed one (its store) passes through the
+    // working block's tile: stored after the forward makes it, read back before the backward.
+    float* t = kept && !store ? field + (int64_t)r0 * width : field;
+    const std::size_t begin = (std::size_t)r0 * width, n = (std::size_t)rows * width;
+    if (forward || !kept) {
+        make(t);
+        round_part(t, n);
+        if (forward && store) store_part(store, f, t, begin, n);
+    } else if (store) {
+        load_part(t, store, f, begin, n);
+    }
+    return t;
+}
+
+const float* GPT::ln1_tile(const BlockParams& p, int l, const Slot& sl, const float* x, int r0,
+                           int rows, bool forward) const {
+    const BlockSaved& s = sl.saved[l - b0_];
+    const int C = cfg_.n_embd;
+    // (The rows' statistics are written too: the same bits again where the block keeps them.)
+    return tile_field(sl, l, SavedField::Ln1, s.ln1, C, r0, rows, forward, [&](float* ln1) {
+        norm_forward(ln1, s.ln1_mean ? s.ln1_mean + r0 : nullptr, s.ln1_rstd + r0,
+                     x + (int64_t)r0 * C, p.ln1_w, p.ln1_b, rows);
+    });
 }
 
 GPT::MlpTile GPT::mlp_tile(const BlockParams& p, int l, const Slot& sl, int r0, int rows,
                            bool forward) const {
     const int C = cfg_.n_embd, F = cfg_.local_fc_dim(), H = cfg_.local_hidden();
-    const int i = l - b0_;
-    const BlockSaved& s = sl.saved[i];
-    const BlockKeep k = keep(l);
-    // A kept field in fp32 is written in place; a compressed one (its store) passes through the
-    // working block's tile: stored after the forward makes it, read back before the backward.
-    const auto tile = [&](SavedField f, float* field, int width, auto make) {
-        void* store = sl.stored.empty() ? nullptr : sl.stored[i][static_cast<int>(f)];
-        const bool kept = keeps(k, f);
-        float* t = kept && !store ? field + (int64_t)r0 * width : field;
-        const std::size_t begin = (std::size_t)r0 * width, n = (std::size_t)rows * width;
-        if (forward || !kept) {
-            make(t);
-            round_part(t, n);
-            if (forward && store) store_part(store, f, t, begin, n);
-        } else if (store) {
-            load_part(t, store, f, begin, n);
-        }
-        return t;
-    };
+    const BlockSaved& s = sl.saved[l - b0_];
     MlpTile t{};
-    t.fch = tile(SavedField::Fch, s.fch, F, [&](float* fch) {
-        cpu::matmul_forward(fch, s.ln2 + (int64_t)r0 * C, p.fc_w, p.fc_b, rows, C, F, 0.0f, bf16());
+    // ln_2's rows write their statistics too (the same bits again where the block keeps them;
+    // the norm's backward reads them after the last tile).
+    t.ln2 = tile_field(sl, l, SavedField::Ln2, s.ln2, C, r0, rows, forward, [&](float* ln2) {
+        norm_forward(ln2, s.ln2_mean ? s.ln2_mean + r0 : nullptr, s.ln2_rstd + r0,
+                     s.resid_mid + (int64_t)r0 * C, p.ln2_w, p.ln2_b, rows);
     });
-    t.act =
-        tile(SavedField::FchAct, s.fch_act, H, [&](float* act) { act_forward(act, t.fch, rows); });
+    t.fch = tile_field(sl, l, SavedField::Fch, s.fch, F, r0, rows, forward, [&](float* fch) {
+        cpu::matmul_forward(fch, t.ln2, p.fc_w, p.fc_b, rows, C, F, 0.0f, bf16());
+    });
+    t.act = tile_field(sl, l, SavedField::FchAct, s.fch_act, H, r0, rows, forward,
+                       [&](float* act) { act_forward(act, t.fch, rows); });
     return t;
 }
 
@@ -432,15 +459,13 @@ void GPT::mlp_forward_tiled(const BlockParams& p, int l, BlockSaved& s, float* o
 
 void GPT::mlp_backward_tiled(const BlockParams& p, BlockParams& g, int l, const Slot& sl,
                              const float* dout, int N) {
-    const BlockSaved& s = sl.saved[l - b0_];
     const int C = cfg_.n_embd, F = cfg_.local_fc_dim(), H = cfg_.local_hidden();
     float* dfch = dbig_;
     for (int r0 = 0; r0 < N; r0 += cfg_.mlp_tile) {
         const int rows = std::min(cfg_.mlp_tile, N - r0);
-        const float* ln2 = s.ln2 + (int64_t)r0 * C;
         // What the block dropped, made again by the forward's own function: the same bits.
         const MlpTile t = mlp_tile(p, l, sl, r0, rows, false);
-        const float *fch = t.fch, *act = t.act;
+        const float *ln2 = t.ln2, *fch = t.fch, *act = t.act;
         const float* dy = dout + (int64_t)r0 * C;
         if (cfg_.swiglu()) {
             cpu::matmul_backward(dact_, g.fcp_w, g.fcp_b, dy, act, p.fcp_w, rows, H, C, 0.0f,
@@ -492,7 +517,7 @@ void GPT::load_part(float* x, const void* src, SavedField f, std::size_t begin,
 void GPT::stash(Slot& sl, int i) const {
     if (sl.stored.empty()) return;
     for (int f = 0; f < kSavedFields; f++)
-        if (sl.stored[i][f] && !(cfg_.mlp_tile > 0 && is_mlp_field(SavedField(f))))
+        if (sl.stored[i][f] && !(cfg_.mlp_tile > 0 && is_tiled_field(SavedField(f))))
             store_part(sl.stored[i][f], SavedField(f), sl.saved[i].*kMembers[f], 0,
                        field_elems_[f]);
 }
@@ -500,7 +525,7 @@ void GPT::stash(Slot& sl, int i) const {
 void GPT::unstash(Slot& sl, int i) const {
     if (sl.stored.empty()) return;
     for (int f = 0; f < kSavedFields; f++)
-        if (sl.stored[i][f] && !(cfg_.mlp_tile > 0 && is_mlp_field(SavedField(f))))
+        if (sl.stored[i][f] && !(cfg_.mlp_tile > 0 && is_tiled_field(SavedField(f))))
             load_part(sl.saved[i].*kMembers[f], sl.stored[i][f], SavedField(f), 0, field_elems_[f]);
 }
 
@@ -608,9 +633,19 @@ void GPT::block_backward(const BlockParams& p, BlockParams& g, int l, const floa
     if (cfg_.rope())
         cpu::rope_backward(dqkv, B, T, NH, NKV, cfg_.head_dim(), (float)cfg_.rope_theta);
     keep(d.qkv, dqkv, (std::size_t)N * QKV);
-    const float* ln1 = gather(TpSite::SpRegather, s.ln1);
-    cpu::matmul_backward(dln_, w(g.qkv_w), w(g.qkv_b), dqkv, ln1, p.qkv_w, N, C, QKV, 0.0f, bf16());
-    lora(BlockLinear::Qkv, ln1, dqkv, dln_);
+    if (cfg_.mlp_tile > 0) {  // each tile's ln_1 read where kept, else made again
+        for (int r0 = 0; r0 < N; r0 += cfg_.mlp_tile) {
+            const int rows = std::min(cfg_.mlp_tile, N - r0);
+            cpu::matmul_backward(dln_ + (int64_t)r0 * C, g.qkv_w, g.qkv_b, dqkv + (int64_t)r0 * QKV,
+                                 ln1_tile(p, l, sl, x, r0, rows, false), p.qkv_w, rows, C, QKV,
+                                 0.0f, bf16());
+        }
+    } else {
+        const float* ln1 = gather(TpSite::SpRegather, s.ln1);
+        cpu::matmul_backward(dln_, w(g.qkv_w), w(g.qkv_b), dqkv, ln1, p.qkv_w, N, C, QKV, 0.0f,
+                             bf16());
+        lora(BlockLinear::Qkv, ln1, dqkv, dln_);
+    }
     // c_attn's f, as c_fc's
     norm_backward(dres, g.ln1_w, g.ln1_b, column_input_grad(), x, p.ln1_w, s.ln1_mean, s.ln1_rstd,
                   n);

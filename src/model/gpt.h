@@ -266,21 +266,33 @@ class GPT {
         if (u >= 0) store_->prefetch(u);
     }
     void recompute_selective(const BlockParams& p, const float* x, BlockSaved& s, int B, int T);
-    // ModelConfig::mlp_tile: block l's MLP over row tiles, in the forward (c_fc, the activation,
-    // mlp.c_proj and the residual into `out`, then the branch's dropout) and the backward (each
-    // tile's c_fc output and activation read where the block keeps them, else recomputed into
-    // the tile-sized scratch from ln_2; d(ln_2) into dln_, the weight gradients summed tile by
-    // tile). The same tiles in every pass, so every remat policy gives the same bits.
+    // ModelConfig::mlp_tile: block l's ln_2 and MLP over row tiles, in the forward (ln_2, c_fc,
+    // the activation, mlp.c_proj and the residual into `out`, then the branch's dropout) and the
+    // backward (each tile's ln_2 output, c_fc output and activation read where the block keeps
+    // them, else recomputed into the tile-sized scratch from the residual stream; d(ln_2) into
+    // dln_, the weight gradients summed tile by tile). The same tiles in every pass, so every
+    // remat policy gives the same bits.
     void mlp_forward_tiled(const BlockParams& p, int l, BlockSaved& s, float* out, Slot& sl, int B,
                            int T);
-    // Rows [r0, r0 + rows)'s c_fc output and activation: in block l's fields where it keeps
-    // them, else in the tile-sized scratch. The forward makes both, the backward (forward =
-    // false) the ones the block does not keep: one function, so the calls and the bits agree.
+    // Rows [r0, r0 + rows)'s ln_2 output, c_fc output and activation: in block l's fields where
+    // it keeps them, else in the tile-sized scratch. The forward makes all three, the backward
+    // (forward = false) the ones the block does not keep: one function, so the calls and the
+    // bits agree.
     struct MlpTile {
-        float *fch, *act;
+        float *ln2, *fch, *act;
     };
     MlpTile mlp_tile(const BlockParams& p, int l, const Slot& sl, int r0, int rows,
                      bool forward) const;
+    // Rows [r0, r0 + rows) of block l's ln_1 output (x: the block's input), as mlp_tile's
+    // fields: c_attn reads it a tile at a time in the forward and in its weight gradient.
+    const float* ln1_tile(const BlockParams& p, int l, const Slot& sl, const float* x, int r0,
+                          int rows, bool forward) const;
+    // One tiled field's rows: made by make(tile) (and rounded as the saved fields are) in the
+    // forward or where block l does not keep the field, else read from the field (or its
+    // compressed store); a kept field's rows are stored as the forward makes them.
+    template <class Make>
+    float* tile_field(const Slot& sl, int l, SavedField f, float* field, int width, int r0,
+                      int rows, bool forward, Make make) const;
     void mlp_backward_tiled(const BlockParams& p, BlockParams& g, int l, const Slot& sl,
                             const float* dout, int N);
     // ModelConfig::cpu_bf16: a saved field rounded to bf16 in place where it is made, so the

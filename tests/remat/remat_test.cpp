@@ -187,7 +187,8 @@ TEST(Remat, LogSumExpAttentionKeepsEveryPolicyBitwiseAndItsPredictedBytes) {
 // MLP's other rows, and the bytes predicted are those allocated. Against the untiled MLP the
 // weight gradients are summed tile by tile: the same to rounding. Saved fields in bf16 or int8
 // too: a kept MLP field is stored and read back a tile at a time through the working block's
-// tile (int8 in tiles of 12 rows, whose values are whole 256-value blocks; the last tile short).
+// tile (int8 in tiles of 12 rows of a 64-wide model, whose values are whole 256-value blocks;
+// the last tile short).
 TEST(Remat, TiledMlpKeepsEveryPolicyBitwiseAndItsPredictedBytes) {
     for (SavedStore store : {SavedStore::fp32, SavedStore::bf16, SavedStore::int8})
         for (bool llama : {false, true})
@@ -198,7 +199,10 @@ TEST(Remat, TiledMlpKeepsEveryPolicyBitwiseAndItsPredictedBytes) {
                                           : store == SavedStore::bf16 ? "bf16"
                                                                       : "int8");
                 ModelConfig c = llama ? test::tiny_llama(3) : test::tiny_model(3);
-                if (llama && store == SavedStore::int8) c.ffn_hidden = 64;
+                if (store == SavedStore::int8) {  // tiles of 12 rows: whole 256-value blocks
+                    c.n_embd = 64;
+                    if (llama) c.ffn_hidden = 64;
+                }
                 c.dropout = dropout;
                 c.saved_activations = store;
                 ModelConfig whole = c;
@@ -214,14 +218,15 @@ TEST(Remat, TiledMlpKeepsEveryPolicyBitwiseAndItsPredictedBytes) {
                         ASSERT_NEAR(ref.grads[i], w.grads[i], 1e-6 + 1e-5 * std::abs(w.grads[i]))
                             << what << " " << i;
                 }
-                // `full`'s scratch (or working block) holds a tile of the 16 rows of c_fc's
-                // output and the activation.
+                // `full`'s scratch (or working block) holds a tile of the 16 rows of ln_1's, ln_2's
+                // output, c_fc's output and the activation.
                 const RematPlan full(3, BlockKeep::Input);
                 const std::size_t mlp_rows =
                     scratch_bytes(whole, 2, 8, BlockKeep::Input, cpu_arena_format(whole)) -
                     scratch_bytes(c, 2, 8, BlockKeep::Input, f);
-                EXPECT_EQ(mlp_rows,
-                          (std::size_t)(16 - tile) * (c.fc_dim() + c.mlp_hidden()) * sizeof(float))
+                EXPECT_EQ(mlp_rows, (std::size_t)(16 - tile) *
+                                        (2 * c.n_embd + c.fc_dim() + c.mlp_hidden()) *
+                                        sizeof(float))
                     << what;
                 EXPECT_EQ(plan_arena(whole, 2, 8, full).activation_bytes -
                               plan_arena(c, 2, 8, full, f).activation_bytes,
