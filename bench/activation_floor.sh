@@ -4,8 +4,8 @@
 # at B = 1, bf16 GEMMs where the CPU has them. Prints:
 #   1. at T = 4096, a measured step (the second) under each policy: no remat (fp32 saved fields, attention
 #      probabilities kept), full, no remat with int8 fields and log-sum-exp attention, and the
-#      lowest plan (memory-poor with log-sum-exp attention), and that plan with the MLP over
-#      tiles of 256 rows (train.mlp_tile; fp32 saved fields): activation bytes measured and
+#      lowest plan (memory-poor with log-sum-exp attention), and that plan with the norms and the MLP
+#      over tiles of 256 rows (train.mlp_tile; fp32 saved fields): activation bytes measured and
 #      predicted, the ratio to no remat, the step time and its overhead;
 #   2. the longest T (a multiple of 256) whose whole step fits a 4 GiB host under each, found
 #      from the run plan (`memtrain train --print-plan`'s host total) and, where a step there

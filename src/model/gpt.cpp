@@ -447,6 +447,18 @@ void GPT::mlp_forward_tiled(const BlockParams& p, int l, BlockSaved& s, float* o
     const int N = B * T, C = cfg_.n_embd, H = cfg_.local_hidden();
     DropoutMask m;
     const bool drop = dropout_at(sl, m, 3 + 3 * l);
+    if (tp_) {
+        // Row-parallel mlp.c_proj (never with dropout or sequence parallelism): each tile's
+        // partial rows, then the group's one all-reduce of them all and the residual and bias.
+        for (int r0 = 0; r0 < N; r0 += cfg_.mlp_tile) {
+            const int rows = std::min(cfg_.mlp_tile, N - r0);
+            cpu::matmul_forward(out + (int64_t)r0 * C, mlp_tile(p, l, sl, r0, rows, true).act,
+                                p.fcp_w, nullptr, rows, H, C, 0.0f, bf16());
+        }
+        tp_->all_reduce(TpSite::RowForward, out, (int64_t)N * C);
+        add_residual_bias(out, s.resid_mid, p.fcp_b, N);
+        return;
+    }
     for (int r0 = 0; r0 < N; r0 += cfg_.mlp_tile) {
         const int rows = std::min(cfg_.mlp_tile, N - r0);
         const float* act = mlp_tile(p, l, sl, r0, rows, true).act;
@@ -591,7 +603,7 @@ void GPT::block_backward(const BlockParams& p, BlockParams& g, int l, const floa
     }
     keep(d.fcp, dout, (std::size_t)N * C);
     if (cfg_.mlp_tile > 0) {
-        mlp_backward_tiled(p, g, l, sl, dout, N);  // (never with TP, LoRA or a split backward)
+        mlp_backward_tiled(p, g, l, sl, dout, N);  // (never with SP, LoRA or a split backward)
     } else {
         if (cfg_.swiglu()) {
             // d(product) (N,H) and d(fch) (N,2H) cannot share rows, so the product's gradient

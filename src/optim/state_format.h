@@ -89,6 +89,12 @@ uint16_t f32_to_bf16_stochastic(float x, uint64_t seed, uint64_t step, uint64_t 
 inline uint64_t bf16_rounding_seed(uint64_t train_seed) {
     return train_seed ^ 0x5EEDB16F00Dull;
 }
+// The elements [local, local + n) of a shard's flat buffer are the whole model's [global, global
+// + n): where a tensor-parallel rank's elements draw their rounding from (dist::tp_index_runs),
+// so that they round as one process rounds them.
+struct IndexRun {
+    std::size_t local = 0, global = 0, n = 0;
+};
 
 // One moment (Adam's m or v, SGD's momentum) of the floats [offset, offset + count) of a
 // layout's flat buffer, stored in a format. The range is cut into segments, one per tensor piece

@@ -357,8 +357,9 @@ void validate_optimizer_layout(const RunConfig& cfg) {
     }
     if (cfg.optim.master == "none") {
         // bf16 weights: in the CPU engine's ZeroStore at every stage (one process, DDP, ZeRO 1-3;
-        // the whole model or LoRA's adapters); on the GPU the compute parameters themselves
-        // (the whole model's under DDP and ZeRO 1-3, a pipeline stage's, or LoRA's adapters).
+        // the whole model or LoRA's adapters; a tensor-parallel shard alone); on the GPU the
+        // compute parameters themselves (the whole model's under DDP and ZeRO 1-3, a pipeline
+        // stage's, or LoRA's adapters).
         const auto refuse = refuser("optim.master = \"none\"");
         const bool cuda = cfg.train.device == "cuda";
         if (cuda && cfg.train.precision != "bf16")
@@ -372,8 +373,15 @@ void validate_optimizer_layout(const RunConfig& cfg) {
                                cfg.train.zero_stage, cfg.optim.name),
                    "its tensors stepped whole would be cut by the shards the bf16 update rounds "
                    "(use train.zero_stage = 0)");
-        const char* whole = "the bf16 weights are built for one process, DDP and ZeRO so far";
-        if (cfg.train.tp > 1) refuse(fmt::format("train.tp = {}", cfg.train.tp), whole);
+        if (cfg.train.tp > 1 && cuda)
+            refuse(fmt::format("train.tp = {} and train.device = \"cuda\"", cfg.train.tp),
+                   "the GPU's tensor-parallel shards keep fp32 master weights (the CPU engine's "
+                   "take bf16 ones)");
+        if (cfg.train.tp > 1 && cfg.dp() > 1 && !cuda)
+            refuse(
+                fmt::format("train.tp = {} with {} data-parallel groups", cfg.train.tp, cfg.dp()),
+                "the CPU engine's tp x dp mesh keeps fp32 weights (tensor parallelism alone "
+                "takes bf16 ones)");
         if (cfg.train.pp > 1 && !cuda)
             refuse(fmt::format("train.pp = {}", cfg.train.pp),
                    "the CPU engine's pipeline stages keep fp32 weights (the GPU's take bf16 ones)");
@@ -530,9 +538,9 @@ void validate_config(const RunConfig& cfg) {
         const auto refuse = refuser(fmt::format("train.mlp_tile = {}", cfg.train.mlp_tile));
         if (cfg.train.device == "cuda")
             refuse("train.device = \"cuda\"", "the tiled MLP is the CPU engine's");
-        if (cfg.train.tp > 1)
-            refuse(fmt::format("train.tp = {}", cfg.train.tp),
-                   "its row-parallel mlp.c_proj sums whole micro-batches over the group");
+        if (cfg.train.sequence_parallel)
+            refuse("train.sequence_parallel = true",
+                   "its norms run on a rank's rows, all-gathered before the GEMMs they feed");
         if (cfg.lora.enabled()) refuse("lora.rank > 0", "the adapters run on whole micro-batches");
         if (cfg.train.pp > 1 && cfg.train.pp_schedule == "zb-h1")
             refuse("train.pp_schedule = \"zb-h1\"",
@@ -542,8 +550,9 @@ void validate_config(const RunConfig& cfg) {
         if (cfg.train.device == "cpu" &&
             cpu_saved_activations(cfg.train, cfg.train.precision) == SavedStore::int8) {
             const int64_t block = (int64_t)cpu::kInt8Block;
+            const int64_t tp = std::max(1, cfg.train.tp);  // a shard's widths of the MLP
             for (const int64_t width :
-                 {(int64_t)cfg.model.fc_dim(), (int64_t)cfg.model.mlp_hidden()})
+                 {(int64_t)cfg.model.n_embd, cfg.model.fc_dim() / tp, cfg.model.mlp_hidden() / tp})
                 if ((int64_t)cfg.train.mlp_tile * width % block != 0)
                     fail(
                         "train.mlp_tile = {} with train.cpu_activations = \"int8\": a tile of "

@@ -20,6 +20,7 @@
 #include "mpi/dist_runs.h"
 #include "optim/optimizer.h"
 #include "optim/state_format.h"
+#include "parallel/data/zero_store.h"
 #include "parallel/tensor/tp.h"
 #include "test_util.h"
 #include "train/measured_run.h"
@@ -244,6 +245,31 @@ void check_remat_recomputes_bitwise(RunConfig c) {
 
 TEST(TpTrain, RematRecomputesBitwise) {
     check_remat_recomputes_bitwise(with_tp(tp_run("tp_remat", true, 2)));
+}
+
+// train.mlp_tile under tensor parallelism: the norms and each shard's column-parallel GEMMs go
+// tile by tile, the row-parallel mlp.c_proj sums every tile's partial rows in the one all-reduce,
+// and c_attn's and c_fc's partial input gradients are all-reduced after the last tile, as
+// untiled. Every policy stays bitwise within the mode, in its predicted bytes; the run follows
+// the untiled one (the weight gradients are summed tile by tile).
+TEST(TpTrain, TiledNormsAndMlpRecomputeBitwise) {
+    for (bool llama : {false, true}) {
+        SCOPED_TRACE(llama ? "llama" : "gpt2");
+        RunConfig c = with_tp(tp_run("tp_tiled", llama, 2));
+        RunConfig whole = c;
+        whole.io.out_dir += "_whole";
+        c.train.mlp_tile = 5;  // tiles of 5, 5, 5 and 1 of the 16 rows
+        check_remat_recomputes_bitwise(c);
+        whole.model.n_layer = 5;
+        RunConfig tiled = c;
+        tiled.model.n_layer = 5;
+        tiled.io.out_dir += "_tiled";
+        const std::vector<float> a = Trainer(whole, test::quiet(), &comm()).run().losses;
+        const std::vector<float> b = Trainer(tiled, test::quiet(), &comm()).run().losses;
+        ASSERT_EQ(a.size(), b.size());
+        for (std::size_t i = 0; i < a.size(); i++)
+            EXPECT_NEAR(b[i], a[i], 1e-5 * std::abs(a[i])) << "step " << i + 1;
+    }
 }
 
 // Per step of K micro-batches of N = B x T tokens through L blocks: 2 L K all-reduces of N x C
@@ -720,6 +746,133 @@ TEST(TpTrain, MuonAndAdafactorStepWholeMatrices) {
     z.train.batch_size = 2 * z.train.micro_batch_size * 2;
     test::expect_refused_naming(validate_optimizer_layout, z, "optim.name = \"muon\"",
                                 "train.zero_stage = 1");
+}
+
+// optim.master = "none" under tensor parallelism alone: each rank keeps its shard's weights in
+// bf16 (dist::ZeroStore over the shard, a world of one) and rounds each element with the draw of
+// its index in the whole model (tp_index_runs, which inverts local_index). From the same weights
+// and gradients the rank's bf16 weights are bitwise the slices of one process's, for AdamW and
+// for Muon (its matrices gathered over the group); a run follows one process's bf16-weight run,
+// allocates the parameter bytes predicted (2 per shard parameter + a decoded unit + the update's
+// scratch), and resumes bitwise.
+TEST(TpTrain, Bf16WeightsRoundAsOneProcess) {
+    const int P = comm().size();
+    for (bool llama : {false, true}) {
+        const RunConfig c = tp_run("tp_bf16w_layout", llama, 1);
+        const TpLayout l = make_tp_layout(c.model, P, comm().rank());
+        std::vector<std::size_t> global(l.local.total, SIZE_MAX);
+        for (const IndexRun& run : tp_index_runs(l))
+            for (std::size_t k = 0; k < run.n; k++) global.at(run.local + k) = run.global + k;
+        for (std::size_t i = 0; i < l.full.tensors.size(); i++) {
+            const ParamSpec &f = l.full.tensors[i], &sh = l.local.tensors[i];
+            for (int64_t e = 0; e < (int64_t)f.numel; e++) {
+                const int64_t li = l.local_index(i, e);
+                if (li >= 0) {
+                    ASSERT_EQ(global[sh.offset + li], f.offset + e) << f.name << " " << e;
+                }
+            }
+        }
+    }
+    for (const char* name : {"adamw", "muon"}) {
+        SCOPED_TRACE(name);
+        RunConfig c = tp_run(std::string("tp_bf16w_") + name, true, 4);
+        c.optim.name = name;
+        c.optim.master = "none";
+        const TpLayout l = make_tp_layout(c.model, P, comm().rank());
+        TpTensorGather gather(l, comm());
+        // Three steps of one process's store and of this rank's, from the same weights and
+        // gradients.
+        LocalCommunicator self;
+        auto store = [&](const ParamLayout& layout, bool shard) {
+            ZeroStore::Options o;
+            o.bf16_params = true;
+            o.rounding_seed = bf16_rounding_seed(7);
+            o.whole_tensors = whole_step_tensors(c.optim, layout);
+            if (shard) o.global_index = tp_index_runs(l);
+            return std::make_unique<ZeroStore>(layout, self, 0, o);
+        };
+        auto whole = store(l.full, false), mine = store(l.local, true);
+        auto opt_whole = make_optimizer(c.optim, l.full);
+        auto opt_mine =
+            make_optimizer(c.optim, l.local, 0, SIZE_MAX, MemCategory::OptimizerState, &gather);
+        auto slice = [&](const std::vector<float>& full) {
+            std::vector<float> local(l.local.total);
+            for (std::size_t t = 0; t < l.full.tensors.size(); t++)
+                tp_slice(l, t, full.data() + l.full.tensors[t].offset,
+                         local.data() + l.local.tensors[t].offset);
+            return local;
+        };
+        auto write = [](ZeroStore& z, const ParamLayout& layout, const std::vector<float>& w) {
+            for (std::size_t u = 0; u < layout.units.size(); u++) {
+                float* p = z.acquire((int)u, true);
+                std::copy(w.begin() + layout.units[u].begin, w.begin() + layout.units[u].end, p);
+                z.release((int)u);
+            }
+        };
+        auto read = [](ZeroStore& z, const ParamLayout& layout) {
+            std::vector<float> w(layout.total);
+            for (std::size_t u = 0; u < layout.units.size(); u++) {
+                const float* p = z.acquire((int)u);
+                std::copy(p, p + layout.units[u].size(), w.begin() + layout.units[u].begin);
+                z.release((int)u);
+            }
+            return w;
+        };
+        std::vector<float> w(l.full.total), g(l.full.total);
+        for (std::size_t i = 0; i < w.size(); i++) w[i] = 0.05f * std::sin(0.37f * (float)i);
+        write(*whole, l.full, w);
+        write(*mine, l.local, slice(w));
+        auto step = [&](ZeroStore& z, Optimizer& opt, const std::vector<float>& grads) {
+            z.zero_grads();
+            std::copy(grads.begin(), grads.end(), z.full_grads());
+            z.step_units([&](float* p, float* gr, std::size_t at,
+                             std::size_t n) { opt.step_part(p, gr, c.optim.lr, at, n); },
+                         opt.steps_taken() + 1);
+            opt.advance();
+        };
+        for (int k = 1; k <= 3; k++) {
+            for (std::size_t i = 0; i < g.size(); i++)
+                g[i] = 0.01f * std::cos(0.11f * (float)i * (float)k) / (1.0f + (float)(i % 7));
+            step(*whole, *opt_whole, g);
+            step(*mine, *opt_mine, slice(g));
+        }
+        EXPECT_EQ(slice(read(*whole, l.full)), read(*mine, l.local)) << "rank " << comm().rank();
+
+        // A run: it follows one process with bf16 weights, allocates what the plan predicts, and
+        // resumes bitwise.
+        RunConfig ref_cfg = c;
+        ref_cfg.io.out_dir += "_ref" + std::to_string(comm().rank());
+        const std::vector<float> ref = Trainer(ref_cfg, test::quiet()).run().losses;
+        RunConfig run = with_tp(c);
+        host_memory().reset_peak();
+        const MemoryStats before = host_memory().snapshot();
+        Trainer t(run, test::quiet(), &comm());
+        const std::vector<float> losses = t.run().losses;
+        const MemoryStats after = host_memory().snapshot();
+        ASSERT_EQ(losses.size(), ref.size());
+        for (std::size_t i = 0; i < ref.size(); i++)
+            EXPECT_NEAR(losses[i], ref[i], 1e-3 * std::abs(ref[i])) << "step " << i + 1;
+        for (const MemoryPrediction& m : t.plan().memory)
+            if (m.category == MemCategory::Parameters) {
+                EXPECT_EQ(after.peak_used[(int)m.category] - before[m.category], m.bytes)
+                    << m.formula;
+                EXPECT_NE(m.formula.find("(bf16)"), std::string::npos) << m.formula;
+            }
+        RunConfig split = run;
+        split.io.out_dir += "_split";
+        TrainOptions stop = test::quiet();
+        stop.stop_after = 2;
+        Trainer(split, stop, &comm()).run();
+        comm().barrier();
+        TrainOptions resume = test::quiet();
+        resume.resume = split.io.out_dir;
+        Trainer again(split, resume, &comm());
+        const std::vector<float> rest = again.run().losses;
+        ASSERT_EQ(rest.size(), 2u);
+        EXPECT_EQ(rest[0], losses[2]);
+        EXPECT_EQ(rest[1], losses[3]);
+        EXPECT_EQ(again.params(), t.params());
+    }
 }
 
 // The communication buffers' peak (the checkpoint's gathers of the optimizer state and of each

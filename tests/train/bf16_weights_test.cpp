@@ -238,6 +238,26 @@ TEST(Bf16Weights, RefusesTheLayoutsItDoesNotRunWithByName) {
             c.optim.name = "muon";
         },
         "train.zero_stage = 1 and optim.name = \"muon\"");
+    // Tensor parallelism alone takes them (tests/mpi/tp_test.cpp); the CPU's tp x dp mesh and
+    // the GPU's tp shards do not.
+    RunConfig tp = base;
+    tp.world = 2;
+    tp.train.tp = 2;
+    EXPECT_NO_THROW(validate_optimizer_layout(tp));
+    refused(
+        [](RunConfig& c) {
+            c.world = 4;
+            c.train.tp = 2;
+        },
+        "train.tp = 2 with 2 data-parallel groups");
+    refused(
+        [](RunConfig& c) {
+            c.world = 2;
+            c.train.tp = 2;
+            c.train.device = "cuda";
+            c.train.precision = "bf16";
+        },
+        "train.tp = 2 and train.device = \"cuda\"");
     RunConfig bad = base;
     bad.optim.master = "bf16";
     EXPECT_THROW(bad.optim.validate(), Error);

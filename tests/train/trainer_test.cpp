@@ -252,6 +252,8 @@ TEST(Trainer, TiledMlpTrainsBelowTheUntiledFloor) {
             c.model.n_layer = 4;
             c.train.precision = "fp32";
             c.train.cpu_activations = saved;
+            // int8: a tile of 4 rows of ln_2's 64 values is one 256-value block.
+            if (saved == "int8") c.model.n_embd = 64;
             c.train.remat = tile ? "memory-poor" : "none";
             c.train.mlp_tile = tile;
             Trainer t(c, opts());
@@ -272,7 +274,9 @@ TEST(Trainer, TiledMlpTrainsBelowTheUntiledFloor) {
             EXPECT_LT(predicted, untiled);
             ASSERT_EQ(s.losses.size(), ref.size());
             for (std::size_t i = 0; i < ref.size(); i++)
-                EXPECT_NEAR(s.losses[i], ref[i], 1e-5 * std::abs(ref[i])) << "step " << i + 1;
+                // (Compressed fields: a tile's GEMM may round a value to the neighbouring step.)
+                EXPECT_NEAR(s.losses[i], ref[i], (saved == "fp32" ? 1e-5 : 1e-3) * std::abs(ref[i]))
+                    << "step " << i + 1;
         }
     }
     auto refused = [](auto&& edit, const std::string& key) {
@@ -288,18 +292,19 @@ TEST(Trainer, TiledMlpTrainsBelowTheUntiledFloor) {
         [](RunConfig& c) {
             c.world = 2;
             c.train.tp = 2;
+            c.train.sequence_parallel = true;
         },
-        "train.mlp_tile = 64 does not run with train.tp = 2");
+        "train.mlp_tile = 64 does not run with train.sequence_parallel = true");
     refused([](RunConfig& c) { c.lora.rank = 4; }, "does not run with lora.rank > 0");
-    // int8 fields: every tile a whole number of 256-value blocks (16 x 4 = 64 values a row).
+    // int8 fields: every tile a whole number of 256-value blocks (ln_2's rows are 16 values).
     refused(
         [](RunConfig& c) {
             c.train.cpu_activations = "int8";
             c.train.mlp_tile = 6;
         },
         "train.mlp_tile = 6 with train.cpu_activations = \"int8\": a tile of 6 "
-        "rows x 64 values is not a whole number of the 256-value int8 blocks (use a multiple of 4 "
-        "rows)");
+        "rows x 16 values is not a whole number of the 256-value int8 blocks (use a multiple of "
+        "16 rows)");
 }
 
 TEST(Trainer, SgdRunsAndResumes) {

@@ -171,13 +171,24 @@ void CpuEngine::apply_data_parallel() {
     if (tp_) {
         // Tensor parallelism alone: the group reads the same rows, so there is nothing to sum
         // across ranks; this rank updates its whole shard.
-        full_ = std::make_unique<FullUnitStore>(layout_);
-        chunks_.push_back(std::make_unique<GPT>(model_, full_.get()));
+        if (cfg.optim.master == "none") {
+            // bf16 weights: each element rounds with the draw of its index in the whole model,
+            // as one process rounds it.
+            dist::ZeroStore::Options zo;
+            zo.bf16_params = true;
+            zo.rounding_seed = bf16_rounding_seed(cfg.train.seed);
+            zo.whole_tensors = whole_step;
+            zo.global_index = dist::tp_index_runs(tpl_);
+            shard16_ = std::make_unique<dist::ZeroStore>(layout_, shard_comm_, 0, zo);
+        } else {
+            full_ = std::make_unique<FullUnitStore>(layout_);
+        }
+        chunks_.push_back(std::make_unique<GPT>(model_, &shard_store()));
         chunks_.back()->set_tp(tp_.get());
         parts.push_back(make_optimizer(cfg.optim, layout_, 0, SIZE_MAX, MemCategory::OptimizerState,
                                        tp_gather_.get()));
         opt_ = std::make_unique<RangeOptimizers>(std::move(parts));
-        window_ = std::make_unique<TpWholeWeights>(tpl_, *full_, *tp_);
+        window_ = std::make_unique<TpWholeWeights>(tpl_, shard_store(), *tp_);
         // The optimizer state of the whole layout: every unit's, gathered from the shards.
         opt_view_ = std::make_unique<TpRangeOptimizer>(
             tpl_, *opt_, *tp_, ParamLayout::embedding_unit(), tpl_.full.head_unit());
@@ -215,6 +226,12 @@ void CpuEngine::apply_data_parallel() {
     opt_ = std::make_unique<RangeOptimizers>(std::move(parts));
 }
 
+UnitStore& CpuEngine::shard_store() {
+    if (shard16_) return *shard16_;
+    if (!full_) fail("internal: {} keeps no tensor-parallel shard", describe());
+    return *full_;
+}
+
 UnitStore& CpuEngine::base() {
     return quant_base_ ? static_cast<UnitStore&>(*quant_base_) : *full_;
 }
@@ -244,13 +261,13 @@ dist::TpGroup& CpuEngine::tp_group() {
 }
 
 float* CpuEngine::local_params() {
-    tp_group();  // (tensor parallelism alone keeps its shard whole in full_)
-    return piece(full_, *this, "whole tensor-parallel shard").full_params();
+    tp_group();  // (tensor parallelism alone keeps its shard whole in full_; bf16 in shard16_)
+    return piece(full_, *this, "whole fp32 tensor-parallel shard").full_params();
 }
 
 float* CpuEngine::local_grads() {
     tp_group();
-    return piece(full_, *this, "whole tensor-parallel shard").full_grads();
+    return shard_store().full_grads();
 }
 
 int CpuEngine::stage() const {
@@ -388,7 +405,7 @@ void CpuEngine::begin_step() {
     if (zero_)
         zero_->zero_grads();  // the trained states: the model's, or LoRA's adapters'
     else
-        full_->zero_grads();
+        shard_store().zero_grads();
     if (tp_) tp_->reset_counts();
     loss_sum_ = 0;
     micro_batches_ = 0;

@@ -208,6 +208,12 @@ class CpuEngine final : public Engine {
     // or whole in full_ (a tensor-parallel shard; LoRA's fp32 base).
     std::unique_ptr<dist::ZeroStore> zero_;
     std::unique_ptr<FullUnitStore> full_;
+    // Tensor parallelism alone under optim.master = "none": the shard's bf16 weights in a
+    // ZeroStore of its own (a world of one, stage 0), rounding with the whole model's indices.
+    dist::LocalCommunicator shard_comm_;
+    std::unique_ptr<dist::ZeroStore> shard16_;
+    // Tensor parallelism alone: where the shard lives (full_, or shard16_).
+    UnitStore& shard_store();
     // LoRA: the adapters' dropout and arithmetic, over their ZeroStore.
     std::unique_ptr<LoraAdapters> lora_;
     // Pipelines: the stage's gradients across its replicas.

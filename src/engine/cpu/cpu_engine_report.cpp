@@ -46,8 +46,9 @@ std::string CpuEngine::describe() const {
             cpu_compute_label(model_), rank, p, v, p * v, chunk_blocks(), kind, side);
     }
     if (tp_)
-        return fmt::format("cpu ({}), tensor-parallel rank {} of {}{}", cpu_compute_label(model_),
-                           tp_->rank(), tp_->size(), sp ? ", sequence-parallel" : "");
+        return fmt::format("cpu ({}), tensor-parallel rank {} of {}{}{}", cpu_compute_label(model_),
+                           tp_->rank(), tp_->size(), sp ? ", sequence-parallel" : "",
+                           shard16_ ? ", bf16 weights without a master copy" : "");
     if (plan_.lora) {
         std::string names;
         for (const auto& n : lora_layout_.names) names += (names.empty() ? "" : ", ") + n;

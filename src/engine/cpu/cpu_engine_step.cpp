@@ -111,7 +111,8 @@ void CpuEngine::sum_sequence_partial_grads() {
         for (const pp::StageStore::Range& rg : stages_->ranges())
             ranges.push_back({rg.first_unit, rg.last_unit, stages_->owned_grads() + rg.at});
     } else {
-        ranges.push_back({ParamLayout::embedding_unit(), layout_.head_unit(), full_->full_grads()});
+        ranges.push_back(
+            {ParamLayout::embedding_unit(), layout_.head_unit(), shard_store().full_grads()});
     }
     dist::sum_sequence_partial_grads(*tp_, layout_, ranges);
 }
@@ -120,10 +121,20 @@ StepResult CpuEngine::finish_shard_step(double lr, double max_norm) {
     StepResult r;
     r.loss = micro_batches_ ? loss_sum_ / micro_batches_ : 0.0;
     sum_sequence_partial_grads();
-    float* g = full_->full_grads();
+    float* g = shard_store().full_grads();
     r.grad_norm = dist::tp_grad_norm(tpl_, g, *tp_);
     clip_to_norm(g, layout_.total, r.grad_norm, max_norm);
-    opt_->part(0).step(full_->full_params(), g, lr);
+    Optimizer& opt = opt_->part(0);
+    if (shard16_) {
+        // optim.master = "none": decoded, updated and rounded a chunk at a time (a tensor stepped
+        // whole, gathered over the group, as one piece).
+        shard16_->step_units([&opt, lr](float* p, float* grads, std::size_t at,
+                                        std::size_t n) { opt.step_part(p, grads, lr, at, n); },
+                             opt.steps_taken() + 1);
+        opt.advance();
+    } else {
+        opt.step(full_->full_params(), g, lr);
+    }
     step_counts_ = tp_->counts();
     steps_++;
     return r;

@@ -51,6 +51,15 @@ ZeroStore::ZeroStore(const ParamLayout& layout, Communicator& comm, int stage, O
             }
         std::sort(whole_.begin(), whole_.end());
         rounding_seed_ = opts.rounding_seed;
+        global_index_ = opts.global_index;
+        std::size_t covered = 0;
+        for (const IndexRun& run : global_index_) {
+            if (run.local != covered)
+                fail("internal: the global index runs leave a gap at {}", covered);
+            covered += run.n;
+        }
+        if (!global_index_.empty() && covered != layout.total)
+            fail("internal: the global index runs cover {} of {} floats", covered, layout.total);
     } else {
         params_ = Buffer<float>((std::size_t)held(spec.params, total, shards[r].count),
                                 MemCategory::Parameters);
@@ -428,11 +437,33 @@ void ZeroStore::apply_update(const UnitUpdate& update, float* g, std::size_t at,
 #pragma omp parallel for simd schedule(static)
         for (int64_t i = 0; i < m; i++) w[i] = bf16_to_f32(w16[i]);
         update(w, g + (lo - base - at), lo - base, hi - lo);
-        const uint64_t seed = rounding_seed_, step = (uint64_t)update_step_;
+        round_into(w, lo, hi);
+        lo = hi;
+    }
+}
+
+void ZeroStore::round_into(const float* w, std::size_t lo, std::size_t hi) {
+    uint16_t* w16 = bf16_at(lo);
+    const uint64_t seed = rounding_seed_, step = (uint64_t)update_step_;
+    if (global_index_.empty()) {
+        const int64_t m = (int64_t)(hi - lo);
 #pragma omp parallel for schedule(static)
         for (int64_t i = 0; i < m; i++)
             w16[i] = f32_to_bf16_stochastic(w[i], seed, step, (uint64_t)lo + (uint64_t)i);
-        lo = hi;
+        return;
+    }
+    // The runs over [lo, hi): the first is the last one starting at or before lo.
+    auto run = std::upper_bound(global_index_.begin(), global_index_.end(), lo,
+                                [](std::size_t x, const IndexRun& r) { return x < r.local; });
+    for (--run; run != global_index_.end() && run->local < hi; ++run) {
+        const std::size_t a = std::max(lo, run->local), b = std::min(hi, run->local + run->n);
+        const uint64_t first = run->global + (a - run->local);
+        const int64_t m = (int64_t)(b - a);
+        uint16_t* out = w16 + (a - lo);
+        const float* in = w + (a - lo);
+#pragma omp parallel for schedule(static)
+        for (int64_t i = 0; i < m; i++)
+            out[i] = f32_to_bf16_stochastic(in[i], seed, step, first + (uint64_t)i);
     }
 }
 

@@ -66,6 +66,7 @@
 #include "comm/communicator.h"
 #include "core/allocator.h"
 #include "model/unit_store.h"
+#include "optim/state_format.h"
 
 namespace memtrain::dist {
 
@@ -113,6 +114,10 @@ class ZeroStore final : public UnitStore {
         // (whole_step_tensors: Muon's matrices, Adafactor's tensors); each is then decoded and
         // updated as one piece, the others a chunk at a time. Empty: none.
         std::vector<char> whole_tensors;
+        // With bf16_params: where each element of the layout's flat buffer sits in the whole
+        // model's, which its rounding draws from (a tensor-parallel shard's runs, ascending and
+        // covering the buffer). Empty: the layout is the whole model's.
+        std::vector<IndexRun> global_index;
     };
     ZeroStore(const ParamLayout& layout, Communicator& comm, int stage, Options opts);
     ZeroStore(const ParamLayout& layout, Communicator& comm, int stage)
@@ -243,6 +248,10 @@ class ZeroStore final : public UnitStore {
     // The tensors stepped whole, as [begin, end) of the flat buffer in increasing order.
     std::vector<std::pair<std::size_t, std::size_t>> whole_;
     uint64_t rounding_seed_ = 0;
+    std::vector<IndexRun> global_index_;  // Options::global_index
+    // Stores the updated floats w of flat indices [lo, hi) into the bf16 weights, each rounded
+    // stochastically with the draw of its global index.
+    void round_into(const float* w, std::size_t lo, std::size_t hi);
 
     enum class Armed { No, Norm, Update };
     Armed armed_ = Armed::No;

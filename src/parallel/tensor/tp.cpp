@@ -88,6 +88,43 @@ TpLayout make_tp_layout(const ModelConfig& cfg, int ranks, int rank) {
     return l;
 }
 
+std::vector<IndexRun> tp_index_runs(const TpLayout& l) {
+    std::vector<IndexRun> runs;
+    auto add = [&runs](std::size_t local, std::size_t global, std::size_t n) {
+        if (n == 0) return;
+        IndexRun* last = runs.empty() ? nullptr : &runs.back();
+        if (last && last->local + last->n == local && last->global + last->n == global)
+            last->n += n;
+        else
+            runs.push_back({local, global, n});
+    };
+    const std::size_t T = (std::size_t)l.ranks, r = (std::size_t)l.rank;
+    for (std::size_t i = 0; i < l.full.tensors.size(); i++) {
+        const ParamSpec &f = l.full.tensors[i], &s = l.local.tensors[i];
+        const TpShard& sh = l.shards[i];
+        if (!sh.split()) {
+            add(s.offset, f.offset, f.numel);
+            continue;
+        }
+        const std::size_t along = (std::size_t)f.shape[(std::size_t)sh.dim];
+        std::size_t inner = 1;
+        for (std::size_t d = (std::size_t)sh.dim + 1; d < f.shape.size(); d++)
+            inner *= (std::size_t)f.shape[d];
+        const std::size_t outer = f.numel / (along * inner);
+        for (std::size_t o = 0; o < outer; o++) {
+            std::size_t start = 0, local_start = 0;
+            for (int64_t seg : sh.segments) {
+                const std::size_t piece = (std::size_t)seg / T;
+                add(s.offset + (o * (along / T) + local_start) * inner,
+                    f.offset + (o * along + start + r * piece) * inner, piece * inner);
+                start += (std::size_t)seg;
+                local_start += piece;
+            }
+        }
+    }
+    return runs;
+}
+
 std::string tp_block_misfit(const ModelConfig& cfg, int ranks, StateFormat format) {
     const std::size_t B = block_size(format);
     if (B == 0 || ranks <= 1) return "";

@@ -91,6 +91,11 @@ struct TpLayout {
 // Always "" for fp32 and bf16, which have no blocks.
 std::string tp_block_misfit(const ModelConfig& cfg, int ranks, StateFormat format);
 
+// Where each element of this rank's shard (l.local's flat buffer) sits in the whole model's
+// (l.full's): runs ascending in the shard, covering it, adjacent runs merged. A cut tensor gives a
+// run per piece of a segment for each index of the dimensions before the cut.
+std::vector<IndexRun> tp_index_runs(const TpLayout& l);
+
 // The config of one of `ranks` shards (cfg with tp = ranks and sequence_parallel), validated.
 ModelConfig tp_shard_config(const ModelConfig& cfg, int ranks, bool sequence_parallel = false);
 TpLayout make_tp_layout(const ModelConfig& cfg, int ranks, int rank);
