@@ -428,6 +428,17 @@ int run_cpu_plan(const CpuPlanArgs& a) {
                 [&](RunConfig& c) { c.train.remat = policy; });
     attempt("train.cpu_attention = lse (no attention probabilities)",
             [](RunConfig& c) { c.train.cpu_attention = "lse"; });
+    // The norms and the MLP over row tiles: a recomputed block then holds a tile of their fields
+    // (docs/checkpointing.md), free or cheaper under full. The tile: the largest power of two up
+    // to 256 rows and a quarter of the micro-batch's.
+    {
+        const int64_t rows = (int64_t)cfg.train.micro_batch_size * cfg.train.seq_len;
+        int tile = 1;
+        while (tile * 2 <= 256 && tile * 2 <= rows / 4) tile *= 2;
+        if (rows >= 4)
+            attempt(fmt::format("train.mlp_tile = {} (norms and MLP in row tiles)", tile),
+                    [tile](RunConfig& c) { c.train.mlp_tile = tile; });
+    }
     while (!chosen && cfg.train.micro_batch_size > 1) {
         const int half = cfg.train.micro_batch_size / 2;
         if (cfg.train.batch_size % (half * cfg.dp()) != 0) break;

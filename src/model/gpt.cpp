@@ -264,17 +264,17 @@ void GPT::set_lora(LoraAdapters* lora) {
 }
 
 void GPT::lora_forward(int l, BlockLinear linear, const float* adapter, const float* x, float* y,
-                       int N) {
+                       int N, int64_t row0) {
     if (!lora_) return;
     for (const LoraSite& s : lora_->layout().sites_of(l, linear))
-        lora_->forward(s, adapter, x, y, N);
+        lora_->forward(s, adapter, x, y, N, row0);
 }
 
 void GPT::lora_backward(int l, BlockLinear linear, const float* adapter, float* grads,
-                        const float* x, const float* dy, float* dx, int N) {
+                        const float* x, const float* dy, float* dx, int N, int64_t row0) {
     if (!lora_) return;
     for (const LoraSite& s : lora_->layout().sites_of(l, linear))
-        lora_->backward(s, adapter, grads, x, dy, dx, N);
+        lora_->backward(s, adapter, grads, x, dy, dx, N, row0);
 }
 
 void GPT::block_forward(const BlockParams& p, int l, const float* adapter, const float* x,
@@ -298,8 +298,10 @@ void GPT::block_forward(const BlockParams& p, int l, const float* adapter, const
     if (cfg_.mlp_tile > 0) {  // ln_1 and c_attn a tile of rows at a time (as the MLP below)
         for (int r0 = 0; r0 < N; r0 += cfg_.mlp_tile) {
             const int rows = std::min(cfg_.mlp_tile, N - r0);
-            cpu::matmul_forward(s.qkv + (int64_t)r0 * QKV, ln1_tile(p, l, sl, x, r0, rows, true),
-                                p.qkv_w, p.qkv_b, rows, C, QKV, 0.0f, bf16());
+            const float* ln1 = ln1_tile(p, l, sl, x, r0, rows, true);
+            float* qkv = s.qkv + (int64_t)r0 * QKV;
+            cpu::matmul_forward(qkv, ln1, p.qkv_w, p.qkv_b, rows, C, QKV, 0.0f, bf16());
+            lora_forward(l, BlockLinear::Qkv, adapter, ln1, qkv, rows, r0);
         }
     } else {
         norm_forward(s.ln1, s.ln1_mean, s.ln1_rstd, x, p.ln1_w, p.ln1_b, n);
@@ -348,7 +350,7 @@ void GPT::block_forward(const BlockParams& p, int l, const float* adapter, const
     }
     round_saved(s, SavedField::ResidMid);
     if (cfg_.mlp_tile > 0) {  // ln_2 too goes tile by tile (a redo leaves it to the backward)
-        if (mlp) mlp_forward_tiled(p, l, s, out, sl, B, T);
+        if (mlp) mlp_forward_tiled(p, l, adapter, s, out, sl, B, T);
         stash(sl, l - b0_);
         return;
     }
@@ -423,8 +425,8 @@ const float* GPT::ln1_tile(const BlockParams& p, int l, const Slot& sl, const fl
     });
 }
 
-GPT::MlpTile GPT::mlp_tile(const BlockParams& p, int l, const Slot& sl, int r0, int rows,
-                           bool forward) const {
+GPT::MlpTile GPT::mlp_tile(const BlockParams& p, int l, const float* adapter, const Slot& sl,
+                           int r0, int rows, bool forward) {
     const int C = cfg_.n_embd, F = cfg_.local_fc_dim(), H = cfg_.local_hidden();
     const BlockSaved& s = sl.saved[l - b0_];
     MlpTile t{};
@@ -436,14 +438,15 @@ GPT::MlpTile GPT::mlp_tile(const BlockParams& p, int l, const Slot& sl, int r0, 
     });
     t.fch = tile_field(sl, l, SavedField::Fch, s.fch, F, r0, rows, forward, [&](float* fch) {
         cpu::matmul_forward(fch, t.ln2, p.fc_w, p.fc_b, rows, C, F, 0.0f, bf16());
+        lora_forward(l, BlockLinear::Fc, adapter, t.ln2, fch, rows, r0);
     });
     t.act = tile_field(sl, l, SavedField::FchAct, s.fch_act, H, r0, rows, forward,
                        [&](float* act) { act_forward(act, t.fch, rows); });
     return t;
 }
 
-void GPT::mlp_forward_tiled(const BlockParams& p, int l, BlockSaved& s, float* out, Slot& sl, int B,
-                            int T) {
+void GPT::mlp_forward_tiled(const BlockParams& p, int l, const float* adapter, BlockSaved& s,
+                            float* out, Slot& sl, int B, int T) {
     const int N = B * T, C = cfg_.n_embd, H = cfg_.local_hidden();
     DropoutMask m;
     const bool drop = dropout_at(sl, m, 3 + 3 * l);
@@ -452,8 +455,9 @@ void GPT::mlp_forward_tiled(const BlockParams& p, int l, BlockSaved& s, float* o
         // partial rows, then the group's one all-reduce of them all and the residual and bias.
         for (int r0 = 0; r0 < N; r0 += cfg_.mlp_tile) {
             const int rows = std::min(cfg_.mlp_tile, N - r0);
-            cpu::matmul_forward(out + (int64_t)r0 * C, mlp_tile(p, l, sl, r0, rows, true).act,
-                                p.fcp_w, nullptr, rows, H, C, 0.0f, bf16());
+            cpu::matmul_forward(out + (int64_t)r0 * C,
+                                mlp_tile(p, l, adapter, sl, r0, rows, true).act, p.fcp_w, nullptr,
+                                rows, H, C, 0.0f, bf16());
         }
         tp_->all_reduce(TpSite::RowForward, out, (int64_t)N * C);
         add_residual_bias(out, s.resid_mid, p.fcp_b, N);
@@ -461,37 +465,37 @@ void GPT::mlp_forward_tiled(const BlockParams& p, int l, BlockSaved& s, float* o
     }
     for (int r0 = 0; r0 < N; r0 += cfg_.mlp_tile) {
         const int rows = std::min(cfg_.mlp_tile, N - r0);
-        const float* act = mlp_tile(p, l, sl, r0, rows, true).act;
+        const float* act = mlp_tile(p, l, adapter, sl, r0, rows, true).act;
         float* o = out + (int64_t)r0 * C;
         if (!drop) std::memcpy(o, s.resid_mid + (int64_t)r0 * C, sizeof(float) * rows * C);
         cpu::matmul_forward(o, act, p.fcp_w, p.fcp_b, rows, H, C, drop ? 0.0f : 1.0f, bf16());
+        lora_forward(l, BlockLinear::FcProj, adapter, act, o, rows, r0);
     }
     if (drop) cpu::dropout_residual(out, s.resid_mid, m, B, T, C);
 }
 
-void GPT::mlp_backward_tiled(const BlockParams& p, BlockParams& g, int l, const Slot& sl,
-                             const float* dout, int N) {
+void GPT::mlp_backward_tiled(const BlockParams& p, BlockParams& g, int l, const float* adapter,
+                             float* adapter_grads, const Slot& sl, const float* dout, int N) {
     const int C = cfg_.n_embd, F = cfg_.local_fc_dim(), H = cfg_.local_hidden();
     float* dfch = dbig_;
     for (int r0 = 0; r0 < N; r0 += cfg_.mlp_tile) {
         const int rows = std::min(cfg_.mlp_tile, N - r0);
         // What the block dropped, made again by the forward's own function: the same bits.
-        const MlpTile t = mlp_tile(p, l, sl, r0, rows, false);
+        const MlpTile t = mlp_tile(p, l, adapter, sl, r0, rows, false);
         const float *ln2 = t.ln2, *fch = t.fch, *act = t.act;
         const float* dy = dout + (int64_t)r0 * C;
-        if (cfg_.swiglu()) {
-            cpu::matmul_backward(dact_, g.fcp_w, g.fcp_b, dy, act, p.fcp_w, rows, H, C, 0.0f,
-                                 bf16());
+        float* dact = cfg_.swiglu() ? dact_ : dfch;
+        cpu::matmul_backward(dact, g.fcp_w, g.fcp_b, dy, act, p.fcp_w, rows, H, C, 0.0f, bf16());
+        lora_backward(l, BlockLinear::FcProj, adapter, adapter_grads, act, dy, dact, rows, r0);
+        if (cfg_.swiglu())
             cpu::swiglu_backward(dfch, fch, dact_, rows, H);
-        } else {
-            cpu::matmul_backward(dfch, g.fcp_w, g.fcp_b, dy, act, p.fcp_w, rows, H, C, 0.0f,
-                                 bf16());
+        else
             cpu::gelu_backward(dfch, fch, dfch, (int64_t)rows * H);
-        }
         // d(ln_2) of these rows: dout's rows of this tile were read above (dropout's d(branch)
         // may sit in dln_ itself).
-        cpu::matmul_backward(dln_ + (int64_t)r0 * C, g.fc_w, g.fc_b, dfch, ln2, p.fc_w, rows, C, F,
-                             0.0f, bf16());
+        float* dln2 = dln_ + (int64_t)r0 * C;
+        cpu::matmul_backward(dln2, g.fc_w, g.fc_b, dfch, ln2, p.fc_w, rows, C, F, 0.0f, bf16());
+        lora_backward(l, BlockLinear::Fc, adapter, adapter_grads, ln2, dfch, dln2, rows, r0);
     }
 }
 
@@ -603,7 +607,7 @@ void GPT::block_backward(const BlockParams& p, BlockParams& g, int l, const floa
     }
     keep(d.fcp, dout, (std::size_t)N * C);
     if (cfg_.mlp_tile > 0) {
-        mlp_backward_tiled(p, g, l, sl, dout, N);  // (never with SP, LoRA or a split backward)
+        mlp_backward_tiled(p, g, l, adapter, adapter_grads, sl, dout, N);  // (never SP or split)
     } else {
         if (cfg_.swiglu()) {
             // d(product) (N,H) and d(fch) (N,2H) cannot share rows, so the product's gradient
@@ -648,9 +652,11 @@ void GPT::block_backward(const BlockParams& p, BlockParams& g, int l, const floa
     if (cfg_.mlp_tile > 0) {  // each tile's ln_1 read where kept, else made again
         for (int r0 = 0; r0 < N; r0 += cfg_.mlp_tile) {
             const int rows = std::min(cfg_.mlp_tile, N - r0);
-            cpu::matmul_backward(dln_ + (int64_t)r0 * C, g.qkv_w, g.qkv_b, dqkv + (int64_t)r0 * QKV,
-                                 ln1_tile(p, l, sl, x, r0, rows, false), p.qkv_w, rows, C, QKV,
-                                 0.0f, bf16());
+            const float* ln1 = ln1_tile(p, l, sl, x, r0, rows, false);
+            float *dln1 = dln_ + (int64_t)r0 * C, *dq = dqkv + (int64_t)r0 * QKV;
+            cpu::matmul_backward(dln1, g.qkv_w, g.qkv_b, dq, ln1, p.qkv_w, rows, C, QKV, 0.0f,
+                                 bf16());
+            lora_backward(l, BlockLinear::Qkv, adapter, adapter_grads, ln1, dq, dln1, rows, r0);
         }
     } else {
         const float* ln1 = gather(TpSite::SpRegather, s.ln1);
@@ -700,6 +706,7 @@ void GPT::set_activation_histograms(ActivationHistograms* h) {
 void GPT::stage_forward(int slot, const int32_t* inputs, int B, int T) {
     if (cfg_.tp != 1 && !tp_) fail("internal: a tensor-parallel shard runs with set_tp");
     ensure_arena(B, T);
+    if (lora_) lora_->prepare(B * T);  // (a tiled block's adapters run on tiles of these rows)
     Slot& sl = slots_.at(slot);
     const int N = B * T, C = cfg_.n_embd;
     if (has_embedding()) check_tokens(inputs, B, T, cfg_.vocab_size, "input");

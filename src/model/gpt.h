@@ -239,10 +239,11 @@ class GPT {
                         int T, float* defer = nullptr);
     // The adapters of block l on `linear`: y += their output; dx += their input gradient (and
     // their own gradients into `grads`).
+    // (row0: the first of the N rows in the micro-batch, which LoRA's dropout masks index.)
     void lora_forward(int l, BlockLinear linear, const float* adapter, const float* x, float* y,
-                      int N);
+                      int N, int64_t row0 = 0);
     void lora_backward(int l, BlockLinear linear, const float* adapter, float* grads,
-                       const float* x, const float* dy, float* dx, int N);
+                       const float* x, const float* dy, float* dx, int N, int64_t row0 = 0);
     void block_weight_grads(BlockParams& g, const BlockSaved& s, const float* deferred, int B,
                             int T);
     // The backward along walk_.backward, and its parts: the loss and ln_f (returns the loss
@@ -272,8 +273,8 @@ class GPT {
     // them, else recomputed into the tile-sized scratch from the residual stream; d(ln_2) into
     // dln_, the weight gradients summed tile by tile). The same tiles in every pass, so every
     // remat policy gives the same bits.
-    void mlp_forward_tiled(const BlockParams& p, int l, BlockSaved& s, float* out, Slot& sl, int B,
-                           int T);
+    void mlp_forward_tiled(const BlockParams& p, int l, const float* adapter, BlockSaved& s,
+                           float* out, Slot& sl, int B, int T);
     // Rows [r0, r0 + rows)'s ln_2 output, c_fc output and activation: in block l's fields where
     // it keeps them, else in the tile-sized scratch. The forward makes all three, the backward
     // (forward = false) the ones the block does not keep: one function, so the calls and the
@@ -281,8 +282,8 @@ class GPT {
     struct MlpTile {
         float *ln2, *fch, *act;
     };
-    MlpTile mlp_tile(const BlockParams& p, int l, const Slot& sl, int r0, int rows,
-                     bool forward) const;
+    MlpTile mlp_tile(const BlockParams& p, int l, const float* adapter, const Slot& sl, int r0,
+                     int rows, bool forward);
     // Rows [r0, r0 + rows) of block l's ln_1 output (x: the block's input), as mlp_tile's
     // fields: c_attn reads it a tile at a time in the forward and in its weight gradient.
     const float* ln1_tile(const BlockParams& p, int l, const Slot& sl, const float* x, int r0,
@@ -293,8 +294,8 @@ class GPT {
     template <class Make>
     float* tile_field(const Slot& sl, int l, SavedField f, float* field, int width, int r0,
                       int rows, bool forward, Make make) const;
-    void mlp_backward_tiled(const BlockParams& p, BlockParams& g, int l, const Slot& sl,
-                            const float* dout, int N);
+    void mlp_backward_tiled(const BlockParams& p, BlockParams& g, int l, const float* adapter,
+                            float* adapter_grads, const Slot& sl, const float* dout, int N);
     // ModelConfig::cpu_bf16: a saved field rounded to bf16 in place where it is made, so the
     // forward's own later reads, the backward and any recompute see the same values (no-op in
     // fp32); block i's kept activations stored as bf16 after its forward (stash) and decoded

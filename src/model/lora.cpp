@@ -216,21 +216,22 @@ float LoraAdapters::keep_scale(const LoraSite& s, std::size_t i) const {
                                 (float)(1.0 / (1.0 - cfg_.dropout)));
 }
 
-const float* LoraAdapters::dropped(const LoraSite& s, const float* x, int N) {
+const float* LoraAdapters::dropped(const LoraSite& s, const float* x, int N, int64_t row0) {
     if (!(training_ && cfg_.dropout > 0)) return x;
-    const std::size_t n = (std::size_t)N * (std::size_t)s.in;
+    const std::size_t n = (std::size_t)N * (std::size_t)s.in, first = (std::size_t)row0 * s.in;
     float* xd = xd_.data();
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < (int64_t)n; i++) xd[i] = x[i] * keep_scale(s, (std::size_t)i);
+    for (int64_t i = 0; i < (int64_t)n; i++) xd[i] = x[i] * keep_scale(s, first + (std::size_t)i);
     return xd;
 }
 
-void LoraAdapters::forward(const LoraSite& s, const float* unit, const float* x, float* y, int N) {
-    prepare(N);
+void LoraAdapters::forward(const LoraSite& s, const float* unit, const float* x, float* y, int N,
+                           int64_t row0) {
+    if (N > rows_) prepare(N);  // (a tile of rows fits the micro-batch's workspace)
     const int r = layout_->rank, in = (int)s.in, out = (int)s.out, ld = (int)s.linear_out;
     const float* A = unit + s.a;
     const float* B = unit + s.b;
-    const float* xd = dropped(s, x, N);
+    const float* xd = dropped(s, x, N, row0);
     // h (N, r) = drop(x) A^T; y[:, col0 : col0 + out] += scale * h B^T.
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, r, in, 1.0f, xd, in, A, in, 0.0f,
                 h_.data(), r);
@@ -239,8 +240,8 @@ void LoraAdapters::forward(const LoraSite& s, const float* unit, const float* x,
 }
 
 void LoraAdapters::backward(const LoraSite& s, const float* unit, float* grads, const float* x,
-                            const float* dy, float* dx, int N) {
-    prepare(N);
+                            const float* dy, float* dx, int N, int64_t row0) {
+    if (N > rows_) prepare(N);
     const int r = layout_->rank, in = (int)s.in, out = (int)s.out, ld = (int)s.linear_out;
     const float scale = cfg_.scale();
     const float* A = unit + s.a;
@@ -248,7 +249,7 @@ void LoraAdapters::backward(const LoraSite& s, const float* unit, float* grads, 
     float* dA = grads + s.a;
     float* dB = grads + s.b;
     const float* dys = dy + s.col0;
-    const float* xd = dropped(s, x, N);
+    const float* xd = dropped(s, x, N, row0);
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, r, in, 1.0f, xd, in, A, in, 0.0f,
                 h_.data(), r);
     // dB (out, r) += scale * dy^T h;  dh (N, r) = scale * dy B;  dA (r, in) += dh^T drop(x).
@@ -268,8 +269,9 @@ void LoraAdapters::backward(const LoraSite& s, const float* unit, float* grads, 
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, in, r, 1.0f, dh_.data(), r, A, in,
                 0.0f, t, in);
     const int64_t n = (int64_t)N * in;
+    const std::size_t first = (std::size_t)row0 * s.in;
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; i++) dx[i] += t[i] * keep_scale(s, (std::size_t)i);
+    for (int64_t i = 0; i < n; i++) dx[i] += t[i] * keep_scale(s, first + (std::size_t)i);
 }
 
 void merge_lora(float* base, const ParamLayout& base_layout, const float* adapters,

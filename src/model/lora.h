@@ -105,15 +105,16 @@ class LoraAdapters {
 
     // y (N rows of site.linear_out) += scale * drop(x) A^T B^T on the site's columns; `unit` is
     // the block's adapter unit.
-    void forward(const LoraSite& s, const float* unit, const float* x, float* y, int N);
+    void forward(const LoraSite& s, const float* unit, const float* x, float* y, int N,
+                 int64_t row0 = 0);
     // With dy the linear's output gradient (rows of site.linear_out): dA and dB accumulate into
     // `grads` (the unit's gradients), dx (N, in) += the adapter's share of the input gradient.
     void backward(const LoraSite& s, const float* unit, float* grads, const float* x,
-                  const float* dy, float* dx, int N);
+                  const float* dy, float* dx, int N, int64_t row0 = 0);
 
   private:
     // drop(x) into xd_ (or x itself without dropout).
-    const float* dropped(const LoraSite& s, const float* x, int N);
+    const float* dropped(const LoraSite& s, const float* x, int N, int64_t row0);
     float keep_scale(const LoraSite& s, std::size_t i) const;  // 0 or 1 / (1 - p)
 
     LoraConfig cfg_;

@@ -541,7 +541,6 @@ void validate_config(const RunConfig& cfg) {
         if (cfg.train.sequence_parallel)
             refuse("train.sequence_parallel = true",
                    "its norms run on a rank's rows, all-gathered before the GEMMs they feed");
-        if (cfg.lora.enabled()) refuse("lora.rank > 0", "the adapters run on whole micro-batches");
         if (cfg.train.pp > 1 && cfg.train.pp_schedule == "zb-h1")
             refuse("train.pp_schedule = \"zb-h1\"",
                    "its split backward keeps the MLP's output gradients for whole micro-batches");

@@ -191,6 +191,37 @@ TEST(Lora, BaseGetsNoGradientsAndRematKeepsTheBits) {
     EXPECT_EQ(host_memory().snapshot().used[(int)MemCategory::Gradients], 4 * s.n());
 }
 
+// ModelConfig::mlp_tile with adapters: c_attn's, c_fc's and mlp.c_proj's adapters run on each
+// tile's rows (their dropout masks indexed by the tile's rows in the micro-batch), so the
+// adapters' gradients are the untiled model's to rounding, with and without LoRA dropout, every
+// remat policy gives the tiled model's bits, and without dropout they match finite differences.
+TEST(Lora, TiledNormsAndMlpKeepTheAdaptersGradients) {
+    for (bool llama : {false, true})
+        for (double dropout : {0.0, 0.5}) {
+            const std::string what =
+                std::string(llama ? "llama" : "gpt2") + (dropout > 0 ? " dropout" : "");
+            const ModelConfig whole = llama ? tiny_exact_llama() : test::tiny_model();
+            ModelConfig tiled = whole;
+            tiled.mlp_tile = 5;  // tiles of 5, 5, 5 and 1 of the 16 rows
+            LoraModel a(whole, lora_cfg("all", dropout), true),
+                b(tiled, lora_cfg("all", dropout), true);
+            a.lora.set_training(true);
+            b.lora.set_training(true);
+            const std::vector<float> want = a.grads(), got = b.grads();
+            ASSERT_EQ(got.size(), want.size());
+            for (std::size_t i = 0; i < want.size(); i++)
+                ASSERT_NEAR(got[i], want[i], 1e-6 + 1e-4 * std::abs(want[i])) << what << " " << i;
+            for (const char* policy : {"full", "selective", "memory-poor"}) {
+                b.model.set_remat(remat::solve_policy(remat::parse_policy(policy), tiled, kBatch,
+                                                      kSeq, nullptr, cpu_arena_format(tiled))
+                                      .plan);
+                EXPECT_EQ(b.grads(), got) << what << " " << policy;
+            }
+            b.model.set_remat({});
+            if (dropout == 0) check_fd(b);
+        }
+}
+
 TEST(Lora, DropoutIsOneMaskPerMicroBatchAndOffInEvaluation) {
     LoraModel s(test::tiny_model(), lora_cfg("all", 0.5), true);
     const double eval = s.loss();

@@ -720,6 +720,18 @@ TEST(PlanCli, CpuPlanFitsTheHostLeverByLever) {
     for (const auto& s : ts)
         lse = lse || s["lever"].get<std::string>().starts_with("train.cpu_attention");
     EXPECT_TRUE(lse);
+    // The norms and the MLP in tiles (a quarter of the micro-batch's 16 rows) shrink `full`'s
+    // recompute scratch.
+    for (std::size_t i = 1; i < k; i++)
+        if (ts[i]["lever"].get<std::string>().starts_with("train.mlp_tile")) {
+            EXPECT_EQ(ts[i]["lever"], "train.mlp_tile = 4 (norms and MLP in row tiles)");
+            EXPECT_EQ(ts[i]["skipped"], "");
+            EXPECT_LT(ts[i]["bytes_per_rank"].get<double>(),
+                      ts[i - 1]["bytes_per_rank"].get<double>());
+            break;
+        } else {
+            EXPECT_LT(i + 1, k) << "no train.mlp_tile step";
+        }
     EXPECT_FALSE(std::filesystem::exists(dir + "/no.toml"));
     expect_refusal("plan gpt2 --device cpu --gpus 8", {"--gpus", "--device cpu"});
     expect_refusal("plan gpt2 --ranks 2", {"--ranks", "--device cpu"});

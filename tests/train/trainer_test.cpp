@@ -295,7 +295,6 @@ TEST(Trainer, TiledMlpTrainsBelowTheUntiledFloor) {
             c.train.sequence_parallel = true;
         },
         "train.mlp_tile = 64 does not run with train.sequence_parallel = true");
-    refused([](RunConfig& c) { c.lora.rank = 4; }, "does not run with lora.rank > 0");
     // int8 fields: every tile a whole number of 256-value blocks (ln_2's rows are 16 values).
     refused(
         [](RunConfig& c) {
