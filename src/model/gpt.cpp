@@ -280,6 +280,8 @@ void GPT::lora_backward(int l, BlockLinear linear, const float* adapter, float* 
 void GPT::block_forward(const BlockParams& p, int l, const float* adapter, const float* x,
                         float* out, Slot& sl, int B, int T, bool mlp) {
     BlockSaved& s = sl.saved[l - b0_];
+    // A kept field in bf16 or int8: stored as it is rounded, in the same pass.
+    void* const* st = sl.stored.empty() ? nullptr : sl.stored[l - b0_].data();
     // A tensor-parallel shard's sizes (parallel/tensor/tp.h; the whole model's without TP): A is
     // the width of this rank's attention heads. Under sequence parallelism x, out and the norm
     // fields hold this rank's n of the N token rows; the GEMMs and attention see all N, gathered
@@ -305,7 +307,7 @@ void GPT::block_forward(const BlockParams& p, int l, const float* adapter, const
         }
     } else {
         norm_forward(s.ln1, s.ln1_mean, s.ln1_rstd, x, p.ln1_w, p.ln1_b, n);
-        round_saved(s, SavedField::Ln1);
+        round_saved(s, SavedField::Ln1, st);
         const float* ln1 = gathered(s.ln1);
         cpu::matmul_forward(s.qkv, ln1, p.qkv_w, p.qkv_b, N, C, QKV, 0.0f, bf16());
         lora_forward(l, BlockLinear::Qkv, adapter, ln1, s.qkv, N);
@@ -315,14 +317,14 @@ void GPT::block_forward(const BlockParams& p, int l, const float* adapter, const
     // the micro-batch is here, so row b*T + t is rotated by its position t in its sequence.
     if (cfg_.rope())
         cpu::rope_forward(s.qkv, B, T, NH, NKV, cfg_.head_dim(), (float)cfg_.rope_theta);
-    round_saved(s, SavedField::Qkv);
+    round_saved(s, SavedField::Qkv, st);
     DropoutMask m;
     // s.att holds the probabilities, or under lse_attention their log-sum-exp.
     const bool lse = cfg_.lse_attention;
     cpu::attention_forward(s.atty, lse ? nullptr : s.att, s.qkv, B, T, A, NH, NKV,
                            dropout_at(sl, m, 1 + 3 * l), lse ? s.att : nullptr, cfg_.cpu_bf16);
-    round_saved(s, SavedField::Att);
-    round_saved(s, SavedField::Atty);
+    round_saved(s, SavedField::Att, st);
+    round_saved(s, SavedField::Atty, st);
     // Row-parallel c_proj: this rank's heads' share, summed over the group (g: an all-reduce, or
     // a reduce-scatter to this rank's rows), then the residual and the bias once.
     auto row_parallel_sum = [&](float* partial_or_out, float* out_rows) {
@@ -348,20 +350,19 @@ void GPT::block_forward(const BlockParams& p, int l, const float* adapter, const
         cpu::matmul_forward(s.resid_mid, s.atty, p.proj_w, p.proj_b, N, C, C, 1.0f, bf16());
         lora_forward(l, BlockLinear::Proj, adapter, s.atty, s.resid_mid, N);
     }
-    round_saved(s, SavedField::ResidMid);
+    round_saved(s, SavedField::ResidMid, st);
     if (cfg_.mlp_tile > 0) {  // ln_2 too goes tile by tile (a redo leaves it to the backward)
         if (mlp) mlp_forward_tiled(p, l, adapter, s, out, sl, B, T);
-        stash(sl, l - b0_);
         return;
     }
     norm_forward(s.ln2, s.ln2_mean, s.ln2_rstd, s.resid_mid, p.ln2_w, p.ln2_b, n);
-    round_saved(s, SavedField::Ln2);
+    round_saved(s, SavedField::Ln2, st);
     const float* ln2 = gathered(s.ln2);
     cpu::matmul_forward(s.fch, ln2, p.fc_w, p.fc_b, N, C, F, 0.0f, bf16());
     lora_forward(l, BlockLinear::Fc, adapter, ln2, s.fch, N);
-    round_saved(s, SavedField::Fch);
+    round_saved(s, SavedField::Fch, st);
     act_forward(s.fch_act, s.fch, N);
-    round_saved(s, SavedField::FchAct);
+    round_saved(s, SavedField::FchAct, st);
     if (tp_) {  // row-parallel mlp.c_proj, as c_proj above
         float* partial = seq ? sp_ : out;
         cpu::matmul_forward(partial, s.fch_act, p.fcp_w, nullptr, N, H, C, 0.0f, bf16());
@@ -377,7 +378,6 @@ void GPT::block_forward(const BlockParams& p, int l, const float* adapter, const
         cpu::matmul_forward(out, s.fch_act, p.fcp_w, p.fcp_b, N, H, C, 1.0f, bf16());
         lora_forward(l, BlockLinear::FcProj, adapter, s.fch_act, out, N);
     }
-    stash(sl, l - b0_);
 }
 
 // Recomputes what Selective dropped (ln1, ln2, fch_act) with the same kernel calls, on the same
@@ -406,8 +406,10 @@ float* GPT::tile_field(const Slot& sl, int l, SavedField f, float* field, int wi
     const std::size_t begin = (std::size_t)r0 * width, n = (std::size_t)rows * width;
     if (forward || !kept) {
         make(t);
-        round_part(t, n);
-        if (forward && store) store_part(store, f, t, begin, n);
+        if (forward && store)
+            round_store_part(t, store, f, begin, n);
+        else
+            round_part(t, n);
     } else if (store) {
         load_part(t, store, f, begin, n);
     }
@@ -499,9 +501,22 @@ void GPT::mlp_backward_tiled(const BlockParams& p, BlockParams& g, int l, const 
     }
 }
 
-void GPT::round_saved(const BlockSaved& s, SavedField f) const {
+void GPT::round_saved(const BlockSaved& s, SavedField f, void* const* stored) const {
     if (is_statistic(f, arena_format())) return;
-    round_part(s.*kMembers[static_cast<int>(f)], field_elems_[static_cast<int>(f)]);
+    const int k = static_cast<int>(f);
+    void* store = stored ? stored[k] : nullptr;
+    if (store)
+        round_store_part(s.*kMembers[k], store, f, 0, field_elems_[k]);
+    else
+        round_part(s.*kMembers[k], field_elems_[k]);
+}
+
+void GPT::round_store_part(float* x, void* store, SavedField f, std::size_t begin,
+                           std::size_t n) const {
+    if (cfg_.saved_activations == SavedStore::bf16)
+        cpu::round_to_bf16(x, (int64_t)n, static_cast<uint16_t*>(store) + begin);
+    else
+        cpu::qdq_int8_store(x, store, field_elems_[static_cast<int>(f)], begin, n);
 }
 
 void GPT::round_part(float* x, std::size_t n) const {
@@ -512,14 +527,6 @@ void GPT::round_part(float* x, std::size_t n) const {
         cpu::qdq_int8(x, n);
 }
 
-void GPT::store_part(void* dst, SavedField f, const float* x, std::size_t begin,
-                     std::size_t n) const {
-    if (cfg_.saved_activations == SavedStore::bf16)
-        cpu::to_bf16(static_cast<uint16_t*>(dst) + begin, x, 1, (int64_t)n, (int64_t)n);
-    else
-        cpu::to_int8_part(dst, field_elems_[static_cast<int>(f)], begin, x, n);
-}
-
 void GPT::load_part(float* x, const void* src, SavedField f, std::size_t begin,
                     std::size_t n) const {
     if (cfg_.saved_activations == SavedStore::bf16)
@@ -528,16 +535,9 @@ void GPT::load_part(float* x, const void* src, SavedField f, std::size_t begin,
         cpu::from_int8_part(x, src, field_elems_[static_cast<int>(f)], begin, n);
 }
 
-// (Under ModelConfig::mlp_tile the MLP's fields are stored and read a tile at a time, by
-// mlp_tile: the working block holds one tile of them.)
-void GPT::stash(Slot& sl, int i) const {
-    if (sl.stored.empty()) return;
-    for (int f = 0; f < kSavedFields; f++)
-        if (sl.stored[i][f] && !(cfg_.mlp_tile > 0 && is_tiled_field(SavedField(f))))
-            store_part(sl.stored[i][f], SavedField(f), sl.saved[i].*kMembers[f], 0,
-                       field_elems_[f]);
-}
-
+// A kept field's store is written where the forward rounds it (round_saved, tile_field); before
+// the block's backward the untiled ones come back whole into the working block (the tiled
+// fields a tile at a time, by tile_field).
 void GPT::unstash(Slot& sl, int i) const {
     if (sl.stored.empty()) return;
     for (int f = 0; f < kSavedFields; f++)

@@ -203,7 +203,8 @@ class GPT {
         std::vector<BlockSaved> saved;  // dropped fields point into the recompute scratch
         // ModelConfig::cpu_bf16: every block's BlockSaved points into the fp32 working block
         // (statistics it keeps excepted), and its kept activations wait here in bf16 (null:
-        // dropped) between its forward (stash) and its backward (unstash).
+        // dropped) between its forward (stored as round_saved rounds them) and its backward
+        // (unstash).
         std::vector<std::array<void*, kSavedFields>> stored;
         float *lnf = nullptr, *lnf_mean = nullptr, *lnf_rstd = nullptr;
         // The micro-batch's dropout (p = 0: none), its site left to each use (dropout_at).
@@ -298,16 +299,16 @@ class GPT {
                             float* adapter_grads, const Slot& sl, const float* dout, int N);
     // ModelConfig::cpu_bf16: a saved field rounded to bf16 in place where it is made, so the
     // forward's own later reads, the backward and any recompute see the same values (no-op in
-    // fp32); block i's kept activations stored as bf16 after its forward (stash) and decoded
+    // fp32); block i's kept activations stored as bf16 or int8 as they are rounded and decoded
     // into the working block before its backward (unstash).
-    void round_saved(const BlockSaved& s, SavedField f) const;
-    void stash(Slot& sl, int i) const;
+    // With `stored` (the block's stores, in the forward), a kept field is stored as it is rounded.
+    void round_saved(const BlockSaved& s, SavedField f, void* const* stored = nullptr) const;
     void unstash(Slot& sl, int i) const;
     // n values rounded as the store format rounds them; values [begin, begin + n) of field f
-    // into its store and back (a whole field, or a tile of the MLP's).
+    // into its store and back (a whole field, or a tile of a tiled one); both at once.
     void round_part(float* x, std::size_t n) const;
-    void store_part(void* dst, SavedField f, const float* x, std::size_t begin,
-                    std::size_t n) const;
+    void round_store_part(float* x, void* store, SavedField f, std::size_t begin,
+                          std::size_t n) const;
     void load_part(float* x, const void* src, SavedField f, std::size_t begin, std::size_t n) const;
     // LayerNorm or RMSNorm per the config (mean and bias unused by RMSNorm).
     void norm_forward(float* out, float* mean, float* rstd, const float* inp, const float* w,
@@ -346,7 +347,7 @@ class GPT {
     cpu::Bf16Gemm gemm_{};
     const cpu::Bf16Gemm* bf16() const { return cfg_.cpu_bf16 ? &gemm_ : nullptr; }
     float* sp_ = nullptr;  // sequence parallelism: all N token rows (ArenaPlan::sp_gather)
-    // Elements of each saved field at the arena's B x T (cpu_bf16's rounding, stash, unstash).
+    // Elements of each saved field at the arena's B x T (cpu_bf16's rounding, the stores, unstash).
     std::array<std::size_t, kSavedFields> field_elems_{};
     // Sequence parallelism on a micro-batch of N rows (ModelConfig::sp_rows < N).
     bool sp(int N) const { return tp_ && cfg_.sp_rows(N) != N; }

@@ -68,6 +68,17 @@ TEST(Int8Activations, RoundingIsExactlyStoredAndIdempotentWithinHalfAStep) {
     std::vector<float> back(n, -1.0f);
     cpu::from_int8(back.data(), aligned, n);
     EXPECT_EQ(0, std::memcmp(back.data(), q.data(), n * sizeof(float))) << "stored exactly";
+    // The forward's one pass (qdq_int8_store: round and store together), whole and by parts on
+    // the block grid (a tile of rows), gives the rounded values and the store's bytes of the two.
+    for (std::size_t part : {n, 2 * cpu::kInt8Block}) {
+        std::vector<float> fused = x;
+        std::vector<char> one(store.size(), 0x55);
+        void* out = one.data() + ((char*)aligned - store.data());
+        for (std::size_t at = 0; at < n; at += part)
+            cpu::qdq_int8_store(fused.data() + at, out, n, at, std::min(part, n - at));
+        EXPECT_EQ(0, std::memcmp(fused.data(), q.data(), n * sizeof(float))) << part;
+        EXPECT_EQ(0, std::memcmp(out, aligned, cpu::int8_store_bytes(n))) << part;
+    }
 
     // An all-zero block stays zero; a block with a non-finite value becomes NaN, the others
     // are untouched by it.

@@ -113,6 +113,34 @@ void to_int8_part(void* out, std::size_t n, std::size_t begin, const float* x, s
     }
 }
 
+void qdq_int8_store(float* x, void* out, std::size_t n, std::size_t begin, std::size_t count) {
+    std::size_t first = 0, last = 0;
+    part_blocks(n, begin, count, first, last);
+    float* scales = static_cast<float*>(out);
+    int8_t* q = reinterpret_cast<int8_t*>(scales + (n + kInt8Block - 1) / kInt8Block);
+#pragma omp parallel for schedule(static)
+    for (std::size_t b = first; b < last; b++) {
+        float* v = x + (b * kInt8Block - begin);
+        const std::size_t m = std::min(kInt8Block, n - b * kInt8Block);
+        const float s = block_scale(v, m);
+        scales[b] = s;
+        int8_t* qb = q + b * kInt8Block;
+        std::fill(qb, qb + m, int8_t{0});
+        if (s == 0) continue;  // (as qdq_int8: the values stay, zeros of either sign)
+        if (std::isnan(s)) {
+            std::fill(v, v + m, s);
+            continue;
+        }
+        float r[kInt8Block];
+        scale_round(r, v, m, s);
+#pragma omp simd
+        for (std::size_t i = 0; i < m; i++) {
+            qb[i] = (int8_t)r[i];
+            v[i] = r[i] * s + 0.0f;
+        }
+    }
+}
+
 void from_int8_part(float* x, const void* in, std::size_t n, std::size_t begin, std::size_t count) {
     std::size_t first = 0, last = 0;
     part_blocks(n, begin, count, first, last);

@@ -27,6 +27,8 @@ void from_int8(float* x, const void* in, std::size_t n);
 // ending on one or at n, so each of its blocks is one of the whole field's (the tiled MLP stores
 // and reads a tile of rows at a time).
 void to_int8_part(void* out, std::size_t n, std::size_t begin, const float* x, std::size_t count);
+// qdq_int8 of the part's values x and to_int8_part of the result, in one pass over them.
+void qdq_int8_store(float* x, void* out, std::size_t n, std::size_t begin, std::size_t count);
 void from_int8_part(float* x, const void* in, std::size_t n, std::size_t begin, std::size_t count);
 
 }  // namespace memtrain::cpu

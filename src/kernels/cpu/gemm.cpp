@@ -87,9 +87,18 @@ void from_bf16(float* out, const uint16_t* in, int64_t n) {
     for (int64_t i = 0; i < n; i++) out[i] = bf16_to_f32(in[i]);
 }
 
-void round_to_bf16(float* x, int64_t n) {
+void round_to_bf16(float* x, int64_t n, uint16_t* store) {
+    if (!store) {
 #pragma omp parallel for simd schedule(static)
-    for (int64_t i = 0; i < n; i++) x[i] = bf16_to_f32(f32_to_bf16(x[i]));
+        for (int64_t i = 0; i < n; i++) x[i] = bf16_to_f32(f32_to_bf16(x[i]));
+        return;
+    }
+#pragma omp parallel for simd schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const uint16_t b = f32_to_bf16(x[i]);
+        store[i] = b;
+        x[i] = bf16_to_f32(b);
+    }
 }
 
 void gemm_bf16(bool ta, bool tb, int M, int N, int K, const uint16_t* A, const uint16_t* B,

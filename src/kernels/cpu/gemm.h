@@ -35,8 +35,9 @@ void gemm_bf16(bool ta, bool tb, int M, int N, int K, const uint16_t* A, const u
 void to_bf16(uint16_t* out, const float* in, int64_t rows, int64_t cols, int64_t ld);
 // n bf16 values widened to fp32 (exact).
 void from_bf16(float* out, const uint16_t* in, int64_t n);
-// Rounds n floats to their nearest bf16 value in place (they stay fp32; to_bf16 of them is exact).
-void round_to_bf16(float* x, int64_t n);
+// Rounds n floats to their nearest bf16 value in place (they stay fp32; to_bf16 of them is exact);
+// with `store`, their bf16 bits into it too, in the same pass.
+void round_to_bf16(float* x, int64_t n, uint16_t* store = nullptr);
 
 // Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), as oneDNN sees it.
 bool cpu_has_bf16();
