@@ -599,6 +599,15 @@ TEST(TpLayout, BlockMisfitIsTheCellByCellCheck) {
     EXPECT_EQ(tp_block_misfit(models[0], P, StateFormat::Bf16), "");
 }
 
+// This rank's slices of a whole model's flat buffer (l.full's), in l.local's layout.
+std::vector<float> slice_of(const TpLayout& l, const std::vector<float>& full) {
+    std::vector<float> local(l.local.total);
+    for (std::size_t t = 0; t < l.full.tensors.size(); t++)
+        tp_slice(l, t, full.data() + l.full.tensors[t].offset,
+                 local.data() + l.local.tensors[t].offset);
+    return local;
+}
+
 // One process's optimizer over the whole layout and this rank's over its slices (with `gather`
 // where the optimizer steps sliced tensors whole), three steps from the same weights and
 // gradients (the whole model's, sliced): the rank's weights and every state tensor must be
@@ -607,13 +616,7 @@ void expect_steps_are_slices(const OptimConfig& cfg, const TpLayout& l,
                              TensorGather* gather = nullptr) {
     auto whole = make_optimizer(cfg, l.full);
     auto mine = make_optimizer(cfg, l.local, 0, SIZE_MAX, MemCategory::OptimizerState, gather);
-    auto slice = [&](const std::vector<float>& full) {
-        std::vector<float> local(l.local.total);
-        for (std::size_t t = 0; t < l.full.tensors.size(); t++)
-            tp_slice(l, t, full.data() + l.full.tensors[t].offset,
-                     local.data() + l.local.tensors[t].offset);
-        return local;
-    };
+    auto slice = [&](const std::vector<float>& full) { return slice_of(l, full); };
     std::vector<float> w(l.full.total), g(l.full.total);
     for (std::size_t i = 0; i < w.size(); i++) w[i] = 0.05f * std::sin(0.37f * (float)i);
     std::vector<float> lw = slice(w);
@@ -807,13 +810,7 @@ TEST(TpTrain, Bf16WeightsRoundAsOneProcess) {
         auto opt_whole = make_optimizer(c.optim, l.full);
         auto opt_mine =
             make_optimizer(c.optim, l.local, 0, SIZE_MAX, MemCategory::OptimizerState, &gather);
-        auto slice = [&](const std::vector<float>& full) {
-            std::vector<float> local(l.local.total);
-            for (std::size_t t = 0; t < l.full.tensors.size(); t++)
-                tp_slice(l, t, full.data() + l.full.tensors[t].offset,
-                         local.data() + l.local.tensors[t].offset);
-            return local;
-        };
+        auto slice = [&](const std::vector<float>& full) { return slice_of(l, full); };
         auto write = [](ZeroStore& z, const ParamLayout& layout, const std::vector<float>& w) {
             for (std::size_t u = 0; u < layout.units.size(); u++) {
                 float* p = z.acquire((int)u, true);

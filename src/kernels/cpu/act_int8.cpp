@@ -89,31 +89,12 @@ void from_int8(float* x, const void* in, std::size_t n) {
     from_int8_part(x, in, n, 0, n);
 }
 
-void to_int8_part(void* out, std::size_t n, std::size_t begin, const float* x, std::size_t count) {
-    std::size_t first = 0, last = 0;
-    part_blocks(n, begin, count, first, last);
-    float* scales = static_cast<float*>(out);
-    int8_t* q = reinterpret_cast<int8_t*>(scales + (n + kInt8Block - 1) / kInt8Block);
-#pragma omp parallel for schedule(static)
-    for (std::size_t b = first; b < last; b++) {
-        const float* v = x + (b * kInt8Block - begin);
-        const std::size_t m = std::min(kInt8Block, n - b * kInt8Block);
-        const float s = block_scale(v, m);
-        scales[b] = s;
-        int8_t* qb = q + b * kInt8Block;
-        if (s == 0 || std::isnan(s)) {
-            std::fill(qb, qb + m, int8_t{0});
-            continue;
-        }
-        // Exact: v is a multiple of a power of two >= s with |v| <= 127 s (qdq_int8's output).
-        float r[kInt8Block];
-        scale_round(r, v, m, s);
-#pragma omp simd
-        for (std::size_t i = 0; i < m; i++) qb[i] = (int8_t)r[i];
-    }
-}
+namespace {
 
-void qdq_int8_store(float* x, void* out, std::size_t n, std::size_t begin, std::size_t count) {
+// The part's blocks of x stored into `out` (an n-value store); with write_back, x itself is
+// rounded to the stored values too (qdq_int8's), in the same pass.
+void store_blocks(float* x, bool write_back, void* out, std::size_t n, std::size_t begin,
+                  std::size_t count) {
     std::size_t first = 0, last = 0;
     part_blocks(n, begin, count, first, last);
     float* scales = static_cast<float*>(out);
@@ -128,17 +109,29 @@ void qdq_int8_store(float* x, void* out, std::size_t n, std::size_t begin, std::
         std::fill(qb, qb + m, int8_t{0});
         if (s == 0) continue;  // (as qdq_int8: the values stay, zeros of either sign)
         if (std::isnan(s)) {
-            std::fill(v, v + m, s);
+            if (write_back) std::fill(v, v + m, s);
             continue;
         }
+        // Exact when v is already rounded: a multiple of a power of two >= s, |v| <= 127 s.
         float r[kInt8Block];
         scale_round(r, v, m, s);
 #pragma omp simd
-        for (std::size_t i = 0; i < m; i++) {
-            qb[i] = (int8_t)r[i];
-            v[i] = r[i] * s + 0.0f;
+        for (std::size_t i = 0; i < m; i++) qb[i] = (int8_t)r[i];
+        if (write_back) {
+#pragma omp simd
+            for (std::size_t i = 0; i < m; i++) v[i] = r[i] * s + 0.0f;
         }
     }
+}
+
+}  // namespace
+
+void to_int8_part(void* out, std::size_t n, std::size_t begin, const float* x, std::size_t count) {
+    store_blocks(const_cast<float*>(x), false, out, n, begin, count);  // (x is only read)
+}
+
+void qdq_int8_store(float* x, void* out, std::size_t n, std::size_t begin, std::size_t count) {
+    store_blocks(x, true, out, n, begin, count);
 }
 
 void from_int8_part(float* x, const void* in, std::size_t n, std::size_t begin, std::size_t count) {
