@@ -88,39 +88,51 @@ TpLayout make_tp_layout(const ModelConfig& cfg, int ranks, int rank) {
     return l;
 }
 
+namespace {
+
+// Rank r's runs of tensor i: fn(e, le, len) for each, e and le where the run starts in the whole
+// tensor and in the rank's piece of it, in the piece's order. A cut tensor has a run per piece of
+// a segment for each index of the dimensions before the cut; a whole one is one run. Stops and
+// returns false where fn does.
+template <class Fn>
+bool for_each_run(const TpLayout& l, std::size_t i, std::size_t r, Fn fn) {
+    const ParamSpec& f = l.full.tensors[i];
+    const TpShard& sh = l.shards[i];
+    if (!sh.split()) return fn(std::size_t{0}, std::size_t{0}, f.numel);
+    const std::size_t along = (std::size_t)f.shape[(std::size_t)sh.dim], T = (std::size_t)l.ranks;
+    std::size_t inner = 1;
+    for (std::size_t d = (std::size_t)sh.dim + 1; d < f.shape.size(); d++)
+        inner *= (std::size_t)f.shape[d];
+    const std::size_t outer = f.numel / (along * inner);
+    for (std::size_t o = 0; o < outer; o++) {
+        std::size_t start = 0, local_start = 0;
+        for (int64_t seg : sh.segments) {
+            const std::size_t piece = (std::size_t)seg / T;
+            if (!fn((o * along + start + r * piece) * inner,
+                    (o * (along / T) + local_start) * inner, piece * inner))
+                return false;
+            start += (std::size_t)seg;
+            local_start += piece;
+        }
+    }
+    return true;
+}
+
+}  // namespace
+
 std::vector<IndexRun> tp_index_runs(const TpLayout& l) {
     std::vector<IndexRun> runs;
-    auto add = [&runs](std::size_t local, std::size_t global, std::size_t n) {
-        if (n == 0) return;
-        IndexRun* last = runs.empty() ? nullptr : &runs.back();
-        if (last && last->local + last->n == local && last->global + last->n == global)
-            last->n += n;
-        else
-            runs.push_back({local, global, n});
-    };
-    const std::size_t T = (std::size_t)l.ranks, r = (std::size_t)l.rank;
     for (std::size_t i = 0; i < l.full.tensors.size(); i++) {
-        const ParamSpec &f = l.full.tensors[i], &s = l.local.tensors[i];
-        const TpShard& sh = l.shards[i];
-        if (!sh.split()) {
-            add(s.offset, f.offset, f.numel);
-            continue;
-        }
-        const std::size_t along = (std::size_t)f.shape[(std::size_t)sh.dim];
-        std::size_t inner = 1;
-        for (std::size_t d = (std::size_t)sh.dim + 1; d < f.shape.size(); d++)
-            inner *= (std::size_t)f.shape[d];
-        const std::size_t outer = f.numel / (along * inner);
-        for (std::size_t o = 0; o < outer; o++) {
-            std::size_t start = 0, local_start = 0;
-            for (int64_t seg : sh.segments) {
-                const std::size_t piece = (std::size_t)seg / T;
-                add(s.offset + (o * (along / T) + local_start) * inner,
-                    f.offset + (o * along + start + r * piece) * inner, piece * inner);
-                start += (std::size_t)seg;
-                local_start += piece;
-            }
-        }
+        const std::size_t global = l.full.tensors[i].offset, local = l.local.tensors[i].offset;
+        for_each_run(l, i, (std::size_t)l.rank, [&](std::size_t e, std::size_t le, std::size_t n) {
+            IndexRun* last = runs.empty() ? nullptr : &runs.back();
+            if (n == 0) return true;
+            if (last && last->local + last->n == local + le && last->global + last->n == global + e)
+                last->n += n;
+            else
+                runs.push_back({local + le, global + e, n});
+            return true;
+        });
     }
     return runs;
 }
@@ -128,10 +140,9 @@ std::vector<IndexRun> tp_index_runs(const TpLayout& l) {
 std::string tp_block_misfit(const ModelConfig& cfg, int ranks, StateFormat format) {
     const std::size_t B = block_size(format);
     if (B == 0 || ranks <= 1) return "";
-    // Every rank's shard has the same layout; a cut tensor is a sequence of runs (a piece of one
-    // segment along the cut dimension, for one index of the dimensions before it), each contiguous
-    // in the whole tensor and in its rank's. The cells inside a run map one to one where the run
-    // starts and ends on both grids and the two grids agree inside it.
+    // Every rank's shard has the same layout; a tensor is a sequence of runs (for_each_run), each
+    // contiguous in the whole tensor and in its rank's. The cells inside a run map one to one
+    // where the run starts and ends on both grids and the two grids agree inside it.
     const TpLayout l = make_tp_layout(cfg, ranks, 0);
     for (std::size_t i = 0; i < l.full.tensors.size(); i++) {
         const ParamSpec& f = l.full.tensors[i];
@@ -145,28 +156,8 @@ std::string tp_block_misfit(const ModelConfig& cfg, int ranks, StateFormat forma
                    edge(s.offset, le, s.numel) && edge(s.offset, le + len, s.numel) &&
                    (f.offset + e) % B == (s.offset + le) % B;
         };
-        const TpShard& sh = l.shards[i];
-        if (!sh.split()) {
-            if (!fits(0, 0, f.numel)) return f.name;
-            continue;
-        }
-        const std::size_t along = (std::size_t)f.shape[(std::size_t)sh.dim];
-        std::size_t inner = 1;
-        for (std::size_t d = (std::size_t)sh.dim + 1; d < f.shape.size(); d++)
-            inner *= (std::size_t)f.shape[d];
-        const std::size_t outer = f.numel / (along * inner), T = (std::size_t)ranks;
-        for (std::size_t o = 0; o < outer; o++) {
-            std::size_t start = 0, local_start = 0;
-            for (int64_t seg : sh.segments) {
-                const std::size_t piece = (std::size_t)seg / T;
-                for (std::size_t r = 0; r < T; r++)
-                    if (!fits((o * along + start + r * piece) * inner,
-                              (o * (along / T) + local_start) * inner, piece * inner))
-                        return f.name;
-                start += (std::size_t)seg;
-                local_start += piece;
-            }
-        }
+        for (std::size_t r = 0; r < (std::size_t)ranks; r++)
+            if (!for_each_run(l, i, r, fits)) return f.name;
     }
     return "";
 }
