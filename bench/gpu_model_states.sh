@@ -41,4 +41,8 @@ row "  + bf16 moments" optim.master=none optim.state_format=bf16
 row "  + int8 moments" optim.master=none optim.state_format=int8
 row "  + int4 moments" optim.master=none optim.state_format=int4
 row "SGD momentum, no master, int8" optim.name=sgd optim.master=none optim.state_format=int8
+row "Muon, fp32 master" optim.name=muon
+row "Muon, no master, int8" optim.name=muon optim.master=none optim.state_format=int8
+row "Adafactor, fp32 master" optim.name=adafactor optim.lr=3e-2
+row "Adafactor, no master" optim.name=adafactor optim.lr=3e-2 optim.master=none
 echo "PyTorch AMP AdamW (fp32 weights, fp32 grads, 2 fp32 moments): 16.00 B/param"

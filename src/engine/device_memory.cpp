@@ -89,6 +89,28 @@ MemoryPrediction optimizer_row(const ParamLayout& layout, std::size_t begin, std
                                const std::string& what, int elem_bytes, const OptimConfig& optim) {
     const bool adamw = optim.name == "adamw";
     const bool has_master = device_master(elem_bytes, optim);
+    if (optim.name == "adafactor") {
+        const cuda::AdafactorLayout a = cuda::adafactor_layout(layout, begin, n);
+        const std::size_t master = has_master ? 4 * n : 0, state = 4 * (std::size_t)a.state;
+        return {MemCategory::OptimizerState,
+                fmt::format("{}Adafactor factors {} floats ({} B) + tables and row sums {} B",
+                            has_master ? fmt::format("fp32 master 4 x {} + ", what) : "", a.state,
+                            state, a.table_bytes()),
+                master + state + a.table_bytes()};
+    }
+    if (optim.name == "muon") {
+        const StateFormat f = parse_state_format(optim.state_format);
+        const cuda::MuonLayout m = cuda::muon_layout(layout, begin, n, f);
+        const std::size_t master = has_master ? 4 * n : 0;
+        const std::size_t moments = 2 * MomentBuffer::predicted_bytes(f, layout, begin, n, m.rest) +
+                                    MomentBuffer::predicted_bytes(f, layout, begin, n, m.matrix);
+        return {MemCategory::OptimizerState,
+                fmt::format("{}Muon momentum on {} block matrices, Adam m, v else, in {} ({} B) + "
+                            "chunk tables and Newton-Schulz scratch {} B",
+                            has_master ? fmt::format("fp32 master 4 x {} + ", what) : "",
+                            m.matrices.size(), state_format_name(f), moments, m.table_bytes(f)),
+                master + moments + m.table_bytes(f)};
+    }
     const std::size_t k = device_optimizer_bytes_per_param(has_master, adamw);
     const StateFormat f = parse_state_format(optim.state_format);
     if (f == StateFormat::Fp32) {

@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "optim/optimizer.h"
 
 namespace memtrain::cuda {
 
@@ -32,11 +33,11 @@ std::vector<TensorChunk> tensor_chunks(const ParamLayout& layout, std::size_t of
 }
 
 MomentLayout moment_layout(const ParamLayout& layout, std::size_t offset, std::size_t count,
-                           StateFormat format, int max_n) {
+                           StateFormat format, int max_n, const std::vector<char>& only) {
     MomentLayout out;
     check_whole_blocks(format, layout, offset, count);
-    out.plan = MomentBuffer::plan(format, layout, offset, count);
-    if (format == StateFormat::Fp32) {
+    out.plan = MomentBuffer::plan(format, layout, offset, count, only);
+    if (format == StateFormat::Fp32 && only.empty()) {
         out.chunks = tensor_chunks(layout, offset, count, max_n);
         out.blocks = (int64_t)out.chunks.size();
         return out;
@@ -89,6 +90,111 @@ QuantMap quant_map(StateFormat format, bool is_signed) {
     return {bits, is_signed ? 1 : 0, c.m, c.bias, c.to_map, c.min_normal, c.sub_scale};
 }
 
+MuonLayout muon_layout(const ParamLayout& layout, std::size_t offset, std::size_t count,
+                       StateFormat format) {
+    MuonLayout m;
+    m.matrix = muon_matrices(layout);
+    const std::vector<char>& matrix = m.matrix;
+    m.rest.resize(matrix.size());
+    for (std::size_t i = 0; i < matrix.size(); i++) m.rest[i] = !matrix[i];
+    m.adam = moment_layout(layout, offset, count, format, 1 << 16, m.rest);
+    m.momentum = moment_layout(layout, offset, count, format, 1 << 16, matrix);
+    MomentLayout& mo = m.momentum;
+    const bool grid = !mo.grid.empty();
+    std::size_t c = 0;  // the next chunk of the momentum
+    for (std::size_t i = 0; i < layout.tensors.size(); i++) {
+        const ParamSpec& t = layout.tensors[i];
+        const std::size_t lo = std::max(t.offset, offset);
+        const std::size_t hi = std::min(t.offset + t.numel, offset + count);
+        if (!matrix[i] || lo >= hi) continue;
+        if (lo != t.offset || hi != t.offset + t.numel || t.sliced())
+            fail(
+                "optim.name = \"muon\" on the GPU orthogonalizes whole matrices, and the range "
+                "[{}, {}) holds part of {}",
+                offset, offset + count, t.name);
+        MuonMatrix x{};
+        x.begin = (int64_t)(t.offset - offset);
+        x.rows = (int32_t)t.shape[0];
+        x.cols = (int32_t)t.shape[1];
+        x.decay = t.decay ? 1 : 0;
+        x.first = (int32_t)c;
+        // The matrix's chunks: those that start inside it (the layout's order is the buffer's).
+        while (c < mo.chunks.size() && mo.chunks[c].begin < x.begin + (int64_t)t.numel) c++;
+        x.n = (int32_t)(c - (std::size_t)x.first);
+        if (x.n == 0) fail("internal: no momentum chunks for {}", t.name);
+        if (grid) {
+            const int64_t b0 = mo.grid[(std::size_t)x.first].first_block;
+            const int64_t b1 = c < mo.grid.size() ? mo.grid[c].first_block : mo.blocks;
+            x.blocks = b1 - b0;
+            for (std::size_t k = (std::size_t)x.first; k < c; k++)
+                mo.grid[k].first_block -= (int32_t)b0;
+        } else {
+            x.blocks = x.n;
+        }
+        const std::size_t r = (std::size_t)std::min(x.rows, x.cols);
+        m.max_numel = std::max(m.max_numel, t.numel);
+        m.max_gram = std::max(m.max_gram, r * r);
+        m.matrices.push_back(x);
+    }
+    if (c != mo.chunks.size()) fail("internal: momentum chunks outside the block matrices");
+    return m;
+}
+
+std::size_t MuonLayout::table_bytes(StateFormat format) const {
+    auto tables = [](const MomentLayout& l) {
+        return l.chunks.size() * sizeof(TensorChunk) + l.at.size() * sizeof(StateChunk) +
+               l.grid.size() * sizeof(ChunkGrid);
+    };
+    return tables(adam) + tables(momentum) + decode_tables(format).size() * sizeof(float) +
+           sizeof(float) * 2 * (max_numel + max_gram) + sizeof(double);
+}
+
+AdafactorLayout adafactor_layout(const ParamLayout& layout, std::size_t offset, std::size_t count) {
+    if (offset > layout.total || count > layout.total - offset)
+        fail("internal: Adafactor range [{}, {}) outside the {} parameters", offset, offset + count,
+             layout.total);
+    AdafactorLayout a;
+    for (const ParamSpec& t : layout.tensors) {
+        const std::size_t lo = std::max(t.offset, offset);
+        const std::size_t hi = std::min(t.offset + t.numel, offset + count);
+        if (lo >= hi) continue;
+        if (lo != t.offset || hi != t.offset + t.numel || t.sliced())
+            fail(
+                "optim.name = \"adafactor\" on the GPU steps whole tensors, and the range [{}, {}) "
+                "holds part of {}",
+                offset, offset + count, t.name);
+        AdafactorTensor e{};
+        const bool factored = adafactor_factors(t);
+        e.begin = (int64_t)(t.offset - offset);
+        e.state = a.state;
+        e.rows = factored ? t.shape[0] : 1;
+        e.cols = factored ? t.shape[1] : (int64_t)t.numel;
+        e.row0 = a.rows;
+        e.item0 = a.items;
+        e.tile0 = a.tiles;
+        e.part0 = a.parts;
+        e.factored = factored;
+        e.decay = t.decay;
+        a.state += (int64_t)adafactor_floats(t);
+        a.rows += e.rows;
+        a.max_cols = std::max(a.max_cols, e.cols);
+        if (factored) {
+            const int64_t tiles = (e.cols + kAdafactorTile - 1) / kAdafactorTile;
+            const int64_t chunks = (e.rows + kAdafactorChunkRows - 1) / kAdafactorChunkRows;
+            a.tiles += tiles;
+            a.items += tiles * chunks;
+            a.parts += chunks * e.cols;
+        }
+        a.tensors.push_back(e);
+    }
+    return a;
+}
+
+std::size_t AdafactorLayout::table_bytes() const {
+    return tensors.size() * (sizeof(AdafactorTensor) + sizeof(AdafactorScalars)) +
+           sizeof(double) * (std::size_t)(rows + parts);
+}
+
 StepScalars make_step_scalars(const OptimConfig& cfg, double lr, int64_t step, float loss_scale) {
     if (step < 1) fail("cuda::make_step_scalars: step is {}, expected the 1-based count", step);
     StepScalars s{};
@@ -108,6 +214,14 @@ StepScalars make_step_scalars(const OptimConfig& cfg, double lr, int64_t step, f
     s.loss_scale = loss_scale;
     s.max_norm = (float)cfg.grad_clip;
     s.step = step;
+    // Adafactor::step_part's.
+    s.af_rho = std::min(lr, 1.0 / std::sqrt((double)step));
+    s.af_clip = cfg.adafactor_clip;
+    s.af_w = (float)std::pow((double)step, cfg.adafactor_beta2_decay);
+    // Muon::step_part's.
+    s.muon_lr = cfg.muon_lr * (lr / cfg.lr);
+    s.muon_decay = (float)(1.0 - s.muon_lr * cfg.weight_decay);
+    s.muon_momentum = (float)cfg.muon_momentum;
     return s;
 }
 

@@ -35,14 +35,62 @@ struct MomentLayout {
     int64_t blocks = 0;           // the CUDA blocks of a step (chunks.size() without a grid)
     MomentBuffer::Plan plan;      // the stores' sizes (one moment's)
 };
+// `only` (per tensor of the layout, empty: every tensor): a masked moment over those tensors
+// alone, as the CPU's MomentBuffer lays it (Muon's: Adam's m and v over the tensors that are not
+// block matrices, the momentum over the matrices); its chunks always carry `at` (the stores are
+// compact), fp32 too.
 MomentLayout moment_layout(const ParamLayout& layout, std::size_t offset, std::size_t count,
-                           StateFormat format, int max_n = 1 << 16);
+                           StateFormat format, int max_n = 1 << 16,
+                           const std::vector<char>& only = {});
+
+// Muon on the GPU: the block matrices of [offset, offset + count) (muon_matrices), each whole in
+// the range (a range that cuts one fails, naming it), with their momentum's layout cut per matrix:
+// matrix k's chunks are chunks[first, first + n) of `momentum`, and its CUDA blocks start at grid
+// block `block0` (an int8 / int4 momentum's grid is rebased per matrix, so that each matrix's
+// update is a launch of its own). `max_numel` and `max_gram` size the Newton-Schulz scratch (the
+// matrix twice, its Gram matrix twice).
+struct MuonMatrix {
+    int64_t begin;  // its first float in the range
+    int32_t rows, cols, decay;
+    int32_t first, n;  // its chunks in momentum.chunks
+    int64_t blocks;    // its CUDA blocks
+};
+struct MuonLayout {
+    std::vector<MuonMatrix> matrices;
+    MomentLayout momentum;           // over the matrices (grid rebased per matrix)
+    MomentLayout adam;               // Adam's m and v over the other tensors
+    std::vector<char> matrix, rest;  // per tensor of the layout: the momentum's, Adam's
+    std::size_t max_numel = 0, max_gram = 0;
+    // The device bytes beside the moments: both chunk tables, the Newton-Schulz scratch and its
+    // norm (a double).
+    std::size_t table_bytes(StateFormat format) const;
+};
+MuonLayout muon_layout(const ParamLayout& layout, std::size_t offset, std::size_t count,
+                       StateFormat format);
 // The decode tables the kernels read for `format` (MomentStores::table_m, then table_v):
 // decode_code's 256 values of the signed map, then the unsigned map's; empty for fp32 and bf16.
 std::vector<float> decode_tables(StateFormat format);
 // The code map of a signed (Adam m, SGD momentum) or unsigned (Adam v) moment in `format`
 // (int8, int4), as the kernels take it.
 QuantMap quant_map(StateFormat format, bool is_signed);
+
+// Adafactor's tables over [offset, offset + count) of `layout`: every tensor of the range, in the
+// layout's order, its state back to back as the CPU's Adafactor lays it (adafactor_floats each),
+// and the sizes of the kernels' grids and scratch. Each tensor must lie whole in the range (the
+// GPU steps no tensor it holds part of): a range that cuts one fails, naming it.
+struct AdafactorLayout {
+    std::vector<AdafactorTensor> tensors;
+    int64_t state = 0;     // floats of state
+    int64_t rows = 0;      // row blocks: one double of scratch each
+    int64_t items = 0;     // column-partial blocks
+    int64_t tiles = 0;     // column tiles
+    int64_t parts = 0;     // doubles of column partial sums
+    int64_t max_cols = 0;  // the widest row
+    // The device bytes beside the state: the tensor table, the per-tensor scalars and the
+    // scratch of row sums and column partials.
+    std::size_t table_bytes() const;
+};
+AdafactorLayout adafactor_layout(const ParamLayout& layout, std::size_t offset, std::size_t count);
 
 // The host group of StepScalars for step `step` (1-based, counting this update) of the optimizer
 // cfg.name names, with the constants computed exactly as optim/optimizer.cpp computes them (double

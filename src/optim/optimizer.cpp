@@ -113,6 +113,18 @@ bool Optimizer::compact() {
     return false;
 }
 
+// Whether Adafactor factors tensor t's second moment: a matrix of at least 2 x 2 (the factors
+// then fit inside the tensor's own floats, which is how the state is laid out for checkpoints).
+bool adafactor_factors(const ParamSpec& t) {
+    const std::vector<int64_t>& s = t.global_shape();
+    return s.size() == 2 && s[0] >= 2 && s[1] >= 2;
+}
+// The floats of t's state: rows + cols when factored, else numel.
+std::size_t adafactor_floats(const ParamSpec& t) {
+    const std::vector<int64_t>& s = t.global_shape();
+    return adafactor_factors(t) ? (std::size_t)(s[0] + s[1]) : t.global_numel();
+}
+
 namespace {
 
 // Calls f(segment, lo, hi) for the part [lo, hi) (segment-relative) of each segment of `m`
@@ -377,18 +389,6 @@ class Muon final : public Optimizer {
     MomentBuffer m_, v_, buf_;
     TensorGather* gather_;
 };
-
-// Whether Adafactor factors tensor t's second moment: a matrix of at least 2 x 2 (the factors
-// then fit inside the tensor's own floats, which is how the state is laid out for checkpoints).
-bool adafactor_factors(const ParamSpec& t) {
-    const std::vector<int64_t>& s = t.global_shape();
-    return s.size() == 2 && s[0] >= 2 && s[1] >= 2;
-}
-// The floats of t's state: rows + cols when factored, else numel.
-std::size_t adafactor_floats(const ParamSpec& t) {
-    const std::vector<int64_t>& s = t.global_shape();
-    return adafactor_factors(t) ? (std::size_t)(s[0] + s[1]) : t.global_numel();
-}
 
 // torch.lerp's arithmetic: a + w (b - a) for |w| < 0.5, else b - (b - a)(1 - w).
 inline float lerp_torch(float a, float b, float w) {

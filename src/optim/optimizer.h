@@ -166,6 +166,10 @@ void newton_schulz5(float* x, int rows, int cols);
 // with eps1 = FLT_EPSILON, eps2 = 1e-3 and lr the schedule's (a relative step: lr scales the
 // weights' RMS, so it wants a larger optim.lr than AdamW, PyTorch's default being 1e-2). Its
 // state: rows + cols floats per matrix, numel per other tensor. Every tensor is stepped whole.
+// Whether Adafactor factors tensor t's second moment (a matrix of at least 2 x 2), and the floats
+// of its state: rows + cols when factored, else numel.
+bool adafactor_factors(const ParamSpec& t);
+std::size_t adafactor_floats(const ParamSpec& t);
 // The floats of the state over [offset, offset + count) of `layout` (a tensor the range cuts, at
 // a ZeRO shard's edge, counts whole: each of its holders keeps its whole state).
 std::size_t adafactor_state_floats(const ParamLayout& layout, std::size_t offset,

@@ -314,8 +314,21 @@ void validate_optimizer_layout(const RunConfig& cfg) {
         const auto refuse = refuser(fmt::format("optim.name = \"{}\"", cfg.optim.name));
         const char* needs = muon ? "Newton-Schulz needs each matrix whole"
                                  : "its row and column factors and its RMS need each tensor whole";
-        if (cfg.train.device == "cuda")
-            refuse("train.device = \"cuda\"", "its step is built on the CPU engine so far");
+        const bool cuda = cfg.train.device == "cuda";
+        // On the GPU each rank's optimizer steps the tensors of its range whole (one GPU, DDP,
+        // pipeline stages, LoRA's adapters); a ZeRO shard's edges would cut them.
+        if (cuda && (cfg.train.zero_stage > 0 || cfg.train.offload_optimizer) && cfg.dp() > 1)
+            refuse(fmt::format("train.device = \"cuda\" and {} over {}",
+                               cfg.train.offload_optimizer
+                                   ? std::string("train.offload_optimizer = true")
+                                   : fmt::format("train.zero_stage = {}", cfg.train.zero_stage),
+                               dp_ranks(cfg)),
+                   "the GPU steps only tensors its range holds whole, and ZeRO's shards cut "
+                   "them (set train.zero_stage = 0 for DDP, or use train.device = \"cpu\", whose "
+                   "shards gather them)");
+        if (cuda && cfg.train.offload_optimizer && cfg.optim.master == "none")
+            refuse("train.offload_optimizer = true and optim.master = \"none\"",
+                   "the offloaded bf16 update steps the weights in pieces that cut tensors");
         // Under tp each sliced tensor is gathered over the tp group and stepped whole on every
         // rank (dist::TpTensorGather); a ZeRO-1 shard of the slices would need a second gather.
         if (cfg.train.tp > 1 && cfg.train.zero_stage > 0 && cfg.world > cfg.train.tp * cfg.train.pp)

@@ -191,8 +191,7 @@ TEST(CudaCli, ErrorsNameTheKeyAndExitNonZero) {
     const std::string cfg = tiny_config(dir);
     auto r = run_sim("train " + cfg + " --set train.device=cpu train.precision=fp16");
     EXPECT_EQ(r.code, 1) << r.output;
-    EXPECT_NE(r.output.find("train.precision = \"fp16\" on the CPU"),
-              std::string::npos)
+    EXPECT_NE(r.output.find("train.precision = \"fp16\" on the CPU"), std::string::npos)
         << r.output;
     r = run_sim("train " + cfg + " --set train.precision=fp8");
     EXPECT_EQ(r.code, 1) << r.output;

@@ -758,6 +758,115 @@ TEST(CudaTrain, Bf16WeightsWithoutAMasterTrackTheMasterInTheirPredictedBytes) {
     }
 }
 
+// optim.name = "adafactor" and "muon" on the GPU (kernels/cuda/adafactor.cu, muon.cu): fp32
+// tracks the CPU engine's run of the same optimizer as fp32 AdamW tracks the CPU's; the optimizer
+// row is what the plan predicts (the factors, or Muon's momentum and Adam's m and v of the rest
+// with the Newton-Schulz scratch, plus the master in bf16 and the tables) and below AdamW's; bf16
+// with and without a master trains; a CUDA graph replays the same steps; a resume is bitwise; a
+// checkpoint written on the CPU resumes on the GPU and ends where the CPU ends.
+namespace {
+void whole_tensor_optimizer_tracks_the_cpu(const std::string& name, double lr) {
+    SCOPED_TRACE(name);
+    const int steps = 12;
+    auto with_optimizer = [&](RunConfig c) {
+        c.optim.name = name;
+        c.optim.lr = lr;
+        return c;
+    };
+    auto optimizer_bytes = [](const RunConfig& cfg, TrainSummary* out, std::vector<float>* params) {
+        const MemoryStats before = device_memory().snapshot();
+        Trainer t(cfg, quiet());
+        *out = t.run();
+        const std::size_t grew = device_memory().snapshot()[MemCategory::OptimizerState] -
+                                 before[MemCategory::OptimizerState];
+        for (const auto& row : t.engine().predicted_memory(cfg.micro_batch(), cfg.train.seq_len))
+            if (row.category == MemCategory::OptimizerState) {
+                EXPECT_EQ(grew, row.bytes) << row.formula;
+            }
+        *params = t.params();
+        return grew;
+    };
+    RunConfig c = with_optimizer(cuda_run(test::temp_dir("cuda_wt_" + name), steps, "fp32"));
+    TrainSummary gpu, adam;
+    std::vector<float> p_gpu, p_adam;
+    const std::size_t bytes = optimizer_bytes(c, &gpu, &p_gpu);
+    RunConfig a = c;
+    a.optim.name = "adamw";
+    a.optim.lr = 1e-3;
+    a.io.out_dir = test::temp_dir("cuda_af_adam" + name);
+    const std::size_t adam_bytes = optimizer_bytes(a, &adam, &p_adam);
+    EXPECT_LT((name == "adafactor" ? 4 : 1) * bytes, adam_bytes) << "below m and v";
+    RunConfig cpu = c;
+    cpu.train.device = "cpu";
+    cpu.io.out_dir = test::temp_dir("cuda_af_cpu" + name);
+    Trainer tc(cpu, quiet());
+    const TrainSummary on_cpu = tc.run();
+    ASSERT_EQ(gpu.losses.size(), (std::size_t)steps);
+    for (int i = 0; i < steps; i++)
+        EXPECT_NEAR(gpu.losses[i], on_cpu.losses[i], 2e-4 * std::fabs(on_cpu.losses[i]) + 1e-5)
+            << "step " << i;
+    EXPECT_LT(gpu.losses.back(), gpu.losses.front() - 0.2) << "it learns";
+    EXPECT_LT(max_abs_diff(p_gpu, tc.params()), 1e-3);
+    // A resume is bitwise; the CPU's checkpoint at half way resumes on the GPU and ends near the
+    // CPU's own end.
+    RunConfig r = c;
+    r.io.out_dir = test::temp_dir("cuda_af_resume" + name);
+    TrainSummary resumed;
+    auto second = test::train_stop_and_resume(r, steps / 2, resumed);
+    ASSERT_EQ(resumed.losses.size(), (std::size_t)steps / 2);
+    for (int i = 0; i < steps / 2; i++) EXPECT_EQ(resumed.losses[i], gpu.losses[steps / 2 + i]);
+    EXPECT_EQ(second->params(), p_gpu);
+    RunConfig from_cpu = cpu;
+    from_cpu.io.out_dir = test::temp_dir("cuda_af_from_cpu" + name);
+    Trainer(from_cpu, quiet("", steps / 2)).run();
+    RunConfig onto = from_cpu;
+    onto.train.device = "cuda";
+    Trainer onto_gpu(onto, quiet(from_cpu.io.out_dir));
+    const TrainSummary moved = onto_gpu.run();
+    ASSERT_EQ(moved.losses.size(), (std::size_t)steps / 2);
+    for (int i = 0; i < steps / 2; i++)
+        EXPECT_NEAR(moved.losses[i], on_cpu.losses[steps / 2 + i],
+                    2e-4 * std::fabs(on_cpu.losses[steps / 2 + i]) + 1e-5)
+            << "step " << i;
+    EXPECT_LT(max_abs_diff(onto_gpu.params(), tc.params()), 1e-3);
+    // bf16 with a master, and without (4 bytes per parameter less), both learning; the latter
+    // replayed from a CUDA graph.
+    RunConfig b = with_optimizer(cuda_run(test::temp_dir("cuda_af_bf16" + name), steps, "bf16"));
+    TrainSummary with_master, without;
+    std::vector<float> p_master, p_none;
+    const std::size_t b_master = optimizer_bytes(b, &with_master, &p_master);
+    RunConfig n = b;
+    n.optim.master = "none";
+    n.io.out_dir = test::temp_dir("cuda_af_none" + name);
+    const std::size_t b_none = optimizer_bytes(n, &without, &p_none);
+    EXPECT_EQ(b_master - b_none, 4 * p_none.size());
+    // ZeRO-Offload on one GPU: the host's optimizer steps unit by unit, the same curve.
+    RunConfig o = b;
+    o.train.offload_optimizer = true;
+    o.io.out_dir = test::temp_dir("cuda_af_offload" + name);
+    const TrainSummary offloaded = Trainer(o, quiet()).run();
+    ASSERT_EQ(offloaded.losses.size(), (std::size_t)steps);
+    for (int i = 0; i < steps; i++)
+        EXPECT_NEAR(offloaded.losses[i], with_master.losses[i], 1e-3 * with_master.losses[i]) << i;
+    for (int i = 0; i < steps; i++)
+        EXPECT_NEAR(without.losses[i], with_master.losses[i], 0.02 * with_master.losses[i]) << i;
+    EXPECT_LT(without.losses.back(), without.losses.front() - 0.2);
+    RunConfig g = n;
+    g.io.out_dir = test::temp_dir("cuda_af_graph" + name);
+    g.train.cuda_graphs = true;
+    Trainer tg(g, quiet());
+    EXPECT_EQ(tg.run().losses, without.losses);
+    EXPECT_EQ(tg.params(), p_none);
+}
+
+}  // namespace
+
+TEST(CudaTrain, AdafactorAndMuonTrackTheCpuInTheirPredictedBytes) {
+    REQUIRE_GPU();
+    whole_tensor_optimizer_tracks_the_cpu("adafactor", 0.2);  // a relative step
+    whole_tensor_optimizer_tracks_the_cpu("muon", 1e-2);
+}
+
 // A model whose parameters alone exceed the device is refused by the plan before the engine
 // allocates anything, naming the categories and what would fit (the command line's version:
 // tests/cuda/cli_sim_test.cpp, with the simulated device made small).

@@ -216,6 +216,37 @@ TEST(CudaDp, StateFormatsUnderZeroTrainAsOneProcess) {
     }
 }
 
+// optim.name = "adafactor" and "muon" under DDP: every rank steps the whole model's tensors
+// from the same reduced gradients with the same kernels, its optimizer row the plan's, and the
+// run tracks one process with the whole global micro-batch.
+TEST(CudaDp, AdafactorAndMuonRanksTrainAsOneProcess) {
+    REQUIRE_GPU_DP();
+    const int N = comm().size(), b = 2, steps = 6;
+    for (const auto& [name, lr] : {std::pair{"adafactor", 0.2}, std::pair{"muon", 1e-2}})
+        for (const char* precision : {"fp32", "bf16"}) {
+            SCOPED_TRACE(std::string(name) + " " + precision);
+            RunConfig c =
+                shared_cuda_run(std::string("cuda_wt_dp_") + name + precision, steps, precision);
+            c.optim.name = name;
+            c.optim.lr = lr;
+            c.train.batch_size = N * b;
+            RunConfig ref_cfg = c;
+            ref_cfg.train.micro_batch_size = N * b;
+            ref_cfg.io.out_dir = c.io.out_dir + "_ref" + std::to_string(comm().rank());
+            const TrainSummary ref = Trainer(ref_cfg, quiet()).run();
+            c.train.micro_batch_size = b;
+            const OptimizerRun r = run_measuring_optimizer(c);
+            EXPECT_NE(r.formula.find(name[0] == 'a' ? "Adafactor" : "Muon"), std::string::npos)
+                << r.formula;
+            EXPECT_EQ(r.count, (std::size_t)r.params.size());
+            ASSERT_EQ(r.sum.losses.size(), ref.losses.size());
+            const double tol = std::string(precision) == "fp32" ? 1e-4 : 1e-2;
+            for (std::size_t i = 0; i < r.sum.losses.size(); i++)
+                EXPECT_NEAR(r.sum.losses[i], ref.losses[i], tol * std::abs(ref.losses[i]))
+                    << "step " << i + 1;
+        }
+}
+
 // ZeRO-3 on a Llama-style model with an untied head (the head unit holds lm_head) and every
 // block recomputed from its input, so units are gathered again inside the backward.
 TEST(CudaDp, Zero3LlamaUntiedWithFullRecompute) {

@@ -169,6 +169,20 @@ TEST(CudaPp, Bf16WeightsWithoutAMasterAreOneProcesss) {
     check_pipeline(tied, false, 2e-3);
 }
 
+// optim.name = "adafactor" and "muon": each stage steps the tensors of its blocks whole with the
+// kernels one GPU runs on them, so the pipeline trains one GPU's bits (the untied model).
+TEST(CudaPp, AdafactorAndMuonStagesAreOneProcesss) {
+    REQUIRE_GPU_PP();
+    for (const auto& [name, lr] : {std::pair{"adafactor", 0.2}, std::pair{"muon", 1e-2}})
+        for (const char* precision : {"fp32", "bf16"}) {
+            SCOPED_TRACE(std::string(name) + " " + precision);
+            RunConfig c = pp_run(std::string("cuda_pp_wt_") + name + precision, precision, "1f1b");
+            c.optim.name = name;
+            c.optim.lr = lr;
+            check_pipeline(c, true);
+        }
+}
+
 // A pipeline's checkpoint resumes in one process, and one process's in the pipeline, bitwise.
 TEST(CudaPp, CheckpointsMoveBetweenPipelineAndOneProcess) {
     REQUIRE_GPU_PP();

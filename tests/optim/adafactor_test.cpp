@@ -198,10 +198,28 @@ TEST(Adafactor, TrainsResumesBitwiseAndRefusesWhatItDoesNotRun) {
     RunConfig int8 = whole;
     int8.optim.state_format = "int8";
     refused(int8, "optim.state_format");
-    // (Without a GPU, validate_config names the missing device first: the layout check alone.)
+    // On the GPU each rank steps the tensors of its range whole (tests/cuda/adafactor_test.cpp):
+    // one GPU and DDP, not ZeRO's shards or an offloaded shard over several ranks, nor the
+    // offloaded bf16 update's pieces. (Without a GPU, validate_config names the missing device
+    // first: the layout check alone.)
     RunConfig gpu = whole;
     gpu.train.device = "cuda";
-    const std::string why = test::error_of([&] { validate_optimizer_layout(gpu); });
-    EXPECT_NE(why.find("train.device"), std::string::npos) << why;
-    EXPECT_NE(why.find("adafactor"), std::string::npos) << why;
+    EXPECT_NO_THROW(validate_optimizer_layout(gpu));
+    gpu.world = 2;
+    EXPECT_NO_THROW(validate_optimizer_layout(gpu));
+    auto gpu_refused = [](const RunConfig& c, const std::string& key) {
+        const std::string why = test::error_of([&] { validate_optimizer_layout(c); });
+        EXPECT_NE(why.find(key), std::string::npos) << why;
+        EXPECT_NE(why.find("adafactor"), std::string::npos) << why;
+    };
+    RunConfig sharded = gpu;
+    sharded.train.zero_stage = 1;
+    gpu_refused(sharded, "train.zero_stage = 1 over 2 data-parallel ranks");
+    RunConfig offload = gpu;
+    offload.train.offload_optimizer = true;
+    gpu_refused(offload, "train.offload_optimizer = true over 2 data-parallel ranks");
+    offload.world = 1;
+    EXPECT_NO_THROW(validate_optimizer_layout(offload));
+    offload.optim.master = "none";
+    gpu_refused(offload, "train.offload_optimizer = true and optim.master = \"none\"");
 }

@@ -180,4 +180,14 @@ TEST(Muon, TrainsResumesBitwiseAndRefusesLayoutsThatCutMatricesUngathered) {
     tp.train.micro_batch_size = 1;
     test::expect_refused_naming(validate_config, tp, "muon",
                                 "train.tp = 2 with train.zero_stage = 1");
+    // On the GPU each rank orthogonalizes the matrices of its range whole (tests/cuda/
+    // muon_test.cpp): one GPU and DDP, not ZeRO's shards over several GPUs. (The layout check
+    // alone: without a GPU validate_config names the missing device first.)
+    RunConfig gpu = whole;
+    gpu.train.device = "cuda";
+    gpu.world = 2;
+    EXPECT_NO_THROW(validate_optimizer_layout(gpu));
+    gpu.train.zero_stage = 2;
+    test::expect_refused_naming(validate_optimizer_layout, gpu, "muon",
+                                "train.zero_stage = 2 over 2 data-parallel ranks");
 }

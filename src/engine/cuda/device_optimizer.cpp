@@ -22,16 +22,44 @@
 namespace memtrain {
 
 template <typename T>
+void DeviceOptimizer<T>::MomentSet::allocate(const cuda::MomentLayout& lay, int moments) {
+    const MomentBuffer::Plan& p = lay.plan;
+    for (int k = 0; k < moments; k++) {
+        // Zero-initialised: every moment starts at zero (zero codes with zero scales too).
+        if (p.fp32) f32[k] = DeviceBuffer<float>(p.fp32, MemCategory::OptimizerState);
+        if (p.bf16) b16[k] = DeviceBuffer<__nv_bfloat16>(p.bf16, MemCategory::OptimizerState);
+        if (p.code_bytes)
+            codes[k] = DeviceBuffer<uint8_t>(p.code_bytes, MemCategory::OptimizerState);
+        if (p.scales) scales[k] = DeviceBuffer<float>(p.scales, MemCategory::OptimizerState);
+    }
+    auto upload = [](auto& buf, const auto& host) {
+        using B = std::decay_t<decltype(buf)>;
+        if (host.empty()) return;
+        buf = B(host.size(), MemCategory::OptimizerState);
+        copy_to_device(buf.data(), host.data(), buf.bytes());
+    };
+    upload(chunks, lay.chunks);
+    upload(at, lay.at);
+    upload(grid, lay.grid);
+    blocks = lay.blocks;
+}
+
+template <typename T>
 DeviceOptimizer<T>::DeviceOptimizer(const OptimConfig& cfg, const ParamLayout& layout,
                                     std::size_t offset, std::size_t n, cudaStream_t stream,
                                     Wait wait, uint64_t train_seed)
-    : adamw_(cfg.name == "adamw"),
+    : kind_(cfg.name == "adafactor" ? Kind::Adafactor
+            : cfg.name == "sgd"     ? Kind::Sgd
+            : cfg.name == "muon"    ? Kind::Muon
+                                    : Kind::AdamW),
       format_(parse_state_format(cfg.state_format)),
       layout_(layout),
       offset_(offset),
       n_(n),
       stream_(stream),
       wait_(std::move(wait)) {
+    if (cfg.name != "adamw" && cfg.name != "sgd" && cfg.name != "adafactor" && cfg.name != "muon")
+        fail("internal: optim.name = \"{}\" has no step on the GPU", cfg.name);
     if (cfg.master == "none") {
         if (!std::is_same_v<T, __nv_bfloat16>)
             fail("internal: optim.master = \"none\" on the GPU stores bf16 parameters only");
@@ -39,108 +67,166 @@ DeviceOptimizer<T>::DeviceOptimizer(const OptimConfig& cfg, const ParamLayout& l
     } else if constexpr (!std::is_same_v<T, float>) {
         master_ = DeviceBuffer<float>(n, MemCategory::OptimizerState);
     }
-    const cuda::MomentLayout lay = cuda::moment_layout(layout, offset, n, format_);
-    const MomentBuffer::Plan& p = lay.plan;
-    auto alloc = [&](auto& first, auto& second, std::size_t count) {
-        using B = std::decay_t<decltype(first)>;
-        if (!count) return;
-        first = B(count, MemCategory::OptimizerState);
-        if (adamw_) second = B(count, MemCategory::OptimizerState);
-    };
-    alloc(m_, v_, p.fp32);
-    alloc(m16_, v16_, p.bf16);
-    alloc(mq_, vq_, p.code_bytes);
-    alloc(ms_, vs_, p.scales);
-    if (p.code_bytes) {
-        // Zero codes with zero scales: every moment starts at zero, as in fp32.
-        for (DeviceBuffer<uint8_t>* b : {&mq_, &vq_})
-            if (b->size()) MT_CUDA_CHECK(cudaMemsetAsync(b->data(), 0, b->bytes(), stream_));
-        for (DeviceBuffer<float>* b : {&ms_, &vs_})
-            if (b->size()) MT_CUDA_CHECK(cudaMemsetAsync(b->data(), 0, b->bytes(), stream_));
+    if (kind_ == Kind::Adafactor) {
+        af_ = cuda::adafactor_layout(layout, offset, n);
+        const std::size_t nt = af_.tensors.size();
+        if (af_.state)
+            af_state_ = DeviceBuffer<float>((std::size_t)af_.state, MemCategory::OptimizerState);
+        if (nt) {
+            af_tensors_ = DeviceBuffer<cuda::AdafactorTensor>(nt, MemCategory::OptimizerState);
+            copy_to_device(af_tensors_.data(), af_.tensors.data(), af_tensors_.bytes());
+            af_scalars_ = DeviceBuffer<cuda::AdafactorScalars>(nt, MemCategory::OptimizerState);
+            af_sums_ = DeviceBuffer<double>((std::size_t)(af_.rows + af_.parts),
+                                            MemCategory::OptimizerState);
+        }
+        wait_("the optimizer's state");
+        return;
+    }
+    if (kind_ == Kind::Muon) {
+        muon_ = cuda::muon_layout(layout, offset, n, format_);
+        moments_.only = muon_.rest;
+        momentum_.only = muon_.matrix;
+        moments_.allocate(muon_.adam, 2);
+        momentum_.allocate(muon_.momentum, 1);
+        if (muon_.max_numel) {
+            for (DeviceBuffer<float>* b : {&ns_x_, &ns_y_})
+                *b = DeviceBuffer<float>(muon_.max_numel, MemCategory::OptimizerState);
+            for (DeviceBuffer<float>* b : {&ns_a_, &ns_b_})
+                *b = DeviceBuffer<float>(muon_.max_gram, MemCategory::OptimizerState);
+        }
+        ns_sumsq_ = DeviceBuffer<double>(1, MemCategory::OptimizerState);
+    } else {
+        moments_.allocate(cuda::moment_layout(layout, offset, n, format_),
+                          kind_ == Kind::AdamW ? 2 : 1);
+    }
+    if (format_ == StateFormat::Int8 || format_ == StateFormat::Int4) {
         const std::vector<float> t = cuda::decode_tables(format_);
         tables_ = DeviceBuffer<float>(t.size(), MemCategory::OptimizerState);
         copy_to_device(tables_.data(), t.data(), tables_.bytes());
     }
-    chunks_ = DeviceBuffer<cuda::TensorChunk>(lay.chunks.size(), MemCategory::OptimizerState);
-    copy_to_device(chunks_.data(), lay.chunks.data(), chunks_.bytes());
-    if (!lay.at.empty()) {
-        at_ = DeviceBuffer<cuda::StateChunk>(lay.at.size(), MemCategory::OptimizerState);
-        copy_to_device(at_.data(), lay.at.data(), at_.bytes());
-    }
-    if (!lay.grid.empty()) {
-        grid_ = DeviceBuffer<cuda::ChunkGrid>(lay.grid.size(), MemCategory::OptimizerState);
-        copy_to_device(grid_.data(), lay.grid.data(), grid_.bytes());
-    }
-    blocks_ = lay.blocks;
     wait_("the optimizer's state");
 }
 
 template <typename T>
-cuda::MomentStores DeviceOptimizer<T>::moment_stores() {
+cuda::MomentStores DeviceOptimizer<T>::moment_stores(MomentSet& set, std::size_t first,
+                                                     int64_t blocks) {
+    auto ptr = [](auto& b) { return b.size() ? b.data() : nullptr; };
     cuda::MomentStores st;
-    st.m32 = m_.size() ? m_.data() : nullptr;
-    st.v32 = v_.size() ? v_.data() : nullptr;
-    st.m16 = m16_.size() ? m16_.data() : nullptr;
-    st.v16 = v16_.size() ? v16_.data() : nullptr;
-    st.at = at_.size() ? at_.data() : nullptr;
-    if (tables_.size()) {
+    st.m32 = ptr(set.f32[0]);
+    st.v32 = ptr(set.f32[1]);
+    st.m16 = ptr(set.b16[0]);
+    st.v16 = ptr(set.b16[1]);
+    st.at = set.at.size() ? set.at.data() + first : nullptr;
+    if (set.codes[0].size()) {
         st.bits = format_ == StateFormat::Int8 ? 8 : 4;
-        st.mq = mq_.data();
-        st.vq = vq_.size() ? vq_.data() : nullptr;
-        st.ms = ms_.data();
-        st.vs = vs_.size() ? vs_.data() : nullptr;
+        st.mq = set.codes[0].data();
+        st.vq = ptr(set.codes[1]);
+        st.ms = set.scales[0].data();
+        st.vs = ptr(set.scales[1]);
         st.table_m = tables_.data();
         st.table_v = tables_.data() + 256;
         st.qm = cuda::quant_map(format_, true);
         st.qv = cuda::quant_map(format_, false);
     }
-    st.grid = grid_.size() ? grid_.data() : nullptr;
-    st.blocks = blocks_;
+    st.grid = set.grid.size() ? set.grid.data() + first : nullptr;
+    st.blocks = blocks >= 0 ? blocks : set.blocks;
+    return st;
+}
+
+template <typename T>
+cuda::AdafactorStores DeviceOptimizer<T>::adafactor_stores() {
+    cuda::AdafactorStores st;
+    st.state = af_state_.size() ? af_state_.data() : nullptr;
+    st.tensors = af_tensors_.size() ? af_tensors_.data() : nullptr;
+    st.scalars = af_scalars_.size() ? af_scalars_.data() : nullptr;
+    st.rows = af_sums_.size() ? af_sums_.data() : nullptr;
+    st.parts = af_.parts ? af_sums_.data() + af_.rows : nullptr;
+    st.ntensors = (int)af_.tensors.size();
+    st.nrows = af_.rows;
+    st.items = af_.items;
+    st.tiles = af_.tiles;
+    st.max_cols = af_.max_cols;
     return st;
 }
 
 template <typename T>
 void DeviceOptimizer<T>::step(T* params, const T* grads, const cuda::StepScalars* scalars,
                               cudaStream_t stream) {
-    const int nchunks = (int)chunks_.size();
-    if (adamw_)
-        cuda::adamw_step<T>(params, master(), moment_stores(), grads, chunks_.data(), nchunks,
-                            scalars, stream, round_);
-    else
-        cuda::sgd_step<T>(params, master(), moment_stores(), grads, chunks_.data(), nchunks,
-                          scalars, stream, round_);
+    if (kind_ == Kind::Adafactor)
+        return cuda::adafactor_step<T>(params, master(), adafactor_stores(), grads, scalars, stream,
+                                       round_);
+    const int nchunks = (int)moments_.chunks.size();
+    const cuda::TensorChunk* chunks = nchunks ? moments_.chunks.data() : nullptr;
+    if (kind_ == Kind::Sgd)
+        return cuda::sgd_step<T>(params, master(), moment_stores(moments_), grads, chunks, nchunks,
+                                 scalars, stream, round_);
+    // AdamW, or Muon's AdamW over the tensors that are not block matrices.
+    cuda::adamw_step<T>(params, master(), moment_stores(moments_), grads, chunks, nchunks, scalars,
+                        stream, round_);
+    if (kind_ == Kind::Muon) muon_step(params, grads, scalars, stream);
+}
+
+template <typename T>
+void DeviceOptimizer<T>::muon_step(T* params, const T* grads, const cuda::StepScalars* s,
+                                   cudaStream_t stream) {
+    // Each matrix in turn through the same scratch: the momentum and its Nesterov direction, the
+    // orthogonalization, the update.
+    for (const cuda::MuonMatrix& m : muon_.matrices) {
+        cuda::muon_momentum<T>(ns_x_.data(), m.begin,
+                               moment_stores(momentum_, (std::size_t)m.first, m.blocks), grads,
+                               momentum_.chunks.data() + m.first, m.n, s, stream);
+        const float* o =
+            cuda::newton_schulz5(ns_x_.data(), ns_y_.data(), ns_a_.data(), ns_b_.data(),
+                                 ns_sumsq_.data(), m.rows, m.cols, s, stream);
+        cuda::muon_apply<T>(params, master(), o, m.begin, m.rows, m.cols, m.decay, s, stream,
+                            round_);
+    }
 }
 
 template <typename T>
 std::string DeviceOptimizer<T>::describe() const {
-    std::string d = device_optimizer_states(master_.size() > 0, adamw_);
+    if (kind_ == Kind::Adafactor)
+        return fmt::format("{}Adafactor factored second moment",
+                           master_.size() ? "fp32 master, " : "");
+    if (kind_ == Kind::Muon)
+        return fmt::format(
+            "{}Muon momentum on block matrices, Adam m, v else{}",
+            master_.size() ? "fp32 master, " : "",
+            format_ == StateFormat::Fp32 ? "" : fmt::format(" in {}", state_format_name(format_)));
+    std::string d = device_optimizer_states(master_.size() > 0, kind_ == Kind::AdamW);
     if (format_ != StateFormat::Fp32) d += fmt::format(" in {}", state_format_name(format_));
     return d;
 }
 
 template <typename T>
 typename DeviceOptimizer<T>::Stores DeviceOptimizer<T>::stores(const std::string& name) {
-    if (adamw_ && name == "exp_avg") return {&m_, &m16_, &mq_, &ms_, true};
-    if (adamw_ && name == "exp_avg_sq") return {&v_, &v16_, &vq_, &vs_, false};
-    if (!adamw_ && name == "momentum_buffer") return {&m_, &m16_, &mq_, &ms_, true};
+    const bool adam = kind_ == Kind::AdamW || kind_ == Kind::Muon;
+    if (adam && name == "exp_avg") return {&moments_, 0, true};
+    if (adam && name == "exp_avg_sq") return {&moments_, 1, false};
+    if (kind_ == Kind::Sgd && name == "momentum_buffer") return {&moments_, 0, true};
+    if (kind_ == Kind::Muon && name == "momentum_buffer") return {&momentum_, 0, true};
     fail("internal: the CUDA optimizer has no state tensor '{}'", name);
 }
 
 template <typename T>
 std::vector<std::string> DeviceOptimizer<T>::state_names() {
-    if (adamw_) return {"exp_avg", "exp_avg_sq"};
+    if (kind_ == Kind::Adafactor) return {"variance"};
+    if (kind_ == Kind::AdamW) return {"exp_avg", "exp_avg_sq"};
+    if (kind_ == Kind::Muon) return {"exp_avg", "exp_avg_sq", "momentum_buffer"};
     return {"momentum_buffer"};
 }
 
 template <typename T>
 MomentBuffer DeviceOptimizer<T>::to_host(const Stores& st) {
-    MomentBuffer b(format_, st.is_signed, layout_, offset_, n_, {}, MemCategory::Other);
+    MomentBuffer b(format_, st.is_signed, layout_, offset_, n_, st.set->only, MemCategory::Other);
     std::vector<uint8_t> bytes(b.bytes());
     uint8_t* at = bytes.data();
-    for (auto [src, size] : {std::pair{(const void*)st.f32->data(), st.f32->bytes()},
-                             std::pair{(const void*)st.b16->data(), st.b16->bytes()},
-                             std::pair{(const void*)st.codes->data(), st.codes->bytes()},
-                             std::pair{(const void*)st.scales->data(), st.scales->bytes()}}) {
+    const MomentSet& m = *st.set;
+    const int k = st.k;
+    for (auto [src, size] : {std::pair{(const void*)m.f32[k].data(), m.f32[k].bytes()},
+                             std::pair{(const void*)m.b16[k].data(), m.b16[k].bytes()},
+                             std::pair{(const void*)m.codes[k].data(), m.codes[k].bytes()},
+                             std::pair{(const void*)m.scales[k].data(), m.scales[k].bytes()}}) {
         if (at + size > bytes.data() + bytes.size())
             fail("internal: the device optimizer's stores exceed the host layout's {} B",
                  bytes.size());
@@ -160,10 +246,12 @@ void DeviceOptimizer<T>::to_device(const MomentBuffer& b, const Stores& st) {
     std::vector<uint8_t> bytes(b.bytes());
     b.save_stored(bytes.data());
     const uint8_t* at = bytes.data();
-    for (auto [dst, size] : {std::pair{(void*)st.f32->data(), st.f32->bytes()},
-                             std::pair{(void*)st.b16->data(), st.b16->bytes()},
-                             std::pair{(void*)st.codes->data(), st.codes->bytes()},
-                             std::pair{(void*)st.scales->data(), st.scales->bytes()}}) {
+    MomentSet& m = *st.set;
+    const int k = st.k;
+    for (auto [dst, size] : {std::pair{(void*)m.f32[k].data(), m.f32[k].bytes()},
+                             std::pair{(void*)m.b16[k].data(), m.b16[k].bytes()},
+                             std::pair{(void*)m.codes[k].data(), m.codes[k].bytes()},
+                             std::pair{(void*)m.scales[k].data(), m.scales[k].bytes()}}) {
         if (size) MT_CUDA_CHECK(cudaMemcpyAsync(dst, at, size, cudaMemcpyHostToDevice, stream_));
         at += size;
     }
@@ -172,10 +260,26 @@ void DeviceOptimizer<T>::to_device(const MomentBuffer& b, const Stores& st) {
 
 template <typename T>
 void DeviceOptimizer<T>::read_state(const std::string& name, float* dst) {
+    if (kind_ == Kind::Adafactor) {
+        // As the CPU's Adafactor lays it for checkpoints: each tensor's floats hold its state
+        // (rows then columns, or the whole moment) from its start, then zeros.
+        if (name != "variance") fail("internal: Adafactor has no state tensor '{}'", name);
+        std::vector<float> packed((std::size_t)af_.state);
+        if (!packed.empty())
+            MT_CUDA_CHECK(cudaMemcpyAsync(packed.data(), af_state_.data(), af_state_.bytes(),
+                                          cudaMemcpyDeviceToHost, stream_));
+        wait_("queued device work");
+        std::fill(dst, dst + n_, 0.0f);
+        for (const cuda::AdafactorTensor& t : af_.tensors) {
+            const int64_t k = t.factored ? t.rows + t.cols : t.cols;
+            std::copy_n(packed.data() + t.state, k, dst + t.begin);
+        }
+        return;
+    }
     const Stores st = stores(name);
-    if (format_ == StateFormat::Fp32) {
-        MT_CUDA_CHECK(
-            cudaMemcpyAsync(dst, st.f32->data(), st.f32->bytes(), cudaMemcpyDeviceToHost, stream_));
+    if (format_ == StateFormat::Fp32 && st.set->only.empty()) {  // indexed like the parameters
+        const DeviceBuffer<float>& f = st.set->f32[st.k];
+        MT_CUDA_CHECK(cudaMemcpyAsync(dst, f.data(), f.bytes(), cudaMemcpyDeviceToHost, stream_));
         wait_("queued device work");
         return;
     }
@@ -185,12 +289,28 @@ void DeviceOptimizer<T>::read_state(const std::string& name, float* dst) {
 template <typename T>
 void DeviceOptimizer<T>::write_state(const std::string& name, std::size_t begin, std::size_t n,
                                      const float* src) {
-    const Stores st = stores(name);
     if (begin > n_ || n > n_ - begin)
         fail("internal: optimizer state write [{}, {}) outside its {} floats", begin, begin + n,
              n_);
-    if (format_ == StateFormat::Fp32) {
-        MT_CUDA_CHECK(cudaMemcpyAsync(st.f32->data() + begin, src, n * sizeof(float),
+    if (kind_ == Kind::Adafactor) {
+        // The range's floats, the write over them, packed again.
+        std::vector<float> all(n_);
+        read_state(name, all.data());
+        std::copy(src, src + n, all.data() + begin);
+        std::vector<float> packed((std::size_t)af_.state);
+        for (const cuda::AdafactorTensor& t : af_.tensors) {
+            const int64_t k = t.factored ? t.rows + t.cols : t.cols;
+            std::copy_n(all.data() + t.begin, k, packed.data() + t.state);
+        }
+        if (!packed.empty())
+            MT_CUDA_CHECK(cudaMemcpyAsync(af_state_.data(), packed.data(), af_state_.bytes(),
+                                          cudaMemcpyHostToDevice, stream_));
+        wait_("queued device work");
+        return;
+    }
+    const Stores st = stores(name);
+    if (format_ == StateFormat::Fp32 && st.set->only.empty()) {
+        MT_CUDA_CHECK(cudaMemcpyAsync(st.set->f32[st.k].data() + begin, src, n * sizeof(float),
                                       cudaMemcpyHostToDevice, stream_));
         wait_("queued device work");
         return;

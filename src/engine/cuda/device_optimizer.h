@@ -1,7 +1,10 @@
 // The optimizer of the CUDA engines on the device: fp32 master weights (when the storage type is
 // not float, unless optim.master = "none": then the bf16 parameters are the only weights and each
 // update rounds into them stochastically), AdamW's m and v or SGD's momentum (in any
-// optim.state_format: the CPU MomentBuffer's stores byte for byte, cuda::moment_layout), the
+// optim.state_format: the CPU MomentBuffer's stores byte for byte, cuda::moment_layout), Muon's
+// momentum and Newton-Schulz scratch beside AdamW's m and v of the other tensors
+// (cuda::muon_layout), or Adafactor's factored second moment (cuda::adafactor_layout; Muon and
+// Adafactor hold each tensor of the range whole), the
 // multi-tensor chunk table and the step count, over one range of a parameter layout (the whole
 // model, a ZeRO-1 shard, a pipeline stage, or LoRA's adapters). It updates the T parameters from
 // the T gradients with the kernels of kernels/cuda/optimizer.h, and is the engine's OptimizerState:
@@ -26,6 +29,7 @@
 #include "core/error.h"
 #include "engine/engine.h"
 #include "engine/run_plan.h"
+#include "kernels/cuda/adafactor.h"
 #include "kernels/cuda/optimizer.h"
 #include "model/param_layout.h"
 #include "optim/device_update.h"
@@ -77,22 +81,41 @@ class DeviceOptimizer final : public OptimizerState {
                      const float* src) override;
 
   private:
-    // A moment's device stores (MomentBuffer's: fp32, bf16, codes, scales; empty where the format
-    // has none) and whether its codes are signed.
+    // One or two moments laid out by cuda::moment_layout (Adam's m and v, SGD's momentum, or
+    // Muon's: m and v over the tensors that are not block matrices, the momentum over the
+    // matrices): each moment's stores as the CPU's MomentBuffer keeps them (fp32, bf16, codes,
+    // scales; empty where the format has none), the chunk table, where each chunk's moments are
+    // (absent for unmasked fp32) and, for int8 / int4, each chunk's CUDA blocks.
+    struct MomentSet {
+        DeviceBuffer<float> f32[2];
+        DeviceBuffer<__nv_bfloat16> b16[2];
+        DeviceBuffer<uint8_t> codes[2];
+        DeviceBuffer<float> scales[2];
+        DeviceBuffer<cuda::TensorChunk> chunks;
+        DeviceBuffer<cuda::StateChunk> at;
+        DeviceBuffer<cuda::ChunkGrid> grid;
+        int64_t blocks = 0;
+        std::vector<char> only;  // the tensors it covers (empty: every tensor)
+        void allocate(const cuda::MomentLayout& lay, int moments);
+    };
+    // A moment's device stores, which set holds it and whether its codes are signed.
     struct Stores {
-        DeviceBuffer<float>* f32;
-        DeviceBuffer<__nv_bfloat16>* b16;
-        DeviceBuffer<uint8_t>* codes;
-        DeviceBuffer<float>* scales;
+        MomentSet* set;
+        int k;  // 0: m or a momentum, 1: v
         bool is_signed;
     };
     Stores stores(const std::string& name);
-    cuda::MomentStores moment_stores();
+    // The kernels' view of a set: m (and v) as the first (and second) moment; `first` rebases
+    // the chunk tables to chunk `first` (a Muon matrix's), with `blocks` CUDA blocks.
+    cuda::MomentStores moment_stores(MomentSet& set, std::size_t first = 0, int64_t blocks = -1);
     // The moment on the host as the CPU's MomentBuffer (its codec), from the device's bytes; and
     // its bytes back to the device.
     MomentBuffer to_host(const Stores& st);
     void to_device(const MomentBuffer& b, const Stores& st);
-    bool adamw_ = true;
+    cuda::AdafactorStores adafactor_stores();
+    void muon_step(T* params, const T* grads, const cuda::StepScalars* s, cudaStream_t stream);
+    enum class Kind { AdamW, Sgd, Adafactor, Muon };
+    Kind kind_ = Kind::AdamW;
     cuda::ParamRounding round_;  // optim.master = "none": stochastic
     StateFormat format_ = StateFormat::Fp32;
     ParamLayout layout_;
@@ -100,16 +123,22 @@ class DeviceOptimizer final : public OptimizerState {
     int64_t t_ = 0;
     cudaStream_t stream_ = nullptr;
     Wait wait_;
-    DeviceBuffer<float> master_;             // absent when T is float or optim.master = "none"
-    DeviceBuffer<float> m_, v_;              // AdamW moments, or m_ = SGD momentum (the fp32 store)
-    DeviceBuffer<__nv_bfloat16> m16_, v16_;  // their bf16 store
-    DeviceBuffer<uint8_t> mq_, vq_;          // int8 / int4 codes
-    DeviceBuffer<float> ms_, vs_;            // and the blocks' scales
-    DeviceBuffer<float> tables_;  // int8 / int4: m's decode table, then v's (256 floats each)
-    DeviceBuffer<cuda::TensorChunk> chunks_;
-    DeviceBuffer<cuda::StateChunk> at_;   // where each chunk's moments are (not fp32)
-    DeviceBuffer<cuda::ChunkGrid> grid_;  // int8 / int4: each chunk's CUDA blocks
-    int64_t blocks_ = 0;                  // and the step's grid
+    DeviceBuffer<float> master_;  // absent when T is float or optim.master = "none"
+    MomentSet moments_;           // AdamW's m, v; SGD's momentum; Muon's m, v of the rest
+    DeviceBuffer<float> tables_;  // int8 / int4: the signed decode table, then the unsigned
+    // Muon: the block matrices, their momentum and the Newton-Schulz scratch (two matrices, two
+    // Gram matrices, a norm).
+    cuda::MuonLayout muon_;
+    MomentSet momentum_;
+    DeviceBuffer<float> ns_x_, ns_y_, ns_a_, ns_b_;
+    DeviceBuffer<double> ns_sumsq_;
+    // Adafactor: the tensors' state back to back, its table, the per-tensor scalars and the row
+    // sums and column partials (cuda::AdafactorLayout's sizes).
+    cuda::AdafactorLayout af_;
+    DeviceBuffer<float> af_state_;
+    DeviceBuffer<cuda::AdafactorTensor> af_tensors_;
+    DeviceBuffer<cuda::AdafactorScalars> af_scalars_;
+    DeviceBuffer<double> af_sums_;
 };
 
 // Weight I/O of parameters that are their own weights (optim.master = "none", or fp32): n values

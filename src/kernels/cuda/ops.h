@@ -14,10 +14,12 @@
 #pragma once
 
 #include "kernels/cuda/activation.h"
+#include "kernels/cuda/adafactor.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/embedding.h"
 #include "kernels/cuda/lora.h"
 #include "kernels/cuda/matmul.h"
+#include "kernels/cuda/muon.h"
 #include "kernels/cuda/norm.h"
 #include "kernels/cuda/optimizer.h"
 #include "kernels/cuda/reduce.h"

@@ -18,96 +18,11 @@
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/ops.h"
+#include "kernels/cuda/optimizer_math.cuh"
 
 namespace memtrain::cuda {
 
 constexpr int kThreads = 256;
-
-#if MEMTRAIN_CUDA_SIM
-using std::isfinite;
-#endif
-
-// ---- explicitly rounded float operations -------------------------------------------------------
-#if MEMTRAIN_CUDA_SIM
-// Host C++ under the simulator, where GCC would contract a product into a following addition:
-// a result stored through a volatile is never fused with anything.
-static inline float mul_rn(float a, float b) {
-    volatile float r = a * b;
-    return r;
-}
-static inline float add_rn(float a, float b) {
-    volatile float r = a + b;
-    return r;
-}
-static inline float div_rn(float a, float b) {
-    volatile float r = a / b;
-    return r;
-}
-static inline float sqrt_rn(float a) {
-    return std::sqrt(a);
-}
-static inline float fma_rn(float a, float b, float c) {
-    return std::fma(a, b, c);
-}
-static inline float rint_rn(float a) {
-    return std::nearbyint(a);
-}
-static inline bool sign_bit(float a) {
-    return std::signbit(a);
-}
-#else
-static __device__ __forceinline__ float mul_rn(float a, float b) {
-    return __fmul_rn(a, b);
-}
-static __device__ __forceinline__ float add_rn(float a, float b) {
-    return __fadd_rn(a, b);
-}
-static __device__ __forceinline__ float div_rn(float a, float b) {
-    return __fdiv_rn(a, b);
-}
-static __device__ __forceinline__ float sqrt_rn(float a) {
-    return __fsqrt_rn(a);
-}
-static __device__ __forceinline__ float fma_rn(float a, float b, float c) {
-    return __fmaf_rn(a, b, c);
-}
-static __device__ __forceinline__ float rint_rn(float a) {
-    return rintf(a);
-}
-static __device__ __forceinline__ bool sign_bit(float a) {
-    return signbit(a);
-}
-#endif
-
-// ---- the parameters' rounding ------------------------------------------------------------------
-// f32_to_bf16_stochastic (optim/state_format.cpp) bit for bit: a splitmix64 finaliser over
-// (seed, step, index), its top 16 bits added to the magnitude's bits below bf16's.
-__device__ __forceinline__ uint16_t bf16_stochastic_bits(float x, uint64_t seed, uint64_t step,
-                                                        uint64_t index) {
-    const uint32_t u = __float_as_uint(x);
-    uint64_t z = seed ^ (step * 0xD1B54A32D192ED03ull) ^ (index * 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    const uint32_t up = (u + (uint32_t)(z >> 48)) >> 16;
-    if ((up & 0x7f80u) == 0x7f80u) return (uint16_t)(u >> 16);  // would overflow: truncate
-    return (uint16_t)up;
-}
-
-// The parameter's new value x (element j of the range) in its storage type: rounded to nearest
-// even, or (bf16 under ParamRounding::stochastic) stochastically.
-template <typename T>
-__device__ __forceinline__ T round_param(float x, const ParamRounding& r, int64_t step,
-                                         int64_t j) {
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-        if (r.stochastic && isfinite(x)) {
-            __nv_bfloat16_raw b;
-            b.x = bf16_stochastic_bits(x, r.seed, (uint64_t)step, (uint64_t)(r.base + j));
-            return __nv_bfloat16(b);
-        }
-    }
-    return from_float<T>(x);
-}
 
 // ---- gradient norm -> clip coefficient, skip flag ----------------------------------------------
 static __global__ void finish_grad_norm_kernel(StepScalars* s, const double* sumsq) {
@@ -152,7 +67,7 @@ struct BlockChunk {
     StateChunk a;  // meaningful where st.at is given
 };
 __device__ __forceinline__ BlockChunk block_chunk(const MomentStores& st, const TensorChunk* chunks,
-                                                 int nchunks) {
+                                                  int nchunks) {
     const int b = (int)blockIdx.x;
     if (!st.grid) return {chunks[b], st.at ? st.at[b] : StateChunk{0, 0, 0}};
     int lo = 0, hi = nchunks - 1;  // the last chunk whose first grid block is at most b
@@ -171,7 +86,8 @@ __device__ __forceinline__ BlockChunk block_chunk(const MomentStores& st, const 
     const int rest = r.c.n - start;
     r.c.begin += start;
     r.c.n = k == 0 ? first_len : (rest < B ? rest : B);
-    r.a.at += st.bits == 8 ? start : (k == 0 ? 0 : (first_len + 1) / 2 + (int64_t)(k - 1) * (B / 2));
+    r.a.at +=
+        st.bits == 8 ? start : (k == 0 ? 0 : (first_len + 1) / 2 + (int64_t)(k - 1) * (B / 2));
     r.a.scale += k;
     return r;
 }
@@ -363,6 +279,47 @@ static __global__ void sgd_kernel(T* params, float* master, MomentStores st, con
     }
 }
 
+// ---- Muon's momentum ---------------------------------------------------------------------------
+// One matrix's chunks (or quantization blocks): buf = lerp(buf, g, 1 - mu) stored in its format,
+// and the Nesterov direction u = lerp(g, buf, mu) written to u[j - u_begin] in fp32.
+template <typename T>
+static __global__ void muon_momentum_kernel(float* u, int64_t u_begin, MomentStores st,
+                                            const T* grads, const TensorChunk* chunks, int nchunks,
+                                            const StepScalars* s) {
+    if (s->skip) return;
+    const BlockChunk bc = block_chunk(st, chunks, nchunks);
+    const TensorChunk c = bc.c;
+    const float mu = s->muon_momentum, one_mu = 1.0f - mu, scale = s->grad_scale;
+    if (st.bits && !bc.a.fp32) {
+        __shared__ float shared[32];
+        __shared__ uint8_t staged[kThreads];
+        const StateChunk a = bc.a;
+        const int i = threadIdx.x;
+        float b = 0.0f;
+        if (i < c.n) {
+            const int64_t j = c.begin + i;
+            const float g = mul_rn(to_float(grads[j]), scale);
+            const float b0 = mul_rn(st.table_m[load_code(st.mq, a.at, i, st.bits)], st.ms[a.scale]);
+            b = fma_rn(one_mu, add_rn(g, -b0), b0);
+            u[j - u_begin] = fma_rn(mu, add_rn(b, -g), g);
+        }
+        const float bs = block_scale(b, i < c.n, shared);
+        store_block(st.mq, a.at, c.n, st.qm, b, bs, staged);
+        if (i == 0) st.ms[a.scale] = bs;
+        return;
+    }
+    MomentRef buf, unused;
+    chunk_moments(st, c, bc.a, &buf, &unused);
+    for (int i = threadIdx.x; i < c.n; i += blockDim.x) {
+        const int64_t j = c.begin + i;
+        const float g = mul_rn(to_float(grads[j]), scale);
+        const float b0 = buf.load(i);
+        const float b = fma_rn(one_mu, add_rn(g, -b0), b0);
+        buf.store(i, b);
+        u[j - u_begin] = fma_rn(mu, add_rn(b, -g), g);
+    }
+}
+
 // ---- entries -----------------------------------------------------------------------------------
 // The CUDA blocks of a step: one per chunk, or (int8 / int4) the grid's count.
 static unsigned grid_blocks(const MomentStores& st, int nchunks) {
@@ -372,30 +329,6 @@ static unsigned grid_blocks(const MomentStores& st, int nchunks) {
              st.blocks, nchunks);
     return grid_x(st.blocks, "the optimizer's quantization blocks");
 }
-template <typename T>
-static void check_step(const char* op, const T* params, const float* master, const T* grads,
-                       const TensorChunk* chunks, int nchunks, const StepScalars* s,
-                       const ParamRounding& round) {
-    if (nchunks < 0) fail("cuda::{}: nchunks is {}, expected >= 0", op, nchunks);
-    if (nchunks > 0 && (!params || !grads || !chunks || !s))
-        fail("cuda::{}: null params, grads, chunks or scalars", op);
-    if (round.stochastic) {
-        if (!std::is_same<T, __nv_bfloat16>::value || master)
-            fail("cuda::{}: stochastic rounding stores bf16 parameters without a master copy, "
-                 "expected T = bf16 and master = null",
-                 op);
-        return;
-    }
-    if (std::is_same<T, float>::value) {
-        if (master)
-            fail("cuda::{}: fp32 parameters are their own master copy, expected master = null", op);
-    } else if (nchunks > 0 && !master) {
-        fail("cuda::{}: bf16 / fp16 parameters need fp32 master weights (or bf16 ones stochastic "
-             "rounding), got master = null",
-             op);
-    }
-}
-
 template <typename T>
 void adamw_step(T* params, float* master, const MomentStores& st, const T* grads,
                 const TensorChunk* chunks, int nchunks, const StepScalars* s, cudaStream_t stream,
@@ -441,7 +374,21 @@ void sgd_step(T* params, float* master, float* momentum, const T* grads, const T
     sgd_step<T>(params, master, st, grads, chunks, nchunks, s, stream);
 }
 
+template <typename T>
+void muon_momentum(float* u, int64_t u_begin, const MomentStores& st, const T* grads,
+                   const TensorChunk* chunks, int nchunks, const StepScalars* s,
+                   cudaStream_t stream) {
+    if (nchunks <= 0) fail("cuda::muon_momentum: nchunks is {}, expected > 0", nchunks);
+    if (!u || !grads || !chunks || !s || !st.at) fail("cuda::muon_momentum: null argument");
+    if (!(st.m32 || st.m16 || (st.mq && st.ms)) || (st.bits && !st.table_m))
+        fail("cuda::muon_momentum: null momentum buffer");
+    MT_LAUNCH(muon_momentum_kernel<T>, grid_blocks(st, nchunks), kThreads, 0, stream, u, u_begin,
+              st, grads, chunks, nchunks, s);
+}
+
 #define MT_INSTANTIATE(T)                                                                         \
+    template void muon_momentum<T>(float*, int64_t, const MomentStores&, const T*,                \
+                                   const TensorChunk*, int, const StepScalars*, cudaStream_t);    \
     template void adamw_step<T>(T*, float*, float*, float*, const T*, const TensorChunk*, int,    \
                                 const StepScalars*, cudaStream_t);                                \
     template void adamw_step<T>(T*, float*, const MomentStores&, const T*, const TensorChunk*,    \

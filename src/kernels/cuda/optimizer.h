@@ -81,4 +81,13 @@ void sgd_step(T* params, float* master, const MomentStores& momentum, const T* g
               const TensorChunk* chunks, int nchunks, const StepScalars* s, cudaStream_t stream = 0,
               const ParamRounding& round = {});
 
+// Muon's momentum over one matrix's chunks of a masked momentum (cuda::muon_layout: `st.at`
+// given, the grid rebased to the matrix): buf = lerp(buf, g, 1 - s->muon_momentum) stored in its
+// format as SGD's momentum is, and u[j - u_begin] = lerp(g, buf, mu) in fp32, with g =
+// float(grads[j]) * s->grad_scale (j: the range's index); nothing when s->skip.
+template <typename T>
+void muon_momentum(float* u, int64_t u_begin, const MomentStores& st, const T* grads,
+                   const TensorChunk* chunks, int nchunks, const StepScalars* s,
+                   cudaStream_t stream = 0);
+
 }  // namespace memtrain::cuda

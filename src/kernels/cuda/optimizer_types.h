@@ -61,6 +61,30 @@ struct ParamRounding {
     int64_t base = 0;
 };
 
+// Adafactor (kernels/cuda/adafactor.h): one tensor of the range, stepped whole. A matrix of at
+// least 2 x 2 is factored (rows x cols, its state the rows' then the columns' factors); any other
+// tensor is one row of numel elements with its whole second moment as state. The kernels give a
+// CUDA block to each row (row0: the tensor's first among the range's rows), to each piece of
+// at most kAdafactorChunkRows rows of 256 columns (item0, its partial sums of g^2 at part0) and
+// to each 256-column tile (tile0); an unfactored tensor has no items and no tiles.
+struct AdafactorTensor {
+    int64_t begin;  // its first float in the range
+    int64_t state;  // its state's first float
+    int64_t rows, cols;
+    int64_t row0, item0, tile0, part0;
+    int32_t factored, decay;
+};
+constexpr int kAdafactorChunkRows = 256;
+constexpr int kAdafactorTile = 256;
+
+// What the Adafactor kernels compute per tensor between launches: alpha = max(eps2, RMS(W)) rho
+// and 1 / max(mean(R), eps1), then the step -alpha / max(1, RMS(U) / clip).
+struct AdafactorScalars {
+    double alpha;
+    float inv_mean_r;
+    float step;
+};
+
 // What one optimizer step reads on the device, so that a captured step replays with new values:
 // the host sets the first group each step (pinned copy), finish_grad_norm the second.
 struct StepScalars {
@@ -75,6 +99,14 @@ struct StepScalars {
     float loss_scale;  // the gradients hold loss_scale x the true gradient (1 unless fp16)
     float max_norm;    // clipping threshold; <= 0: no clipping
     int64_t step;      // the update's 1-based count (optim.master = "none": the rounding's draw)
+    // Adafactor: min(lr, 1 / sqrt(t)), optim.adafactor_clip (double, as the CPU computes with
+    // them) and 1 - beta2_t = t^optim.adafactor_beta2_decay (float, as the CPU rounds it).
+    double af_rho, af_clip;
+    float af_w;
+    // Muon: lr_muon = optim.muon_lr x (lr / optim.lr) (double, for each matrix's step), its decay
+    // factor 1 - lr_muon wd and the momentum (float, as the CPU rounds them).
+    double muon_lr;
+    float muon_decay, muon_momentum;
     // set on the device by finish_grad_norm
     float grad_norm;   // L2 norm of the true (unscaled) gradients
     float grad_scale;  // what the update multiplies stored gradients by: clip coefficient /
