@@ -178,6 +178,47 @@ TEST(TpMesh, RebuiltBlockInputsTrainBitwise) {
     }
 }
 
+// train.mlp_tile on the mesh (GPT-2 and Llama-style; no sequence parallelism, which tiles
+// refuse): each shard runs its norms and MLP over row tiles, the row-parallel mlp.c_proj summing
+// every tile's partial rows in its one all-reduce, so the mesh trains as the untiled mesh to
+// rounding, keeping everything and recomputing every block, and allocates the activation bytes
+// its plan predicts.
+TEST(TpMesh, TiledNormsAndMlpTrainAsTheUntiledMesh) {
+    for (const MeshDegrees& m : meshes())
+        for (bool llama : {false, true})
+            for (const char* remat : {"none", "full"}) {
+                SCOPED_TRACE(m.name() + (llama ? " llama " : " gpt2 ") + remat);
+                RunConfig c = mesh_run("tp_mesh_tiles_" + m.name(), m, llama, 4);
+                c.train.remat = remat;
+                c.io.out_dir += std::string(llama ? "_l" : "_g") + remat;
+                TrainSummary untiled;
+                std::vector<float> untiled_params;
+                {
+                    Trainer t(c, test::quiet(), &comm());
+                    untiled = t.run();
+                    untiled_params = t.params();
+                }
+                RunConfig r = c;
+                r.train.mlp_tile = 4;  // 4 tiles of each micro-batch's 16 rows
+                r.io.out_dir += "_tiled";
+                const MemoryStats before = host_memory().snapshot();
+                Trainer t(r, test::quiet(), &comm());
+                const TrainSummary s = t.run();
+                ASSERT_EQ(s.losses.size(), untiled.losses.size());
+                for (std::size_t i = 0; i < s.losses.size(); i++)
+                    EXPECT_NEAR(s.losses[i], untiled.losses[i], 1e-5 * std::abs(untiled.losses[i]))
+                        << "step " << i + 1;
+                EXPECT_LT(worst_diff(t.params(), untiled_params), 1e-5);
+                const std::size_t act = host_memory().snapshot()[MemCategory::Activations] -
+                                        before[MemCategory::Activations];
+                for (const MemoryPrediction& p :
+                     t.engine().predicted_memory(r.micro_batch(), r.train.seq_len))
+                    if (p.category == MemCategory::Activations) {
+                        EXPECT_EQ(p.bytes, act) << p.formula;
+                    }
+            }
+}
+
 // The checkpoint of a mesh, written after 5 of 10 steps, loads exactly in one process and in a
 // pp 2 x dp 2 job over the first 4 ranks (weights and both of Adam's moments equal the mesh's,
 // gathered); both then train the remaining 5 steps as the mesh does, to rounding. At 8 ranks
