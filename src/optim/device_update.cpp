@@ -11,6 +11,23 @@
 
 namespace memtrain::cuda {
 
+namespace {
+
+// Whether tensor t lies in [offset, offset + count): wholly (true) or not at all (false). Part of
+// it, or a tensor-parallel slice, fails naming the optimizer's rule (`rule`: "\"muon\"
+// orthogonalizes whole matrices").
+bool whole_in_range(const ParamSpec& t, std::size_t offset, std::size_t count, const char* rule) {
+    const std::size_t lo = std::max(t.offset, offset);
+    const std::size_t hi = std::min(t.offset + t.numel, offset + count);
+    if (lo >= hi) return false;
+    if (lo != t.offset || hi != t.offset + t.numel || t.sliced())
+        fail("optim.name = {} on the GPU, and the range [{}, {}) holds part of {}", rule, offset,
+             offset + count, t.name);
+    return true;
+}
+
+}  // namespace
+
 std::vector<TensorChunk> tensor_chunks(const ParamLayout& layout, std::size_t offset,
                                        std::size_t count, int max_n) {
     if (max_n < 1) fail("cuda::tensor_chunks: max_n is {}, expected >= 1", max_n);
@@ -104,14 +121,9 @@ MuonLayout muon_layout(const ParamLayout& layout, std::size_t offset, std::size_
     std::size_t c = 0;  // the next chunk of the momentum
     for (std::size_t i = 0; i < layout.tensors.size(); i++) {
         const ParamSpec& t = layout.tensors[i];
-        const std::size_t lo = std::max(t.offset, offset);
-        const std::size_t hi = std::min(t.offset + t.numel, offset + count);
-        if (!matrix[i] || lo >= hi) continue;
-        if (lo != t.offset || hi != t.offset + t.numel || t.sliced())
-            fail(
-                "optim.name = \"muon\" on the GPU orthogonalizes whole matrices, and the range "
-                "[{}, {}) holds part of {}",
-                offset, offset + count, t.name);
+        if (!matrix[i] ||
+            !whole_in_range(t, offset, count, "\"muon\" orthogonalizes whole matrices"))
+            continue;
         MuonMatrix x{};
         x.begin = (int64_t)(t.offset - offset);
         x.rows = (int32_t)t.shape[0];
@@ -155,14 +167,7 @@ AdafactorLayout adafactor_layout(const ParamLayout& layout, std::size_t offset, 
              layout.total);
     AdafactorLayout a;
     for (const ParamSpec& t : layout.tensors) {
-        const std::size_t lo = std::max(t.offset, offset);
-        const std::size_t hi = std::min(t.offset + t.numel, offset + count);
-        if (lo >= hi) continue;
-        if (lo != t.offset || hi != t.offset + t.numel || t.sliced())
-            fail(
-                "optim.name = \"adafactor\" on the GPU steps whole tensors, and the range [{}, {}) "
-                "holds part of {}",
-                offset, offset + count, t.name);
+        if (!whole_in_range(t, offset, count, "\"adafactor\" steps whole tensors")) continue;
         AdafactorTensor e{};
         const bool factored = adafactor_factors(t);
         e.begin = (int64_t)(t.offset - offset);

@@ -16,6 +16,7 @@
 #include "core/device.h"
 #include "core/error.h"
 #include "cuda/cuda_test_util.h"
+#include "cuda/optimizer_cases.h"
 #include "model/config.h"
 #include "model/param_layout.h"
 #include "optim/device_update.h"
@@ -56,30 +57,10 @@ OptimConfig muon_config(double grad_clip, const char* format) {
     return cfg;
 }
 
-void wait_all(const char*) {
-    device_synchronize();
-}
-
 double rms(const std::vector<float>& v) {
     double s = 0.0;
     for (float x : v) s += (double)x * x;
     return std::sqrt(s / (double)v.size());
-}
-
-// A state against the CPU's: within 1e-5 relative plus 1e-6 of the rms, except (int8, int4,
-// bf16) a few elements whose fp32 value an ulp apart rounds to the neighbouring stored value.
-void expect_state_near(const std::string& what, const std::vector<float>& got,
-                       const std::vector<float>& want) {
-    ASSERT_EQ(got.size(), want.size()) << what;
-    const double atol = 1e-6 * rms(want);
-    std::size_t flipped = 0;
-    for (std::size_t i = 0; i < got.size(); i++) {
-        const double d = std::fabs((double)got[i] - want[i]), w = std::fabs((double)want[i]);
-        if (d <= atol + 1e-5 * w) continue;
-        flipped++;
-        EXPECT_LE(d, 0.5 * w + atol) << what << " [" << i << "]";
-    }
-    EXPECT_LE(flipped, 2 + got.size() / 1000) << what << ": elements off by more than rounding";
 }
 
 struct Case {
@@ -114,35 +95,15 @@ void muon_case(const Case& c) {
     float* master = gpu.master();
     ASSERT_EQ(master != nullptr, !kFp32 && !c.bf16_weights);
     if (master) copy_to_device(master, p0.data(), n * sizeof(float));
-    DeviceBuffer<cuda::StepScalars> d_s(1, MemCategory::Other);
-    DeviceBuffer<double> d_sumsq(1, MemCategory::Other);
-    const double lrs[] = {1e-3, 6e-4, 2e-3};
-    for (int step = 1; step <= 3; step++) {
-        const double lr = lrs[step - 1];
-        auto g = randn(n, 1010 + step, 0.1f);
-        std::vector<float> stored(n), cpu_g(n);
-        for (std::size_t i = 0; i < n; i++) stored[i] = from_type(to_type<T>(g[i] * c.loss_scale));
-        for (std::size_t i = 0; i < n; i++) cpu_g[i] = stored[i] / c.loss_scale;
-        clip_grad_norm(cpu_g.data(), n, cfg.grad_clip);
-        cpu->step(cpu_params.data(), cpu_g.data(), lr);
-        if (c.bf16_weights)
-            for (std::size_t i = 0; i < n; i++)
-                cpu_params[i] = bf16_to_f32(
-                    f32_to_bf16_stochastic(cpu_params[i], seed, (uint64_t)step, offset + i));
-        auto d_g = upload_as<T>(stored);
-        cuda::sum_squares<T>(d_sumsq.data(), d_g.data(), (int64_t)n);
-        const cuda::StepScalars s = cuda::make_step_scalars(cfg, lr, step, c.loss_scale);
-        copy_to_device(d_s.data(), &s, sizeof s);
-        cuda::finish_grad_norm(d_s.data(), d_sumsq.data());
-        gpu.step(d_params.data(), d_g.data(), d_s.data(), nullptr);
-    }
-    device_synchronize();
+    step_side_by_side<T>(*cpu, gpu, cfg, cpu_params, d_params, {1e-3, 6e-4, 2e-3}, 1010,
+                         c.loss_scale, c.bf16_weights, seed, offset);
     ASSERT_EQ(gpu.state_names(), cpu->state_names());
     for (const std::string& name : cpu->state_names()) {
         std::vector<float> want(n), got(n);
         cpu->read_state(name, want.data());
         gpu.read_state(name, got.data());
-        expect_state_near(name, got, want);
+        // A value an ulp apart may round to the neighbouring stored one (int8 / int4 / bf16).
+        expect_state_match(name, got, want, false, StateFormat::Int8, false);
     }
     // The updates (weights minus where they started): the orthogonalized directions agree to
     // the rounding of fp32 GEMMs summed in another order, within 1e-3 of the update's rms; a

@@ -18,6 +18,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "cuda/cuda_test_util.h"
+#include "cuda/optimizer_cases.h"
 #include "model/config.h"
 #include "model/param_layout.h"
 #include "optim/device_update.h"
@@ -135,41 +136,6 @@ bool cpu_optimizer_fuses() {
     float p = p0, g = -(1.0f + 1.0f / 2048);
     opt->step(&p, &g, 2.0);
     return p != p0;
-}
-
-// The kernels spell out the CPU's (fused) operations, so where the CPU build fuses, fp32 results
-// must be the same bits. Where it does not, each operation may differ by an ulp: 1e-5 relative
-// plus 1e-6 of the values' rms is still far below what a wrong decay flag, step size or clip
-// coefficient moves (>= 1e-4 relative here).
-void expect_match(const std::string& what, const std::vector<float>& got,
-                  const std::vector<float>& want, bool bitwise) {
-    if (bitwise) return expect_bitwise(what, got, want);
-    double s = 0.0;
-    for (float x : want) s += (double)x * x;
-    expect_close(what, got, want, 1e-6 * std::sqrt(s / (double)want.size()), 1e-5);
-}
-
-// A moment stored in `format` against the CPU's. Where the CPU build does not fuse (the sanitizer
-// build), an fp32 result an ulp apart now and then rounds to the neighbouring stored value (a bf16
-// ulp, an int8 or int4 code): a few elements (at most 2 + 0.1%) may then differ by up to half
-// their value, far more than the rest's 1e-5; a wrong update moves nearly all of them.
-void expect_state_match(const std::string& what, const std::vector<float>& got,
-                        const std::vector<float>& want, bool bitwise, StateFormat format,
-                        bool cpu_fuses) {
-    if (bitwise || format == StateFormat::Fp32 || cpu_fuses)
-        return expect_match(what, got, want, bitwise);
-    ASSERT_EQ(got.size(), want.size()) << what;
-    double s = 0.0;
-    for (float x : want) s += (double)x * x;
-    const double atol = 1e-6 * std::sqrt(s / (double)want.size());
-    std::size_t flipped = 0;
-    for (std::size_t i = 0; i < got.size(); i++) {
-        const double d = std::fabs((double)got[i] - want[i]), w = std::fabs((double)want[i]);
-        if (d <= atol + 1e-5 * w) continue;
-        flipped++;
-        EXPECT_LE(d, 0.5 * w + atol) << what << " [" << i << "]";
-    }
-    EXPECT_LE(flipped, 2 + got.size() / 1000) << what << ": elements off by more than rounding";
 }
 
 struct OptCase {

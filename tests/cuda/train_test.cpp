@@ -793,12 +793,12 @@ void whole_tensor_optimizer_tracks_the_cpu(const std::string& name, double lr) {
     RunConfig a = c;
     a.optim.name = "adamw";
     a.optim.lr = 1e-3;
-    a.io.out_dir = test::temp_dir("cuda_af_adam" + name);
+    a.io.out_dir = test::temp_dir("cuda_wt_adam" + name);
     const std::size_t adam_bytes = optimizer_bytes(a, &adam, &p_adam);
     EXPECT_LT((name == "adafactor" ? 4 : 1) * bytes, adam_bytes) << "below m and v";
     RunConfig cpu = c;
     cpu.train.device = "cpu";
-    cpu.io.out_dir = test::temp_dir("cuda_af_cpu" + name);
+    cpu.io.out_dir = test::temp_dir("cuda_wt_cpu" + name);
     Trainer tc(cpu, quiet());
     const TrainSummary on_cpu = tc.run();
     ASSERT_EQ(gpu.losses.size(), (std::size_t)steps);
@@ -810,14 +810,14 @@ void whole_tensor_optimizer_tracks_the_cpu(const std::string& name, double lr) {
     // A resume is bitwise; the CPU's checkpoint at half way resumes on the GPU and ends near the
     // CPU's own end.
     RunConfig r = c;
-    r.io.out_dir = test::temp_dir("cuda_af_resume" + name);
+    r.io.out_dir = test::temp_dir("cuda_wt_resume" + name);
     TrainSummary resumed;
     auto second = test::train_stop_and_resume(r, steps / 2, resumed);
     ASSERT_EQ(resumed.losses.size(), (std::size_t)steps / 2);
     for (int i = 0; i < steps / 2; i++) EXPECT_EQ(resumed.losses[i], gpu.losses[steps / 2 + i]);
     EXPECT_EQ(second->params(), p_gpu);
     RunConfig from_cpu = cpu;
-    from_cpu.io.out_dir = test::temp_dir("cuda_af_from_cpu" + name);
+    from_cpu.io.out_dir = test::temp_dir("cuda_wt_from_cpu" + name);
     Trainer(from_cpu, quiet("", steps / 2)).run();
     RunConfig onto = from_cpu;
     onto.train.device = "cuda";
@@ -831,19 +831,19 @@ void whole_tensor_optimizer_tracks_the_cpu(const std::string& name, double lr) {
     EXPECT_LT(max_abs_diff(onto_gpu.params(), tc.params()), 1e-3);
     // bf16 with a master, and without (4 bytes per parameter less), both learning; the latter
     // replayed from a CUDA graph.
-    RunConfig b = with_optimizer(cuda_run(test::temp_dir("cuda_af_bf16" + name), steps, "bf16"));
+    RunConfig b = with_optimizer(cuda_run(test::temp_dir("cuda_wt_bf16" + name), steps, "bf16"));
     TrainSummary with_master, without;
     std::vector<float> p_master, p_none;
     const std::size_t b_master = optimizer_bytes(b, &with_master, &p_master);
     RunConfig n = b;
     n.optim.master = "none";
-    n.io.out_dir = test::temp_dir("cuda_af_none" + name);
+    n.io.out_dir = test::temp_dir("cuda_wt_none" + name);
     const std::size_t b_none = optimizer_bytes(n, &without, &p_none);
     EXPECT_EQ(b_master - b_none, 4 * p_none.size());
     // ZeRO-Offload on one GPU: the host's optimizer steps unit by unit, the same curve.
     RunConfig o = b;
     o.train.offload_optimizer = true;
-    o.io.out_dir = test::temp_dir("cuda_af_offload" + name);
+    o.io.out_dir = test::temp_dir("cuda_wt_offload" + name);
     const TrainSummary offloaded = Trainer(o, quiet()).run();
     ASSERT_EQ(offloaded.losses.size(), (std::size_t)steps);
     for (int i = 0; i < steps; i++)
@@ -852,7 +852,7 @@ void whole_tensor_optimizer_tracks_the_cpu(const std::string& name, double lr) {
         EXPECT_NEAR(without.losses[i], with_master.losses[i], 0.02 * with_master.losses[i]) << i;
     EXPECT_LT(without.losses.back(), without.losses.front() - 0.2);
     RunConfig g = n;
-    g.io.out_dir = test::temp_dir("cuda_af_graph" + name);
+    g.io.out_dir = test::temp_dir("cuda_wt_graph" + name);
     g.train.cuda_graphs = true;
     Trainer tg(g, quiet());
     EXPECT_EQ(tg.run().losses, without.losses);

@@ -230,94 +230,75 @@ static __global__ void adamw_kernel(T* params, float* master, MomentStores st, c
     }
 }
 
-// ---- SGD with momentum -------------------------------------------------------------------------
+// ---- one moment: SGD's momentum, Muon's ---------------------------------------------------------
+// The CUDA block's chunk of a one-moment update: each element's new moment b = update(c, j, old)
+// (c: its chunk, j: the range's index; `update` also writes whatever else the element's step
+// writes), stored
+// in its format: a quantization block (a thread per element) re-encoded with its new largest
+// magnitude, fp32 or bf16 element by element.
+template <typename F>
+__device__ void update_one_moment(const MomentStores& st, const TensorChunk* chunks, int nchunks,
+                                  F update) {
+    const BlockChunk bc = block_chunk(st, chunks, nchunks);
+    const TensorChunk c = bc.c;
+    if (st.bits && !bc.a.fp32) {
+        __shared__ float shared[32];
+        __shared__ uint8_t staged[kThreads];
+        const StateChunk a = bc.a;
+        const int i = threadIdx.x;
+        float b = 0.0f;
+        if (i < c.n)
+            b = update(c, c.begin + i,
+                       mul_rn(st.table_m[load_code(st.mq, a.at, i, st.bits)], st.ms[a.scale]));
+        // Every thread has read its code and the scale before any is written.
+        const float bs = block_scale(b, i < c.n, shared);
+        store_block(st.mq, a.at, c.n, st.qm, b, bs, staged);
+        if (i == 0) st.ms[a.scale] = bs;
+        return;
+    }
+    MomentRef buf, unused;
+    chunk_moments(st, c, bc.a, &buf, &unused);
+    for (int i = threadIdx.x; i < c.n; i += blockDim.x)
+        buf.store(i, update(c, c.begin + i, buf.load(i)));
+}
+
+// SGD with momentum.
 template <typename T>
 static __global__ void sgd_kernel(T* params, float* master, MomentStores st, const T* grads,
                                   const TensorChunk* chunks, int nchunks, const StepScalars* s,
                                   ParamRounding round) {
     if (s->skip) return;
-    const BlockChunk bc = block_chunk(st, chunks, nchunks);
-    const TensorChunk c = bc.c;
     const float mu = s->momentum, lr = s->lr, scale = s->grad_scale;
-    const float wd = c.decay ? s->weight_decay : 0.0f;
     const bool first = s->first_step != 0, nesterov = s->nesterov != 0;
-    if (st.bits && !bc.a.fp32) {
-        // One quantization block of the momentum (as AdamW's above).
-        __shared__ float shared[32];
-        __shared__ uint8_t staged[kThreads];
-        const StateChunk a = bc.a;
-        const int i = threadIdx.x;
-        float b = 0.0f;
-        if (i < c.n) {
-            const int64_t j = c.begin + i;
-            const float p = master ? master[j] : to_float(params[j]);
-            const float g = fma_rn(wd, p, mul_rn(to_float(grads[j]), scale));
-            const float b0 = mul_rn(st.table_m[load_code(st.mq, a.at, i, st.bits)], st.ms[a.scale]);
-            b = first ? g : fma_rn(mu, b0, g);
-            const float d = nesterov ? fma_rn(b, mu, g) : b;
-            const float pn = fma_rn(-lr, d, p);
-            if (master) master[j] = pn;
-            params[j] = round_param<T>(pn, round, s->step, j);
-        }
-        const float bs = block_scale(b, i < c.n, shared);
-        store_block(st.mq, a.at, c.n, st.qm, b, bs, staged);
-        if (i == 0) st.ms[a.scale] = bs;
-        return;
-    }
-    MomentRef buf, unused;
-    chunk_moments(st, c, bc.a, &buf, &unused);
-    for (int i = threadIdx.x; i < c.n; i += blockDim.x) {
-        const int64_t j = c.begin + i;
+    const int64_t step = s->step;
+    const float weight_decay = s->weight_decay;
+    update_one_moment(st, chunks, nchunks, [&](const TensorChunk& c, int64_t j, float b0) {
+        const float wd = c.decay ? weight_decay : 0.0f;
         const float p = master ? master[j] : to_float(params[j]);
         const float g = fma_rn(wd, p, mul_rn(to_float(grads[j]), scale));
-        const float b = first ? g : fma_rn(mu, buf.load(i), g);
-        buf.store(i, b);
+        const float b = first ? g : fma_rn(mu, b0, g);
         const float d = nesterov ? fma_rn(b, mu, g) : b;
         const float pn = fma_rn(-lr, d, p);
         if (master) master[j] = pn;
-        params[j] = round_param<T>(pn, round, s->step, j);
-    }
+        params[j] = round_param<T>(pn, round, step, j);
+        return b;
+    });
 }
 
-// ---- Muon's momentum ---------------------------------------------------------------------------
-// One matrix's chunks (or quantization blocks): buf = lerp(buf, g, 1 - mu) stored in its format,
-// and the Nesterov direction u = lerp(g, buf, mu) written to u[j - u_begin] in fp32.
+// Muon's momentum over one matrix's chunks: buf = lerp(buf, g, 1 - mu) stored in its format, and
+// the Nesterov direction u = lerp(g, buf, mu) written to u[j - u_begin] in fp32.
 template <typename T>
 static __global__ void muon_momentum_kernel(float* u, int64_t u_begin, MomentStores st,
                                             const T* grads, const TensorChunk* chunks, int nchunks,
                                             const StepScalars* s) {
     if (s->skip) return;
-    const BlockChunk bc = block_chunk(st, chunks, nchunks);
-    const TensorChunk c = bc.c;
     const float mu = s->muon_momentum, one_mu = 1.0f - mu, scale = s->grad_scale;
-    if (st.bits && !bc.a.fp32) {
-        __shared__ float shared[32];
-        __shared__ uint8_t staged[kThreads];
-        const StateChunk a = bc.a;
-        const int i = threadIdx.x;
-        float b = 0.0f;
-        if (i < c.n) {
-            const int64_t j = c.begin + i;
-            const float g = mul_rn(to_float(grads[j]), scale);
-            const float b0 = mul_rn(st.table_m[load_code(st.mq, a.at, i, st.bits)], st.ms[a.scale]);
-            b = fma_rn(one_mu, add_rn(g, -b0), b0);
-            u[j - u_begin] = fma_rn(mu, add_rn(b, -g), g);
-        }
-        const float bs = block_scale(b, i < c.n, shared);
-        store_block(st.mq, a.at, c.n, st.qm, b, bs, staged);
-        if (i == 0) st.ms[a.scale] = bs;
-        return;
-    }
-    MomentRef buf, unused;
-    chunk_moments(st, c, bc.a, &buf, &unused);
-    for (int i = threadIdx.x; i < c.n; i += blockDim.x) {
-        const int64_t j = c.begin + i;
+    update_one_moment(st, chunks, nchunks, [&](const TensorChunk&, int64_t j, float b0) {
         const float g = mul_rn(to_float(grads[j]), scale);
-        const float b0 = buf.load(i);
         const float b = fma_rn(one_mu, add_rn(g, -b0), b0);
-        buf.store(i, b);
         u[j - u_begin] = fma_rn(mu, add_rn(b, -g), g);
-    }
+        return b;
+    });
 }
 
 // ---- entries -----------------------------------------------------------------------------------
