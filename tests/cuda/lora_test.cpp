@@ -184,6 +184,37 @@ TEST(CudaLora, Fp32TracksTheCpuLoraEngine) {
     }
 }
 
+// optim.name = "adafactor" and "muon" on LoRA's adapters (whole tensors in the adapters' range;
+// Muon orthogonalizes the blocks' 2-D adapters, rank x in and out x rank): the GPU tracks the CPU
+// LoRA engine with the same optimizer, its optimizer row as predicted.
+TEST(CudaLora, AdafactorAndMuonTrackTheCpuLoraEngine) {
+    REQUIRE_GPU();
+    for (const auto& [name, lr] : {std::pair{"adafactor", 0.2}, std::pair{"muon", 1e-2}}) {
+        SCOPED_TRACE(name);
+        RunConfig cpu = lora_run(test::temp_dir(std::string("lora_wt_cpu_") + name), 8, "cpu",
+                                 "fp32", "nf4");
+        cpu.optim.name = name;
+        cpu.optim.lr = lr;
+        RunConfig gpu = cpu;
+        gpu.train.device = "cuda";
+        gpu.io.out_dir = test::temp_dir(std::string("lora_wt_gpu_") + name) + "/out";
+        const TrainSummary sc = Trainer(cpu, quiet()).run();
+        const MemoryStats before = device_memory().snapshot();
+        Trainer t(gpu, quiet());
+        const TrainSummary sg = t.run();
+        const std::size_t grew = device_memory().snapshot()[MemCategory::OptimizerState] -
+                                 before[MemCategory::OptimizerState];
+        for (const auto& row : t.engine().predicted_memory(gpu.micro_batch(), gpu.train.seq_len))
+            if (row.category == MemCategory::OptimizerState) {
+                EXPECT_EQ(grew, row.bytes) << row.formula;
+            }
+        ASSERT_EQ(sc.losses.size(), sg.losses.size());
+        EXPECT_LT(sg.losses.back(), sg.losses.front()) << "the GPU run did not learn";
+        for (std::size_t i = 0; i < sc.losses.size(); i++)
+            EXPECT_NEAR(sg.losses[i], sc.losses[i], 2e-4 * std::fabs(sc.losses[i])) << i;
+    }
+}
+
 TEST(CudaLora, Bf16TracksFp32AndResumesBitwise) {
     REQUIRE_GPU();
     auto d32 = test::temp_dir("lora_gpu_fp32"), d16 = test::temp_dir("lora_gpu_bf16"),
