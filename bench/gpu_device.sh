@@ -232,8 +232,10 @@ state_formats() {
         OPTIONS="fp32 bf16 int8 int4" DEVICE=cpu OUT=$runs timeout -k 5 "$STAGE_SECONDS" \
             bash bench/state_formats.sh "$BIN" 12 tiny
     else
-        OPTIONS="fp32 bf16 int8 int4" DEVICE=cuda OUT=$runs timeout -k 5 "$STAGE_SECONDS" \
-            bash bench/state_formats.sh "$BIN" 300 124m
+        # Adafactor without a master (4.05 B/param) and Muon last: they run on the GPU since
+        # 4daf94a, and the stage's cap ends what does not fit.
+        OPTIONS="fp32 bf16 int8 int4 adafactor-bf16w muon" DEVICE=cuda OUT=$runs \
+            timeout -k 5 "$STAGE_SECONDS" bash bench/state_formats.sh "$BIN" 300 124m
     fi > "$RESULTS/gpu-state-formats.md"
     local rc=$?
     cat "$RESULTS/gpu-state-formats.md"
