@@ -4,6 +4,7 @@
 # Each configuration runs STEPS steps; tokens/s is the mean over steps 2..STEPS from the
 # metrics file. Prints one line per configuration and its ratio to the single process.
 # Usage: bench/ddp_cpu.sh [BUILD] [STEPS]   (needs data/fortunes: make demo or the Makefile rule)
+#        EXTRA="optim.name=muon" bench/ddp_cpu.sh ...   (more --set keys for every run)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${1:-build}
@@ -13,7 +14,7 @@ BIN=$BUILD/memtrain
 OUT=$(mktemp -d)
 trap 'rm -rf "$OUT"' EXIT
 SETS=(train.max_steps=$STEPS train.batch_size=16 train.eval_every=0 train.log_every=100
-      sample.max_tokens=0 io.save_final=false)
+      sample.max_tokens=0 io.save_final=false ${EXTRA:-})
 mean_tps() {  # mean tokens/s of steps 2.. in a metrics file
     python3 - "$1" <<'PY'
 import json, sys

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <map>
 
 #include <fmt/format.h>
 
@@ -326,6 +327,11 @@ class Muon final : public Optimizer {
         AdamStep(cfg_, lr, t_ + 1).run(layout_, m_, v_, params, grads, begin, count);
         const float mu = (float)cfg_.muon_momentum;
         const double lr_muon = cfg_.muon_lr * (lr / cfg_.lr);
+        // Replicas sharing the orthogonalizations (DDP): each updates every momentum, computes
+        // the matrices it owns first, then every matrix's result comes from its owner, in order,
+        // so no rank waits for another's Newton-Schulz while it could run its own.
+        std::map<std::size_t, std::vector<float>> owned;
+        const bool shared = gather_ && has_owners(begin, count);
         for_each_segment(buf_, begin, count, [&](const auto& s, std::size_t lo, std::size_t hi) {
             const ParamSpec& t = layout_.tensors[s.tensor];
             if (lo != 0 || hi != s.n)
@@ -358,6 +364,14 @@ class Muon final : public Optimizer {
             }
             if (!s.direct) buf_.store_segment(s, buf);
             const int rows = (int)t.global_shape()[0], cols = (int)t.global_shape()[1];
+            if (shared) {
+                const int own = gather_->owner(s.tensor);
+                if (gather_->is_me(own)) {
+                    newton_schulz5(u.data(), rows, cols);
+                    owned[s.tensor] = std::move(u);
+                }
+                return;
+            }
             std::vector<float> whole;
             float* x = u.data();
             if (cut) {
@@ -371,12 +385,43 @@ class Muon final : public Optimizer {
                 gather_->pick(s.tensor, x, u.data());
                 mine = u.data();
             }
-            const float decay = t.decay ? (float)(1.0 - lr_muon * cfg_.weight_decay) : 1.0f;
-            const float step =
-                (float)(lr_muon * std::sqrt(std::max(1.0, (double)cols / (double)rows)));
-#pragma omp parallel for simd schedule(static)
-            for (int64_t i = 0; i < n; i++) p[i] = p[i] * decay - step * mine[i];
+            apply(t, p, mine, n, rows, cols, lr_muon);
         });
+        if (!shared) return;
+        std::vector<float> x;
+        for_each_segment(buf_, begin, count, [&](const auto& s, std::size_t, std::size_t) {
+            const ParamSpec& t = layout_.tensors[s.tensor];
+            const int own = gather_->owner(s.tensor);
+            auto it = owned.find(s.tensor);
+            float* o = nullptr;
+            if (it != owned.end()) {
+                o = it->second.data();
+            } else {
+                x.resize(s.n);
+                o = x.data();
+            }
+            gather_->share(s.tensor, o, own);
+            apply(t, params + (s.begin - begin), o, (int64_t)s.n, (int)t.global_shape()[0],
+                  (int)t.global_shape()[1], lr_muon);
+        });
+    }
+
+    // W = W (1 - lr_muon wd) - lr_muon sqrt(max(1, cols / rows)) O over a matrix's n floats.
+    void apply(const ParamSpec& t, float* p, const float* o, int64_t n, int rows, int cols,
+               double lr_muon) const {
+        const float decay = t.decay ? (float)(1.0 - lr_muon * cfg_.weight_decay) : 1.0f;
+        const float step = (float)(lr_muon * std::sqrt(std::max(1.0, (double)cols / (double)rows)));
+#pragma omp parallel for simd schedule(static)
+        for (int64_t i = 0; i < n; i++) p[i] = p[i] * decay - step * o[i];
+    }
+
+    // Whether a matrix of [begin, begin + count) has an owner (the gather shares them).
+    bool has_owners(std::size_t begin, std::size_t count) const {
+        bool any = false;
+        for_each_segment(buf_, begin, count, [&](const auto& s, std::size_t, std::size_t) {
+            any = any || gather_->owner(s.tensor) >= 0;
+        });
+        return any;
     }
 
     std::vector<std::pair<std::string, MomentBuffer*>> moments() override {
@@ -637,6 +682,10 @@ class Adafactor final : public Optimizer {
 
 void TensorGather::pick(std::size_t tensor, const float*, float*) {
     fail("internal: layout tensor {} is a slice, and this gather cannot pick it", tensor);
+}
+
+void TensorGather::share(std::size_t tensor, float*, int) {
+    fail("internal: layout tensor {} has an owner, and this gather cannot share it", tensor);
 }
 
 std::size_t adafactor_state_floats(const ParamLayout& layout, std::size_t offset,

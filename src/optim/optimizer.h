@@ -35,6 +35,14 @@ class TensorGather {
     virtual void gather(std::size_t tensor, const float* piece, float* whole) = 0;
     // This rank's elements of a sliced tensor, in its layout's order, from the whole tensor.
     virtual void pick(std::size_t tensor, const float* whole, float* piece);
+    // Replicas that step the same whole matrices from the same gradients (Muon under DDP) can
+    // share the work: owner(tensor) is the rank that orthogonalizes it for all of them, or -1
+    // where every rank computes its own (the default); share(tensor, x) then hands the owner's
+    // result (the tensor's numel floats at x on the owner) to every rank, in place. Every rank
+    // calls share for each owned tensor of an update, in the layout's order.
+    virtual int owner(std::size_t /*tensor*/) const { return -1; }
+    virtual bool is_me(int rank) const { return rank < 0; }
+    virtual void share(std::size_t tensor, float* x, int owner);
 };
 
 // What a checkpoint needs of an optimizer, wherever its state lives (host memory here, device

@@ -191,8 +191,8 @@ TEST(CudaLora, AdafactorAndMuonTrackTheCpuLoraEngine) {
     REQUIRE_GPU();
     for (const auto& [name, lr] : {std::pair{"adafactor", 0.2}, std::pair{"muon", 1e-2}}) {
         SCOPED_TRACE(name);
-        RunConfig cpu = lora_run(test::temp_dir(std::string("lora_wt_cpu_") + name), 8, "cpu",
-                                 "fp32", "nf4");
+        RunConfig cpu =
+            lora_run(test::temp_dir(std::string("lora_wt_cpu_") + name), 8, "cpu", "fp32", "nf4");
         cpu.optim.name = name;
         cpu.optim.lr = lr;
         RunConfig gpu = cpu;

@@ -98,12 +98,31 @@ void muon_case(const Case& c) {
     step_side_by_side<T>(*cpu, gpu, cfg, cpu_params, d_params, {1e-3, 6e-4, 2e-3}, 1010,
                          c.loss_scale, c.bf16_weights, seed, offset);
     ASSERT_EQ(gpu.state_names(), cpu->state_names());
+    // Where the CPU build fuses multiply-adds as the kernels do (the optimised build), the
+    // states agree to rounding, a value an ulp apart now and then rounding to the neighbouring
+    // stored one (int8 / int4 / bf16). Where it does not (the sanitizer build), such flips are
+    // ten times as common and carry into the next steps (a bf16 ulp of the old moment on a new
+    // value that cancels to near zero): at most 1% of the elements, each within a tenth of the
+    // state's rms (half for int4); a wrong index or store moves nearly all of them.
+    const bool fuses = cpu_optimizer_fuses();
     for (const std::string& name : cpu->state_names()) {
         std::vector<float> want(n), got(n);
         cpu->read_state(name, want.data());
         gpu.read_state(name, got.data());
-        // A value an ulp apart may round to the neighbouring stored one (int8 / int4 / bf16).
-        expect_state_match(name, got, want, false, StateFormat::Int8, false);
+        if (fuses) {
+            expect_state_match(name, got, want, false, StateFormat::Int8, false);
+            continue;
+        }
+        // (int4's codes are 8 levels a side: a flipped one is a larger step.)
+        const double r = rms(want), step = std::string(c.format) == "int4" ? 0.5 : 0.1;
+        std::size_t off = 0;
+        for (std::size_t i = 0; i < n; i++) {
+            const double d = std::fabs((double)got[i] - want[i]);
+            if (d <= 1e-6 * r + 1e-5 * std::fabs(want[i])) continue;
+            off++;
+            EXPECT_LE(d, 0.5 * std::fabs(want[i]) + step * r) << name << " [" << i << "]";
+        }
+        EXPECT_LE(off, 2 + n / 100) << name;
     }
     // The updates (weights minus where they started): the orthogonalized directions agree to
     // the rounding of fp32 GEMMs summed in another order, within 1e-3 of the update's rms; a
@@ -123,12 +142,15 @@ void muon_case(const Case& c) {
     if (c.bf16_weights) {
         // Rounded stochastically with the same draws: where the fp32 values differ by rounding,
         // a draw's threshold sits between them now and then, a bf16 ulp apart.
+        // (Without fused multiply-adds on the CPU, the moments' carried flips above move a few
+        // weights by more: within a tenth of the weights' rms, at most 1% of them.)
+        const double tol = fuses ? 0.0 : 0.1 * rms(p0);
         std::size_t off = 0;
         for (std::size_t i = 0; i < n; i++) {
             off += got[i] != cpu_params[i];
-            EXPECT_NEAR(got[i], cpu_params[i], std::fabs(cpu_params[i]) / 64 + 1e-30) << i;
+            EXPECT_NEAR(got[i], cpu_params[i], std::fabs(cpu_params[i]) / 64 + tol + 1e-30) << i;
         }
-        EXPECT_LE(off, 8 + n / 1000);
+        EXPECT_LE(off, (fuses ? 8 + n / 1000 : 2 + n / 100));
         return;
     }
     expect_close("update", d_got, d_want, 1e-3 * rms(d_want), 1e-3);

@@ -113,31 +113,6 @@ using namespace memtrain::test;
 
 namespace {
 
-// Whether this build's CPU optimizer fuses multiply-adds (GCC does at -O2 and above with its
-// default -ffp-contract=fast; not at -O0, the sanitizer build). One SGD step on one float where
-// the two differ: wd * p = 1 + 2^-11 + 2^-24 is a tie that rounds to 1 + 2^-11, which g cancels
-// exactly unless wd * p + g is one fused operation (then 2^-24 remains, and lr = 2 moves p by
-// 2^-23).
-bool cpu_optimizer_fuses() {
-    ParamLayout layout;
-    ParamSpec t;
-    t.name = "p";
-    t.shape = {1};
-    t.numel = 1;
-    t.decay = true;
-    layout.tensors = {t};
-    layout.total = 1;
-    OptimConfig cfg;
-    cfg.name = "sgd";
-    cfg.momentum = 0.0;
-    cfg.weight_decay = 1.0 + 1.0 / 4096;
-    auto opt = make_optimizer(cfg, layout);
-    const float p0 = 1.0f + 1.0f / 4096;
-    float p = p0, g = -(1.0f + 1.0f / 2048);
-    opt->step(&p, &g, 2.0);
-    return p != p0;
-}
-
 struct OptCase {
     const char* name;  // "adamw" | "sgd"
     int steps;

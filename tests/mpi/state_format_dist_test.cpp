@@ -5,8 +5,10 @@
 // across them keep the same promises.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -228,6 +230,72 @@ TEST(WholeTensorZero, ShardsStepBitwiseAsOneProcessFromTheSameGradients) {
     expect_shards_step_as_one_process("muon", "fp32");
     expect_shards_step_as_one_process("muon", "int8");
     expect_shards_step_as_one_process("adafactor", "fp32");
+}
+
+// Muon under DDP: each block matrix is orthogonalized by its owner and broadcast
+// (dist::ReplicaMatrixShare). From the same gradients every replica's weights and state are
+// bitwise one process's (the owner runs the same code on the same input), stepped whole or unit
+// by unit (optim.step_in_backward's parts) and in int8 moments; the owners split the
+// Newton-Schulz flops to within the largest matrix's.
+TEST(WholeTensorZero, MuonUnderDdpSharesTheOrthogonalizations) {
+    const int N = comm().size();
+    ModelConfig mc = test::tiny_model();
+    mc.n_embd = 64;
+    mc.n_head = 4;
+    const ParamLayout l = make_param_layout(mc);
+    for (const char* format : {"fp32", "int8"}) {
+        SCOPED_TRACE(format);
+        OptimConfig cfg;
+        cfg.name = "muon";
+        cfg.state_format = format;
+        const std::vector<char> matrices = muon_matrices(l);
+        ReplicaMatrixShare share(l, matrices, comm());
+        auto one = make_optimizer(cfg, l);
+        auto mine = make_optimizer(cfg, l, 0, SIZE_MAX, MemCategory::OptimizerState, &share);
+        std::vector<float> p(l.total), g(l.total);
+        for (std::size_t i = 0; i < l.total; i++) p[i] = 0.02f * std::sin(0.37f * (float)i);
+        std::vector<float> q = p;
+        for (int step = 1; step <= 3; step++) {
+            for (std::size_t i = 0; i < l.total; i++)
+                g[i] = 0.01f * std::cos(0.11f * (float)i * (float)step + (float)step);
+            one->step(p.data(), g.data(), 1e-3);
+            if (step != 2) {
+                mine->step(q.data(), g.data(), 1e-3);
+                continue;
+            }
+            for (const ParamUnit& u : l.units)  // unit by unit, as the backward hands them over
+                mine->step_part(q.data() + u.begin, g.data() + u.begin, 1e-3, u.begin, u.size());
+            mine->advance();
+        }
+        EXPECT_EQ(0, std::memcmp(q.data(), p.data(), l.total * sizeof(float)));
+        for (const std::string& s : one->state_names()) {
+            std::vector<float> a(l.total), b(l.total);
+            one->read_state(s, a.data());
+            mine->read_state(s, b.data());
+            EXPECT_EQ(0, std::memcmp(a.data(), b.data(), l.total * sizeof(float))) << s;
+        }
+        double largest = 0, total = 0;
+        int owned = 0, count = 0;
+        for (std::size_t i = 0; i < matrices.size(); i++) {
+            if (!matrices[i]) continue;
+            const double r = (double)std::min(l.tensors[i].shape[0], l.tensors[i].shape[1]);
+            const double c = (double)std::max(l.tensors[i].shape[0], l.tensors[i].shape[1]);
+            largest = std::max(largest, r * r * c + r * r * r);
+            total += r * r * c + r * r * r;
+            count++;
+            owned += share.owner(i) == comm().rank();
+            EXPECT_GE(share.owner(i), 0);
+            EXPECT_LT(share.owner(i), N);
+        }
+        const auto& load = share.load();
+        EXPECT_NEAR(std::accumulate(load.begin(), load.end(), 0.0), total, 1e-6 * total);
+        EXPECT_LE(*std::max_element(load.begin(), load.end()) -
+                      *std::min_element(load.begin(), load.end()),
+                  largest);
+        if (N > 1) {
+            EXPECT_LT(owned, count) << "some matrix is another rank's";
+        }
+    }
 }
 
 // ZeRO 1-3 train as one process does (the fp32 state's tolerance: the gradient sums' order

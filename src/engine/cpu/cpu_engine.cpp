@@ -217,12 +217,19 @@ void CpuEngine::apply_data_parallel() {
     const dist::ShardRange owned = zero_->owned();
     // An optimizer that steps tensors whole (Muon) completes the ones a shard cuts by gathering.
     const std::vector<char> whole = whole_step_tensors(cfg.optim, trained);
-    if (std::find(whole.begin(), whole.end(), 1) != whole.end() && plan_.zero_stage > 0 &&
-        world_.size() > 1)
+    const bool any_whole = std::find(whole.begin(), whole.end(), 1) != whole.end();
+    TensorGather* gather = nullptr;
+    if (any_whole && plan_.zero_stage > 0 && world_.size() > 1) {
         gather_ = std::make_unique<dist::ShardTensorGather>(trained, world_, zero_->owned_by_rank(),
                                                             whole);
+        gather = gather_.get();
+    } else if (any_whole && world_.size() > 1 && cfg.optim.name == "muon") {
+        // DDP: each matrix orthogonalized by one replica and broadcast.
+        share_ = std::make_unique<dist::ReplicaMatrixShare>(trained, whole, world_);
+        gather = share_.get();
+    }
     parts.push_back(make_optimizer(cfg.optim, trained, owned.offset, owned.count,
-                                   MemCategory::OptimizerState, gather_.get()));
+                                   MemCategory::OptimizerState, gather));
     opt_ = std::make_unique<RangeOptimizers>(std::move(parts));
 }
 

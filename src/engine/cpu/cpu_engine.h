@@ -225,6 +225,7 @@ class CpuEngine final : public Engine {
     // Muon under ZeRO 1-3: the matrices the shards cut, gathered whole (before opt_, which
     // holds it).
     std::unique_ptr<dist::ShardTensorGather> gather_;
+    std::unique_ptr<dist::ReplicaMatrixShare> share_;  // Muon under DDP
     // Muon and Adafactor under tensor parallelism: the sliced tensors, gathered whole.
     std::unique_ptr<dist::TpTensorGather> tp_gather_;
     std::unique_ptr<RangeOptimizers> opt_;

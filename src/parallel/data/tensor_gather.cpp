@@ -1,6 +1,9 @@
 // ShardTensorGather: whole tensors from ZeRO shards' pieces (see tensor_gather.h).
 #include "parallel/data/tensor_gather.h"
 
+#include <algorithm>
+#include <numeric>
+
 #include <fmt/format.h>
 
 #include "core/error.h"
@@ -32,6 +35,40 @@ void ShardTensorGather::gather(std::size_t tensor, const float* piece, float* wh
     const auto it = mine_.find(tensor);
     if (it == mine_.end()) fail("internal: gathering tensor {}, which no shard cuts here", tensor);
     it->second.group->all_gather(piece, whole, it->second.counts);
+}
+
+ReplicaMatrixShare::ReplicaMatrixShare(const ParamLayout& layout, const std::vector<char>& whole,
+                                       Communicator& world)
+    : layout_(layout), world_(world), owner_(layout.tensors.size(), -1), load_(world.size(), 0.0) {
+    std::vector<std::size_t> order;
+    std::vector<double> cost(layout.tensors.size(), 0.0);
+    for (std::size_t i = 0; i < whole.size() && i < layout.tensors.size(); i++) {
+        const ParamSpec& t = layout.tensors[i];
+        if (!whole[i] || t.global_shape().size() != 2) continue;
+        const double a = (double)t.global_shape()[0], b = (double)t.global_shape()[1];
+        const double r = std::min(a, b), c = std::max(a, b);
+        cost[i] = r * r * c + r * r * r;
+        order.push_back(i);
+    }
+    std::stable_sort(order.begin(), order.end(),
+                     [&](std::size_t x, std::size_t y) { return cost[x] > cost[y]; });
+    for (std::size_t i : order) {
+        const int k = (int)(std::min_element(load_.begin(), load_.end()) - load_.begin());
+        owner_[i] = k;
+        load_[(std::size_t)k] += cost[i];
+    }
+}
+
+void ReplicaMatrixShare::gather(std::size_t tensor, const float*, float*) {
+    fail("internal: {} is whole on every replica, nothing to gather",
+         layout_.tensors.at(tensor).name);
+}
+
+void ReplicaMatrixShare::share(std::size_t tensor, float* x, int owner) {
+    if (owner < 0 || owner != owner_.at(tensor))
+        fail("internal: {} shared from rank {}, its owner is {}", layout_.tensors[tensor].name,
+             owner, owner_[tensor]);
+    world_.broadcast(x, (int64_t)(layout_.tensors[tensor].global_numel() * sizeof(float)), owner);
 }
 
 }  // namespace memtrain::dist

@@ -36,4 +36,31 @@ class ShardTensorGather final : public TensorGather {
     std::size_t cut_ = 0;
 };
 
+// Muon under DDP (ZeRO stage 0): every replica steps the whole model from the same reduced
+// gradients, so each would orthogonalize every block matrix. Instead each matrix has one owner,
+// which runs its Newton-Schulz and broadcasts the result: the step's orthogonalizations are split
+// over the ranks rather than repeated on each. Owners are assigned greedily by cost (the matrix's
+// Newton-Schulz flops, r^2 c + r^3 for r = min(rows, cols)), largest first, each to the least
+// loaded rank (the lowest on a tie), the same on every rank. Every rank's weights stay bitwise
+// what one process computes: the owner runs the same code on the same input.
+class ReplicaMatrixShare final : public TensorGather {
+  public:
+    // `whole`: per tensor of the layout, whether the optimizer orthogonalizes it (muon_matrices).
+    ReplicaMatrixShare(const ParamLayout& layout, const std::vector<char>& whole,
+                       Communicator& world);
+    void gather(std::size_t tensor, const float*, float*) override;
+    int owner(std::size_t tensor) const override { return owner_.at(tensor); }
+    bool is_me(int rank) const override { return rank == world_.rank(); }
+    // A broadcast of the tensor's numel floats from its owner (a collective of the world).
+    void share(std::size_t tensor, float* x, int owner) override;
+    // The Newton-Schulz flops each rank runs per step under this assignment.
+    const std::vector<double>& load() const { return load_; }
+
+  private:
+    ParamLayout layout_;
+    Communicator& world_;
+    std::vector<int> owner_;  // per tensor of the layout, -1 where not shared
+    std::vector<double> load_;
+};
+
 }  // namespace memtrain::dist
