@@ -89,26 +89,27 @@ MemoryPrediction optimizer_row(const ParamLayout& layout, std::size_t begin, std
                                const std::string& what, int elem_bytes, const OptimConfig& optim) {
     const bool adamw = optim.name == "adamw";
     const bool has_master = device_master(elem_bytes, optim);
+    // The fp32 master beside the state (its bytes, and its part of the formula).
+    const std::size_t master = has_master ? 4 * n : 0;
+    const std::string master_part = has_master ? fmt::format("fp32 master 4 x {} + ", what) : "";
     if (optim.name == "adafactor") {
         const cuda::AdafactorLayout a = cuda::adafactor_layout(layout, begin, n);
-        const std::size_t master = has_master ? 4 * n : 0, state = 4 * (std::size_t)a.state;
+        const std::size_t state = 4 * (std::size_t)a.state;
         return {MemCategory::OptimizerState,
                 fmt::format("{}Adafactor factors {} floats ({} B) + tables and row sums {} B",
-                            has_master ? fmt::format("fp32 master 4 x {} + ", what) : "", a.state,
-                            state, a.table_bytes()),
+                            master_part, a.state, state, a.table_bytes()),
                 master + state + a.table_bytes()};
     }
     if (optim.name == "muon") {
         const StateFormat f = parse_state_format(optim.state_format);
         const cuda::MuonLayout m = cuda::muon_layout(layout, begin, n, f);
-        const std::size_t master = has_master ? 4 * n : 0;
         const std::size_t moments = 2 * MomentBuffer::predicted_bytes(f, layout, begin, n, m.rest) +
                                     MomentBuffer::predicted_bytes(f, layout, begin, n, m.matrix);
         return {MemCategory::OptimizerState,
                 fmt::format("{}Muon momentum on {} block matrices, Adam m, v else, in {} ({} B) + "
                             "chunk tables and Newton-Schulz scratch {} B",
-                            has_master ? fmt::format("fp32 master 4 x {} + ", what) : "",
-                            m.matrices.size(), state_format_name(f), moments, m.table_bytes(f)),
+                            master_part, m.matrices.size(), state_format_name(f), moments,
+                            m.table_bytes(f)),
                 master + moments + m.table_bytes(f)};
     }
     const std::size_t k = device_optimizer_bytes_per_param(has_master, adamw);
@@ -121,17 +122,13 @@ MemoryPrediction optimizer_row(const ParamLayout& layout, std::size_t begin, std
                             device_optimizer_states(has_master, adamw), table),
                 k * n + table};
     }
-    const std::size_t master = has_master ? 4 * n : 0;
     const cuda::MomentLayout lay = cuda::moment_layout(layout, begin, n, f);
     const std::size_t moments =
         (adamw ? 2 : 1) * MomentBuffer::predicted_bytes(f, layout, begin, n);
-    const std::size_t tables =
-        lay.chunks.size() * sizeof(cuda::TensorChunk) + lay.at.size() * sizeof(cuda::StateChunk) +
-        lay.grid.size() * sizeof(cuda::ChunkGrid) + cuda::decode_tables(f).size() * sizeof(float);
+    const std::size_t tables = lay.table_bytes() + cuda::decode_tables(f).size() * sizeof(float);
     return {
         MemCategory::OptimizerState,
-        fmt::format("{}{} {} in {} ({} B) + chunk and decode tables {} B",
-                    has_master ? fmt::format("fp32 master 4 x {} + ", what) : "",
+        fmt::format("{}{} {} in {} ({} B) + chunk and decode tables {} B", master_part,
                     adamw ? "Adam m, v" : "momentum", what, state_format_name(f), moments, tables),
         master + moments + tables};
 }

@@ -153,11 +153,8 @@ MuonLayout muon_layout(const ParamLayout& layout, std::size_t offset, std::size_
 }
 
 std::size_t MuonLayout::table_bytes(StateFormat format) const {
-    auto tables = [](const MomentLayout& l) {
-        return l.chunks.size() * sizeof(TensorChunk) + l.at.size() * sizeof(StateChunk) +
-               l.grid.size() * sizeof(ChunkGrid);
-    };
-    return tables(adam) + tables(momentum) + decode_tables(format).size() * sizeof(float) +
+    return adam.table_bytes() + momentum.table_bytes() +
+           decode_tables(format).size() * sizeof(float) +
            sizeof(float) * 2 * (max_numel + max_gram) + sizeof(double);
 }
 

@@ -34,6 +34,11 @@ struct MomentLayout {
     std::vector<ChunkGrid> grid;  // int8 / int4 only: each chunk's CUDA blocks
     int64_t blocks = 0;           // the CUDA blocks of a step (chunks.size() without a grid)
     MomentBuffer::Plan plan;      // the stores' sizes (one moment's)
+    // The device bytes of its tables (chunks, `at`, grid), without the decode tables.
+    std::size_t table_bytes() const {
+        return chunks.size() * sizeof(TensorChunk) + at.size() * sizeof(StateChunk) +
+               grid.size() * sizeof(ChunkGrid);
+    }
 };
 // `only` (per tensor of the layout, empty: every tensor): a masked moment over those tensors
 // alone, as the CPU's MomentBuffer lays it (Muon's: Adam's m and v over the tensors that are not

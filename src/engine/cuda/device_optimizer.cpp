@@ -188,12 +188,10 @@ std::string DeviceOptimizer<T>::describe() const {
     if (kind_ == Kind::Adafactor)
         return fmt::format("{}Adafactor factored second moment",
                            master_.size() ? "fp32 master, " : "");
-    if (kind_ == Kind::Muon)
-        return fmt::format(
-            "{}Muon momentum on block matrices, Adam m, v else{}",
-            master_.size() ? "fp32 master, " : "",
-            format_ == StateFormat::Fp32 ? "" : fmt::format(" in {}", state_format_name(format_)));
-    std::string d = device_optimizer_states(master_.size() > 0, kind_ == Kind::AdamW);
+    std::string d = kind_ == Kind::Muon
+                        ? fmt::format("{}Muon momentum on block matrices, Adam m, v else",
+                                      master_.size() ? "fp32 master, " : "")
+                        : device_optimizer_states(master_.size() > 0, kind_ == Kind::AdamW);
     if (format_ != StateFormat::Fp32) d += fmt::format(" in {}", state_format_name(format_));
     return d;
 }
@@ -270,10 +268,8 @@ void DeviceOptimizer<T>::read_state(const std::string& name, float* dst) {
                                           cudaMemcpyDeviceToHost, stream_));
         wait_("queued device work");
         std::fill(dst, dst + n_, 0.0f);
-        for (const cuda::AdafactorTensor& t : af_.tensors) {
-            const int64_t k = t.factored ? t.rows + t.cols : t.cols;
-            std::copy_n(packed.data() + t.state, k, dst + t.begin);
-        }
+        for (const cuda::AdafactorTensor& t : af_.tensors)
+            std::copy_n(packed.data() + t.state, t.state_floats(), dst + t.begin);
         return;
     }
     const Stores st = stores(name);
@@ -298,10 +294,8 @@ void DeviceOptimizer<T>::write_state(const std::string& name, std::size_t begin,
         read_state(name, all.data());
         std::copy(src, src + n, all.data() + begin);
         std::vector<float> packed((std::size_t)af_.state);
-        for (const cuda::AdafactorTensor& t : af_.tensors) {
-            const int64_t k = t.factored ? t.rows + t.cols : t.cols;
-            std::copy_n(all.data() + t.begin, k, packed.data() + t.state);
-        }
+        for (const cuda::AdafactorTensor& t : af_.tensors)
+            std::copy_n(all.data() + t.begin, t.state_floats(), packed.data() + t.state);
         if (!packed.empty())
             MT_CUDA_CHECK(cudaMemcpyAsync(af_state_.data(), packed.data(), af_state_.bytes(),
                                           cudaMemcpyHostToDevice, stream_));

@@ -73,6 +73,8 @@ struct AdafactorTensor {
     int64_t rows, cols;
     int64_t row0, item0, tile0, part0;
     int32_t factored, decay;
+    // The floats of its state: rows + cols factored, else numel (optim's adafactor_floats).
+    int64_t state_floats() const { return factored ? rows + cols : cols; }
 };
 constexpr int kAdafactorChunkRows = 256;
 constexpr int kAdafactorTile = 256;
