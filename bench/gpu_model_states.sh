@@ -45,4 +45,13 @@ row "Muon, fp32 master" optim.name=muon
 row "Muon, no master, int8" optim.name=muon optim.master=none optim.state_format=int8
 row "Adafactor, fp32 master" optim.name=adafactor optim.lr=3e-2
 row "Adafactor, no master" optim.name=adafactor optim.lr=3e-2 optim.master=none
+# optim.step_in_backward (one micro-batch per step): no gradient buffer, two unit buckets.
+row "AdamW, no master, int8, step in backward" optim.master=none optim.state_format=int8 \
+    optim.step_in_backward=true train.micro_batch_size=8
+row "AdamW, no master, int4, step in backward" optim.master=none optim.state_format=int4 \
+    optim.step_in_backward=true train.micro_batch_size=8
+row "Muon, no master, int8, step in backward" optim.name=muon optim.master=none \
+    optim.state_format=int8 optim.step_in_backward=true train.micro_batch_size=8
+row "Adafactor, no master, step in backward" optim.name=adafactor optim.lr=3e-2 optim.master=none \
+    optim.step_in_backward=true train.micro_batch_size=8
 echo "PyTorch AMP AdamW (fp32 weights, fp32 grads, 2 fp32 moments): 16.00 B/param"

@@ -92,51 +92,69 @@ MemoryPrediction optimizer_row(const ParamLayout& layout, std::size_t begin, std
     // The fp32 master beside the state (its bytes, and its part of the formula).
     const std::size_t master = has_master ? 4 * n : 0;
     const std::string master_part = has_master ? fmt::format("fp32 master 4 x {} + ", what) : "";
+    // Each part's tables (optim.step_in_backward: one part per parameter unit; their sum is the
+    // whole range's), laid out as DeviceOptimizer lays them.
+    const std::vector<cuda::OptimizerPart> parts =
+        cuda::optimizer_parts(layout, begin, n, optim.step_in_backward);
+    const std::string in_parts =
+        parts.size() > 1 ? fmt::format(" (in {} unit parts)", parts.size()) : "";
     if (optim.name == "adafactor") {
-        const cuda::AdafactorLayout a = cuda::adafactor_layout(layout, begin, n);
-        const std::size_t state = 4 * (std::size_t)a.state;
+        std::size_t state = 0, tables = 0;
+        for (const cuda::OptimizerPart& p : parts) {
+            const cuda::AdafactorLayout a = cuda::adafactor_layout(layout, p.offset, p.n);
+            state += 4 * (std::size_t)a.state;
+            tables += a.table_bytes();
+        }
         return {MemCategory::OptimizerState,
-                fmt::format("{}Adafactor factors {} floats ({} B) + tables and row sums {} B",
-                            master_part, a.state, state, a.table_bytes()),
-                master + state + a.table_bytes()};
+                fmt::format("{}Adafactor factors {} B + tables and row sums {} B{}", master_part,
+                            state, tables, in_parts),
+                master + state + tables};
     }
+    const StateFormat f = parse_state_format(optim.state_format);
     if (optim.name == "muon") {
-        const StateFormat f = parse_state_format(optim.state_format);
-        const cuda::MuonLayout m = cuda::muon_layout(layout, begin, n, f);
-        const std::size_t moments = 2 * MomentBuffer::predicted_bytes(f, layout, begin, n, m.rest) +
-                                    MomentBuffer::predicted_bytes(f, layout, begin, n, m.matrix);
+        std::size_t moments = 0, tables = 0, shared = 0, matrices = 0;
+        for (const cuda::OptimizerPart& p : parts) {
+            const cuda::MuonLayout m = cuda::muon_layout(layout, p.offset, p.n, f);
+            moments += 2 * MomentBuffer::predicted_bytes(f, layout, p.offset, p.n, m.rest) +
+                       MomentBuffer::predicted_bytes(f, layout, p.offset, p.n, m.matrix);
+            tables += m.chunk_table_bytes();
+            shared = std::max(shared, m.shared_bytes(f));  // the scratch of the largest matrix
+            matrices += m.matrices.size();
+        }
         return {MemCategory::OptimizerState,
                 fmt::format("{}Muon momentum on {} block matrices, Adam m, v else, in {} ({} B) + "
-                            "chunk tables and Newton-Schulz scratch {} B",
-                            master_part, m.matrices.size(), state_format_name(f), moments,
-                            m.table_bytes(f)),
-                master + moments + m.table_bytes(f)};
+                            "chunk tables and Newton-Schulz scratch {} B{}",
+                            master_part, matrices, state_format_name(f), moments, tables + shared,
+                            in_parts),
+                master + moments + tables + shared};
     }
     const std::size_t k = device_optimizer_bytes_per_param(has_master, adamw);
-    const StateFormat f = parse_state_format(optim.state_format);
-    if (f == StateFormat::Fp32) {
-        const std::size_t table =
-            cuda::tensor_chunks(layout, begin, n).size() * sizeof(cuda::TensorChunk);
+    std::size_t tables = 0;
+    for (const cuda::OptimizerPart& p : parts)
+        tables +=
+            f == StateFormat::Fp32
+                ? cuda::tensor_chunks(layout, p.offset, p.n).size() * sizeof(cuda::TensorChunk)
+                : cuda::moment_layout(layout, p.offset, p.n, f).table_bytes();
+    if (f == StateFormat::Fp32)
         return {MemCategory::OptimizerState,
-                fmt::format("{} x {} ({}) + chunk table {} B", k, what,
-                            device_optimizer_states(has_master, adamw), table),
-                k * n + table};
-    }
-    const cuda::MomentLayout lay = cuda::moment_layout(layout, begin, n, f);
-    const std::size_t moments =
-        (adamw ? 2 : 1) * MomentBuffer::predicted_bytes(f, layout, begin, n);
-    const std::size_t tables = lay.table_bytes() + cuda::decode_tables(f).size() * sizeof(float);
-    return {
-        MemCategory::OptimizerState,
-        fmt::format("{}{} {} in {} ({} B) + chunk and decode tables {} B", master_part,
-                    adamw ? "Adam m, v" : "momentum", what, state_format_name(f), moments, tables),
-        master + moments + tables};
+                fmt::format("{} x {} ({}) + chunk table {} B{}", k, what,
+                            device_optimizer_states(has_master, adamw), tables, in_parts),
+                k * n + tables};
+    std::size_t moments = 0;
+    for (const cuda::OptimizerPart& p : parts)
+        moments += (adamw ? 2 : 1) * MomentBuffer::predicted_bytes(f, layout, p.offset, p.n);
+    tables += cuda::decode_tables(f).size() * sizeof(float);
+    return {MemCategory::OptimizerState,
+            fmt::format("{}{} {} in {} ({} B) + chunk and decode tables {} B{}", master_part,
+                        adamw ? "Adam m, v" : "momentum", what, state_format_name(f), moments,
+                        tables, in_parts),
+            master + moments + tables};
 }
 
 }  // namespace
 
-std::size_t device_step_bytes(int accum_steps) {
-    return sizeof(cuda::StepScalars) + 8 * (2 + (std::size_t)accum_steps);
+std::size_t device_step_bytes(int accum_steps, std::size_t units) {
+    return sizeof(cuda::StepScalars) + 8 * (3 + (std::size_t)accum_steps + units);
 }
 
 int pipeline_stage_slots(const pp::Schedule& s, int stage) {
@@ -193,16 +211,26 @@ std::vector<MemoryPrediction> predict_cuda_memory(const RunConfig& cfg, const Re
     const char* tn = cfg.train.precision.c_str();
     const bool offload = cfg.train.offload_optimizer;
     const auto lay = activation_layout(cfg.model, B, T, plan, device_arena_format(cfg, B, T));
-    const std::size_t extra =
-        device_token_bytes(B, T) + kDeviceGraphBytes + device_step_bytes(cfg.accum_steps());
+    const std::size_t extra = device_token_bytes(B, T) + kDeviceGraphBytes +
+                              device_step_bytes(cfg.accum_steps(), layout.units.size());
     const std::string per_rank = fmt::format(" / {} ranks", world);
     return {
         {MemCategory::Parameters,
          fmt::format("{} x params{} ({})", e, stage >= 3 ? per_rank : "", tn),
          e * (stage >= 3 ? shard : padded)},
-        {MemCategory::Gradients,
-         fmt::format("{} x params{} ({})", e, stage >= 2 ? per_rank : "", tn),
-         e * (stage >= 2 ? shard : padded)},
+        // optim.step_in_backward with one micro-batch per step: the open units' buckets only
+        // (engine/cuda/in_backward_grads.h).
+        cfg.no_grad_buffer()
+            ? MemoryPrediction{MemCategory::Gradients,
+                               fmt::format("{} x ({}), step in backward ({})", e,
+                                           cfg.model.tied_embeddings
+                                               ? "embedding unit + largest other unit"
+                                               : "largest unit",
+                                           tn),
+                               e * step_in_backward_grad_floats(layout, cfg.model.tied_embeddings)}
+            : MemoryPrediction{MemCategory::Gradients,
+                               fmt::format("{} x params{} ({})", e, stage >= 2 ? per_rank : "", tn),
+                               e * (stage >= 2 ? shard : padded)},
         // ZeRO-1: this rank's shard of the optimizer state.
         offload
             ? MemoryPrediction{MemCategory::OptimizerState,
@@ -240,7 +268,7 @@ std::vector<MemoryPrediction> predict_cuda_lora_memory(const RunPlan& plan, cons
     const std::size_t adapter_gemms =
         lora_workspace_bytes(cfg.lora, lora, B * T) / sizeof(float) * e;
     const std::size_t extra = device_token_bytes(B, T) + kDeviceGraphBytes +
-                              device_step_bytes(cfg.accum_steps()) + adapter_gemms + slots;
+                              device_step_bytes(cfg.accum_steps(), 0) + adapter_gemms + slots;
     return {
         {MemCategory::Parameters, fmt::format("{} + adapters {} x {}", base_text, e, n),
          base + e * n},
@@ -299,7 +327,7 @@ std::vector<MemoryPrediction> predict_cuda_stage_memory(const RunPlan& plan, con
                      tied_in ? " + the tied wte's gradient" : ""),
          arena_bytes(a.entries, MemCategory::Workspace) +
              (std::size_t)slots * device_token_bytes(B, T) + kDeviceGraphBytes +
-             device_step_bytes(cfg.accum_steps()) + tied_in},
+             device_step_bytes(cfg.accum_steps(), 0) + tied_in},
     };
 }
 

@@ -36,9 +36,9 @@ inline constexpr std::size_t kDeviceGraphBytes = sizeof(double);
 bool device_master(int elem_bytes, const OptimConfig& optim);
 std::size_t device_optimizer_bytes_per_param(bool master, bool adamw);
 std::string device_optimizer_states(bool master, bool adamw);  // "fp32 master, Adam m, v"
-// The device bytes of the engines' shared step (DeviceStep): its scalars and the loss sums of
-// `accum_steps` micro-batches.
-std::size_t device_step_bytes(int accum_steps);
+// The device bytes of the engines' shared step (DeviceStep): its scalars, the loss sums of
+// `accum_steps` micro-batches and the sums of squares of `units` parameter units.
+std::size_t device_step_bytes(int accum_steps, std::size_t units);
 // The activation slots of the GPU pipeline's stage `stage` under schedule `s`: the most
 // micro-batches it holds between their forward and backward (at least one).
 int pipeline_stage_slots(const pp::Schedule& s, int stage);

@@ -32,15 +32,21 @@ std::size_t CudaGPT<T>::token_bytes(int B, int T_) {
 
 template <typename T>
 CudaGPT<T>::CudaGPT(const ModelConfig& cfg, cudaStream_t stream, std::size_t padded_total,
-                    DeviceUnitStore<T>* units, CudaLora<T>* lora)
-    : cfg_(cfg), layout_(make_param_layout(cfg)), stream_(stream), units_(units), lora_(lora) {
+                    DeviceUnitStore<T>* units, CudaLora<T>* lora, DeviceGradStore<T>* grads)
+    : cfg_(cfg),
+      layout_(make_param_layout(cfg)),
+      stream_(stream),
+      units_(units),
+      grad_units_(units ? units : grads),
+      lora_(lora) {
     cfg_.validate();
+    if (units && grads) fail("internal: CudaGPT takes a unit store or a gradient store, not both");
     b1_ = cfg_.n_layer;
     slots_.resize(1);
     if (!units_) {
         const std::size_t n = std::max(padded_total, layout_.total);
         params_ = DeviceBuffer<T>(n, MemCategory::Parameters);
-        if (!frozen()) grads_ = DeviceBuffer<T>(n, MemCategory::Gradients);
+        if (!frozen() && !grad_units_) grads_ = DeviceBuffer<T>(n, MemCategory::Gradients);
     }
     for (int l = 0; l < cfg_.n_layer; l++) block_off_.push_back(block_offsets(layout_, l));
     const int emb = ParamLayout::embedding_unit(), head = layout_.head_unit();
@@ -141,8 +147,8 @@ void CudaGPT<T>::zero_grads() {
 
 template <typename T>
 void CudaGPT<T>::unit_grads_done(int u) {
-    if (units_)
-        units_->grads_done(u);
+    if (grad_units_)
+        grad_units_->grads_done(u);
     else if (grads_done_)
         grads_done_(u);
 }

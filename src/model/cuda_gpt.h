@@ -31,19 +31,24 @@ namespace memtrain {
 // hands out gathered units and gradient buckets. Pointers are for work queued on the model's
 // stream.
 template <typename T>
-class DeviceUnitStore {
+class DeviceGradStore {
   public:
-    virtual ~DeviceUnitStore() = default;
+    virtual ~DeviceGradStore() = default;
+    // Where this micro-batch's backward accumulates unit u's gradients, until grads_done(u);
+    // acquiring a unit again before then gives the same place.
+    virtual T* acquire_grads(int u) = 0;
+    virtual void grads_done(int u) = 0;
+};
+
+template <typename T>
+class DeviceUnitStore : public DeviceGradStore<T> {
+  public:
     // Unit u's parameters, complete for the work queued from now until release_params(u).
     // Acquires of one unit nest.
     virtual T* acquire_params(int u) = 0;
     virtual void release_params(int u) = 0;
     // Unit u is the next to be acquired: start bringing it (nothing if it is there already).
     virtual void prefetch_params(int u) = 0;
-    // Where this micro-batch's backward accumulates unit u's gradients, until grads_done(u);
-    // acquiring a unit again before then gives the same place.
-    virtual T* acquire_grads(int u) = 0;
-    virtual void grads_done(int u) = 0;
 };
 
 template <typename T>
@@ -61,8 +66,11 @@ class CudaGPT {
     // QLoRA base); params() and grads() are then null. With `lora`, the base is frozen (no
     // gradients are allocated or computed: backward gives input gradients only) and the
     // adapters run beside the block linears, their gradients accumulating in `lora`'s buffer.
+    // With `grads` (optim.step_in_backward) the parameters are whole but the gradients go
+    // through that store unit by unit (grads() is null).
     CudaGPT(const ModelConfig& cfg, cudaStream_t stream, std::size_t padded_total = 0,
-            DeviceUnitStore<T>* units = nullptr, CudaLora<T>* lora = nullptr);
+            DeviceUnitStore<T>* units = nullptr, CudaLora<T>* lora = nullptr,
+            DeviceGradStore<T>* grads = nullptr);
     CudaGPT(const CudaGPT&) = delete;
     CudaGPT& operator=(const CudaGPT&) = delete;
     ~CudaGPT();
@@ -209,7 +217,7 @@ class CudaGPT {
         if (units_ && u >= 0) units_->prefetch_params(u);
     }
     T* unit_grads(int u) {
-        return units_ ? units_->acquire_grads(u) : grads_.data() + layout_.units[u].begin;
+        return grad_units_ ? grad_units_->acquire_grads(u) : grads_.data() + layout_.units[u].begin;
     }
     void unit_grads_done(int u);
     Block block_params(int l) {
@@ -236,6 +244,7 @@ class CudaGPT {
     ParamLayout layout_;
     cudaStream_t stream_;
     DeviceUnitStore<T>* units_ = nullptr;
+    DeviceGradStore<T>* grad_units_ = nullptr;  // units_, or the gradients' own store
     CudaLora<T>* lora_ = nullptr;
     DeviceBuffer<T> params_, grads_;  // whole, without a store (no grads_ when frozen)
     // Tensor offsets inside their units: each block's, wte and wpe in the embedding, ln_f in the

@@ -152,10 +152,21 @@ MuonLayout muon_layout(const ParamLayout& layout, std::size_t offset, std::size_
     return m;
 }
 
-std::size_t MuonLayout::table_bytes(StateFormat format) const {
-    return adam.table_bytes() + momentum.table_bytes() +
-           decode_tables(format).size() * sizeof(float) +
+std::size_t MuonLayout::shared_bytes(StateFormat format) const {
+    return decode_tables(format).size() * sizeof(float) +
            sizeof(float) * 2 * (max_numel + max_gram) + sizeof(double);
+}
+
+std::vector<OptimizerPart> optimizer_parts(const ParamLayout& layout, std::size_t offset,
+                                           std::size_t count, bool by_unit) {
+    if (!by_unit) return {{offset, count}};
+    std::vector<OptimizerPart> out;
+    for (const ParamUnit& u : layout.units) {
+        const std::size_t lo = std::max(u.begin, offset);
+        const std::size_t hi = std::min(u.end, offset + count);
+        if (lo < hi) out.push_back({lo, hi - lo});
+    }
+    return out;
 }
 
 AdafactorLayout adafactor_layout(const ParamLayout& layout, std::size_t offset, std::size_t count) {

@@ -66,9 +66,13 @@ struct MuonLayout {
     MomentLayout adam;               // Adam's m and v over the other tensors
     std::vector<char> matrix, rest;  // per tensor of the layout: the momentum's, Adam's
     std::size_t max_numel = 0, max_gram = 0;
-    // The device bytes beside the moments: both chunk tables, the Newton-Schulz scratch and its
-    // norm (a double).
-    std::size_t table_bytes(StateFormat format) const;
+    // The device bytes beside the moments: both chunk tables, then the decode tables, the
+    // Newton-Schulz scratch and its norm (a double), which a range stepped in parts shares.
+    std::size_t table_bytes(StateFormat format) const {
+        return chunk_table_bytes() + shared_bytes(format);
+    }
+    std::size_t chunk_table_bytes() const { return adam.table_bytes() + momentum.table_bytes(); }
+    std::size_t shared_bytes(StateFormat format) const;
 };
 MuonLayout muon_layout(const ParamLayout& layout, std::size_t offset, std::size_t count,
                        StateFormat format);
@@ -96,6 +100,16 @@ struct AdafactorLayout {
     std::size_t table_bytes() const;
 };
 AdafactorLayout adafactor_layout(const ParamLayout& layout, std::size_t offset, std::size_t count);
+
+// The pieces the GPU optimizer steps [offset, offset + count) in, each with its own tables: the
+// whole range, or with `by_unit` (optim.step_in_backward) each parameter unit's part of it, in
+// order, so that a unit is updated alone as soon as its gradient is complete. Per tensor the
+// arithmetic, the quantization blocks and the rounding draws are the same either way.
+struct OptimizerPart {
+    std::size_t offset = 0, n = 0;
+};
+std::vector<OptimizerPart> optimizer_parts(const ParamLayout& layout, std::size_t offset,
+                                           std::size_t count, bool by_unit);
 
 // The host group of StepScalars for step `step` (1-based, counting this update) of the optimizer
 // cfg.name names, with the constants computed exactly as optim/optimizer.cpp computes them (double

@@ -346,10 +346,27 @@ void validate_optimizer_layout(const RunConfig& cfg) {
                                needs));
     }
     if (cfg.optim.step_in_backward) {
-        // Built on the ZeroStore (one process, DDP, ZeRO 0-3, LoRA's adapters on the CPU).
+        // Built on the ZeroStore (one process, DDP, ZeRO 0-3, LoRA's adapters on the CPU) and on
+        // the CUDA engine's whole model (one GPU, DDP).
         const auto refuse = refuser("optim.step_in_backward = true");
-        if (cfg.train.device == "cuda")
-            refuse("train.device = \"cuda\"", "it is built on the CPU engine so far");
+        if (cfg.train.device == "cuda") {
+            if (cfg.lora.enabled())
+                refuse("train.device = \"cuda\" and lora.rank",
+                       "the GPU steps the whole model inside the backward so far (LoRA's "
+                       "adapters do on the CPU engine)");
+            if (cfg.train.zero_stage > 0)
+                refuse(fmt::format("train.device = \"cuda\" and train.zero_stage = {}",
+                                   cfg.train.zero_stage),
+                       "the GPU steps inside the backward on one GPU and under DDP so far (set "
+                       "train.zero_stage = 0, or use train.device = \"cpu\" for ZeRO 1-3)");
+            if (cfg.train.offload_optimizer)
+                refuse("train.device = \"cuda\" and train.offload_optimizer = true",
+                       "the offloaded optimizer steps on the host after the backward");
+            if (cfg.train.cuda_graphs)
+                refuse("train.device = \"cuda\" and train.cuda_graphs = true",
+                       "the norm pass and the update pass run the same forward and backward to "
+                       "different ends, which one captured graph cannot replay");
+        }
         if (cfg.train.tp > 1)
             refuse(fmt::format("train.tp = {}", cfg.train.tp),
                    "it is built on the data-parallel store (one process, DDP, ZeRO 0-3)");

@@ -247,6 +247,49 @@ TEST(CudaDp, AdafactorAndMuonRanksTrainAsOneProcess) {
         }
 }
 
+// optim.step_in_backward under DDP with one micro-batch per step: each unit's gradient is
+// all-reduced on the compute stream as soon as the backward finishes it, measured and updated
+// from its bucket; the run is bitwise the two-phase DDP step (the same all-reduce of each unit,
+// the same per-unit norm), with and without clipping, for AdamW in int8 and Muon, and each rank
+// holds two unit buckets of gradients instead of the whole buffer, as predicted.
+TEST(CudaDp, StepInBackwardRanksAreTheTwoPhaseStepBitwise) {
+    REQUIRE_GPU_DP();
+    const int N = comm().size(), b = 2, steps = 5;
+    for (const char* name : {"adamw", "muon"})
+        for (double clip : {1.0, 0.0}) {
+            SCOPED_TRACE(std::string(name) + (clip > 0 ? " clipped" : " unclipped"));
+            RunConfig c = shared_cuda_run(
+                std::string("cuda_sib_dp_") + name + (clip > 0 ? "_clip" : ""), steps, "bf16");
+            c.optim.name = name;
+            c.optim.lr = 1e-2;
+            c.optim.grad_clip = clip;
+            if (std::string(name) == "adamw") c.optim.state_format = "int8";
+            c.train.batch_size = N * b;
+            c.train.micro_batch_size = b;
+            auto run = [&](bool in_backward, std::size_t* grads) {
+                RunConfig r = c;
+                r.optim.step_in_backward = in_backward;
+                r.io.out_dir += in_backward ? "_sib" : "_two";
+                const MemoryStats before = device_memory().snapshot();
+                Trainer t(r, quiet(), &comm());
+                *grads = device_memory().snapshot()[MemCategory::Gradients] -
+                         before[MemCategory::Gradients];
+                for (const auto& row : t.engine().predicted_memory(b, r.train.seq_len))
+                    if (row.category == MemCategory::Gradients) {
+                        EXPECT_EQ(*grads, row.bytes) << row.formula;
+                    }
+                const TrainSummary s = t.run();
+                return std::pair{s.losses, t.params()};
+            };
+            std::size_t two_grads = 0, sib_grads = 0;
+            const auto two = run(false, &two_grads);
+            const auto sib = run(true, &sib_grads);
+            EXPECT_EQ(sib.first, two.first);
+            EXPECT_EQ(sib.second, two.second);
+            EXPECT_LT(sib_grads, two_grads);
+        }
+}
+
 // ZeRO-3 on a Llama-style model with an untied head (the head unit holds lm_head) and every
 // block recomputed from its input, so units are gathered again inside the backward.
 TEST(CudaDp, Zero3LlamaUntiedWithFullRecompute) {

@@ -140,7 +140,25 @@ TEST(StepInBackward, RefusesTheLayoutsItDoesNotRunWithByName) {
         edit(c);
         test::expect_refused_naming(validate_optimizer_layout, c, "optim.step_in_backward", key);
     };
-    refused([](RunConfig& c) { c.train.device = "cuda"; }, "train.device");
+    // The GPU runs it on one GPU and under DDP (tests/cuda/step_in_backward_test.cpp).
+    refused(
+        [](RunConfig& c) {
+            c.train.device = "cuda";
+            c.train.zero_stage = 2;
+        },
+        "train.zero_stage = 2");
+    refused(
+        [](RunConfig& c) {
+            c.train.device = "cuda";
+            c.train.cuda_graphs = true;
+        },
+        "train.cuda_graphs");
+    refused(
+        [](RunConfig& c) {
+            c.train.device = "cuda";
+            c.train.offload_optimizer = true;
+        },
+        "train.offload_optimizer");
     refused([](RunConfig& c) { c.train.tp = 2; }, "train.tp = 2");
     refused([](RunConfig& c) { c.train.pp = 2; }, "train.pp = 2");
     refused([](RunConfig& c) { c.train.diagnostics = "amp"; }, "train.diagnostics");

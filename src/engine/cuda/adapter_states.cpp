@@ -159,7 +159,7 @@ void AdapterStates<T>::begin_step() {
 }
 
 template <typename T>
-void AdapterStates<T>::reduce(double* sum_sq) {
+void AdapterStates<T>::reduce(double* sum_sq, double*) {
     if (dcomm_) dcomm_->all_reduce_sum(grads_.data(), (int64_t)n_, dist::device_type<T>(), stream_);
     cuda::sum_squares<T>(sum_sq, grads_.data(), (int64_t)n_, stream_);
 }

@@ -77,7 +77,7 @@ class AdapterStates final : public ModelStates<T> {
     // StepCollectives. DDP: every rank's adapter gradients summed (the loss gradient already
     // carries 1 / the global token count), so every rank takes the same update.
     T* gradients() override { return grads_.data(); }
-    void reduce(double* sum_sq) override;
+    void reduce(double* sum_sq, double* unit_sq) override;
     void update(const cuda::StepScalars* scalars) override {
         opt_->step(params_.data(), grads_.data(), scalars, stream_);
     }

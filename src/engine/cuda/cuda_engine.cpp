@@ -15,6 +15,8 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
+
 #include "comm/communicator.h"
 #include "core/cuda_streams.h"
 #include "core/device.h"
@@ -37,7 +39,8 @@ class CudaEngine final : public Engine {
   public:
     CudaEngine(const RunPlan& plan, dist::Communicator& comm)
         : plan_(plan),
-          step_(plan.cfg.optim, plan.precision, plan.cfg.accum_steps(), stream_.get()),
+          step_(plan.cfg.optim, plan.precision, plan.cfg.accum_steps(),
+                plan.lora ? 0 : (int)make_param_layout(plan.cfg.model).units.size(), stream_.get()),
           states_(make_states(plan_, comm, stream_.get())) {}
 
     std::string describe() const override {
@@ -58,6 +61,11 @@ class CudaEngine final : public Engine {
     }
     const RematPlan& remat_plan() const override { return remat_; }
 
+    void prepare_update(double lr, double max_norm) override {
+        update_lr_ = lr;
+        update_max_norm_ = max_norm;
+        update_prepared_ = true;
+    }
     void begin_step() override {
         states_->begin_step();
         step_.begin();
@@ -70,12 +78,24 @@ class CudaEngine final : public Engine {
         double* loss_sum = step_.next_micro(B, T_);
         states_->before_backward(last, index);
         // fp16: the loss gradient carries the loss scale, so small gradients stay representable.
-        model().forward_backward(inputs, targets, B, T_, grad_scale * step_.loss_scale(), loss_sum);
+        const float scale = grad_scale * step_.loss_scale();
+        if (states_->steps_in_backward())
+            backward_with_update(inputs, targets, B, T_, scale, loss_sum);
+        else
+            model().forward_backward(inputs, targets, B, T_, scale, loss_sum);
         states_->after_backward();
     }
     StepResult finish_step(double lr, double max_norm) override {
-        return step_.finish(lr, max_norm, *states_);
+        // optim.step_in_backward_clip = "previous-norm": the last finite norm clips this step
+        // (with accumulation too, where the step runs after the backward).
+        const double clip_norm = lagged_clip() ? previous_norm_ : 0.0;
+        const StepResult r = step_.finish(lr, max_norm, *states_, clip_norm);
+        update_prepared_ = false;
+        if (plan_.cfg.optim.step_in_backward) previous_norm_ = r.grad_norm;
+        return r;
     }
+    double clip_norm_state() const override { return previous_norm_; }
+    void restore_clip_norm(double norm) override { previous_norm_ = norm; }
     void set_guarded(bool guarded) override { step_.set_guarded(guarded); }
     // train.diagnostics = amp on one GPU (no NCCL ranks, no offload, not LoRA), where the step's
     // whole gradient is one buffer: brought down once, unscaled by fp16's loss scale (a power of
@@ -133,6 +153,36 @@ class CudaEngine final : public Engine {
     std::pair<int64_t, int64_t> zero_gathers() const { return states_->zero_gathers(); }
 
   private:
+    // optim.step_in_backward_clip = "previous-norm" with a finite norm from the step before.
+    bool lagged_clip() const {
+        return plan_.cfg.optim.step_in_backward_clip == "previous-norm" && previous_norm_ > 0 &&
+               std::isfinite(previous_norm_);
+    }
+    // optim.step_in_backward with one micro-batch per step (docs/training.md): each unit is
+    // updated as soon as its gradient is complete. Clipping (and fp16's overflow skip) needs the
+    // step's norm before the first update: a norm pass (the same forward and backward,
+    // measuring only) comes first, and the update pass clips with it; finish checks that both
+    // passes saw the same gradient. Clipping by the previous step's norm needs no pass.
+    void backward_with_update(const int32_t* inputs, const int32_t* targets, int B, int T_,
+                              float scale, double* loss_sum) {
+        if (!update_prepared_)
+            fail("internal: optim.step_in_backward's backward without prepare_update");
+        const bool lagged = lagged_clip();
+        step_.begin_update(update_lr_, update_max_norm_, lagged ? previous_norm_ : 0.0,
+                           states_->optimizer().steps_taken() + 1);
+        if ((update_max_norm_ > 0 && !lagged) || plan_.precision == Precision::fp16) {
+            states_->arm(step_.unit_sums(), nullptr);
+            model().forward_backward(inputs, targets, B, T_, scale, loss_sum);
+            states_->disarm();
+            step_.finish_norm_pass();
+        } else {
+            step_.scale_before_norm();
+        }
+        states_->arm(step_.unit_sums(), step_.device_scalars());
+        model().forward_backward(inputs, targets, B, T_, scale, loss_sum);
+        states_->disarm();
+    }
+
     // The model states the plan chose: what trains, where it lives, its collectives.
     static std::unique_ptr<ModelStates<T>> make_states(const RunPlan& plan,
                                                        dist::Communicator& comm,
@@ -151,6 +201,11 @@ class CudaEngine final : public Engine {
     DeviceStep<T> step_;
     std::unique_ptr<ModelStates<T>> states_;
     RematPlan remat_;
+    // optim.step_in_backward: the step's learning rate and clipping (prepare_update), and the
+    // last step's gradient norm (step_in_backward_clip = "previous-norm"; checkpoints carry it).
+    double update_lr_ = 0, update_max_norm_ = 0;
+    bool update_prepared_ = false;
+    double previous_norm_ = 0;
 };
 
 }  // namespace

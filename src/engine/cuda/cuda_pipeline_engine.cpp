@@ -226,7 +226,7 @@ class CudaPipelineEngine final : public Engine, private StepCollectives<T> {
     // the pipeline; every stage updates its own range and the first sends the updated embedding
     // back to the last stage's mirror. The loss is the last stage's, broadcast.
     T* gradients() override;
-    void reduce(double* sum_sq) override;
+    void reduce(double* sum_sq, double* unit_sq) override;
     void update(const cuda::StepScalars* scalars) override;
     std::string overflow() override {
         return "a non-finite gradient norm over the pipeline's stages";
@@ -400,7 +400,7 @@ CudaPipelineEngine<T>::CudaPipelineEngine(const RunPlan& plan, dist::Communicato
     if (first() && tied_across())
         tied_in_ = DeviceBuffer<T>(layout_.units[ParamLayout::embedding_unit()].size(),
                                    MemCategory::Workspace);
-    step_ = std::make_unique<DeviceStep<T>>(cfg().optim, plan_.precision, cfg().accum_steps(),
+    step_ = std::make_unique<DeviceStep<T>>(cfg().optim, plan_.precision, cfg().accum_steps(), 0,
                                             stream_.get());
     // The schedule, and the slots: the most micro-batches this stage holds at once under it
     // (engine/device_memory.h prices the same count).
@@ -523,7 +523,7 @@ T* CudaPipelineEngine<T>::gradients() {
 }
 
 template <typename T>
-void CudaPipelineEngine<T>::reduce(double* sum_sq) {
+void CudaPipelineEngine<T>::reduce(double* sum_sq, double*) {
     // Pipelines side by side: each stage's gradients summed over its replicas (the loss gradient
     // is 1 / the global batch's tokens, so the sum is the whole batch's).
     if (ddata_)

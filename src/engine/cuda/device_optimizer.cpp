@@ -47,7 +47,7 @@ void DeviceOptimizer<T>::MomentSet::allocate(const cuda::MomentLayout& lay, int 
 template <typename T>
 DeviceOptimizer<T>::DeviceOptimizer(const OptimConfig& cfg, const ParamLayout& layout,
                                     std::size_t offset, std::size_t n, cudaStream_t stream,
-                                    Wait wait, uint64_t train_seed)
+                                    Wait wait, uint64_t train_seed, bool by_unit)
     : kind_(cfg.name == "adafactor" ? Kind::Adafactor
             : cfg.name == "sgd"     ? Kind::Sgd
             : cfg.name == "muon"    ? Kind::Muon
@@ -67,44 +67,59 @@ DeviceOptimizer<T>::DeviceOptimizer(const OptimConfig& cfg, const ParamLayout& l
     } else if constexpr (!std::is_same_v<T, float>) {
         master_ = DeviceBuffer<float>(n, MemCategory::OptimizerState);
     }
-    if (kind_ == Kind::Adafactor) {
-        af_ = cuda::adafactor_layout(layout, offset, n);
-        const std::size_t nt = af_.tensors.size();
-        if (af_.state)
-            af_state_ = DeviceBuffer<float>((std::size_t)af_.state, MemCategory::OptimizerState);
-        if (nt) {
-            af_tensors_ = DeviceBuffer<cuda::AdafactorTensor>(nt, MemCategory::OptimizerState);
-            copy_to_device(af_tensors_.data(), af_.tensors.data(), af_tensors_.bytes());
-            af_scalars_ = DeviceBuffer<cuda::AdafactorScalars>(nt, MemCategory::OptimizerState);
-            af_sums_ = DeviceBuffer<double>((std::size_t)(af_.rows + af_.parts),
-                                            MemCategory::OptimizerState);
-        }
-        wait_("the optimizer's state");
-        return;
+    std::size_t max_numel = 0, max_gram = 0;
+    for (const cuda::OptimizerPart& piece : cuda::optimizer_parts(layout, offset, n, by_unit)) {
+        Part& p = parts_.emplace_back();
+        p.offset = piece.offset;
+        p.n = piece.n;
+        allocate(p);
+        max_numel = std::max(max_numel, p.muon.max_numel);
+        max_gram = std::max(max_gram, p.muon.max_gram);
     }
     if (kind_ == Kind::Muon) {
-        muon_ = cuda::muon_layout(layout, offset, n, format_);
-        moments_.only = muon_.rest;
-        momentum_.only = muon_.matrix;
-        moments_.allocate(muon_.adam, 2);
-        momentum_.allocate(muon_.momentum, 1);
-        if (muon_.max_numel) {
+        if (max_numel) {
             for (DeviceBuffer<float>* b : {&ns_x_, &ns_y_})
-                *b = DeviceBuffer<float>(muon_.max_numel, MemCategory::OptimizerState);
+                *b = DeviceBuffer<float>(max_numel, MemCategory::OptimizerState);
             for (DeviceBuffer<float>* b : {&ns_a_, &ns_b_})
-                *b = DeviceBuffer<float>(muon_.max_gram, MemCategory::OptimizerState);
+                *b = DeviceBuffer<float>(max_gram, MemCategory::OptimizerState);
         }
         ns_sumsq_ = DeviceBuffer<double>(1, MemCategory::OptimizerState);
-    } else {
-        moments_.allocate(cuda::moment_layout(layout, offset, n, format_),
-                          kind_ == Kind::AdamW ? 2 : 1);
     }
-    if (format_ == StateFormat::Int8 || format_ == StateFormat::Int4) {
+    if (kind_ != Kind::Adafactor &&
+        (format_ == StateFormat::Int8 || format_ == StateFormat::Int4)) {
         const std::vector<float> t = cuda::decode_tables(format_);
         tables_ = DeviceBuffer<float>(t.size(), MemCategory::OptimizerState);
         copy_to_device(tables_.data(), t.data(), tables_.bytes());
     }
     wait_("the optimizer's state");
+}
+
+template <typename T>
+void DeviceOptimizer<T>::allocate(Part& p) {
+    if (kind_ == Kind::Adafactor) {
+        p.af = cuda::adafactor_layout(layout_, p.offset, p.n);
+        const std::size_t nt = p.af.tensors.size();
+        if (p.af.state)
+            p.af_state = DeviceBuffer<float>((std::size_t)p.af.state, MemCategory::OptimizerState);
+        if (nt) {
+            p.af_tensors = DeviceBuffer<cuda::AdafactorTensor>(nt, MemCategory::OptimizerState);
+            copy_to_device(p.af_tensors.data(), p.af.tensors.data(), p.af_tensors.bytes());
+            p.af_scalars = DeviceBuffer<cuda::AdafactorScalars>(nt, MemCategory::OptimizerState);
+            p.af_sums = DeviceBuffer<double>((std::size_t)(p.af.rows + p.af.parts),
+                                             MemCategory::OptimizerState);
+        }
+        return;
+    }
+    if (kind_ == Kind::Muon) {
+        p.muon = cuda::muon_layout(layout_, p.offset, p.n, format_);
+        p.moments.only = p.muon.rest;
+        p.momentum.only = p.muon.matrix;
+        p.moments.allocate(p.muon.adam, 2);
+        p.momentum.allocate(p.muon.momentum, 1);
+        return;
+    }
+    p.moments.allocate(cuda::moment_layout(layout_, p.offset, p.n, format_),
+                       kind_ == Kind::AdamW ? 2 : 1);
 }
 
 template <typename T>
@@ -117,11 +132,12 @@ cuda::MomentStores DeviceOptimizer<T>::moment_stores(MomentSet& set, std::size_t
     st.m16 = ptr(set.b16[0]);
     st.v16 = ptr(set.b16[1]);
     st.at = set.at.size() ? set.at.data() + first : nullptr;
-    if (set.codes[0].size()) {
+    if (format_ == StateFormat::Int8 || format_ == StateFormat::Int4) {
+        // (A part of only fp32-kept tensors has a grid but no codes.)
         st.bits = format_ == StateFormat::Int8 ? 8 : 4;
-        st.mq = set.codes[0].data();
+        st.mq = ptr(set.codes[0]);
         st.vq = ptr(set.codes[1]);
-        st.ms = set.scales[0].data();
+        st.ms = ptr(set.scales[0]);
         st.vs = ptr(set.scales[1]);
         st.table_m = tables_.data();
         st.table_v = tables_.data() + 256;
@@ -134,52 +150,68 @@ cuda::MomentStores DeviceOptimizer<T>::moment_stores(MomentSet& set, std::size_t
 }
 
 template <typename T>
-cuda::AdafactorStores DeviceOptimizer<T>::adafactor_stores() {
+cuda::AdafactorStores DeviceOptimizer<T>::adafactor_stores(Part& p) {
     cuda::AdafactorStores st;
-    st.state = af_state_.size() ? af_state_.data() : nullptr;
-    st.tensors = af_tensors_.size() ? af_tensors_.data() : nullptr;
-    st.scalars = af_scalars_.size() ? af_scalars_.data() : nullptr;
-    st.rows = af_sums_.size() ? af_sums_.data() : nullptr;
-    st.parts = af_.parts ? af_sums_.data() + af_.rows : nullptr;
-    st.ntensors = (int)af_.tensors.size();
-    st.nrows = af_.rows;
-    st.items = af_.items;
-    st.tiles = af_.tiles;
-    st.max_cols = af_.max_cols;
+    st.state = p.af_state.size() ? p.af_state.data() : nullptr;
+    st.tensors = p.af_tensors.size() ? p.af_tensors.data() : nullptr;
+    st.scalars = p.af_scalars.size() ? p.af_scalars.data() : nullptr;
+    st.rows = p.af_sums.size() ? p.af_sums.data() : nullptr;
+    st.parts = p.af.parts ? p.af_sums.data() + p.af.rows : nullptr;
+    st.ntensors = (int)p.af.tensors.size();
+    st.nrows = p.af.rows;
+    st.items = p.af.items;
+    st.tiles = p.af.tiles;
+    st.max_cols = p.af.max_cols;
     return st;
 }
 
 template <typename T>
 void DeviceOptimizer<T>::step(T* params, const T* grads, const cuda::StepScalars* scalars,
                               cudaStream_t stream) {
-    if (kind_ == Kind::Adafactor)
-        return cuda::adafactor_step<T>(params, master(), adafactor_stores(), grads, scalars, stream,
-                                       round_);
-    const int nchunks = (int)moments_.chunks.size();
-    const cuda::TensorChunk* chunks = nchunks ? moments_.chunks.data() : nullptr;
-    if (kind_ == Kind::Sgd)
-        return cuda::sgd_step<T>(params, master(), moment_stores(moments_), grads, chunks, nchunks,
-                                 scalars, stream, round_);
-    // AdamW, or Muon's AdamW over the tensors that are not block matrices.
-    cuda::adamw_step<T>(params, master(), moment_stores(moments_), grads, chunks, nchunks, scalars,
-                        stream, round_);
-    if (kind_ == Kind::Muon) muon_step(params, grads, scalars, stream);
+    for (Part& p : parts_) step_part(p, params, grads + (p.offset - offset_), scalars, stream);
 }
 
 template <typename T>
-void DeviceOptimizer<T>::muon_step(T* params, const T* grads, const cuda::StepScalars* s,
-                                   cudaStream_t stream) {
-    // Each matrix in turn through the same scratch: the momentum and its Nesterov direction, the
-    // orthogonalization, the update.
-    for (const cuda::MuonMatrix& m : muon_.matrices) {
-        cuda::muon_momentum<T>(ns_x_.data(), m.begin,
-                               moment_stores(momentum_, (std::size_t)m.first, m.blocks), grads,
-                               momentum_.chunks.data() + m.first, m.n, s, stream);
-        const float* o =
-            cuda::newton_schulz5(ns_x_.data(), ns_y_.data(), ns_a_.data(), ns_b_.data(),
-                                 ns_sumsq_.data(), m.rows, m.cols, s, stream);
-        cuda::muon_apply<T>(params, master(), o, m.begin, m.rows, m.cols, m.decay, s, stream,
-                            round_);
+void DeviceOptimizer<T>::step_unit(std::size_t begin, std::size_t n, T* params, const T* grads,
+                                   const cuda::StepScalars* scalars, cudaStream_t stream) {
+    for (Part& p : parts_)
+        if (p.offset == begin && p.n == n) return step_part(p, params, grads, scalars, stream);
+    fail("internal: the device optimizer has no part [{}, {})", begin, begin + n);
+}
+
+template <typename T>
+void DeviceOptimizer<T>::step_part(Part& p, T* params, const T* grads,
+                                   const cuda::StepScalars* scalars, cudaStream_t stream) {
+    // The part's own view: its parameters, master weights and rounding draws (by flat index).
+    const std::size_t rel = p.offset - offset_;
+    params += rel;
+    float* master = master_.size() ? master_.data() + rel : nullptr;
+    cuda::ParamRounding round = round_;
+    round.base = (int64_t)p.offset;
+    if (kind_ == Kind::Adafactor)
+        return cuda::adafactor_step<T>(params, master, adafactor_stores(p), grads, scalars, stream,
+                                       round);
+    const int nchunks = (int)p.moments.chunks.size();
+    const cuda::TensorChunk* chunks = nchunks ? p.moments.chunks.data() : nullptr;
+    if (kind_ == Kind::Sgd)
+        return cuda::sgd_step<T>(params, master, moment_stores(p.moments), grads, chunks, nchunks,
+                                 scalars, stream, round);
+    // AdamW, or Muon's AdamW over the tensors that are not block matrices.
+    cuda::adamw_step<T>(params, master, moment_stores(p.moments), grads, chunks, nchunks, scalars,
+                        stream, round);
+    if (kind_ == Kind::Muon) {
+        // Each matrix in turn through the same scratch: the momentum and its Nesterov direction,
+        // the orthogonalization, the update.
+        for (const cuda::MuonMatrix& m : p.muon.matrices) {
+            cuda::muon_momentum<T>(ns_x_.data(), m.begin,
+                                   moment_stores(p.momentum, (std::size_t)m.first, m.blocks), grads,
+                                   p.momentum.chunks.data() + m.first, m.n, scalars, stream);
+            const float* o =
+                cuda::newton_schulz5(ns_x_.data(), ns_y_.data(), ns_a_.data(), ns_b_.data(),
+                                     ns_sumsq_.data(), m.rows, m.cols, scalars, stream);
+            cuda::muon_apply<T>(params, master, o, m.begin, m.rows, m.cols, m.decay, scalars,
+                                stream, round);
+        }
     }
 }
 
@@ -199,10 +231,10 @@ std::string DeviceOptimizer<T>::describe() const {
 template <typename T>
 typename DeviceOptimizer<T>::Stores DeviceOptimizer<T>::stores(const std::string& name) {
     const bool adam = kind_ == Kind::AdamW || kind_ == Kind::Muon;
-    if (adam && name == "exp_avg") return {&moments_, 0, true};
-    if (adam && name == "exp_avg_sq") return {&moments_, 1, false};
-    if (kind_ == Kind::Sgd && name == "momentum_buffer") return {&moments_, 0, true};
-    if (kind_ == Kind::Muon && name == "momentum_buffer") return {&momentum_, 0, true};
+    if (adam && name == "exp_avg") return {&Part::moments, 0, true};
+    if (adam && name == "exp_avg_sq") return {&Part::moments, 1, false};
+    if (kind_ == Kind::Sgd && name == "momentum_buffer") return {&Part::moments, 0, true};
+    if (kind_ == Kind::Muon && name == "momentum_buffer") return {&Part::momentum, 0, true};
     fail("internal: the CUDA optimizer has no state tensor '{}'", name);
 }
 
@@ -215,11 +247,11 @@ std::vector<std::string> DeviceOptimizer<T>::state_names() {
 }
 
 template <typename T>
-MomentBuffer DeviceOptimizer<T>::to_host(const Stores& st) {
-    MomentBuffer b(format_, st.is_signed, layout_, offset_, n_, st.set->only, MemCategory::Other);
+MomentBuffer DeviceOptimizer<T>::to_host(Part& p, const Stores& st) {
+    const MomentSet& m = p.*st.set;
+    MomentBuffer b(format_, st.is_signed, layout_, p.offset, p.n, m.only, MemCategory::Other);
     std::vector<uint8_t> bytes(b.bytes());
     uint8_t* at = bytes.data();
-    const MomentSet& m = *st.set;
     const int k = st.k;
     for (auto [src, size] : {std::pair{(const void*)m.f32[k].data(), m.f32[k].bytes()},
                              std::pair{(const void*)m.b16[k].data(), m.b16[k].bytes()},
@@ -240,11 +272,11 @@ MomentBuffer DeviceOptimizer<T>::to_host(const Stores& st) {
 }
 
 template <typename T>
-void DeviceOptimizer<T>::to_device(const MomentBuffer& b, const Stores& st) {
+void DeviceOptimizer<T>::to_device(Part& p, const MomentBuffer& b, const Stores& st) {
     std::vector<uint8_t> bytes(b.bytes());
     b.save_stored(bytes.data());
     const uint8_t* at = bytes.data();
-    MomentSet& m = *st.set;
+    MomentSet& m = p.*st.set;
     const int k = st.k;
     for (auto [dst, size] : {std::pair{(void*)m.f32[k].data(), m.f32[k].bytes()},
                              std::pair{(void*)m.b16[k].data(), m.b16[k].bytes()},
@@ -258,28 +290,33 @@ void DeviceOptimizer<T>::to_device(const MomentBuffer& b, const Stores& st) {
 
 template <typename T>
 void DeviceOptimizer<T>::read_state(const std::string& name, float* dst) {
-    if (kind_ == Kind::Adafactor) {
-        // As the CPU's Adafactor lays it for checkpoints: each tensor's floats hold its state
-        // (rows then columns, or the whole moment) from its start, then zeros.
-        if (name != "variance") fail("internal: Adafactor has no state tensor '{}'", name);
-        std::vector<float> packed((std::size_t)af_.state);
-        if (!packed.empty())
-            MT_CUDA_CHECK(cudaMemcpyAsync(packed.data(), af_state_.data(), af_state_.bytes(),
-                                          cudaMemcpyDeviceToHost, stream_));
-        wait_("queued device work");
-        std::fill(dst, dst + n_, 0.0f);
-        for (const cuda::AdafactorTensor& t : af_.tensors)
-            std::copy_n(packed.data() + t.state, t.state_floats(), dst + t.begin);
-        return;
+    if (kind_ == Kind::Adafactor && name != "variance")
+        fail("internal: Adafactor has no state tensor '{}'", name);
+    const Stores st = kind_ == Kind::Adafactor ? Stores{} : stores(name);
+    for (Part& p : parts_) {
+        float* d = dst + (p.offset - offset_);
+        if (kind_ == Kind::Adafactor) {
+            // As the CPU's Adafactor lays it for checkpoints: each tensor's floats hold its state
+            // (rows then columns, or the whole moment) from its start, then zeros.
+            std::vector<float> packed((std::size_t)p.af.state);
+            if (!packed.empty())
+                MT_CUDA_CHECK(cudaMemcpyAsync(packed.data(), p.af_state.data(), p.af_state.bytes(),
+                                              cudaMemcpyDeviceToHost, stream_));
+            wait_("queued device work");
+            std::fill(d, d + p.n, 0.0f);
+            for (const cuda::AdafactorTensor& t : p.af.tensors)
+                std::copy_n(packed.data() + t.state, t.state_floats(), d + t.begin);
+            continue;
+        }
+        const MomentSet& m = p.*st.set;
+        if (format_ == StateFormat::Fp32 && m.only.empty()) {  // indexed like the parameters
+            const DeviceBuffer<float>& f = m.f32[st.k];
+            MT_CUDA_CHECK(cudaMemcpyAsync(d, f.data(), f.bytes(), cudaMemcpyDeviceToHost, stream_));
+            wait_("queued device work");
+            continue;
+        }
+        to_host(p, st).read(d);  // decoded by the CPU's codec
     }
-    const Stores st = stores(name);
-    if (format_ == StateFormat::Fp32 && st.set->only.empty()) {  // indexed like the parameters
-        const DeviceBuffer<float>& f = st.set->f32[st.k];
-        MT_CUDA_CHECK(cudaMemcpyAsync(dst, f.data(), f.bytes(), cudaMemcpyDeviceToHost, stream_));
-        wait_("queued device work");
-        return;
-    }
-    to_host(st).read(dst);  // decoded by the CPU's codec
 }
 
 template <typename T>
@@ -288,35 +325,50 @@ void DeviceOptimizer<T>::write_state(const std::string& name, std::size_t begin,
     if (begin > n_ || n > n_ - begin)
         fail("internal: optimizer state write [{}, {}) outside its {} floats", begin, begin + n,
              n_);
-    if (kind_ == Kind::Adafactor) {
-        // The range's floats, the write over them, packed again.
-        std::vector<float> all(n_);
-        read_state(name, all.data());
-        std::copy(src, src + n, all.data() + begin);
-        std::vector<float> packed((std::size_t)af_.state);
-        for (const cuda::AdafactorTensor& t : af_.tensors)
-            std::copy_n(all.data() + t.begin, t.state_floats(), packed.data() + t.state);
-        if (!packed.empty())
-            MT_CUDA_CHECK(cudaMemcpyAsync(af_state_.data(), packed.data(), af_state_.bytes(),
-                                          cudaMemcpyHostToDevice, stream_));
-        wait_("queued device work");
-        return;
+    if (kind_ == Kind::Adafactor && name != "variance")
+        fail("internal: Adafactor has no state tensor '{}'", name);
+    const Stores st = kind_ == Kind::Adafactor ? Stores{} : stores(name);
+    for (Part& p : parts_) {
+        // The write's floats inside this part, [lo, hi) of the range.
+        const std::size_t rel = p.offset - offset_;
+        const std::size_t lo = std::max(begin, rel), hi = std::min(begin + n, rel + p.n);
+        if (lo >= hi) continue;
+        if (kind_ == Kind::Adafactor) {
+            // The part's floats, the write over them, packed again.
+            std::vector<float> all(p.n);
+            std::vector<float> packed((std::size_t)p.af.state);
+            if (!packed.empty())
+                MT_CUDA_CHECK(cudaMemcpyAsync(packed.data(), p.af_state.data(), p.af_state.bytes(),
+                                              cudaMemcpyDeviceToHost, stream_));
+            wait_("queued device work");
+            for (const cuda::AdafactorTensor& t : p.af.tensors)
+                std::copy_n(packed.data() + t.state, t.state_floats(), all.data() + t.begin);
+            std::copy(src + (lo - begin), src + (hi - begin), all.data() + (lo - rel));
+            for (const cuda::AdafactorTensor& t : p.af.tensors)
+                std::copy_n(all.data() + t.begin, t.state_floats(), packed.data() + t.state);
+            if (!packed.empty())
+                MT_CUDA_CHECK(cudaMemcpyAsync(p.af_state.data(), packed.data(), p.af_state.bytes(),
+                                              cudaMemcpyHostToDevice, stream_));
+            wait_("queued device work");
+            continue;
+        }
+        MomentSet& m = p.*st.set;
+        if (format_ == StateFormat::Fp32 && m.only.empty()) {
+            MT_CUDA_CHECK(cudaMemcpyAsync(m.f32[st.k].data() + (lo - rel), src + (lo - begin),
+                                          (hi - lo) * sizeof(float), cudaMemcpyHostToDevice,
+                                          stream_));
+            wait_("queued device work");
+            continue;
+        }
+        // The part as floats, the write over it, encoded again by the CPU's codec (a block the
+        // write does not touch decodes and encodes to the same bytes).
+        MomentBuffer b = to_host(p, st);
+        std::vector<float> all(p.n);
+        b.read(all.data());
+        std::copy(src + (lo - begin), src + (hi - begin), all.data() + (lo - rel));
+        b.write(all.data());
+        to_device(p, b, st);
     }
-    const Stores st = stores(name);
-    if (format_ == StateFormat::Fp32 && st.set->only.empty()) {
-        MT_CUDA_CHECK(cudaMemcpyAsync(st.set->f32[st.k].data() + begin, src, n * sizeof(float),
-                                      cudaMemcpyHostToDevice, stream_));
-        wait_("queued device work");
-        return;
-    }
-    // The whole range as floats, the write over it, encoded again by the CPU's codec (a block
-    // the write does not touch decodes and encodes to the same bytes).
-    MomentBuffer b = to_host(st);
-    std::vector<float> all(n_);
-    b.read(all.data());
-    std::copy(src, src + n, all.data() + begin);
-    b.write(all.data());
-    to_device(b, st);
 }
 
 template <typename T>

@@ -45,9 +45,12 @@ class DeviceOptimizer final : public OptimizerState {
     using Wait = std::function<void(const char* what)>;
     // Floats [offset, offset + n) of `layout`, every tensor zero; checkpoint reads and writes are
     // queued on `stream` and waited for with `wait`. `train_seed` seeds the stochastic rounding of
-    // optim.master = "none" (T must be bf16 then).
+    // optim.master = "none" (T must be bf16 then). `by_unit` (optim.step_in_backward): the range
+    // is laid out in one part per parameter unit (cuda::optimizer_parts), so step_unit updates a
+    // unit alone; the state and every update are bitwise the same as in one part.
     DeviceOptimizer(const OptimConfig& cfg, const ParamLayout& layout, std::size_t offset,
-                    std::size_t n, cudaStream_t stream, Wait wait, uint64_t train_seed = 0);
+                    std::size_t n, cudaStream_t stream, Wait wait, uint64_t train_seed = 0,
+                    bool by_unit = false);
     DeviceOptimizer(const DeviceOptimizer&) = delete;
     DeviceOptimizer& operator=(const DeviceOptimizer&) = delete;
     // The fp32 master weights of the range, or null when T is float (the parameters are the
@@ -66,6 +69,11 @@ class DeviceOptimizer final : public OptimizerState {
     // One update of the range: params (T) from grads (T) scaled by the device scalars'
     // grad_scale; nothing when they say skip.
     void step(T* params, const T* grads, const cuda::StepScalars* scalars, cudaStream_t stream);
+    // The same for the floats [begin, begin + n) of one part (built by_unit: a parameter unit's
+    // piece of the range): `params` is the range's, `grads` the part's own (its first float at
+    // begin), as the step inside the backward holds them.
+    void step_unit(std::size_t begin, std::size_t n, T* params, const T* grads,
+                   const cuda::StepScalars* scalars, cudaStream_t stream);
     std::string describe() const;  // "fp32 master, Adam m, v"
 
     // OptimizerState: the range, the step count (of updates taken: a skipped fp16 step is not
@@ -98,9 +106,29 @@ class DeviceOptimizer final : public OptimizerState {
         std::vector<char> only;  // the tensors it covers (empty: every tensor)
         void allocate(const cuda::MomentLayout& lay, int moments);
     };
-    // A moment's device stores, which set holds it and whether its codes are signed.
+    // One part of the range (cuda::optimizer_parts) and its own tables: the moments, Muon's
+    // matrices and momentum, Adafactor's state, tables and scratch.
+    struct Part {
+        std::size_t offset = 0, n = 0;
+        MomentSet moments;  // AdamW's m, v; SGD's momentum; Muon's m, v of the rest
+        // Muon: the block matrices and their momentum.
+        cuda::MuonLayout muon;
+        MomentSet momentum;
+        // Adafactor: the tensors' state back to back, its table, the per-tensor scalars and the
+        // row sums and column partials (cuda::AdafactorLayout's sizes).
+        cuda::AdafactorLayout af;
+        DeviceBuffer<float> af_state;
+        DeviceBuffer<cuda::AdafactorTensor> af_tensors;
+        DeviceBuffer<cuda::AdafactorScalars> af_scalars;
+        DeviceBuffer<double> af_sums;
+    };
+    void allocate(Part& p);
+    void step_part(Part& p, T* params, const T* grads, const cuda::StepScalars* s,
+                   cudaStream_t stream);
+    // A moment's device stores: which set of each part holds it, and whether its codes are
+    // signed.
     struct Stores {
-        MomentSet* set;
+        MomentSet Part::*set;
         int k;  // 0: m or a momentum, 1: v
         bool is_signed;
     };
@@ -110,10 +138,11 @@ class DeviceOptimizer final : public OptimizerState {
     cuda::MomentStores moment_stores(MomentSet& set, std::size_t first = 0, int64_t blocks = -1);
     // The moment on the host as the CPU's MomentBuffer (its codec), from the device's bytes; and
     // its bytes back to the device.
-    MomentBuffer to_host(const Stores& st);
-    void to_device(const MomentBuffer& b, const Stores& st);
-    cuda::AdafactorStores adafactor_stores();
-    void muon_step(T* params, const T* grads, const cuda::StepScalars* s, cudaStream_t stream);
+    MomentBuffer to_host(Part& p, const Stores& st);
+    void to_device(Part& p, const MomentBuffer& b, const Stores& st);
+    static cuda::AdafactorStores adafactor_stores(Part& p);
+    void muon_step(Part& p, T* params, const T* grads, const cuda::StepScalars* s,
+                   cudaStream_t stream);
     enum class Kind { AdamW, Sgd, Adafactor, Muon };
     Kind kind_ = Kind::AdamW;
     cuda::ParamRounding round_;  // optim.master = "none": stochastic
@@ -124,21 +153,11 @@ class DeviceOptimizer final : public OptimizerState {
     cudaStream_t stream_ = nullptr;
     Wait wait_;
     DeviceBuffer<float> master_;  // absent when T is float or optim.master = "none"
-    MomentSet moments_;           // AdamW's m, v; SGD's momentum; Muon's m, v of the rest
+    std::vector<Part> parts_;
     DeviceBuffer<float> tables_;  // int8 / int4: the signed decode table, then the unsigned
-    // Muon: the block matrices, their momentum and the Newton-Schulz scratch (two matrices, two
-    // Gram matrices, a norm).
-    cuda::MuonLayout muon_;
-    MomentSet momentum_;
+    // Muon's Newton-Schulz scratch, shared by the parts (two matrices, two Gram matrices, a norm).
     DeviceBuffer<float> ns_x_, ns_y_, ns_a_, ns_b_;
     DeviceBuffer<double> ns_sumsq_;
-    // Adafactor: the tensors' state back to back, its table, the per-tensor scalars and the row
-    // sums and column partials (cuda::AdafactorLayout's sizes).
-    cuda::AdafactorLayout af_;
-    DeviceBuffer<float> af_state_;
-    DeviceBuffer<cuda::AdafactorTensor> af_tensors_;
-    DeviceBuffer<cuda::AdafactorScalars> af_scalars_;
-    DeviceBuffer<double> af_sums_;
 };
 
 // Weight I/O of parameters that are their own weights (optim.master = "none", or fp32): n values

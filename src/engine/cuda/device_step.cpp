@@ -15,9 +15,9 @@
 namespace memtrain {
 
 template <typename T>
-DeviceStep<T>::DeviceStep(const OptimConfig& optim, Precision precision, int accum_steps,
+DeviceStep<T>::DeviceStep(const OptimConfig& optim, Precision precision, int accum_steps, int units,
                           cudaStream_t stream)
-    : optim_(optim), accum_(accum_steps), stream_(stream) {
+    : optim_(optim), accum_(accum_steps), units_(units), stream_(stream) {
     stats_ = DeviceBuffer<unsigned char>(sizeof(cuda::StepScalars) + 8 * doubles(),
                                          MemCategory::Workspace);
     MT_CUDA_CHECK(
@@ -61,38 +61,83 @@ double* DeviceStep<T>::next_micro(int B, int T_) {
 }
 
 template <typename T>
-StepResult DeviceStep<T>::finish(double lr, double max_norm, StepCollectives<T>& parts) {
+void DeviceStep<T>::begin_update(double lr, double max_norm, double clip_norm, int64_t t) {
+    cuda::StepScalars& s = *scalars_host_;
+    s = cuda::make_step_scalars(optim_, lr, t, loss_scale());
+    s.max_norm = (float)max_norm;
+    s.clip_norm = clip_norm;
+    MT_CUDA_CHECK(cudaMemcpyAsync(scalars(), &s, sizeof(s), cudaMemcpyHostToDevice, stream_));
+    update_queued_ = true;
+}
+
+template <typename T>
+void DeviceStep<T>::finish_norm_pass() {
+    if (!units_) fail("internal: a norm pass without unit sums");
+    cuda::sum_doubles_to_device(sums(), unit_sums(), units_, stream_);
+    cuda::finish_grad_norm(scalars(), sums(), stream_);
+    MT_CUDA_CHECK(cudaMemcpyAsync(sums() + norm_pass_slot(), sums(), sizeof(double),
+                                  cudaMemcpyDeviceToDevice, stream_));
+    norm_pass_ = true;
+}
+
+template <typename T>
+void DeviceStep<T>::scale_before_norm() {
+    cuda::scale_before_norm(scalars(), stream_);
+}
+
+template <typename T>
+StepResult DeviceStep<T>::finish(double lr, double max_norm, StepCollectives<T>& parts,
+                                 double clip_norm) {
     OptimizerState& opt = parts.optimizer();
     const int64_t t = opt.steps_taken() + 1;
     cuda::StepScalars& s = *scalars_host_;
-    // The CPU optimizer's constants, computed the same way (optim/optimizer.cpp).
-    s = cuda::make_step_scalars(optim_, lr, t, loss_scale());
-    s.max_norm = (float)max_norm;
-    MT_CUDA_CHECK(cudaMemcpyAsync(scalars(), &s, sizeof(s), cudaMemcpyHostToDevice, stream_));
+    if (!update_queued_) {
+        // The CPU optimizer's constants, computed the same way (optim/optimizer.cpp).
+        s = cuda::make_step_scalars(optim_, lr, t, loss_scale());
+        s.max_norm = (float)max_norm;
+        s.clip_norm = clip_norm;
+        MT_CUDA_CHECK(cudaMemcpyAsync(scalars(), &s, sizeof(s), cudaMemcpyHostToDevice, stream_));
+    }
+    const float scale = s.loss_scale;
     T* grads = parts.gradients();
     if (inject_overflow_) {
+        if (!grads)
+            fail(
+                "internal: inject_overflow needs a gradient buffer (not the step inside the "
+                "backward)");
         // Test hook: one gradient becomes +inf, as an fp16 overflow in backward would make it.
         const T inf = (T)INFINITY;
         MT_CUDA_CHECK(cudaMemcpyAsync(grads, &inf, sizeof(T), cudaMemcpyHostToDevice, stream_));
         parts.wait("queued device work");
         inject_overflow_ = false;
     }
-    parts.reduce(sums());
+    parts.reduce(sums(), unit_sums());
     cuda::finish_grad_norm(scalars(), sums(), stream_);
-    parts.update(scalars());
+    parts.update(scalars());  // (nothing after an update inside the backward)
     // The step's results: norm and overflow flag, and the micro-batches' loss sums.
     MT_CUDA_CHECK(
         cudaMemcpyAsync(scalars_host_, scalars(), sizeof(s), cudaMemcpyDeviceToHost, stream_));
     MT_CUDA_CHECK(
         cudaMemcpyAsync(stats_host_, sums(), 8 * doubles(), cudaMemcpyDeviceToHost, stream_));
     parts.wait("the step's collectives");
+    update_queued_ = false;
+    if (norm_pass_) {
+        // The update pass saw the gradient the norm pass measured, bit for bit.
+        norm_pass_ = false;
+        const double seen = stats_host_[0], measured = stats_host_[norm_pass_slot()];
+        if (std::isfinite(seen) && std::isfinite(measured) && seen != measured)
+            fail(
+                "internal: optim.step_in_backward's norm pass measured a sum of squares {} and "
+                "its update pass {}: the backward is not deterministic",
+                measured, seen);
+    }
     StepResult r;
     double loss = 0;
     for (int k = 0; k < micro_; k++) loss += stats_host_[2 + k];
     r.loss = parts.job_loss(tokens_ ? loss / (double)tokens_ : 0.0);
     r.grad_norm = scalars_host_->grad_norm;
     r.skipped = scalars_host_->skip != 0;
-    r.loss_scale = s.loss_scale;
+    r.loss_scale = scale;
     if (!r.skipped) {
         parts.updated(lr, scalars_host_->grad_scale);
         opt.set_steps_taken(t);

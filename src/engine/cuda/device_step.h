@@ -33,8 +33,9 @@ class StepCollectives {
     // joined); the overflow test hook writes an inf into the first.
     virtual T* gradients() = 0;
     // The gradients summed where the optimizer reads them, and into *sum_sq (device) the sum of
-    // the squares of the job's whole gradient.
-    virtual void reduce(double* sum_sq) = 0;
+    // the squares of the job's whole gradient; `unit_sq` (device, a double per parameter unit, or
+    // null) is where the whole model's engine sums each unit's first (DeviceStep's unit sums).
+    virtual void reduce(double* sum_sq, double* unit_sq) = 0;
     // The update queued on the compute stream (a step the scalars mark skipped changes nothing),
     // or what the host's update needs brought down (ZeRO-Offload).
     virtual void update(const cuda::StepScalars* scalars) = 0;
@@ -54,8 +55,10 @@ template <typename T>
 class DeviceStep {
   public:
     // On the compute stream `stream`: the optimizer's constants, fp16's loss scale (the plan's
-    // precision), room for `accum_steps` micro-batches' loss sums.
-    DeviceStep(const OptimConfig& optim, Precision precision, int accum_steps, cudaStream_t stream);
+    // precision), room for `accum_steps` micro-batches' loss sums and for `units` parameter units'
+    // sums of squares (the whole model's engine: its norm is summed per unit, in order).
+    DeviceStep(const OptimConfig& optim, Precision precision, int accum_steps, int units,
+               cudaStream_t stream);
     ~DeviceStep();
     DeviceStep(const DeviceStep&) = delete;
     DeviceStep& operator=(const DeviceStep&) = delete;
@@ -76,7 +79,19 @@ class DeviceStep {
     // Micro-batch k's token-loss sum (device).
     double* loss_sum(int k) { return sums() + 2 + k; }
     // Clips to max_norm (<= 0: none), updates with learning rate lr through `parts`, waits once.
-    StepResult finish(double lr, double max_norm, StepCollectives<T>& parts);
+    // clip_norm > 0: the coefficient comes from that norm instead of this step's
+    // (optim.step_in_backward_clip = "previous-norm").
+    StepResult finish(double lr, double max_norm, StepCollectives<T>& parts, double clip_norm = 0);
+
+    // optim.step_in_backward (one micro-batch per step): the update of step t goes inside the
+    // backward, so its scalars are on the device before it (finish then only reads the results).
+    // Then either a norm pass fills unit_sums() and finish_norm_pass turns them into the clip
+    // coefficient and the skip flag, or scale_before_norm sets them without this step's norm.
+    void begin_update(double lr, double max_norm, double clip_norm, int64_t t);
+    void finish_norm_pass();
+    void scale_before_norm();
+    const cuda::StepScalars* device_scalars() { return scalars(); }
+    double* unit_sums() { return units_ ? sums() + 3 + accum_ : nullptr; }
 
     // Evaluation: the model writes its token-loss sum to eval_sum(); eval_loss waits for it and
     // returns the mean over `tokens` (with `here` false, a rank that computed none: 0).
@@ -91,12 +106,16 @@ class DeviceStep {
 
   private:
     cuda::StepScalars* scalars() { return reinterpret_cast<cuda::StepScalars*>(stats_.data()); }
-    // Doubles [sum of squares | eval loss | micro-batch loss sums].
+    // Doubles [sum of squares | eval loss | micro-batch loss sums | the norm pass's sum of
+    // squares | unit sums] (device_step_bytes).
     double* sums() { return reinterpret_cast<double*>(stats_.data() + sizeof(cuda::StepScalars)); }
-    std::size_t doubles() const { return 2 + (std::size_t)accum_; }
+    std::size_t doubles() const { return 3 + (std::size_t)accum_ + (std::size_t)units_; }
+    std::size_t norm_pass_slot() const { return 2 + (std::size_t)accum_; }
 
     OptimConfig optim_;
-    int accum_;
+    int accum_, units_;
+    bool update_queued_ = false;  // begin_update: the scalars are on the device
+    bool norm_pass_ = false;      // finish_norm_pass: its sum waits in its slot for the check
     cudaStream_t stream_;
     DeviceBuffer<unsigned char> stats_;          // StepScalars, then the doubles
     cuda::StepScalars* scalars_host_ = nullptr;  // pinned

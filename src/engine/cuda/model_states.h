@@ -43,6 +43,14 @@ class ModelStates : public StepCollectives<T> {
     virtual void after_backward() = 0;
     virtual void before_eval() {}
 
+    // optim.step_in_backward with one micro-batch per step (only the whole model's states say
+    // true): the next backward sums each unit's reduced gradient's squares into unit_sq[u]
+    // (a norm pass) and, with `update`, also updates the unit with those scalars as soon as its
+    // gradient is complete; disarm after it.
+    virtual bool steps_in_backward() const { return false; }
+    virtual void arm(double* /*unit_sq*/, const cuda::StepScalars* /*update*/) {}
+    virtual void disarm() {}
+
     // The memory report: the rows these states and the model allocate for B x T_ under `remat`
     // (the plan's rows, engine/device_memory.h, then any sized once built), the lines under it,
     // and what the engine's description and title add (", LoRA r=4 ...").

@@ -115,8 +115,12 @@ WholeModelStates<T>::WholeModelStates(const RunPlan& plan, dist::Communicator& c
       dp_(plan.collective, plan.states, make_param_layout(plan.cfg.model), comm, stream,
           (int64_t)shard_grain(plan.cfg.optim)),
       store_(*this) {
+    if (plan_.cfg.no_grad_buffer())
+        in_backward_ = std::make_unique<InBackwardGrads<T>>(
+            make_param_layout(plan_.cfg.model), plan_.cfg.model.tied_embeddings, stream_,
+            [this](int u, T* grads) { unit_done(u, grads); });
     model_ = std::make_unique<CudaGPT<T>>(plan_.cfg.model, stream_, dp_.padded_total(),
-                                          dp_.unit_store());
+                                          dp_.unit_store(), nullptr, in_backward_.get());
     dp_.attach(*model_);
     model_->set_cuda_graphs(plan_.cuda_graphs);
     if (dist::offloaded(dp_.spec().optimizer)) {
@@ -131,8 +135,29 @@ WholeModelStates<T>::WholeModelStates(const RunPlan& plan, dist::Communicator& c
     } else {
         opt_ = std::make_unique<DeviceOptimizer<T>>(
             plan_.cfg.optim, layout(), dp_.first(), dp_.count(), stream_,
-            [this](const char* what) { wait(what); }, plan_.cfg.train.seed);
+            [this](const char* what) { wait(what); }, plan_.cfg.train.seed,
+            plan_.cfg.optim.step_in_backward);
     }
+}
+
+template <typename T>
+void WholeModelStates<T>::unit_done(int u, T* grads) {
+    if (!armed_ || !unit_sq_)
+        fail("internal: a unit's gradient outside the step inside the backward's armed passes");
+    const ParamUnit& unit = layout().units[u];
+    // As the two-phase step sees it: DDP's all-reduce of the unit, its sum of squares.
+    dp_.all_reduce_now(grads, unit.size());
+    cuda::sum_squares<T>(unit_sq_ + u, grads, (int64_t)unit.size(), stream_);
+    if (update_)
+        opt_->step_unit(unit.begin, unit.size(), dp_.param_shard(), grads, update_, stream_);
+}
+
+template <typename T>
+void WholeModelStates<T>::reduce(double* sum_sq, double* unit_sq) {
+    if (!in_backward_) return dp_.reduce_gradients(sum_sq, unit_sq);
+    // The units' sums of the update pass, added as the two-phase step adds them.
+    if (!unit_sq) fail("internal: the step inside the backward without unit sums");
+    cuda::sum_doubles_to_device(sum_sq, unit_sq, (int64_t)layout().units.size(), stream_);
 }
 
 template <typename T>
@@ -146,9 +171,25 @@ WholeModelStates<T>::~WholeModelStates() {
 
 template <typename T>
 std::string WholeModelStates<T>::overflow() {
+    const ParamLayout& lay = layout();
+    if (in_backward_) {
+        // No gradient is left after the step inside the backward: the units' sums of squares
+        // name where it was not finite (every rank summed the same reduced gradients).
+        std::vector<double> sq(lay.units.size());
+        if (unit_sq_)
+            MT_CUDA_CHECK(cudaMemcpyAsync(sq.data(), unit_sq_, sq.size() * sizeof(double),
+                                          cudaMemcpyDeviceToHost, stream_));
+        wait("the overflow check");
+        std::string names;
+        int bad = 0;
+        for (std::size_t u = lay.units.size(); u-- > 0;)  // backward order: the head first
+            if (!std::isfinite(sq[u]) && bad++ < 3)
+                names += (names.empty() ? "" : ", ") + lay.units[u].name;
+        return fmt::format("non-finite gradients in {} of {} units, first in backward order: {}",
+                           bad, lay.units.size(), bad ? names : "none found");
+    }
     // Only after a skipped step: a sum of squares per tensor of this rank's gradient range, the
     // non-finite ones marked, the marks combined over the ranks.
-    const ParamLayout& lay = layout();
     const std::size_t first = dp_.first(), last = dp_.first() + dp_.count();
     const std::size_t n = lay.tensors.size();
     DeviceBuffer<double> sums(n, MemCategory::Workspace);

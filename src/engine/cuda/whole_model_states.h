@@ -18,6 +18,7 @@
 
 #include "comm/communicator.h"
 #include "engine/cuda/device_optimizer.h"
+#include "engine/cuda/in_backward_grads.h"
 #include "engine/cuda/model_states.h"
 #include "engine/run_plan.h"
 #include "parallel/data/device_data_parallel.h"
@@ -68,9 +69,10 @@ class WholeModelStates final : public ModelStates<T> {
     }
     // DDP reduces once per step, during the last micro-batch's backward, unit by unit;
     // ZeRO-Offload in one process likewise streams the gradients down then. Everything after
-    // the backward (the optimizer) waits for the last unit's all-reduce or copy.
+    // the backward (the optimizer) waits for the last unit's all-reduce or copy. The step
+    // inside the backward reduces each unit itself, on the compute stream (unit_done).
     void before_backward(bool last, int64_t) override {
-        dp_.before_backward(last);
+        dp_.before_backward(last && !in_backward_);
         if (offload_) offload_->before_backward(last);
     }
     void after_backward() override {
@@ -81,9 +83,10 @@ class WholeModelStates final : public ModelStates<T> {
     // StepCollectives: the gradients summed over the ranks into this rank's range, the update on
     // the device (then shared: a skipped step shares the old values) or on the host after the
     // step's wait (the range's gradients brought down first, unless they streamed down).
-    T* gradients() override { return dp_.step_grads(); }
-    void reduce(double* sum_sq) override { dp_.reduce_gradients(sum_sq); }
+    T* gradients() override { return in_backward_ ? nullptr : dp_.step_grads(); }
+    void reduce(double* sum_sq, double* unit_sq) override;
     void update(const cuda::StepScalars* scalars) override {
+        if (in_backward_) return;  // done unit by unit inside the backward
         if (offload_) {
             offload_->download(dp_.grad_shard());
         } else {
@@ -108,7 +111,21 @@ class WholeModelStates final : public ModelStates<T> {
     std::string memory_footer() const override;
     std::pair<int64_t, int64_t> zero_gathers() const override { return dp_.zero_gathers(); }
 
+    bool steps_in_backward() const override { return in_backward_ != nullptr; }
+    void arm(double* unit_sq, const cuda::StepScalars* update) override {
+        armed_ = true;
+        unit_sq_ = unit_sq;
+        update_ = update;
+    }
+    void disarm() override {
+        armed_ = false;
+        update_ = nullptr;
+    }
+
   private:
+    // The step inside the backward: unit u's gradient of the step's backward is complete in
+    // `grads` (a bucket): summed over the ranks, measured, and (armed with an update) updated.
+    void unit_done(int u, T* grads);
     friend class WeightsStore<T>;
     const ParamLayout& layout() const { return model_->layout(); }
     // This rank's fp32 master weights, its range [dp_.first(), + dp_.count()): in host memory
@@ -131,6 +148,12 @@ class WholeModelStates final : public ModelStates<T> {
     // Data parallelism: the shard ranges, NCCL and ZeRO-2/3's unit store (one process: the
     // trivial case, everything replicated).
     DeviceDataParallel<T> dp_;
+    // optim.step_in_backward with one micro-batch per step: the gradient buckets (no whole
+    // buffer), and what the armed backward does with each unit's gradient.
+    std::unique_ptr<InBackwardGrads<T>> in_backward_;
+    bool armed_ = false;
+    double* unit_sq_ = nullptr;
+    const cuda::StepScalars* update_ = nullptr;
     std::unique_ptr<CudaGPT<T>> model_;
     WeightsStore<T> store_;
     // The optimizer of this rank's range: on the device (fp32 master weights, absent when T is

@@ -25,24 +25,41 @@ namespace memtrain::cuda {
 constexpr int kThreads = 256;
 
 // ---- gradient norm -> clip coefficient, skip flag ----------------------------------------------
+// clip_grad_norm's coefficient in double: max_norm / (norm + 1e-6) when clipping is on and that
+// is below 1, else 1; the norm is s.clip_norm where given (the previous step's), else `norm`.
+static __device__ double clip_coefficient(const StepScalars& s, double norm) {
+    if (s.clip_norm > 0.0) norm = s.clip_norm;
+    if (s.max_norm <= 0.0f) return 1.0;
+    const double c = (double)s.max_norm / (norm + 1e-6);
+    return c < 1.0 ? c : 1.0;
+}
+
 static __global__ void finish_grad_norm_kernel(StepScalars* s, const double* sumsq) {
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
     // clip_grad_norm's arithmetic: the norm and the coefficient in double, the scale applied in
     // float. The stored gradients are loss_scale x the true ones.
     const double norm = sqrt(*sumsq) / (double)s->loss_scale;
-    double coef = 1.0;
-    if (s->max_norm > 0.0f) {
-        const double c = (double)s->max_norm / (norm + 1e-6);
-        if (c < 1.0) coef = c;
-    }
     s->grad_norm = (float)norm;
     s->skip = isfinite(norm) ? 0 : 1;
-    s->grad_scale = (float)(coef / (double)s->loss_scale);
+    s->grad_scale = (float)(clip_coefficient(*s, norm) / (double)s->loss_scale);
+}
+
+// An update queued before its step's norm is known (optim.step_in_backward without a norm pass):
+// clipped by s->clip_norm when given, never skipped.
+static __global__ void scale_before_norm_kernel(StepScalars* s) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    s->skip = 0;
+    s->grad_scale = (float)(clip_coefficient(*s, 0.0) / (double)s->loss_scale);
 }
 
 void finish_grad_norm(StepScalars* s, const double* sumsq, cudaStream_t stream) {
     if (!s || !sumsq) fail("cuda::finish_grad_norm: null scalars or sum of squares");
     MT_LAUNCH(finish_grad_norm_kernel, 1, 32, 0, stream, s, sumsq);
+}
+
+void scale_before_norm(StepScalars* s, cudaStream_t stream) {
+    if (!s) fail("cuda::scale_before_norm: null scalars");
+    MT_LAUNCH(scale_before_norm_kernel, 1, 32, 0, stream, s);
 }
 
 // ---- moments in fp32 or bf16 ---------------------------------------------------------------

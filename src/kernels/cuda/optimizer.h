@@ -21,6 +21,12 @@ namespace memtrain::cuda {
 // double types). Queues one single-thread kernel.
 void finish_grad_norm(StepScalars* s /*device*/, const double* sumsq /*device*/,
                       cudaStream_t stream = 0);
+// s->clip_norm > 0 (the previous step's norm, optim.step_in_backward_clip = "previous-norm")
+// takes the place of this step's norm in the coefficient, in both kernels. For an update queued
+// before its norm is known (optim.step_in_backward without a norm pass): skip = 0 and grad_scale =
+// the coefficient of s->clip_norm (1 without it) / loss_scale; finish_grad_norm fills grad_norm
+// after the backward.
+void scale_before_norm(StepScalars* s /*device*/, cudaStream_t stream = 0);
 
 // The moments a step updates (device pointers): the stores of the CPU's MomentBuffer
 // (optim/state_format.h), laid out by cuda::moment_layout. With `at` null: fp32 moments indexed

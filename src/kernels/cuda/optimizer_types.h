@@ -100,7 +100,10 @@ struct StepScalars {
     int nesterov;                  // SGD: torch's Nesterov variant (OptimConfig::nesterov)
     float loss_scale;  // the gradients hold loss_scale x the true gradient (1 unless fp16)
     float max_norm;    // clipping threshold; <= 0: no clipping
-    int64_t step;      // the update's 1-based count (optim.master = "none": the rounding's draw)
+    // optim.step_in_backward_clip = "previous-norm": the norm the clip coefficient comes from
+    // (the previous step's); 0: this step's own.
+    double clip_norm;
+    int64_t step;  // the update's 1-based count (optim.master = "none": the rounding's draw)
     // Adafactor: min(lr, 1 / sqrt(t)), optim.adafactor_clip (double, as the CPU computes with
     // them) and 1 - beta2_t = t^optim.adafactor_beta2_decay (float, as the CPU rounds it).
     double af_rho, af_clip;

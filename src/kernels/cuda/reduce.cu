@@ -75,8 +75,13 @@ static __global__ void sum_in_order_kernel(double* out, const double* in, int64_
     if (threadIdx.x == 0) *out = s;
 }
 
+void sum_doubles_to_device(double* result, const double* values, int64_t n, cudaStream_t stream) {
+    if (n < 0) fail("cuda::sum_doubles_to_device: n is {}, expected >= 0", n);
+    MT_LAUNCH(sum_in_order_kernel, 1, 1024, 0, stream, result, values, n);
+}
+
 double sum_doubles(const double* values, int64_t n, double* result_device, cudaStream_t stream) {
-    MT_LAUNCH(sum_in_order_kernel, 1, 1024, 0, stream, result_device, values, n);
+    sum_doubles_to_device(result_device, values, n, stream);
     double result = 0.0;
     MT_CUDA_CHECK(
         cudaMemcpyAsync(&result, result_device, sizeof(double), cudaMemcpyDeviceToHost, stream));

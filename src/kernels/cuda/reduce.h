@@ -17,6 +17,10 @@ namespace memtrain::cuda {
 // Sum of squares of n values, in double, into *result (device). Queues only.
 template <typename T>
 void sum_squares(double* result /*device*/, const T* a /*(n)*/, int64_t n, cudaStream_t stream = 0);
+// Sum of n doubles (device) in a fixed order into *result (device): the order depends on n
+// alone. Queues only.
+void sum_doubles_to_device(double* result /*device*/, const double* values /*(n)*/, int64_t n,
+                           cudaStream_t stream = 0);
 // Sum of n floats in a fixed order into *result (device double). Queues only.
 void sum_floats(double* result /*device*/, const float* a /*(n)*/, int64_t n,
                 cudaStream_t stream = 0);

@@ -98,7 +98,17 @@ T* DeviceDataParallel<T>::step_grads() {
 }
 
 template <typename T>
-void DeviceDataParallel<T>::reduce_gradients(double* sum_sq) {
+void DeviceDataParallel<T>::reduce_gradients(double* sum_sq, double* unit_sq) {
+    if (unit_sq && !sharded(spec_.optimizer)) {
+        const std::size_t units = layout_.units.size();
+        for (std::size_t u = 0; u < units; u++) {
+            const ParamUnit& unit = layout_.units[u];
+            cuda::sum_squares<T>(unit_sq + u, model_->grads() + unit.begin, (int64_t)unit.size(),
+                                 compute_);
+        }
+        cuda::sum_doubles_to_device(sum_sq, unit_sq, (int64_t)units, compute_);
+        return;
+    }
     // ZeRO-1: every rank gets its shard of the summed gradients (ZeRO-2/3 have it already);
     // the norm is the sum of the shards' squares.
     if (sharded(spec_.optimizer) && !sharded(spec_.grads))
@@ -107,6 +117,11 @@ void DeviceDataParallel<T>::reduce_gradients(double* sum_sq) {
     cuda::sum_squares<T>(sum_sq, grad_shard(), (int64_t)count_, compute_);
     if (sharded(spec_.optimizer))
         dcomm_->all_reduce_sum(sum_sq, 1, dist::DeviceType::F64, compute_);
+}
+
+template <typename T>
+void DeviceDataParallel<T>::all_reduce_now(T* grads, std::size_t n) {
+    if (dcomm_) dcomm_->all_reduce_sum(grads, (int64_t)n, device_type<T>(), compute_);
 }
 
 template <typename T>

@@ -87,8 +87,15 @@ class DeviceDataParallel {
     // rank's sharded ones once their reductions are joined).
     T* step_grads();
     // This rank's shard of the summed gradients (ZeRO-1's reduce-scatter), and in `sum_sq` the
-    // sum of squares of all of them (the shards' partial sums all-reduced).
-    void reduce_gradients(double* sum_sq);
+    // sum of squares of all of them (the shards' partial sums all-reduced). Where every rank
+    // holds the whole gradient (one GPU, DDP) and `unit_sq` is given (room for a double per
+    // unit), the sum is taken per unit into unit_sq, then over the units in order, as the step
+    // inside the backward takes it.
+    void reduce_gradients(double* sum_sq, double* unit_sq = nullptr);
+    // optim.step_in_backward: one unit's gradient of this micro-batch, `grads` (n values), summed
+    // over the ranks in place on the compute stream (nothing on one GPU), as DDP's all-reduce of
+    // that unit would sum it.
+    void all_reduce_now(T* grads, std::size_t n);
     // After the update: every rank's updated shard to every rank (ZeRO-1/2), or the gathered
     // units marked stale and the next forward's first unit prefetched (ZeRO-3).
     void share_updated_params();
