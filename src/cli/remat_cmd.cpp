@@ -247,8 +247,9 @@ void register_remat(CLI::App& app) {
                       .c_str());
         std::printf("smallest feasible peak activation memory: %s\n",
                     format_bytes(min_feasible_bytes(chain)).c_str());
-        // The CPU model also rebuilds block inputs (chen:K, memory-poor), below that.
-        const bool rebuilds = device == "cpu" && m.n_layer > 1;
+        // Both models also rebuild block inputs (chen:K, memory-poor), below that (a GPU
+        // pipeline stage does not: train.pp > 1 is refused with these policies there).
+        const bool rebuilds = m.n_layer > 1;
         if (rebuilds)
             std::printf(
                 "  rebuilding block inputs (chen:K, revolve:S, memory-poor; budget:BYTES "
@@ -265,7 +266,7 @@ void register_remat(CLI::App& app) {
         if (a->frontier) {
             if (!a->budget.empty()) fail("give either --budget or --frontier, not both");
             std::vector<Point> pts;
-            // The named policies, and on the CPU those that rebuild block inputs: chen:K with
+            // The named policies, and those that rebuild block inputs: chen:K with
             // K = ceil(sqrt(n_layer)), revolve:S with S = ceil(log2(n_layer)) and memory-poor
             // (the floor).
             const std::string chen =
@@ -277,8 +278,7 @@ void register_remat(CLI::App& app) {
                   std::string("full"), std::string("offload"), chen, revolve,
                   std::string("memory-poor")}) {
                 if (p == "offload" && device != "cuda") continue;
-                if (parse_policy(p).rebuilds_inputs() && (device == "cuda" || m.n_layer < 2))
-                    continue;
+                if (parse_policy(p).rebuilds_inputs() && m.n_layer < 2) continue;
                 pts.push_back({p, solve_policy(parse_policy(p), m, B, T, cost_ptr, fmt)});
             }
             std::size_t lo = min_feasible_bytes(chain);

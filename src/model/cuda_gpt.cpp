@@ -92,9 +92,11 @@ template <typename T>
 void CudaGPT<T>::set_remat(const RematPlan& plan) {
     if (!plan.empty() && plan.size() != (std::size_t)cfg_.n_layer)
         fail("remat plan has {} entries but model.n_layer is {}", plan.size(), cfg_.n_layer);
-    for (BlockKeep k : plan)
-        if (rebuilds_input(k))
-            fail("internal: the GPU model does not rebuild block inputs (memory-poor, chen:K)");
+    const InputRebuild rebuild = input_rebuild(plan);
+    if (rebuild.any && staged_)
+        fail(
+            "internal: a GPU pipeline stage does not rebuild block inputs (memory-poor, chen:K, "
+            "revolve:S)");
     if (staged_)
         for (BlockKeep k : plan)
             if (k == BlockKeep::Offload)
@@ -102,6 +104,7 @@ void CudaGPT<T>::set_remat(const RematPlan& plan) {
                     "train.remat = offload is not built for a pipeline stage on the GPU: choose "
                     "none, selective, full or a budget without +offload");
     plan_ = plan;
+    rebuild_ = rebuild;
     make_walk();
     arena_B_ = arena_T_ = 0;  // re-carved at the next forward
 }
@@ -209,6 +212,8 @@ void CudaGPT<T>::ensure_arena(int B, int T_) {
         unsigned char* a = sl.acts.data();
         sl.resid.assign(cfg_.n_layer + 1, nullptr);
         for (int j = 0; j <= b1_ - b0_; j++) sl.resid[b0_ + j] = static_cast<T*>(at(a, p.resid[j]));
+        sl.held.clear();
+        for (std::size_t off : p.held) sl.held.push_back(static_cast<T*>(at(a, off)));
         sl.saved.assign(cfg_.n_layer, Saved{});
         for (int j = 0; j < b1_ - b0_; j++) {
             auto f = [&](SavedField field) { return at(a, p.block[j][static_cast<int>(field)]); };
@@ -569,9 +574,38 @@ void CudaGPT<T>::head_backward(const UnitVisit& v, int B, int T_, float grad_sca
 }
 
 template <typename T>
+const T* CudaGPT<T>::block_input(int l, int B, int T_) {
+    if (!rebuilds_input(keep(l))) return resid_[l];
+    const std::vector<T*>& held = slots_[cur_].held;
+    // Where block k's input is during the backward: a hold slot (once its holder's rebuild has
+    // run) or its forward stream (kept, or a temporary of its parity).
+    auto at = [&](int k) { return rebuild_.slot[k] >= 0 ? held[rebuild_.slot[k]] : resid_[k]; };
+    const int from = rebuild_.from[l];
+    if (from < 0) return at(l);  // held since an earlier rebuild
+    // Re-run the forward of blocks [from, l), each output into the next block's place (the hold
+    // slot of an input this rebuild holds, else a temporary); their units are acquired again
+    // (ZeRO-3 gathers them), and a block that keeps fields rewrites them with the same bits.
+    T* cur = at(from);
+    for (int k = from; k < l; k++) {
+        const int u = layout_.block_unit(k);
+        T* out = rebuild_.holder[k + 1] == l ? at(k + 1) : resid_[k + 1];
+        const Block p = block_at(block_off_[k], unit_params(u));
+        // Announced while this block runs: the next one the rebuild re-runs, then block l's own.
+        prefetch(layout_.block_unit(k + 1));
+        block_forward(p, k, cur, out, saved_[k], B, T_);
+        unit_params_done(u);
+        cur = out;
+    }
+    return cur;
+}
+
+template <typename T>
 void CudaGPT<T>::block_backward_part(const UnitVisit& v, int B, int T_) {
     const int N = B * T_, C = cfg_.n_embd, l = v.block, u = v.unit;
     const std::size_t stream_bytes = (std::size_t)N * C * sizeof(T);
+    // A rebuilt input first, before this block's unit is acquired: the rebuild acquires the
+    // units below one at a time.
+    const T* x = block_input(l, B, T_);
     const Block p = block_at(block_off_[l], unit_params(u));
     prefetch(v.prefetch);
     // A recomputed block re-runs its forward into the scratch; its output rewrites resid_[l + 1]
@@ -583,10 +617,10 @@ void CudaGPT<T>::block_backward_part(const UnitVisit& v, int B, int T_) {
         case Redo::Nothing:
             break;
         case Redo::Selective:
-            recompute_selective(p, resid_[l], saved_[l], B, T_);
+            recompute_selective(p, x, saved_[l], B, T_);
             break;
         case Redo::Block:
-            block_forward(p, l, resid_[l], offloads() ? dbig_ : resid_[l + 1], saved_[l], B, T_);
+            block_forward(p, l, x, offloads() ? dbig_ : resid_[l + 1], saved_[l], B, T_);
             break;
         case Redo::BlockFromHost:
             if (leaves_device(l)) MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, to_device_[l], 0));
@@ -594,7 +628,7 @@ void CudaGPT<T>::block_backward_part(const UnitVisit& v, int B, int T_) {
             break;
     }
     const Block g = frozen() ? Block{} : block_at(block_off_[l], unit_grads(u));
-    block_backward(p, g, l, resid_[l], saved_[l], B, T_);
+    block_backward(p, g, l, x, saved_[l], B, T_);
     unit_params_done(u);
     if (!frozen()) unit_grads_done(u);
     // Block l's ring slot is free: prefetch the input of the Offload block that had it before

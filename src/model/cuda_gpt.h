@@ -172,6 +172,7 @@ class CudaGPT {
     struct Slot {
         DeviceBuffer<unsigned char> acts;
         std::vector<T*> resid;
+        std::vector<T*> held;  // the hold slots of rebuilt inputs (memory-poor, chen:K)
         std::vector<Saved> saved;
         T* lnf = nullptr;
         float *lnf_mean = nullptr, *lnf_rstd = nullptr;
@@ -186,6 +187,10 @@ class CudaGPT {
     void backward(int B, int T_, float grad_scale, double* loss_sum, bool embedding);
     void head_backward(const UnitVisit& v, int B, int T_, float grad_scale, double* loss_sum);
     void block_backward_part(const UnitVisit& v, int B, int T_);
+    // Block l's input for its backward: its stream, or (a plan that rebuilds inputs) a hold slot
+    // or the output of re-running the blocks below from the last input kept or held, with the
+    // step forward's kernels and inputs, so the same bits (the CPU's GPT::block_input).
+    const T* block_input(int l, int B, int T_);
     void embedding_backward(int B, int T_);
     // The walk of blocks [b0_, b1_) under plan_ (model/unit_walk.h).
     void make_walk();
@@ -261,6 +266,7 @@ class CudaGPT {
     std::vector<Slot> slots_;  // one, unless a pipeline stage holds several micro-batches
     DeviceBuffer<unsigned char> work_;
     std::vector<T*> resid_;     // the current slot's, by model block
+    InputRebuild rebuild_;      // the plan's rebuilds of dropped block inputs
     std::vector<Saved> saved_;  // the current slot's, by model block
     T *lnf_ = nullptr, *dres_ = nullptr, *dln_ = nullptr, *dbig_ = nullptr, *dact_ = nullptr,
       *logits_ = nullptr;

@@ -938,6 +938,7 @@ const float* GPT::block_input(int l, Slot& sl, int B, int T) {
     for (int k = from; k < i; k++) {
         const int m = b0_ + k, u = layout_.block_unit(m);
         const BlockParams p = block_view(layout_, m, store_->acquire(u));
+        announce(layout_.block_unit(m + 1));  // the next block re-run, then block l's own
         const float* ad = lora_ ? lora_->store().acquire(m) : nullptr;
         float* out = rebuild_.holder[k + 1] == i ? at(k + 1) : sl.resid[k + 1];
         block_forward(p, m, ad, cur, out, sl, B, T);

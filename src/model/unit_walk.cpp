@@ -41,12 +41,19 @@ UnitWalk make_unit_walk(const ParamLayout& layout, int n_layer, bool tied, int b
     }
     if (head) w.forward.push_back({Part::Head, -1, H, tied ? E : -1});
     // Backward: the head announces the last block while the classifier runs; each block the one
-    // before it; the embedding's backward reads no parameters.
-    if (head) w.backward.push_back({Part::Head, -1, H, layout.block_unit(b1 - 1)});
+    // before it, or where that one's input is rebuilt (memory-poor, chen:K), the first block its
+    // rebuild re-runs (whose unit is acquired first); the embedding's backward reads no
+    // parameters.
+    const InputRebuild rebuild = plan.empty() ? InputRebuild{} : input_rebuild(plan);
+    auto first_used = [&](int m) {  // the unit block m's backward acquires first
+        const int from = rebuild.any ? rebuild.from[m - b0] : -1;
+        return layout.block_unit(from >= 0 ? b0 + from : m);
+    };
+    if (head) w.backward.push_back({Part::Head, -1, H, first_used(b1 - 1)});
     for (int l = b1 - 1; l >= b0; l--) {
         const BlockKeep k = plan.empty() ? BlockKeep::All : plan[l - b0];
-        w.backward.push_back({Part::Block, l, layout.block_unit(l),
-                              l > b0 ? layout.block_unit(l - 1) : -1, redo_for(k)});
+        w.backward.push_back(
+            {Part::Block, l, layout.block_unit(l), l > b0 ? first_used(l - 1) : -1, redo_for(k)});
     }
     if (embedding) w.backward.push_back({Part::Embedding, -1, E, -1});
     return w;

@@ -119,9 +119,9 @@ Solution solve_policy(const RematPolicy& policy, const ModelConfig& cfg, int B, 
             plan = binomial_plan(chain, every);
             break;
         case K::Budget: {
-            // On the CPU model the plans that rebuild block inputs join the knapsack's (the joint
-            // solver); the GPU model keeps every block's input (or offloads it).
-            const bool rebuild = !fmt.cuda && !policy.budget_offload && L > 1;
+            // The plans that rebuild block inputs join the knapsack's (the joint solver); with
+            // +offload the GPU keeps or offloads every block's input instead.
+            const bool rebuild = !policy.budget_offload && L > 1;
             const auto s =
                 rebuild ? solve_joint(chain, policy.budget) : solve_budget(chain, policy.budget);
             if (!s) {

@@ -26,6 +26,7 @@
 #include "planner/memory_model.h"
 #include "planner/model_shape.h"
 #include "remat/policy.h"
+#include "remat/solver.h"
 #include "test_util.h"
 #include "train/trainer.h"
 #include "train/validate.h"
@@ -570,6 +571,75 @@ TEST(CudaTrain, EveryRematPolicyTrainsTheSameModel) {
         for (int i = 0; i < 4; i++) EXPECT_NEAR(s.losses[i], r.losses[i], 1e-5) << i;
         EXPECT_LT(max_abs_diff(t.params(), ref.params()), 1e-5);
     }
+}
+
+// The plans that drop block inputs and rebuild them in the backward (memory-poor, chen:K,
+// revolve:S, and a budget below every plan that keeps the inputs) on the GPU: each block's
+// rebuilt input is the forward's (the same kernels on the same inputs), so the run is the
+// no-remat run's to the recompute's rounding; the activation row is the plan's and measured
+// equal, and memory-poor's is below full's. With the step inside the backward, the rebuilds
+// re-run blocks whose units are not updated yet: bitwise the two-phase step.
+TEST(CudaTrain, RebuiltBlockInputsTrainTheSameModelInTheirPredictedBytes) {
+    REQUIRE_GPU();
+    auto d0 = test::temp_dir("cuda_rebuild_none");
+    RunConfig base = cuda_run(d0, 4, "fp32");
+    base.model.n_layer = 6;
+    Trainer ref(base, quiet());
+    const TrainSummary r = ref.run();
+    const int B = base.micro_batch(), T = base.train.seq_len;
+    const ActFormat fmt = cuda_arena_format(base.model, 4, B, T);
+    const remat::Chain ch = remat::make_chain(base.model, B, T, fmt);
+    // Below the least peak that keeps every input: only a rebuilding plan fits.
+    const std::size_t keeping = remat::min_feasible_bytes(ch);
+    const std::size_t floor = remat::rebuild_floor(ch);
+    ASSERT_LT(floor, keeping);
+    const std::string below = "budget:" + std::to_string((floor + keeping) / 2);
+    auto activations = [&](const RunConfig& c, TrainSummary* out, std::vector<float>* params) {
+        const MemoryStats before = device_memory().snapshot();
+        Trainer t(c, quiet());
+        *out = t.run();
+        const std::size_t grew =
+            device_memory().snapshot()[MemCategory::Activations] - before[MemCategory::Activations];
+        for (const auto& row : t.engine().predicted_memory(B, T))
+            if (row.category == MemCategory::Activations) {
+                EXPECT_EQ(grew, row.bytes) << row.formula;
+            }
+        *params = t.params();
+        return grew;
+    };
+    std::size_t full_bytes = 0, poor_bytes = 0;
+    int i = 0;
+    for (const std::string& policy :
+         {std::string("full"), std::string("memory-poor"), std::string("chen:2"),
+          std::string("chen:3"), std::string("revolve:2"), below}) {
+        SCOPED_TRACE(policy);
+        RunConfig c = base;
+        c.train.remat = policy;
+        c.io.out_dir = test::temp_dir("cuda_rebuild_" + std::to_string(i++)) + "/out";
+        TrainSummary s;
+        std::vector<float> params;
+        const std::size_t bytes = activations(c, &s, &params);
+        if (policy == "full") full_bytes = bytes;
+        if (policy == "memory-poor") poor_bytes = bytes;
+        ASSERT_EQ(s.losses.size(), r.losses.size());
+        for (std::size_t k = 0; k < r.losses.size(); k++)
+            EXPECT_NEAR(s.losses[k], r.losses[k], 1e-5) << k;
+        EXPECT_LT(max_abs_diff(params, ref.params()), 1e-5);
+    }
+    EXPECT_LT(poor_bytes, full_bytes);
+    // bf16 with the step inside the backward: bitwise the two-phase step under memory-poor.
+    RunConfig b = cuda_run(test::temp_dir("cuda_rebuild_sib"), 4, "bf16");
+    b.model.n_layer = 6;
+    b.train.remat = "memory-poor";
+    b.train.micro_batch_size = b.train.batch_size;
+    Trainer two(b, quiet());
+    const TrainSummary two_s = two.run();
+    RunConfig sib = b;
+    sib.optim.step_in_backward = true;
+    sib.io.out_dir += "_sib";
+    Trainer in_backward(sib, quiet());
+    EXPECT_EQ(in_backward.run().losses, two_s.losses);
+    EXPECT_EQ(in_backward.params(), two.params());
 }
 
 TEST(CudaTrain, DeviceMemoryIsWhatTheModelPredicts) {

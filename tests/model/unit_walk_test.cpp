@@ -155,3 +155,26 @@ TEST(UnitWalk, TheCpuModelAsksItsStoreInTheWalksOrder) {
         EXPECT_EQ(store.log, want) << "tied " << tied;
     }
 }
+
+// A block whose input is rebuilt (memory-poor, chen:K) first acquires the unit its rebuild
+// re-runs from, so that is the unit the visit before it announces (ZeRO-3 gathers it meanwhile).
+TEST(UnitWalk, ARebuiltInputIsAnnouncedByTheBlockItsRebuildStartsFrom) {
+    const ModelConfig c = test::tiny_model(4);
+    const ParamLayout layout = make_param_layout(c);
+    using K = BlockKeep;
+    auto prefetches = [&](const RematPlan& plan) {
+        std::vector<int> out;
+        for (const UnitVisit& v : make_unit_walk(layout, 4, true, 0, 4, plan).backward)
+            out.push_back(v.prefetch);
+        return out;
+    };
+    auto u = [&](int l) { return layout.block_unit(l); };
+    // (head, blocks 3 to 0, embedding) memory-poor: every rebuild re-runs from block 0's input.
+    EXPECT_EQ(prefetches({K::Input, K::Dropped, K::Dropped, K::Dropped}),
+              (std::vector<int>{u(0), u(0), u(0), u(0), -1, -1}));
+    // chen:2: block 3's segment re-runs block 2, block 1's block 0.
+    EXPECT_EQ(prefetches({K::Input, K::Segment, K::Input, K::Segment}),
+              (std::vector<int>{u(2), u(2), u(0), u(0), -1, -1}));
+    // Inputs kept: each block announces the one before it.
+    EXPECT_EQ(prefetches({}), (std::vector<int>{u(3), u(2), u(1), u(0), -1, -1}));
+}

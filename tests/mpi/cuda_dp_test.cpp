@@ -304,6 +304,16 @@ TEST(CudaDp, Zero3LlamaUntiedWithFullRecompute) {
     });
 }
 
+// ZeRO-3 under memory-poor remat: each block's input is rebuilt in the backward by re-running
+// the blocks below, whose units are gathered again for it.
+TEST(CudaDp, Zero3RebuildsDroppedBlockInputs) {
+    REQUIRE_GPU_DP();
+    check_ranks_match_one_process(3, "cuda_dp_memory_poor", [](RunConfig& c) {
+        c.model.n_layer = 4;
+        c.train.remat = "memory-poor";
+    });
+}
+
 // ZeRO-2 with the block inputs offloaded to pinned host memory (train.remat = offload): the
 // activation copies' stream and the collectives' stream run beside the compute stream together.
 TEST(CudaDp, Zero2WithOffloadedActivations) {

@@ -303,11 +303,18 @@ TEST(Remat, RebuiltInputsGoBelowFullToTheMemoryPoorFloor) {
             solve_policy(parse_policy(fmt::format("budget:{}", floor - 1)), deep, 2, 8);
         }).find(fmt::format("smallest feasible peak activation memory {}", format_bytes(floor))),
         std::string::npos);
+    // The GPU layout rebuilds too: below its keeping floor down to its own memory-poor floor.
     const ActFormat gpu = cuda_arena_format(deep, 2, 2, 8);
-    const std::size_t gpu_lo = min_feasible_bytes(make_chain(deep, 2, 8, gpu));
-    EXPECT_THROW(
-        solve_policy(parse_policy(fmt::format("budget:{}", gpu_lo - 1)), deep, 2, 8, nullptr, gpu),
-        Error);
+    const Chain gch = make_chain(deep, 2, 8, gpu);
+    const std::size_t gpu_lo = min_feasible_bytes(gch), gpu_floor = rebuild_floor(gch);
+    ASSERT_LT(gpu_floor, gpu_lo);
+    const Solution on_gpu =
+        solve_policy(parse_policy(fmt::format("budget:{}", gpu_lo - 1)), deep, 2, 8, nullptr, gpu);
+    EXPECT_LE(on_gpu.peak_bytes, gpu_lo - 1);
+    EXPECT_TRUE(std::any_of(on_gpu.plan.begin(), on_gpu.plan.end(), rebuilds_input));
+    EXPECT_THROW(solve_policy(parse_policy(fmt::format("budget:{}", gpu_floor - 1)), deep, 2, 8,
+                              nullptr, gpu),
+                 Error);
     // The first block keeps its input: a plan that drops it is refused.
     RematPlan bad(3, BlockKeep::Dropped);
     EXPECT_NE(test::error_of([&] { input_rebuild(bad); }).find("no block below keeps one"),
