@@ -381,6 +381,7 @@ plan::RunSpec planner_run_spec(const RunConfig& cfg, const ActFormat& format) {
                                                    : plan::Optimizer::adamw;
     rs.state_format = parse_state_format(cfg.optim.state_format);
     rs.step_in_backward = cfg.optim.step_in_backward;
+    rs.device_optimizer = format.cuda && !cfg.train.offload_optimizer;
     if (cfg.optim.master == "none") rs.fp32_master = false;
     rs.micro_batch = cfg.micro_batch();
     rs.seq = cfg.train.seq_len;

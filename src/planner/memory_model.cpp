@@ -250,13 +250,20 @@ MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, RankCoord at,
     }
     double grad_bytes = grad_n * k.grad;
     double opt_bytes = opt_n * k.optim;
-    std::string opt_detail =
-        fmt::format("{:.3f}B x {:.4g} B ({} {}{}){}", trainable / 1e9, k.optim,
-                    precision_label(r.precision, r.fp32_master), to_string(r.optimizer),
-                    r.state_format == StateFormat::Fp32
-                        ? std::string()
-                        : fmt::format(", {} moments", state_format_name(r.state_format)),
-                    zero_note(spec.optimizer));
+    // Muon's Newton-Schulz scratch beside its state (the largest matrix's, whole on every rank).
+    const double ns = r.device_optimizer && r.optimizer == Optimizer::muon && r.lora_rank == 0 &&
+                              !dist::offloaded(spec.optimizer)
+                          ? muon_scratch_bytes(m)
+                          : 0;
+    opt_bytes += ns;
+    std::string opt_detail = fmt::format(
+        "{:.3f}B x {:.4g} B ({} {}{}){}{}", trainable / 1e9, k.optim,
+        precision_label(r.precision, r.fp32_master), to_string(r.optimizer),
+        r.state_format == StateFormat::Fp32
+            ? std::string()
+            : fmt::format(", {} moments", state_format_name(r.state_format)),
+        ns > 0 ? fmt::format(" + Newton-Schulz scratch {:.1f} MiB", ns / 1048576.0) : std::string(),
+        zero_note(spec.optimizer));
     if (dist::offloaded(spec.optimizer)) {
         // ZeRO-Offload as memtrain's engine runs it (src/engine/cuda/cuda_engine.cpp): the
         // gradients stay on the GPU, where the backward writes and accumulates them (their ZeRO

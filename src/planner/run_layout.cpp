@@ -215,6 +215,20 @@ double muon_matrix_fraction(const ModelSpec& m) {
     return layout.total ? (double)n / (double)layout.total : 0.0;
 }
 
+double muon_scratch_bytes(const ModelSpec& m) {
+    const ParamLayout layout = make_param_layout(config_from_model(m));
+    const std::vector<char> matrix = muon_matrices(layout);
+    double numel = 0, gram = 0;
+    for (std::size_t i = 0; i < matrix.size(); i++) {
+        if (!matrix[i]) continue;
+        const ParamSpec& t = layout.tensors[i];
+        const double r = (double)std::min(t.global_shape()[0], t.global_shape()[1]);
+        numel = std::max(numel, (double)t.global_numel());
+        gram = std::max(gram, r * r);
+    }
+    return 4.0 * 2 * (numel + gram) + 8;
+}
+
 double adafactor_bytes_per_param(const ModelSpec& m) {
     const ParamLayout layout = make_param_layout(config_from_model(m));
     return layout.total ? 4.0 * (double)adafactor_state_floats(layout, 0, layout.total) /

@@ -64,6 +64,9 @@ struct RunSpec {
     // optim.step_in_backward: with one micro-batch per step, no gradient buffer (each unit's
     // gradient lives until its update; under ZeRO 2-3 not even the shard).
     bool step_in_backward = false;
+    // The optimizer runs on the GPU (memtrain's DeviceOptimizer): Muon's Newton-Schulz scratch
+    // is then allocated for the run, beside the state (the CPU's is a step's temporary).
+    bool device_optimizer = false;
     Offload offload = Offload::none;
     pp::Kind schedule = pp::Kind::OneFOneB;  // the ones parse_schedule accepts
     int virtual_stages = 1;  // model chunks per pipeline stage (interleaved schedule)
@@ -132,6 +135,10 @@ StateBytes state_bytes(const RunSpec& r);
 StateBytes state_bytes(const ModelSpec& model, const RunSpec& r);
 double adafactor_bytes_per_param(const ModelSpec& model);
 double muon_matrix_fraction(const ModelSpec& model);
+// Muon's Newton-Schulz scratch, whichever engine: two copies of the largest block matrix and
+// two of its Gram matrix (min(rows, cols)^2), in fp32, and a norm (the GPU's DeviceOptimizer
+// holds them for the run, the CPU's newton_schulz5 for each matrix's step).
+double muon_scratch_bytes(const ModelSpec& model);
 // Bytes of one saved activation element: 4 for fp32 training, else 2.
 int activation_bytes(Precision precision);
 // Bytes of one frozen weight-matrix element under LoRA: 16 bits keeps the run's parameter dtype

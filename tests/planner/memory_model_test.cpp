@@ -111,6 +111,14 @@ TEST(PlanMemory, MuonKeepsOneMomentOnTheMatrices) {
     r.optimizer = Optimizer::adamw;
     EXPECT_LT(e.bytes("optimizer states"), estimate_memory(m, r).bytes("optimizer states"));
     EXPECT_EQ(parse_optimizer("muon"), Optimizer::muon);
+    // On a GPU the Newton-Schulz scratch lives for the run: two copies of the largest block
+    // matrix (4C x C) and two of its Gram matrix (C x C), fp32, and a norm.
+    r.optimizer = Optimizer::muon;
+    r.device_optimizer = true;
+    const double scratch = 4.0 * 2 * (6400.0 * 1600 + 1600.0 * 1600) + 8;
+    EXPECT_EQ(muon_scratch_bytes(m), scratch);
+    EXPECT_NEAR((double)estimate_memory(m, r).bytes("optimizer states"),
+                (double)e.bytes("optimizer states") + scratch, 2.0);
 }
 
 TEST(PlanMemory, ZeroStagesShardOverDp) {
