@@ -220,7 +220,12 @@ std::vector<MemoryPrediction> predict_cuda_memory(const RunConfig& cfg, const Re
          e * (stage >= 3 ? shard : padded)},
         // optim.step_in_backward with one micro-batch per step: the open units' buckets only
         // (engine/cuda/in_backward_grads.h).
-        cfg.no_grad_buffer()
+        cfg.no_grad_buffer() && stage >= 2
+            ? MemoryPrediction{MemCategory::Gradients,
+                               "none: step in backward (each unit's piece updated from its bucket, "
+                               "in the communication row)",
+                               0}
+        : cfg.no_grad_buffer()
             ? MemoryPrediction{MemCategory::Gradients,
                                fmt::format("{} x ({}), step in backward ({})", e,
                                            cfg.model.tied_embeddings

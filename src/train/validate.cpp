@@ -354,11 +354,11 @@ void validate_optimizer_layout(const RunConfig& cfg) {
                 refuse("train.device = \"cuda\" and lora.rank",
                        "the GPU steps the whole model inside the backward so far (LoRA's "
                        "adapters do on the CPU engine)");
-            if (cfg.train.zero_stage > 0)
-                refuse(fmt::format("train.device = \"cuda\" and train.zero_stage = {}",
-                                   cfg.train.zero_stage),
-                       "the GPU steps inside the backward on one GPU and under DDP so far (set "
-                       "train.zero_stage = 0, or use train.device = \"cpu\" for ZeRO 1-3)");
+            if (cfg.train.zero_stage == 1)
+                refuse("train.device = \"cuda\" and train.zero_stage = 1",
+                       "the GPU's ZeRO-1 reduce-scatters the gradients after the backward; "
+                       "ZeRO-2 reduces each unit's as the backward finishes it (set "
+                       "train.zero_stage = 2, or 0 for DDP)");
             if (cfg.train.offload_optimizer)
                 refuse("train.device = \"cuda\" and train.offload_optimizer = true",
                        "the offloaded optimizer steps on the host after the backward");

@@ -247,19 +247,27 @@ TEST(CudaDp, AdafactorAndMuonRanksTrainAsOneProcess) {
         }
 }
 
-// optim.step_in_backward under DDP with one micro-batch per step: each unit's gradient is
+// optim.step_in_backward with one micro-batch per step: under DDP each unit's gradient is
 // all-reduced on the compute stream as soon as the backward finishes it, measured and updated
-// from its bucket; the run is bitwise the two-phase DDP step (the same all-reduce of each unit,
-// the same per-unit norm), with and without clipping, for AdamW in int8 and Muon, and each rank
-// holds two unit buckets of gradients instead of the whole buffer, as predicted.
+// from its bucket; under ZeRO-2/3 the unit's bucket is reduced to its pieces' owners and each
+// rank updates its piece. The run is bitwise the two-phase step at the same stage (the same
+// reductions, the norm summed per unit piece and over the ranks in both), with and without
+// clipping, for AdamW in int8 and (DDP) Muon; each rank holds two unit buckets of gradients
+// instead of the whole buffer (DDP) or no gradient shard (ZeRO-2/3), as predicted.
 TEST(CudaDp, StepInBackwardRanksAreTheTwoPhaseStepBitwise) {
     REQUIRE_GPU_DP();
     const int N = comm().size(), b = 2, steps = 5;
-    for (const char* name : {"adamw", "muon"})
+    // (name, ZeRO stage): DDP for AdamW and Muon; ZeRO-2 and 3 for AdamW, whose pieces of each
+    // unit are updated as the bucket's reduction hands them over, with no gradient shard.
+    for (const auto& [name, stage] : {std::pair{"adamw", 0}, std::pair{"muon", 0},
+                                      std::pair{"adamw", 2}, std::pair{"adamw", 3}})
         for (double clip : {1.0, 0.0}) {
-            SCOPED_TRACE(std::string(name) + (clip > 0 ? " clipped" : " unclipped"));
-            RunConfig c = shared_cuda_run(
-                std::string("cuda_sib_dp_") + name + (clip > 0 ? "_clip" : ""), steps, "bf16");
+            SCOPED_TRACE(std::string(name) + " stage " + std::to_string(stage) +
+                         (clip > 0 ? " clipped" : " unclipped"));
+            RunConfig c = shared_cuda_run(std::string("cuda_sib_dp_") + name +
+                                              std::to_string(stage) + (clip > 0 ? "_clip" : ""),
+                                          steps, "bf16");
+            c.train.zero_stage = stage;
             c.optim.name = name;
             c.optim.lr = 1e-2;
             c.optim.grad_clip = clip;
@@ -287,6 +295,9 @@ TEST(CudaDp, StepInBackwardRanksAreTheTwoPhaseStepBitwise) {
             EXPECT_EQ(sib.first, two.first);
             EXPECT_EQ(sib.second, two.second);
             EXPECT_LT(sib_grads, two_grads);
+            if (stage >= 2) {
+                EXPECT_EQ(sib_grads, 0u) << "no gradient shard";
+            }
         }
 }
 

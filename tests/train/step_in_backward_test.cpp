@@ -140,13 +140,14 @@ TEST(StepInBackward, RefusesTheLayoutsItDoesNotRunWithByName) {
         edit(c);
         test::expect_refused_naming(validate_optimizer_layout, c, "optim.step_in_backward", key);
     };
-    // The GPU runs it on one GPU and under DDP (tests/cuda/step_in_backward_test.cpp).
+    // The GPU runs it on one GPU, under DDP and ZeRO-2/3 (tests/cuda/step_in_backward_test.cpp,
+    // tests/mpi/cuda_dp_test.cpp).
     refused(
         [](RunConfig& c) {
             c.train.device = "cuda";
-            c.train.zero_stage = 2;
+            c.train.zero_stage = 1;
         },
-        "train.zero_stage = 2");
+        "train.zero_stage = 1");
     refused(
         [](RunConfig& c) {
             c.train.device = "cuda";

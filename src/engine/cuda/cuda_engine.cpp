@@ -13,9 +13,9 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
-#include <fmt/format.h>
-
 #include <cmath>
+
+#include <fmt/format.h>
 
 #include "comm/communicator.h"
 #include "core/cuda_streams.h"

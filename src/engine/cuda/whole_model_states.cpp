@@ -113,12 +113,17 @@ WholeModelStates<T>::WholeModelStates(const RunPlan& plan, dist::Communicator& c
     : plan_(plan),
       stream_(stream),
       dp_(plan.collective, plan.states, make_param_layout(plan.cfg.model), comm, stream,
-          (int64_t)shard_grain(plan.cfg.optim)),
+          (int64_t)shard_grain(plan.cfg.optim), in_backward_pieces(plan)),
       store_(*this) {
-    if (plan_.cfg.no_grad_buffer())
+    steps_in_backward_ = plan_.cfg.no_grad_buffer();
+    if (steps_in_backward_ && !dp_.unit_store()) {
+        const ParamLayout lay = make_param_layout(plan_.cfg.model);
         in_backward_ = std::make_unique<InBackwardGrads<T>>(
-            make_param_layout(plan_.cfg.model), plan_.cfg.model.tied_embeddings, stream_,
-            [this](int u, T* grads) { unit_done(u, grads); });
+            lay, plan_.cfg.model.tied_embeddings, stream_, [this](int u, T* grads) {
+                const ParamUnit& unit = layout().units[u];
+                unit_done(u, grads, unit.begin, unit.size());
+            });
+    }
     model_ = std::make_unique<CudaGPT<T>>(plan_.cfg.model, stream_, dp_.padded_total(),
                                           dp_.unit_store(), nullptr, in_backward_.get());
     dp_.attach(*model_);
@@ -141,21 +146,32 @@ WholeModelStates<T>::WholeModelStates(const RunPlan& plan, dist::Communicator& c
 }
 
 template <typename T>
-void WholeModelStates<T>::unit_done(int u, T* grads) {
+typename dist::DeviceZeroUnits<T>::PieceDone WholeModelStates<T>::in_backward_pieces(
+    const RunPlan& plan) {
+    if (!plan.cfg.no_grad_buffer() || !dist::sharded(plan.states.grads)) return nullptr;
+    return [this](int u, T* piece, std::size_t lo, std::size_t n) { unit_done(u, piece, lo, n); };
+}
+
+template <typename T>
+void WholeModelStates<T>::unit_done(int u, T* grads, std::size_t lo, std::size_t n) {
     if (!armed_ || !unit_sq_)
         fail("internal: a unit's gradient outside the step inside the backward's armed passes");
-    const ParamUnit& unit = layout().units[u];
-    // As the two-phase step sees it: DDP's all-reduce of the unit, its sum of squares.
-    dp_.all_reduce_now(grads, unit.size());
-    cuda::sum_squares<T>(unit_sq_ + u, grads, (int64_t)unit.size(), stream_);
-    if (update_)
-        opt_->step_unit(unit.begin, unit.size(), dp_.param_shard(), grads, update_, stream_);
+    // As the two-phase step sees it: DDP's all-reduce of the unit (ZeRO-2/3 reduced the piece
+    // already), the piece's sum of squares (combined over the ranks at disarm).
+    if (!dp_.master_sharded()) dp_.all_reduce_now(grads, n);
+    if (n == 0) {
+        MT_CUDA_CHECK(cudaMemsetAsync(unit_sq_ + u, 0, sizeof(double), stream_));
+        return;
+    }
+    cuda::sum_squares<T>(unit_sq_ + u, grads, (int64_t)n, stream_);
+    if (update_) opt_->step_unit(lo, n, dp_.param_shard(), grads, update_, stream_);
 }
 
 template <typename T>
 void WholeModelStates<T>::reduce(double* sum_sq, double* unit_sq) {
-    if (!in_backward_) return dp_.reduce_gradients(sum_sq, unit_sq);
-    // The units' sums of the update pass, added as the two-phase step adds them.
+    if (!steps_in_backward_) return dp_.reduce_gradients(sum_sq, unit_sq);
+    // The units' sums of the update pass (combined over the ranks), added as the two-phase step
+    // adds them.
     if (!unit_sq) fail("internal: the step inside the backward without unit sums");
     cuda::sum_doubles_to_device(sum_sq, unit_sq, (int64_t)layout().units.size(), stream_);
 }
@@ -172,7 +188,7 @@ WholeModelStates<T>::~WholeModelStates() {
 template <typename T>
 std::string WholeModelStates<T>::overflow() {
     const ParamLayout& lay = layout();
-    if (in_backward_) {
+    if (steps_in_backward_) {
         // No gradient is left after the step inside the backward: the units' sums of squares
         // name where it was not finite (every rank summed the same reduced gradients).
         std::vector<double> sq(lay.units.size());

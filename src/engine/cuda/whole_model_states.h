@@ -72,7 +72,7 @@ class WholeModelStates final : public ModelStates<T> {
     // the backward (the optimizer) waits for the last unit's all-reduce or copy. The step
     // inside the backward reduces each unit itself, on the compute stream (unit_done).
     void before_backward(bool last, int64_t) override {
-        dp_.before_backward(last && !in_backward_);
+        dp_.before_backward(last && !steps_in_backward_);
         if (offload_) offload_->before_backward(last);
     }
     void after_backward() override {
@@ -83,10 +83,13 @@ class WholeModelStates final : public ModelStates<T> {
     // StepCollectives: the gradients summed over the ranks into this rank's range, the update on
     // the device (then shared: a skipped step shares the old values) or on the host after the
     // step's wait (the range's gradients brought down first, unless they streamed down).
-    T* gradients() override { return in_backward_ ? nullptr : dp_.step_grads(); }
+    T* gradients() override { return steps_in_backward_ ? nullptr : dp_.step_grads(); }
     void reduce(double* sum_sq, double* unit_sq) override;
     void update(const cuda::StepScalars* scalars) override {
-        if (in_backward_) return;  // done unit by unit inside the backward
+        if (steps_in_backward_) {  // done piece by piece inside the backward: only shared now
+            dp_.share_updated_params();
+            return;
+        }
         if (offload_) {
             offload_->download(dp_.grad_shard());
         } else {
@@ -111,21 +114,26 @@ class WholeModelStates final : public ModelStates<T> {
     std::string memory_footer() const override;
     std::pair<int64_t, int64_t> zero_gathers() const override { return dp_.zero_gathers(); }
 
-    bool steps_in_backward() const override { return in_backward_ != nullptr; }
+    bool steps_in_backward() const override { return steps_in_backward_; }
     void arm(double* unit_sq, const cuda::StepScalars* update) override {
         armed_ = true;
         unit_sq_ = unit_sq;
         update_ = update;
     }
     void disarm() override {
+        if (armed_ && unit_sq_) dp_.combine_unit_sums(unit_sq_);
         armed_ = false;
         update_ = nullptr;
     }
 
   private:
-    // The step inside the backward: unit u's gradient of the step's backward is complete in
-    // `grads` (a bucket): summed over the ranks, measured, and (armed with an update) updated.
-    void unit_done(int u, T* grads);
+    // The step inside the backward: this rank's piece [lo, lo + n) of unit u's gradient of the
+    // step's backward is complete at `grads` (a bucket: the whole unit, all-reduced here under
+    // DDP; or ZeRO-2/3's reduced piece): measured and (armed with an update) updated.
+    void unit_done(int u, T* grads, std::size_t lo, std::size_t n);
+    // ZeRO-2/3's hook for it (null unless the plan steps inside the backward with sharded
+    // gradients).
+    typename dist::DeviceZeroUnits<T>::PieceDone in_backward_pieces(const RunPlan& plan);
     friend class WeightsStore<T>;
     const ParamLayout& layout() const { return model_->layout(); }
     // This rank's fp32 master weights, its range [dp_.first(), + dp_.count()): in host memory
@@ -148,8 +156,10 @@ class WholeModelStates final : public ModelStates<T> {
     // Data parallelism: the shard ranges, NCCL and ZeRO-2/3's unit store (one process: the
     // trivial case, everything replicated).
     DeviceDataParallel<T> dp_;
-    // optim.step_in_backward with one micro-batch per step: the gradient buckets (no whole
-    // buffer), and what the armed backward does with each unit's gradient.
+    // optim.step_in_backward with one micro-batch per step: the gradient buckets of one GPU and
+    // DDP (no whole buffer; ZeRO-2/3 keep theirs and no shard), and what the armed backward does
+    // with each unit's gradient.
+    bool steps_in_backward_ = false;
     std::unique_ptr<InBackwardGrads<T>> in_backward_;
     bool armed_ = false;
     double* unit_sq_ = nullptr;

@@ -8,6 +8,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <utility>
 
 #include "core/error.h"
 #include "kernels/cuda/ops.h"
@@ -20,7 +21,8 @@ using dist::sharded;
 template <typename T>
 DeviceDataParallel<T>::DeviceDataParallel(bool collective, const dist::ShardSpec& spec,
                                           const ParamLayout& layout, dist::Communicator& comm,
-                                          cudaStream_t compute, int64_t grain)
+                                          cudaStream_t compute, int64_t grain,
+                                          typename dist::DeviceZeroUnits<T>::PieceDone in_backward)
     : layout_(layout), comm_(comm), compute_(compute), spec_(spec) {
     // Launched by mpirun (an MPI communicator, even of one rank): NCCL, so `mpirun -np 1` runs
     // this path at world size 1 against the plain single process.
@@ -43,7 +45,8 @@ DeviceDataParallel<T>::DeviceDataParallel(bool collective, const dist::ShardSpec
     comm_stream_ = std::make_unique<UnitGradStream>(compute_, layout_.units.size());
     if (sharded(spec_.grads))
         zero_ = std::make_unique<dist::DeviceZeroUnits<T>>(
-            layout_, sharded(spec_.params) ? 3 : 2, *dcomm_, shard_, compute_, comm_stream_->get());
+            layout_, sharded(spec_.params) ? 3 : 2, *dcomm_, shard_, compute_, comm_stream_->get(),
+            std::move(in_backward));
 }
 
 template <typename T>
@@ -99,24 +102,35 @@ T* DeviceDataParallel<T>::step_grads() {
 
 template <typename T>
 void DeviceDataParallel<T>::reduce_gradients(double* sum_sq, double* unit_sq) {
-    if (unit_sq && !sharded(spec_.optimizer)) {
-        const std::size_t units = layout_.units.size();
-        for (std::size_t u = 0; u < units; u++) {
-            const ParamUnit& unit = layout_.units[u];
-            cuda::sum_squares<T>(unit_sq + u, model_->grads() + unit.begin, (int64_t)unit.size(),
-                                 compute_);
-        }
-        cuda::sum_doubles_to_device(sum_sq, unit_sq, (int64_t)units, compute_);
-        return;
-    }
     // ZeRO-1: every rank gets its shard of the summed gradients (ZeRO-2/3 have it already);
     // the norm is the sum of the shards' squares.
     if (sharded(spec_.optimizer) && !sharded(spec_.grads))
         dcomm_->reduce_scatter_sum(model_->grads(), model_->grads() + first_, (int64_t)shard_,
                                    device_type<T>(), compute_);
+    if (unit_sq) {
+        const std::size_t units = layout_.units.size();
+        for (std::size_t u = 0; u < units; u++) {
+            const auto [lo, n] = piece(layout_.units[u]);
+            if (n > 0)
+                cuda::sum_squares<T>(unit_sq + u, grad_shard() + (lo - first_), (int64_t)n,
+                                     compute_);
+            else
+                MT_CUDA_CHECK(cudaMemsetAsync(unit_sq + u, 0, sizeof(double), compute_));
+        }
+        combine_unit_sums(unit_sq);
+        cuda::sum_doubles_to_device(sum_sq, unit_sq, (int64_t)units, compute_);
+        return;
+    }
     cuda::sum_squares<T>(sum_sq, grad_shard(), (int64_t)count_, compute_);
     if (sharded(spec_.optimizer))
         dcomm_->all_reduce_sum(sum_sq, 1, dist::DeviceType::F64, compute_);
+}
+
+template <typename T>
+void DeviceDataParallel<T>::combine_unit_sums(double* unit_sq) {
+    if (sharded(spec_.optimizer))
+        dcomm_->all_reduce_sum(unit_sq, (int64_t)layout_.units.size(), dist::DeviceType::F64,
+                               compute_);
 }
 
 template <typename T>

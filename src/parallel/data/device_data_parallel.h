@@ -40,8 +40,12 @@ class DeviceDataParallel {
     // world size 1): NCCL between the ranks; otherwise one process, everything replicated.
     // `grain`: shards are padded to a multiple of it (dist::padded_shard_ranges; the optimizer
     // state format's shard_grain).
+    // `in_backward` (optim.step_in_backward with one micro-batch per step, ZeRO-2/3): the store
+    // keeps no gradient shard and hands each unit's reduced piece to it
+    // (dist::DeviceZeroUnits::PieceDone).
     DeviceDataParallel(bool collective, const dist::ShardSpec& spec, const ParamLayout& layout,
-                       dist::Communicator& comm, cudaStream_t compute, int64_t grain = 1);
+                       dist::Communicator& comm, cudaStream_t compute, int64_t grain = 1,
+                       typename dist::DeviceZeroUnits<T>::PieceDone in_backward = nullptr);
     DeviceDataParallel(const DeviceDataParallel&) = delete;
     DeviceDataParallel& operator=(const DeviceDataParallel&) = delete;
 
@@ -87,15 +91,18 @@ class DeviceDataParallel {
     // rank's sharded ones once their reductions are joined).
     T* step_grads();
     // This rank's shard of the summed gradients (ZeRO-1's reduce-scatter), and in `sum_sq` the
-    // sum of squares of all of them (the shards' partial sums all-reduced). Where every rank
-    // holds the whole gradient (one GPU, DDP) and `unit_sq` is given (room for a double per
-    // unit), the sum is taken per unit into unit_sq, then over the units in order, as the step
-    // inside the backward takes it.
+    // sum of squares of all of them (the shards' partial sums all-reduced). With `unit_sq` (room
+    // for a double per unit) the sum is taken per unit (this rank's piece of it, the pieces'
+    // sums combined over the ranks), then over the units in order, as the step inside the
+    // backward takes it.
     void reduce_gradients(double* sum_sq, double* unit_sq = nullptr);
     // optim.step_in_backward: one unit's gradient of this micro-batch, `grads` (n values), summed
     // over the ranks in place on the compute stream (nothing on one GPU), as DDP's all-reduce of
     // that unit would sum it.
     void all_reduce_now(T* grads, std::size_t n);
+    // The units' sums of squares of this rank's pieces, summed over the ranks where the pieces
+    // are shards (on the compute stream; nothing where every rank measured whole units).
+    void combine_unit_sums(double* unit_sq);
     // After the update: every rank's updated shard to every rank (ZeRO-1/2), or the gathered
     // units marked stale and the next forward's first unit prefetched (ZeRO-3).
     void share_updated_params();

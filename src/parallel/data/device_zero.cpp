@@ -9,6 +9,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <utility>
 
 #include "core/error.h"
 #include "kernels/cuda/ops.h"
@@ -18,7 +19,7 @@ namespace memtrain::dist {
 template <typename T>
 DeviceZeroUnits<T>::DeviceZeroUnits(const ParamLayout& layout, int stage, DeviceCommunicator& comm,
                                     std::size_t shard, cudaStream_t compute,
-                                    cudaStream_t comm_stream)
+                                    cudaStream_t comm_stream, PieceDone in_backward)
     : layout_(layout),
       stage_(stage),
       rank_(comm.rank()),
@@ -27,7 +28,8 @@ DeviceZeroUnits<T>::DeviceZeroUnits(const ParamLayout& layout, int stage, Device
       shard_(shard),
       compute_(compute),
       comm_stream_(comm_stream),
-      type_(device_type<T>()) {
+      type_(device_type<T>()),
+      in_backward_(std::move(in_backward)) {
     if (stage_ < 2 || stage_ > 3) fail("internal: DeviceZeroUnits is for ZeRO stages 2 and 3");
     const auto shards = equal_shard_ranges((int64_t)layout_.total, world_, (int64_t)shard_);
     for (const ParamUnit& unit : layout_.units)
@@ -40,8 +42,10 @@ DeviceZeroUnits<T>::DeviceZeroUnits(const ParamLayout& layout, int stage, Device
         param_shard_ = DeviceBuffer<T>(shard_, MemCategory::Parameters);
         MT_CUDA_CHECK(cudaMemsetAsync(param_shard_.data(), 0, param_shard_.bytes(), compute_));
     }
-    grad_shard_ = DeviceBuffer<T>(shard_, MemCategory::Gradients);
-    MT_CUDA_CHECK(cudaMemsetAsync(grad_shard_.data(), 0, grad_shard_.bytes(), compute_));
+    if (!in_backward_) {
+        grad_shard_ = DeviceBuffer<T>(shard_, MemCategory::Gradients);
+        MT_CUDA_CHECK(cudaMemsetAsync(grad_shard_.data(), 0, grad_shard_.bytes(), compute_));
+    }
     // Buckets (and stage 3's slots): the embedding's, the head's, and two for the blocks.
     const std::size_t emb = layout_.units.front().size(), head = layout_.units.back().size();
     std::size_t block = 0;
@@ -176,20 +180,31 @@ template <typename T>
 void DeviceZeroUnits<T>::grads_done(int u) {
     Slot* s = active_bucket(u);
     if (!s) fail("internal: ZeRO-2 gradients of unit {} done without a bucket", u);
+    const UnitPieces& pc = pieces_[u];
+    if (in_backward_) {
+        // The step inside the backward: reduced and used at once, on the compute stream.
+        comm_.reduce_pieces(s->buf.data(), pc.offsets, pc.counts, type_, compute_);
+        in_backward_(u, s->buf.data() + pc.offsets[rank_],
+                     layout_.units[u].begin + (std::size_t)pc.offsets[rank_],
+                     (std::size_t)pc.counts[rank_]);
+        MT_CUDA_CHECK(cudaEventRecord(s->free, compute_));
+        s->active = false;
+        return;
+    }
     MT_CUDA_CHECK(cudaEventRecord(s->ready, compute_));
     MT_CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, s->ready, 0));
-    const UnitPieces& p = pieces_[u];
-    comm_.reduce_pieces(s->buf.data(), p.offsets, p.counts, type_, comm_stream_);
-    if (p.counts[rank_] > 0)
-        cuda::add_inplace<T>(grad_shard_.data() + shard_index(u), s->buf.data() + p.offsets[rank_],
-                             p.counts[rank_], comm_stream_);
+    comm_.reduce_pieces(s->buf.data(), pc.offsets, pc.counts, type_, comm_stream_);
+    if (pc.counts[rank_] > 0)
+        cuda::add_inplace<T>(grad_shard_.data() + shard_index(u), s->buf.data() + pc.offsets[rank_],
+                             pc.counts[rank_], comm_stream_);
     MT_CUDA_CHECK(cudaEventRecord(s->free, comm_stream_));
     s->active = false;
 }
 
 template <typename T>
 void DeviceZeroUnits<T>::zero_grads() {
-    MT_CUDA_CHECK(cudaMemsetAsync(grad_shard_.data(), 0, grad_shard_.bytes(), compute_));
+    if (grad_shard_.size())
+        MT_CUDA_CHECK(cudaMemsetAsync(grad_shard_.data(), 0, grad_shard_.bytes(), compute_));
 }
 
 template <typename T>

@@ -25,6 +25,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -38,9 +39,15 @@ namespace memtrain::dist {
 template <typename T>
 class DeviceZeroUnits final : public DeviceUnitStore<T> {
   public:
+    // optim.step_in_backward with one micro-batch per step: no gradient shard; when the backward
+    // finishes unit u, its bucket is reduced to the pieces' owners on the compute stream and this
+    // rank's reduced piece, `piece` = [lo, lo + n) of the flat buffer, is handed over (to be
+    // measured and updated) before the bucket is reused.
+    using PieceDone = std::function<void(int u, T* piece, std::size_t lo, std::size_t n)>;
     // `shard` = S; `compute` is the model's stream, `comm_stream` the one collectives run on.
     DeviceZeroUnits(const ParamLayout& layout, int stage, DeviceCommunicator& comm,
-                    std::size_t shard, cudaStream_t compute, cudaStream_t comm_stream);
+                    std::size_t shard, cudaStream_t compute, cudaStream_t comm_stream,
+                    PieceDone in_backward = nullptr);
     ~DeviceZeroUnits() override;
     DeviceZeroUnits(const DeviceZeroUnits&) = delete;
     DeviceZeroUnits& operator=(const DeviceZeroUnits&) = delete;
@@ -53,9 +60,10 @@ class DeviceZeroUnits final : public DeviceUnitStore<T> {
 
     // Stage 2: the whole parameters (N S elements, the padding zero); stage 3: null.
     T* whole_params() { return whole_.data(); }
-    // This rank's S parameters (stage 2: inside the whole buffer) and summed gradients.
+    // This rank's S parameters (stage 2: inside the whole buffer) and summed gradients (null
+    // with the step inside the backward).
     T* param_shard();
-    T* grad_shard() { return grad_shard_.data(); }
+    T* grad_shard() { return grad_shard_.size() ? grad_shard_.data() : nullptr; }
     // Queued on the compute stream: the gradient shard becomes zero (the start of a step).
     void zero_grads();
     // The parameter shard changed (the update, loaded weights): gathered units are stale, and
@@ -105,6 +113,7 @@ class DeviceZeroUnits final : public DeviceUnitStore<T> {
                (std::size_t)rank_ * shard_;
     }
     DeviceBuffer<T> whole_, param_shard_, grad_shard_;
+    PieceDone in_backward_;
     Slots grad_, param_;  // gradient buckets; gathered parameters (stage 3)
     cudaEvent_t changed_ = nullptr, joined_ = nullptr;
     int64_t clock_ = 0, gathers_ = 0, demand_gathers_ = 0;
