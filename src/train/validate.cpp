@@ -350,10 +350,6 @@ void validate_optimizer_layout(const RunConfig& cfg) {
         // the CUDA engine's whole model (one GPU, DDP).
         const auto refuse = refuser("optim.step_in_backward = true");
         if (cfg.train.device == "cuda") {
-            if (cfg.lora.enabled())
-                refuse("train.device = \"cuda\" and lora.rank",
-                       "the GPU steps the whole model inside the backward so far (LoRA's "
-                       "adapters do on the CPU engine)");
             if (cfg.train.zero_stage == 1)
                 refuse("train.device = \"cuda\" and train.zero_stage = 1",
                        "the GPU's ZeRO-1 reduce-scatters the gradients after the backward; "

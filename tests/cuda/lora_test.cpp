@@ -215,6 +215,38 @@ TEST(CudaLora, AdafactorAndMuonTrackTheCpuLoraEngine) {
     }
 }
 
+// optim.step_in_backward with LoRA on the GPU: the adapters' gradients are one small buffer
+// (0.3% of the base here), so the update runs after the backward, bitwise the two-phase step;
+// clipping by the previous step's norm still clips each step with the last one's norm, which
+// tracks the CPU LoRA engine (whose adapters do step inside the backward).
+TEST(CudaLora, StepInBackwardKeepsTheTwoPhaseStepAndItsClipping) {
+    REQUIRE_GPU();
+    RunConfig c = lora_run(test::temp_dir("lora_sib_two"), 6, "cuda", "fp32");
+    c.train.micro_batch_size = c.train.batch_size;
+    Trainer two(c, quiet());
+    const TrainSummary s_two = two.run();
+    RunConfig sib = c;
+    sib.optim.step_in_backward = true;
+    sib.io.out_dir = test::temp_dir("lora_sib_in") + "/out";
+    Trainer in(sib, quiet());
+    const TrainSummary s_in = in.run();
+    EXPECT_EQ(s_in.losses, s_two.losses);
+    EXPECT_EQ(s_in.val_losses, s_two.val_losses);
+    RunConfig lag = sib;
+    lag.optim.step_in_backward_clip = "previous-norm";
+    lag.optim.grad_clip = 0.05;  // binds on every step
+    lag.io.out_dir = test::temp_dir("lora_sib_lag") + "/out";
+    const TrainSummary s_lag = Trainer(lag, quiet()).run();
+    EXPECT_NE(s_lag.losses, s_two.losses);
+    RunConfig cpu = lag;
+    cpu.train.device = "cpu";
+    cpu.io.out_dir = test::temp_dir("lora_sib_cpu") + "/out";
+    const TrainSummary s_cpu = Trainer(cpu, quiet()).run();
+    ASSERT_EQ(s_cpu.losses.size(), s_lag.losses.size());
+    for (std::size_t i = 0; i < s_cpu.losses.size(); i++)
+        EXPECT_NEAR(s_lag.losses[i], s_cpu.losses[i], 2e-4 * std::fabs(s_cpu.losses[i])) << i;
+}
+
 TEST(CudaLora, Bf16TracksFp32AndResumesBitwise) {
     REQUIRE_GPU();
     auto d32 = test::temp_dir("lora_gpu_fp32"), d16 = test::temp_dir("lora_gpu_bf16"),
