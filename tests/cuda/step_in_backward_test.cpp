@@ -129,10 +129,11 @@ TEST(CudaStepInBackward, EqualsTheTwoPhaseStepBitwiseInItsPredictedBytes) {
     RunConfig untied = wide_run("untied", steps, "bf16");
     untied.model.tied_embeddings = false;
     equals_the_two_phase_step(untied, "untied embeddings: one bucket");
-    // fp16: the overflow skip reads the norm pass (the first steps overflow at the initial
-    // scale and are skipped alike).
+    // fp16: the overflow skip reads the norm pass (the first steps overflow at an initial scale
+    // of 2^24 and are skipped alike, the scale halving each time).
     RunConfig half = wide_run("fp16", 10, "fp16");
     half.optim.grad_clip = 0.0;
+    half.optim.loss_scale = 16777216.0;
     EXPECT_GT(equals_the_two_phase_step(half, "fp16 without clipping").summary.steps_skipped, 0)
         << "the first steps overflow at the initial loss scale";
     // With accumulation the gradient buffer exists anyway: the step runs after the backward.
