@@ -151,6 +151,13 @@ MemoryPrediction optimizer_row(const ParamLayout& layout, std::size_t begin, std
             master + moments + tables};
 }
 
+// The adapters' optimizer: one part (their gradients are one small buffer, updated after the
+// backward even under optim.step_in_backward).
+OptimConfig adapter_optim(OptimConfig optim) {
+    optim.step_in_backward = false;
+    return optim;
+}
+
 }  // namespace
 
 std::size_t device_step_bytes(int accum_steps, std::size_t units) {
@@ -278,7 +285,7 @@ std::vector<MemoryPrediction> predict_cuda_lora_memory(const RunPlan& plan, cons
         {MemCategory::Parameters, fmt::format("{} + adapters {} x {}", base_text, e, n),
          base + e * n},
         {MemCategory::Gradients, fmt::format("adapters only: {} x {} ({})", e, n, tn), e * n},
-        optimizer_row(lora.params, 0, n, "adapters", eb, cfg.optim),
+        optimizer_row(lora.params, 0, n, "adapters", eb, adapter_optim(cfg.optim)),
         {MemCategory::Activations,
          fmt::format("activation_layout(B, T, remat={}, {})", cfg.train.remat, tn),
          arena_bytes(lay, MemCategory::Activations)},

@@ -228,8 +228,15 @@ TEST(CudaLora, StepInBackwardKeepsTheTwoPhaseStepAndItsClipping) {
     RunConfig sib = c;
     sib.optim.step_in_backward = true;
     sib.io.out_dir = test::temp_dir("lora_sib_in") + "/out";
+    const MemoryStats before = device_memory().snapshot();
     Trainer in(sib, quiet());
     const TrainSummary s_in = in.run();
+    const std::size_t grew = device_memory().snapshot()[MemCategory::OptimizerState] -
+                             before[MemCategory::OptimizerState];
+    for (const auto& row : in.engine().predicted_memory(sib.micro_batch(), sib.train.seq_len))
+        if (row.category == MemCategory::OptimizerState) {
+            EXPECT_EQ(grew, row.bytes) << row.formula;
+        }
     EXPECT_EQ(s_in.losses, s_two.losses);
     EXPECT_EQ(s_in.val_losses, s_two.val_losses);
     RunConfig lag = sib;
