@@ -131,12 +131,18 @@ HeadParams head_view(const ParamLayout& layout, float* base) {
             unit_tensor(layout, u, base, "lm_head.weight")};
 }
 
-std::size_t step_in_backward_grad_floats(const ParamLayout& layout, bool tied_embeddings) {
+std::size_t largest_other_unit_floats(const ParamLayout& layout, bool tied_embeddings) {
     const std::size_t E = (std::size_t)ParamLayout::embedding_unit();
     std::size_t most = 0;
     for (std::size_t u = 0; u < layout.units.size(); u++)
         if (!tied_embeddings || u != E) most = std::max(most, layout.units[u].size());
-    return tied_embeddings ? layout.units[E].size() + most : most;
+    return most;
+}
+
+std::size_t step_in_backward_grad_floats(const ParamLayout& layout, bool tied_embeddings) {
+    const std::size_t most = largest_other_unit_floats(layout, tied_embeddings);
+    return tied_embeddings ? layout.units[(std::size_t)ParamLayout::embedding_unit()].size() + most
+                           : most;
 }
 
 std::size_t decoded_unit_floats(const ParamLayout& layout, bool tied_embeddings) {

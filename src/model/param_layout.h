@@ -113,6 +113,9 @@ HeadParams head_view(const ParamLayout& layout, float* unit_base);
 // parallel/data/zero_store.h): one unit at a time, except that with tied embeddings the head's
 // backward opens the embedding's, which stays open to the end.
 std::size_t step_in_backward_grad_floats(const ParamLayout& layout, bool tied_embeddings);
+// Its second term: the largest unit, not counting the embedding's when `tied_embeddings` (whose
+// gradient then has a bucket of its own).
+std::size_t largest_other_unit_floats(const ParamLayout& layout, bool tied_embeddings);
 // The most parameter floats a model's step holds decoded at once when each unit is decoded from
 // its storage at acquire and freed at release (optim.master = "none"): the head's unit with the
 // tied embedding's (the classifier reads wte while the head is held), else the largest unit.

@@ -289,6 +289,20 @@ void DeviceOptimizer<T>::to_device(Part& p, const MomentBuffer& b, const Stores&
 }
 
 template <typename T>
+void DeviceOptimizer<T>::adafactor_floats(Part& p, float* d) {
+    // As the CPU's Adafactor lays it for checkpoints: each tensor's floats hold its state (rows
+    // then columns, or the whole moment) from its start, then zeros.
+    std::vector<float> packed((std::size_t)p.af.state);
+    if (!packed.empty())
+        MT_CUDA_CHECK(cudaMemcpyAsync(packed.data(), p.af_state.data(), p.af_state.bytes(),
+                                      cudaMemcpyDeviceToHost, stream_));
+    wait_("queued device work");
+    std::fill(d, d + p.n, 0.0f);
+    for (const cuda::AdafactorTensor& t : p.af.tensors)
+        std::copy_n(packed.data() + t.state, t.state_floats(), d + t.begin);
+}
+
+template <typename T>
 void DeviceOptimizer<T>::read_state(const std::string& name, float* dst) {
     if (kind_ == Kind::Adafactor && name != "variance")
         fail("internal: Adafactor has no state tensor '{}'", name);
@@ -296,16 +310,7 @@ void DeviceOptimizer<T>::read_state(const std::string& name, float* dst) {
     for (Part& p : parts_) {
         float* d = dst + (p.offset - offset_);
         if (kind_ == Kind::Adafactor) {
-            // As the CPU's Adafactor lays it for checkpoints: each tensor's floats hold its state
-            // (rows then columns, or the whole moment) from its start, then zeros.
-            std::vector<float> packed((std::size_t)p.af.state);
-            if (!packed.empty())
-                MT_CUDA_CHECK(cudaMemcpyAsync(packed.data(), p.af_state.data(), p.af_state.bytes(),
-                                              cudaMemcpyDeviceToHost, stream_));
-            wait_("queued device work");
-            std::fill(d, d + p.n, 0.0f);
-            for (const cuda::AdafactorTensor& t : p.af.tensors)
-                std::copy_n(packed.data() + t.state, t.state_floats(), d + t.begin);
+            adafactor_floats(p, d);
             continue;
         }
         const MomentSet& m = p.*st.set;
@@ -336,14 +341,9 @@ void DeviceOptimizer<T>::write_state(const std::string& name, std::size_t begin,
         if (kind_ == Kind::Adafactor) {
             // The part's floats, the write over them, packed again.
             std::vector<float> all(p.n);
-            std::vector<float> packed((std::size_t)p.af.state);
-            if (!packed.empty())
-                MT_CUDA_CHECK(cudaMemcpyAsync(packed.data(), p.af_state.data(), p.af_state.bytes(),
-                                              cudaMemcpyDeviceToHost, stream_));
-            wait_("queued device work");
-            for (const cuda::AdafactorTensor& t : p.af.tensors)
-                std::copy_n(packed.data() + t.state, t.state_floats(), all.data() + t.begin);
+            adafactor_floats(p, all.data());
             std::copy(src + (lo - begin), src + (hi - begin), all.data() + (lo - rel));
+            std::vector<float> packed((std::size_t)p.af.state);
             for (const cuda::AdafactorTensor& t : p.af.tensors)
                 std::copy_n(all.data() + t.begin, t.state_floats(), packed.data() + t.state);
             if (!packed.empty())

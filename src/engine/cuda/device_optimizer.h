@@ -141,6 +141,8 @@ class DeviceOptimizer final : public OptimizerState {
     MomentBuffer to_host(Part& p, const Stores& st);
     void to_device(Part& p, const MomentBuffer& b, const Stores& st);
     static cuda::AdafactorStores adafactor_stores(Part& p);
+    // Adafactor: part p's state as the part's n floats (checkpoints' layout) at `d`.
+    void adafactor_floats(Part& p, float* d);
     void muon_step(Part& p, T* params, const T* grads, const cuda::StepScalars* s,
                    cudaStream_t stream);
     enum class Kind { AdamW, Sgd, Adafactor, Muon };

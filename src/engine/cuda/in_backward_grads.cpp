@@ -6,8 +6,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <algorithm>
-
 #include "core/error.h"
 
 namespace memtrain {
@@ -16,12 +14,10 @@ template <typename T>
 InBackwardGrads<T>::InBackwardGrads(const ParamLayout& layout, bool tied_embeddings,
                                     cudaStream_t stream, UnitDone done)
     : layout_(layout), tied_(tied_embeddings), stream_(stream), done_(std::move(done)) {
+    // The sizes step_in_backward_grad_floats prices.
     const int E = ParamLayout::embedding_unit();
-    std::size_t most = 0;
-    for (int u = 0; u < (int)layout_.units.size(); u++)
-        if (!tied_ || u != E) most = std::max(most, layout_.units[u].size());
     if (tied_) embedding_.buf = DeviceBuffer<T>(layout_.units[E].size(), MemCategory::Gradients);
-    other_.buf = DeviceBuffer<T>(most, MemCategory::Gradients);
+    other_.buf = DeviceBuffer<T>(largest_other_unit_floats(layout_, tied_), MemCategory::Gradients);
 }
 
 template <typename T>

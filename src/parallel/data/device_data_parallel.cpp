@@ -102,28 +102,23 @@ T* DeviceDataParallel<T>::step_grads() {
 
 template <typename T>
 void DeviceDataParallel<T>::reduce_gradients(double* sum_sq, double* unit_sq) {
-    // ZeRO-1: every rank gets its shard of the summed gradients (ZeRO-2/3 have it already);
-    // the norm is the sum of the shards' squares.
+    // ZeRO-1: every rank gets its shard of the summed gradients (ZeRO-2/3 have it already).
     if (sharded(spec_.optimizer) && !sharded(spec_.grads))
         dcomm_->reduce_scatter_sum(model_->grads(), model_->grads() + first_, (int64_t)shard_,
                                    device_type<T>(), compute_);
-    if (unit_sq) {
-        const std::size_t units = layout_.units.size();
-        for (std::size_t u = 0; u < units; u++) {
-            const auto [lo, n] = piece(layout_.units[u]);
-            if (n > 0)
-                cuda::sum_squares<T>(unit_sq + u, grad_shard() + (lo - first_), (int64_t)n,
-                                     compute_);
-            else
-                MT_CUDA_CHECK(cudaMemsetAsync(unit_sq + u, 0, sizeof(double), compute_));
-        }
-        combine_unit_sums(unit_sq);
-        cuda::sum_doubles_to_device(sum_sq, unit_sq, (int64_t)units, compute_);
-        return;
+    // The norm per unit (this rank's piece of it), the pieces' sums combined over the ranks,
+    // then over the units in order: the step inside the backward sums it the same way.
+    if (!unit_sq) fail("internal: the whole model's gradient norm without room for unit sums");
+    const std::size_t units = layout_.units.size();
+    for (std::size_t u = 0; u < units; u++) {
+        const auto [lo, n] = piece(layout_.units[u]);
+        if (n > 0)
+            cuda::sum_squares<T>(unit_sq + u, grad_shard() + (lo - first_), (int64_t)n, compute_);
+        else
+            MT_CUDA_CHECK(cudaMemsetAsync(unit_sq + u, 0, sizeof(double), compute_));
     }
-    cuda::sum_squares<T>(sum_sq, grad_shard(), (int64_t)count_, compute_);
-    if (sharded(spec_.optimizer))
-        dcomm_->all_reduce_sum(sum_sq, 1, dist::DeviceType::F64, compute_);
+    combine_unit_sums(unit_sq);
+    cuda::sum_doubles_to_device(sum_sq, unit_sq, (int64_t)units, compute_);
 }
 
 template <typename T>

@@ -91,11 +91,10 @@ class DeviceDataParallel {
     // rank's sharded ones once their reductions are joined).
     T* step_grads();
     // This rank's shard of the summed gradients (ZeRO-1's reduce-scatter), and in `sum_sq` the
-    // sum of squares of all of them (the shards' partial sums all-reduced). With `unit_sq` (room
-    // for a double per unit) the sum is taken per unit (this rank's piece of it, the pieces'
-    // sums combined over the ranks), then over the units in order, as the step inside the
-    // backward takes it.
-    void reduce_gradients(double* sum_sq, double* unit_sq = nullptr);
+    // sum of squares of all of them, taken per unit into `unit_sq` (room for a double per unit:
+    // this rank's piece of each unit, the pieces' sums combined over the ranks), then over the
+    // units in order, as the step inside the backward takes it.
+    void reduce_gradients(double* sum_sq, double* unit_sq);
     // optim.step_in_backward: one unit's gradient of this micro-batch, `grads` (n values), summed
     // over the ranks in place on the compute stream (nothing on one GPU), as DDP's all-reduce of
     // that unit would sum it.
