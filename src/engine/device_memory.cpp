@@ -86,7 +86,8 @@ std::string states_remedy(const RunConfig& cfg, EngineKind kind, bool packed_bas
 // stores, cuda::moment_layout), plus the table of where each chunk's moments are and, for int8
 // and int4, the two 256-entry decode tables.
 MemoryPrediction optimizer_row(const ParamLayout& layout, std::size_t begin, std::size_t n,
-                               const std::string& what, int elem_bytes, const OptimConfig& optim) {
+                               const std::string& what, int elem_bytes, const OptimConfig& optim,
+                               bool shard = false) {
     const bool adamw = optim.name == "adamw";
     const bool has_master = device_master(elem_bytes, optim);
     // The fp32 master beside the state (its bytes, and its part of the formula).
@@ -113,8 +114,10 @@ MemoryPrediction optimizer_row(const ParamLayout& layout, std::size_t begin, std
     const StateFormat f = parse_state_format(optim.state_format);
     if (optim.name == "muon") {
         std::size_t moments = 0, tables = 0, shared = 0, matrices = 0;
+        // A ZeRO shard's scratch receives every matrix the shards cut: the layout's largest.
+        if (shard) shared = cuda::muon_layout(layout, begin, 0, f, true).shared_bytes(f);
         for (const cuda::OptimizerPart& p : parts) {
-            const cuda::MuonLayout m = cuda::muon_layout(layout, p.offset, p.n, f);
+            const cuda::MuonLayout m = cuda::muon_layout(layout, p.offset, p.n, f, shard);
             moments += 2 * MomentBuffer::predicted_bytes(f, layout, p.offset, p.n, m.rest) +
                        MomentBuffer::predicted_bytes(f, layout, p.offset, p.n, m.matrix);
             tables += m.chunk_table_bytes();
@@ -244,11 +247,11 @@ std::vector<MemoryPrediction> predict_cuda_memory(const RunConfig& cfg, const Re
                                fmt::format("{} x params{} ({})", e, stage >= 2 ? per_rank : "", tn),
                                e * (stage >= 2 ? shard : padded)},
         // ZeRO-1: this rank's shard of the optimizer state.
-        offload
-            ? MemoryPrediction{MemCategory::OptimizerState,
-                               "none on the device (train.offload_optimizer: see below)", 0}
-            : optimizer_row(layout, begin, count,
-                            fmt::format("params{}", stage >= 1 ? per_rank : ""), (int)e, cfg.optim),
+        offload ? MemoryPrediction{MemCategory::OptimizerState,
+                                   "none on the device (train.offload_optimizer: see below)", 0}
+                : optimizer_row(layout, begin, count,
+                                fmt::format("params{}", stage >= 1 ? per_rank : ""), (int)e,
+                                cfg.optim, stage >= 1 && world > 1),
         {MemCategory::Activations,
          fmt::format("activation_layout(B, T, remat={}, {})", cfg.train.remat, tn),
          arena_bytes(lay, MemCategory::Activations)},

@@ -108,7 +108,7 @@ QuantMap quant_map(StateFormat format, bool is_signed) {
 }
 
 MuonLayout muon_layout(const ParamLayout& layout, std::size_t offset, std::size_t count,
-                       StateFormat format) {
+                       StateFormat format, bool shard) {
     MuonLayout m;
     m.matrix = muon_matrices(layout);
     const std::vector<char>& matrix = m.matrix;
@@ -121,11 +121,24 @@ MuonLayout muon_layout(const ParamLayout& layout, std::size_t offset, std::size_
     std::size_t c = 0;  // the next chunk of the momentum
     for (std::size_t i = 0; i < layout.tensors.size(); i++) {
         const ParamSpec& t = layout.tensors[i];
-        if (!matrix[i] ||
-            !whole_in_range(t, offset, count, "\"muon\" orthogonalizes whole matrices"))
+        if (!matrix[i]) continue;
+        const std::size_t lo = std::max(t.offset, offset);
+        const std::size_t hi = std::min(t.offset + t.numel, offset + count);
+        if (shard) {
+            if (lo >= hi) continue;
+            if (t.sliced())
+                fail(
+                    "optim.name = \"muon\" on the GPU: a ZeRO shard of {}, a tensor-parallel "
+                    "slice",
+                    t.name);
+        } else if (!whole_in_range(t, offset, count, "\"muon\" orthogonalizes whole matrices")) {
             continue;
+        }
         MuonMatrix x{};
-        x.begin = (int64_t)(t.offset - offset);
+        x.begin = (int64_t)t.offset - (int64_t)offset;
+        x.tensor = (int32_t)i;
+        x.piece = (int64_t)(lo - t.offset);
+        x.count = (int64_t)(hi - lo);
         x.rows = (int32_t)t.shape[0];
         x.cols = (int32_t)t.shape[1];
         x.decay = t.decay ? 1 : 0;
@@ -143,12 +156,19 @@ MuonLayout muon_layout(const ParamLayout& layout, std::size_t offset, std::size_
         } else {
             x.blocks = x.n;
         }
-        const std::size_t r = (std::size_t)std::min(x.rows, x.cols);
-        m.max_numel = std::max(m.max_numel, t.numel);
-        m.max_gram = std::max(m.max_gram, r * r);
         m.matrices.push_back(x);
     }
     if (c != mo.chunks.size()) fail("internal: momentum chunks outside the block matrices");
+    // The scratch: the range's matrices, or under a shard every matrix of the layout.
+    for (std::size_t i = 0; i < layout.tensors.size(); i++) {
+        const ParamSpec& t = layout.tensors[i];
+        const bool in_range = std::any_of(m.matrices.begin(), m.matrices.end(),
+                                          [&](const MuonMatrix& x) { return x.tensor == (int)i; });
+        if (!matrix[i] || !(shard || in_range)) continue;
+        const std::size_t r = (std::size_t)std::min(t.shape[0], t.shape[1]);
+        m.max_numel = std::max(m.max_numel, t.numel);
+        m.max_gram = std::max(m.max_gram, r * r);
+    }
     return m;
 }
 

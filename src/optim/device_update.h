@@ -48,17 +48,24 @@ MomentLayout moment_layout(const ParamLayout& layout, std::size_t offset, std::s
                            StateFormat format, int max_n = 1 << 16,
                            const std::vector<char>& only = {});
 
-// Muon on the GPU: the block matrices of [offset, offset + count) (muon_matrices), each whole in
-// the range (a range that cuts one fails, naming it), with their momentum's layout cut per matrix:
-// matrix k's chunks are chunks[first, first + n) of `momentum`, and its CUDA blocks start at grid
-// block `block0` (an int8 / int4 momentum's grid is rebased per matrix, so that each matrix's
-// update is a launch of its own). `max_numel` and `max_gram` size the Newton-Schulz scratch (the
-// matrix twice, its Gram matrix twice).
+// Muon on the GPU: the block matrices of [offset, offset + count) (muon_matrices), with their
+// momentum's layout cut per matrix: matrix k's chunks are chunks[first, first + n) of
+// `momentum`, and its CUDA blocks start at grid block `block0` (an int8 / int4 momentum's grid is
+// rebased per matrix, so that each matrix's update is a launch of its own). Each matrix lies
+// whole in the range (a range that cuts one fails, naming it), except where the range is a ZeRO
+// shard (`shard`): a matrix its edge cuts is listed too, with the piece the range holds, and is
+// gathered whole from its holders before its Newton-Schulz (dist::DeviceShardGather).
+// `max_numel` and `max_gram` size the Newton-Schulz scratch (the matrix twice, its Gram matrix
+// twice): the range's largest matrix, or for a shard the layout's largest, since every rank
+// receives each matrix the shards cut.
 struct MuonMatrix {
-    int64_t begin;  // its first float in the range
+    int64_t begin;  // its first float in the range (negative: it starts before a shard)
     int32_t rows, cols, decay;
-    int32_t first, n;  // its chunks in momentum.chunks
-    int64_t blocks;    // its CUDA blocks
+    int32_t first, n;      // its chunks in momentum.chunks
+    int64_t blocks;        // its CUDA blocks
+    int32_t tensor;        // its index in the layout
+    int64_t piece, count;  // the floats the range holds: [piece, piece + count) of the matrix
+    bool cut() const { return count != (int64_t)rows * cols; }
 };
 struct MuonLayout {
     std::vector<MuonMatrix> matrices;
@@ -75,7 +82,7 @@ struct MuonLayout {
     std::size_t shared_bytes(StateFormat format) const;
 };
 MuonLayout muon_layout(const ParamLayout& layout, std::size_t offset, std::size_t count,
-                       StateFormat format);
+                       StateFormat format, bool shard = false);
 // The decode tables the kernels read for `format` (MomentStores::table_m, then table_v):
 // decode_code's 256 values of the signed map, then the unsigned map's; empty for fp32 and bf16.
 std::vector<float> decode_tables(StateFormat format);

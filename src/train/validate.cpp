@@ -316,16 +316,22 @@ void validate_optimizer_layout(const RunConfig& cfg) {
                                  : "its row and column factors and its RMS need each tensor whole";
         const bool cuda = cfg.train.device == "cuda";
         // On the GPU each rank's optimizer steps the tensors of its range whole (one GPU, DDP,
-        // pipeline stages, LoRA's adapters); a ZeRO shard's edges would cut them.
-        if (cuda && (cfg.train.zero_stage > 0 || cfg.train.offload_optimizer) && cfg.dp() > 1)
-            refuse(fmt::format("train.device = \"cuda\" and {} over {}",
-                               cfg.train.offload_optimizer
-                                   ? std::string("train.offload_optimizer = true")
-                                   : fmt::format("train.zero_stage = {}", cfg.train.zero_stage),
-                               dp_ranks(cfg)),
-                   "the GPU steps only tensors its range holds whole, and ZeRO's shards cut "
-                   "them (set train.zero_stage = 0 for DDP, or use train.device = \"cpu\", whose "
-                   "shards gather them)");
+        // pipeline stages, LoRA's adapters); Muon's ZeRO shards gather the matrices their edges
+        // cut (dist::DeviceShardGather). Adafactor's cut tensors and ZeRO-Offload's host
+        // shards are not built.
+        if (cuda && (cfg.train.offload_optimizer || (!muon && cfg.train.zero_stage > 0)) &&
+            cfg.dp() > 1)
+            refuse(
+                fmt::format("train.device = \"cuda\" and {} over {}",
+                            cfg.train.offload_optimizer
+                                ? std::string("train.offload_optimizer = true")
+                                : fmt::format("train.zero_stage = {}", cfg.train.zero_stage),
+                            dp_ranks(cfg)),
+                fmt::format("the GPU steps only tensors its range holds whole, and {} cut "
+                            "them (set train.zero_stage = 0 for DDP, or use train.device = "
+                            "\"cpu\", whose shards gather them{})",
+                            cfg.train.offload_optimizer ? "the offloaded shards" : "ZeRO's shards",
+                            muon ? "" : "; or optim.name = \"muon\", whose GPU shards do"));
         if (cuda && cfg.train.offload_optimizer && cfg.optim.master == "none")
             refuse("train.offload_optimizer = true and optim.master = \"none\"",
                    "the offloaded bf16 update steps the weights in pieces that cut tensors");
@@ -393,8 +399,10 @@ void validate_optimizer_layout(const RunConfig& cfg) {
                                cfg.train.precision),
                    "on the GPU the bf16 parameters are the weights (set train.precision = "
                    "\"bf16\")");
+        // (The GPU's Muon gathers the matrices its shards cut and rounds each holder's piece
+        // by its global indices.)
         if (cfg.train.zero_stage > 0 && cfg.world > 1 &&
-            (cfg.optim.name == "muon" || cfg.optim.name == "adafactor"))
+            ((cfg.optim.name == "muon" && !cuda) || cfg.optim.name == "adafactor"))
             refuse(fmt::format("train.zero_stage = {} and optim.name = \"{}\"",
                                cfg.train.zero_stage, cfg.optim.name),
                    "its tensors stepped whole would be cut by the shards the bf16 update rounds "

@@ -47,7 +47,8 @@ void DeviceOptimizer<T>::MomentSet::allocate(const cuda::MomentLayout& lay, int 
 template <typename T>
 DeviceOptimizer<T>::DeviceOptimizer(const OptimConfig& cfg, const ParamLayout& layout,
                                     std::size_t offset, std::size_t n, cudaStream_t stream,
-                                    Wait wait, uint64_t train_seed, bool by_unit)
+                                    Wait wait, uint64_t train_seed, bool by_unit,
+                                    dist::DeviceShardGather* shards)
     : kind_(cfg.name == "adafactor" ? Kind::Adafactor
             : cfg.name == "sgd"     ? Kind::Sgd
             : cfg.name == "muon"    ? Kind::Muon
@@ -57,7 +58,8 @@ DeviceOptimizer<T>::DeviceOptimizer(const OptimConfig& cfg, const ParamLayout& l
       offset_(offset),
       n_(n),
       stream_(stream),
-      wait_(std::move(wait)) {
+      wait_(std::move(wait)),
+      shards_(shards) {
     if (cfg.name != "adamw" && cfg.name != "sgd" && cfg.name != "adafactor" && cfg.name != "muon")
         fail("internal: optim.name = \"{}\" has no step on the GPU", cfg.name);
     if (cfg.master == "none") {
@@ -75,6 +77,12 @@ DeviceOptimizer<T>::DeviceOptimizer(const OptimConfig& cfg, const ParamLayout& l
         allocate(p);
         max_numel = std::max(max_numel, p.muon.max_numel);
         max_gram = std::max(max_gram, p.muon.max_gram);
+    }
+    if (kind_ == Kind::Muon && shards_) {
+        // Every rank receives each matrix the shards cut, with or without a part of its own.
+        const cuda::MuonLayout all = cuda::muon_layout(layout, offset, 0, format_, true);
+        max_numel = std::max(max_numel, all.max_numel);
+        max_gram = std::max(max_gram, all.max_gram);
     }
     if (kind_ == Kind::Muon) {
         if (max_numel) {
@@ -111,7 +119,7 @@ void DeviceOptimizer<T>::allocate(Part& p) {
         return;
     }
     if (kind_ == Kind::Muon) {
-        p.muon = cuda::muon_layout(layout_, p.offset, p.n, format_);
+        p.muon = cuda::muon_layout(layout_, p.offset, p.n, format_, shards_ != nullptr);
         p.moments.only = p.muon.rest;
         p.momentum.only = p.muon.matrix;
         p.moments.allocate(p.muon.adam, 2);
@@ -168,20 +176,40 @@ cuda::AdafactorStores DeviceOptimizer<T>::adafactor_stores(Part& p) {
 template <typename T>
 void DeviceOptimizer<T>::step(T* params, const T* grads, const cuda::StepScalars* scalars,
                               cudaStream_t stream) {
-    for (Part& p : parts_) step_part(p, params, grads + (p.offset - offset_), scalars, stream);
+    for (std::size_t k = 0; k < parts_.size(); k++) {
+        // Under shards, the first part joins the gathers of the cut matrices before the range,
+        // the last those after it.
+        const std::size_t lo = k == 0 ? 0 : parts_[k].offset;
+        const std::size_t hi =
+            k + 1 == parts_.size() ? layout_.total : parts_[k].offset + parts_[k].n;
+        step_part(&parts_[k], lo, hi, params, grads + (parts_[k].offset - offset_), scalars,
+                  stream);
+    }
 }
 
 template <typename T>
-void DeviceOptimizer<T>::step_unit(std::size_t begin, std::size_t n, T* params, const T* grads,
-                                   const cuda::StepScalars* scalars, cudaStream_t stream) {
+void DeviceOptimizer<T>::step_unit(int u, std::size_t begin, std::size_t n, T* params,
+                                   const T* grads, const cuda::StepScalars* scalars,
+                                   cudaStream_t stream) {
+    const ParamUnit& unit = layout_.units.at((std::size_t)u);
+    Part* part = nullptr;
     for (Part& p : parts_)
-        if (p.offset == begin && p.n == n) return step_part(p, params, grads, scalars, stream);
-    fail("internal: the device optimizer has no part [{}, {})", begin, begin + n);
+        if (n > 0 && p.offset == begin && p.n == n) part = &p;
+    if (n > 0 && !part)
+        fail("internal: the device optimizer has no part [{}, {})", begin, begin + n);
+    step_part(part, unit.begin, unit.end, params, grads, scalars, stream);
 }
 
 template <typename T>
-void DeviceOptimizer<T>::step_part(Part& p, T* params, const T* grads,
-                                   const cuda::StepScalars* scalars, cudaStream_t stream) {
+void DeviceOptimizer<T>::step_part(Part* part, std::size_t lo, std::size_t hi, T* params,
+                                   const T* grads, const cuda::StepScalars* scalars,
+                                   cudaStream_t stream) {
+    if (!part) {  // only the gathers this rank takes part in
+        if (kind_ == Kind::Muon)
+            muon_step(nullptr, lo, hi, params, nullptr, grads, scalars, stream, round_);
+        return;
+    }
+    Part& p = *part;
     // The part's own view: its parameters, master weights and rounding draws (by flat index).
     const std::size_t rel = p.offset - offset_;
     params += rel;
@@ -199,20 +227,44 @@ void DeviceOptimizer<T>::step_part(Part& p, T* params, const T* grads,
     // AdamW, or Muon's AdamW over the tensors that are not block matrices.
     cuda::adamw_step<T>(params, master, moment_stores(p.moments), grads, chunks, nchunks, scalars,
                         stream, round);
-    if (kind_ == Kind::Muon) {
-        // Each matrix in turn through the same scratch: the momentum and its Nesterov direction,
-        // the orthogonalization, the update.
-        for (const cuda::MuonMatrix& m : p.muon.matrices) {
-            cuda::muon_momentum<T>(ns_x_.data(), m.begin,
-                                   moment_stores(p.momentum, (std::size_t)m.first, m.blocks), grads,
-                                   p.momentum.chunks.data() + m.first, m.n, scalars, stream);
+    if (kind_ == Kind::Muon) muon_step(&p, lo, hi, params, master, grads, scalars, stream, round);
+}
+
+template <typename T>
+void DeviceOptimizer<T>::muon_step(Part* p, std::size_t lo, std::size_t hi, T* params,
+                                   float* master, const T* grads, const cuda::StepScalars* scalars,
+                                   cudaStream_t stream, const cuda::ParamRounding& round) {
+    // The cut matrices this rank holds none of: gathered (received into the scratch and
+    // dropped) in their place among the part's matrices, so every rank gathers in layout order.
+    std::vector<const dist::DeviceShardGather::Cut*> others;
+    if (shards_)
+        for (const dist::DeviceShardGather::Cut* c : shards_->cuts_in(lo, hi))
+            if (!c->mine) others.push_back(c);
+    std::size_t next = 0;
+    auto gather_others_before = [&](std::size_t tensor) {
+        for (; next < others.size() && others[next]->tensor < tensor; next++)
+            shards_->gather(*others[next], ns_x_.data(), stream);
+    };
+    // Each matrix in turn through the same scratch: the momentum and its Nesterov direction (a
+    // cut matrix's piece at its place, then the matrix gathered), the orthogonalization, the
+    // update of the floats the range holds.
+    if (p)
+        for (const cuda::MuonMatrix& m : p->muon.matrices) {
+            gather_others_before((std::size_t)m.tensor);
+            cuda::muon_momentum<T>(
+                ns_x_.data(), m.begin, moment_stores(p->momentum, (std::size_t)m.first, m.blocks),
+                grads, p->momentum.chunks.data() + m.first, m.n, scalars, stream);
+            if (m.cut()) {
+                if (!shards_) fail("internal: a cut Muon matrix without the shards' gather");
+                shards_->gather(shards_->cut_of((std::size_t)m.tensor), ns_x_.data(), stream);
+            }
             const float* o =
                 cuda::newton_schulz5(ns_x_.data(), ns_y_.data(), ns_a_.data(), ns_b_.data(),
                                      ns_sumsq_.data(), m.rows, m.cols, scalars, stream);
-            cuda::muon_apply<T>(params, master, o, m.begin, m.rows, m.cols, m.decay, scalars,
-                                stream, round);
+            cuda::muon_apply<T>(params, master, o + m.piece, m.begin + m.piece, m.count, m.rows,
+                                m.cols, m.decay, scalars, stream, round);
         }
-    }
+    gather_others_before(layout_.tensors.size());
 }
 
 template <typename T>

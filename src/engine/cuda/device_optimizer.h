@@ -35,6 +35,7 @@
 #include "optim/device_update.h"
 #include "optim/optim_config.h"
 #include "optim/optimizer.h"
+#include "parallel/data/device_shard_gather.h"
 
 namespace memtrain {
 
@@ -47,10 +48,12 @@ class DeviceOptimizer final : public OptimizerState {
     // queued on `stream` and waited for with `wait`. `train_seed` seeds the stochastic rounding of
     // optim.master = "none" (T must be bf16 then). `by_unit` (optim.step_in_backward): the range
     // is laid out in one part per parameter unit (cuda::optimizer_parts), so step_unit updates a
-    // unit alone; the state and every update are bitwise the same as in one part.
+    // unit alone; the state and every update are bitwise the same as in one part. `shards`
+    // (Muon under GPU ZeRO 1-3: the range is this rank's shard): the block matrices the shards
+    // cut are gathered whole for their Newton-Schulz, each holder updating its piece.
     DeviceOptimizer(const OptimConfig& cfg, const ParamLayout& layout, std::size_t offset,
                     std::size_t n, cudaStream_t stream, Wait wait, uint64_t train_seed = 0,
-                    bool by_unit = false);
+                    bool by_unit = false, dist::DeviceShardGather* shards = nullptr);
     DeviceOptimizer(const DeviceOptimizer&) = delete;
     DeviceOptimizer& operator=(const DeviceOptimizer&) = delete;
     // The fp32 master weights of the range, or null when T is float (the parameters are the
@@ -69,10 +72,12 @@ class DeviceOptimizer final : public OptimizerState {
     // One update of the range: params (T) from grads (T) scaled by the device scalars'
     // grad_scale; nothing when they say skip.
     void step(T* params, const T* grads, const cuda::StepScalars* scalars, cudaStream_t stream);
-    // The same for the floats [begin, begin + n) of one part (built by_unit: a parameter unit's
-    // piece of the range): `params` is the range's, `grads` the part's own (its first float at
-    // begin), as the step inside the backward holds them.
-    void step_unit(std::size_t begin, std::size_t n, T* params, const T* grads,
+    // The same for parameter unit u, whose floats [begin, begin + n) are one part (built
+    // by_unit: the unit's piece of the range; n = 0 where the range holds none of it):
+    // `params` is the range's, `grads` the part's own (its first float at begin), as the step
+    // inside the backward holds them. Every rank calls it for every unit, in the same order
+    // (under `shards`, the gathers of the unit's cut matrices are collectives).
+    void step_unit(int u, std::size_t begin, std::size_t n, T* params, const T* grads,
                    const cuda::StepScalars* scalars, cudaStream_t stream);
     std::string describe() const;  // "fp32 master, Adam m, v"
 
@@ -123,8 +128,10 @@ class DeviceOptimizer final : public OptimizerState {
         DeviceBuffer<double> af_sums;
     };
     void allocate(Part& p);
-    void step_part(Part& p, T* params, const T* grads, const cuda::StepScalars* s,
-                   cudaStream_t stream);
+    // Part p (null: none here) of the update, and under `shards` the gathers of every matrix
+    // the shards cut whose floats start in [lo, hi) of the layout, in layout order.
+    void step_part(Part* p, std::size_t lo, std::size_t hi, T* params, const T* grads,
+                   const cuda::StepScalars* s, cudaStream_t stream);
     // A moment's device stores: which set of each part holds it, and whether its codes are
     // signed.
     struct Stores {
@@ -143,8 +150,12 @@ class DeviceOptimizer final : public OptimizerState {
     static cuda::AdafactorStores adafactor_stores(Part& p);
     // Adafactor: part p's state as the part's n floats (checkpoints' layout) at `d`.
     void adafactor_floats(Part& p, float* d);
-    void muon_step(Part& p, T* params, const T* grads, const cuda::StepScalars* s,
-                   cudaStream_t stream);
+    // Muon's block matrices of part p (null: none) in layout order, with the gathers of the cut
+    // matrices starting in [lo, hi) that this rank holds none of in their places (`params`,
+    // `master` and `round` the part's).
+    void muon_step(Part* p, std::size_t lo, std::size_t hi, T* params, float* master,
+                   const T* grads, const cuda::StepScalars* s, cudaStream_t stream,
+                   const cuda::ParamRounding& round);
     enum class Kind { AdamW, Sgd, Adafactor, Muon };
     Kind kind_ = Kind::AdamW;
     cuda::ParamRounding round_;  // optim.master = "none": stochastic
@@ -160,6 +171,7 @@ class DeviceOptimizer final : public OptimizerState {
     // Muon's Newton-Schulz scratch, shared by the parts (two matrices, two Gram matrices, a norm).
     DeviceBuffer<float> ns_x_, ns_y_, ns_a_, ns_b_;
     DeviceBuffer<double> ns_sumsq_;
+    dist::DeviceShardGather* shards_ = nullptr;
 };
 
 // Weight I/O of parameters that are their own weights (optim.master = "none", or fp32): n values

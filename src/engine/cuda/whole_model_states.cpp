@@ -138,10 +138,14 @@ WholeModelStates<T>::WholeModelStates(const RunPlan& plan, dist::Communicator& c
                                                stream_, stream_grads, plan_.cfg.train.seed);
         offload_->attach(*model_);
     } else {
+        if (plan_.cfg.optim.name == "muon" && dp_.master_sharded() && dp_.device_comm() &&
+            dp_.world() > 1)
+            shard_gather_ = std::make_unique<dist::DeviceShardGather>(
+                layout(), dp_.shards(), muon_matrices(layout()), *dp_.device_comm());
         opt_ = std::make_unique<DeviceOptimizer<T>>(
             plan_.cfg.optim, layout(), dp_.first(), dp_.count(), stream_,
             [this](const char* what) { wait(what); }, plan_.cfg.train.seed,
-            plan_.cfg.optim.step_in_backward);
+            plan_.cfg.optim.step_in_backward, shard_gather_.get());
     }
 }
 
@@ -159,12 +163,12 @@ void WholeModelStates<T>::unit_done(int u, T* grads, std::size_t lo, std::size_t
     // As the two-phase step sees it: DDP's all-reduce of the unit (ZeRO-2/3 reduced the piece
     // already), the piece's sum of squares (combined over the ranks at disarm).
     if (!dp_.master_sharded()) dp_.all_reduce_now(grads, n);
-    if (n == 0) {
+    if (n == 0)
         MT_CUDA_CHECK(cudaMemsetAsync(unit_sq_ + u, 0, sizeof(double), stream_));
-        return;
-    }
-    cuda::sum_squares<T>(unit_sq_ + u, grads, (int64_t)n, stream_);
-    if (update_) opt_->step_unit(lo, n, dp_.param_shard(), grads, update_, stream_);
+    else
+        cuda::sum_squares<T>(unit_sq_ + u, grads, (int64_t)n, stream_);
+    // (Every rank, for every unit: Muon under ZeRO gathers the unit's cut matrices.)
+    if (update_) opt_->step_unit(u, lo, n, dp_.param_shard(), grads, update_, stream_);
 }
 
 template <typename T>

@@ -74,16 +74,18 @@ float* newton_schulz5(float* x, float* y, float* ga, float* gb, double* sumsq, i
 }
 
 template <typename T>
-void muon_apply(T* params, float* master, const float* o, int64_t begin, int rows, int cols,
-                int decays, const StepScalars* s, cudaStream_t stream, const ParamRounding& round) {
+void muon_apply(T* params, float* master, const float* o, int64_t begin, int64_t n, int rows,
+                int cols, int decays, const StepScalars* s, cudaStream_t stream,
+                const ParamRounding& round) {
     check_step("muon_apply", params, master, params, o, 1, s, round);
-    const int64_t n = (int64_t)rows * cols;
+    if (n < 1 || n > (int64_t)rows * cols)
+        fail("cuda::muon_apply: {} floats of a {} x {} matrix", n, rows, cols);
     MT_LAUNCH(muon_apply_kernel<T>, elementwise_blocks(n, kThreads), kThreads, 0, stream, params,
               master, o, begin, n, rows, cols, decays, s, round);
 }
 
-#define MT_INSTANTIATE(T)                                                         \
-    template void muon_apply<T>(T*, float*, const float*, int64_t, int, int, int, \
+#define MT_INSTANTIATE(T)                                                                  \
+    template void muon_apply<T>(T*, float*, const float*, int64_t, int64_t, int, int, int, \
                                 const StepScalars*, cudaStream_t, const ParamRounding&);
 MT_INSTANTIATE(float)
 MT_INSTANTIATE(__nv_bfloat16)

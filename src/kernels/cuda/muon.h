@@ -23,12 +23,13 @@ namespace memtrain::cuda {
 float* newton_schulz5(float* x, float* y, float* ga, float* gb, double* sumsq, int rows, int cols,
                       const StepScalars* s, cudaStream_t stream = 0);
 
-// W = W (1 - lr_muon wd) - lr_muon sqrt(max(1, cols / rows)) o over one matrix (its rows x cols
-// floats at `begin` of the range; `decays`: its weight-decay flag), o the orthogonalized update;
-// into the fp32 master and params as adamw_step stores them (`round`); nothing when s->skip.
+// W = W (1 - lr_muon wd) - lr_muon sqrt(max(1, cols / rows)) o over n floats of one rows x cols
+// matrix (all of it, or the piece a ZeRO shard holds) at `begin` of the range (`decays`: its
+// weight-decay flag), o the orthogonalized update of those n floats; into the fp32 master and
+// params as adamw_step stores them (`round`); nothing when s->skip.
 template <typename T>
-void muon_apply(T* params, float* master, const float* o, int64_t begin, int rows, int cols,
-                int decays, const StepScalars* s, cudaStream_t stream = 0,
+void muon_apply(T* params, float* master, const float* o, int64_t begin, int64_t n, int rows,
+                int cols, int decays, const StepScalars* s, cudaStream_t stream = 0,
                 const ParamRounding& round = {});
 
 }  // namespace memtrain::cuda

@@ -53,6 +53,9 @@ class DeviceDataParallel {
     // Each rank holds its shard of the optimizer state and of the fp32 master weights.
     bool master_sharded() const { return dist::sharded(spec_.optimizer); }
     bool collective() const { return dcomm_ != nullptr; }  // NCCL between the ranks
+    dist::DeviceCommunicator* device_comm() { return dcomm_.get(); }
+    // Every rank's range [rank S, (rank + 1) S) of the flat buffer, clipped to Ψ.
+    const std::vector<dist::ShardRange>& shards() const { return shards_; }
     int rank() const { return rank_; }
     int world() const { return world_; }
     // The model's flat buffers hold world x S elements (NCCL shards are equal: S is
