@@ -1,6 +1,7 @@
 // `memtrain estimate`, `memtrain plan`, `memtrain scale`: parse flags, call planner/, print.
 // estimate: per-GPU memory table (and step time) of one layout; plan: ranked layouts with
 // reasons for the rejected ones; scale: compute-optimal size and the time it takes.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -369,8 +370,9 @@ void solve_block_plan(const std::string& policy, const ModelSpec& m, RunSpec& r)
 
 // `plan --device cpu`: the CPU engine's run of the model on `ranks` processes of this host, made
 // to fit the host by levers tried in a fixed order, each kept once taken: ZeRO stages, remat
-// policies, a smaller micro-batch (accumulation keeps the global batch), compressed moments,
-// bf16 weights. Every step is printed with its bytes, so the choice says why.
+// policies and compressed saved activations, a smaller micro-batch (accumulation keeps the
+// global batch), compressed moments, bf16 weights. Every step is printed with its bytes, so the
+// choice says why.
 struct CpuPlanArgs {
     std::string model, emit;
     int ranks = 1, global_batch = 0, seq = 0;
@@ -417,27 +419,40 @@ int run_cpu_plan(const CpuPlanArgs& a) {
         if (s.fits) chosen = cfg;
     };
     attempt("as configured", [](RunConfig&) {});
+    const std::string source_format = cfg.train.cpu_activations;
     if (a.ranks > 1) {
         attempt("ZeRO-1",
                 [](RunConfig& c) { c.train.zero_stage = std::max(c.train.zero_stage, 1); });
         attempt("ZeRO-2",
                 [](RunConfig& c) { c.train.zero_stage = std::max(c.train.zero_stage, 2); });
     }
-    for (const char* policy : {"selective", "sqrt", "full"})
+    attempt("train.remat = selective", [](RunConfig& c) { c.train.remat = "selective"; });
+    // Compression before recompute: every saved field stored block-scaled in int8 (bf16 first
+    // where they are fp32) costs a rounding pass and no flops (docs/checkpointing.md: on the
+    // demo 1.2x the bf16 step for 0.67x its bytes, the loss unchanged to 4 digits), where `full`
+    // re-runs every block's forward.
+    if (cpu_saved_activations(cfg.train, cfg.train.precision) == SavedStore::fp32)
+        attempt("train.cpu_activations = bf16 (saved fields)",
+                [](RunConfig& c) { c.train.cpu_activations = "bf16"; });
+    attempt("train.cpu_activations = int8 (saved fields)",
+            [](RunConfig& c) { c.train.cpu_activations = "int8"; });
+    for (const char* policy : {"sqrt", "full"})
         attempt(fmt::format("train.remat = {}", policy),
                 [&](RunConfig& c) { c.train.remat = policy; });
     attempt("train.cpu_attention = lse (no attention probabilities)",
             [](RunConfig& c) { c.train.cpu_attention = "lse"; });
     // The norms and the MLP over row tiles: a recomputed block then holds a tile of their fields
     // (docs/checkpointing.md), free or cheaper under full. The tile: the largest power of two up
-    // to 256 rows and a quarter of the micro-batch's.
+    // to 256 rows and a quarter of the micro-batch's, raised to the rows a tile of int8 fields
+    // must be a multiple of (a power of two too) while it stays below the micro-batch's rows.
     {
         const int64_t rows = (int64_t)cfg.train.micro_batch_size * cfg.train.seq_len;
-        int tile = 1;
+        int64_t tile = 1;
         while (tile * 2 <= 256 && tile * 2 <= rows / 4) tile *= 2;
-        if (rows >= 4)
+        tile = std::max(tile, mlp_tile_multiple(cfg));
+        if (rows >= 4 && tile < rows)
             attempt(fmt::format("train.mlp_tile = {} (norms and MLP in row tiles)", tile),
-                    [tile](RunConfig& c) { c.train.mlp_tile = tile; });
+                    [tile](RunConfig& c) { c.train.mlp_tile = (int)tile; });
     }
     while (!chosen && cfg.train.micro_batch_size > 1) {
         const int half = cfg.train.micro_batch_size / 2;
@@ -487,6 +502,28 @@ int run_cpu_plan(const CpuPlanArgs& a) {
         }
     }
 
+    // The compression was taken before recompute; where the chosen run fits with the source's
+    // format as well and recomputes no more (a later lever, `full` above all, keeps only block
+    // inputs, which no format compresses), the lossless format comes back: the same fit and
+    // recompute, without the rounding pass. (Under a budget the compression may be what spares
+    // recompute: it stays.)
+    if (chosen && chosen->train.cpu_activations != source_format) {
+        RunConfig back = *chosen;
+        back.train.cpu_activations = source_format;
+        try {
+            validate_config(back);
+            const HostNeed need = host_need(back);
+            if ((double)need.sum <= host && plan_host_rank(back, 0).remat.recompute_flops <=
+                                                plan_host_rank(*chosen, 0).remat.recompute_flops) {
+                steps.push_back(
+                    {fmt::format("train.cpu_activations = {} again (fits without)", source_format),
+                     "", need, true});
+                chosen = back;
+            }
+        } catch (const Error&) {  // keeps the compressed run
+        }
+    }
+
     if (a.json) {
         nlohmann::json j;
         j["model"] = m.name;
@@ -523,8 +560,11 @@ int run_cpu_plan(const CpuPlanArgs& a) {
         }
         if (chosen) {
             const RunPlan p = plan_host_rank(*chosen, 0);
-            std::printf("\nchosen: step %zu, the first that fits; rank 0 of it:\n%s",
-                        steps.size() - 1, p.table().c_str());
+            const bool undone = steps.size() > 1 && steps[steps.size() - 2].fits;
+            std::printf(
+                "\nchosen: step %zu, %s; rank 0 of it:\n%s", steps.size() - 1,
+                undone ? "the first that fits with its compression undone" : "the first that fits",
+                p.table().c_str());
         } else {
             std::size_t least = 0;
             for (const Step& st : steps)

@@ -300,6 +300,19 @@ void check_batch_split(const RunConfig& cfg) {
 
 }  // namespace
 
+int64_t mlp_tile_multiple(const RunConfig& cfg) {
+    if (cfg.train.device != "cpu" ||
+        cpu_saved_activations(cfg.train, cfg.train.precision) != SavedStore::int8)
+        return 1;
+    const int64_t block = (int64_t)cpu::kInt8Block;
+    const int64_t tp = std::max(1, cfg.train.tp);  // a shard's widths of the MLP
+    int64_t multiple = 1;
+    for (const int64_t width :
+         {(int64_t)cfg.model.n_embd, cfg.model.fc_dim() / tp, cfg.model.mlp_hidden() / tp})
+        multiple = std::lcm(multiple, block / std::gcd(block, width));
+    return multiple;
+}
+
 // Muon, optim.step_in_backward and optim.state_format other than fp32: what is built (for the
 // formats: the CPU engine's whole-model and LoRA optimizers under DDP and ZeRO 0-3, and pipeline
 // stages) and, by name, what is not yet.
@@ -582,20 +595,15 @@ void validate_config(const RunConfig& cfg) {
                    "its split backward keeps the MLP's output gradients for whole micro-batches");
         // int8 saved fields: a tile's values are stored and read a block of 256 at a time, so
         // every tile but the last must end on the field's block grid.
-        if (cfg.train.device == "cpu" &&
-            cpu_saved_activations(cfg.train, cfg.train.precision) == SavedStore::int8) {
-            const int64_t block = (int64_t)cpu::kInt8Block;
-            const int64_t tp = std::max(1, cfg.train.tp);  // a shard's widths of the MLP
-            for (const int64_t width :
-                 {(int64_t)cfg.model.n_embd, cfg.model.fc_dim() / tp, cfg.model.mlp_hidden() / tp})
-                if ((int64_t)cfg.train.mlp_tile * width % block != 0)
-                    fail(
-                        "train.mlp_tile = {} with train.cpu_activations = \"int8\": a tile of "
-                        "{} rows x {} values is not a whole number of the {}-value int8 blocks "
-                        "(use a multiple of {} rows)",
-                        cfg.train.mlp_tile, cfg.train.mlp_tile, width, block,
-                        block / std::gcd(block, width));
-        }
+        const int64_t multiple = mlp_tile_multiple(cfg);
+        if (cfg.train.mlp_tile % multiple != 0)
+            fail(
+                "train.mlp_tile = {} with train.cpu_activations = \"int8\": a tile of {} rows is "
+                "not a whole number of the {}-value int8 blocks of each tiled width ({}, {} and "
+                "{} values a row; use a multiple of {} rows)",
+                cfg.train.mlp_tile, cfg.train.mlp_tile, cpu::kInt8Block, cfg.model.n_embd,
+                cfg.model.fc_dim() / std::max(1, cfg.train.tp),
+                cfg.model.mlp_hidden() / std::max(1, cfg.train.tp), multiple);
     }
     if (cfg.train.cpu_activations != "auto" && cfg.train.cpu_activations != "fp32" &&
         cfg.train.cpu_activations != "bf16" && cfg.train.cpu_activations != "int8")

@@ -26,6 +26,9 @@ void resolve_config(RunConfig& cfg);
 // Whether the CPU engine at `precision` stores its saved activations in bf16
 // (train.cpu_activations: "auto" follows the precision).
 SavedStore cpu_saved_activations(const TrainConfig& train, const std::string& precision);
+// The row multiple of train.mlp_tile: under int8 saved fields on the CPU every tile but the last
+// must end on the 256-value block grid of each tiled width; 1 otherwise.
+int64_t mlp_tile_multiple(const RunConfig& cfg);
 // The CPU model's bf16 flags (ModelConfig::cpu_bf16, saved_activations) from cfg.train's device,
 // precision and cpu_activations, as resolve_config sets them; both false off the CPU.
 void set_cpu_bf16(RunConfig& cfg);

@@ -301,9 +301,8 @@ TEST(Trainer, TiledMlpTrainsBelowTheUntiledFloor) {
             c.train.cpu_activations = "int8";
             c.train.mlp_tile = 6;
         },
-        "train.mlp_tile = 6 with train.cpu_activations = \"int8\": a tile of 6 "
-        "rows x 16 values is not a whole number of the 256-value int8 blocks (use a multiple of "
-        "16 rows)");
+        "train.mlp_tile = 6 with train.cpu_activations = \"int8\": a tile of 6 rows is not a "
+        "whole number of the 256-value int8 blocks of each tiled width (16, ");
 }
 
 TEST(Trainer, SgdRunsAndResumes) {
