@@ -68,7 +68,21 @@ CudaGPT<T>::CudaGPT(const ModelConfig& cfg, cudaStream_t stream, std::size_t pad
 
 template <typename T>
 void CudaGPT<T>::make_walk() {
-    walk_ = make_unit_walk(layout_, cfg_.n_layer, cfg_.tied_embeddings, b0_, b1_, stage_plan());
+    const RematPlan stage = stage_plan();
+    walk_ = make_unit_walk(layout_, cfg_.n_layer, cfg_.tied_embeddings, b0_, b1_, stage);
+    // The rebuilds of dropped block inputs, each within blocks [b0_, b1_) (a pipeline stage's
+    // first input arrives from the stage before and stays), indexed by model block.
+    rebuild_ = stage.empty() ? InputRebuild{} : input_rebuild(stage);
+    if (stage.empty() || b0_ == 0) return;
+    auto by_model_block = [&](const std::vector<int>& local, bool is_block) {
+        std::vector<int> out((std::size_t)cfg_.n_layer, -1);
+        for (std::size_t j = 0; j < local.size(); j++)
+            out[(std::size_t)b0_ + j] = is_block && local[j] >= 0 ? local[j] + b0_ : local[j];
+        return out;
+    };
+    rebuild_.from = by_model_block(rebuild_.from, true);
+    rebuild_.slot = by_model_block(rebuild_.slot, false);
+    rebuild_.holder = by_model_block(rebuild_.holder, true);
 }
 
 template <typename T>
@@ -92,11 +106,7 @@ template <typename T>
 void CudaGPT<T>::set_remat(const RematPlan& plan) {
     if (!plan.empty() && plan.size() != (std::size_t)cfg_.n_layer)
         fail("remat plan has {} entries but model.n_layer is {}", plan.size(), cfg_.n_layer);
-    const InputRebuild rebuild = input_rebuild(plan);
-    if (rebuild.any && staged_)
-        fail(
-            "internal: a GPU pipeline stage does not rebuild block inputs (memory-poor, chen:K, "
-            "revolve:S)");
+    input_rebuild(plan);  // (a plan no block can rebuild from fails)
     if (staged_)
         for (BlockKeep k : plan)
             if (k == BlockKeep::Offload)
@@ -104,7 +114,6 @@ void CudaGPT<T>::set_remat(const RematPlan& plan) {
                     "train.remat = offload is not built for a pipeline stage on the GPU: choose "
                     "none, selective, full or a budget without +offload");
     plan_ = plan;
-    rebuild_ = rebuild;
     make_walk();
     arena_B_ = arena_T_ = 0;  // re-carved at the next forward
 }

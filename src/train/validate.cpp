@@ -533,13 +533,9 @@ void validate_config(const RunConfig& cfg) {
     if (remat_policy.rebuilds_inputs()) {
         // The CPU engine: one process, DDP, ZeRO 0-3, a parameter server's workers, tensor
         // parallelism and pipelines (each chunk of blocks rebuilds within itself), with LoRA and
-        // dropout. The GPU engine: the whole model (one GPU, DDP, ZeRO 1-3, LoRA), not its
-        // pipeline stages.
+        // dropout. The GPU engine: the whole model (one GPU, DDP, ZeRO 1-3, LoRA) and its
+        // pipeline stages (each stage rebuilding within itself).
         const auto refuse = refuser(fmt::format("train.remat = {}", cfg.train.remat));
-        if (cfg.train.device == "cuda" && cfg.train.pp > 1)
-            refuse(fmt::format("train.device = \"cuda\" and train.pp = {}", cfg.train.pp),
-                   "a GPU pipeline stage does not rebuild block inputs (use full, or "
-                   "budget:BYTES)");
         if (cfg.train.pp > 1 && cfg.train.pp_schedule == "zb-h1")
             refuse("train.pp_schedule = \"zb-h1\"",
                    "its split backward recomputes for the weight halves from kept block inputs "

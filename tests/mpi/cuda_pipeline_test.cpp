@@ -9,6 +9,7 @@
 // engine's prediction, and checkpoints move between a pipeline and one process.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -152,6 +153,45 @@ TEST(CudaPp, TiedLlamaWithClippingAndRemat) {
     c.optim.grad_clip = 1.0;
     c.train.remat = "selective";
     check_pipeline(c, false, 2e-5);
+}
+
+// Policies that drop block inputs (memory-poor, chen:2) on GPU stages: each stage rebuilds
+// within its own blocks from the input the stage before sent (train/plan.cpp solves them per
+// stage), with the forward's kernels, in every micro-batch's own arena slot. The pipeline trains
+// the one-GPU model to the recompute's rounding (the fused GEMM + GELU epilogue against the
+// kernel the rebuild's blocks rewrite with, as for the whole model), each stage's rows are its
+// prediction, its plan drops inputs, and with four blocks a stage or more memory-poor's
+// activations are fewer than `full`'s (its first input, the last output and two temporaries
+// against every input).
+TEST(CudaPp, StagesRebuildDroppedBlockInputsWithinThemselves) {
+    REQUIRE_GPU_PP();
+    for (const char* policy : {"memory-poor", "chen:2"}) {
+        SCOPED_TRACE(policy);
+        RunConfig c = pp_run(std::string("cuda_pp_rebuild_") + policy[0], "fp32", "1f1b");
+        c.model.n_layer = 8;  // 8, 4 or 2-3 blocks a stage at 1, 2 or 3 ranks
+        c.train.remat = policy;
+        check_pipeline(c, false, 2e-5);
+        auto activations = [&](const std::string& remat, bool* drops) {
+            RunConfig r = c;
+            r.train.remat = remat;
+            r.io.out_dir += "_" + remat.substr(0, 4);
+            const RunPlan plan = test::plan_of(r, comm());
+            const RematPlan& p = plan.remat.plan;
+            *drops = std::any_of(p.begin(), p.end(), rebuilds_input);
+            for (const MemoryPrediction& m : plan.memory)
+                if (m.category == MemCategory::Activations) return m.bytes;
+            ADD_FAILURE() << "no activation row";
+            return std::size_t{0};
+        };
+        bool drops = false, full_drops = false;
+        const std::size_t dropped = activations(policy, &drops),
+                          full = activations("full", &full_drops);
+        EXPECT_TRUE(drops) << "the stages' plan drops no input";
+        EXPECT_FALSE(full_drops);
+        if (comm().size() <= 2 && std::string(policy) == "memory-poor") {
+            EXPECT_LT(dropped, full);
+        }
+    }
 }
 
 // optim.master = "none": each stage keeps its bf16 parameters only and rounds its updates with
