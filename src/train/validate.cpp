@@ -412,14 +412,9 @@ void validate_optimizer_layout(const RunConfig& cfg) {
                                cfg.train.precision),
                    "on the GPU the bf16 parameters are the weights (set train.precision = "
                    "\"bf16\")");
-        // (The GPU's Muon gathers the matrices its shards cut and rounds each holder's piece
-        // by its global indices.)
-        if (cfg.train.zero_stage > 0 && cfg.world > 1 &&
-            ((cfg.optim.name == "muon" && !cuda) || cfg.optim.name == "adafactor"))
-            refuse(fmt::format("train.zero_stage = {} and optim.name = \"{}\"",
-                               cfg.train.zero_stage, cfg.optim.name),
-                   "its tensors stepped whole would be cut by the shards the bf16 update rounds "
-                   "(use train.zero_stage = 0)");
+        // (Muon and Adafactor under ZeRO: the bf16 update hands the optimizer each cut tensor's
+        // piece whole, and the optimizer completes it from its holders, dist::ShardTensorGather
+        // on the CPU, dist::DeviceShardGather for the GPU's Muon.)
         if (cfg.train.tp > 1 && cuda)
             refuse(fmt::format("train.tp = {} and train.device = \"cuda\"", cfg.train.tp),
                    "the GPU's tensor-parallel shards keep fp32 master weights (the CPU engine's "

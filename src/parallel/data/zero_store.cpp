@@ -424,10 +424,14 @@ void ZeroStore::apply_update(const UnitUpdate& update, float* g, std::size_t at,
                                               std::size_t x) { return w.second <= x; });
         std::size_t hi = std::min(end, (lo / kRoundChunk + 1) * kRoundChunk);
         if (next != whole_.end() && next->first <= lo) {
-            if (next->first != lo || next->second > end)
+            // The tensor's piece in this rank's range: all of it, or what a shard's edge leaves
+            // (the optimizer completes the tensor from its holders, dist::ShardTensorGather).
+            const std::size_t first = std::max(next->first, base);
+            const std::size_t last = std::min(next->second, base + (std::size_t)owned_.count);
+            if (first != lo || last > end)
                 fail("internal: a bf16 update of [{}, {}) cuts a tensor stepped whole", base + at,
                      end);
-            hi = next->second;
+            hi = last;
         } else if (next != whole_.end()) {
             hi = std::min(hi, next->first);
         }
