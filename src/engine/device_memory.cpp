@@ -9,6 +9,8 @@
 #include "core/error.h"
 #include "model/lora.h"
 #include "optim/device_update.h"
+#include "optim/optimizer.h"
+#include "parallel/data/tensor_gather.h"
 #include "parallel/pipeline/stage_split.h"
 #include "quant/quantized_store.h"
 #include "remat/policy.h"
@@ -87,7 +89,9 @@ std::string states_remedy(const RunConfig& cfg, EngineKind kind, bool packed_bas
 // and int4, the two 256-entry decode tables.
 MemoryPrediction optimizer_row(const ParamLayout& layout, std::size_t begin, std::size_t n,
                                const std::string& what, int elem_bytes, const OptimConfig& optim,
-                               bool shard = false) {
+                               const std::vector<dist::ShardRange>* shards = nullptr,
+                               int rank = 0) {
+    const bool shard = shards != nullptr;
     const bool adamw = optim.name == "adamw";
     const bool has_master = device_master(elem_bytes, optim);
     // The fp32 master beside the state (its bytes, and its part of the formula).
@@ -102,14 +106,34 @@ MemoryPrediction optimizer_row(const ParamLayout& layout, std::size_t begin, std
     if (optim.name == "adafactor") {
         std::size_t state = 0, tables = 0;
         for (const cuda::OptimizerPart& p : parts) {
-            const cuda::AdafactorLayout a = cuda::adafactor_layout(layout, p.offset, p.n);
+            const cuda::AdafactorLayout a = cuda::adafactor_layout(layout, p.offset, p.n, shard);
             state += 4 * (std::size_t)a.state;
             tables += a.table_bytes();
         }
+        // Under ZeRO: each cut tensor this rank holds, its whole state and tables, and the
+        // scratch every rank gathers the largest cut tensor into (gradients and weights in the
+        // parameters' type, the fp32 master or state).
+        std::size_t largest = 0, held = 0;
+        if (shard)
+            for (const dist::TensorCut& c :
+                 dist::cut_tensors(layout, *shards, whole_step_tensors(optim, layout))) {
+                const ParamSpec& t = layout.tensors[c.tensor];
+                largest = std::max(largest, t.numel);
+                if (!c.holds(rank)) continue;
+                const cuda::AdafactorLayout a = cuda::adafactor_layout(layout, t.offset, t.numel);
+                state += 4 * (std::size_t)a.state;
+                tables += a.table_bytes();
+                held++;
+            }
+        const std::size_t scratch = largest * (2 * (std::size_t)elem_bytes + 4);
         return {MemCategory::OptimizerState,
-                fmt::format("{}Adafactor factors {} B + tables and row sums {} B{}", master_part,
-                            state, tables, in_parts),
-                master + state + tables};
+                fmt::format("{}Adafactor factors {} B + tables and row sums {} B{}{}", master_part,
+                            state, tables, in_parts,
+                            largest ? fmt::format(" + cut tensors' gather scratch {} B ({} held "
+                                                  "whole here)",
+                                                  scratch, held)
+                                    : ""),
+                master + state + tables + scratch};
     }
     const StateFormat f = parse_state_format(optim.state_format);
     if (optim.name == "muon") {
@@ -251,7 +275,7 @@ std::vector<MemoryPrediction> predict_cuda_memory(const RunConfig& cfg, const Re
                                    "none on the device (train.offload_optimizer: see below)", 0}
                 : optimizer_row(layout, begin, count,
                                 fmt::format("params{}", stage >= 1 ? per_rank : ""), (int)e,
-                                cfg.optim, stage >= 1 && world > 1),
+                                cfg.optim, stage >= 1 && world > 1 ? &shards : nullptr, where.rank),
         {MemCategory::Activations,
          fmt::format("activation_layout(B, T, remat={}, {})", cfg.train.remat, tn),
          arena_bytes(lay, MemCategory::Activations)},

@@ -189,13 +189,18 @@ std::vector<OptimizerPart> optimizer_parts(const ParamLayout& layout, std::size_
     return out;
 }
 
-AdafactorLayout adafactor_layout(const ParamLayout& layout, std::size_t offset, std::size_t count) {
+AdafactorLayout adafactor_layout(const ParamLayout& layout, std::size_t offset, std::size_t count,
+                                 bool shard) {
     if (offset > layout.total || count > layout.total - offset)
         fail("internal: Adafactor range [{}, {}) outside the {} parameters", offset, offset + count,
              layout.total);
     AdafactorLayout a;
     for (const ParamSpec& t : layout.tensors) {
-        if (!whole_in_range(t, offset, count, "\"adafactor\" steps whole tensors")) continue;
+        // (A shard leaves a tensor its edge cuts to the gathered step of the whole tensor.)
+        const bool whole = t.offset >= offset && t.offset + t.numel <= offset + count;
+        if (shard ? !whole || t.numel == 0
+                  : !whole_in_range(t, offset, count, "\"adafactor\" steps whole tensors"))
+            continue;
         AdafactorTensor e{};
         const bool factored = adafactor_factors(t);
         e.begin = (int64_t)(t.offset - offset);

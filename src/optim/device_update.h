@@ -93,7 +93,9 @@ QuantMap quant_map(StateFormat format, bool is_signed);
 // Adafactor's tables over [offset, offset + count) of `layout`: every tensor of the range, in the
 // layout's order, its state back to back as the CPU's Adafactor lays it (adafactor_floats each),
 // and the sizes of the kernels' grids and scratch. Each tensor must lie whole in the range (the
-// GPU steps no tensor it holds part of): a range that cuts one fails, naming it.
+// GPU steps no tensor it holds part of): a range that cuts one fails, naming it, unless the
+// range is a ZeRO shard (`shard`), whose cut tensors are left out (each is stepped whole from
+// its gathered pieces, in a layout of its own).
 struct AdafactorLayout {
     std::vector<AdafactorTensor> tensors;
     int64_t state = 0;     // floats of state
@@ -106,7 +108,8 @@ struct AdafactorLayout {
     // scratch of row sums and column partials.
     std::size_t table_bytes() const;
 };
-AdafactorLayout adafactor_layout(const ParamLayout& layout, std::size_t offset, std::size_t count);
+AdafactorLayout adafactor_layout(const ParamLayout& layout, std::size_t offset, std::size_t count,
+                                 bool shard = false);
 
 // The pieces the GPU optimizer steps [offset, offset + count) in, each with its own tables: the
 // whole range, or with `by_unit` (optim.step_in_backward) each parameter unit's part of it, in

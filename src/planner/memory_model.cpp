@@ -250,11 +250,16 @@ MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, RankCoord at,
     }
     double grad_bytes = grad_n * k.grad;
     double opt_bytes = opt_n * k.optim;
-    // Muon's Newton-Schulz scratch beside its state (the largest matrix's, whole on every rank).
-    const double ns = r.device_optimizer && r.optimizer == Optimizer::muon && r.lora_rank == 0 &&
-                              !dist::offloaded(spec.optimizer)
-                          ? muon_scratch_bytes(m)
-                          : 0;
+    // Muon's Newton-Schulz scratch beside its state (the largest matrix's, whole on every rank);
+    // Adafactor's under GPU ZeRO, where every rank gathers each tensor the shards cut.
+    const bool device_states =
+        r.device_optimizer && r.lora_rank == 0 && !dist::offloaded(spec.optimizer);
+    const double ns =
+        !device_states                   ? 0
+        : r.optimizer == Optimizer::muon ? muon_scratch_bytes(m)
+        : r.optimizer == Optimizer::adafactor && dist::sharded(spec.optimizer)
+            ? adafactor_cut_scratch_bytes(m, r.dp, r.precision == Precision::fp32 ? 4 : 2)
+            : 0;
     opt_bytes += ns;
     std::string opt_detail = fmt::format(
         "{:.3f}B x {:.4g} B ({} {}{}){}{}", trainable / 1e9, k.optim,
@@ -262,7 +267,11 @@ MemoryEstimate stage_memory(const ModelSpec& m, const RunSpec& r, RankCoord at,
         r.state_format == StateFormat::Fp32
             ? std::string()
             : fmt::format(", {} moments", state_format_name(r.state_format)),
-        ns > 0 ? fmt::format(" + Newton-Schulz scratch {:.1f} MiB", ns / 1048576.0) : std::string(),
+        ns > 0
+            ? fmt::format(" + {} scratch {:.1f} MiB",
+                          r.optimizer == Optimizer::muon ? "Newton-Schulz" : "cut tensors' gather",
+                          ns / 1048576.0)
+            : std::string(),
         zero_note(spec.optimizer));
     if (dist::offloaded(spec.optimizer)) {
         // ZeRO-Offload as memtrain's engine runs it (src/engine/cuda/cuda_engine.cpp): the

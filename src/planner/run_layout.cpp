@@ -3,6 +3,7 @@
 // extended to fp32, bf16-only, SGD with momentum and 8-bit Adam states.
 #include "planner/run_layout.h"
 
+#include <algorithm>
 #include <utility>
 #include <vector>
 
@@ -10,6 +11,7 @@
 
 #include "core/error.h"
 #include "optim/optimizer.h"
+#include "parallel/data/tensor_gather.h"
 #include "planner/nearest.h"
 
 namespace memtrain::plan {
@@ -227,6 +229,19 @@ double muon_scratch_bytes(const ModelSpec& m) {
         gram = std::max(gram, r * r);
     }
     return 4.0 * 2 * (numel + gram) + 8;
+}
+
+double adafactor_cut_scratch_bytes(const ModelSpec& m, int dp, int elem_bytes) {
+    if (dp < 2) return 0;
+    const ParamLayout layout = make_param_layout(config_from_model(m));
+    OptimConfig adafactor;
+    adafactor.name = "adafactor";
+    std::size_t largest = 0;
+    for (const dist::TensorCut& c :
+         dist::cut_tensors(layout, dist::padded_shard_ranges((int64_t)layout.total, dp),
+                           whole_step_tensors(adafactor, layout)))
+        largest = std::max(largest, layout.tensors[c.tensor].numel);
+    return (double)largest * (2.0 * elem_bytes + 4);
 }
 
 double adafactor_bytes_per_param(const ModelSpec& m) {

@@ -139,6 +139,10 @@ double muon_matrix_fraction(const ModelSpec& model);
 // two of its Gram matrix (min(rows, cols)^2), in fp32, and a norm (the GPU's DeviceOptimizer
 // holds them for the run, the CPU's newton_schulz5 for each matrix's step).
 double muon_scratch_bytes(const ModelSpec& model);
+// GPU Adafactor under ZeRO over `dp` GPUs: the scratch every rank gathers the largest tensor the
+// shards cut into (gradients and weights of elem_bytes, the fp32 master or state), as
+// DeviceOptimizer allocates it; 0 below two ranks.
+double adafactor_cut_scratch_bytes(const ModelSpec& model, int dp, int elem_bytes);
 // Bytes of one saved activation element: 4 for fp32 training, else 2.
 int activation_bytes(Precision precision);
 // Bytes of one frozen weight-matrix element under LoRA: 16 bits keeps the run's parameter dtype

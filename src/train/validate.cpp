@@ -329,22 +329,18 @@ void validate_optimizer_layout(const RunConfig& cfg) {
                                  : "its row and column factors and its RMS need each tensor whole";
         const bool cuda = cfg.train.device == "cuda";
         // On the GPU each rank's optimizer steps the tensors of its range whole (one GPU, DDP,
-        // pipeline stages, LoRA's adapters); Muon's ZeRO shards gather the matrices their edges
-        // cut (dist::DeviceShardGather). Adafactor's cut tensors and ZeRO-Offload's host
-        // shards are not built.
-        if (cuda && (cfg.train.offload_optimizer || (!muon && cfg.train.zero_stage > 0)) &&
-            cfg.dp() > 1)
+        // pipeline stages, LoRA's adapters); ZeRO's shards gather the tensors their edges cut
+        // (dist::DeviceShardGather). ZeRO-Offload's host shards do not.
+        if (cuda && cfg.train.offload_optimizer && cfg.dp() > 1)
             refuse(
                 fmt::format("train.device = \"cuda\" and {} over {}",
                             cfg.train.offload_optimizer
                                 ? std::string("train.offload_optimizer = true")
                                 : fmt::format("train.zero_stage = {}", cfg.train.zero_stage),
                             dp_ranks(cfg)),
-                fmt::format("the GPU steps only tensors its range holds whole, and {} cut "
-                            "them (set train.zero_stage = 0 for DDP, or use train.device = "
-                            "\"cpu\", whose shards gather them{})",
-                            cfg.train.offload_optimizer ? "the offloaded shards" : "ZeRO's shards",
-                            muon ? "" : "; or optim.name = \"muon\", whose GPU shards do"));
+                "the offloaded optimizer's host shards cut the tensors it steps whole and do not "
+                "gather them (keep the optimizer on the GPUs, whose ZeRO shards do, or use "
+                "train.device = \"cpu\")");
         if (cuda && cfg.train.offload_optimizer && cfg.optim.master == "none")
             refuse("train.offload_optimizer = true and optim.master = \"none\"",
                    "the offloaded bf16 update steps the weights in pieces that cut tensors");

@@ -256,16 +256,19 @@ TEST(CudaDp, AdafactorAndMuonRanksTrainAsOneProcess) {
         }
 }
 
-// Muon's optimizer over NCCL's ZeRO shards (dist::DeviceShardGather): each rank steps its shard
-// of the same parameters from the same gradients, the block matrices the shard edges cut
-// gathered whole for their Newton-Schulz, and its weights and momentum are bitwise the slice of
-// one optimizer stepping the whole model on the same rank; unit by unit (the step inside the
-// backward's parts, every rank walking every unit in backward order) as well. fp32 and int8
-// state, fp32 parameters and bf16 weights without a master (rounded by global index).
+// The optimizer over NCCL's ZeRO shards (dist::DeviceShardGather) for the tensors it steps whole:
+// each rank steps its shard of the same parameters from the same gradients, the tensors the
+// shard edges cut gathered whole (Muon's Nesterov directions, Adafactor's gradients and weights),
+// and its weights and state are bitwise the slice of one optimizer stepping the whole model on
+// the same rank; unit by unit (the step inside the backward's parts, every rank walking every
+// unit in backward order) as well. Then the state as checkpoints see it, written into a fresh
+// shard optimizer in two pieces and finished (Adafactor's cut tensors' state gathered among
+// their holders), reads back the same and takes the next step bitwise too.
 template <typename T>
-void muon_shards_case(const char* format, bool by_unit) {
+void shards_case(const char* name, const char* format, bool by_unit, bool master) {
     const int N = comm().size(), r = comm().rank();
-    SCOPED_TRACE(std::string(test::type_name<T>()) + " " + format + (by_unit ? " by unit" : ""));
+    SCOPED_TRACE(std::string(name) + " " + test::type_name<T>() + " " + format +
+                 (master ? " master" : "") + (by_unit ? " by unit" : ""));
     ModelConfig mc;
     mc.n_layer = 2;
     mc.n_head = 2;
@@ -276,18 +279,18 @@ void muon_shards_case(const char* format, bool by_unit) {
     const ParamLayout layout = make_param_layout(mc);
     const std::size_t psi = layout.total;
     OptimConfig cfg;
-    cfg.name = "muon";
+    cfg.name = name;
     cfg.weight_decay = 0.1;
     cfg.grad_clip = 1.0;
     cfg.state_format = format;
-    if (!std::is_same_v<T, float>) cfg.master = "none";
+    if (!std::is_same_v<T, float> && !master) cfg.master = "none";
     const std::vector<ShardRange> shards =
         padded_shard_ranges((int64_t)psi, N, (int64_t)shard_grain(cfg));
     auto dcomm = make_nccl_communicator(
         HostLink{r, N, [](void* d, int64_t b) { comm().broadcast(d, b, 0); }});
-    DeviceShardGather gather(layout, shards, muon_matrices(layout), *dcomm);
+    DeviceShardGather gather(layout, shards, whole_step_tensors(cfg, layout), *dcomm);
     if (N > 1) {
-        EXPECT_GT(gather.cuts().size(), 0u) << "no matrix cut: the test would test nothing";
+        EXPECT_GT(gather.cuts().size(), 0u) << "no tensor cut: the test would test nothing";
     }
     const std::size_t lo = (std::size_t)shards[(std::size_t)r].offset;
     const std::size_t n = (std::size_t)shards[(std::size_t)r].count;
@@ -296,99 +299,130 @@ void muon_shards_case(const char* format, bool by_unit) {
     DeviceOptimizer<T> mine(cfg, layout, lo, n, nullptr, wait, 7, by_unit, &gather);
     std::vector<float> p0 = test::randn(psi, 31, 0.5f);
     if (!std::is_same_v<T, float>) p0 = test::rounded<T>(p0);
+    ASSERT_EQ(whole.master() != nullptr, master);
+    if (master) {
+        copy_to_device(whole.master(), p0.data(), psi * sizeof(float));
+        copy_to_device(mine.master(), p0.data() + lo, n * sizeof(float));
+    }
     DeviceBuffer<T> p_whole = test::upload_as<T>(p0), p_mine = test::upload_as<T>(p0);
     DeviceBuffer<cuda::StepScalars> d_s(1, MemCategory::Other);
     DeviceBuffer<double> d_sumsq(1, MemCategory::Other);
-    for (int step = 1; step <= 3; step++) {
-        const DeviceBuffer<T> g = test::upload_as<T>(test::randn(psi, 40 + step, 0.1f));
+    auto step = [&](DeviceOptimizer<T>& shard, DeviceBuffer<T>& p_shard, int k) {
+        const DeviceBuffer<T> g = test::upload_as<T>(test::randn(psi, 40 + k, 0.1f));
         cuda::sum_squares<T>(d_sumsq.data(), g.data(), (int64_t)psi);
-        const cuda::StepScalars host = cuda::make_step_scalars(cfg, 2e-2, step);
+        const cuda::StepScalars host = cuda::make_step_scalars(cfg, 2e-2, k);
         copy_to_device(d_s.data(), &host, sizeof host);
         cuda::finish_grad_norm(d_s.data(), d_sumsq.data());
         whole.step(p_whole.data(), g.data(), d_s.data(), nullptr);
         if (!by_unit) {
-            mine.step(p_mine.data() + lo, g.data() + lo, d_s.data(), nullptr);
-            continue;
+            shard.step(p_shard.data() + lo, g.data() + lo, d_s.data(), nullptr);
+            return;
         }
         for (int u = (int)layout.units.size(); u-- > 0;) {
             const ParamUnit& unit = layout.units[(std::size_t)u];
             const std::size_t a = std::max(unit.begin, lo), b = std::min(unit.end, lo + n);
-            mine.step_unit(u, a, a < b ? b - a : 0, p_mine.data() + lo, g.data() + a, d_s.data(),
-                           nullptr);
+            shard.step_unit(u, a, a < b ? b - a : 0, p_shard.data() + lo, g.data() + a, d_s.data(),
+                            nullptr);
         }
+    };
+    auto expect_slice = [&](DeviceOptimizer<T>& shard, DeviceBuffer<T>& p_shard,
+                            const std::string& when) {
+        device_synchronize();
+        const std::vector<float> got = test::download_float(p_shard),
+                                 want = test::download_float(p_whole);
+        test::expect_bitwise("the shard's weights " + when,
+                             {got.begin() + (long)lo, got.begin() + (long)(lo + n)},
+                             {want.begin() + (long)lo, want.begin() + (long)(lo + n)});
+        std::vector<float> sw(psi), sm(n);
+        for (const std::string& s : whole.state_names()) {
+            whole.read_state(s, sw.data());
+            shard.read_state(s, sm.data());
+            test::expect_bitwise(s + " " + when, sm,
+                                 {sw.begin() + (long)lo, sw.begin() + (long)(lo + n)});
+        }
+    };
+    for (int k = 1; k <= 3; k++) step(mine, p_mine, k);
+    expect_slice(mine, p_mine, "after 3 steps");
+    // A fresh shard optimizer loaded from the whole one's floats, as a checkpoint loads.
+    DeviceOptimizer<T> again(cfg, layout, lo, n, nullptr, wait, 7, by_unit, &gather);
+    again.set_steps_taken(whole.steps_taken());
+    // (Split on the 256-value grain, as the shard files of any world size are: the device
+    // optimizer encodes int8 blocks as each write arrives.)
+    const std::size_t half = n / 2 / 256 * 256;
+    std::vector<float> sw(psi);
+    for (const std::string& s : whole.state_names()) {
+        whole.read_state(s, sw.data());
+        again.write_state(s, 0, half, sw.data() + lo);
+        again.write_state(s, half, n - half, sw.data() + lo + half);
     }
-    device_synchronize();
-    const std::vector<float> got = test::download_float(p_mine),
-                             want = test::download_float(p_whole);
-    test::expect_bitwise("the shard's weights",
-                         {got.begin() + (long)lo, got.begin() + (long)(lo + n)},
-                         {want.begin() + (long)lo, want.begin() + (long)(lo + n)});
-    std::vector<float> sw(psi), sm(n);
-    for (const std::string& name : whole.state_names()) {
-        whole.read_state(name, sw.data());
-        mine.read_state(name, sm.data());
-        test::expect_bitwise(name, sm, {sw.begin() + (long)lo, sw.begin() + (long)(lo + n)});
+    again.finish_writes();
+    if (master) {
+        std::vector<float> m(psi);
+        copy_to_host(m.data(), whole.master(), psi * sizeof(float));
+        copy_to_device(again.master(), m.data() + lo, n * sizeof(float));
     }
+    expect_slice(again, p_mine, "loaded");
+    step(again, p_mine, 4);
+    expect_slice(again, p_mine, "after a step from the loaded state");
 }
 
-TEST(CudaDp, MuonShardsGatherTheMatricesTheyCutBitwise) {
+TEST(CudaDp, ShardsGatherTheTensorsTheyCutBitwise) {
     REQUIRE_GPU_DP();
     for (bool by_unit : {false, true}) {
-        muon_shards_case<float>("fp32", by_unit);
-        muon_shards_case<float>("int8", by_unit);
-        muon_shards_case<__nv_bfloat16>("fp32", by_unit);
+        shards_case<float>("muon", "fp32", by_unit, false);
+        shards_case<float>("muon", "int8", by_unit, false);
+        shards_case<__nv_bfloat16>("muon", "fp32", by_unit, false);
+        shards_case<float>("adafactor", "fp32", by_unit, false);
+        shards_case<__nv_bfloat16>("adafactor", "fp32", by_unit, true);
+        shards_case<__nv_bfloat16>("adafactor", "fp32", by_unit, false);
     }
 }
 
-// Muon under ZeRO 1-3 on the GPU: each rank steps its shard, gathering the matrices its edges
-// cut, its optimizer row the plan's (the Newton-Schulz scratch sized for the model's largest
-// matrix, which every rank may receive), and the run tracks one process with the whole global
-// micro-batch; bf16 weights without a master at stage 3 too.
-TEST(CudaDp, MuonUnderZeroTrainsAsOneProcess) {
+// Muon and Adafactor under ZeRO 1-3 on the GPU: each rank steps its shard, gathering the tensors
+// its edges cut, its optimizer row the plan's (Muon's Newton-Schulz scratch sized for the model's
+// largest matrix, Adafactor's gather scratch for the largest cut tensor and the whole state of
+// the ones it holds), and the run tracks one process with the whole global micro-batch; bf16
+// weights without a master at stage 3 too.
+TEST(CudaDp, MuonAndAdafactorUnderZeroTrainAsOneProcess) {
     REQUIRE_GPU_DP();
     const int N = comm().size(), b = 2, steps = 6;
-    for (const auto& [stage, precision, master] :
-         {std::tuple{1, "fp32", "fp32"}, std::tuple{2, "fp32", "fp32"},
-          std::tuple{3, "fp32", "fp32"}, std::tuple{3, "bf16", "none"}}) {
-        SCOPED_TRACE(std::string("stage ") + std::to_string(stage) + " " + precision + " master " +
-                     master);
-        RunConfig c = shared_cuda_run(
-            std::string("cuda_muon_zero") + std::to_string(stage) + precision, steps, precision);
-        c.optim.name = "muon";
-        c.optim.lr = 1e-2;
-        c.optim.master = master;
-        c.train.batch_size = N * b;
-        RunConfig ref_cfg = c;
-        ref_cfg.train.micro_batch_size = N * b;
-        ref_cfg.io.out_dir = c.io.out_dir + "_ref" + std::to_string(comm().rank());
-        const TrainSummary ref = Trainer(ref_cfg, quiet()).run();
-        c.train.micro_batch_size = b;
-        c.train.zero_stage = stage;
-        const OptimizerRun r = run_measuring_optimizer(c);
-        EXPECT_NE(r.formula.find("Muon"), std::string::npos) << r.formula;
-        if (N > 1) {
-            EXPECT_LT(r.count, r.params.size()) << "a shard";
-            // The shard edges cut block matrices (else the gather would go untested).
-            const ParamLayout layout = make_param_layout(c.model);
-            const std::vector<char> matrix = muon_matrices(layout);
-            const auto shards =
-                padded_shard_ranges((int64_t)layout.total, N, (int64_t)shard_grain(c.optim));
-            int cut = 0;
-            for (std::size_t i = 0; i < matrix.size(); i++) {
-                const ParamSpec& t = layout.tensors[i];
-                const auto counts =
-                    unit_pieces(shards, (int64_t)t.offset, (int64_t)(t.offset + t.numel)).counts;
-                cut += matrix[i] && std::count_if(counts.begin(), counts.end(),
-                                                  [](int64_t k) { return k > 0; }) > 1;
+    for (const auto& [name, lr] : {std::pair{"muon", 1e-2}, std::pair{"adafactor", 0.2}})
+        for (const auto& [stage, precision, master] :
+             {std::tuple{1, "fp32", "fp32"}, std::tuple{2, "fp32", "fp32"},
+              std::tuple{3, "fp32", "fp32"}, std::tuple{3, "bf16", "none"}}) {
+            SCOPED_TRACE(std::string(name) + " stage " + std::to_string(stage) + " " + precision +
+                         " master " + master);
+            RunConfig c = shared_cuda_run(
+                std::string("cuda_") + name + "_zero" + std::to_string(stage) + precision, steps,
+                precision);
+            c.optim.name = name;
+            c.optim.lr = lr;
+            c.optim.master = master;
+            c.train.batch_size = N * b;
+            RunConfig ref_cfg = c;
+            ref_cfg.train.micro_batch_size = N * b;
+            ref_cfg.io.out_dir = c.io.out_dir + "_ref" + std::to_string(comm().rank());
+            const TrainSummary ref = Trainer(ref_cfg, quiet()).run();
+            c.train.micro_batch_size = b;
+            c.train.zero_stage = stage;
+            const OptimizerRun r = run_measuring_optimizer(c);
+            EXPECT_NE(r.formula.find(name[0] == 'm' ? "Muon" : "Adafactor"), std::string::npos)
+                << r.formula;
+            if (N > 1) {
+                EXPECT_LT(r.count, r.params.size()) << "a shard";
+                // The shard edges cut tensors stepped whole (else the gather would go untested).
+                const ParamLayout layout = make_param_layout(c.model);
+                const auto shards =
+                    padded_shard_ranges((int64_t)layout.total, N, (int64_t)shard_grain(c.optim));
+                EXPECT_GT(cut_tensors(layout, shards, whole_step_tensors(c.optim, layout)).size(),
+                          0u);
             }
-            EXPECT_GT(cut, 0);
+            ASSERT_EQ(r.sum.losses.size(), ref.losses.size());
+            const double tol = std::string(precision) == "fp32" ? 1e-4 : 1e-2;
+            for (std::size_t i = 0; i < r.sum.losses.size(); i++)
+                EXPECT_NEAR(r.sum.losses[i], ref.losses[i], tol * std::abs(ref.losses[i]))
+                    << "step " << i + 1;
         }
-        ASSERT_EQ(r.sum.losses.size(), ref.losses.size());
-        const double tol = std::string(precision) == "fp32" ? 1e-4 : 1e-2;
-        for (std::size_t i = 0; i < r.sum.losses.size(); i++)
-            EXPECT_NEAR(r.sum.losses[i], ref.losses[i], tol * std::abs(ref.losses[i]))
-                << "step " << i + 1;
-    }
 }
 
 // optim.step_in_backward with one micro-batch per step: under DDP each unit's gradient is
@@ -396,8 +430,8 @@ TEST(CudaDp, MuonUnderZeroTrainsAsOneProcess) {
 // from its bucket; under ZeRO-2/3 the unit's bucket is reduced to its pieces' owners and each
 // rank updates its piece. The run is bitwise the two-phase step at the same stage (the same
 // reductions, the norm summed per unit piece and over the ranks in both), with and without
-// clipping, for AdamW in int8 and Muon (under ZeRO its cut matrices gathered as each unit is
-// updated, every rank walking every unit); each rank holds two unit buckets of gradients
+// clipping, for AdamW in int8, Muon and Adafactor (under ZeRO their cut tensors gathered as each
+// unit is updated, every rank walking every unit); each rank holds two unit buckets of gradients
 // instead of the whole buffer (DDP) or no gradient shard (ZeRO-2/3), as predicted.
 TEST(CudaDp, StepInBackwardRanksAreTheTwoPhaseStepBitwise) {
     REQUIRE_GPU_DP();
@@ -406,7 +440,7 @@ TEST(CudaDp, StepInBackwardRanksAreTheTwoPhaseStepBitwise) {
     // unit are updated as the bucket's reduction hands them over, with no gradient shard.
     for (const auto& [name, stage] :
          {std::pair{"adamw", 0}, std::pair{"muon", 0}, std::pair{"adamw", 2}, std::pair{"adamw", 3},
-          std::pair{"muon", 2}, std::pair{"muon", 3}})
+          std::pair{"muon", 2}, std::pair{"muon", 3}, std::pair{"adafactor", 3}})
         for (double clip : {1.0, 0.0}) {
             SCOPED_TRACE(std::string(name) + " stage " + std::to_string(stage) +
                          (clip > 0 ? " clipped" : " unclipped"));
@@ -415,7 +449,7 @@ TEST(CudaDp, StepInBackwardRanksAreTheTwoPhaseStepBitwise) {
                                           steps, "bf16");
             c.train.zero_stage = stage;
             c.optim.name = name;
-            c.optim.lr = 1e-2;
+            c.optim.lr = std::string(name) == "adafactor" ? 0.2 : 1e-2;
             c.optim.grad_clip = clip;
             if (std::string(name) == "adamw") c.optim.state_format = "int8";
             c.train.batch_size = N * b;

@@ -181,10 +181,9 @@ TEST(Muon, TrainsResumesBitwiseAndRefusesLayoutsThatCutMatricesUngathered) {
     test::expect_refused_naming(validate_config, tp, "muon",
                                 "train.tp = 2 with train.zero_stage = 1");
     // On the GPU each rank orthogonalizes the matrices of its range whole (tests/cuda/
-    // muon_test.cpp), and ZeRO's shards over several GPUs gather the matrices they cut
-    // (tests/mpi/cuda_dp_test.cpp); ZeRO-Offload's host shards do not, nor do Adafactor's GPU
-    // shards. (The layout check alone: without a GPU validate_config names the missing device
-    // first.)
+    // muon_test.cpp), and ZeRO's shards over several GPUs gather the tensors they cut, for
+    // Adafactor too (tests/mpi/cuda_dp_test.cpp); ZeRO-Offload's host shards do not. (The layout
+    // check alone: without a GPU validate_config names the missing device first.)
     RunConfig gpu = whole;
     gpu.train.device = "cuda";
     gpu.world = 2;
@@ -200,6 +199,8 @@ TEST(Muon, TrainsResumesBitwiseAndRefusesLayoutsThatCutMatricesUngathered) {
                                 "train.offload_optimizer = true over 2 data-parallel ranks");
     gpu.train.offload_optimizer = false;
     gpu.optim.name = "adafactor";
+    EXPECT_NO_THROW(validate_optimizer_layout(gpu));
+    gpu.train.offload_optimizer = true;
     test::expect_refused_naming(validate_optimizer_layout, gpu, "adafactor",
-                                "train.zero_stage = 2 over 2 data-parallel ranks");
+                                "train.offload_optimizer = true over 2 data-parallel ranks");
 }

@@ -78,6 +78,23 @@ DeviceOptimizer<T>::DeviceOptimizer(const OptimConfig& cfg, const ParamLayout& l
         max_numel = std::max(max_numel, p.muon.max_numel);
         max_gram = std::max(max_gram, p.muon.max_gram);
     }
+    if (kind_ == Kind::Adafactor && shards_ && shards_->largest() > 0) {
+        // The cut tensors this rank holds, each whole in a part of its own, and the scratch
+        // every rank receives a cut tensor into.
+        for (const dist::DeviceShardGather::Cut& c : shards_->cuts()) {
+            if (!c.mine) continue;
+            const ParamSpec& t = layout.tensors[c.tensor];
+            Part& p = cut_parts_.emplace_back();
+            p.offset = t.offset;
+            p.n = t.numel;
+            allocate(p);
+        }
+        cut_staged_.resize(cut_parts_.size());
+        const std::size_t m = shards_->largest();
+        cut_g_ = DeviceBuffer<T>(m, MemCategory::OptimizerState);
+        cut_w_ = DeviceBuffer<T>(m, MemCategory::OptimizerState);
+        cut_f_ = DeviceBuffer<float>(m, MemCategory::OptimizerState);
+    }
     if (kind_ == Kind::Muon && shards_) {
         // Every rank receives each matrix the shards cut, with or without a part of its own.
         const cuda::MuonLayout all = cuda::muon_layout(layout, offset, 0, format_, true);
@@ -105,7 +122,7 @@ DeviceOptimizer<T>::DeviceOptimizer(const OptimConfig& cfg, const ParamLayout& l
 template <typename T>
 void DeviceOptimizer<T>::allocate(Part& p) {
     if (kind_ == Kind::Adafactor) {
-        p.af = cuda::adafactor_layout(layout_, p.offset, p.n);
+        p.af = cuda::adafactor_layout(layout_, p.offset, p.n, shards_ != nullptr);
         const std::size_t nt = p.af.tensors.size();
         if (p.af.state)
             p.af_state = DeviceBuffer<float>((std::size_t)p.af.state, MemCategory::OptimizerState);
@@ -185,6 +202,7 @@ void DeviceOptimizer<T>::step(T* params, const T* grads, const cuda::StepScalars
         step_part(&parts_[k], lo, hi, params, grads + (parts_[k].offset - offset_), scalars,
                   stream);
     }
+    adafactor_cuts(0, layout_.total, params, grads, offset_, scalars, stream);
 }
 
 template <typename T>
@@ -198,6 +216,50 @@ void DeviceOptimizer<T>::step_unit(int u, std::size_t begin, std::size_t n, T* p
     if (n > 0 && !part)
         fail("internal: the device optimizer has no part [{}, {})", begin, begin + n);
     step_part(part, unit.begin, unit.end, params, grads, scalars, stream);
+    adafactor_cuts(unit.begin, unit.end, params, grads, begin, scalars, stream);
+}
+
+template <typename T>
+typename DeviceOptimizer<T>::Part* DeviceOptimizer<T>::cut_part(std::size_t tensor) {
+    for (Part& p : cut_parts_)
+        if (p.offset == layout_.tensors[tensor].offset) return &p;
+    fail("internal: no whole part for the cut tensor {}", layout_.tensors[tensor].name);
+}
+
+template <typename T>
+void DeviceOptimizer<T>::adafactor_cuts(std::size_t lo, std::size_t hi, T* params, const T* grads,
+                                        std::size_t grads_at, const cuda::StepScalars* scalars,
+                                        cudaStream_t stream) {
+    if (kind_ != Kind::Adafactor || !shards_) return;
+    const std::size_t r = (std::size_t)shards_->rank();
+    const dist::DeviceType type = dist::device_type<T>();
+    float* master = master_.size() ? cut_f_.data() : nullptr;
+    for (const dist::DeviceShardGather::Cut* c : shards_->cuts_in(lo, hi)) {
+        // The tensor's gradients and weights (the master where there is one) from its holders;
+        // this rank's piece starts at `at` of the flat buffer.
+        const ParamSpec& t = layout_.tensors[c->tensor];
+        const std::size_t at = t.offset + (std::size_t)c->offsets[r];
+        shards_->gather(*c, c->mine ? (const void*)(grads + (at - grads_at)) : cut_g_.data(),
+                        cut_g_.data(), type, stream);
+        if (master)
+            shards_->gather(*c, c->mine ? master_.data() + (at - offset_) : master, master,
+                            dist::DeviceType::F32, stream);
+        else
+            shards_->gather(*c, c->mine ? (const void*)(params + (at - offset_)) : cut_w_.data(),
+                            cut_w_.data(), type, stream);
+        if (!c->mine) continue;
+        // The whole tensor's step (its draws by global index), then this rank's piece back.
+        cuda::ParamRounding round = round_;
+        round.base = (int64_t)t.offset;
+        cuda::adafactor_step<T>(cut_w_.data(), master, adafactor_stores(*cut_part(c->tensor)),
+                                cut_g_.data(), scalars, stream, round);
+        const std::size_t n = (std::size_t)c->counts[r], off = (std::size_t)c->offsets[r];
+        MT_CUDA_CHECK(cudaMemcpyAsync(params + (at - offset_), cut_w_.data() + off, n * sizeof(T),
+                                      cudaMemcpyDeviceToDevice, stream));
+        if (master)
+            MT_CUDA_CHECK(cudaMemcpyAsync(master_.data() + (at - offset_), master + off,
+                                          n * sizeof(float), cudaMemcpyDeviceToDevice, stream));
+    }
 }
 
 template <typename T>
@@ -374,6 +436,17 @@ void DeviceOptimizer<T>::read_state(const std::string& name, float* dst) {
         }
         to_host(p, st).read(d);  // decoded by the CPU's codec
     }
+    // The cut tensors' state (Adafactor under shards): its floats from the tensor's start, the
+    // part of them inside this range (every holder has them whole).
+    for (Part& p : cut_parts_) {
+        std::vector<float> all(p.n);
+        adafactor_floats(p, all.data());
+        const std::size_t lo = std::max(p.offset, offset_),
+                          hi = std::min(p.offset + p.n, offset_ + n_);
+        if (lo < hi)
+            std::copy(all.data() + (lo - p.offset), all.data() + (hi - p.offset),
+                      dst + (lo - offset_));
+    }
 }
 
 template <typename T>
@@ -385,6 +458,21 @@ void DeviceOptimizer<T>::write_state(const std::string& name, std::size_t begin,
     if (kind_ == Kind::Adafactor && name != "variance")
         fail("internal: Adafactor has no state tensor '{}'", name);
     const Stores st = kind_ == Kind::Adafactor ? Stores{} : stores(name);
+    // The cut tensors' state (Adafactor under shards): the written floats staged for
+    // finish_writes, which completes them from the other holders.
+    for (std::size_t k = 0; k < cut_parts_.size(); k++) {
+        Part& p = cut_parts_[k];
+        const std::size_t lo = std::max(p.offset, offset_ + begin);
+        const std::size_t hi = std::min(p.offset + p.n, offset_ + begin + n);
+        if (lo >= hi) continue;
+        std::vector<float>& staged = cut_staged_[k];
+        if (staged.empty()) {
+            staged.resize(p.n);
+            adafactor_floats(p, staged.data());
+        }
+        std::copy(src + (lo - offset_ - begin), src + (hi - offset_ - begin),
+                  staged.data() + (lo - p.offset));
+    }
     for (Part& p : parts_) {
         // The write's floats inside this part, [lo, hi) of the range.
         const std::size_t rel = p.offset - offset_;
@@ -420,6 +508,42 @@ void DeviceOptimizer<T>::write_state(const std::string& name, std::size_t begin,
         std::copy(src + (lo - begin), src + (hi - begin), all.data() + (lo - rel));
         b.write(all.data());
         to_device(p, b, st);
+    }
+}
+
+template <typename T>
+void DeviceOptimizer<T>::finish_writes() {
+    if (kind_ != Kind::Adafactor || !shards_ || shards_->largest() == 0) return;
+    // Each cut tensor's floats on every rank from its holders' pieces (every rank takes part, in
+    // the cuts' order), packed into each holder's whole state.
+    const std::size_t r = (std::size_t)shards_->rank();
+    std::size_t k = 0;
+    for (const dist::DeviceShardGather::Cut& c : shards_->cuts()) {
+        float* f = cut_f_.data();
+        const std::size_t off = (std::size_t)c.offsets[r], n = (std::size_t)c.counts[r];
+        Part* p = c.mine ? &cut_parts_.at(k) : nullptr;
+        std::vector<float> none;
+        std::vector<float>& staged = c.mine ? cut_staged_.at(k++) : none;
+        if (p && staged.empty()) {  // nothing written: its own state as it is
+            staged.resize(p->n);
+            adafactor_floats(*p, staged.data());
+        }
+        if (p)
+            MT_CUDA_CHECK(cudaMemcpyAsync(f + off, staged.data() + off, n * sizeof(float),
+                                          cudaMemcpyHostToDevice, stream_));
+        shards_->gather(c, f, stream_);
+        if (!p) continue;
+        MT_CUDA_CHECK(cudaMemcpyAsync(staged.data(), f, p->n * sizeof(float),
+                                      cudaMemcpyDeviceToHost, stream_));
+        wait_("a cut tensor's state");
+        std::vector<float> packed((std::size_t)p->af.state);
+        for (const cuda::AdafactorTensor& t : p->af.tensors)
+            std::copy_n(staged.data() + t.begin, t.state_floats(), packed.data() + t.state);
+        if (!packed.empty())
+            MT_CUDA_CHECK(cudaMemcpyAsync(p->af_state.data(), packed.data(), p->af_state.bytes(),
+                                          cudaMemcpyHostToDevice, stream_));
+        wait_("queued device work");
+        staged.clear();
     }
 }
 

@@ -92,6 +92,9 @@ class DeviceOptimizer final : public OptimizerState {
     void read_state(const std::string& name, float* dst) override;
     void write_state(const std::string& name, std::size_t begin, std::size_t n,
                      const float* src) override;
+    // Adafactor under `shards`: the written floats of the cut tensors' state, gathered among
+    // their holders (every rank takes part) so that each holder has the whole state again.
+    void finish_writes() override;
 
   private:
     // One or two moments laid out by cuda::moment_layout (Adam's m and v, SGD's momentum, or
@@ -172,6 +175,18 @@ class DeviceOptimizer final : public OptimizerState {
     DeviceBuffer<float> ns_x_, ns_y_, ns_a_, ns_b_;
     DeviceBuffer<double> ns_sumsq_;
     dist::DeviceShardGather* shards_ = nullptr;
+    // Adafactor under `shards`: each cut tensor this rank holds, stepped whole in a part of its
+    // own (the tensor's offset and size; in the order of shards_->cuts()), the scratch every
+    // rank gathers a cut tensor's gradients and weights into (T), the fp32 scratch of its master
+    // weights and of its state on a load, and write_state's floats of each held cut tensor until
+    // finish_writes.
+    void adafactor_cuts(std::size_t lo, std::size_t hi, T* params, const T* grads,
+                        std::size_t grads_at, const cuda::StepScalars* s, cudaStream_t stream);
+    Part* cut_part(std::size_t tensor);
+    std::vector<Part> cut_parts_;
+    DeviceBuffer<T> cut_g_, cut_w_;
+    DeviceBuffer<float> cut_f_;
+    std::vector<std::vector<float>> cut_staged_;
 };
 
 // Weight I/O of parameters that are their own weights (optim.master = "none", or fp32): n values

@@ -138,10 +138,11 @@ WholeModelStates<T>::WholeModelStates(const RunPlan& plan, dist::Communicator& c
                                                stream_, stream_grads, plan_.cfg.train.seed);
         offload_->attach(*model_);
     } else {
-        if (plan_.cfg.optim.name == "muon" && dp_.master_sharded() && dp_.device_comm() &&
-            dp_.world() > 1)
-            shard_gather_ = std::make_unique<dist::DeviceShardGather>(
-                layout(), dp_.shards(), muon_matrices(layout()), *dp_.device_comm());
+        const std::vector<char> whole = whole_step_tensors(plan_.cfg.optim, layout());
+        if (std::find(whole.begin(), whole.end(), 1) != whole.end() && dp_.master_sharded() &&
+            dp_.device_comm() && dp_.world() > 1)
+            shard_gather_ = std::make_unique<dist::DeviceShardGather>(layout(), dp_.shards(), whole,
+                                                                      *dp_.device_comm());
         opt_ = std::make_unique<DeviceOptimizer<T>>(
             plan_.cfg.optim, layout(), dp_.first(), dp_.count(), stream_,
             [this](const char* what) { wait(what); }, plan_.cfg.train.seed,

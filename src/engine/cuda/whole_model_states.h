@@ -167,7 +167,8 @@ class WholeModelStates final : public ModelStates<T> {
     const cuda::StepScalars* update_ = nullptr;
     std::unique_ptr<CudaGPT<T>> model_;
     WeightsStore<T> store_;
-    // Muon under ZeRO 1-3 over several GPUs: the block matrices the shards cut, gathered whole.
+    // Muon and Adafactor under ZeRO 1-3 over several GPUs: the tensors they step whole that the
+    // shards cut, gathered whole.
     std::unique_ptr<dist::DeviceShardGather> shard_gather_;
     // The optimizer of this rank's range: on the device (fp32 master weights, absent when T is
     // float, moments and the update), or on the host under ZeRO-Offload.

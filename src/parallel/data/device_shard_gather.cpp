@@ -15,16 +15,14 @@ DeviceShardGather::DeviceShardGather(const ParamLayout& layout,
     : comm_(comm) {
     if ((int)shards.size() != comm.size())
         fail("internal: {} shard ranges for {} ranks", shards.size(), comm.size());
-    for (std::size_t i = 0; i < whole.size() && i < layout.tensors.size(); i++) {
-        if (!whole[i]) continue;
-        const ParamSpec& t = layout.tensors[i];
-        UnitPieces p = unit_pieces(shards, (int64_t)t.offset, (int64_t)(t.offset + t.numel));
-        const auto holders =
-            std::count_if(p.counts.begin(), p.counts.end(), [](int64_t c) { return c > 0; });
-        if (holders < 2) continue;
-        const bool mine = p.counts.at((std::size_t)comm.rank()) > 0;
-        cuts_.push_back({i, std::move(p.offsets), std::move(p.counts), mine});
+    for (TensorCut& c : cut_tensors(layout, shards, whole)) {
+        const ParamSpec& t = layout.tensors[c.tensor];
+        Cut k;
+        static_cast<TensorCut&>(k) = std::move(c);
+        k.mine = k.holds(comm.rank());
+        cuts_.push_back(std::move(k));
         starts_.push_back(t.offset);
+        largest_ = std::max(largest_, t.numel);
     }
 }
 
@@ -42,10 +40,9 @@ const DeviceShardGather::Cut& DeviceShardGather::cut_of(std::size_t tensor) cons
     fail("internal: tensor {} is not cut by the ZeRO shards", tensor);
 }
 
-void DeviceShardGather::gather(const Cut& c, float* whole, cudaStream_t stream) {
-    const std::size_t r = (std::size_t)comm_.rank();
-    comm_.broadcast_pieces(whole + c.offsets.at(r), whole, c.offsets, c.counts, DeviceType::F32,
-                           stream);
+void DeviceShardGather::gather(const Cut& c, const void* mine, void* whole, DeviceType t,
+                               cudaStream_t stream) {
+    comm_.broadcast_pieces(mine, whole, c.offsets, c.counts, t, stream);
 }
 
 }  // namespace memtrain::dist

@@ -10,24 +10,34 @@
 
 namespace memtrain::dist {
 
+std::vector<TensorCut> cut_tensors(const ParamLayout& layout, const std::vector<ShardRange>& shards,
+                                   const std::vector<char>& whole) {
+    std::vector<TensorCut> out;
+    for (std::size_t i = 0; i < whole.size() && i < layout.tensors.size(); i++) {
+        if (!whole[i]) continue;
+        const ParamSpec& t = layout.tensors[i];
+        UnitPieces p = unit_pieces(shards, (int64_t)t.offset, (int64_t)(t.offset + t.numel));
+        if (std::count_if(p.counts.begin(), p.counts.end(), [](int64_t c) { return c > 0; }) < 2)
+            continue;
+        out.push_back({i, std::move(p.offsets), std::move(p.counts)});
+    }
+    return out;
+}
+
 ShardTensorGather::ShardTensorGather(const ParamLayout& layout, Communicator& world,
                                      const std::vector<ShardRange>& shards,
                                      const std::vector<char>& whole) {
     const int r = world.rank();
-    for (std::size_t i = 0; i < whole.size(); i++) {
-        if (!whole[i]) continue;
-        const ParamSpec& t = layout.tensors.at(i);
-        const UnitPieces p = unit_pieces(shards, (int64_t)t.offset, (int64_t)(t.offset + t.numel));
+    for (const TensorCut& c : dist::cut_tensors(layout, shards, whole)) {
         std::vector<int64_t> counts;
-        for (int64_t c : p.counts)
-            if (c > 0) counts.push_back(c);
-        if (counts.size() < 2) continue;
+        for (int64_t k : c.counts)
+            if (k > 0) counts.push_back(k);
         // Every rank splits (a collective); the holders form one group, the others one each.
         cut_++;
-        const bool holds = p.counts[(std::size_t)r] > 0;
-        std::unique_ptr<Communicator> group =
-            world.split(holds ? 0 : 1 + r, r, fmt::format("holders of {}", t.name));
-        if (holds) mine_[i] = Cut{std::move(group), std::move(counts)};
+        const bool holds = c.holds(r);
+        std::unique_ptr<Communicator> group = world.split(
+            holds ? 0 : 1 + r, r, fmt::format("holders of {}", layout.tensors[c.tensor].name));
+        if (holds) mine_[c.tensor] = Cut{std::move(group), std::move(counts)};
     }
 }
 

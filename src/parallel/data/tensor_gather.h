@@ -16,6 +16,18 @@
 
 namespace memtrain::dist {
 
+// A tensor the shards cut (the optimizer steps it whole): its index in the layout and every
+// rank's piece of it (offsets into the tensor, counts; 0 where a rank holds none of it).
+struct TensorCut {
+    std::size_t tensor = 0;
+    std::vector<int64_t> offsets, counts;
+    bool holds(int rank) const { return counts.at((std::size_t)rank) > 0; }
+};
+// The tensors among `whole` (per tensor of the layout) that two or more of `shards` hold part
+// of, in layout order.
+std::vector<TensorCut> cut_tensors(const ParamLayout& layout, const std::vector<ShardRange>& shards,
+                                   const std::vector<char>& whole);
+
 class ShardTensorGather final : public TensorGather {
   public:
     // `shards`: every rank's range of the flat buffer (the optimizer's); `whole`: per tensor of
