@@ -1,4 +1,5 @@
-// DeviceShardGather: whole Muon matrices from GPU ZeRO shards (see device_shard_gather.h).
+// DeviceShardGather: whole tensors (Muon's matrices, Adafactor's tensors) from GPU ZeRO shards (see
+// device_shard_gather.h).
 #include "parallel/data/device_shard_gather.h"
 
 #if MEMTRAIN_HAVE_CUDA
